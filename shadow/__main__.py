@@ -1,0 +1,5 @@
+import sys
+
+from shadow.cli.main import main
+
+sys.exit(main())

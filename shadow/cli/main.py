@@ -1,0 +1,188 @@
+"""The ``shadow`` command line (also ``python -m shadow``)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from shadow.cli._args import UsageError, parse
+from shadow.config import ClusterConfig, CoordinatorConfig, RestoreConfig, StatusConfig, WorkerConfig
+
+USAGE = """usage: shadow COMMAND [key=value ...]
+
+commands:
+  cluster      coordinator + N workers on this host, foreground
+               e.g.  shadow cluster workers=2 port=5555
+  coordinator  the coordinator alone         e.g.  shadow coordinator workers=2 port=5555
+  worker       one worker joining a cluster  e.g.  shadow worker coordinator=tcp://10.0.0.5:5555 host=10.0.0.7
+  status       workers, ranges, committed iteration, lag
+               e.g.  shadow status address=tcp://127.0.0.1:5555 [json=true]
+  restore      write the newest checkpoint as a torch state-dict file
+               e.g.  shadow restore source=tcp://127.0.0.1:5555 out=ckpt.pt format=torch
+"""
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
+
+
+def _warn_public(host: str) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("shadow").warning(
+            "binding to %s exposes the cluster beyond this host without authentication", host)
+
+
+def cmd_coordinator(cfg: CoordinatorConfig) -> int:
+    from shadow.coordinator.server import Coordinator
+
+    _logging(cfg.log_level)
+    _warn_public(cfg.host)
+    coord = Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers)
+    signal.signal(signal.SIGTERM, lambda *_: coord.stop())
+    try:
+        coord.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_worker(cfg: WorkerConfig) -> int:
+    if cfg.threads:
+        os.environ["NUMBA_NUM_THREADS"] = str(cfg.threads)
+    from shadow.worker.server import Worker
+
+    _logging(cfg.log_level)
+    worker = Worker(cfg.coordinator, host=cfg.host)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    try:
+        worker.run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_cluster(cfg: ClusterConfig) -> int:
+    from shadow.coordinator.server import Coordinator
+
+    _logging(cfg.log_level)
+    _warn_public(cfg.host)
+    log = logging.getLogger("shadow.cluster")
+    address = f"tcp://{cfg.host}:{cfg.port}"
+    coord = Coordinator(address, cfg.workers)
+    procs: list[subprocess.Popen] = []
+    stop = threading.Event()
+
+    def shutdown(*_):
+        stop.set()
+        coord.stop()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    thread = threading.Thread(target=coord.run, name="coordinator", daemon=True)
+    thread.start()
+    for _ in range(cfg.workers):
+        procs.append(subprocess.Popen([
+            sys.executable, "-m", "shadow", "worker", f"coordinator={address}", f"host={cfg.host}",
+            f"threads={cfg.threads()}", f"log_level={cfg.log_level}",
+        ]))
+    log.info("shadow cluster at %s: %d workers (pids %s), %d numba threads each",
+             address, cfg.workers, [p.pid for p in procs], cfg.threads())
+    try:
+        while not stop.is_set() and thread.is_alive():
+            for p in procs:
+                if p.poll() is not None and not stop.is_set():
+                    log.error("worker pid %d exited with status %s", p.pid, p.returncode)
+                    procs.remove(p)
+            time.sleep(0.2)
+    finally:
+        coord.stop()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        thread.join(timeout=5)
+    return 0
+
+
+def cmd_status(cfg: StatusConfig) -> int:
+    import zmq
+
+    from shadow.client import dealer, request
+    from shadow.wire import messages as M
+
+    sock = dealer(zmq.Context.instance(), cfg.address)
+    try:
+        st = request(sock, cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
+    finally:
+        sock.close(linger=0)
+    if cfg.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    from shadow.cli._render import render_status
+
+    render_status(st, cfg.address)
+    return 0
+
+
+def cmd_restore(cfg: RestoreConfig) -> int:
+    import torch
+
+    from shadow.restore import fetch_snapshot
+    from trainer_hooks import state_dicts
+
+    t0 = time.monotonic()
+    snap = fetch_snapshot(cfg.source, job=cfg.job, timeout=cfg.timeout)
+    sd = state_dicts(snap)
+    tmp = cfg.out + ".tmp"
+    torch.save(sd, tmp)
+    os.replace(tmp, cfg.out)
+    size = os.path.getsize(cfg.out)
+    print(f"wrote {cfg.out}: job {snap.job} iteration {snap.iteration}, {len(snap.layout.params)} parameters, "
+          f"{size / 2**20:.1f} MiB from {snap.tier} in {time.monotonic() - t0:.2f} s")
+    return 0
+
+
+COMMANDS = {
+    "cluster": (ClusterConfig, cmd_cluster),
+    "coordinator": (CoordinatorConfig, cmd_coordinator),
+    "worker": (WorkerConfig, cmd_worker),
+    "status": (StatusConfig, cmd_status),
+    "restore": (RestoreConfig, cmd_restore),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"shadow: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    cls, fn = COMMANDS[name]
+    if any(a in ("-h", "--help") for a in rest):
+        print(USAGE)
+        print(f"{name} keys: " + ", ".join(f"{k}={v!r}" for k, v in vars(cls()).items()))
+        return 0
+    try:
+        cfg = parse(cls, rest)
+    except UsageError as exc:
+        print(f"shadow {name}: {exc}", file=sys.stderr)
+        return 2
+    from shadow.errors import ShadowError
+
+    try:
+        return fn(cfg)
+    except ShadowError as exc:
+        print(f"shadow {name}: {exc}", file=sys.stderr)
+        return 1

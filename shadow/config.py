@@ -1,0 +1,110 @@
+"""Typed configuration for every command, validated at construction.
+
+The CLI merges ``key=value`` overrides onto these dataclasses with OmegaConf (the
+engine under Hydra), so a wrong type or value is an error that names the key.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+FORMATS = ("torch",)
+
+
+def _check_port(port: int) -> None:
+    if not 0 < port < 65536:
+        raise ValueError(f"port={port} is not a TCP port; use 1-65535")
+
+
+def _check_level(level: str) -> None:
+    if level.upper() not in LOG_LEVELS:
+        raise ValueError(f"log_level={level!r} is not one of {LOG_LEVELS}")
+
+
+def _check_endpoint(key: str, value: str) -> None:
+    if not value.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"{key}={value!r} is not a ZeroMQ endpoint; use e.g. tcp://127.0.0.1:5555")
+
+
+@dataclass
+class ClusterConfig:
+    """A coordinator plus ``workers`` worker processes on this host (foreground)."""
+
+    workers: int = 2  #: number of shadow worker processes (shards)
+    host: str = "127.0.0.1"  #: interface to bind (127.0.0.1 keeps the cluster local)
+    port: int = 5555  #: coordinator port
+    threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
+        _check_port(self.port)
+        if self.threads_per_worker < 0:
+            raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
+        _check_level(self.log_level)
+
+    def threads(self) -> int:
+        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
+
+
+@dataclass
+class CoordinatorConfig:
+    """The coordinator alone (workers join by its address)."""
+
+    workers: int = 2
+    host: str = "127.0.0.1"
+    port: int = 5555
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
+        _check_port(self.port)
+        _check_level(self.log_level)
+
+
+@dataclass
+class WorkerConfig:
+    """One worker joining a coordinator."""
+
+    coordinator: str = "tcp://127.0.0.1:5555"
+    host: str = "127.0.0.1"  #: interface this worker binds its data and serve sockets on
+    threads: int = 0  #: numba threads; 0 = all cores
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _check_endpoint("coordinator", self.coordinator)
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 (0 = all cores)")
+        _check_level(self.log_level)
+
+
+@dataclass
+class StatusConfig:
+    address: str = "tcp://127.0.0.1:5555"
+    json: bool = False
+    timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check_endpoint("address", self.address)
+        if self.timeout <= 0:
+            raise ValueError(f"timeout={self.timeout} must be positive (seconds)")
+
+
+@dataclass
+class RestoreConfig:
+    source: str = "tcp://127.0.0.1:5555"
+    out: str = "checkpoint.pt"
+    format: str = "torch"
+    job: Optional[str] = None
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_endpoint("source", self.source)
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} is not supported; choose one of {FORMATS}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout={self.timeout} must be positive (seconds)")

@@ -1,0 +1,331 @@
+"""The coordinator: membership, the consistent cut, status and restore discovery.
+
+One ROUTER socket; every peer (worker, trainer rank, CLI) talks to it with a DEALER.
+The cut rule: iteration k is declared applied only when every worker has reported
+PREPARED(k); then every worker is told to apply through k and every trainer rank
+learns the new cut (its flow-control credit).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from shadow import knobs
+from shadow.layout import Layout, shard_bounds
+from shadow.wire import messages as M
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerRec:
+    ident: bytes
+    id: int
+    data: str
+    serve: str
+    pid: int
+    last_seen: float
+    epoch: int = -1
+    configured: int = -1
+    prepared: int = -1
+    applied: int = -1
+    seen: int = -1
+    stale: str = ""
+    rejected: dict = field(default_factory=dict)
+    frames_in: int = 0
+    bytes_in: int = 0
+
+    def alive(self, now: float) -> bool:
+        return now - self.last_seen < knobs.get("WORKER_LOST_S")
+
+
+@dataclass
+class JobRec:
+    name: str
+    job_id: int
+    epoch: int
+    layout: dict
+    layout_hash: int
+    world: int
+    optim: dict
+    base: int
+    ranges: list
+    trainers: dict  # rank -> ident
+    status: str = "configuring"
+    cut: int = -1
+    cut_time: float = 0.0
+    attach_time: float = field(default_factory=time.time)
+    detached: set = field(default_factory=set)
+
+
+def job_id_for(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+class Coordinator:
+    def __init__(self, bind: str, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
+        self.bind = bind
+        self.expected = workers
+        self.ctx = zmq.Context.instance()
+        self.workers: list[WorkerRec] = []
+        self.job: JobRec | None = None
+        self.pending: dict[str, dict] = {}  # job name -> {"ranks": {rank: (ident, msg)}, "deadline": t}
+        self.rejected: dict[str, int] = {}
+        self.epoch = 0
+        self._stop = False
+        self.started = time.time()
+
+    def run(self) -> None:
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(self.bind)
+        logger.info("coordinator listening on %s, expecting %d workers", self.bind, self.expected)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop:
+                if poller.poll(timeout=200):
+                    for _ in range(256):
+                        try:
+                            parts = self.sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_message(parts)
+                self._expire_attaches()
+        finally:
+            self.sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    # -- plumbing --------------------------------------------------------------------
+    def _reply(self, envelope: list[bytes], kind: str, **fields) -> None:
+        self.sock.send_multipart(envelope + [M.encode(kind, **fields)])
+
+    def _count(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def _on_message(self, parts: list[bytes]) -> None:
+        if len(parts) < 2:
+            self._count("malformed")
+            return
+        envelope, raw = parts[:-1], parts[-1]
+        try:
+            msg = M.decode(raw)
+        except M.MessageError as exc:
+            self._count(exc.reason)
+            logger.warning("rejected control message: %s", exc)
+            self._reply(envelope, "error", message=f"rejected: {exc}")
+            return
+        handler = getattr(self, "_on_" + msg["t"], None)
+        if handler is None:
+            self._count("unexpected")
+            self._reply(envelope, "error", message=f"coordinator does not accept {msg['t']!r} messages")
+            return
+        handler(envelope, msg)
+
+    def _worker(self, envelope: list[bytes]) -> WorkerRec | None:
+        for w in self.workers:
+            if w.ident == envelope[0]:
+                return w
+        return None
+
+    # -- workers ------------------------------------------------------------------------
+    def _on_register(self, env, msg) -> None:
+        now = time.monotonic()
+        w = self._worker(env)
+        if w is None:
+            if len(self.workers) >= self.expected:
+                self._reply(env, "error", message=f"cluster already has its {self.expected} workers")
+                return
+            w = WorkerRec(env[0], len(self.workers), msg["data"], msg["serve"], msg["pid"], now)
+            self.workers.append(w)
+        logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
+        self._reply(env, "registered", worker_id=w.id)
+
+    def _on_heartbeat(self, env, msg) -> None:
+        w = self._worker(env)
+        if w is None:
+            return
+        w.last_seen = time.monotonic()
+        w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
+        w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
+
+    def _on_configured(self, env, msg) -> None:
+        w, job = self._worker(env), self.job
+        if w is None or job is None or msg["epoch"] != job.epoch:
+            return
+        w.configured = msg["epoch"]
+        w.prepared, w.stale = job.base - 1, ""
+        if job.status == "configuring" and all(x.configured == job.epoch for x in self.workers):
+            job.status = "bootstrapping"
+            workers = [
+                {"id": x.id, "data": x.data, "start": job.ranges[x.id][0], "stop": job.ranges[x.id][1]}
+                for x in self.workers
+            ]
+            for rank, ident in sorted(job.trainers.items()):
+                self._reply([ident], "attached", epoch=job.epoch, job_id=job.job_id, workers=workers)
+            logger.info("job %s epoch %d attached: %d ranks, %d workers", job.name, job.epoch, job.world, len(workers))
+
+    def _on_prepared(self, env, msg) -> None:
+        w, job = self._worker(env), self.job
+        if w is None or job is None or msg["epoch"] != job.epoch:
+            return
+        w.prepared = max(w.prepared, msg["iteration"])
+        cut = min(x.prepared for x in self.workers)
+        if cut > job.cut:
+            job.cut, job.cut_time = cut, time.time()
+            if job.status == "bootstrapping":
+                job.status = "running"
+            for x in self.workers:
+                self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut)
+            for ident in job.trainers.values():
+                self._reply([ident], "progress", epoch=job.epoch, applied=cut)
+
+    def _on_stale(self, env, msg) -> None:
+        w = self._worker(env)
+        if w is not None:
+            w.stale = msg["reason"]
+            logger.error("worker %d reports stale state: %s", w.id, msg["reason"])
+
+    # -- trainers -----------------------------------------------------------------------------
+    def _on_attach(self, env, msg) -> None:
+        now = time.monotonic()
+        alive = [w for w in self.workers if w.alive(now)]
+        if len(alive) < self.expected:
+            self._reply(env, "error", message=(
+                f"the shadow cluster has {len(alive)} of {self.expected} workers ready; "
+                "wait for it to finish starting or check the worker logs"))
+            return
+        if not 0 <= msg["rank"] < msg["world"]:
+            self._reply(env, "error", message=f"rank {msg['rank']} is not in world {msg['world']}")
+            return
+        p = self.pending.setdefault(msg["job"], {"ranks": {}, "deadline": now + knobs.get("CONNECT_TIMEOUT_S")})
+        p["ranks"][msg["rank"]] = (env[0], msg)
+        if len(p["ranks"]) < msg["world"]:
+            return
+        del self.pending[msg["job"]]
+        self._start_job(msg["job"], p["ranks"])
+
+    def _expire_attaches(self) -> None:
+        now = time.monotonic()
+        for name in [n for n, p in self.pending.items() if now > p["deadline"]]:
+            p = self.pending.pop(name)
+            world = next(iter(p["ranks"].values()))[1]["world"]
+            text = (f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
+                    f"(ranks {sorted(p['ranks'])}); every rank must call attach")
+            for ident, _ in p["ranks"].values():
+                self._reply([ident], "error", message=text)
+
+    def _start_job(self, name: str, ranks: dict) -> None:
+        msgs = [m for _, m in (ranks[r] for r in sorted(ranks))]
+        idents = {r: ranks[r][0] for r in ranks}
+        first = msgs[0]
+
+        def fail(text: str) -> None:
+            logger.error("attach of job %s refused: %s", name, text)
+            for ident in idents.values():
+                self._reply([ident], "error", message=text)
+
+        if any(m["world"] != first["world"] or m["layout_hash"] != first["layout_hash"] or m["iteration"] != first["iteration"]
+               for m in msgs):
+            return fail("ranks disagree on world size, layout or start iteration")
+        if first["layout"] is None:
+            return fail("rank 0 did not send the layout")
+        try:
+            layout = Layout.from_dict(first["layout"])
+        except ValueError as exc:
+            return fail(str(exc))
+        if layout.hash != first["layout_hash"]:
+            return fail("layout does not match its hash")
+        old = self.job
+        if (old is not None and old.name == name and old.cut > first["iteration"] and not first["overwrite"]):
+            return fail(
+                f"the cluster holds job {name!r} at iteration {old.cut}, newer than this trainer's iteration "
+                f"{first['iteration']}; restore first (trainer_hooks.restore) or attach with overwrite=True")
+        self.epoch += 1
+        ranges = shard_bounds(layout.total, len(self.workers))
+        self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
+                          first["optim"], first["iteration"], ranges, idents)
+        for w in self.workers:
+            w.configured, w.prepared, w.stale = -1, first["iteration"] - 1, ""
+            start, stop = ranges[w.id]
+            self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
+                        layout=first["layout"], start=start, stop=stop, world=first["world"],
+                        optim=first["optim"], iteration=first["iteration"])
+        logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
+                    name, self.epoch, len(self.workers), len(layout.params), layout.total)
+
+    def _on_detach(self, env, msg) -> None:
+        job = self.job
+        if job is not None and msg["epoch"] == job.epoch:
+            job.detached.add(msg["rank"])
+            if len(job.detached) == job.world:
+                job.status = "detached"
+                logger.info("job %s epoch %d detached at iteration %d", job.name, job.epoch, job.cut)
+
+    # -- queries --------------------------------------------------------------------------------
+    def _on_status(self, env, msg) -> None:
+        self._reply(env, "status_reply", status=self.status())
+
+    def status(self) -> dict:
+        now, job = time.monotonic(), self.job
+        seen = max((w.seen for w in self.workers), default=-1)
+        out = {
+            "expected_workers": self.expected,
+            "uptime_s": time.time() - self.started,
+            "rejected": dict(self.rejected),
+            "workers": [
+                {"id": w.id, "pid": w.pid, "data": w.data, "serve": w.serve,
+                 "start": job.ranges[w.id][0] if job else None, "stop": job.ranges[w.id][1] if job else None,
+                 "applied": w.applied, "prepared": w.prepared, "seen": w.seen,
+                 "health": "lost" if not w.alive(now) else ("stale" if w.stale else "ok"), "stale": w.stale,
+                 "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
+                 "last_seen_s": round(now - w.last_seen, 3)}
+                for w in self.workers
+            ],
+            "job": None,
+        }
+        if job is not None:
+            out["job"] = {
+                "name": job.name, "epoch": job.epoch, "status": job.status, "world": job.world,
+                "committed": job.cut if job.cut >= job.base else None, "base": job.base,
+                "lag_iterations": max(0, seen - job.cut) if job.cut >= 0 else None,
+                "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= 0 and seen > job.cut else 0.0,
+                "elements": Layout.from_dict(job.layout).total, "optim": job.optim,
+            }
+        return out
+
+    def _on_restore_info(self, env, msg) -> None:
+        job = self.job
+        if job is None or (msg["job"] is not None and msg["job"] != job.name):
+            self._reply(env, "error", message=(
+                f"this cluster holds no checkpoint for job {msg['job']!r}" if msg["job"] else
+                "this cluster holds no checkpoint yet: no trainer has attached"))
+            return
+        if job.cut < job.base:
+            self._reply(env, "error", message=f"job {job.name!r} has not finished its bootstrap; no checkpoint yet")
+            return
+        now = time.monotonic()
+        lost = [w.id for w in self.workers if not w.alive(now) or w.stale]
+        if lost:
+            self._reply(env, "error", message=f"workers {lost} are lost or stale; the in-memory checkpoint is incomplete")
+            return
+        self._reply(env, "restore_info_reply", info={
+            "job": job.name, "epoch": job.epoch, "iteration": job.cut, "layout": job.layout,
+            "layout_hash": job.layout_hash, "world": job.world, "optim": job.optim,
+            "workers": [{"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]}
+                        for w in self.workers],
+        })
+
+    def _on_shutdown(self, env, msg) -> None:
+        for w in self.workers:
+            self._reply([w.ident], "shutdown")
+        self._stop = True

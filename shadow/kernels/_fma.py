@@ -1,0 +1,21 @@
+"""An exact fused multiply-add for numba kernels (one rounding, IEEE 754 ``fma``).
+
+torch's CPU kernels are compiled with FMA contraction, so matching them bit for bit
+needs the fused operation explicitly where they fuse, and plain ``a * b + c`` where
+they do not.
+"""
+from __future__ import annotations
+
+from numba import types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):  # noqa: ARG001 - numba intrinsic signature
+    """``a * b + c`` for float32 with a single rounding (LLVM ``llvm.fma.f32``)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        return builder.fma(args[0], args[1], args[2])
+
+    return sig, codegen

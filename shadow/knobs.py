@@ -1,0 +1,70 @@
+"""Tuning knobs: one home, each with a ``SHADOW_<NAME>`` environment override.
+
+Read them through the accessor functions (values are looked up at call time, so an
+override set before a process starts reaches it). Tests use :func:`override`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+_DEFAULTS: dict[str, float] = {
+    # trainer side
+    "RING_ITERATIONS": 4,  # staging ring capacity, in iterations of this rank's stripe
+    "MAX_LAG": 3,  # iterations a trainer may run ahead of the cluster's committed cut
+    "BLOCK_TIMEOUT_S": 120.0,  # longest a trainer waits for the shadow under policy=block
+    "CONNECT_TIMEOUT_S": 30.0,  # attach / restore: wait for the coordinator this long
+    "CLOSE_TIMEOUT_S": 60.0,  # session.close(): wait for the last commit this long
+    "SENDER_POLL_S": 0.005,  # sender thread idle poll
+    "ZMQ_SNDHWM": 1000,  # messages queued per data socket before send blocks
+    # service side
+    "WORKER_SLOTS": 5,  # gradient buffers per worker (> MAX_LAG)
+    "KERNEL_CHUNK": 32768,  # elements per parallel work item in the replay kernel
+    "MAX_RUNS": 65536,  # run-table entries accepted in one frame
+    "MAX_COMMIT_BYTES": 16 << 20,  # largest commit record accepted
+    "HEARTBEAT_S": 0.5,  # worker -> coordinator heartbeat period
+    "WORKER_LOST_S": 5.0,  # coordinator marks a silent worker lost after this long
+    "FETCH_TIMEOUT_S": 60.0,  # restore: wait for each worker's shard this long
+    "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
+}
+
+_overrides: dict[str, float] = {}
+
+
+def get(name: str) -> float:
+    """Current value of knob ``name`` (override > environment > default)."""
+    if name not in _DEFAULTS:
+        raise KeyError(f"unknown knob {name!r}; known knobs: {sorted(_DEFAULTS)}")
+    if name in _overrides:
+        return _overrides[name]
+    raw = os.environ.get("SHADOW_" + name)
+    if raw is None:
+        return _DEFAULTS[name]
+    try:
+        return type(_DEFAULTS[name])(float(raw))
+    except ValueError:
+        raise ValueError(f"environment variable SHADOW_{name}={raw!r} is not a number") from None
+
+
+def get_int(name: str) -> int:
+    return int(get(name))
+
+
+@contextlib.contextmanager
+def override(**values: float) -> Iterator[None]:
+    """Temporarily override knobs in this process (tests)."""
+    for k in values:
+        get(k)  # validate the name
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def fault(name: str) -> str | None:
+    """Fault-injection setting ``SHADOW_FAULT_<NAME>`` (tests only), or None."""
+    return os.environ.get("SHADOW_FAULT_" + name)

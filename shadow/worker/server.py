@@ -1,0 +1,416 @@
+"""The shadow worker process: receive frames, prepare iterations, apply on the
+coordinator's word, serve its shard for restores.
+
+Sockets (all polled by one loop, every wait bounded by the heartbeat period):
+
+* ``data`` (PULL, bound): GRAD / STATE / COMMIT frames from every trainer rank;
+* ``ctrl`` (DEALER, connected to the coordinator): register, configure, prepared, apply;
+* ``serve`` (ROUTER, bound): ``fetch`` requests from restore clients.
+
+This module imports no torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+
+import msgpack
+import numpy as np
+import zmq
+
+from shadow import knobs
+from shadow.layout import Layout
+from shadow.wire import frames as F
+from shadow.wire import messages as M
+from shadow.worker.inbox import Inbox
+from shadow.worker.state import ShardState
+
+logger = logging.getLogger(__name__)
+
+
+class _Session:
+    """What a worker holds for one attach epoch."""
+
+    def __init__(self, msg: dict) -> None:
+        self.epoch = msg["epoch"]
+        self.job = msg["job"]
+        self.job_id = msg["job_id"]
+        self.layout = Layout.from_dict(msg["layout"])
+        self.layout_hash = self.layout.hash
+        self.world = msg["world"]
+        self.base = msg["iteration"]
+        self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"])
+        self.inbox = Inbox(
+            self.state.size, self.world, knobs.get_int("WORKER_SLOTS"), self.state.expected_grad, self.state.fields()
+        )
+        self.applied = -1  # nothing installed yet
+        self.prepared = self.base - 1  # highest iteration reported PREPARED
+        self.seen = self.base - 1
+        self.blobs: dict[int, bytes] = {}  # rank -> commit blob of the applied iteration
+        self.stale: str | None = None
+
+
+class Worker:
+    def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1) -> None:
+        self.coordinator = coordinator
+        self.host = host
+        self.worker_id = worker_id
+        self.ctx = zmq.Context.instance()
+        self.rejected: Counter[str] = Counter()
+        self.frames_in = 0
+        self.bytes_in = 0
+        self.session: _Session | None = None
+        self.pending_fetch: list[tuple[bytes, dict, float]] = []
+        self._stop = False
+
+    # -- sockets ---------------------------------------------------------------------
+    def _open(self) -> None:
+        self.data = self.ctx.socket(zmq.PULL)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.RCVHWM, 0)
+        port = self.data.bind_to_random_port(f"tcp://{self.host}")
+        self.data_ep = f"tcp://{self.host}:{port}"
+        self.serve = self.ctx.socket(zmq.ROUTER)
+        self.serve.setsockopt(zmq.LINGER, 0)
+        port = self.serve.bind_to_random_port(f"tcp://{self.host}")
+        self.serve_ep = f"tcp://{self.host}:{port}"
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.setsockopt(zmq.LINGER, 0)
+        self.ctrl.connect(self.coordinator)
+
+    def _close(self) -> None:
+        for s in (self.data, self.serve, self.ctrl):
+            s.close(linger=0)
+
+    def _to_coord(self, kind: str, **fields) -> None:
+        self.ctrl.send(M.encode(kind, **fields))
+
+    # -- main loop -------------------------------------------------------------------
+    def run(self) -> None:
+        self._open()
+        logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
+        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
+        poller = zmq.Poller()
+        for s in (self.data, self.ctrl, self.serve):
+            poller.register(s, zmq.POLLIN)
+        hb = knobs.get("HEARTBEAT_S")
+        next_hb = time.monotonic() + hb
+        try:
+            while not self._stop:
+                events = dict(poller.poll(timeout=max(0.0, next_hb - time.monotonic()) * 1000))
+                if self.ctrl in events:
+                    self._drain(self.ctrl, self._on_ctrl)
+                if self.data in events:
+                    self._drain(self.data, self._on_data, limit=256)
+                if self.serve in events:
+                    self._drain(self.serve, self._on_serve)
+                now = time.monotonic()
+                if now >= next_hb:
+                    next_hb = now + hb
+                    self._heartbeat()
+                    self._expire_fetches(now)
+        finally:
+            self._close()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _drain(self, sock, handler, limit: int = 64) -> None:
+        for _ in range(limit):
+            try:
+                handler(sock)
+            except zmq.Again:
+                return
+
+    def _heartbeat(self) -> None:
+        s = self.session
+        self._to_coord(
+            "heartbeat", epoch=s.epoch if s else -1, applied=s.applied if s else -1,
+            seen=s.seen if s else -1, rejected=dict(self.rejected), frames_in=self.frames_in,
+            bytes_in=self.bytes_in, stale=(s.stale or "") if s else "",
+        )
+
+    # -- control plane -----------------------------------------------------------------
+    def _on_ctrl(self, sock) -> None:
+        raw = sock.recv(zmq.NOBLOCK)
+        try:
+            msg = M.decode(raw)
+        except M.MessageError as exc:
+            self.rejected["ctrl_" + exc.reason] += 1
+            logger.warning("rejected control message from coordinator: %s", exc)
+            return
+        t = msg["t"]
+        if t == "registered":
+            self.worker_id = msg["worker_id"]
+            logger.info("registered as worker %d", self.worker_id)
+        elif t == "configure":
+            self._configure(msg)
+        elif t == "apply":
+            self._apply_upto(msg["epoch"], msg["iteration"])
+        elif t == "shutdown":
+            self._stop = True
+        else:
+            self.rejected["ctrl_unexpected"] += 1
+
+    def _configure(self, msg: dict) -> None:
+        try:
+            sess = _Session(msg)
+        except (ValueError, KeyError) as exc:
+            logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
+            self._to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
+            return
+        # anything in flight for the old epoch is void
+        self.session = sess
+        self.pending_fetch.clear()
+        logger.info(
+            "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d",
+            sess.epoch, sess.job, sess.state.start, sess.state.stop, sess.layout.total, sess.world, sess.base,
+        )
+        self._to_coord("configured", epoch=sess.epoch)
+
+    def _apply_upto(self, epoch: int, iteration: int) -> None:
+        s = self.session
+        if s is None or epoch != s.epoch:
+            return
+        while s.applied < iteration:
+            k = s.applied + 1 if s.applied >= 0 else s.base
+            slot = s.inbox.slots.get(k)
+            if slot is None or not s.inbox.complete(slot):
+                self._go_stale(f"asked to apply iteration {k} that is not prepared here")
+                return
+            if slot.kind == F.Kind.STATE:
+                c = slot.commits[0]
+                s.state.install_meta(c["steps"], c["has_state"])
+            else:
+                s.state.apply(s.inbox.grad_buffer(slot), slot.commits[0])
+            s.inbox.release(k)
+            s.applied = k
+            s.blobs = slot.blobs
+        self._answer_fetches()
+
+    def _go_stale(self, reason: str) -> None:
+        s = self.session
+        if s is None or s.stale:
+            return
+        s.stale = reason
+        logger.error("worker %d is stale in epoch %d: %s", self.worker_id, s.epoch, reason)
+        self._to_coord("stale", epoch=s.epoch, reason=reason)
+
+    # -- data plane -----------------------------------------------------------------------
+    def _discard_rest(self, sock) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+
+    def _on_data(self, sock) -> None:
+        raw = sock.recv(zmq.NOBLOCK)
+        self.frames_in += 1
+        try:
+            self._take_frame(sock, raw)
+        except F.FrameError as exc:
+            self.rejected[exc.reason] += 1
+            self._discard_rest(sock)
+            logger.warning("rejected frame: %s", exc)
+            if exc.reason in ("gap", "duplicate", "bad_checksum", "truncated_payload", "overflow", "disagree"):
+                self._go_stale(str(exc))
+
+    def _take_frame(self, sock, raw: bytes) -> None:
+        h = F.unpack_header(raw, knobs.get_int("MAX_RUNS"))
+        s = self.session
+        if s is None:
+            raise F.FrameError("not_configured", "frame arrived before this worker was configured")
+        if h.epoch != s.epoch or h.job != s.job_id:
+            raise F.FrameError("wrong_epoch", f"frame for job {h.job:#x} epoch {h.epoch}, serving {s.job_id:#x} epoch {s.epoch}")
+        if h.layout != s.layout_hash:
+            raise F.FrameError("wrong_layout", f"layout {h.layout:#x} is not {s.layout_hash:#x}")
+        if h.world != s.world:
+            raise F.FrameError("bad_rank", f"world {h.world} is not {s.world}")
+        if s.stale:
+            raise F.FrameError("stale", "worker is stale; frames ignored until resync")
+        if h.iteration <= s.applied or h.iteration < s.base:
+            raise F.FrameError("old_iteration", f"iteration {h.iteration} is not after applied {s.applied}")
+        s.inbox.check_seq(h.rank, h.seq)
+        s.seen = max(s.seen, h.iteration)
+        if h.kind == F.Kind.COMMIT:
+            self._take_commit(sock, h)
+        else:
+            self._take_payload(sock, h)
+        self._report_prepared()
+
+    def _recv_part_into(self, sock, target: np.ndarray, nbytes: int) -> None:
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise F.FrameError("truncated_payload", "message has fewer payload frames than runs")
+        got = sock.recv_into(target)
+        if got != nbytes:
+            raise F.FrameError("truncated_payload", f"payload is {got} bytes, run says {nbytes}")
+        self.bytes_in += got
+
+    def _take_payload(self, sock, h: F.Header) -> None:
+        s = self.session
+        lo, hi = s.state.start, s.state.stop
+        for dst, nelem, _ in h.runs:
+            if nelem == 0 or dst < lo or dst + nelem > hi:
+                raise F.FrameError("out_of_range", f"run [{dst}, {dst + nelem}) is outside [{lo}, {hi})")
+        if h.kind == F.Kind.STATE:
+            if h.field == F.Field.GRAD or h.field not in s.state.fields():
+                raise F.FrameError("bad_kind", f"STATE frame for field {h.field.name}")
+            slot = s.inbox.slot(h.iteration, F.Kind.STATE)
+            target = s.state.array(h.field)
+        else:
+            if h.field != F.Field.GRAD:
+                raise F.FrameError("bad_kind", f"GRAD frame for field {h.field.name}")
+            slot = s.inbox.slot(h.iteration, F.Kind.GRAD)
+            target = s.inbox.grad_buffer(slot)
+        if slot.commits[h.rank] is not None:
+            raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
+        total = 0
+        for dst, nelem, csum in h.runs:
+            view = target[dst - lo: dst - lo + nelem]
+            self._recv_part_into(sock, view, nelem * 4)
+            if F.checksum(view) != csum:
+                raise F.FrameError("bad_checksum", f"payload at flat {dst} (+{nelem}) from rank {h.rank} iteration {h.iteration}")
+            total += nelem
+        if sock.getsockopt(zmq.RCVMORE):
+            raise F.FrameError("extra_payload", "message has more payload frames than runs")
+        slot.received[h.rank] += total
+        if h.kind == F.Kind.STATE:
+            slot.field_elems[int(h.field)] = slot.field_elems.get(int(h.field), 0) + total
+
+    def _take_commit(self, sock, h: F.Header) -> None:
+        s = self.session
+        if len(h.runs) != 1:
+            raise F.FrameError("bad_commit", f"commit has {len(h.runs)} runs, expected 1")
+        _, nbytes, csum = h.runs[0]
+        if nbytes > knobs.get_int("MAX_COMMIT_BYTES"):
+            raise F.FrameError("bad_commit", f"commit of {nbytes} bytes exceeds the limit")
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise F.FrameError("truncated_payload", "commit without body")
+        body = sock.recv()
+        if len(body) != nbytes or F.checksum(body) != csum:
+            raise F.FrameError("bad_checksum", f"commit body of rank {h.rank} iteration {h.iteration}")
+        if sock.getsockopt(zmq.RCVMORE):
+            raise F.FrameError("extra_payload", "commit has more than one body frame")
+        replay, blob = _decode_commit(body, h, len(s.layout.params), s.layout.num_groups)
+        kind = F.Kind.STATE if replay["bootstrap"] else F.Kind.GRAD
+        if replay["bootstrap"] != (h.iteration == s.base):
+            raise F.FrameError("bad_commit", f"bootstrap flag {replay['bootstrap']} at iteration {h.iteration} (base {s.base})")
+        slot = s.inbox.slot(h.iteration, kind)
+        if slot.commits[h.rank] is not None:
+            raise F.FrameError("duplicate", f"second commit from rank {h.rank} for iteration {h.iteration}")
+        for other in slot.commits:
+            if other is not None and (other["groups"] != replay["groups"] or other["skipped"] != replay["skipped"]
+                                      or other["clip"] != replay["clip"]):
+                raise F.FrameError("disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}")
+        slot.commits[h.rank] = replay
+        if blob is not None:
+            slot.blobs[h.rank] = blob
+
+    def _report_prepared(self) -> None:
+        s = self.session
+        k = s.prepared + 1
+        while True:
+            slot = s.inbox.slots.get(k)
+            if slot is None or not s.inbox.complete(slot):
+                break
+            k += 1
+        if k - 1 > s.prepared:
+            s.prepared = k - 1
+            self._to_coord("prepared", epoch=s.epoch, iteration=s.prepared)
+
+    # -- restore serving ----------------------------------------------------------------------
+    def _on_serve(self, sock) -> None:
+        parts = sock.recv_multipart(zmq.NOBLOCK)
+        if len(parts) != 2:
+            self.rejected["serve_malformed"] += 1
+            return
+        ident, raw = parts
+        try:
+            msg = M.decode(raw)
+            if msg["t"] != "fetch":
+                raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
+        except M.MessageError as exc:
+            self.rejected["serve_" + exc.reason] += 1
+            sock.send_multipart([ident, M.encode("error", message=str(exc))])
+            return
+        self.pending_fetch.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
+        self._answer_fetches()
+
+    def _answer_fetches(self) -> None:
+        s, keep = self.session, []
+        for ident, msg, deadline in self.pending_fetch:
+            want = msg["iteration"]
+            if s is None or msg["epoch"] != s.epoch:
+                self._serve_error(ident, f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
+            elif s.applied == want or (want < 0 and s.applied >= 0):
+                self._serve_state(ident)
+            elif s.applied > want:
+                self._serve_error(ident, f"worker has moved on to iteration {s.applied}; fetch {want} again later")
+            else:
+                keep.append((ident, msg, deadline))
+        self.pending_fetch = keep
+
+    def _expire_fetches(self, now: float) -> None:
+        keep = []
+        for ident, msg, deadline in self.pending_fetch:
+            if now > deadline:
+                self._serve_error(ident, f"iteration {msg['iteration']} was not applied here in time")
+            else:
+                keep.append((ident, msg, deadline))
+        self.pending_fetch = keep
+
+    def _serve_error(self, ident: bytes, text: str) -> None:
+        self.serve.send_multipart([ident, M.encode("error", message=text)])
+
+    def _serve_state(self, ident: bytes) -> None:
+        s = self.session
+        st = s.state
+        fields = st.fields()
+        idx = np.flatnonzero(st.in_range)
+        head = M.encode(
+            "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
+            arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
+            has_state=[int(i) for i in idx if st.has_state[i]],
+            commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
+        )
+        # copies: the arrays change with the next apply
+        self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])
+
+
+def _decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:
+    """Decode and check the replay part of a commit; the blob stays opaque."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:
+        raise F.FrameError("bad_commit", "commit body is not msgpack") from None
+    try:
+        replay, blob = msg["replay"], msg.get("blob")
+        if replay["iteration"] != h.iteration or replay["rank"] != h.rank:
+            raise F.FrameError("bad_commit", "commit body names another iteration or rank than its header")
+        if not isinstance(replay["sent"], int) or replay["sent"] < 0:
+            raise F.FrameError("bad_commit", "commit 'sent' is not a count")
+        skipped = replay["skipped"]
+        if not all(isinstance(i, int) and 0 <= i < nparams for i in skipped):
+            raise F.FrameError("bad_commit", "commit skips a parameter index out of range")
+        groups = replay["groups"]
+        if len(groups) != ngroups:
+            raise F.FrameError("bad_commit", f"commit has {len(groups)} param groups, layout has {ngroups}")
+        for g in groups:
+            for key in ("lr", "eps", "weight_decay"):
+                if not isinstance(g[key], (int, float)):
+                    raise F.FrameError("bad_commit", f"group {key} is not a number")
+            b1, b2 = g["betas"]
+            float(b1), float(b2)
+            bool(g["amsgrad"]), bool(g["maximize"]), bool(g["decoupled"])
+        if replay["clip"] is not None and not isinstance(replay["clip"], float):
+            raise F.FrameError("bad_commit", "commit clip coefficient is not a float")
+        if replay["bootstrap"]:
+            if len(replay["steps"]) != nparams or len(replay["has_state"]) != nparams:
+                raise F.FrameError("bad_commit", "bootstrap commit lacks per-parameter steps")
+        if blob is not None and not isinstance(blob, bytes):
+            raise F.FrameError("bad_commit", "commit blob is not bytes")
+    except F.FrameError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise F.FrameError("bad_commit", f"malformed commit record ({type(exc).__name__}: {exc})") from None
+    return replay, blob

@@ -1,0 +1,95 @@
+"""A worker's shard of the training state and the replay of one iteration on it."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from shadow import knobs
+from shadow.kernels import ReplayPlan, segments_for_range
+from shadow.layout import Layout
+from shadow.wire.frames import Field
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_KINDS = ("adam",)
+
+
+class ShardState:
+    """Parameters and Adam moments for flat elements ``[start, stop)``.
+
+    Per-parameter step counts and "has state" flags are kept for the whole layout
+    (only the parameters intersecting the range are meaningful).
+    """
+
+    def __init__(self, layout: Layout, start: int, stop: int, optim: dict) -> None:
+        kind = optim.get("kind")
+        if kind not in SUPPORTED_KINDS:
+            raise ValueError(f"optimizer kind {kind!r} is not supported by this worker; supported: {SUPPORTED_KINDS}")
+        n = stop - start
+        self.layout, self.start, self.stop = layout, start, stop
+        self.amsgrad = bool(optim.get("amsgrad_any", False))
+        self.param = np.zeros(n, dtype=np.float32)
+        self.exp_avg = np.zeros(n, dtype=np.float32)
+        self.exp_avg_sq = np.zeros(n, dtype=np.float32)
+        self.max_exp_avg_sq = np.zeros(n if self.amsgrad else 0, dtype=np.float32)
+        self.steps = np.zeros(len(layout.params), dtype=np.float64)
+        self.has_state = np.zeros(len(layout.params), dtype=bool)
+        segs = segments_for_range(
+            [p.offset for p in layout.params], [p.numel for p in layout.params],
+            [p.group for p in layout.params], start, stop,
+            optim["impl"], int(optim["vec_width"]), int(optim["tail_width"]),
+        )
+        self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"))
+        self.in_range = np.zeros(len(layout.params), dtype=bool)
+        self.in_range[[s.param for s in segs]] = True
+        #: elements of each parameter that fall in this range
+        self.param_elems = np.zeros(len(layout.params), dtype=np.int64)
+        for s in segs:
+            self.param_elems[s.param] += s.hi - s.lo
+        self._trainable = np.asarray([p.requires_grad for p in layout.params], dtype=bool)
+
+    def expected_grad(self, skipped: list) -> int:
+        """Elements of this range that the step of an iteration skipping ``skipped`` updates."""
+        mask = self._trainable.copy()
+        if skipped:
+            mask[list(skipped)] = False
+        return int(self.param_elems[mask].sum())
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def fields(self) -> tuple[Field, ...]:
+        base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
+        return base + ((Field.MAX_EXP_AVG_SQ,) if self.amsgrad else ())
+
+    def array(self, field: Field) -> np.ndarray:
+        return {
+            Field.PARAM: self.param,
+            Field.EXP_AVG: self.exp_avg,
+            Field.EXP_AVG_SQ: self.exp_avg_sq,
+            Field.MAX_EXP_AVG_SQ: self.max_exp_avg_sq,
+        }[field]
+
+    def install_meta(self, steps: list, has_state: list) -> None:
+        """Per-parameter step counts and state flags from a bootstrap commit."""
+        if len(steps) != len(self.steps) or len(has_state) != len(self.has_state):
+            raise ValueError("bootstrap commit carries steps for a different number of parameters")
+        self.steps[:] = np.asarray(steps, dtype=np.float64)
+        self.has_state[:] = np.asarray(has_state, dtype=bool)
+
+    def apply(self, grad: np.ndarray, commit: dict) -> None:
+        """Replay one optimizer step with the reduced gradient ``grad`` of this range."""
+        skipped = set(commit["skipped"])
+        if commit.get("skip_step"):
+            return
+        active = self.in_range.copy()
+        if skipped:
+            active[list(skipped)] = False
+        steps_next = self.steps + active
+        clip = commit.get("clip")
+        self.plan.prepare(commit["groups"], steps_next, skipped, None if clip is None else np.float32(clip))
+        self.plan.apply(self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, grad)
+        self.steps = steps_next
+        self.has_state |= active

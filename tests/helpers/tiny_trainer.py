@@ -1,0 +1,110 @@
+"""A tiny DDP training run used by the integration tests (run under a 2-rank launcher).
+
+Modes:
+  train   train iterations 1..steps (optionally attached to a shadow cluster; optionally
+          SIGKILL itself at iteration kill_at) and dump final state to out_dir/rank{r}.pt
+  resume  restore from the shadow, re-attach, finish to `steps`, dump like train
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 24)
+        self.ln = nn.LayerNorm(24)
+        self.fc1 = nn.Linear(24, 33)
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(33, 37)
+        self.fc2.weight = self.emb.weight if False else self.fc2.weight
+        self.frozen = nn.Parameter(torch.ones(5), requires_grad=False)
+
+    def forward(self, x):
+        h = self.ln(self.emb(x)).mean(1)
+        return self.fc2(self.drop(torch.relu(self.fc1(h))))
+
+
+def batch(seed: int, it: int, rank: int):
+    g = torch.Generator().manual_seed(seed * 100003 + it * 17 + rank)
+    x = torch.randint(0, 37, (8, 6), generator=g)
+    y = torch.randint(0, 37, (8,), generator=g)
+    return x, y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="train")
+    ap.add_argument("--coordinator", default="")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impl", default="fused")
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--amsgrad", action="store_true")
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = Tiny()
+    ddp = DDP(model)
+    kw = {"fused": True} if args.impl == "fused" else ({"foreach": True} if args.impl == "foreach" else {"foreach": False})
+    opt = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if n.startswith(("fc", "emb"))], "weight_decay": 0.05},
+        {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3},
+    ], lr=1e-2, amsgrad=args.amsgrad, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+
+    import trainer_hooks
+
+    start = 0
+    if args.mode == "resume":
+        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched)
+        start = info.iteration
+        assert info.extra_state == {"it": start} or start == 0, info.extra_state
+    session = None
+    it_box = {"it": start}
+    if args.coordinator:
+        session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched,
+                                       extra_state=lambda: {"it": it_box["it"]})
+    losses = []
+    for it in range(start + 1, args.steps + 1):
+        it_box["it"] = it
+        x, y = batch(args.seed, it, rank)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        if args.clip:
+            if session is not None:
+                session.clip_grad_norm_(args.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if it == args.kill_at:
+            if session is not None:
+                session.sender.q.join() if False else None
+            os.kill(os.getpid(), signal.SIGKILL)
+    if session is not None:
+        session.close()
+    os.makedirs(args.out, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "losses": losses, "start": start, "rng": torch.get_rng_state()},
+               os.path.join(args.out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Which optimizer update the shadow must replay, read at attach time.
+
+For the fused CPU kernel the replay is bit-identical; which elements take the
+compiler's scalar remainder path depends on the CPU build, so :func:`calibrate`
+checks the numba kernel against torch on this machine and picks the widths that match.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import numpy as np
+import torch
+
+from shadow.kernels import ReplayPlan, segments_for_range
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = ("torch.optim.Adam", "torch.optim.AdamW")
+
+
+class UnsupportedOptimizerError(TypeError):
+    """The shadow cannot replay this optimizer (or this configuration of it)."""
+
+
+def _unsupported(what: str) -> UnsupportedOptimizerError:
+    return UnsupportedOptimizerError(f"{what}; the shadow replays: {', '.join(SUPPORTED)} "
+                                     "(fp32, lr/betas as Python floats, capturable=False, differentiable=False)")
+
+
+def _impl(group: dict, params: list[torch.Tensor]) -> str:
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach"):
+        return "foreach"
+    if group.get("foreach") is None and params and all(p.is_cuda for p in params):
+        return "foreach"  # torch's default on CUDA
+    return "single"
+
+
+def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Per-group hyperparameters exactly as the next/last step uses them."""
+    decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+    out = []
+    for g in optimizer.param_groups:
+        lr, (b1, b2) = g["lr"], g["betas"]
+        if isinstance(lr, torch.Tensor) or isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
+            raise _unsupported("lr and betas given as tensors are not replayed")
+        out.append({
+            "lr": float(lr), "betas": [float(b1), float(b2)], "eps": float(g["eps"]),
+            "weight_decay": float(g["weight_decay"]), "amsgrad": bool(g["amsgrad"]),
+            "maximize": bool(g["maximize"]),
+            "decoupled": bool(g.get("decoupled_weight_decay", decoupled_default)),
+        })
+    return out
+
+
+def describe(optimizer: torch.optim.Optimizer) -> dict:
+    """The replay descriptor sent at attach: kind, implementation, kernel widths."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise _unsupported(f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported")
+    impls = set()
+    for g in optimizer.param_groups:
+        if g.get("capturable") or g.get("differentiable"):
+            raise _unsupported("capturable/differentiable Adam is not replayed")
+        impls.add(_impl(g, g["params"]))
+    if len(impls) != 1:
+        raise _unsupported(f"param groups use different implementations {sorted(impls)}")
+    replay_groups(optimizer)  # validates hyperparameter types
+    impl = impls.pop()
+    on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+    vec, tail, exact = calibrate() if impl == "fused" else (16, 8, False)
+    if on_cuda:
+        exact = False
+        warnings.warn("the trainer steps on CUDA: the CPU replay rounds differently from CUDA kernels; "
+                      "the shadow's state deviates by a few ulp (measured, not bit-identical)", stacklevel=3)
+    elif impl != "fused":
+        warnings.warn(
+            f"the optimizer uses torch's {impl} Adam path, whose tensor.sqrt rounds through a vector math "
+            "library; the shadow replays it within 1 ulp per step but not bit-identically. "
+            "Construct the optimizer with fused=True for a bit-identical shadow (docs/kernels.md).",
+            stacklevel=3,
+        )
+    elif not exact:
+        warnings.warn("could not match torch's fused Adam bit for bit on this CPU build; the shadow's state "
+                      "may deviate by an ulp in tensor tails (docs/kernels.md)", stacklevel=3)
+    return {
+        "kind": "adam", "impl": impl, "vec_width": vec, "tail_width": tail, "bit_exact": exact,
+        "amsgrad_any": any(bool(g["amsgrad"]) for g in optimizer.param_groups),
+    }
+
+
+_CANDIDATES = ((16, 8), (8, 8), (16, 16), (8, 4), (16, 4), (4, 4), (32, 8))
+_SIZES = tuple(range(1, 50)) + (63, 64, 65, 127, 129, 1000)
+
+
+@functools.lru_cache(maxsize=1)
+def calibrate() -> tuple[int, int, bool]:
+    """``(vec_width, tail_width, matched)`` for torch's fused CPU Adam on this machine."""
+    gen = torch.Generator().manual_seed(1234)
+    sizes = list(_SIZES)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    grads = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(2)]
+    init = np.concatenate([p.detach().numpy() for p in params])
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    want = np.concatenate([p.detach().numpy() for p in params])
+    offsets = np.cumsum([0] + sizes)[:-1]
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+             "maximize": False, "decoupled": True}
+    for vec, tail in _CANDIDATES:
+        flat, m, v = init.copy(), np.zeros_like(init), np.zeros_like(init)
+        plan = ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), 0, len(init), "fused", vec, tail),
+                          "fused", 4096)
+        for k, gs in enumerate(grads, start=1):
+            plan.prepare([group], np.full(len(sizes), float(k)), set(), None)
+            plan.apply(flat, m, v, np.zeros(0, np.float32), np.concatenate([g.numpy() for g in gs]))
+        if np.array_equal(flat.view(np.uint32), want.view(np.uint32)):
+            logger.debug("fused Adam calibrated: vec_width=%d tail_width=%d", vec, tail)
+            return vec, tail, True
+    logger.warning("fused Adam calibration found no exact match on this CPU (%s)", torch.backends.cpu.get_cpu_capability())
+    return 16, 8, False

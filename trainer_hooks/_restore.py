@@ -1,0 +1,136 @@
+"""Putting a trainer back at a checkpointed iteration, and the plain torch state-dict
+form of a checkpoint (what ``shadow restore ... format=torch`` writes)."""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shadow.errors import LayoutMismatchError
+from shadow.restore import Snapshot, fetch_snapshot
+from shadow.wire.frames import Field
+from trainer_hooks import _codec, _rng
+from trainer_hooks._model import LayoutError, build_layout, unwrap
+from trainer_hooks._session import RESTORED
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoreInfo:
+    """What :func:`restore` put back."""
+
+    iteration: int
+    extra_state: Any
+    job: str
+    source: str
+    tier: str
+    world: int
+
+
+def _flat(snap: Snapshot, field: Field, i: int) -> torch.Tensor:
+    spec = snap.layout.params[i]
+    arr = snap.arrays[field][spec.offset:spec.offset + spec.numel]
+    return torch.from_numpy(arr).view(spec.shape)
+
+
+def state_dicts(snap: Snapshot) -> dict:
+    """``{"model", "optimizer", "scheduler", "iteration", "rng", "extra_state", ...}``
+    with ordinary torch state dicts, loadable with ``load_state_dict``."""
+    blobs = {r: _codec.unpack(b) for r, b in snap.blobs.items()}
+    b0 = blobs[0]
+    model = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
+    for name, buf in (b0.get("buffers") or {}).items():
+        model[name] = buf
+    groups = b0["param_groups"]
+    state: dict[int, dict] = {}
+    for i, spec in enumerate(snap.layout.params):
+        if not snap.has_state[i]:
+            continue
+        st = {"step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
+              "exp_avg": _flat(snap, Field.EXP_AVG, i), "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i)}
+        if groups[spec.group].get("amsgrad"):
+            st["max_exp_avg_sq"] = _flat(snap, Field.MAX_EXP_AVG_SQ, i)
+        state[i] = st
+    param_groups = []
+    for gi, g in enumerate(groups):
+        g = dict(g)
+        g["params"] = [i for i, spec in enumerate(snap.layout.params) if spec.group == gi]
+        param_groups.append(g)
+    ranks = [blobs[r] for r in sorted(blobs)]
+    return {
+        "model": model,
+        "optimizer": {"state": state, "param_groups": param_groups},
+        "scheduler": b0.get("scheduler"),
+        "iteration": snap.iteration,
+        "rng": [b["rng"] for b in ranks],
+        "extra_state": b0.get("extra_state"),
+        "extra_state_by_rank": [b.get("extra_state") for b in ranks],
+        "job": snap.job,
+    }
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, source: str | None = None, *,
+            scheduler: Any = None, job: str | None = None, weights_only: bool = False, rank: int | None = None,
+            timeout: float | None = None) -> RestoreInfo:
+    """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
+    RNG states back at the newest iteration the shadow holds.
+
+    ``source`` is a coordinator address (``tcp://host:port``). Nothing is modified
+    unless the checkpoint matches the model and optimizer exactly.
+    """
+    if source is None:
+        raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
+    if optimizer is None and not weights_only:
+        raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
+    snap = fetch_snapshot(source, job=job, timeout=timeout)
+    return apply_snapshot(snap, model, optimizer, scheduler=scheduler, weights_only=weights_only, rank=rank)
+
+
+def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                   scheduler: Any = None, weights_only: bool = False, rank: int | None = None) -> RestoreInfo:
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if optimizer is not None:
+        try:
+            layout, params = build_layout(model, optimizer)
+        except LayoutError as exc:
+            raise LayoutMismatchError(f"cannot restore: {exc}; nothing was changed") from None
+        if layout.hash != snap.layout.hash:
+            raise LayoutMismatchError(
+                f"the checkpoint of job {snap.job!r} at iteration {snap.iteration} does not match this model/optimizer: "
+                f"{layout.describe_mismatch(snap.layout)}; nothing was changed")
+    else:
+        named = dict(unwrap(model).named_parameters())
+        params = []
+        for spec in snap.layout.params:
+            p = named.get(spec.name)
+            if p is None or tuple(p.shape) != spec.shape:
+                raise LayoutMismatchError(
+                    f"the checkpoint's parameter {spec.name!r} {list(spec.shape)} has no match in this model; "
+                    "nothing was changed")
+            params.append(p)
+    sd = state_dicts(snap)
+    blob_rank = rank if rank in range(len(sd["rng"])) else None
+    if blob_rank is None:
+        logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
+    with torch.no_grad():
+        for spec, p in zip(snap.layout.params, params):
+            p.copy_(sd["model"][spec.name])
+        for name, buf in unwrap(model).named_buffers():
+            if name in sd["model"]:
+                buf.copy_(sd["model"][name])
+    if optimizer is not None and not weights_only:
+        optimizer.load_state_dict(sd["optimizer"])
+        RESTORED[optimizer] = snap.iteration
+        if scheduler is not None and sd["scheduler"] is not None:
+            scheduler.load_state_dict(sd["scheduler"])
+        if blob_rank is not None:
+            _rng.restore(sd["rng"][blob_rank])
+    extra = sd["extra_state_by_rank"][blob_rank] if blob_rank is not None else sd["extra_state"]
+    logger.info("restored iteration %d of job %s from %s (%s)", snap.iteration, snap.job, snap.source, snap.tier)
+    return RestoreInfo(snap.iteration, extra, snap.job, snap.source, snap.tier, snap.world)

@@ -1,0 +1,207 @@
+"""The background sender: owns every socket of a session after the handshake.
+
+Work arrives on a queue in order (gradient slots, bootstrap state, commits); the
+sender computes checksums, frames it, sends payloads zero-copy from the staging ring,
+frees ring slots when ZeroMQ is done with them, and listens to the coordinator for the
+committed cut (the flow-control credit). Errors are latched for the training thread.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import zmq
+
+from shadow import knobs
+from shadow.wire import frames as F
+from shadow.wire import messages as M
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GradItem:
+    iteration: int
+    ring_off: int
+    nelem: int
+    runs: list  # per worker: [(src, dst, n)], src relative to ring_off
+
+
+@dataclass
+class StateItem:
+    iteration: int
+    field: F.Field
+    data: np.ndarray
+    runs: list  # per worker: [(src, dst, n)], src relative to data
+
+
+@dataclass
+class CommitItem:
+    iteration: int
+    bodies: list  # per worker: bytes
+
+
+@dataclass
+class FlushItem:
+    done: threading.Event
+
+
+class Sender(threading.Thread):
+    def __init__(self, ctx: zmq.Context, dealer: zmq.Socket, endpoints: list[str], ring, *, job_id: int,
+                 epoch: int, rank: int, world: int, layout_hash: int, on_error: Callable[[BaseException], None],
+                 on_progress: Callable[[int], None]) -> None:
+        super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
+        self.q: queue.Queue = queue.Queue()
+        self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
+        self.job_id, self.epoch, self.rank, self.world, self.layout_hash = job_id, epoch, rank, world, layout_hash
+        self.on_error, self.on_progress = on_error, on_progress
+        self.seq = [0] * len(endpoints)
+        self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
+        self.bytes_out = 0
+        self.messages_out = 0
+        self._stopping = False
+        self._fault = _parse_fault(knobs.fault("DIE_AT"))
+        self._fault_sent = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def run(self) -> None:
+        self.data = []
+        try:
+            for ep in self.endpoints:
+                s = self.ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
+                s.connect(ep)
+                self.data.append(s)
+            poll = knobs.get("SENDER_POLL_S")
+            while True:
+                try:
+                    item = self.q.get(timeout=poll)
+                except queue.Empty:
+                    item = None
+                if item is not None:
+                    if item == "stop":
+                        break
+                    self._handle(item)
+                self._reap()
+                self._listen()
+        except BaseException as exc:  # latched for the training thread
+            logger.exception("shadow sender failed")
+            self.on_error(exc)
+        finally:
+            self._drain_on_exit()
+            for s in self.data:
+                s.close(linger=0)
+
+    def stop(self) -> None:
+        self.q.put("stop")
+
+    def _drain_on_exit(self) -> None:
+        # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
+        while True:
+            try:
+                item = self.q.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, FlushItem):
+                item.done.set()
+
+    # -- work -----------------------------------------------------------------------------------
+    def _handle(self, item) -> None:
+        if isinstance(item, GradItem):
+            self._send_payload(item.iteration, F.Kind.GRAD, F.Field.GRAD, self.ring.array[item.ring_off:item.ring_off + item.nelem], item.runs, (item.ring_off, item.nelem))
+        elif isinstance(item, StateItem):
+            self._send_payload(item.iteration, F.Kind.STATE, item.field, item.data, item.runs, None)
+        elif isinstance(item, CommitItem):
+            self._send_commit(item)
+        elif isinstance(item, FlushItem):
+            deadline = time.monotonic() + knobs.get("CLOSE_TIMEOUT_S")
+            while self.pending and time.monotonic() < deadline:
+                self._reap()
+                time.sleep(0.001)
+            item.done.set()
+
+    def _header(self, kind: F.Kind, field: F.Field, iteration: int, worker: int, runs) -> bytes:
+        h = F.Header(kind, field, self.job_id, self.epoch, self.rank, self.world, self.layout_hash, iteration,
+                     self.seq[worker], tuple(runs))
+        self.seq[worker] += 1
+        return h.pack()
+
+    def _send_payload(self, iteration: int, kind, field, data: np.ndarray, runs_per_worker, ring_slot) -> None:
+        trackers = []
+        for w, runs in enumerate(runs_per_worker):
+            if not runs:
+                continue
+            if self._faulted(iteration, w):
+                continue
+            views = [data[src:src + n] for src, _, n in runs]
+            table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views)]
+            frames = [self._header(kind, field, iteration, w, table)] + [memoryview(v) for v in views]
+            tracker = self.data[w].send_multipart(frames, copy=False, track=True)
+            trackers.append(tracker)
+            self.bytes_out += sum(n for _, _, n in runs) * 4
+            self.messages_out += 1
+            self._after_send(iteration)
+        if ring_slot is not None:
+            self.pending.append((ring_slot[0], ring_slot[1], trackers))
+
+    def _send_commit(self, item: CommitItem) -> None:
+        for w, body in enumerate(item.bodies):
+            if self._faulted(item.iteration, w):
+                continue
+            hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), F.checksum(body))])
+            self.data[w].send_multipart([hdr, body])
+            self.messages_out += 1
+        if self._fault and item.iteration == self._fault[0]:
+            self._die()
+
+    def _reap(self) -> None:
+        while self.pending and all(t.done for t in self.pending[0][2]):
+            off, n, _ = self.pending.pop(0)
+            self.ring.release(off, n)
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                raw = self.dealer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = M.decode(raw)
+            except M.MessageError as exc:
+                logger.warning("ignored malformed message from the coordinator: %s", exc)
+                continue
+            if msg["t"] == "progress" and msg["epoch"] == self.epoch:
+                self.on_progress(msg["applied"])
+            elif msg["t"] == "error":
+                self.on_error(RuntimeError(f"shadow coordinator: {msg['message']}"))
+
+    # -- fault injection (tests) -------------------------------------------------------------
+    def _faulted(self, iteration: int, worker: int) -> bool:
+        """Under SHADOW_FAULT_DIE_AT=k:n, iteration k sends its first n data messages
+        normally, then everything else only to worker 0, then the process dies."""
+        if not self._fault or iteration != self._fault[0]:
+            return False
+        return self._fault_sent >= self._fault[1] and worker != 0
+
+    def _after_send(self, iteration: int) -> None:
+        if self._fault and iteration == self._fault[0]:
+            self._fault_sent += 1
+
+    def _die(self) -> None:
+        logger.error("fault injection: dying in the middle of iteration %d", self._fault[0])
+        time.sleep(0.5)  # let zmq's I/O thread put what was sent on the wire
+        os._exit(137)
+
+
+def _parse_fault(spec: str | None) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    k, _, n = spec.partition(":")
+    return int(k), int(n or 0)

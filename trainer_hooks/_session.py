@@ -1,0 +1,398 @@
+"""A training run attached to a shadow cluster.
+
+Call order (what runs where):
+
+0. ``attach`` (every rank): layout + replay descriptor, handshake with the coordinator
+   (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), bootstrap state streamed to the workers.
+1. backward: the DDP comm hook all-reduces each bucket exactly as DDP's default does,
+   then copies this rank's stripe into the staging ring (never blocks on the network;
+   waits for ring space at most ``SHADOW_BLOCK_TIMEOUT_S``) and queues it for the sender.
+2. ``optimizer.step()``: the pre-step hook raises any latched error; the post-step hook
+   records the commit (hyperparameters as used, skipped params, clip coefficient, RNG,
+   extra state) and, once the scheduler has stepped, queues it; then waits while this
+   rank is more than ``SHADOW_MAX_LAG`` iterations ahead of the cluster (policy block).
+3. ``close``: flush, wait for the last commit (``SHADOW_CLOSE_TIMEOUT_S``), detach.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+import zmq
+from torch.nn.parallel import DistributedDataParallel
+
+from shadow import knobs
+from shadow.client import dealer, request
+from shadow.errors import ShadowError, ShadowTimeoutError
+from shadow.layout import bucket_runs, intersect, stripe_bounds
+from shadow.wire import frames as F
+from shadow.wire import messages as M
+from trainer_hooks import _codec, _optim, _rng
+from trainer_hooks._model import build_layout, persistent_buffers
+from trainer_hooks._sender import CommitItem, FlushItem, GradItem, Sender, StateItem
+from trainer_hooks._staging import StagingRing
+
+logger = logging.getLogger(__name__)
+
+#: iteration each optimizer was last restored to (default start of the next attach)
+RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+
+POLICIES = ("block",)
+_SCHEDULER_SESSIONS: "weakref.WeakKeyDictionary[Any, Session]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _BucketPlan:
+    stripe: tuple[int, int]
+    runs: list  # per worker: [(src relative to stripe, dst, n)]
+    counts: list  # per worker: elements
+
+
+@functools.lru_cache(maxsize=None)
+def _committing_scheduler(cls: type) -> type:
+    """A subclass of the user's scheduler class whose ``step`` releases the pending commit
+    (swapped in with ``__class__`` so the scheduler's ``state_dict`` stays untouched)."""
+
+    def step(self, *args, **kwargs):
+        out = cls.step(self, *args, **kwargs)
+        session = _SCHEDULER_SESSIONS.get(self)
+        if session is not None:
+            session._emit_pending()
+        return out
+
+    return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+
+
+class Session:
+    """Handle returned by :func:`trainer_hooks.attach`."""
+
+    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
+                 scheduler: Any = None, extra_state: Callable[[], Any] | None = None, job: str = "default",
+                 iteration: int | None = None, overwrite: bool = False, policy: str = "block") -> None:
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
+                            f"reduced gradient buckets); got {type(ddp_model).__name__}")
+        if policy not in POLICIES:
+            raise ValueError(f"back-pressure policy {policy!r} is not supported; choose one of {POLICIES}")
+        if extra_state is not None and not callable(extra_state):
+            raise TypeError("extra_state must be a callable returning the state to save each iteration")
+        self.model, self.optimizer, self.scheduler, self.extra_state = ddp_model, optimizer, scheduler, extra_state
+        self.coordinator, self.job, self.policy = coordinator, job, policy
+        self.pg = ddp_model.process_group
+        self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        self.layout, self.params = build_layout(ddp_model, optimizer)
+        self.optim_desc = _optim.describe(optimizer)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        start = RESTORED.get(optimizer, 0) if iteration is None else int(iteration)
+        if start < 0:
+            raise ValueError(f"iteration must be >= 0, got {start}")
+        self.base = start
+        self._next = start + 1
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._applied = -1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._clip: float | None = None
+        self._pending: tuple | None = None
+        self._last_emitted = start
+        self._seen_buckets: set[int] = set()
+        self._bucket_plans: dict[tuple, _BucketPlan] = {}
+        self.hook_s = 0.0
+        self.blocked_s = 0.0
+        self._handshake(overwrite)
+        self._sent = [0] * len(self.shards)
+        total = self.layout.total
+        nbuckets_slack = 16 * 256
+        cap = knobs.get_int("RING_ITERATIONS") * (total // self.world + nbuckets_slack)
+        self.ring = StagingRing(cap, pin=torch.cuda.is_available() and any(p.is_cuda for p in self.params))
+        self.sender = Sender(self._ctx, self._dealer, [w["data"] for w in self.workers], self.ring,
+                             job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
+                             layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress)
+        self.sender.start()
+        self._bootstrap()
+        self._install_hooks()
+        logger.info("rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
+                    self.rank, coordinator, job, self.epoch, start, self.optim_desc["impl"], total, len(self.shards))
+
+    # -- attach ----------------------------------------------------------------------------
+    def _handshake(self, overwrite: bool) -> None:
+        self._ctx = zmq.Context.instance()
+        self._dealer = dealer(self._ctx, self.coordinator)
+        payload = M.encode("attach", job=self.job, rank=self.rank, world=self.world,
+                           layout_hash=self.layout.hash, layout=self.layout.to_dict() if self.rank == 0 else None,
+                           optim=self.optim_desc, iteration=self.base, overwrite=bool(overwrite))
+        try:
+            reply = request(self._dealer, self.coordinator, payload, knobs.get("CONNECT_TIMEOUT_S"), ("attached",))
+        except BaseException:
+            self._dealer.close(linger=0)
+            raise
+        self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
+        self.shards = [(w["start"], w["stop"]) for w in self.workers]
+
+    def _split(self, lo: int, hi: int) -> list[list[tuple[int, int, int]]]:
+        """Runs ``(src relative to lo, dst, n)`` of flat ``[lo, hi)`` per worker."""
+        out = []
+        for shard in self.shards:
+            cut = intersect((lo, hi), shard)
+            out.append([(cut[0] - lo, cut[0], cut[1] - cut[0])] if cut else [])
+        return out
+
+    def _bootstrap(self) -> None:
+        lo, hi = stripe_bounds(self.layout.total, self.world)[self.rank]
+        opt_state = self.optimizer.state
+        fields = [F.Field.PARAM, F.Field.EXP_AVG, F.Field.EXP_AVG_SQ]
+        if self.optim_desc["amsgrad_any"]:
+            fields.append(F.Field.MAX_EXP_AVG_SQ)
+        key = {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq", F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"}
+        runs = self._split(lo, hi)
+        sent = [0] * len(self.shards)
+        if hi > lo:
+            for field in fields:
+                data = np.zeros(hi - lo, dtype=np.float32)
+                for spec, p in zip(self.layout.params, self.params):
+                    cut = intersect((spec.offset, spec.offset + spec.numel), (lo, hi))
+                    if cut is None:
+                        continue
+                    src = p.detach() if field == F.Field.PARAM else opt_state.get(p, {}).get(key[field])
+                    if src is None:
+                        continue
+                    flat = src.detach().reshape(-1)[cut[0] - spec.offset:cut[1] - spec.offset]
+                    data[cut[0] - lo:cut[1] - lo] = flat.to("cpu", torch.float32).numpy()
+                self.sender.q.put(StateItem(self.base, field, data, runs))
+                for w, r in enumerate(runs):
+                    sent[w] += sum(n for _, _, n in r)
+        steps, has_state = [], []
+        for p in self.params:
+            st = opt_state.get(p, {})
+            steps.append(float(st["step"]) if "step" in st else 0.0)
+            has_state.append("step" in st)
+        replay = {"iteration": self.base, "rank": self.rank, "groups": _optim.replay_groups(self.optimizer),
+                  "skipped": [], "clip": None, "bootstrap": True, "steps": steps, "has_state": has_state}
+        self._queue_commit(self.base, replay, _rng.capture(), None, sent)
+
+    def _install_hooks(self) -> None:
+        self.model.register_comm_hook(None, self._comm_hook)
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._pre_step),
+            self.optimizer.register_step_post_hook(self._post_step),
+        ]
+        # the commit of iteration k leaves once the scheduler has stepped; if it steps at
+        # another cadence, at the latest when the next forward (or step, or close) begins
+        self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._emit_pending()))
+        if self.scheduler is not None:
+            self._sched_class = type(self.scheduler)
+            self.scheduler.__class__ = _committing_scheduler(self._sched_class)
+            _SCHEDULER_SESSIONS[self.scheduler] = self
+
+    # -- errors and progress ------------------------------------------------------------------------
+    def _latch(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    def _raise_latched(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise ShadowError(f"shadow checkpointing failed on rank {self.rank}: {err}") from err
+
+    def _progress(self, applied: int) -> None:
+        with self._cond:
+            if applied > self._applied:
+                self._applied = applied
+                self._cond.notify_all()
+
+    @property
+    def applied(self) -> int:
+        """Newest iteration the cluster has committed (as last heard)."""
+        return self._applied
+
+    @property
+    def iteration(self) -> int:
+        """Last iteration this rank completed (optimizer steps since attach + start)."""
+        return self._next - 1
+
+    # -- step 1: comm hook ---------------------------------------------------------------------------
+    def _comm_hook(self, _state, bucket):  # unannotated: DDP inspects hook annotations
+        buf = bucket.buffer()
+        buf.mul_(1.0 / self.world)  # DDP's built-in allreduce divides the same way
+        fut = dist.all_reduce(buf, group=self.pg, async_op=True).get_future()
+        if self._closed:
+            return fut.then(lambda f: f.value()[0])
+        return fut.then(functools.partial(self._after_reduce, bucket))
+
+    def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        if self._error is None:
+            t0 = time.perf_counter()
+            try:
+                self._stage(bucket, reduced)
+            except BaseException as exc:  # never raise into DDP
+                self._latch(exc)
+            self.hook_s += time.perf_counter() - t0
+        return reduced
+
+    def _plan(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> _BucketPlan:
+        params = bucket.parameters()
+        key = (bucket.index(), reduced.numel(), tuple(id(p) for p in params))
+        plan = self._bucket_plans.get(key)
+        if plan is None:
+            base = reduced.data_ptr()
+            slots = []
+            for p, g in zip(params, bucket.gradients()):
+                i = self._index.get(id(p))
+                if i is not None:
+                    slots.append(((g.data_ptr() - base) // 4, self.layout.params[i].offset, p.numel()))
+            stripe = stripe_bounds(reduced.numel(), self.world)[self.rank]
+            per_worker = bucket_runs(slots, stripe, self.shards)
+            runs = [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
+            plan = _BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs])
+            self._bucket_plans[key] = plan
+        return plan
+
+    def _stage(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
+        with self._lock:
+            idx = bucket.index()
+            if idx in self._seen_buckets:
+                raise ShadowError(
+                    f"bucket {idx} was all-reduced twice in iteration {self._next} without an optimizer step; "
+                    "accumulate gradients inside `with ddp_model.no_sync():` for all but the last micro-batch")
+            self._seen_buckets.add(idx)
+            plan = self._plan(bucket, reduced)
+            lo, hi = plan.stripe
+            if hi <= lo or not any(plan.counts):
+                return
+            off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S"))
+            self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
+            for w, c in enumerate(plan.counts):
+                self._sent[w] += c
+            self.sender.q.put(GradItem(self._next, off, hi - lo, plan.runs))
+
+    # -- step 2: optimizer hooks --------------------------------------------------------------------------
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if self._closed:
+            return
+        self._raise_latched()
+        self._emit_pending()
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        if self._closed:
+            return
+        k = self._next
+        with self._lock:
+            sent, self._sent = self._sent, [0] * len(self.shards)
+            self._seen_buckets.clear()
+            self._next = k + 1
+        replay = {"iteration": k, "rank": self.rank, "groups": _optim.replay_groups(optimizer),
+                  "skipped": [i for i, p in enumerate(self.params) if p.grad is None],
+                  "clip": self._clip, "bootstrap": False}
+        self._clip = None
+        extra = self.extra_state() if self.extra_state is not None else None
+        self._pending = (k, replay, _rng.capture(), extra, sent)
+        if self.scheduler is None:
+            self._emit_pending()
+        self._throttle(k)
+        self._raise_latched()
+
+    def _emit_pending(self) -> None:
+        if self._pending is None:
+            return
+        k, replay, rng, extra, sent = self._pending
+        self._pending = None
+        self._queue_commit(k, replay, rng, extra, sent)
+
+    def _queue_commit(self, k: int, replay: dict, rng: dict, extra: Any, sent: list) -> None:
+        blob_obj: dict = {"rank": self.rank, "world": self.world, "rng": rng, "extra_state": extra}
+        if self.rank == 0:
+            blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
+                                        for g in self.optimizer.param_groups]
+            blob_obj["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
+            bufs = persistent_buffers(self.model)
+            if sum(b.numel() * b.element_size() for b in bufs.values()) <= knobs.get_int("MAX_BUFFER_BYTES"):
+                blob_obj["buffers"] = bufs
+        try:
+            blob = _codec.pack(blob_obj)
+        except _codec.EncodeError as exc:
+            raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
+        owner = self.rank % len(self.shards)
+        bodies = [msgpack.packb({"replay": dict(replay, sent=sent[w]), "blob": blob if w == owner else None},
+                                use_bin_type=True) for w in range(len(self.shards))]
+        self.sender.q.put(CommitItem(k, bodies))
+        self._last_emitted = k
+
+    def _throttle(self, k: int) -> None:
+        lag = knobs.get_int("MAX_LAG")
+        if k - self._applied <= lag:
+            return
+        t0 = time.monotonic()
+        limit = knobs.get("BLOCK_TIMEOUT_S")
+        with self._cond:
+            ok = self._cond.wait_for(lambda: k - self._applied <= lag or self._error is not None, limit)
+        self.blocked_s += time.monotonic() - t0
+        if not ok:
+            raise ShadowTimeoutError(
+                f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
+                f"(last committed: {self._applied}); check `shadow status address={self.coordinator}`")
+
+    # -- optional: recorded gradient clipping ------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, with the
+        clip coefficient recorded so the shadow applies the same scaling."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total, foreach)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._clip = float(coef.to(torch.float32).item())
+        return total
+
+    # -- step 3: close ---------------------------------------------------------------------------------------
+    def close(self, wait: bool = True) -> int:
+        """Flush, wait for the cluster to commit the last iteration, detach.
+
+        Returns the newest committed iteration known to this rank.
+        """
+        if self._closed:
+            return self._applied
+        self._emit_pending()
+        if wait and self._error is None:
+            done = threading.Event()
+            self.sender.q.put(FlushItem(done))
+            done.wait(knobs.get("CLOSE_TIMEOUT_S"))
+            with self._cond:
+                self._cond.wait_for(lambda: self._applied >= self._last_emitted or self._error is not None,
+                                    knobs.get("CLOSE_TIMEOUT_S"))
+            if self._applied < self._last_emitted:
+                logger.warning("closing with iteration %d not yet committed (cluster at %d)",
+                               self._last_emitted, self._applied)
+        self._closed = True
+        self.sender.stop()
+        self.sender.join(timeout=10)
+        for h in self._handles:
+            h.remove()
+        if self.scheduler is not None:
+            self.scheduler.__class__ = self._sched_class
+            _SCHEDULER_SESSIONS.pop(self.scheduler, None)
+        try:
+            self._dealer.send(M.encode("detach", epoch=self.epoch, rank=self.rank), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._dealer.close(linger=500)
+        return self._applied
+
+    def stats(self) -> dict:
+        """Trainer-side figures: hook time, ring occupancy, blocked time, bytes sent."""
+        return {"hook_s": self.hook_s, "blocked_s": self.blocked_s + self.ring.blocked_s,
+                "ring_high_water": self.ring.high_water / self.ring.capacity,
+                "bytes_out": self.sender.bytes_out, "messages_out": self.sender.messages_out,
+                "applied": self._applied, "iteration": self.iteration}

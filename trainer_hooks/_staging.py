@@ -1,0 +1,79 @@
+"""The staging ring: one preallocated fp32 buffer, carved FIFO into per-bucket slots.
+
+The comm hook copies this rank's stripe of each reduced bucket into a slot; the sender
+thread sends straight from the slot (zero-copy) and frees it once ZeroMQ is done with
+it. Nothing is allocated per step. When the ring is full, ``alloc`` waits (bounded).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import torch
+
+
+class RingFullError(TimeoutError):
+    pass
+
+
+class StagingRing:
+    def __init__(self, capacity: int, pin: bool = False) -> None:
+        if capacity <= 0:
+            raise ValueError(f"staging ring capacity must be positive, got {capacity}")
+        self.tensor = torch.empty(capacity, dtype=torch.float32, pin_memory=pin)
+        self.array = self.tensor.numpy()
+        self.capacity = capacity
+        self._head = 0  # next free element
+        self._live: deque[tuple[int, int]] = deque()  # (offset, n) in allocation order
+        self._used = 0
+        self._cond = threading.Condition()
+        self.blocked_s = 0.0
+        self.high_water = 0
+
+    def _fits(self, n: int) -> int | None:
+        if not self._live:
+            self._head = 0
+            return 0 if n <= self.capacity else None
+        tail = self._live[0][0]
+        wrapped = self._live[-1][0] < tail
+        if not wrapped:  # free space: [head, capacity) and [0, tail)
+            if self._head + n <= self.capacity:
+                return self._head
+            if n <= tail:
+                return 0
+            return None
+        return self._head if self._head + n <= tail else None
+
+    def alloc(self, n: int, timeout: float) -> int:
+        """Offset of ``n`` contiguous elements; waits up to ``timeout`` seconds."""
+        if n > self.capacity:
+            raise ValueError(f"a bucket stripe of {n} elements exceeds the staging ring ({self.capacity}); "
+                             "raise SHADOW_RING_ITERATIONS")
+        with self._cond:
+            off = self._fits(n)
+            if off is None:
+                t0 = time.monotonic()
+                ok = self._cond.wait_for(lambda: self._fits(n) is not None, timeout)
+                self.blocked_s += time.monotonic() - t0
+                if not ok:
+                    raise RingFullError(f"staging ring stayed full for {timeout:.0f} s (the sender is stuck)")
+                off = self._fits(n)
+            self._live.append((off, n))
+            self._head = off + n
+            self._used += n
+            self.high_water = max(self.high_water, self._used)
+            return off
+
+    def release(self, off: int, n: int) -> None:
+        """Free the oldest slot (slots are released in allocation order)."""
+        with self._cond:
+            head = self._live.popleft()
+            if head != (off, n):
+                raise RuntimeError(f"staging ring released {(off, n)} out of order (oldest is {head})")
+            self._used -= n
+            self._cond.notify_all()
+
+    @property
+    def occupancy(self) -> float:
+        return self._used / self.capacity
