@@ -101,6 +101,7 @@ class Session:
         self._cond = threading.Condition()
         self._applied = -1
         self._error: BaseException | None = None
+        self.degraded: str | None = None
         self._closed = False
         self._clip: float | None = None
         self._pending: tuple | None = None
@@ -117,7 +118,8 @@ class Session:
         self.ring = StagingRing(cap, pin=torch.cuda.is_available() and any(p.is_cuda for p in self.params))
         self.sender = Sender(self._ctx, self._dealer, [w["data"] for w in self.workers], self.ring,
                              job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
-                             layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress)
+                             layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress,
+                             on_degraded=self._on_degraded)
         self.sender.start()
         self._bootstrap()
         self._install_hooks()
@@ -211,6 +213,13 @@ class Session:
             if applied > self._applied:
                 self._applied = applied
                 self._cond.notify_all()
+
+    def _on_degraded(self, reason: str) -> None:
+        with self._cond:
+            if self.degraded is None:
+                logger.error("shadow cluster degraded, training continues without new checkpoints: %s", reason)
+            self.degraded = reason
+            self._cond.notify_all()
 
     @property
     def applied(self) -> int:
@@ -332,12 +341,13 @@ class Session:
 
     def _throttle(self, k: int) -> None:
         lag = knobs.get_int("MAX_LAG")
-        if k - self._applied <= lag:
+        if k - self._applied <= lag or self.degraded is not None:
             return
         t0 = time.monotonic()
         limit = knobs.get("BLOCK_TIMEOUT_S")
         with self._cond:
-            ok = self._cond.wait_for(lambda: k - self._applied <= lag or self._error is not None, limit)
+            ok = self._cond.wait_for(
+                lambda: k - self._applied <= lag or self._error is not None or self.degraded is not None, limit)
         self.blocked_s += time.monotonic() - t0
         if not ok:
             raise ShadowTimeoutError(
@@ -370,8 +380,8 @@ class Session:
             self.sender.q.put(FlushItem(done))
             done.wait(knobs.get("CLOSE_TIMEOUT_S"))
             with self._cond:
-                self._cond.wait_for(lambda: self._applied >= self._last_emitted or self._error is not None,
-                                    knobs.get("CLOSE_TIMEOUT_S"))
+                self._cond.wait_for(lambda: self._applied >= self._last_emitted or self._error is not None
+                                    or self.degraded is not None, knobs.get("CLOSE_TIMEOUT_S"))
             if self._applied < self._last_emitted:
                 logger.warning("closing with iteration %d not yet committed (cluster at %d)",
                                self._last_emitted, self._applied)

@@ -56,7 +56,7 @@ class JobRec:
     ranges: list
     trainers: dict  # rank -> ident
     status: str = "configuring"
-    cut: int = -1
+    cut: int = -2  # set to base - 1 at start
     cut_time: float = 0.0
     attach_time: float = field(default_factory=time.time)
     detached: set = field(default_factory=set)
@@ -194,6 +194,11 @@ class Coordinator:
         if w is not None:
             w.stale = msg["reason"]
             logger.error("worker %d reports stale state: %s", w.id, msg["reason"])
+            job = self.job
+            if job is not None and msg["epoch"] == job.epoch:
+                for ident in job.trainers.values():
+                    self._reply([ident], "degraded", epoch=job.epoch,
+                                reason=f"worker {w.id} is stale ({msg['reason']}); checkpoint frozen at {job.cut}")
 
     # -- trainers -----------------------------------------------------------------------------
     def _on_attach(self, env, msg) -> None:
@@ -254,6 +259,7 @@ class Coordinator:
         ranges = shard_bounds(layout.total, len(self.workers))
         self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
                           first["optim"], first["iteration"], ranges, idents)
+        self.job.cut = first["iteration"] - 1
         for w in self.workers:
             w.configured, w.prepared, w.stale = -1, first["iteration"] - 1, ""
             start, stop = ranges[w.id]
@@ -297,8 +303,8 @@ class Coordinator:
             out["job"] = {
                 "name": job.name, "epoch": job.epoch, "status": job.status, "world": job.world,
                 "committed": job.cut if job.cut >= job.base else None, "base": job.base,
-                "lag_iterations": max(0, seen - job.cut) if job.cut >= 0 else None,
-                "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= 0 and seen > job.cut else 0.0,
+                "lag_iterations": max(0, seen - job.cut) if job.cut >= job.base else None,
+                "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
                 "elements": Layout.from_dict(job.layout).total, "optim": job.optim,
             }
         return out

@@ -37,6 +37,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # coordinator -> trainer
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
     "progress": {"epoch": (int,), "applied": (int,)},
+    "degraded": {"epoch": (int,), "reason": (str,)},
     # anyone -> coordinator
     "status": {},
     "restore_info": {"job": (str, type(None))},

@@ -174,8 +174,10 @@ class Worker:
         s = self.session
         if s is None or epoch != s.epoch:
             return
-        while s.applied < iteration:
+        while True:
             k = s.applied + 1 if s.applied >= 0 else s.base
+            if k > iteration:
+                break
             slot = s.inbox.slots.get(k)
             if slot is None or not s.inbox.complete(slot):
                 self._go_stale(f"asked to apply iteration {k} that is not prepared here")
@@ -211,7 +213,10 @@ class Worker:
         except F.FrameError as exc:
             self.rejected[exc.reason] += 1
             self._discard_rest(sock)
-            logger.warning("rejected frame: %s", exc)
+            if exc.reason == "stale":
+                logger.debug("dropped frame: %s", exc)
+            else:
+                logger.warning("rejected frame: %s", exc)
             if exc.reason in ("gap", "duplicate", "bad_checksum", "truncated_payload", "overflow", "disagree"):
                 self._go_stale(str(exc))
 
