@@ -29,7 +29,7 @@ def _default(obj: Any) -> msgpack.ExtType:
         if name not in _DTYPES:
             raise EncodeError(f"tensors of dtype {obj.dtype} cannot be stored in a commit record")
         t = obj.detach().to("cpu").contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([name, list(t.shape), raw], use_bin_type=True))
     if isinstance(obj, tuple):
         return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))

@@ -1,0 +1,71 @@
+"""One bit-exactness harness for every optimizer kernel: run torch's optimizer and the
+shadow's replay plan side by side on the same gradients, compare every tensor."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shadow.kernels import ReplayPlan, segments_for_range
+from trainer_hooks._optim import calibrate, replay_groups
+
+
+def make_optimizer(cls, params, impl: str, **kw):
+    flag = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
+    return cls(params, **kw, **flag)
+
+
+def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, shards: int = 1, seed: int = 0, **kw):
+    """Returns ``(torch_tensors, shadow_tensors)`` dicts of name -> list per param."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    opt = make_optimizer(cls, params, impl, **kw)
+    vec, tail, _ = calibrate()
+    offsets = np.cumsum([0] + list(sizes))[:-1]
+    total = int(sum(sizes))
+    flat = np.concatenate([p.detach().numpy() for p in params]).astype(np.float32)
+    m, v = np.zeros(total, np.float32), np.zeros(total, np.float32)
+    amsgrad = kw.get("amsgrad", False)
+    mx = np.zeros(total if amsgrad else 0, np.float32)
+    bounds = np.linspace(0, total, shards + 1).astype(int)
+    plans = [ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), lo, hi, impl, vec, tail), impl, 4096)
+             for lo, hi in zip(bounds[:-1], bounds[1:])]
+    for k in range(1, steps + 1):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        coef = None
+        if clip is not None:
+            total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(params, clip, total_norm)
+            coef = np.float32(torch.clamp(clip / (total_norm + 1e-6), max=1.0).item())
+        opt.step()
+        gflat = np.concatenate([g.numpy() for g in grads]).astype(np.float32)
+        groups = replay_groups(opt)
+        for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:]):
+            plan.prepare(groups, np.full(len(sizes), float(k)), set(), coef)
+            plan.apply(flat[lo:hi], m[lo:hi], v[lo:hi], mx[lo:hi] if amsgrad else mx, gflat[lo:hi])
+    ours = {"param": flat, "exp_avg": m, "exp_avg_sq": v}
+    if amsgrad:
+        ours["max_exp_avg_sq"] = mx
+    theirs = {"param": [p.detach() for p in params]}
+    for key in ours:
+        if key != "param":
+            theirs[key] = [opt.state[p][key] for p in params]
+    split = {key: [torch.from_numpy(arr[o:o + n].copy()) for o, n in zip(offsets, sizes)] for key, arr in ours.items()}
+    return theirs, split
+
+
+def update_ulps(a: torch.Tensor, b: torch.Tensor, lr: float) -> float:
+    """Largest ``|a - b|`` in units of the float32 spacing at ``max(|a|, lr)``: a
+    deviation in the update (of size ~lr) is measured in the update's own ulp."""
+    mag = torch.maximum(a.abs(), torch.full_like(a, lr))
+    spacing = torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag
+    return float(((a - b).abs() / spacing).max()) if a.numel() else 0.0
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    ia = a.view(torch.int32).to(torch.int64)
+    ib = b.view(torch.int32).to(torch.int64)
+    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0

@@ -1,0 +1,107 @@
+"""Trainer-side pieces that need no processes: codec, staging ring, layout building,
+optimizer checks."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trainer_hooks import UnsupportedOptimizerError
+from trainer_hooks import _codec, _rng
+from trainer_hooks._model import LayoutError, build_layout
+from trainer_hooks._optim import describe
+from trainer_hooks._staging import RingFullError, StagingRing
+
+
+def test_codec_roundtrip_keeps_tensors_and_tuples():
+    obj = {"a": (1, 2.5, "x"), "t": torch.arange(6, dtype=torch.int16).reshape(2, 3), 3: [None, b"\x00\x01"],
+           "e": torch.empty(0), "nested": {"b": (torch.tensor(1.5),)}}
+    back = _codec.unpack(_codec.pack(obj))
+    assert back["a"] == (1, 2.5, "x") and isinstance(back["a"], tuple)
+    assert torch.equal(back["t"], obj["t"]) and back["t"].dtype == torch.int16
+    assert back[3] == [None, b"\x00\x01"] and back["e"].numel() == 0
+    assert torch.equal(back["nested"]["b"][0], torch.tensor(1.5))
+
+
+def test_codec_names_the_bad_value():
+    with pytest.raises(_codec.EncodeError, match=r"\['extra'\]\['fn'\].*function"):
+        _codec.pack({"extra": {"ok": 1, "fn": lambda: 0}})
+
+
+def test_rng_capture_restore_roundtrip():
+    state = _codec.unpack(_codec.pack(_rng.capture()))
+    a = (torch.rand(3), random.random(), __import__("numpy").random.rand())
+    _rng.restore(state)
+    b = (torch.rand(3), random.random(), __import__("numpy").random.rand())
+    assert torch.equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+
+
+def test_staging_ring_never_hands_out_live_space():
+    ring = StagingRing(100)
+    rnd = random.Random(0)
+    live, owned = [], set()
+    for _ in range(5000):
+        if live and rnd.random() < 0.5:
+            off, n = live.pop(0)
+            ring.release(off, n)
+            owned -= set(range(off, off + n))
+        else:
+            n = rnd.randint(1, 40)
+            try:
+                off = ring.alloc(n, timeout=0.0)
+            except RingFullError:
+                continue
+            cells = set(range(off, off + n))
+            assert not cells & owned and off + n <= 100
+            owned |= cells
+            live.append((off, n))
+
+
+def test_staging_ring_times_out_when_full():
+    ring = StagingRing(10)
+    ring.alloc(10, timeout=0)
+    with pytest.raises(RingFullError, match="stayed full"):
+        ring.alloc(1, timeout=0.05)
+    with pytest.raises(ValueError, match="exceeds the staging ring"):
+        ring.alloc(11, timeout=0)
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+
+
+def test_layout_follows_optimizer_order_and_model_names():
+    m = _model()
+    opt = torch.optim.AdamW([{"params": [m[1].weight]}, {"params": [m[0].weight, m[0].bias, m[1].bias]}])
+    layout, params = build_layout(m, opt)
+    assert [p.name for p in layout.params] == ["1.weight", "0.weight", "0.bias", "1.bias"]
+    assert [p.group for p in layout.params] == [0, 1, 1, 1]
+    assert params[1] is m[0].weight
+
+
+def test_layout_rejects_foreign_and_non_fp32_params():
+    m = _model()
+    with pytest.raises(LayoutError, match="not a parameter of the model"):
+        build_layout(m, torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+    m.double()
+    with pytest.raises(LayoutError, match="fp32"):
+        build_layout(m, torch.optim.AdamW(m.parameters()))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1),
+    lambda ps: torch.optim.Adam(ps, capturable=True),
+    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01), fused=True),
+])
+def test_unsupported_optimizers_name_the_supported_ones(make):
+    with pytest.raises(UnsupportedOptimizerError, match="torch.optim.AdamW"):
+        describe(make(_model().parameters()))
+
+
+def test_unfused_optimizer_warns_about_exactness():
+    with pytest.warns(UserWarning, match="fused=True"):
+        d = describe(torch.optim.AdamW(_model().parameters(), foreach=False))
+    assert d["impl"] == "single" and not d["bit_exact"]
+    d = describe(torch.optim.AdamW(_model().parameters(), fused=True))
+    assert d["impl"] == "fused" and d["bit_exact"]
