@@ -26,7 +26,6 @@ class Tiny(nn.Module):
         self.fc1 = nn.Linear(24, 33)
         self.drop = nn.Dropout(0.1)
         self.fc2 = nn.Linear(33, 37)
-        self.fc2.weight = self.emb.weight if False else self.fc2.weight
         self.frozen = nn.Parameter(torch.ones(5), requires_grad=False)
 
     def forward(self, x):
@@ -41,6 +40,19 @@ def batch(seed: int, it: int, rank: int):
     return x, y
 
 
+def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False):
+    """The model, optimizer (two param groups, a frozen param) and scheduler under test."""
+    torch.manual_seed(seed)
+    model = Tiny()
+    kw = {"fused": True} if impl == "fused" else ({"foreach": True} if impl == "foreach" else {"foreach": False})
+    opt = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if n.startswith(("fc", "emb"))], "weight_decay": 0.05},
+        {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3},
+    ], lr=1e-2, amsgrad=amsgrad, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    return model, opt, sched
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="train")
@@ -52,31 +64,25 @@ def main() -> None:
     ap.add_argument("--impl", default="fused")
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--amsgrad", action="store_true")
+    ap.add_argument("--job", default="default")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(args.seed)
-    model = Tiny()
+    rank = dist.get_rank()
+    model, opt, sched = build(args.seed, args.impl, args.amsgrad)
     ddp = DDP(model)
-    kw = {"fused": True} if args.impl == "fused" else ({"foreach": True} if args.impl == "foreach" else {"foreach": False})
-    opt = torch.optim.AdamW([
-        {"params": [p for n, p in model.named_parameters() if n.startswith(("fc", "emb"))], "weight_decay": 0.05},
-        {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3},
-    ], lr=1e-2, amsgrad=args.amsgrad, **kw)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
 
     import trainer_hooks
 
     start = 0
     if args.mode == "resume":
-        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched)
+        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, job=args.job)
         start = info.iteration
         assert info.extra_state == {"it": start} or start == 0, info.extra_state
     session = None
     it_box = {"it": start}
     if args.coordinator:
-        session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched,
+        session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]})
     losses = []
     for it in range(start + 1, args.steps + 1):
@@ -94,14 +100,13 @@ def main() -> None:
         opt.zero_grad()
         losses.append(loss.item())
         if it == args.kill_at:
-            if session is not None:
-                session.sender.q.join() if False else None
             os.kill(os.getpid(), signal.SIGKILL)
     if session is not None:
         session.close()
     os.makedirs(args.out, exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "losses": losses, "start": start, "rng": torch.get_rng_state()},
+                "losses": losses, "start": start, "rng": torch.get_rng_state(),
+                "committed": session.applied if session is not None else None},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

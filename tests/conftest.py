@@ -1,0 +1,122 @@
+"""Shared fixtures: a real local shadow cluster and a 2-rank gloo launcher."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from shadow.wire import messages as M
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = ROOT / "tests" / "helpers" / "tiny_trainer.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def status(address: str, timeout: float = 5.0) -> dict:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        s.send(M.encode("status"))
+        if not s.poll(timeout * 1000):
+            raise TimeoutError(f"no status from {address}")
+        return M.decode(s.recv())["status"]
+    finally:
+        s.close(linger=0)
+
+
+class Cluster:
+    def __init__(self, tmp: Path, workers: int = 2) -> None:
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.workers = workers
+        self.log = tmp / f"cluster-{self.port}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shadow", "cluster", f"workers={workers}", f"port={self.port}",
+             "threads_per_worker=1"],
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                st = status(self.address, timeout=1.0)
+                if len(st["workers"]) == workers:
+                    break
+            except TimeoutError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"shadow cluster did not start:\n{self.log.read_text()}")
+            time.sleep(0.2)
+
+    def status(self) -> dict:
+        return status(self.address)
+
+    def settled(self, quiet: float = 1.0, limit: float = 30.0) -> dict:
+        """Status once the committed cut and every worker's progress stop moving
+        (messages a killed trainer sent are still being processed for a moment)."""
+        def key(st):
+            return (st["job"] and st["job"]["committed"], [(w["prepared"], w["applied"]) for w in st["workers"]])
+        deadline = time.monotonic() + limit
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            st = self.status()
+            if key(st) != last:
+                last, since = key(st), time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                return st
+            time.sleep(0.1)
+        raise TimeoutError("cluster did not settle")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()
+
+
+def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, timeout: float = 180) -> list[int]:
+    """Run the tiny trainer on ``world`` gloo ranks; return their exit codes."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 PYTHONPATH=str(ROOT), **(env or {}))
+        log = open(tmp / f"rank{r}-{port}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(TRAINER), *args], env=e, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=ROOT))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"trainer ranks hung; logs in {tmp}")
+    return codes
+
+
+def rank_logs(tmp: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("rank*.log")))
