@@ -118,7 +118,7 @@ def calibrate() -> tuple[int, int, bool]:
                           "fused", 4096)
         for k, gs in enumerate(grads, start=1):
             plan.prepare([group], np.full(len(sizes), float(k)), set(), None)
-            plan.apply(flat, m, v, np.zeros(0, np.float32), np.concatenate([g.numpy() for g in gs]))
+            plan.apply(flat, m, v, np.zeros(0, np.float32), np.concatenate([g.numpy() for g in gs]), threads=False)
         if np.array_equal(flat.view(np.uint32), want.view(np.uint32)):
             logger.debug("fused Adam calibrated: vec_width=%d tail_width=%d", vec, tail)
             return vec, tail, True

@@ -89,8 +89,7 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_
         param[i] = p + (nstep * m) / denom
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
+def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
     """Apply one Adam/AdamW step in place over the work items.
 
     ``work`` is int64 ``[n, 3]`` of ``(lo, hi, segment)`` in local element indices;
@@ -111,3 +110,10 @@ def adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
             _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, mid, f, fl, False)
         if hi > mid:
             _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, mid, hi, f, fl, True)
+
+
+#: multi-threaded (numba prange over work items): the worker's kernel
+adam_apply = njit(parallel=True, cache=True, nogil=True)(_adam_apply)
+#: single-threaded: for trainer processes (calibration), which must not start a thread
+#: pool that competes with torch's own threads
+adam_apply_serial = njit(cache=True, nogil=True)(_adam_apply)

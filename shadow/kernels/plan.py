@@ -155,6 +155,8 @@ class ReplayPlan:
             row_i[_adam.I_DECOUPLED] = int(wd != 0 and grp["decoupled"])
             row_i[_adam.I_CLIP] = int(clip is not None)
 
-    def apply(self, param, exp_avg, exp_avg_sq, max_sq, grad) -> None:
-        """Run the kernel over this plan's work items (in place)."""
-        _adam.adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, self.work, self.seg_f, self.seg_i)
+    def apply(self, param, exp_avg, exp_avg_sq, max_sq, grad, threads: bool = True) -> None:
+        """Run the kernel over this plan's work items (in place); ``threads=False`` keeps
+        it on the calling thread."""
+        fn = _adam.adam_apply if threads else _adam.adam_apply_serial
+        fn(param, exp_avg, exp_avg_sq, max_sq, grad, self.work, self.seg_f, self.seg_i)
