@@ -36,6 +36,10 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.out:
+        os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
+        with open(os.path.join(args.out, "pids", f"rank{rank}"), "w") as f:
+            f.write(str(os.getpid()))
     data = CharData(corpus())
     cfg = GPTConfig(vocab_size=len(data.chars), block_size=args.block, n_layer=args.n_layer, n_embd=args.n_embd)
     torch.manual_seed(args.seed)

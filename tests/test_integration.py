@@ -14,13 +14,14 @@ from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
 STEPS = 12
+CLIP = ("--clip", "0.05")  # small enough to clip every step: torch's clip (reference) vs session.clip_grad_norm_
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run, without any shadow attached."""
     tmp = tmp_path_factory.mktemp("reference")
-    assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS)) == [0, 0], rank_logs(tmp)
+    assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp)
     return [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
@@ -40,7 +41,8 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference, tmp_path):
     out = tmp_path / "out"
-    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS)) == [0, 0], \
+    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS),
+                     *CLIP) == [0, 0], \
         rank_logs(tmp_path)
     trained = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
     # the hook does not change training numerics
@@ -82,14 +84,14 @@ def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference,
 def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, seed):
     kill_at = random.Random(seed).randint(2, STEPS - 2)
     codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
-                      "--steps", str(STEPS), "--kill-at", str(kill_at))
+                      "--steps", str(STEPS), "--kill-at", str(kill_at), *CLIP)
     assert codes == [-9, -9], rank_logs(tmp_path)
     committed = cluster.settled()["job"]["committed"]
     assert kill_at - 3 <= committed <= kill_at
     # a fresh process group restores from the shadow and finishes the run
     out = tmp_path / "resumed"
     assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
-                     "--steps", str(STEPS)) == [0, 0], rank_logs(tmp_path)
+                     "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp_path)
     for r in range(2):
         resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
         assert resumed["start"] == committed
@@ -102,7 +104,7 @@ def test_trainer_dying_mid_send_leaves_previous_iteration(cluster, reference, tm
     k = 6
     # iteration 6 sends one message normally, then the rest (commit included) only to worker 0, then dies
     codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
-                      "--steps", str(STEPS), env={"SHADOW_FAULT_DIE_AT": f"{k}:1"})
+                      "--steps", str(STEPS), *CLIP, env={"SHADOW_FAULT_DIE_AT": f"{k}:1"})
     assert 137 in codes, rank_logs(tmp_path)
     st = cluster.settled()
     assert st["job"]["committed"] == k - 1
@@ -110,7 +112,7 @@ def test_trainer_dying_mid_send_leaves_previous_iteration(cluster, reference, tm
     assert all(w["applied"] == k - 1 for w in st["workers"])
     out = tmp_path / "resumed"
     assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
-                     "--steps", str(STEPS)) == [0, 0], rank_logs(tmp_path)
+                     "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp_path)
     for r in range(2):
         resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
         assert resumed["start"] == k - 1
