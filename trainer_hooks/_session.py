@@ -217,8 +217,11 @@ class Session:
     def _on_degraded(self, reason: str) -> None:
         with self._cond:
             if self.degraded is None:
-                logger.error("shadow cluster degraded, training continues without new checkpoints: %s", reason)
-            self.degraded = reason
+                logger.error("shadow cluster degraded, training continues without new checkpoints "
+                             "(streaming stops until the next attach): %s", reason)
+                self.degraded = reason
+            else:
+                logger.warning("shadow cluster also reports: %s", reason)
             self._cond.notify_all()
 
     @property
@@ -242,7 +245,7 @@ class Session:
 
     def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]
-        if self._error is None:
+        if self._error is None and self.degraded is None:
             t0 = time.perf_counter()
             try:
                 self._stage(bucket, reduced)
@@ -315,6 +318,9 @@ class Session:
 
     def _emit_pending(self) -> None:
         if self._pending is None:
+            return
+        if self.degraded is not None:
+            self._pending = None
             return
         k, replay, rng, extra, sent = self._pending
         self._pending = None

@@ -38,6 +38,7 @@ class WorkerRec:
     rejected: dict = field(default_factory=dict)
     frames_in: int = 0
     bytes_in: int = 0
+    lost: bool = False
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen < knobs.get("WORKER_LOST_S")
@@ -99,6 +100,7 @@ class Coordinator:
                             break
                         self._on_message(parts)
                 self._expire_attaches()
+                self._check_workers()
         finally:
             self.sock.close(linger=0)
 
@@ -158,6 +160,25 @@ class Coordinator:
         w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
 
+    def _check_workers(self) -> None:
+        now = time.monotonic()
+        for w in self.workers:
+            alive = w.alive(now)
+            if not alive and not w.lost:
+                w.lost = True
+                logger.error("worker %d (pid %d) is lost: no heartbeat for %.1f s", w.id, w.pid, now - w.last_seen)
+                self._degrade(f"worker {w.id} lost")
+            elif alive and w.lost:
+                w.lost = False
+                logger.info("worker %d is back", w.id)
+
+    def _degrade(self, reason: str) -> None:
+        job = self.job
+        if job is None or job.status in ("detached", "configuring"):
+            return
+        for ident in job.trainers.values():
+            self._reply([ident], "degraded", epoch=job.epoch, reason=f"{reason}; checkpoint frozen at {job.cut}")
+
     def _on_configured(self, env, msg) -> None:
         w, job = self._worker(env), self.job
         if w is None or job is None or msg["epoch"] != job.epoch:
@@ -194,11 +215,8 @@ class Coordinator:
         if w is not None:
             w.stale = msg["reason"]
             logger.error("worker %d reports stale state: %s", w.id, msg["reason"])
-            job = self.job
-            if job is not None and msg["epoch"] == job.epoch:
-                for ident in job.trainers.values():
-                    self._reply([ident], "degraded", epoch=job.epoch,
-                                reason=f"worker {w.id} is stale ({msg['reason']}); checkpoint frozen at {job.cut}")
+            if self.job is not None and msg["epoch"] == self.job.epoch:
+                self._degrade(f"worker {w.id} is stale ({msg['reason']})")
 
     # -- trainers -----------------------------------------------------------------------------
     def _on_attach(self, env, msg) -> None:
