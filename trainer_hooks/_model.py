@@ -51,3 +51,12 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     m = unwrap(model)
     sd_keys = set(m.state_dict().keys())
     return {n: b for n, b in m.named_buffers() if n in sd_keys}
+
+
+def state_dict_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """State-dict keys that name an already-named parameter (tied weights), mapped to
+    the canonical ``named_parameters`` name."""
+    m = unwrap(model)
+    canonical = {id(p): n for n, p in m.named_parameters()}
+    return {k: canonical[id(t)] for k, t in m.state_dict(keep_vars=True).items()
+            if id(t) in canonical and canonical[id(t)] != k}

@@ -46,6 +46,8 @@ def state_dicts(snap: Snapshot) -> dict:
     model = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
     for name, buf in (b0.get("buffers") or {}).items():
         model[name] = buf
+    for alias, name in (b0.get("aliases") or {}).items():
+        model[alias] = model[name]  # tied weights: the same tensor under both keys
     groups = b0["param_groups"]
     state: dict[int, dict] = {}
     for i, spec in enumerate(snap.layout.params):

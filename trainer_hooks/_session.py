@@ -37,7 +37,7 @@ from shadow.layout import bucket_runs, intersect, stripe_bounds
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks import _codec, _optim, _rng
-from trainer_hooks._model import build_layout, persistent_buffers
+from trainer_hooks._model import build_layout, persistent_buffers, state_dict_aliases
 from trainer_hooks._sender import CommitItem, FlushItem, GradItem, Sender, StateItem
 from trainer_hooks._staging import StagingRing
 
@@ -92,6 +92,7 @@ class Session:
         self.layout, self.params = build_layout(ddp_model, optimizer)
         self.optim_desc = _optim.describe(optimizer)
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._aliases = state_dict_aliases(ddp_model)
         start = RESTORED.get(optimizer, 0) if iteration is None else int(iteration)
         if start < 0:
             raise ValueError(f"iteration must be >= 0, got {start}")
@@ -332,6 +333,7 @@ class Session:
             blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
                                         for g in self.optimizer.param_groups]
             blob_obj["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
+            blob_obj["aliases"] = self._aliases
             bufs = persistent_buffers(self.model)
             if sum(b.numel() * b.element_size() for b in bufs.values()) <= knobs.get_int("MAX_BUFFER_BYTES"):
                 blob_obj["buffers"] = bufs

@@ -1,0 +1,249 @@
+"""Checkpoints on storage: naming, manifests (the commit marker), listing, verification,
+retention, and reading one back as a :class:`~shadow.restore.Snapshot`.
+
+A checkpoint lives in ``<root>/<job>/iteration-<k>/``: one shard file per worker and a
+``manifest.json`` written last. A directory without a manifest is a torn write and is
+never listed as complete. ``root`` is a local path or any fsspec URL.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import time
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+
+from shadow.errors import ShadowError
+from shadow.layout import Layout
+from shadow.persist import shardfile
+from shadow.restore.snapshot import Snapshot
+from shadow.wire.frames import Field, checksum
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "shadow-checkpoint/1"
+_FIELDS = {"param": Field.PARAM, "exp_avg": Field.EXP_AVG, "exp_avg_sq": Field.EXP_AVG_SQ,
+           "max_exp_avg_sq": Field.MAX_EXP_AVG_SQ}
+
+
+class CheckpointError(ShadowError):
+    """A checkpoint on storage is missing, torn or corrupt."""
+
+
+def is_local(root: str) -> bool:
+    return "://" not in root or root.startswith("file://")
+
+
+def local_path(root: str) -> str:
+    return root[len("file://"):] if root.startswith("file://") else root
+
+
+def checkpoint_dir(root: str, job: str, iteration: int) -> str:
+    return posixpath.join(root, job, f"iteration-{iteration:010d}")
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.safetensors"
+
+
+@dataclass
+class CheckpointInfo:
+    root: str
+    tier: str
+    path: str  # directory
+    manifest: dict
+
+    @property
+    def job(self) -> str:
+        return self.manifest["job"]
+
+    @property
+    def iteration(self) -> int:
+        return self.manifest["iteration"]
+
+    @property
+    def bytes(self) -> int:
+        return sum(s["bytes"] for s in self.manifest["shards"])
+
+
+def _fs(root: str):
+    return fsspec.core.url_to_fs(root)
+
+
+def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
+    """Commit a checkpoint: write its manifest last (tmp, fsync, rename)."""
+    d = checkpoint_dir(root, job, iteration)
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    if is_local(root):
+        path = os.path.join(local_path(d), MANIFEST)
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        shardfile.fsync_dir(local_path(d))
+        return path
+    fs, p = _fs(d)
+    fs.pipe_file(posixpath.join(p, MANIFEST + ".tmp"), data)
+    fs.mv(posixpath.join(p, MANIFEST + ".tmp"), posixpath.join(p, MANIFEST))
+    return posixpath.join(d, MANIFEST)
+
+
+def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``root`` (those with a manifest), oldest first."""
+    fs, base = _fs(root)
+    pattern = posixpath.join(base, job or "*", "iteration-*", MANIFEST)
+    out = []
+    for mpath in fs.glob(pattern):
+        try:
+            manifest = json.loads(fs.cat_file(mpath))
+            if manifest.get("format") != FORMAT:
+                raise ValueError(f"format {manifest.get('format')!r}")
+        except (ValueError, OSError) as exc:
+            logger.warning("ignoring unreadable manifest %s: %s", mpath, exc)
+            continue
+        d = posixpath.dirname(mpath)
+        out.append(CheckpointInfo(root, tier, d, manifest))
+    out.sort(key=lambda c: (c.manifest.get("created", 0), c.iteration))
+    return out
+
+
+def list_torn(root: str, job: str | None = None) -> list[str]:
+    """Checkpoint directories without a manifest (interrupted writes)."""
+    fs, base = _fs(root)
+    dirs = fs.glob(posixpath.join(base, job or "*", "iteration-*"))
+    return sorted(d for d in dirs if not fs.exists(posixpath.join(d, MANIFEST)))
+
+
+def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
+    path = posixpath.join(info.path, shard["file"])
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file "
+                              f"{path} is missing") from None
+    if len(data) != shard["bytes"]:
+        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) is "
+                              f"{len(data)} bytes, manifest says {shard['bytes']}")
+    if check and f"{checksum(data):016x}" != shard["checksum"]:
+        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) fails "
+                              "its checksum: the file is corrupt")
+    return data
+
+
+def verify(info: CheckpointInfo) -> list[str]:
+    """Re-read every shard and check size and checksum; returns the problems found."""
+    fs, _ = _fs(info.path)
+    problems = []
+    for shard in info.manifest["shards"]:
+        try:
+            _read_shard(fs, info, shard, True)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
+    """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``)."""
+    fs, _ = _fs(info.path)
+    m = info.manifest
+    layout = Layout.from_dict(m["layout"])
+    if f"{layout.hash:016x}" != m["layout_hash"]:
+        raise CheckpointError(f"iteration {info.iteration}: manifest layout does not match its hash")
+    total = layout.total
+    arrays: dict[Field, np.ndarray] = {}
+    steps = np.zeros(len(layout.params), dtype=np.float64)
+    has_state = np.zeros(len(layout.params), dtype=bool)
+    blobs: dict[int, bytes] = {}
+    covered = 0
+    for shard in m["shards"]:
+        data = _read_shard(fs, info, shard, check)
+        meta, tensors = shardfile.parse(data)
+        lo, hi = shard["start"], shard["stop"]
+        if (int(meta["start"]), int(meta["stop"]), int(meta["iteration"])) != (lo, hi, info.iteration):
+            raise CheckpointError(f"iteration {info.iteration}: shard {shard['index']} holds another range or iteration")
+        for name, fld in _FIELDS.items():
+            if name in tensors:
+                arr = arrays.setdefault(fld, np.zeros(total, dtype=np.float32))
+                if len(tensors[name]) != hi - lo:
+                    raise CheckpointError(f"iteration {info.iteration}: shard {shard['index']} {name} has the wrong size")
+                arr[lo:hi] = tensors[name]
+        for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"]):
+            if layout.params[int(i)].offset >= lo:
+                steps[int(i)] = s
+                has_state[int(i)] = bool(h)
+        for name, t in tensors.items():
+            if name.startswith("commit.rank"):
+                blobs[int(name[len("commit.rank"):])] = t.tobytes()
+        covered += hi - lo
+        if progress is not None:
+            progress(shard["bytes"])
+    if covered != total:
+        raise CheckpointError(f"iteration {info.iteration}: shards cover {covered} of {total} elements")
+    missing = sorted(set(range(m["world"])) - set(blobs))
+    if missing:
+        raise CheckpointError(f"iteration {info.iteration}: commit records of ranks {missing} are missing")
+    return Snapshot(m["job"], m["iteration"], layout, m["optim"], m["world"], arrays, steps, has_state, blobs,
+                    source=info.path, tier=info.tier)
+
+
+def find(root: str, tier: str, job: str | None = None, iteration: int | None = None,
+         check: bool = True) -> tuple[CheckpointInfo, Snapshot]:
+    """The newest complete checkpoint that reads back intact (or exactly ``iteration``).
+
+    When picking the newest, a corrupt checkpoint is skipped (with a warning) in favour
+    of the next older one; an explicit ``iteration`` that is corrupt is an error.
+    """
+    found = list_checkpoints(root, tier, job)
+    if job is None and len({c.job for c in found}) > 1:
+        raise CheckpointError(f"{root} holds several jobs {sorted({c.job for c in found})}; pass job=")
+    if iteration is not None:
+        found = [c for c in found if c.iteration == iteration]
+        if not found:
+            raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
+        return found[-1], load(found[-1], check)
+    if not found:
+        torn = list_torn(root, job)
+        extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
+        raise CheckpointError(f"no complete checkpoint under {root}{extra}")
+    errors = []
+    for info in reversed(found):
+        try:
+            return info, load(info, check)
+        except CheckpointError as exc:
+            logger.warning("skipping checkpoint: %s", exc)
+            errors.append(str(exc))
+    raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
+
+
+def retain(root: str, job: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints, and torn directories older
+    than the newest complete one. Never deletes anything if none is complete."""
+    if keep <= 0:
+        return []
+    done = list_checkpoints(root, job=job)
+    if not done:
+        return []
+    fs, _ = _fs(root)
+    newest = done[-1].iteration
+    victims = [c.path for c in done[:-keep]] + [d for d in list_torn(root, job)
+                                                 if int(d.rsplit("-", 1)[1]) < newest]
+    for d in victims:
+        try:
+            fs.rm(d, recursive=True)
+        except OSError as exc:
+            logger.warning("retention could not delete %s: %s", d, exc)
+    return victims
+
+
+def new_manifest(job: str, iteration: int, epoch: int, tier: str, layout: dict, layout_hash: int, optim: dict,
+                 world: int, tokens, commit, shards: list[dict]) -> dict:
+    return {"format": FORMAT, "job": job, "iteration": iteration, "epoch": epoch, "tier": tier,
+            "created": time.time(), "layout": layout, "layout_hash": f"{layout_hash:016x}", "optim": optim,
+            "world": world, "tokens": tokens, "commit": commit, "shards": sorted(shards, key=lambda s: s["index"])}

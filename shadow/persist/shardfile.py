@@ -1,0 +1,161 @@
+"""One shard of one checkpoint as a file readable by the ``safetensors`` library.
+
+File = ``u64 header length`` + JSON header (padded with spaces so the data starts on a
+4 KiB boundary) + the tensors back to back. The whole image lives in one preallocated,
+page-aligned buffer: the worker copies its range into it at an iteration boundary
+(:meth:`ShardImage.fill`), and a background thread writes it with large aligned writes
+(``O_DIRECT`` where the file system takes it, buffered otherwise), fsyncs and renames.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from shadow.wire.frames import checksum
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "shadow-shard/1"
+PAGE = 4096
+CHUNK = 8 << 20  # bytes per write call
+
+_DTYPES = {"F32": np.float32, "F64": np.float64, "I64": np.int64, "U8": np.uint8}
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    off = (-raw.ctypes.data) % PAGE
+    return raw[off:off + nbytes]
+
+
+@dataclass
+class Entry:
+    name: str
+    dtype: str
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * np.dtype(_DTYPES[self.dtype]).itemsize
+
+
+class ShardImage:
+    """A reusable page-aligned buffer holding one shard file image."""
+
+    def __init__(self, capacity: int) -> None:
+        self.buf = _aligned(max(capacity, PAGE))
+        self.size = 0  # bytes of the current image
+        self.data_start = 0
+        self.offsets: dict[str, tuple[int, Entry]] = {}
+
+    def layout(self, entries: list[Entry], metadata: dict[str, str]) -> None:
+        """Lay out an image with these tensors; grows the buffer when needed."""
+        header: dict = {"__metadata__": metadata}
+        off = 0
+        self.offsets = {}
+        for e in entries:
+            header[e.name] = {"dtype": e.dtype, "shape": [e.count], "data_offsets": [off, off + e.nbytes]}
+            self.offsets[e.name] = (off, e)
+            off += e.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        hlen = -(-(len(blob) + 8) // PAGE) * PAGE - 8
+        self.data_start = 8 + hlen
+        self.size = self.data_start + off
+        padded = -(-self.size // PAGE) * PAGE
+        if padded > len(self.buf):
+            self.buf = _aligned(padded)
+        self.buf[:8] = np.frombuffer(struct.pack("<Q", hlen), dtype=np.uint8)
+        self.buf[8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        self.buf[8 + len(blob):self.data_start] = ord(" ")
+        self.buf[self.size:padded] = 0
+
+    def view(self, name: str) -> np.ndarray:
+        off, e = self.offsets[name]
+        start = self.data_start + off
+        return self.buf[start:start + e.nbytes].view(_DTYPES[e.dtype])
+
+    def fill(self, name: str, src: np.ndarray) -> None:
+        np.copyto(self.view(name), src, casting="no")
+
+    def checksum(self) -> int:
+        return checksum(memoryview(self.buf[:self.size]))
+
+    def write(self, path: str) -> int:
+        """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir)."""
+        tmp = path + ".tmp"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        padded = -(-self.size // PAGE) * PAGE
+        direct = getattr(os, "O_DIRECT", 0)
+        fd = None
+        if direct:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
+            except OSError:
+                fd = None
+        used_direct = fd is not None
+        if fd is None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            mv = memoryview(self.buf)
+            try:
+                _write_all(fd, mv, padded if used_direct else self.size)
+            except OSError as exc:
+                if not used_direct or exc.errno not in (22,):  # EINVAL: O_DIRECT refused at write time
+                    raise
+                os.close(fd)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                used_direct = False
+                _write_all(fd, mv, self.size)
+            if used_direct:
+                os.ftruncate(fd, self.size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+        return self.size
+
+
+def _write_all(fd: int, mv: memoryview, length: int) -> None:
+    pos = 0
+    while pos < length:
+        n = os.pwrite(fd, mv[pos:min(length, pos + CHUNK)], pos)
+        if n <= 0:
+            raise OSError(f"short write at byte {pos}")
+        pos += n
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse(data: bytes | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(metadata, tensors)`` of a shard file image (validated, zero-copy views)."""
+    mv = memoryview(data)
+    if len(mv) < 8:
+        raise ValueError("shard file is shorter than its header length field")
+    (hlen,) = struct.unpack_from("<Q", mv)
+    if 8 + hlen > len(mv):
+        raise ValueError("shard file header runs past the end of the file")
+    header = json.loads(bytes(mv[8:8 + hlen]))
+    meta = header.pop("__metadata__", {})
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not a shadow shard file (format {meta.get('format')!r})")
+    base = 8 + hlen
+    out = {}
+    for name, spec in header.items():
+        lo, hi = spec["data_offsets"]
+        dt = np.dtype(_DTYPES[spec["dtype"]])
+        if not 0 <= lo <= hi <= len(mv) - base or (hi - lo) % dt.itemsize:
+            raise ValueError(f"tensor {name!r} lies outside the shard file")
+        out[name] = np.frombuffer(mv[base + lo:base + hi], dtype=dt)
+    return meta, out
