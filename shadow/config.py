@@ -6,11 +6,11 @@ engine under Hydra), so a wrong type or value is an error that names the key.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-FORMATS = ("torch",)
+FORMATS = ("torch", "dcp", "safetensors")
 
 
 def _check_port(port: int) -> None:
@@ -29,6 +29,69 @@ def _check_endpoint(key: str, value: str) -> None:
 
 
 @dataclass
+class TierConfig:
+    """When a persistence tier takes a checkpoint (any due schedule triggers) and how many
+    it keeps."""
+
+    every_n: int = 100  #: iterations between checkpoints (0 = not by iterations)
+    every_s: float = 0.0  #: seconds between checkpoints (0 = not by time)
+    every_tokens: int = 0  #: tokens between checkpoints, as reported by the trainer (0 = not by tokens)
+    keep: int = 3  #: complete checkpoints to retain (0 = keep all)
+
+    @property
+    def location(self) -> str:
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        for key in ("every_n", "every_s", "every_tokens", "keep"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
+        if self.location and not (self.every_n or self.every_s or self.every_tokens):
+            raise ValueError(f"tier at {self.location!r} has no schedule: set every_n, every_s or every_tokens")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.location)
+
+
+@dataclass
+class LocalTierConfig(TierConfig):
+    dir: str = ""  #: directory on the workers' local disk (empty = tier off)
+
+    @property
+    def location(self) -> str:
+        return self.dir
+
+
+@dataclass
+class RemoteTierConfig(TierConfig):
+    url: str = ""  #: shared-file-system path or fsspec URL, filled from the local tier (empty = off)
+    every_n: int = 1000
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+
+@dataclass
+class PersistConfig:
+    """Persistence tiers: ``local`` (a directory the workers write) and ``remote`` (copied
+    from the local tier by the workers, any fsspec URL)."""
+
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+
+    def __post_init__(self) -> None:
+        if self.remote.enabled and not self.local.enabled:
+            raise ValueError("persist.remote.url needs persist.local.dir: the remote tier is copied from the local one")
+        if "://" in self.local.dir and not self.local.dir.startswith("file://"):
+            raise ValueError(f"persist.local.dir={self.local.dir!r} must be a local directory")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
 class ClusterConfig:
     """A coordinator plus ``workers`` worker processes on this host (foreground)."""
 
@@ -37,6 +100,7 @@ class ClusterConfig:
     port: int = 5555  #: coordinator port
     threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
     log_level: str = "INFO"
+    persist: PersistConfig = field(default_factory=PersistConfig)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -58,6 +122,7 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 5555
     log_level: str = "INFO"
+    persist: PersistConfig = field(default_factory=PersistConfig)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -94,17 +159,45 @@ class StatusConfig:
             raise ValueError(f"timeout={self.timeout} must be positive (seconds)")
 
 
+def _check_source(value: str) -> None:
+    if not value:
+        raise ValueError("source= is required: a coordinator address (tcp://host:port), a checkpoint "
+                         "directory or an fsspec URL")
+
+
 @dataclass
 class RestoreConfig:
-    source: str = "tcp://127.0.0.1:5555"
+    source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
     out: str = "checkpoint.pt"
-    format: str = "torch"
+    format: str = "torch"  #: torch | dcp | safetensors
     job: Optional[str] = None
+    iteration: Optional[int] = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        _check_endpoint("source", self.source)
+        _check_source(self.source)
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r} is not supported; choose one of {FORMATS}")
         if self.timeout <= 0:
             raise ValueError(f"timeout={self.timeout} must be positive (seconds)")
+
+
+@dataclass
+class ListConfig:
+    source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
+    job: Optional[str] = None
+    json: bool = False
+    timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check_source(self.source)
+
+
+@dataclass
+class VerifyConfig:
+    source: str = ""  #: checkpoint directory or fsspec URL
+    job: Optional[str] = None
+    iteration: Optional[int] = None  #: verify only this iteration (default: all complete ones)
+
+    def __post_init__(self) -> None:
+        _check_source(self.source)

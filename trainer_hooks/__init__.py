@@ -1,6 +1,7 @@
 """Trainer side of the shadow checkpoint service: attach a DDP training run, restore it."""
 from shadow.errors import LayoutMismatchError, ShadowConnectionError, ShadowError, ShadowTimeoutError
 from trainer_hooks._optim import UnsupportedOptimizerError
+from trainer_hooks._export import export
 from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore, state_dicts
 from trainer_hooks._session import Session
 
@@ -15,5 +16,5 @@ def attach(ddp_model, optimizer, coordinator: str, **kwargs) -> Session:
 
 __all__ = [
     "LayoutMismatchError", "RestoreInfo", "Session", "ShadowConnectionError", "ShadowError", "ShadowTimeoutError",
-    "UnsupportedOptimizerError", "apply_snapshot", "attach", "restore", "state_dicts",
+    "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "restore", "state_dicts",
 ]

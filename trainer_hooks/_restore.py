@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shadow.errors import LayoutMismatchError
-from shadow.restore import Snapshot, fetch_snapshot
+from shadow.restore import Snapshot, resolve
 from shadow.wire.frames import Field
 from trainer_hooks import _codec, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
@@ -77,19 +77,22 @@ def state_dicts(snap: Snapshot) -> dict:
 
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, source: str | None = None, *,
-            scheduler: Any = None, job: str | None = None, weights_only: bool = False, rank: int | None = None,
-            timeout: float | None = None) -> RestoreInfo:
+            scheduler: Any = None, job: str | None = None, iteration: int | None = None, weights_only: bool = False,
+            rank: int | None = None, timeout: float | None = None) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
-    RNG states back at the newest iteration the shadow holds.
+    RNG states back at the newest complete checkpoint (or ``iteration``).
 
-    ``source`` is a coordinator address (``tcp://host:port``). Nothing is modified
-    unless the checkpoint matches the model and optimizer exactly.
+    ``source`` is a coordinator address (``tcp://host:port``: shadow memory first, then
+    the local tier, then the remote tier; ``RestoreInfo.tier`` says which was used), a
+    checkpoint directory, or an fsspec URL. Weights are restored first; with
+    ``weights_only=True`` only the model is touched. Nothing is modified unless the
+    checkpoint matches the model and optimizer exactly.
     """
     if source is None:
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
     if optimizer is None and not weights_only:
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
-    snap = fetch_snapshot(source, job=job, timeout=timeout)
+    snap = resolve(source, job=job, iteration=iteration, timeout=timeout)
     return apply_snapshot(snap, model, optimizer, scheduler=scheduler, weights_only=weights_only, rank=rank)
 
 

@@ -1,8 +1,34 @@
 """Human-readable status (rich)."""
 from __future__ import annotations
 
+import contextlib
+import datetime
+import sys
+from typing import Iterator
+
 from rich.console import Console
 from rich.table import Table
+
+
+@contextlib.contextmanager
+def stage(text: str) -> Iterator[None]:
+    """A spinner while a long step runs, on a terminal only (quiet in logs and pipes)."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    with Console(stderr=True).status(text):
+        yield
+
+
+def render_checkpoints(rows: list[dict], source: str) -> None:
+    t = Table(title=f"checkpoints behind {source}")
+    for col in ("job", "iteration", "tier", "time", "size", "state", "path"):
+        t.add_column(col)
+    for r in sorted(rows, key=lambda r: (r["job"], r["iteration"], r["tier"])):
+        when = datetime.datetime.fromtimestamp(r["time"]).isoformat(timespec="seconds") if r["time"] else "-"
+        size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
+        t.add_row(r["job"], str(r["iteration"]), r["tier"], when, size, r["state"], r["path"])
+    Console().print(t)
 
 
 def render_status(st: dict, address: str) -> None:
@@ -23,3 +49,11 @@ def render_status(st: dict, address: str) -> None:
         t.add_row(str(w["id"]), str(w["pid"]), rng, str(w["applied"]), str(w["seen"]), health,
                   str(w["frames_in"]), f"{w['bytes_in'] / 2**20:.1f}", str(sum(w["rejected"].values())))
     console.print(t)
+    for name, tier in (st.get("persist") or {}).items():
+        last = tier["last_complete"]
+        text = (f"{name} tier {tier['root']}: last complete "
+                + (f"iteration {last['iteration']} ({last['bytes'] / 2**20:.1f} MiB)" if last else "none")
+                + f", {tier['count']} written this run")
+        if tier["last_error"]:
+            text += f" — ERROR: {tier['last_error']}"
+        console.print(text)

@@ -11,7 +11,8 @@ import threading
 import time
 
 from shadow.cli._args import UsageError, parse
-from shadow.config import ClusterConfig, CoordinatorConfig, RestoreConfig, StatusConfig, WorkerConfig
+from shadow.config import (ClusterConfig, CoordinatorConfig, ListConfig, RestoreConfig, StatusConfig, VerifyConfig,
+                           WorkerConfig)
 
 USAGE = """usage: shadow COMMAND [key=value ...]
 
@@ -22,8 +23,16 @@ commands:
   worker       one worker joining a cluster  e.g.  shadow worker coordinator=tcp://10.0.0.5:5555 host=10.0.0.7
   status       workers, ranges, committed iteration, lag
                e.g.  shadow status address=tcp://127.0.0.1:5555 [json=true]
-  restore      write the newest checkpoint as a torch state-dict file
+  restore      write the newest complete checkpoint (or iteration=k) out
                e.g.  shadow restore source=tcp://127.0.0.1:5555 out=ckpt.pt format=torch
+                     shadow restore source=/data/ckpt out=ckpt_dcp format=dcp iteration=400
+                     (formats: torch, dcp, safetensors; sources: coordinator, directory, fsspec URL)
+  ls           list checkpoints (memory and every tier) e.g.  shadow ls source=tcp://127.0.0.1:5555
+  verify       re-read and check every checksum         e.g.  shadow verify source=/data/ckpt [iteration=k]
+
+cluster persistence keys, e.g.:
+  shadow cluster workers=2 persist.local.dir=/nvme/shadow persist.local.every_n=50 persist.local.keep=3 \\
+                 persist.remote.url=/mnt/shared/shadow persist.remote.every_n=500
 """
 
 
@@ -43,7 +52,7 @@ def cmd_coordinator(cfg: CoordinatorConfig) -> int:
 
     _logging(cfg.log_level)
     _warn_public(cfg.host)
-    coord = Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers)
+    coord = Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers, cfg.persist.to_dict())
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
     try:
         coord.run()
@@ -74,7 +83,7 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     _warn_public(cfg.host)
     log = logging.getLogger("shadow.cluster")
     address = f"tcp://{cfg.host}:{cfg.port}"
-    coord = Coordinator(address, cfg.workers)
+    coord = Coordinator(address, cfg.workers, cfg.persist.to_dict())
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
 
@@ -134,21 +143,76 @@ def cmd_status(cfg: StatusConfig) -> int:
 
 
 def cmd_restore(cfg: RestoreConfig) -> int:
-    import torch
-
-    from shadow.restore import fetch_snapshot
-    from trainer_hooks import state_dicts
+    from shadow.cli._render import stage
+    from shadow.restore import resolve
 
     t0 = time.monotonic()
-    snap = fetch_snapshot(cfg.source, job=cfg.job, timeout=cfg.timeout)
-    sd = state_dicts(snap)
-    tmp = cfg.out + ".tmp"
-    torch.save(sd, tmp)
-    os.replace(tmp, cfg.out)
-    size = os.path.getsize(cfg.out)
-    print(f"wrote {cfg.out}: job {snap.job} iteration {snap.iteration}, {len(snap.layout.params)} parameters, "
-          f"{size / 2**20:.1f} MiB from {snap.tier} in {time.monotonic() - t0:.2f} s")
+    with stage(f"finding and reading the checkpoint behind {cfg.source}"):
+        snap = resolve(cfg.source, job=cfg.job, iteration=cfg.iteration, timeout=cfg.timeout)
+    with stage(f"writing {cfg.out} ({cfg.format})"):
+        from trainer_hooks import export
+
+        export(snap, cfg.out, cfg.format)
+    size = _size(cfg.out)
+    print(f"wrote {cfg.out} ({cfg.format}): job {snap.job} iteration {snap.iteration}, {len(snap.layout.params)} "
+          f"parameters, {size / 2**20:.1f} MiB, from {snap.tier} ({snap.source}) in {time.monotonic() - t0:.2f} s")
     return 0
+
+
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
+
+
+def cmd_ls(cfg: ListConfig) -> int:
+    from shadow.cli._render import render_checkpoints
+    from shadow.persist import catalog
+    from shadow.restore.resolve import is_endpoint, restore_info
+
+    rows = []
+    roots = [(cfg.source, "local" if catalog.is_local(cfg.source) else "remote")]
+    if is_endpoint(cfg.source):
+        info = restore_info(cfg.source, cfg.job, cfg.timeout)
+        if info["memory"]:
+            m = info["memory"]
+            rows.append({"job": m["job"], "iteration": m["iteration"], "tier": "memory", "time": None,
+                         "bytes": None, "state": "complete", "path": cfg.source})
+        roots = [(s["root"], s["tier"]) for s in info["storage"]]
+    for root, tier in roots:
+        for c in catalog.list_checkpoints(root, tier, cfg.job):
+            rows.append({"job": c.job, "iteration": c.iteration, "tier": tier, "time": c.manifest.get("created"),
+                         "bytes": c.bytes, "state": "complete", "path": c.path})
+        for d in catalog.list_torn(root, cfg.job):
+            rows.append({"job": d.rstrip("/").split("/")[-2], "iteration": int(d.rsplit("-", 1)[1]), "tier": tier,
+                         "time": None, "bytes": None, "state": "incomplete", "path": d})
+    if cfg.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        render_checkpoints(rows, cfg.source)
+    return 0
+
+
+def cmd_verify(cfg: VerifyConfig) -> int:
+    from shadow.persist import catalog
+
+    tier = "local" if catalog.is_local(cfg.source) else "remote"
+    found = catalog.list_checkpoints(cfg.source, tier, cfg.job)
+    if cfg.iteration is not None:
+        found = [c for c in found if c.iteration == cfg.iteration]
+    if not found:
+        what = f"iteration {cfg.iteration}" if cfg.iteration is not None else "any complete checkpoint"
+        print(f"shadow verify: no {what} under {cfg.source}", file=sys.stderr)
+        return 1
+    bad = 0
+    for c in found:
+        problems = catalog.verify(c)
+        bad += bool(problems)
+        status = "OK" if not problems else "CORRUPT"
+        print(f"{c.job} iteration {c.iteration}: {status} ({len(c.manifest['shards'])} shards, {c.bytes / 2**20:.1f} MiB)")
+        for p in problems:
+            print(f"  {p}")
+    return 1 if bad else 0
 
 
 COMMANDS = {
@@ -157,6 +221,8 @@ COMMANDS = {
     "worker": (WorkerConfig, cmd_worker),
     "status": (StatusConfig, cmd_status),
     "restore": (RestoreConfig, cmd_restore),
+    "ls": (ListConfig, cmd_ls),
+    "verify": (VerifyConfig, cmd_verify),
 }
 
 
@@ -183,6 +249,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return fn(cfg)
-    except ShadowError as exc:
+    except (ShadowError, OSError) as exc:
         print(f"shadow {name}: {exc}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from shadow import knobs
+from shadow.coordinator.persistence import Persistence
 from shadow.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
@@ -68,7 +69,7 @@ def job_id_for(name: str) -> int:
 
 
 class Coordinator:
-    def __init__(self, bind: str, workers: int) -> None:
+    def __init__(self, bind: str, workers: int, persist: dict | None = None) -> None:
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
         self.bind = bind
@@ -81,6 +82,8 @@ class Coordinator:
         self.epoch = 0
         self._stop = False
         self.started = time.time()
+        self.persist = Persistence(persist or {})
+        self.tokens: dict[int, int] = {}  # iteration -> tokens seen, for token schedules
 
     def run(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -200,15 +203,33 @@ class Coordinator:
         if w is None or job is None or msg["epoch"] != job.epoch:
             return
         w.prepared = max(w.prepared, msg["iteration"])
+        if msg["tokens"] is not None:
+            self.tokens[msg["iteration"]] = msg["tokens"]
         cut = min(x.prepared for x in self.workers)
         if cut > job.cut:
             job.cut, job.cut_time = cut, time.time()
             if job.status == "bootstrapping":
                 job.status = "running"
+            persist = self.persist.local_due(cut, self.tokens.get(cut))
             for x in self.workers:
                 self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut)
+                if persist:
+                    self._reply([x.ident], "persist", epoch=job.epoch, iteration=cut)
             for ident in job.trainers.values():
                 self._reply([ident], "progress", epoch=job.epoch, applied=cut)
+            for it in [i for i in self.tokens if i < cut]:
+                del self.tokens[it]
+
+    def _on_persisted(self, env, msg) -> None:
+        job = self.job
+        if job is None or msg["epoch"] != job.epoch:
+            return
+        for kind, iteration, per_shard in self.persist.on_report(job, msg, len(self.workers)):
+            if kind == "upload":
+                for x in self.workers:
+                    r = per_shard[x.id]
+                    self._reply([x.ident], "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"],
+                                checksum=r["checksum"])
 
     def _on_stale(self, env, msg) -> None:
         w = self._worker(env)
@@ -269,21 +290,25 @@ class Coordinator:
         if layout.hash != first["layout_hash"]:
             return fail("layout does not match its hash")
         old = self.job
-        if (old is not None and old.name == name and old.cut > first["iteration"] and not first["overwrite"]):
+        held = max(old.cut if old is not None and old.name == name else -1, self.persist.newest(name))
+        if held > first["iteration"] and not first["overwrite"]:
             return fail(
-                f"the cluster holds job {name!r} at iteration {old.cut}, newer than this trainer's iteration "
+                f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
                 f"{first['iteration']}; restore first (trainer_hooks.restore) or attach with overwrite=True")
         self.epoch += 1
         ranges = shard_bounds(layout.total, len(self.workers))
         self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
                           first["optim"], first["iteration"], ranges, idents)
         self.job.cut = first["iteration"] - 1
+        self.persist.reset(first["iteration"])
+        self.tokens.clear()
         for w in self.workers:
             w.configured, w.prepared, w.stale = -1, first["iteration"] - 1, ""
             start, stop = ranges[w.id]
             self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
                         layout=first["layout"], start=start, stop=stop, world=first["world"],
-                        optim=first["optim"], iteration=first["iteration"])
+                        optim=first["optim"], iteration=first["iteration"], persist=self.persist.config,
+                        shard=w.id, shards=len(self.workers))
         logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
                     name, self.epoch, len(self.workers), len(layout.params), layout.total)
 
@@ -316,6 +341,7 @@ class Coordinator:
                 for w in self.workers
             ],
             "job": None,
+            "persist": {name: t.status() for name, t in self.persist.tiers.items()},
         }
         if job is not None:
             out["job"] = {
@@ -328,26 +354,34 @@ class Coordinator:
         return out
 
     def _on_restore_info(self, env, msg) -> None:
+        """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
+        self._reply(env, "restore_info_reply", info={
+            "memory": self._memory_info(msg["job"]), "memory_error": self._memory_error(msg["job"]),
+            "storage": self.persist.storage(), "job": self.job.name if self.job else None})
+
+    def _memory_error(self, job_name: str | None) -> str:
         job = self.job
-        if job is None or (msg["job"] is not None and msg["job"] != job.name):
-            self._reply(env, "error", message=(
-                f"this cluster holds no checkpoint for job {msg['job']!r}" if msg["job"] else
-                "this cluster holds no checkpoint yet: no trainer has attached"))
-            return
+        if job is None or (job_name is not None and job_name != job.name):
+            return (f"shadow memory holds no checkpoint for job {job_name!r}" if job_name else
+                    "shadow memory holds no checkpoint yet: no trainer has attached")
         if job.cut < job.base:
-            self._reply(env, "error", message=f"job {job.name!r} has not finished its bootstrap; no checkpoint yet")
-            return
+            return f"job {job.name!r} has not finished its bootstrap; no checkpoint in memory yet"
         now = time.monotonic()
         lost = [w.id for w in self.workers if not w.alive(now) or w.stale]
         if lost:
-            self._reply(env, "error", message=f"workers {lost} are lost or stale; the in-memory checkpoint is incomplete")
-            return
-        self._reply(env, "restore_info_reply", info={
+            return f"workers {lost} are lost or stale; the in-memory checkpoint is incomplete"
+        return ""
+
+    def _memory_info(self, job_name: str | None) -> dict | None:
+        if self._memory_error(job_name):
+            return None
+        job = self.job
+        return {
             "job": job.name, "epoch": job.epoch, "iteration": job.cut, "layout": job.layout,
             "layout_hash": job.layout_hash, "world": job.world, "optim": job.optim,
             "workers": [{"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]}
                         for w in self.workers],
-        })
+        }
 
     def _on_shutdown(self, env, msg) -> None:
         for w in self.workers:

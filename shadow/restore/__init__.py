@@ -1,4 +1,5 @@
-"""Restore: fetch a consistent checkpoint (:class:`Snapshot`) from wherever it lives."""
-from shadow.restore.snapshot import Snapshot, fetch_snapshot
+"""Restore: find a consistent checkpoint (:class:`Snapshot`) wherever it lives."""
+from shadow.restore.resolve import resolve
+from shadow.restore.snapshot import Snapshot
 
-__all__ = ["Snapshot", "fetch_snapshot"]
+__all__ = ["Snapshot", "resolve"]

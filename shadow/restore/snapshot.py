@@ -7,14 +7,13 @@ opaque per-rank commit blobs (RNG, scheduler, extra state), all for one iteratio
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 from shadow import knobs
-from shadow.client import dealer, request
+from shadow.client import dealer
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
 from shadow.wire import messages as M
@@ -39,31 +38,13 @@ class Snapshot:
     extra: dict = field(default_factory=dict)
 
 
-def fetch_snapshot(address: str, job: str | None = None, timeout: float | None = None, attempts: int = 5) -> Snapshot:
-    """The newest committed iteration held in shadow memory behind ``address``."""
-    timeout = knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout
+class MovedOn(ShadowError):
+    """A live cluster applied a newer iteration while a restore was reading it."""
+
+
+def fetch_memory(info: dict, address: str) -> Snapshot:
+    """Read the iteration described by a coordinator's memory info from every worker."""
     ctx = zmq.Context.instance()
-    last: Exception | None = None
-    for attempt in range(attempts):
-        sock = dealer(ctx, address)
-        try:
-            info = request(sock, address, M.encode("restore_info", job=job), timeout, ("restore_info_reply",))["info"]
-        finally:
-            sock.close(linger=0)
-        try:
-            return _fetch_workers(ctx, address, info)
-        except _MovedOn as exc:  # training is live and the cluster moved on: try the newer cut
-            last = exc
-            logger.info("restore raced a live cluster (%s); retrying", exc)
-            time.sleep(0.05 * (attempt + 1))
-    raise ShadowError(f"could not fetch one consistent iteration from {address} in {attempts} attempts: {last}")
-
-
-class _MovedOn(Exception):
-    pass
-
-
-def _fetch_workers(ctx: zmq.Context, address: str, info: dict) -> Snapshot:
     layout = Layout.from_dict(info["layout"])
     if layout.hash != info["layout_hash"]:
         raise ShadowError("coordinator sent a layout that does not match its hash")
@@ -86,7 +67,7 @@ def _fetch_workers(ctx: zmq.Context, address: str, info: dict) -> Snapshot:
         head = M.decode(parts[0])
         if head["t"] == "error":
             if "moved on" in head["message"]:
-                raise _MovedOn(head["message"])
+                raise MovedOn(head["message"])
             raise ShadowError(f"worker {w['id']}: {head['message']}")
         if head["t"] != "fetch_reply" or head["iteration"] != info["iteration"]:
             raise ShadowError(f"worker {w['id']} answered for iteration {head.get('iteration')}, not {info['iteration']}")

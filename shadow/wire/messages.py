@@ -19,7 +19,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> coordinator
     "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,)},
     "configured": {"epoch": (int,)},
-    "prepared": {"epoch": (int,), "iteration": (int,)},
+    "prepared": {"epoch": (int,), "iteration": (int,), "tokens": (int, type(None))},
+    "persisted": {"epoch": (int,), "iteration": (int,), "tier": (str,), "shard": (int,), "ok": (bool,),
+                  "error": (str,), "file": (str,), "start": (int,), "stop": (int,), "bytes": (int,),
+                  "checksum": (str,), "seconds": (float, int), "commit": (dict, type(None)), "blob_ranks": (list,)},
     "applied": {"epoch": (int,), "iteration": (int,)},
     "stale": {"epoch": (int,), "reason": (str,)},
     "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
@@ -27,7 +30,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # coordinator -> worker
     "registered": {"worker_id": (int,)},
     "configure": {"epoch": (int,), "job": (str,), "job_id": (int,), "layout": (dict,), "start": (int,),
-                  "stop": (int,), "world": (int,), "optim": (dict,), "iteration": (int,)},
+                  "stop": (int,), "world": (int,), "optim": (dict,), "iteration": (int,), "persist": (dict,),
+                  "shard": (int,), "shards": (int,)},
+    "persist": {"epoch": (int,), "iteration": (int,)},
+    "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
     "apply": {"epoch": (int,), "iteration": (int,)},
     "shutdown": {},
     # trainer -> coordinator

@@ -22,6 +22,7 @@ import zmq
 
 from shadow import knobs
 from shadow.layout import Layout
+from shadow.persist.writer import ShardPersister
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.worker.inbox import Inbox
@@ -49,7 +50,11 @@ class _Session:
         self.prepared = self.base - 1  # highest iteration reported PREPARED
         self.seen = self.base - 1
         self.blobs: dict[int, bytes] = {}  # rank -> commit blob of the applied iteration
+        self.commit: dict | None = None  # rank 0's replay record of the applied iteration
         self.stale: str | None = None
+        persist = msg["persist"]
+        self.persister = (ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
+                          if persist.get("local", {}).get("dir") else None)
 
 
 class Worker:
@@ -99,7 +104,8 @@ class Worker:
         next_hb = time.monotonic() + hb
         try:
             while not self._stop:
-                events = dict(poller.poll(timeout=max(0.0, next_hb - time.monotonic()) * 1000))
+                wait = min(max(0.0, next_hb - time.monotonic()), 0.05)
+                events = dict(poller.poll(timeout=wait * 1000))
                 if self.ctrl in events:
                     self._drain(self.ctrl, self._on_ctrl)
                 if self.data in events:
@@ -111,6 +117,7 @@ class Worker:
                     next_hb = now + hb
                     self._heartbeat()
                     self._expire_fetches(now)
+                self._report_persisted()
         finally:
             self._close()
 
@@ -149,6 +156,12 @@ class Worker:
             self._configure(msg)
         elif t == "apply":
             self._apply_upto(msg["epoch"], msg["iteration"])
+        elif t == "persist":
+            self._persist(msg)
+        elif t == "upload":
+            s = self.session
+            if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
+                s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
         elif t == "shutdown":
             self._stop = True
         else:
@@ -190,7 +203,26 @@ class Worker:
             s.inbox.release(k)
             s.applied = k
             s.blobs = slot.blobs
+            s.commit = slot.commits[0]
         self._answer_fetches()
+
+    def _persist(self, msg: dict) -> None:
+        s = self.session
+        if s is None or msg["epoch"] != s.epoch or s.persister is None:
+            return
+        if s.applied != msg["iteration"]:
+            self._to_coord("persisted", **s.persister.report(
+                msg["iteration"], s.epoch, "local", False, f"worker is at iteration {s.applied}"))
+            return
+        commit = {k: v for k, v in s.commit.items() if k not in ("steps", "has_state", "sent")} if s.commit else None
+        s.persister.snapshot(s.applied, s.epoch, s.world, s.blobs, commit)
+
+    def _report_persisted(self) -> None:
+        s = self.session
+        if s is None or s.persister is None:
+            return
+        for rep in s.persister.results():
+            self._to_coord("persisted", **rep)
 
     def _go_stale(self, reason: str) -> None:
         s = self.session
@@ -321,7 +353,8 @@ class Worker:
             k += 1
         if k - 1 > s.prepared:
             s.prepared = k - 1
-            self._to_coord("prepared", epoch=s.epoch, iteration=s.prepared)
+            c = s.inbox.slots[s.prepared].commits[0]
+            self._to_coord("prepared", epoch=s.epoch, iteration=s.prepared, tokens=c.get("tokens"))
 
     # -- restore serving ----------------------------------------------------------------------
     def _on_serve(self, sock) -> None:

@@ -1,0 +1,1 @@
+"""Persistence tiers: shard files, manifests, the catalog of checkpoints on storage."""

@@ -1,0 +1,140 @@
+"""Worker side of persistence: snapshot the range at an iteration boundary into the
+preallocated shard image, write it in a background thread, copy it to the remote tier.
+
+Call order (worker main thread): ``snapshot(k)`` right after applying k (a copy into the
+image; replay continues while the thread writes) -> ``results()`` each loop turn, whose
+reports go to the coordinator. One write is in flight at a time; a snapshot requested
+while the previous write is running is reported as skipped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import queue
+import threading
+import time
+
+import fsspec
+import numpy as np
+
+from shadow import knobs
+from shadow.persist import catalog, shardfile
+
+logger = logging.getLogger(__name__)
+
+
+class ShardPersister:
+    def __init__(self, persist: dict, job: str, shard: int, nshards: int, state) -> None:
+        self.local = persist["local"]["dir"]
+        self.remote = persist["remote"]["url"]
+        self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
+        n, p = state.size, len(state.layout.params)
+        big = len(state.fields()) * n * 4
+        self.image = shardfile.ShardImage(big + p * 17 + (1 << 20)) if self.local else None
+        self._busy = threading.Event()
+        self._results: queue.Queue = queue.Queue()
+        self._uploads: queue.Queue = queue.Queue()
+        if self.remote:
+            threading.Thread(target=self._upload_loop, name="shadow-upload", daemon=True).start()
+
+    def file_name(self) -> str:
+        return catalog.shard_name(self.shard, self.nshards)
+
+    def local_path(self, iteration: int) -> str:
+        d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration)
+        return os.path.join(d, self.file_name())
+
+    def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None) -> None:
+        """Copy the range as of ``iteration`` into the image and start writing it."""
+        if self._busy.is_set():
+            self._results.put(self.report(iteration, epoch, "local", False,
+                                           "skipped: the previous checkpoint write is still running"))
+            return
+        st = self.state
+        idx = np.flatnonzero(st.in_range).astype(np.int64)
+        entries = [shardfile.Entry(f.name.lower(), "F32", st.size) for f in st.fields()]
+        entries += [shardfile.Entry("param_index", "I64", len(idx)), shardfile.Entry("steps", "F64", len(idx)),
+                    shardfile.Entry("has_state", "U8", len(idx))]
+        entries += [shardfile.Entry(f"commit.rank{r}", "U8", len(b)) for r, b in sorted(blobs.items())]
+        meta = {"format": shardfile.FORMAT, "job": self.job, "epoch": str(epoch), "iteration": str(iteration),
+                "start": str(st.start), "stop": str(st.stop), "shard": str(self.shard),
+                "shards": str(self.nshards), "layout_hash": f"{st.layout.hash:016x}", "world": str(world)}
+        img = self.image
+        img.layout(entries, meta)
+        for f in st.fields():
+            img.fill(f.name.lower(), st.array(f))
+        img.fill("param_index", idx)
+        img.fill("steps", st.steps[idx])
+        img.fill("has_state", st.has_state[idx].astype(np.uint8))
+        for r, b in blobs.items():
+            img.fill(f"commit.rank{r}", np.frombuffer(b, dtype=np.uint8))
+        self._busy.set()
+        extra = {"commit": commit, "blob_ranks": sorted(blobs)}
+        threading.Thread(target=self._write, args=(iteration, epoch, extra), name="shadow-persist",
+                         daemon=True).start()
+
+    def _write(self, iteration: int, epoch: int, extra: dict) -> None:
+        t0 = time.monotonic()
+        path = self.local_path(iteration)
+        try:
+            die = knobs.fault("PERSIST_DIE_AT")
+            if die and int(die) == iteration:
+                _die_mid_write(self.image, path)
+            csum = self.image.checksum()
+            nbytes = self.image.write(path)
+            rep = self.report(iteration, epoch, "local", True, "", bytes=nbytes, checksum=f"{csum:016x}",
+                               seconds=time.monotonic() - t0, **extra)
+            logger.info("persisted iteration %d shard %d: %d bytes in %.3f s", iteration, self.shard, nbytes,
+                        time.monotonic() - t0)
+        except OSError as exc:
+            logger.error("persisting iteration %d to %s failed: %s", iteration, path, exc)
+            rep = self.report(iteration, epoch, "local", False, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._busy.clear()
+        self._results.put(rep)
+
+    def upload(self, iteration: int, epoch: int, nbytes: int, checksum: str) -> None:
+        self._uploads.put((iteration, epoch, nbytes, checksum))
+
+    def _upload_loop(self) -> None:
+        while True:
+            iteration, epoch, nbytes, csum = self._uploads.get()
+            t0 = time.monotonic()
+            src = self.local_path(iteration)
+            dst = posixpath.join(catalog.checkpoint_dir(self.remote, self.job, iteration), self.file_name())
+            try:
+                fs, path = fsspec.core.url_to_fs(dst)
+                fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                fs.put_file(src, path)
+                rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
+                                   seconds=time.monotonic() - t0)
+            except Exception as exc:  # fsspec back ends raise many types
+                logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, exc)
+                rep = self.report(iteration, epoch, "remote", False, f"{type(exc).__name__}: {exc}")
+            self._results.put(rep)
+
+    def report(self, iteration: int, epoch: int, tier: str, ok: bool, error: str, **kw) -> dict:
+        return {"epoch": epoch, "iteration": iteration, "tier": tier, "shard": self.shard, "ok": ok,
+                "error": error, "file": self.file_name(), "start": self.state.start, "stop": self.state.stop,
+                "bytes": kw.get("bytes", 0), "checksum": kw.get("checksum", ""),
+                "seconds": kw.get("seconds", 0.0), "commit": kw.get("commit"), "blob_ranks": kw.get("blob_ranks", [])}
+
+    def results(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+
+def _die_mid_write(image: shardfile.ShardImage, path: str) -> None:
+    """Fault injection (tests): write half the image to the temporary file, then die."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as f:
+        f.write(memoryview(image.buf)[:image.size // 2])
+        f.flush()
+        os.fsync(f.fileno())
+    logger.error("fault injection: worker dying in the middle of a checkpoint write")
+    os._exit(137)
