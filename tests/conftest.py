@@ -39,15 +39,16 @@ def status(address: str, timeout: float = 5.0) -> dict:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, workers: int = 2) -> None:
-        self.port = free_port()
+    def __init__(self, tmp: Path, workers: int = 2, args: tuple[str, ...] = (), env: dict | None = None,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.workers = workers
         self.log = tmp / f"cluster-{self.port}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shadow", "cluster", f"workers={workers}", f"port={self.port}",
-             "threads_per_worker=1"],
-            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+             "threads_per_worker=1", *args],
+            stdout=open(self.log, "a"), stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})))
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -78,6 +79,17 @@ class Cluster:
                 return st
             time.sleep(0.1)
         raise TimeoutError("cluster did not settle")
+
+    def kill_all(self) -> None:
+        """SIGKILL the coordinator and every worker process."""
+        pids = [w["pid"] for w in self.status()["workers"]]
+        self.proc.kill()
+        self.proc.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def stop(self) -> None:
         if self.proc.poll() is None:

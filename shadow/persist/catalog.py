@@ -12,7 +12,7 @@ import logging
 import os
 import posixpath
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fsspec
 import numpy as np
@@ -55,8 +55,9 @@ def shard_name(index: int, count: int) -> str:
 class CheckpointInfo:
     root: str
     tier: str
-    path: str  # directory
+    path: str  # directory, in the file system's own terms
     manifest: dict
+    fs: object = field(default=None, repr=False, compare=False)
 
     @property
     def job(self) -> str:
@@ -109,7 +110,7 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> 
             logger.warning("ignoring unreadable manifest %s: %s", mpath, exc)
             continue
         d = posixpath.dirname(mpath)
-        out.append(CheckpointInfo(root, tier, d, manifest))
+        out.append(CheckpointInfo(root, tier, d, manifest, fs))
     out.sort(key=lambda c: (c.manifest.get("created", 0), c.iteration))
     return out
 
@@ -139,7 +140,7 @@ def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
 
 def verify(info: CheckpointInfo) -> list[str]:
     """Re-read every shard and check size and checksum; returns the problems found."""
-    fs, _ = _fs(info.path)
+    fs = info.fs
     problems = []
     for shard in info.manifest["shards"]:
         try:
@@ -151,7 +152,7 @@ def verify(info: CheckpointInfo) -> list[str]:
 
 def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``)."""
-    fs, _ = _fs(info.path)
+    fs = info.fs
     m = info.manifest
     layout = Layout.from_dict(m["layout"])
     if f"{layout.hash:016x}" != m["layout_hash"]:

@@ -34,7 +34,7 @@ def resolve(source: str, job: str | None = None, iteration: int | None = None, t
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``)."""
     timeout = knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout
     if not is_endpoint(source):
-        tier = "local" if catalog.is_local(source) else "remote"
+        tier = "remote" if "://" in source else "local"  # a URL names a remote copy; a path, a local dir
         return catalog.find(source, tier, job, iteration)[1]
     errors = []
     for attempt in range(attempts):

@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--amsgrad", action="store_true")
     ap.add_argument("--job", default="default")
+    ap.add_argument("--dump-dir", default="", help="save every rank's state after every iteration")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -99,6 +100,10 @@ def main() -> None:
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if args.dump_dir:
+            os.makedirs(args.dump_dir, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "rng": torch.get_rng_state()}, os.path.join(args.dump_dir, f"it{it}-rank{rank}.pt"))
         if it == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
     if session is not None:

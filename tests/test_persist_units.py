@@ -1,0 +1,131 @@
+"""Shard files, manifests, the catalog and tier schedules, without processes."""
+from __future__ import annotations
+
+import json
+import os
+
+import fsspec
+import numpy as np
+import pytest
+
+from shadow.coordinator.persistence import due
+from shadow.layout import Layout
+from shadow.persist import catalog, shardfile
+from shadow.wire.frames import Field, checksum
+
+
+def _image(start: int, stop: int, iteration: int, seed: int) -> shardfile.ShardImage:
+    rng = np.random.default_rng(seed)
+    n = stop - start
+    img = shardfile.ShardImage(1024)
+    entries = [shardfile.Entry(name, "F32", n) for name in ("param", "exp_avg", "exp_avg_sq")]
+    entries += [shardfile.Entry("param_index", "I64", 1), shardfile.Entry("steps", "F64", 1),
+                shardfile.Entry("has_state", "U8", 1), shardfile.Entry("commit.rank0", "U8", 3)]
+    img.layout(entries, {"format": shardfile.FORMAT, "start": str(start), "stop": str(stop),
+                         "iteration": str(iteration)})
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        img.fill(name, rng.standard_normal(n).astype(np.float32))
+    img.fill("param_index", np.array([0 if start == 0 else 1], dtype=np.int64))
+    img.fill("steps", np.array([float(iteration)]))
+    img.fill("has_state", np.array([1], dtype=np.uint8))
+    img.fill("commit.rank0", np.frombuffer(b"abc", dtype=np.uint8))
+    return img
+
+
+def test_shard_image_is_aligned_and_readable_by_safetensors(tmp_path):
+    from safetensors.numpy import load_file
+
+    img = _image(0, 1000, 5, 0)
+    assert img.data_start % shardfile.PAGE == 0 and img.buf.ctypes.data % shardfile.PAGE == 0
+    path = str(tmp_path / "s.safetensors")
+    assert img.write(path) == img.size == os.path.getsize(path)
+    loaded = load_file(path)
+    assert np.array_equal(loaded["param"], img.view("param")) and loaded["commit.rank0"].tobytes() == b"abc"
+    meta, tensors = shardfile.parse(open(path, "rb").read())
+    assert meta["iteration"] == "5" and np.array_equal(tensors["exp_avg"], img.view("exp_avg"))
+    assert not os.path.exists(path + ".tmp")
+
+
+def _write_checkpoint(root: str, job: str, iteration: int, layout: Layout) -> None:
+    shards = []
+    d = catalog.checkpoint_dir(root, job, iteration)
+    fs, p = fsspec.core.url_to_fs(d)
+    fs.makedirs(p, exist_ok=True)
+    for i, (lo, hi) in enumerate([(0, 16), (16, layout.total)]):
+        img = _image(lo, hi, iteration, iteration * 10 + i)
+        data = bytes(memoryview(img.buf)[:img.size])
+        fs.pipe_file(p + "/" + catalog.shard_name(i, 2), data)
+        shards.append({"index": i, "start": lo, "stop": hi, "file": catalog.shard_name(i, 2), "bytes": len(data),
+                       "checksum": f"{checksum(data):016x}", "blob_ranks": [0]})
+    m = catalog.new_manifest(job, iteration, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None,
+                             None, shards)
+    catalog.write_manifest(root, job, iteration, m)
+
+
+LAYOUT = Layout.build([("a", (16,), 0, True), ("b", (20,), 0, True)], 1)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_catalog_roundtrip_corruption_and_fallback(tmp_path, kind):
+    root = str(tmp_path / "ckpt") if kind == "local" else f"memory://ckpt-{os.getpid()}"
+    for it in (3, 6):
+        _write_checkpoint(root, "j", it, LAYOUT)
+    # a torn write: shard files, no manifest
+    fs, p = fsspec.core.url_to_fs(catalog.checkpoint_dir(root, "j", 9))
+    fs.makedirs(p, exist_ok=True)
+    fs.pipe_file(p + "/" + catalog.shard_name(0, 2), b"partial")
+    assert [c.iteration for c in catalog.list_checkpoints(root)] == [3, 6]
+    assert catalog.list_torn(root)[0].endswith("iteration-0000000009")
+    info, snap = catalog.find(root, kind)
+    assert snap.iteration == 6 and snap.steps[0] == 6.0 and snap.blobs == {0: b"abc"}
+    assert snap.arrays[Field.PARAM].shape == (LAYOUT.total,)
+
+    # corrupt one byte of iteration 6, shard 1
+    shard_path = p.replace("iteration-0000000009", "iteration-0000000006") + "/" + catalog.shard_name(1, 2)
+    data = bytearray(fs.cat_file(shard_path))
+    data[-5] ^= 0xFF
+    fs.pipe_file(shard_path, bytes(data))
+    bad = [c for c in catalog.list_checkpoints(root) if c.iteration == 6][0]
+    problems = catalog.verify(bad)
+    assert len(problems) == 1 and "shard 1" in problems[0] and "checksum" in problems[0]
+    info, snap = catalog.find(root, kind)  # newest: falls back to the older complete one
+    assert snap.iteration == 3
+    with pytest.raises(catalog.CheckpointError, match="shard 1 .*checksum"):
+        catalog.find(root, kind, iteration=6)
+    with pytest.raises(catalog.CheckpointError, match="no complete checkpoint of iteration 7"):
+        catalog.find(root, kind, iteration=7)
+
+
+def test_retention_keeps_newest_and_only_deletes_after_a_complete_one(tmp_path):
+    root = str(tmp_path)
+    os.makedirs(catalog.checkpoint_dir(root, "j", 1))  # torn, and nothing complete yet
+    assert catalog.retain(root, "j", 1) == []
+    for it in (2, 4, 6):
+        _write_checkpoint(root, "j", it, LAYOUT)
+    os.makedirs(catalog.checkpoint_dir(root, "j", 8))  # a write in progress, newer than the newest complete
+    removed = catalog.retain(root, "j", 2)
+    assert sorted(os.path.basename(r) for r in removed) == ["iteration-0000000001", "iteration-0000000002"]
+    assert [c.iteration for c in catalog.list_checkpoints(root)] == [4, 6]
+    assert os.path.isdir(catalog.checkpoint_dir(root, "j", 8))
+
+
+def test_missing_root_and_unknown_manifest_format(tmp_path):
+    with pytest.raises(catalog.CheckpointError, match="no complete checkpoint"):
+        catalog.find(str(tmp_path / "nothing"), "local")
+    _write_checkpoint(str(tmp_path), "j", 1, LAYOUT)
+    mpath = os.path.join(catalog.checkpoint_dir(str(tmp_path), "j", 1), catalog.MANIFEST)
+    m = json.load(open(mpath))
+    m["format"] = "something-else/9"
+    json.dump(m, open(mpath, "w"))
+    assert catalog.list_checkpoints(str(tmp_path)) == []
+
+
+def test_schedules():
+    cfg = {"every_n": 5, "every_s": 0.0, "every_tokens": 0}
+    assert not due(cfg, 4, 0.0, None, (0, 0.0, None)) and due(cfg, 5, 0.0, None, (0, 0.0, None))
+    assert due(cfg, 12, 0.0, None, (7, 0.0, None)) and not due(cfg, 11, 0.0, None, (7, 0.0, None))
+    cfg = {"every_n": 0, "every_s": 2.0, "every_tokens": 0}
+    assert not due(cfg, 100, 1.0, None, (0, 0.0, None)) and due(cfg, 1, 2.5, None, (0, 0.0, None))
+    cfg = {"every_n": 0, "every_s": 0.0, "every_tokens": 1000}
+    assert not due(cfg, 9, 0.0, 900, (0, 0.0, 0)) and due(cfg, 9, 0.0, 1000, (0, 0.0, 0))
+    assert not due(cfg, 9, 0.0, None, (0, 0.0, 0))

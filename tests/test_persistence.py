@@ -1,0 +1,181 @@
+"""Persistence with real processes: tiers written while training, everything killed,
+restore from disk bit for bit; torn writes; corruption; unwritable tiers; exports."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, Cluster, rank_logs, run_ranks
+from tests.helpers.tiny_trainer import build
+from tests.test_integration import assert_same_state
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run (no shadow) that dumps every rank's state after every iteration."""
+    tmp = tmp_path_factory.mktemp("ref")
+    assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS), "--dump-dir", str(tmp / "dump")) == [0, 0], \
+        rank_logs(tmp)
+
+    def at(it: int, rank: int) -> dict:
+        return torch.load(tmp / "dump" / f"it{it}-rank{rank}.pt", weights_only=True)
+
+    at.final = [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return at
+
+
+def shadow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180)
+
+
+def restored_state(source: str, **kw) -> tuple[dict, object]:
+    import trainer_hooks
+
+    model, opt, sched = build(seed=123)
+    info = trainer_hooks.restore(model, opt, source=source, scheduler=sched, **kw)
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": torch.get_rng_state()}, info
+
+
+def test_kill_everything_then_restore_from_disk(tmp_path, reference):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    args = (f"persist.local.dir={local}", "persist.local.every_n=3", "persist.local.keep=2",
+            f"persist.remote.url=file://{remote}", "persist.remote.every_n=6", "persist.remote.keep=0")
+    cluster = Cluster(tmp_path, args=args)
+    try:
+        codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
+                          "--steps", str(STEPS), "--kill-at", "8")
+        assert codes == [-9, -9], rank_logs(tmp_path)
+        st = cluster.settled()
+        assert st["persist"]["local"]["last_complete"]["iteration"] == 6, st["persist"]
+    finally:
+        cluster.kill_all()
+    # everything is dead: restore straight from the local directory, then from the remote copy
+    for source, tier in ((str(local), "local"), (f"file://{remote}", "remote")):
+        state, info = restored_state(source, rank=1)
+        assert (info.iteration, info.tier) == (6, tier)
+        assert_same_state(state, reference(6, 0))
+        assert torch.equal(state["rng"], reference(6, 1)["rng"])
+    res = shadow("ls", f"source={local}", "json=true")
+    assert res.returncode == 0, res.stderr
+    assert sorted(r["iteration"] for r in json.loads(res.stdout) if r["state"] == "complete") == [3, 6]
+    assert shadow("verify", f"source={local}").returncode == 0
+
+    # a restarted cluster with the same persist dir serves the restore before any trainer attaches,
+    # and the resumed run ends where the uninterrupted one did
+    cluster = Cluster(tmp_path, args=args)
+    try:
+        state, info = restored_state(cluster.address)
+        assert (info.iteration, info.tier) == (6, "local")
+        out = tmp_path / "resumed"
+        assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
+                         "--steps", str(STEPS)) == [0, 0], rank_logs(tmp_path)
+        for r in range(2):
+            resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
+            assert resumed["start"] == 6
+            assert_same_state(resumed, reference.final[r])
+            assert resumed["losses"] == reference.final[r]["losses"][6:]
+    finally:
+        cluster.stop()
+
+
+def test_worker_dying_mid_write_leaves_previous_checkpoint(tmp_path, reference):
+    local = tmp_path / "local"
+    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=3"),
+                      env={"SHADOW_FAULT_PERSIST_DIE_AT": "6"})
+    try:
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
+                         "--steps", "9") == [0, 0], rank_logs(tmp_path)
+    finally:
+        cluster.kill_all()
+    rows = json.loads(shadow("ls", f"source={local}", "json=true").stdout)
+    assert {r["iteration"]: r["state"] for r in rows} == {3: "complete", 6: "incomplete"}
+    state, info = restored_state(str(local))
+    assert info.iteration == 3
+    assert_same_state(state, reference(3, 0))
+
+
+def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
+    local = tmp_path / "local"
+    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=4", "persist.local.keep=0"))
+    try:
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
+                         "--steps", "8") == [0, 0], rank_logs(tmp_path)
+        cluster.settled()
+    finally:
+        cluster.stop()
+    shard = next((local / "default" / "iteration-0000000008").glob("shard-00001-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    res = shadow("verify", f"source={local}")
+    assert res.returncode == 1 and "iteration 8: CORRUPT" in res.stdout and "shard 1" in res.stdout
+    assert "iteration 4: OK" in res.stdout
+    state, info = restored_state(str(local))  # newest intact
+    assert info.iteration == 4
+    assert_same_state(state, reference(4, 0))
+    import trainer_hooks
+
+    model, opt, sched = build(seed=5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(trainer_hooks.ShadowError, match="shard 1 .*checksum"):
+        trainer_hooks.restore(model, opt, source=str(local), iteration=8)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    res = shadow("restore", f"source={local}", f"out={tmp_path / 'x.pt'}", "iteration=8")
+    assert res.returncode == 1 and "shard 1" in res.stderr
+
+
+def test_unwritable_tier_is_reported_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    cluster = Cluster(tmp_path, args=(f"persist.local.dir={blocker}", "persist.local.every_n=2"))
+    try:
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
+                         "--steps", "6") == [0, 0], rank_logs(tmp_path)
+        st = cluster.settled()
+        assert st["job"]["committed"] == 6  # replay went on
+        local = st["persist"]["local"]
+        assert local["last_complete"] is None and "NotADirectoryError" in local["last_error"]
+        assert "ERROR" in shadow("status", f"address={cluster.address}").stdout
+    finally:
+        cluster.stop()
+
+
+def test_exports_load_with_standard_tools(tmp_path, cluster):
+    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
+                     "--steps", "5") == [0, 0], rank_logs(tmp_path)
+    trained = torch.load(tmp_path / "o" / "rank0.pt", weights_only=True)
+    # DCP: load into the state dicts torch.distributed.checkpoint.state_dict produces
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    assert shadow("restore", f"source={cluster.address}", f"out={tmp_path / 'dcp'}", "format=dcp").returncode == 0
+    model, opt, _ = build(seed=77)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for k, v in trained["model"].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    for i, st in trained["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(opt.state_dict()["state"][i][k], v), (i, k)
+    # safetensors: the model weights
+    from safetensors.torch import load_file
+
+    assert shadow("restore", f"source={cluster.address}", f"out={tmp_path / 'w.safetensors'}",
+                  "format=safetensors").returncode == 0
+    weights = load_file(tmp_path / "w.safetensors")
+    assert weights.keys() == trained["model"].keys()
+    assert all(torch.equal(weights[k], trained["model"][k]) for k in weights)
+    res = shadow("restore", f"source={cluster.address}", "out=/tmp/x", "format=onnx")
+    assert res.returncode == 2 and "torch" in res.stderr
