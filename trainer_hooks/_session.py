@@ -77,7 +77,8 @@ class Session:
 
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
                  scheduler: Any = None, extra_state: Callable[[], Any] | None = None, job: str = "default",
-                 iteration: int | None = None, overwrite: bool = False, policy: str = "block") -> None:
+                 iteration: int | None = None, overwrite: bool = False, policy: str = "block",
+                 tokens: Callable[[], int] | None = None) -> None:
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
                             f"reduced gradient buckets); got {type(ddp_model).__name__}")
@@ -85,6 +86,9 @@ class Session:
             raise ValueError(f"back-pressure policy {policy!r} is not supported; choose one of {POLICIES}")
         if extra_state is not None and not callable(extra_state):
             raise TypeError("extra_state must be a callable returning the state to save each iteration")
+        if tokens is not None and not callable(tokens):
+            raise TypeError("tokens must be a callable returning the number of tokens trained on so far")
+        self.tokens = tokens
         self.model, self.optimizer, self.scheduler, self.extra_state = ddp_model, optimizer, scheduler, extra_state
         self.coordinator, self.job, self.policy = coordinator, job, policy
         self.pg = ddp_model.process_group
@@ -308,7 +312,8 @@ class Session:
             self._next = k + 1
         replay = {"iteration": k, "rank": self.rank, "groups": _optim.replay_groups(optimizer),
                   "skipped": [i for i, p in enumerate(self.params) if p.grad is None],
-                  "clip": self._clip, "bootstrap": False}
+                  "clip": self._clip, "bootstrap": False,
+                  "tokens": int(self.tokens()) if self.tokens is not None else None}
         self._clip = None
         extra = self.extra_state() if self.extra_state is not None else None
         self._pending = (k, replay, _rng.capture(), extra, sent)

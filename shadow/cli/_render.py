@@ -20,6 +20,20 @@ def stage(text: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def byte_progress(text: str) -> Iterator:
+    """A progress bar fed ``(done_bytes, total_bytes)``, on a terminal only."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(text, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def render_checkpoints(rows: list[dict], source: str) -> None:
     t = Table(title=f"checkpoints behind {source}")
     for col in ("job", "iteration", "tier", "time", "size", "state", "path"):

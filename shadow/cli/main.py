@@ -143,12 +143,12 @@ def cmd_status(cfg: StatusConfig) -> int:
 
 
 def cmd_restore(cfg: RestoreConfig) -> int:
-    from shadow.cli._render import stage
+    from shadow.cli._render import byte_progress, stage
     from shadow.restore import resolve
 
     t0 = time.monotonic()
-    with stage(f"finding and reading the checkpoint behind {cfg.source}"):
-        snap = resolve(cfg.source, job=cfg.job, iteration=cfg.iteration, timeout=cfg.timeout)
+    with byte_progress(f"reading the checkpoint behind {cfg.source}") as progress:
+        snap = resolve(cfg.source, job=cfg.job, iteration=cfg.iteration, timeout=cfg.timeout, progress=progress)
     with stage(f"writing {cfg.out} ({cfg.format})"):
         from trainer_hooks import export
 

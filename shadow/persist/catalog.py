@@ -150,9 +150,52 @@ def verify(info: CheckpointInfo) -> list[str]:
     return problems
 
 
+def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict, total: int) -> dict:
+    """One shard's tensors; the big arrays land directly in ``arrays`` (local files) or
+    are copied there (other file systems)."""
+    lo, hi = shard["start"], shard["stop"]
+    where = f"iteration {info.iteration} ({info.tier}): shard {shard['index']}"
+    path = posixpath.join(info.path, shard["file"])
+    if is_local(info.root):
+        def target(name, dtype, count):
+            fld = _FIELDS.get(name)
+            if fld is None:
+                return None
+            if count != hi - lo:
+                raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
+            if fld not in arrays:
+                arrays[fld] = np.empty(total, dtype=np.float32)
+            return arrays[fld][lo:hi]
+
+        try:
+            meta, tensors, csum, size = shardfile.read_into(path, target)
+        except FileNotFoundError:
+            raise CheckpointError(f"{where} file {path} is missing") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{where} ({path}): {exc}") from None
+        if size != shard["bytes"]:
+            raise CheckpointError(f"{where} ({path}) is {size} bytes, manifest says {shard['bytes']}")
+        if check and f"{csum:016x}" != shard["checksum"]:
+            raise CheckpointError(f"{where} ({path}) fails its checksum: the file is corrupt")
+    else:
+        data = _read_shard(info.fs, info, shard, check)
+        try:
+            meta, tensors = shardfile.parse(data)
+        except ValueError as exc:
+            raise CheckpointError(f"{where} ({path}): {exc}") from None
+        for name, fld in _FIELDS.items():
+            if name in tensors:
+                if len(tensors[name]) != hi - lo:
+                    raise CheckpointError(f"{where}: {name} has the wrong size")
+                arrays.setdefault(fld, np.empty(total, dtype=np.float32))[lo:hi] = tensors[name]
+    if (int(meta["start"]), int(meta["stop"]), int(meta["iteration"])) != (lo, hi, info.iteration):
+        raise CheckpointError(f"{where} holds another range or iteration")
+    return tensors
+
+
 def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
-    """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``)."""
-    fs = info.fs
+    """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``);
+    ``progress(done_bytes, total_bytes)`` is called after each shard."""
     m = info.manifest
     layout = Layout.from_dict(m["layout"])
     if f"{layout.hash:016x}" != m["layout_hash"]:
@@ -162,19 +205,10 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)
     blobs: dict[int, bytes] = {}
-    covered = 0
+    covered = done = 0
     for shard in m["shards"]:
-        data = _read_shard(fs, info, shard, check)
-        meta, tensors = shardfile.parse(data)
-        lo, hi = shard["start"], shard["stop"]
-        if (int(meta["start"]), int(meta["stop"]), int(meta["iteration"])) != (lo, hi, info.iteration):
-            raise CheckpointError(f"iteration {info.iteration}: shard {shard['index']} holds another range or iteration")
-        for name, fld in _FIELDS.items():
-            if name in tensors:
-                arr = arrays.setdefault(fld, np.zeros(total, dtype=np.float32))
-                if len(tensors[name]) != hi - lo:
-                    raise CheckpointError(f"iteration {info.iteration}: shard {shard['index']} {name} has the wrong size")
-                arr[lo:hi] = tensors[name]
+        tensors = _shard_tensors(info, shard, check, arrays, total)
+        lo = shard["start"]
         for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"]):
             if layout.params[int(i)].offset >= lo:
                 steps[int(i)] = s
@@ -182,9 +216,10 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
         for name, t in tensors.items():
             if name.startswith("commit.rank"):
                 blobs[int(name[len("commit.rank"):])] = t.tobytes()
-        covered += hi - lo
+        covered += shard["stop"] - lo
+        done += shard["bytes"]
         if progress is not None:
-            progress(shard["bytes"])
+            progress(done, info.bytes)
     if covered != total:
         raise CheckpointError(f"iteration {info.iteration}: shards cover {covered} of {total} elements")
     missing = sorted(set(range(m["world"])) - set(blobs))
@@ -195,7 +230,7 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
 
 
 def find(root: str, tier: str, job: str | None = None, iteration: int | None = None,
-         check: bool = True) -> tuple[CheckpointInfo, Snapshot]:
+         check: bool = True, progress=None) -> tuple[CheckpointInfo, Snapshot]:
     """The newest complete checkpoint that reads back intact (or exactly ``iteration``).
 
     When picking the newest, a corrupt checkpoint is skipped (with a warning) in favour
@@ -208,7 +243,7 @@ def find(root: str, tier: str, job: str | None = None, iteration: int | None = N
         found = [c for c in found if c.iteration == iteration]
         if not found:
             raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
-        return found[-1], load(found[-1], check)
+        return found[-1], load(found[-1], check, progress)
     if not found:
         torn = list_torn(root, job)
         extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
@@ -216,7 +251,7 @@ def find(root: str, tier: str, job: str | None = None, iteration: int | None = N
     errors = []
     for info in reversed(found):
         try:
-            return info, load(info, check)
+            return info, load(info, check, progress)
         except CheckpointError as exc:
             logger.warning("skipping checkpoint: %s", exc)
             errors.append(str(exc))

@@ -12,9 +12,12 @@ import json
 import logging
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+import xxhash
 
 from shadow.wire.frames import checksum
 
@@ -138,6 +141,72 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+READ_PIECE = 64 << 20  # bytes per parallel read
+READ_THREADS = 4
+
+
+def _header(raw: bytes) -> tuple[dict, dict]:
+    header = json.loads(raw)
+    meta = header.pop("__metadata__", {})
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not a shadow shard file (format {meta.get('format')!r})")
+    return meta, header
+
+
+def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | None]) -> tuple[dict, dict, int, int]:
+    """Read a local shard file straight into caller-provided arrays, in parallel pieces.
+
+    ``target(name, dtype, count)`` returns where tensor ``name`` goes (or None for a
+    fresh array). Returns ``(metadata, tensors, checksum, file_size)``; the checksum is
+    the same xxh3 of the whole file that the writer recorded.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise ValueError("shard file is shorter than its header length field")
+        (hlen,) = struct.unpack("<Q", head)
+        if 8 + hlen > size:
+            raise ValueError("shard file header runs past the end of the file")
+        raw = os.pread(fd, hlen, 8)
+        meta, header = _header(raw)
+        base = 8 + hlen
+        tensors, pieces = {}, []
+        for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            lo, hi = spec["data_offsets"]
+            dt = np.dtype(_DTYPES[spec["dtype"]])
+            if not 0 <= lo <= hi <= size - base or (hi - lo) % dt.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the shard file")
+            count = (hi - lo) // dt.itemsize
+            arr = target(name, dt, count)
+            if arr is None:
+                arr = np.empty(count, dtype=dt)
+            if arr.dtype != dt or arr.size != count:
+                raise ValueError(f"tensor {name!r} is {spec['dtype']} x {count}, not what the layout expects")
+            tensors[name] = arr
+            flat = arr.view(np.uint8)
+            for off in range(0, hi - lo, READ_PIECE):
+                pieces.append((flat[off:off + READ_PIECE], base + lo + off))
+
+        def read(piece):
+            view, off = piece
+            got = os.preadv(fd, [view], off)
+            if got != len(view):
+                raise ValueError(f"shard file ended early at byte {off + got}")
+
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(read, pieces))
+    finally:
+        os.close(fd)
+    h = xxhash.xxh3_64()
+    h.update(head)
+    h.update(raw)
+    for arr in tensors.values():  # offset order, back to back: the file's bytes
+        h.update(arr.view(np.uint8))
+    return meta, tensors, h.intdigest(), size
+
+
 def parse(data: bytes | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
     """``(metadata, tensors)`` of a shard file image (validated, zero-copy views)."""
     mv = memoryview(data)
@@ -146,10 +215,7 @@ def parse(data: bytes | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
     (hlen,) = struct.unpack_from("<Q", mv)
     if 8 + hlen > len(mv):
         raise ValueError("shard file header runs past the end of the file")
-    header = json.loads(bytes(mv[8:8 + hlen]))
-    meta = header.pop("__metadata__", {})
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"not a shadow shard file (format {meta.get('format')!r})")
+    meta, header = _header(bytes(mv[8:8 + hlen]))
     base = 8 + hlen
     out = {}
     for name, spec in header.items():

@@ -30,12 +30,14 @@ def restore_info(address: str, job: str | None, timeout: float) -> dict:
 
 
 def resolve(source: str, job: str | None = None, iteration: int | None = None, timeout: float | None = None,
-            attempts: int = 5) -> Snapshot:
-    """The checkpoint to restore from ``source`` (newest complete, or ``iteration``)."""
+            attempts: int = 5, progress=None) -> Snapshot:
+    """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
+
+    ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given."""
     timeout = knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout
     if not is_endpoint(source):
         tier = "remote" if "://" in source else "local"  # a URL names a remote copy; a path, a local dir
-        return catalog.find(source, tier, job, iteration)[1]
+        return catalog.find(source, tier, job, iteration, progress=progress)[1]
     errors = []
     for attempt in range(attempts):
         info = restore_info(source, job, timeout)
@@ -47,7 +49,7 @@ def resolve(source: str, job: str | None = None, iteration: int | None = None, t
             errors.append(f"memory: holds iteration {mem['iteration']}, not {iteration}")
             break
         try:
-            return fetch_memory(mem, source)
+            return fetch_memory(mem, source, progress)
         except MovedOn as exc:  # training is live and moved on: take the newer cut
             logger.info("restore raced a live cluster (%s); retrying", exc)
             time.sleep(0.05 * (attempt + 1))
@@ -59,7 +61,7 @@ def resolve(source: str, job: str | None = None, iteration: int | None = None, t
     job = job or info.get("job")
     for st in info["storage"]:
         try:
-            snap = catalog.find(st["root"], st["tier"], job, iteration)[1]
+            snap = catalog.find(st["root"], st["tier"], job, iteration, progress=progress)[1]
             logger.info("restoring from the %s tier (%s): %s", st["tier"], st["root"], "; ".join(errors))
             return snap
         except catalog.CheckpointError as exc:

@@ -42,7 +42,7 @@ class MovedOn(ShadowError):
     """A live cluster applied a newer iteration while a restore was reading it."""
 
 
-def fetch_memory(info: dict, address: str) -> Snapshot:
+def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     """Read the iteration described by a coordinator's memory info from every worker."""
     ctx = zmq.Context.instance()
     layout = Layout.from_dict(info["layout"])
@@ -90,6 +90,8 @@ def fetch_memory(info: dict, address: str) -> Snapshot:
         for r, b in head["commits"]:
             blobs[int(r)] = b
         covered += hi - lo
+        if progress is not None:
+            progress(covered * 4 * len(head["arrays"]), total * 4 * len(head["arrays"]))
     if covered != total:
         raise ShadowError(f"workers cover {covered} of {total} elements")
     missing = sorted(set(range(info["world"])) - set(blobs))
