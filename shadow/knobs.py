@@ -27,6 +27,7 @@ _DEFAULTS: dict[str, float] = {
     "WORKER_LOST_S": 5.0,  # coordinator marks a silent worker lost after this long
     "FETCH_TIMEOUT_S": 60.0,  # restore: wait for each worker's shard this long
     "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
+    "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
 }
 
 _overrides: dict[str, float] = {}

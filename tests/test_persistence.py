@@ -179,3 +179,23 @@ def test_exports_load_with_standard_tools(tmp_path, cluster):
     assert all(torch.equal(weights[k], trained["model"][k]) for k in weights)
     res = shadow("restore", f"source={cluster.address}", "out=/tmp/x", "format=onnx")
     assert res.returncode == 2 and "torch" in res.stderr
+
+
+def test_token_schedule(tmp_path):
+    local = tmp_path / "local"
+    # the tiny trainer reports 48 tokens per rank per iteration: 96 per iteration on 2 ranks
+    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=0",
+                                      "persist.local.every_tokens=192", "persist.local.keep=0"))
+    try:
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
+                         "--steps", "6") == [0, 0], rank_logs(tmp_path)
+        cluster.settled()
+    finally:
+        cluster.stop()
+    from shadow.persist import catalog
+
+    done = catalog.list_checkpoints(str(local))
+    tokens = [c.manifest["tokens"] for c in done]
+    assert [c.iteration * 96 for c in done] == tokens  # the trainer's count, recorded per checkpoint
+    assert len(done) >= 2 and tokens[0] == 192  # the first at the first threshold
+    assert all(b - a >= 192 for a, b in zip(tokens, tokens[1:]))

@@ -53,18 +53,18 @@ def test_checksum_detects_bitflip():
 
 
 def test_message_roundtrip():
-    raw = M.encode("prepared", epoch=2, iteration=9)
-    assert M.decode(raw) == {"t": "prepared", "v": M.VERSION, "epoch": 2, "iteration": 9}
+    raw = M.encode("prepared", epoch=2, iteration=9, tokens=None)
+    assert M.decode(raw) == {"t": "prepared", "v": M.VERSION, "epoch": 2, "iteration": 9, "tokens": None}
 
 
 @pytest.mark.parametrize("raw,reason", [
     (b"\xc1garbage", "undecodable"),
     (msgpack.packb([1, 2]), "not_a_map"),
-    (msgpack.packb({"t": "prepared", "v": 99, "epoch": 1, "iteration": 1}), "bad_version"),
+    (msgpack.packb({"t": "prepared", "v": 99, "epoch": 1, "iteration": 1, "tokens": 0}), "bad_version"),
     (msgpack.packb({"t": "nope", "v": 1}), "unknown_type"),
     (msgpack.packb({"t": "prepared", "v": 1, "epoch": 1}), "missing_field"),
-    (msgpack.packb({"t": "prepared", "v": 1, "epoch": "1", "iteration": 1}), "bad_field"),
-    (msgpack.packb({"t": "prepared", "v": 1, "epoch": True, "iteration": 1}), "bad_field"),
+    (msgpack.packb({"t": "prepared", "v": 1, "epoch": "1", "iteration": 1, "tokens": 0}), "bad_field"),
+    (msgpack.packb({"t": "prepared", "v": 1, "epoch": True, "iteration": 1, "tokens": 0}), "bad_field"),
 ])
 def test_message_rejections(raw, reason):
     with pytest.raises(M.MessageError) as ei:

@@ -33,6 +33,7 @@ class Tier:
     cfg: dict
     root: str
     last: tuple = (0, 0.0, None)  # (iteration, time, tokens) of the last request
+    last_ok: tuple = (0, 0.0, None)  # ... of the last request that became a complete checkpoint
     in_flight: dict = field(default_factory=dict)  # iteration -> {shard: report}
     complete: dict = field(default_factory=dict)  # job -> newest complete iteration
     last_complete: dict | None = None  # {"job", "iteration", "time", "bytes", "seconds"}
@@ -82,7 +83,7 @@ class Persistence:
 
     def reset(self, base: int) -> None:
         for t in self.tiers.values():
-            t.last = (base, time.time(), None)
+            t.last = t.last_ok = (base, time.time(), None)
             t.in_flight.clear()
 
     def local_due(self, iteration: int, tokens: int | None) -> bool:
@@ -108,6 +109,7 @@ class Persistence:
             tier.last_error = "; ".join(f"iteration {r['iteration']} shard {r['shard']}: {r['error']}" for r in failed)
             logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"],
                          tier.last_error)
+            tier.last = tier.last_ok  # due again at the next cut
             return []
         return self._commit(tier, job, rep["iteration"], got)
 
@@ -125,7 +127,9 @@ class Persistence:
         except Exception as exc:  # storage errors are reported, never fatal
             tier.last_error = f"writing the manifest of iteration {iteration}: {type(exc).__name__}: {exc}"
             logger.error("tier %s: %s", tier.name, tier.last_error)
+            tier.last = tier.last_ok
             return []
+        tier.last_ok = (iteration, time.time(), tokens)
         nbytes = sum(s["bytes"] for s in shards)
         tier.count += 1
         tier.bytes += nbytes

@@ -1,10 +1,11 @@
 """Worker side of persistence: snapshot the range at an iteration boundary into the
 preallocated shard image, write it in a background thread, copy it to the remote tier.
 
-Call order (worker main thread): ``snapshot(k)`` right after applying k (a copy into the
-image; replay continues while the thread writes) -> ``results()`` each loop turn, whose
-reports go to the coordinator. One write is in flight at a time; a snapshot requested
-while the previous write is running is reported as skipped.
+Call order (worker main thread): ``snapshot(k)`` right after applying k (a copy into a
+free image; replay continues while a thread writes it) -> ``results()`` each loop turn,
+whose reports go to the coordinator. ``SHADOW_PERSIST_BUFFERS`` images are preallocated;
+a snapshot requested while all are being written is reported as skipped (the coordinator
+then asks again at the next cut).
 """
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ class ShardPersister:
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
         n, p = state.size, len(state.layout.params)
         big = len(state.fields()) * n * 4
-        self.image = shardfile.ShardImage(big + p * 17 + (1 << 20)) if self.local else None
-        self._busy = threading.Event()
+        count = knobs.get_int("PERSIST_BUFFERS") if self.local else 0
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self._free.put(shardfile.ShardImage(big + p * 17 + (1 << 20)))
         self._results: queue.Queue = queue.Queue()
         self._uploads: queue.Queue = queue.Queue()
         if self.remote:
@@ -47,9 +50,11 @@ class ShardPersister:
 
     def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None) -> None:
         """Copy the range as of ``iteration`` into the image and start writing it."""
-        if self._busy.is_set():
+        try:
+            img = self._free.get_nowait()
+        except queue.Empty:
             self._results.put(self.report(iteration, epoch, "local", False,
-                                           "skipped: the previous checkpoint write is still running"))
+                                          "skipped: earlier checkpoint writes are still running"))
             return
         st = self.state
         idx = np.flatnonzero(st.in_range).astype(np.int64)
@@ -60,7 +65,6 @@ class ShardPersister:
         meta = {"format": shardfile.FORMAT, "job": self.job, "epoch": str(epoch), "iteration": str(iteration),
                 "start": str(st.start), "stop": str(st.stop), "shard": str(self.shard),
                 "shards": str(self.nshards), "layout_hash": f"{st.layout.hash:016x}", "world": str(world)}
-        img = self.image
         img.layout(entries, meta)
         for f in st.fields():
             img.fill(f.name.lower(), st.array(f))
@@ -69,20 +73,19 @@ class ShardPersister:
         img.fill("has_state", st.has_state[idx].astype(np.uint8))
         for r, b in blobs.items():
             img.fill(f"commit.rank{r}", np.frombuffer(b, dtype=np.uint8))
-        self._busy.set()
         extra = {"commit": commit, "blob_ranks": sorted(blobs)}
-        threading.Thread(target=self._write, args=(iteration, epoch, extra), name="shadow-persist",
+        threading.Thread(target=self._write, args=(img, iteration, epoch, extra), name="shadow-persist",
                          daemon=True).start()
 
-    def _write(self, iteration: int, epoch: int, extra: dict) -> None:
+    def _write(self, img: shardfile.ShardImage, iteration: int, epoch: int, extra: dict) -> None:
         t0 = time.monotonic()
         path = self.local_path(iteration)
         try:
             die = knobs.fault("PERSIST_DIE_AT")
             if die and int(die) == iteration:
-                _die_mid_write(self.image, path)
-            csum = self.image.checksum()
-            nbytes = self.image.write(path)
+                _die_mid_write(img, path)
+            csum = img.checksum()
+            nbytes = img.write(path)
             rep = self.report(iteration, epoch, "local", True, "", bytes=nbytes, checksum=f"{csum:016x}",
                                seconds=time.monotonic() - t0, **extra)
             logger.info("persisted iteration %d shard %d: %d bytes in %.3f s", iteration, self.shard, nbytes,
@@ -91,7 +94,7 @@ class ShardPersister:
             logger.error("persisting iteration %d to %s failed: %s", iteration, path, exc)
             rep = self.report(iteration, epoch, "local", False, f"{type(exc).__name__}: {exc}")
         finally:
-            self._busy.clear()
+            self._free.put(img)
         self._results.put(rep)
 
     def upload(self, iteration: int, epoch: int, nbytes: int, checksum: str) -> None:

@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, sched = build(args.seed, args.impl, args.amsgrad)
     ddp = DDP(model)
 
@@ -84,7 +84,8 @@ def main() -> None:
     it_box = {"it": start}
     if args.coordinator:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
-                                       extra_state=lambda: {"it": it_box["it"]})
+                                       extra_state=lambda: {"it": it_box["it"]},
+                                       tokens=lambda: it_box["it"] * 48 * world)
     losses = []
     for it in range(start + 1, args.steps + 1):
         it_box["it"] = it
