@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 #: Boundaries of shards and stripes fall on multiples of this many fp32 elements
-#: (one 64-byte cache line), except at the very end of a range.
-ALIGN_ELEMS = 16
+#: (one 4 KiB page: cache-line aligned, and a shard's slice of a restored flat array is
+#: a valid O_DIRECT target), except at the very end of a range.
+ALIGN_ELEMS = 1024
 
 
 @dataclass(frozen=True)

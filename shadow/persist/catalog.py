@@ -164,7 +164,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             if count != hi - lo:
                 raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
             if fld not in arrays:
-                arrays[fld] = np.empty(total, dtype=np.float32)
+                arrays[fld] = shardfile.aligned_empty(total, np.float32)
             return arrays[fld][lo:hi]
 
         try:

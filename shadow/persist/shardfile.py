@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "shadow-shard/1"
 PAGE = 4096
+PAD_PREFIX = "_pad"  # filler tensors that page-align the next tensor
 CHUNK = 8 << 20  # bytes per write call
 
 _DTYPES = {"F32": np.float32, "F64": np.float64, "I64": np.int64, "U8": np.uint8}
@@ -34,6 +35,12 @@ def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     off = (-raw.ctypes.data) % PAGE
     return raw[off:off + nbytes]
+
+
+def aligned_empty(count: int, dtype) -> np.ndarray:
+    """An uninitialised page-aligned array (a valid O_DIRECT read target)."""
+    dt = np.dtype(dtype)
+    return _aligned(count * dt.itemsize).view(dt)
 
 
 @dataclass
@@ -61,21 +68,31 @@ class ShardImage:
         header: dict = {"__metadata__": metadata}
         off = 0
         self.offsets = {}
-        for e in entries:
+        for i, e in enumerate(entries):
+            pad = (-off) % PAGE if e.nbytes >= PAGE else 0
+            if pad:  # start every large tensor on a page so readers can use O_DIRECT
+                header[f"{PAD_PREFIX}{i}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [off, off + pad]}
+                off += pad
             header[e.name] = {"dtype": e.dtype, "shape": [e.count], "data_offsets": [off, off + e.nbytes]}
             self.offsets[e.name] = (off, e)
             off += e.nbytes
+        tail = (-off) % PAGE
+        if tail:  # the file ends on a page too: one O_DIRECT write covers it, no truncate
+            header[f"{PAD_PREFIX}end"] = {"dtype": "U8", "shape": [tail], "data_offsets": [off, off + tail]}
+            off += tail
         blob = json.dumps(header, separators=(",", ":")).encode()
         hlen = -(-(len(blob) + 8) // PAGE) * PAGE - 8
         self.data_start = 8 + hlen
         self.size = self.data_start + off
-        padded = -(-self.size // PAGE) * PAGE
-        if padded > len(self.buf):
-            self.buf = _aligned(padded)
+        if self.size > len(self.buf):
+            self.buf = _aligned(self.size)
         self.buf[:8] = np.frombuffer(struct.pack("<Q", hlen), dtype=np.uint8)
         self.buf[8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
         self.buf[8 + len(blob):self.data_start] = ord(" ")
-        self.buf[self.size:padded] = 0
+        for name, spec in header.items():  # deterministic filler bytes
+            if name.startswith(PAD_PREFIX):
+                lo, hi = spec["data_offsets"]
+                self.buf[self.data_start + lo:self.data_start + hi] = 0
 
     def view(self, name: str) -> np.ndarray:
         off, e = self.offsets[name]
@@ -92,7 +109,6 @@ class ShardImage:
         """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir)."""
         tmp = path + ".tmp"
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        padded = -(-self.size // PAGE) * PAGE
         direct = getattr(os, "O_DIRECT", 0)
         fd = None
         if direct:
@@ -106,7 +122,7 @@ class ShardImage:
         try:
             mv = memoryview(self.buf)
             try:
-                _write_all(fd, mv, padded if used_direct else self.size)
+                _write_all(fd, mv, self.size)
             except OSError as exc:
                 if not used_direct or exc.errno not in (22,):  # EINVAL: O_DIRECT refused at write time
                     raise
@@ -114,8 +130,6 @@ class ShardImage:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 used_direct = False
                 _write_all(fd, mv, self.size)
-            if used_direct:
-                os.ftruncate(fd, self.size)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -124,13 +138,22 @@ class ShardImage:
         return self.size
 
 
+WRITE_THREADS = 2  # chunks in flight at once
+
+
 def _write_all(fd: int, mv: memoryview, length: int) -> None:
-    pos = 0
-    while pos < length:
-        n = os.pwrite(fd, mv[pos:min(length, pos + CHUNK)], pos)
-        if n <= 0:
-            raise OSError(f"short write at byte {pos}")
-        pos += n
+    """Write ``mv[:length]`` at offset 0 in CHUNK-sized pieces, WRITE_THREADS at a time."""
+
+    def put(pos: int) -> None:
+        end = min(length, pos + CHUNK)
+        while pos < end:
+            n = os.pwrite(fd, mv[pos:end], pos)
+            if n <= 0:
+                raise OSError(f"short write at byte {pos}")
+            pos += n
+
+    with ThreadPoolExecutor(WRITE_THREADS) as pool:
+        list(pool.map(put, range(0, length, CHUNK)))
 
 
 def fsync_dir(path: str) -> None:
@@ -161,6 +184,12 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
     the same xxh3 of the whole file that the writer recorded.
     """
     fd = os.open(path, os.O_RDONLY)
+    dfd = None
+    if getattr(os, "O_DIRECT", 0):
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            dfd = None
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
@@ -187,11 +216,22 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
             tensors[name] = arr
             flat = arr.view(np.uint8)
             for off in range(0, hi - lo, READ_PIECE):
-                pieces.append((flat[off:off + READ_PIECE], base + lo + off))
+                view, pos = flat[off:off + READ_PIECE], base + lo + off
+                body = len(view) - len(view) % PAGE
+                if dfd is not None and pos % PAGE == 0 and view.ctypes.data % PAGE == 0 and body:
+                    pieces.append((view[:body], pos, True))
+                    view, pos = view[body:], pos + body
+                if len(view):
+                    pieces.append((view, pos, False))
 
         def read(piece):
-            view, off = piece
-            got = os.preadv(fd, [view], off)
+            view, off, direct = piece
+            try:
+                got = os.preadv(dfd if direct else fd, [view], off)
+            except OSError:
+                if not direct:
+                    raise
+                got = os.preadv(fd, [view], off)  # the file system refused O_DIRECT after all
             if got != len(view):
                 raise ValueError(f"shard file ended early at byte {off + got}")
 
@@ -199,6 +239,8 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
             list(pool.map(read, pieces))
     finally:
         os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
     h = xxhash.xxh3_64()
     h.update(head)
     h.update(raw)
