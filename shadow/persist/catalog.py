@@ -97,7 +97,7 @@ def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
 
 
 def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> list[CheckpointInfo]:
-    """Complete checkpoints under ``root`` (those with a manifest), oldest first."""
+    """Complete checkpoints under ``root`` (those with a manifest), lowest iteration first."""
     fs, base = _fs(root)
     pattern = posixpath.join(base, job or "*", "iteration-*", MANIFEST)
     out = []
@@ -111,7 +111,7 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> 
             continue
         d = posixpath.dirname(mpath)
         out.append(CheckpointInfo(root, tier, d, manifest, fs))
-    out.sort(key=lambda c: (c.manifest.get("created", 0), c.iteration))
+    out.sort(key=lambda c: (c.iteration, c.manifest.get("created", 0)))  # newest = highest iteration
     return out
 
 
