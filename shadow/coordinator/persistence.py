@@ -135,8 +135,10 @@ class Persistence:
         tier.bytes += nbytes
         tier.last_error = ""
         tier.complete[job.name] = max(tier.complete.get(job.name, -1), iteration)
-        tier.last_complete = {"job": job.name, "iteration": iteration, "time": manifest["created"], "bytes": nbytes,
-                              "seconds": max(r["seconds"] for r in got.values())}
+        if tier.last_complete is None or tier.last_complete["iteration"] <= iteration or \
+                tier.last_complete["job"] != job.name:
+            tier.last_complete = {"job": job.name, "iteration": iteration, "time": manifest["created"],
+                                  "bytes": nbytes, "seconds": max(r["seconds"] for r in got.values())}
         logger.info("tier %s: checkpoint of %s iteration %d complete (%d bytes, %d shards)%s", tier.name,
                     job.name, iteration, nbytes, len(shards), f"; retention removed {len(deleted)}" if deleted else "")
         remote = self.tiers.get("remote")
