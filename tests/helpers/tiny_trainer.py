@@ -19,8 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 class Tiny(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, unused_branch: bool = False) -> None:
         super().__init__()
+        self.unused_branch = unused_branch
+        self.side = nn.Linear(24, 37) if unused_branch else None
         self.emb = nn.Embedding(37, 24)
         self.ln = nn.LayerNorm(24)
         self.fc1 = nn.Linear(24, 33)
@@ -28,9 +30,12 @@ class Tiny(nn.Module):
         self.fc2 = nn.Linear(33, 37)
         self.frozen = nn.Parameter(torch.ones(5), requires_grad=False)
 
-    def forward(self, x):
+    def forward(self, x, use_side: bool = False):
         h = self.ln(self.emb(x)).mean(1)
-        return self.fc2(self.drop(torch.relu(self.fc1(h))))
+        out = self.fc2(self.drop(torch.relu(self.fc1(h))))
+        if self.side is not None and use_side:
+            out = out + self.side(h)
+        return out
 
 
 def batch(seed: int, it: int, rank: int):
@@ -40,17 +45,43 @@ def batch(seed: int, it: int, rank: int):
     return x, y
 
 
-def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False):
+SCHEDULERS = ("lambda", "onecycle", "sequential", "chained")
+
+
+def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False, optim: str = "adamw",
+          sched: str = "lambda", unused: bool = False, steps: int = 12):
     """The model, optimizer (two param groups, a frozen param) and scheduler under test."""
     torch.manual_seed(seed)
-    model = Tiny()
+    model = Tiny(unused)
     kw = {"fused": True} if impl == "fused" else ({"foreach": True} if impl == "foreach" else {"foreach": False})
-    opt = torch.optim.AdamW([
-        {"params": [p for n, p in model.named_parameters() if n.startswith(("fc", "emb"))], "weight_decay": 0.05},
-        {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3},
-    ], lr=1e-2, amsgrad=amsgrad, **kw)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
-    return model, opt, sched
+    first = [p for n, p in model.named_parameters() if n.startswith(("fc", "emb", "side"))]
+    groups = [{"params": first, "weight_decay": 0.05},
+              {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3}]
+    if optim == "adamw":
+        opt = torch.optim.AdamW(groups, lr=1e-2, amsgrad=amsgrad, **kw)
+    elif optim == "adam":
+        opt = torch.optim.Adam(groups, lr=1e-2, amsgrad=amsgrad, **kw)
+    elif optim == "sgd":
+        groups[1]["nesterov"] = True
+        groups[1]["dampening"] = 0.0
+        opt = torch.optim.SGD(groups, lr=5e-2, momentum=0.9, dampening=0.1, **kw)
+    else:
+        raise ValueError(optim)
+    if sched == "lambda":
+        s = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.1 * k))
+    elif sched == "onecycle":
+        s = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 6e-3], total_steps=steps + 1, pct_start=0.3)
+    elif sched == "sequential":
+        s = torch.optim.lr_scheduler.SequentialLR(opt, [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)], milestones=[4])
+    elif sched == "chained":
+        s = torch.optim.lr_scheduler.ChainedScheduler([
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.93),
+            torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)], optimizer=opt)
+    else:
+        raise ValueError(sched)
+    return model, opt, s
 
 
 def main() -> None:
@@ -66,12 +97,16 @@ def main() -> None:
     ap.add_argument("--amsgrad", action="store_true")
     ap.add_argument("--job", default="default")
     ap.add_argument("--dump-dir", default="", help="save every rank's state after every iteration")
+    ap.add_argument("--optim", default="adamw")
+    ap.add_argument("--sched", default="lambda")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync for all but the last)")
+    ap.add_argument("--unused", action="store_true", help="a branch used only on odd iterations")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt, sched = build(args.seed, args.impl, args.amsgrad)
-    ddp = DDP(model)
+    model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps)
+    ddp = DDP(model, find_unused_parameters=args.unused)
 
     import trainer_hooks
 
@@ -89,9 +124,15 @@ def main() -> None:
     losses = []
     for it in range(start + 1, args.steps + 1):
         it_box["it"] = it
-        x, y = batch(args.seed, it, rank)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
+        for micro in range(args.accum):
+            x, y = batch(args.seed, it * 7 + micro, rank)
+            use_side = args.unused and it % 2 == 1
+            if micro < args.accum - 1:
+                with ddp.no_sync():
+                    (nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum).backward()
+            else:
+                loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
+                loss.backward()
         if args.clip:
             if session is not None:
                 session.clip_grad_norm_(args.clip)
