@@ -171,3 +171,26 @@ def test_training_survives_a_lost_worker(world1, cluster):
     st = cluster.status()
     assert st["workers"][1]["health"] == "lost"
     assert st["job"]["committed"] >= 1 and f"frozen at {st['job']['committed']}" in session.degraded
+
+
+@pytest.mark.parametrize("tamper", ["torch-clip", "manual-scale"])
+def test_gradients_changed_behind_the_shadows_back_are_refused(world1, cluster, tamper):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job=f"tamper-{tamper}")
+    _train(session, ddp, opt, sched, 2)  # fine so far
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    if tamper == "torch-clip":
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e-3)
+    else:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(trainer_hooks.ShadowError, match=r"changed between DDP's all-reduce.*session.clip_grad_norm_"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step did not happen
+    session.close(wait=False)
+    assert cluster.settled()["job"]["committed"] == 2

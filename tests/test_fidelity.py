@@ -22,6 +22,7 @@ FEATURES = {
     "chained-lr": ("--sched", "chained"),
     "unused-parameters": ("--unused",),
     "adam-l2-amsgrad-clip": ("--optim", "adam", "--amsgrad", "--clip", "0.05"),
+    "fp16-compress-hook": ("--compress", "fp16"),
 }
 
 

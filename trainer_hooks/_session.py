@@ -55,6 +55,23 @@ class _BucketPlan:
     stripe: tuple[int, int]
     runs: list  # per worker: [(src relative to stripe, dst, n)]
     counts: list  # per worker: elements
+    probes: list  # [(bucket position, param index, element of the param)] inside the stripe
+
+
+SAMPLES_PER_BUCKET = 4  # gradient elements checked per bucket and step
+
+
+def _probes(slots: list, stripe: tuple[int, int], count: int = 64) -> list:
+    """Up to ``count`` positions spread over the stripe that belong to parameters."""
+    out = []
+    for b_off, _flat, n, idx in slots:
+        lo, hi = max(b_off, stripe[0]), min(b_off + n, stripe[1])
+        for pos in range(lo, hi, max(1, (hi - lo) // 8)):
+            out.append((pos, idx, pos - b_off))
+    if len(out) > count:
+        step = len(out) / count
+        out = [out[int(i * step)] for i in range(count)]
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +95,8 @@ class Session:
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
                  scheduler: Any = None, extra_state: Callable[[], Any] | None = None, job: str = "default",
                  iteration: int | None = None, overwrite: bool = False, policy: str = "block",
-                 tokens: Callable[[], int] | None = None) -> None:
+                 tokens: Callable[[], int] | None = None, comm_hook: Callable | None = None,
+                 comm_state: Any = None) -> None:
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
                             f"reduced gradient buckets); got {type(ddp_model).__name__}")
@@ -89,6 +107,10 @@ class Session:
         if tokens is not None and not callable(tokens):
             raise TypeError("tokens must be a callable returning the number of tokens trained on so far")
         self.tokens = tokens
+        if comm_hook is not None and not callable(comm_hook):
+            raise TypeError("comm_hook must be a DDP communication hook, e.g. "
+                            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook")
+        self.comm_hook, self.comm_state = comm_hook, comm_state
         self.model, self.optimizer, self.scheduler, self.extra_state = ddp_model, optimizer, scheduler, extra_state
         self.coordinator, self.job, self.policy = coordinator, job, policy
         self.pg = ddp_model.process_group
@@ -112,6 +134,7 @@ class Session:
         self._pending: tuple | None = None
         self._last_emitted = start
         self._seen_buckets: set[int] = set()
+        self._samples: list = []  # (param index, element, reduced value) checked at the step
         self._bucket_plans: dict[tuple, _BucketPlan] = {}
         self.hook_s = 0.0
         self.blocked_s = 0.0
@@ -241,15 +264,20 @@ class Session:
 
     # -- step 1: comm hook ---------------------------------------------------------------------------
     def _comm_hook(self, _state, bucket):  # unannotated: DDP inspects hook annotations
-        buf = bucket.buffer()
-        buf.mul_(1.0 / self.world)  # DDP's built-in allreduce divides the same way
-        fut = dist.all_reduce(buf, group=self.pg, async_op=True).get_future()
+        if self.comm_hook is not None:
+            # the user's hook (e.g. bf16 compression) reduces; the shadow takes what it
+            # leaves in the bucket, which is what the optimizer will see
+            fut = self.comm_hook(self.comm_state, bucket)
+        else:
+            buf = bucket.buffer()
+            buf.mul_(1.0 / self.world)  # DDP's built-in allreduce divides the same way
+            fut = dist.all_reduce(buf, group=self.pg, async_op=True).get_future().then(lambda f: f.value()[0])
         if self._closed:
-            return fut.then(lambda f: f.value()[0])
+            return fut
         return fut.then(functools.partial(self._after_reduce, bucket))
 
     def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
-        reduced = fut.value()[0]
+        reduced = fut.value()
         if self._error is None and self.degraded is None:
             t0 = time.perf_counter()
             try:
@@ -269,11 +297,11 @@ class Session:
             for p, g in zip(params, bucket.gradients()):
                 i = self._index.get(id(p))
                 if i is not None:
-                    slots.append(((g.data_ptr() - base) // 4, self.layout.params[i].offset, p.numel()))
+                    slots.append(((g.data_ptr() - base) // 4, self.layout.params[i].offset, p.numel(), i))
             stripe = stripe_bounds(reduced.numel(), self.world)[self.rank]
-            per_worker = bucket_runs(slots, stripe, self.shards)
+            per_worker = bucket_runs([s[:3] for s in slots], stripe, self.shards)
             runs = [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
-            plan = _BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs])
+            plan = _BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs], _probes(slots, stripe))
             self._bucket_plans[key] = plan
         return plan
 
@@ -291,6 +319,11 @@ class Session:
                 return
             off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S"))
             self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
+            if plan.probes:
+                n = len(plan.probes)
+                for j in range(min(SAMPLES_PER_BUCKET, n)):
+                    pos, pidx, elem = plan.probes[(self._next * 7 + j * 13) % n]
+                    self._samples.append((pidx, elem, self.ring.array[off + pos - lo]))
             for w, c in enumerate(plan.counts):
                 self._sent[w] += c
             self.sender.q.put(GradItem(self._next, off, hi - lo, plan.runs))
@@ -301,6 +334,29 @@ class Session:
             return
         self._raise_latched()
         self._emit_pending()
+        self._check_samples()
+
+    def _check_samples(self) -> None:
+        """The gradients the optimizer is about to use must be the all-reduced ones (times
+        the recorded clip coefficient): anything else would make the shadow diverge."""
+        with self._lock:
+            samples, self._samples = self._samples, []
+        scale = None if self._clip is None else torch.tensor(self._clip, dtype=torch.float32)
+        for pidx, elem, value in samples:
+            grad = self.params[pidx].grad
+            if grad is None:
+                continue
+            want = torch.tensor(value, dtype=torch.float32)
+            if scale is not None:
+                want = want * scale
+            got = grad.detach().reshape(-1)[elem].to("cpu", torch.float32)
+            if not torch.equal(got.view(torch.int32), want.view(torch.int32)) and not (got.isnan() and want.isnan()):
+                name = self.layout.params[pidx].name
+                raise ShadowError(
+                    f"gradient of {name!r} changed between DDP's all-reduce and optimizer.step() in iteration "
+                    f"{self._next} ({want.item()!r} -> {got.item()!r}); the shadow cannot replay that. Clip with "
+                    "session.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and do not scale "
+                    "gradients by hand; nothing from this iteration was checkpointed")
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self._closed:
@@ -309,6 +365,7 @@ class Session:
         with self._lock:
             sent, self._sent = self._sent, [0] * len(self.shards)
             self._seen_buckets.clear()
+            self._samples.clear()
             self._next = k + 1
         replay = {"iteration": k, "rank": self.rank, "groups": _optim.replay_groups(optimizer),
                   "skipped": [i for i, p in enumerate(self.params) if p.grad is None],

@@ -101,12 +101,20 @@ def main() -> None:
     ap.add_argument("--sched", default="lambda")
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync for all but the last)")
     ap.add_argument("--unused", action="store_true", help="a branch used only on odd iterations")
+    ap.add_argument("--compress", default="", help="DDP compression hook: bf16 | fp16")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps)
     ddp = DDP(model, find_unused_parameters=args.unused)
+    hook = None
+    if args.compress:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[args.compress]
+        if not args.coordinator:
+            ddp.register_comm_hook(None, hook)
 
     import trainer_hooks
 
@@ -120,7 +128,7 @@ def main() -> None:
     if args.coordinator:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]},
-                                       tokens=lambda: it_box["it"] * 48 * world)
+                                       tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook)
     losses = []
     for it in range(start + 1, args.steps + 1):
         it_box["it"] = it
