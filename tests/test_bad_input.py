@@ -194,3 +194,42 @@ def test_gradients_changed_behind_the_shadows_back_are_refused(world1, cluster, 
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step did not happen
     session.close(wait=False)
     assert cluster.settled()["job"]["committed"] == 2
+
+
+def test_add_param_group_relayouts_and_direct_call_is_refused(world1, cluster):
+    from tests.helpers.tiny_trainer import Tiny
+
+    torch.manual_seed(0)
+    model = Tiny(unused_branch=True)
+    base = [p for n, p in model.named_parameters() if not n.startswith("side")]
+    opt = torch.optim.AdamW(base, lr=1e-2, fused=True)
+    ddp = DDP(model)
+
+    def step(it):
+        g = torch.Generator().manual_seed(it)
+        x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
+        torch.nn.functional.cross_entropy(ddp(x, True), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, job="grows")
+    for it in range(1, 4):
+        step(it)
+    opt.add_param_group({"params": [model.side.weight], "lr": 5e-3})
+    with pytest.raises(trainer_hooks.ShadowError, match="session.add_param_group"):
+        step(4)
+    opt.param_groups.pop()  # undo, then do it the supported way
+    opt.zero_grad()
+    session.add_param_group({"params": [model.side.weight, model.side.bias], "lr": 5e-3})
+    assert session.iteration == 3 and session.layout.num_groups == 2
+    for it in range(4, 7):
+        step(it)
+    assert session.close() == 6
+    m2 = Tiny(unused_branch=True)
+    o2 = torch.optim.AdamW([p for n, p in m2.named_parameters() if not n.startswith("side")], lr=1e-2, fused=True)
+    o2.add_param_group({"params": [m2.side.weight, m2.side.bias], "lr": 5e-3})
+    assert trainer_hooks.restore(m2, o2, source=cluster.address).iteration == 6
+    for a, b in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = opt.state_dict()["state"], o2.state_dict()["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])

@@ -111,6 +111,8 @@ class Session:
             raise TypeError("comm_hook must be a DDP communication hook, e.g. "
                             "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook")
         self.comm_hook, self.comm_state = comm_hook, comm_state
+        self._init_args = dict(scheduler=scheduler, extra_state=extra_state, job=job, policy=policy, tokens=tokens,
+                               comm_hook=comm_hook, comm_state=comm_state)
         self.model, self.optimizer, self.scheduler, self.extra_state = ddp_model, optimizer, scheduler, extra_state
         self.coordinator, self.job, self.policy = coordinator, job, policy
         self.pg = ddp_model.process_group
@@ -211,7 +213,9 @@ class Session:
         self._queue_commit(self.base, replay, _rng.capture(), None, sent)
 
     def _install_hooks(self) -> None:
-        self.model.register_comm_hook(None, self._comm_hook)
+        if not getattr(self, "_comm_registered", False):
+            self.model.register_comm_hook(None, self._comm_hook)  # DDP takes one hook, once
+            self._comm_registered = True
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_step),
             self.optimizer.register_step_post_hook(self._post_step),
@@ -334,7 +338,27 @@ class Session:
             return
         self._raise_latched()
         self._emit_pending()
+        self._check_layout()
         self._check_samples()
+
+    def _check_layout(self) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(self.optimizer.param_groups) != self.layout.num_groups or len(params) != len(self.params) or \
+                any(a is not b for a, b in zip(params, self.params)):
+            raise ShadowError(
+                "the optimizer's parameters changed after attach (optimizer.add_param_group?); call "
+                "session.add_param_group(group) instead, which re-lays out the shadow at this iteration")
+
+    def add_param_group(self, group: dict) -> None:
+        """``optimizer.add_param_group(group)``, then re-attach with the new layout: the
+        cluster is bootstrapped from this iteration's state and carries on. Checkpoints of
+        earlier iterations keep the old layout. Call on every rank at the same iteration."""
+        self.close(wait=True)
+        self.optimizer.add_param_group(group)
+        keep_registered = self._comm_registered
+        self.__init__(self.model, self.optimizer, self.coordinator, iteration=self.iteration, overwrite=True,
+                      **self._init_args)
+        self._comm_registered = keep_registered
 
     def _check_samples(self) -> None:
         """The gradients the optimizer is about to use must be the all-reduced ones (times
