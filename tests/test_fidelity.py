@@ -23,6 +23,8 @@ FEATURES = {
     "unused-parameters": ("--unused",),
     "adam-l2-amsgrad-clip": ("--optim", "adam", "--amsgrad", "--clip", "0.05"),
     "fp16-compress-hook": ("--compress", "fp16"),
+    "grad-scaler-skipped-steps": ("--amp", "step"),
+    "grad-scaler-unscale-clip": ("--amp", "unscale", "--clip", "0.05"),
 }
 
 
@@ -46,3 +48,6 @@ def test_feature_survives_kill_and_resume(feature, cluster, tmp_path):
         assert_same_state(b, a)
         assert b["losses"] == a["losses"][committed:]
         assert torch.equal(a["rng"], b["rng"])
+        assert a["scaler"] == b["scaler"]
+        if feature.startswith("grad-scaler"):  # the overflowing first step really was skipped
+            assert float(a["optimizer"]["state"][0]["step"]) == STEPS - 1 and a["scaler"]["scale"] < 1e10

@@ -68,6 +68,7 @@ def state_dicts(snap: Snapshot) -> dict:
         "model": model,
         "optimizer": {"state": state, "param_groups": param_groups},
         "scheduler": b0.get("scheduler"),
+        "scaler": b0.get("scaler"),
         "iteration": snap.iteration,
         "rng": [b["rng"] for b in ranks],
         "extra_state": b0.get("extra_state"),
@@ -77,8 +78,8 @@ def state_dicts(snap: Snapshot) -> dict:
 
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, source: str | None = None, *,
-            scheduler: Any = None, job: str | None = None, iteration: int | None = None, weights_only: bool = False,
-            rank: int | None = None, timeout: float | None = None) -> RestoreInfo:
+            scheduler: Any = None, scaler: Any = None, job: str | None = None, iteration: int | None = None,
+            weights_only: bool = False, rank: int | None = None, timeout: float | None = None) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
 
@@ -93,11 +94,13 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if optimizer is None and not weights_only:
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     snap = resolve(source, job=job, iteration=iteration, timeout=timeout)
-    return apply_snapshot(snap, model, optimizer, scheduler=scheduler, weights_only=weights_only, rank=rank)
+    return apply_snapshot(snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only,
+                          rank=rank)
 
 
 def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                   scheduler: Any = None, weights_only: bool = False, rank: int | None = None) -> RestoreInfo:
+                   scheduler: Any = None, scaler: Any = None, weights_only: bool = False,
+                   rank: int | None = None) -> RestoreInfo:
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if optimizer is not None:
@@ -134,6 +137,8 @@ def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.opti
         RESTORED[optimizer] = snap.iteration
         if scheduler is not None and sd["scheduler"] is not None:
             scheduler.load_state_dict(sd["scheduler"])
+        if scaler is not None and sd["scaler"] is not None:
+            scaler.load_state_dict(sd["scaler"])
         if blob_rank is not None:
             _rng.restore(sd["rng"][blob_rank])
     extra = sd["extra_state_by_rank"][blob_rank] if blob_rank is not None else sd["extra_state"]

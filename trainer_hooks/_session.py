@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
 POLICIES = ("block",)
-_SCHEDULER_SESSIONS: "weakref.WeakKeyDictionary[Any, Session]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -74,19 +73,47 @@ def _probes(slots: list, stripe: tuple[int, int], count: int = 64) -> list:
     return out
 
 
+_OWNERS: "weakref.WeakKeyDictionary[Any, Session]" = weakref.WeakKeyDictionary()
+
+
 @functools.lru_cache(maxsize=None)
-def _committing_scheduler(cls: type) -> type:
-    """A subclass of the user's scheduler class whose ``step`` releases the pending commit
-    (swapped in with ``__class__`` so the scheduler's ``state_dict`` stays untouched)."""
+def _observed(cls: type) -> type:
+    """A subclass of a scheduler or GradScaler class that tells the owning session when
+    it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched)."""
+    ns: dict = {"__module__": cls.__module__}
+    if hasattr(cls, "unscale_"):  # GradScaler
+        def unscale_(self, optimizer):
+            session = _OWNERS.get(self)
+            if session is not None:
+                session._inv_scale = float(self._scale.double().reciprocal().float().item())
+            return cls.unscale_(self, optimizer)
 
-    def step(self, *args, **kwargs):
-        out = cls.step(self, *args, **kwargs)
-        session = _SCHEDULER_SESSIONS.get(self)
-        if session is not None:
-            session._emit_pending()
-        return out
+        def step(self, optimizer, *args, **kwargs):
+            session = _OWNERS.get(self)
+            before = session._next if session is not None else None
+            out = cls.step(self, optimizer, *args, **kwargs)
+            if session is not None and session._next == before:
+                session._skipped_step()  # inf/nan: the optimizer did not step at all
+            return out
 
-    return type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+        def update(self, *args, **kwargs):
+            out = cls.update(self, *args, **kwargs)
+            session = _OWNERS.get(self)
+            if session is not None:
+                session._done("scaler")
+            return out
+
+        ns.update(unscale_=unscale_, step=step, update=update)
+    else:
+        def step(self, *args, **kwargs):
+            out = cls.step(self, *args, **kwargs)
+            session = _OWNERS.get(self)
+            if session is not None:
+                session._done("scheduler")
+            return out
+
+        ns["step"] = step
+    return type(cls.__name__, (cls,), ns)
 
 
 class Session:
@@ -96,7 +123,7 @@ class Session:
                  scheduler: Any = None, extra_state: Callable[[], Any] | None = None, job: str = "default",
                  iteration: int | None = None, overwrite: bool = False, policy: str = "block",
                  tokens: Callable[[], int] | None = None, comm_hook: Callable | None = None,
-                 comm_state: Any = None) -> None:
+                 comm_state: Any = None, scaler: Any = None) -> None:
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
                             f"reduced gradient buckets); got {type(ddp_model).__name__}")
@@ -112,7 +139,12 @@ class Session:
                             "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook")
         self.comm_hook, self.comm_state = comm_hook, comm_state
         self._init_args = dict(scheduler=scheduler, extra_state=extra_state, job=job, policy=policy, tokens=tokens,
-                               comm_hook=comm_hook, comm_state=comm_state)
+                               comm_hook=comm_hook, comm_state=comm_state, scaler=scaler)
+        if scaler is not None and not hasattr(scaler, "unscale_"):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.scaler = scaler
+        self._inv_scale: float | None = None
+        self._awaiting: set[str] = set()
         self.model, self.optimizer, self.scheduler, self.extra_state = ddp_model, optimizer, scheduler, extra_state
         self.coordinator, self.job, self.policy = coordinator, job, policy
         self.pg = ddp_model.process_group
@@ -223,10 +255,12 @@ class Session:
         # the commit of iteration k leaves once the scheduler has stepped; if it steps at
         # another cadence, at the latest when the next forward (or step, or close) begins
         self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._emit_pending()))
-        if self.scheduler is not None:
-            self._sched_class = type(self.scheduler)
-            self.scheduler.__class__ = _committing_scheduler(self._sched_class)
-            _SCHEDULER_SESSIONS[self.scheduler] = self
+        self._swapped = []
+        for obj in (self.scheduler, self.scaler):
+            if obj is not None:
+                self._swapped.append((obj, type(obj)))
+                obj.__class__ = _observed(type(obj))
+                _OWNERS[obj] = self
 
     # -- errors and progress ------------------------------------------------------------------------
     def _latch(self, exc: BaseException) -> None:
@@ -365,14 +399,14 @@ class Session:
         the recorded clip coefficient): anything else would make the shadow diverge."""
         with self._lock:
             samples, self._samples = self._samples, []
-        scale = None if self._clip is None else torch.tensor(self._clip, dtype=torch.float32)
+        factors = [torch.tensor(f, dtype=torch.float32) for f in (self._inv_scale, self._clip) if f is not None]
         for pidx, elem, value in samples:
             grad = self.params[pidx].grad
             if grad is None:
                 continue
             want = torch.tensor(value, dtype=torch.float32)
-            if scale is not None:
-                want = want * scale
+            for f in factors:
+                want = want * f
             got = grad.detach().reshape(-1)[elem].to("cpu", torch.float32)
             if not torch.equal(got.view(torch.int32), want.view(torch.int32)) and not (got.isnan() and want.isnan()):
                 name = self.layout.params[pidx].name
@@ -391,17 +425,43 @@ class Session:
             self._seen_buckets.clear()
             self._samples.clear()
             self._next = k + 1
-        replay = {"iteration": k, "rank": self.rank, "groups": _optim.replay_groups(optimizer),
+        grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+        skip = found_inf is not None and float(found_inf) != 0.0
+        self._record(k, sent, skip, grad_scale)
+
+    def _skipped_step(self) -> None:
+        """GradScaler found inf/nan and did not call the optimizer: iteration k happened
+        (gradients were reduced and sent) but changes nothing."""
+        k = self._next
+        with self._lock:
+            sent, self._sent = self._sent, [0] * len(self.shards)
+            self._seen_buckets.clear()
+            self._samples.clear()
+            self._next = k + 1
+        self._record(k, sent, True, None)
+
+    def _record(self, k: int, sent: list, skip: bool, grad_scale) -> None:
+        replay = {"iteration": k, "rank": self.rank, "groups": _optim.replay_groups(self.optimizer),
                   "skipped": [i for i, p in enumerate(self.params) if p.grad is None],
-                  "clip": self._clip, "bootstrap": False,
+                  "clip": self._clip, "inv_scale": self._inv_scale,
+                  "grad_scale": None if grad_scale is None else float(torch.as_tensor(grad_scale).float().item()),
+                  "skip_step": bool(skip), "bootstrap": False,
                   "tokens": int(self.tokens()) if self.tokens is not None else None}
-        self._clip = None
+        self._clip = self._inv_scale = None
         extra = self.extra_state() if self.extra_state is not None else None
         self._pending = (k, replay, _rng.capture(), extra, sent)
-        if self.scheduler is None:
+        self._awaiting = {name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
+                          if obj is not None}
+        if not self._awaiting:
             self._emit_pending()
         self._throttle(k)
         self._raise_latched()
+
+    def _done(self, what: str) -> None:
+        """The scheduler/scaler stepped: once all have, the pending commit leaves."""
+        self._awaiting.discard(what)
+        if not self._awaiting:
+            self._emit_pending()
 
     def _emit_pending(self) -> None:
         if self._pending is None:
@@ -419,6 +479,7 @@ class Session:
             blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
                                         for g in self.optimizer.param_groups]
             blob_obj["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
+            blob_obj["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
             blob_obj["aliases"] = self._aliases
             bufs = persistent_buffers(self.model)
             if sum(b.numel() * b.element_size() for b in bufs.values()) <= knobs.get_int("MAX_BUFFER_BYTES"):
@@ -489,9 +550,9 @@ class Session:
         self.sender.join(timeout=10)
         for h in self._handles:
             h.remove()
-        if self.scheduler is not None:
-            self.scheduler.__class__ = self._sched_class
-            _SCHEDULER_SESSIONS.pop(self.scheduler, None)
+        for obj, cls in self._swapped:
+            obj.__class__ = cls
+            _OWNERS.pop(obj, None)
         try:
             self._dealer.send(M.encode("detach", epoch=self.epoch, rank=self.rank), zmq.NOBLOCK)
         except zmq.ZMQError:

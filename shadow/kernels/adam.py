@@ -8,6 +8,8 @@ own scalars (hyperparameters and per-parameter step count), and into *work items
 Floating-point model (measured against torch 2.13 on an AVX512 build; see
 ``docs/kernels.md``):
 
+* gradient transforms, in torch's order: ``g * inv_scale`` (``GradScaler.unscale_``),
+  ``g * clip`` (clipping), ``g / grad_scale`` (``GradScaler.step`` into a fused kernel);
 * every element: ``exp_avg = fma(w, g - exp_avg, exp_avg)`` (lerp with small weight,
   ``fma(w - 1, g - exp_avg, g)`` otherwise), weight decay L2 ``g = fma(p, wd, g)``,
   AdamW decay ``p = p * (1 - lr * wd)``, ``denom = sqrt(v) / bc2_sqrt + eps``,
@@ -28,11 +30,12 @@ from numba import njit, prange
 from shadow.kernels._fma import fma32
 
 # Columns of the per-segment float32 scalar table.
-F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP = range(9)
-N_FSCALARS = 9
+F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE = range(11)
+N_FSCALARS = 11
 # Columns of the per-segment int64 table.
-I_ACTIVE, I_AMSGRAD, I_MAXIMIZE, I_TAIL_START, I_LERP_SMALL, I_L2, I_DECOUPLED, I_CLIP = range(8)
-N_ISCALARS = 8
+(I_ACTIVE, I_AMSGRAD, I_MAXIMIZE, I_TAIL_START, I_LERP_SMALL, I_L2, I_DECOUPLED, I_CLIP, I_INV_SCALE,
+ I_GRAD_SCALE) = range(10)
+N_ISCALARS = 10
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -46,6 +49,10 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_
     decay = f[F_DECAY]
     wd = f[F_WD]
     clip = f[F_CLIP]
+    inv_scale = f[F_INV_SCALE]
+    grad_scale = f[F_GRAD_SCALE]
+    has_inv = fl[I_INV_SCALE] != 0
+    has_gs = fl[I_GRAD_SCALE] != 0
     amsgrad = fl[I_AMSGRAD] != 0
     maximize = fl[I_MAXIMIZE] != 0
     small = fl[I_LERP_SMALL] != 0
@@ -55,8 +62,12 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_
     w1m1 = w1 - np.float32(1.0)
     for i in range(lo, hi):
         g = grad[i]
+        if has_inv:  # GradScaler.unscale_
+            g = g * inv_scale
         if has_clip:
             g = g * clip
+        if has_gs:  # GradScaler.step with a fused optimizer: the kernel divides
+            g = g / grad_scale
         if maximize:
             g = -g
         p = param[i]

@@ -121,6 +121,8 @@ class ReplayPlan:
         steps: np.ndarray,
         skipped: set[int],
         clip: np.float32 | None,
+        inv_scale: np.float32 | None = None,
+        grad_scale: np.float32 | None = None,
     ) -> None:
         """Fill the tables for one iteration.
 
@@ -146,6 +148,10 @@ class ReplayPlan:
             sc = cache[key]
             self.seg_f[s, : len(sc)] = sc
             self.seg_f[s, _adam.F_CLIP] = clip if clip is not None else np.float32(1.0)
+            self.seg_f[s, _adam.F_INV_SCALE] = inv_scale if inv_scale is not None else np.float32(1.0)
+            self.seg_f[s, _adam.F_GRAD_SCALE] = grad_scale if grad_scale is not None else np.float32(1.0)
+            row_i[_adam.I_INV_SCALE] = int(inv_scale is not None)
+            row_i[_adam.I_GRAD_SCALE] = int(grad_scale is not None)
             row_i[_adam.I_ACTIVE] = 1
             row_i[_adam.I_AMSGRAD] = int(bool(grp["amsgrad"]))
             row_i[_adam.I_MAXIMIZE] = int(bool(grp["maximize"]))

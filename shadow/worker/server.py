@@ -336,8 +336,8 @@ class Worker:
         if slot.commits[h.rank] is not None:
             raise F.FrameError("duplicate", f"second commit from rank {h.rank} for iteration {h.iteration}")
         for other in slot.commits:
-            if other is not None and (other["groups"] != replay["groups"] or other["skipped"] != replay["skipped"]
-                                      or other["clip"] != replay["clip"]):
+            if other is not None and any(other.get(k) != replay.get(k) for k in
+                                         ("groups", "skipped", "clip", "inv_scale", "grad_scale", "skip_step")):
                 raise F.FrameError("disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}")
         slot.commits[h.rank] = replay
         if blob is not None:
@@ -440,8 +440,11 @@ def _decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tupl
             b1, b2 = g["betas"]
             float(b1), float(b2)
             bool(g["amsgrad"]), bool(g["maximize"]), bool(g["decoupled"])
-        if replay["clip"] is not None and not isinstance(replay["clip"], float):
-            raise F.FrameError("bad_commit", "commit clip coefficient is not a float")
+        for key in ("clip", "inv_scale", "grad_scale"):
+            if replay.get(key) is not None and not isinstance(replay[key], float):
+                raise F.FrameError("bad_commit", f"commit {key} is not a float")
+        if not isinstance(replay.get("skip_step", False), bool):
+            raise F.FrameError("bad_commit", "commit skip_step is not a bool")
         if replay["bootstrap"]:
             if len(replay["steps"]) != nparams or len(replay["has_state"]) != nparams:
                 raise F.FrameError("bad_commit", "bootstrap commit lacks per-parameter steps")

@@ -88,8 +88,11 @@ class ShardState:
         if skipped:
             active[list(skipped)] = False
         steps_next = self.steps + active
-        clip = commit.get("clip")
-        self.plan.prepare(commit["groups"], steps_next, skipped, None if clip is None else np.float32(clip))
+        def f32(key):
+            v = commit.get(key)
+            return None if v is None else np.float32(v)
+
+        self.plan.prepare(commit["groups"], steps_next, skipped, f32("clip"), f32("inv_scale"), f32("grad_scale"))
         self.plan.apply(self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, grad)
         self.steps = steps_next
         self.has_state |= active

@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync for all but the last)")
     ap.add_argument("--unused", action="store_true", help="a branch used only on odd iterations")
     ap.add_argument("--compress", default="", help="DDP compression hook: bf16 | fp16")
+    ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -118,9 +119,14 @@ def main() -> None:
 
     import trainer_hooks
 
+    scaler = None
+    if args.amp:
+        # the first scaled loss overflows (inf): that step is skipped, the scale backs off, then grows
+        scaler = torch.amp.GradScaler("cpu", init_scale=3e38, backoff_factor=1e-30, growth_factor=2.0,
+                                      growth_interval=2)
     start = 0
     if args.mode == "resume":
-        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, job=args.job)
+        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, scaler=scaler, job=args.job)
         start = info.iteration
         assert info.extra_state == {"it": start} or start == 0, info.extra_state
     session = None
@@ -128,25 +134,33 @@ def main() -> None:
     if args.coordinator:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]},
-                                       tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook)
+                                       tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook, scaler=scaler)
     losses = []
     for it in range(start + 1, args.steps + 1):
         it_box["it"] = it
         for micro in range(args.accum):
             x, y = batch(args.seed, it * 7 + micro, rank)
             use_side = args.unused and it % 2 == 1
-            if micro < args.accum - 1:
-                with ddp.no_sync():
-                    (nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum).backward()
-            else:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
+                if micro < args.accum - 1:
+                    with ddp.no_sync():
+                        micro_loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
+                        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
+                    continue
                 loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
-                loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler is not None and args.amp == "unscale":
+            scaler.unscale_(opt)
         if args.clip:
             if session is not None:
                 session.clip_grad_norm_(args.clip)
             else:
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -161,6 +175,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "losses": losses, "start": start, "rng": torch.get_rng_state(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
                 "committed": session.applied if session is not None else None},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.destroy_process_group()
