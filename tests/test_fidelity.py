@@ -50,4 +50,4 @@ def test_feature_survives_kill_and_resume(feature, cluster, tmp_path):
         assert torch.equal(a["rng"], b["rng"])
         assert a["scaler"] == b["scaler"]
         if feature.startswith("grad-scaler"):  # the overflowing first step really was skipped
-            assert float(a["optimizer"]["state"][0]["step"]) == STEPS - 1 and a["scaler"]["scale"] < 1e10
+            assert float(a["optimizer"]["state"][0]["step"]) == STEPS - 2 and a["scaler"]["scale"] != 2.0**16

@@ -336,7 +336,7 @@ class Worker:
         if slot.commits[h.rank] is not None:
             raise F.FrameError("duplicate", f"second commit from rank {h.rank} for iteration {h.iteration}")
         for other in slot.commits:
-            if other is not None and any(other.get(k) != replay.get(k) for k in
+            if other is not None and any(not _same(other.get(k), replay.get(k)) for k in
                                          ("groups", "skipped", "clip", "inv_scale", "grad_scale", "skip_step")):
                 raise F.FrameError("disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}")
         slot.commits[h.rank] = replay
@@ -413,6 +413,13 @@ class Worker:
         )
         # copies: the arrays change with the next apply
         self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])
+
+
+def _same(a, b) -> bool:
+    """Equality in which NaN equals NaN (a clip coefficient of an overflowing step is NaN)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    return a == b
 
 
 def _decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:

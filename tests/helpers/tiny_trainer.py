@@ -122,7 +122,7 @@ def main() -> None:
     scaler = None
     if args.amp:
         # the first scaled loss overflows (inf): that step is skipped, the scale backs off, then grows
-        scaler = torch.amp.GradScaler("cpu", init_scale=3e38, backoff_factor=1e-30, growth_factor=2.0,
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0,
                                       growth_interval=2)
     start = 0
     if args.mode == "resume":
@@ -148,7 +148,12 @@ def main() -> None:
                         (scaler.scale(micro_loss) if scaler else micro_loss).backward()
                     continue
                 loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
-            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler is not None:
+                # iterations 1 and 5 overflow (inf gradients): GradScaler skips those steps
+                blowup = 1e36 if it in (1, 5) else 1.0
+                scaler.scale(loss * blowup).backward()
+            else:
+                loss.backward()
         if scaler is not None and args.amp == "unscale":
             scaler.unscale_(opt)
         if args.clip:
