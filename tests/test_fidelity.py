@@ -47,6 +47,7 @@ def test_feature_survives_kill_and_resume(feature, cluster, tmp_path):
         assert b["start"] == committed and committed >= kill_at - 3
         assert_same_state(b, a)
         assert b["losses"] == a["losses"][committed:]
+        assert b["draws"] == a["draws"][committed:]  # Python random and numpy RNG restored per rank
         assert torch.equal(a["rng"], b["rng"])
         assert a["scaler"] == b["scaler"]
         if feature.startswith("grad-scaler"):  # the overflowing first step really was skipped

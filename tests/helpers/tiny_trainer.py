@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -107,6 +110,8 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    random.seed(1000 + rank)
+    np.random.seed(2000 + rank)
     model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps)
     ddp = DDP(model, find_unused_parameters=args.unused)
     hook = None
@@ -135,9 +140,11 @@ def main() -> None:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]},
                                        tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook, scaler=scaler)
-    losses = []
+    losses, draws = [], []
     for it in range(start + 1, args.steps + 1):
         it_box["it"] = it
+        # Python's and numpy's global RNGs are part of the loop too (e.g. augmentation)
+        jitter = random.random() + float(np.random.rand())
         for micro in range(args.accum):
             x, y = batch(args.seed, it * 7 + micro, rank)
             use_side = args.unused and it % 2 == 1
@@ -168,7 +175,8 @@ def main() -> None:
             opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss.item() + 0.0 * jitter)
+        draws.append((jitter,))
         if args.dump_dir:
             os.makedirs(args.dump_dir, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -179,7 +187,7 @@ def main() -> None:
         session.close()
     os.makedirs(args.out, exist_ok=True)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "losses": losses, "start": start, "rng": torch.get_rng_state(),
+                "losses": losses, "start": start, "rng": torch.get_rng_state(), "draws": draws,
                 "scaler": scaler.state_dict() if scaler is not None else None,
                 "committed": session.applied if session is not None else None},
                os.path.join(args.out, f"rank{rank}.pt"))
