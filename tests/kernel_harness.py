@@ -69,3 +69,32 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
     ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
     return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def run_pair_sgd(impl: str, sizes, steps: int = 4, seed: int = 0, **kw):
+    """SGD through torch and through the shadow's plan; returns ``(theirs, ours)``."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    opt = make_optimizer(torch.optim.SGD, params, impl, **kw)
+    vec, tail, _ = calibrate()
+    offsets = np.cumsum([0] + list(sizes))[:-1]
+    total = int(sum(sizes))
+    flat = np.concatenate([p.detach().numpy() for p in params]).astype(np.float32)
+    buf = np.zeros(total, np.float32)
+    plan = ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, vec, tail), impl, 4096,
+                      "sgd")
+    has_state = np.zeros(len(sizes), dtype=bool)
+    for _ in range(steps):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        plan.prepare_sgd(replay_groups(opt), has_state, set())
+        plan.apply_sgd(flat, buf, np.concatenate([g.numpy() for g in grads]).astype(np.float32))
+        has_state[:] = kw.get("momentum", 0) != 0
+    theirs = {"param": [p.detach() for p in params]}
+    ours = {"param": [torch.from_numpy(flat[o:o + n].copy()) for o, n in zip(offsets, sizes)]}
+    if kw.get("momentum", 0):
+        theirs["momentum_buffer"] = [opt.state[p]["momentum_buffer"] for p in params]
+        ours["momentum_buffer"] = [torch.from_numpy(buf[o:o + n].copy()) for o, n in zip(offsets, sizes)]
+    return theirs, ours

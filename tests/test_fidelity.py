@@ -24,6 +24,8 @@ FEATURES = {
     "adam-l2-amsgrad-clip": ("--optim", "adam", "--amsgrad", "--clip", "0.05"),
     "fp16-compress-hook": ("--compress", "fp16"),
     "grad-scaler-skipped-steps": ("--amp", "step"),
+    "sgd-momentum-nesterov": ("--optim", "sgd"),
+    "sgd-foreach-clip": ("--optim", "sgd", "--impl", "foreach", "--clip", "0.05"),
     "grad-scaler-unscale-clip": ("--amp", "unscale", "--clip", "0.05"),
 }
 

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from tests.kernel_harness import run_pair, update_ulps
+from tests.kernel_harness import run_pair, run_pair_sgd, update_ulps
 from trainer_hooks._optim import calibrate
 
 SIZES = [1, 15, 17, 31, 33, 1000, 1000003]
@@ -60,3 +60,21 @@ def test_unfused_paths_within_measured_ulp(impl):
     # measured on an AVX512 build: 4 ulp, 174 of 101020 elements after 3 steps
     assert worst <= 8.0, f"{impl} replay deviates by {worst} ulp"
     assert differing < 0.01 * 101020
+
+
+SGD_CASES = [
+    dict(momentum=0.0),
+    dict(momentum=0.9),
+    dict(momentum=0.9, dampening=0.1, weight_decay=0.01),
+    dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+    dict(momentum=0.5, dampening=0.3, maximize=True),
+]
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "single"])
+@pytest.mark.parametrize("case", SGD_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sgd_bit_identical(impl, case):
+    theirs, ours = run_pair_sgd(impl, SIZES, steps=4, lr=0.05, **case)
+    for key in theirs:
+        for n, a, b in zip(SIZES, theirs[key], ours[key]):
+            assert torch.equal(a, b), f"{key} of a {n}-element tensor differs in {(a != b).sum()} elements"

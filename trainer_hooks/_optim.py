@@ -17,7 +17,7 @@ from shadow.kernels import ReplayPlan, segments_for_range
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED = ("torch.optim.Adam", "torch.optim.AdamW")
+SUPPORTED = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD")
 
 
 class UnsupportedOptimizerError(TypeError):
@@ -41,6 +41,15 @@ def _impl(group: dict, params: list[torch.Tensor]) -> str:
 
 def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Per-group hyperparameters exactly as the next/last step uses them."""
+    if isinstance(optimizer, torch.optim.SGD):
+        out = []
+        for g in optimizer.param_groups:
+            if isinstance(g["lr"], torch.Tensor) or isinstance(g["weight_decay"], torch.Tensor):
+                raise _unsupported("lr and weight_decay given as tensors are not replayed")
+            out.append({"lr": float(g["lr"]), "momentum": float(g["momentum"]), "dampening": float(g["dampening"]),
+                        "weight_decay": float(g["weight_decay"]), "nesterov": bool(g["nesterov"]),
+                        "maximize": bool(g["maximize"])})
+        return out
     decoupled_default = isinstance(optimizer, torch.optim.AdamW)
     out = []
     for g in optimizer.param_groups:
@@ -58,8 +67,9 @@ def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def describe(optimizer: torch.optim.Optimizer) -> dict:
     """The replay descriptor sent at attach: kind, implementation, kernel widths."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         raise _unsupported(f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported")
+    kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
     impls = set()
     for g in optimizer.param_groups:
         if g.get("capturable") or g.get("differentiable"):
@@ -70,11 +80,13 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
     replay_groups(optimizer)  # validates hyperparameter types
     impl = impls.pop()
     on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
-    vec, tail, exact = calibrate() if impl == "fused" else (16, 8, False)
+    vec, tail, exact = calibrate() if impl == "fused" or kind == "sgd" else (16, 8, False)
     if on_cuda:
         exact = False
         warnings.warn("the trainer steps on CUDA: the CPU replay rounds differently from CUDA kernels; "
                       "the shadow's state deviates by a few ulp (measured, not bit-identical)", stacklevel=3)
+    elif kind == "sgd":
+        exact = True  # only multiplies and adds: every CPU path is reproduced exactly
     elif impl != "fused":
         warnings.warn(
             f"the optimizer uses torch's {impl} Adam path, whose tensor.sqrt rounds through a vector math "
@@ -86,8 +98,9 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
         warnings.warn("could not match torch's fused Adam bit for bit on this CPU build; the shadow's state "
                       "may deviate by an ulp in tensor tails (docs/kernels.md)", stacklevel=3)
     return {
-        "kind": "adam", "impl": impl, "vec_width": vec, "tail_width": tail, "bit_exact": exact,
-        "amsgrad_any": any(bool(g["amsgrad"]) for g in optimizer.param_groups),
+        "kind": kind, "impl": impl, "vec_width": vec, "tail_width": tail, "bit_exact": exact,
+        "amsgrad_any": any(bool(g.get("amsgrad", False)) for g in optimizer.param_groups),
+        "momentum_any": any(g.get("momentum", 0) != 0 for g in optimizer.param_groups),
     }
 
 

@@ -50,8 +50,12 @@ def state_dicts(snap: Snapshot) -> dict:
         model[alias] = model[name]  # tied weights: the same tensor under both keys
     groups = b0["param_groups"]
     state: dict[int, dict] = {}
+    sgd = snap.optim.get("kind") == "sgd"
     for i, spec in enumerate(snap.layout.params):
         if not snap.has_state[i]:
+            continue
+        if sgd:
+            state[i] = {"momentum_buffer": _flat(snap, Field.EXP_AVG, i)}
             continue
         st = {"step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
               "exp_avg": _flat(snap, Field.EXP_AVG, i), "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i)}

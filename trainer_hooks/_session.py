@@ -214,10 +214,16 @@ class Session:
     def _bootstrap(self) -> None:
         lo, hi = stripe_bounds(self.layout.total, self.world)[self.rank]
         opt_state = self.optimizer.state
-        fields = [F.Field.PARAM, F.Field.EXP_AVG, F.Field.EXP_AVG_SQ]
-        if self.optim_desc["amsgrad_any"]:
-            fields.append(F.Field.MAX_EXP_AVG_SQ)
-        key = {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq", F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"}
+        sgd = self.optim_desc["kind"] == "sgd"
+        if sgd:
+            fields = [F.Field.PARAM] + ([F.Field.EXP_AVG] if self.optim_desc["momentum_any"] else [])
+            key = {F.Field.EXP_AVG: "momentum_buffer"}
+        else:
+            fields = [F.Field.PARAM, F.Field.EXP_AVG, F.Field.EXP_AVG_SQ]
+            if self.optim_desc["amsgrad_any"]:
+                fields.append(F.Field.MAX_EXP_AVG_SQ)
+            key = {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq",
+                   F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"}
         runs = self._split(lo, hi)
         sent = [0] * len(self.shards)
         if hi > lo:
@@ -239,7 +245,7 @@ class Session:
         for p in self.params:
             st = opt_state.get(p, {})
             steps.append(float(st["step"]) if "step" in st else 0.0)
-            has_state.append("step" in st)
+            has_state.append(st.get("momentum_buffer") is not None if sgd else "step" in st)
         replay = {"iteration": self.base, "rank": self.rank, "groups": _optim.replay_groups(self.optimizer),
                   "skipped": [], "clip": None, "bootstrap": True, "steps": steps, "has_state": has_state}
         self._queue_commit(self.base, replay, _rng.capture(), None, sent)

@@ -12,8 +12,10 @@ from typing import Sequence
 import numpy as np
 
 from shadow.kernels import adam as _adam
+from shadow.kernels import sgd as _sgd
 
 IMPLS = ("fused", "foreach", "single")
+KINDS = ("adam", "sgd")
 
 
 def tail_start(numel: int, impl: str, vec_width: int, tail_width: int) -> int:
@@ -104,16 +106,48 @@ def work_items(segments: Sequence[Segment], chunk: int) -> np.ndarray:
 class ReplayPlan:
     """Scalar tables for one worker range, refreshed per iteration from the commit."""
 
-    def __init__(self, segments: Sequence[Segment], impl: str, chunk: int) -> None:
+    def __init__(self, segments: Sequence[Segment], impl: str, chunk: int, kind: str = "adam") -> None:
         if impl not in IMPLS:
-            raise ValueError(f"unknown Adam implementation {impl!r}; expected one of {IMPLS}")
+            raise ValueError(f"unknown optimizer implementation {impl!r}; expected one of {IMPLS}")
+        if kind not in KINDS:
+            raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
         self.segments = list(segments)
-        self.impl = impl
+        self.impl, self.kind = impl, kind
         self.work = work_items(self.segments, chunk)
-        self.seg_f = np.zeros((len(self.segments), _adam.N_FSCALARS), dtype=np.float32)
-        self.seg_i = np.zeros((len(self.segments), _adam.N_ISCALARS), dtype=np.int64)
+        mod = _adam if kind == "adam" else _sgd
+        self.seg_f = np.zeros((len(self.segments), mod.N_FSCALARS), dtype=np.float32)
+        self.seg_i = np.zeros((len(self.segments), mod.N_ISCALARS), dtype=np.int64)
+        tail_col = _adam.I_TAIL_START if kind == "adam" else _sgd.J_TAIL_START
         for s, seg in enumerate(self.segments):
-            self.seg_i[s, _adam.I_TAIL_START] = seg.tail
+            self.seg_i[s, tail_col] = seg.tail
+
+    def prepare_sgd(self, groups: Sequence[dict], has_state: np.ndarray, skipped: set[int], clip=None,
+                    inv_scale=None, grad_scale=None) -> None:
+        """Fill the SGD tables for one iteration (``has_state``: momentum buffer exists)."""
+        one = np.float32(1.0)
+        for s, seg in enumerate(self.segments):
+            row_i, row_f = self.seg_i[s], self.seg_f[s]
+            if seg.param in skipped:
+                row_i[_sgd.J_ACTIVE] = 0
+                continue
+            grp = groups[seg.group]
+            row_f[:4] = _sgd.sgd_scalars(grp)
+            row_f[_sgd.S_CLIP] = clip if clip is not None else one
+            row_f[_sgd.S_INV_SCALE] = inv_scale if inv_scale is not None else one
+            row_f[_sgd.S_GRAD_SCALE] = grad_scale if grad_scale is not None else one
+            row_i[_sgd.J_ACTIVE] = 1
+            row_i[_sgd.J_FIRST] = int(not has_state[seg.param])
+            row_i[_sgd.J_NESTEROV] = int(bool(grp["nesterov"]))
+            row_i[_sgd.J_MAXIMIZE] = int(bool(grp["maximize"]))
+            row_i[_sgd.J_MOMENTUM] = int(grp["momentum"] != 0)
+            row_i[_sgd.J_WD] = int(grp["weight_decay"] != 0)
+            row_i[_sgd.J_CLIP] = int(clip is not None)
+            row_i[_sgd.J_INV_SCALE] = int(inv_scale is not None)
+            row_i[_sgd.J_GRAD_SCALE] = int(grad_scale is not None)
+
+    def apply_sgd(self, param, buf, grad, threads: bool = True) -> None:
+        fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
+        fn(param, buf, grad, self.work, self.seg_f, self.seg_i)
 
     def prepare(
         self,

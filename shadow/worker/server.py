@@ -441,12 +441,16 @@ def _decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tupl
         if len(groups) != ngroups:
             raise F.FrameError("bad_commit", f"commit has {len(groups)} param groups, layout has {ngroups}")
         for g in groups:
-            for key in ("lr", "eps", "weight_decay"):
+            numbers = ("lr", "momentum", "dampening", "weight_decay") if "momentum" in g else ("lr", "eps", "weight_decay")
+            for key in numbers:
                 if not isinstance(g[key], (int, float)):
                     raise F.FrameError("bad_commit", f"group {key} is not a number")
-            b1, b2 = g["betas"]
-            float(b1), float(b2)
-            bool(g["amsgrad"]), bool(g["maximize"]), bool(g["decoupled"])
+            if "momentum" in g:
+                bool(g["nesterov"]), bool(g["maximize"])
+            else:
+                b1, b2 = g["betas"]
+                float(b1), float(b2)
+                bool(g["amsgrad"]), bool(g["maximize"]), bool(g["decoupled"])
         for key in ("clip", "inv_scale", "grad_scale"):
             if replay.get(key) is not None and not isinstance(replay[key], float):
                 raise F.FrameError("bad_commit", f"commit {key} is not a float")

@@ -12,7 +12,7 @@ from shadow.wire.frames import Field
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_KINDS = ("adam",)
+SUPPORTED_KINDS = ("adam", "sgd")
 
 
 class ShardState:
@@ -27,11 +27,13 @@ class ShardState:
         if kind not in SUPPORTED_KINDS:
             raise ValueError(f"optimizer kind {kind!r} is not supported by this worker; supported: {SUPPORTED_KINDS}")
         n = stop - start
+        self.kind = kind
         self.layout, self.start, self.stop = layout, start, stop
         self.amsgrad = bool(optim.get("amsgrad_any", False))
+        self.momentum = kind == "sgd" and bool(optim.get("momentum_any", False))
         self.param = np.zeros(n, dtype=np.float32)
-        self.exp_avg = np.zeros(n, dtype=np.float32)
-        self.exp_avg_sq = np.zeros(n, dtype=np.float32)
+        self.exp_avg = np.zeros(n if kind == "adam" or self.momentum else 0, dtype=np.float32)  # SGD: momentum
+        self.exp_avg_sq = np.zeros(n if kind == "adam" else 0, dtype=np.float32)
         self.max_exp_avg_sq = np.zeros(n if self.amsgrad else 0, dtype=np.float32)
         self.steps = np.zeros(len(layout.params), dtype=np.float64)
         self.has_state = np.zeros(len(layout.params), dtype=bool)
@@ -40,7 +42,7 @@ class ShardState:
             [p.group for p in layout.params], start, stop,
             optim["impl"], int(optim["vec_width"]), int(optim["tail_width"]),
         )
-        self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"))
+        self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"), kind)
         self.in_range = np.zeros(len(layout.params), dtype=bool)
         self.in_range[[s.param for s in segs]] = True
         #: elements of each parameter that fall in this range
@@ -61,6 +63,8 @@ class ShardState:
         return self.stop - self.start
 
     def fields(self) -> tuple[Field, ...]:
+        if self.kind == "sgd":
+            return (Field.PARAM, Field.EXP_AVG) if self.momentum else (Field.PARAM,)
         base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
         return base + ((Field.MAX_EXP_AVG_SQ,) if self.amsgrad else ())
 
@@ -92,7 +96,14 @@ class ShardState:
             v = commit.get(key)
             return None if v is None else np.float32(v)
 
-        self.plan.prepare(commit["groups"], steps_next, skipped, f32("clip"), f32("inv_scale"), f32("grad_scale"))
+        transforms = (f32("clip"), f32("inv_scale"), f32("grad_scale"))
+        if self.kind == "sgd":
+            self.plan.prepare_sgd(commit["groups"], self.has_state, skipped, *transforms)
+            self.plan.apply_sgd(self.param, self.exp_avg, grad)
+            with_momentum = np.asarray([commit["groups"][p.group]["momentum"] != 0 for p in self.layout.params])
+            self.has_state |= active & with_momentum  # torch keeps a momentum buffer only then
+            return
+        self.plan.prepare(commit["groups"], steps_next, skipped, *transforms)
         self.plan.apply(self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, grad)
         self.steps = steps_next
         self.has_state |= active
