@@ -233,3 +233,30 @@ def test_add_param_group_relayouts_and_direct_call_is_refused(world1, cluster):
         assert torch.equal(a, b)
     sa, sb = opt.state_dict()["state"], o2.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluster, tmp_path):
+    from tests.conftest import Cluster
+
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="audited",
+                                   audit_every=2, audit_strict=True)
+    _train(session, ddp, opt, sched, 6)
+    session.close()
+    audit = cluster.settled()["job"]["audit"]
+    assert audit["checked"] > 0 and audit["mismatches"] == 0 and audit["last_iteration"] == 6
+    assert session.audit_failures == []
+
+    bad = Cluster(tmp_path, env={"SHADOW_FAULT_CORRUPT_APPLY_AT": "4"})  # every worker flips a bit at 4
+    try:
+        model, opt, sched = build()
+        ddp2 = DDP(model)
+        session = trainer_hooks.attach(ddp2, opt, coordinator=bad.address, scheduler=sched, job="audited",
+                                       audit_every=2, audit_strict=True)
+        with pytest.raises(trainer_hooks.ShadowError, match=r"divergence audit failed at iteration 4: param of '"):
+            _train(session, ddp2, opt, sched, 12)
+        assert bad.settled()["job"]["audit"]["mismatches"] >= 1
+        session.close(wait=False)
+    finally:
+        bad.stop()

@@ -123,7 +123,8 @@ class Session:
                  scheduler: Any = None, extra_state: Callable[[], Any] | None = None, job: str = "default",
                  iteration: int | None = None, overwrite: bool = False, policy: str = "block",
                  tokens: Callable[[], int] | None = None, comm_hook: Callable | None = None,
-                 comm_state: Any = None, scaler: Any = None) -> None:
+                 comm_state: Any = None, scaler: Any = None, audit_every: int = 0,
+                 audit_strict: bool = False) -> None:
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
                             f"reduced gradient buckets); got {type(ddp_model).__name__}")
@@ -139,7 +140,12 @@ class Session:
                             "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook")
         self.comm_hook, self.comm_state = comm_hook, comm_state
         self._init_args = dict(scheduler=scheduler, extra_state=extra_state, job=job, policy=policy, tokens=tokens,
-                               comm_hook=comm_hook, comm_state=comm_state, scaler=scaler)
+                               comm_hook=comm_hook, comm_state=comm_state, scaler=scaler, audit_every=audit_every,
+                               audit_strict=audit_strict)
+        if audit_every < 0:
+            raise ValueError(f"audit_every={audit_every} must be >= 0 (0 = no audit)")
+        self.audit_every, self.audit_strict = int(audit_every), bool(audit_strict)
+        self.audit_failures: list[str] = []
         if scaler is not None and not hasattr(scaler, "unscale_"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.scaler = scaler
@@ -181,7 +187,7 @@ class Session:
         self.sender = Sender(self._ctx, self._dealer, [w["data"] for w in self.workers], self.ring,
                              job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
                              layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress,
-                             on_degraded=self._on_degraded)
+                             on_degraded=self._on_degraded, on_audit=self._on_audit)
         self.sender.start()
         self._bootstrap()
         self._install_hooks()
@@ -285,6 +291,41 @@ class Session:
             if applied > self._applied:
                 self._applied = applied
                 self._cond.notify_all()
+
+    def _on_audit(self, msg: dict) -> None:
+        text = f"divergence audit failed at iteration {msg['iteration']}: {msg['detail']}"
+        self.audit_failures.append(text)
+        logger.error("%s", text)
+        if self.audit_strict:
+            self._latch(ShadowError(text))
+
+    def _audit_sample(self, k: int) -> list:
+        """Per worker: sampled flat positions and the trainer's values there after step k
+        (a local generator seeded by k: the training loop's RNGs are not touched)."""
+        rng = np.random.default_rng(k)
+        offsets = np.asarray([p.offset for p in self.layout.params], dtype=np.int64)
+        if self.optim_desc["kind"] == "sgd":
+            keys = {F.Field.PARAM: None, **({F.Field.EXP_AVG: "momentum_buffer"} if self.optim_desc["momentum_any"] else {})}
+        else:
+            keys = {F.Field.PARAM: None, F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq"}
+            if self.optim_desc["amsgrad_any"]:
+                keys[F.Field.MAX_EXP_AVG_SQ] = "max_exp_avg_sq"
+        out = []
+        for lo, hi in self.shards:
+            if hi <= lo:
+                out.append(None)
+                continue
+            pos = np.unique(rng.integers(lo, hi, size=min(64, hi - lo)))
+            idx = np.searchsorted(offsets, pos, side="right") - 1
+            values: dict[int, list] = {int(f): [] for f in keys}
+            for flat, i in zip(pos, idx):
+                p = self.params[i]
+                elem = int(flat - offsets[i])
+                for f, key in keys.items():
+                    t = p.detach() if key is None else self.optimizer.state.get(p, {}).get(key)
+                    values[int(f)].append(0.0 if t is None else float(t.reshape(-1)[elem]))
+            out.append({"positions": [int(x) for x in pos], "values": values})
+        return out
 
     def _on_degraded(self, reason: str) -> None:
         with self._cond:
@@ -454,8 +495,11 @@ class Session:
                   "skip_step": bool(skip), "bootstrap": False,
                   "tokens": int(self.tokens()) if self.tokens is not None else None}
         self._clip = self._inv_scale = None
+        audit = None
+        if self.audit_every and k % self.audit_every == 0 and not skip and self.rank == 0:
+            audit = self._audit_sample(k)
         extra = self.extra_state() if self.extra_state is not None else None
-        self._pending = (k, replay, _rng.capture(), extra, sent)
+        self._pending = (k, replay, _rng.capture(), extra, sent, audit)
         self._awaiting = {name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
                           if obj is not None}
         if not self._awaiting:
@@ -475,11 +519,11 @@ class Session:
         if self.degraded is not None:
             self._pending = None
             return
-        k, replay, rng, extra, sent = self._pending
+        k, replay, rng, extra, sent, audit = self._pending
         self._pending = None
-        self._queue_commit(k, replay, rng, extra, sent)
+        self._queue_commit(k, replay, rng, extra, sent, audit)
 
-    def _queue_commit(self, k: int, replay: dict, rng: dict, extra: Any, sent: list) -> None:
+    def _queue_commit(self, k: int, replay: dict, rng: dict, extra: Any, sent: list, audit: list | None = None) -> None:
         blob_obj: dict = {"rank": self.rank, "world": self.world, "rng": rng, "extra_state": extra}
         if self.rank == 0:
             blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
@@ -495,8 +539,12 @@ class Session:
         except _codec.EncodeError as exc:
             raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
         owner = self.rank % len(self.shards)
-        bodies = [msgpack.packb({"replay": dict(replay, sent=sent[w]), "blob": blob if w == owner else None},
-                                use_bin_type=True) for w in range(len(self.shards))]
+        bodies = []
+        for w in range(len(self.shards)):
+            rec = dict(replay, sent=sent[w])
+            if audit is not None and audit[w] is not None:
+                rec["audit"] = audit[w]
+            bodies.append(msgpack.packb({"replay": rec, "blob": blob if w == owner else None}, use_bin_type=True))
         self.sender.q.put(CommitItem(k, bodies))
         self._last_emitted = k
 

@@ -62,6 +62,8 @@ class JobRec:
     cut_time: float = 0.0
     attach_time: float = field(default_factory=time.time)
     detached: set = field(default_factory=set)
+    audit: dict = field(default_factory=lambda: {"checked": 0, "mismatches": 0, "last_iteration": None,
+                                                  "max_ulp": 0, "last_mismatch": ""})
 
 
 def job_id_for(name: str) -> int:
@@ -231,6 +233,23 @@ class Coordinator:
                     self._reply([x.ident], "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"],
                                 checksum=r["checksum"])
 
+    def _on_audited(self, env, msg) -> None:
+        job = self.job
+        if job is None or msg["epoch"] != job.epoch:
+            return
+        a = job.audit
+        a["checked"] += msg["checked"]
+        a["last_iteration"] = msg["iteration"]
+        a["max_ulp"] = max(a["max_ulp"], msg["max_ulp"])
+        if not msg["ok"]:
+            a["mismatches"] += 1
+            a["last_mismatch"] = f"iteration {msg['iteration']}: {msg['detail']}"
+            logger.error("divergence audit failed at iteration %d (max %d ulp): %s", msg["iteration"],
+                         msg["max_ulp"], msg["detail"])
+            for ident in job.trainers.values():
+                self._reply([ident], "audit", epoch=job.epoch, iteration=msg["iteration"], ok=False,
+                            detail=msg["detail"])
+
     def _on_stale(self, env, msg) -> None:
         w = self._worker(env)
         if w is not None:
@@ -349,7 +368,7 @@ class Coordinator:
                 "committed": job.cut if job.cut >= job.base else None, "base": job.base,
                 "lag_iterations": max(0, seen - job.cut) if job.cut >= job.base else None,
                 "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
-                "elements": Layout.from_dict(job.layout).total, "optim": job.optim,
+                "elements": Layout.from_dict(job.layout).total, "optim": job.optim, "audit": job.audit,
             }
         return out
 

@@ -25,6 +25,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                   "checksum": (str,), "seconds": (float, int), "commit": (dict, type(None)), "blob_ranks": (list,)},
     "applied": {"epoch": (int,), "iteration": (int,)},
     "stale": {"epoch": (int,), "reason": (str,)},
+    "audited": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "checked": (int,), "max_ulp": (int,),
+                "first_param": (str,), "detail": (str,)},
     "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
                   "frames_in": (int,), "bytes_in": (int,), "stale": (str,)},
     # coordinator -> worker
@@ -44,6 +46,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
     "progress": {"epoch": (int,), "applied": (int,)},
     "degraded": {"epoch": (int,), "reason": (str,)},
+    "audit": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "detail": (str,)},
     # anyone -> coordinator
     "status": {},
     "restore_info": {"job": (str, type(None))},

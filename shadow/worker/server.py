@@ -204,6 +204,12 @@ class Worker:
             s.applied = k
             s.blobs = slot.blobs
             s.commit = slot.commits[0]
+            fault = knobs.fault("CORRUPT_APPLY_AT")
+            if fault and int(fault) == k and s.state.size:  # tests: a silent bit flip in the replica
+                s.state.param.view(np.uint32)[:] ^= 1
+            audit = next((c.get("audit") for c in slot.commits if c.get("audit")), None)
+            if audit:
+                self._to_coord("audited", epoch=s.epoch, iteration=k, **audit_shard(s.state, audit))
         self._answer_fetches()
 
     def _persist(self, msg: dict) -> None:
@@ -415,6 +421,40 @@ class Worker:
         self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])
 
 
+def audit_shard(state: ShardState, audit: dict) -> dict:
+    """Compare the trainer's sampled values with this shard's, bit for bit."""
+    pos = np.asarray(audit["positions"], dtype=np.int64)
+    if len(pos) == 0:
+        return {"ok": True, "checked": 0, "max_ulp": 0, "first_param": "", "detail": ""}
+    if pos.min() < state.start or pos.max() >= state.stop:
+        return {"ok": False, "checked": 0, "max_ulp": 0, "first_param": "", "detail": "audit positions outside the range"}
+    offsets = np.asarray([p.offset for p in state.layout.params], dtype=np.int64)
+    worst, first, checked = 0, None, 0
+    for field, values in audit["values"].items():
+        arr = state.array(F.Field(int(field)))
+        if len(arr) == 0:
+            continue
+        mine = arr[pos - state.start]
+        theirs = np.asarray(values, dtype=np.float64).astype(np.float32)
+        a, b = mine.view(np.int32).astype(np.int64), theirs.view(np.int32).astype(np.int64)
+        a = np.where(a < 0, -(a & 0x7FFFFFFF), a)
+        b = np.where(b < 0, -(b & 0x7FFFFFFF), b)
+        diff = np.abs(a - b)
+        diff[np.isnan(mine) & np.isnan(theirs)] = 0
+        checked += len(pos)
+        if diff.any():
+            worst = max(worst, int(diff.max()))
+            j = int(np.flatnonzero(diff)[0])
+            i = int(np.searchsorted(offsets, pos[j], side="right") - 1)
+            cand = (int(pos[j]), state.layout.params[i].name, F.Field(int(field)).name.lower(), float(mine[j]),
+                    float(theirs[j]))
+            first = cand if first is None or cand[0] < first[0] else first
+    if first is None:
+        return {"ok": True, "checked": checked, "max_ulp": 0, "first_param": "", "detail": ""}
+    return {"ok": False, "checked": checked, "max_ulp": worst, "first_param": first[1],
+            "detail": f"{first[2]} of {first[1]!r} (flat element {first[0]}): shadow {first[3]!r}, trainer {first[4]!r}"}
+
+
 def _same(a, b) -> bool:
     """Equality in which NaN equals NaN (a clip coefficient of an overflowing step is NaN)."""
     if isinstance(a, float) and isinstance(b, float):
@@ -456,6 +496,11 @@ def _decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tupl
                 raise F.FrameError("bad_commit", f"commit {key} is not a float")
         if not isinstance(replay.get("skip_step", False), bool):
             raise F.FrameError("bad_commit", "commit skip_step is not a bool")
+        audit = replay.get("audit")
+        if audit is not None:
+            if not isinstance(audit, dict) or len(audit.get("positions", ())) > 4096 or \
+                    any(len(v) != len(audit["positions"]) for v in audit.get("values", {}).values()):
+                raise F.FrameError("bad_commit", "malformed audit sample")
         if replay["bootstrap"]:
             if len(replay["steps"]) != nparams or len(replay["has_state"]) != nparams:
                 raise F.FrameError("bad_commit", "bootstrap commit lacks per-parameter steps")
