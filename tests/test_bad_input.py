@@ -260,3 +260,16 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluste
         session.close(wait=False)
     finally:
         bad.stop()
+
+
+def test_scheduler_that_cannot_be_recorded_is_refused_at_attach(world1):
+    model, opt, _ = build()
+
+    class Weird(torch.optim.lr_scheduler.LambdaLR):
+        def state_dict(self):
+            return {"fn": lambda: 1}
+
+    with pytest.raises(trainer_hooks.ShadowError, match=r"scheduler Weird cannot be recorded.*lr_scheduler"):
+        trainer_hooks.attach(DDP(model), opt, coordinator="tcp://127.0.0.1:1", scheduler=Weird(opt, lambda s: 1.0))
+    with pytest.raises(TypeError, match="scheduler must be"):
+        trainer_hooks.attach(DDP(model), opt, coordinator="tcp://127.0.0.1:1", scheduler=object())

@@ -116,6 +116,23 @@ def _observed(cls: type) -> type:
     return type(cls.__name__, (cls,), ns)
 
 
+def _check_scheduler(scheduler: Any) -> None:
+    """The shadow records the lr each step used, so any scheduler works -- as long as its
+    state can be stored for the restore."""
+    if scheduler is None:
+        return
+    if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
+        raise TypeError(f"scheduler must be a torch.optim.lr_scheduler scheduler (step/state_dict/load_state_dict); "
+                        f"got {type(scheduler).__name__}")
+    try:
+        _codec.pack(scheduler.state_dict())
+    except _codec.EncodeError as exc:
+        raise ShadowError(
+            f"the state of scheduler {type(scheduler).__name__} cannot be recorded ({exc}); supported: "
+            "torch.optim.lr_scheduler schedulers whose state_dict holds numbers, strings, lists, dicts and "
+            "tensors (plain functions in LambdaLR are fine: torch leaves them out)") from None
+
+
 class Session:
     """Handle returned by :func:`trainer_hooks.attach`."""
 
@@ -157,6 +174,7 @@ class Session:
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
         self.layout, self.params = build_layout(ddp_model, optimizer)
         self.optim_desc = _optim.describe(optimizer)
+        _check_scheduler(scheduler)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._aliases = state_dict_aliases(ddp_model)
         start = RESTORED.get(optimizer, 0) if iteration is None else int(iteration)

@@ -241,6 +241,8 @@ class Coordinator:
         a["checked"] += msg["checked"]
         a["last_iteration"] = msg["iteration"]
         a["max_ulp"] = max(a["max_ulp"], msg["max_ulp"])
+        if msg["ok"] and msg["detail"]:
+            a["last_deviation"] = f"iteration {msg['iteration']}: {msg['detail']}"
         if not msg["ok"]:
             a["mismatches"] += 1
             a["last_mismatch"] = f"iteration {msg['iteration']}: {msg['detail']}"

@@ -60,6 +60,8 @@ def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False, optim: str 
     first = [p for n, p in model.named_parameters() if n.startswith(("fc", "emb", "side"))]
     groups = [{"params": first, "weight_decay": 0.05},
               {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3}]
+    if optim in ("adam", "adamw"):
+        groups[1]["betas"] = (0.8, 0.99)  # per-group betas
     if optim == "adamw":
         opt = torch.optim.AdamW(groups, lr=1e-2, amsgrad=amsgrad, **kw)
     elif optim == "adam":
