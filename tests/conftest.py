@@ -64,11 +64,12 @@ class Cluster:
     def status(self) -> dict:
         return status(self.address)
 
-    def settled(self, quiet: float = 1.0, limit: float = 30.0) -> dict:
+    def settled(self, quiet: float = 2.0, limit: float = 60.0) -> dict:
         """Status once the committed cut and every worker's progress stop moving
         (messages a killed trainer sent are still being processed for a moment)."""
         def key(st):
-            return (st["job"] and st["job"]["committed"], [(w["prepared"], w["applied"]) for w in st["workers"]])
+            return (st["job"] and st["job"]["committed"],
+                    [(w["prepared"], w["applied"], w["seen"], w["frames_in"]) for w in st["workers"]])
         deadline = time.monotonic() + limit
         last, since = None, time.monotonic()
         while time.monotonic() < deadline:

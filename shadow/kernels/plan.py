@@ -200,3 +200,21 @@ class ReplayPlan:
         it on the calling thread."""
         fn = _adam.adam_apply if threads else _adam.adam_apply_serial
         fn(param, exp_avg, exp_avg_sq, max_sq, grad, self.work, self.seg_f, self.seg_i)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every replay kernel now, so no JIT happens
+    while a worker serves its first iteration."""
+    one = np.ones(16, dtype=np.float32)
+    segs = segments_for_range([0], [16], [0], 0, 16, "fused", 16, 8)
+    adam_group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+                  "maximize": False, "decoupled": True}
+    plan = ReplayPlan(segs, "fused", 16, "adam")
+    plan.prepare([adam_group], np.ones(1), set(), None)
+    for threads in (True, False):
+        plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=threads)
+    plan = ReplayPlan(segs, "fused", 16, "sgd")
+    plan.prepare_sgd([{"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
+                       "maximize": False}], np.zeros(1, dtype=bool), set())
+    for threads in (True, False):
+        plan.apply_sgd(one.copy(), one.copy(), one, threads=threads)

@@ -95,6 +95,11 @@ class Worker:
 
     # -- main loop -------------------------------------------------------------------
     def run(self) -> None:
+        from shadow.kernels.plan import warm_up
+
+        t0 = time.monotonic()
+        warm_up()
+        logger.info("replay kernels ready in %.1f s", time.monotonic() - t0)
         self._open()
         logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
         self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
