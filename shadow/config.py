@@ -100,6 +100,7 @@ class ClusterConfig:
     port: int = 5555  #: coordinator port
     threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
     log_level: str = "INFO"
+    max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
     persist: PersistConfig = field(default_factory=PersistConfig)
 
     def __post_init__(self) -> None:
@@ -139,6 +140,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"  #: interface this worker binds its data and serve sockets on
     threads: int = 0  #: numba threads; 0 = all cores
     log_level: str = "INFO"
+    worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
 
     def __post_init__(self) -> None:
         _check_endpoint("coordinator", self.coordinator)

@@ -56,13 +56,13 @@ class Sender(threading.Thread):
     def __init__(self, ctx: zmq.Context, dealer: zmq.Socket, endpoints: list[str], ring, *, job_id: int,
                  epoch: int, rank: int, world: int, layout_hash: int, on_error: Callable[[BaseException], None],
                  on_progress: Callable[[int], None], on_degraded: Callable[[str], None],
-                 on_audit: Callable[[dict], None]) -> None:
+                 on_audit: Callable[[dict], None], on_resync: Callable[[], None]) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
         self.job_id, self.epoch, self.rank, self.world, self.layout_hash = job_id, epoch, rank, world, layout_hash
         self.on_error, self.on_progress, self.on_degraded = on_error, on_progress, on_degraded
-        self.on_audit = on_audit
+        self.on_audit, self.on_resync = on_audit, on_resync
         self.seq = [0] * len(endpoints)
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
         self.bytes_out = 0
@@ -181,6 +181,8 @@ class Sender(threading.Thread):
                 continue
             if msg["t"] == "progress" and msg["epoch"] == self.epoch:
                 self.on_progress(msg["applied"])
+            elif msg["t"] == "resync" and msg["epoch"] == self.epoch:
+                self.on_resync()
             elif msg["t"] == "audit" and msg["epoch"] == self.epoch:
                 self.on_audit(msg)
             elif msg["t"] == "degraded" and msg["epoch"] == self.epoch:

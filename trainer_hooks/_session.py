@@ -187,6 +187,9 @@ class Session:
         self._applied = -1
         self._error: BaseException | None = None
         self.degraded: str | None = None
+        self._resync_requested = False  # the coordinator asked (this rank heard it)
+        self._resync_at: int | None = None  # every rank agreed: resync after this iteration
+        self._vote = torch.zeros(1, dtype=torch.int32)
         self._closed = False
         self._clip: float | None = None
         self._pending: tuple | None = None
@@ -205,7 +208,8 @@ class Session:
         self.sender = Sender(self._ctx, self._dealer, [w["data"] for w in self.workers], self.ring,
                              job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
                              layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress,
-                             on_degraded=self._on_degraded, on_audit=self._on_audit)
+                             on_degraded=self._on_degraded, on_audit=self._on_audit,
+                             on_resync=self._on_resync)
         self.sender.start()
         self._bootstrap()
         self._install_hooks()
@@ -284,7 +288,7 @@ class Session:
         ]
         # the commit of iteration k leaves once the scheduler has stepped; if it steps at
         # another cadence, at the latest when the next forward (or step, or close) begins
-        self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._emit_pending()))
+        self._handles.append(self.model.register_forward_pre_hook(lambda *_: self._before_forward()))
         self._swapped = []
         for obj in (self.scheduler, self.scaler):
             if obj is not None:
@@ -345,6 +349,27 @@ class Session:
             out.append({"positions": [int(x) for x in pos], "values": values})
         return out
 
+    def _on_resync(self) -> None:
+        logger.info("the shadow cluster is whole again; resyncing at the next iteration boundary")
+        self._resync_requested = True
+
+    def _before_forward(self) -> None:
+        self._emit_pending()
+        if self._resync_at is not None and self._resync_at == self._next - 1:
+            self._resync()
+
+    def _resync(self) -> None:
+        """Re-attach at this iteration boundary: a new epoch bootstrapped from this rank's
+        current state (every rank does it at the same iteration: they voted on it)."""
+        k = self._next - 1
+        t0 = time.monotonic()
+        self.close(wait=False)
+        keep_registered = self._comm_registered
+        self.__init__(self.model, self.optimizer, self.coordinator, iteration=k, overwrite=True, **self._init_args)
+        self._comm_registered = keep_registered
+        logger.info("rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)", self.rank, k,
+                    time.monotonic() - t0, self.epoch)
+
     def _on_degraded(self, reason: str) -> None:
         with self._cond:
             if self.degraded is None:
@@ -377,7 +402,27 @@ class Session:
             fut = dist.all_reduce(buf, group=self.pg, async_op=True).get_future().then(lambda f: f.value()[0])
         if self._closed:
             return fut
+        if bucket.is_last():
+            fut = self._vote_resync(fut, bucket.buffer().device)
         return fut.then(functools.partial(self._after_reduce, bucket))
+
+    def _vote_resync(self, fut: torch.futures.Future, device: torch.device) -> torch.futures.Future:
+        """Alongside the last bucket of every iteration, a one-integer MAX all-reduce: did
+        any rank hear the coordinator ask for a resync? All ranks learn the same answer in
+        the same iteration, so they re-attach together."""
+        if self._vote.device != device:
+            self._vote = self._vote.to(device)
+        self._vote.fill_(1 if self._resync_requested else 0)
+        vote = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.pg, async_op=True).get_future()
+        k = self._next
+
+        def done(both):
+            bucket_fut, vote_fut = both.value()
+            if int(vote_fut.value()[0].item()):
+                self._resync_at = k
+            return bucket_fut.value()
+
+        return torch.futures.collect_all([fut, vote]).then(done)
 
     def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()

@@ -67,7 +67,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     from shadow.worker.server import Worker
 
     _logging(cfg.log_level)
-    worker = Worker(cfg.coordinator, host=cfg.host)
+    worker = Worker(cfg.coordinator, host=cfg.host, worker_id=cfg.worker_id)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     try:
         worker.run()
@@ -95,19 +95,27 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     signal.signal(signal.SIGINT, shutdown)
     thread = threading.Thread(target=coord.run, name="coordinator", daemon=True)
     thread.start()
-    for _ in range(cfg.workers):
-        procs.append(subprocess.Popen([
+    def spawn(slot: int) -> subprocess.Popen:
+        return subprocess.Popen([
             sys.executable, "-m", "shadow", "worker", f"coordinator={address}", f"host={cfg.host}",
-            f"threads={cfg.threads()}", f"log_level={cfg.log_level}",
-        ]))
+            f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"worker_id={slot}",
+        ])
+
+    procs = [spawn(i) for i in range(cfg.workers)]
+    restarts = [0] * cfg.workers
     log.info("shadow cluster at %s: %d workers (pids %s), %d numba threads each",
              address, cfg.workers, [p.pid for p in procs], cfg.threads())
     try:
         while not stop.is_set() and thread.is_alive():
-            for p in procs:
-                if p.poll() is not None and not stop.is_set():
-                    log.error("worker pid %d exited with status %s", p.pid, p.returncode)
-                    procs.remove(p)
+            for slot, p in enumerate(procs):
+                if p.poll() is None or stop.is_set():
+                    continue
+                if restarts[slot] >= cfg.max_restarts:
+                    continue
+                restarts[slot] += 1
+                log.error("worker %d (pid %d) exited with status %s; restarting it (%d/%d)", slot, p.pid,
+                          p.returncode, restarts[slot], cfg.max_restarts)
+                procs[slot] = spawn(slot)
             time.sleep(0.2)
     finally:
         coord.stop()

@@ -62,6 +62,7 @@ class JobRec:
     cut_time: float = 0.0
     attach_time: float = field(default_factory=time.time)
     detached: set = field(default_factory=set)
+    resync_requested: bool = False
     audit: dict = field(default_factory=lambda: {"checked": 0, "mismatches": 0, "last_iteration": None,
                                                   "max_ulp": 0, "last_mismatch": ""})
 
@@ -148,7 +149,15 @@ class Coordinator:
     def _on_register(self, env, msg) -> None:
         now = time.monotonic()
         w = self._worker(env)
-        if w is None:
+        slot = msg["worker_id"]
+        if w is None and 0 <= slot < len(self.workers):
+            # a restarted worker takes its slot back: it has no state and will be resynced
+            w = self.workers[slot]
+            logger.warning("worker %d re-registered (pid %d -> %d); it will be resynced", slot, w.pid, msg["pid"])
+            w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
+            w.lost, w.stale, w.configured, w.prepared, w.applied, w.seen = False, "restarted", -1, -1, -1, -1
+            self._degrade(f"worker {slot} restarted")
+        elif w is None:
             if len(self.workers) >= self.expected:
                 self._reply(env, "error", message=f"cluster already has its {self.expected} workers")
                 return
@@ -156,6 +165,7 @@ class Coordinator:
             self.workers.append(w)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         self._reply(env, "registered", worker_id=w.id)
+        self._maybe_resync()
 
     def _on_heartbeat(self, env, msg) -> None:
         w = self._worker(env)
@@ -176,13 +186,29 @@ class Coordinator:
             elif alive and w.lost:
                 w.lost = False
                 logger.info("worker %d is back", w.id)
+                self._maybe_resync()
 
     def _degrade(self, reason: str) -> None:
         job = self.job
         if job is None or job.status in ("detached", "configuring"):
             return
+        job.status = "degraded"
         for ident in job.trainers.values():
             self._reply([ident], "degraded", epoch=job.epoch, reason=f"{reason}; checkpoint frozen at {job.cut}")
+        self._maybe_resync()
+
+    def _maybe_resync(self) -> None:
+        """Once every worker slot is alive again, ask the trainers to resync the cluster
+        (a new epoch bootstrapped from their state at an iteration boundary)."""
+        job, now = self.job, time.monotonic()
+        if job is None or job.status != "degraded" or job.resync_requested:
+            return
+        if len(self.workers) < self.expected or not all(w.alive(now) for w in self.workers):
+            return
+        job.resync_requested = True
+        logger.info("job %s: all %d workers alive; asking the trainers to resync", job.name, len(self.workers))
+        for ident in job.trainers.values():
+            self._reply([ident], "resync", epoch=job.epoch)
 
     def _on_configured(self, env, msg) -> None:
         w, job = self._worker(env), self.job
@@ -257,7 +283,7 @@ class Coordinator:
         if w is not None:
             w.stale = msg["reason"]
             logger.error("worker %d reports stale state: %s", w.id, msg["reason"])
-            if self.job is not None and msg["epoch"] == self.job.epoch:
+            if self.job is not None and msg["epoch"] == self.job.epoch and self.job.status != "degraded":
                 self._degrade(f"worker {w.id} is stale ({msg['reason']})")
 
     # -- trainers -----------------------------------------------------------------------------

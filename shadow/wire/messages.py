@@ -46,6 +46,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
     "progress": {"epoch": (int,), "applied": (int,)},
     "degraded": {"epoch": (int,), "reason": (str,)},
+    "resync": {"epoch": (int,)},
     "audit": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "detail": (str,)},
     # anyone -> coordinator
     "status": {},
