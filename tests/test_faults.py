@@ -71,3 +71,31 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
         assert sched.state_dict() == fsched.state_dict()
     finally:
         cluster.stop()
+
+
+def test_two_ranks_keep_training_through_a_worker_crash(tmp_path):
+    from tests.conftest import rank_logs, run_ranks
+    from tests.test_integration import assert_same_state
+
+    steps = 40
+    ref = tmp_path / "ref"
+    assert run_ranks(tmp_path, "--out", str(ref), "--steps", str(steps)) == [0, 0], rank_logs(tmp_path)
+    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
+    try:
+        out = tmp_path / "out"
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(steps),
+                         "--kill-worker-at", "5", "--step-sleep", "0.15") == [0, 0], rank_logs(tmp_path)
+        st = cluster.settled()
+        assert st["job"]["committed"] == steps and st["job"]["epoch"] >= 2  # resynced into a new epoch
+        assert all(w["health"] == "ok" for w in st["workers"])
+        for r in range(2):
+            a = torch.load(ref / f"rank{r}.pt", weights_only=True)
+            b = torch.load(out / f"rank{r}.pt", weights_only=True)
+            assert_same_state(b, a)  # the crash changed nothing in training
+        fresh, fopt, fsched = build(seed=9)
+        info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
+        assert info.iteration == steps
+        assert_same_state({"model": fresh.state_dict(), "optimizer": fopt.state_dict(),
+                           "scheduler": fsched.state_dict()}, a)
+    finally:
+        cluster.stop()

@@ -150,19 +150,24 @@ class Coordinator:
         now = time.monotonic()
         w = self._worker(env)
         slot = msg["worker_id"]
-        if w is None and 0 <= slot < len(self.workers):
+        taken = {x.id: x for x in self.workers}
+        if w is None and slot in taken:
             # a restarted worker takes its slot back: it has no state and will be resynced
-            w = self.workers[slot]
+            w = taken[slot]
             logger.warning("worker %d re-registered (pid %d -> %d); it will be resynced", slot, w.pid, msg["pid"])
             w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
             w.lost, w.stale, w.configured, w.prepared, w.applied, w.seen = False, "restarted", -1, -1, -1, -1
             self._degrade(f"worker {slot} restarted")
         elif w is None:
-            if len(self.workers) >= self.expected:
-                self._reply(env, "error", message=f"cluster already has its {self.expected} workers")
+            if slot < 0:
+                slot = next((i for i in range(self.expected) if i not in taken), -1)
+            if not 0 <= slot < self.expected:
+                self._reply(env, "error", message=f"cluster already has its {self.expected} workers "
+                                                  f"(or worker_id={msg['worker_id']} is out of range)")
                 return
-            w = WorkerRec(env[0], len(self.workers), msg["data"], msg["serve"], msg["pid"], now)
+            w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
             self.workers.append(w)
+            self.workers.sort(key=lambda x: x.id)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         self._reply(env, "registered", worker_id=w.id)
         self._maybe_resync()

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -107,6 +108,8 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync for all but the last)")
     ap.add_argument("--unused", action="store_true", help="a branch used only on odd iterations")
     ap.add_argument("--compress", default="", help="DDP compression hook: bf16 | fp16")
+    ap.add_argument("--kill-worker-at", type=int, default=0, help="rank 0 SIGKILLs shadow worker 1 then")
+    ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
     args = ap.parse_args()
 
@@ -183,6 +186,18 @@ def main() -> None:
             os.makedirs(args.dump_dir, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "rng": torch.get_rng_state()}, os.path.join(args.dump_dir, f"it{it}-rank{rank}.pt"))
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if it == args.kill_worker_at and rank == 0:
+            import zmq
+
+            from shadow.client import dealer, request
+            from shadow.wire import messages as M
+
+            sock = dealer(zmq.Context.instance(), args.coordinator)
+            st = request(sock, args.coordinator, M.encode("status"), 10, ("status_reply",))["status"]
+            sock.close(linger=0)
+            os.kill(st["workers"][1]["pid"], signal.SIGKILL)
         if it == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
     if session is not None:
@@ -191,6 +206,7 @@ def main() -> None:
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "losses": losses, "start": start, "rng": torch.get_rng_state(), "draws": draws,
                 "scaler": scaler.state_dict() if scaler is not None else None,
+                "epochs": session.epoch if session is not None else None,
                 "committed": session.applied if session is not None else None},
                os.path.join(args.out, f"rank{rank}.pt"))
     dist.destroy_process_group()
