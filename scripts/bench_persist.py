@@ -22,7 +22,6 @@ import torch
 
 from shadow.layout import Layout
 from shadow.persist import catalog, shardfile
-from shadow.wire.frames import checksum
 
 
 def drop_caches() -> bool:

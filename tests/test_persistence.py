@@ -3,7 +3,6 @@ restore from disk bit for bit; torn writes; corruption; unwritable tiers; export
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

@@ -20,11 +20,9 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgpack
-import numpy as np
 import torch
 import torch.distributed as dist
 import zmq
@@ -33,12 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from shadow import knobs
 from shadow.client import dealer, request
 from shadow.errors import ShadowError, ShadowTimeoutError
-from shadow.layout import bucket_runs, intersect, stripe_bounds
-from shadow.wire import frames as F
+from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
-from trainer_hooks import _codec, _optim, _rng
+from trainer_hooks import _audit, _bootstrap, _buckets, _checks, _codec, _observe, _optim, _rng
 from trainer_hooks._model import build_layout, persistent_buffers, state_dict_aliases
-from trainer_hooks._sender import CommitItem, FlushItem, GradItem, Sender, StateItem
+from trainer_hooks._sender import CommitItem, FlushItem, GradItem, Sender
 from trainer_hooks._staging import StagingRing
 
 logger = logging.getLogger(__name__)
@@ -47,90 +44,6 @@ logger = logging.getLogger(__name__)
 RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
 POLICIES = ("block",)
-
-
-@dataclass
-class _BucketPlan:
-    stripe: tuple[int, int]
-    runs: list  # per worker: [(src relative to stripe, dst, n)]
-    counts: list  # per worker: elements
-    probes: list  # [(bucket position, param index, element of the param)] inside the stripe
-
-
-SAMPLES_PER_BUCKET = 4  # gradient elements checked per bucket and step
-
-
-def _probes(slots: list, stripe: tuple[int, int], count: int = 64) -> list:
-    """Up to ``count`` positions spread over the stripe that belong to parameters."""
-    out = []
-    for b_off, _flat, n, idx in slots:
-        lo, hi = max(b_off, stripe[0]), min(b_off + n, stripe[1])
-        for pos in range(lo, hi, max(1, (hi - lo) // 8)):
-            out.append((pos, idx, pos - b_off))
-    if len(out) > count:
-        step = len(out) / count
-        out = [out[int(i * step)] for i in range(count)]
-    return out
-
-
-_OWNERS: "weakref.WeakKeyDictionary[Any, Session]" = weakref.WeakKeyDictionary()
-
-
-@functools.lru_cache(maxsize=None)
-def _observed(cls: type) -> type:
-    """A subclass of a scheduler or GradScaler class that tells the owning session when
-    it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched)."""
-    ns: dict = {"__module__": cls.__module__}
-    if hasattr(cls, "unscale_"):  # GradScaler
-        def unscale_(self, optimizer):
-            session = _OWNERS.get(self)
-            if session is not None:
-                session._inv_scale = float(self._scale.double().reciprocal().float().item())
-            return cls.unscale_(self, optimizer)
-
-        def step(self, optimizer, *args, **kwargs):
-            session = _OWNERS.get(self)
-            before = session._next if session is not None else None
-            out = cls.step(self, optimizer, *args, **kwargs)
-            if session is not None and session._next == before:
-                session._skipped_step()  # inf/nan: the optimizer did not step at all
-            return out
-
-        def update(self, *args, **kwargs):
-            out = cls.update(self, *args, **kwargs)
-            session = _OWNERS.get(self)
-            if session is not None:
-                session._done("scaler")
-            return out
-
-        ns.update(unscale_=unscale_, step=step, update=update)
-    else:
-        def step(self, *args, **kwargs):
-            out = cls.step(self, *args, **kwargs)
-            session = _OWNERS.get(self)
-            if session is not None:
-                session._done("scheduler")
-            return out
-
-        ns["step"] = step
-    return type(cls.__name__, (cls,), ns)
-
-
-def _check_scheduler(scheduler: Any) -> None:
-    """The shadow records the lr each step used, so any scheduler works -- as long as its
-    state can be stored for the restore."""
-    if scheduler is None:
-        return
-    if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
-        raise TypeError(f"scheduler must be a torch.optim.lr_scheduler scheduler (step/state_dict/load_state_dict); "
-                        f"got {type(scheduler).__name__}")
-    try:
-        _codec.pack(scheduler.state_dict())
-    except _codec.EncodeError as exc:
-        raise ShadowError(
-            f"the state of scheduler {type(scheduler).__name__} cannot be recorded ({exc}); supported: "
-            "torch.optim.lr_scheduler schedulers whose state_dict holds numbers, strings, lists, dicts and "
-            "tensors (plain functions in LambdaLR are fine: torch leaves them out)") from None
 
 
 class Session:
@@ -174,7 +87,7 @@ class Session:
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
         self.layout, self.params = build_layout(ddp_model, optimizer)
         self.optim_desc = _optim.describe(optimizer)
-        _check_scheduler(scheduler)
+        _observe.check_scheduler(scheduler)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._aliases = state_dict_aliases(ddp_model)
         start = RESTORED.get(optimizer, 0) if iteration is None else int(iteration)
@@ -196,7 +109,7 @@ class Session:
         self._last_emitted = start
         self._seen_buckets: set[int] = set()
         self._samples: list = []  # (param index, element, reduced value) checked at the step
-        self._bucket_plans: dict[tuple, _BucketPlan] = {}
+        self._bucket_plans: dict[tuple, _buckets.BucketPlan] = {}
         self.hook_s = 0.0
         self.blocked_s = 0.0
         self._handshake(overwrite)
@@ -211,7 +124,7 @@ class Session:
                              on_degraded=self._on_degraded, on_audit=self._on_audit,
                              on_resync=self._on_resync)
         self.sender.start()
-        self._bootstrap()
+        _bootstrap.bootstrap(self)
         self._install_hooks()
         logger.info("rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
                     self.rank, coordinator, job, self.epoch, start, self.optim_desc["impl"], total, len(self.shards))
@@ -231,53 +144,6 @@ class Session:
         self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
         self.shards = [(w["start"], w["stop"]) for w in self.workers]
 
-    def _split(self, lo: int, hi: int) -> list[list[tuple[int, int, int]]]:
-        """Runs ``(src relative to lo, dst, n)`` of flat ``[lo, hi)`` per worker."""
-        out = []
-        for shard in self.shards:
-            cut = intersect((lo, hi), shard)
-            out.append([(cut[0] - lo, cut[0], cut[1] - cut[0])] if cut else [])
-        return out
-
-    def _bootstrap(self) -> None:
-        lo, hi = stripe_bounds(self.layout.total, self.world)[self.rank]
-        opt_state = self.optimizer.state
-        sgd = self.optim_desc["kind"] == "sgd"
-        if sgd:
-            fields = [F.Field.PARAM] + ([F.Field.EXP_AVG] if self.optim_desc["momentum_any"] else [])
-            key = {F.Field.EXP_AVG: "momentum_buffer"}
-        else:
-            fields = [F.Field.PARAM, F.Field.EXP_AVG, F.Field.EXP_AVG_SQ]
-            if self.optim_desc["amsgrad_any"]:
-                fields.append(F.Field.MAX_EXP_AVG_SQ)
-            key = {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq",
-                   F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"}
-        runs = self._split(lo, hi)
-        sent = [0] * len(self.shards)
-        if hi > lo:
-            for field in fields:
-                data = np.zeros(hi - lo, dtype=np.float32)
-                for spec, p in zip(self.layout.params, self.params):
-                    cut = intersect((spec.offset, spec.offset + spec.numel), (lo, hi))
-                    if cut is None:
-                        continue
-                    src = p.detach() if field == F.Field.PARAM else opt_state.get(p, {}).get(key[field])
-                    if src is None:
-                        continue
-                    flat = src.detach().reshape(-1)[cut[0] - spec.offset:cut[1] - spec.offset]
-                    data[cut[0] - lo:cut[1] - lo] = flat.to("cpu", torch.float32).numpy()
-                self.sender.q.put(StateItem(self.base, field, data, runs))
-                for w, r in enumerate(runs):
-                    sent[w] += sum(n for _, _, n in r)
-        steps, has_state = [], []
-        for p in self.params:
-            st = opt_state.get(p, {})
-            steps.append(float(st["step"]) if "step" in st else 0.0)
-            has_state.append(st.get("momentum_buffer") is not None if sgd else "step" in st)
-        replay = {"iteration": self.base, "rank": self.rank, "groups": _optim.replay_groups(self.optimizer),
-                  "skipped": [], "clip": None, "bootstrap": True, "steps": steps, "has_state": has_state}
-        self._queue_commit(self.base, replay, _rng.capture(), None, sent)
-
     def _install_hooks(self) -> None:
         if not getattr(self, "_comm_registered", False):
             self.model.register_comm_hook(None, self._comm_hook)  # DDP takes one hook, once
@@ -293,8 +159,8 @@ class Session:
         for obj in (self.scheduler, self.scaler):
             if obj is not None:
                 self._swapped.append((obj, type(obj)))
-                obj.__class__ = _observed(type(obj))
-                _OWNERS[obj] = self
+                obj.__class__ = _observe.observed(type(obj))
+                _observe.OWNERS[obj] = self
 
     # -- errors and progress ------------------------------------------------------------------------
     def _latch(self, exc: BaseException) -> None:
@@ -320,34 +186,6 @@ class Session:
         logger.error("%s", text)
         if self.audit_strict:
             self._latch(ShadowError(text))
-
-    def _audit_sample(self, k: int) -> list:
-        """Per worker: sampled flat positions and the trainer's values there after step k
-        (a local generator seeded by k: the training loop's RNGs are not touched)."""
-        rng = np.random.default_rng(k)
-        offsets = np.asarray([p.offset for p in self.layout.params], dtype=np.int64)
-        if self.optim_desc["kind"] == "sgd":
-            keys = {F.Field.PARAM: None, **({F.Field.EXP_AVG: "momentum_buffer"} if self.optim_desc["momentum_any"] else {})}
-        else:
-            keys = {F.Field.PARAM: None, F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq"}
-            if self.optim_desc["amsgrad_any"]:
-                keys[F.Field.MAX_EXP_AVG_SQ] = "max_exp_avg_sq"
-        out = []
-        for lo, hi in self.shards:
-            if hi <= lo:
-                out.append(None)
-                continue
-            pos = np.unique(rng.integers(lo, hi, size=min(64, hi - lo)))
-            idx = np.searchsorted(offsets, pos, side="right") - 1
-            values: dict[int, list] = {int(f): [] for f in keys}
-            for flat, i in zip(pos, idx):
-                p = self.params[i]
-                elem = int(flat - offsets[i])
-                for f, key in keys.items():
-                    t = p.detach() if key is None else self.optimizer.state.get(p, {}).get(key)
-                    values[int(f)].append(0.0 if t is None else float(t.reshape(-1)[elem]))
-            out.append({"positions": [int(x) for x in pos], "values": values})
-        return out
 
     def _on_resync(self) -> None:
         logger.info("the shadow cluster is whole again; resyncing at the next iteration boundary")
@@ -435,7 +273,7 @@ class Session:
             self.hook_s += time.perf_counter() - t0
         return reduced
 
-    def _plan(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> _BucketPlan:
+    def _plan(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> _buckets.BucketPlan:
         params = bucket.parameters()
         key = (bucket.index(), reduced.numel(), tuple(id(p) for p in params))
         plan = self._bucket_plans.get(key)
@@ -449,7 +287,7 @@ class Session:
             stripe = stripe_bounds(reduced.numel(), self.world)[self.rank]
             per_worker = bucket_runs([s[:3] for s in slots], stripe, self.shards)
             runs = [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
-            plan = _BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs], _probes(slots, stripe))
+            plan = _buckets.BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs], _buckets.probes(slots, stripe))
             self._bucket_plans[key] = plan
         return plan
 
@@ -469,7 +307,7 @@ class Session:
             self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
             if plan.probes:
                 n = len(plan.probes)
-                for j in range(min(SAMPLES_PER_BUCKET, n)):
+                for j in range(min(_buckets.SAMPLES_PER_BUCKET, n)):
                     pos, pidx, elem = plan.probes[(self._next * 7 + j * 13) % n]
                     self._samples.append((pidx, elem, self.ring.array[off + pos - lo]))
             for w, c in enumerate(plan.counts):
@@ -482,16 +320,8 @@ class Session:
             return
         self._raise_latched()
         self._emit_pending()
-        self._check_layout()
-        self._check_samples()
-
-    def _check_layout(self) -> None:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if len(self.optimizer.param_groups) != self.layout.num_groups or len(params) != len(self.params) or \
-                any(a is not b for a, b in zip(params, self.params)):
-            raise ShadowError(
-                "the optimizer's parameters changed after attach (optimizer.add_param_group?); call "
-                "session.add_param_group(group) instead, which re-lays out the shadow at this iteration")
+        _checks.check_layout(self)
+        _checks.check_samples(self)
 
     def add_param_group(self, group: dict) -> None:
         """``optimizer.add_param_group(group)``, then re-attach with the new layout: the
@@ -503,28 +333,6 @@ class Session:
         self.__init__(self.model, self.optimizer, self.coordinator, iteration=self.iteration, overwrite=True,
                       **self._init_args)
         self._comm_registered = keep_registered
-
-    def _check_samples(self) -> None:
-        """The gradients the optimizer is about to use must be the all-reduced ones (times
-        the recorded clip coefficient): anything else would make the shadow diverge."""
-        with self._lock:
-            samples, self._samples = self._samples, []
-        factors = [torch.tensor(f, dtype=torch.float32) for f in (self._inv_scale, self._clip) if f is not None]
-        for pidx, elem, value in samples:
-            grad = self.params[pidx].grad
-            if grad is None:
-                continue
-            want = torch.tensor(value, dtype=torch.float32)
-            for f in factors:
-                want = want * f
-            got = grad.detach().reshape(-1)[elem].to("cpu", torch.float32)
-            if not torch.equal(got.view(torch.int32), want.view(torch.int32)) and not (got.isnan() and want.isnan()):
-                name = self.layout.params[pidx].name
-                raise ShadowError(
-                    f"gradient of {name!r} changed between DDP's all-reduce and optimizer.step() in iteration "
-                    f"{self._next} ({want.item()!r} -> {got.item()!r}); the shadow cannot replay that. Clip with "
-                    "session.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and do not scale "
-                    "gradients by hand; nothing from this iteration was checkpointed")
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self._closed:
@@ -560,7 +368,7 @@ class Session:
         self._clip = self._inv_scale = None
         audit = None
         if self.audit_every and k % self.audit_every == 0 and not skip and self.rank == 0:
-            audit = self._audit_sample(k)
+            audit = _audit.sample(self, k)
         extra = self.extra_state() if self.extra_state is not None else None
         self._pending = (k, replay, _rng.capture(), extra, sent, audit)
         self._awaiting = {name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
@@ -669,7 +477,7 @@ class Session:
             h.remove()
         for obj, cls in self._swapped:
             obj.__class__ = cls
-            _OWNERS.pop(obj, None)
+            _observe.OWNERS.pop(obj, None)
         try:
             self._dealer.send(M.encode("detach", epoch=self.epoch, rank=self.rank), zmq.NOBLOCK)
         except zmq.ZMQError:

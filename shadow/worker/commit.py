@@ -1,0 +1,101 @@
+"""Commit records on the worker: decoding and checking the replay part, agreement across
+ranks, and the divergence audit's comparison. The opaque blob is never decoded here."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+
+from shadow.wire import frames as F
+from shadow.worker.state import ShardState
+
+
+def audit_shard(state: ShardState, audit: dict) -> dict:
+    """Compare the trainer's sampled values with this shard's, bit for bit."""
+    pos = np.asarray(audit["positions"], dtype=np.int64)
+    if len(pos) == 0:
+        return {"ok": True, "checked": 0, "max_ulp": 0, "first_param": "", "detail": ""}
+    if pos.min() < state.start or pos.max() >= state.stop:
+        return {"ok": False, "checked": 0, "max_ulp": 0, "first_param": "", "detail": "audit positions outside the range"}
+    offsets = np.asarray([p.offset for p in state.layout.params], dtype=np.int64)
+    worst, first, checked = 0, None, 0
+    for field, values in audit["values"].items():
+        arr = state.array(F.Field(int(field)))
+        if len(arr) == 0:
+            continue
+        mine = arr[pos - state.start]
+        theirs = np.asarray(values, dtype=np.float64).astype(np.float32)
+        a, b = mine.view(np.int32).astype(np.int64), theirs.view(np.int32).astype(np.int64)
+        a = np.where(a < 0, -(a & 0x7FFFFFFF), a)
+        b = np.where(b < 0, -(b & 0x7FFFFFFF), b)
+        diff = np.abs(a - b)
+        diff[np.isnan(mine) & np.isnan(theirs)] = 0
+        checked += len(pos)
+        if diff.any():
+            worst = max(worst, int(diff.max()))
+            j = int(np.flatnonzero(diff)[0])
+            i = int(np.searchsorted(offsets, pos[j], side="right") - 1)
+            cand = (int(pos[j]), state.layout.params[i].name, F.Field(int(field)).name.lower(), float(mine[j]),
+                    float(theirs[j]))
+            first = cand if first is None or cand[0] < first[0] else first
+    if first is None:
+        return {"ok": True, "checked": checked, "max_ulp": 0, "first_param": "", "detail": ""}
+    return {"ok": False, "checked": checked, "max_ulp": worst, "first_param": first[1],
+            "detail": f"{first[2]} of {first[1]!r} (flat element {first[0]}): shadow {first[3]!r}, trainer {first[4]!r}"}
+
+
+def same(a, b) -> bool:
+    """Equality in which NaN equals NaN (a clip coefficient of an overflowing step is NaN)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)
+    return a == b
+
+
+def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:
+    """Decode and check the replay part of a commit; the blob stays opaque."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:
+        raise F.FrameError("bad_commit", "commit body is not msgpack") from None
+    try:
+        replay, blob = msg["replay"], msg.get("blob")
+        if replay["iteration"] != h.iteration or replay["rank"] != h.rank:
+            raise F.FrameError("bad_commit", "commit body names another iteration or rank than its header")
+        if not isinstance(replay["sent"], int) or replay["sent"] < 0:
+            raise F.FrameError("bad_commit", "commit 'sent' is not a count")
+        skipped = replay["skipped"]
+        if not all(isinstance(i, int) and 0 <= i < nparams for i in skipped):
+            raise F.FrameError("bad_commit", "commit skips a parameter index out of range")
+        groups = replay["groups"]
+        if len(groups) != ngroups:
+            raise F.FrameError("bad_commit", f"commit has {len(groups)} param groups, layout has {ngroups}")
+        for g in groups:
+            numbers = ("lr", "momentum", "dampening", "weight_decay") if "momentum" in g else ("lr", "eps", "weight_decay")
+            for key in numbers:
+                if not isinstance(g[key], (int, float)):
+                    raise F.FrameError("bad_commit", f"group {key} is not a number")
+            if "momentum" in g:
+                bool(g["nesterov"]), bool(g["maximize"])
+            else:
+                b1, b2 = g["betas"]
+                float(b1), float(b2)
+                bool(g["amsgrad"]), bool(g["maximize"]), bool(g["decoupled"])
+        for key in ("clip", "inv_scale", "grad_scale"):
+            if replay.get(key) is not None and not isinstance(replay[key], float):
+                raise F.FrameError("bad_commit", f"commit {key} is not a float")
+        if not isinstance(replay.get("skip_step", False), bool):
+            raise F.FrameError("bad_commit", "commit skip_step is not a bool")
+        audit = replay.get("audit")
+        if audit is not None:
+            if not isinstance(audit, dict) or len(audit.get("positions", ())) > 4096 or \
+                    any(len(v) != len(audit["positions"]) for v in audit.get("values", {}).values()):
+                raise F.FrameError("bad_commit", "malformed audit sample")
+        if replay["bootstrap"]:
+            if len(replay["steps"]) != nparams or len(replay["has_state"]) != nparams:
+                raise F.FrameError("bad_commit", "bootstrap commit lacks per-parameter steps")
+        if blob is not None and not isinstance(blob, bytes):
+            raise F.FrameError("bad_commit", "commit blob is not bytes")
+    except F.FrameError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise F.FrameError("bad_commit", f"malformed commit record ({type(exc).__name__}: {exc})") from None
+    return replay, blob

@@ -1,0 +1,37 @@
+"""The divergence audit's trainer side: which elements to sample after step k, and their
+values (a local generator seeded by k; the training loop's RNGs are never touched)."""
+from __future__ import annotations
+
+import numpy as np
+
+from shadow.wire import frames as F
+
+
+def sample(session, k: int) -> list:
+    """Per worker: sampled flat positions and the trainer's values there after step k
+    (a local generator seeded by k: the training loop's RNGs are not touched)."""
+    rng = np.random.default_rng(k)
+    offsets = np.asarray([p.offset for p in session.layout.params], dtype=np.int64)
+    if session.optim_desc["kind"] == "sgd":
+        keys = {F.Field.PARAM: None, **({F.Field.EXP_AVG: "momentum_buffer"} if session.optim_desc["momentum_any"] else {})}
+    else:
+        keys = {F.Field.PARAM: None, F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq"}
+        if session.optim_desc["amsgrad_any"]:
+            keys[F.Field.MAX_EXP_AVG_SQ] = "max_exp_avg_sq"
+    out = []
+    for lo, hi in session.shards:
+        if hi <= lo:
+            out.append(None)
+            continue
+        pos = np.unique(rng.integers(lo, hi, size=min(64, hi - lo)))
+        idx = np.searchsorted(offsets, pos, side="right") - 1
+        values: dict[int, list] = {int(f): [] for f in keys}
+        for flat, i in zip(pos, idx):
+            p = session.params[i]
+            elem = int(flat - offsets[i])
+            for f, key in keys.items():
+                t = p.detach() if key is None else session.optimizer.state.get(p, {}).get(key)
+                values[int(f)].append(0.0 if t is None else float(t.reshape(-1)[elem]))
+        out.append({"positions": [int(x) for x in pos], "values": values})
+    return out
+
