@@ -99,3 +99,50 @@ def test_two_ranks_keep_training_through_a_worker_crash(tmp_path):
                            "scheduler": fsched.state_dict()}, a)
     finally:
         cluster.stop()
+
+
+def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path):
+    """SIGSTOP a worker (policy block): the trainer waits at most until the coordinator
+    declares the worker lost (the wait is measured), then trains on degraded; after SIGCONT
+    the cluster resyncs and the final restore is exact."""
+    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2.0"})
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="frozen")
+        first_epoch = session.epoch
+        it = 0
+        for _ in range(2):
+            it += 1
+            _step(ddp, opt, sched, it)
+        victim = cluster.status()["workers"][0]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        for _ in range(8):  # lag exceeds SHADOW_MAX_LAG: block until the worker is declared lost
+            it += 1
+            _step(ddp, opt, sched, it)
+        waited = time.monotonic() - t0
+        assert session.degraded is not None and "lost" in session.degraded
+        assert 1.0 < session.stats()["blocked_s"] < 20 and waited < 30
+        os.kill(victim, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while session.epoch == first_epoch:
+            assert time.monotonic() < deadline, "no resync after the worker came back"
+            it += 1
+            _step(ddp, opt, sched, it)
+            time.sleep(0.05)
+        for _ in range(2):
+            it += 1
+            _step(ddp, opt, sched, it)
+        assert session.close() == it
+        assert cluster.settled()["workers"][0]["pid"] == victim  # the same process, resynced
+        fresh, fopt, fsched = build(seed=4)
+        assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == it
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+        cluster.stop()
