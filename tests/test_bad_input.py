@@ -166,6 +166,10 @@ def test_training_survives_a_lost_worker_that_does_not_come_back(world1, tmp_pat
         with knobs.override(BLOCK_TIMEOUT_S=60.0):
             session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="lossy")
             _train(session, ddp, opt, sched, 2)
+            deadline = time.monotonic() + 30
+            while (cluster.status()["job"]["committed"] or -1) < 2:  # the checkpoint to be frozen
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             os.kill(cluster.status()["workers"][1]["pid"], signal.SIGKILL)
             t0 = time.monotonic()
             _train(session, ddp, opt, sched, 12, start=2)
@@ -176,7 +180,7 @@ def test_training_survives_a_lost_worker_that_does_not_come_back(world1, tmp_pat
     finally:
         cluster.stop()
     assert st["workers"][1]["health"] == "lost"
-    assert st["job"]["committed"] >= 1 and f"frozen at {st['job']['committed']}" in session.degraded
+    assert st["job"]["committed"] == 2 and "frozen at 2" in session.degraded
 
 
 @pytest.mark.parametrize("tamper", ["torch-clip", "manual-scale"])
