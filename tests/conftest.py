@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 import zmq
 
 from shadow.wire import messages as M
@@ -133,3 +135,22 @@ def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, ti
 
 def rank_logs(tmp: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("rank*.log")))
+
+
+@pytest.fixture(scope="session")
+def world1(tmp_path_factory):
+    """A one-rank gloo process group in the test process (DDP needs one)."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def train_step(ddp, opt, sched, it: int) -> None:
+    """One iteration of the tiny model on batch ``it``."""
+    g = torch.Generator().manual_seed(it)
+    x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()

@@ -5,33 +5,19 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow import knobs
-from tests.conftest import free_port
+from tests.conftest import free_port, train_step
 from tests.helpers.tiny_trainer import Tiny, build
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _train(session, ddp, opt, sched, steps, start=0):
     for it in range(start + 1, start + steps + 1):
-        g = torch.Generator().manual_seed(it)
-        x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        train_step(ddp, opt, sched, it)
 
 
 def test_unreachable_coordinator_fails_fast(world1):

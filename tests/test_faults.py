@@ -7,31 +7,16 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from tests.conftest import Cluster
+from tests.conftest import Cluster, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def world1(tmp_path_factory):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _step(ddp, opt, sched, it):
-    g = torch.Generator().manual_seed(it)
-    x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
-    torch.nn.functional.cross_entropy(ddp(x), y).backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad()
+_step = train_step
 
 
 def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):

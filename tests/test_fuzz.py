@@ -9,12 +9,12 @@ import time
 import msgpack
 import pytest
 import torch
-import torch.distributed as dist
 import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.wire import frames as F
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -66,53 +66,43 @@ def _random_messages(rnd: random.Random):
         yield msgpack.packb(msg, use_bin_type=True)
 
 
-def test_fuzzed_frames_and_messages_change_nothing(tmp_path_factory, cluster):
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model, opt, sched = build()
-        ddp = DDP(model)
-        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzz")
-        for it in range(1, 4):
-            g = torch.Generator().manual_seed(it)
-            x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-        session.close()
-        before = cluster.settled()
-        worker = before["workers"][0]
-        rss0 = _rss_kib(worker["pid"])
-        template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
-                            4, 0, ())
-        rnd = random.Random(1234)
-        ctx = zmq.Context.instance()
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 5000)
-        push.connect(worker["data"])
-        for frames in _mutated_frames(rnd, template):
-            push.send_multipart(frames)
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 5000)
-        dealer.connect(cluster.address)
-        for raw in _random_messages(rnd):
-            dealer.send(raw)
-        push.close()
-        time.sleep(1.0)
-        while dealer.poll(200):
-            dealer.recv()  # error replies
-        dealer.close()
-        after = cluster.settled()
-        w = after["workers"][0]
-        assert w["frames_in"] - worker["frames_in"] == N_FRAMES
-        assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
-        assert sum(after["rejected"].values()) >= N_MESSAGES * 0.9  # the coordinator counted its rejections
-        assert w["health"] == "ok" and after["job"]["committed"] == 3 and w["applied"] == 3
-        assert _rss_kib(worker["pid"]) - rss0 < 64 * 1024
-        fresh, fopt, fsched = build(seed=8)
-        assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3
-        for a, b in zip(model.parameters(), fresh.parameters()):
-            assert torch.equal(a, b)
-    finally:
-        dist.destroy_process_group()
+def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzz")
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    session.close()
+    before = cluster.settled()
+    worker = before["workers"][0]
+    rss0 = _rss_kib(worker["pid"])
+    template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
+                        4, 0, ())
+    rnd = random.Random(1234)
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 5000)
+    push.connect(worker["data"])
+    for frames in _mutated_frames(rnd, template):
+        push.send_multipart(frames)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 5000)
+    dealer.connect(cluster.address)
+    for raw in _random_messages(rnd):
+        dealer.send(raw)
+    push.close()
+    time.sleep(1.0)
+    while dealer.poll(200):
+        dealer.recv()  # error replies
+    dealer.close()
+    after = cluster.settled()
+    w = after["workers"][0]
+    assert w["frames_in"] - worker["frames_in"] == N_FRAMES
+    assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
+    assert sum(after["rejected"].values()) >= N_MESSAGES * 0.9  # the coordinator counted its rejections
+    assert w["health"] == "ok" and after["job"]["committed"] == 3 and w["applied"] == 3
+    assert _rss_kib(worker["pid"]) - rss0 < 64 * 1024
+    fresh, fopt, fsched = build(seed=8)
+    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)

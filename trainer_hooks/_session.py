@@ -337,25 +337,24 @@ class Session:
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self._closed:
             return
-        k = self._next
-        with self._lock:
-            sent, self._sent = self._sent, [0] * len(self.shards)
-            self._seen_buckets.clear()
-            self._samples.clear()
-            self._next = k + 1
+        k, sent = self._advance()
         grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
         skip = found_inf is not None and float(found_inf) != 0.0
         self._record(k, sent, skip, grad_scale)
 
-    def _skipped_step(self) -> None:
-        """GradScaler found inf/nan and did not call the optimizer: iteration k happened
-        (gradients were reduced and sent) but changes nothing."""
-        k = self._next
+    def _advance(self) -> tuple[int, list]:
+        """Close iteration k's bookkeeping: ``(k, elements sent per worker)``."""
         with self._lock:
-            sent, self._sent = self._sent, [0] * len(self.shards)
+            k, sent, self._sent = self._next, self._sent, [0] * len(self.shards)
             self._seen_buckets.clear()
             self._samples.clear()
             self._next = k + 1
+        return k, sent
+
+    def _skipped_step(self) -> None:
+        """GradScaler found inf/nan and did not call the optimizer: iteration k happened
+        (gradients were reduced and sent) but changes nothing."""
+        k, sent = self._advance()
         self._record(k, sent, True, None)
 
     def _record(self, k: int, sent: list, skip: bool, grad_scale) -> None:
