@@ -48,6 +48,14 @@ class CommitItem:
 
 
 @dataclass
+class NoticeItem:
+    """A control message to the coordinator (the sender owns the socket)."""
+
+    kind: str
+    fields: dict
+
+
+@dataclass
 class FlushItem:
     done: threading.Event
 
@@ -82,6 +90,8 @@ class Sender(threading.Thread):
                 s.connect(ep)
                 self.data.append(s)
             poll = knobs.get("SENDER_POLL_S")
+            hb = knobs.get("HEARTBEAT_S")
+            next_hb = 0.0
             while True:
                 try:
                     item = self.q.get(timeout=poll)
@@ -93,6 +103,11 @@ class Sender(threading.Thread):
                     self._handle(item)
                 self._reap()
                 self._listen()
+                now = time.monotonic()
+                if now >= next_hb:  # lets a restarted coordinator find this rank again
+                    next_hb = now + hb
+                    self._notify("trainer_hb", epoch=self.epoch, rank=self.rank, world=self.world,
+                                 job_id=self.job_id)
         except BaseException as exc:  # latched for the training thread
             logger.exception("shadow sender failed")
             self.on_error(exc)
@@ -122,6 +137,8 @@ class Sender(threading.Thread):
             self._send_payload(item.iteration, F.Kind.STATE, item.field, item.data, item.runs, None)
         elif isinstance(item, CommitItem):
             self._send_commit(item)
+        elif isinstance(item, NoticeItem):
+            self._notify(item.kind, **item.fields)
         elif isinstance(item, FlushItem):
             deadline = time.monotonic() + knobs.get("CLOSE_TIMEOUT_S")
             while self.pending and time.monotonic() < deadline:
@@ -162,6 +179,12 @@ class Sender(threading.Thread):
             self.messages_out += 1
         if self._fault and item.iteration == self._fault[0]:
             self._die()
+
+    def _notify(self, kind: str, **fields) -> None:
+        try:
+            self.dealer.send(M.encode(kind, **fields), zmq.NOBLOCK)
+        except zmq.Again:  # the coordinator is away; heartbeats are retried, notices are best effort
+            pass
 
     def _reap(self) -> None:
         while self.pending and all(t.done for t in self.pending[0][2]):

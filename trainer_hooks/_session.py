@@ -35,15 +35,15 @@ from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
 from trainer_hooks import _audit, _bootstrap, _buckets, _checks, _codec, _observe, _optim, _rng
 from trainer_hooks._model import build_layout, persistent_buffers, state_dict_aliases
-from trainer_hooks._sender import CommitItem, FlushItem, GradItem, Sender
-from trainer_hooks._staging import StagingRing
+from trainer_hooks._sender import CommitItem, FlushItem, GradItem, NoticeItem, Sender
+from trainer_hooks._staging import RingFullError, StagingRing
 
 logger = logging.getLogger(__name__)
 
 #: iteration each optimizer was last restored to (default start of the next attach)
 RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
-POLICIES = ("block",)
+POLICIES = ("block", "skip")
 
 
 class Session:
@@ -203,10 +203,25 @@ class Session:
         t0 = time.monotonic()
         self.close(wait=False)
         keep_registered = self._comm_registered
-        self.__init__(self.model, self.optimizer, self.coordinator, iteration=k, overwrite=True, **self._init_args)
-        self._comm_registered = keep_registered
+        try:
+            self.__init__(self.model, self.optimizer, self.coordinator, iteration=k, overwrite=True,
+                          **self._init_args)
+        except Exception as exc:  # the shadow must never stop training
+            self._closed, self.degraded = True, f"resync at iteration {k} failed: {exc}"
+            logger.error("rank %d: %s; training continues without the shadow (attach again to resume "
+                         "checkpointing)", self.rank, self.degraded)
+            return
+        finally:
+            self._comm_registered = keep_registered
         logger.info("rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)", self.rank, k,
                     time.monotonic() - t0, self.epoch)
+
+    def _fall_behind(self, k: int, why: str) -> None:
+        """Policy skip: never wait for the shadow. Stop streaming (degraded), tell the
+        coordinator, and let it ask for a resync once the workers answer again."""
+        self._on_degraded(f"policy skip: {why}; training goes on without checkpoints until the cluster resyncs")
+        self.sender.q.put(NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k,
+                                                 "applied": self._applied}))
 
     def _on_degraded(self, reason: str) -> None:
         with self._cond:
@@ -214,8 +229,8 @@ class Session:
                 logger.error("shadow cluster degraded, training continues without new checkpoints "
                              "(streaming stops until the next attach): %s", reason)
                 self.degraded = reason
-            else:
-                logger.warning("shadow cluster also reports: %s", reason)
+            elif reason != self.degraded:
+                logger.debug("shadow cluster also reports: %s", reason)
             self._cond.notify_all()
 
     @property
@@ -303,7 +318,13 @@ class Session:
             lo, hi = plan.stripe
             if hi <= lo or not any(plan.counts):
                 return
-            off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S"))
+            try:
+                off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if self.policy == "block" else 0.0)
+            except RingFullError:
+                if self.policy == "block":
+                    raise
+                self._fall_behind(self._next, "the staging ring is full (the sender cannot keep up)")
+                return
             self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
             if plan.probes:
                 n = len(plan.probes)
@@ -421,6 +442,10 @@ class Session:
     def _throttle(self, k: int) -> None:
         lag = knobs.get_int("MAX_LAG")
         if k - self._applied <= lag or self.degraded is not None:
+            return
+        if self.policy == "skip":
+            self._fall_behind(k, f"iteration {k} is {k - self._applied} ahead of the cluster's cut "
+                                 f"{self._applied} (SHADOW_MAX_LAG={lag})")
             return
         t0 = time.monotonic()
         limit = knobs.get("BLOCK_TIMEOUT_S")

@@ -7,68 +7,19 @@ learns the new cut (its flow-control credit).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
 from shadow import knobs
+from shadow.coordinator import rebuild
 from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.records import JobRec, WorkerRec, job_id_for
 from shadow.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerRec:
-    ident: bytes
-    id: int
-    data: str
-    serve: str
-    pid: int
-    last_seen: float
-    epoch: int = -1
-    configured: int = -1
-    prepared: int = -1
-    applied: int = -1
-    seen: int = -1
-    stale: str = ""
-    rejected: dict = field(default_factory=dict)
-    frames_in: int = 0
-    bytes_in: int = 0
-    lost: bool = False
-
-    def alive(self, now: float) -> bool:
-        return now - self.last_seen < knobs.get("WORKER_LOST_S")
-
-
-@dataclass
-class JobRec:
-    name: str
-    job_id: int
-    epoch: int
-    layout: dict
-    layout_hash: int
-    world: int
-    optim: dict
-    base: int
-    ranges: list
-    trainers: dict  # rank -> ident
-    status: str = "configuring"
-    cut: int = -2  # set to base - 1 at start
-    cut_time: float = 0.0
-    attach_time: float = field(default_factory=time.time)
-    detached: set = field(default_factory=set)
-    resync_requested: bool = False
-    audit: dict = field(default_factory=lambda: {"checked": 0, "mismatches": 0, "last_iteration": None,
-                                                  "max_ulp": 0, "last_mismatch": ""})
-
-
-def job_id_for(name: str) -> int:
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 class Coordinator:
@@ -147,6 +98,12 @@ class Coordinator:
 
     # -- workers ------------------------------------------------------------------------
     def _on_register(self, env, msg) -> None:
+        w = self._enrol(env, msg)
+        if w is not None:
+            self._maybe_resync()
+
+    def _enrol(self, env, msg) -> WorkerRec | None:
+        """A worker (re)takes a slot: its own ``worker_id`` if it names one, else the first free."""
         now = time.monotonic()
         w = self._worker(env)
         slot = msg["worker_id"]
@@ -164,21 +121,60 @@ class Coordinator:
             if not 0 <= slot < self.expected:
                 self._reply(env, "error", message=f"cluster already has its {self.expected} workers "
                                                   f"(or worker_id={msg['worker_id']} is out of range)")
-                return
+                return None
             w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
             self.workers.append(w)
             self.workers.sort(key=lambda x: x.id)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         self._reply(env, "registered", worker_id=w.id)
-        self._maybe_resync()
+        return w
+
+    def _on_rejoin(self, env, msg) -> None:
+        """A worker that outlived the previous coordinator reports what it holds."""
+        try:
+            session = rebuild.valid_session(msg["session"])
+        except M.MessageError as exc:
+            self._count(exc.reason)
+            self._reply(env, "error", message=f"rejected rejoin: {exc}")
+            return
+        if self.job is not None:  # this coordinator already runs a job: a plain (re)registration
+            self._on_register(env, msg)
+            return
+        w = self._enrol(env, msg)
+        if w is None:
+            return
+        w.session = session
+        if len(self.workers) == self.expected and any(x.session for x in self.workers):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        job, stale = rebuild.rebuild_job(self.workers)
+        for w in self.workers:
+            w.session = None
+        if job is None:
+            return
+        self.job, self.epoch = job, max(self.epoch, job.epoch)
+        self.persist.reset(job.cut)
+        for w in self.workers:
+            if w.id in stale:
+                w.stale = stale[w.id]
+        if stale:
+            self._degrade("coordinator restarted; workers " + ", ".join(f"{i} ({r})" for i, r in stale.items()))
+            return
+        for w in self.workers:  # one may have missed the last apply of the old coordinator
+            self._reply([w.ident], "apply", epoch=job.epoch, iteration=job.cut)
+        self._advance_cut()
 
     def _on_heartbeat(self, env, msg) -> None:
         w = self._worker(env)
-        if w is None:
+        if w is None:  # a worker of a previous coordinator: ask what it holds
+            self._reply(env, "reregister")
             return
         w.last_seen = time.monotonic()
         w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
+        if self.job is not None and self.job.status == "degraded":
+            self._maybe_resync()
 
     def _check_workers(self) -> None:
         now = time.monotonic()
@@ -197,7 +193,7 @@ class Coordinator:
         job = self.job
         if job is None or job.status in ("detached", "configuring"):
             return
-        job.status = "degraded"
+        job.status, job.reason, job.degraded_at = "degraded", reason, time.monotonic()
         for ident in job.trainers.values():
             self._reply([ident], "degraded", epoch=job.epoch, reason=f"{reason}; checkpoint frozen at {job.cut}")
         self._maybe_resync()
@@ -210,6 +206,8 @@ class Coordinator:
             return
         if len(self.workers) < self.expected or not all(w.alive(now) for w in self.workers):
             return
+        if not all(w.last_seen > job.degraded_at for w in self.workers):
+            return  # every worker must have answered since the failure (a frozen one has not)
         job.resync_requested = True
         logger.info("job %s: all %d workers alive; asking the trainers to resync", job.name, len(self.workers))
         for ident in job.trainers.values():
@@ -238,20 +236,25 @@ class Coordinator:
         w.prepared = max(w.prepared, msg["iteration"])
         if msg["tokens"] is not None:
             self.tokens[msg["iteration"]] = msg["tokens"]
+        self._advance_cut()
+
+    def _advance_cut(self) -> None:
+        job = self.job
         cut = min(x.prepared for x in self.workers)
-        if cut > job.cut:
-            job.cut, job.cut_time = cut, time.time()
-            if job.status == "bootstrapping":
-                job.status = "running"
-            persist = self.persist.local_due(cut, self.tokens.get(cut))
-            for x in self.workers:
-                self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut)
-                if persist:
-                    self._reply([x.ident], "persist", epoch=job.epoch, iteration=cut)
-            for ident in job.trainers.values():
-                self._reply([ident], "progress", epoch=job.epoch, applied=cut)
-            for it in [i for i in self.tokens if i < cut]:
-                del self.tokens[it]
+        if cut <= job.cut:
+            return
+        job.cut, job.cut_time = cut, time.time()
+        if job.status == "bootstrapping":
+            job.status = "running"
+        persist = self.persist.local_due(cut, self.tokens.get(cut))
+        for x in self.workers:
+            self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut)
+            if persist:
+                self._reply([x.ident], "persist", epoch=job.epoch, iteration=cut)
+        for ident in job.trainers.values():
+            self._reply([ident], "progress", epoch=job.epoch, applied=cut)
+        for it in [i for i in self.tokens if i < cut]:
+            del self.tokens[it]
 
     def _on_persisted(self, env, msg) -> None:
         job = self.job
@@ -364,6 +367,38 @@ class Coordinator:
         logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
                     name, self.epoch, len(self.workers), len(layout.params), layout.total)
 
+    def _on_trainer_hb(self, env, msg) -> None:
+        """Trainer ranks heartbeat so that a restarted coordinator can find them again."""
+        job = self.job
+        if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
+            self._reply(env, "degraded", epoch=msg["epoch"], reason=(
+                f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
+                f"{'no job' if job is None else 'epoch %d' % job.epoch}); attach again to resume checkpointing"))
+            return
+        if not 0 <= msg["rank"] < job.world:
+            self._count("bad_rank")
+            return
+        if job.trainers.get(msg["rank"]) == env[0]:
+            return
+        new = msg["rank"] not in job.trainers
+        job.trainers[msg["rank"]] = env[0]
+        logger.info("job %s: trainer rank %d %s", job.name, msg["rank"], "found" if new else "reconnected")
+        if job.cut >= job.base:
+            self._reply(env, "progress", epoch=job.epoch, applied=job.cut)
+        if job.status == "degraded":
+            self._reply(env, "degraded", epoch=job.epoch, reason=job.reason)
+            if job.resync_requested:
+                self._reply(env, "resync", epoch=job.epoch)
+
+    def _on_lagging(self, env, msg) -> None:
+        """Policy skip: a rank ran more than SHADOW_MAX_LAG iterations ahead and stopped streaming."""
+        job = self.job
+        if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
+            return
+        behind = [w.id for w in self.workers if w.prepared < msg["iteration"] - knobs.get_int("MAX_LAG")]
+        self._degrade(f"rank {msg['rank']} reached iteration {msg['iteration']} with the cluster at "
+                      f"{msg['applied']} (policy skip); workers {behind} are behind")
+
     def _on_detach(self, env, msg) -> None:
         job = self.job
         if job is not None and msg["epoch"] == job.epoch:
@@ -402,7 +437,10 @@ class Coordinator:
                 "lag_iterations": max(0, seen - job.cut) if job.cut >= job.base else None,
                 "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
                 "elements": Layout.from_dict(job.layout).total, "optim": job.optim, "audit": job.audit,
+                "reason": job.reason if job.status == "degraded" else "", "trainers": sorted(job.trainers),
             }
+            out["restorable"] = {"memory": None if self._memory_error(job.name) else job.cut,
+                                 **{name: t.complete.get(job.name) for name, t in self.persist.tiers.items()}}
         return out
 
     def _on_restore_info(self, env, msg) -> None:

@@ -19,6 +19,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> coordinator
     "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,)},
     "configured": {"epoch": (int,)},
+    "rejoin": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "session": (dict, type(None))},
     "prepared": {"epoch": (int,), "iteration": (int,), "tokens": (int, type(None))},
     "persisted": {"epoch": (int,), "iteration": (int,), "tier": (str,), "shard": (int,), "ok": (bool,),
                   "error": (str,), "file": (str,), "start": (int,), "stop": (int,), "bytes": (int,),
@@ -31,6 +32,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                   "frames_in": (int,), "bytes_in": (int,), "stale": (str,)},
     # coordinator -> worker
     "registered": {"worker_id": (int,)},
+    "reregister": {},
     "configure": {"epoch": (int,), "job": (str,), "job_id": (int,), "layout": (dict,), "start": (int,),
                   "stop": (int,), "world": (int,), "optim": (dict,), "iteration": (int,), "persist": (dict,),
                   "shard": (int,), "shards": (int,)},
@@ -42,6 +44,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "attach": {"job": (str,), "rank": (int,), "world": (int,), "layout_hash": (int,),
                "layout": (dict, type(None)), "optim": (dict,), "iteration": (int,), "overwrite": (bool,)},
     "detach": {"epoch": (int,), "rank": (int,)},
+    "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
+    "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,)},
     # coordinator -> trainer
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
     "progress": {"epoch": (int,), "applied": (int,)},

@@ -35,6 +35,7 @@ class _Session:
     """What a worker holds for one attach epoch."""
 
     def __init__(self, msg: dict) -> None:
+        self.config = msg  # sent back if the coordinator restarts (rejoin)
         self.epoch = msg["epoch"]
         self.job = msg["job"]
         self.job_id = msg["job_id"]
@@ -91,7 +92,10 @@ class Worker:
             s.close(linger=0)
 
     def _to_coord(self, kind: str, **fields) -> None:
-        self.ctrl.send(M.encode(kind, **fields))
+        try:
+            self.ctrl.send(M.encode(kind, **fields), zmq.NOBLOCK)
+        except zmq.Again:  # the coordinator is away and the queue is full: it rebuilds from a rejoin
+            self.rejected["ctrl_dropped"] += 1
 
     # -- main loop -------------------------------------------------------------------
     def run(self) -> None:
@@ -158,6 +162,13 @@ class Worker:
         if t == "registered":
             self.worker_id = msg["worker_id"]
             logger.info("registered as worker %d", self.worker_id)
+        elif t == "reregister":  # a restarted coordinator: tell it what this worker holds
+            s = self.session
+            logger.warning("the coordinator restarted; rejoining as worker %d%s", self.worker_id,
+                           f" with epoch {s.epoch} at iteration {s.applied}" if s else "")
+            self._to_coord("rejoin", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
+                           session=None if s is None else {"configure": s.config, "prepared": s.prepared,
+                                                           "applied": s.applied, "stale": s.stale or ""})
         elif t == "configure":
             self._configure(msg)
         elif t == "apply":

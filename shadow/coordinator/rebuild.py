@@ -1,0 +1,80 @@
+"""Rebuilding the coordinator's view from the workers after a coordinator restart.
+
+The coordinator keeps nothing on disk about the running job: the workers hold it. A
+restarted coordinator answers heartbeats from workers it does not know with
+``reregister``; each worker answers ``rejoin`` with the ``configure`` message of its
+session and how far it got (prepared, applied, stale). Once every slot has rejoined,
+the job is rebuilt from the newest epoch the workers share:
+
+* the committed cut is the highest iteration any worker applied (a worker applies only
+  what the old coordinator declared committed, i.e. what every worker had prepared);
+  the next cut is computed as usual from the workers' prepared iterations;
+* a worker left on an older epoch, or without state, is stale: the job is degraded and
+  the trainers are asked to resync once they reconnect (their heartbeats carry epoch and
+  rank, which is all the coordinator needs to find them again).
+"""
+from __future__ import annotations
+
+import logging
+
+from shadow.coordinator.records import JobRec, WorkerRec
+from shadow.wire import messages as M
+
+logger = logging.getLogger(__name__)
+
+
+def valid_session(session: dict | None) -> dict | None:
+    """A rejoin's session report, checked like any message from the network."""
+    if session is None:
+        return None
+    cfg = session.get("configure")
+    if not isinstance(cfg, dict):
+        raise M.MessageError("bad_field", "rejoin.session lacks its configure message")
+    M.validate({"t": "configure", "v": M.VERSION, **{k: v for k, v in cfg.items() if k not in ("t", "v")}})
+    for key in ("prepared", "applied"):
+        if not isinstance(session.get(key), int) or isinstance(session.get(key), bool):
+            raise M.MessageError("bad_field", f"rejoin.session.{key} must be an integer")
+    if not isinstance(session.get("stale"), str):
+        raise M.MessageError("bad_field", "rejoin.session.stale must be a string")
+    return session
+
+
+def rebuild_job(workers: list[WorkerRec]) -> tuple[JobRec | None, dict[int, str]]:
+    """The job the workers hold, and the workers that cannot serve it (id -> reason)."""
+    held = [w for w in workers if w.session is not None]
+    if not held:
+        return None, {}
+    newest = max(held, key=lambda w: w.session["configure"]["epoch"])
+    cfg = newest.session["configure"]
+    same = {w.id for w in held if w.session["configure"]["epoch"] == cfg["epoch"]
+            and w.session["configure"]["job_id"] == cfg["job_id"]}
+    ranges: list = [None] * len(workers)
+    stale: dict[int, str] = {}
+    for w in workers:
+        if w.id in same and not w.session["stale"]:
+            c = w.session["configure"]
+            ranges[w.id] = (c["start"], c["stop"])
+        elif w.id in same:
+            stale[w.id] = w.session["stale"]
+        else:
+            stale[w.id] = "holds no state of the current epoch (it restarted with the coordinator)"
+    if any(w.session["configure"]["shards"] != len(workers) for w in held if w.id in same):
+        stale.update({i: "the cluster's shards do not match this worker's" for i in same if i not in stale})
+    # ranges of stale workers: what the configuration says (a resync re-lays out anyway)
+    from shadow.layout import Layout, shard_bounds
+
+    layout = Layout.from_dict(cfg["layout"])
+    bounds = shard_bounds(layout.total, len(workers))
+    ranges = [r if r is not None else bounds[i] for i, r in enumerate(ranges)]
+    job = JobRec(cfg["job"], cfg["job_id"], cfg["epoch"], cfg["layout"], layout.hash, cfg["world"], cfg["optim"],
+                 cfg["iteration"], ranges, {})
+    ok = [w for w in workers if w.id in same and w.id not in stale]
+    job.cut = max([w.session["applied"] for w in ok] + [cfg["iteration"] - 1])
+    for w in workers:
+        w.configured = job.epoch if w.id in same else -1
+        w.prepared = w.session["prepared"] if w in ok else job.cut
+        w.applied = w.session["applied"] if w in ok else -1
+    job.status = "running" if job.cut >= job.base else "bootstrapping"
+    logger.warning("rebuilt job %s epoch %d from %d workers: committed iteration %d%s", job.name, job.epoch,
+                   len(workers), job.cut, f"; stale workers {sorted(stale)}" if stale else "")
+    return job, stale

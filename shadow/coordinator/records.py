@@ -1,0 +1,61 @@
+"""What the coordinator knows about each worker and the attached job (all of it can be
+rebuilt from the workers after a coordinator restart: see :mod:`rebuild`)."""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from shadow import knobs
+
+
+@dataclass
+class WorkerRec:
+    ident: bytes
+    id: int
+    data: str
+    serve: str
+    pid: int
+    last_seen: float
+    epoch: int = -1
+    configured: int = -1
+    prepared: int = -1
+    applied: int = -1
+    seen: int = -1
+    stale: str = ""
+    rejected: dict = field(default_factory=dict)
+    frames_in: int = 0
+    bytes_in: int = 0
+    lost: bool = False
+    session: dict | None = None  # what a rejoining worker holds (coordinator restart)
+
+    def alive(self, now: float) -> bool:
+        return now - self.last_seen < knobs.get("WORKER_LOST_S")
+
+
+@dataclass
+class JobRec:
+    name: str
+    job_id: int
+    epoch: int
+    layout: dict
+    layout_hash: int
+    world: int
+    optim: dict
+    base: int
+    ranges: list
+    trainers: dict  # rank -> ident
+    status: str = "configuring"
+    cut: int = -2  # set to base - 1 at start
+    cut_time: float = 0.0
+    attach_time: float = field(default_factory=time.time)
+    detached: set = field(default_factory=set)
+    resync_requested: bool = False
+    reason: str = ""  # why the job is degraded
+    degraded_at: float = 0.0  # monotonic time of the last degrade
+    audit: dict = field(default_factory=lambda: {"checked": 0, "mismatches": 0, "last_iteration": None,
+                                                  "max_ulp": 0, "last_mismatch": ""})
+
+
+def job_id_for(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
