@@ -75,3 +75,15 @@ def test_message_rejections(raw, reason):
 def test_encode_validates():
     with pytest.raises(M.MessageError):
         M.encode("prepared", epoch=1)
+
+
+def test_header_checksum_catches_any_flipped_bit():
+    """A flipped bit anywhere after the version (ids, iteration, sequence, run offsets,
+    sizes, payload checksums) is caught before any payload is read."""
+    raw = bytearray(header().pack())
+    for byte in range(8, len(raw)):
+        flipped = bytearray(raw)
+        flipped[byte] ^= 0x04
+        with pytest.raises(F.FrameError) as ei:
+            F.unpack_header(bytes(flipped), max_runs=1 << 20)
+        assert ei.value.reason in ("bad_header_checksum", "bad_kind", "bad_length", "too_many_runs"), byte

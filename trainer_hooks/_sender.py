@@ -21,6 +21,7 @@ import zmq
 from shadow import knobs
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from trainer_hooks import _netfault
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Sender(threading.Thread):
         self._stopping = False
         self._fault = _parse_fault(knobs.fault("DIE_AT"))
         self._fault_sent = 0
+        self.net_faults = _netfault.parse(knobs.fault("NET"), rank)
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> None:
@@ -107,7 +109,7 @@ class Sender(threading.Thread):
                 if now >= next_hb:  # lets a restarted coordinator find this rank again
                     next_hb = now + hb
                     self._notify("trainer_hb", epoch=self.epoch, rank=self.rank, world=self.world,
-                                 job_id=self.job_id)
+                                 job_id=self.job_id, seq=list(self.seq))
         except BaseException as exc:  # latched for the training thread
             logger.exception("shadow sender failed")
             self.on_error(exc)
@@ -162,8 +164,9 @@ class Sender(threading.Thread):
             views = [data[src:src + n] for src, _, n in runs]
             table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views)]
             frames = [self._header(kind, field, iteration, w, table)] + [memoryview(v) for v in views]
-            tracker = self.data[w].send_multipart(frames, copy=False, track=True)
-            trackers.append(tracker)
+            tracker = self._send(w, frames, True, iteration)
+            if tracker is not None:
+                trackers.append(tracker)
             self.bytes_out += sum(n for _, _, n in runs) * 4
             self.messages_out += 1
             self._after_send(iteration)
@@ -175,10 +178,15 @@ class Sender(threading.Thread):
             if self._faulted(item.iteration, w):
                 continue
             hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), F.checksum(body))])
-            self.data[w].send_multipart([hdr, body])
+            self._send(w, [hdr, body], False, item.iteration)
             self.messages_out += 1
         if self._fault and item.iteration == self._fault[0]:
             self._die()
+
+    def _send(self, w: int, frames: list, track: bool, iteration: int):
+        if self.net_faults is not None:
+            return self.net_faults.send(self.data[w], w, frames, track, iteration)
+        return self.data[w].send_multipart(frames, copy=not track, track=track)
 
     def _notify(self, kind: str, **fields) -> None:
         try:

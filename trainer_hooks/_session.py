@@ -441,17 +441,19 @@ class Session:
 
     def _throttle(self, k: int) -> None:
         lag = knobs.get_int("MAX_LAG")
-        if k - self._applied <= lag or self.degraded is not None:
+        floor = self.base - 1  # the bootstrap (iteration base) is in flight like any iteration
+        if k - max(self._applied, floor) <= lag or self.degraded is not None:
             return
         if self.policy == "skip":
-            self._fall_behind(k, f"iteration {k} is {k - self._applied} ahead of the cluster's cut "
+            self._fall_behind(k, f"iteration {k} is {k - max(self._applied, floor)} ahead of the cluster's cut "
                                  f"{self._applied} (SHADOW_MAX_LAG={lag})")
             return
         t0 = time.monotonic()
         limit = knobs.get("BLOCK_TIMEOUT_S")
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: k - self._applied <= lag or self._error is not None or self.degraded is not None, limit)
+                lambda: k - max(self._applied, floor) <= lag or self._error is not None or self.degraded is not None,
+                limit)
         self.blocked_s += time.monotonic() - t0
         if not ok:
             raise ShadowTimeoutError(

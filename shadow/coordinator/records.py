@@ -28,6 +28,9 @@ class WorkerRec:
     bytes_in: int = 0
     lost: bool = False
     session: dict | None = None  # what a rejoining worker holds (coordinator restart)
+    seq: list = field(default_factory=list)  # data messages received per rank (its heartbeat)
+    busy_at: float = 0.0  # last time its received-frame count moved
+    transit: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen < knobs.get("WORKER_LOST_S")
@@ -51,6 +54,7 @@ class JobRec:
     attach_time: float = field(default_factory=time.time)
     detached: set = field(default_factory=set)
     resync_requested: bool = False
+    sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded
     degraded_at: float = 0.0  # monotonic time of the last degrade
     audit: dict = field(default_factory=lambda: {"checked": 0, "mismatches": 0, "last_iteration": None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import zmq
 
@@ -171,6 +172,9 @@ class Coordinator:
             self._reply(env, "reregister")
             return
         w.last_seen = time.monotonic()
+        if msg["frames_in"] != w.frames_in:
+            w.busy_at = w.last_seen
+        w.seq = msg["seq"]
         w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
         if self.job is not None and self.job.status == "degraded":
@@ -188,6 +192,34 @@ class Coordinator:
                 w.lost = False
                 logger.info("worker %d is back", w.id)
                 self._maybe_resync()
+        self._check_transit(now)
+
+    def _check_transit(self, now: float) -> None:
+        """Frames lost in transit with nothing sent after them (so no sequence gap shows):
+        a rank reported, at least SHADOW_WORKER_LOST_S ago, having sent more messages to a
+        worker than the worker has received, and the worker has received nothing since."""
+        job = self.job
+        if job is None or job.status not in ("running", "bootstrapping"):
+            return
+        grace = knobs.get("WORKER_LOST_S")
+        for rank, samples in job.sent.items():
+            sample = None
+            while len(samples) > 1 and now - samples[1][0] >= grace:
+                samples.popleft()
+            if samples and now - samples[0][0] >= grace:
+                sample = samples[0]
+            if sample is None:
+                continue
+            t, sent = sample
+            for w in self.workers:
+                if w.epoch != job.epoch or w.transit or w.busy_at >= t or w.id >= len(sent) or rank >= len(w.seq):
+                    continue
+                if w.seq[rank] < sent[w.id]:
+                    w.transit = (f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
+                                 f"(received {w.seq[rank]} of {sent[w.id]})")
+                    logger.error("worker %d: %s", w.id, w.transit)
+                    self._degrade(f"worker {w.id}: {w.transit}")
+                    return
 
     def _degrade(self, reason: str) -> None:
         job = self.job
@@ -358,7 +390,7 @@ class Coordinator:
         self.persist.reset(first["iteration"])
         self.tokens.clear()
         for w in self.workers:
-            w.configured, w.prepared, w.stale = -1, first["iteration"] - 1, ""
+            w.configured, w.prepared, w.stale, w.transit = -1, first["iteration"] - 1, "", ""
             start, stop = ranges[w.id]
             self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
                         layout=first["layout"], start=start, stop=stop, world=first["world"],
@@ -378,6 +410,7 @@ class Coordinator:
         if not 0 <= msg["rank"] < job.world:
             self._count("bad_rank")
             return
+        job.sent.setdefault(msg["rank"], deque(maxlen=256)).append((time.monotonic(), msg["seq"]))
         if job.trainers.get(msg["rank"]) == env[0]:
             return
         new = msg["rank"] not in job.trainers
@@ -422,7 +455,8 @@ class Coordinator:
                 {"id": w.id, "pid": w.pid, "data": w.data, "serve": w.serve,
                  "start": job.ranges[w.id][0] if job else None, "stop": job.ranges[w.id][1] if job else None,
                  "applied": w.applied, "prepared": w.prepared, "seen": w.seen,
-                 "health": "lost" if not w.alive(now) else ("stale" if w.stale else "ok"), "stale": w.stale,
+                 "health": "lost" if not w.alive(now) else ("stale" if w.stale or w.transit else "ok"),
+                 "stale": w.stale or w.transit,
                  "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
                  "last_seen_s": round(now - w.last_seen, 3)}
                 for w in self.workers
@@ -457,7 +491,7 @@ class Coordinator:
         if job.cut < job.base:
             return f"job {job.name!r} has not finished its bootstrap; no checkpoint in memory yet"
         now = time.monotonic()
-        lost = [w.id for w in self.workers if not w.alive(now) or w.stale]
+        lost = [w.id for w in self.workers if not w.alive(now) or w.stale or w.transit]
         if lost:
             return f"workers {lost} are lost or stale; the in-memory checkpoint is incomplete"
         return ""

@@ -5,7 +5,8 @@ A message on the data socket is a ZeroMQ multipart message::
     [header + run table] [payload 0] [payload 1] ...
 
 The header names the job, session epoch, layout hash, sending rank, iteration and a
-per-(rank, worker) sequence number. Each run entry is ``(dst, nelem, checksum)``:
+per-(rank, worker) sequence number, and ends with a 32-bit checksum of the header and
+run table (so a flipped bit in a destination offset cannot land valid data elsewhere). Each run entry is ``(dst, nelem, checksum)``:
 ``nelem`` fp32 elements landing at flat element ``dst`` (GRAD and STATE frames) or, for
 a COMMIT, ``nelem`` bytes of msgpack body. Payloads are raw little-endian bytes, sent
 zero-copy and received straight into the worker's preallocated buffers.
@@ -19,7 +20,7 @@ from enum import IntEnum
 import xxhash
 
 MAGIC = b"SHDW"
-VERSION = 1
+VERSION = 2
 
 _HEADER = struct.Struct("<4sHBBQIHHQQQII")
 _RUN = struct.Struct("<QQQ")
@@ -65,11 +66,14 @@ class Header:
     runs: tuple[tuple[int, int, int], ...]  # (dst, nelem, checksum)
 
     def pack(self) -> bytes:
-        head = _HEADER.pack(
-            MAGIC, VERSION, int(self.kind), int(self.field), self.job, self.epoch, self.rank,
-            self.world, self.layout, self.iteration, self.seq, len(self.runs), 0,
-        )
-        return head + b"".join(_RUN.pack(*r) for r in self.runs)
+        fields = (MAGIC, VERSION, int(self.kind), int(self.field), self.job, self.epoch, self.rank,
+                  self.world, self.layout, self.iteration, self.seq, len(self.runs))
+        table = b"".join(_RUN.pack(*r) for r in self.runs)
+        return _HEADER.pack(*fields, _header_sum(_HEADER.pack(*fields, 0), table)) + table
+
+
+def _header_sum(head: bytes | memoryview, table: bytes | memoryview) -> int:
+    return xxhash.xxh32_intdigest(table, seed=xxhash.xxh32_intdigest(head))
 
 
 def checksum(buf) -> int:
@@ -82,7 +86,7 @@ def unpack_header(buf: bytes | memoryview, max_runs: int) -> Header:
     n = len(buf)
     if n < HEADER_SIZE:
         raise FrameError("truncated", f"header frame is {n} bytes, need at least {HEADER_SIZE}")
-    magic, version, kind, field, job, epoch, rank, world, layout, it, seq, nruns, _ = _HEADER.unpack_from(buf)
+    magic, version, kind, field, job, epoch, rank, world, layout, it, seq, nruns, hsum = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise FrameError("bad_magic", f"magic {magic!r} is not {MAGIC!r}")
     if version != VERSION:
@@ -95,6 +99,10 @@ def unpack_header(buf: bytes | memoryview, max_runs: int) -> Header:
         raise FrameError("too_many_runs", f"{nruns} runs exceeds the limit of {max_runs}")
     if n != HEADER_SIZE + nruns * RUN_SIZE:
         raise FrameError("bad_length", f"header frame is {n} bytes for {nruns} runs")
+    mv = memoryview(buf)
+    zeroed = _HEADER.pack(magic, version, kind, field, job, epoch, rank, world, layout, it, seq, nruns, 0)
+    if _header_sum(zeroed, mv[HEADER_SIZE:]) != hsum:
+        raise FrameError("bad_header_checksum", "header or run table does not match its checksum")
     if world == 0 or rank >= world:
         raise FrameError("bad_rank", f"rank {rank} of world {world}")
     runs = tuple(_RUN.unpack_from(buf, HEADER_SIZE + i * RUN_SIZE) for i in range(nruns))

@@ -29,7 +29,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "audited": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "checked": (int,), "max_ulp": (int,),
                 "first_param": (str,), "detail": (str,)},
     "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
-                  "frames_in": (int,), "bytes_in": (int,), "stale": (str,)},
+                  "frames_in": (int,), "bytes_in": (int,), "stale": (str,), "seq": (list,)},
     # coordinator -> worker
     "registered": {"worker_id": (int,)},
     "reregister": {},
@@ -45,7 +45,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                "layout": (dict, type(None)), "optim": (dict,), "iteration": (int,), "overwrite": (bool,)},
     "detach": {"epoch": (int,), "rank": (int,)},
     "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
-    "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,)},
+    "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,), "seq": (list,)},
     # coordinator -> trainer
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
     "progress": {"epoch": (int,), "applied": (int,)},

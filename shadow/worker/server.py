@@ -147,6 +147,7 @@ class Worker:
             "heartbeat", epoch=s.epoch if s else -1, applied=s.applied if s else -1,
             seen=s.seen if s else -1, rejected=dict(self.rejected), frames_in=self.frames_in,
             bytes_in=self.bytes_in, stale=(s.stale or "") if s else "",
+            seq=list(s.inbox.next_seq) if s else [],
         )
 
     # -- control plane -----------------------------------------------------------------
@@ -275,7 +276,10 @@ class Worker:
                 logger.debug("dropped frame: %s", exc)
             else:
                 logger.warning("rejected frame: %s", exc)
-            if exc.reason in ("gap", "duplicate", "bad_checksum", "truncated_payload", "overflow", "disagree"):
+            # a duplicate (sequence already seen) is dropped and counted; anything that means
+            # bytes were lost or changed in transit leaves this replica unusable until a resync
+            if exc.reason in ("gap", "double_commit", "bad_checksum", "bad_header_checksum", "truncated_payload",
+                              "extra_payload", "overflow", "disagree"):
                 self._go_stale(str(exc))
 
     def _take_frame(self, sock, raw: bytes) -> None:
@@ -360,7 +364,7 @@ class Worker:
             raise F.FrameError("bad_commit", f"bootstrap flag {replay['bootstrap']} at iteration {h.iteration} (base {s.base})")
         slot = s.inbox.slot(h.iteration, kind)
         if slot.commits[h.rank] is not None:
-            raise F.FrameError("duplicate", f"second commit from rank {h.rank} for iteration {h.iteration}")
+            raise F.FrameError("double_commit", f"second commit from rank {h.rank} for iteration {h.iteration}")
         for other in slot.commits:
             if other is not None and any(not same(other.get(k), replay.get(k)) for k in
                                          ("groups", "skipped", "clip", "inv_scale", "grad_scale", "skip_step")):
