@@ -92,6 +92,51 @@ class PersistConfig:
 
 
 @dataclass
+class SecurityConfig:
+    """ZeroMQ CURVE authentication and encryption (all empty = off). Make keys with
+    ``shadow keygen``; servers (cluster, coordinator, worker) set ``server_key`` and ``allow``,
+    clients (status, restore, ls) set ``server_public`` and ``client_key``."""
+
+    server_key: str = ""  #: the cluster's secret key file (name.key_secret), for coordinator and workers
+    allow: str = ""  #: directory of allowed client public keys (*.key); required with server_key
+    server_public: str = ""  #: the cluster's public key file (name.key), for clients
+    client_key: str = ""  #: this client's secret key file (name.key_secret)
+
+    def __post_init__(self) -> None:
+        if self.server_key and not self.allow:
+            raise ValueError(f"security.server_key={self.server_key!r} needs security.allow: a directory of the "
+                             "clients' public .key files (e.g. security.allow=keys/clients)")
+        if self.allow and not self.server_key:
+            raise ValueError(f"security.allow={self.allow!r} needs security.server_key: the cluster's "
+                             ".key_secret file (make one with `shadow keygen dir=keys name=server`)")
+        if self.client_key and not self.server_public:
+            raise ValueError(f"security.client_key={self.client_key!r} needs security.server_public: the "
+                             "cluster's public .key file (e.g. security.server_public=keys/server.key)")
+        if self.server_public and not (self.client_key or self.server_key):
+            raise ValueError(f"security.server_public={self.server_public!r} needs security.client_key: this "
+                             "client's .key_secret file (make one with `shadow keygen dir=keys name=CLIENT`)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.server_key or self.client_key)
+
+
+@dataclass
+class KeygenConfig:
+    """Where ``shadow keygen`` writes a CURVE key pair."""
+
+    dir: str = "keys"  #: directory for name.key and name.key_secret (created if missing)
+    name: str = "server"  #: file stem: "server" for the cluster pair, a client's name otherwise
+    overwrite: bool = False  #: replace an existing pair (holders of the old key stop working)
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("dir= is empty; give the directory for the key files, e.g. dir=keys")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"name={self.name!r} is not a file stem; use e.g. name=server or name=trainer0")
+
+
+@dataclass
 class ClusterConfig:
     """A coordinator plus ``workers`` worker processes on this host (foreground)."""
 
@@ -102,6 +147,7 @@ class ClusterConfig:
     log_level: str = "INFO"
     max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
     persist: PersistConfig = field(default_factory=PersistConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -124,6 +170,7 @@ class CoordinatorConfig:
     port: int = 5555
     log_level: str = "INFO"
     persist: PersistConfig = field(default_factory=PersistConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -141,6 +188,7 @@ class WorkerConfig:
     threads: int = 0  #: numba threads; 0 = all cores
     log_level: str = "INFO"
     worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_endpoint("coordinator", self.coordinator)
@@ -154,6 +202,7 @@ class StatusConfig:
     address: str = "tcp://127.0.0.1:5555"
     json: bool = False
     timeout: float = 5.0
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_endpoint("address", self.address)
@@ -175,6 +224,7 @@ class RestoreConfig:
     job: Optional[str] = None
     iteration: Optional[int] = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_source(self.source)
@@ -190,6 +240,7 @@ class ListConfig:
     job: Optional[str] = None
     json: bool = False
     timeout: float = 5.0
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_source(self.source)

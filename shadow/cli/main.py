@@ -11,8 +11,8 @@ import threading
 import time
 
 from shadow.cli._args import UsageError, parse
-from shadow.config import (ClusterConfig, CoordinatorConfig, ListConfig, RestoreConfig, StatusConfig, VerifyConfig,
-                           WorkerConfig)
+from shadow.config import (ClusterConfig, CoordinatorConfig, KeygenConfig, ListConfig, RestoreConfig, StatusConfig,
+                           VerifyConfig, WorkerConfig)
 
 USAGE = """usage: shadow COMMAND [key=value ...]
 
@@ -29,6 +29,9 @@ commands:
                      (formats: torch, dcp, safetensors; sources: coordinator, directory, fsspec URL)
   ls           list checkpoints (memory and every tier) e.g.  shadow ls source=tcp://127.0.0.1:5555
   verify       re-read and check every checksum         e.g.  shadow verify source=/data/ckpt [iteration=k]
+  keygen       write a CURVE key pair (name.key, name.key_secret)
+               e.g.  shadow keygen dir=keys name=server      (the cluster's pair)
+                     shadow keygen dir=keys/clients name=trainer0 [overwrite=true]
 
 cluster persistence keys, e.g.:
   shadow cluster workers=2 persist.local.dir=/nvme/shadow persist.local.every_n=50 persist.local.keep=3 \\
@@ -223,6 +226,22 @@ def cmd_verify(cfg: VerifyConfig) -> int:
     return 1 if bad else 0
 
 
+def cmd_keygen(cfg: KeygenConfig) -> int:
+    from shadow.security import generate
+
+    public, secret = generate(cfg.dir, cfg.name, overwrite=cfg.overwrite)
+    print(f"public key: {public}")
+    print(f"secret key: {secret} (mode 0600; keep it private)")
+    if cfg.name == "server":
+        print(f"on the cluster, coordinator and workers: security.server_key={secret} security.allow=DIR")
+        print(f"give clients the public key: security.server_public={public} "
+              f"(trainers: SHADOW_CURVE_SERVER_KEY={public})")
+    else:
+        print(f"allow this client: copy {public} into the cluster's security.allow directory")
+        print(f"on this client: security.client_key={secret} (trainers: SHADOW_CURVE_CLIENT_KEY={secret})")
+    return 0
+
+
 COMMANDS = {
     "cluster": (ClusterConfig, cmd_cluster),
     "coordinator": (CoordinatorConfig, cmd_coordinator),
@@ -231,6 +250,7 @@ COMMANDS = {
     "restore": (RestoreConfig, cmd_restore),
     "ls": (ListConfig, cmd_ls),
     "verify": (VerifyConfig, cmd_verify),
+    "keygen": (KeygenConfig, cmd_keygen),
 }
 
 

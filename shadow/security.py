@@ -1,0 +1,301 @@
+"""ZeroMQ CURVE authentication and encryption: key files, a ZAP guard for servers, client keys.
+
+A cluster has one server key pair (coordinator and workers bind with it, and workers also
+connect to the coordinator with it) and an allow directory of client public keys. Clients
+(trainer ranks, ``shadow status``/``restore``/``ls``) carry their own pair and the cluster's
+public key. Keys travel as z85 text (40 bytes), as ``zmq.auth`` writes them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from shadow.errors import ShadowError
+
+if TYPE_CHECKING:
+    from shadow.config import SecurityConfig
+
+logger = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+DOMAIN = b"shadow"
+ENV_SERVER_KEY = "SHADOW_CURVE_SERVER_KEY"  #: path to the cluster's public key file
+ENV_CLIENT_KEY = "SHADOW_CURVE_CLIENT_KEY"  #: path to this client's .key_secret file
+_POLL_MS = 100
+# handshake failures never reach ZAP; the server socket's monitor reports them
+_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_PROTOCOL_REASONS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "handshake_mechanism",  # client without CURVE
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "handshake_crypto",  # client with a wrong server key
+}
+
+
+class SecurityError(ShadowError, ValueError):
+    """A key file is missing, of the wrong kind, or unreadable."""
+
+
+def generate(directory: str | os.PathLike, name: str, overwrite: bool = False) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` (0600) under ``directory``."""
+    directory = Path(directory)
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    if not overwrite:
+        for path in (public, secret):
+            if path.exists():
+                raise SecurityError(f"{path} already exists; pick another name= or pass overwrite=true "
+                                    "(clients and allow lists holding the old key stop working)")
+    directory.mkdir(parents=True, exist_ok=True)
+    # the pair is written into a private (0700) scratch directory so the secret is never readable by others
+    scratch = tempfile.mkdtemp(prefix=f".{name}-", dir=directory)
+    try:
+        tmp_public, tmp_secret = zmq.auth.create_certificates(scratch, name)
+        os.chmod(tmp_secret, 0o600)
+        os.replace(tmp_secret, secret)
+        os.replace(tmp_public, public)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    logger.info("wrote CURVE key pair %s and %s", public, secret)
+    return public, secret
+
+
+def _load(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
+    p = Path(path)
+    if not p.is_file():
+        raise SecurityError(f"CURVE key file {p} does not exist; create it with "
+                            f"`shadow keygen dir={p.parent} name={p.name.split('.')[0] or 'server'}`")
+    try:
+        public, secret = zmq.auth.load_certificate(p)
+    except (OSError, ValueError) as exc:
+        raise SecurityError(f"CURVE key file {p} is unreadable or garbled ({exc}); "
+                            "regenerate it with `shadow keygen`") from None
+    if not all(_is_z85_key(k) for k in (public, secret) if k is not None):
+        raise SecurityError(f"CURVE key file {p} holds a key that is not 40 z85 characters; "
+                            "regenerate it with `shadow keygen`")
+    return public, secret
+
+
+def _is_z85_key(key: bytes) -> bool:
+    return len(key) == 40 and all(c in z85.Z85CHARS for c in key)
+
+
+def load_secret(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys from a ``.key_secret`` file."""
+    public, secret = _load(path)
+    if secret is None:
+        raise SecurityError(f"{path} holds only a public key: this is the public half; pass the .key_secret file")
+    return public, secret
+
+
+def load_public(path: str | os.PathLike) -> bytes:
+    """The z85 public key from a ``.key`` (or ``.key_secret``) file."""
+    return _load(path)[0]
+
+
+def load_allow_list(path: str | os.PathLike) -> set[bytes]:
+    """z85 public keys from a directory of ``*.key`` files, or from one key file."""
+    p = Path(path)
+    if p.is_file():
+        return {load_public(p)}
+    if not p.is_dir():
+        raise SecurityError(f"allow list {p} does not exist; make a directory holding the clients' .key files")
+    keys = {load_public(f) for f in sorted(p.glob("*.key"))}
+    if not keys:
+        raise SecurityError(f"allow list {p} holds no *.key files; copy each client's public .key file there")
+    return keys
+
+
+def _z85(key: bytes) -> str:
+    return z85.encode(key).decode() if len(key) == 32 else key.decode(errors="replace")
+
+
+class Guard:
+    """Authenticates CURVE clients for the server sockets of one process.
+
+    Call order: 1. ``start(ctx)`` binds a ZAP handler on the context and starts the guard
+    thread; 2. ``server(sock)`` on each server socket before it binds; 3. ``stop()`` after the
+    server sockets are closed (joins the thread within ``timeout`` seconds).
+    ``accepted`` counts admitted handshakes; ``refused`` maps a reason to a count:
+    ``unknown_key`` (CURVE client not in the allow list), ``mechanism`` (a non-CURVE ZAP
+    request), ``handshake_mechanism`` (client without CURVE), ``handshake_crypto`` (client
+    with a wrong server key) and ``handshake`` (any other failed handshake).
+    """
+
+    def __init__(self, server_key: str | os.PathLike, allow: str | os.PathLike) -> None:
+        self.public, self.secret = load_secret(server_key)
+        self.allowed = load_allow_list(allow) | {self.public}
+        self.accepted = 0
+        self.refused: dict[str, int] = {}
+        self._ctx: zmq.Context | None = None
+        self._zap: zmq.Socket | None = None
+        self._monitors: list[zmq.Socket] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, ctx: zmq.Context) -> None:
+        if self._thread is not None:
+            if ctx is not self._ctx:
+                raise RuntimeError("a Guard serves one zmq.Context (ZAP handlers are per context)")
+            return
+        zap = ctx.socket(zmq.ROUTER)
+        zap.setsockopt(zmq.LINGER, 0)
+        try:
+            zap.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            zap.close(linger=0)
+            raise RuntimeError(f"cannot bind the ZAP handler at {ZAP_ENDPOINT} ({exc}); "
+                               "one Guard per zmq.Context") from None
+        self._ctx, self._zap = ctx, zap
+        self._thread = threading.Thread(target=self._run, name="shadow-zap", daemon=True)
+        self._thread.start()
+
+    def server(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE server checked by this guard; call before ``bind``."""
+        self.start(sock.context)
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+        sock.zap_domain = DOMAIN
+        try:  # without it libzmq admits every client with the server key once no ZAP handler is bound
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        except zmq.ZMQError:
+            logger.warning("this libzmq lacks ZAP_ENFORCE_DOMAIN: after Guard.stop() the socket admits any CURVE "
+                           "client that knows the server key; close server sockets before stopping the guard")
+        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        with self._lock:
+            self._monitors.append(monitor)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("CURVE guard thread did not stop within %.1f s", timeout)
+
+    def _refuse(self, reason: str, peer: str, key: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        logger.warning("refused connection from %s (key %s): %s", peer, key, reason)
+
+    def _run(self) -> None:
+        poller, polled = zmq.Poller(), set()
+        poller.register(self._zap, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                with self._lock:
+                    monitors = set(self._monitors)
+                for m in monitors - polled:
+                    poller.register(m, zmq.POLLIN)
+                    polled.add(m)
+                for sock, _ in poller.poll(_POLL_MS):
+                    if sock is self._zap:
+                        self._answer_safely(self._zap.recv_multipart())
+                    elif not self._handshake(sock):
+                        poller.unregister(sock)
+                        polled.discard(sock)
+                        with self._lock:
+                            self._monitors.remove(sock)
+                        sock.close(linger=0)
+        except Exception:  # never raise from a background thread; with ZAP_ENFORCE_DOMAIN this fails closed
+            logger.exception("CURVE guard thread failed; new connections will not be admitted")
+        finally:
+            self._zap.close(linger=0)
+            with self._lock:
+                for m in self._monitors:
+                    m.close(linger=0)
+                self._monitors.clear()
+
+    def _answer_safely(self, frames: list[bytes]) -> None:
+        try:
+            self._answer(frames)
+        except (IndexError, UnicodeError, ValueError):  # one bad request must not take the guard down
+            logger.exception("cannot answer a ZAP request of %d frames; ignored", len(frames))
+
+    def _answer(self, frames: list[bytes]) -> None:
+        # ROUTER envelope, then: version, request id, domain, address, identity, mechanism, credentials
+        envelope, request = frames[:2], frames[2:]
+        if len(request) < 6 or request[0] != b"1.0":
+            logger.warning("malformed ZAP request (%d frames); ignored", len(request))
+            return
+        request_id, address, mechanism, creds = request[1], request[3].decode(errors="replace"), request[5], request[6:]
+        key = _z85(creds[0]) if mechanism == b"CURVE" and creds else "-"
+        reason = "mechanism" if mechanism != b"CURVE" else "" if key.encode() in self.allowed else "unknown_key"
+        if reason:
+            self._refuse(reason, address, key)
+            reply = [b"400", reason.encode(), b""]
+        else:
+            self.accepted += 1
+            logger.debug("admitted %s (key %s)", address, key)
+            reply = [b"200", b"OK", key.encode()]
+        self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
+
+    def _handshake(self, monitor: zmq.Socket) -> bool:
+        """Count one monitor event; False once the monitored socket has closed."""
+        event = parse_monitor_message(monitor.recv_multipart())
+        if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+            return False
+        reason = "handshake"
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            reason = _PROTOCOL_REASONS.get(event["value"], "handshake")
+        # libzmq's v1 monitor names the bound endpoint, not the peer
+        self._refuse(reason, f"a peer of {event['endpoint'].decode(errors='replace')}", "unknown")
+        return True
+
+
+def client(sock: zmq.Socket, server_public: bytes, keypair: tuple[bytes, bytes]) -> None:
+    """Make ``sock`` a CURVE client of the server with ``server_public``; call before ``connect``."""
+    sock.curve_serverkey = server_public
+    sock.curve_publickey, sock.curve_secretkey = keypair
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a CURVE client needs: the server's public key and its own pair (z85)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def apply(self, sock: zmq.Socket) -> None:
+        client(sock, self.server_public, (self.public, self.secret))
+
+
+def client_keys(server_public: str | os.PathLike, client_key: str | os.PathLike) -> ClientKeys:
+    return ClientKeys(load_public(server_public), *load_secret(client_key))
+
+
+def client_from_env() -> ClientKeys | None:
+    """Client keys from ``SHADOW_CURVE_SERVER_KEY`` and ``SHADOW_CURVE_CLIENT_KEY`` (None if neither is set)."""
+    server, mine = os.environ.get(ENV_SERVER_KEY, ""), os.environ.get(ENV_CLIENT_KEY, "")
+    if not server and not mine:
+        return None
+    if not (server and mine):
+        missing = ENV_CLIENT_KEY if server else ENV_SERVER_KEY
+        raise SecurityError(f"{ENV_SERVER_KEY} and {ENV_CLIENT_KEY} go together but {missing} is not set; set both "
+                            "(the cluster's public .key file and this client's .key_secret file) or neither")
+    return client_keys(server, mine)
+
+
+def client_from_config(cfg: SecurityConfig) -> ClientKeys | None:
+    """Client keys from ``security.server_public``/``client_key``; a process holding the server
+    pair (``security.server_key``, e.g. a worker) connects with that pair. None when CURVE is off."""
+    if cfg.client_key:
+        return client_keys(cfg.server_public, cfg.client_key)
+    if cfg.server_key:
+        public, secret = load_secret(cfg.server_key)
+        return ClientKeys(public, public, secret)
+    return None
+
+
+def guard_from_config(cfg: SecurityConfig) -> Guard | None:
+    """A Guard for ``security.server_key``/``allow``; None when CURVE is off."""
+    return Guard(cfg.server_key, cfg.allow) if cfg.server_key else None

@@ -1,0 +1,243 @@
+"""CURVE keys, the ZAP guard and its refusal counts, over real sockets on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from shadow import security as S
+from shadow.cli._args import UsageError, parse
+from shadow.config import ClusterConfig, SecurityConfig, StatusConfig
+from tests.conftest import ROOT
+
+PAYLOAD = b"shadow-plaintext-marker-0123456789"
+
+
+def wait_for(pred, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("keys")
+    S.generate(d, "server")
+    S.generate(d / "allow", "trainer")
+    S.generate(d, "stranger")
+    return d
+
+
+class Secured:
+    """A ROUTER behind a Guard, and DEALER clients that get closed with linger=0."""
+
+    def __init__(self, keys: Path) -> None:
+        self.ctx = zmq.Context()
+        self.guard = S.Guard(keys / "server.key_secret", keys / "allow")
+        self.guard.start(self.ctx)
+        self.server = self.ctx.socket(zmq.ROUTER)
+        self.server.linger = 0
+        self.guard.server(self.server)
+        self.port = self.server.bind_to_random_port("tcp://127.0.0.1")
+        self.sockets = [self.server]
+
+    def client(self, keypair=None, server_public: bytes | None = None, port: int | None = None) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 0
+        if keypair is not None:
+            S.client(s, server_public or self.guard.public, keypair)
+        s.connect(f"tcp://127.0.0.1:{port or self.port}")
+        self.sockets.append(s)
+        return s
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close(linger=0)
+        self.guard.stop()
+        self.ctx.term()
+
+
+@pytest.fixture
+def secured(keys):
+    sec = Secured(keys)
+    yield sec
+    sec.close()
+
+
+def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
+    def keygen(*args):
+        return subprocess.run([sys.executable, "-m", "shadow", "keygen", f"dir={tmp_path / 'k'}", *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
+
+    res = keygen("name=server")
+    assert res.returncode == 0, res.stderr
+    public, secret = tmp_path / "k" / "server.key", tmp_path / "k" / "server.key_secret"
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
+    assert f"security.server_key={secret}" in res.stdout and f"security.server_public={public}" in res.stdout
+    before = S.load_secret(secret)
+    assert S.load_public(public) == before[0]
+    res = keygen("name=server")
+    assert res.returncode == 1 and f"{public} already exists" in res.stderr and "overwrite=true" in res.stderr
+    assert keygen("name=server", "overwrite=true").returncode == 0
+    assert S.load_secret(secret) != before
+    res = keygen("name=trainer0")
+    assert res.returncode == 0 and "security.allow" in res.stdout
+    assert [p.name for p in (tmp_path / "k").iterdir() if p.name.startswith(".")] == []
+    help_ = subprocess.run([sys.executable, "-m", "shadow", "keygen", "--help"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=60, check=False)
+    assert help_.returncode == 0 and "keygen keys: dir=" in help_.stdout
+
+
+def test_allowed_client_and_the_server_pair_get_through(secured, keys):
+    for keypair in (S.load_secret(keys / "allow" / "trainer.key_secret"), S.load_secret(keys / "server.key_secret")):
+        c = secured.client(keypair)
+        c.send(PAYLOAD)
+        assert secured.server.poll(2000), "the allowed client's message did not arrive"
+        ident, msg = secured.server.recv_multipart()
+        assert msg == PAYLOAD
+        secured.server.send_multipart([ident, b"pong"])
+        assert c.poll(2000) and c.recv() == b"pong"
+    assert secured.guard.accepted == 2 and secured.guard.refused == {}
+
+
+def test_unknown_key_is_refused_and_counted(secured, keys):
+    c = secured.client(S.load_secret(keys / "stranger.key_secret"))
+    c.send(PAYLOAD)
+    assert not secured.server.poll(300)
+    assert wait_for(lambda: secured.guard.refused.get("unknown_key", 0) >= 1), secured.guard.refused
+    assert secured.guard.accepted == 0
+
+
+def test_plain_client_is_counted_as_a_failed_handshake(secured):
+    c = secured.client()
+    c.send(PAYLOAD)
+    assert not secured.server.poll(300)
+    assert wait_for(lambda: secured.guard.refused.get("handshake_mechanism", 0) >= 1), secured.guard.refused
+    assert secured.guard.accepted == 0
+
+
+def test_wrong_server_key_is_counted_as_a_failed_handshake(secured, keys):
+    c = secured.client(S.load_secret(keys / "allow" / "trainer.key_secret"),
+                       server_public=S.load_public(keys / "stranger.key"))
+    c.send(PAYLOAD)
+    assert not secured.server.poll(300)
+    assert wait_for(lambda: secured.guard.refused.get("handshake_crypto", 0) >= 1), secured.guard.refused
+    assert secured.guard.accepted == 0
+
+
+def test_a_stopped_guard_fails_closed(secured, keys):
+    secured.guard.stop()
+    c = secured.client(S.load_secret(keys / "stranger.key_secret"))
+    c.send(PAYLOAD)
+    assert not secured.server.poll(300), "with no ZAP handler the server admitted an unknown key"
+
+
+class Tap:
+    """A TCP relay to ``port`` that records every byte passing through it."""
+
+    def __init__(self, port: int) -> None:
+        self.target, self.seen, self.stop = port, bytearray(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pairs: dict[socket.socket, socket.socket] = {}
+        while not self.stop.is_set():
+            try:
+                a, _ = self.listener.accept()
+                b = socket.create_connection(("127.0.0.1", self.target), timeout=1)
+                pairs.update({a: b, b: a})
+            except TimeoutError:
+                pass
+            ready = select.select(list(pairs), [], [], 0.05)[0] if pairs else []
+            for s in ready:
+                data = s.recv(65536)
+                if not data:
+                    pairs.pop(pairs.pop(s)).close()
+                    s.close()
+                    continue
+                self.seen += data
+                pairs[s].sendall(data)
+        for s in pairs:
+            s.close()
+        self.listener.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(2)
+
+
+def test_traffic_is_encrypted_on_the_wire(secured, keys):
+    def captured(server: zmq.Socket, port: int, keypair) -> bytes:
+        tap = Tap(port)
+        try:
+            secured.client(keypair, port=tap.port).send(PAYLOAD * 4)
+            assert server.poll(2000), "nothing came through the relay"
+            assert server.recv_multipart()[1] == PAYLOAD * 4
+        finally:
+            tap.close()
+        assert len(tap.seen) > len(PAYLOAD) * 4
+        return bytes(tap.seen)
+
+    plain = secured.ctx.socket(zmq.ROUTER)
+    plain.linger = 0
+    secured.sockets.append(plain)
+    # the control: without CURVE the same tap sees the plaintext
+    assert PAYLOAD in captured(plain, plain.bind_to_random_port("tcp://127.0.0.1"), None)
+    keypair = S.load_secret(keys / "allow" / "trainer.key_secret")
+    assert PAYLOAD not in captured(secured.server, secured.port, keypair)
+
+
+def test_security_config_validation():
+    with pytest.raises(ValueError, match="security.allow"):
+        SecurityConfig(server_key="keys/server.key_secret")
+    with pytest.raises(ValueError, match="security.server_public"):
+        SecurityConfig(client_key="keys/me.key_secret")
+    with pytest.raises(ValueError, match="security.server_key"):
+        SecurityConfig(allow="keys/clients")
+    with pytest.raises(UsageError, match="security.allow"):
+        parse(ClusterConfig, ["security.server_key=k.key_secret"])
+    cfg = parse(StatusConfig, ["security.server_public=s.key", "security.client_key=c.key_secret"])
+    assert cfg.security.enabled and not StatusConfig().security.enabled
+
+
+def test_key_file_errors_say_what_to_do(keys, tmp_path):
+    with pytest.raises(S.SecurityError, match="this is the public half; pass the .key_secret file"):
+        S.load_secret(keys / "server.key")
+    with pytest.raises(S.SecurityError, match=r"`shadow keygen dir=.* name=nope`"):
+        S.load_secret(tmp_path / "nope.key_secret")
+    (tmp_path / "garbled.key").write_text('public-key = "not a key"\n')
+    with pytest.raises(S.SecurityError, match="garbled.key"):
+        S.load_public(tmp_path / "garbled.key")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(S.SecurityError, match="no \\*.key files"):
+        S.load_allow_list(tmp_path / "empty")
+    assert S.load_allow_list(keys / "allow") == {S.load_public(keys / "allow" / "trainer.key")}
+
+
+def test_client_keys_from_env(keys, monkeypatch):
+    monkeypatch.delenv(S.ENV_SERVER_KEY, raising=False)
+    monkeypatch.delenv(S.ENV_CLIENT_KEY, raising=False)
+    assert S.client_from_env() is None
+    monkeypatch.setenv(S.ENV_SERVER_KEY, str(keys / "server.key"))
+    with pytest.raises(S.SecurityError, match=S.ENV_CLIENT_KEY):
+        S.client_from_env()
+    monkeypatch.setenv(S.ENV_CLIENT_KEY, str(keys / "allow" / "trainer.key_secret"))
+    got = S.client_from_env()
+    assert got.server_public == S.load_public(keys / "server.key")
+    assert (got.public, got.secret) == S.load_secret(keys / "allow" / "trainer.key_secret")
