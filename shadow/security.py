@@ -299,3 +299,21 @@ def client_from_config(cfg: SecurityConfig) -> ClientKeys | None:
 def guard_from_config(cfg: SecurityConfig) -> Guard | None:
     """A Guard for ``security.server_key``/``allow``; None when CURVE is off."""
     return Guard(cfg.server_key, cfg.allow) if cfg.server_key else None
+
+
+_UNSET = object()
+_process_client: "ClientKeys | None | object" = _UNSET
+
+
+def set_client(keys: ClientKeys | None) -> None:
+    """The keys every client socket of this process uses (the CLI sets them from its config)."""
+    global _process_client
+    _process_client = keys
+
+
+def current_client() -> ClientKeys | None:
+    """This process's client keys: as set by :func:`set_client`, else from the environment."""
+    global _process_client
+    if _process_client is _UNSET:
+        _process_client = client_from_env()
+    return _process_client  # type: ignore[return-value]

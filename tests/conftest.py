@@ -26,10 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def status(address: str, timeout: float = 5.0) -> dict:
+def status(address: str, timeout: float = 5.0, keys=None) -> dict:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if keys is not None:  # a CURVE client (shadow.security.ClientKeys)
+        keys.apply(s)
     s.connect(address)
     try:
         s.send(M.encode("status"))
@@ -42,7 +44,8 @@ def status(address: str, timeout: float = 5.0) -> dict:
 
 class Cluster:
     def __init__(self, tmp: Path, workers: int = 2, args: tuple[str, ...] = (), env: dict | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, keys=None) -> None:
+        self.keys = keys
         self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.workers = workers
@@ -54,7 +57,7 @@ class Cluster:
         deadline = time.monotonic() + 60
         while True:
             try:
-                st = status(self.address, timeout=1.0)
+                st = status(self.address, timeout=1.0, keys=keys)
                 if len(st["workers"]) == workers:
                     break
             except TimeoutError:
@@ -64,7 +67,7 @@ class Cluster:
             time.sleep(0.2)
 
     def status(self) -> dict:
-        return status(self.address)
+        return status(self.address, keys=self.keys)
 
     def settled(self, quiet: float = 2.0, limit: float = 60.0) -> dict:
         """Status once the committed cut and every worker's progress stop moving

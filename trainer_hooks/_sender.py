@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from shadow import knobs
+from shadow import knobs, security
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks import _netfault
@@ -88,6 +88,9 @@ class Sender(threading.Thread):
             for ep in self.endpoints:
                 s = self.ctx.socket(zmq.PUSH)
                 s.setsockopt(zmq.LINGER, 0)
+                keys = security.current_client()
+                if keys is not None:
+                    keys.apply(s)
                 s.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
                 s.connect(ep)
                 self.data.append(s)

@@ -44,18 +44,22 @@ def _logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s")
 
 
-def _warn_public(host: str) -> None:
-    if host not in ("127.0.0.1", "localhost", "::1"):
+def _warn_public(host: str, security) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1") and not security.server_key:
         logging.getLogger("shadow").warning(
-            "binding to %s exposes the cluster beyond this host without authentication", host)
+            "binding to %s exposes the cluster beyond this host without authentication or encryption; "
+            "make keys with `shadow keygen` and set security.server_key= and security.allow=", host)
 
 
 def cmd_coordinator(cfg: CoordinatorConfig) -> int:
     from shadow.coordinator.server import Coordinator
 
+    from shadow import security
+
     _logging(cfg.log_level)
-    _warn_public(cfg.host)
-    coord = Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers, cfg.persist.to_dict())
+    _warn_public(cfg.host, cfg.security)
+    coord = Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers, cfg.persist.to_dict(),
+                        guard=security.guard_from_config(cfg.security))
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
     try:
         coord.run()
@@ -67,10 +71,13 @@ def cmd_coordinator(cfg: CoordinatorConfig) -> int:
 def cmd_worker(cfg: WorkerConfig) -> int:
     if cfg.threads:
         os.environ["NUMBA_NUM_THREADS"] = str(cfg.threads)
+    from shadow import security
     from shadow.worker.server import Worker
 
     _logging(cfg.log_level)
-    worker = Worker(cfg.coordinator, host=cfg.host, worker_id=cfg.worker_id)
+    _warn_public(cfg.host, cfg.security)
+    worker = Worker(cfg.coordinator, host=cfg.host, worker_id=cfg.worker_id,
+                    guard=security.guard_from_config(cfg.security), keys=security.client_from_config(cfg.security))
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     try:
         worker.run()
@@ -80,13 +87,16 @@ def cmd_worker(cfg: WorkerConfig) -> int:
 
 
 def cmd_cluster(cfg: ClusterConfig) -> int:
+    from shadow import security
     from shadow.coordinator.server import Coordinator
 
     _logging(cfg.log_level)
-    _warn_public(cfg.host)
+    _warn_public(cfg.host, cfg.security)
     log = logging.getLogger("shadow.cluster")
     address = f"tcp://{cfg.host}:{cfg.port}"
-    coord = Coordinator(address, cfg.workers, cfg.persist.to_dict())
+    coord = Coordinator(address, cfg.workers, cfg.persist.to_dict(), guard=security.guard_from_config(cfg.security))
+    curve = [f"security.server_key={cfg.security.server_key}", f"security.allow={cfg.security.allow}"] \
+        if cfg.security.server_key else []
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
 
@@ -101,7 +111,7 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     def spawn(slot: int) -> subprocess.Popen:
         return subprocess.Popen([
             sys.executable, "-m", "shadow", "worker", f"coordinator={address}", f"host={cfg.host}",
-            f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"worker_id={slot}",
+            f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"worker_id={slot}", *curve,
         ])
 
     procs = [spawn(i) for i in range(cfg.workers)]
@@ -276,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     from shadow.errors import ShadowError
 
     try:
+        sec = getattr(cfg, "security", None)
+        if name in ("status", "restore", "ls") and sec is not None and sec.enabled:
+            from shadow import security
+
+            security.set_client(security.client_from_config(sec))
         return fn(cfg)
     except (ShadowError, OSError) as exc:
         print(f"shadow {name}: {exc}", file=sys.stderr)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, bind: str, workers: int, persist: dict | None = None) -> None:
+    def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None) -> None:
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
         self.bind = bind
@@ -39,11 +39,14 @@ class Coordinator:
         self.started = time.time()
         self.persist = Persistence(persist or {})
         self.tokens: dict[int, int] = {}  # iteration -> tokens seen, for token schedules
+        self.guard = guard  # shadow.security.Guard when CURVE is on
 
     def run(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.guard is not None:
+            self.guard.server(self.sock)
         self.sock.bind(self.bind)
         logger.info("coordinator listening on %s, expecting %d workers", self.bind, self.expected)
         poller = zmq.Poller()
@@ -61,6 +64,8 @@ class Coordinator:
                 self._check_workers()
         finally:
             self.sock.close(linger=0)
+            if self.guard is not None:
+                self.guard.stop()
 
     def stop(self) -> None:
         self._stop = True
@@ -451,6 +456,9 @@ class Coordinator:
             "expected_workers": self.expected,
             "uptime_s": time.time() - self.started,
             "rejected": dict(self.rejected),
+            "security": {"curve": self.guard is not None,
+                         "accepted": self.guard.accepted if self.guard else 0,
+                         "refused": dict(self.guard.refused) if self.guard else {}},
             "workers": [
                 {"id": w.id, "pid": w.pid, "data": w.data, "serve": w.serve,
                  "start": job.ranges[w.id][0] if job else None, "stop": job.ranges[w.id][1] if job else None,

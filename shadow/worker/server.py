@@ -60,10 +60,12 @@ class _Session:
 
 
 class Worker:
-    def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1) -> None:
+    def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None,
+                 keys=None) -> None:
         self.coordinator = coordinator
         self.host = host
         self.worker_id = worker_id
+        self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
         self.ctx = zmq.Context.instance()
         self.rejected: Counter[str] = Counter()
         self.frames_in = 0
@@ -77,19 +79,27 @@ class Worker:
         self.data = self.ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, 0)
+        if self.guard is not None:
+            self.guard.server(self.data)
         port = self.data.bind_to_random_port(f"tcp://{self.host}")
         self.data_ep = f"tcp://{self.host}:{port}"
         self.serve = self.ctx.socket(zmq.ROUTER)
         self.serve.setsockopt(zmq.LINGER, 0)
+        if self.guard is not None:
+            self.guard.server(self.serve)
         port = self.serve.bind_to_random_port(f"tcp://{self.host}")
         self.serve_ep = f"tcp://{self.host}:{port}"
         self.ctrl = self.ctx.socket(zmq.DEALER)
         self.ctrl.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.apply(self.ctrl)
         self.ctrl.connect(self.coordinator)
 
     def _close(self) -> None:
         for s in (self.data, self.serve, self.ctrl):
             s.close(linger=0)
+        if self.guard is not None:
+            self.guard.stop()
 
     def _to_coord(self, kind: str, **fields) -> None:
         try:
@@ -144,8 +154,10 @@ class Worker:
     def _heartbeat(self) -> None:
         s = self.session
         self._to_coord(
-            "heartbeat", epoch=s.epoch if s else -1, applied=s.applied if s else -1,
-            seen=s.seen if s else -1, rejected=dict(self.rejected), frames_in=self.frames_in,
+            "heartbeat", rejected={**self.rejected, **{"auth_" + k: v for k, v in
+                                                       (self.guard.refused if self.guard else {}).items()}},
+            epoch=s.epoch if s else -1, applied=s.applied if s else -1,
+            seen=s.seen if s else -1, frames_in=self.frames_in,
             bytes_in=self.bytes_in, stale=(s.stale or "") if s else "",
             seq=list(s.inbox.next_seq) if s else [],
         )
