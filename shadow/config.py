@@ -140,7 +140,8 @@ class KeygenConfig:
 class ClusterConfig:
     """A coordinator plus ``workers`` worker processes on this host (foreground)."""
 
-    workers: int = 2  #: number of shadow worker processes (shards)
+    workers: int = 2  #: number of shadow worker processes (workers / replicas shards)
+    replicas: int = 1  #: workers holding each shard (2: losing one loses nothing; it recopies from its peer)
     host: str = "127.0.0.1"  #: interface to bind (127.0.0.1 keeps the cluster local)
     port: int = 5555  #: coordinator port
     threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
@@ -152,6 +153,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
+        if self.replicas < 1 or self.workers % self.replicas:
+            raise ValueError(f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
+                             f"e.g. workers={2 * self.workers} replicas=2")
         _check_port(self.port)
         if self.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
@@ -166,6 +170,7 @@ class CoordinatorConfig:
     """The coordinator alone (workers join by its address)."""
 
     workers: int = 2
+    replicas: int = 1  #: workers holding each shard (must divide workers)
     host: str = "127.0.0.1"
     port: int = 5555
     log_level: str = "INFO"
@@ -175,6 +180,9 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
+        if self.replicas < 1 or self.workers % self.replicas:
+            raise ValueError(f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
+                             f"e.g. workers={2 * self.workers} replicas=2")
         _check_port(self.port)
         _check_level(self.log_level)
 

@@ -57,6 +57,14 @@ class NoticeItem:
 
 
 @dataclass
+class JoinItem:
+    """Start streaming to a (replacement) replica at ``endpoint`` from the next item on."""
+
+    worker: int
+    endpoint: str
+
+
+@dataclass
 class FlushItem:
     done: threading.Event
 
@@ -65,13 +73,15 @@ class Sender(threading.Thread):
     def __init__(self, ctx: zmq.Context, dealer: zmq.Socket, endpoints: list[str], ring, *, job_id: int,
                  epoch: int, rank: int, world: int, layout_hash: int, on_error: Callable[[BaseException], None],
                  on_progress: Callable[[int], None], on_degraded: Callable[[str], None],
-                 on_audit: Callable[[dict], None], on_resync: Callable[[], None]) -> None:
+                 on_audit: Callable[[dict], None], on_resync: Callable[[], None],
+                 on_join: Callable[[dict], None] = lambda msg: None) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
         self.job_id, self.epoch, self.rank, self.world, self.layout_hash = job_id, epoch, rank, world, layout_hash
         self.on_error, self.on_progress, self.on_degraded = on_error, on_progress, on_degraded
-        self.on_audit, self.on_resync = on_audit, on_resync
+        self.on_audit, self.on_resync, self.on_join = on_audit, on_resync, on_join
+        self.out: set[int] = set()  # replicas out of service: nothing is sent to them
         self.seq = [0] * len(endpoints)
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
         self.bytes_out = 0
@@ -85,15 +95,7 @@ class Sender(threading.Thread):
     def run(self) -> None:
         self.data = []
         try:
-            for ep in self.endpoints:
-                s = self.ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                keys = security.current_client()
-                if keys is not None:
-                    keys.apply(s)
-                s.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
-                s.connect(ep)
-                self.data.append(s)
+            self.data = [self._push(ep) for ep in self.endpoints]
             poll = knobs.get("SENDER_POLL_S")
             hb = knobs.get("HEARTBEAT_S")
             next_hb = 0.0
@@ -124,6 +126,16 @@ class Sender(threading.Thread):
     def stop(self) -> None:
         self.q.put("stop")
 
+    def _push(self, endpoint: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
+        keys = security.current_client()
+        if keys is not None:
+            keys.apply(s)
+        s.connect(endpoint)
+        return s
+
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
         while True:
@@ -142,6 +154,12 @@ class Sender(threading.Thread):
             self._send_payload(item.iteration, F.Kind.STATE, item.field, item.data, item.runs, None)
         elif isinstance(item, CommitItem):
             self._send_commit(item)
+        elif isinstance(item, JoinItem):
+            self.data[item.worker].close(linger=0)
+            self.data[item.worker] = self._push(item.endpoint)
+            self.endpoints[item.worker] = item.endpoint
+            self.seq[item.worker] = 0
+            self.out.discard(item.worker)
         elif isinstance(item, NoticeItem):
             self._notify(item.kind, **item.fields)
         elif isinstance(item, FlushItem):
@@ -160,7 +178,7 @@ class Sender(threading.Thread):
     def _send_payload(self, iteration: int, kind, field, data: np.ndarray, runs_per_worker, ring_slot) -> None:
         trackers = []
         for w, runs in enumerate(runs_per_worker):
-            if not runs:
+            if not runs or w in self.out:
                 continue
             if self._faulted(iteration, w):
                 continue
@@ -178,7 +196,7 @@ class Sender(threading.Thread):
 
     def _send_commit(self, item: CommitItem) -> None:
         for w, body in enumerate(item.bodies):
-            if self._faulted(item.iteration, w):
+            if w in self.out or self._faulted(item.iteration, w):
                 continue
             hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), F.checksum(body))])
             self._send(w, [hdr, body], False, item.iteration)
@@ -217,6 +235,11 @@ class Sender(threading.Thread):
                 self.on_progress(msg["applied"])
             elif msg["t"] == "resync" and msg["epoch"] == self.epoch:
                 self.on_resync()
+            elif msg["t"] == "replica_out" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
+                logger.warning("shadow worker %d is out of service; its shard continues on a replica", msg["worker"])
+                self.out.add(msg["worker"])
+            elif msg["t"] == "replica_in" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
+                self.on_join(msg)
             elif msg["t"] == "audit" and msg["epoch"] == self.epoch:
                 self.on_audit(msg)
             elif msg["t"] == "degraded" and msg["epoch"] == self.epoch:

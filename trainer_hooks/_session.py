@@ -35,7 +35,7 @@ from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
 from trainer_hooks import _audit, _bootstrap, _buckets, _checks, _codec, _observe, _optim, _rng
 from trainer_hooks._model import build_layout, persistent_buffers, state_dict_aliases
-from trainer_hooks._sender import CommitItem, FlushItem, GradItem, NoticeItem, Sender
+from trainer_hooks._sender import CommitItem, FlushItem, GradItem, JoinItem, NoticeItem, Sender
 from trainer_hooks._staging import RingFullError, StagingRing
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,10 @@ class Session:
         self.degraded: str | None = None
         self._resync_requested = False  # the coordinator asked (this rank heard it)
         self._resync_at: int | None = None  # every rank agreed: resync after this iteration
-        self._vote = torch.zeros(1, dtype=torch.int32)
+        self._vote = torch.zeros(2, dtype=torch.int32)  # [resync asked, newest replica join heard]
+        self._joins: dict[int, dict] = {}  # generation -> replica_in message
+        self._join_done = 0  # newest generation this rank streams to
+        self._join_at: tuple[int, int] | None = None  # (after iteration, up to generation)
         self._closed = False
         self._clip: float | None = None
         self._pending: tuple | None = None
@@ -122,7 +125,7 @@ class Session:
                              job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
                              layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress,
                              on_degraded=self._on_degraded, on_audit=self._on_audit,
-                             on_resync=self._on_resync)
+                             on_resync=self._on_resync, on_join=self._on_join)
         self.sender.start()
         _bootstrap.bootstrap(self)
         self._install_hooks()
@@ -191,10 +194,31 @@ class Session:
         logger.info("the shadow cluster is whole again; resyncing at the next iteration boundary")
         self._resync_requested = True
 
+    def _on_join(self, msg: dict) -> None:
+        with self._cond:
+            self._joins[msg["gen"]] = msg
+            self._cond.notify_all()
+
     def _before_forward(self) -> None:
         self._emit_pending()
         if self._resync_at is not None and self._resync_at == self._next - 1:
             self._resync()
+        elif self._join_at is not None and self._join_at[0] == self._next - 1:
+            self._start_joins(self._join_at[1])
+
+    def _start_joins(self, gen: int) -> None:
+        """Every rank voted, beside the same last bucket, to stream to the replicas joining
+        up to generation ``gen`` from this iteration on; tell the coordinator so."""
+        self._join_at = None
+        with self._cond:  # another rank may have heard of a join this one has not yet: it is in flight
+            self._cond.wait_for(lambda: max(self._joins, default=0) >= gen, knobs.get("CONNECT_TIMEOUT_S"))
+        for g in sorted(x for x in self._joins if self._join_done < x <= gen):
+            msg = self._joins.pop(g)
+            self.sender.q.put(JoinItem(msg["worker"], msg["data"]))
+            self.sender.q.put(NoticeItem("replica_from", {"epoch": self.epoch, "rank": self.rank,
+                                                          "worker": msg["worker"], "gen": g, "iteration": self._next}))
+            logger.info("rank %d streams to replica %d from iteration %d", self.rank, msg["worker"], self._next)
+        self._join_done = max(self._join_done, gen)
 
     def _resync(self) -> None:
         """Re-attach at this iteration boundary: a new epoch bootstrapped from this rank's
@@ -265,14 +289,18 @@ class Session:
         the same iteration, so they re-attach together."""
         if self._vote.device != device:
             self._vote = self._vote.to(device)
-        self._vote.fill_(1 if self._resync_requested else 0)
+        self._vote[0] = 1 if self._resync_requested else 0
+        self._vote[1] = max(self._joins, default=0)
         vote = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.pg, async_op=True).get_future()
         k = self._next
 
         def done(both):
             bucket_fut, vote_fut = both.value()
-            if int(vote_fut.value()[0].item()):
+            resync, join = (int(v) for v in vote_fut.value()[0].tolist())
+            if resync:
                 self._resync_at = k
+            elif join > self._join_done:
+                self._join_at = (k, join)
             return bucket_fut.value()
 
         return torch.futures.collect_all([fut, vote]).then(done)
@@ -429,13 +457,14 @@ class Session:
             blob = _codec.pack(blob_obj)
         except _codec.EncodeError as exc:
             raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
-        owner = self.rank % len(self.shards)
+        nshards = max(w.get("shard", i) for i, w in enumerate(self.workers)) + 1
         bodies = []
         for w in range(len(self.shards)):
+            owner = self.workers[w].get("shard", w) == self.rank % nshards  # every replica of that shard
             rec = dict(replay, sent=sent[w])
             if audit is not None and audit[w] is not None:
                 rec["audit"] = audit[w]
-            bodies.append(msgpack.packb({"replay": rec, "blob": blob if w == owner else None}, use_bin_type=True))
+            bodies.append(msgpack.packb({"replay": rec, "blob": blob if owner else None}, use_bin_type=True))
         self.sender.q.put(CommitItem(k, bodies))
         self._last_emitted = k
 

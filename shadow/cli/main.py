@@ -59,7 +59,7 @@ def cmd_coordinator(cfg: CoordinatorConfig) -> int:
     _logging(cfg.log_level)
     _warn_public(cfg.host, cfg.security)
     coord = Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers, cfg.persist.to_dict(),
-                        guard=security.guard_from_config(cfg.security))
+                        guard=security.guard_from_config(cfg.security), replicas=cfg.replicas)
     signal.signal(signal.SIGTERM, lambda *_: coord.stop())
     try:
         coord.run()
@@ -94,7 +94,8 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     _warn_public(cfg.host, cfg.security)
     log = logging.getLogger("shadow.cluster")
     address = f"tcp://{cfg.host}:{cfg.port}"
-    coord = Coordinator(address, cfg.workers, cfg.persist.to_dict(), guard=security.guard_from_config(cfg.security))
+    coord = Coordinator(address, cfg.workers, cfg.persist.to_dict(), guard=security.guard_from_config(cfg.security),
+                        replicas=cfg.replicas)
     curve = [f"security.server_key={cfg.security.server_key}", f"security.allow={cfg.security.allow}"] \
         if cfg.security.server_key else []
     procs: list[subprocess.Popen] = []

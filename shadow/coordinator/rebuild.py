@@ -39,7 +39,7 @@ def valid_session(session: dict | None) -> dict | None:
     return session
 
 
-def rebuild_job(workers: list[WorkerRec]) -> tuple[JobRec | None, dict[int, str]]:
+def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, dict[int, str]]:
     """The job the workers hold, and the workers that cannot serve it (id -> reason)."""
     held = [w for w in workers if w.session is not None]
     if not held:
@@ -58,14 +58,14 @@ def rebuild_job(workers: list[WorkerRec]) -> tuple[JobRec | None, dict[int, str]
             stale[w.id] = w.session["stale"]
         else:
             stale[w.id] = "holds no state of the current epoch (it restarted with the coordinator)"
-    if any(w.session["configure"]["shards"] != len(workers) for w in held if w.id in same):
+    if any(w.session["configure"]["shards"] != nshards for w in held if w.id in same):
         stale.update({i: "the cluster's shards do not match this worker's" for i in same if i not in stale})
     # ranges of stale workers: what the configuration says (a resync re-lays out anyway)
     from shadow.layout import Layout, shard_bounds
 
     layout = Layout.from_dict(cfg["layout"])
-    bounds = shard_bounds(layout.total, len(workers))
-    ranges = [r if r is not None else bounds[i] for i, r in enumerate(ranges)]
+    bounds = shard_bounds(layout.total, nshards)
+    ranges = [r if r is not None else bounds[i % nshards] for i, r in enumerate(ranges)]
     job = JobRec(cfg["job"], cfg["job_id"], cfg["epoch"], cfg["layout"], layout.hash, cfg["world"], cfg["optim"],
                  cfg["iteration"], ranges, {})
     ok = [w for w in workers if w.id in same and w.id not in stale]

@@ -31,6 +31,8 @@ class WorkerRec:
     seq: list = field(default_factory=list)  # data messages received per rank (its heartbeat)
     busy_at: float = 0.0  # last time its received-frame count moved
     transit: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
+    joined_at: float = 0.0  # when its current data stream began (trainer counts before it do not apply)
+    out: bool = False  # a replica taken out of service (the shard goes on on its peer)
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen < knobs.get("WORKER_LOST_S")
@@ -54,6 +56,10 @@ class JobRec:
     attach_time: float = field(default_factory=time.time)
     detached: set = field(default_factory=set)
     resync_requested: bool = False
+    gen: int = 0  # replica joins started
+    joining: dict = field(default_factory=dict)  # worker id -> {"gen", "from": {rank: m}, "at": m - 1}
+    writers: dict = field(default_factory=dict)  # shard -> worker id asked to persist it
+    hold: int | None = None  # the cut stays at or below this while a replica copies from its peer
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded
     degraded_at: float = 0.0  # monotonic time of the last degrade

@@ -17,18 +17,23 @@ from shadow import knobs
 from shadow.coordinator import rebuild
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobRec, WorkerRec, job_id_for
+from shadow.coordinator.replicas import ReplicaMixin
 from shadow.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
 
 
-class Coordinator:
-    def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None) -> None:
+class Coordinator(ReplicaMixin):
+    def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None, replicas: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
+        if replicas < 1 or workers % replicas:
+            raise ValueError(f"replicas={replicas} must be >= 1 and divide workers={workers} "
+                             "(each shard is held by `replicas` workers)")
         self.bind = bind
         self.expected = workers
+        self.replicas, self.nshards = replicas, workers // replicas
         self.ctx = zmq.Context.instance()
         self.workers: list[WorkerRec] = []
         self.job: JobRec | None = None
@@ -104,23 +109,30 @@ class Coordinator:
 
     # -- workers ------------------------------------------------------------------------
     def _on_register(self, env, msg) -> None:
-        w = self._enrol(env, msg)
+        w = self._enrol(env, msg, fresh=True)
         if w is not None:
             self._maybe_resync()
 
-    def _enrol(self, env, msg) -> WorkerRec | None:
-        """A worker (re)takes a slot: its own ``worker_id`` if it names one, else the first free."""
+    def _enrol(self, env, msg, fresh: bool) -> WorkerRec | None:
+        """A worker (re)takes a slot: its own ``worker_id`` if it names one, else the first free.
+        ``fresh``: it holds no state (a register, not a rejoin)."""
         now = time.monotonic()
         w = self._worker(env)
-        slot = msg["worker_id"]
+        slot = msg["worker_id"] if w is None else w.id
         taken = {x.id: x for x in self.workers}
-        if w is None and slot in taken:
-            # a restarted worker takes its slot back: it has no state and will be resynced
+        hold = False
+        if slot in taken and (w is None or fresh):
+            # a restarted (or reset) worker takes its slot back: it has no state
             w = taken[slot]
-            logger.warning("worker %d re-registered (pid %d -> %d); it will be resynced", slot, w.pid, msg["pid"])
+            logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
             w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
-            w.lost, w.stale, w.configured, w.prepared, w.applied, w.seen = False, "restarted", -1, -1, -1, -1
-            self._degrade(f"worker {slot} restarted")
+            w.lost, w.stale, w.transit, w.configured = False, "restarted", "", -1
+            w.prepared, w.applied, w.seen, w.seq, w.joined_at = -1, -1, -1, [], now
+            self._cancel_join(w)
+            hold = self._start_join(w)
+            if not hold:
+                w.out = False
+                self._degrade(f"worker {slot} restarted")
         elif w is None:
             if slot < 0:
                 slot = next((i for i in range(self.expected) if i not in taken), -1)
@@ -132,7 +144,7 @@ class Coordinator:
             self.workers.append(w)
             self.workers.sort(key=lambda x: x.id)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
-        self._reply(env, "registered", worker_id=w.id)
+        self._reply(env, "registered", worker_id=w.id, hold=hold)
         return w
 
     def _on_rejoin(self, env, msg) -> None:
@@ -143,10 +155,11 @@ class Coordinator:
             self._count(exc.reason)
             self._reply(env, "error", message=f"rejected rejoin: {exc}")
             return
-        if self.job is not None:  # this coordinator already runs a job: a plain (re)registration
-            self._on_register(env, msg)
+        if self.job is not None:  # this coordinator already runs a job
+            if self._worker(env) is None:
+                self._on_register(env, msg)
             return
-        w = self._enrol(env, msg)
+        w = self._enrol(env, msg, fresh=False)
         if w is None:
             return
         w.session = session
@@ -154,7 +167,7 @@ class Coordinator:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        job, stale = rebuild.rebuild_job(self.workers)
+        job, stale = rebuild.rebuild_job(self.workers, self.nshards)
         for w in self.workers:
             w.session = None
         if job is None:
@@ -192,7 +205,7 @@ class Coordinator:
             if not alive and not w.lost:
                 w.lost = True
                 logger.error("worker %d (pid %d) is lost: no heartbeat for %.1f s", w.id, w.pid, now - w.last_seen)
-                self._degrade(f"worker {w.id} lost")
+                self._replica_down(w, f"worker {w.id} lost")
             elif alive and w.lost:
                 w.lost = False
                 logger.info("worker %d is back", w.id)
@@ -217,13 +230,13 @@ class Coordinator:
                 continue
             t, sent = sample
             for w in self.workers:
-                if w.epoch != job.epoch or w.transit or w.busy_at >= t or w.id >= len(sent) or rank >= len(w.seq):
+                if w.epoch != job.epoch or w.transit or w.out or w.busy_at >= t or w.joined_at >= t or w.id >= len(sent) or rank >= len(w.seq):
                     continue
                 if w.seq[rank] < sent[w.id]:
                     w.transit = (f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
                                  f"(received {w.seq[rank]} of {sent[w.id]})")
                     logger.error("worker %d: %s", w.id, w.transit)
-                    self._degrade(f"worker {w.id}: {w.transit}")
+                    self._replica_down(w, f"worker {w.id}: {w.transit}")
                     return
 
     def _degrade(self, reason: str) -> None:
@@ -259,7 +272,8 @@ class Coordinator:
         if job.status == "configuring" and all(x.configured == job.epoch for x in self.workers):
             job.status = "bootstrapping"
             workers = [
-                {"id": x.id, "data": x.data, "start": job.ranges[x.id][0], "stop": job.ranges[x.id][1]}
+                {"id": x.id, "data": x.data, "start": job.ranges[x.id][0], "stop": job.ranges[x.id][1],
+                 "shard": self.shard_of(x)}
                 for x in self.workers
             ]
             for rank, ident in sorted(job.trainers.items()):
@@ -276,17 +290,28 @@ class Coordinator:
         self._advance_cut()
 
     def _advance_cut(self) -> None:
+        """The cut: the newest iteration every healthy worker has prepared (and, while a
+        replica copies from its peer, no further than the copied iteration)."""
         job = self.job
-        cut = min(x.prepared for x in self.workers)
+        now = time.monotonic()
+        live = [x for x in self.workers if not x.out and not x.transit and x.alive(now)] \
+            if self.replicas > 1 else self.workers
+        if not live:
+            return
+        cut = min(x.prepared for x in live)
+        if job.hold is not None:
+            cut = min(cut, job.hold)
         if cut <= job.cut:
             return
         job.cut, job.cut_time = cut, time.time()
         if job.status == "bootstrapping":
             job.status = "running"
         persist = self.persist.local_due(cut, self.tokens.get(cut))
-        for x in self.workers:
+        writers = {self.shard_of(x): x for x in reversed(live)}  # one replica per shard writes
+        for x in live:
             self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut)
-            if persist:
+            if persist and writers.get(self.shard_of(x)) is x:
+                job.writers[self.shard_of(x)] = x.id
                 self._reply([x.ident], "persist", epoch=job.epoch, iteration=cut)
         for ident in job.trainers.values():
             self._reply([ident], "progress", epoch=job.epoch, applied=cut)
@@ -297,10 +322,10 @@ class Coordinator:
         job = self.job
         if job is None or msg["epoch"] != job.epoch:
             return
-        for kind, iteration, per_shard in self.persist.on_report(job, msg, len(self.workers)):
+        for kind, iteration, per_shard in self.persist.on_report(job, msg, self.nshards):
             if kind == "upload":
-                for x in self.workers:
-                    r = per_shard[x.id]
+                for shard, r in per_shard.items():
+                    x = self.workers[job.writers.get(shard, shard)]
                     self._reply([x.ident], "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"],
                                 checksum=r["checksum"])
 
@@ -329,7 +354,10 @@ class Coordinator:
             w.stale = msg["reason"]
             logger.error("worker %d reports stale state: %s", w.id, msg["reason"])
             if self.job is not None and msg["epoch"] == self.job.epoch and self.job.status != "degraded":
-                self._degrade(f"worker {w.id} is stale ({msg['reason']})")
+                if w.id in self.job.joining:  # the peer copy failed
+                    self._cancel_join(w)
+                    w.out = False
+                self._replica_down(w, f"worker {w.id} is stale ({msg['reason']})")
 
     # -- trainers -----------------------------------------------------------------------------
     def _on_attach(self, env, msg) -> None:
@@ -388,19 +416,20 @@ class Coordinator:
                 f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
                 f"{first['iteration']}; restore first (trainer_hooks.restore) or attach with overwrite=True")
         self.epoch += 1
-        ranges = shard_bounds(layout.total, len(self.workers))
+        bounds = shard_bounds(layout.total, self.nshards)
+        ranges = [bounds[i % self.nshards] for i in range(len(self.workers))]
         self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
                           first["optim"], first["iteration"], ranges, idents)
         self.job.cut = first["iteration"] - 1
         self.persist.reset(first["iteration"])
         self.tokens.clear()
         for w in self.workers:
-            w.configured, w.prepared, w.stale, w.transit = -1, first["iteration"] - 1, "", ""
+            w.configured, w.prepared, w.stale, w.transit, w.out = -1, first["iteration"] - 1, "", "", False
             start, stop = ranges[w.id]
             self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
                         layout=first["layout"], start=start, stop=stop, world=first["world"],
                         optim=first["optim"], iteration=first["iteration"], persist=self.persist.config,
-                        shard=w.id, shards=len(self.workers))
+                        shard=self.shard_of(w), shards=self.nshards, peer=None)
         logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
                     name, self.epoch, len(self.workers), len(layout.params), layout.total)
 
@@ -453,7 +482,7 @@ class Coordinator:
         now, job = time.monotonic(), self.job
         seen = max((w.seen for w in self.workers), default=-1)
         out = {
-            "expected_workers": self.expected,
+            "expected_workers": self.expected, "replicas": self.replicas, "shards": self.nshards,
             "uptime_s": time.time() - self.started,
             "rejected": dict(self.rejected),
             "security": {"curve": self.guard is not None,
@@ -463,7 +492,10 @@ class Coordinator:
                 {"id": w.id, "pid": w.pid, "data": w.data, "serve": w.serve,
                  "start": job.ranges[w.id][0] if job else None, "stop": job.ranges[w.id][1] if job else None,
                  "applied": w.applied, "prepared": w.prepared, "seen": w.seen,
-                 "health": "lost" if not w.alive(now) else ("stale" if w.stale or w.transit else "ok"),
+                 "shard": self.shard_of(w),
+                 "health": "lost" if not w.alive(now) else ("joining" if job and w.id in job.joining else
+                                                           ("stale" if w.stale or w.transit else
+                                                            ("out" if w.out else "ok"))),
                  "stale": w.stale or w.transit,
                  "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
                  "last_seen_s": round(now - w.last_seen, 3)}
@@ -498,10 +530,10 @@ class Coordinator:
                     "shadow memory holds no checkpoint yet: no trainer has attached")
         if job.cut < job.base:
             return f"job {job.name!r} has not finished its bootstrap; no checkpoint in memory yet"
-        now = time.monotonic()
-        lost = [w.id for w in self.workers if not w.alive(now) or w.stale or w.transit]
-        if lost:
-            return f"workers {lost} are lost or stale; the in-memory checkpoint is incomplete"
+        if self.serving() is None:
+            now = time.monotonic()
+            lost = [w.id for w in self.workers if not self.healthy(w, now)]
+            return f"workers {lost} are lost or stale and some shard has no healthy copy; the in-memory checkpoint is incomplete"
         return ""
 
     def _memory_info(self, job_name: str | None) -> dict | None:
@@ -512,7 +544,7 @@ class Coordinator:
             "job": job.name, "epoch": job.epoch, "iteration": job.cut, "layout": job.layout,
             "layout_hash": job.layout_hash, "world": job.world, "optim": job.optim,
             "workers": [{"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]}
-                        for w in self.workers],
+                        for w in self.serving()],
         }
 
     def _on_shutdown(self, env, msg) -> None:

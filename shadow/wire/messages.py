@@ -26,16 +26,18 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                   "checksum": (str,), "seconds": (float, int), "commit": (dict, type(None)), "blob_ranks": (list,)},
     "applied": {"epoch": (int,), "iteration": (int,)},
     "stale": {"epoch": (int,), "reason": (str,)},
+    "copied": {"epoch": (int,), "iteration": (int,), "seconds": (float, int)},
     "audited": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "checked": (int,), "max_ulp": (int,),
                 "first_param": (str,), "detail": (str,)},
     "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
                   "frames_in": (int,), "bytes_in": (int,), "stale": (str,), "seq": (list,)},
     # coordinator -> worker
-    "registered": {"worker_id": (int,)},
+    "registered": {"worker_id": (int,), "hold": (bool,)},
+    "reset": {"reason": (str,)},
     "reregister": {},
     "configure": {"epoch": (int,), "job": (str,), "job_id": (int,), "layout": (dict,), "start": (int,),
                   "stop": (int,), "world": (int,), "optim": (dict,), "iteration": (int,), "persist": (dict,),
-                  "shard": (int,), "shards": (int,)},
+                  "shard": (int,), "shards": (int,), "peer": (dict, type(None))},
     "persist": {"epoch": (int,), "iteration": (int,)},
     "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
     "apply": {"epoch": (int,), "iteration": (int,)},
@@ -44,6 +46,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "attach": {"job": (str,), "rank": (int,), "world": (int,), "layout_hash": (int,),
                "layout": (dict, type(None)), "optim": (dict,), "iteration": (int,), "overwrite": (bool,)},
     "detach": {"epoch": (int,), "rank": (int,)},
+    "replica_from": {"epoch": (int,), "rank": (int,), "worker": (int,), "gen": (int,), "iteration": (int,)},
     "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
     "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,), "seq": (list,)},
     # coordinator -> trainer
@@ -51,6 +54,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "progress": {"epoch": (int,), "applied": (int,)},
     "degraded": {"epoch": (int,), "reason": (str,)},
     "resync": {"epoch": (int,)},
+    "replica_out": {"epoch": (int,), "worker": (int,)},
+    "replica_in": {"epoch": (int,), "worker": (int,), "data": (str,), "gen": (int,)},
     "audit": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "detail": (str,)},
     # anyone -> coordinator
     "status": {},
@@ -63,7 +68,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "fetch": {"epoch": (int,), "iteration": (int,)},
     # worker -> client
     "fetch_reply": {"epoch": (int,), "iteration": (int,), "start": (int,), "stop": (int,),
-                    "arrays": (list,), "steps": (list,), "has_state": (list,), "commits": (list,)},
+                    "arrays": (list,), "steps": (list,), "has_state": (list,), "commits": (list,),
+                    "replay": (dict, type(None))},
 }
 
 

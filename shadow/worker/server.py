@@ -25,6 +25,7 @@ from shadow.persist.writer import ShardPersister
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.worker.inbox import Inbox
+from shadow.worker.peer import PeerCopy, PeerError, install
 from shadow.worker.commit import audit_shard, decode_commit, same
 from shadow.worker.state import ShardState
 
@@ -72,10 +73,12 @@ class Worker:
         self.bytes_in = 0
         self.session: _Session | None = None
         self.pending_fetch: list[tuple[bytes, dict, float]] = []
+        self.hold = False  # a replacement replica: leave data frames queued until configured
+        self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
         self._stop = False
 
     # -- sockets ---------------------------------------------------------------------
-    def _open(self) -> None:
+    def _open_data(self) -> None:
         self.data = self.ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.RCVHWM, 0)
@@ -83,6 +86,9 @@ class Worker:
             self.guard.server(self.data)
         port = self.data.bind_to_random_port(f"tcp://{self.host}")
         self.data_ep = f"tcp://{self.host}:{port}"
+
+    def _open(self) -> None:
+        self._open_data()
         self.serve = self.ctx.socket(zmq.ROUTER)
         self.serve.setsockopt(zmq.LINGER, 0)
         if self.guard is not None:
@@ -117,17 +123,23 @@ class Worker:
         self._open()
         logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
         self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
-        poller = zmq.Poller()
-        for s in (self.data, self.ctrl, self.serve):
-            poller.register(s, zmq.POLLIN)
         hb = knobs.get("HEARTBEAT_S")
         next_hb = time.monotonic() + hb
         try:
             while not self._stop:
                 wait = min(max(0.0, next_hb - time.monotonic()), 0.05)
+                poller = zmq.Poller()
+                for s in (self.ctrl, self.serve):
+                    poller.register(s, zmq.POLLIN)
+                if self.peer is not None:
+                    poller.register(self.peer.sock, zmq.POLLIN)
+                elif not self.hold:  # a joining replica leaves the trainers' frames queued until it has state
+                    poller.register(self.data, zmq.POLLIN)
                 events = dict(poller.poll(timeout=wait * 1000))
                 if self.ctrl in events:
                     self._drain(self.ctrl, self._on_ctrl)
+                if self.peer is not None and self.peer.sock in events:
+                    self._peer_reply()
                 if self.data in events:
                     self._drain(self.data, self._on_data, limit=256)
                 if self.serve in events:
@@ -137,6 +149,9 @@ class Worker:
                     next_hb = now + hb
                     self._heartbeat()
                     self._expire_fetches(now)
+                    if self.peer is not None and now > self.peer.deadline:
+                        self._peer_failed(f"peer worker {self.peer.id} did not send iteration "
+                                          f"{self.peer.iteration} within {knobs.get('FETCH_TIMEOUT_S'):.0f} s")
                 self._report_persisted()
         finally:
             self._close()
@@ -173,8 +188,11 @@ class Worker:
             return
         t = msg["t"]
         if t == "registered":
-            self.worker_id = msg["worker_id"]
-            logger.info("registered as worker %d", self.worker_id)
+            self.worker_id, self.hold = msg["worker_id"], msg["hold"]
+            logger.info("registered as worker %d%s", self.worker_id,
+                        " (joining a running job: waiting for the ranks and a peer copy)" if self.hold else "")
+        elif t == "reset":
+            self._reset(msg["reason"])
         elif t == "reregister":  # a restarted coordinator: tell it what this worker holds
             s = self.session
             logger.warning("the coordinator restarted; rejoining as worker %d%s", self.worker_id,
@@ -207,11 +225,57 @@ class Worker:
         # anything in flight for the old epoch is void
         self.session = sess
         self.pending_fetch.clear()
+        if msg["peer"] is not None:
+            self._start_peer_copy(msg["peer"])
+            return
+        self.hold = False
         logger.info(
             "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d",
             sess.epoch, sess.job, sess.state.start, sess.state.stop, sess.layout.total, sess.world, sess.base,
         )
         self._to_coord("configured", epoch=sess.epoch)
+
+    # -- replicas: reset and peer copy ---------------------------------------------------
+    def _reset(self, reason: str) -> None:
+        """A damaged replica: drop the session and every queued frame (a fresh data socket),
+        then register again; the coordinator brings it back through a peer copy."""
+        logger.warning("resetting worker %d: %s", self.worker_id, reason)
+        self.data.close(linger=0)
+        self._open_data()
+        self.session, self.pending_fetch = None, []
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
+
+    def _start_peer_copy(self, peer: dict) -> None:
+        s = self.session
+        if self.peer is not None:
+            self.peer.close()
+        self.peer = PeerCopy.start(self.ctx, peer, s.epoch, s.base, self.keys)
+        logger.info("fetching iteration %d of range [%d, %d) from peer worker %d", s.base, s.state.start,
+                    s.state.stop, self.peer.id)
+
+    def _peer_reply(self) -> None:
+        p, s = self.peer, self.session
+        parts = p.sock.recv_multipart()
+        self.peer = None
+        p.close()
+        try:
+            install(s, parts, p.iteration)
+        except (PeerError, M.MessageError) as exc:
+            self._peer_failed(f"copy from peer worker {p.id} failed: {exc}")
+            return
+        self.hold = False
+        seconds = time.monotonic() - p.started
+        logger.info("copied iteration %d from peer worker %d in %.2f s", p.iteration, p.id, seconds)
+        self._to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)
+
+    def _peer_failed(self, reason: str) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+        self._go_stale(reason)
 
     def _apply_upto(self, epoch: int, iteration: int) -> None:
         s = self.session
@@ -452,6 +516,7 @@ class Worker:
             arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
             has_state=[int(i) for i in idx if st.has_state[i]],
             commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
+            replay=s.commit,
         )
         # copies: the arrays change with the next apply
         self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])

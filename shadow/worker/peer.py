@@ -1,0 +1,76 @@
+"""A replacement replica copies its shard from a healthy peer (see
+:mod:`shadow.coordinator.replicas`): one ``fetch`` of iteration m - 1 on the peer's serve
+socket, answered once the peer has applied exactly that iteration (the coordinator holds
+the cut there), then installed as this worker's applied state. Imports no torch."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from shadow import knobs
+from shadow.wire import messages as M
+from shadow.wire.frames import Field
+
+
+class PeerError(ValueError):
+    pass
+
+
+@dataclass
+class PeerCopy:
+    id: int
+    serve: str
+    iteration: int
+    sock: zmq.Socket
+    deadline: float
+    started: float
+
+    @classmethod
+    def start(cls, ctx: zmq.Context, peer: dict, epoch: int, iteration: int, keys=None) -> "PeerCopy":
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(sock)
+        sock.connect(peer["serve"])
+        sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
+        now = time.monotonic()
+        return cls(int(peer["id"]), peer["serve"], iteration, sock, now + knobs.get("FETCH_TIMEOUT_S"), now)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def install(session, parts: list[bytes], iteration: int) -> None:
+    """Check a peer's ``fetch_reply`` against this session and install it."""
+    head = M.decode(parts[0])
+    if head["t"] == "error":
+        raise PeerError(head["message"])
+    st = session.state
+    if head["t"] != "fetch_reply" or head["iteration"] != iteration or head["epoch"] != session.epoch:
+        raise PeerError(f"peer answered {head['t']} for epoch {head.get('epoch')} iteration {head.get('iteration')}")
+    if (head["start"], head["stop"]) != (st.start, st.stop):
+        raise PeerError(f"peer holds [{head['start']}, {head['stop']}), this replica [{st.start}, {st.stop})")
+    fields = [int(f) for f in st.fields()]
+    if head["arrays"] != fields or len(parts) != 1 + len(fields):
+        raise PeerError(f"peer sent arrays {head['arrays']}, this replica needs {fields}")
+    for f, raw in zip(fields, parts[1:]):
+        target = st.array(Field(f))
+        if len(raw) != target.nbytes:
+            raise PeerError(f"peer sent {len(raw)} bytes of {Field(f).name}, expected {target.nbytes}")
+        target[:] = np.frombuffer(raw, dtype=np.float32)
+    nparams = len(st.steps)
+    st.has_state[:] = False
+    for i, v in head["steps"]:
+        if not 0 <= int(i) < nparams:
+            raise PeerError(f"peer sent a step for parameter {i} of {nparams}")
+        st.steps[int(i)] = float(v)
+    for i in head["has_state"]:
+        if not 0 <= int(i) < nparams:
+            raise PeerError(f"peer sent state flags for parameter {i} of {nparams}")
+        st.has_state[int(i)] = True
+    session.blobs = {int(r): bytes(b) for r, b in head["commits"]}
+    session.commit = head["replay"]
+    session.applied = session.prepared = session.seen = iteration
