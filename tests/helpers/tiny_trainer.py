@@ -4,14 +4,22 @@ Modes:
   train   train iterations 1..steps (optionally attached to a shadow cluster; optionally
           SIGKILL itself at iteration kill_at) and dump final state to out_dir/rank{r}.pt
   resume  restore from the shadow, re-attach, finish to `steps`, dump like train
+
+Fault-matrix flags (scripts/fault_matrix.py): --info-out records progress as JSON (restored
+iteration, last completed iteration, when a shadow worker was killed); --kill-in-attach MS
+SIGKILLs the process MS milliseconds after attach() is called, --kill-in-bootstrap MS that
+long after the bootstrap begins (the coordinator has opened the new epoch; 0 = at once,
+before any state is queued); either way the process never trains.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -90,6 +98,24 @@ def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False, optim: str 
     return model, opt, s
 
 
+class Info:
+    """Progress as JSON at ``path`` (``{rank}`` in it is replaced; without it only rank 0
+    writes), rewritten atomically on every update so a SIGKILL leaves the last one."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path.replace("{rank}", str(rank)) if "{rank}" in path or rank == 0 else ""
+        self.data: dict = {"rank": rank}
+
+    def update(self, **fields) -> None:
+        if not self.path:
+            return
+        self.data.update(fields)
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f)
+        os.replace(tmp, self.path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="train")
@@ -111,10 +137,17 @@ def main() -> None:
     ap.add_argument("--kill-worker-at", type=int, default=0, help="rank 0 SIGKILLs shadow worker 1 then")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
+    ap.add_argument("--info-out", default="", help="JSON progress file: restored / completed iteration, "
+                                                     "worker kill time ({rank} in the path: one per rank)")
+    ap.add_argument("--kill-in-attach", type=float, default=-1.0, metavar="MS",
+                    help="SIGKILL this process MS milliseconds after attach() starts (it never trains)")
+    ap.add_argument("--kill-in-bootstrap", type=float, default=-1.0, metavar="MS",
+                    help="SIGKILL this process MS milliseconds after attach's bootstrap begins (never trains)")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    info_out = Info(args.info_out, rank) if args.info_out else None
     random.seed(1000 + rank)
     np.random.seed(2000 + rank)
     model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps)
@@ -138,13 +171,41 @@ def main() -> None:
     if args.mode == "resume":
         info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, scaler=scaler, job=args.job)
         start = info.iteration
+        if info_out is not None:
+            info_out.update(restored=start, completed=start, tier=info.tier, extra_state=info.extra_state)
         assert info.extra_state == {"it": start} or start == 0, info.extra_state
     session = None
     it_box = {"it": start}
+    kill_in_attach = args.coordinator and (args.kill_in_attach >= 0 or args.kill_in_bootstrap >= 0)
+
+    def arm_kill(ms: float, phase: str) -> None:
+        if info_out is not None:
+            info_out.update(phase=phase, kill_ms=ms, **{f"{phase}_t": time.time()})
+        if ms <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # right here: e.g. before any bootstrap state is queued
+        threading.Timer(ms / 1000.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    if args.coordinator and args.kill_in_attach >= 0:
+        arm_kill(args.kill_in_attach, "attach")
+    elif args.coordinator and args.kill_in_bootstrap >= 0:
+        from trainer_hooks import _bootstrap
+
+        streamed = _bootstrap.bootstrap  # attach() calls it through the module, after the handshake
+
+        def bootstrap_then_die(session) -> None:
+            arm_kill(args.kill_in_bootstrap, "bootstrap")
+            streamed(session)
+
+        _bootstrap.bootstrap = bootstrap_then_die
     if args.coordinator:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]},
                                        tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook, scaler=scaler)
+        if kill_in_attach:
+            # attach returned first: the bootstrap may still be streaming; never train
+            if info_out is not None:
+                info_out.update(phase="attached", attached_t=time.time())
+            time.sleep(3600)
     losses, draws = [], []
     for it in range(start + 1, args.steps + 1):
         it_box["it"] = it
@@ -198,6 +259,10 @@ def main() -> None:
             st = request(sock, args.coordinator, M.encode("status"), 10, ("status_reply",))["status"]
             sock.close(linger=0)
             os.kill(st["workers"][1]["pid"], signal.SIGKILL)
+            if info_out is not None:
+                info_out.update(worker_killed_t=time.time(), worker_killed_pid=st["workers"][1]["pid"])
+        if info_out is not None:
+            info_out.update(completed=it)
         if it == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
     if session is not None:

@@ -1,0 +1,29 @@
+"""Smoke test of the fault-matrix runner: one trainer kill and one worker kill, both exact."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(240)
+def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
+    out = tmp_path / "matrix.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_matrix.py"), "--trials", "1", "--steps", "16",
+                          "--scenarios", "trainer_kill,worker_kill", "--json", str(out),
+                          "--workdir", str(tmp_path / "work")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=200, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    for name in ("trainer_kill", "worker_kill"):
+        summary = report["scenarios"][name]["summary"]
+        detail = [t["detail"] for t in report["scenarios"][name]["trials"]]
+        assert summary["exact"] == summary["trials"] == 1, (name, detail)
+        assert summary["training_failures"] == 0, (name, detail)
+    assert report["scenarios"]["worker_kill"]["trials"][0]["detection_s"] is not None
