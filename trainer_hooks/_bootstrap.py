@@ -48,7 +48,14 @@ def bootstrap(session) -> None:
         has_state.append(st.get("momentum_buffer") is not None if sgd else "step" in st)
     replay = {"iteration": session.base, "rank": session.rank, "groups": _optim.replay_groups(session.optimizer),
               "skipped": [], "clip": None, "bootstrap": True, "steps": steps, "has_state": has_state}
-    session._queue_commit(session.base, replay, _rng.capture(), None, sent)
+    # the state of iteration base: what the last commit recorded when re-attaching mid-run
+    # (resync, add_param_group), else what the training loop holds now (attach after restore)
+    carry = session.__dict__.pop("_carry", None)
+    if carry is not None:
+        rng, extra = carry
+    else:
+        rng, extra = _rng.capture(), session.extra_state() if session.extra_state is not None else None
+    session._queue_commit(session.base, replay, rng, extra, sent)
 
 
 def split(shards: list, lo: int, hi: int) -> list[list[tuple[int, int, int]]]:

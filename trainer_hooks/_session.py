@@ -227,6 +227,7 @@ class Session:
         t0 = time.monotonic()
         self.close(wait=False)
         keep_registered = self._comm_registered
+        self._carry = getattr(self, "_last_record", None)
         try:
             self.__init__(self.model, self.optimizer, self.coordinator, iteration=k, overwrite=True,
                           **self._init_args)
@@ -379,6 +380,7 @@ class Session:
         self.close(wait=True)
         self.optimizer.add_param_group(group)
         keep_registered = self._comm_registered
+        self._carry = getattr(self, "_last_record", None)
         self.__init__(self.model, self.optimizer, self.coordinator, iteration=self.iteration, overwrite=True,
                       **self._init_args)
         self._comm_registered = keep_registered
@@ -418,7 +420,9 @@ class Session:
         if self.audit_every and k % self.audit_every == 0 and not skip and self.rank == 0:
             audit = _audit.sample(self, k)
         extra = self.extra_state() if self.extra_state is not None else None
-        self._pending = (k, replay, _rng.capture(), extra, sent, audit)
+        rng = _rng.capture()
+        self._last_record = (rng, extra)  # a resync bootstrap right after k records these, not later draws
+        self._pending = (k, replay, rng, extra, sent, audit)
         self._awaiting = {name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
                           if obj is not None}
         if not self._awaiting:

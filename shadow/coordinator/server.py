@@ -45,6 +45,7 @@ class Coordinator(ReplicaMixin):
         self.persist = Persistence(persist or {})
         self.tokens: dict[int, int] = {}  # iteration -> tokens seen, for token schedules
         self.guard = guard  # shadow.security.Guard when CURVE is on
+        self.retired: dict | None = None  # memory info of the previous epoch, while the new one bootstraps
 
     def run(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -410,6 +411,8 @@ class Coordinator(ReplicaMixin):
         if layout.hash != first["layout_hash"]:
             return fail("layout does not match its hash")
         old = self.job
+        # until the new epoch holds its base, restores read the old epoch's last cut
+        self.retired = self._memory_info(old.name) if old is not None else None
         held = max(old.cut if old is not None and old.name == name else -1, self.persist.newest(name))
         if held > first["iteration"] and not first["overwrite"]:
             return fail(
@@ -513,14 +516,16 @@ class Coordinator(ReplicaMixin):
                 "elements": Layout.from_dict(job.layout).total, "optim": job.optim, "audit": job.audit,
                 "reason": job.reason if job.status == "degraded" else "", "trainers": sorted(job.trainers),
             }
-            out["restorable"] = {"memory": None if self._memory_error(job.name) else job.cut,
+            memory = self._memory_info(job.name)
+            out["restorable"] = {"memory": memory["iteration"] if memory else None,
                                  **{name: t.complete.get(job.name) for name, t in self.persist.tiers.items()}}
         return out
 
     def _on_restore_info(self, env, msg) -> None:
         """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
+        memory = self._memory_info(msg["job"])
         self._reply(env, "restore_info_reply", info={
-            "memory": self._memory_info(msg["job"]), "memory_error": self._memory_error(msg["job"]),
+            "memory": memory, "memory_error": "" if memory else self._memory_error(msg["job"]),
             "storage": self.persist.storage(), "job": self.job.name if self.job else None})
 
     def _memory_error(self, job_name: str | None) -> str:
@@ -537,6 +542,12 @@ class Coordinator(ReplicaMixin):
         return ""
 
     def _memory_info(self, job_name: str | None) -> dict | None:
+        job = self.job
+        if job is not None and job.cut < job.base and self.retired is not None and \
+                job_name in (None, self.retired["job"]):
+            return self.retired  # a (re-)attach is bootstrapping: the previous epoch still answers
+        if job is not None and job.cut >= job.base:
+            self.retired = None
         if self._memory_error(job_name):
             return None
         job = self.job

@@ -72,6 +72,9 @@ class Worker:
         self.frames_in = 0
         self.bytes_in = 0
         self.session: _Session | None = None
+        # the previous epoch's state, served to restores until the new epoch has its base:
+        # a trainer killed during a (re-)attach bootstrap restores from it
+        self.retired: _Session | None = None
         self.pending_fetch: list[tuple[bytes, dict, float]] = []
         self.hold = False  # a replacement replica: leave data frames queued until configured
         self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
@@ -223,8 +226,11 @@ class Worker:
             self._to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
             return
         # anything in flight for the old epoch is void
+        old = self.session
+        self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None \
+            else None
         self.session = sess
-        self.pending_fetch.clear()
+        self._answer_fetches()  # waiting fetches of the old epoch get an answer from the retired copy
         if msg["peer"] is not None:
             self._start_peer_copy(msg["peer"])
             return
@@ -296,6 +302,8 @@ class Worker:
                 s.state.apply(s.inbox.grad_buffer(slot), slot.commits[0])
             s.inbox.release(k)
             s.applied = k
+            if self.retired is not None:  # the new epoch holds its base: the old one is no longer needed
+                self.retired = None
             s.blobs = slot.blobs
             s.commit = slot.commits[0]
             fault = knobs.fault("CORRUPT_APPLY_AT")
@@ -481,13 +489,14 @@ class Worker:
         self._answer_fetches()
 
     def _answer_fetches(self) -> None:
-        s, keep = self.session, []
+        keep = []
         for ident, msg, deadline in self.pending_fetch:
             want = msg["iteration"]
+            s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.session
             if s is None or msg["epoch"] != s.epoch:
                 self._serve_error(ident, f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
             elif s.applied == want or (want < 0 and s.applied >= 0):
-                self._serve_state(ident)
+                self._serve_state(ident, s)
             elif s.applied > want:
                 self._serve_error(ident, f"worker has moved on to iteration {s.applied}; fetch {want} again later")
             else:
@@ -506,8 +515,7 @@ class Worker:
     def _serve_error(self, ident: bytes, text: str) -> None:
         self.serve.send_multipart([ident, M.encode("error", message=text)])
 
-    def _serve_state(self, ident: bytes) -> None:
-        s = self.session
+    def _serve_state(self, ident: bytes, s: _Session) -> None:
         st = s.state
         fields = st.fields()
         idx = np.flatnonzero(st.in_range)

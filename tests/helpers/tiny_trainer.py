@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--compress", default="", help="DDP compression hook: bf16 | fp16")
     ap.add_argument("--kill-worker-at", type=int, default=0, help="rank 0 SIGKILLs shadow worker 1 then")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--policy", default="block", help="back-pressure policy: block | skip")
     ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
     ap.add_argument("--info-out", default="", help="JSON progress file: restored / completed iteration, "
                                                      "worker kill time ({rank} in the path: one per rank)")
@@ -200,7 +201,8 @@ def main() -> None:
     if args.coordinator:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]},
-                                       tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook, scaler=scaler)
+                                       tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook, scaler=scaler,
+                                       policy=args.policy)
         if kill_in_attach:
             # attach returned first: the bootstrap may still be streaming; never train
             if info_out is not None:
