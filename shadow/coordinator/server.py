@@ -439,6 +439,8 @@ class Coordinator(ReplicaMixin):
     def _on_trainer_hb(self, env, msg) -> None:
         """Trainer ranks heartbeat so that a restarted coordinator can find them again."""
         job = self.job
+        if job is None and len(self.workers) < self.expected:
+            return  # just restarted: the workers have not all rejoined yet, the job may yet be rebuilt
         if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
             self._reply(env, "degraded", epoch=msg["epoch"], reason=(
                 f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
