@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import zmq
 
-from shadow.wire import messages as M
 from shadow.errors import ShadowConnectionError
+from shadow.wire import messages as M
 
 
 def check_address(address: str) -> None:

@@ -1,7 +1,12 @@
 """Trainer side of the shadow checkpoint service: attach a DDP training run, restore it."""
-from shadow.errors import LayoutMismatchError, ShadowConnectionError, ShadowError, ShadowTimeoutError
-from trainer_hooks._optim import UnsupportedOptimizerError
+from shadow.errors import (
+    LayoutMismatchError,
+    ShadowConnectionError,
+    ShadowError,
+    ShadowTimeoutError,
+)
 from trainer_hooks._export import export
+from trainer_hooks._optim import UnsupportedOptimizerError
 from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore, state_dicts
 from trainer_hooks._session import Session
 

@@ -22,7 +22,6 @@ import time
 import weakref
 from typing import Any, Callable
 
-import msgpack
 import torch
 import torch.distributed as dist
 import zmq
@@ -33,9 +32,11 @@ from shadow.client import dealer, request
 from shadow.errors import ShadowError, ShadowTimeoutError
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
-from trainer_hooks import _audit, _bootstrap, _buckets, _checks, _codec, _observe, _optim, _rng
-from trainer_hooks._model import build_layout, persistent_buffers, state_dict_aliases
-from trainer_hooks._sender import CommitItem, FlushItem, GradItem, JoinItem, NoticeItem, Sender
+from trainer_hooks import _bootstrap, _buckets, _checks, _observe, _optim
+from trainer_hooks._commit import CommitMixin
+from trainer_hooks._model import build_layout, state_dict_aliases
+from trainer_hooks._recovery import RecoveryMixin
+from trainer_hooks._sender import FlushItem, GradItem, Sender
 from trainer_hooks._staging import RingFullError, StagingRing
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.Weak
 POLICIES = ("block", "skip")
 
 
-class Session:
+class Session(RecoveryMixin, CommitMixin):
     """Handle returned by :func:`trainer_hooks.attach`."""
 
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
@@ -190,74 +191,6 @@ class Session:
         if self.audit_strict:
             self._latch(ShadowError(text))
 
-    def _on_resync(self) -> None:
-        logger.info("the shadow cluster is whole again; resyncing at the next iteration boundary")
-        self._resync_requested = True
-
-    def _on_join(self, msg: dict) -> None:
-        with self._cond:
-            self._joins[msg["gen"]] = msg
-            self._cond.notify_all()
-
-    def _before_forward(self) -> None:
-        self._emit_pending()
-        if self._resync_at is not None and self._resync_at == self._next - 1:
-            self._resync()
-        elif self._join_at is not None and self._join_at[0] == self._next - 1:
-            self._start_joins(self._join_at[1])
-
-    def _start_joins(self, gen: int) -> None:
-        """Every rank voted, beside the same last bucket, to stream to the replicas joining
-        up to generation ``gen`` from this iteration on; tell the coordinator so."""
-        self._join_at = None
-        with self._cond:  # another rank may have heard of a join this one has not yet: it is in flight
-            self._cond.wait_for(lambda: max(self._joins, default=0) >= gen, knobs.get("CONNECT_TIMEOUT_S"))
-        for g in sorted(x for x in self._joins if self._join_done < x <= gen):
-            msg = self._joins.pop(g)
-            self.sender.q.put(JoinItem(msg["worker"], msg["data"]))
-            self.sender.q.put(NoticeItem("replica_from", {"epoch": self.epoch, "rank": self.rank,
-                                                          "worker": msg["worker"], "gen": g, "iteration": self._next}))
-            logger.info("rank %d streams to replica %d from iteration %d", self.rank, msg["worker"], self._next)
-        self._join_done = max(self._join_done, gen)
-
-    def _resync(self) -> None:
-        """Re-attach at this iteration boundary: a new epoch bootstrapped from this rank's
-        current state (every rank does it at the same iteration: they voted on it)."""
-        k = self._next - 1
-        t0 = time.monotonic()
-        self.close(wait=False)
-        keep_registered = self._comm_registered
-        self._carry = getattr(self, "_last_record", None)
-        try:
-            self.__init__(self.model, self.optimizer, self.coordinator, iteration=k, overwrite=True,
-                          **self._init_args)
-        except Exception as exc:  # the shadow must never stop training
-            self._closed, self.degraded = True, f"resync at iteration {k} failed: {exc}"
-            logger.error("rank %d: %s; training continues without the shadow (attach again to resume "
-                         "checkpointing)", self.rank, self.degraded)
-            return
-        finally:
-            self._comm_registered = keep_registered
-        logger.info("rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)", self.rank, k,
-                    time.monotonic() - t0, self.epoch)
-
-    def _fall_behind(self, k: int, why: str) -> None:
-        """Policy skip: never wait for the shadow. Stop streaming (degraded), tell the
-        coordinator, and let it ask for a resync once the workers answer again."""
-        self._on_degraded(f"policy skip: {why}; training goes on without checkpoints until the cluster resyncs")
-        self.sender.q.put(NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k,
-                                                 "applied": self._applied}))
-
-    def _on_degraded(self, reason: str) -> None:
-        with self._cond:
-            if self.degraded is None:
-                logger.error("shadow cluster degraded, training continues without new checkpoints "
-                             "(streaming stops until the next attach): %s", reason)
-                self.degraded = reason
-            elif reason != self.degraded:
-                logger.debug("shadow cluster also reports: %s", reason)
-            self._cond.notify_all()
-
     @property
     def applied(self) -> int:
         """Newest iteration the cluster has committed (as last heard)."""
@@ -283,28 +216,6 @@ class Session:
         if bucket.is_last():
             fut = self._vote_resync(fut, bucket.buffer().device)
         return fut.then(functools.partial(self._after_reduce, bucket))
-
-    def _vote_resync(self, fut: torch.futures.Future, device: torch.device) -> torch.futures.Future:
-        """Alongside the last bucket of every iteration, a one-integer MAX all-reduce: did
-        any rank hear the coordinator ask for a resync? All ranks learn the same answer in
-        the same iteration, so they re-attach together."""
-        if self._vote.device != device:
-            self._vote = self._vote.to(device)
-        self._vote[0] = 1 if self._resync_requested else 0
-        self._vote[1] = max(self._joins, default=0)
-        vote = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self.pg, async_op=True).get_future()
-        k = self._next
-
-        def done(both):
-            bucket_fut, vote_fut = both.value()
-            resync, join = (int(v) for v in vote_fut.value()[0].tolist())
-            if resync:
-                self._resync_at = k
-            elif join > self._join_done:
-                self._join_at = (k, join)
-            return bucket_fut.value()
-
-        return torch.futures.collect_all([fut, vote]).then(done)
 
     def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()
@@ -407,70 +318,6 @@ class Session:
         (gradients were reduced and sent) but changes nothing."""
         k, sent = self._advance()
         self._record(k, sent, True, None)
-
-    def _record(self, k: int, sent: list, skip: bool, grad_scale) -> None:
-        replay = {"iteration": k, "rank": self.rank, "groups": _optim.replay_groups(self.optimizer),
-                  "skipped": [i for i, p in enumerate(self.params) if p.grad is None],
-                  "clip": self._clip, "inv_scale": self._inv_scale,
-                  "grad_scale": None if grad_scale is None else float(torch.as_tensor(grad_scale).float().item()),
-                  "skip_step": bool(skip), "bootstrap": False,
-                  "tokens": int(self.tokens()) if self.tokens is not None else None}
-        self._clip = self._inv_scale = None
-        audit = None
-        if self.audit_every and k % self.audit_every == 0 and not skip and self.rank == 0:
-            audit = _audit.sample(self, k)
-        extra = self.extra_state() if self.extra_state is not None else None
-        rng = _rng.capture()
-        self._last_record = (rng, extra)  # a resync bootstrap right after k records these, not later draws
-        self._pending = (k, replay, rng, extra, sent, audit)
-        self._awaiting = {name for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
-                          if obj is not None}
-        if not self._awaiting:
-            self._emit_pending()
-        self._throttle(k)
-        self._raise_latched()
-
-    def _done(self, what: str) -> None:
-        """The scheduler/scaler stepped: once all have, the pending commit leaves."""
-        self._awaiting.discard(what)
-        if not self._awaiting:
-            self._emit_pending()
-
-    def _emit_pending(self) -> None:
-        if self._pending is None:
-            return
-        if self.degraded is not None:
-            self._pending = None
-            return
-        k, replay, rng, extra, sent, audit = self._pending
-        self._pending = None
-        self._queue_commit(k, replay, rng, extra, sent, audit)
-
-    def _queue_commit(self, k: int, replay: dict, rng: dict, extra: Any, sent: list, audit: list | None = None) -> None:
-        blob_obj: dict = {"rank": self.rank, "world": self.world, "rng": rng, "extra_state": extra}
-        if self.rank == 0:
-            blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
-                                        for g in self.optimizer.param_groups]
-            blob_obj["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
-            blob_obj["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
-            blob_obj["aliases"] = self._aliases
-            bufs = persistent_buffers(self.model)
-            if sum(b.numel() * b.element_size() for b in bufs.values()) <= knobs.get_int("MAX_BUFFER_BYTES"):
-                blob_obj["buffers"] = bufs
-        try:
-            blob = _codec.pack(blob_obj)
-        except _codec.EncodeError as exc:
-            raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
-        nshards = max(w.get("shard", i) for i, w in enumerate(self.workers)) + 1
-        bodies = []
-        for w in range(len(self.shards)):
-            owner = self.workers[w].get("shard", w) == self.rank % nshards  # every replica of that shard
-            rec = dict(replay, sent=sent[w])
-            if audit is not None and audit[w] is not None:
-                rec["audit"] = audit[w]
-            bodies.append(msgpack.packb({"replay": rec, "blob": blob if owner else None}, use_bin_type=True))
-        self.sender.q.put(CommitItem(k, bodies))
-        self._last_emitted = k
 
     def _throttle(self, k: int) -> None:
         lag = knobs.get_int("MAX_LAG")

@@ -11,8 +11,16 @@ import threading
 import time
 
 from shadow.cli._args import UsageError, parse
-from shadow.config import (ClusterConfig, CoordinatorConfig, KeygenConfig, ListConfig, RestoreConfig, StatusConfig,
-                           VerifyConfig, WorkerConfig)
+from shadow.config import (
+    ClusterConfig,
+    CoordinatorConfig,
+    KeygenConfig,
+    ListConfig,
+    RestoreConfig,
+    StatusConfig,
+    VerifyConfig,
+    WorkerConfig,
+)
 
 USAGE = """usage: shadow COMMAND [key=value ...]
 
@@ -52,9 +60,8 @@ def _warn_public(host: str, security) -> None:
 
 
 def cmd_coordinator(cfg: CoordinatorConfig) -> int:
-    from shadow.coordinator.server import Coordinator
-
     from shadow import security
+    from shadow.coordinator.server import Coordinator
 
     _logging(cfg.log_level)
     _warn_public(cfg.host, cfg.security)

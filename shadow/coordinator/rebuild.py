@@ -78,3 +78,43 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     logger.warning("rebuilt job %s epoch %d from %d workers: committed iteration %d%s", job.name, job.epoch,
                    len(workers), job.cut, f"; stale workers {sorted(stale)}" if stale else "")
     return job, stale
+
+
+class RejoinMixin:
+    """Coordinator handlers: ``rejoin`` from workers, and the rebuild once all have."""
+    def _on_rejoin(self, env, msg) -> None:
+        """A worker that outlived the previous coordinator reports what it holds."""
+        try:
+            session = valid_session(msg["session"])
+        except M.MessageError as exc:
+            self._count(exc.reason)
+            self._reply(env, "error", message=f"rejected rejoin: {exc}")
+            return
+        if self.job is not None:  # this coordinator already runs a job
+            if self._worker(env) is None:
+                self._on_register(env, msg)
+            return
+        w = self._enrol(env, msg, fresh=False)
+        if w is None:
+            return
+        w.session = session
+        if len(self.workers) == self.expected and any(x.session for x in self.workers):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        job, stale = rebuild_job(self.workers, self.nshards)
+        for w in self.workers:
+            w.session = None
+        if job is None:
+            return
+        self.job, self.epoch = job, max(self.epoch, job.epoch)
+        self.persist.reset(job.cut)
+        for w in self.workers:
+            if w.id in stale:
+                w.stale = stale[w.id]
+        if stale:
+            self._degrade("coordinator restarted; workers " + ", ".join(f"{i} ({r})" for i, r in stale.items()))
+            return
+        for w in self.workers:  # one may have missed the last apply of the old coordinator
+            self._reply([w.ident], "apply", epoch=job.epoch, iteration=job.cut)
+        self._advance_cut()

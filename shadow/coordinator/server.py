@@ -14,8 +14,9 @@ from collections import deque
 import zmq
 
 from shadow import knobs
-from shadow.coordinator import rebuild
 from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.queries import QueryMixin
+from shadow.coordinator.rebuild import RejoinMixin
 from shadow.coordinator.records import JobRec, WorkerRec, job_id_for
 from shadow.coordinator.replicas import ReplicaMixin
 from shadow.layout import Layout, shard_bounds
@@ -24,7 +25,7 @@ from shadow.wire import messages as M
 logger = logging.getLogger(__name__)
 
 
-class Coordinator(ReplicaMixin):
+class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin):
     def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None, replicas: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
@@ -147,43 +148,6 @@ class Coordinator(ReplicaMixin):
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         self._reply(env, "registered", worker_id=w.id, hold=hold)
         return w
-
-    def _on_rejoin(self, env, msg) -> None:
-        """A worker that outlived the previous coordinator reports what it holds."""
-        try:
-            session = rebuild.valid_session(msg["session"])
-        except M.MessageError as exc:
-            self._count(exc.reason)
-            self._reply(env, "error", message=f"rejected rejoin: {exc}")
-            return
-        if self.job is not None:  # this coordinator already runs a job
-            if self._worker(env) is None:
-                self._on_register(env, msg)
-            return
-        w = self._enrol(env, msg, fresh=False)
-        if w is None:
-            return
-        w.session = session
-        if len(self.workers) == self.expected and any(x.session for x in self.workers):
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        job, stale = rebuild.rebuild_job(self.workers, self.nshards)
-        for w in self.workers:
-            w.session = None
-        if job is None:
-            return
-        self.job, self.epoch = job, max(self.epoch, job.epoch)
-        self.persist.reset(job.cut)
-        for w in self.workers:
-            if w.id in stale:
-                w.stale = stale[w.id]
-        if stale:
-            self._degrade("coordinator restarted; workers " + ", ".join(f"{i} ({r})" for i, r in stale.items()))
-            return
-        for w in self.workers:  # one may have missed the last apply of the old coordinator
-            self._reply([w.ident], "apply", epoch=job.epoch, iteration=job.cut)
-        self._advance_cut()
 
     def _on_heartbeat(self, env, msg) -> None:
         w = self._worker(env)
@@ -480,85 +444,6 @@ class Coordinator(ReplicaMixin):
                 logger.info("job %s epoch %d detached at iteration %d", job.name, job.epoch, job.cut)
 
     # -- queries --------------------------------------------------------------------------------
-    def _on_status(self, env, msg) -> None:
-        self._reply(env, "status_reply", status=self.status())
-
-    def status(self) -> dict:
-        now, job = time.monotonic(), self.job
-        seen = max((w.seen for w in self.workers), default=-1)
-        out = {
-            "expected_workers": self.expected, "replicas": self.replicas, "shards": self.nshards,
-            "uptime_s": time.time() - self.started,
-            "rejected": dict(self.rejected),
-            "security": {"curve": self.guard is not None,
-                         "accepted": self.guard.accepted if self.guard else 0,
-                         "refused": dict(self.guard.refused) if self.guard else {}},
-            "workers": [
-                {"id": w.id, "pid": w.pid, "data": w.data, "serve": w.serve,
-                 "start": job.ranges[w.id][0] if job else None, "stop": job.ranges[w.id][1] if job else None,
-                 "applied": w.applied, "prepared": w.prepared, "seen": w.seen,
-                 "shard": self.shard_of(w),
-                 "health": "lost" if not w.alive(now) else ("joining" if job and w.id in job.joining else
-                                                           ("stale" if w.stale or w.transit else
-                                                            ("out" if w.out else "ok"))),
-                 "stale": w.stale or w.transit,
-                 "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
-                 "last_seen_s": round(now - w.last_seen, 3)}
-                for w in self.workers
-            ],
-            "job": None,
-            "persist": {name: t.status() for name, t in self.persist.tiers.items()},
-        }
-        if job is not None:
-            out["job"] = {
-                "name": job.name, "epoch": job.epoch, "status": job.status, "world": job.world,
-                "committed": job.cut if job.cut >= job.base else None, "base": job.base,
-                "lag_iterations": max(0, seen - job.cut) if job.cut >= job.base else None,
-                "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
-                "elements": Layout.from_dict(job.layout).total, "optim": job.optim, "audit": job.audit,
-                "reason": job.reason if job.status == "degraded" else "", "trainers": sorted(job.trainers),
-            }
-            memory = self._memory_info(job.name)
-            out["restorable"] = {"memory": memory["iteration"] if memory else None,
-                                 **{name: t.complete.get(job.name) for name, t in self.persist.tiers.items()}}
-        return out
-
-    def _on_restore_info(self, env, msg) -> None:
-        """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
-        memory = self._memory_info(msg["job"])
-        self._reply(env, "restore_info_reply", info={
-            "memory": memory, "memory_error": "" if memory else self._memory_error(msg["job"]),
-            "storage": self.persist.storage(), "job": self.job.name if self.job else None})
-
-    def _memory_error(self, job_name: str | None) -> str:
-        job = self.job
-        if job is None or (job_name is not None and job_name != job.name):
-            return (f"shadow memory holds no checkpoint for job {job_name!r}" if job_name else
-                    "shadow memory holds no checkpoint yet: no trainer has attached")
-        if job.cut < job.base:
-            return f"job {job.name!r} has not finished its bootstrap; no checkpoint in memory yet"
-        if self.serving() is None:
-            now = time.monotonic()
-            lost = [w.id for w in self.workers if not self.healthy(w, now)]
-            return f"workers {lost} are lost or stale and some shard has no healthy copy; the in-memory checkpoint is incomplete"
-        return ""
-
-    def _memory_info(self, job_name: str | None) -> dict | None:
-        job = self.job
-        if job is not None and job.cut < job.base and self.retired is not None and \
-                job_name in (None, self.retired["job"]):
-            return self.retired  # a (re-)attach is bootstrapping: the previous epoch still answers
-        if job is not None and job.cut >= job.base:
-            self.retired = None
-        if self._memory_error(job_name):
-            return None
-        job = self.job
-        return {
-            "job": job.name, "epoch": job.epoch, "iteration": job.cut, "layout": job.layout,
-            "layout_hash": job.layout_hash, "world": job.world, "optim": job.optim,
-            "workers": [{"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]}
-                        for w in self.serving()],
-        }
 
     def _on_shutdown(self, env, msg) -> None:
         for w in self.workers:

@@ -1,4 +1,12 @@
 """Optimizer replay kernels (numba) and the per-range plans that drive them."""
-from shadow.kernels.plan import IMPLS, ReplayPlan, Segment, adam_scalars, segments_for_range, tail_start, work_items
+from shadow.kernels.plan import (
+    IMPLS,
+    ReplayPlan,
+    Segment,
+    adam_scalars,
+    segments_for_range,
+    tail_start,
+    work_items,
+)
 
 __all__ = ["IMPLS", "ReplayPlan", "Segment", "adam_scalars", "segments_for_range", "tail_start", "work_items"]

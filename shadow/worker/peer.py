@@ -4,6 +4,8 @@ socket, answered once the peer has applied exactly that iteration (the coordinat
 the cut there), then installed as this worker's applied state. Imports no torch."""
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -13,6 +15,8 @@ import zmq
 from shadow import knobs
 from shadow.wire import messages as M
 from shadow.wire.frames import Field
+
+logger = logging.getLogger(__name__)
 
 
 class PeerError(ValueError):
@@ -74,3 +78,47 @@ def install(session, parts: list[bytes], iteration: int) -> None:
     session.blobs = {int(r): bytes(b) for r, b in head["commits"]}
     session.commit = head["replay"]
     session.applied = session.prepared = session.seen = iteration
+
+
+class PeerMixin:
+    """Worker handlers: ``reset`` (a damaged replica) and the peer copy of a joining one."""
+    def _reset(self, reason: str) -> None:
+        """A damaged replica: drop the session and every queued frame (a fresh data socket),
+        then register again; the coordinator brings it back through a peer copy."""
+        logger.warning("resetting worker %d: %s", self.worker_id, reason)
+        self.data.close(linger=0)
+        self._open_data()
+        self.session, self.pending_fetch = None, []
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
+
+    def _start_peer_copy(self, peer: dict) -> None:
+        s = self.session
+        if self.peer is not None:
+            self.peer.close()
+        self.peer = PeerCopy.start(self.ctx, peer, s.epoch, s.base, self.keys)
+        logger.info("fetching iteration %d of range [%d, %d) from peer worker %d", s.base, s.state.start,
+                    s.state.stop, self.peer.id)
+
+    def _peer_reply(self) -> None:
+        p, s = self.peer, self.session
+        parts = p.sock.recv_multipart()
+        self.peer = None
+        p.close()
+        try:
+            install(s, parts, p.iteration)
+        except (PeerError, M.MessageError) as exc:
+            self._peer_failed(f"copy from peer worker {p.id} failed: {exc}")
+            return
+        self.hold = False
+        seconds = time.monotonic() - p.started
+        logger.info("copied iteration %d from peer worker %d in %.2f s", p.iteration, p.id, seconds)
+        self._to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)
+
+    def _peer_failed(self, reason: str) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+        self._go_stale(reason)

@@ -24,9 +24,10 @@ from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from shadow.worker.inbox import Inbox
-from shadow.worker.peer import PeerCopy, PeerError, install
 from shadow.worker.commit import audit_shard, decode_commit, same
+from shadow.worker.inbox import Inbox
+from shadow.worker.peer import PeerCopy, PeerMixin
+from shadow.worker.serve import ServeMixin
 from shadow.worker.state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class _Session:
                           if persist.get("local", {}).get("dir") else None)
 
 
-class Worker:
+class Worker(PeerMixin, ServeMixin):
     def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None,
                  keys=None) -> None:
         self.coordinator = coordinator
@@ -242,46 +243,6 @@ class Worker:
         self._to_coord("configured", epoch=sess.epoch)
 
     # -- replicas: reset and peer copy ---------------------------------------------------
-    def _reset(self, reason: str) -> None:
-        """A damaged replica: drop the session and every queued frame (a fresh data socket),
-        then register again; the coordinator brings it back through a peer copy."""
-        logger.warning("resetting worker %d: %s", self.worker_id, reason)
-        self.data.close(linger=0)
-        self._open_data()
-        self.session, self.pending_fetch = None, []
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
-        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
-
-    def _start_peer_copy(self, peer: dict) -> None:
-        s = self.session
-        if self.peer is not None:
-            self.peer.close()
-        self.peer = PeerCopy.start(self.ctx, peer, s.epoch, s.base, self.keys)
-        logger.info("fetching iteration %d of range [%d, %d) from peer worker %d", s.base, s.state.start,
-                    s.state.stop, self.peer.id)
-
-    def _peer_reply(self) -> None:
-        p, s = self.peer, self.session
-        parts = p.sock.recv_multipart()
-        self.peer = None
-        p.close()
-        try:
-            install(s, parts, p.iteration)
-        except (PeerError, M.MessageError) as exc:
-            self._peer_failed(f"copy from peer worker {p.id} failed: {exc}")
-            return
-        self.hold = False
-        seconds = time.monotonic() - p.started
-        logger.info("copied iteration %d from peer worker %d in %.2f s", p.iteration, p.id, seconds)
-        self._to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)
-
-    def _peer_failed(self, reason: str) -> None:
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
-        self._go_stale(reason)
 
     def _apply_upto(self, epoch: int, iteration: int) -> None:
         s = self.session
@@ -471,60 +432,7 @@ class Worker:
             self._to_coord("prepared", epoch=s.epoch, iteration=s.prepared, tokens=c.get("tokens"))
 
     # -- restore serving ----------------------------------------------------------------------
-    def _on_serve(self, sock) -> None:
-        parts = sock.recv_multipart(zmq.NOBLOCK)
-        if len(parts) != 2:
-            self.rejected["serve_malformed"] += 1
-            return
-        ident, raw = parts
-        try:
-            msg = M.decode(raw)
-            if msg["t"] != "fetch":
-                raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
-        except M.MessageError as exc:
-            self.rejected["serve_" + exc.reason] += 1
-            sock.send_multipart([ident, M.encode("error", message=str(exc))])
-            return
-        self.pending_fetch.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
-        self._answer_fetches()
 
-    def _answer_fetches(self) -> None:
-        keep = []
-        for ident, msg, deadline in self.pending_fetch:
-            want = msg["iteration"]
-            s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.session
-            if s is None or msg["epoch"] != s.epoch:
-                self._serve_error(ident, f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
-            elif s.applied == want or (want < 0 and s.applied >= 0):
-                self._serve_state(ident, s)
-            elif s.applied > want:
-                self._serve_error(ident, f"worker has moved on to iteration {s.applied}; fetch {want} again later")
-            else:
-                keep.append((ident, msg, deadline))
-        self.pending_fetch = keep
 
-    def _expire_fetches(self, now: float) -> None:
-        keep = []
-        for ident, msg, deadline in self.pending_fetch:
-            if now > deadline:
-                self._serve_error(ident, f"iteration {msg['iteration']} was not applied here in time")
-            else:
-                keep.append((ident, msg, deadline))
-        self.pending_fetch = keep
 
-    def _serve_error(self, ident: bytes, text: str) -> None:
-        self.serve.send_multipart([ident, M.encode("error", message=text)])
 
-    def _serve_state(self, ident: bytes, s: _Session) -> None:
-        st = s.state
-        fields = st.fields()
-        idx = np.flatnonzero(st.in_range)
-        head = M.encode(
-            "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
-            arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
-            has_state=[int(i) for i in idx if st.has_state[i]],
-            commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
-            replay=s.commit,
-        )
-        # copies: the arrays change with the next apply
-        self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])

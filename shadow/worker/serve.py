@@ -1,0 +1,74 @@
+"""Serving a worker's shard to restore clients (``fetch`` on the serve socket): answered
+once the wanted iteration is applied, from the current epoch or, while a re-attach
+bootstraps, the retired one. Imports no torch."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import zmq
+
+from shadow import knobs
+from shadow.wire import messages as M
+
+
+class ServeMixin:
+    """Worker handlers for the serve socket."""
+    def _on_serve(self, sock) -> None:
+        parts = sock.recv_multipart(zmq.NOBLOCK)
+        if len(parts) != 2:
+            self.rejected["serve_malformed"] += 1
+            return
+        ident, raw = parts
+        try:
+            msg = M.decode(raw)
+            if msg["t"] != "fetch":
+                raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
+        except M.MessageError as exc:
+            self.rejected["serve_" + exc.reason] += 1
+            sock.send_multipart([ident, M.encode("error", message=str(exc))])
+            return
+        self.pending_fetch.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
+        self._answer_fetches()
+
+    def _answer_fetches(self) -> None:
+        keep = []
+        for ident, msg, deadline in self.pending_fetch:
+            want = msg["iteration"]
+            s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.session
+            if s is None or msg["epoch"] != s.epoch:
+                self._serve_error(ident, f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
+            elif s.applied == want or (want < 0 and s.applied >= 0):
+                self._serve_state(ident, s)
+            elif s.applied > want:
+                self._serve_error(ident, f"worker has moved on to iteration {s.applied}; fetch {want} again later")
+            else:
+                keep.append((ident, msg, deadline))
+        self.pending_fetch = keep
+
+    def _expire_fetches(self, now: float) -> None:
+        keep = []
+        for ident, msg, deadline in self.pending_fetch:
+            if now > deadline:
+                self._serve_error(ident, f"iteration {msg['iteration']} was not applied here in time")
+            else:
+                keep.append((ident, msg, deadline))
+        self.pending_fetch = keep
+
+    def _serve_error(self, ident: bytes, text: str) -> None:
+        self.serve.send_multipart([ident, M.encode("error", message=text)])
+
+    def _serve_state(self, ident: bytes, s) -> None:
+        """Send session ``s``'s shard (copies: the arrays change with the next apply)."""
+        st = s.state
+        fields = st.fields()
+        idx = np.flatnonzero(st.in_range)
+        head = M.encode(
+            "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
+            arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
+            has_state=[int(i) for i in idx if st.has_state[i]],
+            commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
+            replay=s.commit,
+        )
+        # copies: the arrays change with the next apply
+        self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])
