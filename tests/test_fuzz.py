@@ -100,7 +100,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     assert w["frames_in"] - worker["frames_in"] == N_FRAMES
     assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
     assert sum(after["rejected"].values()) >= N_MESSAGES * 0.9  # the coordinator counted its rejections
-    assert w["health"] == "ok" and after["job"]["committed"] == 3 and w["applied"] == 3
+    assert w["health"] == "ok" and after["job"]["committed"] == 3 and w["applied"] == 3, w
     assert _rss_kib(worker["pid"]) - rss0 < 64 * 1024
     fresh, fopt, fsched = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3

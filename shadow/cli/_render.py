@@ -61,14 +61,22 @@ def render_status(st: dict, address: str) -> None:
     else:
         title += " — no job attached"
     t = Table(title=title)
-    for col in ("worker", "pid", "range", "applied", "seen", "health", "frames in", "MiB in", "rejected"):
+    for col in ("worker", "shard", "pid", "range", "applied", "seen", "health", "frames in", "MiB in", "rejected"):
         t.add_column(col)
     for w in st["workers"]:
         rng = f"[{w['start']}, {w['stop']})" if w["start"] is not None else "-"
         health = w["health"] + (f" ({w['stale']})" if w["stale"] else "")
-        t.add_row(str(w["id"]), str(w["pid"]), rng, str(w["applied"]), str(w["seen"]), health,
-                  str(w["frames_in"]), f"{w['bytes_in'] / 2**20:.1f}", str(sum(w["rejected"].values())))
+        t.add_row(str(w["id"]), str(w.get("shard", w["id"])), str(w["pid"]), rng, str(w["applied"]), str(w["seen"]),
+                  health, str(w["frames_in"]), f"{w['bytes_in'] / 2**20:.1f}", str(sum(w["rejected"].values())))
     console.print(t)
+    if job and job.get("reason"):
+        console.print(f"DEGRADED: {job['reason']}")
+    if st.get("restorable"):
+        where = ", ".join(f"{k} iteration {v}" for k, v in st["restorable"].items() if v is not None)
+        console.print(f"newest restorable checkpoint: {where or 'none'}")
+    sec = st.get("security") or {}
+    if sec.get("curve"):
+        console.print(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
     for name, tier in (st.get("persist") or {}).items():
         last = tier["last_complete"]
         text = (f"{name} tier {tier['root']}: last complete "

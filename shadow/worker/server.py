@@ -321,10 +321,12 @@ class Worker(PeerMixin, ServeMixin):
                 logger.debug("dropped frame: %s", exc)
             else:
                 logger.warning("rejected frame: %s", exc)
-            # a duplicate (sequence already seen) is dropped and counted; anything that means
-            # bytes were lost or changed in transit leaves this replica unusable until a resync
-            if exc.reason in ("gap", "double_commit", "bad_checksum", "bad_header_checksum", "truncated_payload",
-                              "extra_payload", "overflow", "disagree"):
+            # a duplicate (sequence already seen) is dropped and counted, and so is a frame whose
+            # header does not check out (it consumed no sequence number: if it was a real one,
+            # the next frame shows the gap); bytes lost or changed after the sequence check
+            # leave this replica unusable until a resync
+            if exc.reason in ("gap", "double_commit", "bad_checksum", "truncated_payload", "extra_payload",
+                              "overflow", "disagree"):
                 self._go_stale(str(exc))
 
     def _take_frame(self, sock, raw: bytes) -> None:
