@@ -17,7 +17,7 @@ from tests.helpers.tiny_trainer import build
 pytestmark = pytest.mark.slow
 
 
-def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int) -> int:
+def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int, snaps: dict) -> int:
     st = cluster.status()
     victim = st["workers"][victim_id]["pid"]
     committed = st["job"]["committed"]
@@ -27,6 +27,7 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int) -
     while True:
         it += 1
         train_step(ddp, opt, sched, it)
+        snaps[it] = [p.detach().clone() for p in ddp.module.parameters()]
         time.sleep(0.05)
         st = cluster.status()
         w = st["workers"][victim_id]
@@ -40,23 +41,27 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int) -
 
 
 def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
-    cluster = Cluster(tmp_path, workers=4, args=("replicas=2",), env={"SHADOW_WORKER_LOST_S": "1.5"})
+    ckpt = tmp_path / "ckpt"
+    cluster = Cluster(tmp_path, workers=4, args=("replicas=2", f"persist.local.dir={ckpt}", "persist.local.every_n=4"),
+                      env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="twins")
         epoch = session.epoch
-        it = 0
+        it, snaps = 0, {}
         for _ in range(3):
             it += 1
             train_step(ddp, opt, sched, it)
+            snaps[it] = [p.detach().clone() for p in model.parameters()]
         st = cluster.status()
         assert st["shards"] == 2 and [w["shard"] for w in st["workers"]] == [0, 1, 0, 1]
-        it = _kill_and_heal(cluster, session, ddp, opt, sched, it, 1)  # shard 1 lives on worker 3
-        it = _kill_and_heal(cluster, session, ddp, opt, sched, it, 3)  # ... and now on the copy in worker 1
+        it = _kill_and_heal(cluster, session, ddp, opt, sched, it, 1, snaps)  # shard 1 lives on worker 3
+        it = _kill_and_heal(cluster, session, ddp, opt, sched, it, 3, snaps)  # ... now on the copy in worker 1
         for _ in range(2):
             it += 1
             train_step(ddp, opt, sched, it)
+            snaps[it] = [p.detach().clone() for p in model.parameters()]
         assert session.close() == it
         assert session.epoch == epoch  # never resynced from the trainer
         log = cluster.log.read_text()
@@ -68,6 +73,12 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
             assert torch.equal(a, b)
         sa, sb = opt.state_dict(), fopt.state_dict()
         assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
+        # the disk tier took one file per shard (from one replica each) throughout
+        disk, dopt, dsched = build(seed=3)
+        info = trainer_hooks.restore(disk, dopt, source=str(ckpt), scheduler=dsched)
+        assert info.tier == "local" and info.iteration >= 4
+        for a, b in zip(snaps[info.iteration], disk.parameters()):
+            assert torch.equal(a, b)
     finally:
         cluster.stop()
 
