@@ -82,6 +82,7 @@ class RecoveryMixin:
                 logger.error("shadow cluster degraded, training continues without new checkpoints "
                              "(streaming stops until the next attach): %s", reason)
                 self.degraded = reason
+                self.ring.interrupt()  # a hook waiting for ring space (a dead worker's queue) stops waiting
             elif reason != self.degraded:
                 logger.debug("shadow cluster also reports: %s", reason)
             self._cond.notify_all()

@@ -121,7 +121,8 @@ class Sender(threading.Thread):
         finally:
             self._drain_on_exit()
             for s in self.data:
-                s.close(linger=0)
+                if s is not None:
+                    s.close(linger=0)
 
     def stop(self) -> None:
         self.q.put("stop")
@@ -155,7 +156,8 @@ class Sender(threading.Thread):
         elif isinstance(item, CommitItem):
             self._send_commit(item)
         elif isinstance(item, JoinItem):
-            self.data[item.worker].close(linger=0)
+            if self.data[item.worker] is not None:
+                self.data[item.worker].close(linger=0)
             self.data[item.worker] = self._push(item.endpoint)
             self.endpoints[item.worker] = item.endpoint
             self.seq[item.worker] = 0
@@ -238,6 +240,9 @@ class Sender(threading.Thread):
             elif msg["t"] == "replica_out" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
                 logger.warning("shadow worker %d is out of service; its shard continues on a replica", msg["worker"])
                 self.out.add(msg["worker"])
+                if self.data[msg["worker"]] is not None:  # drop what is queued for it: frees the ring
+                    self.data[msg["worker"]].close(linger=0)
+                    self.data[msg["worker"]] = None
             elif msg["t"] == "replica_in" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
                 self.on_join(msg)
             elif msg["t"] == "audit" and msg["epoch"] == self.epoch:

@@ -37,7 +37,7 @@ from trainer_hooks._commit import CommitMixin
 from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._recovery import RecoveryMixin
 from trainer_hooks._sender import FlushItem, GradItem, Sender
-from trainer_hooks._staging import RingFullError, StagingRing
+from trainer_hooks._staging import RingFullError, RingInterrupted, StagingRing
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +260,8 @@ class Session(RecoveryMixin, CommitMixin):
                 return
             try:
                 off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if self.policy == "block" else 0.0)
+            except RingInterrupted:
+                return  # degraded while waiting: nothing more is streamed until a resync
             except RingFullError:
                 if self.policy == "block":
                     raise

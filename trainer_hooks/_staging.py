@@ -17,6 +17,10 @@ class RingFullError(TimeoutError):
     pass
 
 
+class RingInterrupted(RuntimeError):
+    """The session stopped streaming (degraded) while a hook waited for ring space."""
+
+
 class StagingRing:
     def __init__(self, capacity: int, pin: bool = False) -> None:
         if capacity <= 0:
@@ -30,6 +34,7 @@ class StagingRing:
         self._cond = threading.Condition()
         self.blocked_s = 0.0
         self.high_water = 0
+        self._interrupted = False
 
     def _fits(self, n: int) -> int | None:
         if not self._live:
@@ -54,8 +59,10 @@ class StagingRing:
             off = self._fits(n)
             if off is None:
                 t0 = time.monotonic()
-                ok = self._cond.wait_for(lambda: self._fits(n) is not None, timeout)
+                ok = self._cond.wait_for(lambda: self._fits(n) is not None or self._interrupted, timeout)
                 self.blocked_s += time.monotonic() - t0
+                if self._interrupted:
+                    raise RingInterrupted("the session stopped streaming while waiting for ring space")
                 if not ok:
                     raise RingFullError(f"staging ring stayed full for {timeout:.0f} s (the sender is stuck)")
                 off = self._fits(n)
@@ -64,6 +71,12 @@ class StagingRing:
             self._used += n
             self.high_water = max(self.high_water, self._used)
             return off
+
+    def interrupt(self) -> None:
+        """Wake and fail any wait for space (the session no longer streams)."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
 
     def release(self, off: int, n: int) -> None:
         """Free the oldest slot (slots are released in allocation order)."""

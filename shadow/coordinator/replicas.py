@@ -82,6 +82,8 @@ class ReplicaMixin:
             return False
         job.gen += 1
         job.joining[w.id] = {"gen": job.gen, "from": {}, "at": None}
+        for ident in job.trainers.values():  # whatever is queued for the old process is dropped
+            self._reply([ident], "replica_out", epoch=job.epoch, worker=w.id)
         logger.warning("worker %d joins shard %d (generation %d): the ranks pick the iteration, its peer "
                        "sends the state", w.id, self.shard_of(w), job.gen)
         for ident in job.trainers.values():

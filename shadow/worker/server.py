@@ -232,6 +232,9 @@ class Worker(PeerMixin, ServeMixin):
             else None
         self.session = sess
         self._answer_fetches()  # waiting fetches of the old epoch get an answer from the retired copy
+        if self.peer is not None:  # a peer copy of the old epoch is void too
+            self.peer.close()
+            self.peer = None
         if msg["peer"] is not None:
             self._start_peer_copy(msg["peer"])
             return
