@@ -41,6 +41,13 @@ commands:
                e.g.  shadow keygen dir=keys name=server      (the cluster's pair)
                      shadow keygen dir=keys/clients name=trainer0 [overwrite=true]
 
+fault tolerance and security, e.g.:
+  shadow cluster workers=4 replicas=2          (every shard on 2 workers: a lost one recopies from its peer)
+  shadow cluster workers=2 host=10.0.0.5 security.server_key=keys/server.key_secret security.allow=keys/clients
+  shadow status address=tcp://10.0.0.5:5555 security.server_public=keys/server.key \\
+                security.client_key=keys/clients/trainer0.key_secret
+  (trainers: SHADOW_CURVE_SERVER_KEY=keys/server.key SHADOW_CURVE_CLIENT_KEY=keys/clients/trainer0.key_secret)
+
 cluster persistence keys, e.g.:
   shadow cluster workers=2 persist.local.dir=/nvme/shadow persist.local.every_n=50 persist.local.keep=3 \\
                  persist.remote.url=/mnt/shared/shadow persist.remote.every_n=500
