@@ -203,6 +203,7 @@ class Sender(threading.Thread):
             hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), F.checksum(body))])
             self._send(w, [hdr, body], False, item.iteration)
             self.messages_out += 1
+            self._after_send(item.iteration)
         if self._fault and item.iteration == self._fault[0]:
             self._die()
 
@@ -254,8 +255,9 @@ class Sender(threading.Thread):
 
     # -- fault injection (tests) -------------------------------------------------------------
     def _faulted(self, iteration: int, worker: int) -> bool:
-        """Under SHADOW_FAULT_DIE_AT=k:n, iteration k sends its first n data messages
-        normally, then everything else only to worker 0, then the process dies."""
+        """Under SHADOW_FAULT_DIE_AT=k:n, iteration k sends its first n messages (gradient
+        and commit messages alike) normally, then everything else only to worker 0, then
+        the process dies. With n at least the iteration's message count nothing is held back."""
         if not self._fault or iteration != self._fault[0]:
             return False
         return self._fault_sent >= self._fault[1] and worker != 0
