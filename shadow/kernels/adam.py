@@ -38,66 +38,62 @@ N_FSCALARS = 11
 N_ISCALARS = 10
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _moments(g, p, m, v, inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2, tail_rule):
+    """One element up to the new moments: ``(p after decoupled decay, exp_avg, exp_avg_sq)``."""
+    g = g * inv  # GradScaler.unscale_
+    g = g * cl  # clipping
+    g = g / gs  # GradScaler.step with a fused optimizer: the kernel divides
+    g = g * sign  # maximize
+    gl = fma32(p, wd, g)
+    g = gl if l2 else g
+    p = p * dec
+    d = g - m
+    m = fma32(a, d, m if small else g)
+    if tail_rule:
+        v = fma32(v, b2, (c2 * g) * g)
+    else:
+        v = fma32(c2 * g, g, v * b2)
+    return p, m, v
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_rule):
-    w1 = f[F_W1]
-    b2 = f[F_B2]
-    c2 = f[F_C2]
-    bc2s = f[F_BC2S]
-    eps = f[F_EPS]
-    nstep = f[F_NSTEP]
-    decay = f[F_DECAY]
+    one = np.float32(1.0)
+    # loop-invariant choices become neutral factors and selects (x * 1 and x / 1 are
+    # exact), the loops run over slices from 0 and numpy's error model is used: the body
+    # is then straight-line code LLVM vectorizes (4-6x faster than the branchy version)
+    inv = f[F_INV_SCALE] if fl[I_INV_SCALE] != 0 else one
+    cl = f[F_CLIP] if fl[I_CLIP] != 0 else one
+    gs = f[F_GRAD_SCALE] if fl[I_GRAD_SCALE] != 0 else one
+    sign = -one if fl[I_MAXIMIZE] != 0 else one
     wd = f[F_WD]
-    clip = f[F_CLIP]
-    inv_scale = f[F_INV_SCALE]
-    grad_scale = f[F_GRAD_SCALE]
-    has_inv = fl[I_INV_SCALE] != 0
-    has_gs = fl[I_GRAD_SCALE] != 0
-    amsgrad = fl[I_AMSGRAD] != 0
-    maximize = fl[I_MAXIMIZE] != 0
-    small = fl[I_LERP_SMALL] != 0
     l2 = fl[I_L2] != 0
-    decoupled = fl[I_DECOUPLED] != 0
-    has_clip = fl[I_CLIP] != 0
-    w1m1 = w1 - np.float32(1.0)
-    for i in range(lo, hi):
-        g = grad[i]
-        if has_inv:  # GradScaler.unscale_
-            g = g * inv_scale
-        if has_clip:
-            g = g * clip
-        if has_gs:  # GradScaler.step with a fused optimizer: the kernel divides
-            g = g / grad_scale
-        if maximize:
-            g = -g
-        p = param[i]
-        if l2:
-            g = fma32(p, wd, g)
-        if decoupled:
-            p = p * decay
-        m = exp_avg[i]
-        d = g - m
-        if small:
-            m = fma32(w1, d, m)
-        else:
-            m = fma32(w1m1, d, g)
-        v = exp_avg_sq[i]
-        if tail_rule:
-            v = fma32(v, b2, (c2 * g) * g)
-        else:
-            v = fma32(c2 * g, g, v * b2)
-        exp_avg[i] = m
-        exp_avg_sq[i] = v
-        if amsgrad:
-            mx = max_sq[i]
+    dec = f[F_DECAY] if fl[I_DECOUPLED] != 0 else one
+    small = fl[I_LERP_SMALL] != 0
+    a = f[F_W1] if small else f[F_W1] - one
+    b2, c2, bc2s, eps, nstep = f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP]
+    p_, m_, v_, g_ = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi]
+    n = hi - lo
+    if fl[I_AMSGRAD] != 0:
+        x_ = max_sq[lo:hi]
+        for i in range(n):
+            p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
+                               tail_rule)
+            m_[i] = m
+            v_[i] = v
+            mx = x_[i]
             if v > mx or np.isnan(v):
                 mx = v
-            max_sq[i] = mx
-            root = np.sqrt(mx)
-        else:
-            root = np.sqrt(v)
-        denom = root / bc2s + eps
-        param[i] = p + (nstep * m) / denom
+            x_[i] = mx
+            p_[i] = p + (nstep * m) / (np.sqrt(mx) / bc2s + eps)
+    else:
+        for i in range(n):
+            p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
+                               tail_rule)
+            m_[i] = m
+            v_[i] = v
+            p_[i] = p + (nstep * m) / (np.sqrt(v) / bc2s + eps)
 
 
 def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
@@ -124,7 +120,7 @@ def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
 
 
 #: multi-threaded (numba prange over work items): the worker's kernel
-adam_apply = njit(parallel=True, cache=True, nogil=True)(_adam_apply)
+adam_apply = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_adam_apply)
 #: single-threaded: for trainer processes (calibration), which must not start a thread
 #: pool that competes with torch's own threads
-adam_apply_serial = njit(cache=True, nogil=True)(_adam_apply)
+adam_apply_serial = njit(cache=True, nogil=True, error_model="numpy")(_adam_apply)

@@ -24,7 +24,7 @@ N_FSCALARS = 7
 N_ISCALARS = 10
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _sgd_range(param, buf, grad, lo, hi, f, fl, tail_rule):
     neg_lr = f[S_NEG_LR]
     m = f[S_MOMENTUM]
@@ -82,8 +82,8 @@ def _sgd_apply(param, buf, grad, work, seg_f, seg_i):
             _sgd_range(param, buf, grad, mid, hi, f, fl, True)
 
 
-sgd_apply = njit(parallel=True, cache=True, nogil=True)(_sgd_apply)
-sgd_apply_serial = njit(cache=True, nogil=True)(_sgd_apply)
+sgd_apply = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_sgd_apply)
+sgd_apply_serial = njit(cache=True, nogil=True, error_model="numpy")(_sgd_apply)
 
 
 def sgd_scalars(group: dict) -> tuple:
