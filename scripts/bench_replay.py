@@ -8,7 +8,8 @@ elements, fp32. Each variant runs --repeat optimizer steps after a warm-up; the 
 the median step. Bytes moved per element per step for AdamW: read param, grad, exp_avg,
 exp_avg_sq and write param, exp_avg, exp_avg_sq = 28 bytes. Copy bandwidth is measured in
 the same run with numpy copies of the same total size (read + write = 8 bytes/element), on
-the same threads (numba prange copy). Also checked: the two updates are bit-identical.
+the same threads (numba prange copy), in interleaved rounds. Also checked: the two updates
+are bit-identical (torch.equal).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def main() -> int:
     import numpy as np
     import torch
 
+    from shadow import knobs
     from shadow.kernels.plan import ReplayPlan, segments_for_range, warm_up
 
     torch.set_num_threads(args.threads)
@@ -65,7 +67,7 @@ def main() -> int:
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
     segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, "fused", 16, 8)
     warm_up()
-    plan = ReplayPlan(segs, "fused", 32768, "adam")
+    plan = ReplayPlan(segs, "fused", knobs.get_int("KERNEL_CHUNK"), "adam")
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
              "maximize": False, "decoupled": True}
     steps = np.zeros(len(sizes))
@@ -94,18 +96,16 @@ def main() -> int:
     def copy_step():
         par_copy(dst, flat_p)
 
-    def timed(fn) -> float:
+    fns = {"torch": torch_step, "shadow": shadow_step, "copy": copy_step}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
         fn()  # warm-up
-        times = []
-        for _ in range(args.repeat):
+    for _ in range(args.repeat):  # interleaved rounds: drift on a noisy machine hits all three alike
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    t_torch = timed(torch_step)
-    t_shadow = timed(shadow_step)
-    t_copy = timed(copy_step)
+            times[name].append(time.perf_counter() - t0)
+    t_torch, t_shadow, t_copy = (statistics.median(times[k]) for k in ("torch", "shadow", "copy"))
     same = all(torch.equal(p.detach(), torch.from_numpy(flat_p[o:o + n]))
                for p, o, n in zip(params, offsets, sizes))
     adam_bytes = 28 * total
