@@ -1,0 +1,158 @@
+"""Trainer overhead of checkpointing, side by side in one run: 2-rank gloo DDP training of
+the example GPT with no checkpointing, with the shadow attached (workers on this machine),
+with DCP async_save every iteration and every 50, and with torch.save every iteration.
+
+    python scripts/bench_overhead.py [--steps 20] [--n-layer 6] [--n-embd 512] [--json PATH]
+
+Each mode runs in fresh rank processes; the figure is seconds per step over the timed
+steps (after 3 warm-up steps), taken on rank 0, and its ratio to no checkpointing.
+Goals (issue 6): shadow <= 1.05x, and the shadow's overhead <= 1/5 of DCP async_save's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50")
+
+
+def rank_main(args) -> None:
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gpt import GPT, CharData, GPTConfig, corpus
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = CharData(corpus(4000))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=args.n_layer, n_embd=args.n_embd))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    session = None
+    if args.mode == "shadow":
+        import trainer_hooks
+
+        session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, job="bench")
+    out = Path(args.out)
+    fut = None
+    # DCP's async save runs collectives from a background thread: give it its own group so
+    # they never interleave with DDP's all-reduces on the default one
+    ckpt_pg = dist.new_group(backend="gloo") if args.mode.startswith("dcp") else None
+
+    def checkpoint(it: int) -> None:
+        nonlocal fut
+        if args.mode in ("dcp_async", "dcp_async_50") and (args.mode == "dcp_async" or it % 50 == 0):
+            if fut is not None:
+                fut.result()  # one save in flight, like a real loop
+            msd, osd = get_state_dict(ddp, opt)
+            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(out / f"dcp-{it % 2}"),
+                                 process_group=ckpt_pg)
+        elif args.mode == "torch_save" and rank == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out / "ckpt.pt")
+
+    t0 = 0.0
+    for it in range(1, args.steps + 4):
+        if it == 4:
+            dist.barrier()
+            t0 = time.perf_counter()
+        x, y = data.batch(it, rank, 8, 64)
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        checkpoint(it)
+    if fut is not None:
+        fut.result()
+    dist.barrier()
+    per_step = (time.perf_counter() - t0) / args.steps
+    if session is not None:
+        session.close()
+    if rank == 0:
+        n = sum(p.numel() for p in model.parameters())
+        (out / "result.json").write_text(json.dumps({"mode": args.mode, "s_per_step": per_step, "params": n}))
+    dist.destroy_process_group()
+
+
+def launch(mode: str, args, work: Path, coordinator: str = "") -> dict:
+    out = work / mode
+    out.mkdir(parents=True, exist_ok=True)
+    port = str(29500 + os.getpid() % 1000 + MODES.index(mode))
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-mode", mode, "--out", str(out), "--steps",
+                                       str(args.steps), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+                                       "--coordinator", coordinator], env=env, cwd=ROOT))
+    for p in procs:
+        if p.wait(timeout=1800) != 0:
+            raise RuntimeError(f"mode {mode}: a rank exited with {p.returncode}")
+    res = json.loads((out / "result.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=512)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rank-mode", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_mode:
+        args.mode = args.rank_mode
+        rank_main(args)
+        return 0
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import Cluster
+
+    work = Path(tempfile.mkdtemp(prefix="bench_overhead-"))
+    results = {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        if mode == "shadow":
+            cluster = Cluster(work, workers=2)
+            try:
+                results[mode] = launch(mode, args, work, cluster.address)
+            finally:
+                cluster.stop()
+        else:
+            results[mode] = launch(mode, args, work)
+        print(f"  {mode}: {results[mode]['s_per_step']:.3f} s/step", flush=True)
+    base = results["none"]["s_per_step"]
+    params = results["none"]["params"]
+    print(f"GPT {params / 1e6:.1f}M params, 2 gloo ranks, {args.steps} timed steps, {os.cpu_count()} cores "
+          "(the shadow's workers share them)")
+    print("| mode | s/step | vs no checkpoint |")
+    print("|---|---|---|")
+    for mode, r in results.items():
+        print(f"| {mode} | {r['s_per_step']:.3f} | {r['s_per_step'] / base:.2f}x |")
+    if "shadow" in results and "dcp_async" in results:
+        sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
+        print(f"shadow overhead / DCP async_save overhead: {sh / dc:.2f} (goal <= 0.2)" if dc > 0 else "")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"params": params, "steps": args.steps, "results": results,
+                                               "machine": f"{os.cpu_count()} cores"}, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
