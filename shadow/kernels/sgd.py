@@ -26,44 +26,43 @@ N_ISCALARS = 10
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _sgd_range(param, buf, grad, lo, hi, f, fl, tail_rule):
-    neg_lr = f[S_NEG_LR]
-    m = f[S_MOMENTUM]
-    d1 = f[S_DAMP1]
-    wd = f[S_WD]
+    # straight-line loop bodies (see adam.py): neutral factors and selects for the
+    # loop-invariant flags, slices from 0, numpy's error model -- LLVM vectorises them
+    one = np.float32(1.0)
+    neg_lr, m, d1, wd = f[S_NEG_LR], f[S_MOMENTUM], f[S_DAMP1], f[S_WD]
+    inv = f[S_INV_SCALE] if fl[J_INV_SCALE] != 0 else one
+    cl = f[S_CLIP] if fl[J_CLIP] != 0 else one
+    gs = f[S_GRAD_SCALE] if fl[J_GRAD_SCALE] != 0 else one
+    sign = -one if fl[J_MAXIMIZE] != 0 else one
+    has_wd = fl[J_WD] != 0
     first = fl[J_FIRST] != 0
     nesterov = fl[J_NESTEROV] != 0
-    maximize = fl[J_MAXIMIZE] != 0
-    has_m = fl[J_MOMENTUM] != 0
-    has_wd = fl[J_WD] != 0
-    has_clip = fl[J_CLIP] != 0
-    has_inv = fl[J_INV_SCALE] != 0
-    has_gs = fl[J_GRAD_SCALE] != 0
-    for i in range(lo, hi):
-        g = grad[i]
-        if has_inv:
-            g = g * f[S_INV_SCALE]
-        if has_clip:
-            g = g * f[S_CLIP]
-        if has_gs:
-            g = g / f[S_GRAD_SCALE]
-        if maximize:
-            g = -g
-        p = param[i]
-        if has_wd:
-            g = fma32(p, wd, g)
-        if has_m:
-            if first:
-                b = g
-            elif tail_rule:
-                b = fma32(buf[i], m, g * d1)
-            else:
-                b = fma32(g, d1, buf[i] * m)
-            buf[i] = b
-            if nesterov:
-                g = fma32(b, m, g)
-            else:
-                g = b
-        param[i] = fma32(g, neg_lr, p)
+    p_, g_ = param[lo:hi], grad[lo:hi]
+    n = hi - lo
+    if fl[J_MOMENTUM] == 0:
+        for i in range(n):
+            p = p_[i]
+            g = ((g_[i] * inv) * cl) / gs * sign
+            gw = fma32(p, wd, g)
+            g = gw if has_wd else g
+            p_[i] = fma32(g, neg_lr, p)
+        return
+    b_ = buf[lo:hi]
+    for i in range(n):
+        p = p_[i]
+        g = ((g_[i] * inv) * cl) / gs * sign
+        gw = fma32(p, wd, g)
+        g = gw if has_wd else g
+        bo = b_[i]
+        if tail_rule:
+            b = fma32(bo, m, g * d1)
+        else:
+            b = fma32(g, d1, bo * m)
+        b = g if first else b
+        b_[i] = b
+        gn = fma32(b, m, g)
+        g = gn if nesterov else b
+        p_[i] = fma32(g, neg_lr, p)
 
 
 def _sgd_apply(param, buf, grad, work, seg_f, seg_i):
