@@ -144,66 +144,47 @@ def worker_kill(t: Trial) -> dict:
         return judge_worker_fault(t, c, codes, det, f"worker 1 SIGKILLed at iteration {k}; detected as {what}")
 
 
+def _stop_worker(t: Trial, policy: str) -> dict:
+    """SIGSTOP worker 0 once the cut reaches a seeded iteration, SIGCONT a few seconds later."""
+    stop_at, stop_s = t.rng.randint(3, 6), round(t.rng.uniform(2.5, 3.5), 2)
+    sleep = max(0.1, (stop_s + 4.0) / (t.steps - stop_at))
+    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
+        procs = t.start("train", "--step-sleep", f"{sleep:.3f}", "--policy", policy, coordinator=c)
+        victim, t_stop = None, None
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                st = w.last
+                if st and st["job"] and (committed(st) or 0) >= stop_at:
+                    victim = st["workers"][0]["pid"]
+                    os.kill(victim, signal.SIGSTOP)
+                    t_stop = time.time()
+                    break
+                time.sleep(0.02)
+            time.sleep(stop_s if victim else 0)
+        finally:
+            if victim:
+                os.kill(victim, signal.SIGCONT)
+        codes = t.wait(procs)
+        if victim is None:
+            return result(False, True, None, None, f"training never reached iteration {stop_at} ({codes})")
+        det, what = w.detection(t_stop)
+        return judge_worker_fault(t, c, codes, det, f"worker 0 SIGSTOPped (policy {policy}) at committed "
+                                                    f"{stop_at} for {stop_s} s; detected as {what}")
+
+
 @scenario
 def worker_stop(t: Trial) -> dict:
     """SIGSTOP worker 0 for a few seconds during training (policy block), then SIGCONT:
     training waits until the worker is declared lost, goes on degraded, resyncs."""
-    stop_at, stop_s = t.rng.randint(3, 6), round(t.rng.uniform(2.5, 3.5), 2)
-    sleep = max(0.1, (stop_s + 4.0) / (t.steps - stop_at))
-    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
-        procs = t.start("train", "--step-sleep", f"{sleep:.3f}", coordinator=c)
-        victim, t_stop = None, None
-        try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-                st = w.last
-                if st and st["job"] and (committed(st) or 0) >= stop_at:
-                    victim = st["workers"][0]["pid"]
-                    os.kill(victim, signal.SIGSTOP)
-                    t_stop = time.time()
-                    break
-                time.sleep(0.02)
-            time.sleep(stop_s if victim else 0)
-        finally:
-            if victim:
-                os.kill(victim, signal.SIGCONT)
-        codes = t.wait(procs)
-        if victim is None:
-            return result(False, True, None, None, f"training never reached iteration {stop_at} ({codes})")
-        det, what = w.detection(t_stop)
-        return judge_worker_fault(t, c, codes, det, f"worker 0 SIGSTOPped at committed {stop_at} for {stop_s} s; "
-                                                    f"detected as {what}")
+    return _stop_worker(t, "block")
 
 
 @scenario
 def worker_stop_skip(t: Trial) -> dict:
-    """SIGSTOP worker 0 for a few seconds under policy skip: training never waits (it stops
-    streaming once SHADOW_MAX_LAG ahead), the cluster resyncs after SIGCONT."""
-    stop_at, stop_s = t.rng.randint(3, 6), round(t.rng.uniform(2.5, 3.5), 2)
-    sleep = max(0.1, (stop_s + 4.0) / (t.steps - stop_at))
-    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
-        procs = t.start("train", "--step-sleep", f"{sleep:.3f}", "--policy", "skip", coordinator=c)
-        victim, t_stop = None, None
-        try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-                st = w.last
-                if st and st["job"] and (committed(st) or 0) >= stop_at:
-                    victim = st["workers"][0]["pid"]
-                    os.kill(victim, signal.SIGSTOP)
-                    t_stop = time.time()
-                    break
-                time.sleep(0.02)
-            time.sleep(stop_s if victim else 0)
-        finally:
-            if victim:
-                os.kill(victim, signal.SIGCONT)
-        codes = t.wait(procs)
-        if victim is None:
-            return result(False, True, None, None, f"training never reached iteration {stop_at} ({codes})")
-        det, what = w.detection(t_stop)
-        return judge_worker_fault(t, c, codes, det, f"worker 0 SIGSTOPped (policy skip) at committed {stop_at} "
-                                                    f"for {stop_s} s; detected as {what}")
+    """The same under policy skip: training never waits (it stops streaming once
+    SHADOW_MAX_LAG ahead), the cluster resyncs after SIGCONT."""
+    return _stop_worker(t, "skip")
 
 
 @scenario

@@ -16,7 +16,31 @@ from tests.helpers.tiny_trainer import build
 pytestmark = pytest.mark.slow
 
 
-_step = train_step
+def _steps(ddp, opt, sched, it: int, n: int) -> int:
+    """Train iterations it+1 .. it+n; returns the last."""
+    for _ in range(n):
+        it += 1
+        train_step(ddp, opt, sched, it)
+    return it
+
+
+def _train_until_resync(session, ddp, opt, sched, it: int, epoch: int, limit: float = 60) -> int:
+    """Training goes on while the cluster heals; returns the iteration at which the ranks
+    had re-attached (a new epoch)."""
+    deadline = time.monotonic() + limit
+    while session.epoch == epoch:
+        assert time.monotonic() < deadline, "the cluster never asked for a resync"
+        it = _steps(ddp, opt, sched, it, 1)
+        time.sleep(0.05)
+    return it
+
+
+def _assert_restores(cluster, model, it: int) -> None:
+    """A fresh model restored from the cluster equals the trained one bit for bit."""
+    fresh, fopt, fsched = build(seed=4)
+    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == it
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
@@ -26,22 +50,12 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="heal")
         first_epoch = session.epoch
-        it = 0
-        for _ in range(3):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, 0, 3)
         victim = cluster.status()["workers"][1]["pid"]
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while session.epoch == first_epoch:  # training goes on while the worker comes back
-            assert time.monotonic() < deadline, "the cluster never asked for a resync"
-            it += 1
-            _step(ddp, opt, sched, it)
-            time.sleep(0.05)
+        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
         assert session.degraded is None and session.iteration == it
-        for _ in range(3):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, it, 3)
         assert session.close() == it
         st = cluster.settled()
         assert st["workers"][1]["pid"] != victim and all(w["health"] == "ok" for w in st["workers"])
@@ -96,35 +110,21 @@ def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path):
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="frozen")
         first_epoch = session.epoch
-        it = 0
-        for _ in range(2):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, 0, 2)
         victim = cluster.status()["workers"][0]["pid"]
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
-        for _ in range(8):  # lag exceeds SHADOW_MAX_LAG: block until the worker is declared lost
-            it += 1
-            _step(ddp, opt, sched, it)
+        # lag exceeds SHADOW_MAX_LAG: block until the worker is declared lost
+        it = _steps(ddp, opt, sched, it, 8)
         waited = time.monotonic() - t0
         assert session.degraded is not None and "lost" in session.degraded
         assert 1.0 < session.stats()["blocked_s"] < 20 and waited < 30
         os.kill(victim, signal.SIGCONT)
-        deadline = time.monotonic() + 60
-        while session.epoch == first_epoch:
-            assert time.monotonic() < deadline, "no resync after the worker came back"
-            it += 1
-            _step(ddp, opt, sched, it)
-            time.sleep(0.05)
-        for _ in range(2):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
+        it = _steps(ddp, opt, sched, it, 2)
         assert session.close() == it
         assert cluster.settled()["workers"][0]["pid"] == victim  # the same process, resynced
-        fresh, fopt, fsched = build(seed=4)
-        assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == it
-        for a, b in zip(model.parameters(), fresh.parameters()):
-            assert torch.equal(a, b)
+        _assert_restores(cluster, model, it)
     finally:
         try:
             os.kill(victim, signal.SIGCONT)
@@ -144,10 +144,7 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="skippy",
                                        policy="skip")
         first_epoch = session.epoch
-        it = 0
-        for _ in range(2):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, 0, 2)
         deadline = time.monotonic() + 20
         while cluster.status()["job"]["committed"] != it:
             assert time.monotonic() < deadline
@@ -155,9 +152,7 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
         victim = cluster.status()["workers"][0]["pid"]
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
-        for _ in range(8):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, it, 8)
         waited = time.monotonic() - t0
         assert session.degraded is not None and "policy skip" in session.degraded
         assert session.stats()["blocked_s"] < 0.5 and waited < 1.5  # lost detection takes 2 s: never waited for
@@ -167,21 +162,11 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
             time.sleep(0.05)
         assert "policy skip" in st["job"]["reason"] and st["job"]["committed"] == 2
         os.kill(victim, signal.SIGCONT)
-        deadline = time.monotonic() + 60
-        while session.epoch == first_epoch:
-            assert time.monotonic() < deadline, "no resync after the worker came back"
-            it += 1
-            _step(ddp, opt, sched, it)
-            time.sleep(0.05)
+        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
         assert session.degraded is None
-        for _ in range(2):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, it, 2)
         assert session.close() == it
-        fresh, fopt, fsched = build(seed=4)
-        assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == it
-        for a, b in zip(model.parameters(), fresh.parameters()):
-            assert torch.equal(a, b)
+        _assert_restores(cluster, model, it)
     finally:
         try:
             os.kill(victim, signal.SIGCONT)
@@ -244,13 +229,13 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="tail")
         first_epoch = session.epoch
-        it = 0
-        for _ in range(3):
-            it += 1
-            _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, 0, 3)
+        deadline = time.monotonic() + 20
+        while cluster.status()["job"]["committed"] != 3:  # iteration 3 left before the drops begin
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         session.sender.net_faults = NetFaults({"drop": 1.0}, 0)
-        it += 1
-        _step(ddp, opt, sched, it)
+        it = _steps(ddp, opt, sched, it, 1)
         t0 = time.monotonic()
         while session.degraded is None:
             assert time.monotonic() - t0 < 20, "lost messages were never noticed"
@@ -260,18 +245,9 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
         st = cluster.status()
         assert st["job"]["committed"] == 3 and any("never arrived" in w["stale"] for w in st["workers"])
         session.sender.net_faults = None
-        deadline = time.monotonic() + 30
-        while session.epoch == first_epoch:
-            assert time.monotonic() < deadline, "no resync"
-            it += 1
-            _step(ddp, opt, sched, it)
-            time.sleep(0.05)
-        it += 1
-        _step(ddp, opt, sched, it)
+        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch, 30)
+        it = _steps(ddp, opt, sched, it, 1)
         assert session.close() == it
-        fresh, fopt, fsched = build(seed=4)
-        assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == it
-        for a, b in zip(model.parameters(), fresh.parameters()):
-            assert torch.equal(a, b)
+        _assert_restores(cluster, model, it)
     finally:
         cluster.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 import zmq
 
@@ -19,13 +18,14 @@ from shadow.coordinator.queries import QueryMixin
 from shadow.coordinator.rebuild import RejoinMixin
 from shadow.coordinator.records import JobRec, WorkerRec, job_id_for
 from shadow.coordinator.replicas import ReplicaMixin
+from shadow.coordinator.trainers import TrainerMixin
 from shadow.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
 
 
-class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin):
+class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
     def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None, replicas: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
@@ -176,33 +176,6 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin):
                 logger.info("worker %d is back", w.id)
                 self._maybe_resync()
         self._check_transit(now)
-
-    def _check_transit(self, now: float) -> None:
-        """Frames lost in transit with nothing sent after them (so no sequence gap shows):
-        a rank reported, at least SHADOW_WORKER_LOST_S ago, having sent more messages to a
-        worker than the worker has received, and the worker has received nothing since."""
-        job = self.job
-        if job is None or job.status not in ("running", "bootstrapping"):
-            return
-        grace = knobs.get("WORKER_LOST_S")
-        for rank, samples in job.sent.items():
-            sample = None
-            while len(samples) > 1 and now - samples[1][0] >= grace:
-                samples.popleft()
-            if samples and now - samples[0][0] >= grace:
-                sample = samples[0]
-            if sample is None:
-                continue
-            t, sent = sample
-            for w in self.workers:
-                if w.epoch != job.epoch or w.transit or w.out or w.busy_at >= t or w.joined_at >= t or w.id >= len(sent) or rank >= len(w.seq):
-                    continue
-                if w.seq[rank] < sent[w.id]:
-                    w.transit = (f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
-                                 f"(received {w.seq[rank]} of {sent[w.id]})")
-                    logger.error("worker %d: %s", w.id, w.transit)
-                    self._replica_down(w, f"worker {w.id}: {w.transit}")
-                    return
 
     def _degrade(self, reason: str) -> None:
         job = self.job
@@ -399,41 +372,6 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin):
                         shard=self.shard_of(w), shards=self.nshards, peer=None)
         logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
                     name, self.epoch, len(self.workers), len(layout.params), layout.total)
-
-    def _on_trainer_hb(self, env, msg) -> None:
-        """Trainer ranks heartbeat so that a restarted coordinator can find them again."""
-        job = self.job
-        if job is None and len(self.workers) < self.expected:
-            return  # just restarted: the workers have not all rejoined yet, the job may yet be rebuilt
-        if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
-            self._reply(env, "degraded", epoch=msg["epoch"], reason=(
-                f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
-                f"{'no job' if job is None else 'epoch %d' % job.epoch}); attach again to resume checkpointing"))
-            return
-        if not 0 <= msg["rank"] < job.world:
-            self._count("bad_rank")
-            return
-        job.sent.setdefault(msg["rank"], deque(maxlen=256)).append((time.monotonic(), msg["seq"]))
-        if job.trainers.get(msg["rank"]) == env[0]:
-            return
-        new = msg["rank"] not in job.trainers
-        job.trainers[msg["rank"]] = env[0]
-        logger.info("job %s: trainer rank %d %s", job.name, msg["rank"], "found" if new else "reconnected")
-        if job.cut >= job.base:
-            self._reply(env, "progress", epoch=job.epoch, applied=job.cut)
-        if job.status == "degraded":
-            self._reply(env, "degraded", epoch=job.epoch, reason=job.reason)
-            if job.resync_requested:
-                self._reply(env, "resync", epoch=job.epoch)
-
-    def _on_lagging(self, env, msg) -> None:
-        """Policy skip: a rank ran more than SHADOW_MAX_LAG iterations ahead and stopped streaming."""
-        job = self.job
-        if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
-            return
-        behind = [w.id for w in self.workers if w.prepared < msg["iteration"] - knobs.get_int("MAX_LAG")]
-        self._degrade(f"rank {msg['rank']} reached iteration {msg['iteration']} with the cluster at "
-                      f"{msg['applied']} (policy skip); workers {behind} are behind")
 
     def _on_detach(self, env, msg) -> None:
         job = self.job

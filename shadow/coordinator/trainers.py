@@ -1,0 +1,77 @@
+"""What the coordinator hears from trainer ranks besides attach/detach: heartbeats (how a
+restarted coordinator finds them; how lost messages are found), and ``lagging`` (policy skip)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from shadow import knobs
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerMixin:
+    """Coordinator handlers for trainer heartbeats and lagging reports."""
+
+    def _check_transit(self, now: float) -> None:
+        """Frames lost in transit with nothing sent after them (so no sequence gap shows):
+        a rank reported, at least SHADOW_WORKER_LOST_S ago, having sent more messages to a
+        worker than the worker has received, and the worker has received nothing since."""
+        job = self.job
+        if job is None or job.status not in ("running", "bootstrapping"):
+            return
+        grace = knobs.get("WORKER_LOST_S")
+        for rank, samples in job.sent.items():
+            sample = None
+            while len(samples) > 1 and now - samples[1][0] >= grace:
+                samples.popleft()
+            if samples and now - samples[0][0] >= grace:
+                sample = samples[0]
+            if sample is None:
+                continue
+            t, sent = sample
+            for w in self.workers:
+                if w.epoch != job.epoch or w.transit or w.out or w.busy_at >= t or w.joined_at >= t or w.id >= len(sent) or rank >= len(w.seq):
+                    continue
+                if w.seq[rank] < sent[w.id]:
+                    w.transit = (f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
+                                 f"(received {w.seq[rank]} of {sent[w.id]})")
+                    logger.error("worker %d: %s", w.id, w.transit)
+                    self._replica_down(w, f"worker {w.id}: {w.transit}")
+                    return
+
+    def _on_trainer_hb(self, env, msg) -> None:
+        """Trainer ranks heartbeat so that a restarted coordinator can find them again."""
+        job = self.job
+        if job is None and len(self.workers) < self.expected:
+            return  # just restarted: the workers have not all rejoined yet, the job may yet be rebuilt
+        if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
+            self._reply(env, "degraded", epoch=msg["epoch"], reason=(
+                f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
+                f"{'no job' if job is None else 'epoch %d' % job.epoch}); attach again to resume checkpointing"))
+            return
+        if not 0 <= msg["rank"] < job.world:
+            self._count("bad_rank")
+            return
+        job.sent.setdefault(msg["rank"], deque(maxlen=256)).append((time.monotonic(), msg["seq"]))
+        if job.trainers.get(msg["rank"]) == env[0]:
+            return
+        new = msg["rank"] not in job.trainers
+        job.trainers[msg["rank"]] = env[0]
+        logger.info("job %s: trainer rank %d %s", job.name, msg["rank"], "found" if new else "reconnected")
+        if job.cut >= job.base:
+            self._reply(env, "progress", epoch=job.epoch, applied=job.cut)
+        if job.status == "degraded":
+            self._reply(env, "degraded", epoch=job.epoch, reason=job.reason)
+            if job.resync_requested:
+                self._reply(env, "resync", epoch=job.epoch)
+
+    def _on_lagging(self, env, msg) -> None:
+        """Policy skip: a rank ran more than SHADOW_MAX_LAG iterations ahead and stopped streaming."""
+        job = self.job
+        if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
+            return
+        behind = [w.id for w in self.workers if w.prepared < msg["iteration"] - knobs.get_int("MAX_LAG")]
+        self._degrade(f"rank {msg['rank']} reached iteration {msg['iteration']} with the cluster at "
+                      f"{msg['applied']} (policy skip); workers {behind} are behind")
