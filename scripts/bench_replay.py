@@ -6,10 +6,12 @@ data and the same number of threads, and both against this machine's copy bandwi
 A GPT-like parameter list (a few large matrices, many small vectors) totalling --params
 elements, fp32. Each variant runs --repeat optimizer steps after a warm-up; the figure is
 the median step. Bytes moved per element per step for AdamW: read param, grad, exp_avg,
-exp_avg_sq and write param, exp_avg, exp_avg_sq = 28 bytes. Copy bandwidth is measured in
-the same run with numpy copies of the same total size (read + write = 8 bytes/element), on
-the same threads (numba prange copy), in interleaved rounds. Also checked: the two updates
-are bit-identical (torch.equal).
+exp_avg_sq and write param, exp_avg, exp_avg_sq = 28 bytes. The bandwidth baselines run in
+the same interleaved rounds on the same threads (numba prange): a *stream* with Adam's
+exact traffic and almost no arithmetic (``p += g; m += g; v += g``: the machine's limit
+for this access pattern, write-allocate included), and a plain copy (8 bytes/element,
+which under-counts the write-allocate read, so copy GB/s is not a limit Adam can be held
+to). Also checked: the two updates are bit-identical (torch.equal).
 """
 from __future__ import annotations
 
@@ -96,7 +98,26 @@ def main() -> int:
     def copy_step():
         par_copy(dst, flat_p)
 
-    fns = {"torch": torch_step, "shadow": shadow_step, "copy": copy_step}
+    @numba.njit(parallel=True, cache=True)
+    def par_stream(p, m, v, gr):
+        # Adam's memory traffic with almost no arithmetic: read 4 arrays, write 3 (28 B/elem)
+        n = p.shape[0]
+        chunk = 1 << 15
+        for c in numba.prange((n + chunk - 1) // chunk):
+            lo = c * chunk
+            hi = min(lo + chunk, n)
+            for i in range(lo, hi):
+                x = gr[i]
+                p[i] += x
+                m[i] += x
+                v[i] += x
+
+    sp, sm, sv = flat_p.copy(), np.zeros_like(flat_p), np.zeros_like(flat_p)
+
+    def stream_step():
+        par_stream(sp, sm, sv, flat_g)
+
+    fns = {"torch": torch_step, "shadow": shadow_step, "copy": copy_step, "stream": stream_step}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm-up
@@ -105,27 +126,30 @@ def main() -> int:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    t_torch, t_shadow, t_copy = (statistics.median(times[k]) for k in ("torch", "shadow", "copy"))
+    t_torch, t_shadow, t_copy, t_stream = (statistics.median(times[k]) for k in ("torch", "shadow", "copy", "stream"))
     same = all(torch.equal(p.detach(), torch.from_numpy(flat_p[o:o + n]))
                for p, o, n in zip(params, offsets, sizes))
     adam_bytes = 28 * total
     rows = {
         "params": total, "threads": args.threads, "repeat": args.repeat,
-        "torch_fused_s": t_torch, "shadow_s": t_shadow, "copy_s": t_copy,
+        "torch_fused_s": t_torch, "shadow_s": t_shadow, "copy_s": t_copy, "stream_s": t_stream,
         "shadow_vs_torch": t_torch / t_shadow,
         "shadow_GBps": adam_bytes / t_shadow / 1e9, "torch_GBps": adam_bytes / t_torch / 1e9,
-        "copy_GBps": 8 * total / t_copy / 1e9,
+        "copy_GBps": 8 * total / t_copy / 1e9, "stream_GBps": adam_bytes / t_stream / 1e9,
         "bit_identical": bool(same), "machine": f"{os.cpu_count()} cores",
     }
     rows["shadow_vs_copy_bw"] = rows["shadow_GBps"] / rows["copy_GBps"]
+    rows["shadow_vs_stream_bw"] = rows["shadow_GBps"] / rows["stream_GBps"]
     print(f"AdamW over {total / 1e6:.1f}M fp32 params, {args.threads} threads, median of {args.repeat} steps")
-    print("| variant | s/step | GB/s moved | vs torch fused | vs copy bandwidth | goal |")
+    print("| variant | s/step | GB/s moved | vs torch fused | vs Adam-traffic stream | goal |")
     print("|---|---|---|---|---|---|")
     print(f"| torch AdamW(fused=True) | {t_torch:.4f} | {rows['torch_GBps']:.2f} | 1.00x | "
-          f"{rows['torch_GBps'] / rows['copy_GBps']:.2f} | |")
+          f"{rows['torch_GBps'] / rows['stream_GBps']:.2f} | |")
     print(f"| shadow numba replay | {t_shadow:.4f} | {rows['shadow_GBps']:.2f} | {rows['shadow_vs_torch']:.2f}x | "
-          f"{rows['shadow_vs_copy_bw']:.2f} | >= 0.95x torch, >= 0.9 copy bw |")
-    print(f"| parallel copy (8 B/elem) | {t_copy:.4f} | {rows['copy_GBps']:.2f} | | 1.00 | |")
+          f"{rows['shadow_vs_stream_bw']:.2f} | >= 0.95x torch, >= 0.9 of the stream |")
+    print(f"| stream, Adam's traffic (28 B/elem) | {t_stream:.4f} | {rows['stream_GBps']:.2f} | | 1.00 | |")
+    print(f"| parallel copy (8 B/elem) | {t_copy:.4f} | {rows['copy_GBps']:.2f} | | "
+          f"{rows['copy_GBps'] / rows['stream_GBps']:.2f} | |")
     print(f"bit-identical to torch: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

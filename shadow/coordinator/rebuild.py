@@ -116,5 +116,5 @@ class RejoinMixin:
             self._degrade("coordinator restarted; workers " + ", ".join(f"{i} ({r})" for i, r in stale.items()))
             return
         for w in self.workers:  # one may have missed the last apply of the old coordinator
-            self._reply([w.ident], "apply", epoch=job.epoch, iteration=job.cut)
+            self._reply([w.ident], "apply", epoch=job.epoch, iteration=job.cut, persist=False)
         self._advance_cut()

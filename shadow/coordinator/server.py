@@ -247,10 +247,11 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
         persist = self.persist.local_due(cut, self.tokens.get(cut))
         writers = {self.shard_of(x): x for x in reversed(live)}  # one replica per shard writes
         for x in live:
-            self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut)
-            if persist and writers.get(self.shard_of(x)) is x:
+            writes = bool(persist) and writers.get(self.shard_of(x)) is x
+            if writes:
                 job.writers[self.shard_of(x)] = x.id
-                self._reply([x.ident], "persist", epoch=job.epoch, iteration=cut)
+            # the writer snapshots the cut in the apply pass itself
+            self._reply([x.ident], "apply", epoch=job.epoch, iteration=cut, persist=writes)
         for ident in job.trainers.values():
             self._reply([ident], "progress", epoch=job.epoch, applied=cut)
         for it in [i for i in self.tokens if i < cut]:

@@ -58,7 +58,11 @@ def _moments(g, p, m, v, inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2, tail_
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_rule):
+def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_m, snap_v,
+                  snap_x):
+    """Local elements ``[lo, hi)``; their gradient is ``grad[goff:goff + hi - lo]``. With
+    ``snap_p`` non-empty, the new values are also written to the ``snap_*`` arrays (the
+    persistence image of this iteration: one pass instead of an apply and a copy)."""
     one = np.float32(1.0)
     # loop-invariant choices become neutral factors and selects (x * 1 and x / 1 are
     # exact), the loops run over slices from 0 and numpy's error model is used: the body
@@ -73,10 +77,12 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_
     small = fl[I_LERP_SMALL] != 0
     a = f[F_W1] if small else f[F_W1] - one
     b2, c2, bc2s, eps, nstep = f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP]
-    p_, m_, v_, g_ = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi]
     n = hi - lo
+    p_, m_, v_, g_ = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[goff:goff + n]
+    snap = len(snap_p) > 0
     if fl[I_AMSGRAD] != 0:
         x_ = max_sq[lo:hi]
+        sp_, sm_, sv_, sx_ = snap_p[lo:hi], snap_m[lo:hi], snap_v[lo:hi], snap_x[lo:hi]
         for i in range(n):
             p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
                                tail_rule)
@@ -86,7 +92,25 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_
             if v > mx or np.isnan(v):
                 mx = v
             x_[i] = mx
-            p_[i] = p + (nstep * m) / (np.sqrt(mx) / bc2s + eps)
+            p = p + (nstep * m) / (np.sqrt(mx) / bc2s + eps)
+            p_[i] = p
+            if snap:
+                sp_[i] = p
+                sm_[i] = m
+                sv_[i] = v
+                sx_[i] = mx
+    elif snap:  # a loop of its own: a branch in the body would stop vectorisation
+        sp_, sm_, sv_ = snap_p[lo:hi], snap_m[lo:hi], snap_v[lo:hi]
+        for i in range(n):
+            p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
+                               tail_rule)
+            p = p + (nstep * m) / (np.sqrt(v) / bc2s + eps)
+            m_[i] = m
+            v_[i] = v
+            p_[i] = p
+            sm_[i] = m
+            sv_[i] = v
+            sp_[i] = p
     else:
         for i in range(n):
             p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
@@ -96,12 +120,15 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, hi, f, fl, tail_
             p_[i] = p + (nstep * m) / (np.sqrt(v) / bc2s + eps)
 
 
-def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
+def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grads, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x):
     """Apply one Adam/AdamW step in place over the work items.
 
-    ``work`` is int64 ``[n, 3]`` of ``(lo, hi, segment)`` in local element indices;
-    ``seg_f`` / ``seg_i`` are the per-segment scalar tables (columns ``F_*``/``I_*``).
-    ``max_sq`` may be a length-0 array when no segment uses amsgrad.
+    ``work`` is int64 ``[n, 5]`` of ``(lo, hi, segment, part, goff)``: local elements
+    ``[lo, hi)`` of one segment whose gradient is ``grads[part][goff:goff + hi - lo]``
+    (``grads`` is a typed list of float32 arrays: the received payload frames, or one
+    contiguous gradient); ``seg_f`` / ``seg_i`` are the per-segment scalar tables
+    (columns ``F_*``/``I_*``). ``max_sq`` may be a length-0 array when no segment uses
+    amsgrad; the ``snap_*`` arrays are length 0 unless this pass also fills a snapshot.
     """
     for w in prange(work.shape[0]):
         lo = work[w, 0]
@@ -111,12 +138,16 @@ def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad, work, seg_f, seg_i):
         if fl[I_ACTIVE] == 0:
             continue
         f = seg_f[s]
+        grad = grads[work[w, 3]]
+        goff = work[w, 4]
         tail = fl[I_TAIL_START]
         mid = min(max(tail, lo), hi)
         if mid > lo:
-            _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, lo, mid, f, fl, False)
+            _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, mid, f, fl, False, snap_p, snap_m,
+                          snap_v, snap_x)
         if hi > mid:
-            _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, mid, hi, f, fl, True)
+            _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff + (mid - lo), mid, hi, f, fl, True,
+                          snap_p, snap_m, snap_v, snap_x)
 
 
 #: multi-threaded (numba prange over work items): the worker's kernel

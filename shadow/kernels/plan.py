@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from numba import typed, types
 
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
@@ -103,6 +104,66 @@ def work_items(segments: Sequence[Segment], chunk: int) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
 
+def part_work(segments: Sequence[Segment], parts: Sequence[tuple[int, int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Work items over gradient *parts* (received payloads, applied where they lie).
+
+    ``parts`` are ``(local_dst, nelem)`` sorted by ``local_dst``; part ``j`` holds the
+    gradient of local elements ``[dst, dst + nelem)``. Returns ``(work, covered)``:
+    ``work`` int64 ``[n, 5]`` rows ``(lo, hi, segment, part, goff)`` of at most ``chunk``
+    elements, ``covered[s]`` the elements of segment ``s`` that some part covers.
+    Raises ``ValueError`` when two parts overlap.
+    """
+    rows, covered = [], np.zeros(len(segments), dtype=np.int64)
+    seg_lo = np.asarray([g.lo for g in segments], dtype=np.int64)
+    prev_end = None
+    for j, (a, n) in enumerate(parts):
+        b = a + n
+        if prev_end is not None and a < prev_end:
+            raise ValueError(f"gradient parts overlap at local element {a}")
+        prev_end = b
+        s = max(int(np.searchsorted(seg_lo, a, side="right")) - 1, 0)
+        while s < len(segments) and segments[s].lo < b:
+            lo, hi = max(a, segments[s].lo), min(b, segments[s].hi)
+            if lo < hi:
+                covered[s] += hi - lo
+                for x in range(lo, hi, chunk):
+                    rows.append((x, min(x + chunk, hi), s, j, x - a))
+            s += 1
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 5), covered
+
+
+def untouched(work: np.ndarray, active: np.ndarray, size: int) -> list[tuple[int, int]]:
+    """Local ranges of ``[0, size)`` that no active work row writes (``active`` is per
+    segment): what a snapshot folded into the apply pass still has to copy."""
+    rows = work[active[work[:, 2]]] if len(work) else work
+    rows = rows[np.argsort(rows[:, 0], kind="stable")] if len(rows) else rows
+    out, at = [], 0
+    for lo, hi in rows[:, :2].tolist() if len(rows) else ():
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < size:
+        out.append((at, size))
+    return out
+
+
+GRAD_T = types.Array(types.float32, 1, "C", readonly=True)
+
+
+def grad_list(arrays: Sequence[np.ndarray]) -> typed.List:
+    """The kernels' typed list of read-only float32 gradient arrays."""
+    out = typed.List.empty_list(GRAD_T)
+    for a in arrays:
+        if a.flags.writeable:
+            a = a.view()
+            a.flags.writeable = False
+        out.append(a)
+    return out
+
+
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
 class ReplayPlan:
     """Scalar tables for one worker range, refreshed per iteration from the commit."""
 
@@ -114,6 +175,9 @@ class ReplayPlan:
         self.segments = list(segments)
         self.impl, self.kind = impl, kind
         self.work = work_items(self.segments, chunk)
+        self.chunk = chunk
+        self.seg_len = np.asarray([g.hi - g.lo for g in self.segments], dtype=np.int64)
+        self._parts_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         mod = _adam if kind == "adam" else _sgd
         self.seg_f = np.zeros((len(self.segments), mod.N_FSCALARS), dtype=np.float32)
         self.seg_i = np.zeros((len(self.segments), mod.N_ISCALARS), dtype=np.int64)
@@ -146,8 +210,43 @@ class ReplayPlan:
             row_i[_sgd.J_GRAD_SCALE] = int(grad_scale is not None)
 
     def apply_sgd(self, param, buf, grad, threads: bool = True) -> None:
-        fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
-        fn(param, buf, grad, self.work, self.seg_f, self.seg_i)
+        """SGD over a contiguous gradient of the whole range."""
+        self.run(_sgd, (param, buf), [(0, grad)], threads=threads)
+
+    def work_for(self, parts: Sequence[tuple[int, np.ndarray]]) -> np.ndarray:
+        """Work rows over ``parts`` (sorted ``(local_dst, array)``), cached by their
+        geometry (the same every iteration of a run); checks that every active segment
+        is covered."""
+        key = tuple((dst, len(a)) for dst, a in parts)
+        hit = self._parts_cache.get(key)
+        if hit is None:
+            if len(self._parts_cache) > 16:
+                self._parts_cache.clear()
+            hit = self._parts_cache[key] = part_work(self.segments, key, self.chunk)
+        work, covered = hit
+        active = self.seg_i[:, 0] != 0  # I_ACTIVE and J_ACTIVE are column 0
+        short = np.flatnonzero(active & (covered != self.seg_len))
+        if len(short):
+            seg = self.segments[int(short[0])]
+            raise ValueError(f"{len(short)} updated parameter slices lack gradient elements (first: parameter "
+                             f"{seg.param}, {int(covered[short[0]])} of {seg.hi - seg.lo} covered)")
+        return work
+
+    def run(self, mod, arrays: tuple, parts: Sequence[tuple[int, np.ndarray]], snap: tuple = (),
+            threads: bool = True) -> np.ndarray:
+        """Run ``mod``'s kernel (:mod:`adam` with ``(param, exp_avg, exp_avg_sq, max_sq)``,
+        :mod:`sgd` with ``(param, momentum_buf)``) with gradients taken from ``parts``
+        where they lie; ``snap``: arrays of the same shapes that receive the new values
+        too. Returns the work rows used."""
+        work = self.work_for(parts)
+        grads = grad_list([a for _, a in parts])
+        snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
+        if mod is _adam:
+            fn = _adam.adam_apply if threads else _adam.adam_apply_serial
+        else:
+            fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
+        fn(*arrays, grads, work, self.seg_f, self.seg_i, *snaps)
+        return work
 
     def prepare(
         self,
@@ -196,10 +295,9 @@ class ReplayPlan:
             row_i[_adam.I_CLIP] = int(clip is not None)
 
     def apply(self, param, exp_avg, exp_avg_sq, max_sq, grad, threads: bool = True) -> None:
-        """Run the kernel over this plan's work items (in place); ``threads=False`` keeps
-        it on the calling thread."""
-        fn = _adam.adam_apply if threads else _adam.adam_apply_serial
-        fn(param, exp_avg, exp_avg_sq, max_sq, grad, self.work, self.seg_f, self.seg_i)
+        """Run the kernel over a contiguous gradient of the whole range (in place);
+        ``threads=False`` keeps it on the calling thread."""
+        self.run(_adam, (param, exp_avg, exp_avg_sq, max_sq), [(0, grad)], threads=threads)
 
 
 def warm_up() -> None:

@@ -25,7 +25,23 @@ N_ISCALARS = 10
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _sgd_range(param, buf, grad, lo, hi, f, fl, tail_rule):
+def _sgd_step(p, g, bo, inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr, tail_rule):
+    """One element with momentum: ``(new param, new momentum buffer)``."""
+    g = ((g * inv) * cl) / gs * sign
+    gw = fma32(p, wd, g)
+    g = gw if has_wd else g
+    if tail_rule:
+        b = fma32(bo, m, g * d1)
+    else:
+        b = fma32(g, d1, bo * m)
+    b = g if first else b
+    gn = fma32(b, m, g)
+    g = gn if nesterov else b
+    return fma32(g, neg_lr, p), b
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _sgd_range(param, buf, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_b):
     # straight-line loop bodies (see adam.py): neutral factors and selects for the
     # loop-invariant flags, slices from 0, numpy's error model -- LLVM vectorises them
     one = np.float32(1.0)
@@ -37,8 +53,10 @@ def _sgd_range(param, buf, grad, lo, hi, f, fl, tail_rule):
     has_wd = fl[J_WD] != 0
     first = fl[J_FIRST] != 0
     nesterov = fl[J_NESTEROV] != 0
-    p_, g_ = param[lo:hi], grad[lo:hi]
     n = hi - lo
+    p_, g_ = param[lo:hi], grad[goff:goff + n]
+    snap = len(snap_p) > 0
+    sp_ = snap_p[lo:hi]
     if fl[J_MOMENTUM] == 0:
         for i in range(n):
             p = p_[i]
@@ -46,26 +64,31 @@ def _sgd_range(param, buf, grad, lo, hi, f, fl, tail_rule):
             gw = fma32(p, wd, g)
             g = gw if has_wd else g
             p_[i] = fma32(g, neg_lr, p)
+        if snap:
+            sp_[:] = p_
         return
     b_ = buf[lo:hi]
-    for i in range(n):
-        p = p_[i]
-        g = ((g_[i] * inv) * cl) / gs * sign
-        gw = fma32(p, wd, g)
-        g = gw if has_wd else g
-        bo = b_[i]
-        if tail_rule:
-            b = fma32(bo, m, g * d1)
-        else:
-            b = fma32(g, d1, bo * m)
-        b = g if first else b
-        b_[i] = b
-        gn = fma32(b, m, g)
-        g = gn if nesterov else b
-        p_[i] = fma32(g, neg_lr, p)
+    if snap:  # a loop of its own: a branch in the body would stop vectorisation
+        sb_ = snap_b[lo:hi]
+        for i in range(n):
+            p, b = _sgd_step(p_[i], g_[i], b_[i], inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr,
+                             tail_rule)
+            b_[i] = b
+            p_[i] = p
+            sb_[i] = b
+            sp_[i] = p
+    else:
+        for i in range(n):
+            p, b = _sgd_step(p_[i], g_[i], b_[i], inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr,
+                             tail_rule)
+            b_[i] = b
+            p_[i] = p
 
 
-def _sgd_apply(param, buf, grad, work, seg_f, seg_i):
+def _sgd_apply(param, buf, grads, work, seg_f, seg_i, snap_p, snap_b):
+    """One SGD step in place over ``work`` rows ``(lo, hi, segment, part, goff)`` (see
+    :func:`shadow.kernels.adam._adam_apply`); ``snap_*`` are length 0 unless this pass
+    also fills a snapshot."""
     for w in prange(work.shape[0]):
         lo = work[w, 0]
         hi = work[w, 1]
@@ -74,11 +97,13 @@ def _sgd_apply(param, buf, grad, work, seg_f, seg_i):
         if fl[J_ACTIVE] == 0:
             continue
         f = seg_f[s]
+        grad = grads[work[w, 3]]
+        goff = work[w, 4]
         mid = min(max(fl[J_TAIL_START], lo), hi)
         if mid > lo:
-            _sgd_range(param, buf, grad, lo, mid, f, fl, False)
+            _sgd_range(param, buf, grad, goff, lo, mid, f, fl, False, snap_p, snap_b)
         if hi > mid:
-            _sgd_range(param, buf, grad, mid, hi, f, fl, True)
+            _sgd_range(param, buf, grad, goff + (mid - lo), mid, hi, f, fl, True, snap_p, snap_b)
 
 
 sgd_apply = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_sgd_apply)

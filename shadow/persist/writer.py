@@ -49,25 +49,47 @@ class ShardPersister:
         return os.path.join(d, self.file_name())
 
     def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None) -> None:
-        """Copy the range as of ``iteration`` into the image and start writing it."""
+        """Copy the range as of ``iteration`` into an image and start writing it."""
+        img = self.begin(iteration, epoch, world, blobs)
+        if img is None:
+            return
+        for f, view in self.field_views(img).items():
+            np.copyto(view, self.state.array(f), casting="no")
+        self.finish(img, iteration, epoch, blobs, commit)
+
+    def begin(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes]) -> shardfile.ShardImage | None:
+        """Take a free image and lay it out for the range; None (reported as skipped) when
+        every image is still being written. The caller fills the fields -- by copying, or
+        in the apply pass of ``iteration`` itself (:meth:`field_views`) -- then calls
+        :meth:`finish`, or :meth:`abandon`."""
         try:
             img = self._free.get_nowait()
         except queue.Empty:
             self._results.put(self.report(iteration, epoch, "local", False,
                                           "skipped: earlier checkpoint writes are still running"))
-            return
+            return None
         st = self.state
-        idx = np.flatnonzero(st.in_range).astype(np.int64)
+        nparams = int(st.in_range.sum())
         entries = [shardfile.Entry(f.name.lower(), "F32", st.size) for f in st.fields()]
-        entries += [shardfile.Entry("param_index", "I64", len(idx)), shardfile.Entry("steps", "F64", len(idx)),
-                    shardfile.Entry("has_state", "U8", len(idx))]
+        entries += [shardfile.Entry("param_index", "I64", nparams), shardfile.Entry("steps", "F64", nparams),
+                    shardfile.Entry("has_state", "U8", nparams)]
         entries += [shardfile.Entry(f"commit.rank{r}", "U8", len(b)) for r, b in sorted(blobs.items())]
         meta = {"format": shardfile.FORMAT, "job": self.job, "epoch": str(epoch), "iteration": str(iteration),
                 "start": str(st.start), "stop": str(st.stop), "shard": str(self.shard),
                 "shards": str(self.nshards), "layout_hash": f"{st.layout.hash:016x}", "world": str(world)}
         img.layout(entries, meta)
-        for f in st.fields():
-            img.fill(f.name.lower(), st.array(f))
+        return img
+
+    def field_views(self, img: shardfile.ShardImage) -> dict:
+        """Field -> its array in ``img`` (laid out by :meth:`begin`)."""
+        return {f: img.view(f.name.lower()) for f in self.state.fields()}
+
+    def finish(self, img: shardfile.ShardImage, iteration: int, epoch: int, blobs: dict[int, bytes],
+               commit: dict | None) -> None:
+        """Fill the per-parameter metadata (as of now: after ``iteration`` applied) and the
+        commit blobs, and start the background write."""
+        st = self.state
+        idx = np.flatnonzero(st.in_range).astype(np.int64)
         img.fill("param_index", idx)
         img.fill("steps", st.steps[idx])
         img.fill("has_state", st.has_state[idx].astype(np.uint8))
@@ -76,6 +98,10 @@ class ShardPersister:
         extra = {"commit": commit, "blob_ranks": sorted(blobs)}
         threading.Thread(target=self._write, args=(img, iteration, epoch, extra), name="shadow-persist",
                          daemon=True).start()
+
+    def abandon(self, img: shardfile.ShardImage) -> None:
+        """Give an image taken by :meth:`begin` back unwritten."""
+        self._free.put(img)
 
     def _write(self, img: shardfile.ShardImage, iteration: int, epoch: int, extra: dict) -> None:
         t0 = time.monotonic()

@@ -38,9 +38,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "configure": {"epoch": (int,), "job": (str,), "job_id": (int,), "layout": (dict,), "start": (int,),
                   "stop": (int,), "world": (int,), "optim": (dict,), "iteration": (int,), "persist": (dict,),
                   "shard": (int,), "shards": (int,), "peer": (dict, type(None))},
-    "persist": {"epoch": (int,), "iteration": (int,)},
     "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
-    "apply": {"epoch": (int,), "iteration": (int,)},
+    "apply": {"epoch": (int,), "iteration": (int,), "persist": (bool,)},
     "shutdown": {},
     # trainer -> coordinator
     "attach": {"job": (str,), "rank": (int,), "world": (int,), "layout_hash": (int,),

@@ -73,6 +73,15 @@ class DataMixin:
             raise F.FrameError("truncated_payload", f"payload is {got} bytes, run says {nbytes}")
         self.bytes_in += got
 
+    def _recv_part(self, sock, nbytes: int) -> np.ndarray:
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise F.FrameError("truncated_payload", "message has fewer payload frames than runs")
+        frame = sock.recv(copy=False)
+        if len(frame) != nbytes:
+            raise F.FrameError("truncated_payload", f"payload is {len(frame)} bytes, run says {nbytes}")
+        self.bytes_in += nbytes
+        return np.frombuffer(frame.buffer, dtype=np.float32)
+
     def _take_payload(self, sock, h: F.Header) -> None:
         s = self.session
         lo, hi = s.state.start, s.state.stop
@@ -88,19 +97,24 @@ class DataMixin:
             if h.field != F.Field.GRAD:
                 raise F.FrameError("bad_kind", f"GRAD frame for field {h.field.name}")
             slot = s.inbox.slot(h.iteration, F.Kind.GRAD)
-            target = s.inbox.grad_buffer(slot)
+            target = None
         if slot.commits[h.rank] is not None:
             raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
-        total = 0
+        total, parts = 0, []
         for dst, nelem, csum in h.runs:
-            view = target[dst - lo: dst - lo + nelem]
-            self._recv_part_into(sock, view, nelem * 4)
+            if target is None:  # a gradient: keep the frame, the kernel reads it where it lies
+                view = self._recv_part(sock, nelem * 4)
+                parts.append((dst - lo, view))
+            else:
+                view = target[dst - lo: dst - lo + nelem]
+                self._recv_part_into(sock, view, nelem * 4)
             if F.checksum(view) != csum:
                 raise F.FrameError("bad_checksum", f"payload at flat {dst} (+{nelem}) from rank {h.rank} iteration {h.iteration}")
             total += nelem
         if sock.getsockopt(zmq.RCVMORE):
             raise F.FrameError("extra_payload", "message has more payload frames than runs")
         slot.received[h.rank] += total
+        slot.parts.extend(parts)
         if h.kind == F.Kind.STATE:
             slot.field_elems[int(h.field)] = slot.field_elems.get(int(h.field), 0) + total
 

@@ -1,5 +1,6 @@
-"""Assembling iterations from frames: preallocated gradient slots, per-rank accounting,
-and the PREPARED rule (all bytes of the range plus every rank's commit)."""
+"""Assembling iterations from frames: gradient slots (the received payload frames
+themselves, applied where they lie), per-rank accounting, and the PREPARED rule (all
+bytes of the range plus every rank's commit)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,12 +14,14 @@ from shadow.wire.frames import Field, FrameError, Kind
 class Slot:
     iteration: int
     kind: Kind
-    buf: int  # index into the gradient pool (-1 for STATE iterations)
     world: int
     received: np.ndarray = field(init=False)  # elements per rank
     field_elems: dict = field(default_factory=dict)  # STATE: elements per field
     commits: list = field(init=False)  # replay part per rank
     blobs: dict = field(default_factory=dict)  # rank -> opaque commit blob
+    #: GRAD: ``(local_dst, float32 array)`` per received run; the arrays are views of the
+    #: zmq frames (no copy into a separate gradient buffer)
+    parts: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.received = np.zeros(self.world, dtype=np.int64)
@@ -32,8 +35,7 @@ class Inbox:
         self, size: int, world: int, nslots: int, expected_grad, state_fields: tuple[Field, ...]
     ) -> None:
         self.size, self.world = size, world
-        self.pool = [np.empty(size, dtype=np.float32) for _ in range(nslots)]
-        self.free = list(range(nslots))
+        self.nslots = nslots  # GRAD iterations in flight at most (bounds the frames held)
         self.slots: dict[int, Slot] = {}
         self.next_seq = [0] * world
         self.expected_grad = expected_grad  # skipped param indices -> elements that need a gradient
@@ -53,18 +55,20 @@ class Inbox:
                 raise FrameError("mixed_kinds", f"iteration {iteration} carries both {s.kind.name} and {kind.name} frames")
             return s
         if kind == Kind.STATE:
-            s = Slot(iteration, Kind.STATE, -1, self.world)
+            s = Slot(iteration, Kind.STATE, self.world)
         elif kind == Kind.GRAD:
-            if not self.free:
-                raise FrameError("overflow", f"no free gradient slot for iteration {iteration} ({len(self.pool)} in flight)")
-            s = Slot(iteration, Kind.GRAD, self.free.pop(), self.world)
+            if sum(x.kind == Kind.GRAD for x in self.slots.values()) >= self.nslots:
+                raise FrameError("overflow", f"no free gradient slot for iteration {iteration} ({self.nslots} in flight)")
+            s = Slot(iteration, Kind.GRAD, self.world)
         else:
             raise ValueError(f"slots hold GRAD or STATE iterations, not {kind.name}")
         self.slots[iteration] = s
         return s
 
-    def grad_buffer(self, slot: Slot) -> np.ndarray:
-        return self.pool[slot.buf]
+    @staticmethod
+    def grad_parts(slot: Slot) -> list:
+        """The slot's gradient parts in flat order."""
+        return sorted(slot.parts, key=lambda p: p[0])
 
     def complete(self, slot: Slot) -> bool:
         """Every rank's commit is in, each rank's byte count matches what it says it
@@ -80,10 +84,7 @@ class Inbox:
         return int(slot.received.sum()) >= self.expected_grad(slot.commits[0]["skipped"])
 
     def release(self, iteration: int) -> Slot:
-        slot = self.slots.pop(iteration)
-        if slot.buf >= 0:
-            self.free.append(slot.buf)
-        return slot
+        return self.slots.pop(iteration)
 
     def clear(self) -> None:
         for it in list(self.slots):

@@ -208,9 +208,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         elif t == "configure":
             self._configure(msg)
         elif t == "apply":
-            self._apply_upto(msg["epoch"], msg["iteration"])
-        elif t == "persist":
-            self._persist(msg)
+            self._apply_upto(msg["epoch"], msg["iteration"], msg["persist"])
         elif t == "upload":
             s = self.session
             if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
@@ -248,10 +246,15 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
 
     # -- replicas: reset and peer copy ---------------------------------------------------
 
-    def _apply_upto(self, epoch: int, iteration: int) -> None:
+    def _apply_upto(self, epoch: int, iteration: int, persist: bool = False) -> None:
+        """Apply every prepared iteration up to the cut ``iteration``; with ``persist``,
+        snapshot the cut for the local tier -- in the apply pass itself when the cut is a
+        gradient iteration applied now (the kernel writes the new values to the image
+        too: no separate copy), else by copying."""
         s = self.session
         if s is None or epoch != s.epoch:
             return
+        folded = None
         while True:
             k = s.applied + 1 if s.applied >= 0 else s.base
             if k > iteration:
@@ -264,7 +267,18 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
                 c = slot.commits[0]
                 s.state.install_meta(c["steps"], c["has_state"])
             else:
-                s.state.apply(s.inbox.grad_buffer(slot), slot.commits[0])
+                img = s.persister.begin(k, s.epoch, s.world, slot.blobs) \
+                    if persist and k == iteration and s.persister is not None else None
+                try:
+                    filled = s.state.apply(s.inbox.grad_parts(slot), slot.commits[0],
+                                           s.persister.field_views(img) if img is not None else None)
+                except ValueError as exc:
+                    if img is not None:
+                        s.persister.abandon(img)
+                    self._go_stale(f"iteration {k} cannot be applied: {exc}")
+                    return
+                if img is not None:
+                    folded = (img, filled)
             s.inbox.release(k)
             s.applied = k
             if self.retired is not None:  # the new epoch holds its base: the old one is no longer needed
@@ -280,18 +294,29 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
                 if not s.exact and not result["ok"]:  # a GPU trainer: report the deviation, do not fail
                     result.update(ok=True, detail="deviation (not bit-exact by design): " + result["detail"])
                 self._to_coord("audited", epoch=s.epoch, iteration=k, **result)
+        if persist:
+            self._persist(iteration, folded)
         self._answer_fetches()
 
-    def _persist(self, msg: dict) -> None:
+    def _persist(self, iteration: int, folded=None) -> None:
+        """Finish the snapshot of ``iteration`` (``folded``: ``(image, filled)`` from the
+        apply pass) or take it by copying."""
         s = self.session
-        if s is None or msg["epoch"] != s.epoch or s.persister is None:
+        if s.persister is None:
             return
-        if s.applied != msg["iteration"]:
+        if s.applied != iteration:
             self._to_coord("persisted", **s.persister.report(
-                msg["iteration"], s.epoch, "local", False, f"worker is at iteration {s.applied}"))
+                iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}"))
             return
         commit = {k: v for k, v in s.commit.items() if k not in ("steps", "has_state", "sent")} if s.commit else None
-        s.persister.snapshot(s.applied, s.epoch, s.world, s.blobs, commit)
+        if folded is None:
+            s.persister.snapshot(s.applied, s.epoch, s.world, s.blobs, commit)
+            return
+        img, filled = folded
+        if not filled:  # a skipped step: the kernel did not run
+            for f, view in s.persister.field_views(img).items():
+                np.copyto(view, s.state.array(f), casting="no")
+        s.persister.finish(img, iteration, s.epoch, s.blobs, commit)
 
     def _report_persisted(self) -> None:
         s = self.session

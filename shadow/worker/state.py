@@ -7,6 +7,9 @@ import numpy as np
 
 from shadow import knobs
 from shadow.kernels import ReplayPlan, segments_for_range
+from shadow.kernels import adam as _adam
+from shadow.kernels import sgd as _sgd
+from shadow.kernels.plan import untouched
 from shadow.layout import Layout
 from shadow.wire.frames import Field
 
@@ -83,27 +86,49 @@ class ShardState:
         self.steps[:] = np.asarray(steps, dtype=np.float64)
         self.has_state[:] = np.asarray(has_state, dtype=bool)
 
-    def apply(self, grad: np.ndarray, commit: dict) -> None:
-        """Replay one optimizer step with the reduced gradient ``grad`` of this range."""
+    def apply(self, parts: list, commit: dict, snap: dict | None = None) -> bool:
+        """Replay one optimizer step. ``parts``: ``(local_dst, float32 array)`` gradient
+        pieces of this range in flat order (received frames, or one contiguous gradient
+        at 0). ``snap``: field -> array of the range's size that also receives the new
+        values (the persistence image: the snapshot is taken in the same pass). Returns
+        whether ``snap`` was filled (False when the step is skipped: nothing ran).
+        Raises ``ValueError`` (state untouched) when the parts overlap or leave an updated
+        element without a gradient."""
         skipped = set(commit["skipped"])
         if commit.get("skip_step"):
-            return
+            return False
         active = self.in_range.copy()
         if skipped:
             active[list(skipped)] = False
         steps_next = self.steps + active
+
         def f32(key):
             v = commit.get(key)
             return None if v is None else np.float32(v)
 
         transforms = (f32("clip"), f32("inv_scale"), f32("grad_scale"))
+        fields = self.fields()
         if self.kind == "sgd":
             self.plan.prepare_sgd(commit["groups"], self.has_state, skipped, *transforms)
-            self.plan.apply_sgd(self.param, self.exp_avg, grad)
+            arrays = (self.param, self.exp_avg)
+            mod = _sgd
+        else:
+            self.plan.prepare(commit["groups"], steps_next, skipped, *transforms)
+            arrays = (self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq)
+            mod = _adam
+        empty = np.zeros(0, dtype=np.float32)
+        snaps = tuple(snap.get(f, empty) for f in (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ, Field.MAX_EXP_AVG_SQ)
+                      [:len(arrays)]) if snap else ()
+        work = self.plan.run(mod, arrays, parts, snaps)
+        if snap:  # what the kernel did not write (skipped or frozen parameters) is copied
+            active_seg = self.plan.seg_i[:, 0] != 0
+            for lo, hi in untouched(work, active_seg, self.size):
+                for f in fields:
+                    snap[f][lo:hi] = self.array(f)[lo:hi]
+        if self.kind == "sgd":
             with_momentum = np.asarray([commit["groups"][p.group]["momentum"] != 0 for p in self.layout.params])
             self.has_state |= active & with_momentum  # torch keeps a momentum buffer only then
-            return
-        self.plan.prepare(commit["groups"], steps_next, skipped, *transforms)
-        self.plan.apply(self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, grad)
-        self.steps = steps_next
-        self.has_state |= active
+        else:
+            self.steps = steps_next
+            self.has_state |= active
+        return bool(snap)

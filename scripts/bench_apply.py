@@ -1,0 +1,237 @@
+"""The worker's per-iteration work before and after applying from the received frames
+and folding the persistence snapshot into the apply pass.
+
+    python scripts/bench_apply.py [--params 50e6] [--iters 6] [--threads 2] [--quick] [--json PATH]
+
+A sender process streams one AdamW gradient of --params fp32 elements per iteration, as
+DDP buckets of GPT-sized runs framed exactly like the trainer's sender (xxh3 per run,
+``F.Header`` run table), over ipc to this process, which plays one worker holding the
+whole range in two :class:`shadow.worker.state.ShardState` copies:
+
+* before: each run ``recv_into`` its place in a contiguous gradient buffer and checksummed
+  there, then the replay kernel reads that buffer; a snapshot iteration then copies the
+  fields into the persistence image (``np.copyto``, as ``ShardPersister.snapshot`` did);
+* after (what the worker does now): each run is taken zero-copy (``recv(copy=False)``),
+  checksummed on the frame, and the kernel reads the gradient from the frames where they
+  lie (``ShardState.apply(parts)``); on a snapshot iteration the kernel also writes the new
+  values into the image (``ShardState.apply(parts, snap=...)``).
+
+Every iteration is sent twice, once for each path (alternating which goes first); both
+states must end bit-identical, and the folded snapshot must equal the state. Figures per
+iteration (median): the worker's CPU seconds receiving (this process, zmq's I/O thread
+included; waiting is not counted), the apply wall time, and the total CPU seconds per
+iteration. Bytes moved per parameter count each pass over memory (the socket's write into
+zmq's buffer included; fp32 AdamW without amsgrad).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# bytes per parameter per iteration, by pass (see the module docstring)
+PASSES = {
+    "before": {"socket -> zmq buffer": 4, "recv_into copy": 8, "checksum": 4, "kernel": 28},
+    "after": {"socket -> zmq buffer": 4, "checksum": 4, "kernel": 28},
+    "before+snapshot": {"socket -> zmq buffer": 4, "recv_into copy": 8, "checksum": 4, "kernel": 28,
+                        "snapshot copy": 24},
+    "after+snapshot": {"socket -> zmq buffer": 4, "checksum": 4, "kernel + snapshot stores": 40},
+}
+
+
+def bucket_runs(sizes: list[int], cap: int = 25 << 20) -> list[list[tuple[int, int]]]:
+    """DDP-like buckets: parameters in reverse order, a bucket closes at ``cap`` bytes;
+    each run is ``(flat offset, nelem)``."""
+    offsets, o = [], 0
+    for n in sizes:
+        offsets.append(o)
+        o += n
+    buckets, cur, nbytes = [], [], 0
+    for off, n in reversed(list(zip(offsets, sizes))):
+        cur.append((off, n))
+        nbytes += 4 * n
+        if nbytes >= cap:
+            buckets.append(cur)
+            cur, nbytes = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
+    import numpy as np
+    import zmq
+
+    from shadow.wire import frames as F
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, -1)
+    sock.connect(endpoint)
+    rng = np.random.default_rng(0)
+    seq = 0
+    for it in range(1, iters + 1):
+        grad = (rng.standard_normal(total, dtype=np.float32) * np.float32(1e-2)).astype(np.float32)
+        for _ in range(2):  # once for each path
+            conn.recv()  # the receiver is ready
+            for runs in buckets:
+                views = [grad[off:off + n] for off, n in runs]
+                table = tuple((off, n, F.checksum(v)) for (off, n), v in zip(runs, views))
+                h = F.Header(F.Kind.GRAD, F.Field.GRAD, 1, 1, 0, 1, 7, it, seq, table)
+                seq += 1
+                sock.send_multipart([h.pack()] + [memoryview(v) for v in views], copy=False)
+    conn.recv()
+    sock.close()
+    ctx.term()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=50e6)
+    ap.add_argument("--iters", type=int, default=6, help="iterations per kind (plain, snapshot)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true", help="10M params, 4 iterations per kind")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    if args.quick:
+        args.params, args.iters = min(args.params, 10e6), min(args.iters, 4)
+    os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
+    import numpy as np
+    import zmq
+    from bench_replay import shapes
+    from benchlib import machine_info
+
+    from shadow import knobs
+    from shadow.kernels.plan import warm_up
+    from shadow.layout import Layout
+    from shadow.persist.writer import ShardPersister
+    from shadow.wire import frames as F
+    from shadow.worker.state import ShardState
+
+    sizes = shapes(int(args.params))
+    total = sum(sizes)
+    buckets = bucket_runs(sizes)
+    layout = Layout.build([(f"p{i}", (n,), 0, True) for i, n in enumerate(sizes)], 1)
+    optim = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8, "amsgrad_any": False}
+    commit = {"skipped": [], "clip": None, "inv_scale": None, "grad_scale": None, "skip_step": False,
+              "groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+                          "maximize": False, "decoupled": True}]}
+    warm_up()
+    tmp = tempfile.mkdtemp(prefix="shadow-bench-apply-")
+    states, persisters, imgs = {}, {}, {}
+    rng = np.random.default_rng(1)
+    init = rng.standard_normal(total, dtype=np.float32)
+    for path in ("before", "after"):
+        st = ShardState(layout, 0, total, optim)
+        st.param[:] = init
+        states[path] = st
+        persisters[path] = ShardPersister({"local": {"dir": tmp}, "remote": {"url": ""}}, "bench", 0, 1, st)
+    grad_buf = np.empty(total, dtype=np.float32)
+    max_runs = knobs.get_int("MAX_RUNS")
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    endpoint = f"ipc://{tmp}/data"
+    pull.bind(endpoint)
+    parent, child = mp.get_context("spawn").Pipe()
+    iters = 2 * args.iters
+    proc = mp.get_context("spawn").Process(target=sender_main, args=(endpoint, total, buckets, iters, child))
+    proc.start()
+
+    def receive(path: str) -> tuple[list, float]:
+        """One iteration's messages; returns the parts (after) and the CPU seconds."""
+        parts = []
+        parent.send(b"go")
+        cpu = 0.0
+        for _ in range(len(buckets)):
+            pull.poll()  # waiting is not work
+            c0 = time.process_time()
+            h = F.unpack_header(pull.recv(), max_runs)
+            for dst, n, csum in h.runs:
+                if path == "before":
+                    view = grad_buf[dst:dst + n]
+                    got = pull.recv_into(view)
+                else:
+                    frame = pull.recv(copy=False)
+                    got = len(frame)
+                    view = np.frombuffer(frame.buffer, dtype=np.float32)
+                    parts.append((dst, view))
+                if got != 4 * n or F.checksum(view) != csum:
+                    raise SystemExit(f"bench frame check failed at {dst}")
+            cpu += time.process_time() - c0
+        return sorted(parts, key=lambda p: p[0]), cpu
+
+    def apply(path: str, parts: list, snapshot: bool) -> tuple[float, float]:
+        st, per = states[path], persisters[path]
+        img = per.begin(1, 1, 1, {}) if snapshot else None
+        c0, t0 = time.process_time(), time.perf_counter()
+        if path == "before":
+            st.apply([(0, grad_buf)], commit)
+            if img is not None:
+                for f, view in per.field_views(img).items():
+                    np.copyto(view, st.array(f), casting="no")
+        else:
+            st.apply(parts, commit, per.field_views(img) if img is not None else None)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if img is not None:
+            imgs[path] = {f: v.copy() for f, v in per.field_views(img).items()}
+            per.abandon(img)
+        return wall, cpu
+
+    rows: dict[str, dict[str, list]] = {}
+    for it in range(1, iters + 1):
+        snapshot = it > args.iters
+        order = ("before", "after") if it % 2 else ("after", "before")
+        for path in order:
+            parts, recv_cpu = receive(path)
+            wall, cpu = apply(path, parts, snapshot)
+            del parts
+            if it in (1, args.iters + 1):
+                continue  # warm-up: first touch of the state and image pages
+            r = rows.setdefault(path + ("+snapshot" if snapshot else ""), {"recv_cpu": [], "apply_s": [],
+                                                                          "apply_cpu": []})
+            r["recv_cpu"].append(recv_cpu)
+            r["apply_s"].append(wall)
+            r["apply_cpu"].append(cpu)
+    parent.send(b"done")
+    proc.join(60)
+    pull.close(0)
+    ctx.term()
+    same = all(np.array_equal(states["before"].array(f), states["after"].array(f)) for f in states["after"].fields())
+    snap_ok = all(np.array_equal(imgs["after"][f], imgs["before"][f]) for f in imgs["after"])
+    out = {"params": total, "threads": args.threads, "iters_per_kind": args.iters, "buckets": len(buckets),
+           "runs": sum(len(b) for b in buckets), "bit_identical": bool(same), "snapshot_identical": bool(snap_ok),
+           "machine": machine_info(), "paths": {}}
+    print(f"worker apply path, AdamW over {total / 1e6:.1f}M fp32 params, {len(buckets)} buckets "
+          f"({out['runs']} runs), {args.threads} threads, median of {len(next(iter(rows.values()))['apply_s'])} iterations")
+    print("| path | bytes/param | recv CPU s | apply s | CPU s / iteration | CPU s / iter / B params | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    for path in ("before", "after", "before+snapshot", "after+snapshot"):
+        r = rows[path]
+        med = {k: statistics.median(v) for k, v in r.items()}
+        cpu = med["recv_cpu"] + med["apply_cpu"]
+        base = rows[path.replace("after", "before")]
+        base_cpu = statistics.median(base["recv_cpu"]) + statistics.median(base["apply_cpu"])
+        out["paths"][path] = {**med, "cpu_s_per_iter": cpu, "cpu_s_per_iter_per_Bparams": cpu / total * 1e9,
+                              "bytes_per_param": sum(PASSES[path].values()), "passes": PASSES[path],
+                              "cpu_speedup_vs_before": base_cpu / cpu}
+        print(f"| {path} | {sum(PASSES[path].values())} | {med['recv_cpu']:.4f} | {med['apply_s']:.4f} | "
+              f"{cpu:.4f} | {cpu / total * 1e9:.2f} | {base_cpu / cpu:.2f}x |")
+    print(f"states bit-identical: {same}; folded snapshot identical to the copied one: {snap_ok}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0 if same and snap_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
