@@ -2,10 +2,11 @@
 the example GPT with no checkpointing, with the shadow attached (workers on this machine),
 with DCP async_save every iteration and every 50, and with torch.save every iteration.
 
-    python scripts/bench_overhead.py [--steps 20] [--n-layer 6] [--n-embd 512] [--json PATH]
+    python scripts/bench_overhead.py [--steps 20] [--rounds 1] [--n-layer 6] [--n-embd 512] [--json PATH]
 
 Each mode runs in fresh rank processes; the figure is seconds per step over the timed
-steps (after 3 warm-up steps), taken on rank 0, and its ratio to no checkpointing.
+steps (after 3 warm-up steps), taken on rank 0, and its ratio to no checkpointing; with
+--rounds R the modes run R times in interleaved order and the figure is the median.
 Goals (issue 6): shadow <= 1.05x, and the shadow's overhead <= 1/5 of DCP async_save's.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,10 +32,9 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from gpt import GPT, CharData, GPTConfig, corpus
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from gpt import GPT, CharData, GPTConfig, corpus
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -111,6 +112,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per mode (the figure is the median)")
     ap.add_argument("--json", default="")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--rank-mode", default="", help=argparse.SUPPRESS)
@@ -125,17 +127,24 @@ def main() -> int:
     from tests.conftest import Cluster
 
     work = Path(tempfile.mkdtemp(prefix="bench_overhead-"))
+    runs: dict[str, list[dict]] = {}
+    modes = [m for m in args.modes.split(",") if m]
+    for rnd in range(args.rounds):  # interleaved rounds: drift on a noisy machine hits every mode alike
+        for mode in modes if rnd % 2 == 0 else modes[::-1]:
+            if mode == "shadow":
+                cluster = Cluster(work, workers=2)
+                try:
+                    res = launch(mode, args, work, cluster.address)
+                finally:
+                    cluster.stop()
+            else:
+                res = launch(mode, args, work)
+            runs.setdefault(mode, []).append(res)
+            print(f"  round {rnd + 1} {mode}: {res['s_per_step']:.3f} s/step", flush=True)
     results = {}
-    for mode in [m for m in args.modes.split(",") if m]:
-        if mode == "shadow":
-            cluster = Cluster(work, workers=2)
-            try:
-                results[mode] = launch(mode, args, work, cluster.address)
-            finally:
-                cluster.stop()
-        else:
-            results[mode] = launch(mode, args, work)
-        print(f"  {mode}: {results[mode]['s_per_step']:.3f} s/step", flush=True)
+    for mode in modes:
+        times = sorted(r["s_per_step"] for r in runs[mode])
+        results[mode] = dict(runs[mode][0], s_per_step=statistics.median(times), rounds=times)
     base = results["none"]["s_per_step"]
     params = results["none"]["params"]
     print(f"GPT {params / 1e6:.1f}M params, 2 gloo ranks, {args.steps} timed steps, {os.cpu_count()} cores "
@@ -148,8 +157,10 @@ def main() -> int:
         sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
         print(f"shadow overhead / DCP async_save overhead: {sh / dc:.2f} (goal <= 0.2)" if dc > 0 else "")
     if args.json:
-        Path(args.json).write_text(json.dumps({"params": params, "steps": args.steps, "results": results,
-                                               "machine": f"{os.cpu_count()} cores"}, indent=2))
+        from benchlib import machine_info
+
+        Path(args.json).write_text(json.dumps({"params": params, "steps": args.steps, "rounds": args.rounds,
+                                               "results": results, "machine": machine_info()}, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -25,7 +25,8 @@ _DEFAULTS: dict[str, float] = {
     "MAX_COMMIT_BYTES": 16 << 20,  # largest commit record accepted
     "HEARTBEAT_S": 0.5,  # worker -> coordinator heartbeat period
     "WORKER_LOST_S": 5.0,  # coordinator marks a silent worker lost after this long
-    "FETCH_TIMEOUT_S": 60.0,  # restore: wait for each worker's shard this long
+    "FETCH_TIMEOUT_S": 60.0,  # restore: wait for the workers' shards this long
+    "FETCH_CHUNK_BYTES": 16 << 20,  # restore: a worker sends its shard in parts of this size
     "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
 }

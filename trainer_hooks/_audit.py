@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from shadow.wire import frames as F
+from trainer_hooks import _optim
 
 
 def sample(session, k: int) -> list:
@@ -12,12 +13,8 @@ def sample(session, k: int) -> list:
     (a local generator seeded by k: the training loop's RNGs are not touched)."""
     rng = np.random.default_rng(k)
     offsets = np.asarray([p.offset for p in session.layout.params], dtype=np.int64)
-    if session.optim_desc["kind"] == "sgd":
-        keys = {F.Field.PARAM: None, **({F.Field.EXP_AVG: "momentum_buffer"} if session.optim_desc["momentum_any"] else {})}
-    else:
-        keys = {F.Field.PARAM: None, F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq"}
-        if session.optim_desc["amsgrad_any"]:
-            keys[F.Field.MAX_EXP_AVG_SQ] = "max_exp_avg_sq"
+    names = _optim.STATE_KEYS[session.optim_desc["kind"]]
+    keys = {f: names.get(f) for f in F.state_fields(session.optim_desc)}
     out = []
     for lo, hi in session.shards:
         if hi <= lo:

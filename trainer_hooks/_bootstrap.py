@@ -15,15 +15,8 @@ def bootstrap(session) -> None:
     lo, hi = stripe_bounds(session.layout.total, session.world)[session.rank]
     opt_state = session.optimizer.state
     sgd = session.optim_desc["kind"] == "sgd"
-    if sgd:
-        fields = [F.Field.PARAM] + ([F.Field.EXP_AVG] if session.optim_desc["momentum_any"] else [])
-        key = {F.Field.EXP_AVG: "momentum_buffer"}
-    else:
-        fields = [F.Field.PARAM, F.Field.EXP_AVG, F.Field.EXP_AVG_SQ]
-        if session.optim_desc["amsgrad_any"]:
-            fields.append(F.Field.MAX_EXP_AVG_SQ)
-        key = {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq",
-               F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"}
+    fields = F.state_fields(session.optim_desc)
+    key = _optim.STATE_KEYS[session.optim_desc["kind"]]
     runs = split(session.shards, lo, hi)
     sent = [0] * len(session.shards)
     if hi > lo:

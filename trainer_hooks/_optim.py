@@ -14,10 +14,16 @@ import numpy as np
 import torch
 
 from shadow.kernels import ReplayPlan, segments_for_range
+from shadow.wire import frames as F
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD")
+#: optimizer.state keys of each wire field (PARAM is the parameter itself)
+STATE_KEYS = {
+    "adam": {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq", F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"},
+    "sgd": {F.Field.EXP_AVG: "momentum_buffer"},
+}
 
 
 class UnsupportedOptimizerError(TypeError):

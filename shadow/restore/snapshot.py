@@ -7,6 +7,7 @@ opaque per-rank commit blobs (RNG, scheduler, extra state), all for one iteratio
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +18,7 @@ from shadow.client import dealer
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
 from shadow.wire import messages as M
-from shadow.wire.frames import Field
+from shadow.wire.frames import Field, checksum, state_fields
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,11 @@ class MovedOn(ShadowError):
 
 
 def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
-    """Read the iteration described by a coordinator's memory info from every worker."""
-    ctx = zmq.Context.instance()
+    """Read the iteration described by a coordinator's memory info from every worker.
+
+    All workers are asked at once and answer in parallel (a context of its own with an
+    I/O thread per worker, up to 4); each shard's chunks are received straight into
+    place in the flat arrays (``recv_into``: one copy from zmq's buffer, none after)."""
     layout = Layout.from_dict(info["layout"])
     if layout.hash != info["layout_hash"]:
         raise ShadowError("coordinator sent a layout that does not match its hash")
@@ -53,45 +57,38 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)
     blobs: dict[int, bytes] = {}
-    covered = 0
+    covered, done_bytes = 0, 0
     limit = knobs.get("FETCH_TIMEOUT_S")
-    for w in info["workers"]:
-        sock = dealer(ctx, w["serve"])
-        try:
+    ctx = zmq.Context(io_threads=max(1, min(4, len(info["workers"]))))
+    pending: dict[zmq.Socket, dict] = {}
+    poller = zmq.Poller()
+    try:
+        for w in info["workers"]:
+            sock = dealer(ctx, w["serve"])
             sock.send(M.encode("fetch", epoch=info["epoch"], iteration=info["iteration"]))
-            if not sock.poll(limit * 1000):
-                raise ShadowConnectionError(f"worker {w['id']} at {w['serve']} did not answer within {limit:.0f} s")
-            parts = sock.recv_multipart()
-        finally:
-            sock.close(linger=0)
-        head = M.decode(parts[0])
-        if head["t"] == "error":
-            if "moved on" in head["message"]:
-                raise MovedOn(head["message"])
-            raise ShadowError(f"worker {w['id']}: {head['message']}")
-        if head["t"] != "fetch_reply" or head["iteration"] != info["iteration"]:
-            raise ShadowError(f"worker {w['id']} answered for iteration {head.get('iteration')}, not {info['iteration']}")
-        lo, hi = head["start"], head["stop"]
-        if (lo, hi) != (w["start"], w["stop"]) or len(parts) != 1 + len(head["arrays"]):
-            raise ShadowError(f"worker {w['id']} sent a malformed shard")
-        for f, raw in zip(head["arrays"], parts[1:]):
-            fld = Field(f)
-            if len(raw) != (hi - lo) * 4:
-                raise ShadowError(f"worker {w['id']} sent {len(raw)} bytes for {fld.name}, expected {(hi - lo) * 4}")
-            if fld not in arrays:
-                arrays[fld] = np.zeros(total, dtype=np.float32)
-            arrays[fld][lo:hi] = np.frombuffer(raw, dtype=np.float32)
-        for i, s in head["steps"]:
-            if layout.params[i].offset >= lo:  # the shard holding a param's first element owns its step
-                steps[i] = s
-        for i in head["has_state"]:
-            if layout.params[i].offset >= lo:
-                has_state[i] = True
-        for r, b in head["commits"]:
-            blobs[int(r)] = b
-        covered += hi - lo
-        if progress is not None:
-            progress(covered * 4 * len(head["arrays"]), total * 4 * len(head["arrays"]))
+            pending[sock] = w
+            poller.register(sock, zmq.POLLIN)
+        # while the workers copy and send, fault the destination pages in: first touches
+        # of fresh memory cost as much as the transfer itself on some hosts
+        for fld in state_fields(info["optim"]):
+            arrays[fld] = np.empty(total, dtype=np.float32)
+            arrays[fld].fill(0)
+        deadline = time.monotonic() + limit
+        while pending:
+            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            if not ready:
+                late = ", ".join(f"{w['id']} at {w['serve']}" for w in pending.values())
+                raise ShadowConnectionError(f"workers {late} did not answer within {limit:.0f} s")
+            for sock in ready:
+                w = pending.pop(sock)
+                poller.unregister(sock)
+                head = _take_shard(sock, w, info, layout, arrays, steps, has_state, blobs)
+                covered += head["stop"] - head["start"]
+                done_bytes += (head["stop"] - head["start"]) * 4 * len(head["arrays"])
+                if progress is not None:
+                    progress(done_bytes, total * 4 * len(head["arrays"]))
+    finally:
+        ctx.destroy(linger=0)  # closes every socket
     if covered != total:
         raise ShadowError(f"workers cover {covered} of {total} elements")
     missing = sorted(set(range(info["world"])) - set(blobs))
@@ -99,3 +96,44 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
         raise ShadowError(f"commit records of ranks {missing} are missing from the cluster")
     return Snapshot(info["job"], info["iteration"], layout, info["optim"], info["world"], arrays, steps, has_state,
                     blobs, source=address)
+
+
+def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs) -> dict:
+    """Receive one worker's reply into place; returns its head."""
+    head = M.decode(sock.recv())
+    if head["t"] == "error":
+        if "moved on" in head["message"]:
+            raise MovedOn(head["message"])
+        raise ShadowError(f"worker {w['id']}: {head['message']}")
+    if head["t"] != "fetch_reply" or head["iteration"] != info["iteration"]:
+        raise ShadowError(f"worker {w['id']} answered for iteration {head.get('iteration')}, not {info['iteration']}")
+    lo, hi, chunk = head["start"], head["stop"], head["chunk"]
+    if (lo, hi) != (w["start"], w["stop"]) or chunk <= 0 or chunk % 4:
+        raise ShadowError(f"worker {w['id']} sent a malformed shard")
+    sums = iter(head["sums"])
+    for f in head["arrays"]:
+        fld = Field(f)
+        if fld not in arrays:
+            arrays[fld] = np.zeros(layout.total, dtype=np.float32)
+        target = memoryview(arrays[fld][lo:hi]).cast("B")
+        for off in range(0, len(target), chunk):
+            want = min(chunk, len(target) - off)
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise ShadowError(f"worker {w['id']} sent too few bytes for {fld.name}")
+            got = sock.recv_into(target[off:off + want])
+            if got != want:
+                raise ShadowError(f"worker {w['id']} sent a {got}-byte chunk of {fld.name}, expected {want}")
+            if checksum(target[off:off + want]) != next(sums, None):
+                raise ShadowError(f"worker {w['id']}: {fld.name} bytes {off}..{off + want} of its shard fail their "
+                                  "checksum; restore again (or from a persisted tier)")
+    if sock.getsockopt(zmq.RCVMORE):
+        raise ShadowError(f"worker {w['id']} sent more than its shard")
+    for i, s in head["steps"]:
+        if layout.params[i].offset >= lo:  # the shard holding a param's first element owns its step
+            steps[i] = s
+    for i in head["has_state"]:
+        if layout.params[i].offset >= lo:
+            has_state[i] = True
+    for r, b in head["commits"]:
+        blobs[int(r)] = b
+    return head

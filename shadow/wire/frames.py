@@ -44,6 +44,15 @@ class Field(IntEnum):
     MAX_EXP_AVG_SQ = 4
 
 
+def state_fields(optim: dict) -> tuple[Field, ...]:
+    """The state arrays an optimizer description (``trainer_hooks._optim.describe``)
+    keeps per element, in wire order."""
+    if optim["kind"] == "sgd":
+        return (Field.PARAM, Field.EXP_AVG) if optim.get("momentum_any") else (Field.PARAM,)
+    base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
+    return base + ((Field.MAX_EXP_AVG_SQ,) if optim.get("amsgrad_any") else ())
+
+
 class FrameError(ValueError):
     """A frame failed validation; ``reason`` is a short metric label."""
 

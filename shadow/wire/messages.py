@@ -68,7 +68,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> client
     "fetch_reply": {"epoch": (int,), "iteration": (int,), "start": (int,), "stop": (int,),
                     "arrays": (list,), "steps": (list,), "has_state": (list,), "commits": (list,),
-                    "replay": (dict, type(None))},
+                    "replay": (dict, type(None)), "chunk": (int,),
+                    "sums": (list,)},
 }
 
 

@@ -14,7 +14,7 @@ import zmq
 
 from shadow import knobs
 from shadow.wire import messages as M
-from shadow.wire.frames import Field
+from shadow.wire.frames import Field, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,22 @@ def install(session, parts: list[bytes], iteration: int) -> None:
     if (head["start"], head["stop"]) != (st.start, st.stop):
         raise PeerError(f"peer holds [{head['start']}, {head['stop']}), this replica [{st.start}, {st.stop})")
     fields = [int(f) for f in st.fields()]
-    if head["arrays"] != fields or len(parts) != 1 + len(fields):
-        raise PeerError(f"peer sent arrays {head['arrays']}, this replica needs {fields}")
-    for f, raw in zip(fields, parts[1:]):
-        target = st.array(Field(f))
-        if len(raw) != target.nbytes:
-            raise PeerError(f"peer sent {len(raw)} bytes of {Field(f).name}, expected {target.nbytes}")
-        target[:] = np.frombuffer(raw, dtype=np.float32)
+    chunk = head["chunk"]
+    if head["arrays"] != fields or chunk <= 0:
+        raise PeerError(f"peer sent arrays {head['arrays']} in chunks of {chunk}, this replica needs {fields}")
+    pieces, sums = iter(parts[1:]), iter(head["sums"])
+    for f in fields:
+        target = st.array(Field(f)).view(np.uint8)
+        for off in range(0, len(target), chunk):
+            raw = next(pieces, None)
+            want = min(chunk, len(target) - off)
+            if raw is None or len(raw) != want:
+                raise PeerError(f"peer sent a short or missing chunk of {Field(f).name} at byte {off}")
+            if checksum(raw) != next(sums, None):
+                raise PeerError(f"chunk of {Field(f).name} at byte {off} fails its checksum")
+            target[off:off + want] = np.frombuffer(raw, dtype=np.uint8)
+    if next(pieces, None) is not None:
+        raise PeerError("peer sent more than its shard")
     nparams = len(st.steps)
     st.has_state[:] = False
     for i, v in head["steps"]:

@@ -9,6 +9,7 @@ import numpy as np
 import zmq
 
 from shadow import knobs
+from shadow.wire import frames as F
 from shadow.wire import messages as M
 
 
@@ -59,16 +60,22 @@ class ServeMixin:
         self.serve.send_multipart([ident, M.encode("error", message=text)])
 
     def _serve_state(self, ident: bytes, s) -> None:
-        """Send session ``s``'s shard (copies: the arrays change with the next apply)."""
+        """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
+        chunks of at most ``FETCH_CHUNK_BYTES`` (copies: the arrays change with the next
+        apply; chunks let the client receive each straight into place)."""
         st = s.state
         fields = st.fields()
         idx = np.flatnonzero(st.in_range)
+        chunk = knobs.get_int("FETCH_CHUNK_BYTES") // 4 * 4
+        chunks = []
+        for f in fields:
+            raw = st.array(f).view(np.uint8)
+            chunks += [raw[i:i + chunk].tobytes() for i in range(0, len(raw), chunk)]
         head = M.encode(
             "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
             arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
             has_state=[int(i) for i in idx if st.has_state[i]],
             commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
-            replay=s.commit,
+            replay=s.commit, chunk=chunk, sums=[F.checksum(c) for c in chunks],
         )
-        # copies: the arrays change with the next apply
-        self.serve.send_multipart([ident, head] + [st.array(f).tobytes() for f in fields])
+        self.serve.send_multipart([ident, head] + chunks, copy=False)

@@ -11,7 +11,7 @@ from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.plan import untouched
 from shadow.layout import Layout
-from shadow.wire.frames import Field
+from shadow.wire.frames import Field, state_fields
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,7 @@ class ShardState:
         return self.stop - self.start
 
     def fields(self) -> tuple[Field, ...]:
-        if self.kind == "sgd":
-            return (Field.PARAM, Field.EXP_AVG) if self.momentum else (Field.PARAM,)
-        base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
-        return base + ((Field.MAX_EXP_AVG_SQ,) if self.amsgrad else ())
+        return state_fields({"kind": self.kind, "momentum_any": self.momentum, "amsgrad_any": self.amsgrad})
 
     def array(self, field: Field) -> np.ndarray:
         return {

@@ -1,0 +1,569 @@
+"""Restore time: bring a trainer's model + AdamW state back from the shadow workers' memory,
+from the shadow's local-disk tier, with torch.distributed.checkpoint (DCP) `dcp.load`, and
+with a plain `torch.load` of a `torch.save`d state dict. All in one run, same state.
+
+    python scripts/bench_restore.py [--quick] [--n-layer 8] [--n-embd 576] [--steps 3]
+                                    [--repeat 3] [--no-evict] [--keep] [--json PATH]
+
+Setup (not timed): a shadow cluster (coordinator + 2 workers, 127.0.0.1, a free port,
+`persist.local.dir` in a temp dir, `persist.local.every_n=--steps`) and one trainer
+process (gloo, world 1, DDP) that trains the example GPT (scripts/gpt.py, default 32M
+params) for --steps iterations attached to the shadow, so iteration --steps is in the
+workers' memory and on the local tier; the trainer then writes the same state with
+`dcp.save` (from `get_state_dict`) and with `torch.save`, and exits.
+
+Timed, in a fresh process (gloo world 1, as a restarted trainer), each restore into a
+freshly constructed GPT + AdamW(fused) (construction not timed), from the call until the
+model and optimizer hold the state:
+
+  shadow memory   trainer_hooks.restore(model, opt, source="tcp://127.0.0.1:PORT")
+  shadow local    trainer_hooks.restore(model, opt, source=<persist.local.dir>)
+  DCP load        get_state_dict(model, opt); dcp.load({"model", "optim"}, checkpoint_id=dir);
+                  set_state_dict(model, opt, ...)   (get_state_dict on a fresh optimizer
+                  runs DCP's zero-grad lr=0 step to allocate the state it loads into)
+  torch.load      sd = torch.load(path, weights_only=True); model.load_state_dict(sd["model"]);
+                  opt.load_state_dict(sd["optim"])
+
+One warm-up round (reported as "first call", not in the median), then --repeat rounds;
+the paths run interleaved, the order rotated each round; the figure is the median. After
+every restore the model and optimizer state dicts are compared with the trained state
+(torch.equal on every tensor, == on param_groups); a mismatch is printed loudly and the
+script exits 1. Separate, untimed-in-the-table rounds split the shadow paths into fetch
+(`shadow.restore.resolve`: coordinator query + worker fetch, or catalog list + read +
+xxh3 check) and install (`trainer_hooks.apply_snapshot`), and time xxh3 over the shard
+bytes alone.
+
+Caches: the page cache is not dropped (that would hit everyone on a shared machine). The
+"warm" disk rows read files that were just written and sit in the page cache. The
+"evicted" rows fsync and posix_fadvise(DONTNEED) the files just before each call, which
+drops this guest's cached pages of those files only; a hypervisor below a virtual disk may
+still cache them, so evicted is not necessarily cold media. The shadow reads its shards
+with O_DIRECT where the file system allows, i.e. past the page cache in both rows.
+"state GB/s" = (params + exp_avg + exp_avg_sq bytes, fp32) / seconds; "read GB/s" = the
+bytes the path reads (files, or what the workers send) / seconds.
+
+--quick: a 1.6M-param GPT (2 layers, width 256), 2 steps, 3 rounds: about 40 s in all.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = "bench_restore"
+LR, WD = 1e-3, 0.1
+PATHS = ("shadow memory", "shadow local", "shadow local, evicted", "DCP load", "DCP load, evicted",
+         "torch.load", "torch.load, evicted")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def _setup_torch(work: Path, threads: int):
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.FileStore(str(work / f"pg-{os.getpid()}"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return torch, dist
+
+
+def build(args, seed: int):
+    import torch
+    from gpt import GPT, CharData, GPTConfig, corpus
+
+    data = CharData(corpus(4000))
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=args.n_layer, n_embd=args.n_embd))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    return model, opt, data
+
+
+def dir_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def evict(path: Path) -> None:
+    """fsync each file under ``path`` and drop its pages from this machine's page cache."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def train_main(args) -> None:
+    work = Path(args.work)
+    torch, dist = _setup_torch(work, 1)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import trainer_hooks
+
+    model, opt, data = build(args, 0)
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, job=JOB)
+    t0 = time.perf_counter()
+    for it in range(1, args.steps + 1):
+        x, y = data.batch(it, 0, 8, 64)
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    step_s = (time.perf_counter() - t0) / args.steps
+    session.close()
+    out: dict = {"params": sum(p.numel() for p in model.parameters()), "s_per_step": step_s,
+                 "iteration": args.steps}
+    # the reference the restores are compared with, and the plain torch.save checkpoint
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, work / "reference.pt")
+    t0 = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, work / "torch_ckpt.pt")
+    out["torch_save_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(work / "dcp"))
+    out["dcp_save_s"] = time.perf_counter() - t0
+    (work / "train.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- restorer
+
+
+def compare(model, opt, ref: dict) -> list[str]:
+    import torch
+
+    problems = []
+    msd, rmsd = model.state_dict(), ref["model"]
+    if msd.keys() != rmsd.keys():
+        problems.append(f"model keys differ: {sorted(set(msd) ^ set(rmsd))[:5]}")
+    for k in msd.keys() & rmsd.keys():
+        a, b = msd[k], rmsd[k]
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            problems.append(f"model {k}")
+    osd, rosd = opt.state_dict(), ref["optimizer"]
+    sa, sb = osd["state"], rosd["state"]
+    if sa.keys() != sb.keys():
+        problems.append(f"optimizer state for params {sorted(set(sa) ^ set(sb))[:5]} only on one side")
+    for i in sa.keys() & sb.keys():
+        if sa[i].keys() != sb[i].keys():
+            problems.append(f"optimizer state {i}: keys {sorted(sa[i])} vs {sorted(sb[i])}")
+        for k in sa[i].keys() & sb[i].keys():
+            a, b = sa[i][k], sb[i][k]
+            if a.dtype != b.dtype or a.device != b.device or not torch.equal(a, b):
+                problems.append(f"optimizer state {i}.{k}")
+    if osd["param_groups"] != rosd["param_groups"]:
+        problems.append(f"param_groups: {osd['param_groups']} vs {rosd['param_groups']}")
+    return problems
+
+
+def restore_main(args) -> None:
+    work = Path(args.work)
+    torch, dist = _setup_torch(work, os.cpu_count() or 1)
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    import xxhash
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import trainer_hooks
+    from shadow.persist import catalog
+    from shadow.restore.resolve import restore_info
+    from shadow.restore.snapshot import fetch_memory
+
+    local, dcp_dir, torch_file = work / "local", work / "dcp", work / "torch_ckpt.pt"
+    ref = torch.load(work / "reference.pt", weights_only=True)
+    n_params = sum(t.numel() for t in dict(build(args, 0)[0].named_parameters()).values())
+    state_bytes = 3 * 4 * n_params  # param, exp_avg, exp_avg_sq in fp32
+    (ckpt,) = [c for c in catalog.list_checkpoints(str(local), job=JOB) if c.iteration == args.steps]
+    read_bytes = {"shadow memory": state_bytes, "shadow local": ckpt.bytes, "DCP load": dir_bytes(dcp_dir),
+                  "torch.load": dir_bytes(torch_file)}
+
+    def shadow(source: str, tier: str):
+        def run(model, opt, parts):
+            info = trainer_hooks.restore(model, opt, source=source, job=JOB)
+            if (info.tier, info.iteration) != (tier, args.steps):
+                raise RuntimeError(f"restore from {source} gave {info.tier} iteration {info.iteration}")
+        return run
+
+    def dcp_load(model, opt, parts):
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        t1 = time.perf_counter()
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(dcp_dir))
+        t2 = time.perf_counter()
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        t3 = time.perf_counter()
+        parts.update({"get_state_dict": t1 - t0, "dcp.load": t2 - t1, "set_state_dict": t3 - t2})
+
+    def torch_load(model, opt, parts):
+        t0 = time.perf_counter()
+        sd = torch.load(torch_file, weights_only=True)
+        t1 = time.perf_counter()
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        t2 = time.perf_counter()
+        parts.update({"torch.load": t1 - t0, "load_state_dict": t2 - t1})
+
+    runs = {"shadow memory": (shadow(args.coordinator, "memory"), None),
+            "shadow local": (shadow(str(local), "local"), None),
+            "shadow local, evicted": (shadow(str(local), "local"), local),
+            "DCP load": (dcp_load, None), "DCP load, evicted": (dcp_load, dcp_dir),
+            "torch.load": (torch_load, None), "torch.load, evicted": (torch_load, torch_file)}
+    paths = [p for p in PATHS if args.evict or "evicted" not in p]
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    first: dict[str, float] = {}
+    parts_all: dict[str, list[dict]] = {p: [] for p in paths}
+    mismatches: list[str] = []
+    seed = 1000
+    for rnd in range(args.repeat + 1):  # round 0: warm-up ("first call" in a fresh process)
+        order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
+        for name in order:
+            fn, to_evict = runs[name]
+            seed += 1
+            model, opt, _ = build(args, seed)  # a fresh model and optimizer, differently initialised
+            if to_evict is not None:
+                evict(to_evict)
+            gc.collect()
+            parts: dict = {}
+            t0 = time.perf_counter()
+            fn(model, opt, parts)
+            dt = time.perf_counter() - t0
+            problems = compare(model, opt, ref)
+            if problems:
+                msg = f"MISMATCH after '{name}' (round {rnd}): {len(problems)} differences, e.g. {problems[:3]}"
+                print("!" * 80 + "\n" + msg + "\n" + "!" * 80, file=sys.stderr, flush=True)
+                mismatches.append(msg)
+            if rnd == 0:
+                first[name] = dt
+            else:
+                times[name].append(dt)
+                parts_all[name].append(parts)
+            del model, opt
+            print(f"  round {rnd} {name:22s} {dt:7.3f} s{'' if rnd else '  (warm-up)'}", flush=True)
+
+    # where the shadow's restore time goes: resolve() (fetch) vs apply_snapshot() (install),
+    # the same two calls trainer_hooks.restore makes
+    breakdown: dict[str, list[dict]] = {"shadow memory": [], "shadow local": []}
+    for rnd in range(args.repeat):
+        for name, source in (("shadow memory", args.coordinator), ("shadow local", str(local))):
+            seed += 1
+            model, opt, _ = build(args, seed)
+            gc.collect()
+            b: dict = {}
+            t0 = time.perf_counter()
+            if name == "shadow memory":
+                info = restore_info(source, JOB, 10.0)
+                t1 = time.perf_counter()
+                snap = fetch_memory(info["memory"], source)
+                t2 = time.perf_counter()
+                b.update({"coordinator restore_info": t1 - t0, "worker fetch": t2 - t1})
+            else:
+                found = catalog.list_checkpoints(source, "local", JOB)
+                t1 = time.perf_counter()
+                snap = catalog.load(found[-1])
+                t2 = time.perf_counter()
+                b.update({"catalog list": t1 - t0, "read + xxh3 check": t2 - t1})
+            t3 = time.perf_counter()
+            sd = trainer_hooks.state_dicts(snap)
+            t4 = time.perf_counter()
+            trainer_hooks.apply_snapshot(snap, model, opt)
+            t5 = time.perf_counter()
+            b.update({"resolve (fetch)": t2 - t0, "state_dicts (views)": t4 - t3,
+                      "apply_snapshot (install)": t5 - t3, "total": t5 - t0})
+            if name == "shadow local":
+                h = xxhash.xxh3_64()
+                t6 = time.perf_counter()
+                for arr in snap.arrays.values():
+                    h.update(arr.view(np.uint8))
+                b["xxh3 of the state bytes alone"] = time.perf_counter() - t6
+            problems = compare(model, opt, ref)
+            if problems:
+                msg = f"MISMATCH after '{name}' (breakdown round {rnd}): {problems[:3]}"
+                print("!" * 80 + "\n" + msg + "\n" + "!" * 80, file=sys.stderr, flush=True)
+                mismatches.append(msg)
+            breakdown[name].append(b)
+            del model, opt, snap, sd
+    out = {"state_bytes": state_bytes, "params": n_params, "read_bytes": read_bytes, "times_s": times,
+           "first_call_s": first, "parts_s": parts_all, "breakdown_s": breakdown, "mismatches": mismatches,
+           "torch_threads": torch.get_num_threads()}
+    (work / "restore.json").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def status(address: str, timeout: float = 2.0) -> dict:
+    import zmq
+
+    from shadow.wire import messages as M
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    try:
+        s.send(M.encode("status"))
+        if not s.poll(timeout * 1000):
+            raise TimeoutError(f"no status from {address}")
+        return M.decode(s.recv())["status"]
+    finally:
+        s.close(linger=0)
+
+
+class Services:
+    """Every process this script starts; all stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.procs: list[subprocess.Popen] = []
+        self.worker_pids: list[int] = []
+        self.cluster: subprocess.Popen | None = None
+        self.logs: list = []
+
+    def start_cluster(self, port: int, steps: int) -> str:
+        address = f"tcp://127.0.0.1:{port}"
+        log = open(self.work / "cluster.log", "w")  # noqa: SIM115 (closed in stop())
+        self.logs.append(log)
+        self.cluster = subprocess.Popen(
+            [sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={port}", "host=127.0.0.1",
+             "threads_per_worker=1", f"persist.local.dir={self.work / 'local'}", f"persist.local.every_n={steps}",
+             "persist.local.keep=1"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        self.procs.append(self.cluster)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                st = status(address, 1.0)
+                if len(st["workers"]) == 2 and all(w.get("pid") for w in st["workers"]):
+                    self.worker_pids = [w["pid"] for w in st["workers"]]
+                    return address
+            except TimeoutError:
+                pass
+            if self.cluster.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"shadow cluster did not start:\n{(self.work / 'cluster.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def run(self, role: str, argv: list[str], timeout: float) -> None:
+        log = self.work / f"{role}.log"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""),
+                   TORCH_CPP_LOG_LEVEL="ERROR")
+        if not env["OMP_NUM_THREADS"]:
+            del env["OMP_NUM_THREADS"]
+        if os.path.exists("/sys/class/net/lo"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback
+        out = subprocess.PIPE
+        if role != "restore":
+            out = open(log, "w")  # noqa: SIM115 (closed in stop())
+            self.logs.append(out)
+        p = subprocess.Popen([sys.executable, __file__, "--role", role, *argv], cwd=ROOT, env=env, stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        self.procs.append(p)
+        deadline = time.monotonic() + timeout
+        if p.stdout is not None:  # stream the restorer's progress lines
+            with open(log, "w") as f:
+                for line in p.stdout:
+                    f.write(line)
+                    print(line, end="", flush=True)
+                    if time.monotonic() > deadline:
+                        break
+        try:
+            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{role} did not finish in {timeout:.0f} s; log: {log}") from None
+        if code != 0:
+            raise RuntimeError(f"{role} exited with {code}:\n{log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the group: the cluster's workers too
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+        for pid in self.worker_pids:  # in case a worker left the cluster's process group
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for f in self.logs:
+            f.close()
+
+
+def machine() -> dict:
+    import numpy
+    import torch
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "python": platform.python_version(), "platform": platform.platform()}
+
+
+def wait_persisted(address: str, steps: int, limit: float = 120) -> dict:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        st = status(address, 5.0)
+        lc = (st.get("persist") or {}).get("local", {}).get("last_complete")
+        if st.get("job") and st["job"]["committed"] == steps and lc and lc["iteration"] == steps:
+            return st
+        time.sleep(0.2)
+    raise RuntimeError(f"iteration {steps} was not committed and persisted locally within {limit:.0f} s: {st}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a 1.6M-param GPT, 2 steps: under a minute in all")
+    ap.add_argument("--n-layer", type=int, default=None, help="GPT layers (default 8; --quick 2)")
+    ap.add_argument("--n-embd", type=int, default=None, help="GPT width (default 576, ~32M params; --quick 256)")
+    ap.add_argument("--steps", type=int, default=None, help="iterations trained with the shadow (default 3)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up (median)")
+    ap.add_argument("--no-evict", dest="evict", action="store_false",
+                    help="skip the rows that evict the files from the page cache first")
+    ap.add_argument("--dir", default=None, help="where the temp dir goes (the disk measured); default $TMPDIR")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--role", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--work", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    q = args.quick
+    args.n_layer = args.n_layer or (2 if q else 8)
+    args.n_embd = args.n_embd or (256 if q else 576)
+    args.steps = args.steps or (2 if q else 3)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.role == "train":
+        train_main(args)
+        return 0
+    if args.role == "restore":
+        restore_main(args)
+        return 0
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops the services
+    sys.path.insert(0, str(ROOT))
+    t_start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="bench_restore-", dir=args.dir))
+    services = Services(work)
+    common = ["--work", str(work), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+              "--steps", str(args.steps), "--repeat", str(args.repeat)] + ([] if args.evict else ["--no-evict"])
+    try:
+        address = services.start_cluster(free_port(), args.steps)
+        print(f"shadow cluster at {address} (2 workers), work dir {work}", flush=True)
+        services.run("train", common + ["--coordinator", address], timeout=900)
+        train = json.loads((work / "train.json").read_text())
+        st = wait_persisted(address, args.steps)
+        print(f"trained GPT {train['params'] / 1e6:.1f}M params for {args.steps} iterations "
+              f"({train['s_per_step']:.2f} s/step with the shadow); iteration {args.steps} in memory and on the "
+              f"local tier ({st['persist']['local']['last_complete']['bytes'] / 1e6:.0f} MB)", flush=True)
+        services.run("restore", common + ["--coordinator", address], timeout=1800)
+        res = json.loads((work / "restore.json").read_text())
+    finally:
+        services.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    gb = res["state_bytes"] / 1e9
+    med = {p: statistics.median(v) for p, v in res["times_s"].items()}
+    base = {"warm": med["DCP load"], "evicted": med.get("DCP load, evicted", med["DCP load"])}
+    rows = []
+    for p, s in med.items():
+        kind = p.split(",")[0]
+        rb = res["read_bytes"][kind]
+        rows.append({"path": p, "median_s": s, "min_s": min(res["times_s"][p]), "max_s": max(res["times_s"][p]),
+                     "first_call_s": res["first_call_s"][p], "state_GBps": gb / s, "bytes_read": rb,
+                     "read_GBps": rb / 1e9 / s,
+                     "vs_dcp_load": s / base["evicted" if p.endswith("evicted") else "warm"]})
+    print()
+    print(f"restore of GPT {res['params'] / 1e6:.1f}M params + AdamW state ({gb:.3f} GB fp32: param, exp_avg, "
+          f"exp_avg_sq), 1 trainer, 2 shadow workers, {os.cpu_count()} cores, median of {args.repeat} interleaved "
+          f"rounds after a warm-up")
+    print(f"| {'path':22s} | {'median s':>8s} | {'min s':>6s} | {'1st call':>8s} | {'state GB/s':>10s} | "
+          f"{'MB read':>8s} | {'read GB/s':>9s} | {'vs DCP load':>11s} |")
+    print(f"|{'-' * 24}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 11}|{'-' * 13}|")
+    for r in rows:
+        print(f"| {r['path']:22s} | {r['median_s']:8.3f} | {r['min_s']:6.3f} | {r['first_call_s']:8.3f} | "
+              f"{r['state_GBps']:10.2f} | {r['bytes_read'] / 1e6:8.1f} | {r['read_GBps']:9.2f} | "
+              f"{r['vs_dcp_load']:10.2f}x |")
+    print("vs DCP load: seconds / DCP load's seconds (evicted rows: / 'DCP load, evicted'); < 1 is faster. "
+          "Warm rows read from the page cache; 'shadow memory' reads what the workers send over ZeroMQ.")
+    print("\nwhere the time goes (median s):")
+    for name in ("DCP load", "torch.load"):
+        ks = res["parts_s"][name][0].keys()
+        print(f"  {name:14s} " + ", ".join(f"{k} {statistics.median(d[k] for d in res['parts_s'][name]):.3f}"
+                                           for k in ks))
+    for name, bs in res["breakdown_s"].items():
+        print(f"  {name:14s} " + ", ".join(f"{k} {statistics.median(d[k] for d in bs):.3f}" for k in bs[0]))
+    ok = not res["mismatches"]
+    n_checks = (args.repeat + 1) * len(med) + 2 * args.repeat
+    print(f"\nstate check: {'every restore bit-identical to the trained state (torch.equal), ' + str(n_checks) + ' restores' if ok else 'MISMATCH'}")
+    for m in res["mismatches"]:
+        print("  " + m)
+    wall = time.monotonic() - t_start
+    print(f"wall time {wall:.0f} s")
+    if args.json:
+        doc = {"benchmark": "restore", "quick": args.quick, "machine": machine(),
+               "model": {"gpt_n_layer": args.n_layer, "gpt_n_embd": args.n_embd, "params": res["params"],
+                         "state_bytes": res["state_bytes"]},
+               "train": train, "repeat": args.repeat, "rows": rows, "times_s": res["times_s"],
+               "parts_s": res["parts_s"], "shadow_breakdown_s": res["breakdown_s"],
+               "torch_threads_in_restorer": res["torch_threads"], "bit_identical": ok, "mismatches": res["mismatches"],
+               "cache_note": "page cache not dropped; warm rows read cached files, evicted rows fsync + "
+                             "posix_fadvise(DONTNEED) the files first (guest cache only); the shadow reads with "
+                             "O_DIRECT where the file system allows",
+               "wall_s": wall}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""Data-plane throughput: the shadow's gradient framing and validation over ZeroMQ against
+a bare pyzmq PUSH/PULL of the same part sizes, in the same run, over tcp and ipc.
+
+    python scripts/bench_transport.py [--quick] [--rounds 3] [--seconds 1.0] [--json PATH]
+
+A sender process (the trainer) and a receiver process (one worker), started with
+multiprocessing "spawn", with the real code's socket options: PUSH with LINGER 0 and
+SNDHWM = knobs ZMQ_SNDHWM (trainer_hooks/_sender.py ``_push``), PULL with LINGER 0 and
+RCVHWM 0 bound to a free port on 127.0.0.1 or to ``ipc://<tmpdir>/x``
+(shadow/worker/server.py ``_open_data``). The control channel between the two is a
+local pipe carrying JSON; only the measured messages go over ZeroMQ.
+
+Variants, measured in interleaved rounds (the figure is the median round):
+
+* bare: the same parts, ``send_multipart(copy=False)`` / ``recv_multipart(copy=False)``,
+  no header, no checksums;
+* shadow recv_into: the sender frames each message like ``Sender._send_payload`` (xxh3
+  of every part, ``F.Header(...).pack()`` run table, parts as memoryviews of a float32
+  staging ring, ``send_multipart(copy=False, track=True)``, a ring slot is reused only
+  once its tracker is done); the receiver does what ``DataMixin._take_frame`` /
+  ``_take_payload`` do for a GRAD frame: ``F.unpack_header``, context and range checks,
+  ``recv_into`` each part at its destination in a preallocated gradient buffer and
+  ``F.checksum`` it there;
+* shadow zero-copy: as above, but each part is taken with ``recv(copy=False)`` and the
+  checksum is computed on the frame's buffer (the worker's receive path being introduced).
+
+Messages: ``gpt-bucket`` is one 25 MB DDP bucket of a GPT-2-small block in DDP's reverse
+parameter order (10 runs: three 2-9 MB matrices, a 7 MB one, KB-sized biases and norms),
+plus single-run messages of 64 KiB, 1 MiB and 16 MiB, and 256 runs of 4 KiB (per-run
+overhead). Destinations advance through a >= 64 MiB buffer on both sides, so
+small messages are not served from a hot cache. GB/s counts payload bytes (1e9) from the
+sender's first send to the receiver's report that the last message is validated. The run
+also measures, in-process, xxh3 and memcpy speed per part size, and each side's CPU
+seconds and minor page faults per GB (all threads, zmq's I/O thread included). Goal: shadow >= 0.8x bare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchlib import machine_info
+
+from shadow import knobs
+from shadow.wire import frames as F
+
+KIB, MIB = 1 << 10, 1 << 20
+RING_BYTES = 64 * MIB  # staging ring / gradient buffer, per side
+VARIANTS = ("bare", "shadow_into", "shadow_zc")
+JOB, EPOCH, LAYOUT = 0x5EED, 7, 0xC0FFEE  # the header's context fields (checked by the receiver)
+RECV_TIMEOUT_S = 30.0
+
+
+def gpt_bucket(cap_bytes: int = 25 * MIB, d: int = 768) -> list[int]:
+    """Elements per run of one DDP bucket: a GPT-2 block's parameters in reverse order,
+    filled until the bucket reaches ``cap_bytes`` (DDP closes a bucket once it is full)."""
+    block = [d, d, d * 3 * d, 3 * d, d * d, d, d, d, d * 4 * d, 4 * d, 4 * d * d, d]  # ln_1 .. mlp.c_proj
+    out, total = [], 0
+    for n in reversed(block):
+        out.append(n)
+        total += 4 * n
+        if total >= cap_bytes:
+            break
+    return out
+
+
+def message_shapes() -> dict[str, list[int]]:
+    return {
+        "gpt-bucket": gpt_bucket(),
+        "64KiB x1": [64 * KIB // 4],
+        "1MiB x1": [MIB // 4],
+        "16MiB x1": [16 * MIB // 4],
+        "4KiB x256": [4 * KIB // 4] * 256,
+    }
+
+
+def layout(sizes: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
+    """(slots, slot elements, [(offset in slot, nelem)]) for messages of ``sizes``."""
+    per = sum(sizes)
+    slots = max(4, RING_BYTES // (4 * per))
+    offs, o = [], 0
+    for n in sizes:
+        offs.append((o, n))
+        o += n
+    return slots, per, offs
+
+
+# -- receiver (the worker) ----------------------------------------------------------------------
+class Rejected(ValueError):
+    """A context check of the mirrored worker path failed (the worker raises F.FrameError)."""
+
+
+def take_grad_message(sock, raw: bytes, target, lo: int, hi: int, max_runs: int, seq: int,
+                      zero_copy: bool, keep: list) -> int:
+    """MIRRORS shadow.worker.data.DataMixin._take_frame + _take_payload for a GRAD frame
+    (keep in step with it): unpack and check the header, check its context (job, epoch,
+    layout, world, sequence), range-check every run, then receive each payload part and
+    verify its xxh3. ``zero_copy``: ``recv(copy=False)``, view the frame as float32 and
+    checksum it there (the views are kept in ``keep``, as the worker keeps them in the
+    inbox slot for the replay kernel); otherwise ``recv_into`` the part's place in
+    ``target`` and checksum it there. Returns the payload bytes taken."""
+    h = F.unpack_header(raw, max_runs)
+    if h.epoch != EPOCH or h.job != JOB:
+        raise Rejected(f"wrong_epoch: {h.job:#x}/{h.epoch}")
+    if h.layout != LAYOUT:
+        raise Rejected(f"wrong_layout: {h.layout:#x}")
+    if h.world != 1:
+        raise Rejected(f"bad_rank: world {h.world}")
+    if h.iteration < 1:
+        raise Rejected(f"old_iteration: {h.iteration}")
+    if h.seq != seq:
+        raise Rejected(f"gap: seq {h.seq}, expected {seq}")
+    if h.kind != F.Kind.GRAD or h.field != F.Field.GRAD:
+        raise Rejected(f"bad_kind: {h.kind}/{h.field}")
+    for dst, nelem, _ in h.runs:
+        if nelem == 0 or dst < lo or dst + nelem > hi:
+            raise Rejected(f"out_of_range: [{dst}, {dst + nelem})")
+    total = 0
+    for dst, nelem, csum in h.runs:
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise Rejected("truncated_payload: fewer payload frames than runs")
+        if zero_copy:  # as the worker's _recv_part: the frame, viewed as float32, kept for the kernel
+            frame = sock.recv(copy=False)
+            got = len(frame)
+            if got != nelem * 4:
+                raise Rejected(f"truncated_payload: {got} bytes, run says {nelem * 4}")
+            buf = np.frombuffer(frame.buffer, dtype=np.float32)
+            keep.append((dst - lo, buf))
+        else:
+            buf = target[dst - lo: dst - lo + nelem]
+            got = sock.recv_into(buf)
+        if got != nelem * 4:
+            raise Rejected(f"truncated_payload: {got} bytes, run says {nelem * 4}")
+        if F.checksum(buf) != csum:
+            raise Rejected(f"bad_checksum: payload at flat {dst} (+{nelem})")
+        total += got
+    if sock.getsockopt(zmq.RCVMORE):
+        raise Rejected("extra_payload: more payload frames than runs")
+    return total
+
+
+def _discard_rest(sock) -> None:
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv()
+
+
+def receiver_main(conn) -> None:
+    """The worker side: a PULL socket, driven by JSON commands on ``conn``."""
+    ctx = zmq.Context()
+    sock = None
+    target = np.zeros(0, np.float32)
+    nparts = 0
+    max_runs = knobs.get_int("MAX_RUNS")
+    try:
+        while True:
+            cmd = json.loads(conn.recv_bytes())
+            op = cmd["op"]
+            if op == "bind":
+                sock = ctx.socket(zmq.PULL)  # as server.py _open_data
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+                if cmd["transport"] == "tcp":
+                    ep = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+                else:
+                    ep = f"ipc://{cmd['path']}"
+                    sock.bind(ep)
+                conn.send_bytes(json.dumps({"endpoint": ep}).encode())
+            elif op == "shape":
+                slots, per, offs = layout(cmd["sizes"])
+                target = np.empty(slots * per, np.float32)  # the worker's gradient buffer
+                target.fill(0.0)  # fault the pages in
+                nparts = len(offs)
+                conn.send_bytes(b'{"ok": true}')
+            elif op == "run":
+                conn.send_bytes(json.dumps(_receive(sock, cmd, target, nparts, max_runs)).encode())
+            elif op == "unbind":
+                sock.close(linger=0)
+                sock = None
+                conn.send_bytes(b'{"ok": true}')
+            elif op == "exit":
+                break
+    finally:
+        if sock is not None:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def _receive(sock, cmd: dict, target, nparts: int, max_runs: int) -> dict:
+    """Take ``cmd['n']`` messages of one variant; the loop is the worker's: poll, then
+    drain up to 256 messages with NOBLOCK header receives."""
+
+    variant, n, seq = cmd["variant"], cmd["n"], cmd["seq0"]
+    zero_copy = variant == "shadow_zc"
+    lo, hi = 0, target.shape[0]
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    got = errors = 0
+    nbytes = 0
+    first_error = ""
+    f0, c0, t0 = _minflt(), time.process_time(), time.perf_counter()
+    last = time.monotonic()
+    while got < n:
+        if not poller.poll(timeout=50):
+            if time.monotonic() - last > RECV_TIMEOUT_S:
+                return {"error": f"timeout after {got} of {n} messages"}
+            continue
+        last = time.monotonic()
+        for _ in range(256):
+            if got >= n:
+                break
+            if variant == "bare":
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                got += 1
+                if len(parts) != nparts:
+                    errors += 1
+                    first_error = first_error or f"{len(parts)} parts, expected {nparts}"
+                nbytes += sum(p.buffer.nbytes for p in parts)
+                continue
+            try:
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            got += 1
+            keep: list = []
+            try:
+                nbytes += take_grad_message(sock, raw, target, lo, hi, max_runs, seq, zero_copy, keep)
+            except ValueError as exc:  # F.FrameError and Rejected
+                errors += 1
+                first_error = first_error or str(exc)
+                _discard_rest(sock)
+            seq += 1
+            del keep  # the worker would hand these to the replay, then drop them
+    return {"n": got, "bytes": nbytes, "errors": errors, "first_error": first_error,
+            "recv_cpu_s": time.process_time() - c0, "recv_wall_s": time.perf_counter() - t0,
+            "recv_minflt": _minflt() - f0}
+
+
+def _minflt() -> int:
+    """Minor page faults of this process so far (all threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# -- sender (the trainer) -------------------------------------------------------------------
+class Sender:
+    """The trainer side: one PUSH socket per transport, a float32 staging ring per shape."""
+    def __init__(self, ctx, endpoint: str) -> None:
+    
+    
+        self.sock = ctx.socket(zmq.PUSH)  # as _sender.py _push
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
+        self.sock.connect(endpoint)
+        self.seq = 0
+        self.iteration = 1
+
+    def use_shape(self, sizes: list[int]) -> None:
+    
+        self.slots, self.per, self.offs = layout(sizes)
+        rng = np.random.default_rng(0)
+        self.ring = rng.standard_normal(self.slots * self.per, dtype=np.float32)
+        self.msg_bytes = 4 * self.per
+
+    def send(self, variant: str, n: int) -> None:
+    
+        sock, ring, per, offs, slots = self.sock, self.ring, self.per, self.offs, self.slots
+        if variant == "bare":
+            for i in range(n):
+                base = (i % slots) * per
+                sock.send_multipart([memoryview(ring[base + o: base + o + k]) for o, k in offs], copy=False)
+            return
+        trackers = [None] * slots
+        for i in range(n):
+            s = i % slots
+            t = trackers[s]
+            if t is not None and not t.done:  # the ring slot is still owned by zmq
+                t.wait()
+            base = s * per
+            # as Sender._send_payload: views of the ring, xxh3 each, header with the run table
+            runs = [(base + o, base + o, k) for o, k in offs]  # (src, dst, n)
+            views = [ring[src:src + k] for src, _, k in runs]
+            table = [(dst, k, F.checksum(v)) for (_, dst, k), v in zip(runs, views)]
+            hdr = F.Header(F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq,
+                           tuple(table)).pack()
+            self.seq += 1
+            trackers[s] = sock.send_multipart([hdr] + [memoryview(v) for v in views], copy=False, track=True)
+        self.iteration += 1
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+# -- orchestration -------------------------------------------------------------------------
+def _ask(conn, msg: dict, timeout: float = 120.0) -> dict:
+    conn.send_bytes(json.dumps(msg).encode())
+    if not conn.poll(timeout):
+        raise RuntimeError(f"receiver did not answer {msg['op']!r} within {timeout:.0f} s")
+    reply = json.loads(conn.recv_bytes())
+    if "error" in reply:
+        raise RuntimeError(f"receiver: {reply['error']}")
+    return reply
+
+
+def measure(conn, sender: Sender, variant: str, n: int) -> dict:
+    seq0 = sender.seq
+    conn.send_bytes(json.dumps({"op": "run", "variant": variant, "n": n, "seq0": seq0}).encode())
+    f0, c0, t0 = _minflt(), time.process_time(), time.perf_counter()
+    sender.send(variant, n)
+    if not conn.poll(RECV_TIMEOUT_S + 60):
+        raise RuntimeError(f"receiver did not finish {variant} ({n} messages)")
+    t1, c1, f1 = time.perf_counter(), time.process_time(), _minflt()
+    r = json.loads(conn.recv_bytes())
+    if "error" in r:
+        raise RuntimeError(f"receiver ({variant}): {r['error']}")
+    if r["errors"]:
+        raise RuntimeError(f"receiver rejected {r['errors']} {variant} messages, first: {r['first_error']}")
+    payload = n * sender.msg_bytes
+    if r["bytes"] != payload:
+        raise RuntimeError(f"receiver got {r['bytes']} payload bytes, sent {payload}")
+    gb = payload / 1e9
+    return {"GBps": gb / (t1 - t0), "s": t1 - t0, "send_cpu_s_per_GB": (c1 - c0) / gb,
+            "recv_cpu_s_per_GB": r["recv_cpu_s"] / gb, "send_minflt_per_GB": (f1 - f0) / gb,
+            "recv_minflt_per_GB": r["recv_minflt"] / gb}
+
+
+def local_costs(quick: bool) -> dict:
+    """In-process cost per GB of xxh3_64 (F.checksum) and of a memcpy (np.copyto) by part size."""
+    out = {}
+    span = RING_BYTES // 4
+    src = np.random.default_rng(1).standard_normal(span, dtype=np.float32)
+    dst = np.empty_like(src)
+    dst.fill(0.0)
+    budget = 0.1 if quick else 0.25
+    for name, nbytes in (("64KiB", 64 * KIB), ("1MiB", MIB), ("16MiB", 16 * MIB)):
+        k = nbytes // 4
+        slots = span // k
+        res = {}
+        for what in ("xxh3", "memcpy"):
+            reps, t = 0, 0.0
+            t0 = time.perf_counter()
+            while t < budget:  # walk the 64 MiB buffer, as the ring does
+                s = (reps % slots) * k
+                if what == "xxh3":
+                    F.checksum(src[s:s + k])
+                else:
+                    np.copyto(dst[s:s + k], src[s:s + k])
+                reps += 1
+                t = time.perf_counter() - t0
+            res[what + "_GBps"] = reps * nbytes / t / 1e9
+        out[name] = res
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short measurements (whole run < 60 s)")
+    ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds per cell (default 3)")
+    ap.add_argument("--seconds", type=float, default=0.0,
+                    help="target seconds per measurement (default 1.0, --quick 0.25)")
+    ap.add_argument("--transports", default="tcp,ipc")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    rounds = args.rounds or 3
+    target_s = args.seconds or (0.25 if args.quick else 1.0)
+    transports = [t for t in args.transports.split(",") if t]
+
+    started = time.perf_counter()
+    shapes = message_shapes()
+    info = machine_info()
+    costs = local_costs(args.quick)
+    tmp = tempfile.mkdtemp(prefix="shadow-bench-transport-")
+    mpc = mp.get_context("spawn")
+    parent, child = mpc.Pipe()
+    proc = mpc.Process(target=receiver_main, args=(child,), name="bench-receiver", daemon=True)
+    proc.start()
+    child.close()
+    ctx = zmq.Context()
+    rows = []
+    try:
+        for transport in transports:
+            ep = _ask(parent, {"op": "bind", "transport": transport, "path": os.path.join(tmp, "x")})["endpoint"]
+            sender = Sender(ctx, ep)
+            try:
+                for shape, sizes in shapes.items():
+                    sender.use_shape(sizes)
+                    _ask(parent, {"op": "shape", "sizes": sizes})
+                    # warm-up and calibration: every variant once, the message count from bare's rate
+                    n_warm = max(8, (2 * RING_BYTES) // sender.msg_bytes)
+                    warm = {v: measure(parent, sender, v, n_warm) for v in VARIANTS}
+                    n = max(8, round(target_s * warm["bare"]["GBps"] * 1e9 / sender.msg_bytes))
+                    per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+                    for r in range(rounds):  # interleaved, rotating the order: drift hits all alike
+                        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+                        for v in order:
+                            per[v].append(measure(parent, sender, v, n))
+                    row = {"transport": transport, "shape": shape, "parts": len(sizes),
+                           "bytes_per_msg": sender.msg_bytes, "messages": n, "rounds": rounds}
+                    for v in VARIANTS:
+                        row[v + "_GBps"] = statistics.median(m["GBps"] for m in per[v])
+                        row[v + "_GBps_rounds"] = [m["GBps"] for m in per[v]]
+                        for k in ("send_cpu_s_per_GB", "recv_cpu_s_per_GB", "send_minflt_per_GB",
+                                  "recv_minflt_per_GB"):
+                            row[f"{v}_{k}"] = statistics.median(m[k] for m in per[v])
+                    row["into_vs_bare"] = row["shadow_into_GBps"] / row["bare_GBps"]
+                    row["zc_vs_bare"] = row["shadow_zc_GBps"] / row["bare_GBps"]
+                    rows.append(row)
+                    print(f"  {transport} {shape}: bare {row['bare_GBps']:.2f}  into {row['shadow_into_GBps']:.2f}  "
+                          f"zc {row['shadow_zc_GBps']:.2f} GB/s  ({n} msgs x {rounds} rounds)", flush=True)
+            finally:
+                sender.close()
+                _ask(parent, {"op": "unbind"})
+    finally:
+        try:
+            parent.send_bytes(b'{"op": "exit"}')
+        except (BrokenPipeError, OSError):
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        parent.close()
+        ctx.term()
+        shutil.rmtree(tmp, ignore_errors=True)
+    elapsed = time.perf_counter() - started
+
+    print(f"\nshadow framing + validation vs bare pyzmq, one sender -> one receiver process, "
+          f"median of {rounds} rounds (~{target_s:g} s each); GB/s of payload per worker")
+    print(f"{info['cpu']}, {info['cores']} cores; Python {info['python']}, pyzmq {info['pyzmq']}, "
+          f"libzmq {info['libzmq']}, xxhash {info['xxhash']}")
+    print("| transport | shape | parts | MB/msg | bare GB/s | shadow recv_into GB/s | ratio | "
+          "shadow zero-copy GB/s | ratio | goal >= 0.8x |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ok = "yes" if min(r["into_vs_bare"], r["zc_vs_bare"]) >= 0.8 else (
+            "zc only" if r["zc_vs_bare"] >= 0.8 else ("into only" if r["into_vs_bare"] >= 0.8 else "no"))
+        print(f"| {r['transport']} | {r['shape']} | {r['parts']} | {r['bytes_per_msg'] / 1e6:.2f} | "
+              f"{r['bare_GBps']:.2f} | {r['shadow_into_GBps']:.2f} | {r['into_vs_bare']:.2f}x | "
+              f"{r['shadow_zc_GBps']:.2f} | {r['zc_vs_bare']:.2f}x | {ok} |")
+    print("\nCPU seconds per GB of payload (whole process, zmq I/O thread included), sender / receiver")
+    print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[v + '_send_cpu_s_per_GB']:.3f} / {r[v + '_recv_cpu_s_per_GB']:.3f}" for v in VARIANTS]
+        print(f"| {r['transport']} | {r['shape']} | " + " | ".join(cells) + " |")
+    print("\nminor page faults per GB of payload (thousands), sender / receiver")
+    print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[v + '_send_minflt_per_GB'] / 1e3:.1f} / {r[v + '_recv_minflt_per_GB'] / 1e3:.1f}" for v in VARIANTS]
+        print(f"| {r['transport']} | {r['shape']} | " + " | ".join(cells) + " |")
+    print("\nin-process cost by part size, walking a 64 MiB buffer: GB/s (s/GB)")
+    print("| part | xxh3_64 (F.checksum) | memcpy (np.copyto) |")
+    print("|---|---|---|")
+    for name, c in costs.items():
+        print(f"| {name} | {c['xxh3_GBps']:.1f} ({1 / c['xxh3_GBps']:.3f}) | "
+              f"{c['memcpy_GBps']:.1f} ({1 / c['memcpy_GBps']:.3f}) |")
+    print(f"total {elapsed:.0f} s")
+    if args.json:
+        doc = {"machine": info, "quick": args.quick, "rounds": rounds, "target_s": target_s,
+               "socket_options": {"push": {"LINGER": 0, "SNDHWM": knobs.get_int("ZMQ_SNDHWM")},
+                                  "pull": {"LINGER": 0, "RCVHWM": 0}},
+               "ring_bytes": RING_BYTES, "shapes": shapes, "rows": rows, "local_costs": costs,
+               "goal": "shadow >= 0.8x bare", "elapsed_s": elapsed}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
