@@ -80,7 +80,9 @@ def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
     rng = np.random.default_rng(0)
     seq = 0
     for it in range(1, iters + 1):
+        conn.recv()  # make the next gradient now (not while the receiver applies)
         grad = (rng.standard_normal(total, dtype=np.float32) * np.float32(1e-2)).astype(np.float32)
+        conn.send(b"ready")
         for _ in range(2):  # once for each path
             conn.recv()  # the receiver is ready
             for runs in buckets:
@@ -190,6 +192,8 @@ def main() -> int:
 
     rows: dict[str, dict[str, list]] = {}
     for it in range(1, iters + 1):
+        parent.send(b"next")
+        parent.recv()
         snapshot = it > args.iters
         order = ("before", "after") if it % 2 else ("after", "before")
         for path in order:

@@ -1,4 +1,5 @@
-"""An exact fused multiply-add for numba kernels (one rounding, IEEE 754 ``fma``).
+"""Intrinsics for the numba kernels: an exact fused multiply-add (one rounding, IEEE 754
+``fma``), and float32 views of memory given by address (the received frames).
 
 torch's CPU kernels are compiled with FMA contraction, so matching them bit for bit
 needs the fused operation explicitly where they fuse, and plain ``a * b + c`` where
@@ -17,5 +18,17 @@ def fma32(typingctx, a, b, c):  # noqa: ARG001 - numba intrinsic signature
 
     def codegen(context, builder, signature, args):  # noqa: ARG001
         return builder.fma(args[0], args[1], args[2])
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_at(typingctx, addr):  # noqa: ARG001 - numba intrinsic signature
+    """A ``float32*`` at integer address ``addr`` (wrap with ``numba.carray``)."""
+    ptr = types.CPointer(types.float32)
+    sig = ptr(types.int64)
+
+    def codegen(context, builder, signature, args):  # noqa: ARG001
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
 
     return sig, codegen

@@ -25,9 +25,9 @@ the kernel itself is branch-light and shared by every variant.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
-from shadow.kernels._fma import fma32
+from shadow.kernels._fma import f32_at, fma32
 
 # Columns of the per-segment float32 scalar table.
 F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE = range(11)
@@ -120,13 +120,15 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl,
             p_[i] = p + (nstep * m) / (np.sqrt(v) / bc2s + eps)
 
 
-def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grads, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x):
+def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v,
+                snap_x):
     """Apply one Adam/AdamW step in place over the work items.
 
     ``work`` is int64 ``[n, 5]`` of ``(lo, hi, segment, part, goff)``: local elements
-    ``[lo, hi)`` of one segment whose gradient is ``grads[part][goff:goff + hi - lo]``
-    (``grads`` is a typed list of float32 arrays: the received payload frames, or one
-    contiguous gradient); ``seg_f`` / ``seg_i`` are the per-segment scalar tables
+    ``[lo, hi)`` of one segment whose gradient is elements ``goff .. goff + hi - lo`` of
+    gradient part ``part``, a C-contiguous float32 array of ``grad_len[part]`` elements
+    at address ``grad_addr[part]`` (the received payload frames, or one contiguous
+    gradient; the caller keeps them alive); ``seg_f`` / ``seg_i`` are the per-segment scalar tables
     (columns ``F_*``/``I_*``). ``max_sq`` may be a length-0 array when no segment uses
     amsgrad; the ``snap_*`` arrays are length 0 unless this pass also fills a snapshot.
     """
@@ -138,7 +140,8 @@ def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grads, work, seg_f, seg_i, s
         if fl[I_ACTIVE] == 0:
             continue
         f = seg_f[s]
-        grad = grads[work[w, 3]]
+        part = work[w, 3]
+        grad = carray(f32_at(grad_addr[part]), grad_len[part])
         goff = work[w, 4]
         tail = fl[I_TAIL_START]
         mid = min(max(tail, lo), hi)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from numba import typed, types
 
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
@@ -147,18 +146,18 @@ def untouched(work: np.ndarray, active: np.ndarray, size: int) -> list[tuple[int
     return out
 
 
-GRAD_T = types.Array(types.float32, 1, "C", readonly=True)
-
-
-def grad_list(arrays: Sequence[np.ndarray]) -> typed.List:
-    """The kernels' typed list of read-only float32 gradient arrays."""
-    out = typed.List.empty_list(GRAD_T)
-    for a in arrays:
-        if a.flags.writeable:
-            a = a.view()
-            a.flags.writeable = False
-        out.append(a)
-    return out
+def grad_parts(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' view of gradient parts: int64 addresses and lengths (the caller keeps
+    the arrays alive while a kernel runs)."""
+    addr = np.empty(len(arrays), dtype=np.int64)
+    length = np.empty(len(arrays), dtype=np.int64)
+    for i, a in enumerate(arrays):
+        if a.dtype != np.float32 or not a.flags.c_contiguous:
+            raise ValueError(f"gradient part {i} is {a.dtype}, contiguous={a.flags.c_contiguous}; "
+                             "the kernels read C-contiguous float32")
+        addr[i] = a.__array_interface__["data"][0]
+        length[i] = a.shape[0]
+    return addr, length
 
 
 _EMPTY = np.zeros(0, dtype=np.float32)
@@ -239,13 +238,15 @@ class ReplayPlan:
         where they lie; ``snap``: arrays of the same shapes that receive the new values
         too. Returns the work rows used."""
         work = self.work_for(parts)
-        grads = grad_list([a for _, a in parts])
+        arrs = [a for _, a in parts]
+        addr, length = grad_parts(arrs)
         snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
         if mod is _adam:
             fn = _adam.adam_apply if threads else _adam.adam_apply_serial
         else:
             fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
-        fn(*arrays, grads, work, self.seg_f, self.seg_i, *snaps)
+        fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps)
+        del arrs  # alive until the kernel returned
         return work
 
     def prepare(

@@ -11,9 +11,9 @@ Measured against torch 2.13 (``tests/test_kernels.py``).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
-from shadow.kernels._fma import fma32
+from shadow.kernels._fma import f32_at, fma32
 
 # float32 scalar columns
 S_NEG_LR, S_MOMENTUM, S_DAMP1, S_WD, S_CLIP, S_INV_SCALE, S_GRAD_SCALE = range(7)
@@ -85,7 +85,7 @@ def _sgd_range(param, buf, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_b)
             p_[i] = p
 
 
-def _sgd_apply(param, buf, grads, work, seg_f, seg_i, snap_p, snap_b):
+def _sgd_apply(param, buf, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_b):
     """One SGD step in place over ``work`` rows ``(lo, hi, segment, part, goff)`` (see
     :func:`shadow.kernels.adam._adam_apply`); ``snap_*`` are length 0 unless this pass
     also fills a snapshot."""
@@ -97,7 +97,8 @@ def _sgd_apply(param, buf, grads, work, seg_f, seg_i, snap_p, snap_b):
         if fl[J_ACTIVE] == 0:
             continue
         f = seg_f[s]
-        grad = grads[work[w, 3]]
+        part = work[w, 3]
+        grad = carray(f32_at(grad_addr[part]), grad_len[part])
         goff = work[w, 4]
         mid = min(max(fl[J_TAIL_START], lo), hi)
         if mid > lo:
