@@ -188,7 +188,7 @@ def test_network_faults_are_detected_and_healed(tmp_path):
     cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2"})
     try:
         out = tmp_path / "out"
-        env = {"SHADOW_FAULT_NET": "drop=0.03,dup=0.04,reorder=0.03,truncate=0.03,bitflip=0.04,seed=3,until=30"}
+        env = {"SHADOW_FAULT_NET": "drop=0.03,dup=0.04,reorder=0.03,truncate=0.03,bitflip=0.04,seed=3,until=30,cover=1"}
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(steps),
                          "--step-sleep", "0.05", env=env) == [0, 0], rank_logs(tmp_path)
         st = cluster.settled()

@@ -3,7 +3,8 @@
 ``SHADOW_FAULT_NET="drop=0.02,dup=0.02,reorder=0.02,truncate=0.02,bitflip=0.02,seed=7,until=30"``
 makes each data message (GRAD, STATE or COMMIT, to one worker) of iterations in
 ``[from, until)`` suffer at most one fault, drawn with the given probabilities from a
-generator seeded by ``seed`` and the rank:
+generator seeded by ``seed`` and the rank (with ``cover=1``, the first faults drawn go
+through every listed kind once, in order, so a short run sees each kind):
 
 * drop      -- never sent (its sequence number is used: the worker sees a gap);
 * dup       -- sent twice (the worker drops the second copy by sequence number);
@@ -32,26 +33,30 @@ def parse(spec: str | None, rank: int) -> "NetFaults | None":
         return None
     if (spec, rank) in _ACTIVE:
         return _ACTIVE[spec, rank]
-    probs, seed, span = {}, 0, [0, 1 << 62]
+    probs, seed, span, cover = {}, 0, [0, 1 << 62], False
     for item in spec.split(","):
         key, _, value = item.strip().partition("=")
         if key == "seed":
             seed = int(value)
+        elif key == "cover":
+            cover = bool(int(value))
         elif key in ("from", "until"):
             span[key == "until"] = int(value)
         elif key in KINDS:
             probs[key] = float(value)
         else:
-            raise ValueError(f"SHADOW_FAULT_NET: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until")
+            raise ValueError(f"SHADOW_FAULT_NET: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, "
+                             "cover")
     if sum(probs.values()) > 1.0:
         raise ValueError(f"SHADOW_FAULT_NET: probabilities add up to more than 1 ({spec})")
-    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span))
+    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span), cover)
     return _ACTIVE[spec, rank]
 
 
 class NetFaults:
-    def __init__(self, probs: dict[str, float], seed: int, span: tuple[int, int] = (0, 1 << 62)) -> None:
-        self.probs, self.span = probs, span
+    def __init__(self, probs: dict[str, float], seed: int, span: tuple[int, int] = (0, 1 << 62),
+                 cover: bool = False) -> None:
+        self.probs, self.span, self.cover = probs, span, cover
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         self.held: dict[int, list] = {}  # worker -> frames held back for reordering
@@ -64,6 +69,8 @@ class NetFaults:
                 kind = name
                 break
             x -= p
+        if kind is not None and self.cover:
+            kind = next((k for k in self.probs if self.probs[k] > 0 and not self.injected[k]), kind)
         held = self.held.pop(worker, None)
         tracker = None
         if kind is None:
