@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 # name -> (script, arguments of the default set, arguments with --full)
 BENCHES = {
-    "overhead": ("bench_overhead.py", ["--steps", "10", "--rounds", "2"], ["--rounds", "3"]),
+    "overhead": ("bench_overhead.py", ["--steps", "8", "--rounds", "2", "--n-layer", "8", "--n-embd", "576"],
+                 ["--steps", "20", "--rounds", "3", "--n-layer", "8", "--n-embd", "576"]),
     "replay": ("bench_replay.py", ["--params", "50e6", "--repeat", "5"], ["--repeat", "9"]),
     "apply": ("bench_apply.py", ["--params", "20e6", "--iters", "5"], []),
     "transport": ("bench_transport.py", ["--quick"], []),

@@ -2,7 +2,7 @@
 bytes and vs torch.save + fsync; restore from disk vs torch.distributed.checkpoint.load.
 All in one run, same machine, same bytes. Prints a table and writes JSON.
 
-    python scripts/bench_persist.py --gib 1 --dir /path/on/the/disk --json bench_persist.json
+    python scripts/bench_persist.py --gib 1 --dir /path/on/the/disk --json docs/bench/persist.json
 
 Goals: persist >= 0.9x raw write throughput and >= 1.5x torch.save; restore <= 0.5x DCP load.
 Page caches are dropped before each read when the process may (root); the JSON says so.

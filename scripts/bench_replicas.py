@@ -1,6 +1,6 @@
 """What replicas=2 costs and what it buys, measured in one run on this machine.
 
-    python scripts/bench_replicas.py [--steps 40] [--n-embd 256] [--json docs/bench_replicas.json]
+    python scripts/bench_replicas.py [--steps 40] [--n-embd 256] [--json docs/bench/replicas.json]
 
 One gloo rank trains the example GPT (fused AdamW) three ways: no shadow; attached to 2
 workers (replicas=1); attached to 4 workers holding 2 shards twice (replicas=2, the

@@ -9,8 +9,9 @@ per training iteration per billion parameters (the figure to size a cluster with
   thread (as w single-thread workers on one host would), for w = 1..cores; the figure is
   the slowest worker's median step (the cut waits for every worker);
 * CPU-seconds per iteration per B params: replay only (threads x seconds / params), and
-  the whole worker path (receive, checksum, apply) from ``docs/bench_apply.json`` when it
-  exists (``scripts/bench_apply.py`` measures it with process CPU time).
+  the whole worker path (receive, checksum, apply) from ``--apply-json`` when that file
+  exists (default ``docs/bench/apply.json``: what ``scripts/bench_apply.py`` measured
+  with process CPU time).
 
 Extrapolation (printed): the cores a shadow cluster needs to keep up with a model of P
 parameters at an iteration time T is ``cpu_s_per_B * P / T``; it assumes throughput per
@@ -86,6 +87,7 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="20M params, 3 repeats")
+    ap.add_argument("--apply-json", default=str(ROOT / "docs" / "bench" / "apply.json"))
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.quick:
@@ -127,7 +129,7 @@ def main() -> int:
             print(f"| {kind} | {n} | {r['s_per_step']:.4f} | {r['Mparams_per_s']:.0f} | {r['speedup']:.2f}x | "
                   f"{r['cpu_s_per_iter_per_Bparams']:.2f} |")
     replay_cpu = res["threads"][1]["cpu_s_per_iter_per_Bparams"]
-    apply_json = ROOT / "docs" / "bench_apply.json"
+    apply_json = Path(args.apply_json)
     path_cpu = None
     if apply_json.exists():
         path_cpu = json.loads(apply_json.read_text())["paths"]["after"]["cpu_s_per_iter_per_Bparams"]
@@ -135,7 +137,7 @@ def main() -> int:
                      "worker_path_cpu_s_per_iter_per_Bparams": path_cpu}
     per_b = path_cpu or replay_cpu
     print(f"CPU-s per iteration per B params: replay {replay_cpu:.2f}"
-          + (f", whole worker path (receive + checksum + apply, docs/bench_apply.json) {path_cpu:.2f}"
+          + (f", whole worker path (receive + checksum + apply, bench_apply) {path_cpu:.2f}"
              if path_cpu else ""))
     print("cores a shadow cluster needs (extrapolated from the figure above):")
     print("| params | iteration 1 s | 5 s | 10 s |")
