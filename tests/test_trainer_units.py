@@ -105,3 +105,18 @@ def test_unfused_optimizer_warns_about_exactness():
     assert d["impl"] == "single" and not d["bit_exact"]
     d = describe(torch.optim.AdamW(_model().parameters(), fused=True))
     assert d["impl"] == "fused" and d["bit_exact"]
+
+
+def test_calibration_keeps_torch_thread_count():
+    """numba's first call sets the OpenMP thread count torch shares; attach must not leave
+    a 1-thread-per-rank trainer with more threads (it oversubscribed every core: 2.8x
+    slower steps on the 32M GPT benchmark)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from trainer_hooks import _optim\n"
+            "_optim.calibrate()\n"
+            "print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr

@@ -117,6 +117,18 @@ _SIZES = tuple(range(1, 50)) + (63, 64, 65, 127, 129, 1000)
 @functools.lru_cache(maxsize=1)
 def calibrate() -> tuple[int, int, bool]:
     """``(vec_width, tail_width, matched)`` for torch's fused CPU Adam on this machine."""
+    threads = torch.get_num_threads()
+    try:
+        return _calibrate()
+    finally:
+        # the first numba call initialises its threading layer, which sets the OpenMP
+        # thread count torch shares: a trainer run with 1 thread per rank (torchrun's
+        # OMP_NUM_THREADS=1) would otherwise oversubscribe its cores from here on
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _calibrate() -> tuple[int, int, bool]:
     gen = torch.Generator().manual_seed(1234)
     sizes = list(_SIZES)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
