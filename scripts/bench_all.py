@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -184,7 +185,8 @@ def main() -> int:
         script, quick, full = BENCHES[name]
         cmd = [sys.executable, str(ROOT / "scripts" / script), *(full if args.full else quick),
                "--json", str(out / f"{name}.json")]
-        commands[name] = "python scripts/" + " ".join([script, *cmd[2:-2], "--json", f"{args.out}/{name}.json"])
+        shown = os.path.relpath(out / f"{name}.json", ROOT)
+        commands[name] = "python scripts/" + " ".join([script, *cmd[2:-2], "--json", shown])
         print(f"== {name}: {commands[name]}", flush=True)
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)

@@ -27,6 +27,7 @@ _DEFAULTS: dict[str, float] = {
     "WORKER_LOST_S": 5.0,  # coordinator marks a silent worker lost after this long
     "FETCH_TIMEOUT_S": 60.0,  # restore: wait for the workers' shards this long
     "FETCH_CHUNK_BYTES": 16 << 20,  # restore: a worker sends its shard in parts of this size
+    "SERVE_HOLD_S": 2.0,  # restore: the next apply waits this long at most for a shard being sent
     "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
 }

@@ -92,3 +92,58 @@ def test_short_chunk_is_refused():
 
     with pytest.raises(ShadowError, match="chunk"):
         run_fetch(cut)
+
+
+def test_worker_holds_apply_only_while_a_shard_is_in_flight():
+    """Shards are sent zero-copy from the live arrays; the next apply waits for zmq to be
+    done with them, but never longer than SERVE_HOLD_S (a frozen client)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from shadow.worker.serve import ServeMixin
+
+    class Served(ServeMixin):
+        def __init__(self, sock):
+            self.serve, self.serving = sock, []
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = ("import time, zmq\n"
+              "d = zmq.Context().socket(zmq.DEALER)\n"
+              f"d.connect('tcp://127.0.0.1:{port}')\n"
+              "d.send(b'hello')\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", client])
+    try:
+        assert router.poll(30_000)
+        ident, _ = router.recv_multipart()
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen: its I/O thread stops reading
+        w = Served(router)
+        big = np.ones(256 << 20, dtype=np.uint8)  # far more than the socket buffers hold
+        w.serving.append((router.send_multipart([ident, memoryview(big)], copy=False, track=True),
+                          time.monotonic() + 0.5))
+        t0 = time.monotonic()
+        w._wait_for_readers()
+        assert 0.3 < time.monotonic() - t0 < 3.0 and w.serving == []
+        # a shard that went out completely costs no wait
+        local = ctx.socket(zmq.DEALER)
+        local.connect(f"tcp://127.0.0.1:{port}")
+        local.send(b"hello")
+        me, _ = router.recv_multipart()
+        tracker = router.send_multipart([me, memoryview(big[:1 << 20])], copy=False, track=True)
+        assert local.poll(10_000) and len(local.recv_multipart()) == 1
+        w.serving.append((tracker, time.monotonic() + 5.0))
+        t0 = time.monotonic()
+        w._wait_for_readers()
+        assert time.monotonic() - t0 < 1.0 and tracker.done
+        local.close(0)
+    finally:
+        proc.kill()
+        proc.wait()
+        router.close(0)
+        ctx.term()

@@ -123,9 +123,9 @@ def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_st
             got = sock.recv_into(target[off:off + want])
             if got != want:
                 raise ShadowError(f"worker {w['id']} sent a {got}-byte chunk of {fld.name}, expected {want}")
-            if checksum(target[off:off + want]) != next(sums, None):
-                raise ShadowError(f"worker {w['id']}: {fld.name} bytes {off}..{off + want} of its shard fail their "
-                                  "checksum; restore again (or from a persisted tier)")
+            if checksum(target[off:off + want]) != next(sums, None):  # damaged, or applied over while sent
+                raise MovedOn(f"worker {w['id']}: {fld.name} bytes {off}..{off + want} of its shard fail their "
+                              "checksum")
     if sock.getsockopt(zmq.RCVMORE):
         raise ShadowError(f"worker {w['id']} sent more than its shard")
     for i, s in head["steps"]:

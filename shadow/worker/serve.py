@@ -3,6 +3,7 @@ once the wanted iteration is applied, from the current epoch or, while a re-atta
 bootstraps, the retired one. Imports no torch."""
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -11,6 +12,8 @@ import zmq
 from shadow import knobs
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+
+logger = logging.getLogger(__name__)
 
 
 class ServeMixin:
@@ -61,21 +64,37 @@ class ServeMixin:
 
     def _serve_state(self, ident: bytes, s) -> None:
         """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
-        chunks of at most ``FETCH_CHUNK_BYTES`` (copies: the arrays change with the next
-        apply; chunks let the client receive each straight into place)."""
+        chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays. The next
+        apply waits (``SERVE_HOLD_S`` at most, :meth:`_wait_for_readers`) until zmq has
+        sent them; a client still reading after that gets chunks that fail their sums and
+        fetches again, so it never installs a torn shard."""
         st = s.state
         fields = st.fields()
         idx = np.flatnonzero(st.in_range)
         chunk = knobs.get_int("FETCH_CHUNK_BYTES") // 4 * 4
-        chunks = []
+        views = []
         for f in fields:
             raw = st.array(f).view(np.uint8)
-            chunks += [raw[i:i + chunk].tobytes() for i in range(0, len(raw), chunk)]
+            views += [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
         head = M.encode(
             "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
             arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
             has_state=[int(i) for i in idx if st.has_state[i]],
             commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
-            replay=s.commit, chunk=chunk, sums=[F.checksum(c) for c in chunks],
+            replay=s.commit, chunk=chunk, sums=[F.checksum(v) for v in views],
         )
-        self.serve.send_multipart([ident, head] + chunks, copy=False)
+        tracker = self.serve.send_multipart([ident, head] + [memoryview(v) for v in views], copy=False, track=True)
+        self.serving = [(t, d) for t, d in self.serving if not t.done]
+        self.serving.append((tracker, time.monotonic() + knobs.get("SERVE_HOLD_S")))
+
+    def _wait_for_readers(self) -> None:
+        """Before the state changes: let zmq finish sending shards served from it."""
+        for tracker, deadline in self.serving:
+            if tracker.done:
+                continue
+            try:
+                tracker.wait(max(0.0, deadline - time.monotonic()))
+            except zmq.NotDone:
+                logger.warning("a restore client is still reading this shard after %.1f s; applying anyway "
+                               "(its copy will fail its checksums and be fetched again)", knobs.get("SERVE_HOLD_S"))
+        self.serving = []

@@ -78,6 +78,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         # a trainer killed during a (re-)attach bootstrap restores from it
         self.retired: _Session | None = None
         self.pending_fetch: list[tuple[bytes, dict, float]] = []
+        self.serving: list = []  # (zmq tracker, hold deadline) of shards sent zero-copy
         self.hold = False  # a replacement replica: leave data frames queued until configured
         self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
         self._stop = False
@@ -255,6 +256,8 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         if s is None or epoch != s.epoch:
             return
         folded = None
+        if self.serving and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
+            self._wait_for_readers()
         while True:
             k = s.applied + 1 if s.applied >= 0 else s.base
             if k > iteration:
