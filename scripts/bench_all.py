@@ -9,7 +9,7 @@ trainer overhead (bench_overhead), replay vs torch fused and the bandwidth basel
 (bench_apply), transport vs bare pyzmq (bench_transport), restore vs DCP load
 (bench_restore), scaling and sizing (bench_scaling). Then ``<out>/REPORT.md`` and, when
 matplotlib is installed (``pip install -e .[bench]``), PNG plots beside it. The default
-sizes keep the whole set under ~10 minutes on a 2-core machine; ``--full`` uses each
+sizes keep the whole set under ~9 minutes on a 2-core machine; ``--full`` uses each
 benchmark's own (larger) defaults.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ BENCHES = {
                  ["--steps", "20", "--rounds", "3", "--n-layer", "8", "--n-embd", "576"]),
     "replay": ("bench_replay.py", ["--params", "50e6", "--repeat", "5"], ["--repeat", "9"]),
     "apply": ("bench_apply.py", ["--params", "20e6", "--iters", "5"], []),
-    "transport": ("bench_transport.py", ["--quick"], []),
+    "transport": ("bench_transport.py", [], []),
     "restore": ("bench_restore.py", ["--no-evict"], []),
     "scaling": ("bench_scaling.py", ["--quick"], []),
 }

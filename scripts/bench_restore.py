@@ -324,20 +324,11 @@ def restore_main(args) -> None:
 
 
 def status(address: str, timeout: float = 2.0) -> dict:
-    import zmq
+    from tests.conftest import (
+        status as query,  # the coordinator's status, one bounded request
+    )
 
-    from shadow.wire import messages as M
-
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(address)
-    try:
-        s.send(M.encode("status"))
-        if not s.poll(timeout * 1000):
-            raise TimeoutError(f"no status from {address}")
-        return M.decode(s.recv())["status"]
-    finally:
-        s.close(linger=0)
+    return query(address, timeout)
 
 
 class Services:

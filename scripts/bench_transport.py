@@ -452,18 +452,15 @@ def main() -> int:
         print(f"| {r['transport']} | {r['shape']} | {r['parts']} | {r['bytes_per_msg'] / 1e6:.2f} | "
               f"{r['bare_GBps']:.2f} | {r['shadow_into_GBps']:.2f} | {r['into_vs_bare']:.2f}x | "
               f"{r['shadow_zc_GBps']:.2f} | {r['zc_vs_bare']:.2f}x | {ok} |")
-    print("\nCPU seconds per GB of payload (whole process, zmq I/O thread included), sender / receiver")
-    print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        cells = [f"{r[v + '_send_cpu_s_per_GB']:.3f} / {r[v + '_recv_cpu_s_per_GB']:.3f}" for v in VARIANTS]
-        print(f"| {r['transport']} | {r['shape']} | " + " | ".join(cells) + " |")
-    print("\nminor page faults per GB of payload (thousands), sender / receiver")
-    print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        cells = [f"{r[v + '_send_minflt_per_GB'] / 1e3:.1f} / {r[v + '_recv_minflt_per_GB'] / 1e3:.1f}" for v in VARIANTS]
-        print(f"| {r['transport']} | {r['shape']} | " + " | ".join(cells) + " |")
+    for title, fmt in (("CPU seconds per GB of payload (whole process, zmq I/O thread included), sender / receiver",
+                        lambda r, v: f"{r[v + '_send_cpu_s_per_GB']:.3f} / {r[v + '_recv_cpu_s_per_GB']:.3f}"),
+                       ("minor page faults per GB of payload (thousands), sender / receiver",
+                        lambda r, v: f"{r[v + '_send_minflt_per_GB'] / 1e3:.1f} / {r[v + '_recv_minflt_per_GB'] / 1e3:.1f}")):
+        print("\n" + title)
+        print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['transport']} | {r['shape']} | " + " | ".join(fmt(r, v) for v in VARIANTS) + " |")
     print("\nin-process cost by part size, walking a 64 MiB buffer: GB/s (s/GB)")
     print("| part | xxh3_64 (F.checksum) | memcpy (np.copyto) |")
     print("|---|---|---|")

@@ -4,7 +4,8 @@
 makes each data message (GRAD, STATE or COMMIT, to one worker) of iterations in
 ``[from, until)`` suffer at most one fault, drawn with the given probabilities from a
 generator seeded by ``seed`` and the rank (with ``cover=1``, the first faults drawn go
-through every listed kind once, in order, so a short run sees each kind):
+through every listed kind once, rank r starting at the (2r)-th kind, so that even a short
+run in which each of two ranks draws three faults sees every kind):
 
 * drop      -- never sent (its sequence number is used: the worker sees a gap);
 * dup       -- sent twice (the worker drops the second copy by sequence number);
@@ -49,14 +50,16 @@ def parse(spec: str | None, rank: int) -> "NetFaults | None":
                              "cover")
     if sum(probs.values()) > 1.0:
         raise ValueError(f"SHADOW_FAULT_NET: probabilities add up to more than 1 ({spec})")
-    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span), cover)
+    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span), cover, 2 * rank)
     return _ACTIVE[spec, rank]
 
 
 class NetFaults:
     def __init__(self, probs: dict[str, float], seed: int, span: tuple[int, int] = (0, 1 << 62),
-                 cover: bool = False) -> None:
+                 cover: bool = False, first: int = 0) -> None:
         self.probs, self.span, self.cover = probs, span, cover
+        kinds = [k for k in probs if probs[k] > 0]
+        self.order = kinds[first % len(kinds):] + kinds[:first % len(kinds)] if kinds else []
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         self.held: dict[int, list] = {}  # worker -> frames held back for reordering
@@ -70,7 +73,7 @@ class NetFaults:
                 break
             x -= p
         if kind is not None and self.cover:
-            kind = next((k for k in self.probs if self.probs[k] > 0 and not self.injected[k]), kind)
+            kind = next((k for k in self.order if not self.injected[k]), kind)
         held = self.held.pop(worker, None)
         tracker = None
         if kind is None:
