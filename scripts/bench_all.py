@@ -33,7 +33,7 @@ BENCHES = {
     "replay": ("bench_replay.py", ["--params", "50e6", "--repeat", "5"], ["--repeat", "9"]),
     "apply": ("bench_apply.py", ["--params", "20e6", "--iters", "5"], []),
     "transport": ("bench_transport.py", [], []),
-    "restore": ("bench_restore.py", ["--no-evict"], []),
+    "restore": ("bench_restore.py", ["--no-evict", "--repeat", "5"], []),
     "scaling": ("bench_scaling.py", ["--quick"], []),
 }
 

@@ -146,7 +146,7 @@ def main() -> int:
     for b in (1, 7, 70, 405):
         row = [per_b * b / t for t in (1, 5, 10)]
         res["sizing"]["cores"][f"{b}B"] = row
-        print(f"| {b}B | {row[0]:.0f} | {row[1]:.0f} | {row[2]:.1f} |")
+        print(f"| {b}B | {row[0]:.1f} | {row[1]:.1f} | {row[2]:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
