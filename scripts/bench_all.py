@@ -10,7 +10,8 @@ trainer overhead (bench_overhead), replay vs torch fused and the bandwidth basel
 (bench_restore), scaling and sizing (bench_scaling). Then ``<out>/REPORT.md`` and, when
 matplotlib is installed (``pip install -e .[bench]``), PNG plots beside it. The default
 sizes keep the whole set under ~9 minutes on a 2-core machine; ``--full`` uses each
-benchmark's own (larger) defaults.
+benchmark's own (larger) defaults; ``--only`` writes ``REPORT-partial.md`` (the JSON of
+the benchmarks it runs is replaced; ``REPORT.md`` stays the last full set's).
 """
 from __future__ import annotations
 
@@ -183,10 +184,13 @@ def main() -> int:
     data, tables, commands, seconds = {}, {}, {}, {}
     for name in names:
         script, quick, full = BENCHES[name]
-        cmd = [sys.executable, str(ROOT / "scripts" / script), *(full if args.full else quick),
+        extra = ["--apply-json", str(out / "apply.json")] if name == "scaling" else []
+        cmd = [sys.executable, str(ROOT / "scripts" / script), *(full if args.full else quick), *extra,
                "--json", str(out / f"{name}.json")]
         shown = os.path.relpath(out / f"{name}.json", ROOT)
-        commands[name] = "python scripts/" + " ".join([script, *cmd[2:-2], "--json", shown])
+        shown_extra = ["--apply-json", os.path.relpath(out / "apply.json", ROOT)] if extra else []
+        commands[name] = "python scripts/" + " ".join([script, *(full if args.full else quick), *shown_extra,
+                                                       "--json", shown])
         print(f"== {name}: {commands[name]}", flush=True)
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
@@ -216,8 +220,9 @@ def main() -> int:
         lines += ["", f"## {name} ({seconds[name]:.0f} s)", "", f"`{commands[name]}`", "", tables[name].strip()]
     if pngs:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in pngs]
-    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
-    print(f"report: {out / 'REPORT.md'} ({time.monotonic() - started:.0f} s)")
+    report = out / ("REPORT-partial.md" if args.only else "REPORT.md")  # a subset never replaces the full report
+    report.write_text("\n".join(lines) + "\n")
+    print(f"report: {report} ({time.monotonic() - started:.0f} s)")
     return 0 if all(n in data for n in names) else 1
 
 
