@@ -99,7 +99,8 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
 
 
 def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs) -> dict:
-    """Receive one worker's reply into place; returns its head."""
+    """Receive one worker's reply into ``arrays`` (allocated for the optimizer's fields, in
+    wire order); returns its head."""
     head = M.decode(sock.recv())
     if head["t"] == "error":
         if "moved on" in head["message"]:
@@ -108,13 +109,11 @@ def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_st
     if head["t"] != "fetch_reply" or head["iteration"] != info["iteration"]:
         raise ShadowError(f"worker {w['id']} answered for iteration {head.get('iteration')}, not {info['iteration']}")
     lo, hi, chunk = head["start"], head["stop"], head["chunk"]
-    if (lo, hi) != (w["start"], w["stop"]) or chunk <= 0 or chunk % 4:
-        raise ShadowError(f"worker {w['id']} sent a malformed shard")
+    if (lo, hi) != (w["start"], w["stop"]) or chunk <= 0 or chunk % 4 or head["arrays"] != [int(f) for f in arrays]:
+        raise ShadowError(f"worker {w['id']} sent a malformed shard (range, chunk size or arrays)")
     sums = iter(head["sums"])
     for f in head["arrays"]:
         fld = Field(f)
-        if fld not in arrays:
-            arrays[fld] = np.zeros(layout.total, dtype=np.float32)
         target = memoryview(arrays[fld][lo:hi]).cast("B")
         for off in range(0, len(target), chunk):
             want = min(chunk, len(target) - off)
