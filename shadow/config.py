@@ -11,6 +11,7 @@ from typing import Optional
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 FORMATS = ("torch", "dcp", "safetensors")
+COMPRESSIONS = ("none", "zstd")
 
 
 def _check_port(port: int) -> None:
@@ -37,6 +38,8 @@ class TierConfig:
     every_s: float = 0.0  #: seconds between checkpoints (0 = not by time)
     every_tokens: int = 0  #: tokens between checkpoints, as reported by the trainer (0 = not by tokens)
     keep: int = 3  #: complete checkpoints to retain (0 = keep all)
+    compress: str = "none"  #: "none" or "zstd" (lossless: float bytes split into planes, then zstd)
+    compress_level: int = 3  #: zstd level, 1 (fastest) to 19
 
     @property
     def location(self) -> str:
@@ -46,6 +49,10 @@ class TierConfig:
         for key in ("every_n", "every_s", "every_tokens", "keep"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
+        if self.compress not in COMPRESSIONS:
+            raise ValueError(f"compress={self.compress!r} is not supported; choose one of {COMPRESSIONS}")
+        if not 1 <= self.compress_level <= 19:
+            raise ValueError(f"compress_level={self.compress_level} must be 1 (fastest) to 19 (smallest)")
         if self.location and not (self.every_n or self.every_s or self.every_tokens):
             raise ValueError(f"tier at {self.location!r} has no schedule: set every_n, every_s or every_tokens")
 
