@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 FORMATS = ("torch", "dcp", "safetensors")
 COMPRESSIONS = ("none", "zstd")
+EXPORT_FORMATS = ("safetensors", "torch")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_port(port: int) -> None:
@@ -41,20 +44,24 @@ class TierConfig:
     compress: str = "none"  #: "none" or "zstd" (lossless: float bytes split into planes, then zstd)
     compress_level: int = 3  #: zstd level, 1 (fastest) to 19
 
+    KEY: ClassVar[str] = "persist.TIER"  # where the tier sits in a config, for error messages
+
     @property
     def location(self) -> str:
         raise NotImplementedError
 
     def __post_init__(self) -> None:
+        k = self.KEY
         for key in ("every_n", "every_s", "every_tokens", "keep"):
             if getattr(self, key) < 0:
-                raise ValueError(f"{key}={getattr(self, key)} must be >= 0")
+                raise ValueError(f"{k}.{key}={getattr(self, key)} must be >= 0")
         if self.compress not in COMPRESSIONS:
-            raise ValueError(f"compress={self.compress!r} is not supported; choose one of {COMPRESSIONS}")
+            raise ValueError(f"{k}.compress={self.compress!r} is not supported; choose one of {COMPRESSIONS}")
         if not 1 <= self.compress_level <= 19:
-            raise ValueError(f"compress_level={self.compress_level} must be 1 (fastest) to 19 (smallest)")
+            raise ValueError(f"{k}.compress_level={self.compress_level} must be 1 (fastest) to 19 (smallest)")
         if self.location and not (self.every_n or self.every_s or self.every_tokens):
-            raise ValueError(f"tier at {self.location!r} has no schedule: set every_n, every_s or every_tokens")
+            raise ValueError(f"{k} at {self.location!r} has no schedule: set {k}.every_n, {k}.every_s or "
+                             f"{k}.every_tokens")
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +71,7 @@ class TierConfig:
 @dataclass
 class LocalTierConfig(TierConfig):
     dir: str = ""  #: directory on the workers' local disk (empty = tier off)
+    KEY: ClassVar[str] = "persist.local"
 
     @property
     def location(self) -> str:
@@ -74,6 +82,7 @@ class LocalTierConfig(TierConfig):
 class RemoteTierConfig(TierConfig):
     url: str = ""  #: shared-file-system path or fsspec URL, filled from the local tier (empty = off)
     every_n: int = 1000
+    KEY: ClassVar[str] = "persist.remote"
 
     @property
     def location(self) -> str:
@@ -143,44 +152,28 @@ class KeygenConfig:
             raise ValueError(f"name={self.name!r} is not a file stem; use e.g. name=server or name=trainer0")
 
 
-@dataclass
-class ClusterConfig:
-    """A coordinator plus ``workers`` worker processes on this host (foreground)."""
+def _check_log(level: str, fmt: str) -> None:
+    _check_level(level)
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log_format={fmt!r} is not one of {LOG_FORMATS} (json: one JSON object per line)")
 
-    workers: int = 2  #: number of shadow worker processes (workers / replicas shards)
-    replicas: int = 1  #: workers holding each shard (2: losing one loses nothing; it recopies from its peer)
-    host: str = "127.0.0.1"  #: interface to bind (127.0.0.1 keeps the cluster local)
-    port: int = 5555  #: coordinator port
-    threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
-    log_level: str = "INFO"
-    max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
-    persist: PersistConfig = field(default_factory=PersistConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
 
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
-        if self.replicas < 1 or self.workers % self.replicas:
-            raise ValueError(f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
-                             f"e.g. workers={2 * self.workers} replicas=2")
-        _check_port(self.port)
-        if self.threads_per_worker < 0:
-            raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
-        _check_level(self.log_level)
-
-    def threads(self) -> int:
-        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
+def _check_metrics_port(port: int) -> None:
+    if port:
+        _check_port(port)
 
 
 @dataclass
 class CoordinatorConfig:
     """The coordinator alone (workers join by its address)."""
 
-    workers: int = 2
-    replicas: int = 1  #: workers holding each shard (must divide workers)
-    host: str = "127.0.0.1"
-    port: int = 5555
-    log_level: str = "INFO"
+    workers: int = 2  #: worker slots (workers / replicas shards)
+    replicas: int = 1  #: workers holding each shard (2: losing one loses nothing; it recopies from its peer)
+    host: str = "127.0.0.1"  #: interface to bind (127.0.0.1 keeps the cluster local; 0.0.0.0 = every interface)
+    port: int = 5555  #: coordinator port
+    metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
+    log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR
+    log_format: str = "text"  #: text (one line per event) or json (one JSON object per line)
     persist: PersistConfig = field(default_factory=PersistConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -191,17 +184,40 @@ class CoordinatorConfig:
             raise ValueError(f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
                              f"e.g. workers={2 * self.workers} replicas=2")
         _check_port(self.port)
-        _check_level(self.log_level)
+        _check_metrics_port(self.metrics_port)
+        _check_log(self.log_level, self.log_format)
+
+
+@dataclass
+class ClusterConfig(CoordinatorConfig):
+    """A coordinator plus ``workers`` worker processes on this host (foreground). With
+    ``metrics_port`` set, worker ``i`` serves its metrics on ``metrics_port + 1 + i``."""
+
+    threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
+    max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.threads_per_worker < 0:
+            raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
+        if self.metrics_port and self.metrics_port + self.workers >= 65536:
+            raise ValueError(f"metrics_port={self.metrics_port} leaves no port for worker {self.workers - 1} "
+                             f"(metrics_port + 1 + i); use a port below {65535 - self.workers}")
+
+    def threads(self) -> int:
+        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
 
 
 @dataclass
 class WorkerConfig:
-    """One worker joining a coordinator."""
+    """One worker joining a coordinator: the coordinator address is all it needs."""
 
-    coordinator: str = "tcp://127.0.0.1:5555"
-    host: str = "127.0.0.1"  #: interface this worker binds its data and serve sockets on
+    coordinator: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
+    host: str = "auto"  #: interface for this worker's data and serve sockets; auto = the one that routes to the coordinator
     threads: int = 0  #: numba threads; 0 = all cores
-    log_level: str = "INFO"
+    metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
+    log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR
+    log_format: str = "text"  #: text or json
     worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -209,20 +225,29 @@ class WorkerConfig:
         _check_endpoint("coordinator", self.coordinator)
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = all cores)")
-        _check_level(self.log_level)
+        if not self.host:
+            raise ValueError("host= is empty; give an interface address or host=auto")
+        _check_metrics_port(self.metrics_port)
+        _check_log(self.log_level, self.log_format)
 
 
 @dataclass
 class StatusConfig:
-    address: str = "tcp://127.0.0.1:5555"
-    json: bool = False
-    timeout: float = 5.0
+    """What the cluster is doing: workers, ranges, committed iteration, lag, tiers."""
+
+    address: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
+    json: bool = False  #: print the raw status as JSON (also: --json)
+    timeout: float = 5.0  #: seconds to wait for the coordinator
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_endpoint("address", self.address)
-        if self.timeout <= 0:
-            raise ValueError(f"timeout={self.timeout} must be positive (seconds)")
+        _check_timeout(self.timeout)
+
+
+def _check_timeout(timeout: float) -> None:
+    if timeout <= 0:
+        raise ValueError(f"timeout={timeout} must be positive (seconds)")
 
 
 def _check_source(value: str) -> None:
@@ -233,39 +258,87 @@ def _check_source(value: str) -> None:
 
 @dataclass
 class RestoreConfig:
+    """Write a whole checkpoint (model, optimizer, scheduler, RNG, extra state) out."""
+
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
-    out: str = "checkpoint.pt"
-    format: str = "torch"  #: torch | dcp | safetensors
-    job: Optional[str] = None
+    out: str = "checkpoint.pt"  #: file (torch, safetensors) or directory (dcp) to write
+    format: str = "torch"  #: torch (torch.load-able), dcp (torch.distributed.checkpoint), safetensors (weights)
+    job: Optional[str] = None  #: the job to restore (default: the only or newest one)
     iteration: Optional[int] = None  #: a specific iteration (default: newest complete)
-    timeout: float = 30.0
+    timeout: float = 30.0  #: seconds to wait for the coordinator and workers
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_source(self.source)
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r} is not supported; choose one of {FORMATS}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout={self.timeout} must be positive (seconds)")
+        _check_timeout(self.timeout)
 
 
 @dataclass
-class ListConfig:
+class ExportConfig:
+    """Write the model weights of a checkpoint for use outside training (inference,
+    evaluation, sharing): no optimizer state, optionally cast to a smaller dtype."""
+
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
-    job: Optional[str] = None
-    json: bool = False
-    timeout: float = 5.0
+    out: str = "model.safetensors"  #: file to write
+    format: str = "safetensors"  #: safetensors or torch (a model state dict for torch.load)
+    dtype: str = "float32"  #: float32, bfloat16 or float16 (the shadow holds fp32)
+    job: Optional[str] = None  #: the job to export (default: the only or newest one)
+    iteration: Optional[int] = None  #: a specific iteration (default: newest complete)
+    timeout: float = 30.0  #: seconds to wait for the coordinator and workers
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_source(self.source)
+        if self.format not in EXPORT_FORMATS:
+            raise ValueError(f"format={self.format!r} is not supported by export; choose one of {EXPORT_FORMATS} "
+                             "(shadow restore writes the whole training state)")
+        if self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {EXPORT_DTYPES}")
+        _check_timeout(self.timeout)
+
+
+@dataclass
+class ListConfig:
+    """The checkpoints a cluster or a storage root holds."""
+
+    source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
+    job: Optional[str] = None  #: only this job
+    json: bool = False  #: print JSON rows (also: --json)
+    timeout: float = 5.0  #: seconds to wait for the coordinator
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        _check_source(self.source)
+        _check_timeout(self.timeout)
 
 
 @dataclass
 class VerifyConfig:
-    source: str = ""  #: checkpoint directory or fsspec URL
-    job: Optional[str] = None
+    """Re-read persisted checkpoints and check every checksum."""
+
+    source: str = ""  #: checkpoint directory or fsspec URL (required)
+    job: Optional[str] = None  #: only this job
     iteration: Optional[int] = None  #: verify only this iteration (default: all complete ones)
+    json: bool = False  #: print JSON results (also: --json)
 
     def __post_init__(self) -> None:
         _check_source(self.source)
+
+
+SCHEMAS: dict[str, type] = {
+    "cluster": ClusterConfig, "coordinator": CoordinatorConfig, "worker": WorkerConfig, "status": StatusConfig,
+    "restore": RestoreConfig, "export": ExportConfig, "ls": ListConfig, "verify": VerifyConfig,
+    "keygen": KeygenConfig,
+}
+
+
+def register() -> None:
+    """Register every command's schema in Hydra's ConfigStore as ``shadow_<command>``, the
+    name a YAML config in ``configs/`` extends (``defaults: [shadow_cluster, _self_]``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, cls in SCHEMAS.items():
+        cs.store(name=f"shadow_{name}", node=cls)

@@ -17,6 +17,7 @@ _DEFAULTS: dict[str, float] = {
     "CONNECT_TIMEOUT_S": 30.0,  # attach / restore: wait for the coordinator this long
     "CLOSE_TIMEOUT_S": 60.0,  # session.close(): wait for the last commit this long
     "SENDER_POLL_S": 0.005,  # sender thread idle poll
+    "METRICS_PORT": 0,  # trainer /metrics on this port + LOCAL_RANK (0 = off; host: SHADOW_METRICS_HOST)
     "ZMQ_SNDHWM": 1000,  # messages queued per data socket before send blocks
     # service side
     "WORKER_SLOTS": 5,  # gradient buffers per worker (> MAX_LAG)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from shadow.cli._args import UsageError, parse
-from shadow.config import ClusterConfig, RestoreConfig, StatusConfig
+from shadow.cli._compose import UsageError, parse
+from shadow.config import ClusterConfig, ExportConfig, RestoreConfig, StatusConfig, VerifyConfig, WorkerConfig
 from tests.conftest import ROOT, free_port
 
 
@@ -26,6 +26,19 @@ def shadow(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (StatusConfig, ["nope=1"], "nope"),
     (RestoreConfig, ["format=onnx"], "format='onnx'"),
     (RestoreConfig, ["out"], "key=value"),
+    (ClusterConfig, ["workers=abc"], "workers='abc' is not allowed: workers takes an integer"),
+    (ClusterConfig, ["+extra=1"], "unknown key 'extra'"),
+    (ClusterConfig, ["persist.local.nope=1"], "unknown key 'persist.local.nope'"),
+    (ClusterConfig, ["persist=3"], "persist is a section"),
+    (ClusterConfig, ["persist.remote.compress=lz4"], "persist.remote.compress='lz4' is not supported; choose one of"),
+    (ClusterConfig, ["persist.local.dir=/x", "persist.local.every_n=0"], "persist.local at '/x' has no schedule"),
+    (ClusterConfig, ["metrics_port=65530", "workers=8"], "metrics_port=65530 leaves no port"),
+    (ClusterConfig, ["log_format=xml"], "log_format='xml' is not one of"),
+    (WorkerConfig, ["host="], "host= is empty"),
+    (ExportConfig, ["dtype=int8"], "dtype='int8' is not supported; choose one of"),
+    (ExportConfig, ["format=dcp"], "shadow restore writes the whole training state"),
+    (VerifyConfig, [], "source= is required"),
+    (StatusConfig, ["timeout=0"], "timeout=0.0 must be positive"),
 ])
 def test_config_errors_name_the_key(cls, args, needle):
     with pytest.raises(UsageError) as ei:
@@ -36,6 +49,56 @@ def test_config_errors_name_the_key(cls, args, needle):
 def test_config_overrides_are_typed():
     cfg = parse(ClusterConfig, ["workers=3", "port=6000", "threads_per_worker=2"])
     assert (cfg.workers, cfg.port, cfg.threads()) == (3, 6000, 2)
+
+
+def test_every_command_has_help_with_an_example_and_its_keys():
+    from shadow.cli.main import COMMANDS
+
+    top = shadow("--help").stdout
+    for name in COMMANDS:
+        assert f"  {name} " in top
+        res = shadow(name, "--help")
+        assert res.returncode == 0, res.stderr
+        assert f"shadow {name} " in res.stdout.split("examples:")[1]  # an example command line
+        if name == "cluster":
+            assert "persist.local.compress=none" in res.stdout and "metrics_port=0" in res.stdout
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path):
+    import yaml
+
+    res = shadow("cluster", "workers=4", "persist.local.dir=/nvme/x", "--cfg", "job")
+    assert res.returncode == 0, res.stderr
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["workers"] == 4 and cfg["persist"]["local"]["dir"] == "/nvme/x" and cfg["port"] == 5555
+    res = shadow("status", "--json", "--cfg", "job")
+    assert yaml.safe_load(res.stdout)["json"] is True
+    res = shadow("cluster", "workers=0", "--cfg", "job")  # an invalid config is refused, not printed
+    assert res.returncode == 2 and "workers=0" in res.stderr
+
+
+def test_yaml_configs_compose_and_validate():
+    """Every YAML in configs/ composes with its command's schema into a valid config."""
+    import yaml
+
+    from shadow.cli._compose import compose, split
+    from shadow.config import SCHEMAS
+
+    found = 0
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        head = yaml.safe_load(path.read_text())
+        schema = next((d for d in head.get("defaults", []) if isinstance(d, str) and d.startswith("shadow_")), None)
+        if schema is None:
+            continue  # not a CLI config (the example trainer's)
+        command = schema[len("shadow_"):]
+        cfg = compose(command, split(["--config-dir", str(ROOT / "configs"), "--config-name", path.stem]))
+        assert isinstance(cfg, SCHEMAS[command])
+        found += 1
+    assert found >= 3
+    cfg = compose("cluster", split(["-cd", str(ROOT / "configs"), "-cn", "cluster", "persist=nvme", "workers=6"]))
+    assert cfg.workers == 6 and cfg.persist.local.dir and cfg.persist.local.every_n > 0
+    with pytest.raises(UsageError, match="needs a ClusterConfig"):
+        compose("cluster", split(["-cd", str(ROOT / "configs"), "-cn", "worker"]))
 
 
 def test_cli_usage_and_exit_codes():

@@ -5,7 +5,8 @@ from shadow.errors import (
     ShadowError,
     ShadowTimeoutError,
 )
-from trainer_hooks._export import export
+from trainer_hooks._export import export, export_weights
+from trainer_hooks._metrics import serve_metrics
 from trainer_hooks._optim import UnsupportedOptimizerError
 from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore, state_dicts
 from trainer_hooks._session import Session
@@ -21,5 +22,5 @@ def attach(ddp_model, optimizer, coordinator: str, **kwargs) -> Session:
 
 __all__ = [
     "LayoutMismatchError", "RestoreInfo", "Session", "ShadowConnectionError", "ShadowError", "ShadowTimeoutError",
-    "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "restore", "state_dicts",
+    "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "export_weights", "restore", "serve_metrics", "state_dicts",
 ]

@@ -12,6 +12,8 @@ from trainer_hooks._codec import unpack
 from trainer_hooks._restore import state_dicts
 
 FORMATS = ("torch", "dcp", "safetensors")
+WEIGHT_FORMATS = ("safetensors", "torch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _fqn_optimizer(sd: dict, names: list[str]) -> dict:
@@ -48,3 +50,32 @@ def export(snap: Snapshot, out: str, fmt: str) -> str:
     with open(os.path.join(out, "shadow.json"), "w") as f:
         json.dump({"job": snap.job, "iteration": snap.iteration, "scheduler_in": "torch format only"}, f)
     return out
+
+
+def export_weights(snap: Snapshot, out: str, fmt: str = "safetensors", dtype: str = "float32") -> dict:
+    """Write the model weights of ``snap`` (no optimizer state) to ``out`` as safetensors
+    or a torch state-dict file, floating tensors cast to ``dtype``. Tied weights are
+    written once (safetensors refuses shared storage) and named in the metadata.
+    Returns ``{"tensors", "bytes", "aliases"}``."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"format={fmt!r} is not supported for weights; choose one of {WEIGHT_FORMATS}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {tuple(DTYPES)}")
+    sd = state_dicts(snap)["model"]
+    aliases = unpack(snap.blobs[0]).get("aliases") or {}
+    cast = DTYPES[dtype]
+    weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if k not in aliases}
+    tmp = out + ".tmp"
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(weights, tmp, metadata={"job": snap.job, "iteration": str(snap.iteration), "dtype": dtype,
+                                          "aliases": json.dumps(aliases)})
+    else:
+        full = dict(weights)
+        for alias, name in aliases.items():
+            full[alias] = full[name]  # torch.save keeps the tie
+        torch.save(full, tmp)
+    os.replace(tmp, out)
+    return {"tensors": len(weights), "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
+            "aliases": aliases}

@@ -32,7 +32,7 @@ from shadow.client import dealer, request
 from shadow.errors import ShadowError, ShadowTimeoutError
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
-from trainer_hooks import _bootstrap, _buckets, _checks, _observe, _optim
+from trainer_hooks import _bootstrap, _buckets, _checks, _metrics, _observe, _optim
 from trainer_hooks._commit import CommitMixin
 from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._recovery import RecoveryMixin
@@ -130,6 +130,7 @@ class Session(RecoveryMixin, CommitMixin):
         self.sender.start()
         _bootstrap.bootstrap(self)
         self._install_hooks()
+        _metrics.publish(self)
         logger.info("rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
                     self.rank, coordinator, job, self.epoch, start, self.optim_desc["impl"], total, len(self.shards))
 
@@ -395,7 +396,8 @@ class Session(RecoveryMixin, CommitMixin):
 
     def stats(self) -> dict:
         """Trainer-side figures: hook time, ring occupancy, blocked time, bytes sent."""
-        return {"hook_s": self.hook_s, "blocked_s": self.blocked_s + self.ring.blocked_s,
-                "ring_high_water": self.ring.high_water / self.ring.capacity,
+        return {"hook_s": self.hook_s, "steps": self.iteration - self.base,
+                "blocked_s": self.blocked_s + self.ring.blocked_s, "ring_occupancy": self.ring.occupancy(),
+                "ring_high_water": self.ring.high_water / self.ring.capacity, "degraded": self.degraded,
                 "bytes_out": self.sender.bytes_out, "messages_out": self.sender.messages_out,
                 "applied": self._applied, "iteration": self.iteration}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import sys
+import time
 from typing import Iterator
 
 from rich.console import Console
@@ -51,37 +52,68 @@ def render_checkpoints(rows: list[dict], source: str) -> None:
     Console().print(t)
 
 
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return "-"
+    d = max(0.0, time.time() - ts)
+    return f"{d:.1f} s ago" if d < 120 else (f"{d / 60:.1f} min ago" if d < 7200 else f"{d / 3600:.1f} h ago")
+
+
+def _rate(bps: float | None) -> str:
+    return "-" if not bps else f"{bps / 2**20:.1f}"
+
+
 def render_status(st: dict, address: str) -> None:
+    """The cluster at a glance: one row per worker, then the job, tiers and security."""
     console = Console()
     job = st.get("job")
-    title = f"shadow cluster {address}: {len(st['workers'])}/{st['expected_workers']} workers"
-    if job:
-        title += (f" — job {job['name']} epoch {job['epoch']} {job['status']}, committed iteration "
-                  f"{job['committed']}, lag {job['lag_iterations']} it / {job['lag_s']} s")
-    else:
-        title += " — no job attached"
-    t = Table(title=title)
-    for col in ("worker", "shard", "pid", "range", "applied", "seen", "health", "frames in", "MiB in", "rejected"):
-        t.add_column(col)
+    t = Table(title=f"shadow cluster {address}: {len(st['workers'])}/{st['expected_workers']} workers, "
+                    f"{st.get('shards', '?')} shards x {st.get('replicas', 1)}")
+    cols = ("worker", "shard", "range", "applied", "lag (it)", "health", "MiB/s in", "replay ms/it", "frames in",
+            "rejected", "pid", "data address")
+    for col in cols:
+        t.add_column(col, justify="right" if col not in ("health", "range", "data address") else "left")
+    committed = job.get("committed") if job else None
     for w in st["workers"]:
         rng = f"[{w['start']}, {w['stop']})" if w["start"] is not None else "-"
         health = w["health"] + (f" ({w['stale']})" if w["stale"] else "")
-        t.add_row(str(w["id"]), str(w.get("shard", w["id"])), str(w["pid"]), rng, str(w["applied"]), str(w["seen"]),
-                  health, str(w["frames_in"]), f"{w['bytes_in'] / 2**20:.1f}", str(sum(w["rejected"].values())))
+        style = {"ok": "green", "lost": "red", "stale": "yellow", "joining": "cyan", "out": "magenta"}.get(w["health"])
+        lag = str(max(0, w["seen"] - w["applied"])) if w["applied"] >= 0 else "-"
+        per = w.get("replay_s_per_iteration")
+        t.add_row(str(w["id"]), str(w.get("shard", w["id"])), rng, str(w["applied"]), lag,
+                  f"[{style}]{health}[/{style}]" if style else health, _rate(w.get("bytes_per_s")),
+                  f"{per * 1e3:.1f}" if per is not None else "-", str(w["frames_in"]),
+                  str(sum(w["rejected"].values())), str(w["pid"]), w.get("data", "-"))
     console.print(t)
-    if job and job.get("reason"):
-        console.print(f"DEGRADED: {job['reason']}")
+    if job:
+        line = (f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
+                f"committed iteration {committed if committed is not None else '- (bootstrapping)'}")
+        if committed is not None:
+            line += f", lag {job['lag_iterations']} it / {job['lag_s']:.2f} s, reached {_ago(job.get('cut_time'))}"
+        line += f", resyncs {job.get('resyncs', 0)}"
+        console.print(line)
+        if job.get("reason"):
+            console.print(f"[red]DEGRADED[/red]: {job['reason']}")
+        audit = job.get("audit") or {}
+        if audit.get("checked"):
+            console.print(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")
+    else:
+        console.print("no job attached")
     if st.get("restorable"):
         where = ", ".join(f"{k} iteration {v}" for k, v in st["restorable"].items() if v is not None)
         console.print(f"newest restorable checkpoint: {where or 'none'}")
-    sec = st.get("security") or {}
-    if sec.get("curve"):
-        console.print(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
     for name, tier in (st.get("persist") or {}).items():
         last = tier["last_complete"]
         text = (f"{name} tier {tier['root']}: last complete "
-                + (f"iteration {last['iteration']} ({last['bytes'] / 2**20:.1f} MiB)" if last else "none")
-                + f", {tier['count']} written this run")
+                + (f"iteration {last['iteration']} ({last['bytes'] / 2**20:.1f} MiB, {_ago(last.get('time'))}"
+                   + (f", took {last['seconds']:.2f} s" if last.get("seconds") is not None else "") + ")"
+                   if last else "none")
+                + f"; {tier['count']} written, {tier.get('failures', 0)} failed this run")
         if tier["last_error"]:
-            text += f" — ERROR: {tier['last_error']}"
+            text += f" — [red]ERROR[/red]: {tier['last_error']}"
         console.print(text)
+    sec = st.get("security") or {}
+    if sec.get("curve"):
+        console.print(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
+    if st.get("rejected"):
+        console.print(f"coordinator refused messages: {st['rejected']}")

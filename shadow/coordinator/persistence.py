@@ -40,11 +40,12 @@ class Tier:
     last_error: str = ""
     count: int = 0
     bytes: int = 0
+    failures: int = 0
 
     def status(self) -> dict:
         return {"root": self.root, "schedule": {k: self.cfg[k] for k in ("every_n", "every_s", "every_tokens", "keep")},
                 "last_complete": self.last_complete, "last_error": self.last_error, "count": self.count,
-                "bytes": self.bytes, "in_flight": sorted(self.in_flight)}
+                "bytes": self.bytes, "failures": self.failures, "in_flight": sorted(self.in_flight)}
 
 
 class Persistence:
@@ -110,6 +111,7 @@ class Persistence:
             logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"],
                          tier.last_error)
             tier.last = tier.last_ok  # due again at the next cut
+            tier.failures += 1
             return []
         return self._commit(tier, job, rep["iteration"], got)
 
@@ -128,6 +130,7 @@ class Persistence:
             tier.last_error = f"writing the manifest of iteration {iteration}: {type(exc).__name__}: {exc}"
             logger.error("tier %s: %s", tier.name, tier.last_error)
             tier.last = tier.last_ok
+            tier.failures += 1
             return []
         tier.last_ok = (iteration, time.time(), tokens)
         nbytes = sum(s["bytes"] for s in shards)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from shadow.coordinator.metrics import health
 from shadow.layout import Layout
 
 
@@ -27,11 +28,11 @@ class QueryMixin:
                  "start": job.ranges[w.id][0] if job else None, "stop": job.ranges[w.id][1] if job else None,
                  "applied": w.applied, "prepared": w.prepared, "seen": w.seen,
                  "shard": self.shard_of(w),
-                 "health": "lost" if not w.alive(now) else ("joining" if job and w.id in job.joining else
-                                                           ("stale" if w.stale or w.transit else
-                                                            ("out" if w.out else "ok"))),
+                 "health": health(self, w, now),
                  "stale": w.stale or w.transit,
                  "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
+                 "bytes_per_s": round(w.rate_in, 1), "replay_s": round(w.replay_s, 6), "replayed": w.replayed,
+                 "replay_s_per_iteration": None if w.replay_per_it is None else round(w.replay_per_it, 6),
                  "last_seen_s": round(now - w.last_seen, 3)}
                 for w in self.workers
             ],
@@ -46,6 +47,7 @@ class QueryMixin:
                 "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
                 "elements": Layout.from_dict(job.layout).total, "optim": job.optim, "audit": job.audit,
                 "reason": job.reason if job.status == "degraded" else "", "trainers": sorted(job.trainers),
+                "resyncs": self.resyncs.get(job.name, 0), "cut_time": job.cut_time if job.cut >= job.base else None,
             }
             memory = self._memory_info(job.name)
             out["restorable"] = {"memory": memory["iteration"] if memory else None,

@@ -33,6 +33,21 @@ class WorkerRec:
     transit: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
     joined_at: float = 0.0  # when its current data stream began (trainer counts before it do not apply)
     out: bool = False  # a replica taken out of service (the shard goes on on its peer)
+    replay_s: float = 0.0  # seconds it spent applying iterations (its heartbeat)
+    replayed: int = 0  # iterations it applied
+    rate_in: float = 0.0  # bytes/s received, over the last few heartbeats
+    replay_per_it: float | None = None  # seconds per applied iteration, over the last few heartbeats
+    _last_hb: float = 0.0
+
+    def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:
+        """Fold one heartbeat's counters into the recent rates (exponential average, ~4 beats)."""
+        if self._last_hb and now > self._last_hb and bytes_in >= self.bytes_in:
+            rate = (bytes_in - self.bytes_in) / (now - self._last_hb)
+            self.rate_in = rate if not self.rate_in else 0.75 * self.rate_in + 0.25 * rate
+        if replayed > self.replayed and replay_s >= self.replay_s:
+            per = (replay_s - self.replay_s) / (replayed - self.replayed)
+            self.replay_per_it = per if self.replay_per_it is None else 0.75 * self.replay_per_it + 0.25 * per
+        self._last_hb, self.replay_s, self.replayed = now, replay_s, replayed
 
     def alive(self, now: float) -> bool:
         return now - self.last_seen < knobs.get("WORKER_LOST_S")

@@ -47,6 +47,7 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
         self.tokens: dict[int, int] = {}  # iteration -> tokens seen, for token schedules
         self.guard = guard  # shadow.security.Guard when CURVE is on
         self.retired: dict | None = None  # memory info of the previous epoch, while the new one bootstraps
+        self.resyncs: dict[str, int] = {}  # job -> resyncs asked of its trainers
 
     def run(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -159,6 +160,7 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
             w.busy_at = w.last_seen
         w.seq = msg["seq"]
         w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
+        w.observe(w.last_seen, msg["bytes_in"], msg["replay_s"], msg["replayed"])
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
         if self.job is not None and self.job.status == "degraded":
             self._maybe_resync()
@@ -197,6 +199,7 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
         if not all(w.last_seen > job.degraded_at for w in self.workers):
             return  # every worker must have answered since the failure (a frozen one has not)
         job.resync_requested = True
+        self.resyncs[job.name] = self.resyncs.get(job.name, 0) + 1
         logger.info("job %s: all %d workers alive; asking the trainers to resync", job.name, len(self.workers))
         for ident in job.trainers.values():
             self._reply([ident], "resync", epoch=job.epoch)

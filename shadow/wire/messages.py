@@ -30,7 +30,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "audited": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "checked": (int,), "max_ulp": (int,),
                 "first_param": (str,), "detail": (str,)},
     "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
-                  "frames_in": (int,), "bytes_in": (int,), "stale": (str,), "seq": (list,)},
+                  "frames_in": (int,), "bytes_in": (int,), "stale": (str,), "seq": (list,),
+                  "replay_s": (float, int), "replayed": (int,)},
     # coordinator -> worker
     "registered": {"worker_id": (int,), "hold": (bool,)},
     "reset": {"reason": (str,)},

@@ -24,6 +24,7 @@ from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.worker.address import bind_and_advertise
 from shadow.worker.commit import audit_shard
 from shadow.worker.data import DataMixin
 from shadow.worker.inbox import Inbox
@@ -66,7 +67,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
     def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None,
                  keys=None) -> None:
         self.coordinator = coordinator
-        self.host = host
+        self.bind_host, self.host = bind_and_advertise(host, coordinator)
         self.worker_id = worker_id
         self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
         self.ctx = zmq.Context.instance()
@@ -82,6 +83,10 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self.hold = False  # a replacement replica: leave data frames queued until configured
         self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
         self._stop = False
+        self.started = time.monotonic()
+        self.replay_s, self.replayed = 0.0, 0  # time in the apply kernels, iterations applied
+        self.configures = 0  # epochs configured: the first bootstrap, then every resync or peer copy
+        self.persisted: dict[str, list] = {}  # tier -> [seconds, shards, bytes, failures]
 
     # -- sockets ---------------------------------------------------------------------
     def _open_data(self) -> None:
@@ -90,7 +95,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self.data.setsockopt(zmq.RCVHWM, 0)
         if self.guard is not None:
             self.guard.server(self.data)
-        port = self.data.bind_to_random_port(f"tcp://{self.host}")
+        port = self.data.bind_to_random_port(f"tcp://{self.bind_host}")
         self.data_ep = f"tcp://{self.host}:{port}"
 
     def _open(self) -> None:
@@ -99,7 +104,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self.serve.setsockopt(zmq.LINGER, 0)
         if self.guard is not None:
             self.guard.server(self.serve)
-        port = self.serve.bind_to_random_port(f"tcp://{self.host}")
+        port = self.serve.bind_to_random_port(f"tcp://{self.bind_host}")
         self.serve_ep = f"tcp://{self.host}:{port}"
         self.ctrl = self.ctx.socket(zmq.DEALER)
         self.ctrl.setsockopt(zmq.LINGER, 0)
@@ -180,7 +185,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             epoch=s.epoch if s else -1, applied=s.applied if s else -1,
             seen=s.seen if s else -1, frames_in=self.frames_in,
             bytes_in=self.bytes_in, stale=(s.stale or "") if s else "",
-            seq=list(s.inbox.next_seq) if s else [],
+            seq=list(s.inbox.next_seq) if s else [], replay_s=self.replay_s, replayed=self.replayed,
         )
 
     # -- control plane -----------------------------------------------------------------
@@ -231,6 +236,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None \
             else None
         self.session = sess
+        self.configures += 1
         self._answer_fetches()  # waiting fetches of the old epoch get an answer from the retired copy
         if self.peer is not None:  # a peer copy of the old epoch is void too
             self.peer.close()
@@ -272,9 +278,12 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             else:
                 img = s.persister.begin(k, s.epoch, s.world, slot.blobs) \
                     if persist and k == iteration and s.persister is not None else None
+                t0 = time.perf_counter()
                 try:
                     filled = s.state.apply(s.inbox.grad_parts(slot), slot.commits[0],
                                            s.persister.field_views(img) if img is not None else None)
+                    self.replay_s += time.perf_counter() - t0
+                    self.replayed += 1
                 except ValueError as exc:
                     if img is not None:
                         s.persister.abandon(img)
@@ -326,6 +335,13 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         if s is None or s.persister is None:
             return
         for rep in s.persister.results():
+            tally = self.persisted.setdefault(rep["tier"], [0.0, 0, 0, 0])
+            if rep["ok"]:
+                tally[0] += rep["seconds"]
+                tally[1] += 1
+                tally[2] += rep["bytes"]
+            else:
+                tally[3] += 1
             self._to_coord("persisted", **rep)
 
     def _go_stale(self, reason: str) -> None:

@@ -1,0 +1,151 @@
+"""The short commands: ``status``, ``restore``, ``export``, ``ls``, ``verify``, ``keygen``.
+Results go to stdout (a rich table, or JSON with ``--json``); problems to stderr."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from shadow.config import ExportConfig, KeygenConfig, ListConfig, RestoreConfig, StatusConfig, VerifyConfig
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def cmd_status(cfg: StatusConfig) -> int:
+    import zmq
+
+    from shadow.client import dealer, request
+    from shadow.wire import messages as M
+
+    sock = dealer(zmq.Context.instance(), cfg.address)
+    try:
+        st = request(sock, cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
+    finally:
+        sock.close(linger=0)
+    if cfg.json:
+        _print_json(st)
+        return 0
+    from shadow.cli._render import render_status
+
+    render_status(st, cfg.address)
+    return 0
+
+
+def _read(source: str, job, iteration, timeout: float):
+    from shadow.cli._render import byte_progress
+    from shadow.restore import resolve
+
+    with byte_progress(f"reading the checkpoint behind {source}") as progress:
+        return resolve(source, job=job, iteration=iteration, timeout=timeout, progress=progress)
+
+
+def cmd_restore(cfg: RestoreConfig) -> int:
+    from shadow.cli._render import stage
+
+    t0 = time.monotonic()
+    snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
+    with stage(f"writing {cfg.out} ({cfg.format})"):
+        from trainer_hooks import export
+
+        export(snap, cfg.out, cfg.format)
+    print(f"wrote {cfg.out} ({cfg.format}): job {snap.job} iteration {snap.iteration}, {len(snap.layout.params)} "
+          f"parameters, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} ({snap.source}) in "
+          f"{time.monotonic() - t0:.2f} s")
+    return 0
+
+
+def cmd_export(cfg: ExportConfig) -> int:
+    from shadow.cli._render import stage
+
+    t0 = time.monotonic()
+    snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
+    with stage(f"writing {cfg.out} ({cfg.format}, {cfg.dtype})"):
+        from trainer_hooks import export_weights
+
+        info = export_weights(snap, cfg.out, cfg.format, cfg.dtype)
+    tied = f", {len(info['aliases'])} tied" if info["aliases"] else ""
+    print(f"wrote {cfg.out} ({cfg.format}, {cfg.dtype}): model weights of job {snap.job} iteration "
+          f"{snap.iteration}, {info['tensors']} tensors{tied}, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} "
+          f"({snap.source}) in {time.monotonic() - t0:.2f} s")
+    return 0
+
+
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
+
+
+def cmd_ls(cfg: ListConfig) -> int:
+    from shadow.persist import catalog
+    from shadow.restore.resolve import is_endpoint, restore_info
+
+    rows = []
+    roots = [(cfg.source, "local" if catalog.is_local(cfg.source) else "remote")]
+    if is_endpoint(cfg.source):
+        info = restore_info(cfg.source, cfg.job, cfg.timeout)
+        if info["memory"]:
+            m = info["memory"]
+            rows.append({"job": m["job"], "iteration": m["iteration"], "tier": "memory", "time": None,
+                         "bytes": None, "state": "complete", "path": cfg.source})
+        roots = [(s["root"], s["tier"]) for s in info["storage"]]
+    for root, tier in roots:
+        for c in catalog.list_checkpoints(root, tier, cfg.job):
+            rows.append({"job": c.job, "iteration": c.iteration, "tier": tier, "time": c.manifest.get("created"),
+                         "bytes": c.bytes, "state": "complete", "path": c.path})
+        for d in catalog.list_torn(root, cfg.job):
+            rows.append({"job": d.rstrip("/").split("/")[-2], "iteration": int(d.rsplit("-", 1)[1]), "tier": tier,
+                         "time": None, "bytes": None, "state": "incomplete", "path": d})
+    if cfg.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        from shadow.cli._render import render_checkpoints
+
+        render_checkpoints(rows, cfg.source)
+    return 0
+
+
+def cmd_verify(cfg: VerifyConfig) -> int:
+    from shadow.persist import catalog
+
+    tier = "local" if catalog.is_local(cfg.source) else "remote"
+    found = catalog.list_checkpoints(cfg.source, tier, cfg.job)
+    if cfg.iteration is not None:
+        found = [c for c in found if c.iteration == cfg.iteration]
+    if not found:
+        what = f"iteration {cfg.iteration}" if cfg.iteration is not None else "any complete checkpoint"
+        print(f"shadow verify: no {what} under {cfg.source}", file=sys.stderr)
+        return 1
+    results = []
+    for c in found:
+        problems = catalog.verify(c)
+        results.append({"job": c.job, "iteration": c.iteration, "ok": not problems, "problems": problems,
+                        "shards": len(c.manifest["shards"]), "bytes": c.bytes, "path": c.path})
+    if cfg.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            print(f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} shards, "
+                  f"{r['bytes'] / 2**20:.1f} MiB)")
+            for p in r["problems"]:
+                print(f"  {p}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+def cmd_keygen(cfg: KeygenConfig) -> int:
+    from shadow.security import generate
+
+    public, secret = generate(cfg.dir, cfg.name, overwrite=cfg.overwrite)
+    print(f"public key: {public}")
+    print(f"secret key: {secret} (mode 0600; keep it private)")
+    if cfg.name == "server":
+        print(f"on the cluster, coordinator and workers: security.server_key={secret} security.allow=DIR")
+        print(f"give clients the public key: security.server_public={public} "
+              f"(trainers: SHADOW_CURVE_SERVER_KEY={public})")
+    else:
+        print(f"allow this client: copy {public} into the cluster's security.allow directory")
+        print(f"on this client: security.client_key={secret} (trainers: SHADOW_CURVE_CLIENT_KEY={secret})")
+    return 0

@@ -1,0 +1,108 @@
+"""``shadow COMMAND --help``: what the command does, examples, and every key with its
+default and meaning (taken from the config dataclass and its ``#:`` comments)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import re
+import typing
+
+from shadow.config import SCHEMAS
+
+EXAMPLES = {
+    "cluster": [
+        "shadow cluster workers=2 port=5555",
+        "shadow cluster workers=4 replicas=2 metrics_port=9400 persist.local.dir=/nvme/shadow persist.local.every_n=50",
+        "shadow cluster --config-dir configs --config-name cluster workers=8",
+    ],
+    "coordinator": [
+        "shadow coordinator workers=4 host=0.0.0.0 port=5555 metrics_port=9400",
+        "shadow coordinator workers=4 persist.local.dir=/nvme/shadow persist.remote.url=s3://bucket/shadow "
+        "persist.remote.compress=zstd",
+    ],
+    "worker": [
+        "shadow worker coordinator=tcp://10.0.0.5:5555            (binds the interface that routes there)",
+        "shadow worker coordinator=tcp://10.0.0.5:5555 host=10.0.0.7 metrics_port=9401 worker_id=3",
+    ],
+    "status": [
+        "shadow status address=tcp://127.0.0.1:5555",
+        "shadow status address=tcp://10.0.0.5:5555 --json | jq .job.committed",
+    ],
+    "restore": [
+        "shadow restore source=tcp://127.0.0.1:5555 out=ckpt.pt format=torch",
+        "shadow restore source=/nvme/shadow out=ckpt_dcp format=dcp iteration=400",
+    ],
+    "export": [
+        "shadow export source=tcp://127.0.0.1:5555 out=model.safetensors dtype=bfloat16",
+        "shadow export source=s3://bucket/shadow out=model.pt format=torch iteration=1000",
+    ],
+    "ls": ["shadow ls source=tcp://127.0.0.1:5555", "shadow ls source=/nvme/shadow --json"],
+    "verify": ["shadow verify source=/nvme/shadow", "shadow verify source=s3://bucket/shadow iteration=1000 --json"],
+    "keygen": ["shadow keygen dir=keys name=server", "shadow keygen dir=keys/clients name=trainer0"],
+}
+
+SUMMARY = {
+    "cluster": "coordinator + N workers on this host, foreground",
+    "coordinator": "the coordinator alone (workers join by its address)",
+    "worker": "one worker joining a coordinator",
+    "status": "workers, ranges, committed iteration, lag, rates, tiers (--json for scripts)",
+    "restore": "write a whole checkpoint out (torch, dcp, safetensors)",
+    "export": "write a checkpoint's model weights (safetensors or torch, optional bf16/fp16)",
+    "ls": "list checkpoints in memory and in every tier",
+    "verify": "re-read persisted checkpoints and check every checksum",
+    "keygen": "write a CURVE key pair (name.key, name.key_secret)",
+}
+
+COMMON = """flags: --help, --json (status, ls, verify), --cfg job (print the resolved config and exit),
+       --config-dir DIR --config-name NAME (start from DIR/NAME.yaml, e.g. the repository's configs/)
+keys are Hydra overrides: key=value, nested with dots (persist.local.dir=/nvme), null for none."""
+
+
+def usage() -> str:
+    lines = ["usage: shadow COMMAND [key=value ...] [--help]", "", "commands:"]
+    lines += [f"  {name:<12} {SUMMARY[name]}\n               e.g.  {EXAMPLES[name][0]}" for name in SCHEMAS]
+    return "\n".join(lines + ["", COMMON, "", "`shadow COMMAND --help` lists the command's keys."])
+
+
+@functools.lru_cache(maxsize=None)
+def _comments(cls: type) -> dict[str, str]:
+    """``name -> text`` of the ``#:`` comments beside a dataclass's fields (and its bases')."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for m in re.finditer(r"^\s+(\w+):[^=\n]+=[^\n]*#:\s*(.+)$", source, re.M):
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, default, help)`` for every leaf of ``cls``."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = hints[f.name]
+        if dataclasses.is_dataclass(sub):
+            out += keys(sub, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else str(default))
+        out.append((prefix + f.name, shown, _comments(cls).get(f.name, "")))
+    return out
+
+
+def command_help(name: str) -> str:
+    cls = SCHEMAS[name]
+    doc = inspect.cleandoc(cls.__doc__ or "").replace("``", "")
+    lines = [f"usage: shadow {name} [key=value ...]", "", doc, "", "examples:"]
+    lines += [f"  {e}" for e in EXAMPLES[name]]
+    lines += ["", "keys (default):"]
+    rows = keys(cls)
+    width = max(len(f"{k}={d}") for k, d, _ in rows)
+    lines += [f"  {f'{k}={d}':<{width}}  {h}".rstrip() for k, d, h in rows]
+    return "\n".join(lines + ["", COMMON])

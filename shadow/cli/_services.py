@@ -1,0 +1,136 @@
+"""The long-running commands: ``cluster``, ``coordinator``, ``worker``."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from shadow.config import ClusterConfig, CoordinatorConfig, WorkerConfig
+from shadow.logs import setup as setup_logs
+
+logger = logging.getLogger("shadow.cli")
+
+
+def _warn_public(host: str, security) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.") and not security.server_key:
+        logger.warning("binding to %s exposes the cluster beyond this host without authentication or encryption; "
+                       "make keys with `shadow keygen` and set security.server_key= and security.allow=", host)
+
+
+def _coordinator(cfg: CoordinatorConfig):
+    from shadow import security
+    from shadow.coordinator.server import Coordinator
+
+    return Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers, cfg.persist.to_dict(),
+                       guard=security.guard_from_config(cfg.security), replicas=cfg.replicas)
+
+
+def _coordinator_metrics(cfg: CoordinatorConfig, coord):
+    if not cfg.metrics_port:
+        return None
+    from shadow.coordinator.metrics import samples
+    from shadow.metrics import COORDINATOR, serve
+
+    return serve(cfg.host, cfg.metrics_port, COORDINATOR, lambda: samples(coord))
+
+
+def cmd_coordinator(cfg: CoordinatorConfig) -> int:
+    setup_logs(cfg.log_level, cfg.log_format, "coordinator")
+    _warn_public(cfg.host, cfg.security)
+    coord = _coordinator(cfg)
+    metrics = _coordinator_metrics(cfg, coord)
+    signal.signal(signal.SIGTERM, lambda *_: coord.stop())
+    try:
+        coord.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return 0
+
+
+def cmd_worker(cfg: WorkerConfig) -> int:
+    if cfg.threads:
+        os.environ["NUMBA_NUM_THREADS"] = str(cfg.threads)
+    from shadow import security
+    from shadow.worker.server import Worker
+
+    setup_logs(cfg.log_level, cfg.log_format, "worker")
+    worker = Worker(cfg.coordinator, host=cfg.host, worker_id=cfg.worker_id,
+                    guard=security.guard_from_config(cfg.security), keys=security.client_from_config(cfg.security))
+    _warn_public(worker.bind_host, cfg.security)
+    metrics = None
+    if cfg.metrics_port:
+        from shadow.metrics import WORKER, serve
+        from shadow.worker.metrics import samples
+
+        metrics = serve(worker.bind_host, cfg.metrics_port, WORKER, lambda: samples(worker))
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    try:
+        worker.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return 0
+
+
+def cmd_cluster(cfg: ClusterConfig) -> int:
+    setup_logs(cfg.log_level, cfg.log_format, "cluster")
+    _warn_public(cfg.host, cfg.security)
+    address = f"tcp://{cfg.host}:{cfg.port}"
+    coord = _coordinator(cfg)
+    metrics = _coordinator_metrics(cfg, coord)
+    curve = [f"security.server_key={cfg.security.server_key}", f"security.allow={cfg.security.allow}"] \
+        if cfg.security.server_key else []
+    stop = threading.Event()
+
+    def shutdown(*_):
+        stop.set()
+        coord.stop()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    thread = threading.Thread(target=coord.run, name="coordinator", daemon=True)
+    thread.start()
+
+    def spawn(slot: int) -> subprocess.Popen:
+        return subprocess.Popen([
+            sys.executable, "-m", "shadow", "worker", f"coordinator={address}", f"host={cfg.host}",
+            f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"log_format={cfg.log_format}",
+            f"worker_id={slot}", f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}", *curve,
+        ])
+
+    procs = [spawn(i) for i in range(cfg.workers)]
+    restarts = [0] * cfg.workers
+    logger.info("shadow cluster at %s: %d workers (pids %s), %d numba threads each", address, cfg.workers,
+                [p.pid for p in procs], cfg.threads())
+    try:
+        while not stop.is_set() and thread.is_alive():
+            for slot, p in enumerate(procs):
+                if p.poll() is None or stop.is_set() or restarts[slot] >= cfg.max_restarts:
+                    continue
+                restarts[slot] += 1
+                logger.error("worker %d (pid %d) exited with status %s; restarting it (%d/%d)", slot, p.pid,
+                             p.returncode, restarts[slot], cfg.max_restarts)
+                procs[slot] = spawn(slot)
+            time.sleep(0.2)
+    finally:
+        coord.stop()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        thread.join(timeout=5)
+        if metrics is not None:
+            metrics.close()
+    return 0

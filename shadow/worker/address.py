@@ -1,0 +1,39 @@
+"""Which of this host's addresses a worker binds and advertises, so that a worker joins a
+cluster by the coordinator's address alone."""
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+
+def route_address(endpoint: str) -> str:
+    """The local IPv4 address the kernel routes to ``endpoint`` (``tcp://host:port``): the
+    interface the coordinator -- and so, on a flat network, the trainers -- reach us on.
+    No packet is sent (a UDP socket's ``connect`` only picks the route)."""
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or not parts.hostname:
+        raise ValueError(f"host=auto needs a tcp:// coordinator address, got {endpoint!r}; give host= explicitly")
+    try:
+        target = socket.gethostbyname(parts.hostname)
+    except OSError as exc:
+        raise ValueError(f"cannot resolve the coordinator host {parts.hostname!r}: {exc}") from None
+    if target.startswith("127."):
+        return target  # a coordinator on a loopback address: serve on the same one
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((target, parts.port or 9))
+        except OSError as exc:
+            raise ValueError(f"no route to the coordinator at {target}: {exc}; give host= explicitly") from None
+        return s.getsockname()[0]
+
+
+def bind_and_advertise(host: str, coordinator: str) -> tuple[str, str]:
+    """``(interface to bind, address to tell peers)`` for a worker's ``host`` setting:
+    ``auto`` binds and advertises the route to the coordinator; a wildcard (``0.0.0.0``,
+    ``*``) binds every interface and advertises that route."""
+    if host == "auto":
+        addr = route_address(coordinator)
+        return addr, addr
+    if host in ("0.0.0.0", "*"):
+        return "0.0.0.0", route_address(coordinator)
+    return host, host
