@@ -397,7 +397,7 @@ class Session(RecoveryMixin, CommitMixin):
     def stats(self) -> dict:
         """Trainer-side figures: hook time, ring occupancy, blocked time, bytes sent."""
         return {"hook_s": self.hook_s, "steps": self.iteration - self.base,
-                "blocked_s": self.blocked_s + self.ring.blocked_s, "ring_occupancy": self.ring.occupancy(),
+                "blocked_s": self.blocked_s + self.ring.blocked_s, "ring_occupancy": self.ring.occupancy,
                 "ring_high_water": self.ring.high_water / self.ring.capacity, "degraded": self.degraded,
                 "bytes_out": self.sender.bytes_out, "messages_out": self.sender.messages_out,
                 "applied": self._applied, "iteration": self.iteration}

@@ -1,0 +1,162 @@
+"""Operating a cluster: every CLI command against a running cluster with a job (parsing
+--json), the Prometheus endpoints of coordinator, workers and a trainer (scraped over
+HTTP and checked against the metric catalogue), JSON logs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.metrics import COORDINATOR, TRAINER, WORKER
+from tests.conftest import ROOT, Cluster, free_port, train_step
+from tests.helpers.tiny_trainer import build
+
+pytestmark = pytest.mark.slow
+
+
+def shadow(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env=dict(os.environ, COLUMNS="220"))  # rich wraps a pipe at 80 otherwise
+
+
+def scrape(port: int) -> dict[str, list]:
+    """``{sample name: [(labels, value)]}`` from http://127.0.0.1:port/metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    hits = [v for lab, v in samples.get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
+    assert len(hits) == 1, (name, labels, samples.get(name))
+    return hits[0]
+
+
+def declared(metrics) -> set[str]:
+    return {n for m in metrics for n in m.exposed()}
+
+
+def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
+    mport = free_port()
+    ckpt = tmp_path / "ckpt"
+    cluster = Cluster(tmp_path, args=(f"metrics_port={mport}", f"persist.local.dir={ckpt}",
+                                      "persist.local.every_n=3", "log_format=json"))
+    tport = free_port()
+    trainer_hooks.serve_metrics(tport)
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ops")
+        for it in range(1, 7):
+            train_step(ddp, opt, sched, it)
+
+        tm = scrape(tport)  # the trainer, while attached
+        assert declared(TRAINER) <= set(tm), declared(TRAINER) - set(tm)
+        assert value(tm, "shadow_trainer_iteration", rank=0) == 6
+        assert value(tm, "shadow_trainer_hook_count", rank=0) == 6
+        assert value(tm, "shadow_trainer_hook_sum", rank=0) > 0
+        assert value(tm, "shadow_trainer_bytes_sent_total", rank=0) > 0
+        assert 0 <= value(tm, "shadow_trainer_staging_ring_occupancy", rank=0) <= 1
+        assert session.close() == 6
+        deadline = time.monotonic() + 30
+        while True:  # the checkpoint of iteration 6 is written and committed in the background
+            st = cluster.status()
+            if (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 6:
+                break
+            assert time.monotonic() < deadline, st["persist"]
+            time.sleep(0.2)
+
+        push = zmq.Context.instance().socket(zmq.PUSH)  # a malformed frame at worker 0
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(st["workers"][0]["data"])
+        push.send(b"not even a header")
+        deadline = time.monotonic() + 10
+        while not sum(cluster.status()["workers"][0]["rejected"].values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        push.close()
+
+        cm = scrape(mport)  # the coordinator
+        assert declared(COORDINATOR) - {"shadow_auth_refused_total"} <= set(cm), declared(COORDINATOR) - set(cm)
+        assert value(cm, "shadow_resyncs_total", job="ops") == 0
+        assert sum(v for lab, v in cm["shadow_rejected_frames_total"] if lab["worker"] == "0") == 1
+        assert value(cm, "shadow_committed_iteration", job="ops") == 6
+        assert value(cm, "shadow_lag_iterations", job="ops") == 0
+        assert value(cm, "shadow_workers", health="ok") == 2 and value(cm, "shadow_workers_expected") == 2
+        assert value(cm, "shadow_checkpoint_complete_iteration", tier="local") == 6
+        assert value(cm, "shadow_checkpoint_complete_iteration", tier="memory") == 6
+        assert abs(value(cm, "shadow_checkpoint_complete_timestamp_seconds", tier="local") - time.time()) < 120
+        assert value(cm, "shadow_persist_checkpoints_total", tier="local") == 2  # iterations 3 and 6
+        assert value(cm, "shadow_persist_bytes_total", tier="local") > 0
+        assert value(cm, "shadow_persist_duration_seconds", tier="local") > 0
+        for w in (0, 1):
+            assert value(cm, "shadow_replay_count", worker=w) == 6
+            assert value(cm, "shadow_replay_sum", worker=w) > 0
+            assert value(cm, "shadow_bytes_received_total", worker=w) > 0
+        for w in (0, 1):  # each worker's own endpoint
+            wm = scrape(mport + 1 + w)
+            quiet = set() if w == 0 else {"shadow_worker_rejected_frames_total"}  # worker 1 refused nothing
+            assert declared(WORKER) - quiet <= set(wm), declared(WORKER) - set(wm)
+            assert value(wm, "shadow_worker_applied") == 6
+            assert value(wm, "shadow_worker_replay_count") == 6
+            assert value(wm, "shadow_worker_persist_count", tier="local") == 2
+            assert value(wm, "shadow_worker_persist_bytes_total", tier="local") > 0
+            assert value(wm, "shadow_worker_stale") == 0
+            assert sum(v for _, v in wm.get("shadow_worker_rejected_frames_total", [])) == (1 if w == 0 else 0)
+
+        res = shadow("status", f"address={cluster.address}", "--json")
+        assert res.returncode == 0, res.stderr
+        st = json.loads(res.stdout)
+        assert st["job"]["committed"] == 6 and st["job"]["name"] == "ops"
+        for w in st["workers"]:
+            assert w["health"] == "ok" and w["replayed"] == 6 and w["replay_s_per_iteration"] > 0
+        res = shadow("status", f"address={cluster.address}")
+        assert res.returncode == 0, res.stderr
+        for text in ("replay ms/it", "MiB/s in", "committed iteration 6", "local tier", "iteration 6"):
+            assert text in res.stdout, (text, res.stdout)
+
+        res = shadow("ls", f"source={cluster.address}", "--json")
+        rows = json.loads(res.stdout)
+        assert {(r["tier"], r["iteration"]) for r in rows} >= {("memory", 6), ("local", 6), ("local", 3)}
+        res = shadow("verify", f"source={ckpt}", "--json")
+        assert res.returncode == 0, res.stderr
+        assert [r["ok"] for r in json.loads(res.stdout)] == [True, True]
+
+        out = tmp_path / "model.safetensors"
+        res = shadow("export", f"source={cluster.address}", f"out={out}", "dtype=bfloat16")
+        assert res.returncode == 0, res.stderr
+        weights = load_file(str(out))
+        for name, p in model.named_parameters():
+            assert weights[name].dtype == torch.bfloat16
+            assert torch.equal(weights[name], p.detach().to(torch.bfloat16))
+        out = tmp_path / "model.pt"
+        res = shadow("export", f"source={ckpt}", f"out={out}", "format=torch", "iteration=3")
+        assert res.returncode == 0 and "iteration 3" in res.stdout, res.stderr
+        assert set(torch.load(out, weights_only=True)) >= {n for n, _ in model.named_parameters()}
+
+        res = shadow("restore", f"source={cluster.address}", f"out={tmp_path / 'full.pt'}")
+        assert res.returncode == 0, res.stderr
+        full = torch.load(tmp_path / "full.pt", weights_only=True)
+        assert full["iteration"] == 6
+        for name, p in model.named_parameters():
+            assert torch.equal(full["model"][name], p.detach())
+    finally:
+        cluster.stop()
+    events = [json.loads(line) for line in cluster.log.read_text().splitlines() if line.startswith("{")]
+    assert events and all({"time", "level", "logger", "pid", "role", "message"} <= set(e) for e in events)
+    assert {e["role"] for e in events} >= {"cluster", "worker"}
+    assert any("checkpoint of ops iteration 6 complete" in e["message"] for e in events)
