@@ -35,7 +35,7 @@ def free_port() -> int:
 def torchrun(out: Path, steps: int, *extra: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "scripts" / "train_gpt.py"), "--steps", str(steps), "--out", str(out), *extra]
+           str(ROOT / "scripts" / "train_gpt.py"), f"steps={steps}", f"out={out}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCH_CPP_LOG_LEVEL="ERROR")
     return subprocess.Popen(cmd, env=env, stdout=open(out / "train.log", "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -85,7 +85,7 @@ def main() -> int:
 
         print(f"3. the same run attached to the shadow; SIGKILL all trainer processes after iteration {kill_after}")
         crashed = work / "crashed"
-        proc = torchrun(crashed, args.steps, "--coordinator", address)
+        proc = torchrun(crashed, args.steps, f"coordinator={address}")
         while max(losses(crashed), default=0) < kill_after:
             if proc.poll() is not None:
                 raise SystemExit(f"attached run exited early; see {crashed / 'train.log'}:\n"
@@ -103,10 +103,11 @@ def main() -> int:
 
         print("4. new process group: restore from the shadow, re-attach, finish the run")
         resumed = work / "resumed"
-        wait(torchrun(resumed, args.steps, "--coordinator", address, "--resume"), "resumed run", resumed)
+        wait(torchrun(resumed, args.steps, f"coordinator={address}", "resume=true"), "resumed run", resumed)
         log = (resumed / "train.log").read_text()
         restored = int(log.split("restored iteration ")[1].split()[0])
-        print(f"   restored iteration {restored} (the crashed run had finished {max(losses(crashed))})")
+        print(f"   restored iteration {restored} (rank 0 of the crashed run had logged {max(losses(crashed))}; the "
+              "shadow holds the newest iteration every rank had finished sending)")
 
         print("5. comparing with the uninterrupted run")
         import torch

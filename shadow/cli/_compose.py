@@ -67,13 +67,19 @@ def split(argv: list[str]) -> Args:
 
 
 def compose(command: str, args: Args) -> Any:
-    """The typed config of ``command`` for ``args``."""
+    """The typed config of ``shadow command`` for ``args``."""
+    register()
+    return compose_typed(SCHEMAS[command], f"shadow_{command}", args, f"`shadow {command}`")
+
+
+def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
+    """An instance of ``cls`` (stored in the ConfigStore as ``schema``) composed from
+    ``args``: the schema, or ``--config-dir/--config-name`` YAML extending it, then the
+    overrides; validated by the dataclass."""
     from hydra import compose as hydra_compose
     from hydra import initialize, initialize_config_dir
     from hydra.errors import HydraException
 
-    cls = SCHEMAS[command]
-    register()
     if args.config_name is not None:
         cdir = os.path.abspath(args.config_dir or "configs")
         if not os.path.isdir(cdir):
@@ -81,7 +87,7 @@ def compose(command: str, args: Args) -> Any:
                              "(e.g. the repository's configs/)")
         ctx, name = initialize_config_dir(version_base="1.3", config_dir=cdir), args.config_name
     else:
-        ctx, name = initialize(version_base="1.3", config_path=None), f"shadow_{command}"
+        ctx, name = initialize(version_base="1.3", config_path=None), schema
     try:
         with ctx:
             cfg = hydra_compose(config_name=name, overrides=args.overrides)
@@ -91,8 +97,7 @@ def compose(command: str, args: Args) -> Any:
         raise UsageError(_explain(cls, exc)) from None
     if OmegaConf.get_type(cfg) is not cls:
         raise UsageError(f"config {args.config_name!r} is a {getattr(OmegaConf.get_type(cfg), '__name__', 'dict')}, "
-                         f"but `shadow {command}` needs a {cls.__name__}: its defaults list must start with "
-                         f"shadow_{command}")
+                         f"but {who} needs a {cls.__name__}: its defaults list must start with {schema}")
     _no_unknown_keys(cls, OmegaConf.to_container(cfg, resolve=False), "")
     try:
         obj = OmegaConf.to_object(cfg)
