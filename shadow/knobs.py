@@ -17,6 +17,7 @@ _DEFAULTS: dict[str, float] = {
     "CONNECT_TIMEOUT_S": 30.0,  # attach / restore: wait for the coordinator this long
     "CLOSE_TIMEOUT_S": 60.0,  # session.close(): wait for the last commit this long
     "SENDER_POLL_S": 0.005,  # sender thread idle poll
+    "COORDINATOR_LOST_S": 10.0,  # a trainer hearing nothing from the coordinator this long trains on unprotected
     "METRICS_PORT": 0,  # trainer /metrics on this port + LOCAL_RANK (0 = off; host: SHADOW_METRICS_HOST)
     "ZMQ_SNDHWM": 1000,  # messages queued per data socket before send blocks
     # service side
@@ -31,6 +32,8 @@ _DEFAULTS: dict[str, float] = {
     "SERVE_HOLD_S": 2.0,  # restore: the next apply waits this long at most for a shard being sent
     "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
+    "COMPRESS_BLOCK_BYTES": 16 << 20,  # compressed shards: raw bytes per independently compressed block
+    "COMPRESS_THREADS": 1,  # compressed shards: blocks compressed at once by a writer (background threads)
 }
 
 _overrides: dict[str, float] = {}

@@ -83,3 +83,47 @@ def test_coordinator_restart_rebuilds_from_workers(world1, tmp_path):
         for p in [coord, *workers]:
             p.send_signal(signal.SIGKILL)
             p.wait()
+
+
+def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
+    """Coordinator and every worker SIGKILLed under policy block: the trainer stops waiting
+    once the coordinator has been silent for SHADOW_COORDINATOR_LOST_S and trains on; a new
+    cluster on the same address is found by the trainer's heartbeats, the ranks re-attach
+    by themselves, and what the new cluster holds equals the trainer bit for bit."""
+    from shadow import knobs
+    from tests.conftest import Cluster
+
+    cluster = Cluster(tmp_path)
+    with knobs.override(COORDINATOR_LOST_S=2.0):
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="whole")
+        for it in range(1, 4):
+            train_step(ddp, opt, sched, it)
+        cluster.kill_all()
+        t0 = time.monotonic()
+        for it in range(4, 10):  # would wait BLOCK_TIMEOUT_S (120 s) and raise without the coordinator check
+            train_step(ddp, opt, sched, it)
+        assert time.monotonic() - t0 < 30
+        assert session.degraded and "no answer from the shadow coordinator" in session.degraded
+        again = Cluster(tmp_path, port=cluster.port)
+        try:
+            it = 9
+            deadline = time.monotonic() + 60
+            while session.degraded is not None or session.applied < it - 1:
+                assert time.monotonic() < deadline, (session.degraded, session.applied, again.status())
+                it += 1
+                train_step(ddp, opt, sched, it)
+                time.sleep(0.2)
+            assert session.close() == it
+            fresh, fopt, fsched = build(seed=3)
+            info = trainer_hooks.restore(fresh, fopt, source=again.address, scheduler=fsched, job="whole")
+            assert info.iteration == it
+            for a, b in zip(model.parameters(), fresh.parameters()):
+                assert torch.equal(a, b)
+            for p, q in zip(model.parameters(), fresh.parameters()):
+                assert opt.state[p].keys() == fopt.state[q].keys()
+                for key, v in opt.state[p].items():
+                    assert torch.equal(v, fopt.state[q][key])
+        finally:
+            again.stop()

@@ -22,6 +22,18 @@ class RecoveryMixin:
         logger.info("the shadow cluster is whole again; resyncing at the next iteration boundary")
         self._resync_requested = True
 
+    def _on_coordinator_lost(self, why: str) -> None:
+        """The coordinator stopped answering: train on unprotected (a blocked step stops
+        waiting) and re-attach once it answers again."""
+        self._reattach_on_contact = True
+        self._on_degraded(why)
+
+    def _on_coordinator_back(self) -> None:
+        if getattr(self, "_reattach_on_contact", False):
+            self._reattach_on_contact = False
+            logger.info("rank %d hears the shadow coordinator again", self.rank)
+            self._on_resync()
+
     def _on_join(self, msg: dict) -> None:
         with self._cond:
             self._joins[msg["gen"]] = msg

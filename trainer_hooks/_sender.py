@@ -74,13 +74,17 @@ class Sender(threading.Thread):
                  epoch: int, rank: int, world: int, layout_hash: int, on_error: Callable[[BaseException], None],
                  on_progress: Callable[[int], None], on_degraded: Callable[[str], None],
                  on_audit: Callable[[dict], None], on_resync: Callable[[], None],
-                 on_join: Callable[[dict], None] = lambda msg: None) -> None:
+                 on_join: Callable[[dict], None] = lambda msg: None, on_lost: Callable[[str], None] = lambda why: None,
+                 on_back: Callable[[], None] = lambda: None) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
         self.job_id, self.epoch, self.rank, self.world, self.layout_hash = job_id, epoch, rank, world, layout_hash
         self.on_error, self.on_progress, self.on_degraded = on_error, on_progress, on_degraded
         self.on_audit, self.on_resync, self.on_join = on_audit, on_resync, on_join
+        self.on_lost, self.on_back = on_lost, on_back
+        self.last_heard = time.monotonic()  # anything from the coordinator (it answers every heartbeat)
+        self.lost = False
         self.out: set[int] = set()  # replicas out of service: nothing is sent to them
         self.seq = [0] * len(endpoints)
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
@@ -111,6 +115,10 @@ class Sender(threading.Thread):
                 self._reap()
                 self._listen()
                 now = time.monotonic()
+                if not self.lost and now - self.last_heard > knobs.get("COORDINATOR_LOST_S"):
+                    self.lost = True
+                    self.on_lost(f"no answer from the shadow coordinator for {now - self.last_heard:.1f} s "
+                                 f"(SHADOW_COORDINATOR_LOST_S)")
                 if now >= next_hb:  # lets a restarted coordinator find this rank again
                     next_hb = now + hb
                     self._notify("trainer_hb", epoch=self.epoch, rank=self.rank, world=self.world,
@@ -234,6 +242,10 @@ class Sender(threading.Thread):
             except M.MessageError as exc:
                 logger.warning("ignored malformed message from the coordinator: %s", exc)
                 continue
+            self.last_heard = time.monotonic()
+            if self.lost:
+                self.lost = False
+                self.on_back()
             if msg["t"] == "progress" and msg["epoch"] == self.epoch:
                 self.on_progress(msg["applied"])
             elif msg["t"] == "resync" and msg["epoch"] == self.epoch:

@@ -126,7 +126,8 @@ class Session(RecoveryMixin, CommitMixin):
                              job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
                              layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress,
                              on_degraded=self._on_degraded, on_audit=self._on_audit,
-                             on_resync=self._on_resync, on_join=self._on_join)
+                             on_resync=self._on_resync, on_join=self._on_join,
+                             on_lost=self._on_coordinator_lost, on_back=self._on_coordinator_back)
         self.sender.start()
         _bootstrap.bootstrap(self)
         self._install_hooks()

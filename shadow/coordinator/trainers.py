@@ -42,14 +42,19 @@ class TrainerMixin:
                     return
 
     def _on_trainer_hb(self, env, msg) -> None:
-        """Trainer ranks heartbeat so that a restarted coordinator can find them again."""
+        """Trainer ranks heartbeat so that a restarted coordinator can find them again (and
+        so that they can tell it is there: every heartbeat is answered)."""
+        self._reply(env, "alive", epoch=msg["epoch"])
         job = self.job
         if job is None and len(self.workers) < self.expected:
             return  # just restarted: the workers have not all rejoined yet, the job may yet be rebuilt
         if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
             self._reply(env, "degraded", epoch=msg["epoch"], reason=(
                 f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
-                f"{'no job' if job is None else 'epoch %d' % job.epoch}); attach again to resume checkpointing"))
+                f"{'no job' if job is None else 'epoch %d' % job.epoch})"))
+            now = time.monotonic()
+            if job is None and all(w.alive(now) for w in self.workers):  # a cluster without the job: re-attach
+                self._reply(env, "resync", epoch=msg["epoch"])
             return
         if not 0 <= msg["rank"] < job.world:
             self._count("bad_rank")

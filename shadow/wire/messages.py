@@ -52,6 +52,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # coordinator -> trainer
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
     "progress": {"epoch": (int,), "applied": (int,)},
+    "alive": {"epoch": (int,)},  # the answer to every trainer_hb: a trainer that hears nothing is on its own
     "degraded": {"epoch": (int,), "reason": (str,)},
     "resync": {"epoch": (int,)},
     "replica_out": {"epoch": (int,), "worker": (int,)},
