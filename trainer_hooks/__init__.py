@@ -14,9 +14,31 @@ from trainer_hooks._session import Session
 
 def attach(ddp_model, optimizer, coordinator: str, **kwargs) -> Session:
     """Stream every iteration of ``ddp_model``/``optimizer`` to the shadow cluster at
-    ``coordinator``. Call on every rank, before the first backward. See :class:`Session`
-    for the keyword arguments (``scheduler``, ``extra_state``, ``job``, ``iteration``,
-    ``overwrite``, ``policy``)."""
+    ``coordinator``. Call on every rank, before the first backward; returns the rank's
+    :class:`Session`.
+
+    Keyword arguments:
+
+    * ``scheduler``: an LR scheduler (any ``torch.optim.lr_scheduler``); its state is
+      checkpointed with every iteration and restored with the model.
+    * ``scaler``: a ``torch.amp.GradScaler``; unscale factors and skipped steps are replayed.
+    * ``extra_state``: a callable returning this rank's state to keep with each iteration
+      (data-loader position, tokens seen); returned by :func:`restore` as ``extra_state``.
+    * ``tokens``: a callable returning tokens trained so far (for ``every_tokens`` tiers).
+    * ``job``: the job's name in the cluster (default ``"default"``).
+    * ``iteration``: the iteration the model is at (default: 0, or what :func:`restore`
+      put back); ``overwrite=True`` replaces a job of the same name at another iteration.
+    * ``policy``: back-pressure, ``"block"`` (every iteration checkpointed; training waits
+      for a slow shadow, the wait is in :meth:`Session.stats`) or ``"skip"`` (never waits;
+      the shadow resyncs after falling behind).
+    * ``comm_hook``/``comm_state``: a DDP communication hook to compose with the shadow's
+      (e.g. ``fp16_compress_hook``).
+    * ``audit_every``/``audit_strict``: every N steps compare a sample of parameters and
+      moments with the shadow bit for bit; ``audit_strict`` raises on a mismatch.
+
+    Errors from the background sender are raised at the next ``optimizer.step()``; the
+    training step itself never raises from inside DDP.
+    """
     return Session(ddp_model, optimizer, coordinator, **kwargs)
 
 

@@ -105,6 +105,9 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                    scheduler: Any = None, scaler: Any = None, weights_only: bool = False,
                    rank: int | None = None) -> RestoreInfo:
+    """Load a :class:`shadow.restore.Snapshot` (from :func:`shadow.restore.resolve`) into
+    ``model``/``optimizer``/``scheduler``/``scaler`` and this rank's RNG states; what
+    :func:`restore` does once it has found the checkpoint."""
     if rank is None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if optimizer is not None:
