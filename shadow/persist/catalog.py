@@ -3,7 +3,9 @@ retention, and reading one back as a :class:`~shadow.restore.Snapshot`.
 
 A checkpoint lives in ``<root>/<job>/iteration-<k>/``: one shard file per worker and a
 ``manifest.json`` written last. A directory without a manifest is a torn write and is
-never listed as complete. ``root`` is a local path or any fsspec URL.
+never listed as complete. ``root`` is a local path or any fsspec URL. A shard file is
+plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
+:mod:`zshard`); the manifest's size and checksum describe the bytes on storage either way.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from shadow.errors import ShadowError
 from shadow.layout import Layout
-from shadow.persist import shardfile
+from shadow.persist import shardfile, zshard
 from shadow.restore.snapshot import Snapshot
 from shadow.wire.frames import Field, checksum
 
@@ -47,8 +49,10 @@ def checkpoint_dir(root: str, job: str, iteration: int) -> str:
     return posixpath.join(root, job, f"iteration-{iteration:010d}")
 
 
-def shard_name(index: int, count: int) -> str:
-    return f"shard-{index:05d}-of-{count:05d}.safetensors"
+def shard_name(index: int, count: int, compress: str = "none") -> str:
+    """File name of shard ``index`` of ``count``; ``compress`` is the tier's setting."""
+    suffix = zshard.SUFFIX if compress != "none" else ".safetensors"
+    return f"shard-{index:05d}-of-{count:05d}{suffix}"
 
 
 @dataclass
@@ -156,17 +160,24 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
     lo, hi = shard["start"], shard["stop"]
     where = f"iteration {info.iteration} ({info.tier}): shard {shard['index']}"
     path = posixpath.join(info.path, shard["file"])
-    if is_local(info.root):
-        def target(name, dtype, count):
-            fld = _FIELDS.get(name)
-            if fld is None:
-                return None
-            if count != hi - lo:
-                raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
-            if fld not in arrays:
-                arrays[fld] = shardfile.aligned_empty(total, np.float32)
-            return arrays[fld][lo:hi]
 
+    def target(name, dtype, count):
+        fld = _FIELDS.get(name)
+        if fld is None:
+            return None
+        if count != hi - lo:
+            raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
+        if fld not in arrays:
+            arrays[fld] = shardfile.aligned_empty(total, np.float32)
+        return arrays[fld][lo:hi]
+
+    if zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
+        data = _read_shard(info.fs, info, shard, check)
+        try:
+            meta, tensors = zshard.decode(data, target, where=f"{where} ({path})")
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    elif is_local(info.root):
         try:
             meta, tensors, csum, size = shardfile.read_into(path, target)
         except FileNotFoundError:

@@ -249,21 +249,35 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
     return meta, tensors, h.intdigest(), size
 
 
-def parse(data: bytes | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(metadata, tensors)`` of a shard file image (validated, zero-copy views)."""
+def tensor_specs(data: bytes | memoryview,
+                 size: int | None = None) -> tuple[dict, int, list[tuple[str, np.dtype, int, int]]]:
+    """``(metadata, data_start, [(name, dtype, lo, hi), ...] in offset order)`` of a shard
+    file whose first bytes are ``data`` (at least the header) and whose length is ``size``
+    (``len(data)`` by default); offsets are relative to ``data_start``. Validated."""
     mv = memoryview(data)
+    size = len(mv) if size is None else size
     if len(mv) < 8:
         raise ValueError("shard file is shorter than its header length field")
     (hlen,) = struct.unpack_from("<Q", mv)
-    if 8 + hlen > len(mv):
+    if 8 + hlen > min(size, len(mv)):
         raise ValueError("shard file header runs past the end of the file")
     meta, header = _header(bytes(mv[8:8 + hlen]))
     base = 8 + hlen
-    out = {}
+    specs = []
     for name, spec in header.items():
         lo, hi = spec["data_offsets"]
+        if spec.get("dtype") not in _DTYPES:
+            raise ValueError(f"tensor {name!r} has an unsupported dtype {spec.get('dtype')!r}")
         dt = np.dtype(_DTYPES[spec["dtype"]])
-        if not 0 <= lo <= hi <= len(mv) - base or (hi - lo) % dt.itemsize:
+        if not 0 <= lo <= hi <= size - base or (hi - lo) % dt.itemsize:
             raise ValueError(f"tensor {name!r} lies outside the shard file")
-        out[name] = np.frombuffer(mv[base + lo:base + hi], dtype=dt)
-    return meta, out
+        specs.append((name, dt, lo, hi))
+    specs.sort(key=lambda s: s[2])
+    return meta, base, specs
+
+
+def parse(data: bytes | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(metadata, tensors)`` of a shard file image (validated, zero-copy views)."""
+    mv = memoryview(data)
+    meta, base, specs = tensor_specs(mv)
+    return meta, {name: np.frombuffer(mv[base + lo:base + hi], dtype=dt) for name, dt, lo, hi in specs}

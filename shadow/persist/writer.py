@@ -6,6 +6,15 @@ free image; replay continues while a thread writes it) -> ``results()`` each loo
 whose reports go to the coordinator. ``SHADOW_PERSIST_BUFFERS`` images are preallocated;
 a snapshot requested while all are being written is reported as skipped (the coordinator
 then asks again at the next cut).
+
+Compression is per tier (``compress``/``compress_level`` of its config) and runs only on
+the background threads, never on the apply path: a compressing local tier writes
+``*.shard.zst`` (:mod:`zshard`) instead of the plain file. The remote tier gets the
+local file as it is when both tiers agree on compressing or not (when both compress,
+the local tier's level stands: recompressing gains next to nothing, byte planes leave
+little for a higher level to find); otherwise the upload compresses a plain local file
+or decompresses a compressed one while copying it. Every report's ``bytes``/``checksum``
+describe the file as stored on that tier; ``raw_bytes`` is the plain image's size.
 """
 from __future__ import annotations
 
@@ -20,15 +29,25 @@ import fsspec
 import numpy as np
 
 from shadow import knobs
-from shadow.persist import catalog, shardfile
+from shadow.persist import catalog, shardfile, zshard
 
 logger = logging.getLogger(__name__)
+
+
+def tier_codec(cfg: dict) -> tuple[str, int]:
+    """``(compress, level)`` of a tier's config dict (``"none"`` when it has no key)."""
+    compress = cfg.get("compress", "none") or "none"
+    if compress not in ("none", "zstd"):
+        raise ValueError(f"compress={compress!r} is not supported; choose 'none' or 'zstd'")
+    return compress, int(cfg.get("compress_level", 3))
 
 
 class ShardPersister:
     def __init__(self, persist: dict, job: str, shard: int, nshards: int, state) -> None:
         self.local = persist["local"]["dir"]
         self.remote = persist["remote"]["url"]
+        self.local_codec = tier_codec(persist["local"])
+        self.remote_codec = tier_codec(persist["remote"])
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
         n, p = state.size, len(state.layout.params)
         big = len(state.fields()) * n * 4
@@ -41,8 +60,9 @@ class ShardPersister:
         if self.remote:
             threading.Thread(target=self._upload_loop, name="shadow-upload", daemon=True).start()
 
-    def file_name(self) -> str:
-        return catalog.shard_name(self.shard, self.nshards)
+    def file_name(self, tier: str = "local") -> str:
+        codec = self.local_codec if tier == "local" else self.remote_codec
+        return catalog.shard_name(self.shard, self.nshards, codec[0])
 
     def local_path(self, iteration: int) -> str:
         d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration)
@@ -110,13 +130,17 @@ class ShardPersister:
             die = knobs.fault("PERSIST_DIE_AT")  # tests: die writing the first checkpoint at or after it
             if die and iteration >= int(die):
                 _die_mid_write(img, path)
-            csum = img.checksum()
-            nbytes = img.write(path)
+            compress, level = self.local_codec
+            if compress == "none":
+                csum = img.checksum()
+                nbytes = img.write(path)
+            else:
+                nbytes, csum = zshard.write(img.buf[:img.size], path, level)
             rep = self.report(iteration, epoch, "local", True, "", bytes=nbytes, checksum=f"{csum:016x}",
-                               seconds=time.monotonic() - t0, **extra)
-            logger.info("persisted iteration %d shard %d: %d bytes in %.3f s", iteration, self.shard, nbytes,
-                        time.monotonic() - t0)
-        except OSError as exc:
+                               seconds=time.monotonic() - t0, raw_bytes=img.size, **extra)
+            logger.info("persisted iteration %d shard %d: %d bytes (%d raw) in %.3f s", iteration, self.shard,
+                        nbytes, img.size, time.monotonic() - t0)
+        except Exception as exc:  # reported to the coordinator; a background thread never raises
             logger.error("persisting iteration %d to %s failed: %s", iteration, path, exc)
             rep = self.report(iteration, epoch, "local", False, f"{type(exc).__name__}: {exc}")
         finally:
@@ -131,23 +155,43 @@ class ShardPersister:
             iteration, epoch, nbytes, csum = self._uploads.get()
             t0 = time.monotonic()
             src = self.local_path(iteration)
-            dst = posixpath.join(catalog.checkpoint_dir(self.remote, self.job, iteration), self.file_name())
+            name = self.file_name("remote")
+            dst = posixpath.join(catalog.checkpoint_dir(self.remote, self.job, iteration), name)
             try:
                 fs, path = fsspec.core.url_to_fs(dst)
                 fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                fs.put_file(src, path)
+                nbytes, csum, raw = self._copy(src, fs, path, nbytes, csum)
                 rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
-                                   seconds=time.monotonic() - t0)
+                                   seconds=time.monotonic() - t0, file=name, raw_bytes=raw)
             except Exception as exc:  # fsspec back ends raise many types
                 logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, exc)
                 rep = self.report(iteration, epoch, "remote", False, f"{type(exc).__name__}: {exc}")
             self._results.put(rep)
 
+    def _copy(self, src: str, fs, path: str, nbytes: int, csum: str) -> tuple[int, str, int]:
+        """Copy the local shard file to ``path`` on ``fs`` in the remote tier's format;
+        returns ``(bytes, checksum, plain image bytes)`` of what the remote tier now stores."""
+        (lc, _), (rc, level) = self.local_codec, self.remote_codec
+        if lc == rc:
+            fs.put_file(src, path)
+            return nbytes, csum, nbytes if lc == "none" else zshard.image_bytes(np.memmap(src, np.uint8, mode="r"))
+        data = np.memmap(src, dtype=np.uint8, mode="r")
+        with fs.open(path, "wb") as out:
+            if rc == "zstd":  # compress while copying
+                n, h = zshard.encode(data, out, level, where=src)
+                raw = data.size
+            else:  # a plain remote copy of a compressed local file: rebuilt and checked block by block
+                n, h = zshard.decode_to(data, out, where=src)
+                raw = n
+        return n, f"{h:016x}", raw
+
     def report(self, iteration: int, epoch: int, tier: str, ok: bool, error: str, **kw) -> dict:
         return {"epoch": epoch, "iteration": iteration, "tier": tier, "shard": self.shard, "ok": ok,
-                "error": error, "file": self.file_name(), "start": self.state.start, "stop": self.state.stop,
-                "bytes": kw.get("bytes", 0), "checksum": kw.get("checksum", ""),
-                "seconds": kw.get("seconds", 0.0), "commit": kw.get("commit"), "blob_ranks": kw.get("blob_ranks", [])}
+                "error": error, "file": kw.get("file", self.file_name()), "start": self.state.start,
+                "stop": self.state.stop, "bytes": kw.get("bytes", 0), "checksum": kw.get("checksum", ""),
+                "raw_bytes": kw.get("raw_bytes", 0), "compress": self.local_codec[0] if tier == "local"
+                else self.remote_codec[0], "seconds": kw.get("seconds", 0.0), "commit": kw.get("commit"),
+                "blob_ranks": kw.get("blob_ranks", [])}
 
     def results(self) -> list[dict]:
         out = []
