@@ -51,9 +51,10 @@ def _section_functions(module, names: list[str]) -> list[str]:
                 out += [f"* `{f.name}`: `{getattr(hints[f.name], '__name__', hints[f.name])}`"
                         for f in dataclasses.fields(obj)]
                 out.append("")
+            root = module.__name__.split(".")[0]
             members = [(n, m) for n, m in inspect.getmembers(obj)
                        if not n.startswith("_") and (inspect.isfunction(m) or isinstance(m, property))
-                       and n in obj.__dict__]
+                       and (m.fget if isinstance(m, property) else m).__module__.startswith(root)]
             for n, m in members:
                 if isinstance(m, property):
                     out += [f"* `{name}.{n}` (property): {_doc(m.fget).splitlines()[0]}"]

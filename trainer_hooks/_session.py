@@ -33,6 +33,7 @@ from shadow.errors import ShadowError, ShadowTimeoutError
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
 from trainer_hooks import _bootstrap, _buckets, _checks, _metrics, _observe, _optim
+from trainer_hooks._clip import ClipMixin
 from trainer_hooks._commit import CommitMixin
 from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._recovery import RecoveryMixin
@@ -47,7 +48,7 @@ RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.Weak
 POLICIES = ("block", "skip")
 
 
-class Session(RecoveryMixin, CommitMixin):
+class Session(RecoveryMixin, CommitMixin, ClipMixin):
     """Handle returned by :func:`trainer_hooks.attach`."""
 
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
@@ -343,23 +344,6 @@ class Session(RecoveryMixin, CommitMixin):
             raise ShadowTimeoutError(
                 f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
                 f"(last committed: {self._applied}); check `shadow status address={self.coordinator}`")
-
-    # -- optional: recorded gradient clipping ------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None, parameters=None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the clip coefficient recorded so the
-        shadow applies the same scaling.
-
-        ``parameters`` defaults to ``model.parameters()`` -- the order matters, since the
-        total norm is summed in it; pass what you would pass to torch's function.
-        """
-        params = list(self.model.parameters() if parameters is None else parameters)
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        self._clip = float(coef.to(torch.float32).item())
-        return total
 
     # -- step 3: close ---------------------------------------------------------------------------------------
     def close(self, wait: bool = True) -> int:
