@@ -129,3 +129,23 @@ def test_schedules():
     cfg = {"every_n": 0, "every_s": 0.0, "every_tokens": 1000}
     assert not due(cfg, 9, 0.0, 900, (0, 0.0, 0)) and due(cfg, 9, 0.0, 1000, (0, 0.0, 0))
     assert not due(cfg, 9, 0.0, None, (0, 0.0, 0))
+
+
+def test_a_tier_the_coordinator_cannot_see_is_an_error_that_says_why(tmp_path):
+    """Workers on other hosts wrote shards the coordinator's filesystem does not have: the
+    checkpoint is not committed, the failure is counted, and the error names the fix."""
+    from types import SimpleNamespace
+
+    from shadow.coordinator.persistence import Persistence
+
+    cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
+    pers = Persistence({"local": dict(cfg, dir=str(tmp_path / "not-shared"))})
+    job = SimpleNamespace(name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1)
+    assert pers.local_due(1, None)
+    rep = {"tier": "local", "iteration": 1, "shard": 0, "ok": True, "error": "", "file": "shard-00000-of-00001.shard",
+           "start": 0, "stop": 8, "bytes": 100, "checksum": "00", "raw_bytes": 100, "compress": "none",
+           "seconds": 0.1, "commit": None, "blob_ranks": [0], "epoch": 1}
+    assert pers.on_report(job, rep, nshards=1) == []
+    tier = pers.tiers["local"]
+    assert tier.count == 0 and tier.failures == 1 and tier.last_complete is None
+    assert "shared mount" in tier.last_error and "persist.remote.url" in tier.last_error

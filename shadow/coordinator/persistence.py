@@ -117,7 +117,8 @@ class Persistence:
 
     def _commit(self, tier: Tier, job, iteration: int, got: dict) -> list:
         shards = [{"index": r["shard"], "start": r["start"], "stop": r["stop"], "file": r["file"],
-                   "bytes": r["bytes"], "checksum": r["checksum"], "blob_ranks": r["blob_ranks"]}
+                   "bytes": r["bytes"], "checksum": r["checksum"], "blob_ranks": r["blob_ranks"],
+                   "raw_bytes": r.get("raw_bytes", r["bytes"]), "compress": r.get("compress", "none")}
                   for r in got.values()]
         commit = next((r["commit"] for r in got.values() if r["commit"] is not None), None)
         tokens = commit.get("tokens") if commit else None
@@ -128,6 +129,11 @@ class Persistence:
             deleted = catalog.retain(tier.root, job.name, tier.cfg["keep"])
         except Exception as exc:  # storage errors are reported, never fatal
             tier.last_error = f"writing the manifest of iteration {iteration}: {type(exc).__name__}: {exc}"
+            if isinstance(exc, FileNotFoundError):
+                tier.last_error += (f" (the coordinator cannot see the shards the workers wrote under {tier.root}: "
+                                    "a tier's path must be storage the coordinator and every worker share -- one "
+                                    "host, or a shared mount; with node-local disks on several hosts, use "
+                                    "persist.remote.url for durable copies)")
             logger.error("tier %s: %s", tier.name, tier.last_error)
             tier.last = tier.last_ok
             tier.failures += 1
