@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Start the trainer ranks of one node with torchrun, attached to a running shadow cluster.
+#
+# The cluster runs elsewhere (`shadow cluster`, deploy/slurm/shadow-job.sbatch, deploy/k8s);
+# this script only needs its address. Every TCP port must be open between the trainer
+# nodes and the shadow hosts: the coordinator listens on its `port` (5555), but each
+# worker binds its data and serve sockets on ephemeral ports and the trainers connect to
+# those directly.
+#
+# Single node (ranks = GPUs of this node, or NPROC_PER_NODE):
+#
+#     SHADOW_COORDINATOR=tcp://10.0.0.5:5555 deploy/torchrun.sh steps=1000
+#
+# Multi-node (run on every node, the same command except NODE_RANK; MASTER_ADDR is node 0):
+#
+#     SHADOW_COORDINATOR=tcp://10.0.0.5:5555 NNODES=4 NODE_RANK=$i MASTER_ADDR=gpu-node-0 \
+#         deploy/torchrun.sh steps=1000
+#
+# Arguments after the script name go to the training script, after the two this script
+# adds: TRAIN_COORDINATOR_ARG followed by the address, and TRAIN_RESUME_ARG when resuming.
+# The default training script is scripts/train_gpt.py (the example GPT, key=value
+# arguments; it trains on CPU with gloo). For your own trainer set TRAIN_SCRIPT and the two
+# argument forms, e.g. for argparse: TRAIN_COORDINATOR_ARG=--coordinator= TRAIN_RESUME_ARG=--resume
+#
+# Environment:
+#   SHADOW_COORDINATOR       coordinator address, tcp://HOST:PORT (required)
+#   NPROC_PER_NODE           ranks on this node (default: the GPUs nvidia-smi lists, else 1)
+#   NNODES, NODE_RANK        nodes in the job and this node's index (default 1, 0)
+#   MASTER_ADDR, MASTER_PORT torch.distributed rendezvous on node 0 (default 127.0.0.1, 29500)
+#   SHADOW_METRICS_PORT      each rank serves Prometheus metrics on this + LOCAL_RANK
+#                            (default 9500: ranks 0-7 use 9500-9507; "" = no metrics)
+#   SHADOW_METRICS_HOST      the interface those endpoints bind (default here 0.0.0.0, so a
+#                            Prometheus on another host can scrape them; the hooks' own
+#                            default is 127.0.0.1)
+#   SHADOW_CURVE_SERVER_KEY  the cluster's public key file (server.key), with
+#   SHADOW_CURVE_CLIENT_KEY  this trainer's secret key file (NAME.key_secret): set both when
+#                            the cluster runs with security.server_key= (CURVE); unset = off
+#   SHADOW_RESUME            auto (default): resume when the shadow holds a complete checkpoint
+#                            (`shadow ls`), start fresh otherwise; always; never
+#   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt); when set,
+#                            SHADOW_RESUME=auto only counts that job's checkpoints
+#   TRAIN_SCRIPT             default: scripts/train_gpt.py next to this deploy/ folder
+#   TRAIN_COORDINATOR_ARG    default "coordinator=" (the address is appended to it)
+#   TRAIN_RESUME_ARG         default "resume=true"
+#   TORCHRUN                 default torchrun
+#
+# SHADOW_RESUME=auto lets a failed job simply be started again with the same command:
+# each rank then restores itself from the coordinator (memory first, then the persistence
+# tiers) before attaching. Every node must reach the same decision, so rerun all nodes
+# only after every rank of the failed run has exited. Use SHADOW_RESUME=never for a new
+# run on a cluster that still holds an older one (a fresh run that would overwrite newer
+# checkpoints of the same job is refused by the cluster).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+: "${SHADOW_COORDINATOR:?set SHADOW_COORDINATOR=tcp://HOST:PORT, the shadow coordinator address}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+SHADOW_RESUME="${SHADOW_RESUME:-auto}"
+TRAIN_SCRIPT="${TRAIN_SCRIPT:-$here/../scripts/train_gpt.py}"
+TRAIN_COORDINATOR_ARG="${TRAIN_COORDINATOR_ARG-coordinator=}"
+TRAIN_RESUME_ARG="${TRAIN_RESUME_ARG-resume=true}"
+TORCHRUN="${TORCHRUN:-torchrun}"
+
+log() { echo "[torchrun.sh $HOSTNAME node $NODE_RANK] $*" >&2; }
+
+case "$SHADOW_COORDINATOR" in
+  tcp://*:*) ;;
+  *) log "SHADOW_COORDINATOR=$SHADOW_COORDINATOR is not tcp://HOST:PORT"; exit 2 ;;
+esac
+
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  NPROC_PER_NODE=1
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+    if (( gpus > 0 )); then NPROC_PER_NODE="$gpus"; fi
+  fi
+fi
+
+# CURVE: both files or neither (the trainer hooks read these two variables)
+if [[ -n "${SHADOW_CURVE_SERVER_KEY:-}" || -n "${SHADOW_CURVE_CLIENT_KEY:-}" ]]; then
+  for var in SHADOW_CURVE_SERVER_KEY SHADOW_CURVE_CLIENT_KEY; do
+    if [[ -z "${!var:-}" || ! -r "${!var}" ]]; then
+      log "$var='${!var:-}' is not a readable key file; CURVE needs both SHADOW_CURVE_SERVER_KEY (server.key)" \
+          "and SHADOW_CURVE_CLIENT_KEY (NAME.key_secret)"
+      exit 2
+    fi
+  done
+  export SHADOW_CURVE_SERVER_KEY SHADOW_CURVE_CLIENT_KEY
+fi
+
+SHADOW_METRICS_PORT="${SHADOW_METRICS_PORT-9500}"
+if [[ -n "$SHADOW_METRICS_PORT" ]]; then
+  SHADOW_METRICS_HOST="${SHADOW_METRICS_HOST:-0.0.0.0}"
+  export SHADOW_METRICS_PORT SHADOW_METRICS_HOST
+else
+  unset SHADOW_METRICS_PORT
+fi
+
+# Does the shadow hold a complete checkpoint (memory or a persistence tier)? `shadow ls`
+# reaches the coordinator with the CURVE keys above when they are set.
+has_checkpoint() {
+  local listing
+  local only=()
+  if [[ -n "${SHADOW_JOB:-}" ]]; then only=(job="$SHADOW_JOB"); fi
+  if ! listing="$(shadow ls source="$SHADOW_COORDINATOR" "${only[@]}" --json)"; then
+    log "cannot list the checkpoints of $SHADOW_COORDINATOR (is the shadow cluster up and reachable?)"
+    exit 1
+  fi
+  python3 -c 'import json, sys; sys.exit(0 if any(r.get("state") == "complete" for r in json.load(sys.stdin)) else 1)' \
+    <<<"$listing"
+}
+
+resume=()
+case "$SHADOW_RESUME" in
+  always) resume=("$TRAIN_RESUME_ARG") ;;
+  never) ;;
+  auto)
+    if has_checkpoint; then
+      resume=("$TRAIN_RESUME_ARG")
+      log "the shadow holds a checkpoint: resuming from it"
+    else
+      log "the shadow holds no checkpoint: starting fresh"
+    fi
+    ;;
+  *) log "SHADOW_RESUME=$SHADOW_RESUME: use auto, always or never"; exit 2 ;;
+esac
+
+launch=(--nproc-per-node="$NPROC_PER_NODE" --max-restarts=0)
+if (( NNODES > 1 )); then
+  launch+=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
+else
+  launch+=(--standalone)
+fi
+
+curve=off
+if [[ -n "${SHADOW_CURVE_CLIENT_KEY:-}" ]]; then curve=on; fi
+log "$NPROC_PER_NODE ranks, node $NODE_RANK of $NNODES, shadow $SHADOW_COORDINATOR," \
+    "metrics ports ${SHADOW_METRICS_PORT:-off}+LOCAL_RANK, CURVE $curve"
+exec "$TORCHRUN" "${launch[@]}" "$TRAIN_SCRIPT" "$TRAIN_COORDINATOR_ARG$SHADOW_COORDINATOR" "${resume[@]}" "$@"
