@@ -63,13 +63,12 @@ def metric_names(expr: str) -> set[str]:
 
 
 def available_labels(expr: str) -> set[str]:
-    """Labels a query's series can carry: the target labels plus those of its metrics (a
-    metric's own ``job`` label arrives as ``exported_job``, Prometheus keeps ``job``)."""
+    """Labels a query's series can carry: the target labels plus those of its metrics."""
     known = sample_metrics()
     labels = set(TARGET_LABELS)
     for name in metric_names(expr):
         if name in known:
-            labels |= {"exported_job" if lab == "job" else lab for lab in known[name].labels}
+            labels |= set(known[name].labels)
     return labels
 
 
@@ -295,7 +294,7 @@ def test_label_check_catches_a_wrong_label():
     assert grouping_labels("sum by (tier, instance) (x)") == {"tier", "instance"}
     assert kept_labels("max(shadow_lag_seconds{})") == set()
     assert kept_labels("max by (tier) (shadow_persist_duration_seconds{})") == {"tier"}
-    assert "exported_job" in kept_labels("shadow_lag_seconds{}")
+    assert "training_job" in kept_labels("shadow_lag_seconds{}")
     assert metric_names("rate(shadow_replay_sum[1m]) / rate(shadow_replay_count[1m])") == \
         {"shadow_replay_sum", "shadow_replay_count"}
 
@@ -306,8 +305,7 @@ def test_prometheus_config():
     cfg = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     assert "9400" in jobs["shadow-coordinator"]["static_configs"][0]["targets"][0]
-    for j in jobs.values():
-        # the coordinator's own `job` label must arrive as exported_job (the dashboard's legends)
+    for j in jobs.values():  # the targets' job label is Prometheus's own
         assert not j.get("honor_labels", False), f"{j['job_name']} sets honor_labels"
     sbatch = (DEPLOY / "slurm" / "shadow-job.sbatch").read_text()
     for role in ("coordinator", "worker", "trainer"):

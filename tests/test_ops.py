@@ -92,10 +92,10 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
 
         cm = scrape(mport)  # the coordinator
         assert declared(COORDINATOR) - {"shadow_auth_refused_total"} <= set(cm), declared(COORDINATOR) - set(cm)
-        assert value(cm, "shadow_resyncs_total", job="ops") == 0
+        assert value(cm, "shadow_resyncs_total", training_job="ops") == 0
         assert sum(v for lab, v in cm["shadow_rejected_frames_total"] if lab["worker"] == "0") == 1
-        assert value(cm, "shadow_committed_iteration", job="ops") == 6
-        assert value(cm, "shadow_lag_iterations", job="ops") == 0
+        assert value(cm, "shadow_committed_iteration", training_job="ops") == 6
+        assert value(cm, "shadow_lag_iterations", training_job="ops") == 0
         assert value(cm, "shadow_workers", health="ok") == 2 and value(cm, "shadow_workers_expected") == 2
         assert value(cm, "shadow_checkpoint_complete_iteration", tier="local") == 6
         assert value(cm, "shadow_checkpoint_complete_iteration", tier="memory") == 6

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from shadow import security as S
-from shadow.cli._args import UsageError, parse
+from shadow.cli._compose import UsageError, parse
 from shadow.config import ClusterConfig, SecurityConfig, StatusConfig
 from tests.conftest import ROOT
 

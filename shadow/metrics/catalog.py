@@ -36,15 +36,15 @@ def _m(name: str, kind: str, help: str, *labels: str) -> Metric:
 COORDINATOR = (
     _m("shadow_workers_expected", "gauge", "Worker slots the cluster is configured for."),
     _m("shadow_workers", "gauge", "Workers by health (ok, joining, stale, out, lost).", "health"),
-    _m("shadow_job_degraded", "gauge", "1 while the job is degraded (streaming paused until the resync).", "job"),
-    _m("shadow_job_epoch", "gauge", "The job's epoch: it grows by one at every (re-)attach.", "job"),
+    _m("shadow_job_degraded", "gauge", "1 while the job is degraded (streaming paused until the resync).", "training_job"),
+    _m("shadow_job_epoch", "gauge", "The job's epoch: it grows by one at every (re-)attach.", "training_job"),
     _m("shadow_committed_iteration", "gauge", "Newest iteration every shard has applied: the in-memory checkpoint.",
-       "job"),
-    _m("shadow_lag_iterations", "gauge", "Iterations the trainers have sent beyond the committed one.", "job"),
+       "training_job"),
+    _m("shadow_lag_iterations", "gauge", "Iterations the trainers have sent beyond the committed one.", "training_job"),
     _m("shadow_lag_seconds", "gauge", "Seconds since the committed iteration was reached, while the trainers "
-       "are ahead of it (0 when caught up).", "job"),
+       "are ahead of it (0 when caught up).", "training_job"),
     _m("shadow_resyncs", "counter", "Re-attaches after a degrade (each rebuilds the workers' state from the "
-       "trainers).", "job"),
+       "trainers).", "training_job"),
     _m("shadow_worker_applied_iteration", "gauge", "Newest iteration each worker has applied.", "worker"),
     _m("shadow_frames_received", "counter", "Gradient and state frames each worker received.", "worker"),
     _m("shadow_bytes_received", "counter", "Frame bytes each worker received.", "worker"),
