@@ -7,7 +7,8 @@ Runs, each in its own process, writing ``<out>/<name>.json`` and its printed tab
 trainer overhead (bench_overhead), replay vs torch fused and the bandwidth baselines
 (bench_replay), the worker's apply path before/after applying from frames
 (bench_apply), transport vs bare pyzmq (bench_transport), restore vs DCP load
-(bench_restore), scaling and sizing (bench_scaling). Then ``<out>/REPORT.md`` and, when
+(bench_restore), scaling and sizing (bench_scaling), compression of persisted shards
+(bench_compress). Then ``<out>/REPORT.md`` and, when
 matplotlib is installed (``pip install -e .[bench]``), PNG plots beside it. The default
 sizes keep the whole set under ~9 minutes on a 2-core machine; ``--full`` uses each
 benchmark's own (larger) defaults; ``--only`` writes ``REPORT-partial.md`` (the JSON of
@@ -36,6 +37,7 @@ BENCHES = {
     "transport": ("bench_transport.py", [], []),
     "restore": ("bench_restore.py", ["--no-evict", "--repeat", "5"], []),
     "scaling": ("bench_scaling.py", ["--quick"], []),
+    "compress": ("bench_compress.py", ["--repeat", "3"], ["--repeat", "5"]),
 }
 
 
@@ -88,6 +90,11 @@ def goals(name: str, d: dict) -> list[tuple[str, str, str, bool | None]]:
         s = d["sizing"]
         per_b = s["worker_path_cpu_s_per_iter_per_Bparams"] or s["replay_cpu_s_per_iter_per_Bparams"]
         rows.append(("shadow CPU-s per iteration per B params", f"{per_b:.2f}", "", None))
+    elif name == "compress":
+        for codec in ("zstd-1", "planes-1", "planes-3"):
+            r = d["shard"][codec]
+            rows.append((f"persisted shard, {codec}: ratio, compress / decompress MB/s",
+                         f"{r['ratio']:.3f}, {r['compress_MBps']:.0f} / {r['decompress_MBps']:.0f}", "", None))
     return rows
 
 
