@@ -97,7 +97,7 @@ def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
     assert [p.name for p in (tmp_path / "k").iterdir() if p.name.startswith(".")] == []
     help_ = subprocess.run([sys.executable, "-m", "shadow", "keygen", "--help"], capture_output=True, text=True,
                            cwd=ROOT, timeout=60, check=False)
-    assert help_.returncode == 0 and "keygen keys: dir=" in help_.stdout
+    assert help_.returncode == 0 and "dir=keys" in help_.stdout and "overwrite=false" in help_.stdout
 
 
 def test_allowed_client_and_the_server_pair_get_through(secured, keys):

@@ -38,20 +38,25 @@ def _coordinator_metrics(cfg: CoordinatorConfig, coord):
     return serve(cfg.host, cfg.metrics_port, COORDINATOR, lambda: samples(coord))
 
 
-def cmd_coordinator(cfg: CoordinatorConfig) -> int:
-    setup_logs(cfg.log_level, cfg.log_format, "coordinator")
-    _warn_public(cfg.host, cfg.security)
-    coord = _coordinator(cfg)
-    metrics = _coordinator_metrics(cfg, coord)
-    signal.signal(signal.SIGTERM, lambda *_: coord.stop())
+def _run(service, metrics) -> int:
+    """Run a coordinator or worker in the foreground until SIGTERM or Ctrl-C, then close
+    its metrics endpoint."""
+    signal.signal(signal.SIGTERM, lambda *_: service.stop())
     try:
-        coord.run()
+        service.run()
     except KeyboardInterrupt:
         pass
     finally:
         if metrics is not None:
             metrics.close()
     return 0
+
+
+def cmd_coordinator(cfg: CoordinatorConfig) -> int:
+    setup_logs(cfg.log_level, cfg.log_format, "coordinator")
+    _warn_public(cfg.host, cfg.security)
+    coord = _coordinator(cfg)
+    return _run(coord, _coordinator_metrics(cfg, coord))
 
 
 def cmd_worker(cfg: WorkerConfig) -> int:
@@ -70,15 +75,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         from shadow.worker.metrics import samples
 
         metrics = serve(worker.bind_host, cfg.metrics_port, WORKER, lambda: samples(worker))
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
-    try:
-        worker.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if metrics is not None:
-            metrics.close()
-    return 0
+    return _run(worker, metrics)
 
 
 def cmd_cluster(cfg: ClusterConfig) -> int:
