@@ -128,3 +128,18 @@ def test_status_reports_workers(cluster):
     assert res.returncode == 0 and "no job attached" in res.stdout
     res = shadow("restore", f"source={cluster.address}", "out=/tmp/never.pt")
     assert res.returncode == 1 and "no checkpoint yet" in res.stderr
+
+
+def test_example_trainer_config_composes_from_yaml():
+    """scripts/train_gpt.py reads configs/train_gpt.yaml through the same composition."""
+    import yaml
+
+    script = str(ROOT / "scripts" / "train_gpt.py")
+    res = subprocess.run([sys.executable, script, "--config-name", "train_gpt", "model.n_layer=6", "--cfg", "job"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["model"]["n_layer"] == 6 and cfg["coordinator"] == "tcp://127.0.0.1:5555" and cfg["shadow"]["job"] == "gpt"
+    res = subprocess.run([sys.executable, script, "shadow.policy=drop"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert res.returncode != 0 and "shadow.policy='drop' is not one of" in res.stderr
