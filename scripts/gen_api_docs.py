@@ -90,6 +90,12 @@ def render() -> str:
     lines += _section_functions(trainer_hooks, public)
     lines += ["## Reading checkpoints: `shadow.restore`", ""]
     lines += _section_functions(shadow.restore, list(shadow.restore.__all__))
+    import shadow.plan
+
+    lines += ["## Planning: `shadow.plan`", "", "What `shadow plan` computes, as a library; the model and its "
+              "assumptions: [planning.md](planning.md).", ""]
+    lines += _section_functions(shadow.plan, ["plan", "analyse", "strategies", "simulate", "simulate_many", "size",
+                                              "break_even_overhead", "young", "daly", "Strategy"])
     lines += ["## Errors: `shadow.errors`", "", "Every error the service and the hooks raise to callers derives "
               "from `ShadowError` (re-exported by `trainer_hooks`).", ""]
     lines += [f"* `{n}`: {_doc(getattr(errors, n))}" for n in

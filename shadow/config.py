@@ -9,6 +9,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Optional
 
+from shadow.plan.config import PlanConfig
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 FORMATS = ("torch", "dcp", "safetensors")
@@ -330,7 +332,7 @@ class VerifyConfig:
 SCHEMAS: dict[str, type] = {
     "cluster": ClusterConfig, "coordinator": CoordinatorConfig, "worker": WorkerConfig, "status": StatusConfig,
     "restore": RestoreConfig, "export": ExportConfig, "ls": ListConfig, "verify": VerifyConfig,
-    "keygen": KeygenConfig,
+    "keygen": KeygenConfig, "plan": PlanConfig,
 }
 
 

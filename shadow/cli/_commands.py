@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from shadow.config import ExportConfig, KeygenConfig, ListConfig, RestoreConfig, StatusConfig, VerifyConfig
+from shadow.config import ExportConfig, KeygenConfig, ListConfig, PlanConfig, RestoreConfig, StatusConfig, VerifyConfig
 
 
 def _print_json(obj) -> None:
@@ -148,4 +148,17 @@ def cmd_keygen(cfg: KeygenConfig) -> int:
     else:
         print(f"allow this client: copy {public} into the cluster's security.allow directory")
         print(f"on this client: security.client_key={secret} (trainers: SHADOW_CURVE_CLIENT_KEY={secret})")
+    return 0
+
+
+def cmd_plan(cfg: PlanConfig) -> int:
+    from shadow.plan import plan
+
+    result = plan(cfg)
+    if cfg.json:
+        _print_json(result)
+        return 0
+    from shadow.cli._render import render_plan
+
+    render_plan(result)
     return 0

@@ -40,6 +40,10 @@ EXAMPLES = {
     "ls": ["shadow ls source=tcp://127.0.0.1:5555", "shadow ls source=/nvme/shadow --json"],
     "verify": ["shadow verify source=/nvme/shadow", "shadow verify source=s3://bucket/shadow iteration=1000 --json"],
     "keygen": ["shadow keygen dir=keys name=server", "shadow keygen dir=keys/clients name=trainer0"],
+    "plan": [
+        "shadow plan gpus=16384 gpu_mtbf_h=50678 params=405e9 iteration_s=6 restart_s=600",
+        "shadow plan --config-dir configs --config-name plan_100k_hourly shadow.overhead=0.005 --json",
+    ],
 }
 
 SUMMARY = {
@@ -52,9 +56,10 @@ SUMMARY = {
     "ls": "list checkpoints in memory and in every tier",
     "verify": "re-read persisted checkpoints and check every checksum",
     "keygen": "write a CURVE key pair (name.key, name.key_secret)",
+    "plan": "lost GPU-hours/day per checkpointing strategy (analytic + simulated), shadow cluster size",
 }
 
-COMMON = """flags: --help, --json (status, ls, verify), --cfg job (print the resolved config and exit),
+COMMON = """flags: --help, --json (status, ls, verify, plan), --cfg job (print the resolved config and exit),
        --config-dir DIR --config-name NAME (start from DIR/NAME.yaml, e.g. the repository's configs/)
 keys are Hydra overrides: key=value, nested with dots (persist.local.dir=/nvme), null for none."""
 

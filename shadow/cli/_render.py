@@ -117,3 +117,42 @@ def render_status(st: dict, address: str) -> None:
         console.print(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
     if st.get("rejected"):
         console.print(f"coordinator refused messages: {st['rejected']}")
+
+
+def _dur(s: float) -> str:
+    return f"{s:.2f} s" if s < 60 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
+
+
+def render_plan(r: dict) -> None:
+    """``shadow plan``: the scenario, every strategy side by side, the break-even and the sizing."""
+    console = Console()
+    sc = r["scenario"]
+    console.print(f"[bold]{sc['name'] or 'scenario'}[/bold]: {sc['gpus']} GPUs, job MTBF {sc['job_mtbf_h']:.2f} h "
+                  f"({sc['failures_per_day']:.1f} failures/day), {sc['params'] / 1e9:.0f}B params, state "
+                  f"{sc['state_TB']:.2f} TB, {sc['iteration_s']} s/iteration, restart {_dur(sc['restart_s'])} + load")
+    t = Table(title="expected cost of failures, per strategy")
+    for col in ("strategy", "interval", "stall / ckpt", "restorable after", "restart + load", "useful (analytic)",
+                "useful (simulated)", "lost GPU-h/day", "dominant cost"):
+        t.add_column(col, justify="left" if col in ("strategy", "dominant cost") else "right")
+    sim = r.get("simulated", {})
+    for name, a in r["analytic"].items():
+        st = a["strategy"]
+        s = sim.get(name)
+        simulated = f"{s['useful']:.4f} ± {s['useful_std']:.4f}" if s else "-"
+        lost = f"{a['lost_gpu_h_per_day']:,.0f}" + (f" ({s['lost_gpu_h_per_day']:,.0f})" if s else "")
+        t.add_row(name, _dur(st["work_s"]), _dur(st["stall_s"]), _dur(st["delay_s"]), _dur(st["restart_s"]),
+                  f"{a['useful']:.4f}", simulated, lost, a["dominant"])
+    console.print(t)
+    console.print("lost GPU-h/day: analytic (simulated); interval = training between checkpoints; dominant cost "
+                  "= the largest of checkpoint overhead, rework after failures, restarts")
+    be = r["break_even_shadow_overhead"]
+    console.print("shadow loses less than the better alternative while its step overhead stays below "
+                  + (f"[bold]{be * 100:.2f}%[/bold]" if be is not None else "[red]0% (it cannot win here)[/red]"))
+    z = r["sizing"]
+    t = Table(title="shadow cluster")
+    for col in ("cores", "memory", "network in", "hosts", "limited by", "trainer egress / GPU", "measured CPU"):
+        t.add_column(col, justify="right")
+    t.add_row(f"{z['cores']:.0f}", f"{z['memory_GB'] / 1e3:.1f} TB", f"{z['network_GBps']:.1f} GB/s", str(z["hosts"]),
+              z["limited_by"], f"{z['trainer_egress_MBps_per_gpu']:.1f} MB/s",
+              f"{z['cpu_s_per_iter_per_Bparams']:.2f} CPU-s/it/B ({z['measured_in']})")
+    console.print(t)

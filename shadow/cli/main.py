@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from shadow.cli._commands import cmd_export, cmd_keygen, cmd_ls, cmd_restore, cmd_status, cmd_verify
+from shadow.cli._commands import cmd_export, cmd_keygen, cmd_ls, cmd_plan, cmd_restore, cmd_status, cmd_verify
 from shadow.cli._compose import UsageError, compose, split, to_yaml
 from shadow.cli._help import command_help, usage
 from shadow.cli._services import cmd_cluster, cmd_coordinator, cmd_worker
@@ -13,6 +13,7 @@ from shadow.cli._services import cmd_cluster, cmd_coordinator, cmd_worker
 COMMANDS = {
     "cluster": cmd_cluster, "coordinator": cmd_coordinator, "worker": cmd_worker, "status": cmd_status,
     "restore": cmd_restore, "export": cmd_export, "ls": cmd_ls, "verify": cmd_verify, "keygen": cmd_keygen,
+    "plan": cmd_plan,
 }
 CLIENTS = ("status", "restore", "export", "ls")  # commands that connect to a cluster as a CURVE client
 

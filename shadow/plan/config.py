@@ -1,0 +1,133 @@
+"""What ``shadow plan`` takes: the job, its failures, and what each checkpointing strategy
+costs. Every field is checked at construction; errors name the key, the value and the fix."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+OPTIMIZERS = {"adamw": 12.0, "adam": 12.0, "sgd": 8.0}  # fp32 bytes per parameter the shadow and a checkpoint hold
+# Llama 3 405B pre-training: 16,384 GPUs, 419 unexpected interruptions in a 54-day snapshot
+LLAMA3_GPU_MTBF_H = 16384 * 54 * 24 / 419
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{key}={value} must be > 0")
+
+
+@dataclass
+class SyncConfig:
+    """Periodic synchronous checkpointing: training stops while the state is written."""
+
+    write_GBps: float = 100.0  #: aggregate write bandwidth to durable storage, GB/s
+    read_GBps: float = 200.0  #: aggregate read bandwidth at restart, GB/s
+    interval_s: float = 0.0  #: checkpoint interval; 0 = the Young/Daly optimum
+
+    def __post_init__(self) -> None:
+        _positive("sync.write_GBps", self.write_GBps)
+        _positive("sync.read_GBps", self.read_GBps)
+        if self.interval_s < 0:
+            raise ValueError(f"sync.interval_s={self.interval_s} must be >= 0 (0 = the optimum)")
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous tiered checkpointing: training stalls only for the copy to host memory;
+    the write to storage runs behind it, and a checkpoint is restorable once written."""
+
+    snapshot_GBps_per_gpu: float = 20.0  #: device-to-host copy bandwidth per GPU (the stall), GB/s
+    write_GBps: float = 100.0  #: aggregate bandwidth of the persisting tier, GB/s
+    read_GBps: float = 400.0  #: aggregate read bandwidth at restart (nearest tier), GB/s
+    interval_s: float = 0.0  #: checkpoint interval; 0 = the optimum (never shorter than a write)
+    overhead: float = 0.0  #: step-time overhead while a write runs behind training (host CPU, PCIe, memory contention)
+
+    def __post_init__(self) -> None:
+        for key in ("snapshot_GBps_per_gpu", "write_GBps", "read_GBps"):
+            _positive(f"tiered.{key}", getattr(self, key))
+        if self.interval_s < 0:
+            raise ValueError(f"tiered.interval_s={self.interval_s} must be >= 0 (0 = the optimum)")
+        if not 0 <= self.overhead < 1:
+            raise ValueError(f"tiered.overhead={self.overhead} must be a fraction in [0, 1)")
+
+
+@dataclass
+class ShadowPlanConfig:
+    """Per-iteration checkpointing through a shadow cluster."""
+
+    overhead: float = 0.02  #: step-time overhead on the trainers (fraction; measure yours with bench_overhead.py)
+    lag_iterations: int = 1  #: iterations the shadow's committed state trails the trainers
+    restore_GBps: float = 0.0  #: aggregate bandwidth from the shadow cluster to the restarting trainers, GB/s; 0 = its hosts' NICs
+    replicas: int = 1  #: workers holding each shard
+    headroom: float = 2.0  #: sizing margin over the steady-state cores (catching up after a resync)
+    cores_per_host: int = 64  #: cores of one shadow host (sizing)
+    ram_GB_per_host: float = 512.0  #: memory of one shadow host (sizing)
+    nic_GBps_per_host: float = 25.0  #: network bandwidth into one shadow host, GB/s (25 = 200 Gb/s)
+    persist_images: int = 2  #: preallocated persistence images per worker (0 = no local tier)
+    bench_dir: str = ""  #: folder of the measured figures (scaling.json); empty = this repository's docs/bench
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.overhead < 1:
+            raise ValueError(f"shadow.overhead={self.overhead} must be a fraction in [0, 1)")
+        if self.lag_iterations < 0 or self.replicas < 1 or self.persist_images < 0:
+            raise ValueError(f"shadow.lag_iterations={self.lag_iterations} and shadow.persist_images="
+                             f"{self.persist_images} must be >= 0, shadow.replicas={self.replicas} >= 1")
+        for key in ("ram_GB_per_host", "nic_GBps_per_host"):
+            _positive(f"shadow.{key}", getattr(self, key))
+        if self.restore_GBps < 0:
+            raise ValueError(f"shadow.restore_GBps={self.restore_GBps} must be >= 0 (0 = from the cluster's NICs)")
+        if self.headroom < 1:
+            raise ValueError(f"shadow.headroom={self.headroom} must be >= 1 (a margin over the steady state)")
+        if self.cores_per_host < 1:
+            raise ValueError(f"shadow.cores_per_host={self.cores_per_host} must be >= 1")
+
+
+@dataclass
+class PlanConfig:
+    """Expected lost GPU-hours per day of a data-parallel job under periodic synchronous,
+    asynchronous tiered and shadow per-iteration checkpointing (analytic and simulated),
+    and the shadow cluster it needs."""
+
+    gpus: int = 16384  #: GPUs in the job
+    gpu_mtbf_h: float = LLAMA3_GPU_MTBF_H  #: mean time between failures of one GPU (with its share of host and network), hours
+    job_mtbf_h: float = 0.0  #: the job's MTBF, hours; when > 0 it replaces gpus / gpu_mtbf_h
+    params: float = 405e9  #: model parameters
+    optimizer: str = "adamw"  #: adamw, adam or sgd (sets the state's bytes per parameter)
+    bytes_per_param: float = 0.0  #: checkpoint bytes per parameter; 0 = from the optimizer (12 for Adam)
+    iteration_s: float = 6.0  #: seconds per training iteration
+    restart_s: float = 600.0  #: seconds from a failure to training again, before loading state (detect, reschedule, init)
+    days: float = 30.0  #: simulated wall-clock days per trial
+    trials: int = 4  #: simulated trials (seeds seed, seed+1, ...)
+    seed: int = 0
+    json: bool = False  #: print JSON (also: --json)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    tiered: AsyncConfig = field(default_factory=AsyncConfig)
+    shadow: ShadowPlanConfig = field(default_factory=ShadowPlanConfig)
+    name: Optional[str] = None  #: a label for the scenario
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"gpus={self.gpus} must be >= 1")
+        if self.job_mtbf_h < 0:
+            raise ValueError(f"job_mtbf_h={self.job_mtbf_h} must be >= 0 (0 = from gpus / gpu_mtbf_h)")
+        if self.job_mtbf_h == 0 and not self.gpu_mtbf_h > 0:
+            raise ValueError(f"gpu_mtbf_h={self.gpu_mtbf_h} must be > 0 (or set job_mtbf_h > 0, hours), e.g. "
+                             f"gpu_mtbf_h={LLAMA3_GPU_MTBF_H:.0f} (Llama 3's 16k-GPU run) or job_mtbf_h=1")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not one of {tuple(OPTIMIZERS)}")
+        if self.bytes_per_param < 0:
+            raise ValueError(f"bytes_per_param={self.bytes_per_param} must be >= 0 (0 = from the optimizer)")
+        for key in ("params", "iteration_s", "days"):
+            _positive(key, getattr(self, key))
+        if self.restart_s < 0:
+            raise ValueError(f"restart_s={self.restart_s} must be >= 0")
+        if self.trials < 1:
+            raise ValueError(f"trials={self.trials} must be >= 1")
+
+    @property
+    def mtbf_s(self) -> float:
+        """The job's mean time between failures, seconds."""
+        return 3600.0 * (self.job_mtbf_h if self.job_mtbf_h > 0 else self.gpu_mtbf_h / self.gpus)
+
+    @property
+    def state_bytes(self) -> float:
+        return self.params * (self.bytes_per_param or OPTIMIZERS[self.optimizer])

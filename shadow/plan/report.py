@@ -1,0 +1,29 @@
+"""One plan: sizing, the analytic model and the simulation of every strategy, together."""
+from __future__ import annotations
+
+from shadow.plan.config import PlanConfig
+from shadow.plan.model import analyse, break_even_overhead, strategies
+from shadow.plan.simulate import simulate_many
+from shadow.plan.sizing import size
+
+
+def plan(cfg: PlanConfig, simulate: bool = True) -> dict:
+    """Everything ``shadow plan`` reports for ``cfg`` (JSON-serialisable)."""
+    sizing = size(cfg)
+    restore = sizing["restore_GBps"]
+    out = {
+        "scenario": {"name": cfg.name, "gpus": cfg.gpus, "job_mtbf_h": cfg.mtbf_s / 3600.0,
+                     "failures_per_day": 86400.0 / cfg.mtbf_s, "params": cfg.params,
+                     "state_TB": cfg.state_bytes / 1e12, "iteration_s": cfg.iteration_s, "restart_s": cfg.restart_s},
+        "analytic": analyse(cfg, restore),
+        "break_even_shadow_overhead": break_even_overhead(cfg, restore),
+        "sizing": sizing,
+    }
+    if simulate:
+        horizon = cfg.days * 86400.0
+        out["simulated"] = {}
+        for name, st in strategies(cfg, restore).items():
+            sim = simulate_many(st, cfg.mtbf_s, horizon, cfg.trials, cfg.seed)
+            sim["lost_gpu_h_per_day"] = cfg.gpus * 24.0 * (1.0 - sim["useful"])
+            out["simulated"][name] = sim
+    return out
