@@ -129,3 +129,22 @@ def test_plan_cli_json():
     assert set(out["analytic"]) == set(out["simulated"]) == {"sync", "async", "shadow"}
     assert out["scenario"]["gpus"] == 100000 and out["scenario"]["failures_per_day"] == pytest.approx(24)
     assert out["sizing"]["hosts"] >= 1
+
+
+def test_simulator_script_writes_the_sweep_and_plots(tmp_path):
+    import importlib.util
+
+    res = subprocess.run([sys.executable, "scripts/plan_failures.py", "--out", str(tmp_path), "--trials", "1",
+                          "--days", "3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((tmp_path / "plan.json").read_text())
+    sweep = out["sweep_gpus"]
+    assert [r["gpus"] for r in sweep] == sorted(r["gpus"] for r in sweep)
+    for name in ("sync", "async", "shadow"):  # the loss grows faster than the GPU count
+        lost = [r[name]["lost_gpu_h_per_day"] for r in sweep]
+        assert all(b / a > 2 for a, b in zip(lost, lost[1:]))
+    assert sweep[-1]["sync"]["dominant"] == "restart" and sweep[0]["sync"]["dominant"] != "restart"
+    if importlib.util.find_spec("matplotlib") is not None:  # plots need the [bench] extra
+        assert {"lost_gpu_hours_vs_gpus.png", "shadow_cores_vs_model_size.png"} <= {p.name for p in tmp_path.iterdir()}
+    else:
+        assert "no plots" in res.stderr
