@@ -19,12 +19,29 @@ def route_address(endpoint: str) -> str:
         raise ValueError(f"cannot resolve the coordinator host {parts.hostname!r}: {exc}") from None
     if target.startswith("127."):
         return target  # a coordinator on a loopback address: serve on the same one
+    if target == "0.0.0.0":  # a coordinator on every interface of this host: the address others reach it on
+        return primary_address()
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((target, parts.port or 9))
         except OSError as exc:
             raise ValueError(f"no route to the coordinator at {target}: {exc}; give host= explicitly") from None
         return s.getsockname()[0]
+
+
+def primary_address() -> str:
+    """This host's address on its default route (no packet is sent), or its hostname's
+    address, or loopback on a host without a network."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))
+            return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def bind_and_advertise(host: str, coordinator: str) -> tuple[str, str]:
