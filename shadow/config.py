@@ -323,6 +323,7 @@ class VerifyConfig:
     source: str = ""  #: checkpoint directory or fsspec URL (required)
     job: Optional[str] = None  #: only this job
     iteration: Optional[int] = None  #: verify only this iteration (default: all complete ones)
+    deep: bool = False  #: also decode every shard and check the tensors it holds (slower)
     json: bool = False  #: print JSON results (also: --json)
 
     def __post_init__(self) -> None:

@@ -276,6 +276,19 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
     if local == "zstd":  # without the file checksum, the blocks' own checksums still refuse it
         with pytest.raises(catalog.CheckpointError, match=r"shard 1 .*tensor '\w+' block \d+"):
             catalog.load(info, check=False)
+        # a manifest that vouches for the damaged file (a writer bug): only `shadow verify deep=true` sees it
+        from shadow.cli._commands import cmd_verify
+        from shadow.config import VerifyConfig
+        from shadow.wire.frames import checksum
+
+        with open(path, "rb") as f:
+            damaged = f.read()
+        m = dict(info.manifest)
+        m["shards"] = [dict(sh, checksum=f"{checksum(damaged):016x}") if sh["index"] == 1 else sh
+                       for sh in m["shards"]]
+        catalog.write_manifest(local_root, "j", 7, m)
+        assert cmd_verify(VerifyConfig(source=local_root)) == 0
+        assert cmd_verify(VerifyConfig(source=local_root, deep=True)) == 1
     fs, p = fsspec.core.url_to_fs(remote_root)
     fs.rm(p, recursive=True)
 

@@ -54,7 +54,7 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
     mport = free_port()
     ckpt = tmp_path / "ckpt"
     cluster = Cluster(tmp_path, args=(f"metrics_port={mport}", f"persist.local.dir={ckpt}",
-                                      "persist.local.every_n=3", "log_format=json"))
+                                      "persist.local.every_n=3", "persist.local.compress=zstd", "log_format=json"))
     tport = free_port()
     trainer_hooks.serve_metrics(tport)
     try:
@@ -132,7 +132,9 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         res = shadow("ls", f"source={cluster.address}", "--json")
         rows = json.loads(res.stdout)
         assert {(r["tier"], r["iteration"]) for r in rows} >= {("memory", 6), ("local", 6), ("local", 3)}
-        res = shadow("verify", f"source={ckpt}", "--json")
+        assert all(r["raw_bytes"] > r["bytes"] for r in rows if r["tier"] == "local")  # compressed on disk
+        assert "zstd" in shadow("ls", f"source={ckpt}").stdout
+        res = shadow("verify", f"source={ckpt}", "deep=true", "--json")
         assert res.returncode == 0, res.stderr
         assert [r["ok"] for r in json.loads(res.stdout)] == [True, True]
 

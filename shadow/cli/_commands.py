@@ -95,7 +95,7 @@ def cmd_ls(cfg: ListConfig) -> int:
     for root, tier in roots:
         for c in catalog.list_checkpoints(root, tier, cfg.job):
             rows.append({"job": c.job, "iteration": c.iteration, "tier": tier, "time": c.manifest.get("created"),
-                         "bytes": c.bytes, "state": "complete", "path": c.path})
+                         "bytes": c.bytes, "raw_bytes": c.raw_bytes, "state": "complete", "path": c.path})
         for d in catalog.list_torn(root, cfg.job):
             rows.append({"job": d.rstrip("/").split("/")[-2], "iteration": int(d.rsplit("-", 1)[1]), "tier": tier,
                          "time": None, "bytes": None, "state": "incomplete", "path": d})
@@ -122,6 +122,11 @@ def cmd_verify(cfg: VerifyConfig) -> int:
     results = []
     for c in found:
         problems = catalog.verify(c)
+        if cfg.deep and not problems:
+            try:
+                catalog.load(c, check=True)
+            except Exception as exc:  # every way a decode can fail is a finding, not a crash
+                problems.append(f"decoding: {type(exc).__name__}: {exc}")
         results.append({"job": c.job, "iteration": c.iteration, "ok": not problems, "problems": problems,
                         "shards": len(c.manifest["shards"]), "bytes": c.bytes, "path": c.path})
     if cfg.json:

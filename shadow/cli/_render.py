@@ -48,6 +48,8 @@ def render_checkpoints(rows: list[dict], source: str) -> None:
     for r in sorted(rows, key=lambda r: (r["job"], r["iteration"], r["tier"])):
         when = datetime.datetime.fromtimestamp(r["time"]).isoformat(timespec="seconds") if r["time"] else "-"
         size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
+        if r.get("raw_bytes") and r["bytes"] and r["raw_bytes"] != r["bytes"]:
+            size += f" (zstd, {r['raw_bytes'] / r['bytes']:.2f}x)"
         t.add_row(r["job"], str(r["iteration"]), r["tier"], when, size, r["state"], r["path"])
     Console().print(t)
 

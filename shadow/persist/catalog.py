@@ -73,7 +73,13 @@ class CheckpointInfo:
 
     @property
     def bytes(self) -> int:
+        """Bytes on storage (compressed where the tier compresses)."""
         return sum(s["bytes"] for s in self.manifest["shards"])
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of the uncompressed shards (manifests before compression: as stored)."""
+        return sum(s.get("raw_bytes") or s["bytes"] for s in self.manifest["shards"])
 
 
 def _fs(root: str):
