@@ -50,28 +50,23 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchcluster import Services, compare, dir_bytes, evict, free_port, wait_persisted
+from benchlib import machine_info
+
 JOB = "bench_restore"
 LR, WD = 1e-3, 0.1
 PATHS = ("shadow memory", "shadow local", "shadow local, evicted", "DCP load", "DCP load, evicted",
          "torch.load", "torch.load, evicted")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- shared
@@ -98,24 +93,6 @@ def build(args, seed: int):
     model = GPT(GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=args.n_layer, n_embd=args.n_embd))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
     return model, opt, data
-
-
-def dir_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def evict(path: Path) -> None:
-    """fsync each file under ``path`` and drop its pages from this machine's page cache."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # --------------------------------------------------------------------------- trainer
@@ -157,33 +134,6 @@ def train_main(args) -> None:
 
 
 # --------------------------------------------------------------------------- restorer
-
-
-def compare(model, opt, ref: dict) -> list[str]:
-    import torch
-
-    problems = []
-    msd, rmsd = model.state_dict(), ref["model"]
-    if msd.keys() != rmsd.keys():
-        problems.append(f"model keys differ: {sorted(set(msd) ^ set(rmsd))[:5]}")
-    for k in msd.keys() & rmsd.keys():
-        a, b = msd[k], rmsd[k]
-        if a.dtype != b.dtype or not torch.equal(a, b):
-            problems.append(f"model {k}")
-    osd, rosd = opt.state_dict(), ref["optimizer"]
-    sa, sb = osd["state"], rosd["state"]
-    if sa.keys() != sb.keys():
-        problems.append(f"optimizer state for params {sorted(set(sa) ^ set(sb))[:5]} only on one side")
-    for i in sa.keys() & sb.keys():
-        if sa[i].keys() != sb[i].keys():
-            problems.append(f"optimizer state {i}: keys {sorted(sa[i])} vs {sorted(sb[i])}")
-        for k in sa[i].keys() & sb[i].keys():
-            a, b = sa[i][k], sb[i][k]
-            if a.dtype != b.dtype or a.device != b.device or not torch.equal(a, b):
-                problems.append(f"optimizer state {i}.{k}")
-    if osd["param_groups"] != rosd["param_groups"]:
-        problems.append(f"param_groups: {osd['param_groups']} vs {rosd['param_groups']}")
-    return problems
 
 
 def restore_main(args) -> None:
@@ -320,133 +270,7 @@ def restore_main(args) -> None:
     dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------- orchestration
-
-
-def status(address: str, timeout: float = 2.0) -> dict:
-    from tests.conftest import (
-        status as query,  # the coordinator's status, one bounded request
-    )
-
-    return query(address, timeout)
-
-
-class Services:
-    """Every process this script starts; all stopped (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.procs: list[subprocess.Popen] = []
-        self.worker_pids: list[int] = []
-        self.cluster: subprocess.Popen | None = None
-        self.logs: list = []
-
-    def start_cluster(self, port: int, steps: int) -> str:
-        address = f"tcp://127.0.0.1:{port}"
-        log = open(self.work / "cluster.log", "w")  # noqa: SIM115 (closed in stop())
-        self.logs.append(log)
-        self.cluster = subprocess.Popen(
-            [sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={port}", "host=127.0.0.1",
-             "threads_per_worker=1", f"persist.local.dir={self.work / 'local'}", f"persist.local.every_n={steps}",
-             "persist.local.keep=1"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        self.procs.append(self.cluster)
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                st = status(address, 1.0)
-                if len(st["workers"]) == 2 and all(w.get("pid") for w in st["workers"]):
-                    self.worker_pids = [w["pid"] for w in st["workers"]]
-                    return address
-            except TimeoutError:
-                pass
-            if self.cluster.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"shadow cluster did not start:\n{(self.work / 'cluster.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def run(self, role: str, argv: list[str], timeout: float) -> None:
-        log = self.work / f"{role}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""),
-                   TORCH_CPP_LOG_LEVEL="ERROR")
-        if not env["OMP_NUM_THREADS"]:
-            del env["OMP_NUM_THREADS"]
-        if os.path.exists("/sys/class/net/lo"):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback
-        out = subprocess.PIPE
-        if role != "restore":
-            out = open(log, "w")  # noqa: SIM115 (closed in stop())
-            self.logs.append(out)
-        p = subprocess.Popen([sys.executable, __file__, "--role", role, *argv], cwd=ROOT, env=env, stdout=out,
-                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
-        self.procs.append(p)
-        deadline = time.monotonic() + timeout
-        if p.stdout is not None:  # stream the restorer's progress lines
-            with open(log, "w") as f:
-                for line in p.stdout:
-                    f.write(line)
-                    print(line, end="", flush=True)
-                    if time.monotonic() > deadline:
-                        break
-        try:
-            code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{role} did not finish in {timeout:.0f} s; log: {log}") from None
-        if code != 0:
-            raise RuntimeError(f"{role} exited with {code}:\n{log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in reversed(self.procs):
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the group: the cluster's workers too
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
-        for pid in self.worker_pids:  # in case a worker left the cluster's process group
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for f in self.logs:
-            f.close()
-
-
-def machine() -> dict:
-    import numpy
-    import torch
-
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "python": platform.python_version(), "platform": platform.platform()}
-
-
-def wait_persisted(address: str, steps: int, limit: float = 120) -> dict:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        st = status(address, 5.0)
-        lc = (st.get("persist") or {}).get("local", {}).get("last_complete")
-        if st.get("job") and st["job"]["committed"] == steps and lc and lc["iteration"] == steps:
-            return st
-        time.sleep(0.2)
-    raise RuntimeError(f"iteration {steps} was not committed and persisted locally within {limit:.0f} s: {st}")
+# --------------------------------------------------------------------------- main
 
 
 def main() -> int:
@@ -482,7 +306,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench_restore-", dir=args.dir))
-    services = Services(work)
+    services = Services(work, __file__)
     common = ["--work", str(work), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
               "--steps", str(args.steps), "--repeat", str(args.repeat)] + ([] if args.evict else ["--no-evict"])
     try:
@@ -540,7 +364,7 @@ def main() -> int:
     wall = time.monotonic() - t_start
     print(f"wall time {wall:.0f} s")
     if args.json:
-        doc = {"benchmark": "restore", "quick": args.quick, "machine": machine(),
+        doc = {"benchmark": "restore", "quick": args.quick, "machine": machine_info(),
                "model": {"gpt_n_layer": args.n_layer, "gpt_n_embd": args.n_embd, "params": res["params"],
                          "state_bytes": res["state_bytes"]},
                "train": train, "repeat": args.repeat, "rows": rows, "times_s": res["times_s"],
