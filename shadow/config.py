@@ -239,12 +239,15 @@ class StatusConfig:
 
     address: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
     json: bool = False  #: print the raw status as JSON (also: --json)
+    watch: float = 0.0  #: redraw every this many seconds until Ctrl-C (0 = once)
     timeout: float = 5.0  #: seconds to wait for the coordinator
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_endpoint("address", self.address)
         _check_timeout(self.timeout)
+        if self.watch < 0 or (self.watch and self.json):
+            raise ValueError(f"watch={self.watch} must be >= 0 seconds, and cannot be combined with json=true")
 
 
 def _check_timeout(timeout: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -128,6 +129,15 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         assert res.returncode == 0, res.stderr
         for text in ("replay ms/it", "MiB/s in", "committed iteration 6", "local tier", "iteration 6"):
             assert text in res.stdout, (text, res.stdout)
+
+        watch = subprocess.Popen([sys.executable, "-m", "shadow", "status", f"address={cluster.address}", "watch=0.2"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                 env=dict(os.environ, COLUMNS="220"))
+        time.sleep(2.0)  # several redraws
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+        assert watch.returncode == 0, err
+        assert "committed iteration 6" in out and "replay ms/it" in out
 
         res = shadow("ls", f"source={cluster.address}", "--json")
         rows = json.loads(res.stdout)

@@ -8,6 +8,7 @@ survives re-attaches.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -15,6 +16,7 @@ import weakref
 from shadow import knobs
 from shadow.metrics import TRAINER, MetricsServer, Samples, serve
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _server: MetricsServer | None = None
 _session: "weakref.ref | None" = None
@@ -56,4 +58,8 @@ def publish(session) -> None:
     _session = weakref.ref(session)
     port = knobs.get_int("METRICS_PORT")
     if port and _server is None:
-        serve_metrics(port + int(os.environ.get("LOCAL_RANK", "0")), os.environ.get("SHADOW_METRICS_HOST", "127.0.0.1"))
+        port += int(os.environ.get("LOCAL_RANK", "0"))
+        try:
+            serve_metrics(port, os.environ.get("SHADOW_METRICS_HOST", "127.0.0.1"))
+        except OSError as exc:  # metrics are not worth failing an attach over
+            logger.error("rank %d: no metrics endpoint (%s); training and checkpointing go on", session.rank, exc)

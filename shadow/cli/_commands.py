@@ -20,17 +20,31 @@ def cmd_status(cfg: StatusConfig) -> int:
     from shadow.client import dealer, request
     from shadow.wire import messages as M
 
-    sock = dealer(zmq.Context.instance(), cfg.address)
-    try:
-        st = request(sock, cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
-    finally:
-        sock.close(linger=0)
+    def fetch() -> dict:
+        sock = dealer(zmq.Context.instance(), cfg.address)
+        try:
+            return request(sock, cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
+        finally:
+            sock.close(linger=0)
+
+    st = fetch()
     if cfg.json:
         _print_json(st)
         return 0
-    from shadow.cli._render import render_status
+    from shadow.cli._render import render_status, status_view
 
-    render_status(st, cfg.address)
+    if not cfg.watch:
+        render_status(st, cfg.address)
+        return 0
+    from rich.live import Live
+
+    with Live(status_view(st, cfg.address), auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(cfg.watch)
+                live.update(status_view(fetch(), cfg.address), refresh=True)
+        except KeyboardInterrupt:
+            pass
     return 0
 
 

@@ -28,6 +28,7 @@ EXAMPLES = {
     "status": [
         "shadow status address=tcp://127.0.0.1:5555",
         "shadow status address=tcp://10.0.0.5:5555 --json | jq .job.committed",
+        "shadow status address=tcp://10.0.0.5:5555 watch=2            (redraws every 2 s)",
     ],
     "restore": [
         "shadow restore source=tcp://127.0.0.1:5555 out=ckpt.pt format=torch",

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Iterator
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
 
@@ -67,7 +67,13 @@ def _rate(bps: float | None) -> str:
 
 def render_status(st: dict, address: str) -> None:
     """The cluster at a glance: one row per worker, then the job, tiers and security."""
-    console = Console()
+    Console().print(status_view(st, address))
+
+
+def status_view(st: dict, address: str) -> Group:
+    """What :func:`render_status` prints, as one renderable (``shadow status watch=``
+    redraws it in place)."""
+    out: list = []
     job = st.get("job")
     t = Table(title=f"shadow cluster {address}: {len(st['workers'])}/{st['expected_workers']} workers, "
                     f"{st.get('shards', '?')} shards x {st.get('replicas', 1)}")
@@ -86,24 +92,24 @@ def render_status(st: dict, address: str) -> None:
                   f"[{style}]{health}[/{style}]" if style else health, _rate(w.get("bytes_per_s")),
                   f"{per * 1e3:.1f}" if per is not None else "-", str(w["frames_in"]),
                   str(sum(w["rejected"].values())), str(w["pid"]), w.get("data", "-"))
-    console.print(t)
+    out.append(t)
     if job:
         line = (f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
                 f"committed iteration {committed if committed is not None else '- (bootstrapping)'}")
         if committed is not None:
             line += f", lag {job['lag_iterations']} it / {job['lag_s']:.2f} s, reached {_ago(job.get('cut_time'))}"
         line += f", resyncs {job.get('resyncs', 0)}"
-        console.print(line)
+        out.append(line)
         if job.get("reason"):
-            console.print(f"[red]DEGRADED[/red]: {job['reason']}")
+            out.append(f"[red]DEGRADED[/red]: {job['reason']}")
         audit = job.get("audit") or {}
         if audit.get("checked"):
-            console.print(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")
+            out.append(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")
     else:
-        console.print("no job attached")
+        out.append("no job attached")
     if st.get("restorable"):
         where = ", ".join(f"{k} iteration {v}" for k, v in st["restorable"].items() if v is not None)
-        console.print(f"newest restorable checkpoint: {where or 'none'}")
+        out.append(f"newest restorable checkpoint: {where or 'none'}")
     for name, tier in (st.get("persist") or {}).items():
         last = tier["last_complete"]
         text = (f"{name} tier {tier['root']}: last complete "
@@ -113,12 +119,13 @@ def render_status(st: dict, address: str) -> None:
                 + f"; {tier['count']} written, {tier.get('failures', 0)} failed this run")
         if tier["last_error"]:
             text += f" — [red]ERROR[/red]: {tier['last_error']}"
-        console.print(text)
+        out.append(text)
     sec = st.get("security") or {}
     if sec.get("curve"):
-        console.print(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
+        out.append(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
     if st.get("rejected"):
-        console.print(f"coordinator refused messages: {st['rejected']}")
+        out.append(f"coordinator refused messages: {st['rejected']}")
+    return Group(*out)
 
 
 def _dur(s: float) -> str:
