@@ -187,14 +187,11 @@ def worker_stop_skip(t: Trial) -> dict:
     return _stop_worker(t, "skip")
 
 
-@scenario
-def coordinator_kill(t: Trial) -> dict:
-    """SIGKILL the coordinator mid-run (its workers live on) and start a new one on the same
-    port: it rebuilds the job from the workers, the ranks reconnect, nothing is lost.
-    Detection column: seconds from the new coordinator's start to the rebuilt job."""
-    k = t.rng.randint(3, 8)
+def _restart_coordinator(t: Trial, outage_s: float, env: dict | None, k: int, step_s: float) -> dict:
+    """SIGKILL the coordinator once the cut reaches iteration ``k``, start a new one on the
+    same port ``outage_s`` later."""
     with cluster(t.tmp) as c:
-        procs = t.start("train", "--step-sleep", "0.25", coordinator=c)
+        procs = t.start("train", "--step-sleep", f"{step_s}", coordinator=c, env=env)
         new = None
         try:
             deadline = time.monotonic() + 60
@@ -202,7 +199,7 @@ def coordinator_kill(t: Trial) -> dict:
                 time.sleep(0.05)
             c.proc.kill()
             c.proc.wait()
-            time.sleep(t.rng.uniform(0.2, 1.5))  # the ranks train on within SHADOW_MAX_LAG meanwhile
+            time.sleep(outage_s)  # the ranks train on meanwhile
             t0 = time.time()
             log = open(t.tmp / "coordinator2.log", "w")
             new = subprocess.Popen([sys.executable, "-m", "shadow", "coordinator", "workers=2", f"port={c.port}"],
@@ -216,8 +213,62 @@ def coordinator_kill(t: Trial) -> dict:
                 time.sleep(0.05)
         finally:
             codes = t.wait(procs)
-        return judge_worker_fault(t, c, codes, rebuilt, f"coordinator SIGKILLed at committed >= {k}, restarted; "
-                                                        f"job rebuilt from the workers in {rebuilt} s")
+        return judge_worker_fault(t, c, codes, rebuilt, f"coordinator SIGKILLed at committed >= {k}, restarted "
+                                                        f"{outage_s:.1f} s later; job rebuilt from the workers in "
+                                                        f"{rebuilt} s")
+
+
+@scenario
+def coordinator_kill(t: Trial) -> dict:
+    """SIGKILL the coordinator mid-run (its workers live on) and start a new one on the same
+    port within a second or so: it rebuilds the job from the workers, the ranks reconnect,
+    nothing is lost, no resync. Detection column: seconds from the new coordinator's start
+    to the rebuilt job."""
+    return _restart_coordinator(t, t.rng.uniform(0.2, 1.5), None, t.rng.randint(3, 8), 0.25)
+
+
+@scenario
+def coordinator_outage(t: Trial) -> dict:
+    """The same with the coordinator away longer than SHADOW_COORDINATOR_LOST_S: the ranks
+    stop waiting and train on unprotected, tell the new coordinator so, and the cluster
+    resyncs from their state; training is unchanged and the last iteration restorable."""
+    # slower steps: training must outlast the outage and the resync for the end to be checkpointed
+    return _restart_coordinator(t, t.rng.uniform(2.5, 3.5), {"SHADOW_COORDINATOR_LOST_S": "1.5"},
+                                t.rng.randint(3, 5), 0.5)
+
+
+@scenario
+def cluster_loss(t: Trial) -> dict:
+    """SIGKILL the coordinator and every worker mid-run (policy block). The ranks hear
+    nothing for SHADOW_COORDINATOR_LOST_S and train on unprotected; a new cluster on the
+    same port is found by their heartbeats and they re-attach by themselves. Training must
+    finish unchanged and the new cluster hold the last iteration exactly. Detection column:
+    seconds from the new cluster's start to the re-attached job."""
+    k = t.rng.randint(3, 6)
+    env = {"SHADOW_COORDINATOR_LOST_S": "1.5"}
+    with cluster(t.tmp) as c:
+        procs = t.start("train", "--step-sleep", "0.3", coordinator=c, env=env)
+        back = None
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (committed(status(c.address, 2.0)) or 0) < k:
+                time.sleep(0.05)
+            c.kill_all()
+            time.sleep(t.rng.uniform(2.0, 3.0))  # past SHADOW_COORDINATOR_LOST_S: the ranks go on unprotected
+            t0 = time.time()
+            log = open(t.tmp / "cluster2.log", "w")
+            c.proc = subprocess.Popen([sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={c.port}",
+                                       "threads_per_worker=1"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            while time.monotonic() < deadline + 60 and back is None:
+                with contextlib.suppress(Exception):
+                    job = status(c.address, 1.0)["job"]
+                    if job and job["committed"] is not None:
+                        back = time.time() - t0
+                time.sleep(0.05)
+        finally:
+            codes = t.wait(procs)
+        return judge_worker_fault(t, c, codes, back, f"coordinator and workers SIGKILLed at committed >= {k}, a new "
+                                                     f"cluster started; ranks re-attached after {back} s")
 
 
 @scenario

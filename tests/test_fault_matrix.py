@@ -1,5 +1,6 @@
 """Smoke test of the fault-matrix runner: a trainer killed after an iteration and inside a
-re-attach bootstrap, and a worker kill: all exact, nothing lost."""
+re-attach bootstrap, a worker kill, and a coordinator away longer than the ranks wait for
+it: all exact, nothing lost."""
 from __future__ import annotations
 
 import json
@@ -17,12 +18,12 @@ pytestmark = pytest.mark.slow
 def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
     out = tmp_path / "matrix.json"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_matrix.py"), "--trials", "1", "--steps", "16",
-                          "--scenarios", "trainer_kill,trainer_kill_bootstrap,worker_kill", "--json", str(out),
+                          "--scenarios", "trainer_kill,trainer_kill_bootstrap,worker_kill,coordinator_outage", "--json", str(out),
                           "--workdir", str(tmp_path / "work")],
                          capture_output=True, text=True, cwd=ROOT, timeout=280, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
-    for name in ("trainer_kill", "trainer_kill_bootstrap", "worker_kill"):
+    for name in ("trainer_kill", "trainer_kill_bootstrap", "worker_kill", "coordinator_outage"):
         summary = report["scenarios"][name]["summary"]
         detail = [t["detail"] for t in report["scenarios"][name]["trials"]]
         assert summary["exact"] == summary["trials"] == 1, (name, detail)

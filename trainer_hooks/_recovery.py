@@ -24,15 +24,16 @@ class RecoveryMixin:
 
     def _on_coordinator_lost(self, why: str) -> None:
         """The coordinator stopped answering: train on unprotected (a blocked step stops
-        waiting) and re-attach once it answers again."""
-        self._reattach_on_contact = True
+        waiting). Once it answers again, every heartbeat tells it so (``paused``) until it
+        asks for the resync, which it does when the cluster is whole (a restarted cluster
+        without the job asks by itself)."""
+        self.sender.paused = why
         self._on_degraded(why)
 
     def _on_coordinator_back(self) -> None:
-        if getattr(self, "_reattach_on_contact", False):
-            self._reattach_on_contact = False
-            logger.info("rank %d hears the shadow coordinator again", self.rank)
-            self._on_resync()
+        if self.sender.paused is not None:
+            logger.warning("rank %d hears the shadow coordinator again; the cluster resyncs once it is whole",
+                           self.rank)
 
     def _on_join(self, msg: dict) -> None:
         with self._cond:

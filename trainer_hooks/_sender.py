@@ -85,6 +85,7 @@ class Sender(threading.Thread):
         self.on_lost, self.on_back = on_lost, on_back
         self.last_heard = time.monotonic()  # anything from the coordinator (it answers every heartbeat)
         self.lost = False
+        self.paused: str | None = None  # why this rank stopped streaming on its own: told with every heartbeat
         self.out: set[int] = set()  # replicas out of service: nothing is sent to them
         self.seq = [0] * len(endpoints)
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
@@ -123,6 +124,8 @@ class Sender(threading.Thread):
                     next_hb = now + hb
                     self._notify("trainer_hb", epoch=self.epoch, rank=self.rank, world=self.world,
                                  job_id=self.job_id, seq=list(self.seq))
+                    if self.paused is not None and not self.lost:  # until the coordinator asks for the resync
+                        self._notify("paused", epoch=self.epoch, rank=self.rank, reason=self.paused)
         except BaseException as exc:  # latched for the training thread
             logger.exception("shadow sender failed")
             self.on_error(exc)

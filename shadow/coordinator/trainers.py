@@ -72,6 +72,15 @@ class TrainerMixin:
             if job.resync_requested:
                 self._reply(env, "resync", epoch=job.epoch)
 
+    def _on_paused(self, env, msg) -> None:
+        """A rank stopped streaming on its own (it heard nothing from the coordinator for a
+        while): the job cannot advance without its frames, so degrade it; the resync follows
+        once every worker answers."""
+        job = self.job
+        if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
+            return  # no job: the heartbeat path asks for a fresh attach once the cluster is whole
+        self._degrade(f"rank {msg['rank']} stopped streaming: {msg['reason']}")
+
     def _on_lagging(self, env, msg) -> None:
         """Policy skip: a rank ran more than SHADOW_MAX_LAG iterations ahead and stopped streaming."""
         job = self.job

@@ -48,6 +48,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "detach": {"epoch": (int,), "rank": (int,)},
     "replica_from": {"epoch": (int,), "rank": (int,), "worker": (int,), "gen": (int,), "iteration": (int,)},
     "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
+    "paused": {"epoch": (int,), "rank": (int,), "reason": (str,)},  # a rank stopped streaming on its own
     "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,), "seq": (list,)},
     # coordinator -> trainer
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
