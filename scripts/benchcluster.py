@@ -53,7 +53,7 @@ class Services:
         while True:
             try:
                 st = status(address, 1.0)
-                if len(st["workers"]) == 2 and all(w.get("pid") for w in st["workers"]):
+                if sum(1 for w in st["workers"] if w.get("ready")) == 2:
                     self.worker_pids = [w["pid"] for w in st["workers"]]
                     return address
             except TimeoutError:

@@ -59,6 +59,47 @@ def wait(proc: subprocess.Popen, what: str, out: Path, timeout: float = 900) -> 
         raise SystemExit(f"{what} failed (exit {code}); see {out / 'train.log'}:\n{(out / 'train.log').read_text()[-3000:]}")
 
 
+def wait_for_cluster(address: str, workers: int, proc: subprocess.Popen, work: Path, timeout: float = 600) -> None:
+    """Wait until every worker of the cluster is ready (on a first start they compile the
+    replay kernels, which takes a while), saying so every few seconds."""
+    import zmq
+
+    from shadow.client import dealer, request
+    from shadow.errors import ShadowConnectionError
+    from shadow.wire import messages as M
+
+    t0 = time.monotonic()
+    said = -1.0
+    sock = dealer(zmq.Context.instance(), address)
+    try:
+        while True:
+            try:
+                st = request(sock, address, M.encode("status"), 2.0, ("status_reply",))["status"]
+                ready = sum(1 for w in st["workers"] if w["ready"])
+            except ShadowConnectionError:  # not listening yet: a fresh socket for the next try
+                sock.close(linger=0)
+                sock = dealer(zmq.Context.instance(), address)
+                ready = 0
+            waited = time.monotonic() - t0
+            if ready >= workers:
+                if said >= 0:
+                    print(f"   the shadow cluster is ready ({workers} workers, after {waited:.0f} s)")
+                return
+            if proc.poll() is not None:
+                raise SystemExit(f"the shadow cluster exited; see {work / 'cluster.log'}:\n"
+                                 f"{(work / 'cluster.log').read_text()[-3000:]}")
+            if waited > timeout:
+                raise SystemExit(f"the shadow cluster had {ready} of {workers} workers ready after {timeout:.0f} s; "
+                                 f"see {work / 'cluster.log'}")
+            if said < 0 or waited - said >= 5:
+                said = waited
+                print(f"   waiting for the shadow cluster: {ready} of {workers} workers ready "
+                      f"(a first start compiles the replay kernels)", flush=True)
+            time.sleep(0.5)
+    finally:
+        sock.close(linger=0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=24)
@@ -83,6 +124,7 @@ def main() -> int:
         wait(torchrun(ref, args.steps), "reference run", ref)
         print(f"   done in {time.monotonic() - t0:.0f} s")
 
+        wait_for_cluster(address, args.workers, cluster, work)
         print(f"3. the same run attached to the shadow; SIGKILL all trainer processes after iteration {kill_after}")
         crashed = work / "crashed"
         proc = torchrun(crashed, args.steps, f"coordinator={address}")

@@ -1,10 +1,16 @@
 """Request/reply to the coordinator with a bounded wait."""
 from __future__ import annotations
 
+import logging
+import time
+from typing import Callable
+
 import zmq
 
 from shadow.errors import ShadowConnectionError
 from shadow.wire import messages as M
+
+logger = logging.getLogger(__name__)
 
 
 def check_address(address: str) -> None:
@@ -12,21 +18,61 @@ def check_address(address: str) -> None:
         raise ValueError(f"coordinator address {address!r} is not a ZeroMQ endpoint; expected e.g. tcp://127.0.0.1:5555")
 
 
-def request(sock: zmq.Socket, address: str, payload: bytes, timeout: float, expect: tuple[str, ...]) -> dict:
-    """Send ``payload`` and wait up to ``timeout`` seconds for one of ``expect``."""
+class LogWaiting:
+    """An ``interim`` for :func:`request`: logs, every few seconds, that ``who`` is waiting
+    for a cluster whose workers are still starting."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, who: str, address: str) -> None:
+        self.who, self.address, self.t0, self.next = who, address, time.monotonic(), 0.0
+
+    def __call__(self, msg: dict) -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.EVERY_S
+            logger.info("%s: waiting for %d of %d workers of the shadow cluster at %s (%d ready, %d starting: "
+                        "compiling their kernels) for %.0f s", self.who, msg["expected"] - msg["ready"],
+                        msg["expected"], self.address, msg["ready"], msg["starting"], now - self.t0)
+
+
+def request(sock: zmq.Socket, address: str, payload: bytes, timeout: float, expect: tuple[str, ...],
+            interim: Callable[[dict], None] | None = None) -> dict:
+    """Send ``payload`` and wait up to ``timeout`` seconds for one of ``expect``.
+
+    ``interim`` receives the ``waiting`` notices a coordinator sends while it holds the
+    request (its workers are still starting) and is called about once a second meanwhile
+    with the newest one; the total wait stays bounded by ``timeout``."""
     sock.send(payload)
-    if not sock.poll(timeout * 1000):
-        raise ShadowConnectionError(
-            f"no shadow coordinator answered at {address} within {timeout:.0f} s; "
-            "start one with `shadow cluster workers=N port=P` or fix the address (a cluster with CURVE "
-            "security answers only clients with an allowed key: SHADOW_CURVE_SERVER_KEY / SHADOW_CURVE_CLIENT_KEY "
-            "or security.server_public / security.client_key)")
-    msg = M.decode(sock.recv())
-    if msg["t"] == "error":
-        raise ShadowConnectionError(f"shadow coordinator at {address}: {msg['message']}")
-    if msg["t"] not in expect:
-        raise ShadowConnectionError(f"unexpected {msg['t']!r} reply from {address}")
-    return msg
+    deadline = time.monotonic() + timeout
+    last: dict | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left > 0 and not sock.poll(min(left, 1.0) * 1000):
+            if last is not None:
+                interim(last)
+            continue
+        if left <= 0:
+            if last is not None:
+                raise ShadowConnectionError(
+                    f"shadow coordinator at {address}: {last['ready']} of {last['expected']} workers were ready "
+                    f"after {timeout:.0f} s ({last['starting']} still starting); check the worker logs, or allow "
+                    "longer with SHADOW_CONNECT_TIMEOUT_S")
+            raise ShadowConnectionError(
+                f"no shadow coordinator answered at {address} within {timeout:.0f} s; "
+                "start one with `shadow cluster workers=N port=P` or fix the address (a cluster with CURVE "
+                "security answers only clients with an allowed key: SHADOW_CURVE_SERVER_KEY / SHADOW_CURVE_CLIENT_KEY "
+                "or security.server_public / security.client_key)")
+        msg = M.decode(sock.recv())
+        if msg["t"] == "waiting" and interim is not None:
+            last = msg
+            interim(msg)
+            continue
+        if msg["t"] == "error":
+            raise ShadowConnectionError(f"shadow coordinator at {address}: {msg['message']}")
+        if msg["t"] not in expect:
+            raise ShadowConnectionError(f"unexpected {msg['t']!r} reply from {address}")
+        return msg
 
 
 def dealer(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:

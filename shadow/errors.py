@@ -16,3 +16,8 @@ class ShadowTimeoutError(ShadowError, TimeoutError):
 
 class LayoutMismatchError(ShadowError, ValueError):
     """The model/optimizer does not match the checkpoint; nothing was changed."""
+
+
+class ShadowUsageError(ShadowError):
+    """The training loop did something the shadow cannot checkpoint (the fix is in the
+    loop, e.g. accumulate with ``no_sync``); raised at the next ``optimizer.step()``."""

@@ -14,7 +14,7 @@ _DEFAULTS: dict[str, float] = {
     "RING_ITERATIONS": 4,  # staging ring capacity, in iterations of this rank's stripe
     "MAX_LAG": 3,  # iterations a trainer may run ahead of the cluster's committed cut
     "BLOCK_TIMEOUT_S": 120.0,  # longest a trainer waits for the shadow under policy=block
-    "CONNECT_TIMEOUT_S": 30.0,  # attach / restore: wait for the coordinator this long
+    "CONNECT_TIMEOUT_S": 60.0,  # attach / restore: wait for the coordinator (and a cluster still starting) this long
     "CLOSE_TIMEOUT_S": 60.0,  # session.close(): wait for the last commit this long
     "SENDER_POLL_S": 0.005,  # sender thread idle poll
     "COORDINATOR_LOST_S": 10.0,  # a trainer hearing nothing from the coordinator this long trains on unprotected
@@ -32,6 +32,9 @@ _DEFAULTS: dict[str, float] = {
     "SERVE_HOLD_S": 2.0,  # restore: the next apply waits this long at most for a shard being sent
     "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
+    "PERSIST_CLOSE_S": 2.0,  # a replaced session's checkpoint write or copy in flight: wait this long, then abandon it
+    "PERSIST_SKIP_LOG_S": 60.0,  # checkpoints skipped (every image still being written): one summed warning per period
+    "PERSIST_UPLOAD_HOLD_S": 1800.0,  # local retention keeps a checkpoint whose remote copy is in flight this long at most
     "COMPRESS_BLOCK_BYTES": 16 << 20,  # compressed shards: raw bytes per independently compressed block
     "COMPRESS_THREADS": 1,  # compressed shards: blocks compressed at once by a writer (background threads)
 }

@@ -58,7 +58,7 @@ class Cluster:
         while True:
             try:
                 st = status(self.address, timeout=1.0, keys=keys)
-                if len(st["workers"]) == workers:
+                if sum(1 for w in st["workers"] if w["ready"]) == workers:
                     break
             except TimeoutError:
                 pass

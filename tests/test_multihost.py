@@ -32,7 +32,7 @@ def _wait_workers(address: str, n: int, procs: list, log_path) -> dict:
     while True:
         try:
             st = status(address, timeout=1.0)
-            if len(st["workers"]) == n:
+            if sum(1 for w in st["workers"] if w["ready"]) == n:
                 return st
         except TimeoutError:
             pass

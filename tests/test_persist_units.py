@@ -140,7 +140,7 @@ def test_a_tier_the_coordinator_cannot_see_is_an_error_that_says_why(tmp_path):
 
     cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
     pers = Persistence({"local": dict(cfg, dir=str(tmp_path / "not-shared"))})
-    job = SimpleNamespace(name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1)
+    job = SimpleNamespace(name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0)
     assert pers.local_due(1, None)
     rep = {"tier": "local", "iteration": 1, "shard": 0, "ok": True, "error": "", "file": "shard-00000-of-00001.shard",
            "start": 0, "stop": 8, "bytes": 100, "checksum": "00", "raw_bytes": 100, "compress": "none",

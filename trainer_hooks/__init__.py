@@ -4,6 +4,7 @@ from shadow.errors import (
     ShadowConnectionError,
     ShadowError,
     ShadowTimeoutError,
+    ShadowUsageError,
 )
 from trainer_hooks._export import export, export_weights
 from trainer_hooks._metrics import serve_metrics
@@ -36,13 +37,17 @@ def attach(ddp_model, optimizer, coordinator: str, **kwargs) -> Session:
     * ``audit_every``/``audit_strict``: every N steps compare a sample of parameters and
       moments with the shadow bit for bit; ``audit_strict`` raises on a mismatch.
 
-    Errors from the background sender are raised at the next ``optimizer.step()``; the
-    training step itself never raises from inside DDP.
+    A failure of the shadow (a lost worker or coordinator, an error it reports, a stall
+    past ``SHADOW_BLOCK_TIMEOUT_S``) never stops training: the rank trains on unprotected
+    until the cluster resyncs, and counts it in ``session.stats()["shadow_errors"]``. Only
+    what the training loop got wrong (:class:`ShadowUsageError`, e.g. a bucket reduced
+    twice without ``no_sync``) or asked for (``audit_strict``) is raised, at the next
+    ``optimizer.step()``, never from inside DDP.
     """
     return Session(ddp_model, optimizer, coordinator, **kwargs)
 
 
 __all__ = [
     "LayoutMismatchError", "RestoreInfo", "Session", "ShadowConnectionError", "ShadowError", "ShadowTimeoutError",
-    "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "export_weights", "restore", "serve_metrics", "state_dicts",
+    "ShadowUsageError", "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "export_weights", "restore", "serve_metrics", "state_dicts",
 ]

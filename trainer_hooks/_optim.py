@@ -117,9 +117,12 @@ _SIZES = tuple(range(1, 50)) + (63, 64, 65, 127, 129, 1000)
 @functools.lru_cache(maxsize=1)
 def calibrate() -> tuple[int, int, bool]:
     """``(vec_width, tail_width, matched)`` for torch's fused CPU Adam on this machine."""
+    from shadow.kernels import _cache
+
     threads = torch.get_num_threads()
     try:
-        return _calibrate()
+        with _cache.compile_lock():  # ranks and workers on one host compile the kernels once
+            return _calibrate()
     finally:
         # the first numba call initialises its threading layer, which sets the OpenMP
         # thread count torch shares: a trainer run with 1 thread per rank (torchrun's

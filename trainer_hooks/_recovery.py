@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shadow import knobs
+from shadow.errors import ShadowError
 from trainer_hooks._sender import JoinItem, NoticeItem
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,20 @@ class RecoveryMixin:
             self._comm_registered = keep_registered
         logger.info("rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)", self.rank, k,
                     time.monotonic() - t0, self.epoch)
+
+    def _shadow_failed(self, exc: BaseException | str) -> None:
+        """A failure of the shadow (an error from the coordinator, the sender thread, a
+        stall past ``SHADOW_BLOCK_TIMEOUT_S``) never stops training: this rank stops
+        streaming (degraded), tells the coordinator with every heartbeat until it asks for
+        the resync, and counts it in ``stats()["shadow_errors"]``."""
+        why = str(exc)
+        self.shadow_errors += 1
+        if isinstance(exc, BaseException) and not isinstance(exc, ShadowError):  # a defect, not a report
+            logger.error("rank %d: unexpected failure in the shadow's hook or sender", self.rank, exc_info=exc)
+        sender = getattr(self, "sender", None)
+        if self.degraded is None and sender is not None and sender.paused is None:
+            sender.paused = why
+        self._on_degraded(why)
 
     def _fall_behind(self, k: int, why: str) -> None:
         """Policy skip: never wait for the shadow. Stop streaming (degraded), tell the

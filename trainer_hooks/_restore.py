@@ -15,7 +15,7 @@ from shadow.restore import Snapshot, resolve
 from shadow.wire.frames import Field
 from trainer_hooks import _codec, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
-from trainer_hooks._session import RESTORED
+from trainer_hooks._restored import RESTORED, RestorePoint
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.opti
                 buf.copy_(sd["model"][name])
     if optimizer is not None and not weights_only:
         optimizer.load_state_dict(sd["optimizer"])
-        RESTORED[optimizer] = snap.iteration
+        RESTORED[optimizer] = RestorePoint(snap.iteration, snap.job, snap.generation, snap.tier, snap.source)
         if scheduler is not None and sd["scheduler"] is not None:
             scheduler.load_state_dict(sd["scheduler"])
         if scaler is not None and sd["scaler"] is not None:

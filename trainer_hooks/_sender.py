@@ -19,6 +19,7 @@ import numpy as np
 import zmq
 
 from shadow import knobs, security
+from shadow.errors import ShadowError
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks import _netfault
@@ -126,8 +127,7 @@ class Sender(threading.Thread):
                                  job_id=self.job_id, seq=list(self.seq))
                     if self.paused is not None and not self.lost:  # until the coordinator asks for the resync
                         self._notify("paused", epoch=self.epoch, rank=self.rank, reason=self.paused)
-        except BaseException as exc:  # latched for the training thread
-            logger.exception("shadow sender failed")
+        except BaseException as exc:  # the session logs it, degrades and trains on
             self.on_error(exc)
         finally:
             self._drain_on_exit()
@@ -265,8 +265,8 @@ class Sender(threading.Thread):
                 self.on_audit(msg)
             elif msg["t"] == "degraded" and msg["epoch"] == self.epoch:
                 self.on_degraded(msg["reason"])
-            elif msg["t"] == "error":
-                self.on_error(RuntimeError(f"shadow coordinator: {msg['message']}"))
+            elif msg["t"] == "error":  # never raised into training: the session degrades and counts it
+                self.on_error(ShadowError(f"shadow coordinator: {msg['message']}"))
 
     # -- fault injection (tests) -------------------------------------------------------------
     def _faulted(self, iteration: int, worker: int) -> bool:

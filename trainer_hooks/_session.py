@@ -15,11 +15,11 @@ Call order (what runs where):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -28,8 +28,8 @@ import zmq
 from torch.nn.parallel import DistributedDataParallel
 
 from shadow import knobs
-from shadow.client import dealer, request
-from shadow.errors import ShadowError, ShadowTimeoutError
+from shadow.client import LogWaiting, dealer, request
+from shadow.errors import ShadowError, ShadowUsageError
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
 from trainer_hooks import _bootstrap, _buckets, _checks, _metrics, _observe, _optim
@@ -37,13 +37,11 @@ from trainer_hooks._clip import ClipMixin
 from trainer_hooks._commit import CommitMixin
 from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._recovery import RecoveryMixin
+from trainer_hooks._restored import RESTORED
 from trainer_hooks._sender import FlushItem, GradItem, Sender
 from trainer_hooks._staging import RingFullError, RingInterrupted, StagingRing
 
 logger = logging.getLogger(__name__)
-
-#: iteration each optimizer was last restored to (default start of the next attach)
-RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 
 POLICIES = ("block", "skip")
 
@@ -92,7 +90,9 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
         _observe.check_scheduler(scheduler)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._aliases = state_dict_aliases(ddp_model)
-        start = RESTORED.get(optimizer, 0) if iteration is None else int(iteration)
+        restored = RESTORED.get(optimizer)
+        start = (restored.iteration if restored else 0) if iteration is None else int(iteration)
+        self._restored = restored if restored is not None and restored.iteration == start else None
         if start < 0:
             raise ValueError(f"iteration must be >= 0, got {start}")
         self.base = start
@@ -100,7 +100,8 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._applied = -1
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # raised at the next step: only what the user caused or asked for
+        self.shadow_errors = 0  # failures of the shadow itself: counted, logged, never raised
         self.degraded: str | None = None
         self._resync_requested = False  # the coordinator asked (this rank heard it)
         self._resync_at: int | None = None  # every rank agreed: resync after this iteration
@@ -125,7 +126,7 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
         self.ring = StagingRing(cap, pin=torch.cuda.is_available() and any(p.is_cuda for p in self.params))
         self.sender = Sender(self._ctx, self._dealer, [w["data"] for w in self.workers], self.ring,
                              job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
-                             layout_hash=self.layout.hash, on_error=self._latch, on_progress=self._progress,
+                             layout_hash=self.layout.hash, on_error=self._shadow_failed, on_progress=self._progress,
                              on_degraded=self._on_degraded, on_audit=self._on_audit,
                              on_resync=self._on_resync, on_join=self._on_join,
                              on_lost=self._on_coordinator_lost, on_back=self._on_coordinator_back)
@@ -142,9 +143,11 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
         self._dealer = dealer(self._ctx, self.coordinator)
         payload = M.encode("attach", job=self.job, rank=self.rank, world=self.world,
                            layout_hash=self.layout.hash, layout=self.layout.to_dict() if self.rank == 0 else None,
-                           optim=self.optim_desc, iteration=self.base, overwrite=bool(overwrite))
+                           optim=self.optim_desc, iteration=self.base, overwrite=bool(overwrite),
+                           restored=dataclasses.asdict(self._restored) if self._restored is not None else None)
         try:
-            reply = request(self._dealer, self.coordinator, payload, knobs.get("CONNECT_TIMEOUT_S"), ("attached",))
+            reply = request(self._dealer, self.coordinator, payload, knobs.get("CONNECT_TIMEOUT_S"), ("attached",),
+                            interim=LogWaiting(f"rank {self.rank}", self.coordinator))
         except BaseException:
             self._dealer.close(linger=0)
             raise
@@ -179,7 +182,8 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
     def _raise_latched(self) -> None:
         if self._error is not None:
             err = self._error
-            raise ShadowError(f"shadow checkpointing failed on rank {self.rank}: {err}") from err
+            cls = type(err) if isinstance(err, ShadowError) else ShadowError
+            raise cls(f"shadow checkpointing failed on rank {self.rank}: {err}") from err
 
     def _progress(self, applied: int) -> None:
         with self._cond:
@@ -226,8 +230,10 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
             t0 = time.perf_counter()
             try:
                 self._stage(bucket, reduced)
-            except BaseException as exc:  # never raise into DDP
+            except ShadowUsageError as exc:  # never raise into DDP: the next step raises it
                 self._latch(exc)
+            except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
+                self._shadow_failed(exc)
             self.hook_s += time.perf_counter() - t0
         return reduced
 
@@ -253,7 +259,7 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
         with self._lock:
             idx = bucket.index()
             if idx in self._seen_buckets:
-                raise ShadowError(
+                raise ShadowUsageError(
                     f"bucket {idx} was all-reduced twice in iteration {self._next} without an optimizer step; "
                     "accumulate gradients inside `with ddp_model.no_sync():` for all but the last micro-batch")
             self._seen_buckets.add(idx)
@@ -265,10 +271,11 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
                 off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if self.policy == "block" else 0.0)
             except RingInterrupted:
                 return  # degraded while waiting: nothing more is streamed until a resync
-            except RingFullError:
+            except RingFullError as exc:
                 if self.policy == "block":
-                    raise
-                self._fall_behind(self._next, "the staging ring is full (the sender cannot keep up)")
+                    self._shadow_failed(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
+                else:
+                    self._fall_behind(self._next, "the staging ring is full (the sender cannot keep up)")
                 return
             self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
             if plan.probes:
@@ -341,9 +348,10 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
                 limit)
         self.blocked_s += time.monotonic() - t0
         if not ok:
-            raise ShadowTimeoutError(
+            self._shadow_failed(
                 f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
-                f"(last committed: {self._applied}); check `shadow status address={self.coordinator}`")
+                f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {self._applied}); check "
+                f"`shadow status address={self.coordinator}`")
 
     # -- step 3: close ---------------------------------------------------------------------------------------
     def close(self, wait: bool = True) -> int:
@@ -385,4 +393,4 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
                 "blocked_s": self.blocked_s + self.ring.blocked_s, "ring_occupancy": self.ring.occupancy,
                 "ring_high_water": self.ring.high_water / self.ring.capacity, "degraded": self.degraded,
                 "bytes_out": self.sender.bytes_out, "messages_out": self.sender.messages_out,
-                "applied": self._applied, "iteration": self.iteration}
+                "applied": self._applied, "iteration": self.iteration, "shadow_errors": self.shadow_errors}

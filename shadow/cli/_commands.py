@@ -130,7 +130,7 @@ def cmd_verify(cfg: VerifyConfig) -> int:
     if cfg.iteration is not None:
         found = [c for c in found if c.iteration == cfg.iteration]
     if not found:
-        what = f"iteration {cfg.iteration}" if cfg.iteration is not None else "any complete checkpoint"
+        what = "complete checkpoint" + (f" of iteration {cfg.iteration}" if cfg.iteration is not None else "")
         print(f"shadow verify: no {what} under {cfg.source}", file=sys.stderr)
         return 1
     results = []

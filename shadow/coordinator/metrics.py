@@ -53,6 +53,7 @@ def samples(coord) -> Samples:
     for name, t in dict(coord.persist.tiers).items():
         out.setdefault("shadow_persist_checkpoints", []).append(((name,), t.count))
         out.setdefault("shadow_persist_failures", []).append(((name,), t.failures))
+        out.setdefault("shadow_persist_skipped", []).append(((name,), t.skipped))
         out.setdefault("shadow_persist_bytes", []).append(((name,), t.bytes))
         last = t.last_complete
         if last is not None:

@@ -1,12 +1,20 @@
 """The coordinator's side of persistence: when each tier is due, collecting the workers'
 shard reports, committing a checkpoint by writing its manifest, retention, and the
-catalog of complete checkpoints per tier."""
+catalog of complete checkpoints per tier.
+
+The local tier is due by its own schedule at each new cut. The remote tier is due once
+its schedule has elapsed since the last remote copy; the next local checkpoint that
+completes then goes up (the newest complete one), and local retention keeps it until
+the copy is done. A checkpoint a worker skipped (all its images still being written)
+is not a failure: it is counted, logged as one summed warning per
+``SHADOW_PERSIST_SKIP_LOG_S``, and the next cut is due again."""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
 
+from shadow import knobs
 from shadow.persist import catalog
 
 logger = logging.getLogger(__name__)
@@ -41,17 +49,23 @@ class Tier:
     count: int = 0
     bytes: int = 0
     failures: int = 0
+    skipped: int = 0  # requests a worker skipped (not failures)
+    requested: dict = field(default_factory=dict)  # iteration in flight -> monotonic time of the request
+    newest: tuple | None = None  # (iteration, tokens, {shard: report}) of the newest complete one this run
+    skip_log: dict = field(default_factory=lambda: {"count": 0, "lo": 0, "hi": 0, "at": float("-inf"), "why": ""})
 
     def status(self) -> dict:
         return {"root": self.root, "schedule": {k: self.cfg[k] for k in ("every_n", "every_s", "every_tokens", "keep")},
                 "last_complete": self.last_complete, "last_error": self.last_error, "count": self.count,
-                "bytes": self.bytes, "failures": self.failures, "in_flight": sorted(self.in_flight)}
+                "bytes": self.bytes, "failures": self.failures, "skipped": self.skipped,
+                "in_flight": sorted(self.in_flight)}
 
 
 class Persistence:
     def __init__(self, persist: dict) -> None:
         self.config = persist
         self.tiers: dict[str, Tier] = {}
+        self.generations: dict[str, int] = {}  # job -> newest generation seen in any tier
         for name, key in (("local", "dir"), ("remote", "url")):
             cfg = persist.get(name, {})
             if cfg.get(key):
@@ -59,15 +73,22 @@ class Persistence:
         for t in self.tiers.values():
             self._scan(t)
 
-    def _scan(self, tier: Tier) -> None:
+    def _scan(self, tier: Tier, job: str | None = None) -> None:
         try:
-            found = catalog.list_checkpoints(tier.root, tier.name)
+            found = catalog.list_checkpoints(tier.root, tier.name, job)
+            for name in {c.job for c in found} | ({job} if job else set()):
+                marks = catalog.read_generations(tier.root, name)
+                self.generations[name] = max([self.generations.get(name, 0), *marks] +
+                                             [c.generation for c in found if c.job == name])
         except Exception as exc:  # an unreachable tier must not stop the coordinator
             tier.last_error = f"cannot list {tier.root}: {exc}"
             logger.error("tier %s: %s", tier.name, tier.last_error)
             return
+        if job is not None:
+            tier.complete.pop(job, None)
         for c in found:
-            tier.complete[c.job] = max(tier.complete.get(c.job, -1), c.iteration)
+            if not c.superseded:  # an abandoned iteration is never the newest
+                tier.complete[c.job] = max(tier.complete.get(c.job, -1), c.iteration)
         if found:
             c = found[-1]
             tier.last_complete = {"job": c.job, "iteration": c.iteration, "time": c.manifest.get("created"),
@@ -82,10 +103,30 @@ class Persistence:
     def newest(self, job: str) -> int:
         return max((t.complete.get(job, -1) for t in self.tiers.values()), default=-1)
 
+    def lineage(self, job: str) -> tuple[int, int]:
+        """``(generation, newest complete iteration)`` of ``job`` across the tiers."""
+        return self.generations.get(job, 0), self.newest(job)
+
+    def supersede(self, job: str, generation: int, base: int) -> None:
+        """``job`` goes on from ``base`` as ``generation``: record it in every tier first, so
+        no restore picks an abandoned checkpoint after ``base`` as the newest, even if the
+        new generation never persists anything."""
+        self.generations[job] = max(self.generations.get(job, 0), generation)
+        for t in self.tiers.values():
+            try:
+                catalog.write_generation(t.root, job, generation, base)
+            except Exception as exc:  # storage errors are reported, never fatal
+                t.last_error = f"recording generation {generation} of {job} (from iteration {base}): {exc}"
+                logger.error("tier %s: %s", t.name, t.last_error)
+                continue
+            self._scan(t, job)
+
     def reset(self, base: int) -> None:
         for t in self.tiers.values():
             t.last = t.last_ok = (base, time.time(), None)
             t.in_flight.clear()
+            t.requested.clear()
+            t.newest = None
 
     def local_due(self, iteration: int, tokens: int | None) -> bool:
         t = self.tiers.get("local")
@@ -93,6 +134,7 @@ class Persistence:
             return False
         t.last = (iteration, time.time(), tokens)
         t.in_flight[iteration] = {}
+        t.requested[iteration] = time.monotonic()
         return True
 
     def on_report(self, job, rep: dict, nshards: int) -> list[tuple[str, int, dict]]:
@@ -105,15 +147,62 @@ class Persistence:
         if len(got) < nshards:
             return []
         del tier.in_flight[rep["iteration"]]
+        tier.requested.pop(rep["iteration"], None)
         failed = [r for r in got.values() if not r["ok"]]
         if failed:
-            tier.last_error = "; ".join(f"iteration {r['iteration']} shard {r['shard']}: {r['error']}" for r in failed)
-            logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"],
-                         tier.last_error)
             tier.last = tier.last_ok  # due again at the next cut
-            tier.failures += 1
-            return []
-        return self._commit(tier, job, rep["iteration"], got)
+            errors = [r for r in failed if not r.get("skipped")]
+            if errors:
+                tier.last_error = "; ".join(f"iteration {r['iteration']} shard {r['shard']}: {r['error']}"
+                                            for r in errors)
+                logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"],
+                             tier.last_error)
+                tier.failures += 1
+            else:
+                self._skipped(tier, rep["iteration"], failed[0]["error"])
+            follow = []
+        else:
+            follow = self._commit(tier, job, rep["iteration"], got)
+        if tier.name == "remote" and "local" in self.tiers:  # a copy ended: what local retention held may go
+            try:
+                self._retain(self.tiers["local"], job.name)
+            except Exception as exc:  # storage errors are reported, never fatal
+                logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
+        return follow
+
+    def _skipped(self, tier: Tier, iteration: int, reason: str) -> None:
+        tier.skipped += 1
+        s = tier.skip_log
+        s["lo"] = iteration if not s["count"] else min(s["lo"], iteration)
+        s["hi"] = max(s["hi"], iteration) if s["count"] else iteration
+        s["count"] += 1
+        s["why"] = reason
+        self._log_skips(tier)
+
+    def _log_skips(self, tier: Tier) -> None:
+        """One warning for the skips since the last one, at most every SHADOW_PERSIST_SKIP_LOG_S."""
+        s, now = tier.skip_log, time.monotonic()
+        if not s["count"] or now - s["at"] < knobs.get("PERSIST_SKIP_LOG_S"):
+            return
+        span = f"iteration {s['lo']}" if s["lo"] == s["hi"] else f"iterations {s['lo']}-{s['hi']}"
+        logger.warning("tier %s: %d checkpoint request%s skipped (%s; %d in all)%s; not a failure: the next cut is "
+                       "due again (if this persists, raise SHADOW_PERSIST_BUFFERS or the tier's interval)",
+                       tier.name, s["count"], "" if s["count"] == 1 else "s", span, tier.skipped,
+                       f": {s['why']}" if s["why"] else "")
+        s.update(count=0, at=now)
+
+    def _retain(self, tier: Tier, job_name: str) -> list[str]:
+        """Retention of ``tier``; on the local tier, checkpoints from the oldest one whose
+        remote copy is in flight on are kept (for SHADOW_PERSIST_UPLOAD_HOLD_S at most)."""
+        keep = tier.cfg["keep"]
+        remote = self.tiers.get("remote")
+        now, hold = time.monotonic(), knobs.get("PERSIST_UPLOAD_HOLD_S")
+        copying = [it for it, t in (remote.requested.items() if remote and tier.name == "local" else ())
+                   if now - t < hold]
+        if keep and copying:
+            done = catalog.list_checkpoints(tier.root, tier.name, job_name)
+            keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
+        return catalog.retain(tier.root, job_name, keep)
 
     def _commit(self, tier: Tier, job, iteration: int, got: dict) -> list:
         shards = [{"index": r["shard"], "start": r["start"], "stop": r["stop"], "file": r["file"],
@@ -123,10 +212,10 @@ class Persistence:
         commit = next((r["commit"] for r in got.values() if r["commit"] is not None), None)
         tokens = commit.get("tokens") if commit else None
         manifest = catalog.new_manifest(job.name, iteration, job.epoch, tier.name, job.layout, job.layout_hash,
-                                        job.optim, job.world, tokens, commit, shards)
+                                        job.optim, job.world, tokens, commit, shards, job.generation)
         try:
             catalog.write_manifest(tier.root, job.name, iteration, manifest)
-            deleted = catalog.retain(tier.root, job.name, tier.cfg["keep"])
+            deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
             tier.last_error = f"writing the manifest of iteration {iteration}: {type(exc).__name__}: {exc}"
             if isinstance(exc, FileNotFoundError):
@@ -150,9 +239,22 @@ class Persistence:
                                   "bytes": nbytes, "seconds": max(r["seconds"] for r in got.values())}
         logger.info("tier %s: checkpoint of %s iteration %d complete (%d bytes, %d shards)%s", tier.name,
                     job.name, iteration, nbytes, len(shards), f"; retention removed {len(deleted)}" if deleted else "")
-        remote = self.tiers.get("remote")
-        if tier.name == "local" and remote is not None and due(remote.cfg, iteration, time.time(), tokens, remote.last):
-            remote.last = (iteration, time.time(), tokens)
-            remote.in_flight[iteration] = {}
-            return [("upload", iteration, {r["shard"]: r for r in got.values()})]
-        return []
+        self._log_skips(tier)
+        if tier.newest is None or tier.newest[0] < iteration:
+            tier.newest = (iteration, tokens, dict(got))
+        return self._remote_due(job) if tier.name == "local" else []
+
+    def _remote_due(self, job) -> list:
+        """When the remote schedule has elapsed since the last remote copy: copy the newest
+        complete local checkpoint (unless it is there or on its way already)."""
+        remote, local = self.tiers.get("remote"), self.tiers["local"]
+        if remote is None or local.newest is None:
+            return []
+        iteration, tokens, got = local.newest
+        if iteration in remote.in_flight or iteration <= remote.complete.get(job.name, -1) or \
+                not due(remote.cfg, iteration, time.time(), tokens, remote.last):
+            return []
+        remote.last = (iteration, time.time(), tokens)
+        remote.in_flight[iteration] = {}
+        remote.requested[iteration] = time.monotonic()
+        return [("upload", iteration, {r["shard"]: r for r in got.values()})]

@@ -33,9 +33,9 @@ class QueryMixin:
                  "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
                  "bytes_per_s": round(w.rate_in, 1), "replay_s": round(w.replay_s, 6), "replayed": w.replayed,
                  "replay_s_per_iteration": None if w.replay_per_it is None else round(w.replay_per_it, 6),
-                 "last_seen_s": round(now - w.last_seen, 3)}
+                 "last_seen_s": round(now - w.last_seen, 3), "ready": w.alive(now)}
                 for w in self.workers
-            ],
+            ] + self._starting_view(),
             "job": None,
             "persist": {name: t.status() for name, t in self.persist.tiers.items()},
         }
@@ -53,6 +53,19 @@ class QueryMixin:
             out["restorable"] = {"memory": memory["iteration"] if memory else None,
                                  **{name: t.complete.get(job.name) for name, t in self.persist.tiers.items()}}
         return out
+
+    def _starting_view(self) -> list[dict]:
+        """Worker processes still compiling their kernels, in slots no registered worker
+        holds (a restarted worker's slot shows its old record, lost, until it registers)."""
+        held = {w.id for w in self.workers}
+        return [
+            {"id": st["worker_id"], "pid": st["pid"], "data": None, "serve": None, "start": None, "stop": None,
+             "applied": -1, "prepared": -1, "seen": -1, "shard": None, "health": "starting",
+             "stale": "", "rejected": {}, "frames_in": 0, "bytes_in": 0, "bytes_per_s": 0.0, "replay_s": 0.0,
+             "replayed": 0, "replay_s_per_iteration": None, "last_seen_s": 0.0, "ready": False,
+             "starting_s": st["seconds"]}
+            for st in sorted(self.starting.values(), key=lambda x: x["worker_id"]) if st["worker_id"] not in held
+        ]
 
     def _on_restore_info(self, env, msg) -> None:
         """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
@@ -85,7 +98,8 @@ class QueryMixin:
             return None
         job = self.job
         return {
-            "job": job.name, "epoch": job.epoch, "iteration": job.cut, "layout": job.layout,
+            "job": job.name, "epoch": job.epoch, "iteration": job.cut, "generation": job.generation,
+            "layout": job.layout,
             "layout_hash": job.layout_hash, "world": job.world, "optim": job.optim,
             "workers": [{"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]}
                         for w in self.serving()],

@@ -68,6 +68,7 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     ranges = [r if r is not None else bounds[i % nshards] for i, r in enumerate(ranges)]
     job = JobRec(cfg["job"], cfg["job_id"], cfg["epoch"], cfg["layout"], layout.hash, cfg["world"], cfg["optim"],
                  cfg["iteration"], ranges, {})
+    job.generation = int(cfg["persist"].get("generation", 0))
     ok = [w for w in workers if w.id in same and w.id not in stale]
     job.cut = max([w.session["applied"] for w in ok] + [cfg["iteration"] - 1])
     for w in workers:

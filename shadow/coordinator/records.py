@@ -72,6 +72,7 @@ class JobRec:
     detached: set = field(default_factory=set)
     resync_requested: bool = False
     gen: int = 0  # replica joins started
+    generation: int = 0  # lineage: raised when an attach goes back behind what the cluster holds
     joining: dict = field(default_factory=dict)  # worker id -> {"gen", "from": {rank: m}, "at": m - 1}
     writers: dict = field(default_factory=dict)  # shard -> worker id asked to persist it
     hold: int | None = None  # the cut stays at or below this while a replica copies from its peer

@@ -128,7 +128,8 @@ class ReplicaMixin:
         lo, hi = job.ranges[w.id]
         self._reply([w.ident], "configure", epoch=job.epoch, job=job.name, job_id=job.job_id, layout=job.layout,
                     start=lo, stop=hi, world=job.world, optim=job.optim, iteration=m - 1,
-                    persist=self.persist.config, shard=self.shard_of(w), shards=self.nshards,
+                    persist={**self.persist.config, "generation": job.generation}, shard=self.shard_of(w),
+                    shards=self.nshards,
                     peer={"id": peer.id, "serve": peer.serve})
         logger.info("worker %d: copying iteration %d from worker %d; ranks stream from %d", w.id, m - 1, peer.id, m)
 

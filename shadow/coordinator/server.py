@@ -20,6 +20,7 @@ from shadow.coordinator.records import JobRec, WorkerRec, job_id_for
 from shadow.coordinator.replicas import ReplicaMixin
 from shadow.coordinator.trainers import TrainerMixin
 from shadow.layout import Layout, shard_bounds
+from shadow.persist import catalog
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
         self.guard = guard  # shadow.security.Guard when CURVE is on
         self.retired: dict | None = None  # memory info of the previous epoch, while the new one bootstraps
         self.resyncs: dict[str, int] = {}  # job -> resyncs asked of its trainers
+        self.starting: dict[int, dict] = {}  # pid -> a worker still compiling its kernels (not registered yet)
 
     def run(self) -> None:
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -68,6 +70,7 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
                         except zmq.Again:
                             break
                         self._on_message(parts)
+                self._start_attaches()
                 self._expire_attaches()
                 self._check_workers()
         finally:
@@ -111,10 +114,22 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
         return None
 
     # -- workers ------------------------------------------------------------------------
+    def _on_starting(self, env, msg) -> None:
+        """A worker process is up and compiling its kernels; it registers when they are ready."""
+        self.starting[msg["pid"]] = {"worker_id": msg["worker_id"], "pid": msg["pid"], "seconds": msg["seconds"],
+                                     "last_seen": time.monotonic()}
+
+    def ready_workers(self, now: float | None = None) -> list[WorkerRec]:
+        """Registered workers that answer: kernels compiled, sockets bound."""
+        now = time.monotonic() if now is None else now
+        return [w for w in self.workers if w.alive(now)]
+
     def _on_register(self, env, msg) -> None:
+        self.starting.pop(msg["pid"], None)
         w = self._enrol(env, msg, fresh=True)
         if w is not None:
             self._maybe_resync()
+            self._start_attaches()
 
     def _enrol(self, env, msg, fresh: bool) -> WorkerRec | None:
         """A worker (re)takes a slot: its own ``worker_id`` if it names one, else the first free.
@@ -148,6 +163,8 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
             self.workers.sort(key=lambda x: x.id)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         self._reply(env, "registered", worker_id=w.id, hold=hold)
+        if len(self.ready_workers(now)) == self.expected:
+            logger.info("all %d workers ready", self.expected)
         return w
 
     def _on_heartbeat(self, env, msg) -> None:
@@ -167,6 +184,8 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
 
     def _check_workers(self) -> None:
         now = time.monotonic()
+        for pid in [p for p, st in self.starting.items() if now - st["last_seen"] > knobs.get("WORKER_LOST_S")]:
+            del self.starting[pid]  # died while compiling (shadow cluster starts another)
         for w in self.workers:
             alive = w.alive(now)
             if not alive and not w.lost:
@@ -304,29 +323,47 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
     # -- trainers -----------------------------------------------------------------------------
     def _on_attach(self, env, msg) -> None:
         now = time.monotonic()
-        alive = [w for w in self.workers if w.alive(now)]
-        if len(alive) < self.expected:
-            self._reply(env, "error", message=(
-                f"the shadow cluster has {len(alive)} of {self.expected} workers ready; "
-                "wait for it to finish starting or check the worker logs"))
-            return
         if not 0 <= msg["rank"] < msg["world"]:
             self._reply(env, "error", message=f"rank {msg['rank']} is not in world {msg['world']}")
             return
-        p = self.pending.setdefault(msg["job"], {"ranks": {}, "deadline": now + knobs.get("CONNECT_TIMEOUT_S")})
+        p = self.pending.setdefault(msg["job"], {"ranks": {}, "deadline": now + knobs.get("CONNECT_TIMEOUT_S"),
+                                                 "told": -1, "since": now})
         p["ranks"][msg["rank"]] = (env[0], msg)
-        if len(p["ranks"]) < msg["world"]:
+        p["told"] = -1  # a newcomer hears how many workers are ready
+        self._start_attaches()
+
+    def _start_attaches(self) -> None:
+        """Start every pending attach whose ranks have all arrived, once every worker is
+        ready; until then each rank hears ``waiting`` whenever the count of ready workers
+        changes (a cluster still compiling its kernels holds attaches, it does not refuse)."""
+        if not self.pending:
             return
-        del self.pending[msg["job"]]
-        self._start_job(msg["job"], p["ranks"])
+        ready = len(self.ready_workers())
+        for name in list(self.pending):
+            p = self.pending[name]
+            world = next(iter(p["ranks"].values()))[1]["world"]
+            if ready >= self.expected and len(p["ranks"]) >= world:
+                del self.pending[name]
+                self._start_job(name, p["ranks"])
+            elif ready < self.expected and p["told"] != ready:
+                p["told"] = ready
+                for ident, _ in p["ranks"].values():
+                    self._reply([ident], "waiting", ready=ready, expected=self.expected, starting=len(self.starting))
 
     def _expire_attaches(self) -> None:
         now = time.monotonic()
         for name in [n for n, p in self.pending.items() if now > p["deadline"]]:
             p = self.pending.pop(name)
             world = next(iter(p["ranks"].values()))[1]["world"]
-            text = (f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
-                    f"(ranks {sorted(p['ranks'])}); every rank must call attach")
+            ready = len(self.ready_workers(now))
+            if len(p["ranks"]) < world:
+                text = (f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
+                        f"(ranks {sorted(p['ranks'])}); every rank must call attach")
+            else:
+                text = (f"the shadow cluster has {ready} of {self.expected} workers ready after "
+                        f"{now - p['since']:.0f} s ({len(self.starting)} still compiling their kernels); "
+                        "check the worker logs, or allow longer with SHADOW_CONNECT_TIMEOUT_S")
+            logger.error("attach of job %s failed: %s", name, text)
             for ident, _ in p["ranks"].values():
                 self._reply([ident], "error", message=text)
 
@@ -354,17 +391,30 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
         old = self.job
         # until the new epoch holds its base, restores read the old epoch's last cut
         self.retired = self._memory_info(old.name) if old is not None else None
-        held = max(old.cut if old is not None and old.name == name else -1, self.persist.newest(name))
-        if held > first["iteration"] and not first["overwrite"]:
-            return fail(
-                f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
-                f"{first['iteration']}; restore first (trainer_hooks.restore) or attach with overwrite=True")
+        generation, held = self.persist.lineage(name)
+        if old is not None and old.name == name:
+            generation, held = max(generation, old.generation), max(held, old.cut)
+        base = first["iteration"]
+        if held > base:
+            # going back behind what the cluster holds: asked for (overwrite), or the ranks restored
+            # that very iteration from this cluster (e.g. a restore fell back past a damaged one)
+            vouched = self._restored_here(name, base, generation, [m.get("restored") for m in msgs])
+            if not first["overwrite"] and not vouched:
+                return fail(
+                    f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
+                    f"{base}; restore first (trainer_hooks.restore) or attach with overwrite=True")
+            generation += 1  # what is newer than the base is superseded, in memory and in every tier
+            self.persist.supersede(name, generation, base)
+            logger.warning("job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded "
+                           "(generation %d)", name, base, "restored from this cluster" if vouched else "overwrite",
+                           held, generation)
         self.epoch += 1
         bounds = shard_bounds(layout.total, self.nshards)
         ranges = [bounds[i % self.nshards] for i in range(len(self.workers))]
         self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
                           first["optim"], first["iteration"], ranges, idents)
         self.job.cut = first["iteration"] - 1
+        self.job.generation = generation
         self.persist.reset(first["iteration"])
         self.tokens.clear()
         for w in self.workers:
@@ -372,10 +422,25 @@ class Coordinator(ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
             start, stop = ranges[w.id]
             self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
                         layout=first["layout"], start=start, stop=stop, world=first["world"],
-                        optim=first["optim"], iteration=first["iteration"], persist=self.persist.config,
+                        optim=first["optim"], iteration=first["iteration"],
+                        persist={**self.persist.config, "generation": generation},
                         shard=self.shard_of(w), shards=self.nshards, peer=None)
         logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
                     name, self.epoch, len(self.workers), len(layout.params), layout.total)
+
+    def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:
+        """Whether every rank restored iteration ``base`` of job ``name`` from this cluster:
+        from its memory (the current generation), or from a checkpoint under one of its tiers."""
+        roots = [catalog.local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
+        for r in records:
+            if not isinstance(r, dict) or r.get("job") != name or r.get("iteration") != base:
+                return False
+            if r.get("tier") == "memory":
+                if r.get("generation") != generation:
+                    return False
+            elif not any(str(r.get("source", "")).startswith(root) for root in roots):
+                return False
+        return True
 
     def _on_detach(self, env, msg) -> None:
         job = self.job

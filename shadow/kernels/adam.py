@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
+from shadow.kernels import _cache  # noqa: F401  (chooses the kernel cache directory before any @njit)
 from shadow.kernels._fma import f32_at, fma32
 
 # Columns of the per-segment float32 scalar table.

@@ -301,9 +301,10 @@ class ReplayPlan:
         self.run(_adam, (param, exp_avg, exp_avg_sq, max_sq), [(0, grad)], threads=threads)
 
 
-def warm_up() -> None:
+def warm_up() -> int:
     """Compile (or load from numba's cache) every replay kernel now, so no JIT happens
-    while a worker serves its first iteration."""
+    while a worker serves its first iteration. Returns how many kernels had to be
+    compiled (0: all came from the cache)."""
     one = np.ones(16, dtype=np.float32)
     segs = segments_for_range([0], [16], [0], 0, 16, "fused", 16, 8)
     adam_group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
@@ -317,3 +318,5 @@ def warm_up() -> None:
                        "maximize": False}], np.zeros(1, dtype=bool), set())
     for threads in (True, False):
         plan.apply_sgd(one.copy(), one.copy(), one, threads=threads)
+    kernels = (_adam.adam_apply, _adam.adam_apply_serial, _sgd.sgd_apply, _sgd.sgd_apply_serial)
+    return sum(len(k.stats.cache_misses) for k in kernels)

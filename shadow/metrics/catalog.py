@@ -55,6 +55,8 @@ COORDINATOR = (
     _m("shadow_persist_checkpoints", "counter", "Complete checkpoints written per tier since start.", "tier"),
     _m("shadow_persist_failures", "counter", "Checkpoints of a tier that failed (a shard's write or copy).",
        "tier"),
+    _m("shadow_persist_skipped", "counter", "Checkpoint requests of a tier that a worker skipped because its "
+       "images were all still being written (not failures: the next cut is due again).", "tier"),
     _m("shadow_persist_bytes", "counter", "Bytes of complete checkpoints written per tier since start.", "tier"),
     _m("shadow_persist_duration_seconds", "gauge", "Seconds the newest complete checkpoint of a tier took, "
        "request to manifest (slowest shard).", "tier"),

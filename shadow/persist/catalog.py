@@ -9,10 +9,12 @@ plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import posixpath
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -45,8 +47,69 @@ def local_path(root: str) -> str:
     return root[len("file://"):] if root.startswith("file://") else root
 
 
-def checkpoint_dir(root: str, job: str, iteration: int) -> str:
-    return posixpath.join(root, job, f"iteration-{iteration:010d}")
+def checkpoint_dir(root: str, job: str, iteration: int, generation: int = 0) -> str:
+    """``<root>/<job>/iteration-<k>``; a later generation's (see :func:`write_generation`)
+    ends in ``-gen<g>``, so it never overwrites the checkpoint it supersedes."""
+    suffix = f"-gen{generation}" if generation else ""
+    return posixpath.join(root, job, f"iteration-{iteration:010d}{suffix}")
+
+
+_DIR = re.compile(r"iteration-(\d+)(?:-gen(\d+))?$")
+
+
+def dir_key(path: str) -> tuple[int, int] | None:
+    """``(generation, iteration)`` of a checkpoint directory's name, None if it is not one."""
+    m = _DIR.match(posixpath.basename(path.rstrip("/")))
+    return (int(m.group(2) or 0), int(m.group(1))) if m else None
+
+
+GENERATION = "generation-{:06d}.json"
+GENERATION_FORMAT = "shadow-generation/1"
+
+
+def write_generation(root: str, job: str, generation: int, base: int) -> None:
+    """Record that ``job`` went on from iteration ``base`` in a new ``generation``: every
+    checkpoint of an older generation after ``base`` is superseded (never picked as the
+    newest again, but kept). Written before the new generation persists anything."""
+    record = {"format": GENERATION_FORMAT, "job": job, "generation": generation, "base": base,
+              "created": time.time()}
+    data = json.dumps(record, indent=1, sort_keys=True).encode()
+    d = posixpath.join(root, job)
+    name = GENERATION.format(generation)
+    if is_local(root):
+        os.makedirs(local_path(d), exist_ok=True)
+        path = os.path.join(local_path(d), name)
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        shardfile.fsync_dir(local_path(d))
+        return
+    fs, p = _fs(d)
+    fs.pipe_file(posixpath.join(p, name), data)
+
+
+def read_generations(root: str, job: str) -> dict[int, int]:
+    """``{generation: base}`` recorded for ``job`` under ``root`` (unreadable records are
+    skipped with a warning)."""
+    fs, base = _fs(root)
+    out: dict[int, int] = {}
+    for path in fs.glob(posixpath.join(base, glob.escape(job), "generation-*.json")):
+        try:
+            rec = json.loads(fs.cat_file(path))
+            if rec.get("format") != GENERATION_FORMAT or rec.get("job") != job:
+                raise ValueError(f"format {rec.get('format')!r}, job {rec.get('job')!r}")
+            out[int(rec["generation"])] = int(rec["base"])
+        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
+            logger.warning("ignoring unreadable generation record %s: %s", path, exc)
+    return out
+
+
+def superseded(generation: int, iteration: int, generations: dict[int, int]) -> bool:
+    """Whether checkpoint ``(generation, iteration)`` was superseded: a later generation
+    went on from an earlier iteration."""
+    return any(g > generation and iteration > b for g, b in generations.items())
 
 
 def shard_name(index: int, count: int, compress: str = "none") -> str:
@@ -62,6 +125,7 @@ class CheckpointInfo:
     path: str  # directory, in the file system's own terms
     manifest: dict
     fs: object = field(default=None, repr=False, compare=False)
+    superseded: bool = False  # a later generation went on from an earlier iteration
 
     @property
     def job(self) -> str:
@@ -70,6 +134,10 @@ class CheckpointInfo:
     @property
     def iteration(self) -> int:
         return self.manifest["iteration"]
+
+    @property
+    def generation(self) -> int:
+        return int(self.manifest.get("generation", 0))
 
     @property
     def bytes(self) -> int:
@@ -88,7 +156,7 @@ def _fs(root: str):
 
 def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
     """Commit a checkpoint: write its manifest last (tmp, fsync, rename)."""
-    d = checkpoint_dir(root, job, iteration)
+    d = checkpoint_dir(root, job, iteration, int(manifest.get("generation", 0)))
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if is_local(root):
         path = os.path.join(local_path(d), MANIFEST)
@@ -121,7 +189,13 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> 
             continue
         d = posixpath.dirname(mpath)
         out.append(CheckpointInfo(root, tier, d, manifest, fs))
-    out.sort(key=lambda c: (c.iteration, c.manifest.get("created", 0)))  # newest = highest iteration
+    for name in {c.job for c in out}:
+        generations = read_generations(root, name)
+        for c in out:
+            if c.job == name:
+                c.superseded = superseded(c.generation, c.iteration, generations)
+    # newest last: superseded ones first (the oldest), then by generation and iteration
+    out.sort(key=lambda c: (not c.superseded, c.generation, c.iteration, c.manifest.get("created", 0)))
     return out
 
 
@@ -266,7 +340,7 @@ def find(root: str, tier: str, job: str | None = None, iteration: int | None = N
         extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
         raise CheckpointError(f"no complete checkpoint under {root}{extra}")
     errors = []
-    for info in reversed(found):
+    for info in reversed([c for c in found if not c.superseded]):  # never an abandoned iteration
         try:
             return info, load(info, check, progress)
         except CheckpointError as exc:
@@ -284,9 +358,9 @@ def retain(root: str, job: str, keep: int) -> list[str]:
     if not done:
         return []
     fs, _ = _fs(root)
-    newest = done[-1].iteration
+    newest = (done[-1].generation, done[-1].iteration)
     victims = [c.path for c in done[:-keep]] + [d for d in list_torn(root, job)
-                                                 if int(d.rsplit("-", 1)[1]) < newest]
+                                                 if (dir_key(d) or newest) < newest]
     for d in victims:
         try:
             fs.rm(d, recursive=True)
@@ -296,7 +370,8 @@ def retain(root: str, job: str, keep: int) -> list[str]:
 
 
 def new_manifest(job: str, iteration: int, epoch: int, tier: str, layout: dict, layout_hash: int, optim: dict,
-                 world: int, tokens, commit, shards: list[dict]) -> dict:
-    return {"format": FORMAT, "job": job, "iteration": iteration, "epoch": epoch, "tier": tier,
+                 world: int, tokens, commit, shards: list[dict], generation: int = 0) -> dict:
+    return {"format": FORMAT, "job": job, "iteration": iteration, "generation": generation, "epoch": epoch,
+            "tier": tier,
             "created": time.time(), "layout": layout, "layout_hash": f"{layout_hash:016x}", "optim": optim,
             "world": world, "tokens": tokens, "commit": commit, "shards": sorted(shards, key=lambda s: s["index"])}

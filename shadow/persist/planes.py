@@ -27,6 +27,8 @@ import numpy as np
 import xxhash
 from numba import njit
 
+from shadow.kernels import _cache  # noqa: F401  (chooses the kernel cache directory before any @njit)
+
 try:
     import zstandard
 except ImportError:  # only compressing tiers need it; the error below names the fix

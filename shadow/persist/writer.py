@@ -15,6 +15,12 @@ the local tier's level stands: recompressing gains next to nothing, byte planes 
 little for a higher level to find); otherwise the upload compresses a plain local file
 or decompresses a compressed one while copying it. Every report's ``bytes``/``checksum``
 describe the file as stored on that tier; ``raw_bytes`` is the plain image's size.
+
+Lifetime: the threads hold no reference that keeps a persister alive once its owner
+lets go (the upload thread sees it through a weak reference); :meth:`close` -- the
+worker calls it when the session is replaced or the worker stops -- ends them, waits
+for a write in flight (bounded by ``SHADOW_PERSIST_CLOSE_S``; one still running then
+is abandoned: its file never gets a manifest) and drops the images.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import posixpath
 import queue
 import threading
 import time
+import weakref
 
 import fsspec
 import numpy as np
@@ -32,6 +39,9 @@ from shadow import knobs
 from shadow.persist import catalog, shardfile, zshard
 
 logger = logging.getLogger(__name__)
+
+SKIPPED = "skipped: earlier checkpoint writes are still running"
+_STOP = None  # ends the upload thread
 
 
 def tier_codec(cfg: dict) -> tuple[str, int]:
@@ -49,6 +59,7 @@ class ShardPersister:
         self.local_codec = tier_codec(persist["local"])
         self.remote_codec = tier_codec(persist["remote"])
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
+        self.generation = int(persist.get("generation", 0))  # the job's lineage (catalog.write_generation)
         n, p = state.size, len(state.layout.params)
         big = len(state.fields()) * n * 4
         count = knobs.get_int("PERSIST_BUFFERS") if self.local else 0
@@ -57,19 +68,32 @@ class ShardPersister:
             self._free.put(shardfile.ShardImage(big + p * 17 + (1 << 20)))
         self._results: queue.Queue = queue.Queue()
         self._uploads: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()  # writes (and the warm-up) in flight
+        self._closed = False
+        self._skipped_at = None  # the iteration begin() last reported skipped
+        self._warming = False  # the warm-up holds an image for a moment
+        self._uploader = None
         if self.remote:
-            threading.Thread(target=self._upload_loop, name="shadow-upload", daemon=True).start()
+            self._uploader = threading.Thread(target=_upload_loop, args=(weakref.ref(self), self._uploads),
+                                              name="shadow-upload", daemon=True)
+            self._uploader.start()
+            weakref.finalize(self, self._uploads.put, _STOP)  # dropped without close(): the thread ends too
+        if count:
+            self._start(self._warm_up, (), "shadow-persist-warm-up")
 
     def file_name(self, tier: str = "local") -> str:
         codec = self.local_codec if tier == "local" else self.remote_codec
         return catalog.shard_name(self.shard, self.nshards, codec[0])
 
     def local_path(self, iteration: int) -> str:
-        d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration)
+        d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration, self.generation)
         return os.path.join(d, self.file_name())
 
     def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None) -> None:
         """Copy the range as of ``iteration`` into an image and start writing it."""
+        if self._skipped_at == iteration:  # begin() already reported this one skipped
+            return
         img = self.begin(iteration, epoch, world, blobs)
         if img is None:
             return
@@ -82,11 +106,10 @@ class ShardPersister:
         every image is still being written. The caller fills the fields -- by copying, or
         in the apply pass of ``iteration`` itself (:meth:`field_views`) -- then calls
         :meth:`finish`, or :meth:`abandon`."""
-        try:
-            img = self._free.get_nowait()
-        except queue.Empty:
-            self._results.put(self.report(iteration, epoch, "local", False,
-                                          "skipped: earlier checkpoint writes are still running"))
+        img = self._take()
+        if img is None:
+            self._skipped_at = iteration
+            self._results.put(self.report(iteration, epoch, "local", False, SKIPPED, skipped=True))
             return None
         st = self.state
         nparams = int(st.in_range.sum())
@@ -116,12 +139,113 @@ class ShardPersister:
         for r, b in blobs.items():
             img.fill(f"commit.rank{r}", np.frombuffer(b, dtype=np.uint8))
         extra = {"commit": commit, "blob_ranks": sorted(blobs)}
-        threading.Thread(target=self._write, args=(img, iteration, epoch, extra), name="shadow-persist",
-                         daemon=True).start()
+        self._start(self._write, (img, iteration, epoch, extra), "shadow-persist")
 
     def abandon(self, img: shardfile.ShardImage) -> None:
         """Give an image taken by :meth:`begin` back unwritten."""
-        self._free.put(img)
+        self._give_back(img)
+
+    def _take(self) -> shardfile.ShardImage | None:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if not self._warming:
+            return None
+        try:  # the warm-up is faulting in an image's pages: wait for it (a heartbeat at most) rather than skip
+            return self._free.get(timeout=knobs.get("HEARTBEAT_S"))
+        except queue.Empty:
+            return None
+
+    def _give_back(self, img: shardfile.ShardImage) -> None:
+        with self._lock:
+            if not self._closed:  # after close() the image is dropped
+                self._free.put(img)
+
+    def _start(self, target, args: tuple, name: str) -> None:
+        th = threading.Thread(target=self._run, args=(target, args), name=name, daemon=True)
+        with self._lock:
+            self._threads.add(th)
+        th.start()
+
+    def _run(self, target, args: tuple) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _warm_up(self) -> None:
+        """Pay the first-write costs before the first checkpoint: fault in the images'
+        pages (otherwise the first snapshot into each pays them on the apply path), create
+        the job's directory and probe it with a one-page ``O_DIRECT`` write, fsync and
+        unlink; with a remote tier, load its fsspec back end. Takes one image at a time
+        off the free list (a snapshot that finds none free meanwhile waits a heartbeat
+        period for it, then is skipped)."""
+        t0 = time.monotonic()
+        self._warming = True
+        try:
+            for _ in range(self._free.qsize()):
+                if self._closed:
+                    return
+                try:
+                    img = self._free.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    img.buf[::shardfile.PAGE] = 0  # one byte per page faults the page in
+                finally:
+                    self._give_back(img)
+        finally:
+            self._warming = False
+        try:  # one page the way every shard is written: .tmp, O_DIRECT, fsync, rename, directory fsync
+            probe = os.path.join(os.path.dirname(os.path.dirname(self.local_path(0))), f".warm-up-{self.shard}")
+            page = shardfile.ShardImage(shardfile.PAGE)
+            page.buf[:] = 0
+            page.size = shardfile.PAGE
+            page.write(probe)
+            os.unlink(probe)
+            if self.remote:
+                fsspec.core.url_to_fs(self.remote)
+        except Exception as exc:  # the first real write reports the same problem, with its iteration
+            logger.warning("warming up the checkpoint writer under %s failed: %s", self.local, exc)
+            return
+        logger.debug("checkpoint writer of shard %d warmed up in %.3f s", self.shard, time.monotonic() - t0)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the threads and release the images: queued uploads are dropped, a write
+        or copy in flight gets ``timeout`` seconds (``SHADOW_PERSIST_CLOSE_S``) to finish,
+        and is abandoned after that (its report is never read, so its file never enters
+        a manifest). Idempotent; returns whether every thread ended in time."""
+        if timeout is None:
+            timeout = knobs.get("PERSIST_CLOSE_S")
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+            threads = list(self._threads)
+        while True:  # uploads not started yet
+            try:
+                self._uploads.get_nowait()
+            except queue.Empty:
+                break
+        self._uploads.put(_STOP)
+        if self._uploader is not None:
+            threads.append(self._uploader)
+        deadline = time.monotonic() + timeout
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        left = [th.name for th in threads if th.is_alive()]
+        while True:  # the images
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                break
+        self.results()
+        if left:
+            logger.warning("shard %d: abandoning %s still running after %.1f s; their results are discarded",
+                           self.shard, ", ".join(left), timeout)
+        return not left
 
     def _write(self, img: shardfile.ShardImage, iteration: int, epoch: int, extra: dict) -> None:
         t0 = time.monotonic()
@@ -144,29 +268,27 @@ class ShardPersister:
             logger.error("persisting iteration %d to %s failed: %s", iteration, path, exc)
             rep = self.report(iteration, epoch, "local", False, f"{type(exc).__name__}: {exc}")
         finally:
-            self._free.put(img)
+            self._give_back(img)
         self._results.put(rep)
 
     def upload(self, iteration: int, epoch: int, nbytes: int, checksum: str) -> None:
         self._uploads.put((iteration, epoch, nbytes, checksum))
 
-    def _upload_loop(self) -> None:
-        while True:
-            iteration, epoch, nbytes, csum = self._uploads.get()
-            t0 = time.monotonic()
-            src = self.local_path(iteration)
-            name = self.file_name("remote")
-            dst = posixpath.join(catalog.checkpoint_dir(self.remote, self.job, iteration), name)
-            try:
-                fs, path = fsspec.core.url_to_fs(dst)
-                fs.makedirs(posixpath.dirname(path), exist_ok=True)
-                nbytes, csum, raw = self._copy(src, fs, path, nbytes, csum)
-                rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
-                                   seconds=time.monotonic() - t0, file=name, raw_bytes=raw)
-            except Exception as exc:  # fsspec back ends raise many types
-                logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, exc)
-                rep = self.report(iteration, epoch, "remote", False, f"{type(exc).__name__}: {exc}")
-            self._results.put(rep)
+    def _upload(self, iteration: int, epoch: int, nbytes: int, csum: str) -> None:
+        t0 = time.monotonic()
+        src = self.local_path(iteration)
+        name = self.file_name("remote")
+        dst = posixpath.join(catalog.checkpoint_dir(self.remote, self.job, iteration, self.generation), name)
+        try:
+            fs, path = fsspec.core.url_to_fs(dst)
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            nbytes, csum, raw = self._copy(src, fs, path, nbytes, csum)
+            rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
+                               seconds=time.monotonic() - t0, file=name, raw_bytes=raw)
+        except Exception as exc:  # fsspec back ends raise many types
+            logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, exc)
+            rep = self.report(iteration, epoch, "remote", False, f"{type(exc).__name__}: {exc}")
+        self._results.put(rep)
 
     def _copy(self, src: str, fs, path: str, nbytes: int, csum: str) -> tuple[int, str, int]:
         """Copy the local shard file to ``path`` on ``fs`` in the remote tier's format;
@@ -191,7 +313,7 @@ class ShardPersister:
                 "stop": self.state.stop, "bytes": kw.get("bytes", 0), "checksum": kw.get("checksum", ""),
                 "raw_bytes": kw.get("raw_bytes", 0), "compress": self.local_codec[0] if tier == "local"
                 else self.remote_codec[0], "seconds": kw.get("seconds", 0.0), "commit": kw.get("commit"),
-                "blob_ranks": kw.get("blob_ranks", [])}
+                "blob_ranks": kw.get("blob_ranks", []), "skipped": kw.get("skipped", False)}
 
     def results(self) -> list[dict]:
         out = []
@@ -200,6 +322,18 @@ class ShardPersister:
                 out.append(self._results.get_nowait())
             except queue.Empty:
                 return out
+
+
+def _upload_loop(ref: weakref.ref, uploads: queue.Queue) -> None:
+    """The upload thread: copies requests off ``uploads`` until :data:`_STOP` or until the
+    persister behind ``ref`` is gone (it holds the persister only while copying)."""
+    while True:
+        item = uploads.get()
+        persister = ref() if item is not _STOP else None
+        if persister is None:
+            return
+        persister._upload(*item)
+        del persister
 
 
 def _die_mid_write(image: shardfile.ShardImage, path: str) -> None:

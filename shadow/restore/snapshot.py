@@ -37,6 +37,7 @@ class Snapshot:
     source: str
     tier: str = "memory"
     extra: dict = field(default_factory=dict)
+    generation: int = 0  # the job's lineage: a restore to an older iteration then training on starts a new one
 
 
 class MovedOn(ShadowError):
@@ -95,7 +96,7 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     if missing:
         raise ShadowError(f"commit records of ranks {missing} are missing from the cluster")
     return Snapshot(info["job"], info["iteration"], layout, info["optim"], info["world"], arrays, steps, has_state,
-                    blobs, source=address)
+                    blobs, source=address, generation=int(info.get("generation", 0)))
 
 
 def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs) -> dict:

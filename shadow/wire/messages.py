@@ -17,6 +17,7 @@ _num = (int, float)
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> coordinator
+    "starting": {"pid": (int,), "worker_id": (int,), "seconds": (float, int)},  # compiling its kernels
     "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,)},
     "configured": {"epoch": (int,)},
     "rejoin": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "session": (dict, type(None))},
@@ -44,7 +45,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "shutdown": {},
     # trainer -> coordinator
     "attach": {"job": (str,), "rank": (int,), "world": (int,), "layout_hash": (int,),
-               "layout": (dict, type(None)), "optim": (dict,), "iteration": (int,), "overwrite": (bool,)},
+               "layout": (dict, type(None)), "optim": (dict,), "iteration": (int,), "overwrite": (bool,),
+               "restored": (dict, type(None))},  # the checkpoint this rank restored (job, iteration, generation, tier, path)
     "detach": {"epoch": (int,), "rank": (int,)},
     "replica_from": {"epoch": (int,), "rank": (int,), "worker": (int,), "gen": (int,), "iteration": (int,)},
     "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
@@ -52,6 +54,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,), "seq": (list,)},
     # coordinator -> trainer
     "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
+    "waiting": {"ready": (int,), "expected": (int,), "starting": (int,)},  # attach held: workers still starting
     "progress": {"epoch": (int,), "applied": (int,)},
     "alive": {"epoch": (int,)},  # the answer to every trainer_hb: a trainer that hears nothing is on its own
     "degraded": {"epoch": (int,), "reason": (str,)},

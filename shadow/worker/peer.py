@@ -97,6 +97,8 @@ class PeerMixin:
         logger.warning("resetting worker %d: %s", self.worker_id, reason)
         self.data.close(linger=0)
         self._open_data()
+        if self.session is not None:
+            self.session.close()
         self.session, self.pending_fetch = None, []
         if self.peer is not None:
             self.peer.close()

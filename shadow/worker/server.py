@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 
@@ -62,6 +63,13 @@ class _Session:
         self.persister = (ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
                           if persist.get("local", {}).get("dir") else None)
 
+    def close(self) -> None:
+        """Stop persisting (the session is replaced, dropped or the worker stops): the
+        persister's threads end and its images go; the state stays for serving."""
+        if self.persister is not None:
+            self.persister.close()
+            self.persister = None
+
 
 class Worker(PeerMixin, ServeMixin, DataMixin):
     def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None,
@@ -98,6 +106,13 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         port = self.data.bind_to_random_port(f"tcp://{self.bind_host}")
         self.data_ep = f"tcp://{self.host}:{port}"
 
+    def _ctrl_open(self) -> None:
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.apply(self.ctrl)
+        self.ctrl.connect(self.coordinator)
+
     def _open(self) -> None:
         self._open_data()
         self.serve = self.ctx.socket(zmq.ROUTER)
@@ -106,15 +121,14 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             self.guard.server(self.serve)
         port = self.serve.bind_to_random_port(f"tcp://{self.bind_host}")
         self.serve_ep = f"tcp://{self.host}:{port}"
-        self.ctrl = self.ctx.socket(zmq.DEALER)
-        self.ctrl.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            self.keys.apply(self.ctrl)
-        self.ctrl.connect(self.coordinator)
 
     def _close(self) -> None:
-        for s in (self.data, self.serve, self.ctrl):
-            s.close(linger=0)
+        for sess in (self.session, self.retired):
+            if sess is not None:
+                sess.close()
+        for s in (getattr(self, "data", None), getattr(self, "serve", None), self.ctrl):
+            if s is not None:
+                s.close(linger=0)
         if self.guard is not None:
             self.guard.stop()
 
@@ -126,11 +140,10 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
 
     # -- main loop -------------------------------------------------------------------
     def run(self) -> None:
-        from shadow.kernels.plan import warm_up
-
-        t0 = time.monotonic()
-        warm_up()
-        logger.info("replay kernels ready in %.1f s", time.monotonic() - t0)
+        self._ctrl_open()
+        if not self._warm_up():
+            self._close()
+            return
         self._open()
         logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
         self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
@@ -169,6 +182,52 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
 
     def stop(self) -> None:
         self._stop = True
+
+    def _warm_up(self) -> bool:
+        """Compile (or load from the cache) the replay kernels on a background thread --
+        one process per host at a time, see :mod:`shadow.kernels._cache` -- and tell the
+        coordinator this worker is starting, every heartbeat period, until they are ready.
+        Returns False if the worker was stopped meanwhile."""
+        from shadow.kernels import _cache
+        from shadow.kernels.plan import warm_up
+
+        t0 = time.monotonic()
+        failed: list[BaseException] = []
+        compiled: list[int] = []
+
+        def compile_kernels() -> None:
+            try:
+                with _cache.compile_lock():
+                    compiled.append(warm_up())
+            except BaseException as exc:  # raised on the worker's own thread below
+                failed.append(exc)
+
+        th = threading.Thread(target=compile_kernels, name="shadow-kernel-warm-up", daemon=True)
+        th.start()
+        hb = knobs.get("HEARTBEAT_S")
+        while th.is_alive() and not self._stop:
+            self._to_coord("starting", pid=os.getpid(), worker_id=self.worker_id,
+                           seconds=round(time.monotonic() - t0, 3))
+            th.join(hb)
+            self._drain(self.ctrl, self._on_ctrl_starting)
+        if failed:
+            raise failed[0]
+        if self._stop:
+            return False
+        logger.info("replay kernels %s in %.1f s (cache %s)",
+                    f"compiled ({compiled[0]})" if compiled[0] else "loaded from the cache", time.monotonic() - t0,
+                    _cache.cache_dir())
+        return True
+
+    def _on_ctrl_starting(self, sock) -> None:
+        """Control messages while the kernels compile: only ``shutdown`` means anything yet."""
+        try:
+            msg = M.decode(sock.recv(zmq.NOBLOCK))
+        except M.MessageError as exc:
+            self.rejected["ctrl_" + exc.reason] += 1
+            return
+        if msg["t"] == "shutdown":
+            self._stop = True
 
     def _drain(self, sock, handler, limit: int = 64) -> None:
         for _ in range(limit):
@@ -236,6 +295,8 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None \
             else None
         self.session = sess
+        if old is not None:  # its persister would otherwise live on, with its threads and images
+            old.close()
         self.configures += 1
         self._answer_fetches()  # waiting fetches of the old epoch get an answer from the retired copy
         if self.peer is not None:  # a peer copy of the old epoch is void too
@@ -340,7 +401,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
                 tally[0] += rep["seconds"]
                 tally[1] += 1
                 tally[2] += rep["bytes"]
-            else:
+            elif not rep.get("skipped"):  # a skip is not a failure
                 tally[3] += 1
             self._to_coord("persisted", **rep)
 

@@ -1,0 +1,99 @@
+"""Where the compiled replay kernels are cached, and compiling them once per host.
+
+numba caches compiled kernels next to their source by default, which a read-only
+install (site-packages owned by root, a container image) cannot write: every worker
+would then compile for ~15 s at every start. The kernels are cached in a user cache
+directory instead:
+
+* ``NUMBA_CACHE_DIR``, when set, wins (numba's own setting);
+* else ``SHADOW_CACHE_DIR``/numba;
+* else ``$XDG_CACHE_HOME/shadow/numba`` (``~/.cache/shadow/numba``);
+* a directory that cannot be written falls back to a per-user temporary directory.
+
+The directory is chosen when the kernel modules are first imported (numba binds a
+kernel's cache when it is decorated), so :func:`configure` runs at that import.
+:func:`compile_lock` serialises the first compilation between the worker processes of
+one host: one compiles, the others then load its result from the cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+_chosen: str | None = None
+
+
+def _writable(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+        return True
+    except OSError:
+        return False
+
+
+def default_dir() -> str:
+    """The cache directory shadow asks for when ``NUMBA_CACHE_DIR`` is not set."""
+    explicit = os.environ.get("SHADOW_CACHE_DIR")
+    if explicit:
+        return os.path.join(os.path.expanduser(explicit), "numba")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shadow", "numba")
+
+
+def configure() -> str:
+    """Point numba's kernel cache at the user cache directory (see the module docstring);
+    returns the directory in use. Idempotent."""
+    global _chosen
+    from numba.core import config
+
+    numba_dir = os.environ.get("NUMBA_CACHE_DIR")
+    if numba_dir:
+        _chosen = numba_dir
+        return _chosen
+    if _chosen is not None:
+        return _chosen
+    path = default_dir()
+    if not _writable(path):
+        fallback = os.path.join(tempfile.gettempdir(), f"shadow-numba-{os.getuid()}")
+        logger.warning("kernel cache directory %s is not writable; using %s (set SHADOW_CACHE_DIR to choose "
+                       "another)", path, fallback)
+        path = fallback
+        os.makedirs(path, exist_ok=True)
+    config.CACHE_DIR = path
+    _chosen = path
+    return path
+
+
+def cache_dir() -> str:
+    """The directory numba caches the replay kernels in."""
+    return configure()
+
+
+@contextlib.contextmanager
+def compile_lock() -> Iterator[None]:
+    """Hold the host-wide lock on the kernel cache while compiling (or loading) the kernels:
+    the first process compiles and fills the cache, the next ones load from it."""
+    import fcntl
+
+    path = os.path.join(cache_dir(), ".compile.lock")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:  # no lock then: each process compiles on its own, as numba would
+        logger.warning("cannot open the kernel cache lock %s (%s); compiling without it", path, exc)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+configure()

@@ -1,0 +1,147 @@
+"""Going on from an older iteration than the cluster holds: after a restore that fell back
+past a damaged checkpoint, and after an overwrite. What was newer is superseded (a new
+generation), restores never return it again, and a normal resume of the new run works."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.persist import catalog
+from tests.conftest import Cluster, train_step
+from tests.helpers.tiny_trainer import build
+
+pytestmark = pytest.mark.slow
+
+
+def _args(local) -> tuple[str, ...]:
+    return (f"persist.local.dir={local}", "persist.local.every_n=1", "persist.local.keep=0")
+
+
+def _train(ddp, opt, sched, its, cluster: Cluster) -> None:
+    """Train, and wait for each iteration's checkpoint (so none is skipped for a busy disk)."""
+    for it in its:
+        train_step(ddp, opt, sched, it)
+        _wait_persisted(cluster, it)
+
+
+def _wait_persisted(cluster: Cluster, iteration: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        st = cluster.status()
+        last = (st["persist"]["local"]["last_complete"] or {}).get("iteration")
+        if last == iteration and not st["persist"]["local"]["in_flight"]:
+            return
+        assert time.monotonic() < deadline, st["persist"]
+        time.sleep(0.1)
+
+
+def _same(model, opt, fresh, fopt) -> None:
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert opt.state[p].keys() == fopt.state[q].keys()
+        for key, v in opt.state[p].items():
+            assert torch.equal(v, fopt.state[q][key])
+
+
+def _flip_a_byte(local, job: str, iteration: int) -> None:
+    (shard,) = glob.glob(os.path.join(local, job, f"iteration-{iteration:010d}", "shard-00000-*"))
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 4096 - 100)  # inside the last tensor's data
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
+    local = tmp_path / "local"
+    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fb")
+        _train(ddp, opt, sched, range(1, 7), cluster)
+        session.close(wait=False)
+    finally:
+        cluster.kill_all()
+    _flip_a_byte(local, "fb", 6)
+
+    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    try:
+        model, opt, sched = build(seed=11)
+        info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, job="fb")
+        assert (info.iteration, info.tier) == (5, "local")  # 6 fails its checksum
+        ddp = DDP(model)
+        # no overwrite=True: this rank restored iteration 5 from this cluster's own tier
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fb")
+        assert session.base == 5
+        _train(ddp, opt, sched, range(6, 9), cluster)
+        assert session.close() == 8
+        st = cluster.status()
+        assert st["restorable"]["local"] == 8
+    finally:
+        cluster.kill_all()
+    # from the directory alone: the new run's newest, which equals the live trainer
+    fresh, fopt, fsched = build(seed=12)
+    info = trainer_hooks.restore(fresh, fopt, source=str(local), scheduler=fsched)
+    assert info.iteration == 8
+    _same(model, opt, fresh, fopt)
+    manifests = [json.load(open(p)) for p in glob.glob(str(local / "fb" / "*" / catalog.MANIFEST))]
+    assert {(m["generation"], m["iteration"]) for m in manifests} >= {(0, 6), (1, 6), (1, 8)}
+
+
+def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
+    local = tmp_path / "local"
+    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ow")
+        _train(ddp, opt, sched, range(1, 13), cluster)
+        assert session.close() == 12
+
+        # go back to 8 and train on: 9..12 of the first run are abandoned
+        model, opt, sched = build(seed=21)
+        info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, job="ow", iteration=8)
+        assert info.iteration == 8
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ow",
+                                       overwrite=True)
+        _train(ddp, opt, sched, range(9, 11), cluster)
+        assert session.close() == 10
+        assert cluster.status()["restorable"]["local"] == 10
+    finally:
+        cluster.kill_all()
+
+    fresh, fopt, fsched = build(seed=22)
+    info = trainer_hooks.restore(fresh, fopt, source=str(local), scheduler=fsched, job="ow")
+    assert info.iteration == 10  # not the abandoned 12
+    _same(model, opt, fresh, fopt)
+
+    # a restarted cluster knows it too, and the new run resumes normally (no overwrite)
+    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    try:
+        again, aopt, asched = build(seed=23)
+        info = trainer_hooks.restore(again, aopt, source=cluster.address, scheduler=asched, job="ow")
+        assert info.iteration == 10
+        _same(model, opt, again, aopt)
+        ddp = DDP(again)
+        session = trainer_hooks.attach(ddp, aopt, coordinator=cluster.address, scheduler=asched, job="ow")
+        _train(ddp, aopt, asched, range(11, 13), cluster)
+        assert session.close() == 12
+    finally:
+        cluster.kill_all()
+    last, lopt, lsched = build(seed=24)
+    info = trainer_hooks.restore(last, lopt, source=str(local), scheduler=lsched, job="ow")
+    assert info.iteration == 12
+    _same(again, aopt, last, lopt)
+    ls = {(c.generation, c.iteration): c for c in catalog.list_checkpoints(str(local), job="ow")}
+    assert ls[(0, 12)].superseded and not ls[(1, 12)].superseded and not ls[(0, 8)].superseded

@@ -1,0 +1,69 @@
+"""A failure of the shadow never stops training; only the training loop's own mistakes do.
+
+An ``error`` from the coordinator after attach used to be latched and raised at the next
+``optimizer.step()``. Now the rank degrades, counts it, tells the coordinator (``paused``)
+and the cluster resyncs; a bucket reduced twice without ``no_sync`` still raises.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from tests.conftest import train_step
+from tests.helpers.tiny_trainer import build
+from trainer_hooks._sender import NoticeItem
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_coordinator_error_degrades_then_resyncs(world1, cluster):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="steady")
+    epoch = session.epoch
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    # a message the coordinator does not accept from anyone: it answers `error`
+    session.sender.q.put(NoticeItem("progress", {"epoch": session.epoch, "applied": 0}))
+    deadline = time.monotonic() + 10
+    while session.stats()["shadow_errors"] == 0:
+        assert time.monotonic() < deadline, "the coordinator's error never arrived"
+        time.sleep(0.05)
+    assert "does not accept 'progress'" in session.degraded
+    it = 3
+    deadline = time.monotonic() + 60
+    while session.epoch == epoch or session.degraded is not None or session.applied < it - 1:
+        assert time.monotonic() < deadline, (session.degraded, session.applied, cluster.status()["job"])
+        it += 1
+        train_step(ddp, opt, sched, it)  # never raises
+        time.sleep(0.1)
+    assert session.close() == it
+    st = cluster.status()
+    assert st["job"]["resyncs"] == 1 and st["job"]["committed"] == it
+    fresh, fopt, fsched = build(seed=7)
+    info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="steady")
+    assert info.iteration == it
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        for key, v in opt.state[p].items():
+            assert torch.equal(v, fopt.state[q][key])
+
+
+def test_a_bucket_reduced_twice_is_still_raised(world1, cluster):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="twice")
+    try:
+        x = torch.randint(0, 37, (4, 6))
+        for _ in range(2):  # accumulation without no_sync: every bucket is all-reduced twice
+            ddp(x).sum().backward()
+        with pytest.raises(trainer_hooks.ShadowUsageError, match="all-reduced twice"):
+            opt.step()
+        assert session.stats()["shadow_errors"] == 0
+    finally:
+        session.close(wait=False)
