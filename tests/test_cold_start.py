@@ -30,7 +30,7 @@ LAYOUT = Layout.build([("w", (8, 4), 0, True)], 1)
 
 def _attach_msg(world: int = 1, rank: int = 0) -> bytes:
     return M.encode("attach", job="cold", rank=rank, world=world, layout_hash=LAYOUT.hash, layout=LAYOUT.to_dict(),
-                    optim={"kind": "adam"}, iteration=0, overwrite=False)
+                    optim={"kind": "adam"}, iteration=0, overwrite=False, restored=None)
 
 
 @pytest.fixture

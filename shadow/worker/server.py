@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import Counter
 
@@ -31,6 +30,7 @@ from shadow.worker.data import DataMixin
 from shadow.worker.inbox import Inbox
 from shadow.worker.peer import PeerCopy, PeerMixin
 from shadow.worker.serve import ServeMixin
+from shadow.worker.startup import compile_kernels
 from shadow.worker.state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class _Session:
         self.prepared = self.base - 1  # highest iteration reported PREPARED
         self.seen = self.base - 1
         self.blobs: dict[int, bytes] = {}  # rank -> commit blob of the applied iteration
+        self.extras: dict = {}  # key -> newest chunk of model state outside the optimizer, as of applied
         self.commit: dict | None = None  # rank 0's replay record of the applied iteration
         self.stale: str | None = None
         persist = msg["persist"]
@@ -184,40 +185,14 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self._stop = True
 
     def _warm_up(self) -> bool:
-        """Compile (or load from the cache) the replay kernels on a background thread --
-        one process per host at a time, see :mod:`shadow.kernels._cache` -- and tell the
-        coordinator this worker is starting, every heartbeat period, until they are ready.
-        Returns False if the worker was stopped meanwhile."""
-        from shadow.kernels import _cache
-        from shadow.kernels.plan import warm_up
-
-        t0 = time.monotonic()
-        failed: list[BaseException] = []
-        compiled: list[int] = []
-
-        def compile_kernels() -> None:
-            try:
-                with _cache.compile_lock():
-                    compiled.append(warm_up())
-            except BaseException as exc:  # raised on the worker's own thread below
-                failed.append(exc)
-
-        th = threading.Thread(target=compile_kernels, name="shadow-kernel-warm-up", daemon=True)
-        th.start()
-        hb = knobs.get("HEARTBEAT_S")
-        while th.is_alive() and not self._stop:
-            self._to_coord("starting", pid=os.getpid(), worker_id=self.worker_id,
-                           seconds=round(time.monotonic() - t0, 3))
-            th.join(hb)
+        """Compile the replay kernels, saying "starting" every heartbeat period meanwhile;
+        False if the worker was stopped first."""
+        def tick(seconds: float) -> bool:
+            self._to_coord("starting", pid=os.getpid(), worker_id=self.worker_id, seconds=round(seconds, 3))
             self._drain(self.ctrl, self._on_ctrl_starting)
-        if failed:
-            raise failed[0]
-        if self._stop:
-            return False
-        logger.info("replay kernels %s in %.1f s (cache %s)",
-                    f"compiled ({compiled[0]})" if compiled[0] else "loaded from the cache", time.monotonic() - t0,
-                    _cache.cache_dir())
-        return True
+            return not self._stop
+
+        return compile_kernels(tick, knobs.get("HEARTBEAT_S")) and not self._stop
 
     def _on_ctrl_starting(self, sock) -> None:
         """Control messages while the kernels compile: only ``shutdown`` means anything yet."""
@@ -333,11 +308,12 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             if slot is None or not s.inbox.complete(slot):
                 self._go_stale(f"asked to apply iteration {k} that is not prepared here")
                 return
+            extras = {**s.extras, **slot.extras} if slot.extras else s.extras  # chunks are kept until replaced
             if slot.kind == F.Kind.STATE:
                 c = slot.commits[0]
                 s.state.install_meta(c["steps"], c["has_state"])
             else:
-                img = s.persister.begin(k, s.epoch, s.world, slot.blobs) \
+                img = s.persister.begin(k, s.epoch, s.world, slot.blobs, extras) \
                     if persist and k == iteration and s.persister is not None else None
                 t0 = time.perf_counter()
                 try:
@@ -357,6 +333,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             if self.retired is not None:  # the new epoch holds its base: the old one is no longer needed
                 self.retired = None
             s.blobs = slot.blobs
+            s.extras = extras
             s.commit = slot.commits[0]
             fault = knobs.fault("CORRUPT_APPLY_AT")
             if fault and int(fault) == k and s.state.size:  # tests: a silent bit flip in the replica
@@ -383,13 +360,13 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             return
         commit = {k: v for k, v in s.commit.items() if k not in ("steps", "has_state", "sent")} if s.commit else None
         if folded is None:
-            s.persister.snapshot(s.applied, s.epoch, s.world, s.blobs, commit)
+            s.persister.snapshot(s.applied, s.epoch, s.world, s.blobs, commit, s.extras)
             return
         img, filled = folded
         if not filled:  # a skipped step: the kernel did not run
             for f, view in s.persister.field_views(img).items():
                 np.copyto(view, s.state.array(f), casting="no")
-        s.persister.finish(img, iteration, s.epoch, s.blobs, commit)
+        s.persister.finish(img, iteration, s.epoch, s.blobs, commit, s.extras)
 
     def _report_persisted(self) -> None:
         s = self.session
