@@ -20,17 +20,17 @@ _DEFAULTS: dict[str, float] = {
     "COORDINATOR_LOST_S": 10.0,  # a trainer hearing nothing from the coordinator this long trains on unprotected
     "METRICS_PORT": 0,  # trainer /metrics on this port + LOCAL_RANK (0 = off; host: SHADOW_METRICS_HOST)
     "ZMQ_SNDHWM": 1000,  # messages queued per data socket before send blocks
+    "EXTRA_CHUNK_BYTES": 4 << 20,  # model state outside the optimizer travels in chunks of this size (<= MAX_COMMIT_BYTES)
     # service side
     "WORKER_SLOTS": 5,  # gradient buffers per worker (> MAX_LAG)
     "KERNEL_CHUNK": 32768,  # elements per parallel work item in the replay kernel
     "MAX_RUNS": 65536,  # run-table entries accepted in one frame
-    "MAX_COMMIT_BYTES": 16 << 20,  # largest commit record accepted
+    "MAX_COMMIT_BYTES": 16 << 20,  # largest commit record (or chunk of model state outside the optimizer) accepted
     "HEARTBEAT_S": 0.5,  # worker -> coordinator heartbeat period
     "WORKER_LOST_S": 5.0,  # coordinator marks a silent worker lost after this long
     "FETCH_TIMEOUT_S": 60.0,  # restore: wait for the workers' shards this long
     "FETCH_CHUNK_BYTES": 16 << 20,  # restore: a worker sends its shard in parts of this size
     "SERVE_HOLD_S": 2.0,  # restore: the next apply waits this long at most for a shard being sent
-    "MAX_BUFFER_BYTES": 8 << 20,  # model buffers larger than this are not captured
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
     "PERSIST_CLOSE_S": 2.0,  # a replaced session's checkpoint write or copy in flight: wait this long, then abandon it
     "PERSIST_SKIP_LOG_S": 60.0,  # checkpoints skipped (every image still being written): one summed warning per period

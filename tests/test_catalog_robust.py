@@ -217,7 +217,7 @@ def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
     pos = data.index(b'"data_offsets"') + 1  # "data_offsets" -> "dbta_offsets": a KeyError before
     flipped = data[:pos] + bytes([data[pos] ^ 0x03]) + data[pos + 1:]
     open(shard, "wb").write(flipped)
-    assert catalog.find(root, "local", check=False)[1].iteration == 3
+    assert catalog.find(root, "local")[1].iteration == 3  # what `shadow restore` does
     remote = f"memory://flip-{os.getpid()}"
     for it in (3, 6):
         _write_checkpoint(remote, "j", it, LAYOUT)
@@ -253,7 +253,8 @@ def test_a_failed_export_leaves_no_temp_file(tmp_path, monkeypatch, fmt):
 
     monkeypatch.setattr(_export, "state_dicts", lambda snap: {"model": {"w": torch.ones(3)}})
     monkeypatch.setattr(_export, "unpack", lambda blob: {})
-    snap = SimpleNamespace(job="j", iteration=1, blobs={0: b""})
+    monkeypatch.setattr(_export, "snapshot_aliases", lambda extras, blob: {})
+    snap = SimpleNamespace(job="j", iteration=1, blobs={0: b""}, extras={})
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep").write_text("x")  # the target is a non-empty directory: the final rename fails

@@ -49,17 +49,23 @@ def _recv(sock: zmq.Socket, timeout: float = 5.0) -> dict:
     return M.decode(sock.recv())
 
 
+def _say_starting(worker: zmq.Socket, address: str, pid: int, seconds: float) -> dict:
+    """A worker still compiling says so; returns the first status that lists it."""
+    worker.send(M.encode("starting", pid=pid, worker_id=0, seconds=seconds))
+    deadline = time.monotonic() + 5
+    while not (st := status(address))["workers"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return st
+
+
 def test_attach_waits_for_a_worker_still_compiling(coordinator, caplog):
     coord, address = coordinator
     ctx = zmq.Context.instance()
     worker = dealer(ctx, address)
     trainer = dealer(ctx, address)
     try:
-        worker.send(M.encode("starting", pid=4242, worker_id=0, seconds=1.5))
-        deadline = time.monotonic() + 5
-        while not (st := status(address))["workers"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        st = _say_starting(worker, address, pid=4242, seconds=1.5)
         assert [(w["id"], w["pid"], w["ready"], w["health"]) for w in st["workers"]] == [(0, 4242, False, "starting")]
 
         # the attach is held, not refused: the trainer hears how many workers are ready
@@ -150,3 +156,22 @@ def test_demo_from_an_empty_kernel_cache(tmp_path):
     assert (len(compiled), len(loaded)) == (1, 1), log[-3000:]
     assert any(cache.rglob("*.nbi")), "the kernels were not cached in NUMBA_CACHE_DIR"
     shutil.rmtree(work, ignore_errors=True)
+
+
+def test_status_table_shows_starting_workers(coordinator):
+    """The rendered table counts ready workers and shows a starting one as such."""
+    from rich.console import Console
+
+    from shadow.cli._render import status_view
+
+    coord, address = coordinator
+    ctx = zmq.Context.instance()
+    worker = dealer(ctx, address)
+    try:
+        st = _say_starting(worker, address, pid=4444, seconds=3.0)
+    finally:
+        worker.close(linger=0)
+    console = Console(record=True, width=300)
+    console.print(status_view(st, address))
+    text = console.export_text()
+    assert "0/1 workers ready" in text and "starting (compiling kernels, 3 s)" in text and "None" not in text

@@ -145,3 +145,33 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
     _same(again, aopt, last, lopt)
     ls = {(c.generation, c.iteration): c for c in catalog.list_checkpoints(str(local), job="ow")}
     assert ls[(0, 12)].superseded and not ls[(1, 12)].superseded and not ls[(0, 8)].superseded
+
+
+def test_ls_shows_superseded_checkpoints(tmp_path):
+    """Hand-made catalog: generation 1 went on from iteration 2; 3 of generation 0 is superseded,
+    a torn directory of generation 1 is listed, and the newest-pick is generation 1's 3."""
+    import subprocess
+    import sys
+
+    from shadow.layout import Layout
+    from tests.conftest import ROOT
+
+    layout = Layout.build([("w", (4,), 0, True)], 1)
+    root = str(tmp_path)
+    for gen, it in ((0, 2), (0, 3), (1, 3)):
+        d = catalog.checkpoint_dir(root, "j", it, gen)
+        os.makedirs(d)
+        shard = {"index": 0, "start": 0, "stop": 4, "file": "shard-00000-of-00001.safetensors", "bytes": 0,
+                 "checksum": "0", "blob_ranks": [0]}
+        m = catalog.new_manifest("j", it, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None, None,
+                                 [shard], gen)
+        catalog.write_manifest(root, "j", it, m)
+    catalog.write_generation(root, "j", 1, 2)
+    os.makedirs(catalog.checkpoint_dir(root, "j", 4, 1))  # torn: no manifest
+    found = catalog.list_checkpoints(root, job="j")
+    assert [(c.generation, c.iteration, c.superseded) for c in found] == [(0, 3, True), (0, 2, False), (1, 3, False)]
+    res = subprocess.run([sys.executable, "-m", "shadow", "ls", f"source={root}", "json=true"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    rows = {(r["generation"], r["iteration"]): r["state"] for r in json.loads(res.stdout)}
+    assert rows == {(0, 2): "complete", (0, 3): "superseded", (1, 3): "complete", (1, 4): "incomplete"}

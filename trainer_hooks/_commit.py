@@ -1,6 +1,7 @@
 """The commit of iteration k: what the workers need to replay it (hyperparameters as used,
 skipped params, clip and scaler factors) and what a restore needs besides the arrays
-(RNG, extra state, scheduler/scaler, buffers), released once the scheduler has stepped."""
+(RNG, extra state, scheduler/scaler), released once the scheduler has stepped, behind
+the model state outside the optimizer that changed (``_extras``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,10 +9,9 @@ from typing import Any
 import msgpack
 import torch
 
-from shadow import knobs
 from shadow.errors import ShadowError
 from trainer_hooks import _audit, _codec, _optim, _rng
-from trainer_hooks._model import persistent_buffers
+from trainer_hooks._extras import ExtrasTracker
 from trainer_hooks._sender import CommitItem
 
 
@@ -64,20 +64,29 @@ class CommitMixin:
             blob_obj["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
             blob_obj["scaler"] = self.scaler.state_dict() if self.scaler is not None else None
             blob_obj["aliases"] = self._aliases
-            bufs = persistent_buffers(self.model)
-            if sum(b.numel() * b.element_size() for b in bufs.values()) <= knobs.get_int("MAX_BUFFER_BYTES"):
-                blob_obj["buffers"] = bufs
         try:
             blob = _codec.pack(blob_obj)
         except _codec.EncodeError as exc:
             raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
+        extras = self._emit_extras(k, bool(replay["bootstrap"]))
         nshards = max(w.get("shard", i) for i, w in enumerate(self.workers)) + 1
         bodies = []
         for w in range(len(self.shards)):
             owner = self.workers[w].get("shard", w) == self.rank % nshards  # every replica of that shard
             rec = dict(replay, sent=sent[w])
+            if extras is not None and extras[w]:
+                rec["extras"] = extras[w]  # EXTRA chunks sent ahead of this commit
             if audit is not None and audit[w] is not None:
                 rec["audit"] = audit[w]
             bodies.append(msgpack.packb({"replay": rec, "blob": blob if owner else None}, use_bin_type=True))
         self.sender.q.put(CommitItem(k, bodies))
         self._last_emitted = k
+
+    def _emit_extras(self, k: int, bootstrap: bool) -> list[int] | None:
+        """Rank 0: queue the model state outside the optimizer that changed in ``k``
+        (all of it at a bootstrap, which starts a new epoch); chunks per worker."""
+        if self.rank != 0:
+            return None
+        if bootstrap or getattr(self, "_extras", None) is None:
+            self._extras = ExtrasTracker(self.model, self.params, self.workers)
+        return self._extras.emit(k, self.sender.q, everything=bootstrap)

@@ -2,13 +2,17 @@
 ``torch.distributed.checkpoint`` directory, or the model weights as safetensors."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+from typing import Callable
 
 import torch
 
 from shadow.restore import Snapshot
 from trainer_hooks._codec import unpack
+from trainer_hooks._extras import snapshot_aliases
 from trainer_hooks._restore import state_dicts
 
 FORMATS = ("torch", "dcp", "safetensors")
@@ -24,31 +28,58 @@ def _fqn_optimizer(sd: dict, names: list[str]) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def check_out(out: str) -> None:
+    """Refuse an ``out`` whose parent directory does not exist, before any work is done
+    (the write would otherwise fail only at the end, after reading the whole checkpoint)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"cannot write {out}: the directory {parent} does not exist; create it first "
+                                f"(mkdir -p {parent}) or choose another out=")
+
+
+def _via_tmp(out: str, write: Callable[[str], object]) -> None:
+    """``write(tmp)``, then rename ``tmp`` onto ``out``: ``out`` is whole or untouched, and
+    the temporary file is removed on any failure."""
+    tmp = out + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def export(snap: Snapshot, out: str, fmt: str) -> str:
     """Write ``snap`` to ``out`` in ``fmt``; returns what was written."""
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not supported; choose one of {FORMATS}")
+    check_out(out)
     sd = state_dicts(snap)
     if fmt == "torch":
-        tmp = out + ".tmp"
-        torch.save(sd, tmp)
-        os.replace(tmp, out)
+        _via_tmp(out, lambda tmp: torch.save(sd, tmp))
         return out
-    aliases = (unpack(snap.blobs[0]).get("aliases") or {})
+    aliases = snapshot_aliases(snap.extras, unpack(snap.blobs[0]))
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
         weights = {k: v.contiguous() for k, v in sd["model"].items() if k not in aliases}
         meta = {"job": snap.job, "iteration": str(snap.iteration), "aliases": json.dumps(aliases)}
-        save_file(weights, out, metadata=meta)
+        _via_tmp(out, lambda tmp: save_file(weights, tmp, metadata=meta))
         return out
     import torch.distributed.checkpoint as dcp
 
     names = [p.name for p in snap.layout.params]
     state = {"model": dict(sd["model"]), "optimizer": _fqn_optimizer(sd, names)}
-    dcp.save(state, checkpoint_id=out, no_dist=True)
-    with open(os.path.join(out, "shadow.json"), "w") as f:
-        json.dump({"job": snap.job, "iteration": snap.iteration, "scheduler_in": "torch format only"}, f)
+    created = not os.path.exists(out)
+    try:
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+        with open(os.path.join(out, "shadow.json"), "w") as f:
+            json.dump({"job": snap.job, "iteration": snap.iteration, "scheduler_in": "torch format only"}, f)
+    except BaseException:
+        if created:  # a half-written directory is not a checkpoint
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return out
 
 
@@ -61,21 +92,20 @@ def export_weights(snap: Snapshot, out: str, fmt: str = "safetensors", dtype: st
         raise ValueError(f"format={fmt!r} is not supported for weights; choose one of {WEIGHT_FORMATS}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of {tuple(DTYPES)}")
+    check_out(out)
     sd = state_dicts(snap)["model"]
-    aliases = unpack(snap.blobs[0]).get("aliases") or {}
+    aliases = snapshot_aliases(snap.extras, unpack(snap.blobs[0]))
     cast = DTYPES[dtype]
     weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if k not in aliases}
-    tmp = out + ".tmp"
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(weights, tmp, metadata={"job": snap.job, "iteration": str(snap.iteration), "dtype": dtype,
-                                          "aliases": json.dumps(aliases)})
+        meta = {"job": snap.job, "iteration": str(snap.iteration), "dtype": dtype, "aliases": json.dumps(aliases)}
+        _via_tmp(out, lambda tmp: save_file(weights, tmp, metadata=meta))
     else:
         full = dict(weights)
         for alias, name in aliases.items():
             full[alias] = full[name]  # torch.save keeps the tie
-        torch.save(full, tmp)
-    os.replace(tmp, out)
+        _via_tmp(out, lambda tmp: torch.save(full, tmp))
     return {"tensors": len(weights), "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
             "aliases": aliases}

@@ -1,5 +1,6 @@
 """The trainer's view of the canonical layout: optimizer parameters, their names in the
-model (DDP-wrapped or not) and their persistent buffers."""
+model (DDP-wrapped or not) and tied-weight aliases (the rest of the model's state is
+``_extras``')."""
 from __future__ import annotations
 
 import torch
@@ -44,13 +45,6 @@ def build_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     if not params:
         raise LayoutError("the optimizer has no parameters")
     return Layout.build(entries, len(optimizer.param_groups)), params
-
-
-def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers that appear in ``state_dict`` (persistent ones), by name."""
-    m = unwrap(model)
-    sd_keys = set(m.state_dict().keys())
-    return {n: b for n, b in m.named_buffers() if n in sd_keys}
 
 
 def state_dict_aliases(model: torch.nn.Module) -> dict[str, str]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from shadow.errors import LayoutMismatchError
 from shadow.restore import Snapshot, resolve
 from shadow.wire.frames import Field
-from trainer_hooks import _codec, _rng
+from trainer_hooks import _codec, _extras, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
 from trainer_hooks._restored import RESTORED, RestorePoint
 
@@ -43,11 +43,8 @@ def state_dicts(snap: Snapshot) -> dict:
     with ordinary torch state dicts, loadable with ``load_state_dict``."""
     blobs = {r: _codec.unpack(b) for r, b in snap.blobs.items()}
     b0 = blobs[0]
-    model = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
-    for name, buf in (b0.get("buffers") or {}).items():
-        model[name] = buf
-    for alias, name in (b0.get("aliases") or {}).items():
-        model[alias] = model[name]  # tied weights: the same tensor under both keys
+    params = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
+    model = _extras.model_state(params, snap.extras, b0)  # with frozen params, buffers, aliases
     groups = b0["param_groups"]
     state: dict[int, dict] = {}
     sgd = snap.optim.get("kind") == "sgd"
@@ -130,15 +127,15 @@ def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.opti
                     "nothing was changed")
             params.append(p)
     sd = state_dicts(snap)
+    extras = _extras.load_plan(model, params, sd["model"], _extras.recorded(snap.extras))  # checked before any change
     blob_rank = rank if rank in range(len(sd["rng"])) else None
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
     with torch.no_grad():
         for spec, p in zip(snap.layout.params, params):
             p.copy_(sd["model"][spec.name])
-        for name, buf in unwrap(model).named_buffers():
-            if name in sd["model"]:
-                buf.copy_(sd["model"][name])
+        for live, saved in extras:  # parameters in no param group (frozen) and persistent buffers
+            live.copy_(saved)
     if optimizer is not None and not weights_only:
         optimizer.load_state_dict(sd["optimizer"])
         RESTORED[optimizer] = RestorePoint(snap.iteration, snap.job, snap.generation, snap.tier, snap.source)

@@ -50,6 +50,15 @@ class CommitItem:
 
 
 @dataclass
+class ExtraItem:
+    """Chunks of model state outside the optimizer for one worker (trainer_hooks._extras)."""
+
+    iteration: int
+    worker: int
+    chunks: list  # [(key, uint8 array)]
+
+
+@dataclass
 class NoticeItem:
     """A control message to the coordinator (the sender owns the socket)."""
 
@@ -166,6 +175,8 @@ class Sender(threading.Thread):
             self._send_payload(item.iteration, F.Kind.STATE, item.field, item.data, item.runs, None)
         elif isinstance(item, CommitItem):
             self._send_commit(item)
+        elif isinstance(item, ExtraItem):
+            self._send_extra(item)
         elif isinstance(item, JoinItem):
             if self.data[item.worker] is not None:
                 self.data[item.worker].close(linger=0)
@@ -217,6 +228,17 @@ class Sender(threading.Thread):
             self._after_send(item.iteration)
         if self._fault and item.iteration == self._fault[0]:
             self._die()
+
+    def _send_extra(self, item: ExtraItem) -> None:
+        w = item.worker
+        if w in self.out or self._faulted(item.iteration, w):
+            return
+        table = [(k, len(v), F.checksum(v)) for k, v in item.chunks]
+        frames = [self._header(F.Kind.EXTRA, F.Field.GRAD, item.iteration, w, table)]
+        self._send(w, frames + [memoryview(v) for _, v in item.chunks], True, item.iteration)  # zero-copy
+        self.bytes_out += sum(len(v) for _, v in item.chunks)
+        self.messages_out += 1
+        self._after_send(item.iteration)
 
     def _send(self, w: int, frames: list, track: bool, iteration: int):
         if self.net_faults is not None:

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shadow import knobs
 from shadow.client import LogWaiting, dealer, request
 from shadow.errors import ShadowError, ShadowUsageError
+from shadow.jobs import check_job_name
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
 from trainer_hooks import _bootstrap, _buckets, _checks, _metrics, _observe, _optim
@@ -55,6 +56,7 @@ class Session(RecoveryMixin, CommitMixin, ClipMixin):
                  tokens: Callable[[], int] | None = None, comm_hook: Callable | None = None,
                  comm_state: Any = None, scaler: Any = None, audit_every: int = 0,
                  audit_strict: bool = False) -> None:
+        check_job_name(job)  # it names a directory under every tier's root
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
                             f"reduced gradient buckets); got {type(ddp_model).__name__}")

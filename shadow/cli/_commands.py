@@ -31,14 +31,14 @@ def cmd_status(cfg: StatusConfig) -> int:
     if cfg.json:
         _print_json(st)
         return 0
-    from shadow.cli._render import render_status, status_view
+    from shadow.cli._render import render_status, status_view, stdout_console
 
     if not cfg.watch:
         render_status(st, cfg.address)
         return 0
     from rich.live import Live
 
-    with Live(status_view(st, cfg.address), auto_refresh=False) as live:
+    with Live(status_view(st, cfg.address), auto_refresh=False, console=stdout_console()) as live:
         try:
             while True:
                 time.sleep(cfg.watch)
@@ -60,6 +60,7 @@ def cmd_restore(cfg: RestoreConfig) -> int:
     from shadow.cli._render import stage
 
     t0 = time.monotonic()
+    _check_out(cfg.out)
     snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
     with stage(f"writing {cfg.out} ({cfg.format})"):
         from trainer_hooks import export
@@ -75,6 +76,7 @@ def cmd_export(cfg: ExportConfig) -> int:
     from shadow.cli._render import stage
 
     t0 = time.monotonic()
+    _check_out(cfg.out)
     snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
     with stage(f"writing {cfg.out} ({cfg.format}, {cfg.dtype})"):
         from trainer_hooks import export_weights
@@ -85,6 +87,34 @@ def cmd_export(cfg: ExportConfig) -> int:
           f"{snap.iteration}, {info['tensors']} tensors{tied}, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} "
           f"({snap.source}) in {time.monotonic() - t0:.2f} s")
     return 0
+
+
+def _check_out(out: str) -> None:
+    """A missing parent of ``out=`` is an error before the checkpoint is read, not after."""
+    from trainer_hooks._export import check_out
+
+    check_out(out)
+
+
+def _missing_dir(source: str) -> str | None:
+    """``"no such directory: ..."`` when ``source`` (a path or fsspec URL) is not a
+    directory, else None; an empty listing of a mistyped path would look like no checkpoints."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(source)
+    return None if fs.isdir(path) else f"no such directory: {source}"
+
+
+def _unreadable(mpath: str, reason: str) -> dict:
+    """What ``ls``/``verify`` report for a manifest the catalog skipped."""
+    import posixpath
+
+    from shadow.persist import catalog
+
+    d = posixpath.dirname(mpath)
+    key = catalog.dir_key(d)
+    return {"job": posixpath.basename(posixpath.dirname(d)), "iteration": key[1] if key else None,
+            "path": mpath, "error": f"unreadable manifest: {reason}"}
 
 
 def _size(path: str) -> int:
@@ -99,6 +129,9 @@ def cmd_ls(cfg: ListConfig) -> int:
 
     rows = []
     roots = [(cfg.source, "local" if catalog.is_local(cfg.source) else "remote")]
+    if not is_endpoint(cfg.source) and _missing_dir(cfg.source):
+        print(f"shadow ls: {_missing_dir(cfg.source)}", file=sys.stderr)
+        return 1
     if is_endpoint(cfg.source):
         info = restore_info(cfg.source, cfg.job, cfg.timeout)
         if info["memory"]:
@@ -107,12 +140,16 @@ def cmd_ls(cfg: ListConfig) -> int:
                          "bytes": None, "state": "complete", "path": cfg.source})
         roots = [(s["root"], s["tier"]) for s in info["storage"]]
     for root, tier in roots:
-        for c in catalog.list_checkpoints(root, tier, cfg.job):
-            rows.append({"job": c.job, "iteration": c.iteration, "tier": tier, "time": c.manifest.get("created"),
-                         "bytes": c.bytes, "raw_bytes": c.raw_bytes, "state": "complete", "path": c.path})
+        skipped: list = []
+        for c in catalog.list_checkpoints(root, tier, cfg.job, skipped=skipped):
+            rows.append({"job": c.job, "iteration": c.iteration, "generation": c.generation, "tier": tier,
+                         "time": c.manifest.get("created"), "bytes": c.bytes, "raw_bytes": c.raw_bytes,
+                         "state": "superseded" if c.superseded else "complete", "path": c.path})
         for d in catalog.list_torn(root, cfg.job):
-            rows.append({"job": d.rstrip("/").split("/")[-2], "iteration": int(d.rsplit("-", 1)[1]), "tier": tier,
-                         "time": None, "bytes": None, "state": "incomplete", "path": d})
+            generation, iteration = catalog.dir_key(d) or (0, -1)
+            rows.append({"job": d.rstrip("/").split("/")[-2], "iteration": iteration, "generation": generation,
+                         "tier": tier, "time": None, "bytes": None, "state": "incomplete", "path": d})
+        rows += [dict(_unreadable(m, why), tier=tier, time=None, bytes=None, state="unreadable") for m, why in skipped]
     if cfg.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -126,10 +163,16 @@ def cmd_verify(cfg: VerifyConfig) -> int:
     from shadow.persist import catalog
 
     tier = "local" if catalog.is_local(cfg.source) else "remote"
-    found = catalog.list_checkpoints(cfg.source, tier, cfg.job)
+    if _missing_dir(cfg.source):
+        print(f"shadow verify: {_missing_dir(cfg.source)}", file=sys.stderr)
+        return 1
+    skipped: list = []
+    found = catalog.list_checkpoints(cfg.source, tier, cfg.job, skipped=skipped)
+    bad = [_unreadable(m, why) for m, why in skipped]
     if cfg.iteration is not None:
         found = [c for c in found if c.iteration == cfg.iteration]
-    if not found:
+        bad = [b for b in bad if b["iteration"] == cfg.iteration]
+    if not found and not bad:
         what = "complete checkpoint" + (f" of iteration {cfg.iteration}" if cfg.iteration is not None else "")
         print(f"shadow verify: no {what} under {cfg.source}", file=sys.stderr)
         return 1
@@ -143,12 +186,17 @@ def cmd_verify(cfg: VerifyConfig) -> int:
                 problems.append(f"decoding: {type(exc).__name__}: {exc}")
         results.append({"job": c.job, "iteration": c.iteration, "ok": not problems, "problems": problems,
                         "shards": len(c.manifest["shards"]), "bytes": c.bytes, "path": c.path})
+    results += [{"job": b["job"], "iteration": b["iteration"], "ok": False, "problems": [f"{b['path']}: {b['error']}"],
+                 "shards": None, "bytes": None, "path": b["path"]} for b in bad]
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
         for r in results:
-            print(f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} shards, "
-                  f"{r['bytes'] / 2**20:.1f} MiB)")
+            if r["shards"] is None:
+                print(f"{r['job']} iteration {r['iteration']}: UNREADABLE")
+            else:
+                print(f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
+                      f"shards, {r['bytes'] / 2**20:.1f} MiB)")
             for p in r["problems"]:
                 print(f"  {p}")
     return 0 if all(r["ok"] for r in results) else 1

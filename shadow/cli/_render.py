@@ -8,7 +8,19 @@ import time
 from typing import Iterator
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
+
+PIPE_WIDTH = 100_000  # columns when stdout is not a terminal: wide enough that nothing is cut
+
+
+def stdout_console() -> Console:
+    """The console for results on stdout. On a terminal, its width; in a pipe, a file or
+    a CI log, wide enough that tables keep whole headers and cells (rich would otherwise
+    assume 80 columns and cut them to ``strat…``) and text lines are not wrapped."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=PIPE_WIDTH)
 
 
 @contextlib.contextmanager
@@ -45,13 +57,18 @@ def render_checkpoints(rows: list[dict], source: str) -> None:
     t = Table(title=f"checkpoints behind {source}")
     for col in ("job", "iteration", "tier", "time", "size", "state", "path"):
         t.add_column(col)
-    for r in sorted(rows, key=lambda r: (r["job"], r["iteration"], r["tier"])):
+    for r in sorted(rows, key=lambda r: (r["job"], -1 if r["iteration"] is None else r["iteration"], r["tier"])):
         when = datetime.datetime.fromtimestamp(r["time"]).isoformat(timespec="seconds") if r["time"] else "-"
         size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
         if r.get("raw_bytes") and r["bytes"] and r["raw_bytes"] != r["bytes"]:
             size += f" (zstd, {r['raw_bytes'] / r['bytes']:.2f}x)"
-        t.add_row(r["job"], str(r["iteration"]), r["tier"], when, size, r["state"], r["path"])
-    Console().print(t)
+        state = r["state"] + (f" (gen {r['generation']})" if r.get("generation") else "")
+        t.add_row(escape(r["job"]), str(r["iteration"]), r["tier"], when, size, state, escape(r["path"]))
+    console = stdout_console()
+    console.print(t)
+    for r in rows:
+        if r.get("error"):
+            console.print(f"[red]{r['state']}[/red] {escape(r['path'])}: {escape(r['error'])}", highlight=False)
 
 
 def _ago(ts: float | None) -> str:
@@ -67,7 +84,7 @@ def _rate(bps: float | None) -> str:
 
 def render_status(st: dict, address: str) -> None:
     """The cluster at a glance: one row per worker, then the job, tiers and security."""
-    Console().print(status_view(st, address))
+    stdout_console().print(status_view(st, address))
 
 
 def status_view(st: dict, address: str) -> Group:
@@ -75,7 +92,8 @@ def status_view(st: dict, address: str) -> Group:
     redraws it in place)."""
     out: list = []
     job = st.get("job")
-    t = Table(title=f"shadow cluster {address}: {len(st['workers'])}/{st['expected_workers']} workers, "
+    ready = sum(1 for w in st["workers"] if w.get("ready", True))
+    t = Table(title=f"shadow cluster {address}: {ready}/{st['expected_workers']} workers ready, "
                     f"{st.get('shards', '?')} shards x {st.get('replicas', 1)}")
     cols = ("worker", "shard", "range", "applied", "lag (it)", "health", "MiB/s in", "replay ms/it", "frames in",
             "rejected", "pid", "data address")
@@ -85,13 +103,17 @@ def status_view(st: dict, address: str) -> Group:
     for w in st["workers"]:
         rng = f"[{w['start']}, {w['stop']})" if w["start"] is not None else "-"
         health = w["health"] + (f" ({w['stale']})" if w["stale"] else "")
-        style = {"ok": "green", "lost": "red", "stale": "yellow", "joining": "cyan", "out": "magenta"}.get(w["health"])
+        if w["health"] == "starting" and w.get("starting_s") is not None:
+            health += f" (compiling kernels, {w['starting_s']:.0f} s)"
+        style = {"ok": "green", "lost": "red", "stale": "yellow", "joining": "cyan", "out": "magenta",
+                 "starting": "cyan"}.get(w["health"])
         lag = str(max(0, w["seen"] - w["applied"])) if w["applied"] >= 0 else "-"
         per = w.get("replay_s_per_iteration")
-        t.add_row(str(w["id"]), str(w.get("shard", w["id"])), rng, str(w["applied"]), lag,
+        shard = w.get("shard", w["id"])
+        t.add_row(str(w["id"]), "-" if shard is None else str(shard), rng, str(w["applied"]), lag,
                   f"[{style}]{health}[/{style}]" if style else health, _rate(w.get("bytes_per_s")),
                   f"{per * 1e3:.1f}" if per is not None else "-", str(w["frames_in"]),
-                  str(sum(w["rejected"].values())), str(w["pid"]), w.get("data", "-"))
+                  str(sum(w["rejected"].values())), str(w["pid"]), w.get("data") or "-")
     out.append(t)
     if job:
         line = (f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
@@ -134,7 +156,7 @@ def _dur(s: float) -> str:
 
 def render_plan(r: dict) -> None:
     """``shadow plan``: the scenario, every strategy side by side, the break-even and the sizing."""
-    console = Console()
+    console = stdout_console()
     sc = r["scenario"]
     console.print(f"[bold]{sc['name'] or 'scenario'}[/bold]: {sc['gpus']} GPUs, job MTBF {sc['job_mtbf_h']:.2f} h "
                   f"({sc['failures_per_day']:.1f} failures/day), {sc['params'] / 1e9:.0f}B params, state "

@@ -23,7 +23,8 @@ import numpy as np
 
 from shadow.errors import ShadowError
 from shadow.layout import Layout
-from shadow.persist import shardfile, zshard
+from shadow.persist import fsglob, shardfile, zshard
+from shadow.persist.manifests import manifest_problem
 from shadow.restore.snapshot import Snapshot
 from shadow.wire.frames import Field, checksum
 
@@ -170,22 +171,29 @@ def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
         return path
     fs, p = _fs(d)
     fs.pipe_file(posixpath.join(p, MANIFEST + ".tmp"), data)
-    fs.mv(posixpath.join(p, MANIFEST + ".tmp"), posixpath.join(p, MANIFEST))
+    fsglob.move(fs, posixpath.join(p, MANIFEST + ".tmp"), posixpath.join(p, MANIFEST))
     return posixpath.join(d, MANIFEST)
 
 
-def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> list[CheckpointInfo]:
-    """Complete checkpoints under ``root`` (those with a manifest), lowest iteration first."""
+def list_checkpoints(root: str, tier: str = "local", job: str | None = None,
+                     skipped: list[tuple[str, str]] | None = None) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``root`` (those with a manifest), lowest iteration first.
+    A manifest that does not parse or fails :func:`manifest_problem` is skipped with a
+    warning and appended to ``skipped`` (if given) as ``(path, reason)``."""
     fs, base = _fs(root)
-    pattern = posixpath.join(base, job or "*", "iteration-*", MANIFEST)
+    pattern = fsglob.pattern(base, job, "iteration-*", MANIFEST)
     out = []
     for mpath in fs.glob(pattern):
         try:
             manifest = json.loads(fs.cat_file(mpath))
-            if manifest.get("format") != FORMAT:
-                raise ValueError(f"format {manifest.get('format')!r}")
-        except (ValueError, OSError) as exc:
+            problem = manifest_problem(manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(
+                mpath))))
+            if problem is not None:
+                raise ValueError(problem)
+        except (ValueError, OSError) as exc:  # bad JSON or UTF-8 is a ValueError too
             logger.warning("ignoring unreadable manifest %s: %s", mpath, exc)
+            if skipped is not None:
+                skipped.append((mpath, str(exc)))
             continue
         d = posixpath.dirname(mpath)
         out.append(CheckpointInfo(root, tier, d, manifest, fs))
@@ -202,7 +210,7 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None) -> 
 def list_torn(root: str, job: str | None = None) -> list[str]:
     """Checkpoint directories without a manifest (interrupted writes)."""
     fs, base = _fs(root)
-    dirs = fs.glob(posixpath.join(base, job or "*", "iteration-*"))
+    dirs = fs.glob(fsglob.pattern(base, job, "iteration-*"))
     return sorted(d for d in dirs if not fs.exists(posixpath.join(d, MANIFEST)))
 
 
@@ -213,6 +221,9 @@ def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
     except FileNotFoundError:
         raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file "
                               f"{path} is missing") from None
+    except OSError as exc:  # unreadable (permissions, I/O error)
+        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file "
+                              f"{path} cannot be read: {exc}") from None
     if len(data) != shard["bytes"]:
         raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) is "
                               f"{len(data)} bytes, manifest says {shard['bytes']}")
@@ -262,7 +273,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             meta, tensors, csum, size = shardfile.read_into(path, target)
         except FileNotFoundError:
             raise CheckpointError(f"{where} file {path} is missing") from None
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:
             raise CheckpointError(f"{where} ({path}): {exc}") from None
         if size != shard["bytes"]:
             raise CheckpointError(f"{where} ({path}) is {size} bytes, manifest says {shard['bytes']}")
@@ -288,7 +299,10 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``);
     ``progress(done_bytes, total_bytes)`` is called after each shard."""
     m = info.manifest
-    layout = Layout.from_dict(m["layout"])
+    try:
+        layout = Layout.from_dict(m["layout"])
+    except Exception as exc:  # noqa: BLE001 - a malformed layout is a damaged checkpoint
+        raise CheckpointError(f"iteration {info.iteration}: unreadable layout in {info.path}: {exc!r}") from None
     if f"{layout.hash:016x}" != m["layout_hash"]:
         raise CheckpointError(f"iteration {info.iteration}: manifest layout does not match its hash")
     total = layout.total
@@ -296,17 +310,26 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)
     blobs: dict[int, bytes] = {}
+    extras: dict[int, np.ndarray] = {}  # chunks of model state outside the optimizer, by key
     covered = done = 0
     for shard in m["shards"]:
-        tensors = _shard_tensors(info, shard, check, arrays, total)
-        lo = shard["start"]
-        for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"]):
-            if layout.params[int(i)].offset >= lo:
-                steps[int(i)] = s
-                has_state[int(i)] = bool(h)
-        for name, t in tensors.items():
-            if name.startswith("commit.rank"):
-                blobs[int(name[len("commit.rank"):])] = t.tobytes()
+        try:  # whatever a damaged shard trips (KeyError, TypeError, ...) is a CheckpointError naming it
+            tensors = _shard_tensors(info, shard, check, arrays, total)
+            lo = shard["start"]
+            for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"]):
+                if layout.params[int(i)].offset >= lo:
+                    steps[int(i)] = s
+                    has_state[int(i)] = bool(h)
+            for name, t in tensors.items():
+                if name.startswith("commit.rank"):
+                    blobs[int(name[len("commit.rank"):])] = t.tobytes()
+                elif name.startswith("extra."):
+                    extras[int(name[len("extra."):])] = t
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} "
+                                  f"({posixpath.join(info.path, shard['file'])}) is unreadable: {exc!r}") from None
         covered += shard["stop"] - lo
         done += shard["bytes"]
         if progress is not None:
@@ -317,7 +340,7 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     if missing:
         raise CheckpointError(f"iteration {info.iteration}: commit records of ranks {missing} are missing")
     return Snapshot(m["job"], m["iteration"], layout, m["optim"], m["world"], arrays, steps, has_state, blobs,
-                    source=info.path, tier=info.tier)
+                    source=info.path, tier=info.tier, extras=extras)
 
 
 def find(root: str, tier: str, job: str | None = None, iteration: int | None = None,
@@ -363,7 +386,7 @@ def retain(root: str, job: str, keep: int) -> list[str]:
                                                  if (dir_key(d) or newest) < newest]
     for d in victims:
         try:
-            fs.rm(d, recursive=True)
+            fs.rm(fsglob.literal(fs, d), recursive=True)
         except OSError as exc:
             logger.warning("retention could not delete %s: %s", d, exc)
     return victims

@@ -169,10 +169,24 @@ READ_THREADS = 4
 
 
 def _header(raw: bytes) -> tuple[dict, dict]:
+    """``(metadata, {tensor name: spec})`` of a JSON header, checked in shape: a damaged
+    header (a flipped bit) is a ``ValueError`` saying what is wrong, never a ``KeyError``
+    or ``TypeError`` further on. Bad JSON or UTF-8 raises ``ValueError`` subclasses."""
     header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"the shard header is a JSON {type(header).__name__}, not an object")
     meta = header.pop("__metadata__", {})
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"not a shadow shard file (format {meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else meta
+        raise ValueError(f"not a shadow shard file (format {fmt!r})")
+    for name, spec in header.items():
+        if not isinstance(spec, dict) or spec.get("dtype") not in _DTYPES:
+            dtype = spec.get("dtype") if isinstance(spec, dict) else spec
+            raise ValueError(f"tensor {name!r} has a malformed entry or an unsupported dtype ({dtype!r})")
+        off = spec.get("data_offsets")
+        if not (isinstance(off, list) and len(off) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in off)):
+            raise ValueError(f"tensor {name!r}: data_offsets {off!r} is not a pair of byte offsets")
     return meta, header
 
 

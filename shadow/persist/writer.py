@@ -90,18 +90,20 @@ class ShardPersister:
         d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration, self.generation)
         return os.path.join(d, self.file_name())
 
-    def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None) -> None:
+    def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None,
+                 extras: dict | None = None) -> None:
         """Copy the range as of ``iteration`` into an image and start writing it."""
         if self._skipped_at == iteration:  # begin() already reported this one skipped
             return
-        img = self.begin(iteration, epoch, world, blobs)
+        img = self.begin(iteration, epoch, world, blobs, extras)
         if img is None:
             return
         for f, view in self.field_views(img).items():
             np.copyto(view, self.state.array(f), casting="no")
-        self.finish(img, iteration, epoch, blobs, commit)
+        self.finish(img, iteration, epoch, blobs, commit, extras)
 
-    def begin(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes]) -> shardfile.ShardImage | None:
+    def begin(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes],
+              extras: dict | None = None) -> shardfile.ShardImage | None:
         """Take a free image and lay it out for the range; None (reported as skipped) when
         every image is still being written. The caller fills the fields -- by copying, or
         in the apply pass of ``iteration`` itself (:meth:`field_views`) -- then calls
@@ -117,6 +119,9 @@ class ShardPersister:
         entries += [shardfile.Entry("param_index", "I64", nparams), shardfile.Entry("steps", "F64", nparams),
                     shardfile.Entry("has_state", "U8", nparams)]
         entries += [shardfile.Entry(f"commit.rank{r}", "U8", len(b)) for r, b in sorted(blobs.items())]
+        # this worker's chunks of the model state outside the optimizer (trainer_hooks._extras): every
+        # checkpoint holds the whole set, however long ago a chunk last changed
+        entries += [shardfile.Entry(f"extra.{k}", "U8", len(b)) for k, b in sorted((extras or {}).items())]
         meta = {"format": shardfile.FORMAT, "job": self.job, "epoch": str(epoch), "iteration": str(iteration),
                 "start": str(st.start), "stop": str(st.stop), "shard": str(self.shard),
                 "shards": str(self.nshards), "layout_hash": f"{st.layout.hash:016x}", "world": str(world)}
@@ -128,7 +133,7 @@ class ShardPersister:
         return {f: img.view(f.name.lower()) for f in self.state.fields()}
 
     def finish(self, img: shardfile.ShardImage, iteration: int, epoch: int, blobs: dict[int, bytes],
-               commit: dict | None) -> None:
+               commit: dict | None, extras: dict | None = None) -> None:
         """Fill the per-parameter metadata (as of now: after ``iteration`` applied) and the
         commit blobs, and start the background write."""
         st = self.state
@@ -138,6 +143,8 @@ class ShardPersister:
         img.fill("has_state", st.has_state[idx].astype(np.uint8))
         for r, b in blobs.items():
             img.fill(f"commit.rank{r}", np.frombuffer(b, dtype=np.uint8))
+        for k, b in (extras or {}).items():
+            img.fill(f"extra.{k}", np.frombuffer(b, dtype=np.uint8))
         extra = {"commit": commit, "blob_ranks": sorted(blobs)}
         self._start(self._write, (img, iteration, epoch, extra), "shadow-persist")
 

@@ -2,7 +2,8 @@
 
 A :class:`Snapshot` is what every restore path produces and every exporter consumes:
 the flat parameter and moment arrays, per-parameter step counts, the layout, and the
-opaque per-rank commit blobs (RNG, scheduler, extra state), all for one iteration.
+opaque per-rank commit blobs (RNG, scheduler, extra state) and the chunks of the model
+state outside the optimizer (``trainer_hooks._extras``), all for one iteration.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Snapshot:
     tier: str = "memory"
     extra: dict = field(default_factory=dict)
     generation: int = 0  # the job's lineage: a restore to an older iteration then training on starts a new one
+    extras: dict = field(default_factory=dict)  # key -> chunk of model state outside the optimizer (opaque)
 
 
 class MovedOn(ShadowError):
@@ -58,6 +60,7 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)
     blobs: dict[int, bytes] = {}
+    extras: dict[int, bytes] = {}
     covered, done_bytes = 0, 0
     limit = knobs.get("FETCH_TIMEOUT_S")
     ctx = zmq.Context(io_threads=max(1, min(4, len(info["workers"]))))
@@ -83,7 +86,7 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
             for sock in ready:
                 w = pending.pop(sock)
                 poller.unregister(sock)
-                head = _take_shard(sock, w, info, layout, arrays, steps, has_state, blobs)
+                head = _take_shard(sock, w, info, layout, arrays, steps, has_state, blobs, extras)
                 covered += head["stop"] - head["start"]
                 done_bytes += (head["stop"] - head["start"]) * 4 * len(head["arrays"])
                 if progress is not None:
@@ -96,10 +99,11 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     if missing:
         raise ShadowError(f"commit records of ranks {missing} are missing from the cluster")
     return Snapshot(info["job"], info["iteration"], layout, info["optim"], info["world"], arrays, steps, has_state,
-                    blobs, source=address, generation=int(info.get("generation", 0)))
+                    blobs, source=address, generation=int(info.get("generation", 0)), extras=extras)
 
 
-def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs) -> dict:
+def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs,
+                extras: dict | None = None) -> dict:
     """Receive one worker's reply into ``arrays`` (allocated for the optimizer's fields, in
     wire order); returns its head."""
     head = M.decode(sock.recv())
@@ -126,6 +130,14 @@ def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_st
             if checksum(target[off:off + want]) != next(sums, None):  # damaged, or applied over while sent
                 raise MovedOn(f"worker {w['id']}: {fld.name} bytes {off}..{off + want} of its shard fail their "
                               "checksum")
+    for key, nbytes, csum in head.get("extras", []):  # this worker's chunks of the model state outside the optimizer
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ShadowError(f"worker {w['id']} sent too few extras chunks")
+        raw = sock.recv()
+        if len(raw) != nbytes or checksum(raw) != csum:
+            raise ShadowError(f"worker {w['id']} sent a damaged extras chunk {key:#x}")
+        if extras is not None:
+            extras[int(key)] = raw
     if sock.getsockopt(zmq.RCVMORE):
         raise ShadowError(f"worker {w['id']} sent more than its shard")
     for i, s in head["steps"]:

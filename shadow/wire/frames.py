@@ -8,7 +8,8 @@ The header names the job, session epoch, layout hash, sending rank, iteration an
 per-(rank, worker) sequence number, and ends with a 32-bit checksum of the header and
 run table (so a flipped bit in a destination offset cannot land valid data elsewhere). Each run entry is ``(dst, nelem, checksum)``:
 ``nelem`` fp32 elements landing at flat element ``dst`` (GRAD and STATE frames) or, for
-a COMMIT, ``nelem`` bytes of msgpack body. Payloads are raw little-endian bytes, sent
+a COMMIT, ``nelem`` bytes of msgpack body; for an EXTRA, ``nelem`` bytes of the chunk
+keyed ``dst`` (``trainer_hooks._extras``). Payloads are raw little-endian bytes, sent
 zero-copy and received straight into the worker's preallocated buffers.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Kind(IntEnum):
     GRAD = 1  # reduced gradient of iteration k
     STATE = 2  # full state (bootstrap / resync) as of iteration k
     COMMIT = 3  # commit record of iteration k (msgpack body)
+    EXTRA = 4  # chunks of model state outside the optimizer that changed in iteration k
 
 
 class Field(IntEnum):

@@ -71,7 +71,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "error": {"message": (str,)},
     # client -> worker serve socket
     "fetch": {"epoch": (int,), "iteration": (int,)},
-    # worker -> client
+    # worker -> client; optional "extras": [[key, nbytes, xxh3], ...], chunks of the model state
+    # outside the optimizer, sent after the arrays' chunks
     "fetch_reply": {"epoch": (int,), "iteration": (int,), "start": (int,), "stop": (int,),
                     "arrays": (list,), "steps": (list,), "has_state": (list,), "commits": (list,),
                     "replay": (dict, type(None)), "chunk": (int,),

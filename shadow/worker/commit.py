@@ -62,6 +62,8 @@ def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple
             raise F.FrameError("bad_commit", "commit body names another iteration or rank than its header")
         if not isinstance(replay["sent"], int) or replay["sent"] < 0:
             raise F.FrameError("bad_commit", "commit 'sent' is not a count")
+        if not isinstance(replay.get("extras", 0), int) or replay.get("extras", 0) < 0:
+            raise F.FrameError("bad_commit", "commit 'extras' is not a count")
         skipped = replay["skipped"]
         if not all(isinstance(i, int) and 0 <= i < nparams for i in skipped):
             raise F.FrameError("bad_commit", "commit skips a parameter index out of range")

@@ -39,7 +39,7 @@ class DataMixin:
             # the next frame shows the gap); bytes lost or changed after the sequence check
             # leave this replica unusable until a resync
             if exc.reason in ("gap", "double_commit", "bad_checksum", "truncated_payload", "extra_payload",
-                              "overflow", "disagree"):
+                              "overflow", "disagree", "bad_extra"):
                 self._go_stale(str(exc))
 
     def _take_frame(self, sock, raw: bytes) -> None:
@@ -61,6 +61,8 @@ class DataMixin:
         s.seen = max(s.seen, h.iteration)
         if h.kind == F.Kind.COMMIT:
             self._take_commit(sock, h)
+        elif h.kind == F.Kind.EXTRA:
+            self._take_extra(sock, h)
         else:
             self._take_payload(sock, h)
         self._report_prepared()
@@ -117,6 +119,33 @@ class DataMixin:
         slot.parts.extend(parts)
         if h.kind == F.Kind.STATE:
             slot.field_elems[int(h.field)] = slot.field_elems.get(int(h.field), 0) + total
+
+    def _take_extra(self, sock, h: F.Header) -> None:
+        """Chunks of model state outside the optimizer (``trainer_hooks._extras``), kept
+        zero-copy by key; the worker's set takes them when their iteration is applied."""
+        s = self.session
+        if h.field != F.Field.GRAD:
+            raise F.FrameError("bad_kind", f"EXTRA frame for field {h.field.name}")
+        cap = knobs.get_int("MAX_COMMIT_BYTES")
+        for _, nbytes, _ in h.runs:
+            if not 0 < nbytes <= cap:
+                raise F.FrameError("bad_extra", f"a chunk of {nbytes} bytes (limit {cap}, SHADOW_MAX_COMMIT_BYTES)")
+        slot = s.inbox.slot(h.iteration, F.Kind.STATE if h.iteration == s.base else F.Kind.GRAD)
+        if slot.commits[h.rank] is not None:
+            raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
+        for key, nbytes, csum in h.runs:
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise F.FrameError("truncated_payload", "message has fewer payload frames than runs")
+            frame = sock.recv(copy=False)
+            if len(frame) != nbytes:
+                raise F.FrameError("truncated_payload", f"payload is {len(frame)} bytes, run says {nbytes}")
+            if F.checksum(frame.buffer) != csum:
+                raise F.FrameError("bad_checksum", f"extras chunk {key:#x} from rank {h.rank} iteration {h.iteration}")
+            self.bytes_in += nbytes
+            slot.extras[key] = frame.buffer
+        if sock.getsockopt(zmq.RCVMORE):
+            raise F.FrameError("extra_payload", "message has more payload frames than runs")
+        slot.extra_count[h.rank] += len(h.runs)
 
     def _take_commit(self, sock, h: F.Header) -> None:
         s = self.session

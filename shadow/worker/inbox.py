@@ -19,6 +19,8 @@ class Slot:
     field_elems: dict = field(default_factory=dict)  # STATE: elements per field
     commits: list = field(init=False)  # replay part per rank
     blobs: dict = field(default_factory=dict)  # rank -> opaque commit blob
+    extras: dict = field(default_factory=dict)  # key -> chunk of model state outside the optimizer
+    extra_count: list = field(init=False)  # EXTRA chunks received per rank
     #: GRAD: ``(local_dst, float32 array)`` per received run; the arrays are views of the
     #: zmq frames (no copy into a separate gradient buffer)
     parts: list = field(default_factory=list)
@@ -26,6 +28,7 @@ class Slot:
     def __post_init__(self) -> None:
         self.received = np.zeros(self.world, dtype=np.int64)
         self.commits = [None] * self.world
+        self.extra_count = [0] * self.world
 
 
 class Inbox:
@@ -71,13 +74,15 @@ class Inbox:
         return sorted(slot.parts, key=lambda p: p[0])
 
     def complete(self, slot: Slot) -> bool:
-        """Every rank's commit is in, each rank's byte count matches what it says it
-        sent, and every element the step will touch has a gradient (or, for STATE,
-        every field of the range is covered)."""
+        """Every rank's commit is in, each rank's byte count (and EXTRA chunk count)
+        matches what it says it sent, and every element the step will touch has a
+        gradient (or, for STATE, every field of the range is covered)."""
         if any(c is None for c in slot.commits):
             return False
         sent = np.asarray([c["sent"] for c in slot.commits], dtype=np.int64)
         if not np.array_equal(sent, slot.received):
+            return False
+        if any(n != c.get("extras", 0) for n, c in zip(slot.extra_count, slot.commits)):
             return False
         if slot.kind == Kind.STATE:
             return all(slot.field_elems.get(int(f), 0) == self.size for f in self.state_fields)

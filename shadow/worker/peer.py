@@ -72,6 +72,12 @@ def install(session, parts: list[bytes], iteration: int) -> None:
             if checksum(raw) != next(sums, None):
                 raise PeerError(f"chunk of {Field(f).name} at byte {off} fails its checksum")
             target[off:off + want] = np.frombuffer(raw, dtype=np.uint8)
+    extras = {}
+    for key, nbytes, csum in head.get("extras", []):  # chunks of the model state outside the optimizer
+        raw = next(pieces, None)
+        if raw is None or len(raw) != nbytes or checksum(raw) != csum:
+            raise PeerError(f"peer sent a short, missing or damaged extras chunk {key:#x}")
+        extras[int(key)] = raw
     if next(pieces, None) is not None:
         raise PeerError("peer sent more than its shard")
     nparams = len(st.steps)
@@ -85,6 +91,7 @@ def install(session, parts: list[bytes], iteration: int) -> None:
             raise PeerError(f"peer sent state flags for parameter {i} of {nparams}")
         st.has_state[int(i)] = True
     session.blobs = {int(r): bytes(b) for r, b in head["commits"]}
+    session.extras = extras
     session.commit = head["replay"]
     session.applied = session.prepared = session.seen = iteration
 

@@ -76,13 +76,16 @@ class ServeMixin:
         for f in fields:
             raw = st.array(f).view(np.uint8)
             views += [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
+        extras = sorted(s.extras.items())  # chunks of the model state outside the optimizer, after the arrays
         head = M.encode(
             "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
             arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
             has_state=[int(i) for i in idx if st.has_state[i]],
             commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
             replay=s.commit, chunk=chunk, sums=[F.checksum(v) for v in views],
+            extras=[[k, len(b), F.checksum(b)] for k, b in extras],
         )
+        views += [b for _, b in extras]
         tracker = self.serve.send_multipart([ident, head] + [memoryview(v) for v in views], copy=False, track=True)
         self.serving = [(t, d) for t, d in self.serving if not t.done]
         self.serving.append((tracker, time.monotonic() + knobs.get("SERVE_HOLD_S")))

@@ -42,12 +42,39 @@ class Tiny(nn.Module):
         self.fc2 = nn.Linear(33, 37)
         self.frozen = nn.Parameter(torch.ones(5), requires_grad=False)
 
+    def trunk(self, x):
+        return self.ln(self.emb(x)).mean(1)
+
     def forward(self, x, use_side: bool = False):
-        h = self.ln(self.emb(x)).mean(1)
+        h = self.trunk(x)
         out = self.fc2(self.drop(torch.relu(self.fc1(h))))
         if self.side is not None and use_side:
             out = out + self.side(h)
         return out
+
+
+TABLE_ELEMS = 50_000  # the big buffer: tests shrink SHADOW_EXTRA_CHUNK_BYTES so it spans several chunks
+
+
+class TinyExtras(Tiny):
+    """Tiny plus model state outside the optimizer: a frozen layer in no param group, a
+    BatchNorm's running statistics (updated by every forward) and a large constant buffer."""
+
+    def __init__(self, unused_branch: bool = False) -> None:
+        super().__init__(unused_branch)
+        self.base = nn.Linear(24, 24).requires_grad_(False)
+        self.bn = nn.BatchNorm1d(24, affine=False)
+        self.register_buffer("table", torch.randn(TABLE_ELEMS))
+
+    def trunk(self, x):
+        h = super().trunk(x)
+        return self.bn(h + self.base(h)) + self.table[:24]
+
+    def poke(self) -> None:
+        """Change the frozen layer and the big buffer in place (as weight surgery would)."""
+        with torch.no_grad():
+            self.base.weight.add_(1.0)
+            self.table.mul_(2.0)
 
 
 def batch(seed: int, it: int, rank: int):
@@ -61,10 +88,11 @@ SCHEDULERS = ("lambda", "onecycle", "sequential", "chained")
 
 
 def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False, optim: str = "adamw",
-          sched: str = "lambda", unused: bool = False, steps: int = 12):
-    """The model, optimizer (two param groups, a frozen param) and scheduler under test."""
+          sched: str = "lambda", unused: bool = False, steps: int = 12, extras: bool = False):
+    """The model, optimizer (two param groups, a frozen param) and scheduler under test;
+    ``extras``: :class:`TinyExtras`, whose extra state is in no param group."""
     torch.manual_seed(seed)
-    model = Tiny(unused)
+    model = TinyExtras(unused) if extras else Tiny(unused)
     kw = {"fused": True} if impl == "fused" else ({"foreach": True} if impl == "foreach" else {"foreach": False})
     first = [p for n, p in model.named_parameters() if n.startswith(("fc", "emb", "side"))]
     groups = [{"params": first, "weight_decay": 0.05},
@@ -136,6 +164,9 @@ def main() -> None:
     ap.add_argument("--compress", default="", help="DDP compression hook: bf16 | fp16")
     ap.add_argument("--kill-worker-at", type=int, default=0, help="rank 0 SIGKILLs shadow worker 1 then")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--extras", action="store_true", help="TinyExtras: frozen layer, BatchNorm, big buffer")
+    ap.add_argument("--poke-at", type=int, default=0, help="with --extras: change the frozen layer and the big "
+                                                             "buffer in place before this iteration's forward")
     ap.add_argument("--policy", default="block", help="back-pressure policy: block | skip")
     ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
     ap.add_argument("--info-out", default="", help="JSON progress file: restored / completed iteration, "
@@ -151,7 +182,8 @@ def main() -> None:
     info_out = Info(args.info_out, rank) if args.info_out else None
     random.seed(1000 + rank)
     np.random.seed(2000 + rank)
-    model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps)
+    model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps,
+                              args.extras)
     ddp = DDP(model, find_unused_parameters=args.unused)
     hook = None
     if args.compress:
@@ -213,6 +245,8 @@ def main() -> None:
         it_box["it"] = it
         # Python's and numpy's global RNGs are part of the loop too (e.g. augmentation)
         jitter = random.random() + float(np.random.rand())
+        if it == args.poke_at:
+            model.poke()
         for micro in range(args.accum):
             x, y = batch(args.seed, it * 7 + micro, rank)
             use_side = args.unused and it % 2 == 1

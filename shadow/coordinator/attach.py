@@ -1,0 +1,154 @@
+"""Attaching a training job: the ranks' ``attach`` messages are held until every rank
+has arrived and every worker is ready (``waiting`` meanwhile), then checked (world,
+layout, start iteration against what the cluster holds, the job's generation) and the
+workers configured for a new epoch."""
+from __future__ import annotations
+
+import logging
+import time
+
+from shadow import knobs
+from shadow.coordinator.records import JobRec, job_id_for
+from shadow.jobs import job_name_problem
+from shadow.layout import Layout, shard_bounds
+from shadow.persist import catalog
+
+logger = logging.getLogger(__name__)
+
+
+class AttachMixin:
+    """Coordinator methods: attach, its hold while workers start, and detach."""
+
+    def _on_attach(self, env, msg) -> None:
+        now = time.monotonic()
+        problem = job_name_problem(msg["job"])  # the name becomes a directory under every tier's root
+        if problem is not None:
+            logger.error("attach refused: %s", problem)
+            self._reply(env, "error", message=problem)
+            return
+        if not 0 <= msg["rank"] < msg["world"]:
+            self._reply(env, "error", message=f"rank {msg['rank']} is not in world {msg['world']}")
+            return
+        p = self.pending.setdefault(msg["job"], {"ranks": {}, "deadline": now + knobs.get("CONNECT_TIMEOUT_S"),
+                                                 "told": -1, "since": now})
+        p["ranks"][msg["rank"]] = (env[0], msg)
+        p["told"] = -1  # a newcomer hears how many workers are ready
+        self._start_attaches()
+
+    def _start_attaches(self) -> None:
+        """Start every pending attach whose ranks have all arrived, once every worker is
+        ready; until then each rank hears ``waiting`` whenever the count of ready workers
+        changes (a cluster still compiling its kernels holds attaches, it does not refuse)."""
+        if not self.pending:
+            return
+        ready = len(self.ready_workers())
+        for name in list(self.pending):
+            p = self.pending[name]
+            world = next(iter(p["ranks"].values()))[1]["world"]
+            if ready >= self.expected and len(p["ranks"]) >= world:
+                del self.pending[name]
+                self._start_job(name, p["ranks"])
+            elif ready < self.expected and p["told"] != ready:
+                p["told"] = ready
+                for ident, _ in p["ranks"].values():
+                    self._reply([ident], "waiting", ready=ready, expected=self.expected, starting=len(self.starting))
+
+    def _expire_attaches(self) -> None:
+        now = time.monotonic()
+        for name in [n for n, p in self.pending.items() if now > p["deadline"]]:
+            p = self.pending.pop(name)
+            world = next(iter(p["ranks"].values()))[1]["world"]
+            ready = len(self.ready_workers(now))
+            if len(p["ranks"]) < world:
+                text = (f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
+                        f"(ranks {sorted(p['ranks'])}); every rank must call attach")
+            else:
+                text = (f"the shadow cluster has {ready} of {self.expected} workers ready after "
+                        f"{now - p['since']:.0f} s ({len(self.starting)} still compiling their kernels); "
+                        "check the worker logs, or allow longer with SHADOW_CONNECT_TIMEOUT_S")
+            logger.error("attach of job %s failed: %s", name, text)
+            for ident, _ in p["ranks"].values():
+                self._reply([ident], "error", message=text)
+
+    def _start_job(self, name: str, ranks: dict) -> None:
+        msgs = [m for _, m in (ranks[r] for r in sorted(ranks))]
+        idents = {r: ranks[r][0] for r in ranks}
+        first = msgs[0]
+
+        def fail(text: str) -> None:
+            logger.error("attach of job %s refused: %s", name, text)
+            for ident in idents.values():
+                self._reply([ident], "error", message=text)
+
+        if any(m["world"] != first["world"] or m["layout_hash"] != first["layout_hash"] or m["iteration"] != first["iteration"]
+               for m in msgs):
+            return fail("ranks disagree on world size, layout or start iteration")
+        if first["layout"] is None:
+            return fail("rank 0 did not send the layout")
+        try:
+            layout = Layout.from_dict(first["layout"])
+        except ValueError as exc:
+            return fail(str(exc))
+        if layout.hash != first["layout_hash"]:
+            return fail("layout does not match its hash")
+        old = self.job
+        # until the new epoch holds its base, restores read the old epoch's last cut
+        self.retired = self._memory_info(old.name) if old is not None else None
+        generation, held = self.persist.lineage(name)
+        if old is not None and old.name == name:
+            generation, held = max(generation, old.generation), max(held, old.cut)
+        base = first["iteration"]
+        if held > base:
+            # going back behind what the cluster holds: asked for (overwrite), or the ranks restored
+            # that very iteration from this cluster (e.g. a restore fell back past a damaged one)
+            vouched = self._restored_here(name, base, generation, [m.get("restored") for m in msgs])
+            if not first["overwrite"] and not vouched:
+                return fail(
+                    f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
+                    f"{base}; restore first (trainer_hooks.restore) or attach with overwrite=True")
+            generation += 1  # what is newer than the base is superseded, in memory and in every tier
+            self.persist.supersede(name, generation, base)
+            logger.warning("job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded "
+                           "(generation %d)", name, base, "restored from this cluster" if vouched else "overwrite",
+                           held, generation)
+        self.epoch += 1
+        bounds = shard_bounds(layout.total, self.nshards)
+        ranges = [bounds[i % self.nshards] for i in range(len(self.workers))]
+        self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
+                          first["optim"], first["iteration"], ranges, idents)
+        self.job.cut = first["iteration"] - 1
+        self.job.generation = generation
+        self.persist.reset(first["iteration"])
+        self.tokens.clear()
+        for w in self.workers:
+            w.configured, w.prepared, w.stale, w.transit, w.out = -1, first["iteration"] - 1, "", "", False
+            start, stop = ranges[w.id]
+            self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
+                        layout=first["layout"], start=start, stop=stop, world=first["world"],
+                        optim=first["optim"], iteration=first["iteration"],
+                        persist={**self.persist.config, "generation": generation},
+                        shard=self.shard_of(w), shards=self.nshards, peer=None)
+        logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
+                    name, self.epoch, len(self.workers), len(layout.params), layout.total)
+
+    def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:
+        """Whether every rank restored iteration ``base`` of job ``name`` from this cluster:
+        from its memory (the current generation), or from a checkpoint under one of its tiers."""
+        roots = [catalog.local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
+        for r in records:
+            if not isinstance(r, dict) or r.get("job") != name or r.get("iteration") != base:
+                return False
+            if r.get("tier") == "memory":
+                if r.get("generation") != generation:
+                    return False
+            elif not any(str(r.get("source", "")).startswith(root) for root in roots):
+                return False
+        return True
+
+    def _on_detach(self, env, msg) -> None:
+        job = self.job
+        if job is not None and msg["epoch"] == job.epoch:
+            job.detached.add(msg["rank"])
+            if len(job.detached) == job.world:
+                job.status = "detached"
+                logger.info("job %s epoch %d detached at iteration %d", job.name, job.epoch, job.cut)

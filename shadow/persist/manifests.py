@@ -1,0 +1,74 @@
+"""Checking a ``manifest.json`` read back from storage before anything trusts it.
+
+A manifest is the commit marker of a checkpoint, but the directory it sits in is shared
+with other jobs, older versions and people: one that does not parse, lacks a field,
+has a field of the wrong type, names another job than its directory, or names a shard
+file outside its own directory must be skipped (and reported), never crash a listing or
+let a restore read someone else's files. Fields a reader does not use are not checked,
+so manifests may grow.
+"""
+from __future__ import annotations
+
+from shadow.jobs import job_name_problem
+
+_SHARD_INTS = ("index", "start", "stop", "bytes")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _shard_problem(i: int, s: object) -> str | None:
+    if not isinstance(s, dict):
+        return f"shards[{i}] is {type(s).__name__}, not an object"
+    for key in _SHARD_INTS:
+        if not _is_int(s.get(key)) or s[key] < 0:
+            return f"shards[{i}].{key} is {s.get(key)!r}, not a whole number >= 0"
+    if s["start"] > s["stop"]:
+        return f"shards[{i}] has start {s['start']} > stop {s['stop']}"
+    f = s.get("file")
+    if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", ".."):
+        return f"shards[{i}].file is {f!r}, not a file name in the checkpoint's own directory"
+    if not isinstance(s.get("checksum"), str):
+        return f"shards[{i}].checksum is {s.get('checksum')!r}, not a string"
+    if s.get("raw_bytes") is not None and not _is_int(s["raw_bytes"]):
+        return f"shards[{i}].raw_bytes is {s['raw_bytes']!r}, not a whole number"
+    return None
+
+
+def manifest_problem(manifest: object, fmt: str, job_dir: str) -> str | None:
+    """What is wrong with a parsed manifest found under the job directory ``job_dir``
+    (its name), or None if a reader can trust the fields it uses."""
+    if not isinstance(manifest, dict):
+        return f"it holds a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format") != fmt:
+        return f"format {manifest.get('format')!r}, expected {fmt!r}"
+    job = manifest.get("job")
+    problem = job_name_problem(job)
+    if problem is not None:
+        return problem
+    if job != job_dir:
+        return f"it names job {job!r} but lies in the directory of job {job_dir!r}"
+    it = manifest.get("iteration")
+    if not _is_int(it) or it < 0:
+        return f"iteration is {it!r}, not a whole number >= 0"
+    gen = manifest.get("generation", 0)
+    if not _is_int(gen) or gen < 0:
+        return f"generation is {gen!r}, not a whole number >= 0"
+    created = manifest.get("created")
+    if created is not None and (not isinstance(created, (int, float)) or isinstance(created, bool)):
+        return f"created is {created!r}, not a time"
+    for key, kind in (("layout", dict), ("optim", dict), ("layout_hash", str)):
+        if not isinstance(manifest.get(key), kind):
+            return f"{key} is {type(manifest.get(key)).__name__}, not {kind.__name__}"
+    world = manifest.get("world")
+    if not _is_int(world) or world < 1:
+        return f"world is {world!r}, not a whole number >= 1"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return f"shards is {shards!r:.60}, not a non-empty list"
+    for i, s in enumerate(shards):
+        problem = _shard_problem(i, s)
+        if problem is not None:
+            return problem
+    return None

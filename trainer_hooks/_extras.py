@@ -1,0 +1,289 @@
+"""Model state outside the optimizer's flat space ("extras"): parameters in no param group
+(frozen layers) and persistent buffers, of any size and dtype.
+
+Rank 0 captures all of them at attach (and at every resync, which attaches again), and
+after that only what changed: each commit compares every tensor's ``_version`` and
+identity with the captured ones -- no copy, no device sync, no hashing. A changed tensor
+is copied once; if its bytes differ from the last ones sent (DDP's buffer broadcast
+rewrites buffers with the same values every forward) it is cut into chunks of at most
+``SHADOW_EXTRA_CHUNK_BYTES`` that leave as EXTRA frames ahead of that iteration's commit,
+chunk ``c`` of tensor ``j`` under key ``j << 32 | c`` to the replicas of shard
+``(j + c) % nshards``. Workers keep the newest chunk under each key (a chunk becomes
+part of the state when its iteration is applied), so every applied iteration -- served
+from memory or persisted -- holds the whole set, however rarely it is sent. Tensor 0 is
+the index (names, dtypes, shapes, aliases, state-dict order), sent again only when it
+changes. Changes made through ``.data`` or a numpy view do not move ``_version`` and are
+not seen.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from shadow import knobs
+from shadow.errors import LayoutMismatchError
+from trainer_hooks import _codec
+from trainer_hooks._model import unwrap
+from trainer_hooks._sender import ExtraItem
+
+logger = logging.getLogger(__name__)
+
+INDEX = 0  # tensor number of the index
+FORMAT = 1
+MESSAGE_BYTES = 64 << 20  # chunks per EXTRA message, at most this many bytes (or one chunk)
+MESSAGE_RUNS = 4096
+
+
+def key(j: int, c: int) -> int:
+    return (j << 32) | c
+
+
+def collect(model: torch.nn.Module, layout_params) -> tuple[OrderedDict, dict, list]:
+    """``(name -> tensor, alias -> name, state-dict order)`` of ``model``'s state-dict
+    entries that the flat space does not hold (layout parameters and their aliases are
+    left out). Entries that cannot travel (not a strided tensor) are logged, not sent."""
+    m = unwrap(model)
+    held = {id(p) for p in layout_params}
+    seen: dict[int, str] = {}
+    out: OrderedDict = OrderedDict()
+    aliases: dict[str, str] = {}
+    order = []
+    for name, t in m.state_dict(keep_vars=True).items():
+        order.append(name)
+        if isinstance(t, torch.Tensor) and id(t) in held:
+            continue
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
+            logger.warning("state-dict entry %r (%s) is not a dense tensor: the shadow does not checkpoint it",
+                           name, type(t).__name__)
+            continue
+        if id(t) in seen:
+            aliases[name] = seen[id(t)]
+            continue
+        seen[id(t)] = name
+        out[name] = t
+    return out, aliases, order
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: checked by content each time
+        return None
+
+
+def _slot(m: torch.nn.Module, name: str):
+    """``(dict, key)`` where module ``m`` keeps the tensor of state-dict key ``name``, so a
+    reassigned parameter or buffer is noticed; None when a custom ``state_dict`` made it."""
+    mod_name, _, attr = name.rpartition(".")
+    try:
+        mod = m.get_submodule(mod_name) if mod_name else m
+    except AttributeError:
+        return None
+    for d in (mod._parameters, mod._buffers):
+        if attr in d:
+            return d, attr
+    return None
+
+
+class ExtrasTracker:
+    """Rank 0's view of the extras of one attach epoch: what was sent, and what changed."""
+
+    def __init__(self, model: torch.nn.Module, layout_params, workers: list[dict]) -> None:
+        tensors, self.aliases, self.order = collect(model, layout_params)
+        m = unwrap(model)
+        self.names = list(tensors)
+        self.tensors = list(tensors.values())
+        self.slots = [_slot(m, n) for n in self.names]
+        # the tensors of one module change together: BatchNorm's kernel updates the running
+        # statistics without moving their _version, but num_batches_tracked's moves
+        owner: dict[str, list[int]] = {}
+        for j, n in enumerate(self.names):
+            owner.setdefault(n.rpartition(".")[0], []).append(j)
+        self.siblings = [owner[n.rpartition(".")[0]] for n in self.names]
+        self.versions: list[int | None] = [None] * len(self.tensors)
+        self.digests: list[bytes | None] = [None] * len(self.tensors)
+        self.index_dirty = True
+        self.chunk = max(1, min(knobs.get_int("EXTRA_CHUNK_BYTES"), knobs.get_int("MAX_COMMIT_BYTES")))
+        shard_of = [w.get("shard", i) for i, w in enumerate(workers)]
+        self.nshards = max(shard_of) + 1
+        self.replicas = [[w for w, s in enumerate(shard_of) if s == shard] for shard in range(self.nshards)]
+        self.nworkers = len(workers)
+
+    def changed(self) -> list[int]:
+        """Tensors whose version or identity moved since they were captured, with the
+        other tensors of their modules (cheap: no copy, no device sync)."""
+        out: set[int] = set()
+        for j, t in enumerate(self.tensors):
+            slot = self.slots[j]
+            if slot is not None:
+                cur = slot[0].get(slot[1])
+                if cur is not None and cur is not t:
+                    self.tensors[j] = t = cur  # reassigned: send the new tensor (and the index: its shape)
+                    self.index_dirty = True
+                    out.add(j)
+            v = _version(t)
+            if v is None or v != self.versions[j]:
+                out.update(self.siblings[j])
+        return sorted(out)
+
+    def _index(self) -> bytes:
+        raw = _codec.pack({"format": FORMAT, "chunk": self.chunk, "aliases": self.aliases, "order": self.order,
+                           "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                       for n, t in zip(self.names, self.tensors)]})
+        return struct.pack("<Q", len(raw)) + raw
+
+    def emit(self, iteration: int, sender_q, everything: bool = False) -> list[int]:
+        """Capture what changed (``everything`` at a bootstrap), queue its chunks for the
+        workers; returns the number of chunks each worker gets for ``iteration``."""
+        todo = list(range(len(self.tensors))) if everything else self.changed()
+        counts = [0] * self.nworkers
+        if not todo and not everything:
+            return counts
+        pieces: list[tuple[int, Any]] = []  # (tensor number, uint8 array)
+        if everything or self.index_dirty:
+            pieces.append((INDEX, np.frombuffer(self._index(), dtype=np.uint8)))
+            self.index_dirty = False
+        for j in todo:
+            t = self.tensors[j]
+            self.versions[j] = _version(t)
+            buf = np.empty(t.numel() * t.element_size(), dtype=np.uint8)
+            if len(buf):
+                torch.from_numpy(buf).view(t.dtype).reshape(t.shape).copy_(t.detach())
+            digest = xxhash.xxh3_128_digest(buf)
+            if everything or digest != self.digests[j]:
+                self.digests[j] = digest
+                pieces.append((j + 1, buf))
+        self._queue(iteration, pieces, sender_q, counts)
+        return counts
+
+    def _queue(self, iteration: int, pieces: list, sender_q, counts: list[int]) -> None:
+        runs: list[list] = [[] for _ in range(self.nworkers)]
+        for j, buf in pieces:
+            for c, lo in enumerate(range(0, len(buf), self.chunk)):
+                view = buf[lo:lo + self.chunk]
+                for w in self.replicas[(j + c) % self.nshards]:
+                    runs[w].append((key(j, c), view))
+        for w, rs in enumerate(runs):
+            counts[w] = len(rs)
+            start, size = 0, 0
+            for i, (_, view) in enumerate(rs):  # messages of at most MESSAGE_BYTES (or one chunk)
+                if i > start and (size + len(view) > MESSAGE_BYTES or i - start >= MESSAGE_RUNS):
+                    sender_q.put(ExtraItem(iteration, w, rs[start:i]))
+                    start, size = i, 0
+                size += len(view)
+            if rs:
+                sender_q.put(ExtraItem(iteration, w, rs[start:]))
+
+
+# -- restore ---------------------------------------------------------------------------------
+
+def _assemble(chunks: dict[int, Any], j: int, nbytes: int, chunk: int, what: str) -> torch.Tensor:
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    dst = out.numpy()
+    for c, lo in enumerate(range(0, nbytes, chunk)):
+        part = chunks.get(key(j, c))
+        want = min(chunk, nbytes - lo)
+        if part is None or len(part) != want:
+            raise LayoutMismatchError(f"the checkpoint lacks part {c} of {what} (or it has the wrong size)")
+        dst[lo:lo + want] = np.frombuffer(part, dtype=np.uint8)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise LayoutMismatchError(f"the checkpoint holds a tensor of unknown dtype {name!r}")
+    return dt
+
+
+def read_index(chunks: dict[int, Any]) -> dict | None:
+    """The index of a snapshot's extras; None for a checkpoint taken without them."""
+    first = chunks.get(key(INDEX, 0))
+    if first is None:
+        return None
+    (n,) = struct.unpack_from("<Q", first)
+    # one chunk, or several of which all but the last are full: the first one's size is the chunk size
+    raw = _assemble(chunks, INDEX, n + 8, len(first), "the extras index").numpy()[8:].tobytes()
+    index = _codec.unpack(raw)
+    if index.get("format") != FORMAT:
+        raise LayoutMismatchError(f"the checkpoint's extras are in format {index.get('format')!r}, not {FORMAT}")
+    return index
+
+
+def decode(chunks: dict[int, Any]) -> tuple[OrderedDict, dict, list] | None:
+    """``(name -> tensor, alias -> name, state-dict order)`` from a snapshot's extras
+    chunks, or None when the checkpoint has none (taken before they were recorded)."""
+    index = read_index(chunks)
+    if index is None:
+        return None
+    out: OrderedDict = OrderedDict()
+    for j, (name, dtype, shape) in enumerate(index["tensors"], start=1):
+        dt = _dtype(dtype)
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        raw = _assemble(chunks, j, numel * dt.itemsize, index["chunk"], repr(name))
+        out[name] = raw.view(dt).reshape(shape) if numel else torch.empty(shape, dtype=dt)
+    return out, dict(index["aliases"]), list(index["order"])
+
+
+def load_plan(model: torch.nn.Module, layout_params, sd_model: dict, recorded) -> list[tuple]:
+    """``(live tensor, checkpointed tensor)`` for every extra of ``model``; raises
+    :class:`LayoutMismatchError` (before anything is changed) when the checkpoint's
+    extras (``recorded``: their names) do not match the model's. A checkpoint taken
+    without extras (``recorded`` None) restores the buffers it has."""
+    mine, aliases, _ = collect(model, layout_params)
+    plan, problems = [], []
+    if recorded is not None:
+        problems += [f"{n!r} is not in this model" for n in recorded if n not in mine and n not in aliases]
+    for name, t in mine.items():
+        src = sd_model.get(name)
+        if src is None:
+            if recorded is not None:
+                problems.append(f"{name!r} is missing")
+            continue
+        if tuple(src.shape) != tuple(t.shape) or src.dtype != t.dtype:
+            problems.append(f"{name!r} is {src.dtype} {list(src.shape)} there, {t.dtype} {list(t.shape)} here")
+            continue
+        plan.append((t, src))
+    if problems:
+        raise LayoutMismatchError(f"the checkpoint's model state outside the optimizer does not match this model: "
+                                  f"{'; '.join(problems[:5])}; nothing was changed")
+    return plan
+
+
+def model_state(params: OrderedDict, chunks: dict[int, Any], blob0: dict) -> OrderedDict:
+    """The whole model state dict of a snapshot: its layout ``params`` (name -> tensor),
+    the extras decoded from ``chunks`` (or, for a checkpoint taken without them, the
+    buffers rank 0's blob carried) and every alias, in the model's own key order."""
+    model = OrderedDict(params)
+    decoded = decode(chunks)
+    aliases = dict(blob0.get("aliases") or {})
+    if decoded is None:
+        model.update(blob0.get("buffers") or {})
+    else:
+        model.update(decoded[0])
+        aliases.update(decoded[1])
+    for alias, name in aliases.items():
+        model[alias] = model[name]  # tied weights: the same tensor under both keys
+    if decoded is not None and set(decoded[2]) == set(model):
+        model = OrderedDict((k, model[k]) for k in decoded[2])
+    return model
+
+
+def snapshot_aliases(chunks: dict[int, Any], blob0: dict) -> dict[str, str]:
+    """Every state-dict key of a snapshot that names an already-named tensor."""
+    index = read_index(chunks)
+    return {**(blob0.get("aliases") or {}), **(index["aliases"] if index is not None else {})}
+
+
+def recorded(chunks: dict[int, Any]) -> list[str] | None:
+    """Names of the extras a snapshot holds; None for a checkpoint taken without them."""
+    index = read_index(chunks)
+    return None if index is None else [t[0] for t in index["tensors"]]
