@@ -9,7 +9,6 @@ plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
 """
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -23,7 +22,9 @@ import numpy as np
 
 from shadow.errors import ShadowError
 from shadow.layout import Layout
-from shadow.persist import fsglob, shardfile, zshard
+from shadow.persist import fsglob, shardfile, shardguard, zshard
+from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
+from shadow.persist.paths import is_local, local_path
 from shadow.persist.manifests import manifest_problem
 from shadow.restore.snapshot import Snapshot
 from shadow.wire.frames import Field, checksum
@@ -40,14 +41,6 @@ class CheckpointError(ShadowError):
     """A checkpoint on storage is missing, torn or corrupt."""
 
 
-def is_local(root: str) -> bool:
-    return "://" not in root or root.startswith("file://")
-
-
-def local_path(root: str) -> str:
-    return root[len("file://"):] if root.startswith("file://") else root
-
-
 def checkpoint_dir(root: str, job: str, iteration: int, generation: int = 0) -> str:
     """``<root>/<job>/iteration-<k>``; a later generation's (see :func:`write_generation`)
     ends in ``-gen<g>``, so it never overwrites the checkpoint it supersedes."""
@@ -62,55 +55,6 @@ def dir_key(path: str) -> tuple[int, int] | None:
     """``(generation, iteration)`` of a checkpoint directory's name, None if it is not one."""
     m = _DIR.match(posixpath.basename(path.rstrip("/")))
     return (int(m.group(2) or 0), int(m.group(1))) if m else None
-
-
-GENERATION = "generation-{:06d}.json"
-GENERATION_FORMAT = "shadow-generation/1"
-
-
-def write_generation(root: str, job: str, generation: int, base: int) -> None:
-    """Record that ``job`` went on from iteration ``base`` in a new ``generation``: every
-    checkpoint of an older generation after ``base`` is superseded (never picked as the
-    newest again, but kept). Written before the new generation persists anything."""
-    record = {"format": GENERATION_FORMAT, "job": job, "generation": generation, "base": base,
-              "created": time.time()}
-    data = json.dumps(record, indent=1, sort_keys=True).encode()
-    d = posixpath.join(root, job)
-    name = GENERATION.format(generation)
-    if is_local(root):
-        os.makedirs(local_path(d), exist_ok=True)
-        path = os.path.join(local_path(d), name)
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        shardfile.fsync_dir(local_path(d))
-        return
-    fs, p = _fs(d)
-    fs.pipe_file(posixpath.join(p, name), data)
-
-
-def read_generations(root: str, job: str) -> dict[int, int]:
-    """``{generation: base}`` recorded for ``job`` under ``root`` (unreadable records are
-    skipped with a warning)."""
-    fs, base = _fs(root)
-    out: dict[int, int] = {}
-    for path in fs.glob(posixpath.join(base, glob.escape(job), "generation-*.json")):
-        try:
-            rec = json.loads(fs.cat_file(path))
-            if rec.get("format") != GENERATION_FORMAT or rec.get("job") != job:
-                raise ValueError(f"format {rec.get('format')!r}, job {rec.get('job')!r}")
-            out[int(rec["generation"])] = int(rec["base"])
-        except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
-            logger.warning("ignoring unreadable generation record %s: %s", path, exc)
-    return out
-
-
-def superseded(generation: int, iteration: int, generations: dict[int, int]) -> bool:
-    """Whether checkpoint ``(generation, iteration)`` was superseded: a later generation
-    went on from an earlier iteration."""
-    return any(g > generation and iteration > b for g, b in generations.items())
 
 
 def shard_name(index: int, count: int, compress: str = "none") -> str:
@@ -214,10 +158,21 @@ def list_torn(root: str, job: str | None = None) -> list[str]:
     return sorted(d for d in dirs if not fs.exists(posixpath.join(d, MANIFEST)))
 
 
+def _shard_path(info: CheckpointInfo, shard: dict) -> str:
+    """The shard's file once :mod:`shardguard` vouches for it (regular, inside, right size)."""
+    try:
+        if is_local(info.root):
+            return shardguard.local_file(info.path, shard["file"], shard["bytes"])
+        return shardguard.remote_file(info.fs, info.path, shard["file"], shard["bytes"])
+    except ValueError as exc:
+        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']}: {exc}") from None
+
+
 def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
     path = posixpath.join(info.path, shard["file"])
     try:
-        data = fs.cat_file(path)
+        path = _shard_path(info, shard)
+        data = fs.cat_file(path, start=0, end=shard["bytes"])
     except FileNotFoundError:
         raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file "
                               f"{path} is missing") from None
@@ -237,6 +192,12 @@ def verify(info: CheckpointInfo) -> list[str]:
     """Re-read every shard and check size and checksum; returns the problems found."""
     fs = info.fs
     problems = []
+    try:
+        tiling = shardguard.tiling_problem(info.manifest["shards"], Layout.from_dict(info.manifest["layout"]).total)
+    except ValueError as exc:
+        tiling = f"unreadable layout: {exc}"
+    if tiling:
+        problems.append(f"iteration {info.iteration} ({info.tier}): {tiling}")
     for shard in info.manifest["shards"]:
         try:
             _read_shard(fs, info, shard, True)
@@ -270,6 +231,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             raise CheckpointError(str(exc)) from None
     elif is_local(info.root):
         try:
+            path = _shard_path(info, shard)
             meta, tensors, csum, size = shardfile.read_into(path, target)
         except FileNotFoundError:
             raise CheckpointError(f"{where} file {path} is missing") from None
@@ -306,6 +268,9 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     if f"{layout.hash:016x}" != m["layout_hash"]:
         raise CheckpointError(f"iteration {info.iteration}: manifest layout does not match its hash")
     total = layout.total
+    tiling = shardguard.tiling_problem(m["shards"], total)
+    if tiling:  # checked before a byte is read: never hand out memory no shard wrote
+        raise CheckpointError(f"iteration {info.iteration} ({info.path}): {tiling}")
     arrays: dict[Field, np.ndarray] = {}
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)

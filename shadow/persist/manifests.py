@@ -12,13 +12,14 @@ from __future__ import annotations
 from shadow.jobs import job_name_problem
 
 _SHARD_INTS = ("index", "start", "stop", "bytes")
+_SUFFIXES = (".safetensors", ".shard.zst")  # plain (shardfile) and compressed (zshard.SUFFIX) shards
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _shard_problem(i: int, s: object) -> str | None:
+def _shard_problem(i: int, s: object, count: int) -> str | None:
     if not isinstance(s, dict):
         return f"shards[{i}] is {type(s).__name__}, not an object"
     for key in _SHARD_INTS:
@@ -26,9 +27,12 @@ def _shard_problem(i: int, s: object) -> str | None:
             return f"shards[{i}].{key} is {s.get(key)!r}, not a whole number >= 0"
     if s["start"] > s["stop"]:
         return f"shards[{i}] has start {s['start']} > stop {s['stop']}"
+    if s["index"] >= count:
+        return f"shards[{i}].index is {s['index']}, not below the {count} shards"
     f = s.get("file")
-    if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", ".."):
-        return f"shards[{i}].file is {f!r}, not a file name in the checkpoint's own directory"
+    names = [f"shard-{s['index']:05d}-of-{count:05d}{suffix}" for suffix in _SUFFIXES]
+    if f not in names:
+        return f"shards[{i}].file is {f!r:.80}, not this shard's own file ({' or '.join(names)})"
     if not isinstance(s.get("checksum"), str):
         return f"shards[{i}].checksum is {s.get('checksum')!r}, not a string"
     if s.get("raw_bytes") is not None and not _is_int(s["raw_bytes"]):
@@ -68,7 +72,9 @@ def manifest_problem(manifest: object, fmt: str, job_dir: str) -> str | None:
     if not isinstance(shards, list) or not shards:
         return f"shards is {shards!r:.60}, not a non-empty list"
     for i, s in enumerate(shards):
-        problem = _shard_problem(i, s)
+        problem = _shard_problem(i, s, len(shards))
         if problem is not None:
             return problem
+    if len({s["index"] for s in shards}) != len(shards):
+        return "two shards have the same index"
     return None
