@@ -25,12 +25,19 @@ _DEFAULTS: dict[str, float] = {
     "WORKER_SLOTS": 5,  # gradient buffers per worker (> MAX_LAG)
     "KERNEL_CHUNK": 32768,  # elements per parallel work item in the replay kernel
     "MAX_RUNS": 65536,  # run-table entries accepted in one frame
+    "SEQ_WINDOW": 4096,  # a data frame further than this ahead of a rank's expected sequence number is dropped, not a gap
     "MAX_COMMIT_BYTES": 16 << 20,  # largest commit record (or chunk of model state outside the optimizer) accepted
+    "DATA_RCVHWM": 1000,  # messages queued per sender on a worker's data socket (a few iterations' worth)
     "HEARTBEAT_S": 0.5,  # worker -> coordinator heartbeat period
     "WORKER_LOST_S": 5.0,  # coordinator marks a silent worker lost after this long
+    "ATTACH_PENDING_JOBS": 16,  # coordinator: job names with an attach waiting for its other ranks, at most
+    "ATTACH_PENDING_RANKS": 65536,  # coordinator: rank attaches waiting (all jobs), at most
+    "ATTACH_PENDING_BYTES": 64 << 20,  # coordinator: bytes of the attach messages it holds while they wait
     "FETCH_TIMEOUT_S": 60.0,  # restore: wait for the workers' shards this long
     "FETCH_CHUNK_BYTES": 16 << 20,  # restore: a worker sends its shard in parts of this size
     "SERVE_HOLD_S": 2.0,  # restore: the next apply waits this long at most for a shard being sent
+    "SERVE_STALL_S": 0.5,  # restore: a shard reply with no chunk sent for this long is not read; an apply drops it
+    "SERVE_MAX_FETCHES": 64,  # restore: fetches a worker holds pending or sending at once (one per client)
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
     "PERSIST_CLOSE_S": 2.0,  # a replaced session's checkpoint write or copy in flight: wait this long, then abandon it
     "PERSIST_SKIP_LOG_S": 60.0,  # checkpoints skipped (every image still being written): one summed warning per period

@@ -15,6 +15,11 @@ from typing import Iterable, Sequence
 #: (one 4 KiB page: cache-line aligned, and a shard's slice of a restored flat array is
 #: a valid O_DIRECT target), except at the very end of a range.
 ALIGN_ELEMS = 1024
+#: Bounds on a layout received from elsewhere, far beyond any real model (2**48 fp32
+#: elements is 1 PiB of parameters): flat offsets stay well inside 64 bits.
+MAX_ELEMENTS = 1 << 48
+MAX_DIMS = 64
+MAX_GROUPS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -85,13 +90,22 @@ class Layout:
         return cls(tuple(params), num_groups)
 
     def validate(self) -> None:
+        if not 0 <= self.num_groups <= MAX_GROUPS:
+            raise ValueError(f"layout has {self.num_groups} param groups; at most {MAX_GROUPS} are supported")
         off = 0
         for i, p in enumerate(self.params):
             n = 1
+            if len(p.shape) > MAX_DIMS:
+                raise ValueError(f"layout param {i} ({p.name}) has {len(p.shape)} dimensions; at most {MAX_DIMS}")
             for s in p.shape:
                 if s < 0:
                     raise ValueError(f"layout param {i} ({p.name}) has a negative dimension {p.shape}")
                 n *= s
+                if n > MAX_ELEMENTS:
+                    break
+            if off + n > MAX_ELEMENTS:
+                raise ValueError(f"layout reaches more than {MAX_ELEMENTS} elements at param {i} ({p.name}); "
+                                 "that is beyond any model a cluster can hold")
             if p.numel != n or p.offset != off:
                 raise ValueError(f"layout param {i} ({p.name}) is not contiguous with its predecessors")
             if not 0 <= p.group < self.num_groups:

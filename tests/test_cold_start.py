@@ -75,7 +75,7 @@ def test_attach_waits_for_a_worker_still_compiling(coordinator, caplog):
 
         # the worker finishes compiling and registers: the attach goes ahead
         worker.send(M.encode("register", data="tcp://127.0.0.1:1", serve="tcp://127.0.0.1:2", pid=4242,
-                             worker_id=0))
+                             worker_id=0, memory=-1))
         assert _recv(worker)["t"] == "registered"
         configure = _recv(worker)
         assert configure["t"] == "configure" and configure["job"] == "cold"

@@ -96,18 +96,19 @@ def test_short_chunk_is_refused():
 
 def test_worker_holds_apply_only_while_a_shard_is_in_flight():
     """Shards are sent zero-copy from the live arrays; the next apply waits for zmq to be
-    done with them, but never longer than SERVE_HOLD_S (a frozen client)."""
+    done with them, but a client that reads nothing (frozen) costs SERVE_STALL_S once."""
     import os
     import signal
     import subprocess
     import sys
     import time
+    from collections import Counter
 
-    from shadow.worker.serve import ServeMixin
+    from shadow.worker.serve import Reply, ServeMixin
 
     class Served(ServeMixin):
         def __init__(self, sock):
-            self.serve, self.serving = sock, []
+            self.serve, self.serving, self.session, self.rejected, self.pending_fetch = sock, {}, None, Counter(), []
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -125,11 +126,12 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         os.kill(proc.pid, signal.SIGSTOP)  # frozen: its I/O thread stops reading
         w = Served(router)
         big = np.ones(256 << 20, dtype=np.uint8)  # far more than the socket buffers hold
-        w.serving.append((router.send_multipart([ident, memoryview(big)], copy=False, track=True),
-                          time.monotonic() + 0.5))
+        w.serving[ident] = Reply("frozen", None, [router.send_multipart([ident, memoryview(big)], copy=False,
+                                                                        track=True)], time.monotonic())
         t0 = time.monotonic()
-        w._wait_for_readers()
-        assert 0.3 < time.monotonic() - t0 < 3.0 and w.serving == []
+        with knobs.override(SERVE_STALL_S=0.5):
+            w._wait_for_readers()
+        assert 0.3 < time.monotonic() - t0 < 3.0 and w.serving[ident].dropped and w.rejected["serve_dropped"] == 1
         # a shard that went out completely costs no wait
         local = ctx.socket(zmq.DEALER)
         local.connect(f"tcp://127.0.0.1:{port}")
@@ -137,10 +139,10 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         me, _ = router.recv_multipart()
         tracker = router.send_multipart([me, memoryview(big[:1 << 20])], copy=False, track=True)
         assert local.poll(10_000) and len(local.recv_multipart()) == 1
-        w.serving.append((tracker, time.monotonic() + 5.0))
+        w.serving[me] = Reply("local", None, [tracker], time.monotonic())
         t0 = time.monotonic()
         w._wait_for_readers()
-        assert time.monotonic() - t0 < 1.0 and tracker.done
+        assert time.monotonic() - t0 < 1.0 and tracker.done and me not in w.serving
         local.close(0)
     finally:
         proc.kill()

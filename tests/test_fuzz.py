@@ -106,3 +106,194 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+# -- live values: the epoch, job, layout hash and sequence numbers of the running session ------
+
+N_LIVE_FRAMES = 3000
+_LIVE_SAFE = ("starting", "register", "rejoin", "attach", "trainer_hb", "shutdown")
+
+
+def _live_frames(rnd: random.Random, session, workers: list, seq: list, applied: int, window: int):
+    """Frames that carry the live job, epoch and layout hash, each with at least one defect
+    that the worker must find before it takes a sequence number: a sequence number behind
+    or far ahead of the expected one, an iteration already applied or beyond the slots, a
+    run outside the range or larger than a part, a field that does not fit the kind."""
+    for _ in range(N_LIVE_FRAMES):
+        w = rnd.randrange(len(workers))
+        lo, hi = workers[w]["start"], workers[w]["stop"]
+        nxt = seq[w]
+        defect = rnd.choice(["seq_far", "seq_behind", "iter_old", "iter_far", "run_out", "run_zero", "field"])
+        s = rnd.choice([nxt, nxt + 1, nxt + window, max(0, nxt - 1)])
+        it = rnd.choice([applied + 1, applied + 2])
+        kind = F.Kind(rnd.randint(1, 4))
+        field = F.Field.GRAD
+        dst, n = lo + rnd.randrange(max(1, hi - lo - 8)), rnd.randint(1, 8)
+        if defect == "seq_far":
+            s = rnd.choice([nxt + window + 1, 2**40, rnd.getrandbits(63)])
+        elif defect == "seq_behind":
+            s = rnd.randrange(nxt) if nxt else 2**40
+        elif defect == "iter_old":
+            it = rnd.choice([applied, 0, applied - 1])
+        elif defect == "iter_far":
+            it = rnd.choice([applied + 6, 2**40, rnd.getrandbits(63)])
+        elif defect == "run_out":
+            kind = rnd.choice([F.Kind.GRAD, F.Kind.STATE])
+            dst = rnd.choice([hi, lo - 1 if lo else hi + 5, hi - 2, 2**62])
+            n = rnd.choice([4, 2**40]) if dst == hi - 2 else n
+        elif defect == "run_zero":
+            kind, n = F.Kind.GRAD, 0
+        else:
+            kind, field = rnd.choice([(F.Kind.GRAD, F.Field.PARAM), (F.Kind.STATE, F.Field.GRAD),
+                                      (F.Kind.EXTRA, F.Field.EXP_AVG), (F.Kind.STATE, F.Field.MAX_EXP_AVG_SQ)])
+        payload = rnd.randbytes(4 * min(n, 8))
+        runs = ((dst, n, F.checksum(payload)),)
+        if kind == F.Kind.COMMIT and defect not in ("seq_far", "seq_behind", "iter_old", "iter_far"):
+            runs = ((0, 10, 0), (0, 10, 0))  # a commit has exactly one run
+        if kind == F.Kind.EXTRA and defect in ("run_out", "run_zero"):
+            runs = ((1, 0, 0),)
+        h = F.Header(kind, field, session.job_id, session.epoch, 0, 1, session.layout.hash, it, s, runs)
+        yield w, [h.pack(), payload]
+
+
+def _bad_commit_bodies(rnd: random.Random, body: bytes, iteration: int, nparams: int):
+    """A real commit body made malformed in one way each (all found by the decoder)."""
+    rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    defects = [
+        lambda r: r["replay"].update(audit={"positions": [0], "values": []}),
+        lambda r: r["replay"].update(audit={"positions": [0], "values": {"1": [1.0]}}),
+        lambda r: r["replay"].update(audit={"positions": ["x"], "values": {}}),
+        lambda r: r["replay"].update(audit=[1, 2]),
+        lambda r: r["replay"].update(audit={"positions": [0, 1], "values": {1: [0.5]}}),
+        lambda r: r["replay"].update(audit={"positions": [0], "values": {1: [None]}}),
+        lambda r: r["replay"].update(groups=[]),
+        lambda r: r["replay"].update(groups=[{"lr": "fast"}]),
+        lambda r: r["replay"].update(sent=-1),
+        lambda r: r["replay"].update(sent="many"),
+        lambda r: r["replay"].update(skipped=[nparams]),
+        lambda r: r["replay"].update(skipped=[-1]),
+        lambda r: r["replay"].update(iteration=iteration + 1),
+        lambda r: r["replay"].update(rank=1),
+        lambda r: r["replay"].update(clip="1.0"),
+        lambda r: r["replay"].update(skip_step=1),
+        lambda r: r["replay"].update(bootstrap=True),
+        lambda r: r["replay"].pop("groups"),
+        lambda r: r.update(blob=[1, 2, 3]),
+        lambda r: r.update(replay=[]),
+    ]
+    for defect in defects:
+        r = msgpack.unpackb(msgpack.packb(rec, use_bin_type=True), raw=False, strict_map_key=False)
+        r["replay"]["iteration"] = iteration
+        defect(r)
+        yield msgpack.packb(r, use_bin_type=True)
+    yield rnd.randbytes(64)  # not msgpack at all
+
+
+def _schema_value(types, rnd: random.Random, live: dict, name: str):
+    if name in live and isinstance(live[name], types):
+        return live[name]
+    t = types[0]
+    return {int: 0, float: 0.5, str: "fuzz", bool: True, dict: {}, list: [], type(None): None}[t]
+
+
+def _near_valid_messages(rnd: random.Random, live: dict):
+    """Every message type with live values: well-formed ones of the types only a known
+    worker or trainer rank may send, and for every type, variants with one defect (a
+    field of the wrong type, a missing field, an unknown field, another version)."""
+    from shadow.wire import messages as M
+
+    for kind, schema in M.SCHEMAS.items():
+        base = {"t": kind, "v": M.VERSION, **{f: _schema_value(t, rnd, live, f) for f, t in schema.items()}}
+        if kind not in _LIVE_SAFE:  # those change membership or stop the cluster: roles decide who may
+            yield kind, "valid", msgpack.packb(base, use_bin_type=True)
+        yield kind, "unknown_field", msgpack.packb({**base, "zz": 1}, use_bin_type=True)
+        yield kind, "version", msgpack.packb({**base, "v": M.VERSION + 1}, use_bin_type=True)
+        for f in schema:
+            yield kind, "missing", msgpack.packb({k: v for k, v in base.items() if k != f}, use_bin_type=True)
+            wrong = [x for x in (b"\x00", "s", 1.5, [1], {"a": 1}, None, 2**63 - 1, True)
+                     if not isinstance(x, schema[f]) or (isinstance(x, bool) and bool not in schema[f])]
+            yield kind, "bad_field", msgpack.packb({**base, f: rnd.choice(wrong)}, use_bin_type=True)
+
+
+def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
+    """The fuzz above never matches the live session, so it never reaches sequence handling
+    or commit decoding. This one does: live epoch, job, layout hash and valid or near-valid
+    sequence numbers for frames, malformed commits at the next valid sequence number, and
+    every control message type with live values, to the coordinator and the serve socket."""
+    from shadow import knobs
+    from trainer_hooks import _sender
+
+    commits = []
+    real = _sender.Sender._send_commit
+    monkeypatch.setattr(_sender.Sender, "_send_commit",
+                        lambda self, item: (commits.append((item.iteration, list(item.bodies))), real(self, item))[1])
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzzlive")
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    assert session.close() == 3
+    seq = list(session.sender.seq)  # after close: the last commit has been sent
+    before = cluster.settled()
+    workers = before["workers"]
+    rss0 = {w["pid"]: _rss_kib(w["pid"]) for w in workers}
+    rnd = random.Random(4321)
+    ctx = zmq.Context.instance()
+    pushes = []
+    for w in workers:
+        p = ctx.socket(zmq.PUSH)
+        p.setsockopt(zmq.LINGER, 5000)
+        p.connect(w["data"])
+        pushes.append(p)
+    sent = [0] * len(workers)
+    for w, frames in _live_frames(rnd, session, workers, seq, 3, knobs.get_int("SEQ_WINDOW")):
+        pushes[w].send_multipart(frames)
+        sent[w] += 1
+    # malformed commits at the next valid sequence number: each takes it and is refused
+    k, bodies = commits[-1]
+    assert k == 3
+    for w, body in enumerate(bodies):
+        for bad in _bad_commit_bodies(rnd, body, 4, len(session.layout.params)):
+            h = F.Header(F.Kind.COMMIT, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
+                         4, seq[w], ((0, len(bad), F.checksum(bad)),))
+            pushes[w].send_multipart([h.pack(), bad])
+            seq[w] += 1
+            sent[w] += 1
+    for p in pushes:
+        p.close()
+    live = {"epoch": session.epoch, "iteration": 4, "rank": 0, "world": 1, "job_id": session.job_id,
+            "job": "fuzzlive", "layout_hash": session.layout.hash, "worker": 0, "applied": 3, "ok": False,
+            "shard": 0, "gen": 0, "pid": 1, "worker_id": 0, "data": workers[0]["data"], "reason": "fuzz",
+            "detail": "forged", "seq": [0], "tier": "local"}
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 5000)
+    dealer.connect(cluster.address)
+    serve = ctx.socket(zmq.DEALER)
+    serve.setsockopt(zmq.LINGER, 5000)
+    serve.connect(workers[0]["serve"])
+    n_msgs = 0
+    for kind, variant, raw in _near_valid_messages(rnd, live):
+        dealer.send(raw)
+        if kind != "fetch" or variant != "valid":
+            serve.send(raw)
+        n_msgs += 1
+    time.sleep(1.5)
+    for s in (dealer, serve):
+        while s.poll(200):
+            s.recv()  # error replies
+        s.close()
+    after = cluster.settled()
+    assert after["job"]["committed"] == 3 and after["job"]["epoch"] == before["job"]["epoch"], after["job"]
+    assert after["job"]["audit"]["mismatches"] == 0, after["job"]["audit"]  # a forged "audited" is not a worker's
+    assert after["job"]["status"] == before["job"]["status"], after["job"]
+    for w0, w1, n in zip(workers, after["workers"], sent):
+        assert w1["pid"] == w0["pid"] and w1["health"] == "ok" and w1["applied"] == 3 and not w1["stale"], w1
+        assert w1["frames_in"] - w0["frames_in"] == n
+        assert sum(w1["rejected"].values()) - sum(w0["rejected"].values()) >= n  # each one counted
+        assert w1["rejected"].get("bad_commit", 0) >= 20, w1["rejected"]
+        assert _rss_kib(w0["pid"]) - rss0[w0["pid"]] < 64 * 1024
+    assert sum(after["rejected"].values()) - sum(before["rejected"].values()) >= n_msgs * 0.9
+    fresh, fopt, _ = build(seed=8)
+    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzzlive").iteration == 3
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)

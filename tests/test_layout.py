@@ -77,3 +77,22 @@ def test_layout_hash_and_roundtrip():
 def test_layout_rejects_malformed(bad):
     with pytest.raises(ValueError):
         Layout.from_dict(bad)
+
+
+def test_a_received_layout_is_bounded():
+    """A layout from the network or a file cannot name more than MAX_ELEMENTS elements,
+    more than MAX_DIMS dimensions or MAX_GROUPS groups (a dimension of 10**100 used to be
+    taken, and overflowed every offset computed from it)."""
+    from shadow.layout import MAX_DIMS, MAX_ELEMENTS, MAX_GROUPS, Layout
+
+    def one(shape, groups=1):
+        numel = 1
+        for s in shape:
+            numel *= s
+        return {"num_groups": groups, "params": [["w", list(shape), 0, numel, 0, True]]}
+
+    for bad, what in ((one([10**100]), "elements"), (one([2**24, 2**25]), "elements"),
+                      (one([1] * (MAX_DIMS + 1)), "dimensions"), (one([4], MAX_GROUPS + 1), "groups")):
+        with pytest.raises(ValueError, match=what):
+            Layout.from_dict(bad)
+    assert Layout.from_dict(one([2**24, 2**23])).total == 2**47 < MAX_ELEMENTS  # a large real one still fits

@@ -199,6 +199,16 @@ class Sender(threading.Thread):
         self.seq[worker] += 1
         return h.pack()
 
+    @staticmethod
+    def split_runs(runs, max_elems: int) -> list[tuple[int, int, int]]:
+        """``(src, dst, n)`` runs cut into consecutive pieces of at most ``max_elems``
+        elements (a payload frame is never larger than ``F.MAX_PART_BYTES``)."""
+        out = []
+        for src, dst, n in runs:
+            for off in range(0, max(n, 1), max_elems):  # an empty run stays one (empty) run
+                out.append((src + off, dst + off, min(max_elems, n - off)))
+        return out
+
     def _send_payload(self, iteration: int, kind, field, data: np.ndarray, runs_per_worker, ring_slot) -> None:
         trackers = []
         for w, runs in enumerate(runs_per_worker):
@@ -206,6 +216,7 @@ class Sender(threading.Thread):
                 continue
             if self._faulted(iteration, w):
                 continue
+            runs = self.split_runs(runs, F.MAX_PART_BYTES // data.itemsize)
             views = [data[src:src + n] for src, _, n in runs]
             table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views)]
             frames = [self._header(kind, field, iteration, w, table)] + [memoryview(v) for v in views]

@@ -12,6 +12,8 @@ from shadow.coordinator.records import JobRec, job_id_for
 from shadow.jobs import job_name_problem
 from shadow.layout import Layout, shard_bounds
 from shadow.persist import catalog
+from shadow.wire import messages as M
+from shadow.worker.memory import human, nfields, session_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +31,50 @@ class AttachMixin:
         if not 0 <= msg["rank"] < msg["world"]:
             self._reply(env, "error", message=f"rank {msg['rank']} is not in world {msg['world']}")
             return
-        p = self.pending.setdefault(msg["job"], {"ranks": {}, "deadline": now + knobs.get("CONNECT_TIMEOUT_S"),
-                                                 "told": -1, "since": now})
-        p["ranks"][msg["rank"]] = (env[0], msg)
+        if msg["rank"] != 0 and msg["layout"] is not None:
+            msg = {**msg, "layout": None}  # rank 0's layout is the job's; the others' hashes must match it
+            size = len(M.encode("attach", **{k: v for k, v in msg.items() if k not in ("t", "v")}))
+        else:
+            size = self._msg_bytes
+        full = self._pending_full(msg["job"], msg["rank"], size)
+        if full is not None:
+            self._count("attach_full")
+            logger.error("attach of job %s rank %d refused: %s", msg["job"], msg["rank"], full)
+            self._reply(env, "error", message=full)
+            return
+        p = self.pending.setdefault(msg["job"], {"ranks": {}, "bytes": {}, "held": 0, "since": now, "told": -1,
+                                                 "deadline": now + knobs.get("CONNECT_TIMEOUT_S")})
+        p["ranks"][msg["rank"]] = (env[0], msg)  # a rank attaching again replaces its entry
+        p["held"] += size - p["bytes"].get(msg["rank"], 0)
+        p["bytes"][msg["rank"]] = size
         p["told"] = -1  # a newcomer hears how many workers are ready
         self._start_attaches()
+
+    def pending_view(self) -> dict:
+        """What the held attaches take: job names, ranks, bytes of their messages."""
+        return {"jobs": len(self.pending), "ranks": sum(len(p["ranks"]) for p in self.pending.values()),
+                "bytes": sum(p["held"] for p in self.pending.values())}
+
+    def _pending_full(self, name: str, rank: int, size: int) -> str | None:
+        """Why one more held attach (job ``name``, ``rank``, a message of ``size`` bytes)
+        would pass a bound on what the coordinator holds, or None."""
+        p = self.pending.get(name)
+        held = self.pending_view()
+        again = p is not None and rank in p["ranks"]  # replaces its own entry
+        jobs = held["jobs"] + (p is None)
+        ranks = held["ranks"] + (not again)
+        nbytes = held["bytes"] - (p["bytes"].get(rank, 0) if again else 0) + size
+        for knob, value, what in (("ATTACH_PENDING_JOBS", jobs, "jobs with attaches waiting for their ranks"),
+                                  ("ATTACH_PENDING_RANKS", ranks, "rank attaches waiting"),
+                                  ("ATTACH_PENDING_BYTES", nbytes, "bytes of attach messages held")):
+            cap = knobs.get_int(knob)
+            if value > cap:
+                waiting = (f"other attaches are waiting for their ranks ({held['jobs']} jobs, {held['ranks']} "
+                           f"ranks, {held['bytes']} bytes) until they arrive or SHADOW_CONNECT_TIMEOUT_S passes: "
+                           "retry then, or" if held["ranks"] else "")
+                return (f"the coordinator holds too many pending attaches: this one would make {value} {what}, "
+                        f"over the bound of {cap} (SHADOW_{knob}); {waiting} raise SHADOW_{knob} on the coordinator")
+        return None
 
     def _start_attaches(self) -> None:
         """Start every pending attach whose ranks have all arrived, once every worker is
@@ -47,7 +88,13 @@ class AttachMixin:
             world = next(iter(p["ranks"].values()))[1]["world"]
             if ready >= self.expected and len(p["ranks"]) >= world:
                 del self.pending[name]
-                self._start_job(name, p["ranks"])
+                try:
+                    self._start_job(name, p["ranks"])
+                except Exception as exc:  # the ranks must hear, and the loop go on
+                    self._failed("attach_error", f"the attach of job {name!r}")
+                    for ident, _ in p["ranks"].values():
+                        self._reply([ident], "error", message=f"attach of job {name!r} failed in the coordinator: "
+                                                              f"{type(exc).__name__}: {exc}")
             elif ready < self.expected and p["told"] != ready:
                 p["told"] = ready
                 for ident, _ in p["ranks"].values():
@@ -91,9 +138,19 @@ class AttachMixin:
             return fail(str(exc))
         if layout.hash != first["layout_hash"]:
             return fail("layout does not match its hash")
+        # nothing about the current job changes before every check has passed
+        problem = self._memory_problem(name, layout, first["optim"])
+        if problem is not None:
+            self._count("attach_memory")
+            return fail(problem)
+        problem = self.persist.unscanned()
+        if problem is not None:
+            self._count("attach_tier_unreadable")
+            return fail(f"{problem}; what that tier holds is unknown, so whether this attach would go back behind "
+                        "a newer checkpoint (and the job's generation) cannot be checked: fix the tier (path, "
+                        "permissions, reachability; it is read again at every attach) or start the coordinator "
+                        "without it")
         old = self.job
-        # until the new epoch holds its base, restores read the old epoch's last cut
-        self.retired = self._memory_info(old.name) if old is not None else None
         generation, held = self.persist.lineage(name)
         if old is not None and old.name == name:
             generation, held = max(generation, old.generation), max(held, old.cut)
@@ -111,6 +168,8 @@ class AttachMixin:
             logger.warning("job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded "
                            "(generation %d)", name, base, "restored from this cluster" if vouched else "overwrite",
                            held, generation)
+        # until the new epoch holds its base, restores read the old epoch's last cut
+        self.retired = self._memory_info(old.name) if old is not None else None
         self.epoch += 1
         bounds = shard_bounds(layout.total, self.nshards)
         ranges = [bounds[i % self.nshards] for i in range(len(self.workers))]
@@ -130,6 +189,32 @@ class AttachMixin:
                         shard=self.shard_of(w), shards=self.nshards, peer=None)
         logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
                     name, self.epoch, len(self.workers), len(layout.params), layout.total)
+
+    def _memory_problem(self, name: str, layout: Layout, optim: dict) -> str | None:
+        """Why the workers could not hold ``layout``: the ranges of the workers of each
+        host need more than the least free memory a worker there reports."""
+        bounds = shard_bounds(layout.total, self.nshards)
+        persist = bool(self.persist.config.get("local", {}).get("dir"))
+        hosts: dict[str, list] = {}
+        for w in self.workers:
+            start, stop = bounds[w.id % self.nshards]
+            need = session_bytes(stop - start, nfields(optim), len(layout.params), persist)
+            hosts.setdefault(_host(w.data), []).append((w, need))
+        for host, held in sorted(hosts.items()):
+            known = [w.memory for w, _ in held if w.memory >= 0]
+            need = sum(n for _, n in held)
+            if not known or need <= min(known):
+                continue
+            w, one = max(held, key=lambda x: x[1])
+            start, stop = bounds[w.id % self.nshards]
+            shared = f" (with {len(held) - 1} other workers on host {host}: {human(need)} in all)" if len(held) > 1 \
+                else ""
+            return (f"not enough memory: the layout of job {name!r} ({layout.total} elements) needs about "
+                    f"{human(one)} on worker {w.id} (range [{start}, {stop}): optimizer state, gradient slots"
+                    f"{', checkpoint images' if persist else ''}){shared}, and host {host} has {human(min(known))} "
+                    f"free; add workers (each holds 1/{self.nshards} of the elements), train a smaller model, or "
+                    "free memory on that host")
+        return None
 
     def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:
         """Whether every rank restored iteration ``base`` of job ``name`` from this cluster:
@@ -152,3 +237,9 @@ class AttachMixin:
             if len(job.detached) == job.world:
                 job.status = "detached"
                 logger.info("job %s epoch %d detached at iteration %d", job.name, job.epoch, job.cut)
+
+
+def _host(endpoint: str) -> str:
+    """The host of a worker's ``tcp://host:port`` data endpoint (workers on one host
+    share its memory)."""
+    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]

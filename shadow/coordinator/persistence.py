@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import fsspec
+
 from shadow import knobs
 from shadow.persist import catalog
 
@@ -46,10 +48,12 @@ class Tier:
     complete: dict = field(default_factory=dict)  # job -> newest complete iteration
     last_complete: dict | None = None  # {"job", "iteration", "time", "bytes", "seconds"}
     last_error: str = ""
+    scan_error: str = ""  # the start-up scan failed: what this tier holds is unknown (attaches are refused)
     count: int = 0
     bytes: int = 0
     failures: int = 0
     skipped: int = 0  # requests a worker skipped (not failures)
+    failing: int = 0  # failures in a row (a full disk, say); after two, retries follow the schedule
     requested: dict = field(default_factory=dict)  # iteration in flight -> monotonic time of the request
     newest: tuple | None = None  # (iteration, tokens, {shard: report}) of the newest complete one this run
     skip_log: dict = field(default_factory=lambda: {"count": 0, "lo": 0, "hi": 0, "at": float("-inf"), "why": ""})
@@ -59,6 +63,24 @@ class Tier:
                 "last_complete": self.last_complete, "last_error": self.last_error, "count": self.count,
                 "bytes": self.bytes, "failures": self.failures, "skipped": self.skipped,
                 "in_flight": sorted(self.in_flight)}
+
+
+def _probe(root: str) -> None:
+    """Raise if what tier ``root`` holds cannot be known (no permission, a symlink loop, an
+    unreachable store): its listing would pass for empty. A root that does not exist, or is
+    not a directory, holds no checkpoint (writing one fails, and is reported then)."""
+    fs, base = fsspec.core.url_to_fs(root)
+    try:
+        info = fs.info(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if info.get("type") != "directory":
+        logger.warning("tier root %s is a %s, not a directory: it holds no checkpoint, and none can be written "
+                       "there", root, info.get("type", "non-directory"))
+        return
+    for entry in fs.ls(base, detail=True):  # each job directory must be listable too
+        if entry.get("type") == "directory":
+            fs.ls(entry["name"], detail=False)
 
 
 class Persistence:
@@ -75,15 +97,24 @@ class Persistence:
 
     def _scan(self, tier: Tier, job: str | None = None) -> None:
         try:
+            if job is None:
+                _probe(tier.root)  # a listing of an unreadable root is empty, not an error
             found = catalog.list_checkpoints(tier.root, tier.name, job)
             for name in {c.job for c in found} | ({job} if job else set()):
                 marks = catalog.read_generations(tier.root, name)
                 self.generations[name] = max([self.generations.get(name, 0), *marks] +
                                              [c.generation for c in found if c.job == name])
         except Exception as exc:  # an unreachable tier must not stop the coordinator
-            tier.last_error = f"cannot list {tier.root}: {exc}"
+            tier.last_error = f"cannot list {tier.root}: {type(exc).__name__}: {exc}"
             logger.error("tier %s: %s", tier.name, tier.last_error)
+            if job is None:  # what the tier holds is unknown: never taken as "nothing"
+                tier.scan_error = tier.last_error
             return
+        if job is None and tier.scan_error:
+            logger.info("tier %s at %s is readable again", tier.name, tier.root)
+            if tier.last_error == tier.scan_error:
+                tier.last_error = ""
+            tier.scan_error = ""
         if job is not None:
             tier.complete.pop(job, None)
         for c in found:
@@ -95,6 +126,19 @@ class Persistence:
                                   "bytes": c.bytes, "seconds": None}
             logger.info("tier %s at %s: %d complete checkpoints, newest %s iteration %d",
                         tier.name, tier.root, len(found), c.job, c.iteration)
+
+    def unscanned(self) -> str | None:
+        """Why some tier's contents are unknown (its start-up scan failed, and a retry now
+        fails too), or None: until then no attach may start, since the overwrite
+        protection and the job's generation need what the tier holds."""
+        problems = []
+        for t in self.tiers.values():
+            if t.scan_error:
+                self._scan(t)
+            if t.scan_error:
+                why = t.scan_error.removeprefix(f"cannot list {t.root}: ")
+                problems.append(f"cannot read tier {t.name} ({t.root}): {why}")
+        return "; ".join(problems) or None
 
     def storage(self) -> list[dict]:
         """Where restores may look, nearest first."""
@@ -150,8 +194,12 @@ class Persistence:
         tier.requested.pop(rep["iteration"], None)
         failed = [r for r in got.values() if not r["ok"]]
         if failed:
-            tier.last = tier.last_ok  # due again at the next cut
             errors = [r for r in failed if not r.get("skipped")]
+            if errors:
+                tier.failing += 1
+            if not errors or tier.failing < 2:
+                tier.last = tier.last_ok  # due again at the next cut
+            # else failing again (a full disk): the next try follows the tier's schedule, not every cut
             if errors:
                 tier.last_error = "; ".join(f"iteration {r['iteration']} shard {r['shard']}: {r['error']}"
                                             for r in errors)
@@ -160,6 +208,7 @@ class Persistence:
                 tier.failures += 1
             else:
                 self._skipped(tier, rep["iteration"], failed[0]["error"])
+            self._discard(tier, job, rep["iteration"])
             follow = []
         else:
             follow = self._commit(tier, job, rep["iteration"], got)
@@ -169,6 +218,17 @@ class Persistence:
             except Exception as exc:  # storage errors are reported, never fatal
                 logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
         return follow
+
+    def _discard(self, tier: Tier, job, iteration: int) -> None:
+        """A checkpoint that failed never gets a manifest: delete the shards the other
+        workers wrote for it, so that on a full disk they do not hold the space the next
+        attempt needs (earlier complete checkpoints are never touched)."""
+        try:
+            if catalog.discard_torn(tier.root, job.name, iteration, job.generation):
+                logger.info("tier %s: removed the incomplete checkpoint of iteration %d", tier.name, iteration)
+        except Exception as exc:  # storage errors are reported, never fatal; retention retries later
+            logger.warning("tier %s: could not remove the incomplete checkpoint of iteration %d: %s: %s",
+                           tier.name, iteration, type(exc).__name__, exc)
 
     def _skipped(self, tier: Tier, iteration: int, reason: str) -> None:
         tier.skipped += 1
@@ -217,17 +277,23 @@ class Persistence:
             catalog.write_manifest(tier.root, job.name, iteration, manifest)
             deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
-            tier.last_error = f"writing the manifest of iteration {iteration}: {type(exc).__name__}: {exc}"
+            where = catalog.checkpoint_dir(tier.root, job.name, iteration, job.generation)
+            tier.last_error = f"writing the manifest of iteration {iteration}: " \
+                              f"{catalog.write_error(exc, tier.name, where)}"
             if isinstance(exc, FileNotFoundError):
                 tier.last_error += (f" (the coordinator cannot see the shards the workers wrote under {tier.root}: "
                                     "a tier's path must be storage the coordinator and every worker share -- one "
                                     "host, or a shared mount; with node-local disks on several hosts, use "
                                     "persist.remote.url for durable copies)")
             logger.error("tier %s: %s", tier.name, tier.last_error)
-            tier.last = tier.last_ok
+            tier.failing += 1
+            if tier.failing < 2:
+                tier.last = tier.last_ok
             tier.failures += 1
+            self._discard(tier, job, iteration)  # never one whose manifest did get written
             return []
         tier.last_ok = (iteration, time.time(), tokens)
+        tier.failing = 0
         nbytes = sum(s["bytes"] for s in shards)
         tier.count += 1
         tier.bytes += nbytes

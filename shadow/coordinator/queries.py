@@ -20,6 +20,7 @@ class QueryMixin:
             "expected_workers": self.expected, "replicas": self.replicas, "shards": self.nshards,
             "uptime_s": time.time() - self.started,
             "rejected": dict(self.rejected),
+            "attach_pending": self.pending_view(),
             "security": {"curve": self.guard is not None,
                          "accepted": self.guard.accepted if self.guard else 0,
                          "refused": dict(self.guard.refused) if self.guard else {}},
@@ -33,11 +34,13 @@ class QueryMixin:
                  "rejected": w.rejected, "frames_in": w.frames_in, "bytes_in": w.bytes_in,
                  "bytes_per_s": round(w.rate_in, 1), "replay_s": round(w.replay_s, 6), "replayed": w.replayed,
                  "replay_s_per_iteration": None if w.replay_per_it is None else round(w.replay_per_it, 6),
-                 "last_seen_s": round(now - w.last_seen, 3), "ready": w.alive(now)}
+                 "last_seen_s": round(now - w.last_seen, 3), "ready": w.alive(now),
+                 "memory": w.memory if w.memory >= 0 else None}
                 for w in self.workers
             ] + self._starting_view(),
             "job": None,
-            "persist": {name: t.status() for name, t in self.persist.tiers.items()},
+            "persist": {name: {**t.status(), "scan_error": t.scan_error}  # scan_error: attaches are refused
+                        for name, t in self.persist.tiers.items()},
         }
         if job is not None:
             out["job"] = {
@@ -62,7 +65,7 @@ class QueryMixin:
             {"id": st["worker_id"], "pid": st["pid"], "data": None, "serve": None, "start": None, "stop": None,
              "applied": -1, "prepared": -1, "seen": -1, "shard": None, "health": "starting",
              "stale": "", "rejected": {}, "frames_in": 0, "bytes_in": 0, "bytes_per_s": 0.0, "replay_s": 0.0,
-             "replayed": 0, "replay_s_per_iteration": None, "last_seen_s": 0.0, "ready": False,
+             "replayed": 0, "replay_s_per_iteration": None, "last_seen_s": 0.0, "ready": False, "memory": None,
              "starting_s": st["seconds"]}
             for st in sorted(self.starting.values(), key=lambda x: x["worker_id"]) if st["worker_id"] not in held
         ]

@@ -29,7 +29,7 @@ class WorkerRec:
     lost: bool = False
     session: dict | None = None  # what a rejoining worker holds (coordinator restart)
     seq: list = field(default_factory=list)  # data messages received per rank (its heartbeat)
-    busy_at: float = 0.0  # last time its received-frame count moved
+    busy_at: float = 0.0  # last time its taken-frame counts (seq) moved
     transit: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
     joined_at: float = 0.0  # when its current data stream began (trainer counts before it do not apply)
     out: bool = False  # a replica taken out of service (the shard goes on on its peer)
@@ -37,6 +37,7 @@ class WorkerRec:
     replayed: int = 0  # iterations it applied
     rate_in: float = 0.0  # bytes/s received, over the last few heartbeats
     replay_per_it: float | None = None  # seconds per applied iteration, over the last few heartbeats
+    memory: int = -1  # bytes it has free (its register, rejoin and heartbeats; -1: unknown)
     _last_hb: float = 0.0
 
     def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:

@@ -24,6 +24,12 @@ from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
 
+#: what only a registered worker sends (from anyone else it is counted and dropped)
+WORKER_ONLY = frozenset({"configured", "prepared", "persisted", "audited", "stale", "copied"})
+#: what only the job's trainer rank sends: from another peer than the one the rank attached
+#: (or last heartbeated) from, it is counted and dropped
+TRAINER_ONLY = frozenset({"paused", "lagging", "detach", "replica_from"})
+
 
 class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
     def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None, replicas: int = 1) -> None:
@@ -38,7 +44,11 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         self.ctx = zmq.Context.instance()
         self.workers: list[WorkerRec] = []
         self.job: JobRec | None = None
-        self.pending: dict[str, dict] = {}  # job name -> {"ranks": {rank: (ident, msg)}, "deadline": t}
+        # job name -> {"ranks": {rank: (ident, msg)}, "bytes": {rank: size held}, "held": their sum,
+        #              "deadline": t, ...}
+        self.pending: dict[str, dict] = {}
+        self._msg_bytes = 0  # raw size of the message being handled (the pending attach bound)
+        self._failed_at: dict[str, float] = {}  # handler or periodic call -> when its failure was last logged
         self.rejected: dict[str, int] = {}
         self.epoch = 0
         self._stop = False
@@ -54,6 +64,8 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a peer declaring a larger frame is disconnected before anything is buffered
+        self.sock.setsockopt(zmq.MAXMSGSIZE, M.socket_limit("coordinator"))
         if self.guard is not None:
             self.guard.server(self.sock)
         self.sock.bind(self.bind)
@@ -69,9 +81,8 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
                         except zmq.Again:
                             break
                         self._on_message(parts)
-                self._start_attaches()
-                self._expire_attaches()
-                self._check_workers()
+                for name in ("start_attaches", "expire_attaches", "check_workers"):
+                    self._survive(name)
         finally:
             self.sock.close(linger=0)
             if self.guard is not None:
@@ -86,6 +97,24 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
 
     def _count(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def _survive(self, name: str) -> None:
+        """Run periodic step ``_<name>``; an exception (state built from some message) is
+        counted and logged, and the loop goes on."""
+        try:
+            getattr(self, "_" + name)()
+        except Exception:
+            self._failed("periodic_" + name, f"periodic step {name}")
+
+    def _failed(self, reason: str, what: str) -> None:
+        """Count a failure under ``reason`` (status ``rejected``, metric
+        ``shadow_rejected_frames{worker="coordinator"}``); log it with its traceback, once
+        a minute per reason at most."""
+        self._count(reason)
+        now = time.monotonic()
+        if now - self._failed_at.get(reason, float("-inf")) >= 60.0:
+            self._failed_at[reason] = now
+            logger.exception("%s failed (%d times so far); the coordinator carries on", what, self.rejected[reason])
 
     def _on_message(self, parts: list[bytes]) -> None:
         if len(parts) < 2:
@@ -104,7 +133,31 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             self._count("unexpected")
             self._reply(envelope, "error", message=f"coordinator does not accept {msg['t']!r} messages")
             return
-        handler(envelope, msg)
+        if msg["t"] in WORKER_ONLY and self._worker(envelope) is None:
+            self._count("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)
+            return
+        if msg["t"] in TRAINER_ONLY and not self._from_trainer(envelope, msg):
+            self._count("not_a_trainer")
+            return
+        self._msg_bytes = len(raw)
+        try:
+            handler(envelope, msg)
+        except Exception as exc:  # a bug meeting an input: count it, answer, and carry on
+            self._failed("handler_" + msg["t"], f"the {msg['t']} handler")
+            try:
+                self._reply(envelope, "error", message=f"the coordinator could not handle this {msg['t']} message "
+                                                       f"({type(exc).__name__}: {exc}); it was dropped")
+            except Exception:  # the envelope itself may be the problem
+                logger.debug("could not answer a failed %s message", msg["t"], exc_info=True)
+
+    def _from_trainer(self, envelope: list[bytes], msg: dict) -> bool:
+        """Whether a rank's message comes from that rank's connection (a rank not yet
+        heard from since a coordinator restart has none: its message is taken)."""
+        job = self.job
+        if job is None or msg["epoch"] != job.epoch:
+            return True  # the handlers ignore other epochs
+        bound = job.trainers.get(msg["rank"])
+        return bound is None or bound == envelope[0]
 
     def _worker(self, envelope: list[bytes]) -> WorkerRec | None:
         for w in self.workers:
@@ -160,6 +213,7 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
             self.workers.append(w)
             self.workers.sort(key=lambda x: x.id)
+        w.memory = msg.get("memory", -1)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         self._reply(env, "registered", worker_id=w.id, hold=hold)
         if len(self.ready_workers(now)) == self.expected:
@@ -172,12 +226,13 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             self._reply(env, "reregister")
             return
         w.last_seen = time.monotonic()
-        if msg["frames_in"] != w.frames_in:
+        if msg["seq"] != w.seq:  # frames taken (not merely received: rejected ones do not count)
             w.busy_at = w.last_seen
         w.seq = msg["seq"]
         w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
         w.observe(w.last_seen, msg["bytes_in"], msg["replay_s"], msg["replayed"])
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
+        w.memory = msg.get("memory", -1)
         if self.job is not None and self.job.status == "degraded":
             self._maybe_resync()
 

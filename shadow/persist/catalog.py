@@ -9,11 +9,15 @@ plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import posixpath
 import re
+import shutil
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +43,31 @@ _FIELDS = {"param": Field.PARAM, "exp_avg": Field.EXP_AVG, "exp_avg_sq": Field.E
 
 class CheckpointError(ShadowError):
     """A checkpoint on storage is missing, torn or corrupt."""
+
+
+# what damaged bytes or failing storage raise on the way through a parser; anything else
+# reading a checkpoint may be a bug, so its traceback is logged as well
+_DAMAGE = (ValueError, OSError, EOFError, struct.error, RecursionError, OverflowError, MemoryError)
+
+
+@contextlib.contextmanager
+def _reading(what: str):
+    """The boundary around reading one checkpoint (its manifest in :func:`list_checkpoints`,
+    a shard in :func:`verify` and :func:`load`): whatever the read raises -- a manifest
+    that parses but holds odd values, a truncated or corrupt plain or compressed shard, an
+    ``OSError`` or a remote store client's own error type -- leaves it as a
+    :class:`CheckpointError` naming ``what`` and the exception's type, so a listing reports
+    the checkpoint and a restore falls back to an older one instead of crashing. Types
+    that damage does not usually raise are logged with their traceback (a bug stays
+    visible)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # see above: every failure of a read is a finding
+        if not isinstance(exc, _DAMAGE):
+            logger.warning("reading %s raised %s", what, type(exc).__name__, exc_info=True)
+        raise CheckpointError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def checkpoint_dir(root: str, job: str, iteration: int, generation: int = 0) -> str:
@@ -95,6 +124,31 @@ class CheckpointInfo:
         return sum(s.get("raw_bytes") or s["bytes"] for s in self.manifest["shards"])
 
 
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+         errno.EFBIG: "file too large for the file system"}
+
+
+def write_error(exc: BaseException, tier: str, path: str) -> str:
+    """How a failed write of ``path`` on ``tier`` is reported (status, logs): a full disk
+    or quota says so, with the free space left where it is a local path, and what to do;
+    any other error as ``Type: message``."""
+    what = _FULL.get(exc.errno) if isinstance(exc, OSError) else None
+    if what is None:
+        return f"{type(exc).__name__}: {exc}"
+    free = ""
+    if is_local(path):
+        try:
+            d = local_path(path)
+            while d and not os.path.isdir(d):
+                d = os.path.dirname(d)
+            usage = shutil.disk_usage(d or ".")
+            free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB)"
+        except OSError:
+            pass
+    return (f"tier {tier}: {what} writing {path}{free}; free space or lower retention (persist.{tier}.keep); "
+            "checkpoints resume once a write fits")
+
+
 def _fs(root: str):
     return fsspec.core.url_to_fs(root)
 
@@ -106,10 +160,15 @@ def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
     if is_local(root):
         path = os.path.join(local_path(d), MANIFEST)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk: no partial manifest left behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         os.replace(tmp, path)
         shardfile.fsync_dir(local_path(d))
         return path
@@ -129,15 +188,17 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None,
     out = []
     for mpath in fs.glob(pattern):
         try:
-            manifest = json.loads(fs.cat_file(mpath))
-            problem = manifest_problem(manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(
-                mpath))))
+            with _reading(mpath):
+                manifest = json.loads(fs.cat_file(mpath))
+                problem = manifest_problem(manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(
+                    mpath))))
             if problem is not None:
-                raise ValueError(problem)
-        except (ValueError, OSError) as exc:  # bad JSON or UTF-8 is a ValueError too
-            logger.warning("ignoring unreadable manifest %s: %s", mpath, exc)
+                raise CheckpointError(f"{mpath}: {problem}")
+        except CheckpointError as exc:  # the reason without the path, which the caller has
+            reason = str(exc).removeprefix(f"{mpath}: ").removeprefix("ValueError: ")
+            logger.warning("ignoring unreadable manifest %s: %s", mpath, reason)
             if skipped is not None:
-                skipped.append((mpath, str(exc)))
+                skipped.append((mpath, reason))
             continue
         d = posixpath.dirname(mpath)
         out.append(CheckpointInfo(root, tier, d, manifest, fs))
@@ -147,8 +208,21 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None,
             if c.job == name:
                 c.superseded = superseded(c.generation, c.iteration, generations)
     # newest last: superseded ones first (the oldest), then by generation and iteration
-    out.sort(key=lambda c: (not c.superseded, c.generation, c.iteration, c.manifest.get("created", 0)))
+    out.sort(key=lambda c: (not c.superseded, c.generation, c.iteration, c.manifest.get("created") or 0))
     return out
+
+
+def discard_torn(root: str, job: str, iteration: int, generation: int = 0) -> bool:
+    """Delete the directory of a checkpoint of ``iteration`` that failed (some shard's
+    write did), so its other shards do not hold on to space a full disk needs; never one
+    with a manifest. Returns whether anything was deleted (nothing where the directory
+    is not visible from here, e.g. node-local disks of other hosts)."""
+    d = checkpoint_dir(root, job, iteration, generation)
+    fs, p = _fs(d)
+    if not fs.isdir(p) or fs.exists(posixpath.join(p, MANIFEST)):
+        return False
+    fs.rm(fsglob.literal(fs, p), recursive=True)
+    return True
 
 
 def list_torn(root: str, job: str | None = None) -> list[str]:
@@ -192,15 +266,19 @@ def verify(info: CheckpointInfo) -> list[str]:
     """Re-read every shard and check size and checksum; returns the problems found."""
     fs = info.fs
     problems = []
+    where = f"iteration {info.iteration} ({info.tier})"
     try:
-        tiling = shardguard.tiling_problem(info.manifest["shards"], Layout.from_dict(info.manifest["layout"]).total)
-    except ValueError as exc:
-        tiling = f"unreadable layout: {exc}"
-    if tiling:
-        problems.append(f"iteration {info.iteration} ({info.tier}): {tiling}")
+        with _reading(f"{where}: unreadable layout"):
+            tiling = shardguard.tiling_problem(info.manifest["shards"],
+                                               Layout.from_dict(info.manifest["layout"]).total)
+        if tiling:
+            problems.append(f"{where}: {tiling}")
+    except CheckpointError as exc:
+        problems.append(str(exc))
     for shard in info.manifest["shards"]:
         try:
-            _read_shard(fs, info, shard, True)
+            with _reading(f"{where}: shard {shard['index']} ({posixpath.join(info.path, shard['file'])})"):
+                _read_shard(fs, info, shard, True)
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
@@ -261,10 +339,8 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``);
     ``progress(done_bytes, total_bytes)`` is called after each shard."""
     m = info.manifest
-    try:
+    with _reading(f"iteration {info.iteration} ({info.tier}): unreadable layout in {info.path}"):
         layout = Layout.from_dict(m["layout"])
-    except Exception as exc:  # noqa: BLE001 - a malformed layout is a damaged checkpoint
-        raise CheckpointError(f"iteration {info.iteration}: unreadable layout in {info.path}: {exc!r}") from None
     if f"{layout.hash:016x}" != m["layout_hash"]:
         raise CheckpointError(f"iteration {info.iteration}: manifest layout does not match its hash")
     total = layout.total
@@ -278,7 +354,9 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     extras: dict[int, np.ndarray] = {}  # chunks of model state outside the optimizer, by key
     covered = done = 0
     for shard in m["shards"]:
-        try:  # whatever a damaged shard trips (KeyError, TypeError, ...) is a CheckpointError naming it
+        # whatever a damaged shard trips (KeyError, TypeError, a store error, ...) is a CheckpointError naming it
+        with _reading(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} "
+                      f"({posixpath.join(info.path, shard['file'])}) is unreadable"):
             tensors = _shard_tensors(info, shard, check, arrays, total)
             lo = shard["start"]
             for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"]):
@@ -290,11 +368,6 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
                     blobs[int(name[len("commit.rank"):])] = t.tobytes()
                 elif name.startswith("extra."):
                     extras[int(name[len("extra."):])] = t
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} "
-                                  f"({posixpath.join(info.path, shard['file'])}) is unreadable: {exc!r}") from None
         covered += shard["stop"] - lo
         done += shard["bytes"]
         if progress is not None:
@@ -332,7 +405,8 @@ def find(root: str, tier: str, job: str | None = None, iteration: int | None = N
         try:
             return info, load(info, check, progress)
         except CheckpointError as exc:
-            logger.warning("skipping checkpoint: %s", exc)
+            logger.warning("skipping checkpoint %s iteration %d at %s, trying the next older one: %s", info.job,
+                           info.iteration, info.path, exc)
             errors.append(str(exc))
     raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
 

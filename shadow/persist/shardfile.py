@@ -8,6 +8,7 @@ page-aligned buffer: the worker copies its range into it at an iteration boundar
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
+from shadow import knobs
 from shadow.wire.frames import checksum
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,9 @@ class ShardImage:
         return checksum(memoryview(self.buf[:self.size]))
 
     def write(self, path: str) -> int:
-        """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir)."""
+        """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir). A write
+        that fails (a full disk: ``ENOSPC``) removes its partial ``.tmp`` file, which
+        would otherwise hold on to the space until retention finds the directory."""
         tmp = path + ".tmp"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         direct = getattr(os, "O_DIRECT", 0)
@@ -120,19 +124,28 @@ class ShardImage:
         if fd is None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            mv = memoryview(self.buf)
             try:
-                _write_all(fd, mv, self.size)
-            except OSError as exc:
-                if not used_direct or exc.errno not in (22,):  # EINVAL: O_DIRECT refused at write time
-                    raise
-                os.close(fd)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                used_direct = False
-                _write_all(fd, mv, self.size)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+                mv = memoryview(self.buf)
+                try:
+                    _write_all(fd, mv, self.size)
+                except OSError as exc:
+                    if not used_direct or exc.errno not in (22,):  # EINVAL: O_DIRECT refused at write time
+                        raise
+                    os.close(fd)
+                    fd = None
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    used_direct = False
+                    _write_all(fd, mv, self.size)
+                os.fsync(fd)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
         return self.size
@@ -143,9 +156,13 @@ WRITE_THREADS = 2  # chunks in flight at once
 
 def _write_all(fd: int, mv: memoryview, length: int) -> None:
     """Write ``mv[:length]`` at offset 0 in CHUNK-sized pieces, WRITE_THREADS at a time."""
+    full = knobs.fault("PERSIST_FULL")  # tests: the disk is full while the file this names exists
 
     def put(pos: int) -> None:
         end = min(length, pos + CHUNK)
+        if full and os.path.exists(full):  # half the piece goes in, as on a disk that fills up
+            os.pwrite(fd, mv[pos:pos + (end - pos) // 2 // PAGE * PAGE], pos)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         while pos < end:
             n = os.pwrite(fd, mv[pos:end], pos)
             if n <= 0:

@@ -272,8 +272,12 @@ class ShardPersister:
             logger.info("persisted iteration %d shard %d: %d bytes (%d raw) in %.3f s", iteration, self.shard,
                         nbytes, img.size, time.monotonic() - t0)
         except Exception as exc:  # reported to the coordinator; a background thread never raises
-            logger.error("persisting iteration %d to %s failed: %s", iteration, path, exc)
-            rep = self.report(iteration, epoch, "local", False, f"{type(exc).__name__}: {exc}")
+            # a full disk says so and what to do; the image goes back to the free list, no
+            # partial file stays behind (shardfile/zshard remove their .tmp), and the
+            # coordinator asks again at the next cut
+            error = catalog.write_error(exc, "local", path)
+            logger.error("persisting iteration %d to %s failed: %s", iteration, path, error)
+            rep = self.report(iteration, epoch, "local", False, error)
         finally:
             self._give_back(img)
         self._results.put(rep)
@@ -293,8 +297,9 @@ class ShardPersister:
             rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
                                seconds=time.monotonic() - t0, file=name, raw_bytes=raw)
         except Exception as exc:  # fsspec back ends raise many types
-            logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, exc)
-            rep = self.report(iteration, epoch, "remote", False, f"{type(exc).__name__}: {exc}")
+            error = catalog.write_error(exc, "remote", dst)
+            logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, error)
+            rep = self.report(iteration, epoch, "remote", False, error)
         self._results.put(rep)
 
     def _copy(self, src: str, fs, path: str, nbytes: int, csum: str) -> tuple[int, str, int]:

@@ -27,6 +27,10 @@ _HEADER = struct.Struct("<4sHBBQIHHQQQII")
 _RUN = struct.Struct("<QQQ")
 HEADER_SIZE = _HEADER.size
 RUN_SIZE = _RUN.size
+#: No payload frame is larger: a sender splits a longer run into consecutive runs of at
+#: most this many bytes, each with its own table entry and checksum, and a worker's data
+#: socket refuses larger frames (``ZMQ_MAXMSGSIZE``).
+MAX_PART_BYTES = 64 << 20
 
 
 class Kind(IntEnum):

@@ -1,26 +1,41 @@
 """Control messages: msgpack maps with a fixed, versioned schema.
 
-Every message is ``{"t": type, "v": version, ...fields}``. Decoding never executes
-anything (no pickle): msgpack with size limits, then a check of each field's type
-against :data:`SCHEMAS`. Unknown types or missing/mistyped fields are rejected.
+Every message is ``{"t": type, "v": version, ...fields}``, in that order (:func:`encode`
+writes the type first, then the version). Decoding never executes anything (no pickle):
+
+1. the type is peeked from the first bytes, without decoding the body: a map whose first
+   key is ``"t"`` (a short string) and whose second is ``"v"``;
+2. the message must fit its type's :class:`Limits` (:data:`LIMITS`): total bytes, then
+   msgpack's ``max_str_len``/``max_bin_len``/``max_array_len``/``max_map_len`` (and no
+   ext types) while the body is decoded, with the garbage collector paused;
+3. each field's type is checked against :data:`SCHEMAS`; a field that is neither in the
+   schema nor in :data:`OPTIONAL` is rejected (``unknown_field``).
+
+Every refusal is a :class:`MessageError` whose ``reason`` is a short metric label.
+:func:`socket_limit` gives a socket's ``ZMQ_MAXMSGSIZE`` from the types it receives
+(:data:`RECEIVES`).
 """
 from __future__ import annotations
 
-from typing import Any
+import gc
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import msgpack
 
+from shadow import knobs
+
 VERSION = 1
-MAX_MESSAGE_BYTES = 64 << 20
 
 _num = (int, float)
 # type -> {field: accepted python types}
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> coordinator
     "starting": {"pid": (int,), "worker_id": (int,), "seconds": (float, int)},  # compiling its kernels
-    "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,)},
+    "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "memory": (int,)},
     "configured": {"epoch": (int,)},
-    "rejoin": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "session": (dict, type(None))},
+    "rejoin": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "session": (dict, type(None)),
+               "memory": (int,)},  # memory: bytes the worker has free (-1: unknown)
     "prepared": {"epoch": (int,), "iteration": (int,), "tokens": (int, type(None))},
     "persisted": {"epoch": (int,), "iteration": (int,), "tier": (str,), "shard": (int,), "ok": (bool,),
                   "error": (str,), "file": (str,), "start": (int,), "stop": (int,), "bytes": (int,),
@@ -32,7 +47,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                 "first_param": (str,), "detail": (str,)},
     "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
                   "frames_in": (int,), "bytes_in": (int,), "stale": (str,), "seq": (list,),
-                  "replay_s": (float, int), "replayed": (int,)},
+                  "replay_s": (float, int), "replayed": (int,), "memory": (int,)},
     # coordinator -> worker
     "registered": {"worker_id": (int,), "hold": (bool,)},
     "reset": {"reason": (str,)},
@@ -79,6 +94,110 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                     "sums": (list,)},
 }
 
+# type -> {field: accepted python types}: fields a sender may leave out (checked when present)
+OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
+    # chunks of the model state outside the optimizer: [[key, nbytes, xxh3], ...]
+    "fetch_reply": {"extras": (list,)},
+    # shadow.persist.writer.Persister.report: bytes before compression, the codec, and a
+    # request skipped because every image was still being written (not a failure)
+    "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,)},
+}
+
+_KiB, _MiB = 1 << 10, 1 << 20
+
+
+class Limits(NamedTuple):
+    """What one message of a type may hold. ``bytes`` is checked before anything is
+    decoded; the rest are msgpack's limits while the body is decoded (no ext types)."""
+
+    bytes: int  # the whole encoded message
+    str: int  # the longest string (max_str_len)
+    bin: int  # the longest byte string (max_bin_len)
+    array: int  # the longest array (max_array_len)
+    map: int  # the most entries in one map (max_map_len)
+
+
+#: Most types: scalars, endpoints, short reasons and error texts.
+SMALL = Limits(64 * _KiB, 16 * _KiB, 4 * _KiB, 4096, 256)
+#: Per-rank lists (a worker's next sequence number per rank, a trainer's sent counts per
+#: worker, a job's workers) and rejection counters by reason.
+PER_RANK = Limits(1 * _MiB, 16 * _KiB, 4 * _KiB, 1 << 16, 4096)
+#: A model layout: one ``[name, shape, offset, numel, group, requires_grad]`` per parameter
+#: (30 to 100 bytes each: some 600 Ki parameters in 64 MiB, at most 2 Mi entries). A string
+#: costs about one byte of memory per byte received, so its limit only has to stay well
+#: below the total: long parameter names pass.
+LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _KiB, 1 << 21, 1 << 16)
+
+#: Per-type limits; a type not named here gets :data:`SMALL`. ``persisted`` and
+#: ``fetch_reply`` carry commit records and grow with the ``MAX_COMMIT_BYTES`` knob
+#: (:func:`limits`).
+#:
+#: ==================================================  ======  =======  ===========  =======  ======
+#: type                                                bytes   str      bin          array    map
+#: ==================================================  ======  =======  ===========  =======  ======
+#: all others (:data:`SMALL`)                          64 KiB  16 KiB   4 KiB        4 Ki     256
+#: heartbeat, trainer_hb, attached (:data:`PER_RANK`)  1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
+#: attach, configure, rejoin, restore_info_reply       64 MiB  2 MiB    4 KiB        2 Mi     64 Ki
+#: status_reply (the cluster view)                     64 MiB  64 KiB   4 KiB        1 Mi     64 Ki
+#: persisted (a commit record minus its step lists)    16 MiB  64 KiB   commit       2 Mi     4 Ki
+#:                                                     +64 KiB
+#: fetch_reply (steps per parameter, a commit blob     1 GiB   64 KiB   16 MiB or    4 Mi     64 Ki
+#: per rank, a checksum per chunk)                                      commit
+#: ==================================================  ======  =======  ===========  =======  ======
+#:
+#: ("commit": the ``MAX_COMMIT_BYTES`` knob, 16 MiB by default.)
+_SIZED: dict[str, Limits] = {
+    "heartbeat": PER_RANK,
+    "trainer_hb": PER_RANK,
+    "attached": PER_RANK,
+    "attach": LAYOUT,
+    "configure": LAYOUT,
+    "rejoin": LAYOUT,  # its session carries the configure message it holds
+    "restore_info_reply": LAYOUT,
+    "status_reply": Limits(64 * _MiB, 64 * _KiB, 4 * _KiB, 1 << 20, 1 << 16),
+    "persisted": Limits(16 * _MiB + 64 * _KiB, 64 * _KiB, 16 * _MiB, 1 << 21, 4096),
+    "fetch_reply": Limits(1 << 30, 64 * _KiB, 16 * _MiB, 1 << 22, 1 << 16),
+}
+LIMITS: dict[str, Limits] = {kind: _SIZED.get(kind, SMALL) for kind in SCHEMAS}
+_COMMIT_CARRIERS = ("persisted", "fetch_reply")
+
+#: The message types each kind of socket receives, for its ``ZMQ_MAXMSGSIZE``
+#: (:func:`socket_limit`).
+RECEIVES: dict[str, tuple[str, ...]] = {
+    # the coordinator's ROUTER
+    "coordinator": ("starting", "register", "configured", "rejoin", "prepared", "persisted", "applied", "stale",
+                    "copied", "audited", "heartbeat", "attach", "detach", "replica_from", "lagging", "paused",
+                    "trainer_hb", "status", "restore_info"),
+    # a worker's DEALER to the coordinator
+    "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "shutdown", "error"),
+    # a worker's serve ROUTER
+    "serve": ("fetch",),
+    # a client's DEALER (trainer ranks, CLI, restore, a replica copying from its peer)
+    "client": ("attached", "waiting", "progress", "alive", "degraded", "resync", "replica_out", "replica_in",
+               "audit", "status_reply", "restore_info_reply", "error", "fetch_reply"),
+}
+
+_PEEK_BYTES = 128  # a map header, "t", the type (at most _MAX_TYPE_LEN), "v" and the version fit
+_MAX_TYPE_LEN = 64
+_MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+def limits(kind: str) -> Limits:
+    """The limits of message type ``kind`` (``KeyError`` for an unknown type)."""
+    lim = LIMITS[kind]
+    if kind in _COMMIT_CARRIERS:
+        commit = knobs.get_int("MAX_COMMIT_BYTES")
+        lim = lim._replace(bytes=max(lim.bytes, commit + 64 * _KiB), bin=max(lim.bin, commit))
+    return lim
+
+
+def socket_limit(kinds: Iterable[str]) -> int:
+    """The largest message, in bytes, among types ``kinds`` (a key of :data:`RECEIVES`
+    or the types themselves): a socket's ``ZMQ_MAXMSGSIZE``."""
+    if isinstance(kinds, str):
+        kinds = RECEIVES[kinds]
+    return max(limits(k).bytes for k in kinds)
+
 
 class MessageError(ValueError):
     """A control message failed to decode or validate."""
@@ -95,14 +214,68 @@ def encode(kind: str, **fields: Any) -> bytes:
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def decode(raw: bytes | memoryview) -> dict:
-    """Decode and validate one control message."""
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise MessageError("too_large", f"{len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+def peek_type(raw: bytes | memoryview) -> str:
+    """The type of an encoded message, read from its first bytes only (the body stays
+    undecoded): a map whose first key is ``"t"`` (a known type) and whose second is
+    ``"v"`` (this build's version)."""
+    head = bytes(raw[:_PEEK_BYTES])
+    if not head or head[0] == 0xC1:  # 0xc1 is never used by msgpack
+        raise MessageError("undecodable", "not a msgpack message")
+    if head[0] not in _MAP_MARKERS:
+        raise MessageError("not_a_map", f"control message begins with byte {head[0]:#04x}, expected a map")
+    u = msgpack.Unpacker(raw=False, max_buffer_size=_PEEK_BYTES, max_str_len=_MAX_TYPE_LEN, max_bin_len=0,
+                         max_array_len=0, max_map_len=0, max_ext_len=0)
+    u.feed(head)
+    order = 'a control message is a map that begins with its type "t", then its version "v"'
     try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        if u.read_map_header() < 2 or u.unpack() != "t":
+            raise MessageError("bad_order", order)
+        try:
+            kind = u.unpack()
+        except msgpack.OutOfData:
+            if len(head) < _PEEK_BYTES:
+                raise
+            raise MessageError("unknown_type", "message type is not a short string") from None
+        except ValueError:  # over _MAX_TYPE_LEN, or a container
+            raise MessageError("unknown_type", "message type is not a short string") from None
+        if u.unpack() != "v":
+            raise MessageError("bad_order", order)
+        version = u.unpack()
+    except MessageError:
+        raise
+    except msgpack.OutOfData:
+        raise MessageError("undecodable", "message ends inside its type and version") from None
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError("bad_order", f"{order} ({type(exc).__name__})") from None
+    if type(version) is not int or version != VERSION:
+        raise MessageError("bad_version", f"message version {version!r}, this build speaks {VERSION}")
+    if not isinstance(kind, str) or kind not in SCHEMAS:
+        raise MessageError("unknown_type", f"unknown message type {kind!r}")
+    return kind
+
+
+def decode(raw: bytes | memoryview) -> dict:
+    """Decode and validate one control message within its type's :func:`limits`."""
+    kind = peek_type(raw)
+    lim = limits(kind)
+    if len(raw) > lim.bytes:
+        raise MessageError("too_large", f"{kind} message of {len(raw)} bytes exceeds its limit of {lim.bytes}")
+    paused = gc.isenabled()  # a body of many small containers decodes several times faster without collections
+    gc.disable()
+    try:
+        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_str_len=lim.str, max_bin_len=lim.bin,
+                              max_array_len=lim.array, max_map_len=lim.map, max_ext_len=0)
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):  # msgpack: "N exceeds max_array_len(M)"
+            raise MessageError("too_large", f"{kind} message: {str(exc)[:200]}") from None
+        raise MessageError("undecodable", f"not a msgpack message ({type(exc).__name__})") from None
     except Exception as exc:  # msgpack raises several unrelated types
         raise MessageError("undecodable", f"not a msgpack message ({type(exc).__name__})") from None
+    finally:
+        if paused:
+            gc.enable()
+    if not isinstance(msg, dict) or msg.get("t") != kind:  # e.g. a second "t" key
+        raise MessageError("bad_order", f"message peeked as {kind!r} decodes otherwise")
     validate(msg)
     return msg
 
@@ -116,11 +289,21 @@ def validate(msg: Any) -> None:
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise MessageError("unknown_type", f"unknown message type {kind!r}")
+    optional = OPTIONAL.get(kind, {})
+    for name in msg:
+        if name not in schema and name not in optional and name not in ("t", "v"):
+            raise MessageError("unknown_field", f"{kind} message has an unknown field {str(name)[:64]!r}")
     for name, types in schema.items():
         if name not in msg:
             raise MessageError("missing_field", f"{kind} message lacks field {name!r}")
-        value = msg[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise MessageError(
-                "bad_field", f"{kind}.{name} is a {type(value).__name__}, expected {'/'.join(t.__name__ for t in types)}"
-            )
+        _check_field(kind, name, msg[name], types)
+    for name, types in optional.items():
+        if name in msg:
+            _check_field(kind, name, msg[name], types)
+
+
+def _check_field(kind: str, name: str, value: Any, types: tuple[type, ...]) -> None:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise MessageError(
+            "bad_field", f"{kind}.{name} is a {type(value).__name__}, expected {'/'.join(t.__name__ for t in types)}"
+        )

@@ -50,6 +50,28 @@ def same(a, b) -> bool:
     return a == b
 
 
+_AUDIT_FIELDS = frozenset(int(f) for f in F.Field if f != F.Field.GRAD)
+MAX_AUDIT_POSITIONS = 4096
+
+
+def _check_audit(audit) -> None:
+    """An audit sample is ``{"positions": [int], "values": {field: [number]}}`` with one
+    value per position for each state field; anything else is a malformed commit."""
+    if not isinstance(audit, dict) or set(audit) != {"positions", "values"}:
+        raise F.FrameError("bad_commit", "malformed audit sample: expected a map of positions and values")
+    pos, values = audit["positions"], audit["values"]
+    if not isinstance(pos, list) or len(pos) > MAX_AUDIT_POSITIONS or \
+            not all(type(p) is int and 0 <= p < 2**63 for p in pos):
+        raise F.FrameError("bad_commit", f"malformed audit sample: positions must be at most "
+                                         f"{MAX_AUDIT_POSITIONS} flat element indices")
+    if not isinstance(values, dict) or not all(type(k) is int and k in _AUDIT_FIELDS for k in values):
+        raise F.FrameError("bad_commit", "malformed audit sample: values must map state fields to lists")
+    for v in values.values():
+        if not isinstance(v, list) or len(v) != len(pos) or \
+                not all(type(x) in (int, float) for x in v):
+            raise F.FrameError("bad_commit", "malformed audit sample: one number per position per field")
+
+
 def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:
     """Decode and check the replay part of a commit; the blob stays opaque."""
     try:
@@ -88,9 +110,7 @@ def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple
             raise F.FrameError("bad_commit", "commit skip_step is not a bool")
         audit = replay.get("audit")
         if audit is not None:
-            if not isinstance(audit, dict) or len(audit.get("positions", ())) > 4096 or \
-                    any(len(v) != len(audit["positions"]) for v in audit.get("values", {}).values()):
-                raise F.FrameError("bad_commit", "malformed audit sample")
+            _check_audit(audit)
         if replay["bootstrap"]:
             if len(replay["steps"]) != nparams or len(replay["has_state"]) != nparams:
                 raise F.FrameError("bad_commit", "bootstrap commit lacks per-parameter steps")

@@ -39,8 +39,15 @@ class DataMixin:
             # the next frame shows the gap); bytes lost or changed after the sequence check
             # leave this replica unusable until a resync
             if exc.reason in ("gap", "double_commit", "bad_checksum", "truncated_payload", "extra_payload",
-                              "overflow", "disagree", "bad_extra"):
+                              "overflow", "disagree"):
                 self._go_stale(str(exc))
+        except zmq.ZMQError:
+            raise
+        except Exception as exc:  # a bug meeting an input: count it, keep going, trust this replica no more
+            self.rejected["data_error_" + type(exc).__name__] += 1
+            logger.exception("a data frame could not be handled")
+            self._discard_rest(sock)
+            self._go_stale(f"a data frame could not be handled ({type(exc).__name__}: {exc})")
 
     def _take_frame(self, sock, raw: bytes) -> None:
         h = F.unpack_header(raw, knobs.get_int("MAX_RUNS"))
@@ -57,15 +64,52 @@ class DataMixin:
             raise F.FrameError("stale", "worker is stale; frames ignored until resync")
         if h.iteration <= s.applied or h.iteration < s.base:
             raise F.FrameError("old_iteration", f"iteration {h.iteration} is not after applied {s.applied}")
-        s.inbox.check_seq(h.rank, h.seq)
-        s.seen = max(s.seen, h.iteration)
+        # the iterations a trainer may send: its slots bound how far ahead of the applied one
+        horizon = (s.applied if s.applied >= 0 else s.base - 1) + s.inbox.nslots
+        if h.iteration > horizon:
+            raise F.FrameError("out_of_window", f"iteration {h.iteration} is beyond {horizon} "
+                                                f"(applied {s.applied}, {s.inbox.nslots} slots)")
+        self._check_runs(h)  # before the sequence check: a malformed header consumes no sequence number
+        s.inbox.check_seq(h.rank, h.seq, knobs.get_int("SEQ_WINDOW"))
         if h.kind == F.Kind.COMMIT:
             self._take_commit(sock, h)
         elif h.kind == F.Kind.EXTRA:
             self._take_extra(sock, h)
         else:
             self._take_payload(sock, h)
+        s.seen = max(s.seen, h.iteration)
         self._report_prepared()
+
+    def _check_runs(self, h: F.Header) -> None:
+        """The run table against this session: runs inside the worker's range, no part
+        larger than a sender ever makes, one commit body of bounded size."""
+        s = self.session
+        cap = knobs.get_int("MAX_COMMIT_BYTES")
+        if h.kind == F.Kind.COMMIT:
+            if len(h.runs) != 1:
+                raise F.FrameError("bad_commit", f"commit has {len(h.runs)} runs, expected 1")
+            if h.runs[0][1] > cap:
+                raise F.FrameError("bad_commit", f"commit of {h.runs[0][1]} bytes exceeds the limit of {cap} "
+                                                 "(SHADOW_MAX_COMMIT_BYTES)")
+        elif h.kind == F.Kind.EXTRA:
+            if h.field != F.Field.GRAD:
+                raise F.FrameError("bad_kind", f"EXTRA frame for field {h.field.name}")
+            for _, nbytes, _ in h.runs:
+                if not 0 < nbytes <= cap:
+                    raise F.FrameError("bad_extra", f"a chunk of {nbytes} bytes (limit {cap}, SHADOW_MAX_COMMIT_BYTES)")
+        else:
+            lo, hi = s.state.start, s.state.stop
+            most = F.MAX_PART_BYTES // 4
+            for dst, nelem, _ in h.runs:
+                if nelem == 0 or dst < lo or dst + nelem > hi:
+                    raise F.FrameError("out_of_range", f"run [{dst}, {dst + nelem}) is outside [{lo}, {hi})")
+                if nelem > most:
+                    raise F.FrameError("too_large", f"a run of {nelem} elements; parts carry at most {most}")
+            if h.kind == F.Kind.STATE:
+                if h.field == F.Field.GRAD or h.field not in s.state.fields():
+                    raise F.FrameError("bad_kind", f"STATE frame for field {h.field.name}")
+            elif h.field != F.Field.GRAD:
+                raise F.FrameError("bad_kind", f"GRAD frame for field {h.field.name}")
 
     def _recv_part_into(self, sock, target: np.ndarray, nbytes: int) -> None:
         if not sock.getsockopt(zmq.RCVMORE):
@@ -86,18 +130,11 @@ class DataMixin:
 
     def _take_payload(self, sock, h: F.Header) -> None:
         s = self.session
-        lo, hi = s.state.start, s.state.stop
-        for dst, nelem, _ in h.runs:
-            if nelem == 0 or dst < lo or dst + nelem > hi:
-                raise F.FrameError("out_of_range", f"run [{dst}, {dst + nelem}) is outside [{lo}, {hi})")
+        lo = s.state.start
         if h.kind == F.Kind.STATE:
-            if h.field == F.Field.GRAD or h.field not in s.state.fields():
-                raise F.FrameError("bad_kind", f"STATE frame for field {h.field.name}")
             slot = s.inbox.slot(h.iteration, F.Kind.STATE)
             target = s.state.array(h.field)
         else:
-            if h.field != F.Field.GRAD:
-                raise F.FrameError("bad_kind", f"GRAD frame for field {h.field.name}")
             slot = s.inbox.slot(h.iteration, F.Kind.GRAD)
             target = None
         if slot.commits[h.rank] is not None:
@@ -124,12 +161,6 @@ class DataMixin:
         """Chunks of model state outside the optimizer (``trainer_hooks._extras``), kept
         zero-copy by key; the worker's set takes them when their iteration is applied."""
         s = self.session
-        if h.field != F.Field.GRAD:
-            raise F.FrameError("bad_kind", f"EXTRA frame for field {h.field.name}")
-        cap = knobs.get_int("MAX_COMMIT_BYTES")
-        for _, nbytes, _ in h.runs:
-            if not 0 < nbytes <= cap:
-                raise F.FrameError("bad_extra", f"a chunk of {nbytes} bytes (limit {cap}, SHADOW_MAX_COMMIT_BYTES)")
         slot = s.inbox.slot(h.iteration, F.Kind.STATE if h.iteration == s.base else F.Kind.GRAD)
         if slot.commits[h.rank] is not None:
             raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
@@ -149,11 +180,7 @@ class DataMixin:
 
     def _take_commit(self, sock, h: F.Header) -> None:
         s = self.session
-        if len(h.runs) != 1:
-            raise F.FrameError("bad_commit", f"commit has {len(h.runs)} runs, expected 1")
         _, nbytes, csum = h.runs[0]
-        if nbytes > knobs.get_int("MAX_COMMIT_BYTES"):
-            raise F.FrameError("bad_commit", f"commit of {nbytes} bytes exceeds the limit")
         if not sock.getsockopt(zmq.RCVMORE):
             raise F.FrameError("truncated_payload", "commit without body")
         body = sock.recv()

@@ -44,9 +44,17 @@ class Inbox:
         self.expected_grad = expected_grad  # skipped param indices -> elements that need a gradient
         self.state_fields = state_fields
 
-    def check_seq(self, rank: int, seq: int) -> None:
+    def check_seq(self, rank: int, seq: int, window: int) -> None:
+        """Accept the next sequence number of ``rank``. Behind it: a duplicate. Ahead by
+        at most ``window``: a gap (messages were lost; the replica is stale). Further
+        ahead: no message of this session could carry it, so it is dropped as out of
+        window and changes nothing (lost messages are still found by the per-rank sent
+        counts the trainers report to the coordinator)."""
         want = self.next_seq[rank]
         if seq != want:
+            if seq > want + window:
+                raise FrameError("out_of_window", f"rank {rank} sent sequence {seq}, expected {want} "
+                                                  f"(more than {window} ahead)")
             reason = "duplicate" if seq < want else "gap"
             raise FrameError(reason, f"rank {rank} sent sequence {seq}, expected {want}")
         self.next_seq[rank] = want + 1

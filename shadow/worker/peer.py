@@ -15,6 +15,7 @@ import zmq
 from shadow import knobs
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum
+from shadow.worker.memory import available_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class PeerCopy:
     def start(cls, ctx: zmq.Context, peer: dict, epoch: int, iteration: int, keys=None) -> "PeerCopy":
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(M.socket_limit("client"), knobs.get_int("FETCH_CHUNK_BYTES")))
         if keys is not None:
             keys.apply(sock)
         sock.connect(peer["serve"])
@@ -110,7 +112,8 @@ class PeerMixin:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
-        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
+        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
+                       memory=available_bytes())
 
     def _start_peer_copy(self, peer: dict) -> None:
         s = self.session
@@ -129,6 +132,11 @@ class PeerMixin:
             install(s, parts, p.iteration)
         except (PeerError, M.MessageError) as exc:
             self._peer_failed(f"copy from peer worker {p.id} failed: {exc}")
+            return
+        except Exception as exc:  # a malformed head that got past validation: the copy failed, the worker lives
+            self.rejected["peer_error_" + type(exc).__name__] += 1
+            logger.exception("copy from peer worker %d failed", p.id)
+            self._peer_failed(f"copy from peer worker {p.id} failed: {type(exc).__name__}: {exc}")
             return
         self.hold = False
         seconds = time.monotonic() - p.started

@@ -1,10 +1,19 @@
 """Serving a worker's shard to restore clients (``fetch`` on the serve socket): answered
 once the wanted iteration is applied, from the current epoch or, while a re-attach
-bootstraps, the retired one. Imports no torch."""
+bootstraps, the retired one. Imports no torch.
+
+Bounds: a client (a connection, i.e. a ROUTER identity) has one fetch pending or being
+sent at a time, and a worker ``SERVE_MAX_FETCHES`` in all; more are answered at once with
+an ``error`` starting "busy:" and counted (``serve_busy`` / ``serve_full``). An apply
+waits for a shard being sent from the live state only while its client reads it: a reply
+with no part handed to the kernel for ``SERVE_STALL_S`` is dropped and counted
+(``serve_dropped``); that client stays busy until zmq lets go of the reply, so one that
+never reads costs one such wait, not one per apply."""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -16,24 +25,81 @@ from shadow.wire import messages as M
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Reply:
+    """A shard reply handed to zmq zero-copy: one tracker per part, done in send order."""
+    client: str  # for logs: identity and peer address
+    session: object  # the session whose arrays the parts point into
+    trackers: list
+    progress: float  # monotonic time the last part was seen done (at first: when sent)
+    sent: int = 0  # parts seen done
+    dropped: bool = False  # an apply stopped waiting for it; the client stays busy until zmq is done
+
+    def advance(self, now: float) -> bool:
+        """Note the parts zmq is done with since the last look; True once all are."""
+        n = self.sent
+        while n < len(self.trackers) and self.trackers[n].done:
+            n += 1
+        if n > self.sent:
+            self.sent, self.progress = n, now
+        return n == len(self.trackers)
+
+
+def _client(ident: bytes, frame) -> str:
+    try:
+        addr = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        addr = None
+    return f"{ident.hex()}" + (f" at {addr}" if addr else "")
+
+
 class ServeMixin:
     """Worker handlers for the serve socket."""
     def _on_serve(self, sock) -> None:
-        parts = sock.recv_multipart(zmq.NOBLOCK)
+        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) != 2:
             self.rejected["serve_malformed"] += 1
             return
-        ident, raw = parts
+        ident, raw = parts[0].bytes, parts[1]
         try:
-            msg = M.decode(raw)
+            msg = M.decode(raw.bytes)
             if msg["t"] != "fetch":
                 raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
         except M.MessageError as exc:
             self.rejected["serve_" + exc.reason] += 1
             sock.send_multipart([ident, M.encode("error", message=str(exc))])
             return
+        refused = self._refuse_fetch(ident)
+        if refused is not None:
+            reason, text = refused
+            self.rejected[reason] += 1
+            sock.send_multipart([ident, M.encode("error", message=text)])
+            return
+        msg["client"] = _client(ident, raw)
         self.pending_fetch.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
         self._answer_fetches()
+
+    def _refuse_fetch(self, ident: bytes) -> tuple[str, str] | None:
+        """``(reason, message)`` if a fetch from ``ident`` is over a cap, else None."""
+        self._forget_sent(time.monotonic())
+        r = self.serving.get(ident)
+        if r is not None:
+            why = ("its previous shard reply was dropped unread and is still queued; a new connection can fetch"
+                   if r.dropped else "its previous shard reply is still being sent")
+            return "serve_busy", f"busy: one fetch at a time per client; {why}"
+        if any(p[0] == ident for p in self.pending_fetch):
+            return "serve_busy", "busy: one fetch at a time per client; its previous fetch is still waiting"
+        cap = knobs.get_int("SERVE_MAX_FETCHES")
+        live = len(self.pending_fetch) + sum(1 for r in self.serving.values() if not r.dropped)
+        if live >= cap:
+            return "serve_full", (f"busy: this worker is serving {live} fetches, its limit (SERVE_MAX_FETCHES); "
+                                  "fetch again later")
+        return None
+
+    def _forget_sent(self, now: float) -> None:
+        """Drop the replies zmq is done with (sent, or their client gone)."""
+        for ident in [i for i, r in self.serving.items() if r.advance(now)]:
+            del self.serving[ident]
 
     def _answer_fetches(self) -> None:
         keep = []
@@ -43,7 +109,7 @@ class ServeMixin:
             if s is None or msg["epoch"] != s.epoch:
                 self._serve_error(ident, f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
             elif s.applied == want or (want < 0 and s.applied >= 0):
-                self._serve_state(ident, s)
+                self._serve_state(ident, s, msg.get("client") or ident.hex())
             elif s.applied > want:
                 self._serve_error(ident, f"worker has moved on to iteration {s.applied}; fetch {want} again later")
             else:
@@ -58,16 +124,17 @@ class ServeMixin:
             else:
                 keep.append((ident, msg, deadline))
         self.pending_fetch = keep
+        self._forget_sent(now)
 
     def _serve_error(self, ident: bytes, text: str) -> None:
         self.serve.send_multipart([ident, M.encode("error", message=text)])
 
-    def _serve_state(self, ident: bytes, s) -> None:
+    def _serve_state(self, ident: bytes, s, client: str = "") -> None:
         """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
-        chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays. The next
-        apply waits (``SERVE_HOLD_S`` at most, :meth:`_wait_for_readers`) until zmq has
-        sent them; a client still reading after that gets chunks that fail their sums and
-        fetches again, so it never installs a torn shard."""
+        chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part
+        tracked. The next apply waits (:meth:`_wait_for_readers`) while zmq sends them; a
+        client still reading after that gets chunks that fail their sums and fetches again,
+        so it never installs a torn shard."""
         st = s.state
         fields = st.fields()
         idx = np.flatnonzero(st.in_range)
@@ -85,19 +152,42 @@ class ServeMixin:
             replay=s.commit, chunk=chunk, sums=[F.checksum(v) for v in views],
             extras=[[k, len(b), F.checksum(b)] for k, b in extras],
         )
-        views += [b for _, b in extras]
-        tracker = self.serve.send_multipart([ident, head] + [memoryview(v) for v in views], copy=False, track=True)
-        self.serving = [(t, d) for t, d in self.serving if not t.done]
-        self.serving.append((tracker, time.monotonic() + knobs.get("SERVE_HOLD_S")))
+        parts = [head] + [memoryview(v) for v in views] + [b for _, b in extras]
+        self.serve.send(ident, zmq.SNDMORE)
+        # part by part, so that an apply can tell a client that reads (parts done one after
+        # another) from one that does not (parts below zmq's copy threshold are done at once)
+        trackers = [self.serve.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True)
+                    for i, p in enumerate(parts)]
+        self.serving[ident] = Reply(client or ident.hex(), s, trackers, time.monotonic())
 
     def _wait_for_readers(self) -> None:
-        """Before the state changes: let zmq finish sending shards served from it."""
-        for tracker, deadline in self.serving:
-            if tracker.done:
-                continue
-            try:
-                tracker.wait(max(0.0, deadline - time.monotonic()))
-            except zmq.NotDone:
-                logger.warning("a restore client is still reading this shard after %.1f s; applying anyway "
-                               "(its copy will fail its checksums and be fetched again)", knobs.get("SERVE_HOLD_S"))
-        self.serving = []
+        """Before the live state changes: let zmq finish sending the shards served from it,
+        waiting only while they make progress (a part done within ``SERVE_STALL_S``) and
+        ``SERVE_HOLD_S`` at most in all. A reply that stalls, or is still going at the end,
+        is dropped: its client's copy fails its checksums, and the client stays busy (see
+        :meth:`_refuse_fetch`) until zmq is done with it, so it costs no further waits."""
+        stall, hold = knobs.get("SERVE_STALL_S"), knobs.get("SERVE_HOLD_S")
+        t0 = time.monotonic()
+        while True:
+            now = time.monotonic()
+            self._forget_sent(now)
+            waiting = False
+            for r in self.serving.values():
+                if r.dropped or r.session is not self.session:  # a retired epoch's arrays do not change
+                    continue
+                if now - r.progress > stall:
+                    self._drop_reply(r, f"no part of it was sent for {now - r.progress:.2f} s")
+                elif now - t0 >= hold:
+                    self._drop_reply(r, f"it is still being sent after {hold:.1f} s (SERVE_HOLD_S)")
+                else:
+                    waiting = True
+            if not waiting:
+                return
+            time.sleep(0.002)
+
+    def _drop_reply(self, r: Reply, why: str) -> None:
+        r.dropped = True
+        self.rejected["serve_dropped"] += 1
+        logger.warning("restore client %s: stopped waiting for its shard reply (%s; %d of %d parts sent); applying: "
+                       "its copy will fail its checksums, and it gets no other fetch until zmq is done with this "
+                       "reply", r.client, why, r.sent, len(r.trackers))

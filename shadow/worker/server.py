@@ -24,6 +24,7 @@ from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.worker import memory
 from shadow.worker.address import bind_and_advertise
 from shadow.worker.commit import audit_shard
 from shadow.worker.data import DataMixin
@@ -88,7 +89,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         # a trainer killed during a (re-)attach bootstrap restores from it
         self.retired: _Session | None = None
         self.pending_fetch: list[tuple[bytes, dict, float]] = []
-        self.serving: list = []  # (zmq tracker, hold deadline) of shards sent zero-copy
+        self.serving: dict = {}  # client identity -> its shard reply sent zero-copy (serve.Reply), until zmq is done
         self.hold = False  # a replacement replica: leave data frames queued until configured
         self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
         self._stop = False
@@ -101,7 +102,11 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
     def _open_data(self) -> None:
         self.data = self.ctx.socket(zmq.PULL)
         self.data.setsockopt(zmq.LINGER, 0)
-        self.data.setsockopt(zmq.RCVHWM, 0)
+        # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
+        self.data.setsockopt(zmq.RCVHWM, knobs.get_int("DATA_RCVHWM"))
+        # no frame is larger than a payload part, a commit record or a full run table
+        self.data.setsockopt(zmq.MAXMSGSIZE, max(F.MAX_PART_BYTES, knobs.get_int("MAX_COMMIT_BYTES"),
+                                                 F.HEADER_SIZE + knobs.get_int("MAX_RUNS") * F.RUN_SIZE))
         if self.guard is not None:
             self.guard.server(self.data)
         port = self.data.bind_to_random_port(f"tcp://{self.bind_host}")
@@ -110,6 +115,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
     def _ctrl_open(self) -> None:
         self.ctrl = self.ctx.socket(zmq.DEALER)
         self.ctrl.setsockopt(zmq.LINGER, 0)
+        self.ctrl.setsockopt(zmq.MAXMSGSIZE, M.socket_limit("worker"))
         if self.keys is not None:
             self.keys.apply(self.ctrl)
         self.ctrl.connect(self.coordinator)
@@ -118,6 +124,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
         self._open_data()
         self.serve = self.ctx.socket(zmq.ROUTER)
         self.serve.setsockopt(zmq.LINGER, 0)
+        self.serve.setsockopt(zmq.MAXMSGSIZE, M.socket_limit("serve"))
         if self.guard is not None:
             self.guard.server(self.serve)
         port = self.serve.bind_to_random_port(f"tcp://{self.bind_host}")
@@ -147,7 +154,8 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             return
         self._open()
         logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
-        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id)
+        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
+                       memory=memory.report())
         hb = knobs.get("HEARTBEAT_S")
         next_hb = time.monotonic() + hb
         try:
@@ -210,6 +218,23 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
                 handler(sock)
             except zmq.Again:
                 return
+            except zmq.ZMQError:
+                raise
+            except Exception as exc:  # a bug meeting an input: count it and carry on
+                self._handler_failed(sock, handler, exc)
+
+    def _handler_failed(self, sock, handler, exc: Exception) -> None:
+        """A handler raised: the rest of the message is discarded, the failure counted by
+        handler and exception type (status and metrics) and logged with its traceback. A
+        control message may have been half carried out (an apply, a configure), so the
+        session is no longer trusted: stale until the coordinator resyncs it."""
+        where = handler.__name__.lstrip("_").removeprefix("on_")
+        self.rejected[f"{where}_error_{type(exc).__name__}"] += 1
+        logger.exception("the %s handler failed; the worker carries on", where)
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+        if sock is self.ctrl:
+            self._go_stale(f"a control message could not be carried out ({type(exc).__name__}: {exc})")
 
     def _heartbeat(self) -> None:
         s = self.session
@@ -220,6 +245,7 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             seen=s.seen if s else -1, frames_in=self.frames_in,
             bytes_in=self.bytes_in, stale=(s.stale or "") if s else "",
             seq=list(s.inbox.next_seq) if s else [], replay_s=self.replay_s, replayed=self.replayed,
+            memory=memory.report(),
         )
 
     # -- control plane -----------------------------------------------------------------
@@ -244,7 +270,8 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
                            f" with epoch {s.epoch} at iteration {s.applied}" if s else "")
             self._to_coord("rejoin", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
                            session=None if s is None else {"configure": s.config, "prepared": s.prepared,
-                                                           "applied": s.applied, "stale": s.stale or ""})
+                                                           "applied": s.applied, "stale": s.stale or ""},
+                           memory=memory.report())
         elif t == "configure":
             self._configure(msg)
         elif t == "apply":
@@ -260,8 +287,11 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
 
     def _configure(self, msg: dict) -> None:
         try:
+            problem = self._configure_problem(msg)
+            if problem is not None:
+                raise ValueError(problem)
             sess = _Session(msg)
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
             self._to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
             return
@@ -286,6 +316,25 @@ class Worker(PeerMixin, ServeMixin, DataMixin):
             sess.epoch, sess.job, sess.state.start, sess.state.stop, sess.layout.total, sess.world, sess.base,
         )
         self._to_coord("configured", epoch=sess.epoch)
+
+    @staticmethod
+    def _configure_problem(msg: dict) -> str | None:
+        """What makes a ``configure`` impossible to carry out here, checked before
+        anything is allocated: a range outside the layout, or more memory than is free."""
+        layout = Layout.from_dict(msg["layout"])
+        start, stop = msg["start"], msg["stop"]
+        if not 0 <= start <= stop <= layout.total:
+            return f"range [{start}, {stop}) is outside the layout's {layout.total} elements"
+        if not 1 <= msg["world"] <= 1 << 20:
+            return f"world size {msg['world']} is out of bounds"
+        persist = msg["persist"]
+        local = isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
+        need = memory.session_bytes(stop - start, memory.nfields(msg["optim"]), len(layout.params), local)
+        free = memory.available_bytes()
+        if 0 <= free < need:
+            return (f"the range [{start}, {stop}) needs {memory.human(need)} and this worker has "
+                    f"{memory.human(free)} free; add workers, or free memory on this host")
+        return None
 
     # -- replicas: reset and peer copy ---------------------------------------------------
 

@@ -1,0 +1,259 @@
+"""The coordinator survives its input (issue 15 rows 2 and 5): a handler or periodic step
+that raises is counted and the loop goes on; an attach the workers could not hold is
+refused before anything changes; held attaches are bounded; a tier whose start-up scan
+failed refuses attaches instead of passing for empty."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import zmq
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.server import Coordinator
+from shadow.layout import Layout
+from shadow.wire import messages as M
+from tests.conftest import Cluster, free_port, status, train_step
+from tests.helpers.tiny_trainer import build
+
+OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}
+
+
+def _dealer(address: str):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    return s
+
+
+def _recv(sock, timeout: float = 10.0) -> dict:
+    assert sock.poll(timeout * 1000), "no answer from the coordinator"
+    return M.decode(sock.recv())
+
+
+def _attach(job: str, layout: Layout, rank: int = 0, world: int = 1) -> bytes:
+    return M.encode("attach", job=job, rank=rank, world=world, layout_hash=layout.hash,
+                    layout=layout.to_dict() if rank == 0 else None, optim=OPTIM, iteration=0, overwrite=False,
+                    restored=None)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    coord = Coordinator(address, workers=1)
+    calls = {"status": 0}
+    real_status = coord._on_status
+
+    def flaky_status(env, msg):  # the first status raises, as a bug meeting an input would
+        calls["status"] += 1
+        if calls["status"] == 1:
+            raise KeyError("boom")
+        real_status(env, msg)
+
+    def broken_check():
+        raise ZeroDivisionError("state built from a message")
+
+    coord._on_status = flaky_status
+    coord._check_workers = broken_check
+    thread = threading.Thread(target=coord.run, daemon=True)
+    thread.start()
+    try:
+        s = _dealer(address)
+        s.send(M.encode("status"))
+        reply = _recv(s)
+        assert reply["t"] == "error" and "KeyError" in reply["message"] and "status" in reply["message"]
+        time.sleep(0.5)  # a few rounds of the failing periodic step
+        assert thread.is_alive()
+        st = status(address)
+        assert st["rejected"]["handler_status"] == 1
+        assert st["rejected"]["periodic_check_workers"] >= 2
+        # what only a worker sends, from anyone else: counted and dropped
+        s.send(M.encode("audited", epoch=0, iteration=1, ok=False, checked=1, max_ulp=0, first_param="p",
+                        detail="forged"))
+        time.sleep(0.3)
+        assert status(address)["rejected"]["not_a_worker"] == 1
+        s.close(linger=0)
+    finally:
+        coord.stop()
+        thread.join(timeout=5)
+
+
+def test_layout_beyond_the_workers_memory_is_refused_and_the_live_job_goes_on(world1, tmp_path):
+    """Row 2: an attach declaring a 10^13-element layout killed a worker and replaced the job."""
+    cluster = Cluster(tmp_path, workers=2)
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="live")
+        for it in range(1, 4):
+            train_step(ddp, opt, sched, it)
+        before = cluster.status()
+        pids = [w["pid"] for w in before["workers"]]
+        huge = Layout.build([("w", (10**13,), 0, True)], 1)
+        s = _dealer(cluster.address)
+        for job in ("bogus", "live"):  # another job, and the live job's own name
+            t0 = time.monotonic()
+            s.send(_attach(job, huge))
+            reply = _recv(s)
+            assert reply["t"] == "error", reply
+            text = reply["message"]
+            assert "not enough memory" in text and str(10**13) in text and "free" in text and "add workers" in text
+            assert time.monotonic() - t0 < 5
+        s.close(linger=0)
+        for it in range(4, 8):
+            train_step(ddp, opt, sched, it)
+        assert session.close() == 7
+        after = cluster.status()
+        assert after["job"]["name"] == "live" and after["job"]["epoch"] == before["job"]["epoch"]
+        assert after["job"]["committed"] == 7 and after["job"]["status"] in ("running", "detached")
+        assert [w["pid"] for w in after["workers"]] == pids
+        assert all(w["ready"] and _alive(w["pid"]) for w in after["workers"])
+        assert after["rejected"]["attach_memory"] == 2
+        assert all(w["memory"] and w["memory"] > 0 for w in after["workers"])  # as the workers report it
+    finally:
+        cluster.stop()
+
+
+def test_held_attaches_are_bounded_by_bytes(tmp_path):
+    """Row 5: 8 attaches with 20 MB layouts held +200 MB until they timed out."""
+    cluster = Cluster(tmp_path, workers=1, env={"SHADOW_ATTACH_PENDING_BYTES": str(48 << 20)})
+    try:
+        big = Layout.build([(f"p{i}-" + "x" * 60000, (1,), 0, True) for i in range(340)], 1)
+        raw = [_attach(f"held{i}", big, world=2) for i in range(8)]  # rank 1 never comes: held
+        assert all(19 << 20 < len(r) < 21 << 20 for r in raw)
+        rss0 = _rss(cluster.proc.pid)
+        socks = [_dealer(cluster.address) for _ in raw]
+        answers, grown = [], []
+        for s, r in zip(socks, raw):
+            s.send(r)
+            answers.append(_recv(s, 5.0) if s.poll(3000) else None)
+            grown.append(_rss(cluster.proc.pid) - rss0)
+        # the first two fit under 48 MiB and wait (their ranks hear nothing yet); the rest are refused at once
+        assert answers[:2] == [None, None]
+        for a in answers[2:]:
+            assert a is not None and a["t"] == "error"
+            assert "SHADOW_ATTACH_PENDING_BYTES" in a["message"] and "pending attaches" in a["message"]
+        # a rank attaching again replaces its entry (no double count)
+        socks[0].send(raw[0])
+        assert not socks[0].poll(1000)
+        st = cluster.status()
+        assert st["attach_pending"]["jobs"] == 2 and st["attach_pending"]["bytes"] == len(raw[0]) + len(raw[1])
+        assert st["rejected"]["attach_full"] == 6
+        # what is held stops growing at the bound (unbounded: about +20 MiB per attach, +195 MiB after 8)
+        grown.append(_rss(cluster.proc.pid) - rss0)
+        assert grown[-1] - grown[4] < 16 << 20 and grown[-1] < 160 << 20, \
+            f"coordinator RSS grew by {[g >> 20 for g in grown]} MiB"
+        for s in socks:
+            s.close(linger=0)
+    finally:
+        cluster.stop()
+
+
+def test_a_tier_that_cannot_be_scanned_refuses_attaches_until_fixed(world1, tmp_path):
+    """Item 3: a failed start-up scan must not pass for an empty tier (no overwrite protection)."""
+    root = tmp_path / "tier"
+    root.symlink_to(root)  # a symlink loop: unreadable for root too (chmod 000 is not, for root)
+    cluster = Cluster(tmp_path, workers=1, args=(f"persist.local.dir={root}", "persist.local.every_n=1"))
+    try:
+        model, opt, sched = build()
+        with pytest.raises(trainer_hooks.ShadowConnectionError, match="cannot read tier local.*fix the tier"):
+            trainer_hooks.attach(DDP(model), opt, coordinator=cluster.address, scheduler=sched, job="scan")
+        assert "symbolic links" in cluster.status()["persist"]["local"]["scan_error"]
+        assert cluster.status()["job"] is None
+        assert cluster.status()["rejected"]["attach_tier_unreadable"] == 1
+
+        root.unlink()  # fixed: the next attach reads the tier again, no restart
+        root.mkdir()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="scan")
+        for it in range(1, 3):
+            train_step(ddp, opt, sched, it)
+        assert session.close() == 2
+        st = cluster.status()
+        assert st["persist"]["local"]["scan_error"] == "" and st["job"]["committed"] == 2
+    finally:
+        cluster.stop()
+
+
+def test_scan_failure_of_a_job_directory_is_not_an_empty_tier(tmp_path, monkeypatch):
+    """Persistence alone: any listing error at start-up is kept, reported, and retried."""
+    (tmp_path / "job").mkdir()
+    from shadow.coordinator import persistence
+
+    real = persistence._probe
+    monkeypatch.setattr(persistence, "_probe", lambda root: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    p = Persistence({"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}})
+    assert "denied" in p.tiers["local"].scan_error
+    assert "cannot read tier local" in p.unscanned() and "denied" in p.unscanned()
+    monkeypatch.setattr(persistence, "_probe", real)
+    assert p.unscanned() is None and p.tiers["local"].scan_error == "" and p.tiers["local"].last_error == ""
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a directory whatever its mode")
+def test_an_unreadable_job_directory_fails_the_scan(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    job.chmod(0)
+    try:
+        p = Persistence({"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}})
+        assert "Permission" in p.unscanned()
+    finally:
+        job.chmod(0o755)
+
+
+
+class _Sent:
+    """A stand-in for the coordinator's ROUTER: records what it answers."""
+
+    def __init__(self):
+        self.out = []
+
+    def send_multipart(self, parts):
+        self.out.append((parts[0], M.decode(parts[-1])))
+
+
+def test_held_attaches_keep_one_layout_and_are_bounded_by_count():
+    from shadow import knobs
+
+    coord = Coordinator("tcp://127.0.0.1:1", workers=1)
+    coord.sock = _Sent()
+    layout = Layout.build([(f"p{i}", (4,), 0, True) for i in range(2000)], 1)
+    with_layout = M.encode("attach", job="a", rank=1, world=4, layout_hash=layout.hash, layout=layout.to_dict(),
+                           optim=OPTIM, iteration=0, overwrite=False, restored=None)
+    coord._on_message([b"r1", with_layout])
+    kept = coord.pending["a"]["ranks"][1][1]
+    assert kept["layout"] is None and kept["layout_hash"] == layout.hash  # only rank 0's layout is held
+    assert coord.pending_view()["bytes"] < len(with_layout) // 10
+    coord._on_message([b"r0", _attach("a", layout, world=4)])
+    coord._on_message([b"r0", _attach("a", layout, world=4)])  # sent again: replaces, not counted twice
+    assert coord.pending_view() == {"jobs": 1, "ranks": 2,
+                                    "bytes": coord.pending["a"]["bytes"][0] + coord.pending["a"]["bytes"][1]}
+    with knobs.override(ATTACH_PENDING_JOBS=2, ATTACH_PENDING_RANKS=4):
+        coord._on_message([b"b0", _attach("b", layout, world=2)])
+        coord._on_message([b"c0", _attach("c", layout, world=2)])  # a third job
+        ident, reply = coord.sock.out[-1]
+        assert ident == b"c0" and reply["t"] == "error" and "SHADOW_ATTACH_PENDING_JOBS" in reply["message"]
+        coord._on_message([b"a2", _attach("a", layout, rank=2, world=4)])
+        coord._on_message([b"a3", _attach("a", layout, rank=3, world=4)])  # a fifth rank
+        ident, reply = coord.sock.out[-1]
+        assert ident == b"a3" and reply["t"] == "error" and "SHADOW_ATTACH_PENDING_RANKS" in reply["message"]
+    assert coord.rejected["attach_full"] == 2 and "c" not in coord.pending

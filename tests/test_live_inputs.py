@@ -1,0 +1,134 @@
+"""Frames forged with the live job, epoch, layout and sequence numbers: a malformed
+commit at the next valid sequence number, a frame far ahead of the expected sequence
+number or iteration. None of them may kill a worker, make a healthy replica stale or
+change what a restore returns."""
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.wire import frames as F
+from tests.conftest import train_step
+from tests.helpers.tiny_trainer import build
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _capture_commits(monkeypatch) -> list:
+    """Record the commit bodies the trainer sends (per worker, per iteration)."""
+    from trainer_hooks import _sender
+
+    seen = []
+    real = _sender.Sender._send_commit
+
+    def spy(self, item):
+        seen.append((item.iteration, list(item.bodies)))
+        return real(self, item)
+
+    monkeypatch.setattr(_sender.Sender, "_send_commit", spy)
+    return seen
+
+
+def _push(endpoint: str, frames: list) -> None:
+    s = zmq.Context.instance().socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 5000)
+    s.connect(endpoint)
+    s.send_multipart(frames)
+    s.close()
+
+
+def _commit_frame(session, worker: int, iteration: int, seq: int, body: bytes) -> list:
+    h = F.Header(F.Kind.COMMIT, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
+                 iteration, seq, ((0, len(body), F.checksum(body)),))
+    return [h.pack(), body]
+
+
+def _worker_rejected(cluster, worker: int, reason: str, at_least: int = 1, limit: float = 10.0) -> dict:
+    deadline = time.monotonic() + limit
+    while True:
+        w = cluster.status()["workers"][worker]
+        if w["rejected"].get(reason, 0) >= at_least or time.monotonic() > deadline:
+            return w
+        time.sleep(0.1)
+
+
+def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, cluster, monkeypatch):
+    """Row 1: a COMMIT whose audit ``values`` is ``[]``, at the next valid sequence number,
+    for a step that would otherwise be complete (every parameter skipped, nothing sent).
+    It used to pass decoding, be prepared and applied, and kill the worker in the audit."""
+    commits = _capture_commits(monkeypatch)
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="row1")
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    assert session.close() == 3
+    seq = list(session.sender.seq)  # after close: the last commit has been sent
+    before = cluster.settled()
+    k, bodies = commits[-1]
+    assert k == 3
+    for w, body in enumerate(bodies):
+        rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        replay = rec["replay"]
+        replay.update(iteration=4, sent=0, extras=0, skipped=list(range(len(session.layout.params))),
+                      audit={"positions": [before["workers"][w]["start"]], "values": []})
+        forged = msgpack.packb({"replay": replay, "blob": rec.get("blob")}, use_bin_type=True)
+        _push(before["workers"][w]["data"], _commit_frame(session, w, 4, seq[w], forged))
+    for w in range(len(bodies)):
+        _worker_rejected(cluster, w, "bad_commit")
+    time.sleep(1.0)  # an apply, had the commit been taken, would have run by now
+    after = cluster.settled()
+    for w0, w1 in zip(before["workers"], after["workers"]):
+        assert _alive(w0["pid"]) and w1["pid"] == w0["pid"] and w1["health"] == "ok", w1
+        assert w1["rejected"].get("bad_commit", 0) >= 1 and w1["applied"] == 3, w1
+    assert after["job"]["committed"] == 3
+    fresh, fopt, _ = build(seed=8)
+    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="row1").iteration == 3
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_frames_far_ahead_do_not_make_a_healthy_replica_stale(world1, cluster):
+    """Row 11: a GRAD frame with ``seq=2**40`` (and one with an iteration far ahead) for the
+    live epoch, sent while the job trains. They used to make the worker stale, the job
+    degraded and the trainers resync; now they are dropped and counted."""
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="row11")
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    st = cluster.status()
+    epoch = st["job"]["epoch"]
+    w = st["workers"][0]
+    payload = torch.zeros(4).numpy()
+    for seq, iteration in ((2**40, 4), (2**40 + 1, 5), (session.sender.seq[0] + 10**6, 4), (0, 2**40)):
+        h = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
+                     iteration, seq, ((w["start"], 4, F.checksum(payload)),))
+        _push(w["data"], [h.pack(), payload.tobytes()])
+    w1 = _worker_rejected(cluster, 0, "out_of_window", at_least=4)
+    assert w1["rejected"].get("out_of_window", 0) >= 4, w1
+    for it in range(4, 8):
+        train_step(ddp, opt, sched, it)
+    assert session.close() == 7
+    after = cluster.settled()
+    assert after["job"]["epoch"] == epoch and after["job"]["resyncs"] == 0, after["job"]
+    assert all(x["health"] == "ok" and not x["stale"] for x in after["workers"]), after["workers"]
+    fresh, fopt, _ = build(seed=8)
+    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="row11").iteration == 7
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)

@@ -1,0 +1,210 @@
+"""Restore serving under load: a worker holds one fetch per client and SERVE_MAX_FETCHES in
+all, answering more with a "busy" error at once; an apply never waits on a client that
+does not read its shard (issue 15, row 6), while a client that reads still gets a
+consistent one during training."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.restore.resolve import restore_info
+from shadow.restore.snapshot import MovedOn, _take_shard, fetch_memory
+from shadow.wire import messages as M
+from shadow.wire.frames import Field, checksum
+from tests.conftest import Cluster
+
+pytestmark = pytest.mark.slow
+
+
+class Big(nn.Module):
+    """About a million parameters: a 12 MB Adam shard, more than the socket buffers hold."""
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4096, 256)
+        self.out = nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.out(self.emb(x).mean(0, keepdim=True))
+
+
+def big_build(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Big()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return model, opt
+
+
+def big_step(ddp, opt, it: int) -> None:
+    g = torch.Generator().manual_seed(it)
+    x = torch.randint(0, 4096, (16,), generator=g)
+    ddp(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def committed_rate(cluster, step, first: int, steps: int) -> float:
+    """Iterations committed per second while training ``steps`` iterations from ``first``."""
+    t0 = time.monotonic()
+    for it in range(first, first + steps):
+        step(it)
+    last = first + steps - 1
+    while (cluster.status()["job"]["committed"] or 0) < last:
+        assert time.monotonic() - t0 < 120, "the cluster stopped committing"
+        time.sleep(0.01)
+    return steps / (time.monotonic() - t0)
+
+
+def dealer(ctx, endpoint: str) -> zmq.Socket:
+    """A client that reads nothing: its queue holds one message, the kernel 4 KB."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVHWM, 1)
+    s.setsockopt(zmq.RCVBUF, 4096)
+    s.connect(endpoint)
+    return s
+
+
+def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path):
+    """20 clients fetch and never read: each costs at most one SERVE_STALL_S wait, not one
+    per apply; a client that reads is waited for (never applied over while it reads, never
+    dropped) and gets consistent shards all along."""
+    c = Cluster(tmp_path, workers=1)
+    ctx = zmq.Context()
+    stop, done = threading.Event(), threading.Event()
+    try:
+        model, opt = big_build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=c.address, job="unread")
+        params = {}
+
+        def step(it):
+            big_step(ddp, opt, it)
+            params[it] = checksum(torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
+
+        for it in range(1, 6):  # warm up
+            step(it)
+        got, torn, errors = [], [], []
+
+        def restore_loop():  # a client that reads, all along: an apply waits for it
+            while not done.is_set():
+                try:
+                    got.append(fetch_memory(restore_info(c.address, "unread", 5.0)["memory"], c.address))
+                except MovedOn as exc:  # "moved on" (the cut passed before the fetch came) is fine
+                    if "checksum" in str(exc):
+                        torn.append(str(exc))
+                except Exception as exc:  # noqa: BLE001 -- reported below
+                    errors.append(exc)
+                time.sleep(0.05)
+
+        reader = threading.Thread(target=restore_loop, daemon=True)
+        reader.start()
+        baseline = committed_rate(c, step, 6, 40)
+
+        st = c.status()
+        serve, epoch = st["workers"][0]["serve"], st["job"]["epoch"]
+        socks = [dealer(ctx, serve) for _ in range(20)]
+        for s in socks:
+            # a small error fills the client's one-message queue: it takes no byte of the shard after it
+            s.send(M.encode("fetch", epoch=epoch + 100, iteration=-1))
+            s.send(M.encode("fetch", epoch=epoch, iteration=-1))
+
+        def keep_asking():  # and again, never reading
+            while not stop.wait(0.2):
+                for s in socks:
+                    s.send(M.encode("fetch", epoch=epoch, iteration=-1), zmq.NOBLOCK)
+
+        asker = threading.Thread(target=keep_asking, daemon=True)
+        asker.start()
+        time.sleep(0.3)
+        loaded = committed_rate(c, step, 46, 80)
+        stop.set()
+        asker.join(5)
+        done.set()
+        reader.join(60)
+        print(f"committed rate: {baseline:.1f} it/s with a reading client, {loaded:.1f} it/s with 20 more "
+              f"that do not read; {len(got)} restores")
+        assert loaded >= 0.5 * baseline, (baseline, loaded)
+
+        assert not errors, errors
+        assert not torn, torn  # applied over while it was reading
+        assert len(got) >= 5, len(got)
+        for snap in got:
+            assert snap.tier == "memory"
+            assert checksum(snap.arrays[Field.PARAM]) == params[snap.iteration], snap.iteration
+        time.sleep(1.5)  # a heartbeat carries the counts
+        rejected = c.status()["workers"][0]["rejected"]
+        assert rejected.get("serve_dropped", 0) == 20, rejected  # each non-reader once; the reader never
+        assert rejected.get("serve_busy", 0) >= 20, rejected
+        assert session.close() == 125
+        for s in socks:
+            s.close(0)
+    finally:
+        stop.set()
+        done.set()
+        ctx.destroy(0)
+        c.stop()
+
+
+def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
+    c = Cluster(tmp_path, workers=1, env={"SHADOW_SERVE_MAX_FETCHES": "3"})
+    ctx = zmq.Context()
+    try:
+        model, opt = big_build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=c.address, job="capped")
+        for it in range(1, 3):
+            big_step(ddp, opt, it)
+        st = c.settled()
+        serve, epoch = st["workers"][0]["serve"], st["job"]["epoch"]
+
+        def ask(s, iteration):
+            s.send(M.encode("fetch", epoch=epoch, iteration=iteration))
+
+        def answer(s):
+            assert s.poll(5000), "no answer"
+            return M.decode(s.recv_multipart()[0])
+
+        first = dealer(ctx, serve)
+        ask(first, 10**6)  # held until that iteration is applied
+        ask(first, 10**6)
+        err = answer(first)
+        assert err["t"] == "error" and "one fetch at a time per client" in err["message"], err
+        others = [dealer(ctx, serve) for _ in range(3)]
+        for s in others:
+            ask(s, 10**6)
+        err = answer(others[-1])  # the fourth fetch held at once
+        assert err["t"] == "error" and "SERVE_MAX_FETCHES" in err["message"], err
+        for s in others[:2]:
+            assert not s.poll(200)  # still held, not refused
+
+        # a restore client takes "busy" as worth asking again
+        with pytest.raises(MovedOn):
+            _take_shard(first_reply_socket(ctx, err), {"id": 0}, {"iteration": 2}, None, {}, None, None, {})
+
+        time.sleep(1.5)  # a heartbeat carries the counts
+        rejected = c.status()["workers"][0]["rejected"]
+        assert rejected.get("serve_busy") == 1 and rejected.get("serve_full") == 1, rejected
+        session.close()
+    finally:
+        ctx.destroy(0)
+        c.stop()
+
+
+def first_reply_socket(ctx, msg: dict) -> zmq.Socket:
+    """A DEALER with ``msg`` waiting in it."""
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    d = ctx.socket(zmq.DEALER)
+    d.connect(f"tcp://127.0.0.1:{port}")
+    d.send(b"hi")
+    ident, _ = router.recv_multipart()
+    router.send_multipart([ident, M.encode("error", message=msg["message"])])
+    assert d.poll(5000)
+    return d
