@@ -232,9 +232,11 @@ def coordinator_outage(t: Trial) -> dict:
     """The same with the coordinator away longer than SHADOW_COORDINATOR_LOST_S: the ranks
     stop waiting and train on unprotected, tell the new coordinator so, and the cluster
     resyncs from their state; training is unchanged and the last iteration restorable."""
-    # slower steps: training must outlast the outage and the resync for the end to be checkpointed
-    return _restart_coordinator(t, t.rng.uniform(2.5, 3.5), {"SHADOW_COORDINATOR_LOST_S": "1.5"},
-                                t.rng.randint(3, 5), 0.5)
+    # slower steps: training must outlast the outage, the new coordinator's start (about 1 s on
+    # 2 loaded cores), the rebuild and the resync for the end to be checkpointed
+    outage_s, k = t.rng.uniform(2.5, 3.5), t.rng.randint(3, 5)
+    return _restart_coordinator(t, outage_s, {"SHADOW_COORDINATOR_LOST_S": "1.5"}, k,
+                                max(0.5, (outage_s + 5.0) / (t.steps - k)))
 
 
 @scenario

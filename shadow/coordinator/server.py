@@ -26,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 #: what only a registered worker sends (from anyone else it is counted and dropped)
 WORKER_ONLY = frozenset({"configured", "prepared", "persisted", "audited", "stale", "copied"})
-#: what only the job's trainer rank sends: from another peer than the one the rank attached
-#: (or last heartbeated) from, it is counted and dropped
-TRAINER_ONLY = frozenset({"paused", "lagging", "detach", "replica_from"})
 
 
 class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
@@ -136,9 +133,6 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         if msg["t"] in WORKER_ONLY and self._worker(envelope) is None:
             self._count("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)
             return
-        if msg["t"] in TRAINER_ONLY and not self._from_trainer(envelope, msg):
-            self._count("not_a_trainer")
-            return
         self._msg_bytes = len(raw)
         try:
             handler(envelope, msg)
@@ -149,15 +143,6 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
                                                        f"({type(exc).__name__}: {exc}); it was dropped")
             except Exception:  # the envelope itself may be the problem
                 logger.debug("could not answer a failed %s message", msg["t"], exc_info=True)
-
-    def _from_trainer(self, envelope: list[bytes], msg: dict) -> bool:
-        """Whether a rank's message comes from that rank's connection (a rank not yet
-        heard from since a coordinator restart has none: its message is taken)."""
-        job = self.job
-        if job is None or msg["epoch"] != job.epoch:
-            return True  # the handlers ignore other epochs
-        bound = job.trainers.get(msg["rank"])
-        return bound is None or bound == envelope[0]
 
     def _worker(self, envelope: list[bytes]) -> WorkerRec | None:
         for w in self.workers:
