@@ -20,6 +20,38 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "tests" / "helpers" / "tiny_trainer.py"
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def capture_commits(monkeypatch) -> list:
+    """Record the commit bodies this process's trainer sends: ``(iteration, [body per worker])``."""
+    from trainer_hooks import _sender
+
+    seen = []
+    real = _sender.Sender._send_commit
+
+    def spy(self, item):
+        seen.append((item.iteration, list(item.bodies)))
+        return real(self, item)
+
+    monkeypatch.setattr(_sender.Sender, "_send_commit", spy)
+    return seen
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

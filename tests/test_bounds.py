@@ -17,7 +17,7 @@ import zmq
 from shadow import knobs
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from tests.conftest import Cluster
+from tests.conftest import Cluster, rss_bytes
 from trainer_hooks._sender import Sender
 
 _MiB = 1 << 20
@@ -203,14 +203,6 @@ def test_a_run_larger_than_a_part_is_sent_in_checked_parts(monkeypatch):
 
 
 # -- live services ------------------------------------------------------------------------------
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("bounds"), workers=1)
@@ -222,7 +214,7 @@ def live(tmp_path_factory):
 def test_a_status_full_of_empty_arrays_does_not_stall_the_coordinator(live):
     """Row 3: a status carrying 12 MB of empty msgpack arrays: +390 MB and 5.9 s silent."""
     before = live.status()["rejected"].get("too_large", 0)
-    rss0 = _rss(live.proc.pid)
+    rss0 = rss_bytes(live.proc.pid)
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(live.address)
@@ -238,7 +230,7 @@ def test_a_status_full_of_empty_arrays_does_not_stall_the_coordinator(live):
         assert time.monotonic() - t0 < 1.0
     finally:
         s.close(linger=0)
-    grown = _rss(live.proc.pid) - rss0
+    grown = rss_bytes(live.proc.pid) - rss0
     assert grown < 50 * _MiB, f"coordinator RSS grew by {grown >> 20} MiB"
     assert live.status()["rejected"]["too_large"] == before + 1
 
@@ -295,9 +287,9 @@ def test_a_peer_declaring_a_huge_frame_is_disconnected(live, target):
     endpoint, kind, pid = {"coordinator": (live.address, b"DEALER", live.proc.pid),
                            "data": (worker["data"], b"PUSH", worker["pid"]),
                            "serve": (worker["serve"], b"DEALER", worker["pid"])}[target]
-    rss0 = _rss(pid)
+    rss0 = rss_bytes(pid)
     sent = _zmtp_flood(endpoint, kind, 300_000_000, 64 * _MiB)
     assert 0 <= sent < 64 * _MiB, f"{target} read {sent} bytes of a 300 MB frame without closing"
-    assert _rss(pid) - rss0 < 32 * _MiB
+    assert rss_bytes(pid) - rss0 < 32 * _MiB
     after = live.status()  # still answering, the worker still up
     assert after["workers"][0]["pid"] == worker["pid"] and after["workers"][0]["ready"]

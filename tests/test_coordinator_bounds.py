@@ -17,7 +17,7 @@ from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.server import Coordinator
 from shadow.layout import Layout
 from shadow.wire import messages as M
-from tests.conftest import Cluster, free_port, status, train_step
+from tests.conftest import Cluster, free_port, pid_alive, rss_bytes, status, train_step
 from tests.helpers.tiny_trainer import build
 
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}
@@ -39,22 +39,6 @@ def _attach(job: str, layout: Layout, rank: int = 0, world: int = 1) -> bytes:
     return M.encode("attach", job=job, rank=rank, world=world, layout_hash=layout.hash,
                     layout=layout.to_dict() if rank == 0 else None, optim=OPTIM, iteration=0, overwrite=False,
                     restored=None)
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
@@ -126,7 +110,7 @@ def test_layout_beyond_the_workers_memory_is_refused_and_the_live_job_goes_on(wo
         assert after["job"]["name"] == "live" and after["job"]["epoch"] == before["job"]["epoch"]
         assert after["job"]["committed"] == 7 and after["job"]["status"] in ("running", "detached")
         assert [w["pid"] for w in after["workers"]] == pids
-        assert all(w["ready"] and _alive(w["pid"]) for w in after["workers"])
+        assert all(w["ready"] and pid_alive(w["pid"]) for w in after["workers"])
         assert after["rejected"]["attach_memory"] == 2
         assert all(w["memory"] and w["memory"] > 0 for w in after["workers"])  # as the workers report it
     finally:
@@ -140,13 +124,13 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
         big = Layout.build([(f"p{i}-" + "x" * 60000, (1,), 0, True) for i in range(340)], 1)
         raw = [_attach(f"held{i}", big, world=2) for i in range(8)]  # rank 1 never comes: held
         assert all(19 << 20 < len(r) < 21 << 20 for r in raw)
-        rss0 = _rss(cluster.proc.pid)
+        rss0 = rss_bytes(cluster.proc.pid)
         socks = [_dealer(cluster.address) for _ in raw]
         answers, grown = [], []
         for s, r in zip(socks, raw):
             s.send(r)
             answers.append(_recv(s, 5.0) if s.poll(3000) else None)
-            grown.append(_rss(cluster.proc.pid) - rss0)
+            grown.append(rss_bytes(cluster.proc.pid) - rss0)
         # the first two fit under 48 MiB and wait (their ranks hear nothing yet); the rest are refused at once
         assert answers[:2] == [None, None]
         for a in answers[2:]:
@@ -159,7 +143,7 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
         assert st["attach_pending"]["jobs"] == 2 and st["attach_pending"]["bytes"] == len(raw[0]) + len(raw[1])
         assert st["rejected"]["attach_full"] == 6
         # what is held stops growing at the bound (unbounded: about +20 MiB per attach, +195 MiB after 8)
-        grown.append(_rss(cluster.proc.pid) - rss0)
+        grown.append(rss_bytes(cluster.proc.pid) - rss0)
         assert grown[-1] - grown[4] < 16 << 20 and grown[-1] < 160 << 20, \
             f"coordinator RSS grew by {[g >> 20 for g in grown]} MiB"
         for s in socks:

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.persist import catalog
+from shadow.persist import catalog, failed
 from tests.conftest import Cluster, free_port, train_step
 from tests.helpers.tiny_trainer import build
 from tests.test_ops import scrape, value
@@ -199,10 +199,10 @@ def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_pat
         img.write(path)
     assert err.value.errno == errno.ENOSPC
     assert os.listdir(os.path.dirname(path)) == []
-    text = catalog.write_error(err.value, "local", path)
+    text = failed.write_error(err.value, "local", path)
     assert text.startswith(f"tier local: no space left on device writing {path} (")
     assert "MiB free of" in text and "persist.local.keep" in text
-    assert catalog.write_error(ValueError("x"), "local", path) == "ValueError: x"
+    assert failed.write_error(ValueError("x"), "local", path) == "ValueError: x"
     flag.unlink()
     assert img.write(path) == img.size and os.listdir(os.path.dirname(path)) == [catalog.shard_name(0, 2)]
 
@@ -236,4 +236,4 @@ def test_the_coordinator_removes_a_failed_checkpoint_and_backs_off(tmp_path):
     assert t.complete == {"j": 13} and t.last_error == "" and t.failing == 0
     assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [4, 13]
     # a failure reported for an iteration whose checkpoint is complete never deletes it
-    assert catalog.discard_torn(root, "j", 13) is False and catalog.discard_torn(root, "j", 4) is False
+    assert failed.discard_torn(root, "j", 13) is False and failed.discard_torn(root, "j", 4) is False

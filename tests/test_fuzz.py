@@ -14,19 +14,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.wire import frames as F
-from tests.conftest import train_step
+from tests.conftest import capture_commits, rss_bytes, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
 N_FRAMES = 10_000
 N_MESSAGES = 2_000
-
-
-def _rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def _mutated_frames(rnd: random.Random, template: F.Header):
@@ -75,7 +68,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     session.close()
     before = cluster.settled()
     worker = before["workers"][0]
-    rss0 = _rss_kib(worker["pid"])
+    rss0 = rss_bytes(worker["pid"])
     template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
                         4, 0, ())
     rnd = random.Random(1234)
@@ -101,7 +94,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
     assert sum(after["rejected"].values()) >= N_MESSAGES * 0.9  # the coordinator counted its rejections
     assert w["health"] == "ok" and after["job"]["committed"] == 3 and w["applied"] == 3, w
-    assert _rss_kib(worker["pid"]) - rss0 < 64 * 1024
+    assert rss_bytes(worker["pid"]) - rss0 < 64 << 20
     fresh, fopt, fsched = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3
     for a, b in zip(model.parameters(), fresh.parameters()):
@@ -221,12 +214,8 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
     sequence numbers for frames, malformed commits at the next valid sequence number, and
     every control message type with live values, to the coordinator and the serve socket."""
     from shadow import knobs
-    from trainer_hooks import _sender
 
-    commits = []
-    real = _sender.Sender._send_commit
-    monkeypatch.setattr(_sender.Sender, "_send_commit",
-                        lambda self, item: (commits.append((item.iteration, list(item.bodies))), real(self, item))[1])
+    commits = capture_commits(monkeypatch)
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzzlive")
@@ -236,7 +225,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
     seq = list(session.sender.seq)  # after close: the last commit has been sent
     before = cluster.settled()
     workers = before["workers"]
-    rss0 = {w["pid"]: _rss_kib(w["pid"]) for w in workers}
+    rss0 = {w["pid"]: rss_bytes(w["pid"]) for w in workers}
     rnd = random.Random(4321)
     ctx = zmq.Context.instance()
     pushes = []
@@ -291,7 +280,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
         assert w1["frames_in"] - w0["frames_in"] == n
         assert sum(w1["rejected"].values()) - sum(w0["rejected"].values()) >= n  # each one counted
         assert w1["rejected"].get("bad_commit", 0) >= 20, w1["rejected"]
-        assert _rss_kib(w0["pid"]) - rss0[w0["pid"]] < 64 * 1024
+        assert rss_bytes(w0["pid"]) - rss0[w0["pid"]] < 64 << 20
     assert sum(after["rejected"].values()) - sum(before["rejected"].values()) >= n_msgs * 0.9
     fresh, fopt, _ = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzzlive").iteration == 3

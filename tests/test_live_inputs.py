@@ -4,7 +4,6 @@ number or iteration. None of them may kill a worker, make a healthy replica stal
 change what a restore returns."""
 from __future__ import annotations
 
-import os
 import time
 
 import msgpack
@@ -15,33 +14,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.wire import frames as F
-from tests.conftest import train_step
+from tests.conftest import capture_commits, pid_alive, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _capture_commits(monkeypatch) -> list:
-    """Record the commit bodies the trainer sends (per worker, per iteration)."""
-    from trainer_hooks import _sender
-
-    seen = []
-    real = _sender.Sender._send_commit
-
-    def spy(self, item):
-        seen.append((item.iteration, list(item.bodies)))
-        return real(self, item)
-
-    monkeypatch.setattr(_sender.Sender, "_send_commit", spy)
-    return seen
 
 
 def _push(endpoint: str, frames: list) -> None:
@@ -71,7 +47,7 @@ def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, cluster
     """Row 1: a COMMIT whose audit ``values`` is ``[]``, at the next valid sequence number,
     for a step that would otherwise be complete (every parameter skipped, nothing sent).
     It used to pass decoding, be prepared and applied, and kill the worker in the audit."""
-    commits = _capture_commits(monkeypatch)
+    commits = capture_commits(monkeypatch)
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="row1")
@@ -94,7 +70,7 @@ def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, cluster
     time.sleep(1.0)  # an apply, had the commit been taken, would have run by now
     after = cluster.settled()
     for w0, w1 in zip(before["workers"], after["workers"]):
-        assert _alive(w0["pid"]) and w1["pid"] == w0["pid"] and w1["health"] == "ok", w1
+        assert pid_alive(w0["pid"]) and w1["pid"] == w0["pid"] and w1["health"] == "ok", w1
         assert w1["rejected"].get("bad_commit", 0) >= 1 and w1["applied"] == 3, w1
     assert after["job"]["committed"] == 3
     fresh, fopt, _ = build(seed=8)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from shadow import knobs
-from shadow.persist import catalog
+from shadow.persist import catalog, failed
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class Persistence:
         workers wrote for it, so that on a full disk they do not hold the space the next
         attempt needs (earlier complete checkpoints are never touched)."""
         try:
-            if catalog.discard_torn(tier.root, job.name, iteration, job.generation):
+            if failed.discard_torn(tier.root, job.name, iteration, job.generation):
                 logger.info("tier %s: removed the incomplete checkpoint of iteration %d", tier.name, iteration)
         except Exception as exc:  # storage errors are reported, never fatal; retention retries later
             logger.warning("tier %s: could not remove the incomplete checkpoint of iteration %d: %s: %s",
@@ -279,7 +279,7 @@ class Persistence:
         except Exception as exc:  # storage errors are reported, never fatal
             where = catalog.checkpoint_dir(tier.root, job.name, iteration, job.generation)
             tier.last_error = f"writing the manifest of iteration {iteration}: " \
-                              f"{catalog.write_error(exc, tier.name, where)}"
+                              f"{failed.write_error(exc, tier.name, where)}"
             if isinstance(exc, FileNotFoundError):
                 tier.last_error += (f" (the coordinator cannot see the shards the workers wrote under {tier.root}: "
                                     "a tier's path must be storage the coordinator and every worker share -- one "

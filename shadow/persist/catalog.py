@@ -10,13 +10,11 @@ plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import posixpath
 import re
-import shutil
 import struct
 import time
 from dataclasses import dataclass, field
@@ -124,31 +122,6 @@ class CheckpointInfo:
         return sum(s.get("raw_bytes") or s["bytes"] for s in self.manifest["shards"])
 
 
-_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-         errno.EFBIG: "file too large for the file system"}
-
-
-def write_error(exc: BaseException, tier: str, path: str) -> str:
-    """How a failed write of ``path`` on ``tier`` is reported (status, logs): a full disk
-    or quota says so, with the free space left where it is a local path, and what to do;
-    any other error as ``Type: message``."""
-    what = _FULL.get(exc.errno) if isinstance(exc, OSError) else None
-    if what is None:
-        return f"{type(exc).__name__}: {exc}"
-    free = ""
-    if is_local(path):
-        try:
-            d = local_path(path)
-            while d and not os.path.isdir(d):
-                d = os.path.dirname(d)
-            usage = shutil.disk_usage(d or ".")
-            free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB)"
-        except OSError:
-            pass
-    return (f"tier {tier}: {what} writing {path}{free}; free space or lower retention (persist.{tier}.keep); "
-            "checkpoints resume once a write fits")
-
-
 def _fs(root: str):
     return fsspec.core.url_to_fs(root)
 
@@ -210,19 +183,6 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None,
     # newest last: superseded ones first (the oldest), then by generation and iteration
     out.sort(key=lambda c: (not c.superseded, c.generation, c.iteration, c.manifest.get("created") or 0))
     return out
-
-
-def discard_torn(root: str, job: str, iteration: int, generation: int = 0) -> bool:
-    """Delete the directory of a checkpoint of ``iteration`` that failed (some shard's
-    write did), so its other shards do not hold on to space a full disk needs; never one
-    with a manifest. Returns whether anything was deleted (nothing where the directory
-    is not visible from here, e.g. node-local disks of other hosts)."""
-    d = checkpoint_dir(root, job, iteration, generation)
-    fs, p = _fs(d)
-    if not fs.isdir(p) or fs.exists(posixpath.join(p, MANIFEST)):
-        return False
-    fs.rm(fsglob.literal(fs, p), recursive=True)
-    return True
 
 
 def list_torn(root: str, job: str | None = None) -> list[str]:

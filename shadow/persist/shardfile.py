@@ -8,6 +8,7 @@ page-aligned buffer: the worker copies its range into it at an iteration boundar
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -15,7 +16,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -111,8 +112,11 @@ class ShardImage:
         """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir). A write
         that fails (a full disk: ``ENOSPC``) removes its partial ``.tmp`` file, which
         would otherwise hold on to the space until retention finds the directory."""
-        tmp = path + ".tmp"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with replacing(path) as tmp:
+            self._write_tmp(tmp)
+        return self.size
+
+    def _write_tmp(self, tmp: str) -> None:
         direct = getattr(os, "O_DIRECT", 0)
         fd = None
         if direct:
@@ -124,31 +128,21 @@ class ShardImage:
         if fd is None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            mv = memoryview(self.buf)
             try:
-                mv = memoryview(self.buf)
-                try:
-                    _write_all(fd, mv, self.size)
-                except OSError as exc:
-                    if not used_direct or exc.errno not in (22,):  # EINVAL: O_DIRECT refused at write time
-                        raise
-                    os.close(fd)
-                    fd = None
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                    used_direct = False
-                    _write_all(fd, mv, self.size)
-                os.fsync(fd)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
-        return self.size
+                _write_all(fd, mv, self.size)
+            except OSError as exc:
+                if not used_direct or exc.errno not in (22,):  # EINVAL: O_DIRECT refused at write time
+                    raise
+                os.close(fd)
+                fd = None
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                used_direct = False
+                _write_all(fd, mv, self.size)
+            os.fsync(fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 WRITE_THREADS = 2  # chunks in flight at once
@@ -171,6 +165,23 @@ def _write_all(fd: int, mv: memoryview, length: int) -> None:
 
     with ThreadPoolExecutor(WRITE_THREADS) as pool:
         list(pool.map(put, range(0, length, CHUNK)))
+
+
+@contextlib.contextmanager
+def replacing(path: str) -> Iterator[str]:
+    """Write ``path`` durably through ``path + ".tmp"`` (yielded): renamed over ``path``
+    and its directory fsynced once the body returns; removed if it raises (a full disk
+    would otherwise keep the partial file's space until retention finds it)."""
+    tmp = path + ".tmp"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def fsync_dir(path: str) -> None:

@@ -36,7 +36,7 @@ import fsspec
 import numpy as np
 
 from shadow import knobs
-from shadow.persist import catalog, shardfile, zshard
+from shadow.persist import catalog, failed, shardfile, zshard
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class ShardPersister:
             # a full disk says so and what to do; the image goes back to the free list, no
             # partial file stays behind (shardfile/zshard remove their .tmp), and the
             # coordinator asks again at the next cut
-            error = catalog.write_error(exc, "local", path)
+            error = failed.write_error(exc, "local", path)
             logger.error("persisting iteration %d to %s failed: %s", iteration, path, error)
             rep = self.report(iteration, epoch, "local", False, error)
         finally:
@@ -297,7 +297,7 @@ class ShardPersister:
             rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
                                seconds=time.monotonic() - t0, file=name, raw_bytes=raw)
         except Exception as exc:  # fsspec back ends raise many types
-            error = catalog.write_error(exc, "remote", dst)
+            error = failed.write_error(exc, "remote", dst)
             logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, error)
             rep = self.report(iteration, epoch, "remote", False, error)
         self._results.put(rep)

@@ -147,21 +147,10 @@ def encode(image, out: BinaryIO, level: int, threads: int | None = None,
 def write(image, path: str, level: int, threads: int | None = None) -> tuple[int, int]:
     """Compress a plain shard image to ``path`` durably (tmp, fsync, rename, fsync dir);
     returns ``(bytes on storage, their xxh3-64)``, what a manifest records."""
-    tmp = path + ".tmp"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    try:
-        with open(tmp, "wb", buffering=1 << 20) as f:
-            result = encode(image, f, level, threads, where=path)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    os.replace(tmp, path)
-    shardfile.fsync_dir(os.path.dirname(path) or ".")
+    with shardfile.replacing(path) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
+        result = encode(image, f, level, threads, where=path)
+        f.flush()
+        os.fsync(f.fileno())
     return result
 
 

@@ -1,0 +1,112 @@
+"""Applying prepared iterations on the coordinator's word (the cut), the divergence
+audit of each, and the local tier's snapshot of a cut taken in the same pass. Imports no
+torch."""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from shadow import knobs
+from shadow.wire import frames as F
+from shadow.worker.commit import audit_shard
+
+logger = logging.getLogger(__name__)
+
+
+class ApplyMixin:
+    """Worker handlers for ``apply`` and the snapshots it takes."""
+
+    def _apply_upto(self, epoch: int, iteration: int, persist: bool = False) -> None:
+        """Apply every prepared iteration up to the cut ``iteration``; with ``persist``,
+        snapshot the cut for the local tier -- in the apply pass itself when the cut is a
+        gradient iteration applied now (the kernel writes the new values to the image
+        too: no separate copy), else by copying."""
+        s = self.session
+        if s is None or epoch != s.epoch:
+            return
+        folded = None
+        if self.serving and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
+            self._wait_for_readers()
+        while True:
+            k = s.applied + 1 if s.applied >= 0 else s.base
+            if k > iteration:
+                break
+            slot = s.inbox.slots.get(k)
+            if slot is None or not s.inbox.complete(slot):
+                self._go_stale(f"asked to apply iteration {k} that is not prepared here")
+                return
+            extras = {**s.extras, **slot.extras} if slot.extras else s.extras  # chunks are kept until replaced
+            if slot.kind == F.Kind.STATE:
+                c = slot.commits[0]
+                s.state.install_meta(c["steps"], c["has_state"])
+            else:
+                img = s.persister.begin(k, s.epoch, s.world, slot.blobs, extras) \
+                    if persist and k == iteration and s.persister is not None else None
+                t0 = time.perf_counter()
+                try:
+                    filled = s.state.apply(s.inbox.grad_parts(slot), slot.commits[0],
+                                           s.persister.field_views(img) if img is not None else None)
+                    self.replay_s += time.perf_counter() - t0
+                    self.replayed += 1
+                except ValueError as exc:
+                    if img is not None:
+                        s.persister.abandon(img)
+                    self._go_stale(f"iteration {k} cannot be applied: {exc}")
+                    return
+                if img is not None:
+                    folded = (img, filled)
+            s.inbox.release(k)
+            s.applied = k
+            if self.retired is not None:  # the new epoch holds its base: the old one is no longer needed
+                self.retired = None
+            s.blobs = slot.blobs
+            s.extras = extras
+            s.commit = slot.commits[0]
+            fault = knobs.fault("CORRUPT_APPLY_AT")
+            if fault and int(fault) == k and s.state.size:  # tests: a silent bit flip in the replica
+                s.state.param.view(np.uint32)[:] ^= 1
+            audit = next((c.get("audit") for c in slot.commits if c.get("audit")), None)
+            if audit:
+                result = audit_shard(s.state, audit)
+                if not s.exact and not result["ok"]:  # a GPU trainer: report the deviation, do not fail
+                    result.update(ok=True, detail="deviation (not bit-exact by design): " + result["detail"])
+                self._to_coord("audited", epoch=s.epoch, iteration=k, **result)
+        if persist:
+            self._persist(iteration, folded)
+        self._answer_fetches()
+
+    def _persist(self, iteration: int, folded=None) -> None:
+        """Finish the snapshot of ``iteration`` (``folded``: ``(image, filled)`` from the
+        apply pass) or take it by copying."""
+        s = self.session
+        if s.persister is None:
+            return
+        if s.applied != iteration:
+            self._to_coord("persisted", **s.persister.report(
+                iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}"))
+            return
+        commit = {k: v for k, v in s.commit.items() if k not in ("steps", "has_state", "sent")} if s.commit else None
+        if folded is None:
+            s.persister.snapshot(s.applied, s.epoch, s.world, s.blobs, commit, s.extras)
+            return
+        img, filled = folded
+        if not filled:  # a skipped step: the kernel did not run
+            for f, view in s.persister.field_views(img).items():
+                np.copyto(view, s.state.array(f), casting="no")
+        s.persister.finish(img, iteration, s.epoch, s.blobs, commit, s.extras)
+
+    def _report_persisted(self) -> None:
+        s = self.session
+        if s is None or s.persister is None:
+            return
+        for rep in s.persister.results():
+            tally = self.persisted.setdefault(rep["tier"], [0.0, 0, 0, 0])
+            if rep["ok"]:
+                tally[0] += rep["seconds"]
+                tally[1] += 1
+                tally[2] += rep["bytes"]
+            elif not rep.get("skipped"):  # a skip is not a failure
+                tally[3] += 1
+            self._to_coord("persisted", **rep)
