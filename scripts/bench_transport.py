@@ -5,7 +5,7 @@ a bare pyzmq PUSH/PULL of the same part sizes, in the same run, over tcp and ipc
 
 A sender process (the trainer) and a receiver process (one worker), started with
 multiprocessing "spawn", with the real code's socket options: PUSH with LINGER 0 and
-SNDHWM = knobs ZMQ_SNDHWM (trainer_hooks/_sender.py ``_push``), PULL with LINGER 0 and
+SNDHWM = knobs ZMQ_SNDHWM (trainer_hooks/session/sender.py ``_push``), PULL with LINGER 0 and
 RCVHWM 0 bound to a free port on 127.0.0.1 or to ``ipc://<tmpdir>/x``
 (shadow/worker/server.py ``_open_data``). The control channel between the two is a
 local pipe carrying JSON; only the measured messages go over ZeroMQ.
@@ -100,7 +100,7 @@ class Sender:
     def __init__(self, ctx, endpoint: str) -> None:
     
     
-        self.sock = ctx.socket(zmq.PUSH)  # as _sender.py _push
+        self.sock = ctx.socket(zmq.PUSH)  # as session/sender.py _push
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
         self.sock.connect(endpoint)

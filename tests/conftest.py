@@ -39,7 +39,7 @@ def pid_alive(pid: int) -> bool:
 
 def capture_commits(monkeypatch) -> list:
     """Record the commit bodies this process's trainer sends: ``(iteration, [body per worker])``."""
-    from trainer_hooks import _sender
+    from trainer_hooks.session import sender as _sender
 
     seen = []
     real = _sender.Sender._send_commit

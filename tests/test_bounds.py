@@ -18,7 +18,7 @@ from shadow import knobs
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from tests.conftest import Cluster, rss_bytes
-from trainer_hooks._sender import Sender
+from trainer_hooks.session.sender import NoEvents, Sender
 
 _MiB = 1 << 20
 
@@ -165,9 +165,8 @@ class _FakeSocket:
 
 
 def _sender(nworkers: int) -> Sender:
-    noop = lambda *a: None
     s = Sender(None, None, ["tcp://127.0.0.1:1"] * nworkers, None, job_id=7, epoch=3, rank=0, world=1,
-               layout_hash=9, on_error=noop, on_progress=noop, on_degraded=noop, on_audit=noop, on_resync=noop)
+               layout_hash=9, events=NoEvents())
     s.data = [_FakeSocket() for _ in range(nworkers)]
     return s
 

@@ -221,20 +221,21 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
     """Every message of one iteration vanishes and the trainer then sends nothing (no later
     frame reveals a gap): the coordinator compares what the rank says it sent with what the
     idle workers received, marks them stale, and the cluster resyncs."""
-    from trainer_hooks._netfault import NetFaults
+    from trainer_hooks import testing
 
     cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)
-        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="tail")
+        with testing.faults():  # no faults yet: the sender lets them be switched on below
+            session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="tail")
         first_epoch = session.epoch
         it = _steps(ddp, opt, sched, 0, 3)
         deadline = time.monotonic() + 20
         while cluster.status()["job"]["committed"] != 3:  # iteration 3 left before the drops begin
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        session.sender.net_faults = NetFaults({"drop": 1.0}, 0)
+        session.sender.net = testing.NetFaults({"drop": 1.0}, 0)
         it = _steps(ddp, opt, sched, it, 1)
         t0 = time.monotonic()
         while session.degraded is None:
@@ -244,7 +245,7 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
         assert "never arrived" in session.degraded and detected < 10
         st = cluster.status()
         assert st["job"]["committed"] == 3 and any("never arrived" in w["stale"] for w in st["workers"])
-        session.sender.net_faults = None
+        session.sender.net = None
         it = _train_until_resync(session, ddp, opt, sched, it, first_epoch, 30)
         it = _steps(ddp, opt, sched, it, 1)
         assert session.close() == it

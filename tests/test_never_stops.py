@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
-from trainer_hooks._sender import NoticeItem
+from trainer_hooks.session.sender import NoticeItem
 
 pytestmark = pytest.mark.slow
 

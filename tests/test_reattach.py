@@ -67,9 +67,10 @@ def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, clus
     assert session.close() == 3
     want = {k: v.clone() for k, v in model.state_dict().items()}
     # a resumed trainer re-attaches and dies before its bootstrap reaches the workers
-    from trainer_hooks import _bootstrap, _session
+    from trainer_hooks.session import bootstrap
 
-    monkeypatch.setattr(_session._bootstrap, "bootstrap", lambda s: None)
+    streamed = bootstrap.bootstrap
+    monkeypatch.setattr(bootstrap, "bootstrap", lambda att, carry: None)
     m3, o3, s3 = build(seed=4)
     dead = trainer_hooks.attach(DDP(m3), o3, coordinator=cluster.address, scheduler=s3, job="handover",
                                 iteration=3)
@@ -77,7 +78,7 @@ def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, clus
     assert st["job"]["epoch"] == dead.epoch and st["job"]["committed"] is None  # the new epoch has nothing yet
     assert st["restorable"]["memory"] == 3
     dead.close(wait=False)
-    monkeypatch.setattr(_session._bootstrap, "bootstrap", _bootstrap.bootstrap)
+    monkeypatch.setattr(bootstrap, "bootstrap", streamed)
     fresh, fopt, fsched = build(seed=7)
     info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
     assert info.iteration == 3 and info.tier == "memory"

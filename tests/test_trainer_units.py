@@ -11,7 +11,7 @@ from trainer_hooks import UnsupportedOptimizerError
 from trainer_hooks import _codec, _rng
 from trainer_hooks._model import LayoutError, build_layout
 from trainer_hooks._optim import describe
-from trainer_hooks._staging import RingFullError, StagingRing
+from trainer_hooks.session.staging import RingFullError, StagingRing
 
 
 def test_codec_roundtrip_keeps_tensors_and_tuples():

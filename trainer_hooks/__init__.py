@@ -1,4 +1,11 @@
 """Trainer side of the shadow checkpoint service: attach a DDP training run, restore it."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
 from shadow.errors import (
     LayoutMismatchError,
     ShadowConnectionError,
@@ -10,32 +17,46 @@ from trainer_hooks._export import export, export_weights
 from trainer_hooks._metrics import serve_metrics
 from trainer_hooks._optim import UnsupportedOptimizerError
 from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore, state_dicts
-from trainer_hooks._session import Session
+from trainer_hooks.session.options import AttachOptions
+from trainer_hooks.session.session import Session
 
 
-def attach(ddp_model, optimizer, coordinator: str, **kwargs) -> Session:
+def attach(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
+           scheduler: Any = None, scaler: Any = None, extra_state: Callable[[], Any] | None = None,
+           tokens: Callable[[], int] | None = None, job: str = "default", iteration: int | None = None,
+           overwrite: bool = False, policy: str = "block", comm_hook: Callable | None = None,
+           comm_state: Any = None, audit_every: int = 0, audit_strict: bool = False) -> Session:
     """Stream every iteration of ``ddp_model``/``optimizer`` to the shadow cluster at
     ``coordinator``. Call on every rank, before the first backward; returns the rank's
     :class:`Session`.
 
-    Keyword arguments:
-
-    * ``scheduler``: an LR scheduler (any ``torch.optim.lr_scheduler``); its state is
-      checkpointed with every iteration and restored with the model.
-    * ``scaler``: a ``torch.amp.GradScaler``; unscale factors and skipped steps are replayed.
-    * ``extra_state``: a callable returning this rank's state to keep with each iteration
-      (data-loader position, tokens seen); returned by :func:`restore` as ``extra_state``.
-    * ``tokens``: a callable returning tokens trained so far (for ``every_tokens`` tiers).
-    * ``job``: the job's name in the cluster (default ``"default"``).
-    * ``iteration``: the iteration the model is at (default: 0, or what :func:`restore`
-      put back); ``overwrite=True`` replaces a job of the same name at another iteration.
-    * ``policy``: back-pressure, ``"block"`` (every iteration checkpointed; training waits
-      for a slow shadow, the wait is in :meth:`Session.stats`) or ``"skip"`` (never waits;
-      the shadow resyncs after falling behind).
-    * ``comm_hook``/``comm_state``: a DDP communication hook to compose with the shadow's
-      (e.g. ``fp16_compress_hook``).
-    * ``audit_every``/``audit_strict``: every N steps compare a sample of parameters and
-      moments with the shadow bit for bit; ``audit_strict`` raises on a mismatch.
+    Args:
+        ddp_model: the ``DistributedDataParallel``-wrapped model (the shadow takes DDP's
+            reduced gradient buckets through a communication hook it registers once).
+        optimizer: the model's optimizer (``torch.optim.Adam``/``AdamW``/``SGD``).
+        coordinator: the cluster's address, ``tcp://host:port``.
+        scheduler: an LR scheduler (any ``torch.optim.lr_scheduler``); its state is
+            checkpointed with every iteration and restored with the model.
+        scaler: a ``torch.amp.GradScaler``; unscale factors and skipped steps are replayed.
+        extra_state: a callable returning this rank's state to keep with each iteration
+            (data-loader position, tokens seen); :func:`restore` returns it as
+            ``extra_state``.
+        tokens: a callable returning the tokens trained on so far (for ``every_tokens``
+            tiers).
+        job: the job's name in the cluster.
+        iteration: the iteration the model is at. Default: the iteration :func:`restore`
+            last put this optimizer at (``info.iteration``; a convenience: passing
+            ``iteration=info.iteration`` says the same explicitly), else 0.
+        overwrite: replace a job of the same name held at another iteration.
+        policy: back-pressure. ``"block"``: every iteration is checkpointed; training
+            waits for a slow shadow (the wait is in :meth:`Session.stats`). ``"skip"``:
+            never waits; the shadow resyncs after falling behind.
+        comm_hook: a DDP communication hook to compose with the shadow's (e.g.
+            ``fp16_compress_hook``); it reduces, the shadow takes what it leaves.
+        comm_state: the state ``comm_hook`` is called with.
+        audit_every: every N steps compare a sample of parameters and moments with the
+            shadow bit for bit (0: never).
+        audit_strict: raise on an audit mismatch (at the next step) instead of logging it.
 
     A failure of the shadow (a lost worker or coordinator, an error it reports, a stall
     past ``SHADOW_BLOCK_TIMEOUT_S``) never stops training: the rank trains on unprotected
@@ -44,10 +65,13 @@ def attach(ddp_model, optimizer, coordinator: str, **kwargs) -> Session:
     twice without ``no_sync``) or asked for (``audit_strict``) is raised, at the next
     ``optimizer.step()``, never from inside DDP.
     """
-    return Session(ddp_model, optimizer, coordinator, **kwargs)
+    options = AttachOptions(scheduler=scheduler, scaler=scaler, extra_state=extra_state, tokens=tokens, job=job,
+                            policy=policy, comm_hook=comm_hook, comm_state=comm_state, audit_every=audit_every,
+                            audit_strict=audit_strict)
+    return Session(ddp_model, optimizer, coordinator, options, iteration=iteration, overwrite=overwrite)
 
 
 __all__ = [
-    "LayoutMismatchError", "RestoreInfo", "Session", "ShadowConnectionError", "ShadowError", "ShadowTimeoutError",
+    "AttachOptions", "LayoutMismatchError", "RestoreInfo", "Session", "ShadowConnectionError", "ShadowError", "ShadowTimeoutError",
     "ShadowUsageError", "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "export_weights", "restore", "serve_metrics", "state_dicts",
 ]

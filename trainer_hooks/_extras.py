@@ -30,7 +30,7 @@ from shadow import knobs
 from shadow.errors import LayoutMismatchError
 from trainer_hooks import _codec
 from trainer_hooks._model import unwrap
-from trainer_hooks._sender import ExtraItem
+from trainer_hooks.session.sender import ExtraItem
 
 logger = logging.getLogger(__name__)
 

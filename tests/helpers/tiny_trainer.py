@@ -194,7 +194,9 @@ def main() -> None:
             ddp.register_comm_hook(None, hook)
 
     import trainer_hooks
+    from trainer_hooks import testing
 
+    testing.inject_from_env()  # SHADOW_FAULT_NET / SHADOW_FAULT_DIE_AT (tests and the fault matrix)
     scaler = None
     if args.amp:
         # the first scaled loss overflows (inf): that step is skipped, the scale backs off, then grows
@@ -221,15 +223,15 @@ def main() -> None:
     if args.coordinator and args.kill_in_attach >= 0:
         arm_kill(args.kill_in_attach, "attach")
     elif args.coordinator and args.kill_in_bootstrap >= 0:
-        from trainer_hooks import _bootstrap
+        from trainer_hooks.session import bootstrap
 
-        streamed = _bootstrap.bootstrap  # attach() calls it through the module, after the handshake
+        streamed = bootstrap.bootstrap  # Attachment.open calls it through the module, after the handshake
 
-        def bootstrap_then_die(session) -> None:
+        def bootstrap_then_die(att, carry) -> None:
             arm_kill(args.kill_in_bootstrap, "bootstrap")
-            streamed(session)
+            streamed(att, carry)
 
-        _bootstrap.bootstrap = bootstrap_then_die
+        bootstrap.bootstrap = bootstrap_then_die
     if args.coordinator:
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
                                        extra_state=lambda: {"it": it_box["it"]},

@@ -3,17 +3,20 @@
 Work arrives on a queue in order (gradient slots, bootstrap state, commits); the
 sender computes checksums, frames it, sends payloads zero-copy from the staging ring,
 frees ring slots when ZeroMQ is done with them, and listens to the coordinator for the
-committed cut (the flow-control credit). Errors are latched for the training thread.
+committed cut (the flow-control credit). What it hears and what goes wrong reaches the
+session through one :class:`SenderEvents` object (the session's ``RecoveryController``).
+
+Fault injection wraps this class from the outside (``trainer_hooks.testing``): the
+overridable seams are :meth:`Sender._send` and :meth:`Sender._send_commit`.
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 import numpy as np
 import zmq
@@ -22,7 +25,6 @@ from shadow import knobs, security
 from shadow.errors import ShadowError
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from trainer_hooks import _netfault
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +81,55 @@ class FlushItem:
     done: threading.Event
 
 
+class SenderEvents(Protocol):
+    """What the sender thread reports (called on the sender thread)."""
+
+    def on_error(self, exc: BaseException) -> None:
+        """The sender failed, or the coordinator answered ``error``."""
+
+    def on_progress(self, applied: int) -> None:
+        """The cluster committed iteration ``applied`` (the flow-control credit)."""
+
+    def on_degraded(self, reason: str) -> None:
+        """The coordinator reports the cluster cannot take this epoch's stream."""
+
+    def on_audit(self, msg: dict) -> None:
+        """A divergence audit failed (``iteration``, ``detail``)."""
+
+    def on_resync(self) -> None:
+        """The coordinator asks for a resync (the cluster is whole again)."""
+
+    def on_join(self, msg: dict) -> None:
+        """A replica joins (``replica_in``: ``gen``, ``worker``, ``data``)."""
+
+    def on_lost(self, why: str) -> None:
+        """No answer from the coordinator for ``SHADOW_COORDINATOR_LOST_S``."""
+
+    def on_back(self) -> None:
+        """The coordinator answers again after :meth:`on_lost`."""
+
+
+class NoEvents:
+    """A :class:`SenderEvents` that ignores everything (tests of the framing)."""
+
+    def on_error(self, exc: BaseException) -> None: pass
+    def on_progress(self, applied: int) -> None: pass
+    def on_degraded(self, reason: str) -> None: pass
+    def on_audit(self, msg: dict) -> None: pass
+    def on_resync(self) -> None: pass
+    def on_join(self, msg: dict) -> None: pass
+    def on_lost(self, why: str) -> None: pass
+    def on_back(self) -> None: pass
+
+
 class Sender(threading.Thread):
     def __init__(self, ctx: zmq.Context, dealer: zmq.Socket, endpoints: list[str], ring, *, job_id: int,
-                 epoch: int, rank: int, world: int, layout_hash: int, on_error: Callable[[BaseException], None],
-                 on_progress: Callable[[int], None], on_degraded: Callable[[str], None],
-                 on_audit: Callable[[dict], None], on_resync: Callable[[], None],
-                 on_join: Callable[[dict], None] = lambda msg: None, on_lost: Callable[[str], None] = lambda why: None,
-                 on_back: Callable[[], None] = lambda: None) -> None:
+                 epoch: int, rank: int, world: int, layout_hash: int, events: SenderEvents) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
         self.job_id, self.epoch, self.rank, self.world, self.layout_hash = job_id, epoch, rank, world, layout_hash
-        self.on_error, self.on_progress, self.on_degraded = on_error, on_progress, on_degraded
-        self.on_audit, self.on_resync, self.on_join = on_audit, on_resync, on_join
-        self.on_lost, self.on_back = on_lost, on_back
+        self.events = events
         self.last_heard = time.monotonic()  # anything from the coordinator (it answers every heartbeat)
         self.lost = False
         self.paused: str | None = None  # why this rank stopped streaming on its own: told with every heartbeat
@@ -101,10 +138,6 @@ class Sender(threading.Thread):
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
         self.bytes_out = 0
         self.messages_out = 0
-        self._stopping = False
-        self._fault = _parse_fault(knobs.fault("DIE_AT"))
-        self._fault_sent = 0
-        self.net_faults = _netfault.parse(knobs.fault("NET"), rank)
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> None:
@@ -128,7 +161,7 @@ class Sender(threading.Thread):
                 now = time.monotonic()
                 if not self.lost and now - self.last_heard > knobs.get("COORDINATOR_LOST_S"):
                     self.lost = True
-                    self.on_lost(f"no answer from the shadow coordinator for {now - self.last_heard:.1f} s "
+                    self.events.on_lost(f"no answer from the shadow coordinator for {now - self.last_heard:.1f} s "
                                  f"(SHADOW_COORDINATOR_LOST_S)")
                 if now >= next_hb:  # lets a restarted coordinator find this rank again
                     next_hb = now + hb
@@ -137,7 +170,7 @@ class Sender(threading.Thread):
                     if self.paused is not None and not self.lost:  # until the coordinator asks for the resync
                         self._notify("paused", epoch=self.epoch, rank=self.rank, reason=self.paused)
         except BaseException as exc:  # the session logs it, degrades and trains on
-            self.on_error(exc)
+            self.events.on_error(exc)
         finally:
             self._drain_on_exit()
             for s in self.data:
@@ -214,8 +247,6 @@ class Sender(threading.Thread):
         for w, runs in enumerate(runs_per_worker):
             if not runs or w in self.out:
                 continue
-            if self._faulted(iteration, w):
-                continue
             runs = self.split_runs(runs, F.MAX_PART_BYTES // data.itemsize)
             views = [data[src:src + n] for src, _, n in runs]
             table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views)]
@@ -225,35 +256,29 @@ class Sender(threading.Thread):
                 trackers.append(tracker)
             self.bytes_out += sum(n for _, _, n in runs) * 4
             self.messages_out += 1
-            self._after_send(iteration)
         if ring_slot is not None:
             self.pending.append((ring_slot[0], ring_slot[1], trackers))
 
     def _send_commit(self, item: CommitItem) -> None:
         for w, body in enumerate(item.bodies):
-            if w in self.out or self._faulted(item.iteration, w):
+            if w in self.out:
                 continue
             hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), F.checksum(body))])
             self._send(w, [hdr, body], False, item.iteration)
             self.messages_out += 1
-            self._after_send(item.iteration)
-        if self._fault and item.iteration == self._fault[0]:
-            self._die()
 
     def _send_extra(self, item: ExtraItem) -> None:
         w = item.worker
-        if w in self.out or self._faulted(item.iteration, w):
+        if w in self.out:
             return
         table = [(k, len(v), F.checksum(v)) for k, v in item.chunks]
         frames = [self._header(F.Kind.EXTRA, F.Field.GRAD, item.iteration, w, table)]
         self._send(w, frames + [memoryview(v) for _, v in item.chunks], True, item.iteration)  # zero-copy
         self.bytes_out += sum(len(v) for _, v in item.chunks)
         self.messages_out += 1
-        self._after_send(item.iteration)
 
     def _send(self, w: int, frames: list, track: bool, iteration: int):
-        if self.net_faults is not None:
-            return self.net_faults.send(self.data[w], w, frames, track, iteration)
+        """Send one message to worker ``w``; returns its zmq tracker when ``track`` (else None)."""
         return self.data[w].send_multipart(frames, copy=not track, track=track)
 
     def _notify(self, kind: str, **fields) -> None:
@@ -281,11 +306,11 @@ class Sender(threading.Thread):
             self.last_heard = time.monotonic()
             if self.lost:
                 self.lost = False
-                self.on_back()
+                self.events.on_back()
             if msg["t"] == "progress" and msg["epoch"] == self.epoch:
-                self.on_progress(msg["applied"])
+                self.events.on_progress(msg["applied"])
             elif msg["t"] == "resync" and msg["epoch"] == self.epoch:
-                self.on_resync()
+                self.events.on_resync()
             elif msg["t"] == "replica_out" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
                 logger.warning("shadow worker %d is out of service; its shard continues on a replica", msg["worker"])
                 self.out.add(msg["worker"])
@@ -293,35 +318,10 @@ class Sender(threading.Thread):
                     self.data[msg["worker"]].close(linger=0)
                     self.data[msg["worker"]] = None
             elif msg["t"] == "replica_in" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
-                self.on_join(msg)
+                self.events.on_join(msg)
             elif msg["t"] == "audit" and msg["epoch"] == self.epoch:
-                self.on_audit(msg)
+                self.events.on_audit(msg)
             elif msg["t"] == "degraded" and msg["epoch"] == self.epoch:
-                self.on_degraded(msg["reason"])
+                self.events.on_degraded(msg["reason"])
             elif msg["t"] == "error":  # never raised into training: the session degrades and counts it
-                self.on_error(ShadowError(f"shadow coordinator: {msg['message']}"))
-
-    # -- fault injection (tests) -------------------------------------------------------------
-    def _faulted(self, iteration: int, worker: int) -> bool:
-        """Under SHADOW_FAULT_DIE_AT=k:n, iteration k sends its first n messages (gradient
-        and commit messages alike) normally, then everything else only to worker 0, then
-        the process dies. With n at least the iteration's message count nothing is held back."""
-        if not self._fault or iteration != self._fault[0]:
-            return False
-        return self._fault_sent >= self._fault[1] and worker != 0
-
-    def _after_send(self, iteration: int) -> None:
-        if self._fault and iteration == self._fault[0]:
-            self._fault_sent += 1
-
-    def _die(self) -> None:
-        logger.error("fault injection: dying in the middle of iteration %d", self._fault[0])
-        time.sleep(0.5)  # let zmq's I/O thread put what was sent on the wire
-        os._exit(137)
-
-
-def _parse_fault(spec: str | None) -> tuple[int, int] | None:
-    if not spec:
-        return None
-    k, _, n = spec.partition(":")
-    return int(k), int(n or 0)
+                self.events.on_error(ShadowError(f"shadow coordinator: {msg['message']}"))

@@ -1,6 +1,12 @@
-"""Network fault injection on the trainer's data sockets (tests and the fault matrix).
+"""Trainer-side fault injection, as wrappers around the production classes (tests, the
+fault matrix, and anyone who wants to see the shadow survive): nothing here is imported
+by the production modules, and nothing in them checks for faults.
 
-``SHADOW_FAULT_NET="drop=0.02,dup=0.02,reorder=0.02,truncate=0.02,bitflip=0.02,seed=7,until=30"``
+:func:`inject` (or :func:`inject_from_env`, which reads ``SHADOW_FAULT_NET`` and
+``SHADOW_FAULT_DIE_AT``) makes every attachment opened afterwards in this process send
+through a :class:`FaultySender`; :func:`faults` does the same for a ``with`` block.
+
+``net="drop=0.02,dup=0.02,reorder=0.02,truncate=0.02,bitflip=0.02,seed=7,until=30"``
 makes each data message (GRAD, STATE or COMMIT, to one worker) of iterations in
 ``[from, until)`` suffer at most one fault, drawn with the given probabilities from a
 generator seeded by ``seed`` and the rank (with ``cover=1``, the first faults drawn go
@@ -12,14 +18,25 @@ run in which each of two ranks draws three faults sees every kind):
 * reorder   -- held back and sent after the next message to the same worker;
 * truncate  -- the last frame of the message is left off (or the header is cut short);
 * bitflip   -- one random bit of one random frame (header, run table or payload) flipped.
+
+``die_at="k:n"``: iteration k sends its first n messages (gradient and commit messages
+alike) normally, then everything else only to worker 0, then the process dies (exit 137)
+once k's commit is out. With n at least the iteration's message count nothing is held back.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import random
+import time
 from collections import Counter
+from typing import Iterator
 
 import zmq
+
+from trainer_hooks.session.attachment import Attachment
+from trainer_hooks.session.sender import CommitItem, Sender
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +63,10 @@ def parse(spec: str | None, rank: int) -> "NetFaults | None":
         elif key in KINDS:
             probs[key] = float(value)
         else:
-            raise ValueError(f"SHADOW_FAULT_NET: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, "
+            raise ValueError(f"network faults: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, "
                              "cover")
     if sum(probs.values()) > 1.0:
-        raise ValueError(f"SHADOW_FAULT_NET: probabilities add up to more than 1 ({spec})")
+        raise ValueError(f"network faults: probabilities add up to more than 1 ({spec})")
     _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span), cover, 2 * rank)
     return _ACTIVE[spec, rank]
 
@@ -100,3 +117,73 @@ class NetFaults:
         if held is not None:
             sock.send_multipart(held)
         return tracker
+
+
+def parse_die_at(spec: str | None) -> tuple[int, int] | None:
+    """``"k:n"`` (n defaults to 0) as ``(k, n)``."""
+    if not spec:
+        return None
+    k, _, n = spec.partition(":")
+    try:
+        return int(k), int(n or 0)
+    except ValueError:
+        raise ValueError(f"die_at={spec!r}: expected 'iteration:messages', e.g. '5:3'") from None
+
+
+class FaultySender(Sender):
+    """A :class:`Sender` whose messages pass through the configured faults (class
+    attributes, set by :func:`inject`); ``net`` may also be set or cleared on a live one."""
+
+    net_spec: str | None = None
+    die_at: tuple[int, int] | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.net: NetFaults | None = parse(self.net_spec, self.rank)
+        self._die_sent = 0
+
+    def _send(self, w: int, frames: list, track: bool, iteration: int):
+        if self.die_at is not None and iteration == self.die_at[0]:
+            if self._die_sent >= self.die_at[1] and w != 0:
+                self.seq[w] -= 1  # held back, as if never framed: no gap, no count
+                return None
+            self._die_sent += 1
+        if self.net is not None:
+            return self.net.send(self.data[w], w, frames, track, iteration)
+        return super()._send(w, frames, track, iteration)
+
+    def _send_commit(self, item: CommitItem) -> None:
+        super()._send_commit(item)
+        if self.die_at is not None and item.iteration == self.die_at[0]:
+            logger.error("fault injection: dying in the middle of iteration %d", self.die_at[0])
+            time.sleep(0.5)  # let zmq's I/O thread put what was sent on the wire
+            os._exit(137)
+
+
+def inject(net: str | None = None, die_at: str | None = None) -> type[Sender]:
+    """Every attachment opened from now on in this process sends through a
+    :class:`FaultySender` with these faults; returns the class it installed."""
+    cls = type("FaultySender", (FaultySender,), {"net_spec": net or None, "die_at": parse_die_at(die_at)})
+    if net:
+        parse(net, 0)  # a malformed spec fails here, not in a sender thread
+    Attachment.sender_class = cls
+    return cls
+
+
+def inject_from_env() -> bool:
+    """:func:`inject` with ``SHADOW_FAULT_NET`` and ``SHADOW_FAULT_DIE_AT``, if either is set."""
+    net, die_at = os.environ.get("SHADOW_FAULT_NET"), os.environ.get("SHADOW_FAULT_DIE_AT")
+    if not net and not die_at:
+        return False
+    inject(net, die_at)
+    return True
+
+
+@contextlib.contextmanager
+def faults(net: str | None = None, die_at: str | None = None) -> Iterator[type[Sender]]:
+    """:func:`inject` for the attachments opened inside the block."""
+    before = Attachment.sender_class
+    try:
+        yield inject(net, die_at)
+    finally:
+        Attachment.sender_class = before

@@ -1,5 +1,6 @@
 """Watching the scheduler and GradScaler step without touching their state: their class is
-swapped for a subclass that tells the owning session (``OWNERS``) when they step."""
+swapped for a subclass that tells the owning session's :class:`StepRecorder` (``OWNERS``)
+when they step."""
 from __future__ import annotations
 
 import functools
@@ -15,41 +16,56 @@ OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 @functools.lru_cache(maxsize=None)
 def observed(cls: type) -> type:
     """A subclass of a scheduler or GradScaler class that tells the owning session when
-    it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched)."""
+    it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched);
+    it reports to the recorder in ``OWNERS``."""
     ns: dict = {"__module__": cls.__module__}
     if hasattr(cls, "unscale_"):  # GradScaler
         def unscale_(self, optimizer):
-            session = OWNERS.get(self)
-            if session is not None:
-                session._inv_scale = float(self._scale.double().reciprocal().float().item())
+            recorder = OWNERS.get(self)
+            if recorder is not None:
+                recorder.unscaled(float(self._scale.double().reciprocal().float().item()))
             return cls.unscale_(self, optimizer)
 
         def step(self, optimizer, *args, **kwargs):
-            session = OWNERS.get(self)
-            before = session._next if session is not None else None
+            recorder = OWNERS.get(self)
+            before = recorder.next if recorder is not None else None
             out = cls.step(self, optimizer, *args, **kwargs)
-            if session is not None and session._next == before:
-                session._skipped_step()  # inf/nan: the optimizer did not step at all
+            if recorder is not None and recorder.next == before:
+                recorder.skipped_step()  # inf/nan: the optimizer did not step at all
             return out
 
         def update(self, *args, **kwargs):
             out = cls.update(self, *args, **kwargs)
-            session = OWNERS.get(self)
-            if session is not None:
-                session._done("scaler")
+            recorder = OWNERS.get(self)
+            if recorder is not None:
+                recorder.stepped("scaler")
             return out
 
         ns.update(unscale_=unscale_, step=step, update=update)
     else:
         def step(self, *args, **kwargs):
             out = cls.step(self, *args, **kwargs)
-            session = OWNERS.get(self)
-            if session is not None:
-                session._done("scheduler")
+            recorder = OWNERS.get(self)
+            if recorder is not None:
+                recorder.stepped("scheduler")
             return out
 
         ns["step"] = step
     return type(cls.__name__, (cls,), ns)
+
+
+def watch(obj: Any, recorder: Any) -> type:
+    """Swap ``obj``'s class for its observed subclass, reporting to ``recorder``;
+    returns the original class for :func:`unwatch`."""
+    cls = type(obj)
+    obj.__class__ = observed(cls)
+    OWNERS[obj] = recorder
+    return cls
+
+
+def unwatch(obj: Any, cls: type) -> None:
+    obj.__class__ = cls
+    OWNERS.pop(obj, None)
 
 
 def check_scheduler(scheduler: Any) -> None:

@@ -1,0 +1,229 @@
+"""The trainer side by part: the step recorder alone (no sockets), the attach options, the
+explicit ``attach`` signature, the hook slot (one per DDP model, plain reduction when no
+session is attached), what ``close`` releases, and what a failed ``Attachment.open`` or
+resync leaves behind (nothing)."""
+from __future__ import annotations
+
+import gc
+import inspect
+import re
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.errors import ShadowUsageError
+from tests.conftest import ROOT, train_step
+from tests.helpers.tiny_trainer import build
+from trainer_hooks.session import bootstrap
+from trainer_hooks.session.attachment import Attachment
+from trainer_hooks.session.hook import HookSlot
+from trainer_hooks.session.options import AttachOptions
+from trainer_hooks.session.recorder import StepRecorder
+
+
+def _recorder(**options):
+    model, opt, sched = build()
+    calls = []
+    rec = StepRecorder(opt, AttachOptions(**options), on_ready=lambda: calls.append("ready"),
+                       on_skipped=lambda: calls.append("skipped"))
+    return model, opt, rec, calls
+
+
+def _senders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("shadow-sender") and t.is_alive()]
+
+
+def test_the_recorder_tracks_an_iteration_without_sockets():
+    model, opt, rec, calls = _recorder(extra_state=lambda: {"pos": 11}, tokens=lambda: 480)
+    rec.start(5, 2)
+    with rec.lock:
+        assert rec.bucket(0) == 6 and rec.bucket(1) == 6
+        with pytest.raises(ShadowUsageError, match="bucket 0 was all-reduced twice in iteration 6"):
+            rec.bucket(0)
+        rec.staged([3, 4], [(0, 1, 0.5)])
+        rec.staged([1, 0], [])
+    rec.unscaled(0.25)
+    rec.clipped(0.5)
+    assert rec.factors() == [0.25, 0.5]  # the order the loop applied them in
+    assert rec.take_samples() == [(0, 1, 0.5)] and rec.take_samples() == []
+    k, sent = rec.advance()
+    assert (k, sent, rec.next, rec.seen) == (6, [4, 4], 7, set())
+    params = [p for g in opt.param_groups for p in g["params"]]
+    params[0].grad = torch.zeros_like(params[0])  # every other param has no gradient: skipped
+    commit = rec.record(k, sent, False, torch.tensor(8.0), params, rank=0)
+    replay = commit.replay
+    assert replay["iteration"] == 6 and replay["clip"] == 0.5 and replay["inv_scale"] == 0.25
+    assert replay["grad_scale"] == 8.0 and replay["tokens"] == 480 and not replay["skip_step"]
+    assert replay["skipped"] == list(range(1, len(params)))
+    assert commit.extra == {"pos": 11} and rec.last_record == (commit.rng, commit.extra)
+    assert rec.factors() == []  # the transforms belong to one iteration
+    assert rec.ready and rec.take_pending() is commit and rec.take_pending() is None
+    assert calls == []  # nothing to wait for: the session sends it at once, not the recorder
+
+
+def test_the_recorder_waits_for_the_scheduler_and_scaler():
+    _, opt, sched = build()
+    scaler = torch.amp.GradScaler("cpu")
+    calls = []
+    rec = StepRecorder(opt, AttachOptions(scheduler=sched, scaler=scaler), on_ready=lambda: calls.append("ready"),
+                       on_skipped=lambda: calls.append("skipped"))
+    rec.start(0, 1)
+    k, sent = rec.advance()
+    rec.record(k, sent, True, None, [], rank=1)
+    assert not rec.ready and rec.awaiting == {"scheduler", "scaler"}
+    rec.stepped("scaler")
+    assert calls == []
+    rec.stepped("scheduler")
+    assert calls == ["ready"] and rec.ready
+    rec.skipped_step()
+    assert calls == ["ready", "skipped"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(policy="wait"), "back-pressure policy 'wait'"),
+    (dict(audit_every=-1), "audit_every=-1"),
+    (dict(audit_every=1.5), "audit_every=1.5"),
+    (dict(audit_every=True), "audit_every=True"),
+    (dict(tokens=5), "tokens must be a callable"),
+    (dict(extra_state={"a": 1}), "extra_state must be a callable"),
+    (dict(comm_hook="bf16"), "comm_hook must be a DDP communication hook"),
+    (dict(scaler=object()), "scaler must be a torch.amp.GradScaler"),
+    (dict(scheduler=object()), "scheduler must be a torch.optim.lr_scheduler"),
+    (dict(job="../x"), "job"),
+])
+def test_attach_options_are_checked_at_construction(bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        AttachOptions(**bad)
+
+
+def test_attach_options_are_typed_and_frozen():
+    o = AttachOptions(audit_every=3, audit_strict=1)
+    assert o.audit_every == 3 and o.audit_strict is True and o.observed == {}
+    with pytest.raises(AttributeError):
+        o.policy = "skip"
+
+
+def test_attach_names_every_argument():
+    sig = inspect.signature(trainer_hooks.attach)
+    assert list(sig.parameters) == [
+        "ddp_model", "optimizer", "coordinator", "scheduler", "scaler", "extra_state", "tokens", "job", "iteration",
+        "overwrite", "policy", "comm_hook", "comm_state", "audit_every", "audit_strict"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(sig.parameters.values())[3:])
+    doc = trainer_hooks.attach.__doc__
+    assert all(f"    {name}:" in doc for name in list(sig.parameters))
+
+
+def test_no_fault_injection_in_production_modules():
+    prod = [p for p in (ROOT / "trainer_hooks").rglob("*.py") if p.name != "testing.py"]
+    assert len(prod) > 10
+    for path in prod:
+        text = path.read_text()
+        assert "SHADOW_FAULT" not in text and "knobs.fault" not in text, path
+        assert not re.search(r"^\s*(from|import) trainer_hooks(\.| import )testing", text, re.M), path
+
+
+def _grads(ddp, seed: int = 3) -> list[torch.Tensor]:
+    ddp.zero_grad()
+    torch.manual_seed(seed)  # the tiny model's forward draws from the global generator
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    return [p.grad.clone() for p in ddp.parameters() if p.grad is not None]
+
+
+def test_a_hook_slot_reduces_like_ddp_and_routes_weakly(world1):
+    plain = DDP(build()[0])
+    model = build()[0]
+    ddp = DDP(model)
+    slot = HookSlot.of(ddp)
+    assert HookSlot.of(ddp) is slot  # registered once per model
+    want = _grads(plain)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ddp), want, strict=True))
+
+    class Route:
+        def __init__(self):
+            self.buckets = 0
+
+        def __call__(self, fut, bucket):
+            self.buckets += 1
+            return fut
+
+    route = Route()
+    slot.bind(route.__call__, None, None)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ddp), want, strict=True)) and route.buckets >= 1
+    seen = route.buckets
+    slot.unbind(route.__call__)
+    _grads(ddp)
+    assert route.buckets == seen
+    slot.bind(route.__call__, None, None)
+    ref = weakref.ref(route)
+    del route
+    gc.collect()
+    assert ref() is None and slot.route is None  # the slot never keeps a session alive
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ddp), want, strict=True))
+
+
+@pytest.mark.slow
+def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, cluster):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot")
+    ring = weakref.ref(session.attachment.ring.tensor)
+    for it in range(1, 3):
+        train_step(ddp, opt, sched, it)
+    assert session.close() == 2
+    assert session.attachment.ring is None and session.stats()["ring_high_water"] > 0
+    gc.collect()
+    assert ring() is None  # DDP's hook no longer reaches the staging memory
+    gone = weakref.ref(session)
+    del session
+    gc.collect()
+    assert gone() is None
+    train_step(ddp, opt, sched, 3)  # plain DDP again
+    again = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot", iteration=3,
+                                 overwrite=True)  # the same DDP model: its one hook serves the new session
+    train_step(ddp, opt, sched, 4)
+    assert again.close() == 4 and not _senders()
+
+
+@pytest.mark.slow
+def test_a_failed_open_closes_what_it_opened(world1, cluster, monkeypatch):
+    model, opt, sched = build()
+
+    def broken(att, carry):
+        raise RuntimeError("bootstrap broke")
+
+    monkeypatch.setattr(bootstrap, "bootstrap", broken)
+    with pytest.raises(RuntimeError, match="bootstrap broke"):
+        trainer_hooks.attach(DDP(model), opt, coordinator=cluster.address, scheduler=sched, job="half")
+    deadline = time.monotonic() + 10
+    while _senders():
+        assert time.monotonic() < deadline, "a sender thread outlived the failed attach"
+        time.sleep(0.05)
+    assert type(sched).__name__ == "LambdaLR" and type(sched).step is torch.optim.lr_scheduler.LambdaLR.step
+
+
+@pytest.mark.slow
+def test_a_failed_resync_stops_streaming_and_training_goes_on(world1, cluster, monkeypatch):
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="resync")
+    for it in range(1, 3):
+        train_step(ddp, opt, sched, it)
+
+    def refuse(*args, **kwargs):
+        raise ConnectionError("no coordinator")
+
+    monkeypatch.setattr(Attachment, "open", refuse)
+    session.attachment.recovery.on_resync()  # as if the coordinator asked
+    for it in range(3, 6):
+        train_step(ddp, opt, sched, it)  # never raises
+    assert session.degraded == "resync at iteration 3 failed: no coordinator"
+    # the session is closed from the failed boundary on: iteration 3 is the last it recorded
+    assert session.iteration == 3 and session.stats()["steps"] == 3 and not _senders()
+    assert session.close() >= 2

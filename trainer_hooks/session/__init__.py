@@ -1,0 +1,29 @@
+"""The trainer side of an attached run, by part (see ``docs/architecture.md``):
+
+* ``session``    -- :class:`Session`: the public handle (options, error latch, hooks);
+* ``options``    -- :class:`AttachOptions`: every option of ``attach``, validated;
+* ``attachment`` -- :class:`Attachment`: one epoch (handshake, ring, sender, bootstrap);
+* ``hook``       -- the one DDP comm hook per model, and the slot it reads;
+* ``recorder``   -- :class:`StepRecorder`: per-step bookkeeping -> commit records;
+* ``recovery``   -- :class:`RecoveryController`: degraded mode, votes, joins (the sender's events);
+* ``staging``, ``sender`` -- the staging ring and the sender thread.
+
+Names are imported on first use, so that a module of this package (``sender``) can be
+imported on its own without the rest.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"Session": "session", "AttachOptions": "options", "Attachment": "attachment",
+            "StepRecorder": "recorder", "RecoveryController": "recovery", "ErrorLatch": "recovery",
+            "SenderEvents": "sender", "HookSlot": "hook"}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,276 @@
+"""One epoch of a session: the handshake's answer (epoch, workers, shards), the layout it
+was made for, the staging ring, the sender thread and the recovery state. ``open`` makes
+all of them and closes whatever it made if a later part fails; ``close`` releases them
+(the ring too: a closed session holds no staging memory)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+import zmq
+
+from shadow import knobs
+from shadow.client import LogWaiting, dealer, request
+from shadow.errors import ShadowError
+from shadow.layout import bucket_runs, stripe_bounds
+from shadow.wire import messages as M
+from trainer_hooks import _codec, _optim
+from trainer_hooks._extras import ExtrasTracker
+from trainer_hooks._model import build_layout, state_dict_aliases
+from trainer_hooks._restored import RestorePoint
+from trainer_hooks.session import audit, bootstrap, buckets
+from trainer_hooks.session.options import AttachOptions
+from trainer_hooks.session.recorder import Commit, StepRecorder
+from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
+from trainer_hooks.session.sender import CommitItem, FlushItem, GradItem, Sender
+from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
+
+logger = logging.getLogger(__name__)
+
+
+class Attachment:
+    """What one attach made. Built by :meth:`open`, ended by :meth:`close`."""
+
+    #: the sender thread's class; ``trainer_hooks.testing`` swaps in a fault-injecting one
+    sender_class: type = Sender
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, coordinator: str,
+                 options: AttachOptions, base: int) -> None:
+        """The layout and descriptors; no sockets yet (see :meth:`open`)."""
+        self.model, self.optimizer, self.coordinator, self.options = model, optimizer, coordinator, options
+        self.pg = model.process_group
+        self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        self.layout, self.params = build_layout(model, optimizer)
+        self.optim_desc = _optim.describe(optimizer)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.aliases = state_dict_aliases(model)
+        self.base = base
+        self.plans: dict[tuple, buckets.BucketPlan] = {}
+        self.extras: ExtrasTracker | None = None
+        self.last_emitted = base
+        self.hook_s = 0.0
+        self.blocked_s = 0.0
+        self.closed = False
+        self.dealer = self.ring = self.sender = self.recovery = None
+        self.ring_figures = {"blocked_s": 0.0, "occupancy": 0.0, "high_water": 0.0}
+
+    @classmethod
+    def open(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, coordinator: str,
+             options: AttachOptions, latch: ErrorLatch, *, iteration: int, overwrite: bool = False,
+             restored: RestorePoint | None = None, carry: tuple | None = None) -> "Attachment":
+        """Handshake (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), ring, sender, bootstrap of
+        iteration ``iteration`` (``carry``: the ``(rng, extra)`` recorded with it when
+        re-attaching mid-run). If any part fails, what was opened is closed."""
+        att = cls(model, optimizer, coordinator, options, iteration)
+        att._handshake(overwrite, restored)
+        try:
+            att._start(latch)
+            bootstrap.bootstrap(att, carry)
+        except BaseException:
+            att.close(wait=False)
+            raise
+        return att
+
+    def _handshake(self, overwrite: bool, restored: RestorePoint | None) -> None:
+        self.ctx = zmq.Context.instance()
+        self.dealer = dealer(self.ctx, self.coordinator)
+        payload = M.encode("attach", job=self.options.job, rank=self.rank, world=self.world,
+                           layout_hash=self.layout.hash, layout=self.layout.to_dict() if self.rank == 0 else None,
+                           optim=self.optim_desc, iteration=self.base, overwrite=bool(overwrite),
+                           restored=dataclasses.asdict(restored) if restored is not None else None)
+        try:
+            reply = request(self.dealer, self.coordinator, payload, knobs.get("CONNECT_TIMEOUT_S"), ("attached",),
+                            interim=LogWaiting(f"rank {self.rank}", self.coordinator))
+        except BaseException:
+            self.dealer.close(linger=0)
+            self.dealer, self.closed = None, True
+            raise
+        self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
+        self.shards = [(w["start"], w["stop"]) for w in self.workers]
+
+    def _start(self, latch: ErrorLatch) -> None:
+        self.recovery = RecoveryController(latch, self.rank, self.epoch, self.options.audit_strict)
+        nbuckets_slack = 16 * 256
+        cap = knobs.get_int("RING_ITERATIONS") * (self.layout.total // self.world + nbuckets_slack)
+        self.ring = StagingRing(cap, pin=torch.cuda.is_available() and any(p.is_cuda for p in self.params))
+        self.sender = self.sender_class(self.ctx, self.dealer, [w["data"] for w in self.workers], self.ring,
+                                        job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
+                                        layout_hash=self.layout.hash, events=self.recovery)
+        self.recovery.bind(self.sender, self.ring)
+        self.sender.start()
+
+    # -- the comm hook ---------------------------------------------------------------------------
+    def _plan(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> buckets.BucketPlan:
+        params = bucket.parameters()
+        key = (bucket.index(), reduced.numel(), tuple(id(p) for p in params))
+        plan = self.plans.get(key)
+        if plan is None:
+            base = reduced.data_ptr()
+            slots = []
+            for p, g in zip(params, bucket.gradients()):
+                i = self.index.get(id(p))
+                if i is not None:
+                    slots.append(((g.data_ptr() - base) // 4, self.layout.params[i].offset, p.numel(), i))
+            stripe = stripe_bounds(reduced.numel(), self.world)[self.rank]
+            per_worker = bucket_runs([s[:3] for s in slots], stripe, self.shards)
+            runs = [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
+            plan = buckets.BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs],
+                                      buckets.probes(slots, stripe))
+            self.plans[key] = plan
+        return plan
+
+    def stage(self, bucket: dist.GradBucket, reduced: torch.Tensor, recorder: StepRecorder) -> None:
+        """Copy this rank's stripe of a reduced bucket into the ring and queue it."""
+        with recorder.lock:
+            k = recorder.bucket(bucket.index())
+            plan = self._plan(bucket, reduced)
+            lo, hi = plan.stripe
+            if hi <= lo or not any(plan.counts):
+                return
+            block = self.options.policy == "block"
+            try:
+                off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if block else 0.0)
+            except RingInterrupted:
+                return  # degraded while waiting: nothing more is streamed until a resync
+            except RingFullError as exc:
+                if block:
+                    self.recovery.on_error(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
+                else:
+                    self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
+                return
+            self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
+            samples = []
+            if plan.probes:
+                n = len(plan.probes)
+                for j in range(min(buckets.SAMPLES_PER_BUCKET, n)):
+                    pos, pidx, elem = plan.probes[(k * 7 + j * 13) % n]
+                    samples.append((pidx, elem, self.ring.array[off + pos - lo]))
+            recorder.staged(plan.counts, samples)
+            self.sender.q.put(GradItem(k, off, hi - lo, plan.runs))
+
+    # -- the step ----------------------------------------------------------------------------------
+    def audit(self, k: int) -> list:
+        return audit.sample(self.layout, self.params, self.optimizer, self.optim_desc, self.shards, k)
+
+    def throttle(self, k: int, latch: ErrorLatch) -> None:
+        """Policy block: wait while this rank is more than ``SHADOW_MAX_LAG`` iterations
+        ahead of the cluster (bounded); policy skip: fall behind instead of waiting."""
+        lag = knobs.get_int("MAX_LAG")
+        floor = self.base - 1  # the bootstrap (iteration base) is in flight like any iteration
+        rec = self.recovery
+        if k - max(rec.applied, floor) <= lag or rec.degraded is not None:
+            return
+        if self.options.policy == "skip":
+            rec.fall_behind(k, f"iteration {k} is {k - max(rec.applied, floor)} ahead of the cluster's cut "
+                               f"{rec.applied} (SHADOW_MAX_LAG={lag})")
+            return
+        t0 = time.monotonic()
+        limit = knobs.get("BLOCK_TIMEOUT_S")
+        with latch.cond:
+            ok = latch.cond.wait_for(
+                lambda: k - max(rec.applied, floor) <= lag or latch.error is not None or rec.degraded is not None,
+                limit)
+        self.blocked_s += time.monotonic() - t0
+        if not ok:
+            rec.on_error(
+                f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
+                f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {rec.applied}); check "
+                f"`shadow status address={self.coordinator}`")
+
+    def queue_commit(self, commit: Commit) -> None:
+        """Frame the commit of ``commit.iteration`` per worker (the blob only to the
+        replicas of this rank's shard) and queue it behind the model state outside the
+        optimizer that changed."""
+        k, replay = commit.iteration, commit.replay
+        blob_obj: dict = {"rank": self.rank, "world": self.world, "rng": commit.rng, "extra_state": commit.extra}
+        if self.rank == 0:
+            sched, scaler = self.options.scheduler, self.options.scaler
+            blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
+                                        for g in self.optimizer.param_groups]
+            blob_obj["scheduler"] = sched.state_dict() if sched is not None else None
+            blob_obj["scaler"] = scaler.state_dict() if scaler is not None else None
+            blob_obj["aliases"] = self.aliases
+        try:
+            blob = _codec.pack(blob_obj)
+        except _codec.EncodeError as exc:
+            raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
+        extras = self._emit_extras(k, bool(replay["bootstrap"]))
+        nshards = max(w.get("shard", i) for i, w in enumerate(self.workers)) + 1
+        bodies = []
+        for w in range(len(self.shards)):
+            owner = self.workers[w].get("shard", w) == self.rank % nshards  # every replica of that shard
+            rec = dict(replay, sent=commit.sent[w])
+            if extras is not None and extras[w]:
+                rec["extras"] = extras[w]  # EXTRA chunks sent ahead of this commit
+            if commit.audit is not None and commit.audit[w] is not None:
+                rec["audit"] = commit.audit[w]
+            bodies.append(msgpack.packb({"replay": rec, "blob": blob if owner else None}, use_bin_type=True))
+        self.sender.q.put(CommitItem(k, bodies))
+        self.last_emitted = k
+
+    def _emit_extras(self, k: int, everything: bool) -> list[int] | None:
+        """Rank 0: queue the model state outside the optimizer that changed in ``k``
+        (all of it at a bootstrap, which starts a new epoch); chunks per worker."""
+        if self.rank != 0:
+            return None
+        if everything or self.extras is None:
+            self.extras = ExtrasTracker(self.model, self.params, self.workers)
+        return self.extras.emit(k, self.sender.q, everything=everything)
+
+    # -- the end -------------------------------------------------------------------------------------
+    def close(self, wait: bool = True, latch: ErrorLatch | None = None) -> None:
+        """With ``wait``: flush, then wait (``SHADOW_CLOSE_TIMEOUT_S``) for the cluster to
+        commit the last iteration queued. Then stop the sender, detach, release the ring."""
+        if self.closed:
+            return
+        rec = self.recovery
+        if wait and rec is not None and (latch is None or latch.error is None):
+            done = threading.Event()
+            self.sender.q.put(FlushItem(done))
+            done.wait(knobs.get("CLOSE_TIMEOUT_S"))
+            cond = latch.cond if latch is not None else threading.Condition()
+            with cond:
+                cond.wait_for(lambda: rec.applied >= self.last_emitted or rec.degraded is not None
+                              or (latch is not None and latch.error is not None), knobs.get("CLOSE_TIMEOUT_S"))
+            if rec.applied < self.last_emitted:
+                logger.warning("closing with iteration %d not yet committed (cluster at %d)",
+                               self.last_emitted, rec.applied)
+        self.closed = True
+        if self.sender is not None and self.sender.ident is not None:
+            self.sender.stop()
+            self.sender.join(timeout=10)
+        if self.dealer is not None:
+            try:
+                self.dealer.send(M.encode("detach", epoch=self.epoch, rank=self.rank), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.dealer.close(linger=500)
+        self._release_ring()
+
+    def _release_ring(self) -> None:
+        ring = self.ring
+        if ring is None or (self.sender is not None and self.sender.is_alive()):
+            return  # a sender that did not stop may still read it
+        self.ring_figures = {"blocked_s": ring.blocked_s, "occupancy": ring.occupancy,
+                             "high_water": ring.high_water / ring.capacity}
+        self.ring = None
+        if self.recovery is not None:
+            self.recovery.ring = None
+        if self.sender is not None:
+            self.sender.ring = None
+
+    def figures(self) -> dict[str, Any]:
+        """Ring and sender figures (kept once the ring is released)."""
+        ring = self.ring
+        out = dict(self.ring_figures) if ring is None else {
+            "blocked_s": ring.blocked_s, "occupancy": ring.occupancy, "high_water": ring.high_water / ring.capacity}
+        out["blocked_s"] += self.blocked_s
+        out["bytes_out"] = self.sender.bytes_out if self.sender is not None else 0
+        out["messages_out"] = self.sender.messages_out if self.sender is not None else 0
+        return out

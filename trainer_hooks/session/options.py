@@ -1,0 +1,57 @@
+"""Every option of :func:`trainer_hooks.attach` in one typed, validated record."""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shadow.jobs import check_job_name
+from trainer_hooks.session import observe
+
+POLICIES = ("block", "skip")
+
+
+@dataclass(frozen=True)
+class AttachOptions:
+    """What a session keeps from :func:`trainer_hooks.attach` (see its docstring for each
+    field); validated at construction, so a wrong value fails before any connection."""
+
+    scheduler: Any = None
+    scaler: Any = None
+    extra_state: Callable[[], Any] | None = None
+    tokens: Callable[[], int] | None = None
+    job: str = "default"
+    policy: str = "block"
+    comm_hook: Callable | None = None
+    comm_state: Any = None
+    audit_every: int = 0
+    audit_strict: bool = False
+
+    def __post_init__(self) -> None:
+        check_job_name(self.job)  # it names a directory under every tier's root
+        if self.policy not in POLICIES:
+            raise ValueError(f"back-pressure policy {self.policy!r} is not supported; choose one of {POLICIES}")
+        if self.extra_state is not None and not callable(self.extra_state):
+            raise TypeError("extra_state must be a callable returning the state to save each iteration")
+        if self.tokens is not None and not callable(self.tokens):
+            raise TypeError("tokens must be a callable returning the number of tokens trained on so far")
+        if self.comm_hook is not None and not callable(self.comm_hook):
+            raise TypeError("comm_hook must be a DDP communication hook, e.g. "
+                            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook")
+        try:
+            every = operator.index(self.audit_every)
+        except TypeError:
+            every = -1
+        if every < 0 or isinstance(self.audit_every, bool):
+            raise ValueError(f"audit_every={self.audit_every!r} must be an integer >= 0 (0 = no audit)")
+        object.__setattr__(self, "audit_every", every)
+        object.__setattr__(self, "audit_strict", bool(self.audit_strict))
+        if self.scaler is not None and not hasattr(self.scaler, "unscale_"):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}")
+        observe.check_scheduler(self.scheduler)
+
+    @property
+    def observed(self) -> dict[str, Any]:
+        """The scheduler and scaler the session watches, by name (those given)."""
+        return {name: obj for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
+                if obj is not None}

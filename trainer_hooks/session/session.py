@@ -1,0 +1,301 @@
+"""A training run attached to a shadow cluster.
+
+Call order (what runs where):
+
+0. ``attach`` (every rank): layout + replay descriptor, handshake with the coordinator
+   (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), bootstrap state streamed to the workers
+   (:meth:`Attachment.open`).
+1. backward: the model's hook slot all-reduces each bucket exactly as DDP's default does,
+   then the session's bucket handler copies this rank's stripe into the staging ring (never
+   blocks on the network; waits for ring space at most ``SHADOW_BLOCK_TIMEOUT_S``) and
+   queues it for the sender.
+2. ``optimizer.step()``: the pre-step hook raises any latched error; the post-step hook
+   has the :class:`StepRecorder` record the commit (hyperparameters as used, skipped
+   params, clip coefficient, RNG, extra state), which leaves once the scheduler has
+   stepped; then waits while this rank is more than ``SHADOW_MAX_LAG`` iterations ahead of
+   the cluster (policy block).
+3. ``close``: flush, wait for the last commit (``SHADOW_CLOSE_TIMEOUT_S``), detach.
+
+A resync or :meth:`Session.add_param_group` closes the current attachment and opens a
+new one at the same iteration boundary; the session, its hooks and its recorder stay.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shadow.errors import ShadowUsageError
+from trainer_hooks import _metrics
+from trainer_hooks._restored import RESTORED, RestorePoint
+from trainer_hooks.session import checks, observe
+from trainer_hooks.session.attachment import Attachment
+from trainer_hooks.session.hook import HookSlot
+from trainer_hooks.session.options import AttachOptions
+from trainer_hooks.session.recorder import StepRecorder
+from trainer_hooks.session.recovery import ErrorLatch
+
+logger = logging.getLogger(__name__)
+
+
+class Session:
+    """Handle returned by :func:`trainer_hooks.attach` (one per rank)."""
+
+    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str,
+                 options: AttachOptions | None = None, *, iteration: int | None = None,
+                 overwrite: bool = False) -> None:
+        options = AttachOptions() if options is None else options
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
+                            f"reduced gradient buckets); got {type(ddp_model).__name__}")
+        if not isinstance(options, AttachOptions):
+            raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
+        self.model, self.optimizer, self.coordinator, self.options = ddp_model, optimizer, coordinator, options
+        self.pg = ddp_model.process_group
+        self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        restored = RESTORED.get(optimizer)
+        start = (restored.iteration if restored else 0) if iteration is None else int(iteration)
+        if start < 0:
+            raise ValueError(f"iteration must be >= 0, got {start}")
+        self.latch = ErrorLatch()
+        self.recorder = StepRecorder(optimizer, options, on_ready=self._emit_pending, on_skipped=self._skipped_step)
+        self.attachment: Attachment | None = None
+        self.closed = True
+        self._failed: str | None = None  # a resync that could not re-attach
+        self._past = {"hook_s": 0.0, "blocked_s": 0.0, "bytes_out": 0, "messages_out": 0}  # closed attachments
+        self._first_base = start
+        self._slot = HookSlot.of(ddp_model)
+        self._attach(start, overwrite, carry=None)
+        _metrics.publish(self)
+        att = self.attachment
+        logger.info("rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
+                    self.rank, coordinator, options.job, att.epoch, start, att.optim_desc["impl"], att.layout.total,
+                    len(att.shards))
+
+    # -- attachments ----------------------------------------------------------------------------
+    def _attach(self, start: int, overwrite: bool, carry: tuple | None) -> None:
+        """Open an attachment at iteration ``start`` and route the hooks to it."""
+        restored = RESTORED.get(self.optimizer)
+        point: RestorePoint | None = restored if restored is not None and restored.iteration == start else None
+        self.attachment = Attachment.open(self.model, self.optimizer, self.coordinator, self.options, self.latch,
+                                          iteration=start, overwrite=overwrite, restored=point, carry=carry)
+        self.latch.error = None
+        self.recorder.start(start, len(self.attachment.shards))
+        self.closed = False
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._pre_step),
+            self.optimizer.register_step_post_hook(self._post_step),
+            # the commit of iteration k leaves once the scheduler has stepped; if it steps at
+            # another cadence, at the latest when the next forward (or step, or close) begins
+            self.model.register_forward_pre_hook(lambda *_: self._before_forward()),
+        ]
+        self._watched = [(obj, observe.watch(obj, self.recorder)) for obj in self.options.observed.values()]
+        self._slot.bind(self._on_bucket, self.options.comm_hook, self.options.comm_state)
+
+    def _detach(self, wait: bool) -> None:
+        """Close the current attachment and unhook (the slot goes back to reducing only)."""
+        self._emit_pending()
+        att = self.attachment
+        att.close(wait=wait, latch=self.latch)
+        for key, value in att.figures().items():
+            if key in self._past:
+                self._past[key] += value
+        self._past["hook_s"] += att.hook_s
+        self.closed = True
+        for h in self._handles:
+            h.remove()
+        for obj, cls in self._watched:
+            observe.unwatch(obj, cls)
+        self._slot.unbind(self._on_bucket)
+
+    def _resync(self) -> None:
+        """Re-attach at this iteration boundary: a new epoch bootstrapped from this rank's
+        current state (every rank does it at the same iteration: they voted on it)."""
+        k = self.recorder.next - 1
+        t0 = time.monotonic()
+        self._detach(wait=False)
+        try:
+            self._attach(k, overwrite=True, carry=self.recorder.last_record)
+        except Exception as exc:  # the shadow must never stop training
+            self._failed = f"resync at iteration {k} failed: {exc}"
+            logger.error("rank %d: %s; training continues without the shadow (attach again to resume "
+                         "checkpointing)", self.rank, self._failed)
+            return
+        logger.info("rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)", self.rank, k,
+                    time.monotonic() - t0, self.epoch)
+
+    def add_param_group(self, group: dict) -> None:
+        """``optimizer.add_param_group(group)``, then re-attach with the new layout: the
+        cluster is bootstrapped from this iteration's state and carries on. Checkpoints of
+        earlier iterations keep the old layout. Call on every rank at the same iteration."""
+        self.close(wait=True)
+        self.optimizer.add_param_group(group)
+        self._attach(self.iteration, overwrite=True, carry=self.recorder.last_record)
+
+    # -- step 1: the comm hook (called by the hook slot) ------------------------------------------
+    def _on_bucket(self, fut: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
+        """``fut`` reduces ``bucket``: vote beside the last bucket, stage once reduced."""
+        att = self.attachment
+        if self.closed or att is None:
+            return fut
+        if bucket.is_last():
+            fut = att.recovery.vote(fut, bucket.buffer().device, self.recorder.next, self.pg)
+        return fut.then(functools.partial(self._after_reduce, att, bucket))
+
+    def _after_reduce(self, att: Attachment, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()
+        if self.latch.error is None and att.recovery.degraded is None:
+            t0 = time.perf_counter()
+            try:
+                att.stage(bucket, reduced, self.recorder)
+            except ShadowUsageError as exc:  # never raise into DDP: the next step raises it
+                self.latch.set(exc)
+            except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
+                att.recovery.on_error(exc)
+            att.hook_s += time.perf_counter() - t0
+        return reduced
+
+    # -- step 2: optimizer hooks ------------------------------------------------------------------------
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if self.closed:
+            return
+        self.latch.raise_if_set(self.rank)
+        self._emit_pending()
+        att = self.attachment
+        checks.check_layout(self.optimizer, att.layout, att.params)
+        checks.check_samples(self.recorder.take_samples(), self.recorder.factors(), att.params, att.layout,
+                             self.recorder.next)
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        if self.closed:
+            return
+        k, sent = self.recorder.advance()
+        grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+        skip = found_inf is not None and float(found_inf) != 0.0
+        self._record(k, sent, skip, grad_scale)
+
+    def _skipped_step(self) -> None:
+        """GradScaler found inf/nan and did not call the optimizer: iteration k happened
+        (gradients were reduced and sent) but changes nothing (the recorder reports it)."""
+        k, sent = self.recorder.advance()
+        self._record(k, sent, True, None)
+
+    def _record(self, k: int, sent: list, skip: bool, grad_scale: Any) -> None:
+        att, every = self.attachment, self.options.audit_every
+        audit = att.audit(k) if every and k % every == 0 and not skip and self.rank == 0 else None
+        self.recorder.record(k, sent, skip, grad_scale, att.params, self.rank, audit)
+        if self.recorder.ready:
+            self._emit_pending()
+        att.throttle(k, self.latch)
+        self.latch.raise_if_set(self.rank)
+
+    def _emit_pending(self) -> None:
+        """Queue the recorded commit, if any (dropped while degraded: nothing is streamed)."""
+        commit = self.recorder.take_pending()
+        att = self.attachment
+        if commit is None or att is None or att.closed or att.recovery.degraded is not None:
+            return
+        att.queue_commit(commit)
+
+    def _before_forward(self) -> None:
+        self._emit_pending()
+        if self.closed:
+            return
+        k = self.recorder.next - 1
+        action = self.attachment.recovery.boundary(k)
+        if action == "resync":
+            self._resync()
+        elif action is not None:
+            self.attachment.recovery.start_joins(action, self.recorder.next)
+
+    # -- public ---------------------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None, parameters=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the clip coefficient recorded so the
+        shadow applies the same scaling.
+
+        ``parameters`` defaults to ``model.parameters()`` -- the order matters, since the
+        total norm is summed in it; pass what you would pass to torch's function.
+        """
+        params = list(self.model.parameters() if parameters is None else parameters)
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self.recorder.clipped(float(coef.to(torch.float32).item()))
+        return total
+
+    def close(self, wait: bool = True) -> int:
+        """Flush, wait for the cluster to commit the last iteration, detach.
+
+        Returns the newest committed iteration known to this rank.
+        """
+        if not self.closed:
+            self._detach(wait)
+        return self.applied
+
+    @property
+    def applied(self) -> int:
+        """Newest iteration the cluster has committed (as last heard)."""
+        return self.attachment.recovery.applied
+
+    @property
+    def iteration(self) -> int:
+        """Last iteration this rank completed (optimizer steps since attach + start)."""
+        return self.recorder.next - 1
+
+    @property
+    def degraded(self) -> str | None:
+        """Why this rank is not streaming now (None while it is)."""
+        return self._failed or self.attachment.recovery.degraded
+
+    @property
+    def epoch(self) -> int:
+        """The cluster's epoch for this job (a new one at every resync or re-attach)."""
+        return self.attachment.epoch
+
+    @property
+    def job_id(self) -> int:
+        """The cluster's id for this job (in every data frame header)."""
+        return self.attachment.job_id
+
+    @property
+    def layout(self):
+        """The flat layout of the optimizer's parameters the cluster holds."""
+        return self.attachment.layout
+
+    @property
+    def base(self) -> int:
+        """The iteration the current attachment started at."""
+        return self.attachment.base
+
+    @property
+    def sender(self):
+        """The current attachment's sender thread (its queue, sequence numbers, byte counts)."""
+        return self.attachment.sender
+
+    @property
+    def audit_failures(self) -> list[str]:
+        """What failed divergence audits reported, oldest first (kept across resyncs)."""
+        return self.latch.audit_failures
+
+    def stats(self) -> dict:
+        """Trainer-side figures since attach (across resyncs): hook time, ring occupancy,
+        blocked time, bytes sent."""
+        att = self.attachment
+        fig, live = att.figures(), not att.closed  # a closed attachment's figures are in _past
+
+        def total(key: str, current: float) -> float:
+            return self._past[key] + (current if live else 0)
+
+        return {"hook_s": total("hook_s", att.hook_s), "steps": self.iteration - self._first_base,
+                "blocked_s": total("blocked_s", fig["blocked_s"]), "ring_occupancy": fig["occupancy"],
+                "ring_high_water": fig["high_water"], "degraded": self.degraded,
+                "bytes_out": total("bytes_out", fig["bytes_out"]),
+                "messages_out": total("messages_out", fig["messages_out"]),
+                "applied": self.applied, "iteration": self.iteration, "shadow_errors": self.latch.shadow_errors}
