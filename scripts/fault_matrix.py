@@ -246,17 +246,21 @@ def cluster_loss(t: Trial) -> dict:
     same port is found by their heartbeats and they re-attach by themselves. Training must
     finish unchanged and the new cluster hold the last iteration exactly. Detection column:
     seconds from the new cluster's start to the re-attached job."""
-    k = t.rng.randint(3, 6)
+    k, outage_s = t.rng.randint(3, 6), t.rng.uniform(2.0, 3.0)
     env = {"SHADOW_COORDINATOR_LOST_S": "1.5"}
+    # slower steps: training must outlast the outage, the new cluster's start (3-4 s on 2
+    # loaded cores: processes, kernels from the cache, registration) and the resync (the
+    # coordinator's ask, the vote, the bootstrap) for the end to be checkpointed
+    step_s = max(0.3, (outage_s + 8.0) / (t.steps - k))
     with cluster(t.tmp) as c:
-        procs = t.start("train", "--step-sleep", "0.3", coordinator=c, env=env)
+        procs = t.start("train", "--step-sleep", f"{step_s:.3f}", coordinator=c, env=env)
         back = None
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and (committed(status(c.address, 2.0)) or 0) < k:
                 time.sleep(0.05)
             c.kill_all()
-            time.sleep(t.rng.uniform(2.0, 3.0))  # past SHADOW_COORDINATOR_LOST_S: the ranks go on unprotected
+            time.sleep(outage_s)  # past SHADOW_COORDINATOR_LOST_S: the ranks go on unprotected
             t0 = time.time()
             log = open(t.tmp / "cluster2.log", "w")
             c.proc = subprocess.Popen([sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={c.port}",
