@@ -108,6 +108,16 @@ def test_attach_options_are_typed_and_frozen():
         o.policy = "skip"
 
 
+def test_a_session_takes_options_or_their_keywords_not_both(world1):
+    model, opt, sched = build()
+    with pytest.raises(TypeError, match="either as an AttachOptions or as keywords"):
+        trainer_hooks.Session(DDP(model), opt, "tcp://127.0.0.1:1", AttachOptions(), job="x")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'polcy'"):
+        trainer_hooks.Session(DDP(model), opt, "tcp://127.0.0.1:1", polcy="skip")
+    with pytest.raises(ValueError, match="back-pressure policy"):
+        trainer_hooks.Session(DDP(model), opt, "tcp://127.0.0.1:1", policy="wait")
+
+
 def test_attach_names_every_argument():
     sig = inspect.signature(trainer_hooks.attach)
     assert list(sig.parameters) == [
@@ -173,6 +183,7 @@ def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, clust
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot")
+    assert session.job == "slot" and session.options.scheduler is sched
     ring = weakref.ref(session.attachment.ring.tensor)
     for it in range(1, 3):
         train_step(ddp, opt, sched, it)

@@ -47,9 +47,14 @@ class Session:
     """Handle returned by :func:`trainer_hooks.attach` (one per rank)."""
 
     def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str,
-                 options: AttachOptions | None = None, *, iteration: int | None = None,
-                 overwrite: bool = False) -> None:
-        options = AttachOptions() if options is None else options
+                 options: AttachOptions | None = None, *, iteration: int | None = None, overwrite: bool = False,
+                 **option_values: Any) -> None:
+        """Prefer :func:`trainer_hooks.attach`. ``options``, or the same values as keywords
+        (``scheduler=``, ``job=``, ...: the fields of :class:`AttachOptions`)."""
+        if options is not None and option_values:
+            raise TypeError(f"pass the options either as an AttachOptions or as keywords, not both "
+                            f"(got options= and {sorted(option_values)})")
+        options = AttachOptions(**option_values) if options is None else options
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
                             f"reduced gradient buckets); got {type(ddp_model).__name__}")
@@ -253,6 +258,11 @@ class Session:
     def degraded(self) -> str | None:
         """Why this rank is not streaming now (None while it is)."""
         return self._failed or self.attachment.recovery.degraded
+
+    @property
+    def job(self) -> str:
+        """The job's name in the cluster."""
+        return self.options.job
 
     @property
     def epoch(self) -> int:
