@@ -238,3 +238,38 @@ def test_a_failed_resync_stops_streaming_and_training_goes_on(world1, cluster, m
     # the session is closed from the failed boundary on: iteration 3 is the last it recorded
     assert session.iteration == 3 and session.stats()["steps"] == 3 and not _senders()
     assert session.close() >= 2
+
+
+def test_parameters_on_several_devices_are_named():
+    from types import SimpleNamespace
+
+    from trainer_hooks.session import device
+
+    names = ["emb.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "ln.weight", "ln.bias"]
+    layout = SimpleNamespace(params=[SimpleNamespace(name=n) for n in names])
+    params = [torch.zeros(2, device="meta" if i == 1 else "cpu") for i in range(len(names))]
+    with pytest.raises(ShadowUsageError, match=r"on 2 devices \(cpu: emb.weight, fc1.bias, fc2.weight, "
+                                               r"fc2.bias and 2 more; meta: fc1.weight\).*model.to\(device\)"):
+        device.device_of(layout, params)
+    assert device.device_of(layout, [torch.zeros(1)] * len(names)) == torch.device("cpu")
+    assert not device.capturing()  # no CUDA here
+
+
+@pytest.mark.slow
+def test_a_captured_step_is_refused_at_the_step_not_in_backward(world1, cluster, monkeypatch):
+    from trainer_hooks.session import device
+
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="graph")
+    try:
+        train_step(ddp, opt, sched, 1)
+        monkeypatch.setattr(device, "capturing", lambda: True)  # as under torch.cuda.graph(...)
+        x = torch.randint(0, 37, (4, 6))
+        ddp(x).sum().backward()  # nothing raised inside DDP
+        with pytest.raises(ShadowUsageError, match="captured into a CUDA graph"):
+            opt.step()
+        assert session.stats()["shadow_errors"] == 0 and session.iteration == 1
+    finally:
+        monkeypatch.setattr(device, "capturing", lambda: False)
+        session.close(wait=False)

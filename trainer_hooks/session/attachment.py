@@ -24,7 +24,7 @@ from trainer_hooks import _codec, _optim
 from trainer_hooks._extras import ExtrasTracker
 from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._restored import RestorePoint
-from trainer_hooks.session import audit, bootstrap, buckets
+from trainer_hooks.session import audit, bootstrap, buckets, device
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import Commit, StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
@@ -47,6 +47,7 @@ class Attachment:
         self.pg = model.process_group
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
         self.layout, self.params = build_layout(model, optimizer)
+        self.device = device.device_of(self.layout, self.params)
         self.optim_desc = _optim.describe(optimizer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.aliases = state_dict_aliases(model)
@@ -98,7 +99,7 @@ class Attachment:
         self.recovery = RecoveryController(latch, self.rank, self.epoch, self.options.audit_strict)
         nbuckets_slack = 16 * 256
         cap = knobs.get_int("RING_ITERATIONS") * (self.layout.total // self.world + nbuckets_slack)
-        self.ring = StagingRing(cap, pin=torch.cuda.is_available() and any(p.is_cuda for p in self.params))
+        self.ring = StagingRing(cap, pin=self.device.type == "cuda")
         self.sender = self.sender_class(self.ctx, self.dealer, [w["data"] for w in self.workers], self.ring,
                                         job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
                                         layout_hash=self.layout.hash, events=self.recovery)

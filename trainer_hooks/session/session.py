@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shadow.errors import ShadowUsageError
 from trainer_hooks import _metrics
 from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks.session import checks, observe
+from trainer_hooks.session import checks, device, observe
 from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.hook import HookSlot
 from trainer_hooks.session.options import AttachOptions
@@ -148,6 +148,9 @@ class Session:
         att = self.attachment
         if self.closed or att is None:
             return fut
+        if device.capturing():  # never raise inside DDP: the next step raises it
+            self.latch.set(ShadowUsageError(device.CAPTURE_ERROR))
+            return fut
         if bucket.is_last():
             fut = att.recovery.vote(fut, bucket.buffer().device, self.recorder.next, self.pg)
         return fut.then(functools.partial(self._after_reduce, att, bucket))
@@ -169,6 +172,8 @@ class Session:
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if self.closed:
             return
+        if device.capturing():
+            raise ShadowUsageError(device.CAPTURE_ERROR)
         self.latch.raise_if_set(self.rank)
         self._emit_pending()
         att = self.attachment
