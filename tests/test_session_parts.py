@@ -188,7 +188,9 @@ def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, clust
     for it in range(1, 3):
         train_step(ddp, opt, sched, it)
     assert session.close() == 2
-    assert session.attachment.ring is None and session.stats()["ring_high_water"] > 0
+    st = session.stats()
+    assert session.attachment.ring is None and st["ring_high_water"] > 0
+    assert st["buckets"] >= 2 and st["hook_s_per_bucket"] == st["hook_s"] / st["buckets"] > 0
     gc.collect()
     assert ring() is None  # DDP's hook no longer reaches the staging memory
     gone = weakref.ref(session)

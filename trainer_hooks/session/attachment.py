@@ -55,7 +55,8 @@ class Attachment:
         self.plans: dict[tuple, buckets.BucketPlan] = {}
         self.extras: ExtrasTracker | None = None
         self.last_emitted = base
-        self.hook_s = 0.0
+        self.hook_s = 0.0  # time the hook spent staging, on the thread that runs DDP's callbacks
+        self.buckets = 0  # buckets the hook staged (or tried to)
         self.blocked_s = 0.0
         self.closed = False
         self.dealer = self.ring = self.sender = self.recovery = None

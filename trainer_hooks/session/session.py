@@ -72,7 +72,8 @@ class Session:
         self.attachment: Attachment | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
-        self._past = {"hook_s": 0.0, "blocked_s": 0.0, "bytes_out": 0, "messages_out": 0}  # closed attachments
+        self._past = {"hook_s": 0.0, "buckets": 0, "blocked_s": 0.0, "bytes_out": 0,
+                      "messages_out": 0}  # figures of closed attachments
         self._first_base = start
         self._slot = HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
@@ -111,6 +112,7 @@ class Session:
             if key in self._past:
                 self._past[key] += value
         self._past["hook_s"] += att.hook_s
+        self._past["buckets"] += att.buckets
         self.closed = True
         for h in self._handles:
             h.remove()
@@ -166,6 +168,7 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
                 att.recovery.on_error(exc)
             att.hook_s += time.perf_counter() - t0
+            att.buckets += 1
         return reduced
 
     # -- step 2: optimizer hooks ------------------------------------------------------------------------
@@ -300,15 +303,20 @@ class Session:
         return self.latch.audit_failures
 
     def stats(self) -> dict:
-        """Trainer-side figures since attach (across resyncs): hook time, ring occupancy,
-        blocked time, bytes sent."""
+        """Trainer-side figures since attach (across resyncs): ``hook_s`` (time the comm
+        hook spent staging), ``buckets`` and ``hook_s_per_bucket``, ``steps``,
+        ``blocked_s`` (waits for the cluster or for ring space), ring occupancy and high
+        water (the current ring), bytes and messages sent, ``applied``, ``iteration``,
+        ``degraded``, ``shadow_errors``."""
         att = self.attachment
         fig, live = att.figures(), not att.closed  # a closed attachment's figures are in _past
 
         def total(key: str, current: float) -> float:
             return self._past[key] + (current if live else 0)
 
-        return {"hook_s": total("hook_s", att.hook_s), "steps": self.iteration - self._first_base,
+        hook_s, buckets = total("hook_s", att.hook_s), total("buckets", att.buckets)
+        return {"hook_s": hook_s, "buckets": buckets, "hook_s_per_bucket": hook_s / buckets if buckets else 0.0,
+                "steps": self.iteration - self._first_base,
                 "blocked_s": total("blocked_s", fig["blocked_s"]), "ring_occupancy": fig["occupancy"],
                 "ring_high_water": fig["high_water"], "degraded": self.degraded,
                 "bytes_out": total("bytes_out", fig["bytes_out"]),
