@@ -184,12 +184,24 @@ def test_gradients_changed_behind_the_shadows_back_are_refused(world1, cluster, 
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(0.5)
+    # the step reads nothing back from the device: the sender compares the probed gradients with what
+    # was staged once the copies landed, refuses iteration 3's commit, and the next step raises
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    deadline = time.monotonic() + 20
+    while session.latch.error is None:
+        assert time.monotonic() < deadline, "the sender never refused the commit"
+        time.sleep(0.02)
+    x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(trainer_hooks.ShadowError, match=r"changed between DDP's all-reduce.*session.clip_grad_norm_"):
+    with pytest.raises(trainer_hooks.ShadowError,
+                       match=r"changed between DDP's all-reduce.*iteration 3.*session.clip_grad_norm_"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step did not happen
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # that step did not happen
     session.close(wait=False)
-    assert cluster.settled()["job"]["committed"] == 2
+    assert cluster.settled()["job"]["committed"] == 2  # nothing of iteration 3 was checkpointed
 
 
 def test_add_param_group_relayouts_and_direct_call_is_refused(world1, cluster):

@@ -4,7 +4,8 @@
 Rank 0 captures all of them at attach (and at every resync, which attaches again), and
 after that only what changed: each commit compares every tensor's ``_version`` and
 identity with the captured ones -- no copy, no device sync, no hashing. A changed tensor
-is copied once; if its bytes differ from the last ones sent (DDP's buffer broadcast
+is copied once, non-blocking (:meth:`ExtrasTracker.capture`); on the sender thread
+(:meth:`PendingExtras.finish`), once the copy landed, if its bytes differ from the last ones sent (DDP's buffer broadcast
 rewrites buffers with the same values every forward) it is cut into chunks of at most
 ``SHADOW_EXTRA_CHUNK_BYTES`` that leave as EXTRA frames ahead of that iteration's commit,
 chunk ``c`` of tensor ``j`` under key ``j << 32 | c`` to the replicas of shard
@@ -31,6 +32,7 @@ from shadow.errors import LayoutMismatchError
 from trainer_hooks import _codec
 from trainer_hooks._model import unwrap
 from trainer_hooks.session.sender import ExtraItem
+from trainer_hooks.session.transfer import HostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -138,31 +140,34 @@ class ExtrasTracker:
                                        for n, t in zip(self.names, self.tensors)]})
         return struct.pack("<Q", len(raw)) + raw
 
-    def emit(self, iteration: int, sender_q, everything: bool = False) -> list[int]:
-        """Capture what changed (``everything`` at a bootstrap), queue its chunks for the
-        workers; returns the number of chunks each worker gets for ``iteration``."""
+    def capture(self, everything: bool = False) -> "PendingExtras":
+        """Training thread: copy what changed (all of it with ``everything``, at a
+        bootstrap) to the host, non-blocking; :meth:`PendingExtras.finish` sends it."""
         todo = list(range(len(self.tensors))) if everything else self.changed()
-        counts = [0] * self.nworkers
-        if not todo and not everything:
-            return counts
-        pieces: list[tuple[int, Any]] = []  # (tensor number, uint8 array)
+        index = None
         if everything or self.index_dirty:
-            pieces.append((INDEX, np.frombuffer(self._index(), dtype=np.uint8)))
+            index = np.frombuffer(self._index(), dtype=np.uint8)
             self.index_dirty = False
         for j in todo:
-            t = self.tensors[j]
-            self.versions[j] = _version(t)
-            buf = np.empty(t.numel() * t.element_size(), dtype=np.uint8)
-            if len(buf):
-                torch.from_numpy(buf).view(t.dtype).reshape(t.shape).copy_(t.detach())
-            digest = xxhash.xxh3_128_digest(buf)
-            if everything or digest != self.digests[j]:
-                self.digests[j] = digest
-                pieces.append((j + 1, buf))
-        self._queue(iteration, pieces, sender_q, counts)
+            self.versions[j] = _version(self.tensors[j])
+        copies = HostCopy([self.tensors[j] for j in todo]) if todo else None
+        return PendingExtras(self, everything, index, todo, copies)
+
+    def emit(self, iteration: int, sender_q, everything: bool = False) -> list[int]:
+        """:meth:`capture` and finish at once: queue the items on ``sender_q``; returns
+        the number of chunks each worker gets for ``iteration``."""
+        items, counts = self.capture(everything).finish(iteration)
+        for item in items:
+            sender_q.put(item)
         return counts
 
-    def _queue(self, iteration: int, pieces: list, sender_q, counts: list[int]) -> None:
+    def _items(self, iteration: int, pieces: list) -> tuple[list, list[int]]:
+        counts = [0] * self.nworkers
+        items: list = []
+        self._queue(iteration, pieces, items, counts)
+        return items, counts
+
+    def _queue(self, iteration: int, pieces: list, out: list, counts: list[int]) -> None:
         runs: list[list] = [[] for _ in range(self.nworkers)]
         for j, buf in pieces:
             for c, lo in enumerate(range(0, len(buf), self.chunk)):
@@ -174,11 +179,36 @@ class ExtrasTracker:
             start, size = 0, 0
             for i, (_, view) in enumerate(rs):  # messages of at most MESSAGE_BYTES (or one chunk)
                 if i > start and (size + len(view) > MESSAGE_BYTES or i - start >= MESSAGE_RUNS):
-                    sender_q.put(ExtraItem(iteration, w, rs[start:i]))
+                    out.append(ExtraItem(iteration, w, rs[start:i]))
                     start, size = i, 0
                 size += len(view)
             if rs:
-                sender_q.put(ExtraItem(iteration, w, rs[start:]))
+                out.append(ExtraItem(iteration, w, rs[start:]))
+
+
+class PendingExtras:
+    """Extras copied at a commit, on their way to the host."""
+
+    def __init__(self, tracker: ExtrasTracker, everything: bool, index, todo: list[int], copies) -> None:
+        self.tracker, self.everything, self.index, self.todo, self.copies = tracker, everything, index, todo, copies
+
+    def finish(self, iteration: int) -> tuple[list, list[int]]:
+        """Sender thread: wait for the copies; ``(EXTRA items, chunks per worker)`` of
+        the tensors whose bytes differ from the last ones sent (all at a bootstrap)."""
+        t = self.tracker
+        if not self.todo and not self.everything and self.index is None:
+            return [], [0] * t.nworkers
+        pieces: list[tuple[int, Any]] = []  # (tensor number, uint8 array)
+        if self.index is not None:
+            pieces.append((INDEX, self.index))
+        hosts = self.copies.get() if self.copies is not None else []
+        for j, host in zip(self.todo, hosts):
+            buf = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, dtype=np.uint8)
+            digest = xxhash.xxh3_128_digest(buf)
+            if self.everything or digest != t.digests[j]:
+                t.digests[j] = digest
+                pieces.append((j + 1, buf))
+        return t._items(iteration, pieces)
 
 
 # -- restore ---------------------------------------------------------------------------------

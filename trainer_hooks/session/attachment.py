@@ -5,31 +5,32 @@ all of them and closes whatever it made if a later part fails; ``close`` release
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 import zmq
 
 from shadow import knobs
 from shadow.client import LogWaiting, dealer, request
-from shadow.errors import ShadowError
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
-from trainer_hooks import _codec, _optim
+from trainer_hooks import _optim
 from trainer_hooks._extras import ExtrasTracker
 from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._restored import RestorePoint
 from trainer_hooks.session import audit, bootstrap, buckets, device
+from trainer_hooks.session import commit as commit_parts
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import Commit, StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
 from trainer_hooks.session.sender import CommitItem, FlushItem, GradItem, Sender
 from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
+from trainer_hooks.session.transfer import CopyStream
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Attachment:
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
         self.layout, self.params = build_layout(model, optimizer)
         self.device = device.device_of(self.layout, self.params)
+        self.copier = CopyStream(self.device)  # bucket copies to the ring, off the autograd thread's way
         self.optim_desc = _optim.describe(optimizer)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.aliases = state_dict_aliases(model)
@@ -128,36 +130,46 @@ class Attachment:
         return plan
 
     def stage(self, bucket: dist.GradBucket, reduced: torch.Tensor, recorder: StepRecorder) -> None:
-        """Copy this rank's stripe of a reduced bucket into the ring and queue it."""
+        """Copy this rank's stripe of a reduced bucket into the ring and queue it. The
+        copy is queued on the copy stream (after the all-reduce) and never waited for
+        here: the sender waits for its event. The recorder's lock covers bookkeeping
+        only; the wait for ring space (policy block) and the copy run outside it."""
         with recorder.lock:
             k = recorder.bucket(bucket.index())
             plan = self._plan(bucket, reduced)
-            lo, hi = plan.stripe
-            if hi <= lo or not any(plan.counts):
-                return
-            block = self.options.policy == "block"
-            try:
-                off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if block else 0.0)
-            except RingInterrupted:
-                return  # degraded while waiting: nothing more is streamed until a resync
-            except RingFullError as exc:
-                if block:
-                    self.recovery.on_error(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
-                else:
-                    self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
-                return
-            self.ring.tensor[off:off + hi - lo].copy_(reduced[lo:hi])
-            samples = []
-            if plan.probes:
-                n = len(plan.probes)
-                for j in range(min(buckets.SAMPLES_PER_BUCKET, n)):
-                    pos, pidx, elem = plan.probes[(k * 7 + j * 13) % n]
-                    samples.append((pidx, elem, self.ring.array[off + pos - lo]))
-            recorder.staged(plan.counts, samples)
-            self.sender.q.put(GradItem(k, off, hi - lo, plan.runs))
+        lo, hi = plan.stripe
+        if hi <= lo or not any(plan.counts):
+            return
+        block = self.options.policy == "block"
+        try:
+            off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if block else 0.0)
+        except RingInterrupted:
+            return  # degraded while waiting: nothing more is streamed until a resync
+        except RingFullError as exc:
+            if block:
+                self.recovery.on_error(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
+            else:
+                self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
+            return
+        ready = self.copier.copy(self.ring.tensor[off:off + hi - lo], reduced[lo:hi])
+        probes = []
+        if plan.probes:
+            n = len(plan.probes)
+            for j in range(min(buckets.SAMPLES_PER_BUCKET, n)):
+                pos, pidx, elem = plan.probes[(k * 7 + j * 13) % n]
+                probes.append((pos - lo, pidx, elem))
+        with recorder.lock:
+            recorder.staged(plan.counts, [(pidx, elem) for _, pidx, elem in probes])
+        self.sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
+
+    def fence(self) -> None:
+        """The current stream waits (on the device) for every bucket copy queued so far:
+        before anything may write to DDP's bucket buffers again."""
+        self.copier.fence()
 
     # -- the step ----------------------------------------------------------------------------------
-    def audit(self, k: int) -> list:
+    def audit(self, k: int) -> tuple:
+        """``(plan, gathered values)`` of the divergence audit after step ``k``."""
         return audit.sample(self.layout, self.params, self.optimizer, self.optim_desc, self.shards, k)
 
     def throttle(self, k: int, latch: ErrorLatch) -> None:
@@ -186,44 +198,21 @@ class Attachment:
                 f"`shadow status address={self.coordinator}`")
 
     def queue_commit(self, commit: Commit) -> None:
-        """Frame the commit of ``commit.iteration`` per worker (the blob only to the
-        replicas of this rank's shard) and queue it behind the model state outside the
-        optimizer that changed."""
-        k, replay = commit.iteration, commit.replay
-        blob_obj: dict = {"rank": self.rank, "world": self.world, "rng": commit.rng, "extra_state": commit.extra}
-        if self.rank == 0:
-            sched, scaler = self.options.scheduler, self.options.scaler
-            blob_obj["param_groups"] = [{k2: v for k2, v in g.items() if k2 != "params"}
-                                        for g in self.optimizer.param_groups]
-            blob_obj["scheduler"] = sched.state_dict() if sched is not None else None
-            blob_obj["scaler"] = scaler.state_dict() if scaler is not None else None
-            blob_obj["aliases"] = self.aliases
-        try:
-            blob = _codec.pack(blob_obj)
-        except _codec.EncodeError as exc:
-            raise ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)") from None
-        extras = self._emit_extras(k, bool(replay["bootstrap"]))
-        nshards = max(w.get("shard", i) for i, w in enumerate(self.workers)) + 1
-        bodies = []
-        for w in range(len(self.shards)):
-            owner = self.workers[w].get("shard", w) == self.rank % nshards  # every replica of that shard
-            rec = dict(replay, sent=commit.sent[w])
-            if extras is not None and extras[w]:
-                rec["extras"] = extras[w]  # EXTRA chunks sent ahead of this commit
-            if commit.audit is not None and commit.audit[w] is not None:
-                rec["audit"] = commit.audit[w]
-            bodies.append(msgpack.packb({"replay": rec, "blob": blob if owner else None}, use_bin_type=True))
-        self.sender.q.put(CommitItem(k, bodies))
-        self.last_emitted = k
+        """Queue the commit of ``commit.iteration``: rank 0's state and the model state
+        outside the optimizer that changed are copied now (non-blocking); the sender
+        builds the frames per worker (the blob only to the replicas of this rank's shard),
+        after the EXTRA chunks (:mod:`trainer_hooks.session.commit`)."""
+        state, extras = commit_parts.capture(self, commit)
+        self.sender.q.put(CommitItem(commit.iteration, None,
+                                     functools.partial(commit_parts.build, self, commit, state, extras)))
+        self.last_emitted = commit.iteration
 
-    def _emit_extras(self, k: int, everything: bool) -> list[int] | None:
-        """Rank 0: queue the model state outside the optimizer that changed in ``k``
-        (all of it at a bootstrap, which starts a new epoch); chunks per worker."""
-        if self.rank != 0:
-            return None
+    def capture_extras(self, everything: bool):
+        """Rank 0: copy the model state outside the optimizer that changed (all of it at
+        a bootstrap, which starts a new epoch); sent with the commit."""
         if everything or self.extras is None:
             self.extras = ExtrasTracker(self.model, self.params, self.workers)
-        return self.extras.emit(k, self.sender.q, everything=everything)
+        return self.extras.capture(everything=everything)
 
     # -- the end -------------------------------------------------------------------------------------
     def close(self, wait: bool = True, latch: ErrorLatch | None = None) -> None:

@@ -10,6 +10,7 @@ from shadow.wire import frames as F
 from trainer_hooks import _optim, _rng
 from trainer_hooks.session.recorder import Commit
 from trainer_hooks.session.sender import StateItem
+from trainer_hooks.session.transfer import HostCopy
 
 
 def bootstrap(att, carry: tuple | None) -> None:
@@ -49,7 +50,7 @@ def bootstrap(att, carry: tuple | None) -> None:
         rng, extra = carry
     else:
         extra_state = att.options.extra_state
-        rng, extra = _rng.capture(), extra_state() if extra_state is not None else None
+        rng, extra = _rng.capture(), HostCopy(extra_state() if extra_state is not None else None)
     att.queue_commit(Commit(att.base, replay, rng, extra, sent))
 
 

@@ -1,9 +1,10 @@
 """Checks at the optimizer step that keep the shadow honest: the parameters are the ones
 laid out at attach, and the gradients are the all-reduced ones (times the recorded
-transforms) -- anything else would make the replay diverge."""
+transforms) -- anything else would make the replay diverge. The gradient check runs on
+the sender thread, off the step."""
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from shadow.errors import ShadowError
 
@@ -19,24 +20,24 @@ def check_layout(optimizer, layout, laid_out: list) -> None:
 
 
 
-def check_samples(samples: list, factors: list[float], params: list, layout, iteration: int) -> None:
-    """The gradients the optimizer is about to use must be the all-reduced ones (times
-    the recorded unscale and clip ``factors``, in order): anything else would make the
-    shadow diverge. ``samples``: ``(param index, element, reduced value)``."""
-    factors = [torch.tensor(f, dtype=torch.float32) for f in factors]
-    for pidx, elem, value in samples:
-        grad = params[pidx].grad
-        if grad is None:
-            continue
-        want = torch.tensor(value, dtype=torch.float32)
-        for f in factors:
-            want = want * f
-        got = grad.detach().reshape(-1)[elem].to("cpu", torch.float32)
-        if not torch.equal(got.view(torch.int32), want.view(torch.int32)) and not (got.isnan() and want.isnan()):
+def check_samples(kept: list, grads, staged: dict, factors: list[float], layout, iteration: int) -> None:
+    """The gradients the optimizer used must be the all-reduced ones (times the recorded
+    unscale and clip ``factors``, in order): anything else would make the shadow diverge.
+    Runs on the sender thread, once the copies landed. ``kept``: the probed ``(param
+    index, element)``; ``grads``: their gradients as read before the step (float32, same
+    order); ``staged``: ``{(param index, element): reduced value}`` as staged."""
+    fs = [np.float32(f) for f in factors]
+    for (pidx, elem), got in zip(kept, np.asarray(grads, dtype=np.float32).reshape(-1)):
+        value = staged.get((pidx, elem))
+        if value is None:
+            continue  # its bucket was not staged
+        want = np.float32(value)
+        for f in fs:
+            want = np.float32(want * f)
+        if want.view(np.int32) != got.view(np.int32) and not (np.isnan(want) and np.isnan(got)):
             name = layout.params[pidx].name
             raise ShadowError(
                 f"gradient of {name!r} changed between DDP's all-reduce and optimizer.step() in iteration "
-                f"{iteration} ({want.item()!r} -> {got.item()!r}); the shadow cannot replay that. Clip with "
+                f"{iteration} ({float(want)!r} -> {float(got)!r}); the shadow cannot replay that. Clip with "
                 "session.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and do not scale "
                 "gradients by hand; nothing from this iteration was checkpointed")
-

@@ -23,7 +23,7 @@ def observed(cls: type) -> type:
         def unscale_(self, optimizer):
             recorder = OWNERS.get(self)
             if recorder is not None:
-                recorder.unscaled(float(self._scale.double().reciprocal().float().item()))
+                recorder.unscaled(self._scale.double().reciprocal().float())  # read later, by the sender
             return cls.unscale_(self, optimizer)
 
         def step(self, optimizer, *args, **kwargs):

@@ -3,7 +3,12 @@ staged for it (elements per worker, buckets seen, gradient probes), the transfor
 applied (clip coefficient, GradScaler unscale, a skipped step), and, at the step, the
 commit record of iteration k: what the workers need to replay it (hyperparameters as
 used, skipped params, clip and scaler factors) and what a restore needs besides the
-arrays (RNG, extra state). No sockets: the session sends what it records."""
+arrays (RNG, extra state). No sockets: the session sends what it records.
+
+Nothing here waits for the device: the clip coefficient, the GradScaler's factors and
+``found_inf``, the probed gradients and the audit samples stay tensors, copied to the
+host non-blocking (:class:`~trainer_hooks.session.transfer.HostCopy`) and read by the
+sender thread when it builds the commit."""
 from __future__ import annotations
 
 import threading
@@ -14,19 +19,33 @@ import torch
 
 from shadow.errors import ShadowUsageError
 from trainer_hooks import _optim, _rng
+from trainer_hooks.session import transfer
 from trainer_hooks.session.options import AttachOptions
+from trainer_hooks.session.transfer import AsScalar, HostCopy
 
 
 @dataclass
 class Commit:
-    """Iteration k as recorded at its step, waiting to be sent."""
+    """Iteration k as recorded at its step, waiting to be sent. ``late`` holds what the
+    sender reads once the device has caught up: ``scalars`` (clip, inv_scale,
+    grad_scale, found_inf) and ``audit`` (sampled values); ``probes``: the gradients
+    probed before the step, and which."""
 
     iteration: int
     replay: dict
     rng: dict
-    extra: Any
+    extra: Any  # a HostCopy of the extra state (or the value itself)
     sent: list  # elements staged per worker
-    audit: list | None = None
+    audit: Any = None  # the audit plan (trainer_hooks.session.audit), if sampled
+    late: HostCopy | None = None
+    probes: tuple[list, HostCopy] | None = None
+
+
+def _scalar(x: Any) -> Any:
+    """A recorded factor for a :class:`HostCopy`: a tensor is read as a float32 number."""
+    if x is None or not isinstance(x, torch.Tensor):
+        return None if x is None else float(x)
+    return AsScalar(x.detach().reshape(-1)[0].to(torch.float32))
 
 
 class StepRecorder:
@@ -46,9 +65,10 @@ class StepRecorder:
         self.next = 1  # the iteration in progress
         self.sent: list[int] = []  # elements staged per worker in this iteration
         self.seen: set[int] = set()  # buckets reduced in this iteration
-        self.samples: list = []  # (param index, element, reduced value), checked at the step
-        self.clip: float | None = None  # clip coefficient of this iteration
-        self.inv_scale: float | None = None  # GradScaler unscale factor of this iteration
+        self.samples: list = []  # (param index, element) probed in this iteration
+        self.probes: tuple[list, HostCopy] | None = None  # what the step read of them
+        self.clip: Any = None  # clip coefficient of this iteration (a tensor: not read here)
+        self.inv_scale: Any = None  # GradScaler unscale factor of this iteration (a tensor)
         self.pending: Commit | None = None  # recorded, waiting for the scheduler/scaler to step
         self.awaiting: set[str] = set()
         self.last_record: tuple[dict, Any] | None = None  # (rng, extra) of the newest record
@@ -60,7 +80,7 @@ class StepRecorder:
             self.sent = [0] * nworkers
             self.seen.clear()
             self.samples.clear()
-        self.clip = self.inv_scale = None
+        self.clip = self.inv_scale = self.probes = None
         self.pending, self.awaiting = None, set()
 
     # -- the comm hook (caller holds the lock) ------------------------------------------------------
@@ -75,26 +95,32 @@ class StepRecorder:
         return self.next
 
     def staged(self, counts: list[int], samples: list) -> None:
-        """A bucket's stripe was staged: ``counts`` elements per worker, gradient probes."""
+        """A bucket's stripe was staged: ``counts`` elements per worker, gradient probes
+        ``(param index, element)``."""
         for w, c in enumerate(counts):
             self.sent[w] += c
         self.samples.extend(samples)
 
     # -- what the loop did to the gradients ----------------------------------------------------------
-    def clipped(self, coef: float) -> None:
+    def clipped(self, coef: Any) -> None:
+        """The clip coefficient (a tensor, or a number) the gradients were multiplied by."""
         self.clip = coef
 
-    def unscaled(self, inv_scale: float) -> None:
+    def unscaled(self, inv_scale: Any) -> None:
+        """The GradScaler unscale factor (a tensor, or a number)."""
         self.inv_scale = inv_scale
 
-    def factors(self) -> list[float]:
-        """What the reduced gradients were multiplied by before the step, in order."""
-        return [f for f in (self.inv_scale, self.clip) if f is not None]
-
-    def take_samples(self) -> list:
+    def read_probes(self, params: list) -> None:
+        """Before the step: copy the probed gradients as the optimizer will use them
+        (one small gather, non-blocking); the sender compares them with what was staged."""
         with self.lock:
             samples, self.samples = self.samples, []
-        return samples
+        kept = [(i, e) for i, e in samples if params[i].grad is not None]
+        if not kept:
+            self.probes = None
+            return
+        grads = transfer.gather([params[i].grad.detach().reshape(-1)[e] for i, e in kept])
+        self.probes = (kept, HostCopy(grads))
 
     # -- the step ----------------------------------------------------------------------------------------
     def advance(self) -> tuple[int, list]:
@@ -106,20 +132,24 @@ class StepRecorder:
             self.next = k + 1
         return k, sent
 
-    def record(self, k: int, sent: list, skip: bool, grad_scale: Any, params: list, rank: int,
-               audit: list | None = None) -> Commit:
-        """The commit of iteration k (pending until the scheduler and scaler step)."""
+    def record(self, k: int, sent: list, skip: bool, grad_scale: Any, found_inf: Any, params: list, rank: int,
+               audit: tuple | None = None) -> Commit:
+        """The commit of iteration k (pending until the scheduler and scaler step).
+        ``skip``: the step was skipped (known on the host); ``found_inf``: the tensor a
+        fused optimizer skipped by (read later); ``audit``: ``(plan, sampled values)``."""
         replay = {"iteration": k, "rank": rank, "groups": _optim.replay_groups(self.optimizer),
                   "skipped": [i for i, p in enumerate(params) if p.grad is None],
-                  "clip": self.clip, "inv_scale": self.inv_scale,
-                  "grad_scale": None if grad_scale is None else float(torch.as_tensor(grad_scale).float().item()),
                   "skip_step": bool(skip), "bootstrap": False,
                   "tokens": int(self.options.tokens()) if self.options.tokens is not None else None}
+        scalars = {"clip": _scalar(self.clip), "inv_scale": _scalar(self.inv_scale),
+                   "grad_scale": _scalar(grad_scale), "found_inf": _scalar(found_inf)}
         self.clip = self.inv_scale = None
-        extra = self.options.extra_state() if self.options.extra_state is not None else None
+        probes, self.probes = self.probes, None
+        extra = HostCopy(self.options.extra_state() if self.options.extra_state is not None else None)
         rng = _rng.capture()
         self.last_record = (rng, extra)  # a resync bootstrap right after k records these, not later draws
-        self.pending = Commit(k, replay, rng, extra, sent, audit)
+        late = HostCopy({"scalars": scalars, "audit": None if audit is None else audit[1]})
+        self.pending = Commit(k, replay, rng, extra, sent, None if audit is None else audit[0], late, probes)
         self.awaiting = set(self.options.observed)
         return self.pending
 

@@ -1,7 +1,9 @@
 """How an attachment survives the shadow's failures without stopping training: degraded
 mode (stop streaming), policy skip (never wait), and the resync and replica-join votes the
 ranks take beside the last bucket of every iteration. The session re-attaches at the
-boundary the ranks agreed on (:meth:`RecoveryController.boundary`)."""
+boundary the ranks agreed on (:meth:`RecoveryController.boundary`): the vote taken in
+iteration j is read (copied non-blocking when it was reduced) at the boundary after
+iteration j + 1, when its copy has long landed, and every rank acts there."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from shadow import knobs
 from shadow.errors import ShadowError
 from trainer_hooks.session.sender import JoinItem, NoticeItem
+from trainer_hooks.session.transfer import HostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class RecoveryController:
         self.degraded: str | None = None  # why this attachment stopped streaming
         self.resync_requested = False  # the coordinator asked (this rank heard it)
         self.resync_at: int | None = None  # every rank agreed: resync after this iteration
-        self.vote_buf = torch.zeros(2, dtype=torch.int32)  # [resync asked, newest replica join heard]
+        self.votes: list[tuple[int, HostCopy]] = []  # (iteration, the reduced vote on its way to the host)
         self.joins: dict[int, dict] = {}  # generation -> replica_in message
         self.join_done = 0  # newest generation this rank streams to
         self.join_at: tuple[int, int] | None = None  # (after iteration, up to generation)
@@ -118,6 +121,11 @@ class RecoveryController:
         self.sender.paused = why
         self.on_degraded(why)
 
+    def on_refused(self, iteration: int, exc: BaseException) -> None:
+        """The commit of ``iteration`` failed its check (the loop changed the gradients):
+        the error is raised at the next step; nothing of that iteration was committed."""
+        self.latch.set(exc)
+
     def on_back(self) -> None:
         if self.sender.paused is not None:
             logger.warning("rank %d hears the shadow coordinator again; the cluster resyncs once it is whole",
@@ -135,27 +143,34 @@ class RecoveryController:
     def vote(self, fut: torch.futures.Future, device: torch.device, k: int, group) -> torch.futures.Future:
         """Alongside the last bucket of iteration ``k``, a two-integer MAX all-reduce: did
         any rank hear the coordinator ask for a resync, and of which replica joins? All
-        ranks learn the same answer in the same iteration, so they act together."""
-        if self.vote_buf.device != device:
-            self.vote_buf = self.vote_buf.to(device)
-        self.vote_buf[0] = 1 if self.resync_requested else 0
-        self.vote_buf[1] = max(self.joins, default=0)
-        vote = dist.all_reduce(self.vote_buf, op=dist.ReduceOp.MAX, group=group, async_op=True).get_future()
+        ranks learn the same answer, read at the same boundary, so they act together.
+        Nothing waits for the answer here: it is copied to the host non-blocking."""
+        buf = torch.tensor([1 if self.resync_requested else 0, max(self.joins, default=0)], dtype=torch.int32)
+        if buf.device != device:
+            buf = buf.to(device, non_blocking=True)  # from pageable memory: staged by the driver, no wait
+        vote = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True).get_future()
 
         def done(both):
             bucket_fut, vote_fut = both.value()
-            resync, join = (int(v) for v in vote_fut.value()[0].tolist())
-            if resync:
-                self.resync_at = k
-            elif join > self.join_done:
-                self.join_at = (k, join)
+            self.votes.append((k, HostCopy(vote_fut.value()[0])))
             return bucket_fut.value()
 
         return torch.futures.collect_all([fut, vote]).then(done)
 
+    def _read_votes(self, k: int) -> None:
+        """Read the votes taken before iteration ``k`` (their copies landed an iteration ago)."""
+        while self.votes and self.votes[0][0] < k:
+            j, copy = self.votes.pop(0)
+            resync, join = (int(v) for v in copy.get().numpy())
+            if resync:
+                self.resync_at = j + 1
+            elif join > self.join_done:
+                self.join_at = (j + 1, join)
+
     def boundary(self, k: int) -> str | int | None:
         """At the boundary after iteration ``k``: ``"resync"``, a replica generation to
-        start streaming to, or None."""
+        start streaming to, or None (from the votes of iteration ``k - 1`` and before)."""
+        self._read_votes(k)
         if self.resync_at is not None and self.resync_at == k:
             return "resync"
         if self.join_at is not None and self.join_at[0] == k:

@@ -1,9 +1,13 @@
 """The background sender: owns every socket of a session after the handshake.
 
-Work arrives on a queue in order (gradient slots, bootstrap state, commits); the
-sender computes checksums, frames it, sends payloads zero-copy from the staging ring,
+Work arrives on a queue in order (gradient slots, bootstrap state, commits). The sender
+waits for each gradient slot's device-to-host copy (its event: the training thread never
+does), computes checksums, frames it, sends payloads zero-copy from the staging ring,
 frees ring slots when ZeroMQ is done with them, and listens to the coordinator for the
-committed cut (the flow-control credit). What it hears and what goes wrong reaches the
+committed cut (the flow-control credit). A commit arrives unbuilt (:class:`CommitItem`
+``make``): the sender resolves what the step copied non-blocking (scalars, probes,
+audit samples, rank 0's state) and builds its frames; a commit whose check fails is
+refused (:meth:`SenderEvents.on_refused`) and nothing of that iteration or later leaves. What it hears and what goes wrong reaches the
 session through one :class:`SenderEvents` object (the session's ``RecoveryController``).
 
 Fault injection wraps this class from the outside (``trainer_hooks.testing``): the
@@ -15,8 +19,8 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import zmq
@@ -25,6 +29,7 @@ from shadow import knobs, security
 from shadow.errors import ShadowError
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from trainer_hooks.session.transfer import DONE
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ class GradItem:
     ring_off: int
     nelem: int
     runs: list  # per worker: [(src, dst, n)], src relative to ring_off
+    ready: Any = DONE  # the event of the copy into the ring
+    probes: list = field(default_factory=list)  # [(position relative to ring_off, param index, element)]
 
 
 @dataclass
@@ -45,10 +52,16 @@ class StateItem:
     runs: list  # per worker: [(src, dst, n)], src relative to data
 
 
+class Refused(Exception):
+    """A commit that must not be applied (raised by :attr:`CommitItem.make`)."""
+
+
 @dataclass
 class CommitItem:
     iteration: int
-    bodies: list  # per worker: bytes
+    bodies: list | None  # per worker: bytes (None until ``make`` built them)
+    # on the sender thread: make(probed) -> (extras, bodies); probed: {(param, element): staged value}
+    make: Callable[[dict], tuple[list, list]] | None = None
 
 
 @dataclass
@@ -108,6 +121,9 @@ class SenderEvents(Protocol):
     def on_back(self) -> None:
         """The coordinator answers again after :meth:`on_lost`."""
 
+    def on_refused(self, iteration: int, exc: BaseException) -> None:
+        """The commit of ``iteration`` failed its check (raised at the next step)."""
+
 
 class NoEvents:
     """A :class:`SenderEvents` that ignores everything (tests of the framing)."""
@@ -120,6 +136,7 @@ class NoEvents:
     def on_join(self, msg: dict) -> None: pass
     def on_lost(self, why: str) -> None: pass
     def on_back(self) -> None: pass
+    def on_refused(self, iteration: int, exc: BaseException) -> None: pass
 
 
 class Sender(threading.Thread):
@@ -138,6 +155,8 @@ class Sender(threading.Thread):
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
         self.bytes_out = 0
         self.messages_out = 0
+        self.probed: dict[int, dict] = {}  # iteration -> {(param, element): value staged}
+        self.refused: int | None = None  # a refused commit: nothing of this iteration or later leaves
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> None:
@@ -202,11 +221,32 @@ class Sender(threading.Thread):
 
     # -- work -----------------------------------------------------------------------------------
     def _handle(self, item) -> None:
+        if self.refused is not None and getattr(item, "iteration", -1) >= self.refused:
+            if isinstance(item, GradItem):  # never framed: its slot is free at once (after its copy)
+                item.ready.synchronize()
+                self.ring.release(item.ring_off, item.nelem)
+            return
         if isinstance(item, GradItem):
-            self._send_payload(item.iteration, F.Kind.GRAD, F.Field.GRAD, self.ring.array[item.ring_off:item.ring_off + item.nelem], item.runs, (item.ring_off, item.nelem))
+            item.ready.synchronize()  # the device-to-host copy into the slot
+            data = self.ring.array[item.ring_off:item.ring_off + item.nelem]
+            if item.probes:
+                seen = self.probed.setdefault(item.iteration, {})
+                for pos, pidx, elem in item.probes:
+                    seen[(pidx, elem)] = np.float32(data[pos])
+            self._send_payload(item.iteration, F.Kind.GRAD, F.Field.GRAD, data, item.runs,
+                               (item.ring_off, item.nelem))
         elif isinstance(item, StateItem):
             self._send_payload(item.iteration, F.Kind.STATE, item.field, item.data, item.runs, None)
         elif isinstance(item, CommitItem):
+            if item.make is not None:
+                try:
+                    extras, item.bodies = item.make(self.probed.pop(item.iteration, {}))
+                except Refused as exc:
+                    self.refused = item.iteration
+                    self.events.on_refused(item.iteration, exc.__cause__ or exc)
+                    return
+                for extra in extras:
+                    self._send_extra(extra)
             self._send_commit(item)
         elif isinstance(item, ExtraItem):
             self._send_extra(item)

@@ -6,14 +6,17 @@ Call order (what runs where):
    (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), bootstrap state streamed to the workers
    (:meth:`Attachment.open`).
 1. backward: the model's hook slot all-reduces each bucket exactly as DDP's default does,
-   then the session's bucket handler copies this rank's stripe into the staging ring (never
-   blocks on the network; waits for ring space at most ``SHADOW_BLOCK_TIMEOUT_S``) and
-   queues it for the sender.
-2. ``optimizer.step()``: the pre-step hook raises any latched error; the post-step hook
-   has the :class:`StepRecorder` record the commit (hyperparameters as used, skipped
-   params, clip coefficient, RNG, extra state), which leaves once the scheduler has
-   stepped; then waits while this rank is more than ``SHADOW_MAX_LAG`` iterations ahead of
-   the cluster (policy block).
+   then the session's bucket handler queues the copy of this rank's stripe into the
+   staging ring (on CUDA: non-blocking, on a copy stream, after the all-reduce) and queues
+   the slot for the sender, which waits for the copy. It never blocks on the network or
+   the device; it waits for ring space at most ``SHADOW_BLOCK_TIMEOUT_S``.
+2. ``optimizer.step()``: the pre-step hook raises any latched error and copies the probed
+   gradients (non-blocking); the post-step hook has the :class:`StepRecorder` record the
+   commit (hyperparameters as used, skipped params; clip coefficient, GradScaler factors
+   and ``found_inf`` copied non-blocking; RNG, extra state), which leaves once the
+   scheduler has stepped; the sender reads what was copied, checks the probed gradients
+   and frames it. Then the step waits while this rank is more than ``SHADOW_MAX_LAG``
+   iterations ahead of the cluster (policy block).
 3. ``close``: flush, wait for the last commit (``SHADOW_CLOSE_TIMEOUT_S``), detach.
 
 A resync or :meth:`Session.add_param_group` closes the current attachment and opens a
@@ -75,6 +78,7 @@ class Session:
         self._past = {"hook_s": 0.0, "buckets": 0, "blocked_s": 0.0, "bytes_out": 0,
                       "messages_out": 0}  # figures of closed attachments
         self._first_base = start
+        self._views = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
         self._slot = HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self)
@@ -97,7 +101,8 @@ class Session:
             self.optimizer.register_step_pre_hook(self._pre_step),
             self.optimizer.register_step_post_hook(self._post_step),
             # the commit of iteration k leaves once the scheduler has stepped; if it steps at
-            # another cadence, at the latest when the next forward (or step, or close) begins
+            # another cadence, at the latest when the next forward (or step, or close) begins.
+            # The forward also fences the bucket copies: the next backward rewrites the buckets
             self.model.register_forward_pre_hook(lambda *_: self._before_forward()),
         ]
         self._watched = [(obj, observe.watch(obj, self.recorder)) for obj in self.options.observed.values()]
@@ -163,6 +168,8 @@ class Session:
             t0 = time.perf_counter()
             try:
                 att.stage(bucket, reduced, self.recorder)
+                if self._views:  # the gradients are the bucket: DDP's finish waits (on the device) for the copy
+                    att.fence()
             except ShadowUsageError as exc:  # never raise into DDP: the next step raises it
                 self.latch.set(exc)
             except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
@@ -181,27 +188,26 @@ class Session:
         self._emit_pending()
         att = self.attachment
         checks.check_layout(self.optimizer, att.layout, att.params)
-        checks.check_samples(self.recorder.take_samples(), self.recorder.factors(), att.params, att.layout,
-                             self.recorder.next)
+        self.recorder.read_probes(att.params)  # compared by the sender with what was staged
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self.closed:
             return
         k, sent = self.recorder.advance()
+        # a fused optimizer under GradScaler skips on the device: found_inf is read by the sender
         grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
-        skip = found_inf is not None and float(found_inf) != 0.0
-        self._record(k, sent, skip, grad_scale)
+        self._record(k, sent, False, grad_scale, found_inf)
 
     def _skipped_step(self) -> None:
         """GradScaler found inf/nan and did not call the optimizer: iteration k happened
         (gradients were reduced and sent) but changes nothing (the recorder reports it)."""
         k, sent = self.recorder.advance()
-        self._record(k, sent, True, None)
+        self._record(k, sent, True, None, None)
 
-    def _record(self, k: int, sent: list, skip: bool, grad_scale: Any) -> None:
+    def _record(self, k: int, sent: list, skip: bool, grad_scale: Any, found_inf: Any) -> None:
         att, every = self.attachment, self.options.audit_every
         audit = att.audit(k) if every and k % every == 0 and not skip and self.rank == 0 else None
-        self.recorder.record(k, sent, skip, grad_scale, att.params, self.rank, audit)
+        self.recorder.record(k, sent, skip, grad_scale, found_inf, att.params, self.rank, audit)
         if self.recorder.ready:
             self._emit_pending()
         att.throttle(k, self.latch)
@@ -219,6 +225,7 @@ class Session:
         self._emit_pending()
         if self.closed:
             return
+        self.attachment.fence()
         k = self.recorder.next - 1
         action = self.attachment.recovery.boundary(k)
         if action == "resync":
@@ -239,8 +246,8 @@ class Session:
         grads = [p.grad for p in params if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        self.recorder.clipped(float(coef.to(torch.float32).item()))
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # as torch computes it; not read here
+        self.recorder.clipped(coef.to(torch.float32))
         return total
 
     def close(self, wait: bool = True) -> int:

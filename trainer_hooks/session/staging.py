@@ -3,6 +3,10 @@
 The comm hook copies this rank's stripe of each reduced bucket into a slot; the sender
 thread sends straight from the slot (zero-copy) and frees it once ZeroMQ is done with
 it. Nothing is allocated per step. When the ring is full, ``alloc`` waits (bounded).
+
+Slots are carved in allocation order, and space is reclaimed from the oldest slot on:
+a slot released early (hooks running on several threads may queue their slots out of
+allocation order) is reclaimed once every older slot is released too.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ class StagingRing:
         self.array = self.tensor.numpy()
         self.capacity = capacity
         self._head = 0  # next free element
-        self._live: deque[tuple[int, int]] = deque()  # (offset, n) in allocation order
+        self._live: deque[list] = deque()  # [offset, n, released] in allocation order
         self._used = 0
         self._cond = threading.Condition()
         self.blocked_s = 0.0
@@ -66,7 +70,7 @@ class StagingRing:
                 if not ok:
                     raise RingFullError(f"staging ring stayed full for {timeout:.0f} s (the sender is stuck)")
                 off = self._fits(n)
-            self._live.append((off, n))
+            self._live.append([off, n, False])
             self._head = off + n
             self._used += n
             self.high_water = max(self.high_water, self._used)
@@ -79,12 +83,16 @@ class StagingRing:
             self._cond.notify_all()
 
     def release(self, off: int, n: int) -> None:
-        """Free the oldest slot (slots are released in allocation order)."""
+        """Free the slot at ``off`` (its space returns once every older slot is free too)."""
         with self._cond:
-            head = self._live.popleft()
-            if head != (off, n):
-                raise RuntimeError(f"staging ring released {(off, n)} out of order (oldest is {head})")
-            self._used -= n
+            for slot in self._live:
+                if slot[0] == off and slot[1] == n and not slot[2]:
+                    slot[2] = True
+                    break
+            else:
+                raise RuntimeError(f"staging ring released {(off, n)}, which is not a live slot")
+            while self._live and self._live[0][2]:
+                self._used -= self._live.popleft()[1]
             self._cond.notify_all()
 
     @property
