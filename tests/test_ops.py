@@ -76,7 +76,9 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         deadline = time.monotonic() + 30
         while True:  # the checkpoint of iteration 6 is written and committed in the background
             st = cluster.status()
-            if (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 6:
+            # and every worker's heartbeat has reported its 6 replays (heartbeats lag under load)
+            if (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 6 and \
+                    all(w["replayed"] == 6 for w in st["workers"]):
                 break
             assert time.monotonic() < deadline, st["persist"]
             time.sleep(0.2)

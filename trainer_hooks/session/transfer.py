@@ -32,7 +32,8 @@ DONE = _Done()
 
 
 def _record(stream=None):
-    ev = torch.cuda.Event()
+    # blocking: a thread that waits on it sleeps instead of spinning on a core the trainer may need
+    ev = torch.cuda.Event(blocking=True)
     ev.record(stream)
     return ev
 
