@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, Cluster
+from tests.conftest import ROOT, Cluster, free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -18,7 +18,7 @@ HELPER = ROOT / "tests" / "helpers" / "gpu_trainer.py"
 
 
 def _run(tmp_path, *args: str) -> int:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=str(ROOT))
     with open(tmp_path / "trainer.log", "a") as log:
         return subprocess.run([sys.executable, str(HELPER), *args], env=env, cwd=ROOT, stdout=log,

@@ -147,7 +147,7 @@ class RecoveryController:
         Nothing waits for the answer here: it is copied to the host non-blocking."""
         buf = torch.tensor([1 if self.resync_requested else 0, max(self.joins, default=0)], dtype=torch.int32)
         if buf.device != device:
-            buf = buf.to(device, non_blocking=True)  # from pageable memory: staged by the driver, no wait
+            buf = buf.pin_memory().to(device, non_blocking=True)  # queued behind the bucket work: no wait
         vote = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True).get_future()
 
         def done(both):
