@@ -256,7 +256,7 @@ class ShadowCluster:
             pin + [sys.executable, "-m", "shadow", "cluster", f"workers={workers}", f"port={port}", "host=127.0.0.1",
                    f"threads_per_worker={threads}"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -284,7 +284,7 @@ class ShadowCluster:
 def launch(mode: str, accum: int, args, work: Path, coordinator: str, cores: str | None) -> dict:
     out = work / f"{mode}-{accum}"
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     pin = ["taskset", "-c", cores] if cores else []
     cmd = pin + [sys.executable, __file__, "--rank-mode", mode, "--rank-accum", str(accum), "--out", str(out),
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,

@@ -19,7 +19,7 @@ HELPER = ROOT / "tests" / "helpers" / "gpu_trainer.py"
 
 def _run(tmp_path, *args: str) -> int:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with open(tmp_path / "trainer.log", "a") as log:
         return subprocess.run([sys.executable, str(HELPER), *args], env=env, cwd=ROOT, stdout=log,
                               stderr=subprocess.STDOUT, timeout=240).returncode
