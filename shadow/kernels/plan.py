@@ -14,7 +14,12 @@ import numpy as np
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 
-IMPLS = ("fused", "foreach", "single")
+#: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
+IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
+#: the rounding rule of each implementation (``adam.I_RULE``)
+RULES = {"fused": _adam.RULE_CPU, "foreach": _adam.RULE_CPU, "single": _adam.RULE_CPU,
+         "cuda_fused": _adam.RULE_CUDA_FUSED, "cuda_foreach": _adam.RULE_CUDA_FOREACH,
+         "cuda_single": _adam.RULE_CUDA_FOREACH}
 KINDS = ("adam", "sgd")
 
 
@@ -39,8 +44,12 @@ def adam_scalars(
 ) -> tuple[float, ...]:
     """The float32 scalars torch derives (in double) for one Adam step at ``step``.
 
-    Returned in the column order of ``adam.F_*`` except the clip column.
+    Returned in the column order of ``adam.F_*`` except the clip column. CUDA's fused
+    kernel computes them in float32 instead (:func:`cuda_fused_scalars`); its
+    single-tensor path multiplies by ``1/bc2_sqrt`` (``F_BC2S`` holds the reciprocal).
     """
+    if impl == "cuda_fused":
+        return cuda_fused_scalars(lr, beta1, beta2, eps, weight_decay, step)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
@@ -53,12 +62,27 @@ def adam_scalars(
         f32(1 - beta1),
         f32(beta2),
         f32(1 - beta2),
-        f32(bc2_sqrt),
+        f32(1.0 / bc2_sqrt) if impl == "cuda_single" else f32(bc2_sqrt),
         f32(eps),
         f32(-step_size),
         f32(1 - lr * weight_decay),
         f32(weight_decay),
     )
+
+
+def cuda_fused_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                       step: float) -> tuple[float, ...]:
+    """CUDA's fused Adam: every hyperparameter and the step count rounded to float32
+    first, the bias corrections computed in float32 (``powf``, ``sqrtf``). Columns as
+    :func:`adam_scalars`: ``F_W1`` holds beta1, ``F_NSTEP`` ``-(lr / bc1)``, ``F_DECAY``
+    ``-(lr * wd)``."""
+    f32 = np.float32
+    lr32, b1, b2, wd, k = f32(lr), f32(beta1), f32(beta2), f32(weight_decay), f32(step)
+    one = f32(1.0)
+    bc1 = one - f32(np.power(b1, k))
+    bc2s = f32(np.sqrt(one - f32(np.power(b2, k))))
+    step_size = f32(lr32 / bc1)
+    return (b1, b2, one - b2, bc2s, f32(eps), -step_size, -f32(lr32 * wd), wd)
 
 
 @dataclass(frozen=True)
@@ -70,6 +94,7 @@ class Segment:
     lo: int
     hi: int
     tail: int  # local index where the fused tail rule starts (>= hi: never)
+    start: int = 0  # local index of the parameter's element 0 (negative: it began before the range)
 
 
 def segments_for_range(
@@ -89,7 +114,8 @@ def segments_for_range(
         if lo >= hi:
             continue
         out.append(
-            Segment(i, g, lo - start, hi - start, off + tail_start(n, impl, vec_width, tail_width) - start)
+            Segment(i, g, lo - start, hi - start, off + tail_start(n, impl, vec_width, tail_width) - start,
+                    off - start)
         )
     return out
 
@@ -183,6 +209,10 @@ class ReplayPlan:
         tail_col = _adam.I_TAIL_START if kind == "adam" else _sgd.J_TAIL_START
         for s, seg in enumerate(self.segments):
             self.seg_i[s, tail_col] = seg.tail
+            if kind == "adam":
+                self.seg_i[s, _adam.I_RULE] = RULES[impl]
+                self.seg_i[s, _adam.I_PARAM_START] = seg.start
+                self.seg_i[s, _adam.I_RECIP] = int(impl == "cuda_single")
 
     def prepare_sgd(self, groups: Sequence[dict], has_state: np.ndarray, skipped: set[int], clip=None,
                     inv_scale=None, grad_scale=None) -> None:
