@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from shadow.kernels import ReplayPlan, segments_for_range
 
@@ -73,3 +74,28 @@ def test_the_fused_l2_lane_rule_counts_from_the_parameters_first_element():
             plan.apply(p, m, v, np.zeros(0, np.float32), DATA[f"g{k}"][start:].copy(), threads=False)
         want = DATA["adam_fused_l2.s3.param"][start:]
         assert np.array_equal(p.view(np.uint32), want.view(np.uint32)), start
+
+
+@pytest.mark.parametrize("make, impl, want", [
+    (lambda ps: torch.optim.AdamW(ps, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True), "fused", "fused"),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, amsgrad=True, fused=True), "fused", "fused"),
+    (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=0.1, nesterov=False, foreach=True),
+     "foreach", "foreach"),
+])
+def test_device_calibration_picks_the_rule_that_reproduces_the_optimizer(make, impl, want):
+    """The calibration machinery, run on CPU tensors: the trainer's optimizer steps the
+    probes (several tensors, sizes not multiples of 4, a view at an odd offset, a large
+    lr * wd, a step count of 5000); the rule that reproduces every element is chosen and
+    one that does not is measured in ulp."""
+    from trainer_hooks._calibrate import calibrate_device
+    from trainer_hooks._optim import calibrate
+
+    opt = make([torch.nn.Parameter(torch.zeros(3))])
+    kind = "sgd" if isinstance(opt, torch.optim.SGD) else "adam"
+    wrong = "cuda_fused" if kind == "adam" else "fused"
+    cal = calibrate_device(opt, torch.device("cpu"), kind, impl, candidates=(wrong, want), widths=calibrate()[:2])
+    assert cal.impl == want and cal.bit_exact and cal.max_ulp == 0
+    # the other rule does not reproduce it (CUDA's rounding; for SGD the CPU fused kernel's tail rule)
+    assert cal.tried[wrong] > 0
+    only_wrong = calibrate_device(opt, torch.device("cpu"), kind, impl, candidates=(wrong,), widths=calibrate()[:2])
+    assert only_wrong.impl == wrong and not only_wrong.bit_exact and only_wrong.max_ulp == cal.tried[wrong]

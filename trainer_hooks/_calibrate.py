@@ -1,0 +1,177 @@
+"""Which CUDA replay rule reproduces the trainer's optimizer, measured at attach on the
+trainer's own device.
+
+The trainer's optimizer class, with its first param group's settings and its
+implementation (fused, foreach, single-tensor), steps probe tensors on the device:
+several tensors in one optimizer, sizes that are and are not multiples of 4, a view at
+an odd offset, the trainer's hyperparameters and a large lr * weight decay, and a step
+count in the thousands. The shadow's kernels replay the same steps on this CPU with each
+candidate rule; the first that reproduces every element of every state array is used.
+When none does, the closest is used, ``bit_exact`` is False and a warning gives the
+measured deviation. A new torch version or GPU thus selects or rejects a rule itself
+instead of drifting silently. One synchronisation, at attach.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shadow.kernels import ReplayPlan, segments_for_range
+
+logger = logging.getLogger(__name__)
+
+SIZES = (4096, 4099, 1000, 5)
+LONG_STEP = 5000  # a step count in the thousands (bias corrections near 1)
+CANDIDATES = {"fused": ("cuda_fused",), "foreach": ("cuda_foreach", "cuda_single"),
+              "single": ("cuda_single", "cuda_foreach")}
+
+
+@dataclass
+class Calibration:
+    impl: str  # the replay implementation chosen
+    bit_exact: bool
+    max_ulp: int  # of the chosen rule, over every probe
+    tried: dict  # candidate -> max ulp
+
+
+def _ulp(a: np.ndarray, b: np.ndarray) -> int:
+    def ordered(x):
+        i = x.view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+    if not len(a):
+        return 0
+    nan = np.isnan(a) & np.isnan(b)
+    d = np.abs(ordered(a) - ordered(b))
+    d[nan] = 0
+    return int(d.max())
+
+
+def _probe_tensors(gen: torch.Generator, scale: float) -> list[torch.Tensor]:
+    out = []
+    for n in SIZES:
+        x = torch.randn(n, generator=gen) * scale
+        band = min(n, 256)  # magnitudes from 1e-12 to 1e4, and zeros
+        x[:band] *= torch.logspace(-12, 4, band)
+        x[band // 2:band // 2 + 4] = 0.0
+        out.append(x)
+    return out
+
+
+def _settings(optimizer: torch.optim.Optimizer, kind: str) -> dict:
+    g = optimizer.param_groups[0]
+    keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize") if kind == "sgd" else \
+        ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    out = {k: g[k] for k in keys if k in g}
+    for flag in ("fused", "foreach"):
+        if g.get(flag) is not None:
+            out[flag] = g[flag]
+    return out
+
+
+def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list, kind: str) -> list[list]:
+    """Step the probes on ``device``: each step's state arrays (on the host)."""
+    base = torch.zeros(sum(SIZES) + 1, device=device)  # the last probe is a view at an odd offset
+    params = []
+    at = 0
+    for i, x in enumerate(p0):
+        if i == len(p0) - 1:
+            t = base[at + 1:at + 1 + len(x)]
+            t.copy_(x.to(device))
+            params.append(torch.nn.Parameter(t))
+        else:
+            params.append(torch.nn.Parameter(x.clone().to(device)))
+        at += len(x)
+    opt = cls(params, **settings)
+    out = []
+    for k, gs in enumerate(grads, start=1):
+        if k == len(grads) and kind == "adam":  # jump to a step count in the thousands
+            for p in params:
+                opt.state[p]["step"].fill_(LONG_STEP - 1)
+        for p, g in zip(params, gs):
+            p.grad = g.clone().to(device)
+        opt.step()
+        keys = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        arrays = [np.concatenate([p.detach().cpu().numpy() for p in params])]
+        for key in keys:
+            if all(opt.state[p].get(key) is not None for p in params):
+                arrays.append(np.concatenate([opt.state[p][key].detach().cpu().numpy() for p in params]))
+        out.append(arrays)
+    return out
+
+
+def _replay(impl: str, settings: dict, p0: list, grads: list, kind: str, decoupled: bool,
+            widths: tuple[int, int]) -> list[list]:
+    sizes = [len(x) for x in p0]
+    offsets = list(np.cumsum([0] + sizes)[:-1])
+    total = sum(sizes)
+    segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, widths[0], widths[1])
+    plan = ReplayPlan(segs, impl, 4096, kind)
+    p = np.concatenate([x.numpy() for x in p0]).astype(np.float32)
+    m, v, mx = (np.zeros(total, np.float32) for _ in range(3))
+    amsgrad = bool(settings.get("amsgrad", False))
+    out = []
+    for k, gs in enumerate(grads, start=1):
+        g = np.concatenate([x.numpy() for x in gs]).astype(np.float32)
+        if kind == "sgd":
+            group = {"lr": settings["lr"], "momentum": settings.get("momentum", 0.0),
+                     "dampening": settings.get("dampening", 0.0), "weight_decay": settings.get("weight_decay", 0.0),
+                     "nesterov": bool(settings.get("nesterov", False)), "maximize": bool(settings.get("maximize"))}
+            plan.prepare_sgd([group], np.full(len(sizes), k > 1), set())
+            plan.apply_sgd(p, m, g, threads=False)
+            out.append([p.copy()] + ([m.copy()] if group["momentum"] != 0 else []))
+            continue
+        step = float(LONG_STEP if k == len(grads) else k)
+        group = {"lr": settings["lr"], "betas": settings["betas"], "eps": settings["eps"],
+                 "weight_decay": settings["weight_decay"], "amsgrad": amsgrad,
+                 "maximize": bool(settings.get("maximize")), "decoupled": decoupled}
+        plan.prepare([group], np.full(len(sizes), step), set(), None)
+        plan.apply(p, m, v, mx if amsgrad else np.zeros(0, np.float32), g, threads=False)
+        out.append([p.copy(), m.copy(), v.copy()] + ([mx.copy()] if amsgrad else []))
+    return out
+
+
+def calibrate_device(optimizer: torch.optim.Optimizer, device: torch.device, kind: str, impl: str,
+                     candidates: tuple[str, ...] | None = None, widths: tuple[int, int] = (16, 8)) -> Calibration:
+    """The replay rule for ``optimizer`` (torch implementation ``impl``) on ``device``:
+    the first of ``candidates`` (default: the CUDA rules for ``impl``) that reproduces it;
+    ``widths``: the CPU fused kernel's vector and tail widths, for CPU candidates."""
+    cls = type(optimizer)
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.param_groups[0].get("decoupled_weight_decay"))
+    mine = _settings(optimizer, kind)
+    probes = [mine]
+    if mine.get("weight_decay", 0.0) != 0 or kind == "adam":
+        probes.append(dict(mine, lr=0.1, weight_decay=0.5))  # a large lr * weight decay
+    gen = torch.Generator().manual_seed(20261201)
+    p0 = _probe_tensors(gen, 0.05)
+    grads = [_probe_tensors(gen, 1e-3) for _ in range(4)]
+    from shadow.kernels import _cache
+
+    threads = torch.get_num_threads()
+    try:
+        with _cache.compile_lock():  # ranks and workers on one host compile the kernels once
+            return _measure(cls, probes, device, p0, grads, kind, decoupled, candidates or CANDIDATES[impl], widths)
+    finally:
+        if torch.get_num_threads() != threads:  # numba's threading layer may have changed torch's
+            torch.set_num_threads(threads)
+
+
+def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths) -> Calibration:
+    tried: dict[str, int] = {}
+    for cand in candidates:
+        worst = 0
+        for settings in probes:
+            want = _run_device(cls, settings, device, p0, grads, kind)
+            got = _replay(cand, settings, p0, grads, kind, decoupled, widths)
+            for w_step, g_step in zip(want, got):
+                for w, g in zip(w_step, g_step):
+                    worst = max(worst, _ulp(w, g))
+        tried[cand] = worst
+        if worst == 0:
+            logger.debug("%s on %s replayed bit for bit with %s", cls.__name__, device, cand)
+            return Calibration(cand, True, 0, tried)
+    best = min(tried, key=tried.get)
+    return Calibration(best, False, tried[best], tried)
