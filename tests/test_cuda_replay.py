@@ -99,3 +99,44 @@ def test_device_calibration_picks_the_rule_that_reproduces_the_optimizer(make, i
     assert cal.tried[wrong] > 0
     only_wrong = calibrate_device(opt, torch.device("cpu"), kind, impl, candidates=(wrong,), widths=calibrate()[:2])
     assert only_wrong.impl == wrong and not only_wrong.bit_exact and only_wrong.max_ulp == cal.tried[wrong]
+
+
+def test_powers_come_from_the_device_table_not_the_workers_powf():
+    from fractions import Fraction
+
+    from shadow.kernels import powtab
+    from shadow.kernels.plan import cuda_fused_scalars
+
+    beta = 0.999
+    ks = np.arange(1, 400)
+    ref = powtab.reference(beta, ks)
+    exact = [np.float32(float(Fraction(float(np.float32(beta))) ** int(k))) for k in ks[:40]]
+    assert np.array_equal(ref[:40], np.asarray(exact, np.float32))  # the reference rounds close to exact
+    assert powtab.limit(0.9) < powtab.limit(0.999) < powtab.limit(0.9999) <= powtab.MAX_STEPS
+    assert powtab.reference(beta, [powtab.limit(beta)])[0] < powtab.TINY
+    # a device whose powf is an ulp off at k = 7 and 300: exactly those travel, and are used
+    device = ref.copy()
+    device[[6, 299]] = np.nextafter(device[[6, 299]], np.float32(1))
+    entries = [[powtab.bits(beta), powtab.exceptions(beta, device), powtab.limit(beta)]]
+    assert [k for k, _ in entries[0][1]] == [7, 300] and powtab.check_entries(entries) is None
+    table = powtab.PowTable(entries)
+    assert table.pow(beta, 7) == device[6] and table.pow(beta, 8) == ref[7]
+    one = cuda_fused_scalars(3e-4, 0.9, beta, 1e-8, 0.1, 7, powtab.PowTable())
+    other = cuda_fused_scalars(3e-4, 0.9, beta, 1e-8, 0.1, 7, table)
+    assert one[3] != other[3]  # bc2s follows the device's power
+
+
+@pytest.mark.parametrize("bad", [
+    "x", [[1, [], 5, 0]], [["1", [], 5]], [[1, [[0, 5]], 5]], [[1, [[3, -1]], 5]], [[1, [[3]], 5]],
+    [[1, [], 0]], [[1 << 33, [], 5]],
+])
+def test_a_malformed_power_table_is_refused_at_configure(bad):
+    from shadow.kernels import powtab
+    from shadow.layout import Layout
+    from shadow.worker.server import Worker
+
+    assert powtab.check_entries(bad) is not None
+    msg = {"layout": Layout.build([], 1).to_dict(), "start": 0, "stop": 0, "world": 1, "persist": {},
+           "optim": {"kind": "adam", "impl": "cuda_fused", "pow": bad}}
+    problem = Worker._configure_problem(msg)
+    assert problem is not None and "replay descriptor is malformed" in problem

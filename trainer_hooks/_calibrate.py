@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shadow.kernels import ReplayPlan, segments_for_range
+from shadow.kernels import ReplayPlan, powtab, segments_for_range
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,22 @@ class Calibration:
     bit_exact: bool
     max_ulp: int  # of the chosen rule, over every probe
     tried: dict  # candidate -> max ulp
+    powers: list | None = None  # optim["pow"]: where the device's beta ** k differs from the reference
+
+
+def device_powers(optimizer: torch.optim.Optimizer, device: torch.device) -> list:
+    """``optim["pow"]`` entries for every beta of ``optimizer``: ``beta ** k`` for k = 1
+    up to :func:`shadow.kernels.powtab.limit` computed on ``device`` (as its fused kernel
+    does, in float32), kept where it differs from the reference."""
+    betas = sorted({powtab.bits(b) for g in optimizer.param_groups for b in g.get("betas", ())})
+    out = []
+    for b_bits in betas:
+        beta = float(powtab.from_bits(b_bits))
+        n = powtab.limit(beta)
+        ks = torch.arange(1, n + 1, dtype=torch.float32, device=device)
+        values = torch.pow(torch.full_like(ks, beta), ks).cpu().numpy()
+        out.append([b_bits, powtab.exceptions(beta, values), n])
+    return out
 
 
 def _ulp(a: np.ndarray, b: np.ndarray) -> int:
@@ -104,12 +120,12 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
 
 
 def _replay(impl: str, settings: dict, p0: list, grads: list, kind: str, decoupled: bool,
-            widths: tuple[int, int]) -> list[list]:
+            widths: tuple[int, int], powers: powtab.PowTable) -> list[list]:
     sizes = [len(x) for x in p0]
     offsets = list(np.cumsum([0] + sizes)[:-1])
     total = sum(sizes)
     segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, widths[0], widths[1])
-    plan = ReplayPlan(segs, impl, 4096, kind)
+    plan = ReplayPlan(segs, impl, 4096, kind, powers)
     p = np.concatenate([x.numpy() for x in p0]).astype(np.float32)
     m, v, mx = (np.zeros(total, np.float32) for _ in range(3))
     amsgrad = bool(settings.get("amsgrad", False))
@@ -153,19 +169,23 @@ def calibrate_device(optimizer: torch.optim.Optimizer, device: torch.device, kin
     threads = torch.get_num_threads()
     try:
         with _cache.compile_lock():  # ranks and workers on one host compile the kernels once
-            return _measure(cls, probes, device, p0, grads, kind, decoupled, candidates or CANDIDATES[impl], widths)
+            powers = device_powers(optimizer, device) if kind == "adam" else []
+            cal = _measure(cls, probes, device, p0, grads, kind, decoupled, candidates or CANDIDATES[impl], widths,
+                           powtab.PowTable(powers))
+            cal.powers = powers if cal.impl == "cuda_fused" else None
+            return cal
     finally:
         if torch.get_num_threads() != threads:  # numba's threading layer may have changed torch's
             torch.set_num_threads(threads)
 
 
-def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths) -> Calibration:
+def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths, powers) -> Calibration:
     tried: dict[str, int] = {}
     for cand in candidates:
         worst = 0
         for settings in probes:
             want = _run_device(cls, settings, device, p0, grads, kind)
-            got = _replay(cand, settings, p0, grads, kind, decoupled, widths)
+            got = _replay(cand, settings, p0, grads, kind, decoupled, widths, powers)
             for w_step, g_step in zip(want, got):
                 for w, g in zip(w_step, g_step):
                     worst = max(worst, _ulp(w, g))

@@ -86,6 +86,7 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
     replay_groups(optimizer)  # validates hyperparameter types
     impl = impls.pop()
     cuda = next((p.device for g in optimizer.param_groups for p in g["params"] if p.is_cuda), None)
+    powers = None
     vec, tail, exact = calibrate() if (impl == "fused" or kind == "sgd") and cuda is None else (16, 8, False)
     if cuda is not None:
         from trainer_hooks._calibrate import calibrate_device
@@ -98,7 +99,7 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
                 f"deviates by up to {cal.max_ulp} ulp on the probes (tried: {cal.tried}); the shadow's state "
                 "will differ from the trainer's by that much per step, and the audit reports, not fails",
                 stacklevel=3)
-        impl, exact = cal.impl, cal.bit_exact
+        impl, exact, powers = cal.impl, cal.bit_exact, cal.powers
     elif kind == "sgd":
         exact = True  # only multiplies and adds: every CPU path is reproduced exactly
     elif impl != "fused":
@@ -111,11 +112,14 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
     elif not exact:
         warnings.warn("could not match torch's fused Adam bit for bit on this CPU build; the shadow's state "
                       "may deviate by an ulp in tensor tails (docs/kernels.md)", stacklevel=3)
-    return {
+    out = {
         "kind": kind, "impl": impl, "vec_width": vec, "tail_width": tail, "bit_exact": exact,
         "amsgrad_any": any(bool(g.get("amsgrad", False)) for g in optimizer.param_groups),
         "momentum_any": any(g.get("momentum", 0) != 0 for g in optimizer.param_groups),
     }
+    if powers is not None:
+        out["pow"] = powers  # beta ** k as the trainer's device computes it (shadow/kernels/powtab.py)
+    return out
 
 
 _CANDIDATES = ((16, 8), (8, 8), (16, 16), (8, 4), (16, 4), (4, 4), (32, 8))

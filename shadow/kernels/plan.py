@@ -13,6 +13,7 @@ import numpy as np
 
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
+from shadow.kernels.powtab import PowTable
 
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
@@ -41,6 +42,7 @@ def adam_scalars(
     weight_decay: float,
     decoupled: bool,
     step: float,
+    powers: PowTable | None = None,
 ) -> tuple[float, ...]:
     """The float32 scalars torch derives (in double) for one Adam step at ``step``.
 
@@ -49,7 +51,7 @@ def adam_scalars(
     single-tensor path multiplies by ``1/bc2_sqrt`` (``F_BC2S`` holds the reciprocal).
     """
     if impl == "cuda_fused":
-        return cuda_fused_scalars(lr, beta1, beta2, eps, weight_decay, step)
+        return cuda_fused_scalars(lr, beta1, beta2, eps, weight_decay, step, powers or PowTable())
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
@@ -71,16 +73,16 @@ def adam_scalars(
 
 
 def cuda_fused_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                       step: float) -> tuple[float, ...]:
+                       step: float, powers: PowTable) -> tuple[float, ...]:
     """CUDA's fused Adam: every hyperparameter and the step count rounded to float32
-    first, the bias corrections computed in float32 (``powf``, ``sqrtf``). Columns as
-    :func:`adam_scalars`: ``F_W1`` holds beta1, ``F_NSTEP`` ``-(lr / bc1)``, ``F_DECAY``
-    ``-(lr * wd)``."""
+    first, the bias corrections computed in float32 (``beta ** k`` as the trainer's
+    device computes it: ``powers``; ``sqrtf``). Columns as :func:`adam_scalars`:
+    ``F_W1`` holds beta1, ``F_NSTEP`` ``-(lr / bc1)``, ``F_DECAY`` ``-(lr * wd)``."""
     f32 = np.float32
-    lr32, b1, b2, wd, k = f32(lr), f32(beta1), f32(beta2), f32(weight_decay), f32(step)
+    lr32, b1, b2, wd = f32(lr), f32(beta1), f32(beta2), f32(weight_decay)
     one = f32(1.0)
-    bc1 = one - f32(np.power(b1, k))
-    bc2s = f32(np.sqrt(one - f32(np.power(b2, k))))
+    bc1 = one - powers.pow(b1, step)
+    bc2s = f32(np.sqrt(one - powers.pow(b2, step)))
     step_size = f32(lr32 / bc1)
     return (b1, b2, one - b2, bc2s, f32(eps), -step_size, -f32(lr32 * wd), wd)
 
@@ -192,13 +194,15 @@ _EMPTY = np.zeros(0, dtype=np.float32)
 class ReplayPlan:
     """Scalar tables for one worker range, refreshed per iteration from the commit."""
 
-    def __init__(self, segments: Sequence[Segment], impl: str, chunk: int, kind: str = "adam") -> None:
+    def __init__(self, segments: Sequence[Segment], impl: str, chunk: int, kind: str = "adam",
+                 powers: PowTable | None = None) -> None:
         if impl not in IMPLS:
             raise ValueError(f"unknown optimizer implementation {impl!r}; expected one of {IMPLS}")
         if kind not in KINDS:
             raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
         self.segments = list(segments)
         self.impl, self.kind = impl, kind
+        self.powers = powers or PowTable()
         self.work = work_items(self.segments, chunk)
         self.chunk = chunk
         self.seg_len = np.asarray([g.hi - g.lo for g in self.segments], dtype=np.int64)
@@ -307,7 +311,7 @@ class ReplayPlan:
                 beta1, beta2 = grp["betas"]
                 cache[key] = adam_scalars(
                     self.impl, grp["lr"], beta1, beta2, grp["eps"], grp["weight_decay"],
-                    grp["decoupled"], step,
+                    grp["decoupled"], step, self.powers,
                 )
             sc = cache[key]
             self.seg_f[s, : len(sc)] = sc

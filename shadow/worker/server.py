@@ -19,13 +19,14 @@ from collections import Counter
 import zmq
 
 from shadow import knobs
+from shadow.kernels import powtab
 from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.worker import memory
-from shadow.worker.apply import ApplyMixin
 from shadow.worker.address import bind_and_advertise
+from shadow.worker.apply import ApplyMixin
 from shadow.worker.data import DataMixin
 from shadow.worker.inbox import Inbox
 from shadow.worker.peer import PeerCopy, PeerMixin
@@ -326,6 +327,9 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
             return f"range [{start}, {stop}) is outside the layout's {layout.total} elements"
         if not 1 <= msg["world"] <= 1 << 20:
             return f"world size {msg['world']} is out of bounds"
+        pow_problem = powtab.check_entries(msg["optim"].get("pow"))
+        if pow_problem is not None:
+            return f"the replay descriptor is malformed: {pow_problem}"
         persist = msg["persist"]
         local = isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
         need = memory.session_bytes(stop - start, memory.nfields(msg["optim"]), len(layout.params), local)

@@ -10,6 +10,7 @@ from shadow.kernels import ReplayPlan, segments_for_range
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.plan import untouched
+from shadow.kernels.powtab import PowTable
 from shadow.layout import Layout
 from shadow.wire.frames import Field, state_fields
 
@@ -45,7 +46,7 @@ class ShardState:
             [p.group for p in layout.params], start, stop,
             optim["impl"], int(optim["vec_width"]), int(optim["tail_width"]),
         )
-        self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"), kind)
+        self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"), kind, PowTable(optim.get("pow")))
         self.in_range = np.zeros(len(layout.params), dtype=bool)
         self.in_range[[s.param for s in segs]] = True
         #: elements of each parameter that fall in this range
