@@ -9,7 +9,8 @@ count in the thousands. The shadow's kernels replay the same steps on this CPU w
 candidate rule; the first that reproduces every element of every state array is used.
 When none does, the closest is used, ``bit_exact`` is False and a warning gives the
 measured deviation. A new torch version or GPU thus selects or rejects a rule itself
-instead of drifting silently. One synchronisation, at attach.
+instead of drifting silently. A fused optimizer also takes one step under a GradScaler
+``grad_scale``. One synchronisation, at attach.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SIZES = (4096, 4099, 1000, 5)
 LONG_STEP = 5000  # a step count in the thousands (bias corrections near 1)
+SCALED_STEP, GRAD_SCALE = 2, 3000.0  # a fused step under GradScaler: the kernel divides by grad_scale
 CANDIDATES = {"fused": ("cuda_fused",), "foreach": ("cuda_foreach", "cuda_single"),
               "single": ("cuda_single", "cuda_foreach")}
 
@@ -107,9 +109,15 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
         if k == len(grads) and kind == "adam":  # jump to a step count in the thousands
             for p in params:
                 opt.state[p]["step"].fill_(LONG_STEP - 1)
+        scaled = k == SCALED_STEP and settings.get("fused")
         for p, g in zip(params, gs):
-            p.grad = g.clone().to(device)
+            p.grad = (g * GRAD_SCALE if scaled else g.clone()).to(device)
+        if scaled:  # what GradScaler.step hands a fused optimizer
+            opt.grad_scale = torch.tensor(GRAD_SCALE, device=device)
+            opt.found_inf = torch.tensor(0.0, device=device)
         opt.step()
+        if scaled:
+            del opt.grad_scale, opt.found_inf
         keys = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         arrays = [np.concatenate([p.detach().cpu().numpy() for p in params])]
         for key in keys:
@@ -131,12 +139,14 @@ def _replay(impl: str, settings: dict, p0: list, grads: list, kind: str, decoupl
     amsgrad = bool(settings.get("amsgrad", False))
     out = []
     for k, gs in enumerate(grads, start=1):
-        g = np.concatenate([x.numpy() for x in gs]).astype(np.float32)
+        scaled = k == SCALED_STEP and settings.get("fused")
+        g = np.concatenate([(x * GRAD_SCALE if scaled else x).numpy() for x in gs]).astype(np.float32)
         if kind == "sgd":
             group = {"lr": settings["lr"], "momentum": settings.get("momentum", 0.0),
                      "dampening": settings.get("dampening", 0.0), "weight_decay": settings.get("weight_decay", 0.0),
                      "nesterov": bool(settings.get("nesterov", False)), "maximize": bool(settings.get("maximize"))}
-            plan.prepare_sgd([group], np.full(len(sizes), k > 1), set())
+            plan.prepare_sgd([group], np.full(len(sizes), k > 1), set(),
+                             grad_scale=np.float32(GRAD_SCALE) if scaled else None)
             plan.apply_sgd(p, m, g, threads=False)
             out.append([p.copy()] + ([m.copy()] if group["momentum"] != 0 else []))
             continue
@@ -144,7 +154,8 @@ def _replay(impl: str, settings: dict, p0: list, grads: list, kind: str, decoupl
         group = {"lr": settings["lr"], "betas": settings["betas"], "eps": settings["eps"],
                  "weight_decay": settings["weight_decay"], "amsgrad": amsgrad,
                  "maximize": bool(settings.get("maximize")), "decoupled": decoupled}
-        plan.prepare([group], np.full(len(sizes), step), set(), None)
+        plan.prepare([group], np.full(len(sizes), step), set(), None,
+                     grad_scale=np.float32(GRAD_SCALE) if scaled else None)
         plan.apply(p, m, v, mx if amsgrad else np.zeros(0, np.float32), g, threads=False)
         out.append([p.copy(), m.copy(), v.copy()] + ([mx.copy()] if amsgrad else []))
     return out

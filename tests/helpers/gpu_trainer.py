@@ -80,7 +80,7 @@ def main() -> None:
             deadline = time.monotonic() + 60
             while session.applied < it and time.monotonic() < deadline:
                 time.sleep(0.01)
-            torch.save(state(model, opt, sched, scaler, it), out / "live.pt")
+            torch.save(dict(state(model, opt, sched, scaler, it), optim=session.attachment.optim_desc), out / "live.pt")
             os.kill(os.getpid(), signal.SIGKILL)
     assert session.close() == steps
     torch.save(dict(state(model, opt, sched, scaler, steps), restored=start), out / "final.pt")
