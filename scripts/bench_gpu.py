@@ -284,7 +284,8 @@ class ShadowCluster:
 def launch(mode: str, accum: int, args, work: Path, coordinator: str, cores: str | None) -> dict:
     out = work / f"{mode}-{accum}"
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     pin = ["taskset", "-c", cores] if cores else []
     cmd = pin + [sys.executable, __file__, "--rank-mode", mode, "--rank-accum", str(accum), "--out", str(out),
                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,

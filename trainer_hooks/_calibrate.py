@@ -167,7 +167,8 @@ def calibrate_device(optimizer: torch.optim.Optimizer, device: torch.device, kin
     the first of ``candidates`` (default: the CUDA rules for ``impl``) that reproduces it;
     ``widths``: the CPU fused kernel's vector and tail widths, for CPU candidates."""
     cls = type(optimizer)
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.param_groups[0].get("decoupled_weight_decay"))
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or \
+        bool(optimizer.param_groups[0].get("decoupled_weight_decay"))
     mine = _settings(optimizer, kind)
     probes = [mine]
     if mine.get("weight_decay", 0.0) != 0 or kind == "adam":

@@ -5,8 +5,9 @@ Rank 0 captures all of them at attach (and at every resync, which attaches again
 after that only what changed: each commit compares every tensor's ``_version`` and
 identity with the captured ones -- no copy, no device sync, no hashing. A changed tensor
 is copied once, non-blocking (:meth:`ExtrasTracker.capture`); on the sender thread
-(:meth:`PendingExtras.finish`), once the copy landed, if its bytes differ from the last ones sent (DDP's buffer broadcast
-rewrites buffers with the same values every forward) it is cut into chunks of at most
+(:meth:`PendingExtras.finish`), once the copy landed, if its bytes differ from the last
+ones sent (DDP's buffer broadcast rewrites buffers with the same values every forward) it
+is cut into chunks of at most
 ``SHADOW_EXTRA_CHUNK_BYTES`` that leave as EXTRA frames ahead of that iteration's commit,
 chunk ``c`` of tensor ``j`` under key ``j << 32 | c`` to the replicas of shard
 ``(j + c) % nshards``. Workers keep the newest chunk under each key (a chunk becomes

@@ -7,8 +7,9 @@ frees ring slots when ZeroMQ is done with them, and listens to the coordinator f
 committed cut (the flow-control credit). A commit arrives unbuilt (:class:`CommitItem`
 ``make``): the sender resolves what the step copied non-blocking (scalars, probes,
 audit samples, rank 0's state) and builds its frames; a commit whose check fails is
-refused (:meth:`SenderEvents.on_refused`) and nothing of that iteration or later leaves. What it hears and what goes wrong reaches the
-session through one :class:`SenderEvents` object (the session's ``RecoveryController``).
+refused (:meth:`SenderEvents.on_refused`) and nothing of that iteration or later leaves.
+What it hears and what goes wrong reaches the session through one :class:`SenderEvents`
+object (the session's ``RecoveryController``).
 
 Fault injection wraps this class from the outside (``trainer_hooks.testing``): the
 overridable seams are :meth:`Sender._send` and :meth:`Sender._send_commit`.
