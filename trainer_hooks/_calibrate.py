@@ -84,6 +84,8 @@ def _settings(optimizer: torch.optim.Optimizer, kind: str) -> dict:
     keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize") if kind == "sgd" else \
         ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
     out = {k: g[k] for k in keys if k in g}
+    if kind == "adam" and g.get("decoupled_weight_decay") and type(optimizer) is torch.optim.Adam:
+        out["decoupled_weight_decay"] = True
     for flag in ("fused", "foreach"):
         if g.get(flag) is not None:
             out[flag] = g[flag]
