@@ -183,3 +183,22 @@ def test_a_refused_commit_stops_the_stream_at_that_iteration(world1, cluster):
         _step(ddp, opt, sched, scaler, session, 4)
     session.close(wait=False)
     assert cluster.settled()["job"]["committed"] == 2
+
+
+def test_gradients_as_bucket_views_are_staged_before_the_loop_writes_them(world1, cluster):
+    """With ``gradient_as_bucket_view=True`` the loop's clip and unscale write the bucket
+    itself; what was staged is still the reduced gradient, and the restore is exact."""
+    model, opt, sched = build()
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, scaler=scaler,
+                                   job="views")
+    assert session._views
+    for it in range(1, 6):
+        _step(ddp, opt, sched, scaler, session, it)
+    assert session.close() == 5 and session.stats()["shadow_errors"] == 0 and session.latch.error is None
+    live = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2, sched2 = build(seed=3)
+    trainer_hooks.restore(model2, opt2, source=cluster.address, scheduler=sched2, job="views", rank=0)
+    for k, v in live.items():
+        assert torch.equal(model2.state_dict()[k], v), k
