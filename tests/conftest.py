@@ -58,6 +58,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """A port ``p`` with ``p .. p + n - 1`` all free now (a cluster's workers serve their
+    metrics on the ports after the coordinator's)."""
+    for _ in range(200):
+        base = free_port()
+        held = []
+        try:
+            for p in range(base + 1, base + n):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 def status(address: str, timeout: float = 5.0, keys=None) -> dict:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)

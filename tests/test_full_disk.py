@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.persist import catalog, failed
-from tests.conftest import Cluster, free_port, train_step
+from tests.conftest import Cluster, free_port_run, train_step
 from tests.helpers.tiny_trainer import build
 from tests.test_ops import scrape, value
 
@@ -105,7 +105,7 @@ def _complete_files(root: str) -> list[str]:
 def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
     store = (Tmpfs if disk == "tmpfs" else StandIn)(tmp_path / "disk")
     root = str(store.path / "ckpt")
-    mport = free_port()
+    mport = free_port_run(3)  # the coordinator's, then one per worker
     cluster = Cluster(tmp_path, args=(f"persist.local.dir={root}", "persist.local.every_n=2", "persist.local.keep=2",
                                       f"metrics_port={mport}"), env=getattr(store, "env", None))
     session = None

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.metrics import COORDINATOR, TRAINER, WORKER
-from tests.conftest import ROOT, Cluster, free_port, train_step
+from tests.conftest import ROOT, Cluster, free_port, free_port_run, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def declared(metrics) -> set[str]:
 
 
 def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
-    mport = free_port()
+    mport = free_port_run(3)  # the coordinator's, then one per worker
     ckpt = tmp_path / "ckpt"
     cluster = Cluster(tmp_path, args=(f"metrics_port={mport}", f"persist.local.dir={ckpt}",
                                       "persist.local.every_n=3", "persist.local.compress=zstd", "log_format=json"))
