@@ -115,6 +115,7 @@ class Cluster:
             except TimeoutError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # no test holds it yet: nothing else would stop it (and its workers)
                 raise RuntimeError(f"shadow cluster did not start:\n{self.log.read_text()}")
             time.sleep(0.2)
 
