@@ -14,8 +14,11 @@ def make_optimizer(cls, params, impl: str, **kw):
     return cls(params, **kw, **flag)
 
 
-def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, shards: int = 1, seed: int = 0, **kw):
-    """Returns ``(torch_tensors, shadow_tensors)`` dicts of name -> list per param."""
+def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, shards: int = 1, seed: int = 0,
+             grad_scale: float | None = None, **kw):
+    """Returns ``(torch_tensors, shadow_tensors)`` dicts of name -> list per param.
+    ``grad_scale``: the gradients are that many times larger and the fused step divides
+    them (as ``GradScaler.step`` runs a fused optimizer)."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
     opt = make_optimizer(cls, params, impl, **kw)
@@ -31,6 +34,10 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
              for lo, hi in zip(bounds[:-1], bounds[1:])]
     for k in range(1, steps + 1):
         grads = [torch.randn(n, generator=gen) for n in sizes]
+        if grad_scale is not None:
+            grads = [g * grad_scale for g in grads]
+            opt.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)  # what GradScaler.step sets
+            opt.found_inf = torch.tensor(0.0)
         for p, g in zip(params, grads):
             p.grad = g.clone()
         coef = None
@@ -42,7 +49,8 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
         gflat = np.concatenate([g.numpy() for g in grads]).astype(np.float32)
         groups = replay_groups(opt)
         for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:]):
-            plan.prepare(groups, np.full(len(sizes), float(k)), set(), coef)
+            gs = np.float32(grad_scale) if grad_scale is not None else None
+            plan.prepare(groups, np.full(len(sizes), float(k)), set(), coef, grad_scale=gs)
             plan.apply(flat[lo:hi], m[lo:hi], v[lo:hi], mx[lo:hi] if amsgrad else mx, gflat[lo:hi])
     ours = {"param": flat, "exp_avg": m, "exp_avg_sq": v}
     if amsgrad:

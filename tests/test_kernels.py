@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,28 @@ def test_fused_bit_identical(cls, wd, amsgrad, maximize):
     for key in theirs:
         for n, a, b in zip(SIZES, theirs[key], ours[key]):
             assert torch.equal(a, b), f"{key} of a {n}-element tensor differs in {(a != b).sum()} elements"
+
+
+@pytest.mark.parametrize("scale", [65536.0, 0.25, 3000.0, 1e-3], ids=["pow2", "pow2-below-1", "other", "other-below-1"])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_fused_grad_scale(cls, scale):
+    """The fused step divides by GradScaler's scale; the replay multiplies by the
+    reciprocal where that rounds alike (a power of two) and divides otherwise."""
+    theirs, ours = run_pair(cls, "fused", [7, 100, 4099], steps=3, clip=0.5, grad_scale=scale, lr=1e-2,
+                            weight_decay=0.1)
+    for key in theirs:
+        for a, b in zip(theirs[key], ours[key], strict=True):
+            assert torch.equal(a, b), f"{key} differs in {(a != b).sum()} elements"
+
+
+def test_exact_reciprocal():
+    from shadow.kernels.plan import exact_reciprocal
+    assert exact_reciprocal(65536.0) == np.float32(2.0 ** -16)
+    assert exact_reciprocal(2.0 ** -126) == np.float32(2.0 ** 126)
+    assert exact_reciprocal(2.0 ** 127) == np.float32(2.0 ** -127)  # subnormal, still exact
+    for x in (3000.0, 0.0, float("inf"), float("nan"), 1.5, 2.0 ** -149):  # 2**149 overflows float32
+        assert exact_reciprocal(x) is None, x
+    assert exact_reciprocal(-4.0) == np.float32(-0.25)
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.95)], ids=["small-lerp-weight", "large-lerp-weight"])

@@ -21,7 +21,8 @@ import contextlib
 import logging
 import os
 import tempfile
-from typing import Iterator
+import types
+from typing import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,25 @@ def configure() -> str:
     config.CACHE_DIR = path
     _chosen = path
     return path
+
+
+def kernel(fn: Callable, parallel: bool) -> Callable:
+    """``fn`` compiled by numba (cached, no GIL, numpy's error model), multi-threaded over
+    its ``prange`` loops or not.
+
+    numba keys its cache by the Python function (module, qualified name, line) and the
+    signature, not by the compile flags: two dispatchers of one function, one parallel
+    and one not, share one cache entry, and whichever compiled first is what the other
+    loads from then on (a worker ran the single-threaded replay, 30-50% slower, after a
+    trainer on its host had compiled that first). So the single-threaded kernel is
+    compiled from a copy of ``fn`` named ``<name>_serial``: a cache entry of its own."""
+    from numba import njit
+
+    if not parallel:
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
+                                fn.__closure__)
+        fn.__qualname__ = fn.__name__
+    return njit(parallel=parallel, cache=True, nogil=True, error_model="numpy")(fn)
 
 
 def cache_dir() -> str:

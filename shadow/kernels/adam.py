@@ -40,12 +40,13 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
-from shadow.kernels import _cache  # noqa: F401  (chooses the kernel cache directory before any @njit)
+from shadow.kernels import _cache  # first: it chooses the kernel cache directory before any @njit
 from shadow.kernels._fma import f32_at, fma32
 
 # Columns of the per-segment float32 scalar table.
-F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE = range(11)
-N_FSCALARS = 11
+(F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE,
+ F_RGRAD_SCALE) = range(12)
+N_FSCALARS = 12
 # Columns of the per-segment int64 table.
 (I_ACTIVE, I_AMSGRAD, I_MAXIMIZE, I_TAIL_START, I_LERP_SMALL, I_L2, I_DECOUPLED, I_CLIP, I_INV_SCALE,
  I_GRAD_SCALE, I_RULE, I_PARAM_START, I_RECIP) = range(13)
@@ -54,45 +55,82 @@ N_ISCALARS = 13
 RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH = 0, 1, 2
 
 
-@njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _moments(g, p, m, v, inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2, tail_rule):
-    """One element up to the new moments: ``(p after decoupled decay, exp_avg, exp_avg_sq)``."""
-    g = g * inv  # GradScaler.unscale_
-    g = g * cl  # clipping
-    g = g / gs  # GradScaler.step with a fused optimizer: the kernel divides
-    g = g * sign  # maximize
+@njit(nogil=True, error_model="numpy")  # no cache: LLVM inlines it into each loop (see below)
+def _grad(g, inv, cl, div, gs, rgs):
+    """The gradient transforms, in torch's order: ``g * inv_scale`` (``GradScaler.unscale_``),
+    ``* clip``, ``/ grad_scale`` (``GradScaler.step`` into a fused kernel), ``* -1``
+    (maximize). Negation is exact and commutes with rounding, so maximize is folded into
+    ``inv`` (``-inv``). ``x / 2**k`` and ``x * 2**-k`` round alike, so a power-of-two
+    grad scale (GradScaler's) multiplies by its reciprocal ``rgs``: a division costs
+    3-5x a multiplication, and the divider is what bounds this kernel on Intel cores.
+    ``div`` is set only for other scales."""
+    g = g * inv
+    g = g * cl
+    return g / gs if div else g * rgs
+
+
+@njit(nogil=True, error_model="numpy")  # no cache: LLVM inlines it into each loop (see below)
+def _moments(rule, g, p, m, v, lane, wd, l2, decoupled, tail, dec, w1, small, b2, c2):
+    """One element up to the new moments: ``(p after decoupled decay, exp_avg, exp_avg_sq)``.
+
+    ``rule`` is a constant at every call site, so each kernel keeps one rule's code; the
+    other flags are the segment's, uniform over a loop (LLVM vectorises the loop and
+    lowers a uniform choice as a predictable branch)."""
+    one = np.float32(1.0)
+    if rule == RULE_CUDA_FUSED:
+        gf = fma32(p, wd, g)
+        gp = g + p * wd  # lane 0 of every 4 (the aligned fast path)
+        gl = gf if lane != 0 else gp
+        g = gl if l2 else g
+        pd = fma32(dec, p, p)  # dec = -(lr * wd)
+        p = pd if decoupled else p
+        gg = g * g
+        return p, fma32(w1, m, fma32(-w1, g, g)), fma32(b2, v, fma32(-b2, gg, gg))
+    if rule == RULE_CUDA_FOREACH:
+        gl = fma32(p, wd, g)
+        g = gl if l2 else g
+        p = p * dec  # dec = 1 - lr * wd, or 1
+        return p, fma32(w1 if small else w1 - one, g - m, m if small else g), fma32(c2, g * g, v * b2)
     gl = fma32(p, wd, g)
     g = gl if l2 else g
-    p = p * dec
-    d = g - m
-    m = fma32(a, d, m if small else g)
-    if tail_rule:
-        v = fma32(v, b2, (c2 * g) * g)
-    else:
-        v = fma32(c2 * g, g, v * b2)
-    return p, m, v
+    p = p * dec  # dec = 1 unless decoupled
+    m = fma32(w1 if small else w1 - one, g - m, m if small else g)
+    cg = c2 * g
+    vt = fma32(v, b2, cg * g)  # the fused kernel's scalar remainder loop
+    vb = fma32(cg, g, v * b2)
+    return p, m, (vt if tail else vb)
+
+
+@njit(nogil=True, error_model="numpy")  # no cache: LLVM inlines it into each loop (see below)
+def _step(rule, p, m, vm, recip, nstep, bc2s, eps):
+    """The parameter update from the new moments (``vm``: amsgrad's max, else ``v``)."""
+    root = np.sqrt(vm)
+    if rule == RULE_CUDA_FOREACH:  # the single-tensor path multiplies by 1 / bc2s (recip)
+        return fma32(nstep, m / ((root * bc2s if recip else root / bc2s) + eps), p)
+    return p + (nstep * m) / (root / bc2s + eps)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_m, snap_v,
-                  snap_x):
+def _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, tail, snap_p, snap_m,
+                  snap_v, snap_x):
     """Local elements ``[lo, hi)``; their gradient is ``grad[goff:goff + hi - lo]``. With
     ``snap_p`` non-empty, the new values are also written to the ``snap_*`` arrays (the
-    persistence image of this iteration: one pass instead of an apply and a copy)."""
+    persistence image of this iteration: one pass instead of an apply and a copy).
+
+    The loops run over slices from 0 (no negative-index wrap in the body), with numpy's
+    error model (no zero-division checks) and the segment's choices as selects: LLVM
+    then vectorises them (``scripts/inspect_kernels.py`` shows the loops per CPU)."""
     one = np.float32(1.0)
-    # loop-invariant choices become neutral factors and selects (x * 1 and x / 1 are
-    # exact), the loops run over slices from 0 and numpy's error model is used: the body
-    # is then straight-line code LLVM vectorizes (4-6x faster than the branchy version)
     inv = f[F_INV_SCALE] if fl[I_INV_SCALE] != 0 else one
+    inv = -inv if fl[I_MAXIMIZE] != 0 else inv
     cl = f[F_CLIP] if fl[I_CLIP] != 0 else one
-    gs = f[F_GRAD_SCALE] if fl[I_GRAD_SCALE] != 0 else one
-    sign = -one if fl[I_MAXIMIZE] != 0 else one
-    wd = f[F_WD]
-    l2 = fl[I_L2] != 0
-    dec = f[F_DECAY] if fl[I_DECOUPLED] != 0 else one
-    small = fl[I_LERP_SMALL] != 0
-    a = f[F_W1] if small else f[F_W1] - one
-    b2, c2, bc2s, eps, nstep = f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP]
+    div = fl[I_GRAD_SCALE] != 0
+    gs, rgs = f[F_GRAD_SCALE], f[F_RGRAD_SCALE]
+    wd, l2, decoupled = f[F_WD], fl[I_L2] != 0, fl[I_DECOUPLED] != 0
+    dec = f[F_DECAY] if decoupled else one
+    small, recip = fl[I_LERP_SMALL] != 0, fl[I_RECIP] != 0
+    w1, b2, c2, bc2s, eps, nstep = f[F_W1], f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP]
+    off = lo - fl[I_PARAM_START]  # element i of the slice is element off + i of its parameter
     n = hi - lo
     p_, m_, v_, g_ = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[goff:goff + n]
     snap = len(snap_p) > 0
@@ -100,15 +138,15 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl,
         x_ = max_sq[lo:hi]
         sp_, sm_, sv_, sx_ = snap_p[lo:hi], snap_m[lo:hi], snap_v[lo:hi], snap_x[lo:hi]
         for i in range(n):
-            p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
-                               tail_rule)
+            p, m, v = _moments(rule, _grad(g_[i], inv, cl, div, gs, rgs), p_[i], m_[i], v_[i], (off + i) & 3,
+                               wd, l2, decoupled, tail, dec, w1, small, b2, c2)
             m_[i] = m
             v_[i] = v
             mx = x_[i]
             if v > mx or np.isnan(v):
                 mx = v
             x_[i] = mx
-            p = p + (nstep * m) / (np.sqrt(mx) / bc2s + eps)
+            p = _step(rule, p, m, mx, recip, nstep, bc2s, eps)
             p_[i] = p
             if snap:
                 sp_[i] = p
@@ -118,9 +156,9 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl,
     elif snap:  # a loop of its own: a branch in the body would stop vectorisation
         sp_, sm_, sv_ = snap_p[lo:hi], snap_m[lo:hi], snap_v[lo:hi]
         for i in range(n):
-            p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
-                               tail_rule)
-            p = p + (nstep * m) / (np.sqrt(v) / bc2s + eps)
+            p, m, v = _moments(rule, _grad(g_[i], inv, cl, div, gs, rgs), p_[i], m_[i], v_[i], (off + i) & 3,
+                               wd, l2, decoupled, tail, dec, w1, small, b2, c2)
+            p = _step(rule, p, m, v, recip, nstep, bc2s, eps)
             m_[i] = m
             v_[i] = v
             p_[i] = p
@@ -129,79 +167,42 @@ def _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl,
             sp_[i] = p
     else:
         for i in range(n):
-            p, m, v = _moments(g_[i], p_[i], m_[i], v_[i], inv, cl, gs, sign, wd, l2, dec, a, small, b2, c2,
-                               tail_rule)
+            p, m, v = _moments(rule, _grad(g_[i], inv, cl, div, gs, rgs), p_[i], m_[i], v_[i], (off + i) & 3,
+                               wd, l2, decoupled, tail, dec, w1, small, b2, c2)
             m_[i] = m
             v_[i] = v
-            p_[i] = p + (nstep * m) / (np.sqrt(v) / bc2s + eps)
+            p_[i] = _step(rule, p, m, v, recip, nstep, bc2s, eps)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _cuda_moments(g, p, m, v, lane, inv, cl, gs, sign, wd, l2, decoupled, fused, w1, small, b2, c2, lrwd):
-    """CUDA's rounding up to the new moments (``fused``: the fused kernel's; else foreach's)."""
-    g = g * inv
-    g = g * cl
-    g = g / gs
-    g = g * sign
-    gf = fma32(p, wd, g)
-    gp = g + p * wd  # the fused kernel's lane 0 of every 4 (aligned fast path)
-    gl = gf if (lane != 0 or not fused) else gp
-    g = gl if l2 else g
-    pf = fma32(lrwd, p, p)
-    pd = pf if fused else p * lrwd
-    p = pd if decoupled else p
-    gg = g * g
-    mf = fma32(w1, m, fma32(-w1, g, g))
-    ml = fma32(w1 if small else w1 - np.float32(1.0), g - m, m if small else g)
-    vf = fma32(b2, v, fma32(-b2, gg, gg))
-    vl = fma32(c2, gg, v * b2)
-    m = mf if fused else ml
-    v = vf if fused else vl
-    return p, m, v
+def _row(w, work, seg_f, seg_i, grad_addr, grad_len):
+    """Work row ``w``: ``(lo, hi, float scalars, int scalars, its gradient part, goff)``."""
+    s = work[w, 2]
+    return work[w, 0], work[w, 1], seg_f[s], seg_i[s], carray(f32_at(grad_addr[work[w, 3]]), grad_len[work[w, 3]]), \
+        work[w, 4]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _cuda_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, snap_p, snap_m, snap_v, snap_x):
-    """:func:`_update_range` with CUDA's rounding (see the module docstring)."""
-    one = np.float32(1.0)
-    inv = f[F_INV_SCALE] if fl[I_INV_SCALE] != 0 else one
-    cl = f[F_CLIP] if fl[I_CLIP] != 0 else one
-    gs = f[F_GRAD_SCALE] if fl[I_GRAD_SCALE] != 0 else one
-    sign = -one if fl[I_MAXIMIZE] != 0 else one
-    wd, l2, decoupled = f[F_WD], fl[I_L2] != 0, fl[I_DECOUPLED] != 0
-    fused, small, recip = fl[I_RULE] == RULE_CUDA_FUSED, fl[I_LERP_SMALL] != 0, fl[I_RECIP] != 0
-    w1, b2, c2, bc2s, eps, nstep, lrwd = f[F_W1], f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP], f[F_DECAY]
-    ams, snap = fl[I_AMSGRAD] != 0, len(snap_p) > 0
-    start = fl[I_PARAM_START]  # local index of the parameter's element 0
-    for i in range(lo, hi):
-        p, m, v = _cuda_moments(grad[goff + i - lo], param[i], exp_avg[i], exp_avg_sq[i], (i - start) & 3, inv, cl,
-                                gs, sign, wd, l2, decoupled, fused, w1, small, b2, c2, lrwd)
-        vm = v
-        if ams:
-            vm = max_sq[i]
-            if v > vm or np.isnan(v):
-                vm = v
-            max_sq[i] = vm
-        root = np.sqrt(vm)
-        if fused:
-            p = p + (nstep * m) / (root / bc2s + eps)
-        else:
-            s = (root * bc2s if recip else root / bc2s) + eps
-            p = fma32(nstep, m / s, p)
-        param[i] = p
-        exp_avg[i] = m
-        exp_avg_sq[i] = v
-        if snap:
-            snap_p[i] = p
-            snap_m[i] = m
-            snap_v[i] = v
-            if ams:
-                snap_x[i] = vm
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _item(rule, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v,
+          snap_x):
+    """Work row ``w`` under ``rule`` (a constant)."""
+    lo, hi, f, fl, grad, goff = _row(w, work, seg_f, seg_i, grad_addr, grad_len)
+    if fl[I_ACTIVE] == 0:
+        return
+    # the fused CPU kernel's tail rule from I_TAIL_START on: one loop, run over the body
+    # part and then the tail part (the rule a uniform choice in it)
+    mid = min(max(fl[I_TAIL_START], lo), hi) if rule == RULE_CPU else hi
+    for half in range(2):
+        a = lo if half == 0 else mid
+        b = mid if half == 0 else hi
+        if b > a:
+            _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff + (a - lo), a, b, f, fl, half == 1,
+                          snap_p, snap_m, snap_v, snap_x)
 
 
 def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v,
                 snap_x):
-    """Apply one Adam/AdamW step in place over the work items.
+    """Apply one Adam/AdamW step in place over the work items, with torch's CPU rounding.
 
     ``work`` is int64 ``[n, 5]`` of ``(lo, hi, segment, part, goff)``: local elements
     ``[lo, hi)`` of one segment whose gradient is elements ``goff .. goff + hi - lo`` of
@@ -212,32 +213,31 @@ def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, s
     amsgrad; the ``snap_*`` arrays are length 0 unless this pass also fills a snapshot.
     """
     for w in prange(work.shape[0]):
-        lo = work[w, 0]
-        hi = work[w, 1]
-        s = work[w, 2]
-        fl = seg_i[s]
-        if fl[I_ACTIVE] == 0:
-            continue
-        f = seg_f[s]
-        part = work[w, 3]
-        grad = carray(f32_at(grad_addr[part]), grad_len[part])
-        goff = work[w, 4]
-        if fl[I_RULE] != RULE_CPU:
-            _cuda_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, snap_p, snap_m, snap_v,
-                        snap_x)
-            continue
-        tail = fl[I_TAIL_START]
-        mid = min(max(tail, lo), hi)
-        if mid > lo:
-            _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, mid, f, fl, False, snap_p, snap_m,
-                          snap_v, snap_x)
-        if hi > mid:
-            _update_range(param, exp_avg, exp_avg_sq, max_sq, grad, goff + (mid - lo), mid, hi, f, fl, True,
-                          snap_p, snap_m, snap_v, snap_x)
+        _item(RULE_CPU, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m,
+              snap_v, snap_x)
 
 
-#: multi-threaded (numba prange over work items): the worker's kernel
-adam_apply = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_adam_apply)
-#: single-threaded: for trainer processes (calibration), which must not start a thread
-#: pool that competes with torch's own threads
-adam_apply_serial = njit(cache=True, nogil=True, error_model="numpy")(_adam_apply)
+def _adam_apply_cuda_fused(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p,
+                           snap_m, snap_v, snap_x):
+    """:func:`_adam_apply` with the rounding of CUDA's fused Adam/AdamW."""
+    for w in prange(work.shape[0]):
+        _item(RULE_CUDA_FUSED, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p,
+              snap_m, snap_v, snap_x)
+
+
+def _adam_apply_cuda_foreach(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p,
+                             snap_m, snap_v, snap_x):
+    """:func:`_adam_apply` with the rounding of CUDA's foreach and single-tensor Adam/AdamW."""
+    for w in prange(work.shape[0]):
+        _item(RULE_CUDA_FOREACH, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i,
+              snap_p, snap_m, snap_v, snap_x)
+
+
+#: per rounding rule (``I_RULE``), the kernel pair ``(multi-threaded, single-threaded)``:
+#: the first for workers (numba prange over the work items), the second for trainer
+#: processes (calibration), which must not start a thread pool that competes with
+#: torch's own threads. One kernel per rule keeps the rule a constant in its loops, and
+#: each compiles on first use.
+KERNELS = {rule: (_cache.kernel(fn, True), _cache.kernel(fn, False)) for rule, fn in (
+    (RULE_CPU, _adam_apply), (RULE_CUDA_FUSED, _adam_apply_cuda_fused), (RULE_CUDA_FOREACH, _adam_apply_cuda_foreach))}
+adam_apply, adam_apply_serial = KERNELS[RULE_CPU]

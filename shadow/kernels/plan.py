@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numba
 import numpy as np
 
 from shadow.kernels import adam as _adam
@@ -85,6 +86,23 @@ def cuda_fused_scalars(lr: float, beta1: float, beta2: float, eps: float, weight
     bc2s = f32(np.sqrt(one - powers.pow(b2, step)))
     step_size = f32(lr32 / bc1)
     return (b1, b2, one - b2, bc2s, f32(eps), -step_size, -f32(lr32 * wd), wd)
+
+
+def exact_reciprocal(x) -> np.float32 | None:
+    """``1 / x`` in float32 when it is exact (``x`` a power of two whose reciprocal is
+    representable): then ``g * (1 / x)`` and ``g / x`` round alike for every ``g``, both
+    being the exact ``g * 2**-k`` rounded once. None otherwise."""
+    x = np.float32(x)
+    if not np.isfinite(x) or x == 0:
+        return None
+    mant, _ = np.frexp(x)
+    if abs(mant) != 0.5:
+        return None
+    with np.errstate(over="ignore", under="ignore"):
+        r = np.float32(1.0) / x
+    if r == 0 or not np.isfinite(r) or r * x != 1:
+        return None
+    return r
 
 
 @dataclass(frozen=True)
@@ -191,6 +209,18 @@ def grad_parts(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
+def interleave(work: np.ndarray, threads: int) -> np.ndarray:
+    """Work rows reordered for numba's static schedule, which gives thread ``t`` the
+    ``t``-th contiguous block of rows: thread ``t`` then runs rows ``t, t + T, t + 2T``
+    of the original order, so the threads stream through neighbouring memory together
+    (one region of DRAM pages at a time, as torch's per-tensor ``parallel_for`` does)
+    instead of ``T`` far-apart regions, and uneven rows spread evenly."""
+    n = len(work)
+    if threads <= 1 or n <= threads:
+        return work
+    return work[np.concatenate([np.arange(t, n, threads) for t in range(threads)])]
+
+
 class ReplayPlan:
     """Scalar tables for one worker range, refreshed per iteration from the commit."""
 
@@ -251,11 +281,13 @@ class ReplayPlan:
         geometry (the same every iteration of a run); checks that every active segment
         is covered."""
         key = tuple((dst, len(a)) for dst, a in parts)
-        hit = self._parts_cache.get(key)
+        threads = numba.get_num_threads()
+        hit = self._parts_cache.get((threads, key))
         if hit is None:
             if len(self._parts_cache) > 16:
                 self._parts_cache.clear()
-            hit = self._parts_cache[key] = part_work(self.segments, key, self.chunk)
+            work, covered = part_work(self.segments, key, self.chunk)
+            hit = self._parts_cache[(threads, key)] = (interleave(work, threads), covered)
         work, covered = hit
         active = self.seg_i[:, 0] != 0  # I_ACTIVE and J_ACTIVE are column 0
         short = np.flatnonzero(active & (covered != self.seg_len))
@@ -276,7 +308,7 @@ class ReplayPlan:
         addr, length = grad_parts(arrs)
         snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
         if mod is _adam:
-            fn = _adam.adam_apply if threads else _adam.adam_apply_serial
+            fn = _adam.KERNELS[RULES[self.impl]][0 if threads else 1]
         else:
             fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
         fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps)
@@ -299,6 +331,7 @@ class ReplayPlan:
         increment; ``skipped``: parameters the optimizer did not step.
         """
         cache: dict[tuple[int, float], tuple[float, ...]] = {}
+        rgs = exact_reciprocal(grad_scale) if grad_scale is not None else None
         for s, seg in enumerate(self.segments):
             row_i = self.seg_i[s]
             if seg.param in skipped:
@@ -318,8 +351,9 @@ class ReplayPlan:
             self.seg_f[s, _adam.F_CLIP] = clip if clip is not None else np.float32(1.0)
             self.seg_f[s, _adam.F_INV_SCALE] = inv_scale if inv_scale is not None else np.float32(1.0)
             self.seg_f[s, _adam.F_GRAD_SCALE] = grad_scale if grad_scale is not None else np.float32(1.0)
+            self.seg_f[s, _adam.F_RGRAD_SCALE] = rgs if rgs is not None else np.float32(1.0)
             row_i[_adam.I_INV_SCALE] = int(inv_scale is not None)
-            row_i[_adam.I_GRAD_SCALE] = int(grad_scale is not None)
+            row_i[_adam.I_GRAD_SCALE] = int(grad_scale is not None and rgs is None)  # divide
             row_i[_adam.I_ACTIVE] = 1
             row_i[_adam.I_AMSGRAD] = int(bool(grp["amsgrad"]))
             row_i[_adam.I_MAXIMIZE] = int(bool(grp["maximize"]))
@@ -335,22 +369,25 @@ class ReplayPlan:
         self.run(_adam, (param, exp_avg, exp_avg_sq, max_sq), [(0, grad)], threads=threads)
 
 
-def warm_up() -> int:
-    """Compile (or load from numba's cache) every replay kernel now, so no JIT happens
-    while a worker serves its first iteration. Returns how many kernels had to be
-    compiled (0: all came from the cache)."""
+def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
+    """Compile (or load from numba's cache) the replay kernels now, so no JIT happens
+    while a worker serves its first iteration: the multi-threaded ones by default (a
+    worker's; trainers run the single-threaded ones, ``threads=(False,)``, compiled on
+    first use). Returns how many kernels had to be compiled (0: all came from the cache)."""
     one = np.ones(16, dtype=np.float32)
     segs = segments_for_range([0], [16], [0], 0, 16, "fused", 16, 8)
     adam_group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
                   "maximize": False, "decoupled": True}
-    plan = ReplayPlan(segs, "fused", 16, "adam")
-    plan.prepare([adam_group], np.ones(1), set(), None)
-    for threads in (True, False):
-        plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=threads)
+    for impl in ("fused", "cuda_fused", "cuda_foreach"):  # one kernel per rounding rule
+        plan = ReplayPlan(segs, impl, 16, "adam")
+        plan.prepare([adam_group], np.ones(1), set(), None)
+        for t in threads:
+            plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=t)
     plan = ReplayPlan(segs, "fused", 16, "sgd")
     plan.prepare_sgd([{"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
                        "maximize": False}], np.zeros(1, dtype=bool), set())
-    for threads in (True, False):
-        plan.apply_sgd(one.copy(), one.copy(), one, threads=threads)
-    kernels = (_adam.adam_apply, _adam.adam_apply_serial, _sgd.sgd_apply, _sgd.sgd_apply_serial)
+    for t in threads:
+        plan.apply_sgd(one.copy(), one.copy(), one, threads=t)
+    pairs = (*_adam.KERNELS.values(), (_sgd.sgd_apply, _sgd.sgd_apply_serial))
+    kernels = [pair[0 if t else 1] for pair in pairs for t in threads]
     return sum(len(k.stats.cache_misses) for k in kernels)

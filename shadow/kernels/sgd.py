@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
-from shadow.kernels import _cache  # noqa: F401  (chooses the kernel cache directory before any @njit)
+from shadow.kernels import _cache  # first: it chooses the kernel cache directory before any @njit
 from shadow.kernels._fma import f32_at, fma32
 
 # float32 scalar columns
@@ -108,8 +108,10 @@ def _sgd_apply(param, buf, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap
             _sgd_range(param, buf, grad, goff + (mid - lo), mid, hi, f, fl, True, snap_p, snap_b)
 
 
-sgd_apply = njit(parallel=True, cache=True, nogil=True, error_model="numpy")(_sgd_apply)
-sgd_apply_serial = njit(cache=True, nogil=True, error_model="numpy")(_sgd_apply)
+#: multi-threaded (numba prange over work items): the worker's kernel; single-threaded:
+#: for trainer processes (calibration), which must not start a thread pool that competes
+#: with torch's own threads
+sgd_apply, sgd_apply_serial = _cache.kernel(_sgd_apply, True), _cache.kernel(_sgd_apply, False)
 
 
 def sgd_scalars(group: dict) -> tuple:
