@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 BENCHES = {
     "overhead": ("bench_overhead.py", ["--steps", "8", "--rounds", "2", "--n-layer", "8", "--n-embd", "576"],
                  ["--steps", "20", "--rounds", "3", "--n-layer", "8", "--n-embd", "576"]),
-    "replay": ("bench_replay.py", ["--params", "50e6", "--repeat", "5"], ["--repeat", "9"]),
+    "replay": ("bench_replay.py", ["--params", "50e6", "--repeat", "15"], ["--repeat", "31"]),
     "apply": ("bench_apply.py", ["--params", "20e6", "--iters", "5"], []),
     "transport": ("bench_transport.py", [], []),
     "restore": ("bench_restore.py", ["--no-evict", "--repeat", "5"], []),
@@ -62,6 +62,10 @@ def goals(name: str, d: dict) -> list[tuple[str, str, str, bool | None]]:
                      d["shadow_vs_torch"] >= 0.95))
         rows.append(("replay GB/s vs the Adam-traffic stream", f"{d['shadow_vs_stream_bw']:.2f}", ">= 0.9",
                      d["shadow_vs_stream_bw"] >= 0.9))
+        for rule in ("cuda_fused", "cuda_foreach"):
+            if f"{rule}_vs_torch" in d:
+                rows.append((f"replay, {rule} rule vs torch AdamW(fused)", f"{d[f'{rule}_vs_torch']:.2f}x", ">= 0.95x",
+                             d[f"{rule}_vs_torch"] >= 0.95))
         rows.append(("replay bit-identical to torch", str(d["bit_identical"]), "True", bool(d["bit_identical"])))
     elif name == "apply":
         for path in ("after", "after+snapshot"):
@@ -72,6 +76,9 @@ def goals(name: str, d: dict) -> list[tuple[str, str, str, bool | None]]:
                          None))
         rows.append(("worker CPU-s / iteration / B params", f"{d['paths']['after']['cpu_s_per_iter_per_Bparams']:.2f}",
                      "", None))
+        if "whole_path_vs_replay_alone" in d:
+            r = d["whole_path_vs_replay_alone"]
+            rows.append(("whole worker path / replay alone (CPU-s, same threads)", f"{r:.2f}x", "<= 1.25x", r <= 1.25))
     elif name == "transport":
         for r in d["rows"]:
             rows.append((f"{r['transport']} {r['shape']}: shadow (zero-copy) / bare pyzmq", f"{r['zc_vs_bare']:.2f}x",

@@ -106,6 +106,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.params, args.iters = min(args.params, 10e6), min(args.iters, 4)
+    from shadow.worker import malloc
+
+    malloc.reexec()  # receive as a worker does: malloc on huge pages (SHADOW_WORKER_HUGEPAGES=0: without)
     os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
     import numpy as np
     import zmq
@@ -231,6 +234,16 @@ def main() -> int:
                               "cpu_speedup_vs_before": base_cpu / cpu}
         print(f"| {path} | {sum(PASSES[path].values())} | {med['recv_cpu']:.4f} | {med['apply_s']:.4f} | "
               f"{cpu:.4f} | {cpu / total * 1e9:.2f} | {base_cpu / cpu:.2f}x |")
+    # the goal of the worker path: receive + checksum + apply from the frames, against the
+    # replay alone (the kernel over one contiguous gradient: the "before" path's apply)
+    alone = statistics.median(rows["before"]["apply_cpu"])
+    whole = out["paths"]["after"]["cpu_s_per_iter"]
+    out["replay_alone_cpu_s_per_iter_per_Bparams"] = alone / total * 1e9
+    out["whole_path_vs_replay_alone"] = whole / alone
+    out["malloc_hugepages"] = malloc.TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
+    print(f"whole worker path (receive, checksum, apply from the frames): {whole / total * 1e9:.2f} CPU s / iter / "
+          f"B params; the replay alone (contiguous gradient): {alone / total * 1e9:.2f}; ratio {whole / alone:.2f}x "
+          f"(goal <= 1.25x); malloc on huge pages: {out['malloc_hugepages']}")
     print(f"states bit-identical: {same}; folded snapshot identical to the copied one: {snap_ok}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

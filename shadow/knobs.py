@@ -23,6 +23,7 @@ _DEFAULTS: dict[str, float] = {
     "EXTRA_CHUNK_BYTES": 4 << 20,  # model state outside the optimizer travels in chunks of this size (<= MAX_COMMIT_BYTES)
     # service side
     "WORKER_SLOTS": 5,  # gradient buffers per worker (> MAX_LAG)
+    "WORKER_HUGEPAGES": 1,  # workers start with glibc's malloc on transparent huge pages (shadow/worker/malloc.py)
     "KERNEL_CHUNK": 32768,  # elements per parallel work item in the replay kernel
     "MAX_RUNS": 65536,  # run-table entries accepted in one frame
     "SEQ_WINDOW": 4096,  # a data frame further than this ahead of a rank's expected sequence number is dropped, not a gap

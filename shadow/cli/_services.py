@@ -97,8 +97,12 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     thread = threading.Thread(target=coord.run, name="coordinator", daemon=True)
     thread.start()
 
+    from shadow.worker import malloc
+
+    env = malloc.environ()
+
     def spawn(slot: int) -> subprocess.Popen:
-        return subprocess.Popen([
+        return subprocess.Popen(env=env, args=[
             sys.executable, "-m", "shadow", "worker", f"coordinator={address}", f"host={cfg.host}",
             f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"log_format={cfg.log_format}",
             f"worker_id={slot}", f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}", *curve,

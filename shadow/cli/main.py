@@ -19,11 +19,16 @@ CLIENTS = ("status", "restore", "export", "ls")  # commands that connect to a cl
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_process = argv is None  # this process was started for this command
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]
+    if name == "worker" and from_process:
+        from shadow.worker import malloc
+
+        malloc.reexec()  # with malloc on huge pages, where available (once)
     if name not in COMMANDS:
         print(f"shadow: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
