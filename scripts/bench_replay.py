@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,25 +45,6 @@ def shapes(total: int) -> list[int]:
     return out
 
 
-def cpu_identity() -> dict:
-    """What the figures ran on: the CPU model, and the ISA torch's kernels and numba's
-    code were compiled for (they differ: numba targets the host CPU, LLVM prefers 256-bit
-    vectors on AVX-512 parts)."""
-    import llvmlite.binding as ll
-    import torch
-
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_model": model, "cpu_count": os.cpu_count(), "torch_isa": torch.backends.cpu.get_cpu_capability(),
-            "numba_target": os.environ.get("NUMBA_CPU_NAME") or ll.get_host_cpu_name()}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=50e6)
@@ -76,6 +56,8 @@ def main() -> int:
     import numba
     import numpy as np
     import torch
+
+    from benchlib import machine_info
 
     from shadow import knobs
     from shadow.kernels.plan import ReplayPlan, segments_for_range, warm_up
@@ -170,9 +152,9 @@ def main() -> int:
     same = all(torch.equal(p.detach(), torch.from_numpy(flat_p[o:o + n]))
                for p, o, n in zip(params, offsets, sizes, strict=True))
     gbps = {k: (8 if k == "copy" else 28) * total / med[k] / 1e9 for k in fns}
-    cpu = cpu_identity()
+    cpu = machine_info()
     rows = {
-        "params": total, "threads": args.threads, "repeat": args.repeat, **cpu,
+        "params": total, "threads": args.threads, "repeat": args.repeat, "machine": cpu,
         "torch_fused_s": med["torch"], "shadow_s": med["shadow"], "copy_s": med["copy"], "stream_s": med["stream"],
         "cuda_fused_s": med["cuda_fused"], "cuda_foreach_s": med["cuda_foreach"],
         "shadow_vs_torch": ratio["shadow"], "cuda_fused_vs_torch": ratio["cuda_fused"],
@@ -181,8 +163,8 @@ def main() -> int:
         "stream_GBps": gbps["stream"], "bit_identical": bool(same),
     }
     rows["shadow_vs_stream_bw"] = gbps["shadow"] / gbps["stream"]
-    print(f"CPU: {cpu['cpu_model']} ({cpu['cpu_count']} logical CPUs); torch kernels: {cpu['torch_isa']}; "
-          f"numba target: {cpu['numba_target']}")
+    print(f"CPU: {cpu['cpu']} ({cpu['cores']} logical CPUs); torch kernels: {cpu.get('torch_isa')}; "
+          f"numba target: {cpu.get('numba_target')}")
     print(f"AdamW over {total / 1e6:.1f}M fp32 params, {args.threads} threads, {args.repeat} interleaved rounds "
           f"(time: median; vs torch: median of the per-round ratios)")
     print("| variant | s/step | GB/s moved | vs torch fused | vs Adam-traffic stream | goal |")

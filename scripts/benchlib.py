@@ -35,4 +35,16 @@ def machine_info() -> dict:
             info[mod] = __import__(mod).__version__ if mod != "xxhash" else __import__(mod).VERSION
         except ImportError:
             pass
+    try:  # the ISA torch's CPU kernels were picked for, and the CPU numba compiles for
+        import torch
+
+        info["torch_isa"] = torch.backends.cpu.get_cpu_capability()
+    except (ImportError, AttributeError):
+        pass
+    try:
+        import llvmlite.binding as ll
+
+        info["numba_target"] = os.environ.get("NUMBA_CPU_NAME") or ll.get_host_cpu_name()
+    except ImportError:
+        pass
     return info

@@ -23,7 +23,8 @@ Which elements take the tail rule is precomputed per segment (``tail_start``), s
 the kernel itself is branch-light and shared by every variant.
 
 CUDA's kernels round differently (measured on an H200 with torch 2.11,
-``tests/data/cuda_optim.npz``); a segment's ``I_RULE`` selects their formulas:
+``tests/data/cuda_optim.npz``); each rule has a kernel of its own (:data:`KERNELS`, the
+plan picks it from the implementation; ``I_RULE`` names it per segment):
 
 * ``RULE_CUDA_FUSED`` (``fused=True``): scalars in float32 (``step_size = lr / (1 -
   b1^k)``, ``bc2s = sqrtf(1 - b2^k)``); AdamW decay ``p = fma(-(lr*wd), p, p)``; L2
@@ -54,8 +55,14 @@ N_ISCALARS = 13
 # I_RULE values: whose rounding the segment reproduces
 RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH = 0, 1, 2
 
+# The element functions below are plain ``@njit``, not inlined by numba: LLVM inlines them
+# into each loop, which it then vectorises (``scripts/inspect_kernels.py`` shows it).
+# numba's own inlining (``inline="always"``) of the three rules' loops took 57-70 s to
+# compile instead of 18. They are not cached themselves: they are compiled (in
+# milliseconds) with the kernels that use them, and those are cached.
 
-@njit(nogil=True, error_model="numpy")  # no cache: LLVM inlines it into each loop (see below)
+
+@njit(nogil=True, error_model="numpy")
 def _grad(g, inv, cl, div, gs, rgs):
     """The gradient transforms, in torch's order: ``g * inv_scale`` (``GradScaler.unscale_``),
     ``* clip``, ``/ grad_scale`` (``GradScaler.step`` into a fused kernel), ``* -1``
@@ -69,7 +76,7 @@ def _grad(g, inv, cl, div, gs, rgs):
     return g / gs if div else g * rgs
 
 
-@njit(nogil=True, error_model="numpy")  # no cache: LLVM inlines it into each loop (see below)
+@njit(nogil=True, error_model="numpy")
 def _moments(rule, g, p, m, v, lane, wd, l2, decoupled, tail, dec, w1, small, b2, c2):
     """One element up to the new moments: ``(p after decoupled decay, exp_avg, exp_avg_sq)``.
 
@@ -101,7 +108,7 @@ def _moments(rule, g, p, m, v, lane, wd, l2, decoupled, tail, dec, w1, small, b2
     return p, m, (vt if tail else vb)
 
 
-@njit(nogil=True, error_model="numpy")  # no cache: LLVM inlines it into each loop (see below)
+@njit(nogil=True, error_model="numpy")
 def _step(rule, p, m, vm, recip, nstep, bc2s, eps):
     """The parameter update from the new moments (``vm``: amsgrad's max, else ``v``)."""
     root = np.sqrt(vm)
