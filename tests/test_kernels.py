@@ -101,3 +101,16 @@ def test_sgd_bit_identical(impl, case):
     for key in theirs:
         for n, a, b in zip(SIZES, theirs[key], ours[key]):
             assert torch.equal(a, b), f"{key} of a {n}-element tensor differs in {(a != b).sum()} elements"
+
+
+def test_interleave_gives_each_thread_every_t_th_row():
+    """numba's static schedule hands thread t the t-th contiguous block of rows;
+    interleaved, those are rows t, t + T, ... of the original order."""
+    from shadow.kernels.plan import interleave
+
+    work = np.arange(5 * 5, dtype=np.int64).reshape(5, 5)
+    assert np.array_equal(interleave(work, 2)[:, 0], [0, 10, 20, 5, 15])
+    assert np.array_equal(interleave(work, 3)[:, 0], [0, 15, 5, 20, 10])
+    assert interleave(work, 1) is work and np.array_equal(interleave(work[:2], 4), work[:2])
+    for t in (2, 3, 4):
+        assert sorted(interleave(work, t)[:, 0].tolist()) == work[:, 0].tolist()
