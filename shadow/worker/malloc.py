@@ -4,10 +4,10 @@ zmq allocates every received frame with ``malloc``; a large one is a fresh ``mma
 4 KiB pages each iteration, and the replay kernel then streams the gradient frames and the
 three state arrays (numpy puts those on huge pages) through the TLB at once. glibc's
 ``glibc.malloc.hugetlb=1`` tunable (glibc 2.35+) makes ``malloc`` advise its mappings for
-transparent huge pages, where the kernel allows them (THP ``madvise`` or ``always``):
-measured with ``scripts/bench_apply.py`` (50M parameters, AMD EPYC, 2 threads), the apply
-from the frames took 0.048 s per iteration without it and 0.034 s with it, as fast as from
-one contiguous buffer.
+transparent huge pages, where the kernel allows them (THP ``madvise`` or ``always``).
+Measured with ``scripts/bench_apply.py --params 50e6`` (AMD EPYC, 2 threads, a noisy
+shared VM): the whole worker path over the replay alone was 1.37x, 1.25x and 1.36x in
+three runs with it, 1.34x, 1.57x and 1.50x without.
 
 glibc reads its tunables once, at process start, so ``shadow cluster`` starts its workers
 with the tunable and ``shadow worker`` started by hand executes itself again with it
