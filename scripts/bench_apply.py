@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # bytes per parameter per iteration, by pass (see the module docstring)
 PASSES = {
@@ -56,7 +55,7 @@ def bucket_runs(sizes: list[int], cap: int = 25 << 20) -> list[list[tuple[int, i
         offsets.append(o)
         o += n
     buckets, cur, nbytes = [], [], 0
-    for off, n in reversed(list(zip(offsets, sizes))):
+    for off, n in reversed(list(zip(offsets, sizes, strict=True))):
         cur.append((off, n))
         nbytes += 4 * n
         if nbytes >= cap:
@@ -87,7 +86,7 @@ def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
             conn.recv()  # the receiver is ready
             for runs in buckets:
                 views = [grad[off:off + n] for off, n in runs]
-                table = tuple((off, n, F.checksum(v)) for (off, n), v in zip(runs, views))
+                table = tuple((off, n, F.checksum(v)) for (off, n), v in zip(runs, views, strict=True))
                 h = F.Header(F.Kind.GRAD, F.Field.GRAD, 1, 1, 0, 1, 7, it, seq, table)
                 seq += 1
                 sock.send_multipart([h.pack()] + [memoryview(v) for v in views], copy=False)

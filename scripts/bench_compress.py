@@ -19,21 +19,17 @@ import io
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import zstandard
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
 from benchlib import machine_info
 
 from shadow import knobs
 from shadow.persist import planes, shardfile, zshard
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,14 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from shadow.testing import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "shadow", "shadow_foreach", "dcp")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(tiny: bool):
@@ -101,28 +96,13 @@ def build_model(tiny: bool):
     return GPT(), vocab, block
 
 
-def ulp_report(live, restored) -> dict:
-    """Max ulp distance and fraction of differing elements of two float32 tensors."""
-    import torch
-
-    a, b = live.detach().float().cpu().reshape(-1), restored.detach().float().cpu().reshape(-1)
-
-    def ordered(t):
-        i = t.view(torch.int32).long()
-        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
-
-    diff = (ordered(a) - ordered(b)).abs()
-    return {"max_ulp": int(diff.max()) if diff.numel() else 0,
-            "frac_diff": float((diff != 0).float().mean()) if diff.numel() else 0.0}
-
-
 def rank_main(args) -> None:
-    sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
+
 
     cuda = args.device == "cuda"
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=0, world_size=1)
@@ -200,6 +180,7 @@ def restore_and_fidelity(args, model, opt, device, iteration: int, job: str) -> 
     import torch.distributed.checkpoint as dcp
 
     import trainer_hooks
+    from shadow.testing import ulp_report
 
     torch.manual_seed(1)
     fresh, _, _ = build_model(args.tiny)
@@ -217,7 +198,7 @@ def restore_and_fidelity(args, model, opt, device, iteration: int, job: str) -> 
     for key in ("param", "exp_avg", "exp_avg_sq"):
         worst = {"max_ulp": 0, "frac_diff": 0.0}
         n_total, n_diff = 0, 0.0
-        for p, q in zip(live_params, fresh_params):
+        for p, q in zip(live_params, fresh_params, strict=True):
             a = p if key == "param" else opt.state[p][key]
             b = q if key == "param" else fresh_opt.state[q][key]
             r = ulp_report(a, b)
@@ -245,8 +226,7 @@ class ShadowCluster:
     """A local cluster (127.0.0.1, a free port), its processes pinned to ``cores``."""
 
     def __init__(self, work: Path, workers: int, threads: int, cores: str | None) -> None:
-        sys.path.insert(0, str(ROOT))
-        from tests.conftest import status
+        from shadow.testing import status
 
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
@@ -371,7 +351,6 @@ def main() -> int:
               f"{f('hook_ms_per_bucket', '.3f')} | {f('hook_ms_per_step', '.2f')} | {f('blocked_s', '.3f')} | "
               f"{f('restore_s', '.2f')} | {f('dcp_load_s', '.2f')} | {ulp} | {frac} |")
     if args.json:
-        sys.path.insert(0, str(ROOT / "scripts"))
         from benchlib import machine_info
 
         Path(args.json).write_text(json.dumps({

@@ -27,8 +27,6 @@ MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "python_ho
 
 
 def rank_main(args) -> None:
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "scripts"))
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -131,8 +129,7 @@ def main() -> int:
         args.mode = args.rank_mode
         rank_main(args)
         return 0
-    sys.path.insert(0, str(ROOT))
-    from tests.conftest import Cluster
+    from shadow.testing import LocalCluster
 
     work = Path(tempfile.mkdtemp(prefix="bench_overhead-"))
     runs: dict[str, list[dict]] = {}
@@ -140,7 +137,7 @@ def main() -> int:
     for rnd in range(args.rounds):  # interleaved rounds: drift on a noisy machine hits every mode alike
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
             if mode == "shadow":
-                cluster = Cluster(work, workers=2)
+                cluster = LocalCluster(work, workers=2)
                 try:
                     res = launch(mode, args, work, cluster.address)
                 finally:

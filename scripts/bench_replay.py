@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def shapes(total: int) -> list[int]:
@@ -56,7 +55,6 @@ def main() -> int:
     import numba
     import numpy as np
     import torch
-
     from benchlib import machine_info
 
     from shadow import knobs
@@ -86,7 +84,7 @@ def main() -> int:
                          np.zeros(total, np.float32))
 
     def torch_step():
-        for p, gr in zip(params, grads):
+        for p, gr in zip(params, grads, strict=True):
             p.grad = gr
         opt.step()
 

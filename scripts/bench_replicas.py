@@ -24,17 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from gpt import GPT, CharData, GPTConfig, corpus
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow.testing import LocalCluster
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-import trainer_hooks  # noqa: E402
-from gpt import GPT, CharData, GPTConfig, corpus  # noqa: E402
-from tests.conftest import Cluster  # noqa: E402
 
 
 def build(n_embd: int):
@@ -62,7 +60,7 @@ def timed(data, ddp, opt, steps: int, first: int = 1) -> float:
 
 def run(workers: int, replicas: int, steps: int, n_embd: int, tmp: Path) -> dict:
     data, model, ddp, opt = build(n_embd)
-    cluster = Cluster(tmp, workers=workers, args=(f"replicas={replicas}",), env={"SHADOW_WORKER_LOST_S": "2"})
+    cluster = LocalCluster(tmp, workers=workers, args=(f"replicas={replicas}",), env={"SHADOW_WORKER_LOST_S": "2"})
     try:
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, job=f"r{replicas}")
         timed(data, ddp, opt, 3)  # warm-up

@@ -58,10 +58,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 from benchcluster import Services, compare, dir_bytes, evict, free_port, wait_persisted
 from benchlib import machine_info
+
+ROOT = Path(__file__).resolve().parents[1]
 
 JOB = "bench_restore"
 LR, WD = 1e-3, 0.1
@@ -73,8 +73,6 @@ PATHS = ("shadow memory", "shadow local", "shadow local, evicted", "DCP load", "
 
 
 def _setup_torch(work: Path, threads: int):
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "scripts"))
     import torch
     import torch.distributed as dist
 
@@ -303,7 +301,6 @@ def main() -> int:
         return 0
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops the services
-    sys.path.insert(0, str(ROOT))
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench_restore-", dir=args.dir))
     services = Services(work, __file__)

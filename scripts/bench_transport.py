@@ -48,10 +48,6 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from benchlib import machine_info
 from transport_receiver import (
     EPOCH,
@@ -66,6 +62,8 @@ from transport_receiver import (
 
 from shadow import knobs
 from shadow.wire import frames as F
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KIB, MIB = 1 << 10, 1 << 20
 VARIANTS = ("bare", "shadow_into", "shadow_zc")
@@ -132,7 +130,7 @@ class Sender:
             # as Sender._send_payload: views of the ring, xxh3 each, header with the run table
             runs = [(base + o, base + o, k) for o, k in offs]  # (src, dst, n)
             views = [ring[src:src + k] for src, _, k in runs]
-            table = [(dst, k, F.checksum(v)) for (_, dst, k), v in zip(runs, views)]
+            table = [(dst, k, F.checksum(v)) for (_, dst, k), v in zip(runs, views, strict=True)]
             hdr = F.Header(F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq,
                            tuple(table)).pack()
             self.seq += 1

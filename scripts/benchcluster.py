@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from shadow.testing import free_port, state_differences, status  # noqa: F401 (free_port: for bench_restore)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def status(address: str, timeout: float = 2.0) -> dict:
-    from tests.conftest import (
-        status as query,  # the coordinator's status, one bounded request
-    )
-
-    return query(address, timeout)
 
 
 class Services:
@@ -47,7 +34,7 @@ class Services:
              "threads_per_worker=1", f"persist.local.dir={self.work / 'local'}", f"persist.local.every_n={steps}",
              "persist.local.keep=1"],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            env=dict(os.environ))
         self.procs.append(self.cluster)
         deadline = time.monotonic() + 90
         while True:
@@ -64,7 +51,7 @@ class Services:
 
     def run(self, role: str, argv: list[str], timeout: float) -> None:
         log = self.work / f"{role}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""),
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""),
                    TORCH_CPP_LOG_LEVEL="ERROR")
         if not env["OMP_NUM_THREADS"]:
             del env["OMP_NUM_THREADS"]
@@ -148,27 +135,5 @@ def evict(path: Path) -> None:
 
 
 def compare(model, opt, ref: dict) -> list[str]:
-    import torch
-
-    problems = []
-    msd, rmsd = model.state_dict(), ref["model"]
-    if msd.keys() != rmsd.keys():
-        problems.append(f"model keys differ: {sorted(set(msd) ^ set(rmsd))[:5]}")
-    for k in msd.keys() & rmsd.keys():
-        a, b = msd[k], rmsd[k]
-        if a.dtype != b.dtype or not torch.equal(a, b):
-            problems.append(f"model {k}")
-    osd, rosd = opt.state_dict(), ref["optimizer"]
-    sa, sb = osd["state"], rosd["state"]
-    if sa.keys() != sb.keys():
-        problems.append(f"optimizer state for params {sorted(set(sa) ^ set(sb))[:5]} only on one side")
-    for i in sa.keys() & sb.keys():
-        if sa[i].keys() != sb[i].keys():
-            problems.append(f"optimizer state {i}: keys {sorted(sa[i])} vs {sorted(sb[i])}")
-        for k in sa[i].keys() & sb[i].keys():
-            a, b = sa[i][k], sb[i][k]
-            if a.dtype != b.dtype or a.device != b.device or not torch.equal(a, b):
-                problems.append(f"optimizer state {i}.{k}")
-    if osd["param_groups"] != rosd["param_groups"]:
-        problems.append(f"param_groups: {osd['param_groups']} vs {rosd['param_groups']}")
-    return problems
+    """What differs, bit for bit, between a restored model and optimizer and ``ref``."""
+    return state_differences({"model": model.state_dict(), "optimizer": opt.state_dict()}, ref)

@@ -32,27 +32,26 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from faultlib import (  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from faultlib import (  # scripts/ is on sys.path when run as a script
     LOST_S,
     RANKS,
     References,
     Trial,
     Watch,
-    cluster,
     committed,
     judge_worker_fault,
     problems,
     result,
     resume_and_judge,
     settled,
-    status,
     summarize,
     table,
 )
 
-from shadow import knobs  # noqa: E402
+from shadow import knobs
+from shadow.testing import LocalCluster, status
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SCENARIOS: dict[str, Callable[[Trial], dict]] = {}
 
@@ -67,7 +66,7 @@ def scenario(fn: Callable[[Trial], dict]) -> Callable[[Trial], dict]:
 def trainer_kill(t: Trial) -> dict:
     """SIGKILL both ranks right after iteration k (and a short sleep); resume to the end."""
     k = t.rng.randint(2, t.steps - 1)
-    with cluster(t.tmp) as c:
+    with LocalCluster(t.tmp) as c:
         codes = t.run("train", "--kill-at", str(k), "--step-sleep", "0.05", coordinator=c)
         done = min(t.info("train", r).get("completed", 0) for r in range(RANKS))
         if codes != [-9] * RANKS:
@@ -83,7 +82,7 @@ def trainer_kill_mid_iteration(t: Trial) -> dict:
     """SHADOW_FAULT_DIE_AT=k:n: iteration k sends n data messages, the rest to worker 0 only,
     then the ranks die; the cluster must hold exactly k-1."""
     k, n = t.rng.randint(2, t.steps - 2), t.rng.randint(0, 3)
-    with cluster(t.tmp) as c:
+    with LocalCluster(t.tmp) as c:
         codes = t.run("train", "--step-sleep", "0.05", coordinator=c, env={"SHADOW_FAULT_DIE_AT": f"{k}:{n}"})
         local = min(t.info("train", r).get("completed", 0) for r in range(RANKS))
         if 137 not in codes:
@@ -107,7 +106,7 @@ def trainer_kill_bootstrap(t: Trial) -> dict:
     # about half the trials die at once after the handshake, the others up to 10 ms later (the
     # tiny model's bootstrap commits 2-5 ms after the handshake, so some land just after it)
     delay = t.rng.choice([0.0, round(t.rng.uniform(0.1, 10.0), 1)])
-    with cluster(t.tmp) as c:
+    with LocalCluster(t.tmp) as c:
         codes = t.run("train", "--kill-at", str(j), "--step-sleep", "0.05", coordinator=c)
         if codes != [-9] * RANKS:
             return result(False, True, None, None, f"kill at {j}: training exited {codes}: {t.error('train')}")
@@ -137,7 +136,7 @@ def worker_kill(t: Trial) -> dict:
     cluster restart and resync the worker, and the final restore be exact."""
     k = t.rng.randint(3, 6)
     sleep = max(0.1, 6.0 / (t.steps - k))  # time after the kill for the restart (1-4 s) + resync
-    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
+    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
         codes = t.run("train", "--kill-worker-at", str(k), "--step-sleep", f"{sleep:.3f}", coordinator=c)
         t_kill = t.info("train").get("worker_killed_t")
         det, what = w.detection(t_kill)
@@ -148,7 +147,7 @@ def _stop_worker(t: Trial, policy: str) -> dict:
     """SIGSTOP worker 0 once the cut reaches a seeded iteration, SIGCONT a few seconds later."""
     stop_at, stop_s = t.rng.randint(3, 6), round(t.rng.uniform(2.5, 3.5), 2)
     sleep = max(0.1, (stop_s + 4.0) / (t.steps - stop_at))
-    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
+    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
         procs = t.start("train", "--step-sleep", f"{sleep:.3f}", "--policy", policy, coordinator=c)
         victim, t_stop = None, None
         try:
@@ -190,7 +189,7 @@ def worker_stop_skip(t: Trial) -> dict:
 def _restart_coordinator(t: Trial, outage_s: float, env: dict | None, k: int, step_s: float) -> dict:
     """SIGKILL the coordinator once the cut reaches iteration ``k``, start a new one on the
     same port ``outage_s`` later."""
-    with cluster(t.tmp) as c:
+    with LocalCluster(t.tmp) as c:
         procs = t.start("train", "--step-sleep", f"{step_s}", coordinator=c, env=env)
         new = None
         try:
@@ -252,7 +251,7 @@ def cluster_loss(t: Trial) -> dict:
     # loaded cores: processes, kernels from the cache, registration) and the resync (the
     # coordinator's ask, the vote, the bootstrap) for the end to be checkpointed
     step_s = max(0.3, (outage_s + 8.0) / (t.steps - k))
-    with cluster(t.tmp) as c:
+    with LocalCluster(t.tmp) as c:
         procs = t.start("train", "--step-sleep", f"{step_s:.3f}", coordinator=c, env=env)
         back = None
         try:
@@ -283,7 +282,7 @@ def network_faults(t: Trial) -> dict:
     five iterations): every fault is caught, the damaged replica resyncs, nothing is wrong."""
     spec = ",".join(f"{k}=0.02" for k in ("drop", "dup", "reorder", "truncate", "bitflip"))
     spec += f",seed={t.rng.randint(0, 1 << 20)},until={t.steps - 5}"
-    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c:
+    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c:
         codes = t.run("train", "--step-sleep", "0.1", coordinator=c, env={"SHADOW_FAULT_NET": spec})
         logs = "".join((t.tmp / f"train-rank{r}.log").read_text(errors="replace") for r in range(RANKS))
         injected = logs.count("fault injection: ")
@@ -300,7 +299,7 @@ def replica_kill(t: Trial) -> dict:
     degrades, the restarted worker copies shard 1 from worker 3 (no resync)."""
     k = t.rng.randint(3, 6)
     sleep = max(0.1, 6.0 / (t.steps - k))
-    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}, workers=4, args=("replicas=2",)) as c, \
+    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}, workers=4, args=("replicas=2",)) as c, \
             Watch(c.address) as w:
         codes = t.run("train", "--kill-worker-at", str(k), "--step-sleep", f"{sleep:.3f}", coordinator=c)
         det, what = w.detection(t.info("train").get("worker_killed_t"))

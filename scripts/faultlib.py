@@ -2,26 +2,23 @@
 cluster, the status watcher, the reference runs and the verdicts."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from shadow.testing import LocalCluster, assert_same_state, free_port, status
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from tests.conftest import TRAINER, Cluster, free_port, status  # noqa: E402
-from tests.test_integration import assert_same_state  # noqa: E402
+TRAINER = ROOT / "tests" / "helpers" / "tiny_trainer.py"  # run as a program, never imported
 
 RANKS = 2
 RUN_TIMEOUT_S = 120.0  # one launch of the trainer ranks
@@ -40,7 +37,9 @@ def same_state(got: list[dict] | None, ref: list[dict]) -> tuple[bool, str]:
     """assert_same_state (model, optimizer, scheduler) plus the torch RNG, as a verdict."""
     if got is None:
         return False, "no final state was written"
-    for r, (a, b) in enumerate(zip(got, ref)):
+    if len(got) != len(ref):
+        return False, f"{len(got)} ranks' final states against {len(ref)} in the reference"
+    for r, (a, b) in enumerate(zip(got, ref, strict=True)):
         try:
             assert_same_state(a, b)
         except AssertionError as exc:
@@ -55,50 +54,6 @@ def read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-
-
-class _Cluster(Cluster):
-    """tests.conftest.Cluster, stopped again when it fails to start."""
-
-    def __init__(self, tmp: Path, env: dict | None = None, workers: int = 2, args: tuple = ()) -> None:
-        try:
-            super().__init__(tmp, env=env, workers=workers, args=args)
-        except BaseException as exc:
-            if getattr(self, "proc", None) is not None:
-                self.stop()
-            errors = [ln for ln in self.log.read_text(errors="replace").splitlines() if "Error" in ln]
-            raise RuntimeError(f"shadow cluster did not start ({errors[-1] if errors else exc}); log {self.log}") \
-                from None
-
-
-@contextlib.contextmanager
-def cluster(tmp: Path, env: dict | None = None, workers: int = 2, args: tuple = ()) -> Iterator[Cluster]:
-    """A fresh local cluster, always stopped (and its workers killed if stop was not enough)."""
-    c = _Cluster(tmp, env=env, workers=workers, args=args)
-    pids: set[int] = set()
-
-    def note_pids() -> None:
-        with contextlib.suppress(Exception):
-            pids.update(w["pid"] for w in status(c.address, timeout=1.0)["workers"])
-
-    def signal_ours(sig: int) -> None:
-        for pid in pids:  # only a worker process of this cluster (its command line names the address)
-            with contextlib.suppress(OSError):
-                if f"coordinator={c.address}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    os.kill(pid, sig)
-
-    note_pids()
-    try:
-        yield c
-    finally:
-        note_pids()
-        signal_ours(signal.SIGCONT)  # a SIGSTOPped worker would not exit on SIGTERM
-        try:
-            c.stop()
-        except Exception:
-            c.proc.kill()
-            c.proc.wait(timeout=10)
-        signal_ours(signal.SIGKILL)
 
 
 class Watch(threading.Thread):
@@ -155,7 +110,7 @@ class Trial:
     timeout: float = RUN_TIMEOUT_S
     notes: list[str] = field(default_factory=list)
 
-    def start(self, tag: str, *args: str, coordinator: Cluster | None = None, env: dict | None = None,
+    def start(self, tag: str, *args: str, coordinator: LocalCluster | None = None, env: dict | None = None,
               steps: int | None = None) -> list[subprocess.Popen]:
         """Launch the trainer ranks; output in tmp/tag, progress in tmp/tag-info-{rank}.json."""
         port = free_port()
@@ -214,9 +169,12 @@ class Trial:
         return " | ".join(out) or "no error in the logs"
 
 
-def settled(c: Cluster, quiet: float = 1.0) -> dict:
+def settled(c: LocalCluster, quiet: float = 1.0) -> dict:
+    """The status once a killed trainer's last messages are processed (the scenarios kill at
+    random points, so the end state is not known in advance); the latest status if the
+    cluster does not go quiet within 30 s (the verdict then says what it shows)."""
     try:
-        return c.settled(quiet=quiet, limit=30.0)
+        return c.wait_quiet(quiet=quiet, limit=30.0)
     except Exception:
         return c.status()
 
@@ -225,7 +183,7 @@ def committed(st: dict) -> int | None:
     return st["job"]["committed"] if st.get("job") else None
 
 
-def resume_and_judge(t: Trial, c: Cluster, tag: str, completed: int, allowed: int, detail: str) -> dict:
+def resume_and_judge(t: Trial, c: LocalCluster, tag: str, completed: int, allowed: int, detail: str) -> dict:
     """Restore in a new process group, finish the run, compare with the reference.
     ``completed``: the last iteration trained before the fault."""
     codes = t.run(tag, "--mode", "resume", coordinator=c)
@@ -241,7 +199,7 @@ def resume_and_judge(t: Trial, c: Cluster, tag: str, completed: int, allowed: in
     return result(ok, False, completed - restored, None, f"{detail}; final state {why}", allowed)
 
 
-def judge_worker_fault(t: Trial, c: Cluster, codes: list, det: float | None, detail: str) -> dict:
+def judge_worker_fault(t: Trial, c: LocalCluster, codes: list, det: float | None, detail: str) -> dict:
     """Training finished unchanged, and a restore (resume with nothing left to train) brings
     back the last iteration exactly."""
     if codes != [0] * RANKS:
@@ -300,7 +258,7 @@ def table(summaries: dict[str, dict]) -> str:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def fmt(r: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
 
     return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, rows)])
 

@@ -17,13 +17,20 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from shadow.cli._compose import compose, split
+from shadow.plan import (
+    PlanConfig,
+    analyse,
+    break_even_overhead,
+    plan,
+    simulate_many,
+    size,
+    strategies,
+)
+from shadow.plan.config import LLAMA3_GPU_MTBF_H
+from shadow.plan.model import breakdown
 
-from shadow.cli._compose import compose, split  # noqa: E402
-from shadow.plan import PlanConfig, analyse, break_even_overhead, plan, simulate_many, size, strategies  # noqa: E402
-from shadow.plan.config import LLAMA3_GPU_MTBF_H  # noqa: E402
-from shadow.plan.model import breakdown  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SCENARIOS = ("plan_llama3_405b", "plan_100k_hourly")
 GPUS = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)

@@ -10,9 +10,6 @@ in-flight window, at most SHADOW_MAX_LAG; the other two must lose none).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fault_matrix import main
 

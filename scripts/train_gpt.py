@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from gpt import (  # scripts/ is on sys.path when run as a script
+    GPT,
+    CharData,
+    GPTConfig,
+    corpus,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, CharData, GPTConfig, corpus  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

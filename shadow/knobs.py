@@ -81,8 +81,3 @@ def override(**values: float) -> Iterator[None]:
     finally:
         _overrides.clear()
         _overrides.update(saved)
-
-
-def fault(name: str) -> str | None:
-    """Fault-injection setting ``SHADOW_FAULT_<NAME>`` (tests only), or None."""
-    return os.environ.get("SHADOW_FAULT_" + name)

@@ -31,14 +31,14 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
     mx = np.zeros(total if amsgrad else 0, np.float32)
     bounds = np.linspace(0, total, shards + 1).astype(int)
     plans = [ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), lo, hi, impl, vec, tail), impl, 4096)
-             for lo, hi in zip(bounds[:-1], bounds[1:])]
+             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     for k in range(1, steps + 1):
         grads = [torch.randn(n, generator=gen) for n in sizes]
         if grad_scale is not None:
             grads = [g * grad_scale for g in grads]
             opt.grad_scale = torch.tensor(grad_scale, dtype=torch.float32)  # what GradScaler.step sets
             opt.found_inf = torch.tensor(0.0)
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         coef = None
         if clip is not None:
@@ -48,7 +48,7 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
         opt.step()
         gflat = np.concatenate([g.numpy() for g in grads]).astype(np.float32)
         groups = replay_groups(opt)
-        for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:]):
+        for plan, lo, hi in zip(plans, bounds[:-1], bounds[1:], strict=True):
             gs = np.float32(grad_scale) if grad_scale is not None else None
             plan.prepare(groups, np.full(len(sizes), float(k)), set(), coef, grad_scale=gs)
             plan.apply(flat[lo:hi], m[lo:hi], v[lo:hi], mx[lo:hi] if amsgrad else mx, gflat[lo:hi])
@@ -59,7 +59,7 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
     for key in ours:
         if key != "param":
             theirs[key] = [opt.state[p][key] for p in params]
-    split = {key: [torch.from_numpy(arr[o:o + n].copy()) for o, n in zip(offsets, sizes)] for key, arr in ours.items()}
+    split = {key: [torch.from_numpy(arr[o:o + n].copy()) for o, n in zip(offsets, sizes, strict=True)] for key, arr in ours.items()}
     return theirs, split
 
 
@@ -94,15 +94,15 @@ def run_pair_sgd(impl: str, sizes, steps: int = 4, seed: int = 0, **kw):
     has_state = np.zeros(len(sizes), dtype=bool)
     for _ in range(steps):
         grads = [torch.randn(n, generator=gen) for n in sizes]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         opt.step()
         plan.prepare_sgd(replay_groups(opt), has_state, set())
         plan.apply_sgd(flat, buf, np.concatenate([g.numpy() for g in grads]).astype(np.float32))
         has_state[:] = kw.get("momentum", 0) != 0
     theirs = {"param": [p.detach() for p in params]}
-    ours = {"param": [torch.from_numpy(flat[o:o + n].copy()) for o, n in zip(offsets, sizes)]}
+    ours = {"param": [torch.from_numpy(flat[o:o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]}
     if kw.get("momentum", 0):
         theirs["momentum_buffer"] = [opt.state[p]["momentum_buffer"] for p in params]
-        ours["momentum_buffer"] = [torch.from_numpy(buf[o:o + n].copy()) for o, n in zip(offsets, sizes)]
+        ours["momentum_buffer"] = [torch.from_numpy(buf[o:o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]
     return theirs, ours

@@ -38,7 +38,7 @@ def split(grad: np.ndarray, cuts: list[int], order) -> list[tuple[int, np.ndarra
     """Gradient pieces as frames deliver them: read-only arrays of their own, any order."""
     bounds = [0] + cuts + [len(grad)]
     parts = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         a = np.frombuffer(grad[lo:hi].tobytes(), dtype=np.float32)  # its own (read-only) buffer
         parts.append((lo, a))
     parts = [parts[i] for i in order(len(parts))]

@@ -9,7 +9,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow import knobs
-from tests.conftest import free_port, train_step
+from shadow.testing import free_port
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import Tiny, build
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ def test_restore_guards_and_overwrite_protection(world1, cluster):
     before = [p.detach().clone() for p in wrong.parameters()]
     with pytest.raises(trainer_hooks.LayoutMismatchError, match="does not match.*nothing was changed"):
         trainer_hooks.restore(wrong, wopt, source=cluster.address)
-    assert all(torch.equal(a, b) for a, b in zip(before, wrong.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, wrong.parameters(), strict=True))
     assert not wopt.state
 
     # restoring then attaching continues from the checkpoint
@@ -85,7 +86,7 @@ def test_weights_only_restore(world1, cluster):
     fresh = Tiny()
     info = trainer_hooks.restore(fresh, source=cluster.address, weights_only=True)
     assert info.iteration == 3
-    for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
+    for (n, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b), n
 
 
@@ -99,7 +100,7 @@ def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, cluster):
     session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzzed")
     _train(session, ddp, opt, sched, 3)
     session.close()
-    st = cluster.settled()
+    st = cluster.wait_caught_up(3)
     worker = st["workers"][0]
     good = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash, 4, 99,
                     ((worker["start"], 4, F.checksum(b"\0" * 16)),))
@@ -117,14 +118,13 @@ def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, cluster):
     for frames in bad:
         sock.send_multipart(frames)
     sock.close()
-    st2 = cluster.settled()
-    rejected = st2["workers"][0]["rejected"]
-    for reason in ("truncated", "bad_magic", "wrong_epoch", "wrong_layout", "bad_rank"):
-        assert rejected.get(reason, 0) >= 1, (reason, rejected)
+    reasons = ("truncated", "bad_magic", "wrong_epoch", "wrong_layout", "bad_rank")
+    st2 = cluster.wait_status(lambda st: all(st["workers"][0]["rejected"].get(r, 0) >= 1 for r in reasons),
+                              what=f"worker 0 refusing frames for each of {reasons}")
     assert st2["workers"][0]["health"] == "ok" and st2["job"]["committed"] == 3
     fresh, fopt, fsched = build(seed=3)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="fuzzed").iteration == 3
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -143,9 +143,9 @@ def test_training_survives_a_lost_worker_that_does_not_come_back(world1, tmp_pat
     import os
     import signal
 
-    from tests.conftest import Cluster
+    from shadow.testing import LocalCluster
 
-    cluster = Cluster(tmp_path, args=("max_restarts=0",))
+    cluster = LocalCluster(tmp_path, args=("max_restarts=0",))
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -199,9 +199,11 @@ def test_gradients_changed_behind_the_shadows_back_are_refused(world1, cluster, 
     with pytest.raises(trainer_hooks.ShadowError,
                        match=r"changed between DDP's all-reduce.*iteration 3.*session.clip_grad_norm_"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # that step did not happen
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # that step did not happen
     session.close(wait=False)
-    assert cluster.settled()["job"]["committed"] == 2  # nothing of iteration 3 was checkpointed
+    st = cluster.wait_status(lambda st: all(w["applied"] == 2 for w in st["workers"]),
+                             what="iteration 2 applied by every worker")
+    assert st["job"]["committed"] == 2  # nothing of iteration 3 was checkpointed
 
 
 def test_add_param_group_relayouts_and_direct_call_is_refused(world1, cluster):
@@ -237,14 +239,14 @@ def test_add_param_group_relayouts_and_direct_call_is_refused(world1, cluster):
     o2 = torch.optim.AdamW([p for n, p in m2.named_parameters() if not n.startswith("side")], lr=1e-2, fused=True)
     o2.add_param_group({"params": [m2.side.weight, m2.side.bias], "lr": 5e-3})
     assert trainer_hooks.restore(m2, o2, source=cluster.address).iteration == 6
-    for a, b in zip(model.parameters(), m2.parameters()):
+    for a, b in zip(model.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
     sa, sb = opt.state_dict()["state"], o2.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
 def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluster, tmp_path):
-    from tests.conftest import Cluster
+    from shadow.testing import LocalCluster, ServiceFaults
 
     model, opt, sched = build()
     ddp = DDP(model)
@@ -252,11 +254,12 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluste
                                    audit_every=2, audit_strict=True)
     _train(session, ddp, opt, sched, 6)
     session.close()
-    audit = cluster.settled()["job"]["audit"]
+    audit = cluster.wait_status(lambda st: st["job"]["audit"]["last_iteration"] == 6,
+                                what="the audit of iteration 6")["job"]["audit"]
     assert audit["checked"] > 0 and audit["mismatches"] == 0 and audit["last_iteration"] == 6
     assert session.audit_failures == []
 
-    bad = Cluster(tmp_path, env={"SHADOW_FAULT_CORRUPT_APPLY_AT": "4"})  # every worker flips a bit at 4
+    bad = LocalCluster(tmp_path, faults=ServiceFaults(corrupt_apply_at=4))  # every worker flips a bit at 4
     try:
         model, opt, sched = build()
         ddp2 = DDP(model)
@@ -264,7 +267,7 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluste
                                        audit_every=2, audit_strict=True)
         with pytest.raises(trainer_hooks.ShadowError, match=r"divergence audit failed at iteration 4: param of '"):
             _train(session, ddp2, opt, sched, 12)
-        assert bad.settled()["job"]["audit"]["mismatches"] >= 1
+        bad.wait_status(lambda st: st["job"]["audit"]["mismatches"] >= 1, what="the audit's mismatch")
         session.close(wait=False)
     finally:
         bad.stop()

@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 from shadow import knobs
+from shadow.testing import LocalCluster, rss_bytes
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from tests.conftest import Cluster, rss_bytes
 from trainer_hooks.session.sender import NoEvents, Sender
 
 _MiB = 1 << 20
@@ -191,10 +191,10 @@ def test_a_run_larger_than_a_part_is_sent_in_checked_parts(monkeypatch):
         assert h.seq == 0 and h.iteration == 4 and len(frames) == 1 + len(h.runs)
         assert len(h.runs) == sum(-(-n // 1024) for _, _, n in expect)
         assert all(len(p) <= 4096 for p in frames[1:])
-        for (dst, n, csum), payload in zip(h.runs, frames[1:]):
+        for (dst, n, csum), payload in zip(h.runs, frames[1:], strict=True):
             assert len(payload) == 4 * n and F.checksum(payload) == csum
         # the parts land exactly where the runs did
-        got = {dst + i: v for (dst, n, _), p in zip(h.runs, frames[1:])
+        got = {dst + i: v for (dst, n, _), p in zip(h.runs, frames[1:], strict=True)
                for i, v in enumerate(np.frombuffer(p, np.float32))}
         want = {dst + i: v for src, dst, n in expect for i, v in enumerate(data[src:src + n])}
         assert got == want
@@ -204,7 +204,7 @@ def test_a_run_larger_than_a_part_is_sent_in_checked_parts(monkeypatch):
 # -- live services ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("bounds"), workers=1)
+    c = LocalCluster(tmp_path_factory.mktemp("bounds"), workers=1)
     yield c
     c.stop()
 

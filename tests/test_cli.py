@@ -8,8 +8,16 @@ import sys
 import pytest
 
 from shadow.cli._compose import UsageError, parse
-from shadow.config import ClusterConfig, ExportConfig, RestoreConfig, StatusConfig, VerifyConfig, WorkerConfig
-from tests.conftest import ROOT, free_port
+from shadow.config import (
+    ClusterConfig,
+    ExportConfig,
+    RestoreConfig,
+    StatusConfig,
+    VerifyConfig,
+    WorkerConfig,
+)
+from shadow.testing import free_port
+from tests.conftest import ROOT
 
 
 def shadow(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

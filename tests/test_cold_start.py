@@ -22,8 +22,9 @@ from shadow.client import LogWaiting, dealer, request
 from shadow.coordinator.server import Coordinator
 from shadow.errors import ShadowConnectionError
 from shadow.layout import Layout
+from shadow.testing import free_port, status
 from shadow.wire import messages as M
-from tests.conftest import ROOT, free_port, status
+from tests.conftest import ROOT
 
 LAYOUT = Layout.build([("w", (8, 4), 0, True)], 1)
 

@@ -112,14 +112,18 @@ def test_corrupt_or_truncated_blob_raises_a_clear_error():
     # any single flipped byte either fails or still decodes to exactly the original bytes
     # (e.g. a reserved bit of a zstd frame header): never to anything else
     rng = np.random.default_rng(0)
+    ok = failed = 0
     for pos in rng.choice(len(blob), 300, replace=False):
         bad = bytearray(blob)
         bad[pos] ^= 1 << int(rng.integers(8))
         try:
             out = planes.decode(bytes(bad))
         except planes.CorruptBlobError:
+            failed += 1
             continue
-        assert np.array_equal(out, a.view(np.uint8))
+        assert np.array_equal(out, a.view(np.uint8)), f"a flip at byte {pos} decoded to other bytes"
+        ok += 1
+    assert ok + failed == 300 and failed > 250, (ok, failed)  # nearly every flip is caught
 
 
 # ---- the compressed shard file ----
@@ -178,14 +182,18 @@ def test_shard_file_any_flip_fails_or_decodes_exactly():
     data = buf.getvalue()
     _, want = shardfile.parse(bytes(img.buf[:img.size]))
     rng = np.random.default_rng(1)
+    ok = failed = 0
     for pos in rng.choice(len(data), 400, replace=False):
         bad = bytearray(data)
         bad[pos] ^= 1 << int(rng.integers(8))
         try:
             _, got = zshard.decode(bytes(bad))
         except ValueError:
+            failed += 1
             continue
-        assert all(_same_bytes(got[k], want[k]) for k in want)
+        assert all(_same_bytes(got[k], want[k]) for k in want), f"a flip at byte {pos} decoded to other bytes"
+        ok += 1
+    assert ok + failed == 400 and failed > 350, (ok, failed)  # nearly every flip is caught
 
 
 def test_encoder_refuses_a_non_shard_image():
@@ -245,7 +253,7 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
         reports = [_wait(p) for p in ps]
         assert all(r["ok"] for r in reports), reports
         _commit(local_root, "local", reports, 7)
-        for p, r in zip(ps, reports):
+        for p, r in zip(ps, reports, strict=True):
             p.upload(7, 1, r["bytes"], r["checksum"])
         uploads = [_wait(p) for p in ps]
     assert all(r["ok"] and r["tier"] == "remote" for r in uploads), uploads

@@ -16,8 +16,9 @@ import trainer_hooks
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.server import Coordinator
 from shadow.layout import Layout
+from shadow.testing import LocalCluster, free_port, pid_alive, rss_bytes, status
 from shadow.wire import messages as M
-from tests.conftest import Cluster, free_port, pid_alive, rss_bytes, status, train_step
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}
@@ -81,9 +82,10 @@ def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
         thread.join(timeout=5)
 
 
+@pytest.mark.slow
 def test_layout_beyond_the_workers_memory_is_refused_and_the_live_job_goes_on(world1, tmp_path):
     """Row 2: an attach declaring a 10^13-element layout killed a worker and replaced the job."""
-    cluster = Cluster(tmp_path, workers=2)
+    cluster = LocalCluster(tmp_path, workers=2)
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -117,9 +119,10 @@ def test_layout_beyond_the_workers_memory_is_refused_and_the_live_job_goes_on(wo
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_held_attaches_are_bounded_by_bytes(tmp_path):
     """Row 5: 8 attaches with 20 MB layouts held +200 MB until they timed out."""
-    cluster = Cluster(tmp_path, workers=1, env={"SHADOW_ATTACH_PENDING_BYTES": str(48 << 20)})
+    cluster = LocalCluster(tmp_path, workers=1, env={"SHADOW_ATTACH_PENDING_BYTES": str(48 << 20)})
     try:
         big = Layout.build([(f"p{i}-" + "x" * 60000, (1,), 0, True) for i in range(340)], 1)
         raw = [_attach(f"held{i}", big, world=2) for i in range(8)]  # rank 1 never comes: held
@@ -127,7 +130,7 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
         rss0 = rss_bytes(cluster.proc.pid)
         socks = [_dealer(cluster.address) for _ in raw]
         answers, grown = [], []
-        for s, r in zip(socks, raw):
+        for s, r in zip(socks, raw, strict=True):
             s.send(r)
             answers.append(_recv(s, 5.0) if s.poll(3000) else None)
             grown.append(rss_bytes(cluster.proc.pid) - rss0)
@@ -144,14 +147,16 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
         assert st["rejected"]["attach_full"] == 6
         # what is held stops growing at the bound (unbounded: about +20 MiB per attach, +195 MiB after 8).
         # A refused message is still received and decoded, and the allocator keeps some of what that
-        # freed for a while, so the bound is judged on a second round of refusals, once that has settled.
+        # freed for a while (CI saw one more 20 MiB message kept during the second round, then a plateau),
+        # so the bound is judged on a second round of six refusals: held, they would add about 120 MiB;
+        # refused, no more than the 48 MiB cap's worth of freed messages the allocator may keep.
         grown.append(rss_bytes(cluster.proc.pid) - rss0)
-        for s, r in zip(socks[2:], raw[2:]):
+        for s, r in zip(socks[2:], raw[2:], strict=True):
             s.send(r)
             assert s.poll(5000) and _recv(s, 5.0)["t"] == "error"
             grown.append(rss_bytes(cluster.proc.pid) - rss0)
         assert cluster.status()["rejected"]["attach_full"] == 12
-        assert grown[-1] - grown[-7] < 16 << 20 and grown[-1] < 160 << 20, \
+        assert grown[-1] - grown[-7] < 48 << 20 and grown[-1] < 160 << 20, \
             f"coordinator RSS grew by {[g >> 20 for g in grown]} MiB"
         for s in socks:
             s.close(linger=0)
@@ -159,11 +164,12 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_a_tier_that_cannot_be_scanned_refuses_attaches_until_fixed(world1, tmp_path):
     """Item 3: a failed start-up scan must not pass for an empty tier (no overwrite protection)."""
     root = tmp_path / "tier"
     root.symlink_to(root)  # a symlink loop: unreadable for root too (chmod 000 is not, for root)
-    cluster = Cluster(tmp_path, workers=1, args=(f"persist.local.dir={root}", "persist.local.every_n=1"))
+    cluster = LocalCluster(tmp_path, workers=1, args=(f"persist.local.dir={root}", "persist.local.every_n=1"))
     try:
         model, opt, sched = build()
         with pytest.raises(trainer_hooks.ShadowConnectionError, match="cannot read tier local.*fix the tier"):

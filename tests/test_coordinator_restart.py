@@ -13,7 +13,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from tests.conftest import ROOT, free_port, status, train_step
+from shadow.testing import assert_same_state, free_port, live_state, status
+from tests.conftest import ROOT, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -75,7 +76,7 @@ def test_coordinator_restart_rebuilds_from_workers(world1, tmp_path):
         fresh, fopt, fsched = build(seed=5)
         info = trainer_hooks.restore(fresh, fopt, source=address, scheduler=fsched)
         assert info.iteration == it and info.tier == "memory"
-        for a, b in zip(model.parameters(), fresh.parameters()):
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
         sa, sb = opt.state_dict(), fopt.state_dict()
         assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
@@ -91,9 +92,9 @@ def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
     cluster on the same address is found by the trainer's heartbeats, the ranks re-attach
     by themselves, and what the new cluster holds equals the trainer bit for bit."""
     from shadow import knobs
-    from tests.conftest import Cluster
+    from shadow.testing import LocalCluster
 
-    cluster = Cluster(tmp_path)
+    cluster = LocalCluster(tmp_path)
     with knobs.override(COORDINATOR_LOST_S=2.0):
         model, opt, sched = build()
         ddp = DDP(model)
@@ -106,7 +107,7 @@ def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
             train_step(ddp, opt, sched, it)
         assert time.monotonic() - t0 < 30
         assert session.degraded and "no answer from the shadow coordinator" in session.degraded
-        again = Cluster(tmp_path, port=cluster.port)
+        again = LocalCluster(tmp_path, port=cluster.port)
         try:
             it = 9
             deadline = time.monotonic() + 60
@@ -119,11 +120,6 @@ def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
             fresh, fopt, fsched = build(seed=3)
             info = trainer_hooks.restore(fresh, fopt, source=again.address, scheduler=fsched, job="whole")
             assert info.iteration == it
-            for a, b in zip(model.parameters(), fresh.parameters()):
-                assert torch.equal(a, b)
-            for p, q in zip(model.parameters(), fresh.parameters()):
-                assert opt.state[p].keys() == fopt.state[q].keys()
-                for key, v in opt.state[p].items():
-                    assert torch.equal(v, fopt.state[q][key])
+            assert_same_state(live_state(fresh, fopt), live_state(model, opt))
         finally:
             again.stop()

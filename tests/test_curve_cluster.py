@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow import security
-from tests.conftest import Cluster, status, train_step
+from shadow.testing import LocalCluster, status
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ def test_curve_cluster_admits_allowed_clients_only(world1, tmp_path):
     security.generate(tmp_path / "other", "intruder")
     good = security.client_keys(keys / "server.key", keys / "clients" / "trainer.key_secret")
     intruder = security.client_keys(keys / "server.key", tmp_path / "other" / "intruder.key_secret")
-    cluster = Cluster(tmp_path, args=(f"security.server_key={keys / 'server.key_secret'}",
+    cluster = LocalCluster(tmp_path, args=(f"security.server_key={keys / 'server.key_secret'}",
                                       f"security.allow={keys / 'clients'}"), keys=good)
     security.set_client(good)
     try:
@@ -36,7 +37,7 @@ def test_curve_cluster_admits_allowed_clients_only(world1, tmp_path):
         assert session.close() == 4
         fresh, fopt, fsched = build(seed=3)
         assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == 4
-        for a, b in zip(model.parameters(), fresh.parameters()):
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
 
         with pytest.raises(TimeoutError):  # plain socket: the handshake fails

@@ -182,7 +182,9 @@ def test_a_refused_commit_stops_the_stream_at_that_iteration(world1, cluster):
     with pytest.raises(trainer_hooks.ShadowError, match="iteration 3"):
         _step(ddp, opt, sched, scaler, session, 4)
     session.close(wait=False)
-    assert cluster.settled()["job"]["committed"] == 2
+    st = cluster.wait_status(lambda st: all(w["applied"] == 2 for w in st["workers"]),
+                             what="iteration 2 applied by every worker")
+    assert st["job"]["committed"] == 2
 
 
 def test_gradients_as_bucket_views_are_staged_before_the_loop_writes_them(world1, cluster):

@@ -12,7 +12,8 @@ import torch
 
 from shadow import knobs
 from shadow.errors import LayoutMismatchError
-from tests.conftest import ROOT, Cluster, rank_logs, run_ranks
+from shadow.testing import LocalCluster
+from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
 from trainer_hooks import _extras
 
@@ -40,7 +41,7 @@ def _fresh():
 @pytest.mark.slow
 def test_frozen_layer_and_buffers_in_every_format(tmp_path):
     local = tmp_path / "ckpt"
-    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=1",
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=1",
                                       "persist.local.keep=0"))
     try:
         out, dumps = tmp_path / "out", tmp_path / "dumps"

@@ -10,7 +10,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from tests.conftest import Cluster, train_step
+from shadow.testing import LocalCluster
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -39,12 +40,12 @@ def _assert_restores(cluster, model, it: int) -> None:
     """A fresh model restored from the cluster equals the trained one bit for bit."""
     fresh, fopt, fsched = build(seed=4)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == it
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
 def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
-    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
+    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -57,13 +58,13 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
         assert session.degraded is None and session.iteration == it
         it = _steps(ddp, opt, sched, it, 3)
         assert session.close() == it
-        st = cluster.settled()
+        st = cluster.wait_caught_up(it)
         assert st["workers"][1]["pid"] != victim and all(w["health"] == "ok" for w in st["workers"])
         assert st["job"]["committed"] == it and st["job"]["status"] in ("running", "detached")
         fresh, fopt, fsched = build(seed=9)
         info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
         assert info.iteration == it
-        for a, b in zip(model.parameters(), fresh.parameters()):
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
         sa, sb = opt.state_dict(), fopt.state_dict()
         assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
@@ -73,18 +74,18 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
 
 
 def test_two_ranks_keep_training_through_a_worker_crash(tmp_path):
+    from shadow.testing import assert_same_state
     from tests.conftest import rank_logs, run_ranks
-    from tests.test_integration import assert_same_state
 
     steps = 40
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), "--steps", str(steps)) == [0, 0], rank_logs(tmp_path)
-    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
+    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         out = tmp_path / "out"
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(steps),
                          "--kill-worker-at", "5", "--step-sleep", "0.15") == [0, 0], rank_logs(tmp_path)
-        st = cluster.settled()
+        st = cluster.wait_caught_up(steps)
         assert st["job"]["committed"] == steps and st["job"]["epoch"] >= 2  # resynced into a new epoch
         assert all(w["health"] == "ok" for w in st["workers"])
         for r in range(2):
@@ -104,7 +105,7 @@ def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path):
     """SIGSTOP a worker (policy block): the trainer waits at most until the coordinator
     declares the worker lost (the wait is measured), then trains on degraded; after SIGCONT
     the cluster resyncs and the final restore is exact."""
-    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2.0"})
+    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2.0"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -123,7 +124,7 @@ def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path):
         it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
         it = _steps(ddp, opt, sched, it, 2)
         assert session.close() == it
-        assert cluster.settled()["workers"][0]["pid"] == victim  # the same process, resynced
+        assert cluster.wait_caught_up(it)["workers"][0]["pid"] == victim  # the same process, resynced
         _assert_restores(cluster, model, it)
     finally:
         try:
@@ -137,7 +138,7 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
     """SIGSTOP a worker with policy skip: the trainer never waits; once it runs
     SHADOW_MAX_LAG ahead it stops streaming (degraded, reported in status with the frozen
     checkpoint); after SIGCONT the cluster resyncs and the final restore is exact."""
-    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2.0"})
+    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2.0"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -179,19 +180,19 @@ def test_network_faults_are_detected_and_healed(tmp_path):
     """Dropped, duplicated, reordered, truncated and bit-flipped data messages (injected on
     both ranks for iterations < 30): every one is caught by sequence numbers or checksums
     and counted, the damaged replica resyncs, training is untouched, the final restore exact."""
+    from shadow.testing import assert_same_state
     from tests.conftest import rank_logs, run_ranks
-    from tests.test_integration import assert_same_state
 
     steps = 40
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), "--steps", str(steps)) == [0, 0], rank_logs(tmp_path)
-    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2"})
+    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2"})
     try:
         out = tmp_path / "out"
         env = {"SHADOW_FAULT_NET": "drop=0.03,dup=0.04,reorder=0.03,truncate=0.03,bitflip=0.04,seed=3,until=30,cover=1"}
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(steps),
                          "--step-sleep", "0.05", env=env) == [0, 0], rank_logs(tmp_path)
-        st = cluster.settled()
+        st = cluster.wait_caught_up(steps)
         assert st["job"]["committed"] == steps and st["job"]["status"] in ("running", "detached")
         rejected = {}
         for w in st["workers"]:
@@ -223,7 +224,7 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
     idle workers received, marks them stale, and the cluster resyncs."""
     from trainer_hooks import testing
 
-    cluster = Cluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
+    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)

@@ -4,8 +4,8 @@ restore bit for bit; no partial checkpoint is listed or left behind; once there 
 again, checkpoints complete again.
 
 The disk is a small tmpfs where this process may mount one (root, ``mount -t tmpfs``), and
-always also a stand-in: ``SHADOW_FAULT_PERSIST_FULL`` names a file while which exists every
-shard write stops half way with ``ENOSPC``."""
+always also a stand-in: ``ServiceFaults(persist_full=<file>)`` (shadow.testing.faults), while
+which file exists every shard write stops half way with ``ENOSPC``."""
 from __future__ import annotations
 
 import errno
@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.persist import catalog, failed
-from tests.conftest import Cluster, free_port_run, train_step
+from shadow.testing import LocalCluster, ServiceFaults, free_port_run
+from shadow.testing.faults import injected
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 from tests.test_ops import scrape, value
 
@@ -64,7 +66,7 @@ class StandIn:
     def __init__(self, path) -> None:
         path.mkdir()
         self.path, self.flag = path, path.parent / "disk-is-full"
-        self.env = {"SHADOW_FAULT_PERSIST_FULL": str(self.flag)}
+        self.faults = ServiceFaults(persist_full=str(self.flag))
 
     def fill(self) -> None:
         self.flag.touch()
@@ -106,8 +108,8 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
     store = (Tmpfs if disk == "tmpfs" else StandIn)(tmp_path / "disk")
     root = str(store.path / "ckpt")
     mport = free_port_run(3)  # the coordinator's, then one per worker
-    cluster = Cluster(tmp_path, args=(f"persist.local.dir={root}", "persist.local.every_n=2", "persist.local.keep=2",
-                                      f"metrics_port={mport}"), env=getattr(store, "env", None))
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={root}", "persist.local.every_n=2", "persist.local.keep=2",
+                                      f"metrics_port={mport}"), faults=getattr(store, "faults", None))
     session = None
     try:
         model, opt, sched = build()
@@ -192,10 +194,9 @@ def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_pat
 
     flag = tmp_path / "full"
     flag.touch()
-    monkeypatch.setenv("SHADOW_FAULT_PERSIST_FULL", str(flag))
     path = str(tmp_path / "j" / "iteration-0000000004" / catalog.shard_name(0, 2))
     img = _image(0, 3000, 4, 0)
-    with pytest.raises(OSError) as err:
+    with injected(ServiceFaults(persist_full=str(flag))), pytest.raises(OSError) as err:
         img.write(path)
     assert err.value.errno == errno.ENOSPC
     assert os.listdir(os.path.dirname(path)) == []
@@ -203,7 +204,6 @@ def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_pat
     assert text.startswith(f"tier local: no space left on device writing {path} (")
     assert "MiB free of" in text and "persist.local.keep" in text
     assert failed.write_error(ValueError("x"), "local", path) == "ValueError: x"
-    flag.unlink()
     assert img.write(path) == img.size and os.listdir(os.path.dirname(path)) == [catalog.shard_name(0, 2)]
 
 

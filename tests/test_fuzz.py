@@ -13,8 +13,9 @@ import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.testing import rss_bytes
 from shadow.wire import frames as F
-from tests.conftest import capture_commits, rss_bytes, train_step
+from tests.conftest import capture_commits, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)
     session.close()
-    before = cluster.settled()
+    before = cluster.wait_caught_up(3)
     worker = before["workers"][0]
     rss0 = rss_bytes(worker["pid"])
     template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
@@ -88,7 +89,8 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     while dealer.poll(200):
         dealer.recv()  # error replies
     dealer.close()
-    after = cluster.settled()
+    after = cluster.wait_status(lambda st: st["workers"][0]["frames_in"] - worker["frames_in"] >= N_FRAMES,
+                                what=f"worker 0 receiving the {N_FRAMES} fuzzed frames")
     w = after["workers"][0]
     assert w["frames_in"] - worker["frames_in"] == N_FRAMES
     assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
@@ -97,7 +99,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     assert rss_bytes(worker["pid"]) - rss0 < 64 << 20
     fresh, fopt, fsched = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -161,6 +163,15 @@ def _bad_commit_bodies(rnd: random.Random, body: bytes, iteration: int, nparams:
         lambda r: r["replay"].update(audit={"positions": [0], "values": {1: [None]}}),
         lambda r: r["replay"].update(groups=[]),
         lambda r: r["replay"].update(groups=[{"lr": "fast"}]),
+        # each group setting of its own type: a flag is a bool (not 1 or "yes"), a number not a string
+        lambda r: r["replay"]["groups"][0].update(maximize="yes"),
+        lambda r: r["replay"]["groups"][0].update(maximize=1),
+        lambda r: r["replay"]["groups"][0].update(lr=True),
+        lambda r: r["replay"]["groups"][0].update(eps="1e-8"),
+        lambda r: r["replay"]["groups"][0].update(betas=["0.9", 0.999]),
+        lambda r: r["replay"]["groups"][0].update(betas=[0.9]),
+        lambda r: r["replay"]["groups"][0].update(nesterov=True),  # an SGD key in an Adam group
+        lambda r: r["replay"]["groups"][0].pop("amsgrad"),
         lambda r: r["replay"].update(sent=-1),
         lambda r: r["replay"].update(sent="many"),
         lambda r: r["replay"].update(skipped=[nparams]),
@@ -223,7 +234,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
         train_step(ddp, opt, sched, it)
     assert session.close() == 3
     seq = list(session.sender.seq)  # after close: the last commit has been sent
-    before = cluster.settled()
+    before = cluster.wait_caught_up(3)
     workers = before["workers"]
     rss0 = {w["pid"]: rss_bytes(w["pid"]) for w in workers}
     rnd = random.Random(4321)
@@ -271,11 +282,14 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
         while s.poll(200):
             s.recv()  # error replies
         s.close()
-    after = cluster.settled()
+    after = cluster.wait_status(
+        lambda st: all(w1["frames_in"] - w0["frames_in"] >= n for w0, w1, n in zip(workers, st["workers"], sent,
+                                                                                    strict=True)),
+        what=f"the workers receiving the {sent} frames sent")
     assert after["job"]["committed"] == 3 and after["job"]["epoch"] == before["job"]["epoch"], after["job"]
     assert after["job"]["audit"]["mismatches"] == 0, after["job"]["audit"]  # a forged "audited" is not a worker's
     assert after["job"]["status"] == before["job"]["status"], after["job"]
-    for w0, w1, n in zip(workers, after["workers"], sent):
+    for w0, w1, n in zip(workers, after["workers"], sent, strict=True):
         assert w1["pid"] == w0["pid"] and w1["health"] == "ok" and w1["applied"] == 3 and not w1["stale"], w1
         assert w1["frames_in"] - w0["frames_in"] == n
         assert sum(w1["rejected"].values()) - sum(w0["rejected"].values()) >= n  # each one counted
@@ -284,5 +298,5 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
     assert sum(after["rejected"].values()) - sum(before["rejected"].values()) >= n_msgs * 0.9
     fresh, fopt, _ = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzzlive").iteration == 3
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, Cluster, free_port
+from shadow.testing import LocalCluster, free_port
+from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,8 +27,7 @@ def _run(tmp_path, *args: str) -> int:
 
 
 def _ulp(a: torch.Tensor, b: torch.Tensor) -> int:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_gpu import ulp_report
+    from shadow.testing import ulp_report
 
     return ulp_report(a, b)["max_ulp"]
 
@@ -52,7 +52,7 @@ def test_the_copy_stream_orders_after_the_current_stream_and_the_sender_waits():
 
 
 def test_attach_kill_restore_on_cuda(tmp_path):
-    cluster = Cluster(tmp_path, workers=2)
+    cluster = LocalCluster(tmp_path, workers=2)
     try:
         assert _run(tmp_path, "train", cluster.address, str(tmp_path), "12", "7") == -9, \
             (tmp_path / "trainer.log").read_text()
@@ -61,7 +61,7 @@ def test_attach_kill_restore_on_cuda(tmp_path):
             (tmp_path / "trainer.log").read_text()
         final = torch.load(tmp_path / "final.pt", weights_only=True)
         assert final["restored"] == 7 and final["iteration"] == 12
-        assert cluster.settled()["job"]["committed"] == 12
+        assert cluster.wait_caught_up(12)["job"]["committed"] == 12
 
         # what was restored is the live state at the kill: bit for bit where the calibration says so
         import trainer_hooks
@@ -75,7 +75,7 @@ def test_attach_kill_restore_on_cuda(tmp_path):
         worst = 0
         for k, v in model.state_dict().items():
             worst = max(worst, _ulp(v.cpu(), live["model"][k]))
-        for p, st in zip(model.parameters(), live["opt"]):
+        for p, st in zip(model.parameters(), live["opt"], strict=True):
             for key, v in st.items():
                 worst = max(worst, _ulp(opt.state[p][key].cpu(), v))
         desc = live["optim"]  # what the calibration at attach chose, and whether it reproduced the device

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from shadow.testing import assert_same_state
 from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
 
@@ -23,20 +24,6 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp)
     return [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"model {k}"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        assert sa[i].keys() == sb[i].keys()
-        for k in sa[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}.{k}"
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-    assert a["scheduler"] == b["scheduler"]
 
 
 def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference, tmp_path):
@@ -86,7 +73,7 @@ def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, s
     codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
                       "--steps", str(STEPS), "--kill-at", str(kill_at), *CLIP)
     assert codes == [-9, -9], rank_logs(tmp_path)
-    committed = cluster.settled()["job"]["committed"]
+    committed = cluster.wait_quiet()["job"]["committed"]  # where the killed ranks left it
     assert kill_at - 3 <= committed <= kill_at
     # a fresh process group restores from the shadow and finishes the run
     out = tmp_path / "resumed"
@@ -106,7 +93,8 @@ def test_trainer_dying_mid_send_leaves_previous_iteration(cluster, reference, tm
     codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
                       "--steps", str(STEPS), *CLIP, env={"SHADOW_FAULT_DIE_AT": f"{k}:1"})
     assert 137 in codes, rank_logs(tmp_path)
-    st = cluster.settled()
+    st = cluster.wait_status(lambda st: st["workers"][0]["prepared"] == k and
+                             all(w["applied"] == k - 1 for w in st["workers"]), what=f"worker 0 holding all of {k}")
     assert st["job"]["committed"] == k - 1
     assert st["workers"][0]["prepared"] == k  # worker 0 had all of k, yet nobody applied it
     assert all(w["applied"] == k - 1 for w in st["workers"])

@@ -26,7 +26,7 @@ def test_fused_bit_identical(cls, wd, amsgrad, maximize):
     theirs, ours = run_pair(cls, "fused", SIZES, steps=3, lr=1e-3, weight_decay=wd, amsgrad=amsgrad,
                             maximize=maximize)
     for key in theirs:
-        for n, a, b in zip(SIZES, theirs[key], ours[key]):
+        for n, a, b in zip(SIZES, theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), f"{key} of a {n}-element tensor differs in {(a != b).sum()} elements"
 
 
@@ -57,7 +57,7 @@ def test_fused_hyperparameters_and_clip(betas):
     theirs, ours = run_pair(torch.optim.AdamW, "fused", [7, 100, 4099], steps=4, clip=0.5, lr=3e-2, betas=betas,
                             eps=1e-6, weight_decay=0.01)
     for key in theirs:
-        for a, b in zip(theirs[key], ours[key]):
+        for a, b in zip(theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), key
 
 
@@ -65,7 +65,7 @@ def test_fused_across_shard_boundaries():
     # a parameter split across three workers replays exactly as a whole
     theirs, ours = run_pair(torch.optim.AdamW, "fused", [5, 12345, 77], steps=3, shards=3, weight_decay=0.1)
     for key in theirs:
-        for a, b in zip(theirs[key], ours[key]):
+        for a, b in zip(theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), key
 
 
@@ -76,10 +76,10 @@ def test_unfused_paths_within_measured_ulp(impl):
     documented in docs/kernels.md) and the moments match exactly."""
     theirs, ours = run_pair(torch.optim.AdamW, impl, [17, 1000, 100003], steps=3, lr=1e-3, weight_decay=0.1)
     for key in ("exp_avg", "exp_avg_sq"):
-        for a, b in zip(theirs[key], ours[key]):
+        for a, b in zip(theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), key
-    worst = max(update_ulps(a, b, 1e-3) for a, b in zip(theirs["param"], ours["param"]))
-    differing = sum(int((a != b).sum()) for a, b in zip(theirs["param"], ours["param"]))
+    worst = max(update_ulps(a, b, 1e-3) for a, b in zip(theirs["param"], ours["param"], strict=True))
+    differing = sum(int((a != b).sum()) for a, b in zip(theirs["param"], ours["param"], strict=True))
     # measured on an AVX512 build: 4 ulp, 174 of 101020 elements after 3 steps
     assert worst <= 8.0, f"{impl} replay deviates by {worst} ulp"
     assert differing < 0.01 * 101020
@@ -99,7 +99,7 @@ SGD_CASES = [
 def test_sgd_bit_identical(impl, case):
     theirs, ours = run_pair_sgd(impl, SIZES, steps=4, lr=0.05, **case)
     for key in theirs:
-        for n, a, b in zip(SIZES, theirs[key], ours[key]):
+        for n, a, b in zip(SIZES, theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), f"{key} of a {n}-element tensor differs in {(a != b).sum()} elements"
 
 

@@ -1,6 +1,8 @@
 """Layout, shard and stripe math (property tests)."""
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,7 @@ from shadow.layout import ALIGN_ELEMS, Layout, bucket_runs, shard_bounds, stripe
 def test_shards_partition_and_align(total, n):
     b = shard_bounds(total, n)
     assert len(b) == n and b[0][0] == 0 and b[-1][1] == total
-    for (lo, hi), (lo2, _) in zip(b, b[1:]):
+    for (lo, hi), (lo2, _) in pairwise(b):
         assert hi == lo2 and lo <= hi
     for lo, _ in b:
         assert lo % ALIGN_ELEMS == 0 or lo == total

@@ -8,12 +8,12 @@ import json
 import os
 
 import pytest
-import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.persist import catalog
-from tests.conftest import Cluster, train_step
+from shadow.testing import LocalCluster, assert_same_state, live_state
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -23,14 +23,14 @@ def _args(local) -> tuple[str, ...]:
     return (f"persist.local.dir={local}", "persist.local.every_n=1", "persist.local.keep=0")
 
 
-def _train(ddp, opt, sched, its, cluster: Cluster) -> None:
+def _train(ddp, opt, sched, its, cluster: LocalCluster) -> None:
     """Train, and wait for each iteration's checkpoint (so none is skipped for a busy disk)."""
     for it in its:
         train_step(ddp, opt, sched, it)
         _wait_persisted(cluster, it)
 
 
-def _wait_persisted(cluster: Cluster, iteration: int) -> None:
+def _wait_persisted(cluster: LocalCluster, iteration: int) -> None:
     import time
 
     deadline = time.monotonic() + 30
@@ -44,12 +44,7 @@ def _wait_persisted(cluster: Cluster, iteration: int) -> None:
 
 
 def _same(model, opt, fresh, fopt) -> None:
-    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b)
-    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert opt.state[p].keys() == fopt.state[q].keys()
-        for key, v in opt.state[p].items():
-            assert torch.equal(v, fopt.state[q][key])
+    assert_same_state(live_state(fresh, fopt), live_state(model, opt))
 
 
 def _flip_a_byte(local, job: str, iteration: int) -> None:
@@ -63,7 +58,7 @@ def _flip_a_byte(local, job: str, iteration: int) -> None:
 
 def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
     local = tmp_path / "local"
-    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    cluster = LocalCluster(tmp_path, workers=1, args=_args(local))
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -74,7 +69,7 @@ def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
         cluster.kill_all()
     _flip_a_byte(local, "fb", 6)
 
-    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    cluster = LocalCluster(tmp_path, workers=1, args=_args(local))
     try:
         model, opt, sched = build(seed=11)
         info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, job="fb")
@@ -100,7 +95,7 @@ def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
 
 def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
     local = tmp_path / "local"
-    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    cluster = LocalCluster(tmp_path, workers=1, args=_args(local))
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -127,7 +122,7 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
     _same(model, opt, fresh, fopt)
 
     # a restarted cluster knows it too, and the new run resumes normally (no overwrite)
-    cluster = Cluster(tmp_path, workers=1, args=_args(local))
+    cluster = LocalCluster(tmp_path, workers=1, args=_args(local))
     try:
         again, aopt, asched = build(seed=23)
         info = trainer_hooks.restore(again, aopt, source=cluster.address, scheduler=asched, job="ow")

@@ -13,8 +13,9 @@ import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.testing import pid_alive
 from shadow.wire import frames as F
-from tests.conftest import capture_commits, pid_alive, train_step
+from tests.conftest import capture_commits, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, cluster
         train_step(ddp, opt, sched, it)
     assert session.close() == 3
     seq = list(session.sender.seq)  # after close: the last commit has been sent
-    before = cluster.settled()
+    before = cluster.wait_caught_up(3)
     k, bodies = commits[-1]
     assert k == 3
     for w, body in enumerate(bodies):
@@ -68,14 +69,14 @@ def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, cluster
     for w in range(len(bodies)):
         _worker_rejected(cluster, w, "bad_commit")
     time.sleep(1.0)  # an apply, had the commit been taken, would have run by now
-    after = cluster.settled()
-    for w0, w1 in zip(before["workers"], after["workers"]):
+    after = cluster.status()
+    for w0, w1 in zip(before["workers"], after["workers"], strict=True):
         assert pid_alive(w0["pid"]) and w1["pid"] == w0["pid"] and w1["health"] == "ok", w1
         assert w1["rejected"].get("bad_commit", 0) >= 1 and w1["applied"] == 3, w1
     assert after["job"]["committed"] == 3
     fresh, fopt, _ = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="row1").iteration == 3
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -101,10 +102,10 @@ def test_frames_far_ahead_do_not_make_a_healthy_replica_stale(world1, cluster):
     for it in range(4, 8):
         train_step(ddp, opt, sched, it)
     assert session.close() == 7
-    after = cluster.settled()
+    after = cluster.wait_caught_up(7)
     assert after["job"]["epoch"] == epoch and after["job"]["resyncs"] == 0, after["job"]
     assert all(x["health"] == "ok" and not x["stale"] for x in after["workers"]), after["workers"]
     fresh, fopt, _ = build(seed=8)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="row11").iteration == 7
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -16,7 +16,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from tests.conftest import ROOT, free_port, status, train_step
+from shadow.testing import free_port, status
+from tests.conftest import ROOT, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def _train_and_restore(address: str, job: str) -> None:
     assert session.close() == 4
     fresh, fopt, fsched = build(seed=5)
     assert trainer_hooks.restore(fresh, fopt, source=address, scheduler=fsched, job=job).iteration == 4
-    for a, b in zip(model.parameters(), fresh.parameters()):
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

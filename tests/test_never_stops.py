@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.testing import assert_same_state, live_state
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 from trainer_hooks.session.sender import NoticeItem
@@ -47,11 +48,7 @@ def test_a_coordinator_error_degrades_then_resyncs(world1, cluster):
     fresh, fopt, fsched = build(seed=7)
     info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="steady")
     assert info.iteration == it
-    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b)
-    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
-        for key, v in opt.state[p].items():
-            assert torch.equal(v, fopt.state[q][key])
+    assert_same_state(live_state(fresh, fopt), live_state(model, opt))
 
 
 def test_a_bucket_reduced_twice_is_still_raised(world1, cluster):

@@ -20,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.metrics import COORDINATOR, TRAINER, WORKER
-from tests.conftest import ROOT, Cluster, free_port, free_port_run, train_step
+from shadow.testing import LocalCluster, free_port, free_port_run
+from tests.conftest import ROOT, train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def declared(metrics) -> set[str]:
 def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
     mport = free_port_run(3)  # the coordinator's, then one per worker
     ckpt = tmp_path / "ckpt"
-    cluster = Cluster(tmp_path, args=(f"metrics_port={mport}", f"persist.local.dir={ckpt}",
+    cluster = LocalCluster(tmp_path, args=(f"metrics_port={mport}", f"persist.local.dir={ckpt}",
                                       "persist.local.every_n=3", "persist.local.compress=zstd", "log_format=json"))
     tport = free_port()
     trainer_hooks.serve_metrics(tport)
@@ -76,9 +77,10 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         deadline = time.monotonic() + 30
         while True:  # the checkpoint of iteration 6 is written and committed in the background
             st = cluster.status()
-            # and every worker's heartbeat has reported its 6 replays (heartbeats lag under load)
+            # and every worker's heartbeat has reported its 6 replays (heartbeats lag under load), and no
+            # checkpoint is in flight (under load iteration 3's can still be writing when 6's completes)
             if (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 6 and \
-                    all(w["replayed"] == 6 for w in st["workers"]):
+                    not st["persist"]["local"]["in_flight"] and all(w["replayed"] == 6 for w in st["workers"]):
                 break
             assert time.monotonic() < deadline, st["persist"]
             time.sleep(0.2)
@@ -103,7 +105,8 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         assert value(cm, "shadow_checkpoint_complete_iteration", tier="local") == 6
         assert value(cm, "shadow_checkpoint_complete_iteration", tier="memory") == 6
         assert abs(value(cm, "shadow_checkpoint_complete_timestamp_seconds", tier="local") - time.time()) < 120
-        assert value(cm, "shadow_persist_checkpoints_total", tier="local") == 2  # iterations 3 and 6
+        assert value(cm, "shadow_persist_checkpoints_total", tier="local") == 2, \
+            (cm.get("shadow_persist_skipped_total"), cm.get("shadow_persist_failures_total"), st["persist"])  # 3 and 6
         assert value(cm, "shadow_persist_bytes_total", tier="local") > 0
         assert value(cm, "shadow_persist_duration_seconds", tier="local") > 0
         for w in (0, 1):

@@ -256,3 +256,25 @@ def test_verify_of_an_empty_tier_says_so_plainly(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"shadow verify: no complete checkpoint under {tmp_path}"
     assert cmd_verify(VerifyConfig(source=str(tmp_path), iteration=7)) == 1
     assert capsys.readouterr().err.strip() == f"shadow verify: no complete checkpoint of iteration 7 under {tmp_path}"
+
+
+def test_an_older_checkpoint_completing_after_a_newer_one_is_kept_and_counted(tmp_path):
+    """Iterations 3 and 6 written at once (two images): 6 completes first. Retention after
+    6 used to delete 3's directory as torn while 3 was still being written, so 3's manifest
+    failed with FileNotFoundError and counted as a failure. Now 3 completes too."""
+    root = str(tmp_path / "local")
+    pers = Persistence({"local": dict(TIER, every_n=3, keep=2, dir=root)})
+    pers.reset(0)
+    t = pers.tiers["local"]
+    assert pers.local_due(3, None)
+    late = _report(root, "local", 3, 1)  # shard 1 has written 3; its report comes last
+    pers.on_report(JOB, _report(root, "local", 3, 0), 2)
+    assert pers.local_due(6, None)
+    for shard in (0, 1):
+        pers.on_report(JOB, _report(root, "local", 6, shard), 2)
+    assert t.complete == {"j": 6} and os.path.isdir(catalog.checkpoint_dir(root, "j", 3))
+    pers.on_report(JOB, late, 2)
+    assert t.count == 2 and t.failures == 0 and t.last_error == "", t.last_error
+    assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [3, 6]
+    assert t.last_complete["iteration"] == 6 and t.last_ok[0] == 6  # the newest stays the newest
+    assert catalog.list_torn(root, "j") == []

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, Cluster, rank_logs, run_ranks
+from shadow.testing import LocalCluster, ServiceFaults
+from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
 from tests.test_integration import assert_same_state
 
@@ -49,12 +51,14 @@ def test_kill_everything_then_restore_from_disk(tmp_path, reference):
     local, remote = tmp_path / "local", tmp_path / "remote"
     args = (f"persist.local.dir={local}", "persist.local.every_n=3", "persist.local.keep=2",
             f"persist.remote.url=file://{remote}", "persist.remote.every_n=3", "persist.remote.keep=0")
-    cluster = Cluster(tmp_path, args=args)
+    cluster = LocalCluster(tmp_path, args=args)
     try:
         codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
                           "--steps", str(STEPS), "--kill-at", "8")
         assert codes == [-9, -9], rank_logs(tmp_path)
-        st = cluster.settled()
+        st = cluster.wait_quiet()  # where the killed ranks left it
+        st = cluster.wait_status(lambda st: not st["persist"]["local"]["in_flight"] and
+                                 not st["persist"]["remote"]["in_flight"], what="the checkpoints in flight")
         k = st["persist"]["local"]["last_complete"]["iteration"]  # 6 unless the kill outran the sender
         assert 3 <= k <= 8 and st["persist"]["remote"]["last_complete"]["iteration"] == k, st["persist"]
     finally:
@@ -73,7 +77,7 @@ def test_kill_everything_then_restore_from_disk(tmp_path, reference):
 
     # a restarted cluster with the same persist dir serves the restore before any trainer attaches,
     # and the resumed run ends where the uninterrupted one did
-    cluster = Cluster(tmp_path, args=args)
+    cluster = LocalCluster(tmp_path, args=args)
     try:
         state, info = restored_state(cluster.address)
         assert (info.iteration, info.tier) == (k, "local")
@@ -91,8 +95,8 @@ def test_kill_everything_then_restore_from_disk(tmp_path, reference):
 
 def test_worker_dying_mid_write_leaves_previous_checkpoint(tmp_path, reference):
     local = tmp_path / "local"
-    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=3", "max_restarts=0"),
-                      env={"SHADOW_FAULT_PERSIST_DIE_AT": "6"})
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=3", "max_restarts=0"),
+                           faults=ServiceFaults(persist_die_at=6))
     try:
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
                          "--steps", "9") == [0, 0], rank_logs(tmp_path)
@@ -111,11 +115,12 @@ def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
     from shadow.persist import catalog
 
     local = tmp_path / "local"
-    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=2", "persist.local.keep=0"))
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=2", "persist.local.keep=0"))
     try:
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
                          "--steps", "8") == [0, 0], rank_logs(tmp_path)
-        cluster.settled()
+        cluster.wait_status(lambda st: st["job"]["committed"] == 8 and not st["persist"]["local"]["in_flight"],
+                            what="iteration 8 committed and no checkpoint in flight")
     finally:
         cluster.stop()
     done = catalog.list_checkpoints(str(local))
@@ -137,7 +142,7 @@ def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(trainer_hooks.ShadowError, match="shard 1 .*checksum"):
         trainer_hooks.restore(model, opt, source=str(local), iteration=newest)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     res = shadow("restore", f"source={local}", f"out={tmp_path / 'x.pt'}", f"iteration={newest}")
     assert res.returncode == 1 and "shard 1" in res.stderr
 
@@ -145,11 +150,12 @@ def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
 def test_unwritable_tier_is_reported_and_training_goes_on(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the checkpoint directory should be")
-    cluster = Cluster(tmp_path, args=(f"persist.local.dir={blocker}", "persist.local.every_n=2"))
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={blocker}", "persist.local.every_n=2"))
     try:
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
                          "--steps", "6") == [0, 0], rank_logs(tmp_path)
-        st = cluster.settled()
+        st = cluster.wait_status(lambda st: st["job"]["committed"] == 6 and st["persist"]["local"]["last_error"],
+                                 what="iteration 6 committed and the tier's error reported")
         assert st["job"]["committed"] == 6  # replay went on
         local = st["persist"]["local"]
         assert local["last_complete"] is None and "NotADirectoryError" in local["last_error"]
@@ -192,12 +198,13 @@ def test_exports_load_with_standard_tools(tmp_path, cluster):
 def test_token_schedule(tmp_path):
     local = tmp_path / "local"
     # the tiny trainer reports 48 tokens per rank per iteration: 96 per iteration on 2 ranks
-    cluster = Cluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=0",
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=0",
                                       "persist.local.every_tokens=192", "persist.local.keep=0"))
     try:
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
                          "--steps", "6") == [0, 0], rank_logs(tmp_path)
-        cluster.settled()
+        cluster.wait_status(lambda st: st["job"]["committed"] == 6 and not st["persist"]["local"]["in_flight"],
+                            what="iteration 6 committed and no checkpoint in flight")
     finally:
         cluster.stop()
     from shadow.persist import catalog
@@ -206,4 +213,4 @@ def test_token_schedule(tmp_path):
     tokens = [c.manifest["tokens"] for c in done]
     assert [c.iteration * 96 for c in done] == tokens  # the trainer's count, recorded per checkpoint
     assert len(done) >= 2 and tokens[0] == 192  # the first at the first threshold
-    assert all(b - a >= 192 for a, b in zip(tokens, tokens[1:]))
+    assert all(b - a >= 192 for a, b in pairwise(tokens))

@@ -7,11 +7,22 @@ import json
 import math
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 
 from shadow.cli._compose import UsageError, compose, split
-from shadow.plan import PlanConfig, ShadowPlanConfig, Strategy, analyse, daly, simulate_many, size, strategies, young
+from shadow.plan import (
+    PlanConfig,
+    ShadowPlanConfig,
+    Strategy,
+    analyse,
+    daly,
+    simulate_many,
+    size,
+    strategies,
+    young,
+)
 from shadow.plan.config import LLAMA3_GPU_MTBF_H
 from shadow.plan.model import breakdown, useful_fraction
 from shadow.plan.sizing import BenchmarkMissing
@@ -142,7 +153,7 @@ def test_simulator_script_writes_the_sweep_and_plots(tmp_path):
     assert [r["gpus"] for r in sweep] == sorted(r["gpus"] for r in sweep)
     for name in ("sync", "async", "shadow"):  # the loss grows faster than the GPU count
         lost = [r[name]["lost_gpu_h_per_day"] for r in sweep]
-        assert all(b / a > 2 for a, b in zip(lost, lost[1:]))
+        assert all(b / a > 2 for a, b in pairwise(lost))
     assert sweep[-1]["sync"]["dominant"] == "restart" and sweep[0]["sync"]["dominant"] != "restart"
     if importlib.util.find_spec("matplotlib") is not None:  # plots need the [bench] extra
         assert {"lost_gpu_hours_vs_gpus.png", "shadow_cores_vs_model_size.png"} <= {p.name for p in tmp_path.iterdir()}

@@ -52,7 +52,7 @@ def test_reattach_bootstrap_records_the_boundary_rng_and_extra_state(world1, clu
     info = trainer_hooks.restore(m2, o2, source=cluster.address)
     assert info.iteration == 3 and info.extra_state == {"it": 3}
     assert random.getstate() == at_boundary
-    for a, b in zip(model.parameters(), m2.parameters()):
+    for a, b in zip(model.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

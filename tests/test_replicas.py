@@ -11,7 +11,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from tests.conftest import Cluster, train_step
+from shadow.testing import LocalCluster
+from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int, s
 
 def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
     ckpt = tmp_path / "ckpt"
-    cluster = Cluster(tmp_path, workers=4, args=("replicas=2", f"persist.local.dir={ckpt}", "persist.local.every_n=4"),
+    cluster = LocalCluster(tmp_path, workers=4, args=("replicas=2", f"persist.local.dir={ckpt}", "persist.local.every_n=4"),
                       env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         model, opt, sched = build()
@@ -69,7 +70,7 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
         fresh, fopt, fsched = build(seed=2)
         info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
         assert info.iteration == it and info.tier == "memory"
-        for a, b in zip(model.parameters(), fresh.parameters()):
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
         sa, sb = opt.state_dict(), fopt.state_dict()
         assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
@@ -77,7 +78,7 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
         disk, dopt, dsched = build(seed=3)
         info = trainer_hooks.restore(disk, dopt, source=str(ckpt), scheduler=dsched)
         assert info.tier == "local" and info.iteration >= 4
-        for a, b in zip(snaps[info.iteration], disk.parameters()):
+        for a, b in zip(snaps[info.iteration], disk.parameters(), strict=True):
             assert torch.equal(a, b)
     finally:
         cluster.stop()
@@ -94,12 +95,12 @@ def test_damaged_replicas_reset_and_recopy_under_network_faults(tmp_path):
     steps = 40
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), "--steps", str(steps)) == [0, 0], rank_logs(tmp_path)
-    cluster = Cluster(tmp_path, workers=4, args=("replicas=2",), env={"SHADOW_WORKER_LOST_S": "2"})
+    cluster = LocalCluster(tmp_path, workers=4, args=("replicas=2",), env={"SHADOW_WORKER_LOST_S": "2"})
     try:
         env = {"SHADOW_FAULT_NET": "drop=0.004,dup=0.004,reorder=0.004,truncate=0.004,bitflip=0.004,seed=5,until=30"}
         assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "out"), "--steps",
                          str(steps), "--step-sleep", "0.05", env=env) == [0, 0], rank_logs(tmp_path)
-        st = cluster.settled()
+        st = cluster.wait_caught_up(steps)
         assert st["job"]["committed"] == steps and all(w["health"] == "ok" for w in st["workers"])
         assert cluster.log.read_text().count("copied iteration") >= 1
         for r in range(2):

@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow.restore.resolve import restore_info
 from shadow.restore.snapshot import MovedOn, _take_shard, fetch_memory
+from shadow.testing import LocalCluster
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum
-from tests.conftest import Cluster
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path):
     """20 clients fetch and never read: each costs at most one SERVE_STALL_S wait, not one
     per apply; a client that reads is waited for (never applied over while it reads, never
     dropped) and gets consistent shards all along."""
-    c = Cluster(tmp_path, workers=1)
+    c = LocalCluster(tmp_path, workers=1)
     ctx = zmq.Context()
     stop, done = threading.Event(), threading.Event()
     try:
@@ -153,7 +153,7 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path):
 
 
 def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
-    c = Cluster(tmp_path, workers=1, env={"SHADOW_SERVE_MAX_FETCHES": "3"})
+    c = LocalCluster(tmp_path, workers=1, env={"SHADOW_SERVE_MAX_FETCHES": "3"})
     ctx = zmq.Context()
     try:
         model, opt = big_build()
@@ -161,7 +161,7 @@ def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
         session = trainer_hooks.attach(ddp, opt, coordinator=c.address, job="capped")
         for it in range(1, 3):
             big_step(ddp, opt, it)
-        st = c.settled()
+        st = c.wait_caught_up(2)
         serve, epoch = st["workers"][0]["serve"], st["job"]["epoch"]
 
         def ask(s, iteration):

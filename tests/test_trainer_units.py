@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from trainer_hooks import UnsupportedOptimizerError
-from trainer_hooks import _codec, _rng
+from trainer_hooks import UnsupportedOptimizerError, _codec, _rng
 from trainer_hooks._model import LayoutError, build_layout
 from trainer_hooks._optim import describe
 from trainer_hooks.session.staging import RingFullError, StagingRing

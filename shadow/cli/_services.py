@@ -12,6 +12,10 @@ import time
 from shadow.config import ClusterConfig, CoordinatorConfig, WorkerConfig
 from shadow.logs import setup as setup_logs
 
+# the module `shadow cluster` runs its workers as (`python -m <it> worker ...`); shadow.testing.faulty
+# sets its own, so that its workers carry its fault wrappers
+WORKER_ENTRY = "shadow"
+
 logger = logging.getLogger("shadow.cli")
 
 
@@ -103,7 +107,7 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
 
     def spawn(slot: int) -> subprocess.Popen:
         return subprocess.Popen(env=env, args=[
-            sys.executable, "-m", "shadow", "worker", f"coordinator={address}", f"host={cfg.host}",
+            sys.executable, "-m", WORKER_ENTRY, "worker", f"coordinator={address}", f"host={cfg.host}",
             f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"log_format={cfg.log_format}",
             f"worker_id={slot}", f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}", *curve,
         ])

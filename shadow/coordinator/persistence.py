@@ -262,7 +262,7 @@ class Persistence:
         if keep and copying:
             done = catalog.list_checkpoints(tier.root, tier.name, job_name)
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
-        return catalog.retain(tier.root, job_name, keep)
+        return catalog.retain(tier.root, job_name, keep, busy=tier.in_flight)
 
     def _commit(self, tier: Tier, job, iteration: int, got: dict) -> list:
         shards = [{"index": r["shard"], "start": r["start"], "stop": r["stop"], "file": r["file"],
@@ -292,7 +292,8 @@ class Persistence:
             tier.failures += 1
             self._discard(tier, job, iteration)  # never one whose manifest did get written
             return []
-        tier.last_ok = (iteration, time.time(), tokens)
+        if iteration >= tier.last_ok[0]:  # an older checkpoint can complete after a newer one
+            tier.last_ok = (iteration, time.time(), tokens)
         tier.failing = 0
         nbytes = sum(s["bytes"] for s in shards)
         tier.count += 1

@@ -9,7 +9,6 @@ page-aligned buffer: the worker copies its range into it at an iteration boundar
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -21,7 +20,6 @@ from typing import Callable, Iterator
 import numpy as np
 import xxhash
 
-from shadow import knobs
 from shadow.wire.frames import checksum
 
 logger = logging.getLogger(__name__)
@@ -150,13 +148,8 @@ WRITE_THREADS = 2  # chunks in flight at once
 
 def _write_all(fd: int, mv: memoryview, length: int) -> None:
     """Write ``mv[:length]`` at offset 0 in CHUNK-sized pieces, WRITE_THREADS at a time."""
-    full = knobs.fault("PERSIST_FULL")  # tests: the disk is full while the file this names exists
-
     def put(pos: int) -> None:
         end = min(length, pos + CHUNK)
-        if full and os.path.exists(full):  # half the piece goes in, as on a disk that fills up
-            os.pwrite(fd, mv[pos:pos + (end - pos) // 2 // PAGE * PAGE], pos)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         while pos < end:
             n = os.pwrite(fd, mv[pos:end], pos)
             if n <= 0:

@@ -258,9 +258,6 @@ class ShardPersister:
         t0 = time.monotonic()
         path = self.local_path(iteration)
         try:
-            die = knobs.fault("PERSIST_DIE_AT")  # tests: die writing the first checkpoint at or after it
-            if die and iteration >= int(die):
-                _die_mid_write(img, path)
             compress, level = self.local_codec
             if compress == "none":
                 csum = img.checksum()
@@ -346,14 +343,3 @@ def _upload_loop(ref: weakref.ref, uploads: queue.Queue) -> None:
             return
         persister._upload(*item)
         del persister
-
-
-def _die_mid_write(image: shardfile.ShardImage, path: str) -> None:
-    """Fault injection (tests): write half the image to the temporary file, then die."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        f.write(memoryview(image.buf)[:image.size // 2])
-        f.flush()
-        os.fsync(f.fileno())
-    logger.error("fault injection: worker dying in the middle of a checkpoint write")
-    os._exit(137)

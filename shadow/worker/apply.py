@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 
-from shadow import knobs
 from shadow.wire import frames as F
 from shadow.worker.commit import audit_shard
 
@@ -64,9 +63,6 @@ class ApplyMixin:
             s.blobs = slot.blobs
             s.extras = extras
             s.commit = slot.commits[0]
-            fault = knobs.fault("CORRUPT_APPLY_AT")
-            if fault and int(fault) == k and s.state.size:  # tests: a silent bit flip in the replica
-                s.state.param.view(np.uint32)[:] ^= 1
             audit = next((c.get("audit") for c in slot.commits if c.get("audit")), None)
             if audit:
                 result = audit_shard(s.state, audit)

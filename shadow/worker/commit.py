@@ -72,6 +72,32 @@ def _check_audit(audit) -> None:
             raise F.FrameError("bad_commit", "malformed audit sample: one number per position per field")
 
 
+_SGD_GROUP = {"lr": "number", "momentum": "number", "dampening": "number", "weight_decay": "number",
+              "nesterov": "flag", "maximize": "flag"}
+_ADAM_GROUP = {"lr": "number", "betas": "pair", "eps": "number", "weight_decay": "number", "amsgrad": "flag",
+               "maximize": "flag", "decoupled": "flag"}
+
+
+def _is_number(v) -> bool:
+    return type(v) in (int, float)  # not bool, not a string that float() would take
+
+
+def _check_group(g) -> None:
+    """A param group's settings, as trainer_hooks._optim.describe sends them: exactly the
+    keys of an SGD or an Adam group, numbers as int or float, flags as bool."""
+    if not isinstance(g, dict):
+        raise F.FrameError("bad_commit", "a param group is not a map")
+    want = _SGD_GROUP if "momentum" in g else _ADAM_GROUP
+    if set(g) != set(want):
+        raise F.FrameError("bad_commit", f"param group keys {sorted(map(str, g))}, expected {sorted(want)}")
+    for key, kind in want.items():
+        v = g[key]
+        ok = {"number": _is_number(v), "flag": type(v) is bool,
+              "pair": isinstance(v, list) and len(v) == 2 and all(_is_number(x) for x in v)}[kind]
+        if not ok:
+            raise F.FrameError("bad_commit", f"group {key} is not a {'bool' if kind == 'flag' else kind}: {v!r:.40}")
+
+
 def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:
     """Decode and check the replay part of a commit; the blob stays opaque."""
     try:
@@ -93,16 +119,7 @@ def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple
         if len(groups) != ngroups:
             raise F.FrameError("bad_commit", f"commit has {len(groups)} param groups, layout has {ngroups}")
         for g in groups:
-            numbers = ("lr", "momentum", "dampening", "weight_decay") if "momentum" in g else ("lr", "eps", "weight_decay")
-            for key in numbers:
-                if not isinstance(g[key], (int, float)):
-                    raise F.FrameError("bad_commit", f"group {key} is not a number")
-            if "momentum" in g:
-                bool(g["nesterov"]), bool(g["maximize"])
-            else:
-                b1, b2 = g["betas"]
-                float(b1), float(b2)
-                bool(g["amsgrad"]), bool(g["maximize"]), bool(g["decoupled"])
+            _check_group(g)
         for key in ("clip", "inv_scale", "grad_scale"):
             if replay.get(key) is not None and not isinstance(replay[key], float):
                 raise F.FrameError("bad_commit", f"commit {key} is not a float")

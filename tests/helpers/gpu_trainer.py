@@ -23,8 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import trainer_hooks  # noqa: E402
+import trainer_hooks
 
 
 def build():

@@ -23,7 +23,6 @@ import threading
 import time
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn

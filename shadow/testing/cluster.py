@@ -1,0 +1,185 @@
+"""A real ``shadow cluster`` on 127.0.0.1 for tests, benchmarks and the fault matrix.
+
+:class:`LocalCluster` starts the coordinator and its workers as ``python -m shadow
+cluster`` on a free port, waits until every worker is ready, and always stops all of
+them: on a failed start, on :meth:`stop` and on leaving a ``with`` block. Workers that a
+test stopped (SIGSTOP) are continued first so that they can exit; any worker process of
+this cluster still alive after the coordinator stopped is killed. Only processes whose
+command line names this cluster's address are ever signalled."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from shadow.testing.faults import ServiceFaults
+from shadow.testing.ports import free_port
+from shadow.testing.wait import wait_until
+from shadow.wire import messages as M
+
+
+def status(address: str, timeout: float = 5.0, keys=None) -> dict:
+    """The coordinator's status at ``address``: one bounded request (``keys``: the
+    :class:`shadow.security.ClientKeys` of a CURVE client). Raises TimeoutError."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.apply(s)
+    s.connect(address)
+    try:
+        s.send(M.encode("status"))
+        if not s.poll(timeout * 1000):
+            raise TimeoutError(f"no status from {address} within {timeout:.1f} s")
+        return M.decode(s.recv())["status"]
+    finally:
+        s.close(linger=0)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class LocalCluster:
+    """``shadow cluster`` with ``workers`` workers of one numba thread each, on a free port
+    (or ``port``), logging to ``<tmp>/cluster-<port>.log``. ``args`` are extra config
+    overrides (``persist.local.dir=...``), ``env`` extra environment (``SHADOW_*`` knobs),
+    ``faults`` the :class:`~shadow.testing.faults.ServiceFaults` its services carry.
+    Raises RuntimeError, with the log's last error line, when it does not start within
+    ``start_timeout`` s. Use it as a context manager, or call :meth:`stop`."""
+
+    def __init__(self, tmp: Path, workers: int = 2, args: tuple[str, ...] = (), env: dict | None = None,
+                 port: int | None = None, keys=None, threads_per_worker: int = 1,
+                 start_timeout: float = 60.0, faults: ServiceFaults | None = None) -> None:
+        self.keys = keys
+        self.port = port or free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.workers = workers
+        self.log = Path(tmp) / f"cluster-{self.port}.log"
+        self._pids: set[int] = set()
+        entry = "shadow.testing.faulty" if faults else "shadow"
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", entry, "cluster", f"workers={workers}", f"port={self.port}",
+                 f"threads_per_worker={threads_per_worker}", *args],
+                stdout=log, stderr=subprocess.STDOUT,
+                env=dict(os.environ, **(env or {}), **(faults.env() if faults else {})))
+        try:
+            wait_until(self._started, start_timeout, f"{workers} ready workers at {self.address}", period=0.2)
+        except BaseException as exc:
+            self.stop()  # no caller holds it yet: nothing else would stop it (and its workers)
+            text = self.log.read_text(errors="replace")
+            errors = [ln for ln in text.splitlines() if "Error" in ln]
+            raise RuntimeError(f"shadow cluster did not start ({errors[-1] if errors else exc}); "
+                               f"log {self.log}:\n{text[-3000:]}") from None
+
+    def _started(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"shadow cluster exited with status {self.proc.returncode}")
+        try:
+            st = status(self.address, timeout=1.0, keys=self.keys)
+        except TimeoutError:
+            return False
+        self._note(st)
+        return sum(1 for w in st["workers"] if w["ready"]) == self.workers
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def status(self, timeout: float = 5.0) -> dict:
+        st = status(self.address, timeout=timeout, keys=self.keys)
+        self._note(st)
+        return st
+
+    def wait_status(self, pred: Callable[[dict], object], timeout: float = 30.0, what: str = "the status") -> dict:
+        """The first status for which ``pred(status)`` is truthy (WaitTimeout, with the last
+        status, after ``timeout`` s)."""
+        last: list[dict] = []
+
+        def check():
+            last[:] = [self.status()]
+            return last[0] if pred(last[0]) else None
+        return wait_until(check, timeout, what, detail=lambda: last[0] if last else None)
+
+    def wait_caught_up(self, iteration: int, timeout: float = 30.0, healthy: bool = True) -> dict:
+        """The first status in which the job's committed cut is ``iteration``, every worker
+        has applied it (their heartbeats lag the cut a little) and, with ``healthy``, every
+        worker is healthy."""
+        def ok(st):
+            return st["job"] and st["job"]["committed"] == iteration and \
+                all(w["applied"] == iteration and (w["health"] == "ok" or not healthy) for w in st["workers"])
+        return self.wait_status(ok, timeout, f"iteration {iteration} committed and applied by every worker")
+
+    def wait_quiet(self, quiet: float = 2.0, limit: float = 60.0) -> dict:
+        """Status once the committed cut and every worker's progress have not moved for
+        ``quiet`` s. Only for an end state that cannot be known in advance (what a trainer
+        killed at a random point had sent is still being processed for a moment); where the
+        end state is known, wait for it with :meth:`wait_status` or :meth:`wait_caught_up`."""
+        def key(st):
+            return (st["job"] and st["job"]["committed"],
+                    [(w["prepared"], w["applied"], w["seen"], w["frames_in"]) for w in st["workers"]])
+        deadline = time.monotonic() + limit
+        last, since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            st = self.status()
+            if key(st) != last:
+                last, since = key(st), time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                return st
+            time.sleep(0.1)
+        raise TimeoutError(f"the cluster at {self.address} did not go quiet within {limit:.0f} s")
+
+    def _note(self, st: dict) -> None:
+        self._pids.update(w["pid"] for w in st.get("workers", []) if w.get("pid"))
+
+    def _signal_workers(self, sig: int) -> None:
+        for pid in self._pids:  # only a worker process of this cluster (its command line names the address)
+            with contextlib.suppress(OSError):
+                if f"coordinator={self.address}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, sig)
+
+    def kill_all(self) -> None:
+        """SIGKILL the coordinator and every worker process."""
+        with contextlib.suppress(Exception):
+            self.status(timeout=2.0)
+        self.proc.kill()
+        self.proc.wait()
+        self._signal_workers(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM the cluster (its workers stop with it), SIGKILL after 15 s, then kill any
+        worker of this cluster still alive. Idempotent."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.status(timeout=1.0)
+        self._signal_workers(signal.SIGCONT)  # a SIGSTOPped worker would not exit on SIGTERM
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._signal_workers(signal.SIGKILL)
