@@ -78,15 +78,8 @@ def request(sock: zmq.Socket, address: str, payload: bytes, timeout: float, expe
 def dealer(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
     """A DEALER connected to ``address``; a CURVE client when ``keys`` (default: this
     process's keys, :func:`shadow.security.current_client`) are set."""
-    from shadow import knobs, security
+    from shadow.transport import SocketFactory, fetch_limit
 
     check_address(address)
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    # the largest reply (a shard's fetch_reply head) or chunk of a shard a service sends
-    s.setsockopt(zmq.MAXMSGSIZE, max(M.socket_limit("client"), knobs.get_int("FETCH_CHUNK_BYTES")))
-    keys = keys if keys is not None else security.current_client()
-    if keys is not None:
-        keys.apply(s)
-    s.connect(address)
-    return s
+    factory = SocketFactory(ctx) if keys is None else SocketFactory(ctx, keys=keys)
+    return factory.dealer(address, fetch_limit())

@@ -84,6 +84,12 @@ def _probe(root: str) -> None:
 
 
 class Persistence:
+    """The tiers' schedules, the workers' shard reports, manifests, retention and the
+    catalog of complete checkpoints.
+
+    Threads: only the coordinator's loop thread calls it (from the ``persisted`` handler and
+    the cut), so nothing is locked; the metrics thread reads ``tiers`` without writing."""
+
     def __init__(self, persist: dict) -> None:
         self.config = persist
         self.tiers: dict[str, Tier] = {}

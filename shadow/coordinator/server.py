@@ -20,6 +20,7 @@ from shadow.coordinator.rebuild import RejoinMixin
 from shadow.coordinator.records import JobRec, WorkerRec
 from shadow.coordinator.replicas import ReplicaMixin
 from shadow.coordinator.trainers import TrainerMixin
+from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,15 @@ WORKER_ONLY = frozenset({"configured", "prepared", "persisted", "audited", "stal
 
 
 class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMixin):
+    """Membership, the committed cut, attaches, replicas and persistence of one cluster.
+
+    Threads: :meth:`run` (the ``coordinator`` thread, or the process's main thread for
+    ``shadow coordinator``) owns the ROUTER socket and every field: each message and each
+    periodic step runs there, one at a time, so nothing is locked. :meth:`stop` (a signal
+    handler) only sets a flag the loop reads. The metrics endpoint's HTTP thread reads the
+    fields without a lock (``coordinator.metrics.samples`` copies what it reads and never
+    writes); the :class:`~shadow.security.Guard` has its own thread and counters."""
+
     def __init__(self, bind: str, workers: int, persist: dict | None = None, guard=None, replicas: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
@@ -58,13 +68,7 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         self.starting: dict[int, dict] = {}  # pid -> a worker still compiling its kernels (not registered yet)
 
     def run(self) -> None:
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        # a peer declaring a larger frame is disconnected before anything is buffered
-        self.sock.setsockopt(zmq.MAXMSGSIZE, M.socket_limit("coordinator"))
-        if self.guard is not None:
-            self.guard.server(self.sock)
+        self.sock = SocketFactory(self.ctx, guard=self.guard).router(M.socket_limit("coordinator"))
         self.sock.bind(self.bind)
         logger.info("coordinator listening on %s, expecting %d workers", self.bind, self.expected)
         poller = zmq.Poller()

@@ -53,6 +53,15 @@ def tier_codec(cfg: dict) -> tuple[str, int]:
 
 
 class ShardPersister:
+    """A worker's checkpoint writer for one session's range.
+
+    Threads: the worker's main thread calls :meth:`snapshot` / :meth:`begin` /
+    :meth:`finish` / :meth:`abandon`, :meth:`upload`, :meth:`results` and :meth:`close`.
+    Each write runs on its own ``shadow-persist`` thread that owns its image until it gives
+    it back to the free list; one ``shadow-upload`` thread copies to the remote tier; the
+    warm-up thread holds one image at a time. They share only the free list, the report
+    and upload queues (thread-safe) and ``_threads`` (under ``_lock``)."""
+
     def __init__(self, persist: dict, job: str, shard: int, nshards: int, state) -> None:
         self.local = persist["local"]["dir"]
         self.remote = persist["remote"]["url"]

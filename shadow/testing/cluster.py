@@ -17,22 +17,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import zmq
-
 from shadow.testing.faults import ServiceFaults
 from shadow.testing.ports import free_port
 from shadow.testing.wait import wait_until
+from shadow.transport import SocketFactory, fetch_limit
 from shadow.wire import messages as M
 
 
 def status(address: str, timeout: float = 5.0, keys=None) -> dict:
     """The coordinator's status at ``address``: one bounded request (``keys``: the
     :class:`shadow.security.ClientKeys` of a CURVE client). Raises TimeoutError."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        keys.apply(s)
-    s.connect(address)
+    s = SocketFactory(keys=keys).dealer(address, fetch_limit())
     try:
         s.send(M.encode("status"))
         if not s.poll(timeout * 1000):

@@ -13,6 +13,7 @@ import numpy as np
 import zmq
 
 from shadow import knobs
+from shadow.transport import SocketFactory, fetch_limit
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum
 from shadow.worker.memory import available_bytes
@@ -35,12 +36,7 @@ class PeerCopy:
 
     @classmethod
     def start(cls, ctx: zmq.Context, peer: dict, epoch: int, iteration: int, keys=None) -> "PeerCopy":
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max(M.socket_limit("client"), knobs.get_int("FETCH_CHUNK_BYTES")))
-        if keys is not None:
-            keys.apply(sock)
-        sock.connect(peer["serve"])
+        sock = SocketFactory(ctx, keys=keys).dealer(peer["serve"], fetch_limit())
         sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
         now = time.monotonic()
         return cls(int(peer["id"]), peer["serve"], iteration, sock, now + knobs.get("FETCH_TIMEOUT_S"), now)

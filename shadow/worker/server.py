@@ -22,7 +22,7 @@ from shadow import knobs
 from shadow.kernels import powtab
 from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
-from shadow.wire import frames as F
+from shadow.transport import SocketFactory, data_limit
 from shadow.wire import messages as M
 from shadow.worker import memory
 from shadow.worker.address import bind_and_advertise
@@ -74,6 +74,17 @@ class _Session:
 
 
 class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
+    """One shadow worker: receives its range of every bucket, applies the cut, serves
+    fetches and peer copies, and snapshots for persistence.
+
+    Threads: :meth:`run`, on the process's main thread, owns the data, control and serve
+    sockets, the sessions (``session``, ``retired``) and their state arrays: receive,
+    apply, serve and peer copy all run there. Other threads own only what they were handed:
+    the kernel warm-up thread at start-up (the worker reports "starting" until it is done), a session's
+    :class:`~shadow.persist.writer.ShardPersister` threads (their images and a queue of
+    reports the main thread drains), the guard's ZAP thread, and the metrics endpoint's
+    HTTP thread, which reads fields without a lock and never writes."""
+
     def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None,
                  keys=None) -> None:
         self.coordinator = coordinator
@@ -81,6 +92,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         self.worker_id = worker_id
         self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
         self.ctx = zmq.Context.instance()
+        self.sockets = SocketFactory(self.ctx, guard=guard, keys=keys)
         self.rejected: Counter[str] = Counter()
         self.frames_in = 0
         self.bytes_in = 0
@@ -100,33 +112,17 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
 
     # -- sockets ---------------------------------------------------------------------
     def _open_data(self) -> None:
-        self.data = self.ctx.socket(zmq.PULL)
-        self.data.setsockopt(zmq.LINGER, 0)
         # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-        self.data.setsockopt(zmq.RCVHWM, knobs.get_int("DATA_RCVHWM"))
-        # no frame is larger than a payload part, a commit record or a full run table
-        self.data.setsockopt(zmq.MAXMSGSIZE, max(F.MAX_PART_BYTES, knobs.get_int("MAX_COMMIT_BYTES"),
-                                                 F.HEADER_SIZE + knobs.get_int("MAX_RUNS") * F.RUN_SIZE))
-        if self.guard is not None:
-            self.guard.server(self.data)
+        self.data = self.sockets.pull(data_limit(), knobs.get_int("DATA_RCVHWM"))
         port = self.data.bind_to_random_port(f"tcp://{self.bind_host}")
         self.data_ep = f"tcp://{self.host}:{port}"
 
     def _ctrl_open(self) -> None:
-        self.ctrl = self.ctx.socket(zmq.DEALER)
-        self.ctrl.setsockopt(zmq.LINGER, 0)
-        self.ctrl.setsockopt(zmq.MAXMSGSIZE, M.socket_limit("worker"))
-        if self.keys is not None:
-            self.keys.apply(self.ctrl)
-        self.ctrl.connect(self.coordinator)
+        self.ctrl = self.sockets.dealer(self.coordinator, M.socket_limit("worker"))
 
     def _open(self) -> None:
         self._open_data()
-        self.serve = self.ctx.socket(zmq.ROUTER)
-        self.serve.setsockopt(zmq.LINGER, 0)
-        self.serve.setsockopt(zmq.MAXMSGSIZE, M.socket_limit("serve"))
-        if self.guard is not None:
-            self.guard.server(self.serve)
+        self.serve = self.sockets.router(M.socket_limit("serve"))
         port = self.serve.bind_to_random_port(f"tcp://{self.bind_host}")
         self.serve_ep = f"tcp://{self.host}:{port}"
 

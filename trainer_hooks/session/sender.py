@@ -26,8 +26,9 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import zmq
 
-from shadow import knobs, security
+from shadow import knobs
 from shadow.errors import ShadowError
+from shadow.transport import SocketFactory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks.session.transfer import DONE
@@ -141,6 +142,14 @@ class NoEvents:
 
 
 class Sender(threading.Thread):
+    """The trainer's sender thread for one epoch.
+
+    Threads: after the handshake this thread owns every socket (the coordinator DEALER and
+    one PUSH per worker), the sequence numbers, pending ring slots and the heartbeat clock.
+    The training thread and the comm hook only put work on :attr:`q` (bucket slots,
+    commits, ``stop``); what the sender learns goes back through :class:`SenderEvents`,
+    called on this thread."""
+
     def __init__(self, ctx: zmq.Context, dealer: zmq.Socket, endpoints: list[str], ring, *, job_id: int,
                  epoch: int, rank: int, world: int, layout_hash: int, events: SenderEvents) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
@@ -201,14 +210,7 @@ class Sender(threading.Thread):
         self.q.put("stop")
 
     def _push(self, endpoint: str) -> zmq.Socket:
-        s = self.ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
-        keys = security.current_client()
-        if keys is not None:
-            keys.apply(s)
-        s.connect(endpoint)
-        return s
+        return SocketFactory(self.ctx).push(endpoint, knobs.get_int("ZMQ_SNDHWM"))
 
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast

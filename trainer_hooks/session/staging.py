@@ -26,6 +26,13 @@ class RingInterrupted(RuntimeError):
 
 
 class StagingRing:
+    """One fp32 buffer carved into slots in allocation order.
+
+    Threads: :meth:`alloc` runs on the thread running the comm hook (the training thread,
+    or DDP's reducer threads), :meth:`release` on the sender thread once ZeroMQ is done
+    with a slot, :meth:`interrupt` on whichever thread degrades the session; every field
+    is guarded by one condition variable, on which ``alloc`` waits for space."""
+
     def __init__(self, capacity: int, pin: bool = False) -> None:
         if capacity <= 0:
             raise ValueError(f"staging ring capacity must be positive, got {capacity}")

@@ -1,0 +1,94 @@
+"""The one place where shadow's ZeroMQ sockets get their options.
+
+Every socket: ``LINGER`` 0 (a closing service never waits on a peer that is gone) and,
+where it receives, ``MAXMSGSIZE``: a peer announcing a larger message is disconnected
+before anything is buffered. Server sockets (ROUTER, PULL) get CURVE from the process's
+:class:`shadow.security.Guard` before they bind; client sockets (DEALER, PUSH) get the
+process's :class:`shadow.security.ClientKeys` before they connect. High-water marks are
+per use: the worker's data socket holds a few iterations' messages, the trainer's data
+sockets ``SHADOW_ZMQ_SNDHWM``.
+
+Call order: build one factory per process part (``SocketFactory(ctx, guard=..., keys=...)``),
+then ask it for sockets; the caller owns and closes them."""
+from __future__ import annotations
+
+import zmq
+
+from shadow import knobs
+from shadow.wire import frames as F
+from shadow.wire import messages as M
+
+_CURRENT = object()  # keys: this process's client keys (security.current_client), read when a socket is made
+
+
+def fetch_limit() -> int:
+    """The largest message a client of a service receives: a reply, or a fetched shard's head
+    or chunk."""
+    return max(M.socket_limit("client"), knobs.get_int("FETCH_CHUNK_BYTES"))
+
+
+def data_limit() -> int:
+    """The largest data-plane frame: a payload part, a commit record or a full run table."""
+    return max(F.MAX_PART_BYTES, knobs.get_int("MAX_COMMIT_BYTES"),
+               F.HEADER_SIZE + knobs.get_int("MAX_RUNS") * F.RUN_SIZE)
+
+
+class SocketFactory:
+    """Sockets of one context with shadow's options. ``guard``: the CURVE server side
+    (None: plain); ``keys``: the CURVE client side (default: this process's keys,
+    :func:`shadow.security.current_client`, at the time each socket is made; None: plain)."""
+
+    def __init__(self, ctx: zmq.Context | None = None, guard=None, keys=_CURRENT) -> None:
+        self.ctx = ctx if ctx is not None else zmq.Context.instance()
+        self.guard = guard
+        self._keys = keys
+
+    def keys(self):
+        if self._keys is _CURRENT:
+            from shadow import security
+
+            return security.current_client()
+        return self._keys
+
+    def _socket(self, kind: int, max_bytes: int | None) -> zmq.Socket:
+        s = self.ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        if max_bytes is not None:
+            s.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
+        return s
+
+    def _server(self, s: zmq.Socket) -> zmq.Socket:
+        if self.guard is not None:
+            self.guard.server(s)
+        return s
+
+    def _client(self, s: zmq.Socket, address: str | None, keys) -> zmq.Socket:
+        keys = self.keys() if keys is _CURRENT else keys
+        if keys is not None:
+            keys.apply(s)
+        if address is not None:
+            s.connect(address)
+        return s
+
+    def router(self, max_bytes: int) -> zmq.Socket:
+        """A server ROUTER (not bound yet): the coordinator's, a worker's serve socket. A reply
+        to a peer that has gone is dropped (``ROUTER_MANDATORY`` off)."""
+        s = self._socket(zmq.ROUTER, max_bytes)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return self._server(s)
+
+    def pull(self, max_bytes: int, rcvhwm: int) -> zmq.Socket:
+        """A server PULL (not bound yet) holding at most ``rcvhwm`` messages: a worker's data socket."""
+        s = self._socket(zmq.PULL, max_bytes)
+        s.setsockopt(zmq.RCVHWM, int(rcvhwm))
+        return self._server(s)
+
+    def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT) -> zmq.Socket:
+        """A client DEALER, connected to ``address`` when given."""
+        return self._client(self._socket(zmq.DEALER, max_bytes), address, keys)
+
+    def push(self, address: str | None, sndhwm: int, keys=_CURRENT) -> zmq.Socket:
+        """A client PUSH (sends only) holding at most ``sndhwm`` messages: a trainer's data socket."""
+        s = self._socket(zmq.PUSH, None)
+        s.setsockopt(zmq.SNDHWM, int(sndhwm))
+        return self._client(s, address, keys)
