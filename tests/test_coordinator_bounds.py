@@ -65,7 +65,8 @@ def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
         s = _dealer(address)
         s.send(M.encode("status"))
         reply = _recv(s)
-        assert reply["t"] == "error" and "KeyError" in reply["message"] and "status" in reply["message"]
+        assert reply["t"] == "error" and reply["code"] == "internal" and "KeyError" in reply["message"] and \
+            "status" in reply["message"]
         time.sleep(0.5)  # a few rounds of the failing periodic step
         assert thread.is_alive()
         st = status(address)
@@ -139,6 +140,7 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
         for a in answers[2:]:
             assert a is not None and a["t"] == "error"
             assert "SHADOW_ATTACH_PENDING_BYTES" in a["message"] and "pending attaches" in a["message"]
+            assert a["code"] == "busy"
         # a rank attaching again replaces its entry (no double count)
         socks[0].send(raw[0])
         assert not socks[0].poll(1000)

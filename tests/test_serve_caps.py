@@ -175,12 +175,12 @@ def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
         ask(first, 10**6)  # held until that iteration is applied
         ask(first, 10**6)
         err = answer(first)
-        assert err["t"] == "error" and "one fetch at a time per client" in err["message"], err
+        assert err["t"] == "error" and err["code"] == "busy" and "one fetch at a time per client" in err["message"], err
         others = [dealer(ctx, serve) for _ in range(3)]
         for s in others:
             ask(s, 10**6)
         err = answer(others[-1])  # the fourth fetch held at once
-        assert err["t"] == "error" and "SERVE_MAX_FETCHES" in err["message"], err
+        assert err["t"] == "error" and err["code"] == "busy" and "SERVE_MAX_FETCHES" in err["message"], err
         for s in others[:2]:
             assert not s.poll(200)  # still held, not refused
 
@@ -205,6 +205,6 @@ def first_reply_socket(ctx, msg: dict) -> zmq.Socket:
     d.connect(f"tcp://127.0.0.1:{port}")
     d.send(b"hi")
     ident, _ = router.recv_multipart()
-    router.send_multipart([ident, M.encode("error", message=msg["message"])])
+    router.send_multipart([ident, M.encode("error", code=msg["code"], message=msg["message"])])
     assert d.poll(5000)
     return d

@@ -87,3 +87,12 @@ def test_header_checksum_catches_any_flipped_bit():
         with pytest.raises(F.FrameError) as ei:
             F.unpack_header(bytes(flipped), max_runs=1 << 20)
         assert ei.value.reason in ("bad_header_checksum", "bad_kind", "bad_length", "too_many_runs"), byte
+
+
+def test_error_replies_carry_a_code_from_a_fixed_set():
+    for code in M.ERROR_CODES:
+        assert M.decode(M.encode("error", code=code, message="x"))["code"] == code
+    with pytest.raises(M.MessageError, match="lacks field 'code'"):
+        M.encode("error", message="x")
+    with pytest.raises(M.MessageError, match="error.code 'nope' is not one of"):
+        M.encode("error", code="nope", message="x")

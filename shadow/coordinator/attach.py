@@ -26,10 +26,10 @@ class AttachMixin:
         problem = job_name_problem(msg["job"])  # the name becomes a directory under every tier's root
         if problem is not None:
             logger.error("attach refused: %s", problem)
-            self._reply(env, "error", message=problem)
+            self._reply(env, "error", code="refused", message=problem)
             return
         if not 0 <= msg["rank"] < msg["world"]:
-            self._reply(env, "error", message=f"rank {msg['rank']} is not in world {msg['world']}")
+            self._reply(env, "error", code="refused", message=f"rank {msg['rank']} is not in world {msg['world']}")
             return
         if msg["rank"] != 0 and msg["layout"] is not None:
             msg = {**msg, "layout": None}  # rank 0's layout is the job's; the others' hashes must match it
@@ -40,7 +40,7 @@ class AttachMixin:
         if full is not None:
             self._count("attach_full")
             logger.error("attach of job %s rank %d refused: %s", msg["job"], msg["rank"], full)
-            self._reply(env, "error", message=full)
+            self._reply(env, "error", code="busy", message=full)
             return
         p = self.pending.setdefault(msg["job"], {"ranks": {}, "bytes": {}, "held": 0, "since": now, "told": -1,
                                                  "deadline": now + knobs.get("CONNECT_TIMEOUT_S")})
@@ -93,8 +93,9 @@ class AttachMixin:
                 except Exception as exc:  # the ranks must hear, and the loop go on
                     self._failed("attach_error", f"the attach of job {name!r}")
                     for ident, _ in p["ranks"].values():
-                        self._reply([ident], "error", message=f"attach of job {name!r} failed in the coordinator: "
-                                                              f"{type(exc).__name__}: {exc}")
+                        self._reply([ident], "error", code="internal",
+                                    message=f"attach of job {name!r} failed in the coordinator: "
+                                            f"{type(exc).__name__}: {exc}")
             elif ready < self.expected and p["told"] != ready:
                 p["told"] = ready
                 for ident, _ in p["ranks"].values():
@@ -115,7 +116,7 @@ class AttachMixin:
                         "check the worker logs, or allow longer with SHADOW_CONNECT_TIMEOUT_S")
             logger.error("attach of job %s failed: %s", name, text)
             for ident, _ in p["ranks"].values():
-                self._reply([ident], "error", message=text)
+                self._reply([ident], "error", code="timeout", message=text)
 
     def _start_job(self, name: str, ranks: dict) -> None:
         msgs = [m for _, m in (ranks[r] for r in sorted(ranks))]
@@ -125,7 +126,7 @@ class AttachMixin:
         def fail(text: str) -> None:
             logger.error("attach of job %s refused: %s", name, text)
             for ident in idents.values():
-                self._reply([ident], "error", message=text)
+                self._reply([ident], "error", code="refused", message=text)
 
         if any(m["world"] != first["world"] or m["layout_hash"] != first["layout_hash"] or m["iteration"] != first["iteration"]
                for m in msgs):

@@ -89,7 +89,7 @@ class RejoinMixin:
             session = valid_session(msg["session"])
         except M.MessageError as exc:
             self._count(exc.reason)
-            self._reply(env, "error", message=f"rejected rejoin: {exc}")
+            self._reply(env, "error", code="malformed", message=f"rejected rejoin: {exc}")
             return
         if self.job is not None:  # this coordinator already runs a job
             if self._worker(env) is None:

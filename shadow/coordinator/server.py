@@ -127,12 +127,12 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         except M.MessageError as exc:
             self._count(exc.reason)
             logger.warning("rejected control message: %s", exc)
-            self._reply(envelope, "error", message=f"rejected: {exc}")
+            self._reply(envelope, "error", code="malformed", message=f"rejected: {exc}")
             return
         handler = getattr(self, "_on_" + msg["t"], None)
         if handler is None:
             self._count("unexpected")
-            self._reply(envelope, "error", message=f"coordinator does not accept {msg['t']!r} messages")
+            self._reply(envelope, "error", code="refused", message=f"coordinator does not accept {msg['t']!r} messages")
             return
         if msg["t"] in WORKER_ONLY and self._worker(envelope) is None:
             self._count("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)
@@ -143,8 +143,9 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         except Exception as exc:  # a bug meeting an input: count it, answer, and carry on
             self._failed("handler_" + msg["t"], f"the {msg['t']} handler")
             try:
-                self._reply(envelope, "error", message=f"the coordinator could not handle this {msg['t']} message "
-                                                       f"({type(exc).__name__}: {exc}); it was dropped")
+                self._reply(envelope, "error", code="internal",
+                            message=f"the coordinator could not handle this {msg['t']} message "
+                                    f"({type(exc).__name__}: {exc}); it was dropped")
             except Exception:  # the envelope itself may be the problem
                 logger.debug("could not answer a failed %s message", msg["t"], exc_info=True)
 
@@ -196,8 +197,9 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             if slot < 0:
                 slot = next((i for i in range(self.expected) if i not in taken), -1)
             if not 0 <= slot < self.expected:
-                self._reply(env, "error", message=f"cluster already has its {self.expected} workers "
-                                                  f"(or worker_id={msg['worker_id']} is out of range)")
+                self._reply(env, "error", code="refused",
+                            message=f"cluster already has its {self.expected} workers "
+                                    f"(or worker_id={msg['worker_id']} is out of range)")
                 return None
             w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
             self.workers.append(w)

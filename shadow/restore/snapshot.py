@@ -44,7 +44,7 @@ class Snapshot:
 
 class MovedOn(ShadowError):
     """A live cluster applied a newer iteration while a restore was reading it, or a
-    worker was too busy to serve it ("busy: ..."); worth asking again."""
+    worker was too busy to serve it (error codes ``moved_on``, ``busy``); worth asking again."""
 
 
 def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
@@ -109,7 +109,7 @@ def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_st
     wire order); returns its head."""
     head = M.decode(sock.recv())
     if head["t"] == "error":
-        if "moved on" in head["message"] or head["message"].startswith("busy:"):
+        if head["code"] in ("moved_on", "busy"):
             raise MovedOn(head["message"])
         raise ShadowError(f"worker {w['id']}: {head['message']}")
     if head["t"] != "fetch_reply" or head["iteration"] != info["iteration"]:

@@ -83,7 +83,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # coordinator -> anyone
     "status_reply": {"status": (dict,)},
     "restore_info_reply": {"info": (dict,)},
-    "error": {"message": (str,)},
+    "error": {"message": (str,), "code": (str,)},  # code: one of ERROR_CODES, for callers to act on
     # client -> worker serve socket
     "fetch": {"epoch": (int,), "iteration": (int,)},
     # worker -> client; optional "extras": [[key, nbytes, xxh3], ...], chunks of the model state
@@ -93,6 +93,14 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                     "replay": (dict, type(None)), "chunk": (int,),
                     "sums": (list,)},
 }
+
+# what an "error" reply's ``code`` says, so that a caller acts on it without reading the text:
+# malformed (the request did not decode or check), refused (valid, but not accepted: a bad
+# job name, a rank out of range, no slot for another worker, a type this service does not
+# take), busy (a limit is reached: ask again later), moved_on (the iteration asked for has been
+# applied past), wrong_epoch (another epoch is served), timeout (what was waited for did not
+# come in time), internal (the service failed on it and dropped it)
+ERROR_CODES = ("malformed", "refused", "busy", "moved_on", "wrong_epoch", "timeout", "internal")
 
 # type -> {field: accepted python types}: fields a sender may leave out (checked when present)
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
@@ -300,6 +308,8 @@ def validate(msg: Any) -> None:
     for name, types in optional.items():
         if name in msg:
             _check_field(kind, name, msg[name], types)
+    if kind == "error" and msg["code"] not in ERROR_CODES:
+        raise MessageError("bad_field", f"error.code {msg['code'][:32]!r} is not one of {ERROR_CODES}")
 
 
 def _check_field(kind: str, name: str, value: Any, types: tuple[type, ...]) -> None:

@@ -67,13 +67,13 @@ class ServeMixin:
                 raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
         except M.MessageError as exc:
             self.rejected["serve_" + exc.reason] += 1
-            sock.send_multipart([ident, M.encode("error", message=str(exc))])
+            sock.send_multipart([ident, M.encode("error", code="malformed", message=str(exc))])
             return
         refused = self._refuse_fetch(ident)
         if refused is not None:
             reason, text = refused
             self.rejected[reason] += 1
-            sock.send_multipart([ident, M.encode("error", message=text)])
+            sock.send_multipart([ident, M.encode("error", code="busy", message=text)])
             return
         msg["client"] = _client(ident, raw)
         self.pending_fetch.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
@@ -107,11 +107,13 @@ class ServeMixin:
             want = msg["iteration"]
             s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.session
             if s is None or msg["epoch"] != s.epoch:
-                self._serve_error(ident, f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
+                self._serve_error(ident, "wrong_epoch",
+                                  f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
             elif s.applied == want or (want < 0 and s.applied >= 0):
                 self._serve_state(ident, s, msg.get("client") or ident.hex())
             elif s.applied > want:
-                self._serve_error(ident, f"worker has moved on to iteration {s.applied}; fetch {want} again later")
+                self._serve_error(ident, "moved_on",
+                                  f"worker has moved on to iteration {s.applied}; fetch {want} again later")
             else:
                 keep.append((ident, msg, deadline))
         self.pending_fetch = keep
@@ -120,14 +122,14 @@ class ServeMixin:
         keep = []
         for ident, msg, deadline in self.pending_fetch:
             if now > deadline:
-                self._serve_error(ident, f"iteration {msg['iteration']} was not applied here in time")
+                self._serve_error(ident, "timeout", f"iteration {msg['iteration']} was not applied here in time")
             else:
                 keep.append((ident, msg, deadline))
         self.pending_fetch = keep
         self._forget_sent(now)
 
-    def _serve_error(self, ident: bytes, text: str) -> None:
-        self.serve.send_multipart([ident, M.encode("error", message=text)])
+    def _serve_error(self, ident: bytes, code: str, text: str) -> None:
+        self.serve.send_multipart([ident, M.encode("error", code=code, message=text)])
 
     def _serve_state(self, ident: bytes, s, client: str = "") -> None:
         """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
