@@ -18,8 +18,9 @@ from shadow import knobs
 from shadow.client import dealer
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
+from shadow.transport import fetch
 from shadow.wire import messages as M
-from shadow.wire.frames import Field, checksum, state_fields
+from shadow.wire.frames import Field, state_fields
 
 logger = logging.getLogger(__name__)
 
@@ -106,45 +107,26 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
 def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs,
                 extras: dict | None = None) -> dict:
     """Receive one worker's reply into ``arrays`` (allocated for the optimizer's fields, in
-    wire order); returns its head."""
-    head = M.decode(sock.recv())
-    if head["t"] == "error":
-        if head["code"] in ("moved_on", "busy"):
-            raise MovedOn(head["message"])
-        raise ShadowError(f"worker {w['id']}: {head['message']}")
-    if head["t"] != "fetch_reply" or head["iteration"] != info["iteration"]:
-        raise ShadowError(f"worker {w['id']} answered for iteration {head.get('iteration')}, not {info['iteration']}")
-    lo, hi, chunk = head["start"], head["stop"], head["chunk"]
-    if (lo, hi) != (w["start"], w["stop"]) or chunk <= 0 or chunk % 4 or head["arrays"] != [int(f) for f in arrays]:
-        raise ShadowError(f"worker {w['id']} sent a malformed shard (range, chunk size or arrays)")
-    sums = iter(head["sums"])
-    for f in head["arrays"]:
-        fld = Field(f)
-        target = memoryview(arrays[fld][lo:hi]).cast("B")
-        for off in range(0, len(target), chunk):
-            want = min(chunk, len(target) - off)
-            if not sock.getsockopt(zmq.RCVMORE):
-                raise ShadowError(f"worker {w['id']} sent too few bytes for {fld.name}")
-            got = sock.recv_into(target[off:off + want])
-            if got != want:
-                raise ShadowError(f"worker {w['id']} sent a {got}-byte chunk of {fld.name}, expected {want}")
-            if checksum(target[off:off + want]) != next(sums, None):  # damaged, or applied over while sent
-                raise MovedOn(f"worker {w['id']}: {fld.name} bytes {off}..{off + want} of its shard fail their "
-                              "checksum")
-    for key, nbytes, csum in head.get("extras", []):  # this worker's chunks of the model state outside the optimizer
-        if not sock.getsockopt(zmq.RCVMORE):
-            raise ShadowError(f"worker {w['id']} sent too few extras chunks")
-        raw = sock.recv()
-        if len(raw) != nbytes or checksum(raw) != csum:
-            raise ShadowError(f"worker {w['id']} sent a damaged extras chunk {key:#x}")
-        if extras is not None:
-            extras[int(key)] = raw
-    if sock.getsockopt(zmq.RCVMORE):
-        raise ShadowError(f"worker {w['id']} sent more than its shard")
-    for i, s in head["steps"]:
+    wire order), each chunk straight into place; returns its head."""
+    who = f"worker {w['id']}"
+    lo, hi = w.get("start"), w.get("stop")
+    src = fetch.SocketParts(sock)
+    try:
+        head = fetch.read_head(src, epoch=None, iteration=info["iteration"], start=lo, stop=hi,
+                               fields=[int(f) for f in arrays], who=who)
+        fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(arrays[fld][lo:hi]), who)
+        got = fetch.read_extras(src, head, who)
+        nparams = len(layout.params)
+        pairs = fetch.param_indices(head["steps"], nparams, who, "a step")
+        flags = fetch.param_indices(head["has_state"], nparams, who, "state flags")
+    except fetch.FetchError as exc:
+        raise (MovedOn if exc.retry else ShadowError)(str(exc)) from None
+    if extras is not None:
+        extras.update(got)
+    for i, s in pairs:
         if layout.params[i].offset >= lo:  # the shard holding a param's first element owns its step
             steps[i] = s
-    for i in head["has_state"]:
+    for i in flags:
         if layout.params[i].offset >= lo:
             has_state[i] = True
     for r, b in head["commits"]:

@@ -9,13 +9,11 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 
 from shadow import knobs
-from shadow.transport import SocketFactory, fetch_limit
+from shadow.transport import SocketFactory, fetch, fetch_limit
 from shadow.wire import messages as M
-from shadow.wire.frames import Field, checksum
 from shadow.worker.memory import available_bytes
 
 logger = logging.getLogger(__name__)
@@ -47,46 +45,22 @@ class PeerCopy:
 
 def install(session, parts: list[bytes], iteration: int) -> None:
     """Check a peer's ``fetch_reply`` against this session and install it."""
-    head = M.decode(parts[0])
-    if head["t"] == "error":
-        raise PeerError(head["message"])
     st = session.state
-    if head["t"] != "fetch_reply" or head["iteration"] != iteration or head["epoch"] != session.epoch:
-        raise PeerError(f"peer answered {head['t']} for epoch {head.get('epoch')} iteration {head.get('iteration')}")
-    if (head["start"], head["stop"]) != (st.start, st.stop):
-        raise PeerError(f"peer holds [{head['start']}, {head['stop']}), this replica [{st.start}, {st.stop})")
-    fields = [int(f) for f in st.fields()]
-    chunk = head["chunk"]
-    if head["arrays"] != fields or chunk <= 0:
-        raise PeerError(f"peer sent arrays {head['arrays']} in chunks of {chunk}, this replica needs {fields}")
-    pieces, sums = iter(parts[1:]), iter(head["sums"])
-    for f in fields:
-        target = st.array(Field(f)).view(np.uint8)
-        for off in range(0, len(target), chunk):
-            raw = next(pieces, None)
-            want = min(chunk, len(target) - off)
-            if raw is None or len(raw) != want:
-                raise PeerError(f"peer sent a short or missing chunk of {Field(f).name} at byte {off}")
-            if checksum(raw) != next(sums, None):
-                raise PeerError(f"chunk of {Field(f).name} at byte {off} fails its checksum")
-            target[off:off + want] = np.frombuffer(raw, dtype=np.uint8)
-    extras = {}
-    for key, nbytes, csum in head.get("extras", []):  # chunks of the model state outside the optimizer
-        raw = next(pieces, None)
-        if raw is None or len(raw) != nbytes or checksum(raw) != csum:
-            raise PeerError(f"peer sent a short, missing or damaged extras chunk {key:#x}")
-        extras[int(key)] = raw
-    if next(pieces, None) is not None:
-        raise PeerError("peer sent more than its shard")
-    nparams = len(st.steps)
+    src = fetch.ListParts(parts)
+    try:
+        head = fetch.read_head(src, epoch=session.epoch, iteration=iteration, start=st.start, stop=st.stop,
+                               fields=[int(f) for f in st.fields()], who="peer")
+        fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(st.array(fld)), "peer")
+        extras = fetch.read_extras(src, head, "peer")
+        nparams = len(st.steps)
+        steps = fetch.param_indices(head["steps"], nparams, "peer", "a step")
+        flags = fetch.param_indices(head["has_state"], nparams, "peer", "state flags")
+    except fetch.FetchError as exc:
+        raise PeerError(str(exc)) from None
     st.has_state[:] = False
-    for i, v in head["steps"]:
-        if not 0 <= int(i) < nparams:
-            raise PeerError(f"peer sent a step for parameter {i} of {nparams}")
+    for i, v in steps:
         st.steps[int(i)] = float(v)
-    for i in head["has_state"]:
-        if not 0 <= int(i) < nparams:
-            raise PeerError(f"peer sent state flags for parameter {i} of {nparams}")
+    for i in flags:
         st.has_state[int(i)] = True
     session.blobs = {int(r): bytes(b) for r, b in head["commits"]}
     session.extras = extras
