@@ -13,7 +13,7 @@ import fsspec
 import pytest
 import torch
 
-from shadow.persist import catalog
+from shadow.persist import catalog, retention
 from tests.conftest import ROOT
 from tests.test_persist_units import LAYOUT, _write_checkpoint
 
@@ -52,7 +52,7 @@ def test_catalog_functions_refuse_a_job_name_that_would_glob_or_escape(tmp_path)
     for it in (1, 2):
         _write_checkpoint(root, "exp1", it, LAYOUT)
     with pytest.raises(InvalidJobNameError, match="exp"):
-        catalog.retain(root, "exp*", 1)
+        retention.retain(root, "exp*", 1)
     with pytest.raises(InvalidJobNameError, match="escape"):
         catalog.list_checkpoints(root, job="../escape")
     with pytest.raises(InvalidJobNameError):
@@ -75,7 +75,7 @@ def test_glob_characters_in_the_root_are_taken_literally(tmp_path, kind):
     assert [c.iteration for c in catalog.list_checkpoints(root)] == [1, 2, 3]
     assert len(catalog.list_torn(root, "j")) == 1
     assert catalog.find(root, kind, "j")[0].iteration == 3
-    catalog.retain(root, "j", 1)
+    retention.retain(root, "j", 1)
     assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [3]
     assert [c.iteration for c in catalog.list_checkpoints(sibling)] == [9]
 

@@ -13,7 +13,7 @@ import pytest
 
 from shadow import knobs
 from shadow.layout import Layout
-from shadow.persist import catalog, planes, shardfile, zshard
+from shadow.persist import catalog, planes, retention, shardfile, zshard
 from shadow.persist.writer import ShardPersister
 from shadow.wire.frames import Field
 
@@ -313,6 +313,6 @@ def test_retention_removes_compressed_checkpoints(tmp_path):
                                  None, [{"index": 0, "start": 0, "stop": LAYOUT.total, "file": rep["file"],
                                          "bytes": rep["bytes"], "checksum": rep["checksum"], "blob_ranks": [0]}])
         catalog.write_manifest(root, "j", it, m)
-    assert len(catalog.retain(root, "j", 1)) == 2
+    assert len(retention.retain(root, "j", 1)) == 2
     assert [c.iteration for c in catalog.list_checkpoints(root)] == [3]
     assert catalog.list_checkpoints(root)[0].bytes == rep["bytes"] < rep["raw_bytes"]

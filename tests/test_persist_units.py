@@ -10,7 +10,7 @@ import pytest
 
 from shadow.coordinator.persistence import due
 from shadow.layout import Layout
-from shadow.persist import catalog, shardfile
+from shadow.persist import catalog, retention, shardfile
 from shadow.wire.frames import Field, checksum
 
 
@@ -99,11 +99,11 @@ def test_catalog_roundtrip_corruption_and_fallback(tmp_path, kind):
 def test_retention_keeps_newest_and_only_deletes_after_a_complete_one(tmp_path):
     root = str(tmp_path)
     os.makedirs(catalog.checkpoint_dir(root, "j", 1))  # torn, and nothing complete yet
-    assert catalog.retain(root, "j", 1) == []
+    assert retention.retain(root, "j", 1) == []
     for it in (2, 4, 6):
         _write_checkpoint(root, "j", it, LAYOUT)
     os.makedirs(catalog.checkpoint_dir(root, "j", 8))  # a write in progress, newer than the newest complete
-    removed = catalog.retain(root, "j", 2)
+    removed = retention.retain(root, "j", 2)
     assert sorted(os.path.basename(r) for r in removed) == ["iteration-0000000001", "iteration-0000000002"]
     assert [c.iteration for c in catalog.list_checkpoints(root)] == [4, 6]
     assert os.path.isdir(catalog.checkpoint_dir(root, "j", 8))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from shadow import knobs
-from shadow.persist import catalog, failed
+from shadow.persist import catalog, failed, retention
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class Persistence:
         if keep and copying:
             done = catalog.list_checkpoints(tier.root, tier.name, job_name)
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
-        return catalog.retain(tier.root, job_name, keep, busy=tier.in_flight)
+        return retention.retain(tier.root, job_name, keep, busy=tier.in_flight)
 
     def _commit(self, tier: Tier, job, iteration: int, got: dict) -> list:
         shards = [{"index": r["shard"], "start": r["start"], "stop": r["stop"], "file": r["file"],

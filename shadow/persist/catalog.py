@@ -17,7 +17,6 @@ import posixpath
 import re
 import struct
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import fsspec
@@ -370,29 +369,6 @@ def find(root: str, tier: str, job: str | None = None, iteration: int | None = N
                            info.iteration, info.path, exc)
             errors.append(str(exc))
     raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
-
-
-def retain(root: str, job: str, keep: int, busy: Iterable[int] = ()) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints, and torn directories older
-    than the newest complete one, except those of the iterations in ``busy`` (still being
-    written: a newer checkpoint can complete first). Never deletes anything if none is
-    complete."""
-    if keep <= 0:
-        return []
-    done = list_checkpoints(root, job=job)
-    if not done:
-        return []
-    fs, _ = _fs(root)
-    newest = (done[-1].generation, done[-1].iteration)
-    busy = set(busy)
-    victims = [c.path for c in done[:-keep]] + [d for d in list_torn(root, job)
-                                                 if (dir_key(d) or newest) < newest and dir_key(d)[1] not in busy]
-    for d in victims:
-        try:
-            fs.rm(fsglob.literal(fs, d), recursive=True)
-        except OSError as exc:
-            logger.warning("retention could not delete %s: %s", d, exc)
-    return victims
 
 
 def new_manifest(job: str, iteration: int, epoch: int, tier: str, layout: dict, layout_hash: int, optim: dict,

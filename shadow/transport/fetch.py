@@ -66,8 +66,8 @@ class ListParts:
 
     def into(self, target: memoryview) -> int:
         raw = self.take()
-        n = min(len(raw), len(target))
-        target[:n] = memoryview(raw)[:n]
+        if len(raw) == len(target):  # a wrong size is refused by the caller; nothing is written
+            target[:] = raw
         return len(raw)
 
     def take(self) -> bytes:
