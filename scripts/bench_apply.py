@@ -23,6 +23,7 @@ included; waiting is not counted), the apply wall time, and the total CPU second
 iteration. Bytes moved per parameter count each pass over memory (the socket's write into
 zmq's buffer included; fp32 AdamW without amsgrad).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PASSES = {
     "before": {"socket -> zmq buffer": 4, "recv_into copy": 8, "checksum": 4, "kernel": 28},
     "after": {"socket -> zmq buffer": 4, "checksum": 4, "kernel": 28},
-    "before+snapshot": {"socket -> zmq buffer": 4, "recv_into copy": 8, "checksum": 4, "kernel": 28,
-                        "snapshot copy": 24},
+    "before+snapshot": {
+        "socket -> zmq buffer": 4,
+        "recv_into copy": 8,
+        "checksum": 4,
+        "kernel": 28,
+        "snapshot copy": 24,
+    },
     "after+snapshot": {"socket -> zmq buffer": 4, "checksum": 4, "kernel + snapshot stores": 40},
 }
 
@@ -85,7 +91,7 @@ def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
         for _ in range(2):  # once for each path
             conn.recv()  # the receiver is ready
             for runs in buckets:
-                views = [grad[off:off + n] for off, n in runs]
+                views = [grad[off : off + n] for off, n in runs]
                 table = tuple((off, n, F.checksum(v)) for (off, n), v in zip(runs, views, strict=True))
                 h = F.Header(F.Kind.GRAD, F.Field.GRAD, 1, 1, 0, 1, 7, it, seq, table)
                 seq += 1
@@ -126,9 +132,24 @@ def main() -> int:
     buckets = bucket_runs(sizes)
     layout = Layout.build([(f"p{i}", (n,), 0, True) for i, n in enumerate(sizes)], 1)
     optim = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8, "amsgrad_any": False}
-    commit = {"skipped": [], "clip": None, "inv_scale": None, "grad_scale": None, "skip_step": False,
-              "groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-                          "maximize": False, "decoupled": True}]}
+    commit = {
+        "skipped": [],
+        "clip": None,
+        "inv_scale": None,
+        "grad_scale": None,
+        "skip_step": False,
+        "groups": [
+            {
+                "lr": 1e-3,
+                "betas": (0.9, 0.999),
+                "eps": 1e-8,
+                "weight_decay": 0.1,
+                "amsgrad": False,
+                "maximize": False,
+                "decoupled": True,
+            }
+        ],
+    }
     warm_up()
     tmp = tempfile.mkdtemp(prefix="shadow-bench-apply-")
     states, persisters, imgs = {}, {}, {}
@@ -163,7 +184,7 @@ def main() -> int:
             h = F.unpack_header(pull.recv(), max_runs)
             for dst, n, csum in h.runs:
                 if path == "before":
-                    view = grad_buf[dst:dst + n]
+                    view = grad_buf[dst : dst + n]
                     got = pull.recv_into(view)
                 else:
                     frame = pull.recv(copy=False)
@@ -204,8 +225,9 @@ def main() -> int:
             del parts
             if it in (1, args.iters + 1):
                 continue  # warm-up: first touch of the state and image pages
-            r = rows.setdefault(path + ("+snapshot" if snapshot else ""), {"recv_cpu": [], "apply_s": [],
-                                                                          "apply_cpu": []})
+            r = rows.setdefault(
+                path + ("+snapshot" if snapshot else ""), {"recv_cpu": [], "apply_s": [], "apply_cpu": []}
+            )
             r["recv_cpu"].append(recv_cpu)
             r["apply_s"].append(wall)
             r["apply_cpu"].append(cpu)
@@ -215,11 +237,22 @@ def main() -> int:
     ctx.term()
     same = all(np.array_equal(states["before"].array(f), states["after"].array(f)) for f in states["after"].fields())
     snap_ok = all(np.array_equal(imgs["after"][f], imgs["before"][f]) for f in imgs["after"])
-    out = {"params": total, "threads": args.threads, "iters_per_kind": args.iters, "buckets": len(buckets),
-           "runs": sum(len(b) for b in buckets), "bit_identical": bool(same), "snapshot_identical": bool(snap_ok),
-           "machine": machine_info(), "paths": {}}
-    print(f"worker apply path, AdamW over {total / 1e6:.1f}M fp32 params, {len(buckets)} buckets "
-          f"({out['runs']} runs), {args.threads} threads, median of {len(next(iter(rows.values()))['apply_s'])} iterations")
+    out = {
+        "params": total,
+        "threads": args.threads,
+        "iters_per_kind": args.iters,
+        "buckets": len(buckets),
+        "runs": sum(len(b) for b in buckets),
+        "bit_identical": bool(same),
+        "snapshot_identical": bool(snap_ok),
+        "machine": machine_info(),
+        "paths": {},
+    }
+    print(
+        f"worker apply path, AdamW over {total / 1e6:.1f}M fp32 params, {len(buckets)} buckets "
+        f"({out['runs']} runs), {args.threads} threads, "
+        f"median of {len(next(iter(rows.values()))['apply_s'])} iterations"
+    )
     print("| path | bytes/param | recv CPU s | apply s | CPU s / iteration | CPU s / iter / B params | speedup |")
     print("|---|---|---|---|---|---|---|")
     for path in ("before", "after", "before+snapshot", "after+snapshot"):
@@ -228,11 +261,18 @@ def main() -> int:
         cpu = med["recv_cpu"] + med["apply_cpu"]
         base = rows[path.replace("after", "before")]
         base_cpu = statistics.median(base["recv_cpu"]) + statistics.median(base["apply_cpu"])
-        out["paths"][path] = {**med, "cpu_s_per_iter": cpu, "cpu_s_per_iter_per_Bparams": cpu / total * 1e9,
-                              "bytes_per_param": sum(PASSES[path].values()), "passes": PASSES[path],
-                              "cpu_speedup_vs_before": base_cpu / cpu}
-        print(f"| {path} | {sum(PASSES[path].values())} | {med['recv_cpu']:.4f} | {med['apply_s']:.4f} | "
-              f"{cpu:.4f} | {cpu / total * 1e9:.2f} | {base_cpu / cpu:.2f}x |")
+        out["paths"][path] = {
+            **med,
+            "cpu_s_per_iter": cpu,
+            "cpu_s_per_iter_per_Bparams": cpu / total * 1e9,
+            "bytes_per_param": sum(PASSES[path].values()),
+            "passes": PASSES[path],
+            "cpu_speedup_vs_before": base_cpu / cpu,
+        }
+        print(
+            f"| {path} | {sum(PASSES[path].values())} | {med['recv_cpu']:.4f} | {med['apply_s']:.4f} | "
+            f"{cpu:.4f} | {cpu / total * 1e9:.2f} | {base_cpu / cpu:.2f}x |"
+        )
     # the goal of the worker path: receive + checksum + apply from the frames, against the
     # replay alone (the kernel over one contiguous gradient: the "before" path's apply)
     alone = statistics.median(rows["before"]["apply_cpu"])
@@ -240,9 +280,11 @@ def main() -> int:
     out["replay_alone_cpu_s_per_iter_per_Bparams"] = alone / total * 1e9
     out["whole_path_vs_replay_alone"] = whole / alone
     out["malloc_hugepages"] = malloc.TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
-    print(f"whole worker path (receive, checksum, apply from the frames): {whole / total * 1e9:.2f} CPU s / iter / "
-          f"B params; the replay alone (contiguous gradient): {alone / total * 1e9:.2f}; ratio {whole / alone:.2f}x "
-          f"(goal <= 1.25x); malloc on huge pages: {out['malloc_hugepages']}")
+    print(
+        f"whole worker path (receive, checksum, apply from the frames): {whole / total * 1e9:.2f} CPU s / iter / "
+        f"B params; the replay alone (contiguous gradient): {alone / total * 1e9:.2f}; ratio {whole / alone:.2f}x "
+        f"(goal <= 1.25x); malloc on huge pages: {out['malloc_hugepages']}"
+    )
     print(f"states bit-identical: {same}; folded snapshot identical to the copied one: {snap_ok}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -12,6 +12,7 @@ order rotated each round; each figure is the median. Also measured: the whole sh
 through ``zshard`` (the real code path), background threads (1 vs 2, and zstd's own
 multithreading), and the byte-plane (de)interleave with numba vs numpy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,11 +52,20 @@ def train(n_layer: int, n_embd: int, steps: int, batch: int) -> tuple[dict[str, 
         loss.backward()
         opt.step()
     ps = [p for p in model.parameters()]
-    out = {"param": torch.cat([p.detach().reshape(-1) for p in ps]),
-           "exp_avg": torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in ps]),
-           "exp_avg_sq": torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in ps])}
-    info = {"params": int(out["param"].numel()), "n_layer": n_layer, "n_embd": n_embd, "steps": steps,
-            "batch": batch, "final_loss": float(loss), "train_s": time.perf_counter() - t0}
+    out = {
+        "param": torch.cat([p.detach().reshape(-1) for p in ps]),
+        "exp_avg": torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in ps]),
+        "exp_avg_sq": torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in ps]),
+    }
+    info = {
+        "params": int(out["param"].numel()),
+        "n_layer": n_layer,
+        "n_embd": n_embd,
+        "steps": steps,
+        "batch": batch,
+        "final_loss": float(loss),
+        "train_s": time.perf_counter() - t0,
+    }
     return {k: v.numpy().copy() for k, v in out.items()}, info
 
 
@@ -64,8 +74,12 @@ def shard_image(arrays: dict[str, np.ndarray]) -> shardfile.ShardImage:
     n = arrays["param"].size
     img = shardfile.ShardImage(3 * n * 4 + (1 << 20))
     entries = [shardfile.Entry(f, "F32", n) for f in FIELDS]
-    entries += [shardfile.Entry("param_index", "I64", 64), shardfile.Entry("steps", "F64", 64),
-                shardfile.Entry("has_state", "U8", 64), shardfile.Entry("commit.rank0", "U8", 200)]
+    entries += [
+        shardfile.Entry("param_index", "I64", 64),
+        shardfile.Entry("steps", "F64", 64),
+        shardfile.Entry("has_state", "U8", 64),
+        shardfile.Entry("commit.rank0", "U8", 200),
+    ]
     img.layout(entries, {"format": shardfile.FORMAT, "job": "bench", "start": "0", "stop": str(n), "iteration": "40"})
     for f in FIELDS:
         img.fill(f, arrays[f])
@@ -77,7 +91,7 @@ def shard_image(arrays: dict[str, np.ndarray]) -> shardfile.ShardImage:
 
 
 def blocks(raw: np.ndarray, block: int) -> list[np.ndarray]:
-    return [raw[i:i + block] for i in range(0, raw.size, block)]
+    return [raw[i : i + block] for i in range(0, raw.size, block)]
 
 
 class Plain:
@@ -95,7 +109,7 @@ class Plain:
         for f in frames:
             n = zstandard.frame_content_size(f)
             with self.d.stream_reader(f) as r:
-                r.readinto(memoryview(out[pos:pos + n]))
+                r.readinto(memoryview(out[pos : pos + n]))
             pos += n
 
 
@@ -110,7 +124,7 @@ class Planes:
         pos = 0
         for f in frames:
             n = planes.peek(f)[1]
-            planes.decode(f, out[pos:pos + n])
+            planes.decode(f, out[pos : pos + n])
             pos += n
 
 
@@ -128,7 +142,7 @@ def run_rounds(cases: dict, rounds: int) -> dict[str, list]:
         cases[n]()
     out: dict[str, list] = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             out[n].append(cases[n]())
     return out
@@ -150,9 +164,11 @@ def main() -> int:
     info["zstandard"] = zstandard.__version__
     arrays, model = train(args.n_layer, args.n_embd, args.steps, args.batch)
     block = knobs.get_int("COMPRESS_BLOCK_BYTES")
-    print(f"GPT {model['params'] / 1e6:.1f}M params after {args.steps} AdamW steps (loss {model['final_loss']:.3f}, "
-          f"{model['train_s']:.0f} s); {os.cpu_count()} cores; blocks of {block >> 20} MiB; median of "
-          f"{args.repeat} interleaved rounds")
+    print(
+        f"GPT {model['params'] / 1e6:.1f}M params after {args.steps} AdamW steps (loss {model['final_loss']:.3f}, "
+        f"{model['train_s']:.0f} s); {os.cpu_count()} cores; blocks of {block >> 20} MiB; median of "
+        f"{args.repeat} interleaved rounds"
+    )
     raws = {f: arrays[f].view(np.uint8) for f in FIELDS}
     mb = {f: raws[f].nbytes / 1e6 for f in FIELDS}
 
@@ -171,6 +187,7 @@ def main() -> int:
             if not np.array_equal(outs[f], raws[f]):
                 raise AssertionError(f"{f}: round trip is not bit-exact")
             return {"compress_s": tc, "decompress_s": td, "stored": sum(map(len, frames))}
+
         return case
 
     cases = {f"{f}/{c}": field_case(f, codec) for f in FIELDS for c, codec in codecs.items()}
@@ -179,9 +196,14 @@ def main() -> int:
     for key, runs in res.items():
         f, c = key.split("/")
         tc, td = statistics.median(r["compress_s"] for r in runs), statistics.median(r["decompress_s"] for r in runs)
-        fields[f][c] = {"ratio": raws[f].nbytes / runs[0]["stored"], "compress_MBps": mb[f] / tc,
-                        "decompress_MBps": mb[f] / td, "stored_bytes": runs[0]["stored"],
-                        "compress_s": [r["compress_s"] for r in runs], "decompress_s": [r["decompress_s"] for r in runs]}
+        fields[f][c] = {
+            "ratio": raws[f].nbytes / runs[0]["stored"],
+            "compress_MBps": mb[f] / tc,
+            "decompress_MBps": mb[f] / td,
+            "stored_bytes": runs[0]["stored"],
+            "compress_s": [r["compress_s"] for r in runs],
+            "decompress_s": [r["decompress_s"] for r in runs],
+        }
 
     # per-plane ratios (planes codec, one block of each field)
     per_plane = {}
@@ -194,7 +216,7 @@ def main() -> int:
 
     # --- the whole shard file, through zshard (the worker's and restore's code path) ---
     img = shard_image(arrays)
-    image = img.buf[:img.size]
+    image = img.buf[: img.size]
     shard_mb = img.size / 1e6
     target_bufs: dict = {}
 
@@ -211,6 +233,7 @@ def main() -> int:
             data = buf.getvalue()
             td, _ = timed(lambda: zshard.decode(data, target, threads=dthreads))
             return {"compress_s": tc, "decompress_s": td, "stored": len(data)}
+
         return case
 
     def shard_plain(lvl: int, threads: int = 0):
@@ -222,6 +245,7 @@ def main() -> int:
             tc, frames = timed(lambda: codec.compress(parts))
             td, _ = timed(lambda: codec.decompress(frames, out))
             return {"compress_s": tc, "decompress_s": td, "stored": sum(map(len, frames))}
+
         return case
 
     shard_cases = {}
@@ -243,9 +267,14 @@ def main() -> int:
     shard: dict = {}
     for key, runs in res.items():
         tc, td = statistics.median(r["compress_s"] for r in runs), statistics.median(r["decompress_s"] for r in runs)
-        shard[key] = {"ratio": img.size / runs[0]["stored"], "compress_MBps": shard_mb / tc,
-                      "decompress_MBps": shard_mb / td, "stored_bytes": runs[0]["stored"],
-                      "compress_s": [r["compress_s"] for r in runs], "decompress_s": [r["decompress_s"] for r in runs]}
+        shard[key] = {
+            "ratio": img.size / runs[0]["stored"],
+            "compress_MBps": shard_mb / tc,
+            "decompress_MBps": shard_mb / td,
+            "stored_bytes": runs[0]["stored"],
+            "compress_s": [r["compress_s"] for r in runs],
+            "decompress_s": [r["decompress_s"] for r in runs],
+        }
 
     # --- byte-plane (de)interleave: numba kernels vs numpy transposes ---
     raw = raws["param"]
@@ -258,10 +287,12 @@ def main() -> int:
     def np_join():
         back.reshape(-1, 4)[...] = pl.T
 
-    inter_cases = {"split numba": lambda: timed(lambda: planes.split(raw, 4, pl))[0],
-                   "split numpy": lambda: timed(np_split)[0],
-                   "join numba": lambda: timed(lambda: planes.join(pl, back))[0],
-                   "join numpy": lambda: timed(np_join)[0]}
+    inter_cases = {
+        "split numba": lambda: timed(lambda: planes.split(raw, 4, pl))[0],
+        "split numpy": lambda: timed(np_split)[0],
+        "join numba": lambda: timed(lambda: planes.join(pl, back))[0],
+        "join numpy": lambda: timed(np_join)[0],
+    }
     res = run_rounds(inter_cases, max(args.repeat, 5))
     interleave = {k: {"MBps": mb["param"] / statistics.median(v), "s": v} for k, v in res.items()}
 
@@ -269,8 +300,10 @@ def main() -> int:
     print(f"\nper field ({', '.join(f'{f} {mb[f]:.0f} MB' for f in FIELDS)}): ratio | compress MB/s | decompress MB/s")
     print(f"| {'codec':10s} | " + " | ".join(f"{f:^26s}" for f in FIELDS) + " |")
     for c in codecs:
-        cells = [f"{fields[f][c]['ratio']:5.3f} {fields[f][c]['compress_MBps']:7.0f} {fields[f][c]['decompress_MBps']:7.0f}"
-                 for f in FIELDS]
+        cells = [
+            f"{fields[f][c]['ratio']:5.3f} {fields[f][c]['compress_MBps']:7.0f} {fields[f][c]['decompress_MBps']:7.0f}"
+            for f in FIELDS
+        ]
         print(f"| {c:10s} | " + " | ".join(f"{x:^26s}" for x in cells) + " |")
     print("\nplanes codec, ratio of each byte plane (0 = lowest mantissa byte, 3 = sign + exponent):")
     for f in FIELDS:
@@ -279,11 +312,22 @@ def main() -> int:
     print(f"| {'codec':22s} | {'ratio':>6s} | {'compress MB/s':>13s} | {'decompress MB/s':>15s} |")
     for k, v in shard.items():
         print(f"| {k:22s} | {v['ratio']:6.3f} | {v['compress_MBps']:13.0f} | {v['decompress_MBps']:15.0f} |")
-    print("\nbyte-plane interleave of param (MB/s): " +
-          ", ".join(f"{k} {v['MBps']:.0f}" for k, v in interleave.items()))
-    out = {"machine": info, "model": model, "block_bytes": block, "rounds": args.repeat, "levels": levels,
-           "fields": fields, "per_plane_ratio": per_plane, "shard": shard, "shard_bytes": img.size,
-           "interleave": interleave, "wall_s": time.perf_counter() - t_start}
+    print(
+        "\nbyte-plane interleave of param (MB/s): " + ", ".join(f"{k} {v['MBps']:.0f}" for k, v in interleave.items())
+    )
+    out = {
+        "machine": info,
+        "model": model,
+        "block_bytes": block,
+        "rounds": args.repeat,
+        "levels": levels,
+        "fields": fields,
+        "per_plane_ratio": per_plane,
+        "shard": shard,
+        "shard_bytes": img.size,
+        "interleave": interleave,
+        "wall_s": time.perf_counter() - t_start,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json} ({out['wall_s']:.0f} s)")

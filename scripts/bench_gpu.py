@@ -24,6 +24,7 @@ restored param / exp_avg / exp_avg_sq and the live ones.
 Goals (H200): shadow/none <= 1.005 at accumulation 8, <= 1.03 at accumulation 2; hook
 time <= 1 ms per bucket.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,7 +104,6 @@ def rank_main(args) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-
     cuda = args.device == "cuda"
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=0, world_size=1)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -150,21 +150,31 @@ def rank_main(args) -> None:
             if fut is not None:
                 fut.result()  # one save in flight, like a real loop
             msd, osd = get_state_dict(ddp, opt)
-            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(work / f"dcp-{it % 2}"),
-                                 process_group=ckpt_pg)
+            fut = dcp.async_save(
+                {"model": msd, "optim": osd}, checkpoint_id=str(work / f"dcp-{it % 2}"), process_group=ckpt_pg
+            )
         sync()
         if it > args.warmup:
             times.append(time.perf_counter() - t0)
     if fut is not None:
         fut.result()
-    result = {"mode": args.mode, "accum": args.accum, "s_per_step": statistics.median(times), "times": times,
-              "params": sum(p.numel() for p in model.parameters())}
+    result = {
+        "mode": args.mode,
+        "accum": args.accum,
+        "s_per_step": statistics.median(times),
+        "times": times,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if session is not None:
         st = session.stats()
         steps = max(st["steps"], 1)
-        result.update(hook_ms_per_bucket=1e3 * st["hook_s_per_bucket"], hook_ms_per_step=1e3 * st["hook_s"] / steps,
-                      buckets_per_step=st["buckets"] / steps, blocked_s=st["blocked_s"],
-                      bytes_out_per_step=st["bytes_out"] / steps)
+        result.update(
+            hook_ms_per_bucket=1e3 * st["hook_s_per_bucket"],
+            hook_ms_per_step=1e3 * st["hook_s"] / steps,
+            buckets_per_step=st["buckets"] / steps,
+            blocked_s=st["blocked_s"],
+            bytes_out_per_step=st["bytes_out"] / steps,
+        )
         committed = session.close()
         result["committed"] = committed
         result.update(restore_and_fidelity(args, model, opt, device, total, job))
@@ -233,10 +243,23 @@ class ShadowCluster:
         self.log = open(work / "cluster.log", "a")  # noqa: SIM115 (closed in stop())
         pin = ["taskset", "-c", cores] if cores else []
         self.proc = subprocess.Popen(
-            pin + [sys.executable, "-m", "shadow", "cluster", f"workers={workers}", f"port={port}", "host=127.0.0.1",
-                   f"threads_per_worker={threads}"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
+            pin
+            + [
+                sys.executable,
+                "-m",
+                "shadow",
+                "cluster",
+                f"workers={workers}",
+                f"port={port}",
+                "host=127.0.0.1",
+                f"threads_per_worker={threads}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))),
+        )
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -264,12 +287,35 @@ class ShadowCluster:
 def launch(mode: str, accum: int, args, work: Path, coordinator: str, cores: str | None) -> dict:
     out = work / f"{mode}-{accum}"
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     pin = ["taskset", "-c", cores] if cores else []
-    cmd = pin + [sys.executable, __file__, "--rank-mode", mode, "--rank-accum", str(accum), "--out", str(out),
-                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                 "--coordinator", coordinator] + (["--tiny"] if args.tiny else [])
+    cmd = (
+        pin
+        + [
+            sys.executable,
+            __file__,
+            "--rank-mode",
+            mode,
+            "--rank-accum",
+            str(accum),
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--device",
+            args.device,
+            "--coordinator",
+            coordinator,
+        ]
+        + (["--tiny"] if args.tiny else [])
+    )
     subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=1800)
     res = json.loads((out / "result.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
@@ -332,11 +378,15 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none (cpu)"
-    print(f"\n{gpu}, torch {torch.__version__}, trainer cores {trainer_cores or 'not pinned'}, cluster cores "
-          f"{cluster_cores or 'not pinned'} ({args.workers} workers x {args.worker_threads} threads), "
-          f"median of {args.steps} steps after {args.warmup}")
-    print("| accum | mode | s/step | vs none | hook ms/bucket | hook ms/step | blocked s | restore s | dcp.load s "
-          "| max ulp p/m/v | differing p/m/v |")
+    print(
+        f"\n{gpu}, torch {torch.__version__}, trainer cores {trainer_cores or 'not pinned'}, cluster cores "
+        f"{cluster_cores or 'not pinned'} ({args.workers} workers x {args.worker_threads} threads), "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
+    print(
+        "| accum | mode | s/step | vs none | hook ms/bucket | hook ms/step | blocked s | restore s | dcp.load s "
+        "| max ulp p/m/v | differing p/m/v |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = next((b["s_per_step"] for b in results if b["mode"] == "none" and b["accum"] == r["accum"]), math.nan)
@@ -344,19 +394,35 @@ def main() -> int:
         ulp = "/".join(str(fid[k]["max_ulp"]) for k in ("param", "exp_avg", "exp_avg_sq")) if fid else "-"
         frac = "/".join(f"{fid[k]['frac_diff']:.2e}" for k in ("param", "exp_avg", "exp_avg_sq")) if fid else "-"
 
-        def f(key, fmt):
+        def f(key, fmt, r=r):
             return format(r[key], fmt) if key in r else "-"
 
-        print(f"| {r['accum']} | {r['mode']} | {r['s_per_step']:.4f} | {r['s_per_step'] / base:.4f} | "
-              f"{f('hook_ms_per_bucket', '.3f')} | {f('hook_ms_per_step', '.2f')} | {f('blocked_s', '.3f')} | "
-              f"{f('restore_s', '.2f')} | {f('dcp_load_s', '.2f')} | {ulp} | {frac} |")
+        print(
+            f"| {r['accum']} | {r['mode']} | {r['s_per_step']:.4f} | {r['s_per_step'] / base:.4f} | "
+            f"{f('hook_ms_per_bucket', '.3f')} | {f('hook_ms_per_step', '.2f')} | {f('blocked_s', '.3f')} | "
+            f"{f('restore_s', '.2f')} | {f('dcp_load_s', '.2f')} | {ulp} | {frac} |"
+        )
     if args.json:
         from benchlib import machine_info
 
-        Path(args.json).write_text(json.dumps({
-            "gpu": gpu, "torch": torch.__version__, "trainer_cores": trainer_cores, "cluster_cores": cluster_cores,
-            "workers": args.workers, "worker_threads": args.worker_threads, "steps": args.steps,
-            "warmup": args.warmup, "tiny": args.tiny, "results": results, "machine": machine_info()}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "gpu": gpu,
+                    "torch": torch.__version__,
+                    "trainer_cores": trainer_cores,
+                    "cluster_cores": cluster_cores,
+                    "workers": args.workers,
+                    "worker_threads": args.worker_threads,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "tiny": args.tiny,
+                    "results": results,
+                    "machine": machine_info(),
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ steps (after 3 warm-up steps), taken on rank 0, and its ratio to no checkpointin
 --rounds R the modes run R times in interleaved order and the figure is the median.
 Goals (issue 6): shadow <= 1.05x, and the shadow's overhead <= 1/5 of DCP async_save's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def rank_main(args) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     session = None
     if args.mode == "python_hook":  # diagnostic: the shadow's reduce path as a Python hook, nothing streamed
+
         def hook(_state, bucket):
             buf = bucket.buffer()
             buf.mul_(1.0 / dist.get_world_size())
@@ -67,8 +69,9 @@ def rank_main(args) -> None:
             if fut is not None:
                 fut.result()  # one save in flight, like a real loop
             msd, osd = get_state_dict(ddp, opt)
-            fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(out / f"dcp-{it % 2}"),
-                                 process_group=ckpt_pg)
+            fut = dcp.async_save(
+                {"model": msd, "optim": osd}, checkpoint_id=str(out / f"dcp-{it % 2}"), process_group=ckpt_pg
+            )
         elif args.mode == "torch_save" and rank == 0:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out / "ckpt.pt")
 
@@ -100,11 +103,31 @@ def launch(mode: str, args, work: Path, coordinator: str = "") -> dict:
     port = str(29500 + os.getpid() % 1000 + MODES.index(mode))
     procs = []
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--rank-mode", mode, "--out", str(out), "--steps",
-                                       str(args.steps), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-                                       "--coordinator", coordinator], env=env, cwd=ROOT))
+        env = dict(
+            os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT)
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank-mode",
+                    mode,
+                    "--out",
+                    str(out),
+                    "--steps",
+                    str(args.steps),
+                    "--n-layer",
+                    str(args.n_layer),
+                    "--n-embd",
+                    str(args.n_embd),
+                    "--coordinator",
+                    coordinator,
+                ],
+                env=env,
+                cwd=ROOT,
+            )
+        )
     for p in procs:
         if p.wait(timeout=1800) != 0:
             raise RuntimeError(f"mode {mode}: a rank exited with {p.returncode}")
@@ -152,8 +175,10 @@ def main() -> int:
         results[mode] = dict(runs[mode][0], s_per_step=statistics.median(times), rounds=times)
     base = results.get("none", next(iter(results.values())))["s_per_step"]
     params = results.get("none", next(iter(results.values())))["params"]
-    print(f"GPT {params / 1e6:.1f}M params, 2 gloo ranks, {args.steps} timed steps, {os.cpu_count()} cores "
-          "(the shadow's workers share them)")
+    print(
+        f"GPT {params / 1e6:.1f}M params, 2 gloo ranks, {args.steps} timed steps, {os.cpu_count()} cores "
+        "(the shadow's workers share them)"
+    )
     print("| mode | s/step | vs no checkpoint |")
     print("|---|---|---|")
     for mode, r in results.items():
@@ -164,8 +189,18 @@ def main() -> int:
     if args.json:
         from benchlib import machine_info
 
-        Path(args.json).write_text(json.dumps({"params": params, "steps": args.steps, "rounds": args.rounds,
-                                               "results": results, "machine": machine_info()}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "params": params,
+                    "steps": args.steps,
+                    "rounds": args.rounds,
+                    "results": results,
+                    "machine": machine_info(),
+                },
+                indent=2,
+            )
+        )
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -7,6 +7,7 @@ All in one run, same machine, same bytes. Prints a table and writes JSON.
 Goals: persist >= 0.9x raw write throughput and >= 1.5x torch.save; restore <= 0.5x DCP load.
 Page caches are dropped before each read when the process may (root); the JSON says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def raw_odirect(buf: np.ndarray, path: str) -> float:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
     mv, pos = memoryview(buf), 0
     while pos < len(buf):
-        pos += os.pwrite(fd, mv[pos:pos + shardfile.CHUNK], pos)
+        pos += os.pwrite(fd, mv[pos : pos + shardfile.CHUNK], pos)
     os.fsync(fd)
     os.close(fd)
     return time.perf_counter() - t0
@@ -58,16 +59,26 @@ def main() -> int:
     arrays = {k: rng.standard_normal(n, dtype=np.float32) for k in ("param", "exp_avg", "exp_avg_sq")}
     nbytes = 3 * n * 4
     layout = Layout.build([("w", (n,), 0, True)], 1)
-    results: dict = {"bytes": nbytes, "machine": platform.platform(), "cpus": os.cpu_count(), "dir": work,
-                     "torch": torch.__version__, "runs": []}
+    results: dict = {
+        "bytes": nbytes,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "dir": work,
+        "torch": torch.__version__,
+        "runs": [],
+    }
     try:
         for rep in range(args.repeat):
             run: dict = {}
             # shadow: snapshot copy into the preallocated image, then the durable write
             img = shardfile.ShardImage(nbytes + (1 << 20))
             entries = [shardfile.Entry(k, "F32", n) for k in arrays]
-            entries += [shardfile.Entry("param_index", "I64", 1), shardfile.Entry("steps", "F64", 1),
-                        shardfile.Entry("has_state", "U8", 1), shardfile.Entry("commit.rank0", "U8", 1)]
+            entries += [
+                shardfile.Entry("param_index", "I64", 1),
+                shardfile.Entry("steps", "F64", 1),
+                shardfile.Entry("has_state", "U8", 1),
+                shardfile.Entry("commit.rank0", "U8", 1),
+            ]
             t0 = time.perf_counter()
             img.layout(entries, {"format": shardfile.FORMAT, "start": "0", "stop": str(n), "iteration": "1"})
             for k, a in arrays.items():
@@ -87,10 +98,13 @@ def main() -> int:
             run["shadow_write_s"] = time.perf_counter() - t0
             from trainer_hooks import _codec
 
-            blob = _codec.pack({"rank": 0, "world": 1, "rng": None, "extra_state": None, "param_groups": [{}],
-                                "scheduler": None})
-            img.layout(entries[:-1] + [shardfile.Entry("commit.rank0", "U8", len(blob))],
-                       {"format": shardfile.FORMAT, "start": "0", "stop": str(n), "iteration": str(rep)})
+            blob = _codec.pack(
+                {"rank": 0, "world": 1, "rng": None, "extra_state": None, "param_groups": [{}], "scheduler": None}
+            )
+            img.layout(
+                entries[:-1] + [shardfile.Entry("commit.rank0", "U8", len(blob))],
+                {"format": shardfile.FORMAT, "start": "0", "stop": str(n), "iteration": str(rep)},
+            )
             for k, a in arrays.items():
                 img.fill(k, a)
             img.fill("param_index", np.zeros(1, np.int64))
@@ -98,14 +112,35 @@ def main() -> int:
             img.fill("has_state", np.ones(1, np.uint8))
             img.fill("commit.rank0", np.frombuffer(blob, np.uint8))
             size = img.write(path)
-            manifest = catalog.new_manifest("bench", rep, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"},
-                                            1, None, None, [{"index": 0, "start": 0, "stop": n,
-                                                             "file": os.path.basename(path), "bytes": size,
-                                                             "checksum": f"{img.checksum():016x}", "blob_ranks": [0]}])
+            manifest = catalog.new_manifest(
+                "bench",
+                rep,
+                1,
+                "local",
+                layout.to_dict(),
+                layout.hash,
+                {"kind": "adam"},
+                1,
+                None,
+                None,
+                [
+                    {
+                        "index": 0,
+                        "start": 0,
+                        "stop": n,
+                        "file": os.path.basename(path),
+                        "bytes": size,
+                        "checksum": f"{img.checksum():016x}",
+                        "blob_ranks": [0],
+                    }
+                ],
+            )
             catalog.write_manifest(work, "bench", rep, manifest)
             del csum
             # raw O_DIRECT write of the same bytes
-            run["raw_odirect_write_s"] = raw_odirect(img.buf[: -(-img.size // 4096) * 4096], os.path.join(work, "raw.bin"))
+            run["raw_odirect_write_s"] = raw_odirect(
+                img.buf[: -(-img.size // 4096) * 4096], os.path.join(work, "raw.bin")
+            )
             # torch.save + fsync
             tensors = {k: torch.from_numpy(a) for k, a in arrays.items()}
             t0 = time.perf_counter()
@@ -144,8 +179,11 @@ def main() -> int:
         "persist_vs_torch_save": best["torch_save_s"] / best["shadow_write_s"],
         "restore_vs_dcp_load_time": best["shadow_restore_s"] / best["dcp_load_s"],
     }
-    goals = {"persist_vs_raw_odirect": (">=", 0.9), "persist_vs_torch_save": (">=", 1.5),
-             "restore_vs_dcp_load_time": ("<=", 0.5)}
+    goals = {
+        "persist_vs_raw_odirect": (">=", 0.9),
+        "persist_vs_torch_save": (">=", 1.5),
+        "restore_vs_dcp_load_time": ("<=", 0.5),
+    }
     print(f"persistence benchmark: {gb:.2f} GB shard (3 x {n} fp32), best of {args.repeat}, {results['dir']}")
     print(f"{'measurement':34s} {'seconds':>9s} {'GB/s':>8s}")
     for k, v in best.items():

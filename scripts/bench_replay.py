@@ -19,6 +19,7 @@ the same pace on the CPU. The figure per variant is the median over rounds of it
 against torch's in the same round. The CPU model and the ISA torch and numba compiled for
 are printed first: a figure means nothing without them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,15 +74,25 @@ def main() -> int:
     flat_g = torch.cat(grads).numpy()
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
     warm_up()
-    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-             "maximize": False, "decoupled": True}
+    group = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled": True,
+    }
     steps = np.zeros(len(sizes))
     replays = {}
     for impl in ("fused", "cuda_fused", "cuda_foreach"):
         segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, 16, 8)
-        replays[impl] = (ReplayPlan(segs, impl, knobs.get_int("KERNEL_CHUNK"), "adam"),
-                         flat_p if impl == "fused" else flat_p.copy(), np.zeros(total, np.float32),
-                         np.zeros(total, np.float32))
+        replays[impl] = (
+            ReplayPlan(segs, impl, knobs.get_int("KERNEL_CHUNK"), "adam"),
+            flat_p if impl == "fused" else flat_p.copy(),
+            np.zeros(total, np.float32),
+            np.zeros(total, np.float32),
+        )
 
     def torch_step():
         for p, gr in zip(params, grads, strict=True):
@@ -94,6 +105,7 @@ def main() -> int:
         def step():
             plan.prepare([group], steps + 1, set(), None)
             plan.apply(rp, rm, rv, np.zeros(0, np.float32), flat_g)
+
         return step
 
     def shadow_step():
@@ -134,8 +146,14 @@ def main() -> int:
     def stream_step():
         par_stream(sp, sm, sv, flat_g)
 
-    fns = {"torch": torch_step, "shadow": shadow_step, "cuda_fused": replay_step("cuda_fused"),
-           "cuda_foreach": replay_step("cuda_foreach"), "copy": copy_step, "stream": stream_step}
+    fns = {
+        "torch": torch_step,
+        "shadow": shadow_step,
+        "cuda_fused": replay_step("cuda_fused"),
+        "cuda_foreach": replay_step("cuda_foreach"),
+        "copy": copy_step,
+        "stream": stream_step,
+    }
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm-up
@@ -147,34 +165,57 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
     # per-round ratios against torch: a slow round (another process, a frequency drop) hits both
     ratio = {k: statistics.median(t / r for t, r in zip(times["torch"], times[k], strict=True)) for k in fns}
-    same = all(torch.equal(p.detach(), torch.from_numpy(flat_p[o:o + n]))
-               for p, o, n in zip(params, offsets, sizes, strict=True))
+    same = all(
+        torch.equal(p.detach(), torch.from_numpy(flat_p[o : o + n]))
+        for p, o, n in zip(params, offsets, sizes, strict=True)
+    )
     gbps = {k: (8 if k == "copy" else 28) * total / med[k] / 1e9 for k in fns}
     cpu = machine_info()
     rows = {
-        "params": total, "threads": args.threads, "repeat": args.repeat, "machine": cpu,
-        "torch_fused_s": med["torch"], "shadow_s": med["shadow"], "copy_s": med["copy"], "stream_s": med["stream"],
-        "cuda_fused_s": med["cuda_fused"], "cuda_foreach_s": med["cuda_foreach"],
-        "shadow_vs_torch": ratio["shadow"], "cuda_fused_vs_torch": ratio["cuda_fused"],
+        "params": total,
+        "threads": args.threads,
+        "repeat": args.repeat,
+        "machine": cpu,
+        "torch_fused_s": med["torch"],
+        "shadow_s": med["shadow"],
+        "copy_s": med["copy"],
+        "stream_s": med["stream"],
+        "cuda_fused_s": med["cuda_fused"],
+        "cuda_foreach_s": med["cuda_foreach"],
+        "shadow_vs_torch": ratio["shadow"],
+        "cuda_fused_vs_torch": ratio["cuda_fused"],
         "cuda_foreach_vs_torch": ratio["cuda_foreach"],
-        "shadow_GBps": gbps["shadow"], "torch_GBps": gbps["torch"], "copy_GBps": gbps["copy"],
-        "stream_GBps": gbps["stream"], "bit_identical": bool(same),
+        "shadow_GBps": gbps["shadow"],
+        "torch_GBps": gbps["torch"],
+        "copy_GBps": gbps["copy"],
+        "stream_GBps": gbps["stream"],
+        "bit_identical": bool(same),
     }
     rows["shadow_vs_stream_bw"] = gbps["shadow"] / gbps["stream"]
-    print(f"CPU: {cpu['cpu']} ({cpu['cores']} logical CPUs); torch kernels: {cpu.get('torch_isa')}; "
-          f"numba target: {cpu.get('numba_target')}")
-    print(f"AdamW over {total / 1e6:.1f}M fp32 params, {args.threads} threads, {args.repeat} interleaved rounds "
-          f"(time: median; vs torch: median of the per-round ratios)")
+    print(
+        f"CPU: {cpu['cpu']} ({cpu['cores']} logical CPUs); torch kernels: {cpu.get('torch_isa')}; "
+        f"numba target: {cpu.get('numba_target')}"
+    )
+    print(
+        f"AdamW over {total / 1e6:.1f}M fp32 params, {args.threads} threads, {args.repeat} interleaved rounds "
+        f"(time: median; vs torch: median of the per-round ratios)"
+    )
     print("| variant | s/step | GB/s moved | vs torch fused | vs Adam-traffic stream | goal |")
     print("|---|---|---|---|---|---|")
-    names = {"torch": "torch AdamW(fused=True)", "shadow": "shadow replay (CPU fused rule)",
-             "cuda_fused": "shadow replay, CUDA fused rule", "cuda_foreach": "shadow replay, CUDA foreach rule"}
+    names = {
+        "torch": "torch AdamW(fused=True)",
+        "shadow": "shadow replay (CPU fused rule)",
+        "cuda_fused": "shadow replay, CUDA fused rule",
+        "cuda_foreach": "shadow replay, CUDA foreach rule",
+    }
     for k, label in names.items():
         goal = ">= 0.95x torch" if k != "torch" else ""
         print(f"| {label} | {med[k]:.4f} | {gbps[k]:.2f} | {ratio[k]:.2f}x | {gbps[k] / gbps['stream']:.2f} | {goal} |")
     print(f"| stream, Adam's traffic (28 B/elem) | {med['stream']:.4f} | {gbps['stream']:.2f} | | 1.00 | |")
-    print(f"| parallel copy (8 B/elem) | {med['copy']:.4f} | {gbps['copy']:.2f} | | "
-          f"{gbps['copy'] / gbps['stream']:.2f} | |")
+    print(
+        f"| parallel copy (8 B/elem) | {med['copy']:.4f} | {gbps['copy']:.2f} | | "
+        f"{gbps['copy'] / gbps['stream']:.2f} | |"
+    )
     print(f"bit-identical to torch: {same}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -12,6 +12,7 @@ from the kill until every worker is healthy again, whether training had to re-at
 and the peer-copy time the worker logged. All workers share this machine's cores with
 the trainer, so absolute step times include their replay work.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,16 +78,26 @@ def run(workers: int, replicas: int, steps: int, n_embd: int, tmp: Path) -> dict
             step(data, ddp, opt, it)
             st = cluster.status()
             w = st["workers"][1]
-            if w["pid"] != victim and all(x["health"] == "ok" for x in st["workers"]) and \
-                    st["job"]["status"] == "running" and st["job"]["committed"] >= it - 3:
+            if (
+                w["pid"] != victim
+                and all(x["health"] == "ok" for x in st["workers"])
+                and st["job"]["status"] == "running"
+                and st["job"]["committed"] >= it - 3
+            ):
                 healed = time.monotonic() - t_kill
                 break
         session.close()
         log = cluster.log.read_text(errors="replace")
         copy = re.findall(r"copied iteration \d+ from peer worker \d+ in ([0-9.]+) s", log)
-        return {"workers": workers, "replicas": replicas, "s_per_step": per_step, "bytes_per_step": bytes_per_step,
-                "heal_s": healed, "reattached": session.epoch != epoch,
-                "peer_copy_s": float(copy[0]) if copy else None}
+        return {
+            "workers": workers,
+            "replicas": replicas,
+            "s_per_step": per_step,
+            "bytes_per_step": bytes_per_step,
+            "heal_s": healed,
+            "reattached": session.epoch != epoch,
+            "peer_copy_s": float(copy[0]) if copy else None,
+        }
     finally:
         cluster.stop()
 
@@ -106,16 +117,25 @@ def main() -> int:
     plain = timed(data, ddp, opt, args.steps, first=4)
     rows = [run(2, 1, args.steps, args.n_embd, tmp), run(4, 2, args.steps, args.n_embd, tmp)]
     print(f"GPT {params / 1e6:.2f}M params, 1 rank, {args.steps} steps; no shadow: {plain * 1e3:.1f} ms/step")
-    print("| workers | replicas | ms/step | vs no shadow | MB sent/step | heal after SIGKILL (s) | re-attach | peer copy (s) |")
+    print(
+        "| workers | replicas | ms/step | vs no shadow | MB sent/step "
+        "| heal after SIGKILL (s) | re-attach | peer copy (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         heal = "-" if r["heal_s"] is None else f"{r['heal_s']:.2f}"
         copy = "-" if r["peer_copy_s"] is None else f"{r['peer_copy_s']:.3f}"
-        print(f"| {r['workers']} | {r['replicas']} | {r['s_per_step'] * 1e3:.1f} | {r['s_per_step'] / plain:.2f}x | "
-              f"{r['bytes_per_step'] / 1e6:.1f} | {heal} | {'yes' if r['reattached'] else 'no'} | {copy} |")
+        print(
+            f"| {r['workers']} | {r['replicas']} | {r['s_per_step'] * 1e3:.1f} | {r['s_per_step'] / plain:.2f}x | "
+            f"{r['bytes_per_step'] / 1e6:.1f} | {heal} | {'yes' if r['reattached'] else 'no'} | {copy} |"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"params": params, "plain_s_per_step": plain, "runs": rows,
-                                               "machine": f"{os.cpu_count()} cores"}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"params": params, "plain_s_per_step": plain, "runs": rows, "machine": f"{os.cpu_count()} cores"},
+                indent=2,
+            )
+        )
     dist.destroy_process_group()
     return 0
 

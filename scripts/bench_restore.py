@@ -44,6 +44,7 @@ bytes the path reads (files, or what the workers send) / seconds.
 
 --quick: a 1.6M-param GPT (2 layers, width 256), 2 steps, 3 rounds: about 40 s in all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 JOB = "bench_restore"
 LR, WD = 1e-3, 0.1
-PATHS = ("shadow memory", "shadow local", "shadow local, evicted", "DCP load", "DCP load, evicted",
-         "torch.load", "torch.load, evicted")
+PATHS = (
+    "shadow memory",
+    "shadow local",
+    "shadow local, evicted",
+    "DCP load",
+    "DCP load, evicted",
+    "torch.load",
+    "torch.load, evicted",
+)
 
 
 # --------------------------------------------------------------------------- shared
@@ -116,8 +124,7 @@ def train_main(args) -> None:
         opt.zero_grad()
     step_s = (time.perf_counter() - t0) / args.steps
     session.close()
-    out: dict = {"params": sum(p.numel() for p in model.parameters()), "s_per_step": step_s,
-                 "iteration": args.steps}
+    out: dict = {"params": sum(p.numel() for p in model.parameters()), "s_per_step": step_s, "iteration": args.steps}
     # the reference the restores are compared with, and the plain torch.save checkpoint
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, work / "reference.pt")
     t0 = time.perf_counter()
@@ -152,14 +159,19 @@ def restore_main(args) -> None:
     n_params = sum(t.numel() for t in dict(build(args, 0)[0].named_parameters()).values())
     state_bytes = 3 * 4 * n_params  # param, exp_avg, exp_avg_sq in fp32
     (ckpt,) = [c for c in catalog.list_checkpoints(str(local), job=JOB) if c.iteration == args.steps]
-    read_bytes = {"shadow memory": state_bytes, "shadow local": ckpt.bytes, "DCP load": dir_bytes(dcp_dir),
-                  "torch.load": dir_bytes(torch_file)}
+    read_bytes = {
+        "shadow memory": state_bytes,
+        "shadow local": ckpt.bytes,
+        "DCP load": dir_bytes(dcp_dir),
+        "torch.load": dir_bytes(torch_file),
+    }
 
     def shadow(source: str, tier: str):
         def run(model, opt, parts):
             info = trainer_hooks.restore(model, opt, source=source, job=JOB)
             if (info.tier, info.iteration) != (tier, args.steps):
                 raise RuntimeError(f"restore from {source} gave {info.tier} iteration {info.iteration}")
+
         return run
 
     def dcp_load(model, opt, parts):
@@ -182,11 +194,15 @@ def restore_main(args) -> None:
         t2 = time.perf_counter()
         parts.update({"torch.load": t1 - t0, "load_state_dict": t2 - t1})
 
-    runs = {"shadow memory": (shadow(args.coordinator, "memory"), None),
-            "shadow local": (shadow(str(local), "local"), None),
-            "shadow local, evicted": (shadow(str(local), "local"), local),
-            "DCP load": (dcp_load, None), "DCP load, evicted": (dcp_load, dcp_dir),
-            "torch.load": (torch_load, None), "torch.load, evicted": (torch_load, torch_file)}
+    runs = {
+        "shadow memory": (shadow(args.coordinator, "memory"), None),
+        "shadow local": (shadow(str(local), "local"), None),
+        "shadow local, evicted": (shadow(str(local), "local"), local),
+        "DCP load": (dcp_load, None),
+        "DCP load, evicted": (dcp_load, dcp_dir),
+        "torch.load": (torch_load, None),
+        "torch.load, evicted": (torch_load, torch_file),
+    }
     paths = [p for p in PATHS if args.evict or "evicted" not in p]
     times: dict[str, list[float]] = {p: [] for p in paths}
     first: dict[str, float] = {}
@@ -194,7 +210,7 @@ def restore_main(args) -> None:
     mismatches: list[str] = []
     seed = 1000
     for rnd in range(args.repeat + 1):  # round 0: warm-up ("first call" in a fresh process)
-        order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
+        order = paths[rnd % len(paths) :] + paths[: rnd % len(paths)]
         for name in order:
             fn, to_evict = runs[name]
             seed += 1
@@ -246,8 +262,14 @@ def restore_main(args) -> None:
             t4 = time.perf_counter()
             trainer_hooks.apply_snapshot(snap, model, opt)
             t5 = time.perf_counter()
-            b.update({"resolve (fetch)": t2 - t0, "state_dicts (views)": t4 - t3,
-                      "apply_snapshot (install)": t5 - t3, "total": t5 - t0})
+            b.update(
+                {
+                    "resolve (fetch)": t2 - t0,
+                    "state_dicts (views)": t4 - t3,
+                    "apply_snapshot (install)": t5 - t3,
+                    "total": t5 - t0,
+                }
+            )
             if name == "shadow local":
                 h = xxhash.xxh3_64()
                 t6 = time.perf_counter()
@@ -261,9 +283,17 @@ def restore_main(args) -> None:
                 mismatches.append(msg)
             breakdown[name].append(b)
             del model, opt, snap, sd
-    out = {"state_bytes": state_bytes, "params": n_params, "read_bytes": read_bytes, "times_s": times,
-           "first_call_s": first, "parts_s": parts_all, "breakdown_s": breakdown, "mismatches": mismatches,
-           "torch_threads": torch.get_num_threads()}
+    out = {
+        "state_bytes": state_bytes,
+        "params": n_params,
+        "read_bytes": read_bytes,
+        "times_s": times,
+        "first_call_s": first,
+        "parts_s": parts_all,
+        "breakdown_s": breakdown,
+        "mismatches": mismatches,
+        "torch_threads": torch.get_num_threads(),
+    }
     (work / "restore.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -278,8 +308,12 @@ def main() -> int:
     ap.add_argument("--n-embd", type=int, default=None, help="GPT width (default 576, ~32M params; --quick 256)")
     ap.add_argument("--steps", type=int, default=None, help="iterations trained with the shadow (default 3)")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up (median)")
-    ap.add_argument("--no-evict", dest="evict", action="store_false",
-                    help="skip the rows that evict the files from the page cache first")
+    ap.add_argument(
+        "--no-evict",
+        dest="evict",
+        action="store_false",
+        help="skip the rows that evict the files from the page cache first",
+    )
     ap.add_argument("--dir", default=None, help="where the temp dir goes (the disk measured); default $TMPDIR")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     ap.add_argument("--json", default="")
@@ -304,17 +338,30 @@ def main() -> int:
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench_restore-", dir=args.dir))
     services = Services(work, __file__)
-    common = ["--work", str(work), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
-              "--steps", str(args.steps), "--repeat", str(args.repeat)] + ([] if args.evict else ["--no-evict"])
+    common = [
+        "--work",
+        str(work),
+        "--n-layer",
+        str(args.n_layer),
+        "--n-embd",
+        str(args.n_embd),
+        "--steps",
+        str(args.steps),
+        "--repeat",
+        str(args.repeat),
+    ] + ([] if args.evict else ["--no-evict"])
     try:
         address = services.start_cluster(free_port(), args.steps)
         print(f"shadow cluster at {address} (2 workers), work dir {work}", flush=True)
         services.run("train", common + ["--coordinator", address], timeout=900)
         train = json.loads((work / "train.json").read_text())
         st = wait_persisted(address, args.steps)
-        print(f"trained GPT {train['params'] / 1e6:.1f}M params for {args.steps} iterations "
-              f"({train['s_per_step']:.2f} s/step with the shadow); iteration {args.steps} in memory and on the "
-              f"local tier ({st['persist']['local']['last_complete']['bytes'] / 1e6:.0f} MB)", flush=True)
+        print(
+            f"trained GPT {train['params'] / 1e6:.1f}M params for {args.steps} iterations "
+            f"({train['s_per_step']:.2f} s/step with the shadow); iteration {args.steps} in memory and on the "
+            f"local tier ({st['persist']['local']['last_complete']['bytes'] / 1e6:.0f} MB)",
+            flush=True,
+        )
         services.run("restore", common + ["--coordinator", address], timeout=1800)
         res = json.loads((work / "restore.json").read_text())
     finally:
@@ -329,48 +376,83 @@ def main() -> int:
     for p, s in med.items():
         kind = p.split(",")[0]
         rb = res["read_bytes"][kind]
-        rows.append({"path": p, "median_s": s, "min_s": min(res["times_s"][p]), "max_s": max(res["times_s"][p]),
-                     "first_call_s": res["first_call_s"][p], "state_GBps": gb / s, "bytes_read": rb,
-                     "read_GBps": rb / 1e9 / s,
-                     "vs_dcp_load": s / base["evicted" if p.endswith("evicted") else "warm"]})
+        rows.append(
+            {
+                "path": p,
+                "median_s": s,
+                "min_s": min(res["times_s"][p]),
+                "max_s": max(res["times_s"][p]),
+                "first_call_s": res["first_call_s"][p],
+                "state_GBps": gb / s,
+                "bytes_read": rb,
+                "read_GBps": rb / 1e9 / s,
+                "vs_dcp_load": s / base["evicted" if p.endswith("evicted") else "warm"],
+            }
+        )
     print()
-    print(f"restore of GPT {res['params'] / 1e6:.1f}M params + AdamW state ({gb:.3f} GB fp32: param, exp_avg, "
-          f"exp_avg_sq), 1 trainer, 2 shadow workers, {os.cpu_count()} cores, median of {args.repeat} interleaved "
-          f"rounds after a warm-up")
-    print(f"| {'path':22s} | {'median s':>8s} | {'min s':>6s} | {'1st call':>8s} | {'state GB/s':>10s} | "
-          f"{'MB read':>8s} | {'read GB/s':>9s} | {'vs DCP load':>11s} |")
+    print(
+        f"restore of GPT {res['params'] / 1e6:.1f}M params + AdamW state ({gb:.3f} GB fp32: param, exp_avg, "
+        f"exp_avg_sq), 1 trainer, 2 shadow workers, {os.cpu_count()} cores, median of {args.repeat} interleaved "
+        f"rounds after a warm-up"
+    )
+    print(
+        f"| {'path':22s} | {'median s':>8s} | {'min s':>6s} | {'1st call':>8s} | {'state GB/s':>10s} | "
+        f"{'MB read':>8s} | {'read GB/s':>9s} | {'vs DCP load':>11s} |"
+    )
     print(f"|{'-' * 24}|{'-' * 10}|{'-' * 8}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 11}|{'-' * 13}|")
     for r in rows:
-        print(f"| {r['path']:22s} | {r['median_s']:8.3f} | {r['min_s']:6.3f} | {r['first_call_s']:8.3f} | "
-              f"{r['state_GBps']:10.2f} | {r['bytes_read'] / 1e6:8.1f} | {r['read_GBps']:9.2f} | "
-              f"{r['vs_dcp_load']:10.2f}x |")
-    print("vs DCP load: seconds / DCP load's seconds (evicted rows: / 'DCP load, evicted'); < 1 is faster. "
-          "Warm rows read from the page cache; 'shadow memory' reads what the workers send over ZeroMQ.")
+        print(
+            f"| {r['path']:22s} | {r['median_s']:8.3f} | {r['min_s']:6.3f} | {r['first_call_s']:8.3f} | "
+            f"{r['state_GBps']:10.2f} | {r['bytes_read'] / 1e6:8.1f} | {r['read_GBps']:9.2f} | "
+            f"{r['vs_dcp_load']:10.2f}x |"
+        )
+    print(
+        "vs DCP load: seconds / DCP load's seconds (evicted rows: / 'DCP load, evicted'); < 1 is faster. "
+        "Warm rows read from the page cache; 'shadow memory' reads what the workers send over ZeroMQ."
+    )
     print("\nwhere the time goes (median s):")
     for name in ("DCP load", "torch.load"):
         ks = res["parts_s"][name][0].keys()
-        print(f"  {name:14s} " + ", ".join(f"{k} {statistics.median(d[k] for d in res['parts_s'][name]):.3f}"
-                                           for k in ks))
+        print(
+            f"  {name:14s} " + ", ".join(f"{k} {statistics.median(d[k] for d in res['parts_s'][name]):.3f}" for k in ks)
+        )
     for name, bs in res["breakdown_s"].items():
         print(f"  {name:14s} " + ", ".join(f"{k} {statistics.median(d[k] for d in bs):.3f}" for k in bs[0]))
     ok = not res["mismatches"]
     n_checks = (args.repeat + 1) * len(med) + 2 * args.repeat
-    print(f"\nstate check: {'every restore bit-identical to the trained state (torch.equal), ' + str(n_checks) + ' restores' if ok else 'MISMATCH'}")
+    print(
+        "\nstate check: "
+        + (f"every restore bit-identical to the trained state (torch.equal), {n_checks} restores" if ok else "MISMATCH")
+    )
     for m in res["mismatches"]:
         print("  " + m)
     wall = time.monotonic() - t_start
     print(f"wall time {wall:.0f} s")
     if args.json:
-        doc = {"benchmark": "restore", "quick": args.quick, "machine": machine_info(),
-               "model": {"gpt_n_layer": args.n_layer, "gpt_n_embd": args.n_embd, "params": res["params"],
-                         "state_bytes": res["state_bytes"]},
-               "train": train, "repeat": args.repeat, "rows": rows, "times_s": res["times_s"],
-               "parts_s": res["parts_s"], "shadow_breakdown_s": res["breakdown_s"],
-               "torch_threads_in_restorer": res["torch_threads"], "bit_identical": ok, "mismatches": res["mismatches"],
-               "cache_note": "page cache not dropped; warm rows read cached files, evicted rows fsync + "
-                             "posix_fadvise(DONTNEED) the files first (guest cache only); the shadow reads with "
-                             "O_DIRECT where the file system allows",
-               "wall_s": wall}
+        doc = {
+            "benchmark": "restore",
+            "quick": args.quick,
+            "machine": machine_info(),
+            "model": {
+                "gpt_n_layer": args.n_layer,
+                "gpt_n_embd": args.n_embd,
+                "params": res["params"],
+                "state_bytes": res["state_bytes"],
+            },
+            "train": train,
+            "repeat": args.repeat,
+            "rows": rows,
+            "times_s": res["times_s"],
+            "parts_s": res["parts_s"],
+            "shadow_breakdown_s": res["breakdown_s"],
+            "torch_threads_in_restorer": res["torch_threads"],
+            "bit_identical": ok,
+            "mismatches": res["mismatches"],
+            "cache_note": "page cache not dropped; warm rows read cached files, evicted rows fsync + "
+            "posix_fadvise(DONTNEED) the files first (guest cache only); the shadow reads with "
+            "O_DIRECT where the file system allows",
+            "wall_s": wall,
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")

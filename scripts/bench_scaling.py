@@ -18,6 +18,7 @@ parameters at an iteration time T is ``cpu_s_per_B * P / T``; it assumes through
 core stays what it is here (each worker's memory bandwidth is its own: true across hosts,
 optimistic within a host whose memory bandwidth the cores share).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,25 @@ def _setup(nparams: int):
     total = sum(sizes)
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
     warm_up()
-    plan = ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, "fused", 16, 8), "fused",
-                      knobs.get_int("KERNEL_CHUNK"), "adam")
+    plan = ReplayPlan(
+        segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, "fused", 16, 8),
+        "fused",
+        knobs.get_int("KERNEL_CHUNK"),
+        "adam",
+    )
     rng = np.random.default_rng(0)
     p = rng.standard_normal(total, dtype=np.float32)
     g = rng.standard_normal(total, dtype=np.float32) * np.float32(1e-2)
     m, v = np.zeros(total, np.float32), np.zeros(total, np.float32)
-    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-             "maximize": False, "decoupled": True}
+    group = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled": True,
+    }
     steps = np.zeros(len(sizes))
 
     def step():
@@ -105,39 +117,59 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     for w in range(1, cores + 1):
         barrier, out = ctx.Barrier(w), ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(int(args.params) // w, args.repeat, barrier, out))
-                 for _ in range(w)]
+        procs = [ctx.Process(target=_worker, args=(int(args.params) // w, args.repeat, barrier, out)) for _ in range(w)]
         for p in procs:
             p.start()
         res = [out.get(timeout=600) for _ in procs]
         for p in procs:
             p.join(60)
         workers[w] = max(res)
-    res = {"params": total, "repeat": args.repeat, "machine": machine_info(),
-           "threads": {t: {"s_per_step": s, "Mparams_per_s": total / s / 1e6,
-                           "cpu_s_per_iter_per_Bparams": t * s / total * 1e9, "speedup": threads[1] / s}
-                       for t, s in threads.items()},
-           "workers": {w: {"s_per_step": s, "Mparams_per_s": total / s / 1e6,
-                           "cpu_s_per_iter_per_Bparams": w * s / total * 1e9, "speedup": workers[1] / s}
-                       for w, s in workers.items()}}
+    res = {
+        "params": total,
+        "repeat": args.repeat,
+        "machine": machine_info(),
+        "threads": {
+            t: {
+                "s_per_step": s,
+                "Mparams_per_s": total / s / 1e6,
+                "cpu_s_per_iter_per_Bparams": t * s / total * 1e9,
+                "speedup": threads[1] / s,
+            }
+            for t, s in threads.items()
+        },
+        "workers": {
+            w: {
+                "s_per_step": s,
+                "Mparams_per_s": total / s / 1e6,
+                "cpu_s_per_iter_per_Bparams": w * s / total * 1e9,
+                "speedup": workers[1] / s,
+            }
+            for w, s in workers.items()
+        },
+    }
     print(f"AdamW replay of {total / 1e6:.1f}M params, median of {args.repeat} steps, {cores} cores")
     print("| scaling over | n | s/step | Mparams/s | speedup | CPU-s / iteration / B params |")
     print("|---|---|---|---|---|---|")
     for kind in ("threads", "workers"):
         for n, r in res[kind].items():
-            print(f"| {kind} | {n} | {r['s_per_step']:.4f} | {r['Mparams_per_s']:.0f} | {r['speedup']:.2f}x | "
-                  f"{r['cpu_s_per_iter_per_Bparams']:.2f} |")
+            print(
+                f"| {kind} | {n} | {r['s_per_step']:.4f} | {r['Mparams_per_s']:.0f} | {r['speedup']:.2f}x | "
+                f"{r['cpu_s_per_iter_per_Bparams']:.2f} |"
+            )
     replay_cpu = res["threads"][1]["cpu_s_per_iter_per_Bparams"]
     apply_json = Path(args.apply_json)
     path_cpu = None
     if apply_json.exists():
         path_cpu = json.loads(apply_json.read_text())["paths"]["after"]["cpu_s_per_iter_per_Bparams"]
-    res["sizing"] = {"replay_cpu_s_per_iter_per_Bparams": replay_cpu,
-                     "worker_path_cpu_s_per_iter_per_Bparams": path_cpu}
+    res["sizing"] = {
+        "replay_cpu_s_per_iter_per_Bparams": replay_cpu,
+        "worker_path_cpu_s_per_iter_per_Bparams": path_cpu,
+    }
     per_b = path_cpu or replay_cpu
-    print(f"CPU-s per iteration per B params: replay {replay_cpu:.2f}"
-          + (f", whole worker path (receive + checksum + apply, bench_apply) {path_cpu:.2f}"
-             if path_cpu else ""))
+    print(
+        f"CPU-s per iteration per B params: replay {replay_cpu:.2f}"
+        + (f", whole worker path (receive + checksum + apply, bench_apply) {path_cpu:.2f}" if path_cpu else "")
+    )
     print("cores a shadow cluster needs (extrapolated from the figure above):")
     print("| params | iteration 1 s | 5 s | 10 s |")
     print("|---|---|---|---|")

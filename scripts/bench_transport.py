@@ -33,6 +33,7 @@ sender's first send to the receiver's report that the last message is validated.
 also measures, in-process, xxh3 and memcpy speed per part size, and each side's CPU
 seconds and minor page faults per GB (all threads, zmq's I/O thread included). Goal: shadow >= 0.8x bare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,9 +96,9 @@ def message_shapes() -> dict[str, list[int]]:
 # -- sender (the trainer) -------------------------------------------------------------------
 class Sender:
     """The trainer side: one PUSH socket per transport, a float32 staging ring per shape."""
+
     def __init__(self, ctx, endpoint: str) -> None:
-    
-    
+
         self.sock = ctx.socket(zmq.PUSH)  # as session/sender.py _push
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
@@ -106,19 +107,19 @@ class Sender:
         self.iteration = 1
 
     def use_shape(self, sizes: list[int]) -> None:
-    
+
         self.slots, self.per, self.offs = layout(sizes)
         rng = np.random.default_rng(0)
         self.ring = rng.standard_normal(self.slots * self.per, dtype=np.float32)
         self.msg_bytes = 4 * self.per
 
     def send(self, variant: str, n: int) -> None:
-    
+
         sock, ring, per, offs, slots = self.sock, self.ring, self.per, self.offs, self.slots
         if variant == "bare":
             for i in range(n):
                 base = (i % slots) * per
-                sock.send_multipart([memoryview(ring[base + o: base + o + k]) for o, k in offs], copy=False)
+                sock.send_multipart([memoryview(ring[base + o : base + o + k]) for o, k in offs], copy=False)
             return
         trackers = [None] * slots
         for i in range(n):
@@ -129,10 +130,11 @@ class Sender:
             base = s * per
             # as Sender._send_payload: views of the ring, xxh3 each, header with the run table
             runs = [(base + o, base + o, k) for o, k in offs]  # (src, dst, n)
-            views = [ring[src:src + k] for src, _, k in runs]
+            views = [ring[src : src + k] for src, _, k in runs]
             table = [(dst, k, F.checksum(v)) for (_, dst, k), v in zip(runs, views, strict=True)]
-            hdr = F.Header(F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq,
-                           tuple(table)).pack()
+            hdr = F.Header(
+                F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq, tuple(table)
+            ).pack()
             self.seq += 1
             trackers[s] = sock.send_multipart([hdr] + [memoryview(v) for v in views], copy=False, track=True)
         self.iteration += 1
@@ -169,9 +171,14 @@ def measure(conn, sender: Sender, variant: str, n: int) -> dict:
     if r["bytes"] != payload:
         raise RuntimeError(f"receiver got {r['bytes']} payload bytes, sent {payload}")
     gb = payload / 1e9
-    return {"GBps": gb / (t1 - t0), "s": t1 - t0, "send_cpu_s_per_GB": (c1 - c0) / gb,
-            "recv_cpu_s_per_GB": r["recv_cpu_s"] / gb, "send_minflt_per_GB": (f1 - f0) / gb,
-            "recv_minflt_per_GB": r["recv_minflt"] / gb}
+    return {
+        "GBps": gb / (t1 - t0),
+        "s": t1 - t0,
+        "send_cpu_s_per_GB": (c1 - c0) / gb,
+        "recv_cpu_s_per_GB": r["recv_cpu_s"] / gb,
+        "send_minflt_per_GB": (f1 - f0) / gb,
+        "recv_minflt_per_GB": r["recv_minflt"] / gb,
+    }
 
 
 def local_costs(quick: bool) -> dict:
@@ -192,9 +199,9 @@ def local_costs(quick: bool) -> dict:
             while t < budget:  # walk the 64 MiB buffer, as the ring does
                 s = (reps % slots) * k
                 if what == "xxh3":
-                    F.checksum(src[s:s + k])
+                    F.checksum(src[s : s + k])
                 else:
-                    np.copyto(dst[s:s + k], src[s:s + k])
+                    np.copyto(dst[s : s + k], src[s : s + k])
                 reps += 1
                 t = time.perf_counter() - t0
             res[what + "_GBps"] = reps * nbytes / t / 1e9
@@ -206,8 +213,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short measurements (whole run < 60 s)")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds per cell (default 3)")
-    ap.add_argument("--seconds", type=float, default=0.0,
-                    help="target seconds per measurement (default 1.0, --quick 0.25)")
+    ap.add_argument(
+        "--seconds", type=float, default=0.0, help="target seconds per measurement (default 1.0, --quick 0.25)"
+    )
     ap.add_argument("--transports", default="tcp,ipc")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -241,22 +249,30 @@ def main() -> int:
                     n = max(8, round(target_s * warm["bare"]["GBps"] * 1e9 / sender.msg_bytes))
                     per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
                     for r in range(rounds):  # interleaved, rotating the order: drift hits all alike
-                        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+                        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
                         for v in order:
                             per[v].append(measure(parent, sender, v, n))
-                    row = {"transport": transport, "shape": shape, "parts": len(sizes),
-                           "bytes_per_msg": sender.msg_bytes, "messages": n, "rounds": rounds}
+                    row = {
+                        "transport": transport,
+                        "shape": shape,
+                        "parts": len(sizes),
+                        "bytes_per_msg": sender.msg_bytes,
+                        "messages": n,
+                        "rounds": rounds,
+                    }
                     for v in VARIANTS:
                         row[v + "_GBps"] = statistics.median(m["GBps"] for m in per[v])
                         row[v + "_GBps_rounds"] = [m["GBps"] for m in per[v]]
-                        for k in ("send_cpu_s_per_GB", "recv_cpu_s_per_GB", "send_minflt_per_GB",
-                                  "recv_minflt_per_GB"):
+                        for k in ("send_cpu_s_per_GB", "recv_cpu_s_per_GB", "send_minflt_per_GB", "recv_minflt_per_GB"):
                             row[f"{v}_{k}"] = statistics.median(m[k] for m in per[v])
                     row["into_vs_bare"] = row["shadow_into_GBps"] / row["bare_GBps"]
                     row["zc_vs_bare"] = row["shadow_zc_GBps"] / row["bare_GBps"]
                     rows.append(row)
-                    print(f"  {transport} {shape}: bare {row['bare_GBps']:.2f}  into {row['shadow_into_GBps']:.2f}  "
-                          f"zc {row['shadow_zc_GBps']:.2f} GB/s  ({n} msgs x {rounds} rounds)", flush=True)
+                    print(
+                        f"  {transport} {shape}: bare {row['bare_GBps']:.2f}  into {row['shadow_into_GBps']:.2f}  "
+                        f"zc {row['shadow_zc_GBps']:.2f} GB/s  ({n} msgs x {rounds} rounds)",
+                        flush=True,
+                    )
             finally:
                 sender.close()
                 _ask(parent, {"op": "unbind"})
@@ -274,23 +290,40 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.perf_counter() - started
 
-    print(f"\nshadow framing + validation vs bare pyzmq, one sender -> one receiver process, "
-          f"median of {rounds} rounds (~{target_s:g} s each); GB/s of payload per worker")
-    print(f"{info['cpu']}, {info['cores']} cores; Python {info['python']}, pyzmq {info['pyzmq']}, "
-          f"libzmq {info['libzmq']}, xxhash {info['xxhash']}")
-    print("| transport | shape | parts | MB/msg | bare GB/s | shadow recv_into GB/s | ratio | "
-          "shadow zero-copy GB/s | ratio | goal >= 0.8x |")
+    print(
+        f"\nshadow framing + validation vs bare pyzmq, one sender -> one receiver process, "
+        f"median of {rounds} rounds (~{target_s:g} s each); GB/s of payload per worker"
+    )
+    print(
+        f"{info['cpu']}, {info['cores']} cores; Python {info['python']}, pyzmq {info['pyzmq']}, "
+        f"libzmq {info['libzmq']}, xxhash {info['xxhash']}"
+    )
+    print(
+        "| transport | shape | parts | MB/msg | bare GB/s | shadow recv_into GB/s | ratio | "
+        "shadow zero-copy GB/s | ratio | goal >= 0.8x |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ok = "yes" if min(r["into_vs_bare"], r["zc_vs_bare"]) >= 0.8 else (
-            "zc only" if r["zc_vs_bare"] >= 0.8 else ("into only" if r["into_vs_bare"] >= 0.8 else "no"))
-        print(f"| {r['transport']} | {r['shape']} | {r['parts']} | {r['bytes_per_msg'] / 1e6:.2f} | "
-              f"{r['bare_GBps']:.2f} | {r['shadow_into_GBps']:.2f} | {r['into_vs_bare']:.2f}x | "
-              f"{r['shadow_zc_GBps']:.2f} | {r['zc_vs_bare']:.2f}x | {ok} |")
-    for title, fmt in (("CPU seconds per GB of payload (whole process, zmq I/O thread included), sender / receiver",
-                        lambda r, v: f"{r[v + '_send_cpu_s_per_GB']:.3f} / {r[v + '_recv_cpu_s_per_GB']:.3f}"),
-                       ("minor page faults per GB of payload (thousands), sender / receiver",
-                        lambda r, v: f"{r[v + '_send_minflt_per_GB'] / 1e3:.1f} / {r[v + '_recv_minflt_per_GB'] / 1e3:.1f}")):
+        ok = (
+            "yes"
+            if min(r["into_vs_bare"], r["zc_vs_bare"]) >= 0.8
+            else ("zc only" if r["zc_vs_bare"] >= 0.8 else ("into only" if r["into_vs_bare"] >= 0.8 else "no"))
+        )
+        print(
+            f"| {r['transport']} | {r['shape']} | {r['parts']} | {r['bytes_per_msg'] / 1e6:.2f} | "
+            f"{r['bare_GBps']:.2f} | {r['shadow_into_GBps']:.2f} | {r['into_vs_bare']:.2f}x | "
+            f"{r['shadow_zc_GBps']:.2f} | {r['zc_vs_bare']:.2f}x | {ok} |"
+        )
+    for title, fmt in (
+        (
+            "CPU seconds per GB of payload (whole process, zmq I/O thread included), sender / receiver",
+            lambda r, v: f"{r[v + '_send_cpu_s_per_GB']:.3f} / {r[v + '_recv_cpu_s_per_GB']:.3f}",
+        ),
+        (
+            "minor page faults per GB of payload (thousands), sender / receiver",
+            lambda r, v: f"{r[v + '_send_minflt_per_GB'] / 1e3:.1f} / {r[v + '_recv_minflt_per_GB'] / 1e3:.1f}",
+        ),
+    ):
         print("\n" + title)
         print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
         print("|---|---|---|---|---|")
@@ -300,15 +333,28 @@ def main() -> int:
     print("| part | xxh3_64 (F.checksum) | memcpy (np.copyto) |")
     print("|---|---|---|")
     for name, c in costs.items():
-        print(f"| {name} | {c['xxh3_GBps']:.1f} ({1 / c['xxh3_GBps']:.3f}) | "
-              f"{c['memcpy_GBps']:.1f} ({1 / c['memcpy_GBps']:.3f}) |")
+        print(
+            f"| {name} | {c['xxh3_GBps']:.1f} ({1 / c['xxh3_GBps']:.3f}) | "
+            f"{c['memcpy_GBps']:.1f} ({1 / c['memcpy_GBps']:.3f}) |"
+        )
     print(f"total {elapsed:.0f} s")
     if args.json:
-        doc = {"machine": info, "quick": args.quick, "rounds": rounds, "target_s": target_s,
-               "socket_options": {"push": {"LINGER": 0, "SNDHWM": knobs.get_int("ZMQ_SNDHWM")},
-                                  "pull": {"LINGER": 0, "RCVHWM": 0}},
-               "ring_bytes": RING_BYTES, "shapes": shapes, "rows": rows, "local_costs": costs,
-               "goal": "shadow >= 0.8x bare", "elapsed_s": elapsed}
+        doc = {
+            "machine": info,
+            "quick": args.quick,
+            "rounds": rounds,
+            "target_s": target_s,
+            "socket_options": {
+                "push": {"LINGER": 0, "SNDHWM": knobs.get_int("ZMQ_SNDHWM")},
+                "pull": {"LINGER": 0, "RCVHWM": 0},
+            },
+            "ring_bytes": RING_BYTES,
+            "shapes": shapes,
+            "rows": rows,
+            "local_costs": costs,
+            "goal": "shadow >= 0.8x bare",
+            "elapsed_s": elapsed,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

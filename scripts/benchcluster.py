@@ -1,6 +1,7 @@
 """What the restore benchmark needs around its measurement: a shadow cluster and helper
 processes (127.0.0.1, a free port, every process stopped at the end), page-cache eviction
 of checkpoint files, and a bit-for-bit comparison of restored state."""
+
 from __future__ import annotations
 
 import os
@@ -30,11 +31,25 @@ class Services:
         log = open(self.work / "cluster.log", "w")  # noqa: SIM115 (closed in stop())
         self.logs.append(log)
         self.cluster = subprocess.Popen(
-            [sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={port}", "host=127.0.0.1",
-             "threads_per_worker=1", f"persist.local.dir={self.work / 'local'}", f"persist.local.every_n={steps}",
-             "persist.local.keep=1"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env=dict(os.environ))
+            [
+                sys.executable,
+                "-m",
+                "shadow",
+                "cluster",
+                "workers=2",
+                f"port={port}",
+                "host=127.0.0.1",
+                "threads_per_worker=1",
+                f"persist.local.dir={self.work / 'local'}",
+                f"persist.local.every_n={steps}",
+                "persist.local.keep=1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env=dict(os.environ),
+        )
         self.procs.append(self.cluster)
         deadline = time.monotonic() + 90
         while True:
@@ -51,8 +66,7 @@ class Services:
 
     def run(self, role: str, argv: list[str], timeout: float) -> None:
         log = self.work / f"{role}.log"
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""),
-                   TORCH_CPP_LOG_LEVEL="ERROR")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""), TORCH_CPP_LOG_LEVEL="ERROR")
         if not env["OMP_NUM_THREADS"]:
             del env["OMP_NUM_THREADS"]
         if os.path.exists("/sys/class/net/lo"):
@@ -61,8 +75,15 @@ class Services:
         if role != "restore":
             out = open(log, "w")  # noqa: SIM115 (closed in stop())
             self.logs.append(out)
-        p = subprocess.Popen([sys.executable, self.script, "--role", role, *argv], cwd=ROOT, env=env, stdout=out,
-                             stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        p = subprocess.Popen(
+            [sys.executable, self.script, "--role", role, *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+        )
         self.procs.append(p)
         deadline = time.monotonic() + timeout
         if p.stdout is not None:  # stream the restorer's progress lines

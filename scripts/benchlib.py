@@ -1,4 +1,5 @@
 """Shared bits of the benchmark scripts: the machine a figure was measured on."""
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,17 @@ def machine_info() -> dict:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
         mem_gib = None
-    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_GiB": round(mem_gib, 1) if mem_gib else None,
-            "python": platform.python_version(), "numpy": np.__version__, "pyzmq": zmq.__version__,
-            "libzmq": zmq.zmq_version(), "platform": platform.platform(), "loadavg_1m_at_start": load}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_GiB": round(mem_gib, 1) if mem_gib else None,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "platform": platform.platform(),
+        "loadavg_1m_at_start": load,
+    }
     for mod in ("torch", "numba", "xxhash"):
         try:
             info[mod] = __import__(mod).__version__ if mod != "xxhash" else __import__(mod).VERSION

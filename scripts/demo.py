@@ -9,6 +9,7 @@ and check that the resumed run is bit-identical to one that never crashed.
 4. in a new process group, restore from the shadow and finish the run;
 5. compare losses and final parameters/optimizer state with the reference, bit for bit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,21 @@ def free_port() -> int:
 
 def torchrun(out: Path, steps: int, *extra: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(ROOT / "scripts" / "train_gpt.py"), f"steps={steps}", f"out={out}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        str(ROOT / "scripts" / "train_gpt.py"),
+        f"steps={steps}",
+        f"out={out}",
+        *extra,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TORCH_CPP_LOG_LEVEL="ERROR")
-    return subprocess.Popen(cmd, env=env, stdout=open(out / "train.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, stdout=open(out / "train.log", "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def losses(out: Path) -> dict[int, str]:
@@ -54,9 +65,11 @@ def wait(proc: subprocess.Popen, what: str, out: Path, timeout: float = 900) -> 
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise SystemExit(f"{what} did not finish in {timeout:.0f} s; see {out / 'train.log'}")
+        raise SystemExit(f"{what} did not finish in {timeout:.0f} s; see {out / 'train.log'}") from None
     if code != 0:
-        raise SystemExit(f"{what} failed (exit {code}); see {out / 'train.log'}:\n{(out / 'train.log').read_text()[-3000:]}")
+        raise SystemExit(
+            f"{what} failed (exit {code}); see {out / 'train.log'}:\n{(out / 'train.log').read_text()[-3000:]}"
+        )
 
 
 def wait_for_cluster(address: str, workers: int, proc: subprocess.Popen, work: Path, timeout: float = 600) -> None:
@@ -86,15 +99,22 @@ def wait_for_cluster(address: str, workers: int, proc: subprocess.Popen, work: P
                     print(f"   the shadow cluster is ready ({workers} workers, after {waited:.0f} s)")
                 return
             if proc.poll() is not None:
-                raise SystemExit(f"the shadow cluster exited; see {work / 'cluster.log'}:\n"
-                                 f"{(work / 'cluster.log').read_text()[-3000:]}")
+                raise SystemExit(
+                    f"the shadow cluster exited; see {work / 'cluster.log'}:\n"
+                    f"{(work / 'cluster.log').read_text()[-3000:]}"
+                )
             if waited > timeout:
-                raise SystemExit(f"the shadow cluster had {ready} of {workers} workers ready after {timeout:.0f} s; "
-                                 f"see {work / 'cluster.log'}")
+                raise SystemExit(
+                    f"the shadow cluster had {ready} of {workers} workers ready after {timeout:.0f} s; "
+                    f"see {work / 'cluster.log'}"
+                )
             if said < 0 or waited - said >= 5:
                 said = waited
-                print(f"   waiting for the shadow cluster: {ready} of {workers} workers ready "
-                      f"(a first start compiles the replay kernels)", flush=True)
+                print(
+                    f"   waiting for the shadow cluster: {ready} of {workers} workers ready "
+                    f"(a first start compiles the replay kernels)",
+                    flush=True,
+                )
             time.sleep(0.5)
     finally:
         sock.close(linger=0)
@@ -114,9 +134,12 @@ def main() -> int:
     address = f"tcp://127.0.0.1:{port}"
     print(f"shadow demo in {work}")
     print(f"1. starting a shadow cluster at {address} with {args.workers} workers")
-    cluster = subprocess.Popen([sys.executable, "-m", "shadow", "cluster", f"workers={args.workers}", f"port={port}",
-                                "threads_per_worker=1"], stdout=open(work / "cluster.log", "w"),
-                               stderr=subprocess.STDOUT, cwd=ROOT)
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "shadow", "cluster", f"workers={args.workers}", f"port={port}", "threads_per_worker=1"],
+        stdout=open(work / "cluster.log", "w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     try:
         t0 = time.monotonic()
         print(f"2. uninterrupted reference run: {args.steps} iterations, 2 ranks, no shadow")
@@ -130,8 +153,10 @@ def main() -> int:
         proc = torchrun(crashed, args.steps, f"coordinator={address}")
         while max(losses(crashed), default=0) < kill_after:
             if proc.poll() is not None:
-                raise SystemExit(f"attached run exited early; see {crashed / 'train.log'}:\n"
-                                 f"{(crashed / 'train.log').read_text()[-3000:]}")
+                raise SystemExit(
+                    f"attached run exited early; see {crashed / 'train.log'}:\n"
+                    f"{(crashed / 'train.log').read_text()[-3000:]}"
+                )
             time.sleep(0.02)
         # torchrun starts each rank in its own session: kill the ranks and the launcher
         for pid_file in (crashed / "pids").glob("rank*"):
@@ -148,8 +173,10 @@ def main() -> int:
         wait(torchrun(resumed, args.steps, f"coordinator={address}", "resume=true"), "resumed run", resumed)
         log = (resumed / "train.log").read_text()
         restored = int(log.split("restored iteration ")[1].split()[0])
-        print(f"   restored iteration {restored} (rank 0 of the crashed run had logged {max(losses(crashed))}; the "
-              "shadow holds the newest iteration every rank had finished sending)")
+        print(
+            f"   restored iteration {restored} (rank 0 of the crashed run had logged {max(losses(crashed))}; the "
+            "shadow holds the newest iteration every rank had finished sending)"
+        )
 
         print("5. comparing with the uninterrupted run")
         import torch
@@ -159,12 +186,20 @@ def main() -> int:
         a = torch.load(ref / "final.pt", weights_only=True)
         b = torch.load(resumed / "final.pt", weights_only=True)
         same_params = all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-        same_opt = all(torch.equal(v, b["optimizer"]["state"][i][k])
-                       for i, st in a["optimizer"]["state"].items() for k, v in st.items())
+        same_opt = all(
+            torch.equal(v, b["optimizer"]["state"][i][k])
+            for i, st in a["optimizer"]["state"].items()
+            for k, v in st.items()
+        )
         n = args.steps - restored
-        print(f"   losses of iterations {restored + 1}..{args.steps} ({n}): "
-              f"{'identical, bit for bit' if same_losses else 'DIFFERENT'}")
-        print(f"   final parameters ({len(a['model'])} tensors): {'identical (torch.equal)' if same_params else 'DIFFERENT'}")
+        print(
+            f"   losses of iterations {restored + 1}..{args.steps} ({n}): "
+            f"{'identical, bit for bit' if same_losses else 'DIFFERENT'}"
+        )
+        print(
+            f"   final parameters ({len(a['model'])} tensors): "
+            f"{'identical (torch.equal)' if same_params else 'DIFFERENT'}"
+        )
         print(f"   final optimizer state: {'identical (torch.equal)' if same_opt else 'DIFFERENT'}")
         ok = same_losses and same_params and same_opt
         print("RESULT:", "the resumed run equals the uninterrupted run bit for bit" if ok else "MISMATCH")

@@ -16,6 +16,7 @@ compares the final state with ``torch.equal`` to an uninterrupted run without th
 
 Add a scenario by decorating a ``(Trial) -> dict`` function with ``@scenario``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,9 @@ def trainer_kill(t: Trial) -> dict:
             return result(False, True, None, None, f"kill at {k}: training exited {codes}: {t.error('train')}")
         cut = committed(settled(c))
         # the sender streams asynchronously: a SIGKILL may catch up to MAX_LAG iterations in flight
-        return resume_and_judge(t, c, "resume", done, knobs.get_int("MAX_LAG"),
-                                f"killed after iteration {done}, cluster committed {cut}")
+        return resume_and_judge(
+            t, c, "resume", done, knobs.get_int("MAX_LAG"), f"killed after iteration {done}, cluster committed {cut}"
+        )
 
 
 @scenario
@@ -88,9 +90,15 @@ def trainer_kill_mid_iteration(t: Trial) -> dict:
         if 137 not in codes:
             return result(False, True, None, None, f"die at {k}:{n} did not fire: exit codes {codes}")
         cut = committed(settled(c))
-        res = resume_and_judge(t, c, "resume", k - 1, 0,
-                               f"died in iteration {k} after {n} messages (exit {codes}; ranks had trained "
-                               f"through {local} locally), cluster committed {cut}")
+        res = resume_and_judge(
+            t,
+            c,
+            "resume",
+            k - 1,
+            0,
+            f"died in iteration {k} after {n} messages (exit {codes}; ranks had trained "
+            f"through {local} locally), cluster committed {cut}",
+        )
         if cut is not None and cut >= k:
             res["exact"] = False
             res["detail"] += f"; CUT VIOLATION: committed {cut} includes the half-sent iteration {k}"
@@ -119,11 +127,15 @@ def trainer_kill_bootstrap(t: Trial) -> dict:
         if job["epoch"] == epoch:
             landed = "before the coordinator opened a new epoch"
         elif job["committed"] is None or job["committed"] < job["base"]:
-            landed = f"inside the bootstrap (epoch {job['epoch']} {job['status']}, base {job['base']}, nothing committed)"
+            landed = (
+                f"inside the bootstrap (epoch {job['epoch']} {job['status']}, base {job['base']}, nothing committed)"
+            )
         else:
             landed = f"after the bootstrap committed {job['committed']} (phase {boot.get('phase')})"
-        detail = (f"killed after iteration {j} (cluster committed {c1}); a resume restored {boot.get('restored')} "
-                  f"and was killed {delay} ms into its bootstrap (exit {codes}): landed {landed}")
+        detail = (
+            f"killed after iteration {j} (cluster committed {c1}); a resume restored {boot.get('restored')} "
+            f"and was killed {delay} ms into its bootstrap (exit {codes}): landed {landed}"
+        )
         allowed = j - c1 if c1 is not None else j
         res = resume_and_judge(t, c, "resume", j, allowed, detail)
         res["landed"] = landed.split(" (")[0]
@@ -168,8 +180,13 @@ def _stop_worker(t: Trial, policy: str) -> dict:
         if victim is None:
             return result(False, True, None, None, f"training never reached iteration {stop_at} ({codes})")
         det, what = w.detection(t_stop)
-        return judge_worker_fault(t, c, codes, det, f"worker 0 SIGSTOPped (policy {policy}) at committed "
-                                                    f"{stop_at} for {stop_s} s; detected as {what}")
+        return judge_worker_fault(
+            t,
+            c,
+            codes,
+            det,
+            f"worker 0 SIGSTOPped (policy {policy}) at committed {stop_at} for {stop_s} s; detected as {what}",
+        )
 
 
 @scenario
@@ -201,8 +218,12 @@ def _restart_coordinator(t: Trial, outage_s: float, env: dict | None, k: int, st
             time.sleep(outage_s)  # the ranks train on meanwhile
             t0 = time.time()
             log = open(t.tmp / "coordinator2.log", "w")
-            new = subprocess.Popen([sys.executable, "-m", "shadow", "coordinator", "workers=2", f"port={c.port}"],
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            new = subprocess.Popen(
+                [sys.executable, "-m", "shadow", "coordinator", "workers=2", f"port={c.port}"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
             c.proc = new  # stopped with the cluster
             rebuilt = None
             while time.monotonic() < deadline + 30 and rebuilt is None:
@@ -212,9 +233,15 @@ def _restart_coordinator(t: Trial, outage_s: float, env: dict | None, k: int, st
                 time.sleep(0.05)
         finally:
             codes = t.wait(procs)
-        return judge_worker_fault(t, c, codes, rebuilt, f"coordinator SIGKILLed at committed >= {k}, restarted "
-                                                        f"{outage_s:.1f} s later; job rebuilt from the workers in "
-                                                        f"{rebuilt} s")
+        return judge_worker_fault(
+            t,
+            c,
+            codes,
+            rebuilt,
+            f"coordinator SIGKILLed at committed >= {k}, restarted "
+            f"{outage_s:.1f} s later; job rebuilt from the workers in "
+            f"{rebuilt} s",
+        )
 
 
 @scenario
@@ -234,8 +261,9 @@ def coordinator_outage(t: Trial) -> dict:
     # slower steps: training must outlast the outage, the new coordinator's start (about 1 s on
     # 2 loaded cores), the rebuild and the resync for the end to be checkpointed
     outage_s, k = t.rng.uniform(2.5, 3.5), t.rng.randint(3, 5)
-    return _restart_coordinator(t, outage_s, {"SHADOW_COORDINATOR_LOST_S": "1.5"}, k,
-                                max(0.5, (outage_s + 5.0) / (t.steps - k)))
+    return _restart_coordinator(
+        t, outage_s, {"SHADOW_COORDINATOR_LOST_S": "1.5"}, k, max(0.5, (outage_s + 5.0) / (t.steps - k))
+    )
 
 
 @scenario
@@ -262,8 +290,12 @@ def cluster_loss(t: Trial) -> dict:
             time.sleep(outage_s)  # past SHADOW_COORDINATOR_LOST_S: the ranks go on unprotected
             t0 = time.time()
             log = open(t.tmp / "cluster2.log", "w")
-            c.proc = subprocess.Popen([sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={c.port}",
-                                       "threads_per_worker=1"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            c.proc = subprocess.Popen(
+                [sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={c.port}", "threads_per_worker=1"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
             while time.monotonic() < deadline + 60 and back is None:
                 with contextlib.suppress(Exception):
                     job = status(c.address, 1.0)["job"]
@@ -272,8 +304,14 @@ def cluster_loss(t: Trial) -> dict:
                 time.sleep(0.05)
         finally:
             codes = t.wait(procs)
-        return judge_worker_fault(t, c, codes, back, f"coordinator and workers SIGKILLed at committed >= {k}, a new "
-                                                     f"cluster started; ranks re-attached after {back} s")
+        return judge_worker_fault(
+            t,
+            c,
+            codes,
+            back,
+            f"coordinator and workers SIGKILLed at committed >= {k}, a new "
+            f"cluster started; ranks re-attached after {back} s",
+        )
 
 
 @scenario
@@ -299,12 +337,15 @@ def replica_kill(t: Trial) -> dict:
     degrades, the restarted worker copies shard 1 from worker 3 (no resync)."""
     k = t.rng.randint(3, 6)
     sleep = max(0.1, 6.0 / (t.steps - k))
-    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}, workers=4, args=("replicas=2",)) as c, \
-            Watch(c.address) as w:
+    with (
+        LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}, workers=4, args=("replicas=2",)) as c,
+        Watch(c.address) as w,
+    ):
         codes = t.run("train", "--kill-worker-at", str(k), "--step-sleep", f"{sleep:.3f}", coordinator=c)
         det, what = w.detection(t.info("train").get("worker_killed_t"))
-        res = judge_worker_fault(t, c, codes, det, f"worker 1 of 4 (replicas=2) SIGKILLed at iteration {k}; "
-                                                   f"detected as {what}")
+        res = judge_worker_fault(
+            t, c, codes, det, f"worker 1 of 4 (replicas=2) SIGKILLed at iteration {k}; detected as {what}"
+        )
         log = c.log.read_text(errors="replace")
         epoch = settled(c)["job"]["epoch"]
         res["detail"] += f"; peer copies {log.count('copied iteration')}"
@@ -322,14 +363,25 @@ def run_trial(name: str, i: int, seed: int, steps: int, workdir: Path, refs: Ref
     try:
         res = SCENARIOS[name](Trial(tmp, random.Random(f"{seed}:{name}:{i}"), steps, refs))
     except Exception as exc:
-        res = result(False, True, None, None, f"trial error: {type(exc).__name__}: {str(exc)[:500]}",
-                     trial_error=True, traceback=traceback.format_exc()[-3000:])
+        res = result(
+            False,
+            True,
+            None,
+            None,
+            f"trial error: {type(exc).__name__}: {str(exc)[:500]}",
+            trial_error=True,
+            traceback=traceback.format_exc()[-3000:],
+        )
     res.update(trial=i, wall_s=round(time.monotonic() - t0, 1), dir=str(tmp))
     return res
 
 
-def main(argv: list[str] | None = None, default_scenarios: str = ",".join(SCENARIOS), default_trials: int = 3,
-         strict: bool = False) -> int:
+def main(
+    argv: list[str] | None = None,
+    default_scenarios: str = ",".join(SCENARIOS),
+    default_trials: int = 3,
+    strict: bool = False,
+) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=default_trials)
     ap.add_argument("--seed", type=int, default=0)
@@ -337,8 +389,12 @@ def main(argv: list[str] | None = None, default_scenarios: str = ",".join(SCENAR
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default="", help="write every trial and the summary here")
     ap.add_argument("--workdir", default="", help="logs and states of every trial (default: a new temp dir)")
-    ap.add_argument("--strict", action="store_true", default=strict,
-                    help="exit 1 if any restore was not exact or lost more iterations than allowed")
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        default=strict,
+        help="exit 1 if any restore was not exact or lost more iterations than allowed",
+    )
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -348,8 +404,10 @@ def main(argv: list[str] | None = None, default_scenarios: str = ",".join(SCENAR
         ap.error(f"--steps {args.steps} is too short for the scenarios; use 8 or more")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fault_matrix-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"fault matrix: {names} x {args.trials} trials, seed {args.seed}, {args.steps} steps; logs in {workdir}",
-          flush=True)
+    print(
+        f"fault matrix: {names} x {args.trials} trials, seed {args.seed}, {args.steps} steps; logs in {workdir}",
+        flush=True,
+    )
     refs = References(workdir)
     t0 = time.monotonic()
     try:
@@ -357,17 +415,32 @@ def main(argv: list[str] | None = None, default_scenarios: str = ",".join(SCENAR
         print(f"reference run ({args.steps} steps, no shadow): {time.monotonic() - t0:.1f} s", flush=True)
     except Exception as exc:  # every trial will record it
         print(f"reference run failed: {exc}", flush=True)
-    report: dict = {"seed": args.seed, "trials": args.trials, "steps": args.steps, "workdir": str(workdir),
-                    "scenarios": {}}
+    report: dict = {
+        "seed": args.seed,
+        "trials": args.trials,
+        "steps": args.steps,
+        "workdir": str(workdir),
+        "scenarios": {},
+    }
     for name in names:
         trials = []
         for i in range(args.trials):
             r = run_trial(name, i, args.seed, args.steps, workdir, refs)
             trials.append(r)
-            verdict = ("exact" if r["exact"] else "TRIAL ERROR" if r.get("trial_error") else
-                       "TRAINING FAILED" if r["training_failed"] else "NOT EXACT")
-            print(f"  {name}#{i}: {verdict}, lost {r['lost_iterations']}, detection {r['detection_s']} s, "
-                  f"{r['wall_s']} s: {r['detail']}", flush=True)
+            verdict = (
+                "exact"
+                if r["exact"]
+                else "TRIAL ERROR"
+                if r.get("trial_error")
+                else "TRAINING FAILED"
+                if r["training_failed"]
+                else "NOT EXACT"
+            )
+            print(
+                f"  {name}#{i}: {verdict}, lost {r['lost_iterations']}, detection {r['detection_s']} s, "
+                f"{r['wall_s']} s: {r['detail']}",
+                flush=True,
+            )
         report["scenarios"][name] = {"summary": summarize(trials), "trials": trials}
     print(table({n: s["summary"] for n, s in report["scenarios"].items()}))
     bad = problems(report)

@@ -1,5 +1,6 @@
 """Plumbing of the fault matrix (scripts/fault_matrix.py): a trial's processes, the local
 cluster, the status watcher, the reference runs and the verdicts."""
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,24 @@ LOST_S = "1.5"  # SHADOW_WORKER_LOST_S for the worker scenarios
 
 
 # -- plumbing ------------------------------------------------------------------------------------
-def result(exact: bool, training_failed: bool, lost: int | None, detection_s: float | None = None,
-           detail: str = "", lost_allowed: int = 0, **extra) -> dict:
-    return {"exact": bool(exact) and not training_failed, "training_failed": bool(training_failed),
-            "lost_iterations": lost, "lost_allowed": lost_allowed,
-            "detection_s": None if detection_s is None else round(detection_s, 3), "detail": detail, **extra}
+def result(
+    exact: bool,
+    training_failed: bool,
+    lost: int | None,
+    detection_s: float | None = None,
+    detail: str = "",
+    lost_allowed: int = 0,
+    **extra,
+) -> dict:
+    return {
+        "exact": bool(exact) and not training_failed,
+        "training_failed": bool(training_failed),
+        "lost_iterations": lost,
+        "lost_allowed": lost_allowed,
+        "detection_s": None if detection_s is None else round(detection_s, 3),
+        "detail": detail,
+        **extra,
+    }
 
 
 def same_state(got: list[dict] | None, ref: list[dict]) -> tuple[bool, str]:
@@ -110,21 +124,47 @@ class Trial:
     timeout: float = RUN_TIMEOUT_S
     notes: list[str] = field(default_factory=list)
 
-    def start(self, tag: str, *args: str, coordinator: LocalCluster | None = None, env: dict | None = None,
-              steps: int | None = None) -> list[subprocess.Popen]:
+    def start(
+        self,
+        tag: str,
+        *args: str,
+        coordinator: LocalCluster | None = None,
+        env: dict | None = None,
+        steps: int | None = None,
+    ) -> list[subprocess.Popen]:
         """Launch the trainer ranks; output in tmp/tag, progress in tmp/tag-info-{rank}.json."""
         port = free_port()
-        common = ["--out", str(self.tmp / tag), "--steps", str(steps or self.steps),
-                  "--info-out", str(self.tmp / f"{tag}-info-{{rank}}.json")]
+        common = [
+            "--out",
+            str(self.tmp / tag),
+            "--steps",
+            str(steps or self.steps),
+            "--info-out",
+            str(self.tmp / f"{tag}-info-{{rank}}.json"),
+        ]
         if coordinator is not None:
             common += ["--coordinator", coordinator.address]
         procs = []
         for r in range(RANKS):
-            e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port), PYTHONPATH=str(ROOT), **(env or {}))
+            e = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(RANKS),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                PYTHONPATH=str(ROOT),
+                **(env or {}),
+            )
             log = open(self.tmp / f"{tag}-rank{r}.log", "w")
-            procs.append(subprocess.Popen([sys.executable, str(TRAINER), *common, *args], env=e, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=ROOT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(TRAINER), *common, *args],
+                    env=e,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )
+            )
             log.close()
         return procs
 
@@ -206,13 +246,20 @@ def judge_worker_fault(t: Trial, c: LocalCluster, codes: list, det: float | None
         return result(False, True, None, det, f"{detail}; training exited {codes}: {t.error('train')}")
     ok, why = same_state(t.state("train"), t.reference(t.steps))
     st = settled(c)
-    detail += (f"; training {why}; cluster committed {committed(st)}, epoch {st['job']['epoch']}, "
-               f"workers {[w['health'] for w in st['workers']]}")
+    detail += (
+        f"; training {why}; cluster committed {committed(st)}, epoch {st['job']['epoch']}, "
+        f"workers {[w['health'] for w in st['workers']]}"
+    )
     codes = t.run("restore", "--mode", "resume", coordinator=c)
     restored = t.info("restore").get("restored")
     if codes != [0] * RANKS:
-        return result(False, False, None if restored is None else t.steps - restored, det,
-                      f"{detail}; restore exited {codes}: {t.error('restore')}")
+        return result(
+            False,
+            False,
+            None if restored is None else t.steps - restored,
+            det,
+            f"{detail}; restore exited {codes}: {t.error('restore')}",
+        )
     same, rwhy = same_state(t.state("restore"), t.reference(t.steps))
     exact = ok and same and restored == t.steps
     return result(exact, False, t.steps - restored, det, f"{detail}; restored {restored}, {rwhy}")
@@ -241,20 +288,38 @@ class References:
 def summarize(trials: list[dict]) -> dict:
     lost = [r["lost_iterations"] for r in trials if r["lost_iterations"] is not None]
     det = [r["detection_s"] for r in trials if r["detection_s"] is not None]
-    return {"trials": len(trials), "exact": sum(r["exact"] for r in trials),
-            "training_failures": sum(r["training_failed"] for r in trials),
-            "lost_max": max(lost) if lost else None,
-            "lost_unexpected": sum(1 for r in trials if r["lost_iterations"] is not None
-                                   and r["lost_iterations"] > r["lost_allowed"]),
-            "detection_max_s": max(det) if det else None}
+    return {
+        "trials": len(trials),
+        "exact": sum(r["exact"] for r in trials),
+        "training_failures": sum(r["training_failed"] for r in trials),
+        "lost_max": max(lost) if lost else None,
+        "lost_unexpected": sum(
+            1 for r in trials if r["lost_iterations"] is not None and r["lost_iterations"] > r["lost_allowed"]
+        ),
+        "detection_max_s": max(det) if det else None,
+    }
 
 
 def table(summaries: dict[str, dict]) -> str:
-    head = ["scenario", "trials", "restores exact", "training failures", "lost iterations (max)",
-            "max detection time (s)"]
-    rows = [[name, str(s["trials"]), f"{s['exact']}/{s['trials']}", str(s["training_failures"]),
-             "-" if s["lost_max"] is None else str(s["lost_max"]),
-             "-" if s["detection_max_s"] is None else f"{s['detection_max_s']:.2f}"] for name, s in summaries.items()]
+    head = [
+        "scenario",
+        "trials",
+        "restores exact",
+        "training failures",
+        "lost iterations (max)",
+        "max detection time (s)",
+    ]
+    rows = [
+        [
+            name,
+            str(s["trials"]),
+            f"{s['exact']}/{s['trials']}",
+            str(s["training_failures"]),
+            "-" if s["lost_max"] is None else str(s["lost_max"]),
+            "-" if s["detection_max_s"] is None else f"{s['detection_max_s']:.2f}",
+        ]
+        for name, s in summaries.items()
+    ]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def fmt(r: list[str]) -> str:
@@ -269,6 +334,8 @@ def problems(report: dict) -> list[str]:
     for name, sc in report["scenarios"].items():
         for r in sc["trials"]:
             if not r["exact"] or (r["lost_iterations"] or 0) > r["lost_allowed"]:
-                out.append(f"{name}#{r['trial']}: exact={r['exact']} lost={r['lost_iterations']} "
-                           f"(allowed {r['lost_allowed']}): {r['detail']}")
+                out.append(
+                    f"{name}#{r['trial']}: exact={r['exact']} lost={r['lost_iterations']} "
+                    f"(allowed {r['lost_allowed']}): {r['detail']}"
+                )
     return out

@@ -5,6 +5,7 @@ every metric, every tuning knob. `tests/test_docs.py` fails when docs/api.md is 
     python scripts/gen_api_docs.py            # rewrite docs/api.md
     python scripts/gen_api_docs.py --check    # exit 1 if it would change
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,10 @@ def _sig(name: str, obj) -> str:
         except (TypeError, ValueError):
             sig = "(...)"
     sig = re.sub(r"<class '([\w.]+)'>", r"\1", sig)
-    short = {"torch.nn.modules.module.Module": "torch.nn.Module", "torch.optim.optimizer.Optimizer": "torch.optim.Optimizer"}
+    short = {
+        "torch.nn.modules.module.Module": "torch.nn.Module",
+        "torch.optim.optimizer.Optimizer": "torch.optim.Optimizer",
+    }
     sig = re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)\b", lambda m: short.get(m.group(0), m.group(1)), sig)
     return f"{name}{sig}"
 
@@ -48,19 +52,27 @@ def _section_functions(module, names: list[str]) -> list[str]:
                 continue
             if dataclasses.is_dataclass(obj):
                 hints = typing.get_type_hints(obj)
-                out += [f"* `{f.name}`: `{getattr(hints[f.name], '__name__', hints[f.name])}`"
-                        for f in dataclasses.fields(obj)]
+                out += [
+                    f"* `{f.name}`: `{getattr(hints[f.name], '__name__', hints[f.name])}`"
+                    for f in dataclasses.fields(obj)
+                ]
                 out.append("")
             root = module.__name__.split(".")[0]
-            members = [(n, m) for n, m in inspect.getmembers(obj)
-                       if not n.startswith("_") and (inspect.isfunction(m) or isinstance(m, property))
-                       and (m.fget if isinstance(m, property) else m).__module__.startswith(root)]
+            members = [
+                (n, m)
+                for n, m in inspect.getmembers(obj)
+                if not n.startswith("_")
+                and (inspect.isfunction(m) or isinstance(m, property))
+                and (m.fget if isinstance(m, property) else m).__module__.startswith(root)
+            ]
             for n, m in members:
                 if isinstance(m, property):
                     out += [f"* `{name}.{n}` (property): {_doc(m.fget).splitlines()[0]}"]
                 else:
-                    out += [f"* `{name}.{_sig(n, m).replace('(self, ', '(').replace('(self)', '()')}`: "
-                            + _doc(m).replace("\n\n", "\n").replace("\n", "\n  ")]
+                    out += [
+                        f"* `{name}.{_sig(n, m).replace('(self, ', '(').replace('(self)', '()')}`: "
+                        + _doc(m).replace("\n\n", "\n").replace("\n", "\n  ")
+                    ]
             out.append("")
         else:
             out += [f"### `{module.__name__}.{_sig(name, obj)}`", "", _doc(obj), ""]
@@ -83,37 +95,85 @@ def render() -> str:
     from shadow.config import SCHEMAS
     from shadow.metrics import catalog
 
-    lines = ["# API and configuration reference", "",
-             "Generated from the code by `python scripts/gen_api_docs.py`; do not edit by hand.", "",
-             "## Trainer side: `trainer_hooks`", ""]
+    lines = [
+        "# API and configuration reference",
+        "",
+        "Generated from the code by `python scripts/gen_api_docs.py`; do not edit by hand.",
+        "",
+        "## Trainer side: `trainer_hooks`",
+        "",
+    ]
     public = [n for n in trainer_hooks.__all__ if not n.endswith("Error")]
     lines += _section_functions(trainer_hooks, public)
     lines += ["## Reading checkpoints: `shadow.restore`", ""]
     lines += _section_functions(shadow.restore, list(shadow.restore.__all__))
     import shadow.plan
 
-    lines += ["## Planning: `shadow.plan`", "", "What `shadow plan` computes, as a library; the model and its "
-              "assumptions: [planning.md](planning.md).", ""]
-    lines += _section_functions(shadow.plan, ["plan", "analyse", "strategies", "simulate", "simulate_many", "size",
-                                              "break_even_overhead", "young", "daly", "Strategy"])
-    lines += ["## Errors: `shadow.errors`", "", "Every error the service and the hooks raise to callers derives "
-              "from `ShadowError` (re-exported by `trainer_hooks`).", ""]
-    lines += [f"* `{n}`: {_doc(getattr(errors, n))}" for n in
-              ("ShadowError", "ShadowConnectionError", "ShadowTimeoutError", "LayoutMismatchError")]
-    lines += ["", "## Command line: `shadow COMMAND key=value ...`", "",
-              "Each command's config is a typed dataclass in `shadow.config`, registered in Hydra's ConfigStore "
-              "as `shadow_<command>`; YAML in `configs/` extends it (`--config-dir configs --config-name NAME`). "
-              "`--cfg job` prints the resolved config; `--json` (status, ls, verify) prints JSON.", ""]
+    lines += [
+        "## Planning: `shadow.plan`",
+        "",
+        "What `shadow plan` computes, as a library; the model and its assumptions: [planning.md](planning.md).",
+        "",
+    ]
+    lines += _section_functions(
+        shadow.plan,
+        [
+            "plan",
+            "analyse",
+            "strategies",
+            "simulate",
+            "simulate_many",
+            "size",
+            "break_even_overhead",
+            "young",
+            "daly",
+            "Strategy",
+        ],
+    )
+    lines += [
+        "## Errors: `shadow.errors`",
+        "",
+        "Every error the service and the hooks raise to callers derives "
+        "from `ShadowError` (re-exported by `trainer_hooks`).",
+        "",
+    ]
+    lines += [
+        f"* `{n}`: {_doc(getattr(errors, n))}"
+        for n in ("ShadowError", "ShadowConnectionError", "ShadowTimeoutError", "LayoutMismatchError")
+    ]
+    lines += [
+        "",
+        "## Command line: `shadow COMMAND key=value ...`",
+        "",
+        "Each command's config is a typed dataclass in `shadow.config`, registered in Hydra's ConfigStore "
+        "as `shadow_<command>`; YAML in `configs/` extends it (`--config-dir configs --config-name NAME`). "
+        "`--cfg job` prints the resolved config; `--json` (status, ls, verify) prints JSON.",
+        "",
+    ]
     for name, cls in SCHEMAS.items():
-        lines += [f"### `shadow {name}`: {SUMMARY[name]}", "", inspect.cleandoc(cls.__doc__ or "").replace("``", "`"),
-                  "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [
+            f"### `shadow {name}`: {SUMMARY[name]}",
+            "",
+            inspect.cleandoc(cls.__doc__ or "").replace("``", "`"),
+            "",
+            "| key | default | meaning |",
+            "|---|---|---|",
+        ]
         lines += [f"| `{k}` | `{d or chr(34) * 2}` | {h.replace('|', '/')} |" for k, d, h in keys(cls)]
         lines.append("")
-    lines += ["## Metrics", "", "Coordinator and workers serve them with `metrics_port=`; trainers with "
-              "`SHADOW_METRICS_PORT` (port + `LOCAL_RANK`) or `trainer_hooks.serve_metrics(port)`. A counter "
-              "`x` is exposed as `x_total`, a summary as `x_sum` and `x_count`.", ""]
-    for title, group in (("coordinator", catalog.COORDINATOR), ("worker", catalog.WORKER),
-                         ("trainer", catalog.TRAINER)):
+    lines += [
+        "## Metrics",
+        "",
+        "Coordinator and workers serve them with `metrics_port=`; trainers with "
+        "`SHADOW_METRICS_PORT` (port + `LOCAL_RANK`) or `trainer_hooks.serve_metrics(port)`. A counter "
+        "`x` is exposed as `x_total`, a summary as `x_sum` and `x_count`.",
+        "",
+    ]
+    for title, group in (
+        ("coordinator", catalog.COORDINATOR),
+        ("worker", catalog.WORKER),
+        ("trainer", catalog.TRAINER),
+    ):
         lines += [f"### {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]
         lines += [f"| `{m.name}` | {m.kind} | {', '.join(m.labels) or '-'} | {m.help} |" for m in group]
         lines.append("")

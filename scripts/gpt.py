@@ -1,5 +1,6 @@
 """A small GPT (causal self-attention, MLP, LayerNorm, tied embeddings) and a generated
 text corpus, for the example and the demo."""
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,12 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -111,6 +116,6 @@ class CharData:
         resumed run reads exactly the batches the uninterrupted run read."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + it * 1009 + rank)
         ix = torch.randint(len(self.data) - block - 1, (batch,), generator=g)
-        x = torch.stack([self.data[i:i + block] for i in ix])
-        y = torch.stack([self.data[i + 1:i + 1 + block] for i in ix])
+        x = torch.stack([self.data[i : i + block] for i in ix])
+        y = torch.stack([self.data[i + 1 : i + 1 + block] for i in ix])
         return x, y

@@ -12,6 +12,7 @@ by the core (the divider, on Intel) rather than by memory.
 
 A loop that did not vectorise shows width 1 (scalar ``ss`` operations only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,9 +75,13 @@ def compile_for(cpu: str, features: str = "") -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix="shadow-asm-") as cache:
         # a feature every x86-64 target has: numba would otherwise pass this host's
         # feature list (with e.g. -avx512f on an AMD host) instead of the CPU's own
-        env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=",".join(["+cmov"] + [features] * bool(features)),
-                   NUMBA_CACHE_DIR=cache,
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            NUMBA_CPU_NAME=cpu,
+            NUMBA_CPU_FEATURES=",".join(["+cmov"] + [features] * bool(features)),
+            NUMBA_CACHE_DIR=cache,
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         res = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise SystemExit(f"compiling for {cpu} failed:\n{res.stderr[-2000:]}")
@@ -192,18 +197,30 @@ def describe(body: list[str]) -> dict:
     def count(pat: str) -> int:
         return sum(bool(re.match(r"^\s+" + pat, x)) for x in body)
 
-    return {"width": width, "instructions": len(body), "div": count(r"vdivp"), "sqrt": count(r"vsqrtp"),
-            "fma": count(r"vfn?m(add|sub)\d+p"), "branches": count(r"j(?!mp)\w+\s")}
+    return {
+        "width": width,
+        "instructions": len(body),
+        "div": count(r"vdivp"),
+        "sqrt": count(r"vsqrtp"),
+        "fma": count(r"vfn?m(add|sub)\d+p"),
+        "branches": count(r"j(?!mp)\w+\s"),
+    }
 
 
 def mca(cpu: str, body: list[str]) -> float | None:
     """llvm-mca's reciprocal throughput of one iteration (cycles), or None without it."""
-    tool = shutil.which("llvm-mca") or next((shutil.which(f"llvm-mca-{v}") for v in range(25, 13, -1)
-                                             if shutil.which(f"llvm-mca-{v}")), None)
+    tool = shutil.which("llvm-mca") or next(
+        (shutil.which(f"llvm-mca-{v}") for v in range(25, 13, -1) if shutil.which(f"llvm-mca-{v}")), None
+    )
     if tool is None:
         return None
-    res = subprocess.run([tool, f"-mcpu={cpu}", "-iterations=200"], input="\n".join(body) + "\n",
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [tool, f"-mcpu={cpu}", "-iterations=200"],
+        input="\n".join(body) + "\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     m = re.search(r"Total Cycles:\s+(\d+)", res.stdout)
     return int(m.group(1)) / 200 if m else None
 
@@ -225,8 +242,10 @@ def main() -> int:
                 d = describe(body)
                 cyc = mca(cpu, body)
                 per = f"{cyc / d['width']:.2f}" if cyc is not None else "-"
-                print(f"| {cpu} | {kernel} | {i} | {d['width']} | {d['div']} | {d['sqrt']} | {d['fma']} | "
-                      f"{d['instructions']} | {cyc if cyc is not None else '-'} | {per} |")
+                print(
+                    f"| {cpu} | {kernel} | {i} | {d['width']} | {d['div']} | {d['sqrt']} | {d['fma']} | "
+                    f"{d['instructions']} | {cyc if cyc is not None else '-'} | {per} |"
+                )
     return 0
 
 

@@ -8,6 +8,7 @@ Writes ``<out>/plan.json`` and, with matplotlib (``pip install -e .[bench]``),
 computed twice: analytically (Daly's expected-time formula at the Young/Daly interval) and
 by the seeded discrete-event simulation. One scenario at a time: ``shadow plan``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ("plan_llama3_405b", "plan_100k_hourly")
 GPUS = (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)
 SENSITIVITY = {  # key -> (low, high) multipliers or values
-    "gpu_mtbf_h": (0.5, 2.0), "restart_s": (0.25, 3.0), "iteration_s": (0.5, 2.0), "params": (0.5, 2.0),
-    "sync.write_GBps": (0.5, 2.0), "tiered.write_GBps": (0.5, 2.0), "tiered.snapshot_GBps_per_gpu": (0.25, 4.0),
-    "tiered.overhead": ("=0.0", "=0.02"), "shadow.overhead": ("=0.0", "=0.02"),
+    "gpu_mtbf_h": (0.5, 2.0),
+    "restart_s": (0.25, 3.0),
+    "iteration_s": (0.5, 2.0),
+    "params": (0.5, 2.0),
+    "sync.write_GBps": (0.5, 2.0),
+    "tiered.write_GBps": (0.5, 2.0),
+    "tiered.snapshot_GBps_per_gpu": (0.25, 4.0),
+    "tiered.overhead": ("=0.0", "=0.02"),
+    "shadow.overhead": ("=0.0", "=0.02"),
     "shadow.lag_iterations": ("=0", "=3"),
 }
 
@@ -66,13 +73,19 @@ def sweep_gpus(base: PlanConfig, trials: int, days: float) -> list[dict]:
         cfg = dataclasses.replace(base, gpus=n, gpu_mtbf_h=LLAMA3_GPU_MTBF_H, job_mtbf_h=0.0)
         restore = size(cfg)["restore_GBps"]
         ana = analyse(cfg, restore)
-        row = {"gpus": n, "job_mtbf_h": cfg.mtbf_s / 3600, "break_even_shadow_overhead":
-               break_even_overhead(cfg, restore)}
+        row = {
+            "gpus": n,
+            "job_mtbf_h": cfg.mtbf_s / 3600,
+            "break_even_shadow_overhead": break_even_overhead(cfg, restore),
+        }
         for name, st in strategies(cfg, restore).items():
             sim = simulate_many(st, cfg.mtbf_s, days * 86400, trials, cfg.seed)
-            row[name] = {"lost_gpu_h_per_day": ana[name]["lost_gpu_h_per_day"],
-                         "simulated_lost_gpu_h_per_day": n * 24 * (1 - sim["useful"]),
-                         "breakdown": breakdown(st, cfg.mtbf_s), "dominant": ana[name]["dominant"]}
+            row[name] = {
+                "lost_gpu_h_per_day": ana[name]["lost_gpu_h_per_day"],
+                "simulated_lost_gpu_h_per_day": n * 24 * (1 - sim["useful"]),
+                "breakdown": breakdown(st, cfg.mtbf_s),
+                "dominant": ana[name]["dominant"],
+            }
         rows.append(row)
     return rows
 
@@ -81,9 +94,17 @@ def cores_by_model(base: PlanConfig) -> dict:
     sizes = (1e9, 7e9, 13e9, 70e9, 175e9, 405e9, 1e12, 2e12)
     out = {}
     for it in (2.0, 6.0, 20.0):
-        out[str(it)] = [{"params": p, **{k: v for k, v in size(dataclasses.replace(base, params=p, iteration_s=it)).items()
-                                          if k in ("cores", "memory_GB", "network_GBps", "hosts", "limited_by")}}
-                        for p in sizes]
+        out[str(it)] = [
+            {
+                "params": p,
+                **{
+                    k: v
+                    for k, v in size(dataclasses.replace(base, params=p, iteration_s=it)).items()
+                    if k in ("cores", "memory_GB", "network_GBps", "hosts", "limited_by")
+                },
+            }
+            for p in sizes
+        ]
     return out
 
 
@@ -96,9 +117,14 @@ def sensitivity(base: PlanConfig) -> list[dict]:
             cfg = with_value(base, key, how)
             r = size(cfg)["restore_GBps"]
             res = analyse(cfg, r)
-            rows.append({"key": key, "change": how if isinstance(how, str) else f"x{how}",
-                         **{n: res[n]["lost_gpu_h_per_day"] / ref[n]["lost_gpu_h_per_day"] for n in res},
-                         "break_even_shadow_overhead": break_even_overhead(cfg, r)})
+            rows.append(
+                {
+                    "key": key,
+                    "change": how if isinstance(how, str) else f"x{how}",
+                    **{n: res[n]["lost_gpu_h_per_day"] / ref[n]["lost_gpu_h_per_day"] for n in res},
+                    "break_even_shadow_overhead": break_even_overhead(cfg, r),
+                }
+            )
     return rows
 
 
@@ -116,16 +142,37 @@ def plot(out: Path, sweep: list[dict], cores: dict) -> list[str]:
     gpus = [r["gpus"] for r in sweep]
     for name, color in (("sync", "tab:blue"), ("async", "tab:orange"), ("shadow", "tab:green")):
         ax.plot(gpus, [r[name]["lost_gpu_h_per_day"] for r in sweep], "-", color=color, label=f"{name} (analytic)")
-        ax.plot(gpus, [r[name]["simulated_lost_gpu_h_per_day"] for r in sweep], "o", color=color, ms=4,
-                label=f"{name} (simulated)")
-        bx.plot(gpus, [r[name]["breakdown"]["restart"] / sum(r[name]["breakdown"].values()) for r in sweep], "o-",
-                color=color, label=name)
-    ax.set(xscale="log", yscale="log", xlabel="GPUs (per-GPU MTBF of Llama 3's run)", ylabel="lost GPU-hours / day",
-           title="Cost of failures, 405B model, 6 s iterations")
+        ax.plot(
+            gpus,
+            [r[name]["simulated_lost_gpu_h_per_day"] for r in sweep],
+            "o",
+            color=color,
+            ms=4,
+            label=f"{name} (simulated)",
+        )
+        bx.plot(
+            gpus,
+            [r[name]["breakdown"]["restart"] / sum(r[name]["breakdown"].values()) for r in sweep],
+            "o-",
+            color=color,
+            label=name,
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="GPUs (per-GPU MTBF of Llama 3's run)",
+        ylabel="lost GPU-hours / day",
+        title="Cost of failures, 405B model, 6 s iterations",
+    )
     ax.legend(fontsize=7)
     bx.axhline(0.5, color="grey", lw=0.8, ls="--")
-    bx.set(xscale="log", ylim=(0, 1), xlabel="GPUs", ylabel="share of the loss spent restarting",
-           title="The restart-dominant regime")
+    bx.set(
+        xscale="log",
+        ylim=(0, 1),
+        xlabel="GPUs",
+        ylabel="share of the loss spent restarting",
+        title="The restart-dominant regime",
+    )
     bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "lost_gpu_hours_vs_gpus.png", dpi=110)
@@ -134,8 +181,13 @@ def plot(out: Path, sweep: list[dict], cores: dict) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for it, rows in cores.items():
         ax.plot([r["params"] / 1e9 for r in rows], [r["cores"] for r in rows], "o-", label=f"{it} s / iteration")
-    ax.set(xscale="log", yscale="log", xlabel="model parameters (B)", ylabel="shadow cores (with headroom)",
-           title="Shadow cores needed (measured CPU-s per iteration per B params)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="model parameters (B)",
+        ylabel="shadow cores (with headroom)",
+        title="Shadow cores needed (measured CPU-s per iteration per B params)",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "shadow_cores_vs_model_size.png", dpi=110)
@@ -160,27 +212,35 @@ def main() -> int:
         print(f"== {name}: {r['scenario']['gpus']} GPUs, MTBF {r['scenario']['job_mtbf_h']:.2f} h")
         for s in ("sync", "async", "shadow"):
             a, m = r["analytic"][s], r["simulated"][s]
-            print(f"  {s:<7} useful {a['useful']:.4f} (sim {m['useful']:.4f} ± {m['useful_std']:.4f}, "
-                  f"{m['failures_per_trial']:.0f} failures/trial)  lost {a['lost_gpu_h_per_day']:>10,.0f} GPU-h/day  "
-                  f"dominant: {a['dominant']}")
+            print(
+                f"  {s:<7} useful {a['useful']:.4f} (sim {m['useful']:.4f} ± {m['useful_std']:.4f}, "
+                f"{m['failures_per_trial']:.0f} failures/trial)  lost {a['lost_gpu_h_per_day']:>10,.0f} GPU-h/day  "
+                f"dominant: {a['dominant']}"
+            )
         be = r["break_even_shadow_overhead"]
-        print(f"  shadow break-even step overhead: {'-' if be is None else f'{be * 100:.2f}%'}; cluster "
-              f"{r['sizing']['hosts']} hosts ({r['sizing']['limited_by']}-bound), {r['sizing']['cores']:.0f} cores")
+        print(
+            f"  shadow break-even step overhead: {'-' if be is None else f'{be * 100:.2f}%'}; cluster "
+            f"{r['sizing']['hosts']} hosts ({r['sizing']['limited_by']}-bound), {r['sizing']['cores']:.0f} cores"
+        )
     base = scenario("plan_llama3_405b")
     result["sweep_gpus"] = sweep_gpus(base, args.trials, args.days)
     print("\n== GPUs (Llama 3 per-GPU MTBF), lost GPU-h/day analytic [simulated], restart share of the loss")
     for r in result["sweep_gpus"]:
-        cells = "  ".join(f"{s} {r[s]['lost_gpu_h_per_day']:>9,.0f} [{r[s]['simulated_lost_gpu_h_per_day']:>9,.0f}] "
-                          f"{r[s]['breakdown']['restart'] / sum(r[s]['breakdown'].values()):.0%}"
-                          for s in ("sync", "async", "shadow"))
+        cells = "  ".join(
+            f"{s} {r[s]['lost_gpu_h_per_day']:>9,.0f} [{r[s]['simulated_lost_gpu_h_per_day']:>9,.0f}] "
+            f"{r[s]['breakdown']['restart'] / sum(r[s]['breakdown'].values()):.0%}"
+            for s in ("sync", "async", "shadow")
+        )
         print(f"  {r['gpus']:>7}  MTBF {r['job_mtbf_h']:7.2f} h  {cells}")
     result["cores_by_model"] = cores_by_model(base)
     result["sensitivity"] = sensitivity(base)
     print("\n== sensitivity (Llama 3 scenario): lost GPU-h/day relative to the fixture's, break-even shadow overhead")
     for r in result["sensitivity"]:
         be = r["break_even_shadow_overhead"]
-        print(f"  {r['key']:<30} {r['change']:>7}  sync {r['sync']:.2f}  async {r['async']:.2f}  shadow {r['shadow']:.2f}"
-              f"  break-even {'-' if be is None else f'{be * 100:.2f}%'}")
+        print(
+            f"  {r['key']:<30} {r['change']:>7}  sync {r['sync']:.2f}  async {r['async']:.2f}  shadow {r['shadow']:.2f}"
+            f"  break-even {'-' if be is None else f'{be * 100:.2f}%'}"
+        )
     result["plots"] = plot(out, result["sweep_gpus"], result["cores_by_model"])
     result["wall_s"] = time.monotonic() - t0
     (out / "plan.json").write_text(json.dumps(result, indent=1, default=str))

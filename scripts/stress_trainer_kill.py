@@ -7,6 +7,7 @@ Prints the fault-matrix table; exits 1 if any restore was not exact or any trial
 iterations than its scenario allows (the kill after an iteration may lose the sender's
 in-flight window, at most SHADOW_MAX_LAG; the other two must lose none).
 """
+
 from __future__ import annotations
 
 import sys

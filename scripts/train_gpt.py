@@ -9,6 +9,7 @@
 The config is a typed dataclass (:class:`TrainConfig`) registered in Hydra's ConfigStore
 as ``train_gpt_schema``; ``--help`` lists its keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.weight_decay < 0 or self.clip < 0:
-            raise ValueError(f"optim: lr={self.lr} must be > 0, weight_decay={self.weight_decay} and "
-                             f"clip={self.clip} >= 0")
+            raise ValueError(
+                f"optim: lr={self.lr} must be > 0, weight_decay={self.weight_decay} and clip={self.clip} >= 0"
+            )
 
 
 @dataclass
@@ -123,15 +125,20 @@ def main() -> int:
         with open(os.path.join(args.out, "pids", f"rank{rank}"), "w") as f:
             f.write(str(os.getpid()))
     data = CharData(corpus())
-    cfg = GPTConfig(vocab_size=len(data.chars), block_size=args.model.block, n_layer=args.model.n_layer,
-                    n_embd=args.model.n_embd)
+    cfg = GPTConfig(
+        vocab_size=len(data.chars), block_size=args.model.block, n_layer=args.model.n_layer, n_embd=args.model.n_embd
+    )
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     ddp = DDP(model)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.optim.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.optim.lr, betas=(0.9, 0.95), fused=True)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.optim.lr,
+        betas=(0.9, 0.95),
+        fused=True,
+    )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.optim.lr, total_steps=args.steps, pct_start=0.1)
 
     import trainer_hooks
@@ -145,9 +152,16 @@ def main() -> int:
     state = {"iteration": start}
     session = None
     if args.coordinator:
-        session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched,
-                                       extra_state=lambda: dict(state), job=args.shadow.job,
-                                       policy=args.shadow.policy, audit_every=args.shadow.audit_every)
+        session = trainer_hooks.attach(
+            ddp,
+            opt,
+            coordinator=args.coordinator,
+            scheduler=sched,
+            extra_state=lambda: dict(state),
+            job=args.shadow.job,
+            policy=args.shadow.policy,
+            audit_every=args.shadow.audit_every,
+        )
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"[rank 0] GPT with {n / 1e6:.2f}M parameters, steps {start + 1}..{args.steps}", flush=True)
@@ -169,8 +183,11 @@ def main() -> int:
             log.write(json.dumps({"iteration": it, "loss": loss.item(), "loss_hex": loss.item().hex()}) + "\n")
             log.flush()
             if it % 10 == 0:
-                print(f"[rank 0] iteration {it} loss {loss.item():.4f} "
-                      f"({(time.perf_counter() - t0) / (it - start):.3f} s/it)", flush=True)
+                print(
+                    f"[rank 0] iteration {it} loss {loss.item():.4f} "
+                    f"({(time.perf_counter() - t0) / (it - start):.3f} s/it)",
+                    flush=True,
+                )
     if session is not None:
         session.close()
         if rank == 0:

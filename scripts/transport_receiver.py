@@ -1,6 +1,7 @@
 """The worker side of the transport benchmark (run in its own process): it receives
 gradient messages the way a shadow worker does -- header and context checks, payloads into
 a target buffer or kept zero-copy, xxh3 on every run -- and reports what it cost."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ class Rejected(ValueError):
     """A context check of the mirrored worker path failed (the worker raises F.FrameError)."""
 
 
-def take_grad_message(sock, raw: bytes, target, lo: int, hi: int, max_runs: int, seq: int,
-                      zero_copy: bool, keep: list) -> int:
+def take_grad_message(
+    sock, raw: bytes, target, lo: int, hi: int, max_runs: int, seq: int, zero_copy: bool, keep: list
+) -> int:
     """MIRRORS shadow.worker.data.DataMixin._take_frame + _take_payload for a GRAD frame
     (keep in step with it): unpack and check the header, check its context (job, epoch,
     layout, world, sequence), range-check every run, then receive each payload part and
@@ -77,7 +79,7 @@ def take_grad_message(sock, raw: bytes, target, lo: int, hi: int, max_runs: int,
             buf = np.frombuffer(frame.buffer, dtype=np.float32)
             keep.append((dst - lo, buf))
         else:
-            buf = target[dst - lo: dst - lo + nelem]
+            buf = target[dst - lo : dst - lo + nelem]
             got = sock.recv_into(buf)
         if got != nelem * 4:
             raise Rejected(f"truncated_payload: {got} bytes, run says {nelem * 4}")
@@ -183,6 +185,12 @@ def _receive(sock, cmd: dict, target, nparts: int, max_runs: int) -> dict:
                 _discard_rest(sock)
             seq += 1
             del keep  # the worker would hand these to the replay, then drop them
-    return {"n": got, "bytes": nbytes, "errors": errors, "first_error": first_error,
-            "recv_cpu_s": time.process_time() - c0, "recv_wall_s": time.perf_counter() - t0,
-            "recv_minflt": _minflt() - f0}
+    return {
+        "n": got,
+        "bytes": nbytes,
+        "errors": errors,
+        "first_error": first_error,
+        "recv_cpu_s": time.process_time() - c0,
+        "recv_wall_s": time.perf_counter() - t0,
+        "recv_minflt": _minflt() - f0,
+    }

@@ -1,9 +1,10 @@
 """Request/reply to the coordinator with a bounded wait."""
+
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -15,7 +16,9 @@ logger = logging.getLogger(__name__)
 
 def check_address(address: str) -> None:
     if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"coordinator address {address!r} is not a ZeroMQ endpoint; expected e.g. tcp://127.0.0.1:5555")
+        raise ValueError(
+            f"coordinator address {address!r} is not a ZeroMQ endpoint; expected e.g. tcp://127.0.0.1:5555"
+        )
 
 
 class LogWaiting:
@@ -31,13 +34,27 @@ class LogWaiting:
         now = time.monotonic()
         if now >= self.next:
             self.next = now + self.EVERY_S
-            logger.info("%s: waiting for %d of %d workers of the shadow cluster at %s (%d ready, %d starting: "
-                        "compiling their kernels) for %.0f s", self.who, msg["expected"] - msg["ready"],
-                        msg["expected"], self.address, msg["ready"], msg["starting"], now - self.t0)
+            logger.info(
+                "%s: waiting for %d of %d workers of the shadow cluster at %s (%d ready, %d starting: "
+                "compiling their kernels) for %.0f s",
+                self.who,
+                msg["expected"] - msg["ready"],
+                msg["expected"],
+                self.address,
+                msg["ready"],
+                msg["starting"],
+                now - self.t0,
+            )
 
 
-def request(sock: zmq.Socket, address: str, payload: bytes, timeout: float, expect: tuple[str, ...],
-            interim: Callable[[dict], None] | None = None) -> dict:
+def request(
+    sock: zmq.Socket,
+    address: str,
+    payload: bytes,
+    timeout: float,
+    expect: tuple[str, ...],
+    interim: Callable[[dict], None] | None = None,
+) -> dict:
     """Send ``payload`` and wait up to ``timeout`` seconds for one of ``expect``.
 
     ``interim`` receives the ``waiting`` notices a coordinator sends while it holds the
@@ -57,12 +74,14 @@ def request(sock: zmq.Socket, address: str, payload: bytes, timeout: float, expe
                 raise ShadowConnectionError(
                     f"shadow coordinator at {address}: {last['ready']} of {last['expected']} workers were ready "
                     f"after {timeout:.0f} s ({last['starting']} still starting); check the worker logs, or allow "
-                    "longer with SHADOW_CONNECT_TIMEOUT_S")
+                    "longer with SHADOW_CONNECT_TIMEOUT_S"
+                )
             raise ShadowConnectionError(
                 f"no shadow coordinator answered at {address} within {timeout:.0f} s; "
                 "start one with `shadow cluster workers=N port=P` or fix the address (a cluster with CURVE "
                 "security answers only clients with an allowed key: SHADOW_CURVE_SERVER_KEY / SHADOW_CURVE_CLIENT_KEY "
-                "or security.server_public / security.client_key)")
+                "or security.server_public / security.client_key)"
+            )
         msg = M.decode(sock.recv())
         if msg["t"] == "waiting" and interim is not None:
             last = msg

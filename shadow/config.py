@@ -3,11 +3,12 @@
 The CLI merges ``key=value`` overrides onto these dataclasses with OmegaConf (the
 engine under Hydra), so a wrong type or value is an error that names the key.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 from shadow.plan.config import PlanConfig
 
@@ -62,8 +63,9 @@ class TierConfig:
         if not 1 <= self.compress_level <= 19:
             raise ValueError(f"{k}.compress_level={self.compress_level} must be 1 (fastest) to 19 (smallest)")
         if self.location and not (self.every_n or self.every_s or self.every_tokens):
-            raise ValueError(f"{k} at {self.location!r} has no schedule: set {k}.every_n, {k}.every_s or "
-                             f"{k}.every_tokens")
+            raise ValueError(
+                f"{k} at {self.location!r} has no schedule: set {k}.every_n, {k}.every_s or {k}.every_tokens"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -122,17 +124,25 @@ class SecurityConfig:
 
     def __post_init__(self) -> None:
         if self.server_key and not self.allow:
-            raise ValueError(f"security.server_key={self.server_key!r} needs security.allow: a directory of the "
-                             "clients' public .key files (e.g. security.allow=keys/clients)")
+            raise ValueError(
+                f"security.server_key={self.server_key!r} needs security.allow: a directory of the "
+                "clients' public .key files (e.g. security.allow=keys/clients)"
+            )
         if self.allow and not self.server_key:
-            raise ValueError(f"security.allow={self.allow!r} needs security.server_key: the cluster's "
-                             ".key_secret file (make one with `shadow keygen dir=keys name=server`)")
+            raise ValueError(
+                f"security.allow={self.allow!r} needs security.server_key: the cluster's "
+                ".key_secret file (make one with `shadow keygen dir=keys name=server`)"
+            )
         if self.client_key and not self.server_public:
-            raise ValueError(f"security.client_key={self.client_key!r} needs security.server_public: the "
-                             "cluster's public .key file (e.g. security.server_public=keys/server.key)")
+            raise ValueError(
+                f"security.client_key={self.client_key!r} needs security.server_public: the "
+                "cluster's public .key file (e.g. security.server_public=keys/server.key)"
+            )
         if self.server_public and not (self.client_key or self.server_key):
-            raise ValueError(f"security.server_public={self.server_public!r} needs security.client_key: this "
-                             "client's .key_secret file (make one with `shadow keygen dir=keys name=CLIENT`)")
+            raise ValueError(
+                f"security.server_public={self.server_public!r} needs security.client_key: this "
+                "client's .key_secret file (make one with `shadow keygen dir=keys name=CLIENT`)"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -183,8 +193,10 @@ class CoordinatorConfig:
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
         if self.replicas < 1 or self.workers % self.replicas:
-            raise ValueError(f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
-                             f"e.g. workers={2 * self.workers} replicas=2")
+            raise ValueError(
+                f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
+                f"e.g. workers={2 * self.workers} replicas=2"
+            )
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
         _check_log(self.log_level, self.log_format)
@@ -203,8 +215,10 @@ class ClusterConfig(CoordinatorConfig):
         if self.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
         if self.metrics_port and self.metrics_port + self.workers >= 65536:
-            raise ValueError(f"metrics_port={self.metrics_port} leaves no port for worker {self.workers - 1} "
-                             f"(metrics_port + 1 + i); use a port below {65535 - self.workers}")
+            raise ValueError(
+                f"metrics_port={self.metrics_port} leaves no port for worker {self.workers - 1} "
+                f"(metrics_port + 1 + i); use a port below {65535 - self.workers}"
+            )
 
     def threads(self) -> int:
         return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
@@ -215,7 +229,9 @@ class WorkerConfig:
     """One worker joining a coordinator: the coordinator address is all it needs."""
 
     coordinator: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
-    host: str = "auto"  #: interface for this worker's data and serve sockets; auto = the one that routes to the coordinator
+    host: str = (
+        "auto"  #: interface for this worker's data and serve sockets; auto = the one that routes to the coordinator
+    )
     threads: int = 0  #: numba threads; 0 = all cores
     metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
     log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR
@@ -257,8 +273,9 @@ def _check_timeout(timeout: float) -> None:
 
 def _check_source(value: str) -> None:
     if not value:
-        raise ValueError("source= is required: a coordinator address (tcp://host:port), a checkpoint "
-                         "directory or an fsspec URL")
+        raise ValueError(
+            "source= is required: a coordinator address (tcp://host:port), a checkpoint directory or an fsspec URL"
+        )
 
 
 @dataclass
@@ -268,8 +285,8 @@ class RestoreConfig:
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
     out: str = "checkpoint.pt"  #: file (torch, safetensors) or directory (dcp) to write
     format: str = "torch"  #: torch (torch.load-able), dcp (torch.distributed.checkpoint), safetensors (weights)
-    job: Optional[str] = None  #: the job to restore (default: the only or newest one)
-    iteration: Optional[int] = None  #: a specific iteration (default: newest complete)
+    job: str | None = None  #: the job to restore (default: the only or newest one)
+    iteration: int | None = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0  #: seconds to wait for the coordinator and workers
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
@@ -289,16 +306,18 @@ class ExportConfig:
     out: str = "model.safetensors"  #: file to write
     format: str = "safetensors"  #: safetensors or torch (a model state dict for torch.load)
     dtype: str = "float32"  #: float32, bfloat16 or float16 (the shadow holds fp32)
-    job: Optional[str] = None  #: the job to export (default: the only or newest one)
-    iteration: Optional[int] = None  #: a specific iteration (default: newest complete)
+    job: str | None = None  #: the job to export (default: the only or newest one)
+    iteration: int | None = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0  #: seconds to wait for the coordinator and workers
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_source(self.source)
         if self.format not in EXPORT_FORMATS:
-            raise ValueError(f"format={self.format!r} is not supported by export; choose one of {EXPORT_FORMATS} "
-                             "(shadow restore writes the whole training state)")
+            raise ValueError(
+                f"format={self.format!r} is not supported by export; choose one of {EXPORT_FORMATS} "
+                "(shadow restore writes the whole training state)"
+            )
         if self.dtype not in EXPORT_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {EXPORT_DTYPES}")
         _check_timeout(self.timeout)
@@ -309,7 +328,7 @@ class ListConfig:
     """The checkpoints a cluster or a storage root holds."""
 
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
-    job: Optional[str] = None  #: only this job
+    job: str | None = None  #: only this job
     json: bool = False  #: print JSON rows (also: --json)
     timeout: float = 5.0  #: seconds to wait for the coordinator
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -324,8 +343,8 @@ class VerifyConfig:
     """Re-read persisted checkpoints and check every checksum."""
 
     source: str = ""  #: checkpoint directory or fsspec URL (required)
-    job: Optional[str] = None  #: only this job
-    iteration: Optional[int] = None  #: verify only this iteration (default: all complete ones)
+    job: str | None = None  #: only this job
+    iteration: int | None = None  #: verify only this iteration (default: all complete ones)
     deep: bool = False  #: also decode every shard and check the tensors it holds (slower)
     json: bool = False  #: print JSON results (also: --json)
 
@@ -334,9 +353,16 @@ class VerifyConfig:
 
 
 SCHEMAS: dict[str, type] = {
-    "cluster": ClusterConfig, "coordinator": CoordinatorConfig, "worker": WorkerConfig, "status": StatusConfig,
-    "restore": RestoreConfig, "export": ExportConfig, "ls": ListConfig, "verify": VerifyConfig,
-    "keygen": KeygenConfig, "plan": PlanConfig,
+    "cluster": ClusterConfig,
+    "coordinator": CoordinatorConfig,
+    "worker": WorkerConfig,
+    "status": StatusConfig,
+    "restore": RestoreConfig,
+    "export": ExportConfig,
+    "ls": ListConfig,
+    "verify": VerifyConfig,
+    "keygen": KeygenConfig,
+    "plan": PlanConfig,
 }
 
 

@@ -1,4 +1,5 @@
 """Errors the shadow service and its trainer hooks raise to callers."""
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ digits, ``.``, ``_`` and ``-``, and not ``.`` or ``..``. Anything else could nam
 another job's checkpoints (``exp*``), match nothing (``gpt[small]``) or write outside
 the root (``../escape``).
 """
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,10 @@ def job_name_problem(name: object) -> str | None:
     """Why ``name`` is not a valid job name (naming it, the rule and a fix), or None if it is."""
     if isinstance(name, str) and _VALID.fullmatch(name) and name not in (".", ".."):
         return None
-    return (f"job name {name!r} is not allowed: a job name is one directory name, {JOB_NAME_RULE}; "
-            f"use e.g. job={suggest_job_name(name)!r}")
+    return (
+        f"job name {name!r} is not allowed: a job name is one directory name, {JOB_NAME_RULE}; "
+        f"use e.g. job={suggest_job_name(name)!r}"
+    )
 
 
 def check_job_name(name: object) -> str:

@@ -3,11 +3,12 @@
 Read them through the accessor functions (values are looked up at call time, so an
 override set before a process starts reaches it). Tests use :func:`override`.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 _DEFAULTS: dict[str, float] = {
     # trainer side
@@ -20,13 +21,15 @@ _DEFAULTS: dict[str, float] = {
     "COORDINATOR_LOST_S": 10.0,  # a trainer hearing nothing from the coordinator this long trains on unprotected
     "METRICS_PORT": 0,  # trainer /metrics on this port + LOCAL_RANK (0 = off; host: SHADOW_METRICS_HOST)
     "ZMQ_SNDHWM": 1000,  # messages queued per data socket before send blocks
-    "EXTRA_CHUNK_BYTES": 4 << 20,  # model state outside the optimizer travels in chunks of this size (<= MAX_COMMIT_BYTES)
+    "EXTRA_CHUNK_BYTES": 4
+    << 20,  # model state outside the optimizer travels in chunks of this size (<= MAX_COMMIT_BYTES)
     # service side
     "WORKER_SLOTS": 5,  # gradient buffers per worker (> MAX_LAG)
     "WORKER_HUGEPAGES": 1,  # workers start with glibc's malloc on transparent huge pages (shadow/worker/malloc.py)
     "KERNEL_CHUNK": 32768,  # elements per parallel work item in the replay kernel
     "MAX_RUNS": 65536,  # run-table entries accepted in one frame
-    "SEQ_WINDOW": 4096,  # a data frame further than this ahead of a rank's expected sequence number is dropped, not a gap
+    # a data frame further than this ahead of a rank's expected sequence number is dropped, not a gap
+    "SEQ_WINDOW": 4096,
     "MAX_COMMIT_BYTES": 16 << 20,  # largest commit record (or chunk of model state outside the optimizer) accepted
     "DATA_RCVHWM": 1000,  # messages queued per sender on a worker's data socket (a few iterations' worth)
     "HEARTBEAT_S": 0.5,  # worker -> coordinator heartbeat period
@@ -42,7 +45,8 @@ _DEFAULTS: dict[str, float] = {
     "PERSIST_BUFFERS": 2,  # preallocated shard images per worker (checkpoint writes in flight)
     "PERSIST_CLOSE_S": 2.0,  # a replaced session's checkpoint write or copy in flight: wait this long, then abandon it
     "PERSIST_SKIP_LOG_S": 60.0,  # checkpoints skipped (every image still being written): one summed warning per period
-    "PERSIST_UPLOAD_HOLD_S": 1800.0,  # local retention keeps a checkpoint whose remote copy is in flight this long at most
+    # local retention keeps a checkpoint whose remote copy is in flight this long at most
+    "PERSIST_UPLOAD_HOLD_S": 1800.0,
     "COMPRESS_BLOCK_BYTES": 16 << 20,  # compressed shards: raw bytes per independently compressed block
     "COMPRESS_THREADS": 1,  # compressed shards: blocks compressed at once by a writer (background threads)
 }

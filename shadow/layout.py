@@ -4,12 +4,13 @@ striping of gradient buckets across data-parallel ranks.
 Everything here is pure: the trainer and the workers compute the same answers from
 the same :class:`Layout`, which travels once per attach and is named by its hash.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 #: Boundaries of shards and stripes fall on multiples of this many fp32 elements
 #: (one 4 KiB page: cache-line aligned, and a shard's slice of a restored flat array is
@@ -54,14 +55,11 @@ class Layout:
     def to_dict(self) -> dict:
         return {
             "num_groups": self.num_groups,
-            "params": [
-                [p.name, list(p.shape), p.offset, p.numel, p.group, bool(p.requires_grad)]
-                for p in self.params
-            ],
+            "params": [[p.name, list(p.shape), p.offset, p.numel, p.group, bool(p.requires_grad)] for p in self.params],
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Layout":
+    def from_dict(cls, d: dict) -> Layout:
         """Rebuild and validate a layout received from elsewhere."""
         try:
             num_groups = int(d["num_groups"])
@@ -76,9 +74,7 @@ class Layout:
         return layout
 
     @classmethod
-    def build(
-        cls, entries: Iterable[tuple[str, Sequence[int], int, bool]], num_groups: int
-    ) -> "Layout":
+    def build(cls, entries: Iterable[tuple[str, Sequence[int], int, bool]], num_groups: int) -> Layout:
         """Lay out ``(name, shape, group, requires_grad)`` entries contiguously."""
         params, off = [], 0
         for name, shape, group, rg in entries:
@@ -104,19 +100,21 @@ class Layout:
                 if n > MAX_ELEMENTS:
                     break
             if off + n > MAX_ELEMENTS:
-                raise ValueError(f"layout reaches more than {MAX_ELEMENTS} elements at param {i} ({p.name}); "
-                                 "that is beyond any model a cluster can hold")
+                raise ValueError(
+                    f"layout reaches more than {MAX_ELEMENTS} elements at param {i} ({p.name}); "
+                    "that is beyond any model a cluster can hold"
+                )
             if p.numel != n or p.offset != off:
                 raise ValueError(f"layout param {i} ({p.name}) is not contiguous with its predecessors")
             if not 0 <= p.group < self.num_groups:
                 raise ValueError(f"layout param {i} ({p.name}) names group {p.group} of {self.num_groups}")
             off += n
 
-    def describe_mismatch(self, other: "Layout") -> str:
+    def describe_mismatch(self, other: Layout) -> str:
         """A human-readable first difference between two layouts."""
         if len(self.params) != len(other.params):
             return f"{len(self.params)} parameters here vs {len(other.params)} in the checkpoint"
-        for a, b in zip(self.params, other.params):
+        for a, b in zip(self.params, other.params, strict=True):
             if (a.name, a.shape, a.group) != (b.name, b.shape, b.group):
                 return (
                     f"parameter {a.name!r} shape {list(a.shape)} group {a.group} here vs "

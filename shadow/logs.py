@@ -5,6 +5,7 @@ once per process. JSON lines carry ``time``, ``level``, ``logger``, ``pid``, ``r
 ``message`` and, for an exception, ``exc`` (the traceback as one string), so a log
 shipper needs no multi-line parsing.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,8 +23,12 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
-                timespec="milliseconds"),
-            "level": record.levelname, "logger": record.name, "pid": record.process, "role": self.role,
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "role": self.role,
             "message": record.getMessage(),
         }
         if record.exc_info:

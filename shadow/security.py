@@ -5,6 +5,7 @@ connect to the coordinator with it) and an allow directory of client public keys
 (trainer ranks, ``shadow status``/``restore``/``ls``) carry their own pair and the cluster's
 public key. Keys travel as z85 text (40 bytes), as ``zmq.auth`` writes them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,10 @@ def generate(directory: str | os.PathLike, name: str, overwrite: bool = False) -
     if not overwrite:
         for path in (public, secret):
             if path.exists():
-                raise SecurityError(f"{path} already exists; pick another name= or pass overwrite=true "
-                                    "(clients and allow lists holding the old key stop working)")
+                raise SecurityError(
+                    f"{path} already exists; pick another name= or pass overwrite=true "
+                    "(clients and allow lists holding the old key stop working)"
+                )
     directory.mkdir(parents=True, exist_ok=True)
     # the pair is written into a private (0700) scratch directory so the secret is never readable by others
     scratch = tempfile.mkdtemp(prefix=f".{name}-", dir=directory)
@@ -71,16 +74,20 @@ def generate(directory: str | os.PathLike, name: str, overwrite: bool = False) -
 def _load(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
     p = Path(path)
     if not p.is_file():
-        raise SecurityError(f"CURVE key file {p} does not exist; create it with "
-                            f"`shadow keygen dir={p.parent} name={p.name.split('.')[0] or 'server'}`")
+        raise SecurityError(
+            f"CURVE key file {p} does not exist; create it with "
+            f"`shadow keygen dir={p.parent} name={p.name.split('.')[0] or 'server'}`"
+        )
     try:
         public, secret = zmq.auth.load_certificate(p)
     except (OSError, ValueError) as exc:
-        raise SecurityError(f"CURVE key file {p} is unreadable or garbled ({exc}); "
-                            "regenerate it with `shadow keygen`") from None
+        raise SecurityError(
+            f"CURVE key file {p} is unreadable or garbled ({exc}); regenerate it with `shadow keygen`"
+        ) from None
     if not all(_is_z85_key(k) for k in (public, secret) if k is not None):
-        raise SecurityError(f"CURVE key file {p} holds a key that is not 40 z85 characters; "
-                            "regenerate it with `shadow keygen`")
+        raise SecurityError(
+            f"CURVE key file {p} holds a key that is not 40 z85 characters; regenerate it with `shadow keygen`"
+        )
     return public, secret
 
 
@@ -153,8 +160,9 @@ class Guard:
             zap.bind(ZAP_ENDPOINT)
         except zmq.ZMQError as exc:
             zap.close(linger=0)
-            raise RuntimeError(f"cannot bind the ZAP handler at {ZAP_ENDPOINT} ({exc}); "
-                               "one Guard per zmq.Context") from None
+            raise RuntimeError(
+                f"cannot bind the ZAP handler at {ZAP_ENDPOINT} ({exc}); one Guard per zmq.Context"
+            ) from None
         self._ctx, self._zap = ctx, zap
         self._thread = threading.Thread(target=self._run, name="shadow-zap", daemon=True)
         self._thread.start()
@@ -169,8 +177,10 @@ class Guard:
         try:  # without it libzmq admits every client with the server key once no ZAP handler is bound
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         except zmq.ZMQError:
-            logger.warning("this libzmq lacks ZAP_ENFORCE_DOMAIN: after Guard.stop() the socket admits any CURVE "
-                           "client that knows the server key; close server sockets before stopping the guard")
+            logger.warning(
+                "this libzmq lacks ZAP_ENFORCE_DOMAIN: after Guard.stop() the socket admits any CURVE "
+                "client that knows the server key; close server sockets before stopping the guard"
+            )
         monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         with self._lock:
             self._monitors.append(monitor)
@@ -280,8 +290,10 @@ def client_from_env() -> ClientKeys | None:
         return None
     if not (server and mine):
         missing = ENV_CLIENT_KEY if server else ENV_SERVER_KEY
-        raise SecurityError(f"{ENV_SERVER_KEY} and {ENV_CLIENT_KEY} go together but {missing} is not set; set both "
-                            "(the cluster's public .key file and this client's .key_secret file) or neither")
+        raise SecurityError(
+            f"{ENV_SERVER_KEY} and {ENV_CLIENT_KEY} go together but {missing} is not set; set both "
+            "(the cluster's public .key file and this client's .key_secret file) or neither"
+        )
     return client_keys(server, mine)
 
 
@@ -302,7 +314,7 @@ def guard_from_config(cfg: SecurityConfig) -> Guard | None:
 
 
 _UNSET = object()
-_process_client: "ClientKeys | None | object" = _UNSET
+_process_client: ClientKeys | None | object = _UNSET
 
 
 def set_client(keys: ClientKeys | None) -> None:

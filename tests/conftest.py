@@ -1,5 +1,6 @@
 """Fixtures: a real local shadow cluster per test (shadow.testing.LocalCluster), a one-rank
 process group in this process, and a 2-rank gloo launcher of the tiny trainer."""
+
 from __future__ import annotations
 
 import os
@@ -52,11 +53,21 @@ def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, ti
     port = free_port()
     procs = []
     for r in range(world):
-        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                 PYTHONPATH=str(ROOT), **(env or {}))
+        e = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=str(ROOT),
+            **(env or {}),
+        )
         log = open(tmp / f"rank{r}-{port}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(TRAINER), *args], env=e, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(TRAINER), *args], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            )
+        )
     deadline = time.monotonic() + timeout
     codes = []
     for p in procs:
@@ -65,7 +76,7 @@ def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, ti
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise AssertionError(f"trainer ranks hung; logs in {tmp}")
+            raise AssertionError(f"trainer ranks hung; logs in {tmp}") from None
     return codes
 
 

@@ -1,5 +1,6 @@
 """One bit-exactness harness for every optimizer kernel: run torch's optimizer and the
 shadow's replay plan side by side on the same gradients, compare every tensor."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,17 @@ def make_optimizer(cls, params, impl: str, **kw):
     return cls(params, **kw, **flag)
 
 
-def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, shards: int = 1, seed: int = 0,
-             grad_scale: float | None = None, **kw):
+def run_pair(
+    cls,
+    impl: str,
+    sizes,
+    steps: int = 3,
+    clip: float | None = None,
+    shards: int = 1,
+    seed: int = 0,
+    grad_scale: float | None = None,
+    **kw,
+):
     """Returns ``(torch_tensors, shadow_tensors)`` dicts of name -> list per param.
     ``grad_scale``: the gradients are that many times larger and the fused step divides
     them (as ``GradScaler.step`` runs a fused optimizer)."""
@@ -30,8 +40,10 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
     amsgrad = kw.get("amsgrad", False)
     mx = np.zeros(total if amsgrad else 0, np.float32)
     bounds = np.linspace(0, total, shards + 1).astype(int)
-    plans = [ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), lo, hi, impl, vec, tail), impl, 4096)
-             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    plans = [
+        ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), lo, hi, impl, vec, tail), impl, 4096)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
     for k in range(1, steps + 1):
         grads = [torch.randn(n, generator=gen) for n in sizes]
         if grad_scale is not None:
@@ -59,7 +71,10 @@ def run_pair(cls, impl: str, sizes, steps: int = 3, clip: float | None = None, s
     for key in ours:
         if key != "param":
             theirs[key] = [opt.state[p][key] for p in params]
-    split = {key: [torch.from_numpy(arr[o:o + n].copy()) for o, n in zip(offsets, sizes, strict=True)] for key, arr in ours.items()}
+    split = {
+        key: [torch.from_numpy(arr[o : o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]
+        for key, arr in ours.items()
+    }
     return theirs, split
 
 
@@ -89,8 +104,9 @@ def run_pair_sgd(impl: str, sizes, steps: int = 4, seed: int = 0, **kw):
     total = int(sum(sizes))
     flat = np.concatenate([p.detach().numpy() for p in params]).astype(np.float32)
     buf = np.zeros(total, np.float32)
-    plan = ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, vec, tail), impl, 4096,
-                      "sgd")
+    plan = ReplayPlan(
+        segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, vec, tail), impl, 4096, "sgd"
+    )
     has_state = np.zeros(len(sizes), dtype=bool)
     for _ in range(steps):
         grads = [torch.randn(n, generator=gen) for n in sizes]
@@ -101,8 +117,8 @@ def run_pair_sgd(impl: str, sizes, steps: int = 4, seed: int = 0, **kw):
         plan.apply_sgd(flat, buf, np.concatenate([g.numpy() for g in grads]).astype(np.float32))
         has_state[:] = kw.get("momentum", 0) != 0
     theirs = {"param": [p.detach() for p in params]}
-    ours = {"param": [torch.from_numpy(flat[o:o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]}
+    ours = {"param": [torch.from_numpy(flat[o : o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]}
     if kw.get("momentum", 0):
         theirs["momentum_buffer"] = [opt.state[p]["momentum_buffer"] for p in params]
-        ours["momentum_buffer"] = [torch.from_numpy(buf[o:o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]
+        ours["momentum_buffer"] = [torch.from_numpy(buf[o : o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]
     return theirs, ours

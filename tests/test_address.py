@@ -1,4 +1,5 @@
 """Which address a worker binds and advertises (shadow/worker/address.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,10 +20,13 @@ def test_wildcards_bind_everything_but_advertise_a_reachable_address():
     assert bind_and_advertise("10.1.2.3", "tcp://127.0.0.1:1") == ("10.1.2.3", "10.1.2.3")
 
 
-@pytest.mark.parametrize("endpoint,needle", [
-    ("ipc:///tmp/x", "needs a tcp:// coordinator address"),
-    ("tcp://no-such-host.invalid:5555", "cannot resolve the coordinator host"),
-])
+@pytest.mark.parametrize(
+    "endpoint,needle",
+    [
+        ("ipc:///tmp/x", "needs a tcp:// coordinator address"),
+        ("tcp://no-such-host.invalid:5555", "cannot resolve the coordinator host"),
+    ],
+)
 def test_auto_needs_a_resolvable_tcp_coordinator(endpoint, needle):
     with pytest.raises(ValueError, match=needle):
         route_address(endpoint)

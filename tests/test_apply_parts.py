@@ -1,6 +1,7 @@
 """The worker applies gradients where the frames put them (parts, no gather copy) and
 can fill the persistence snapshot in the same pass: both must equal, bit for bit, the
 plain contiguous apply followed by a copy."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,15 +13,28 @@ from shadow.wire.frames import Field
 from shadow.worker.state import ShardState
 
 SIZES = [1000, 37, 4096 + 5, 3, 2500]
-ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
-        "maximize": False, "decoupled": True}
+ADAM = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "amsgrad": False,
+    "maximize": False,
+    "decoupled": True,
+}
 SGD = {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-4, "nesterov": True, "maximize": False}
 
 
 def make_state(kind: str, start: int, stop: int, amsgrad: bool = False) -> ShardState:
     layout = Layout.build([(f"p{i}", (n,), 0, True) for i, n in enumerate(SIZES)], 1)
-    optim = {"kind": kind, "impl": "fused", "vec_width": 16, "tail_width": 8, "amsgrad_any": amsgrad,
-             "momentum_any": kind == "sgd"}
+    optim = {
+        "kind": kind,
+        "impl": "fused",
+        "vec_width": 16,
+        "tail_width": 8,
+        "amsgrad_any": amsgrad,
+        "momentum_any": kind == "sgd",
+    }
     st = ShardState(layout, start, stop, optim)
     rng = np.random.default_rng(0)
     for f in st.fields():
@@ -30,8 +44,14 @@ def make_state(kind: str, start: int, stop: int, amsgrad: bool = False) -> Shard
 
 def commit(kind: str, skipped=(), amsgrad: bool = False, skip_step: bool = False) -> dict:
     group = dict(SGD) if kind == "sgd" else dict(ADAM, amsgrad=amsgrad)
-    return {"skipped": list(skipped), "groups": [group], "clip": 0.5, "inv_scale": None, "grad_scale": None,
-            "skip_step": skip_step}
+    return {
+        "skipped": list(skipped),
+        "groups": [group],
+        "clip": 0.5,
+        "inv_scale": None,
+        "grad_scale": None,
+        "skip_step": skip_step,
+    }
 
 
 def split(grad: np.ndarray, cuts: list[int], order) -> list[tuple[int, np.ndarray]]:

@@ -1,4 +1,5 @@
 """Bad input gets a clear error, within a bound, and changes nothing."""
+
 from __future__ import annotations
 
 import time
@@ -102,8 +103,18 @@ def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, cluster):
     session.close()
     st = cluster.wait_caught_up(3)
     worker = st["workers"][0]
-    good = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash, 4, 99,
-                    ((worker["start"], 4, F.checksum(b"\0" * 16)),))
+    good = F.Header(
+        F.Kind.GRAD,
+        F.Field.GRAD,
+        session.job_id,
+        session.epoch,
+        0,
+        1,
+        session.layout.hash,
+        4,
+        99,
+        ((worker["start"], 4, F.checksum(b"\0" * 16)),),
+    )
     bad = [
         [b"garbage"],
         [good.pack()[:20]],
@@ -119,8 +130,10 @@ def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, cluster):
         sock.send_multipart(frames)
     sock.close()
     reasons = ("truncated", "bad_magic", "wrong_epoch", "wrong_layout", "bad_rank")
-    st2 = cluster.wait_status(lambda st: all(st["workers"][0]["rejected"].get(r, 0) >= 1 for r in reasons),
-                              what=f"worker 0 refusing frames for each of {reasons}")
+    st2 = cluster.wait_status(
+        lambda st: all(st["workers"][0]["rejected"].get(r, 0) >= 1 for r in reasons),
+        what=f"worker 0 refusing frames for each of {reasons}",
+    )
     assert st2["workers"][0]["health"] == "ok" and st2["job"]["committed"] == 3
     fresh, fopt, fsched = build(seed=3)
     assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="fuzzed").iteration == 3
@@ -132,8 +145,10 @@ def test_worker_process_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, shadow.worker.server, shadow.coordinator.server, shadow.cli.main; "
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = (
+        "import sys, shadow.worker.server, shadow.coordinator.server, shadow.cli.main; "
+        "sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -196,13 +211,15 @@ def test_gradients_changed_behind_the_shadows_back_are_refused(world1, cluster, 
     x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(trainer_hooks.ShadowError,
-                       match=r"changed between DDP's all-reduce.*iteration 3.*session.clip_grad_norm_"):
+    with pytest.raises(
+        trainer_hooks.ShadowError, match=r"changed between DDP's all-reduce.*iteration 3.*session.clip_grad_norm_"
+    ):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # that step did not happen
     session.close(wait=False)
-    st = cluster.wait_status(lambda st: all(w["applied"] == 2 for w in st["workers"]),
-                             what="iteration 2 applied by every worker")
+    st = cluster.wait_status(
+        lambda st: all(w["applied"] == 2 for w in st["workers"]), what="iteration 2 applied by every worker"
+    )
     assert st["job"]["committed"] == 2  # nothing of iteration 3 was checkpointed
 
 
@@ -250,12 +267,14 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluste
 
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="audited",
-                                   audit_every=2, audit_strict=True)
+    session = trainer_hooks.attach(
+        ddp, opt, coordinator=cluster.address, scheduler=sched, job="audited", audit_every=2, audit_strict=True
+    )
     _train(session, ddp, opt, sched, 6)
     session.close()
-    audit = cluster.wait_status(lambda st: st["job"]["audit"]["last_iteration"] == 6,
-                                what="the audit of iteration 6")["job"]["audit"]
+    audit = cluster.wait_status(lambda st: st["job"]["audit"]["last_iteration"] == 6, what="the audit of iteration 6")[
+        "job"
+    ]["audit"]
     assert audit["checked"] > 0 and audit["mismatches"] == 0 and audit["last_iteration"] == 6
     assert session.audit_failures == []
 
@@ -263,8 +282,9 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, cluste
     try:
         model, opt, sched = build()
         ddp2 = DDP(model)
-        session = trainer_hooks.attach(ddp2, opt, coordinator=bad.address, scheduler=sched, job="audited",
-                                       audit_every=2, audit_strict=True)
+        session = trainer_hooks.attach(
+            ddp2, opt, coordinator=bad.address, scheduler=sched, job="audited", audit_every=2, audit_strict=True
+        )
         with pytest.raises(trainer_hooks.ShadowError, match=r"divergence audit failed at iteration 4: param of '"):
             _train(session, ddp2, opt, sched, 12)
         bad.wait_status(lambda st: st["job"]["audit"]["mismatches"] >= 1, what="the audit's mismatch")

@@ -2,6 +2,7 @@
 on control messages checked before and while decoding, unknown fields rejected,
 ``ZMQ_MAXMSGSIZE`` on every socket that receives, data payload frames cut to
 ``MAX_PART_BYTES``."""
+
 from __future__ import annotations
 
 import gc
@@ -25,8 +26,13 @@ _MiB = 1 << 20
 
 def _head(kind: str, nfields: int) -> bytes:
     """The start of a map of ``nfields + 2`` entries: type, version, then the caller's fields."""
-    return bytes([0x80 | (nfields + 2)]) + msgpack.packb("t") + msgpack.packb(kind) + msgpack.packb("v") + \
-        msgpack.packb(M.VERSION)
+    return (
+        bytes([0x80 | (nfields + 2)])
+        + msgpack.packb("t")
+        + msgpack.packb(kind)
+        + msgpack.packb("v")
+        + msgpack.packb(M.VERSION)
+    )
 
 
 def _empty_arrays(kind: str, n: int) -> bytes:
@@ -63,19 +69,62 @@ def test_unknown_fields_are_rejected_and_optional_ones_accepted():
         M.encode("status", padding=b"x")
     assert _reason(msgpack.packb({"t": "status", "v": 1, "x": [[]] * 10})) == "unknown_field"
     # fields a sender may leave out pass when present, and are type-checked
-    ok = M.encode("persisted", epoch=1, iteration=2, tier="local", shard=0, ok=True, error="", file="f",
-                  start=0, stop=4, bytes=16, checksum="", seconds=0.1, commit=None, blob_ranks=[0],
-                  raw_bytes=16, compress="none", skipped=False)
+    ok = M.encode(
+        "persisted",
+        epoch=1,
+        iteration=2,
+        tier="local",
+        shard=0,
+        ok=True,
+        error="",
+        file="f",
+        start=0,
+        stop=4,
+        bytes=16,
+        checksum="",
+        seconds=0.1,
+        commit=None,
+        blob_ranks=[0],
+        raw_bytes=16,
+        compress="none",
+        skipped=False,
+    )
     assert M.decode(ok)["skipped"] is False
     with pytest.raises(M.MessageError, match="bad_field"):
-        M.encode("persisted", epoch=1, iteration=2, tier="local", shard=0, ok=True, error="", file="f",
-                 start=0, stop=4, bytes=16, checksum="", seconds=0.1, commit=None, blob_ranks=[0], skipped="no")
+        M.encode(
+            "persisted",
+            epoch=1,
+            iteration=2,
+            tier="local",
+            shard=0,
+            ok=True,
+            error="",
+            file="f",
+            start=0,
+            stop=4,
+            bytes=16,
+            checksum="",
+            seconds=0.1,
+            commit=None,
+            blob_ranks=[0],
+            skipped="no",
+        )
 
 
 def test_containers_beyond_the_type_limits_are_rejected():
     over = M.limits("heartbeat").array + 1
-    fields = {"epoch": 1, "applied": 1, "seen": 1, "rejected": {}, "frames_in": 0, "bytes_in": 0, "stale": "",
-              "replay_s": 0.0, "replayed": 0, "memory": -1}
+    fields = {
+        "epoch": 1,
+        "applied": 1,
+        "seen": 1,
+        "rejected": {},
+        "frames_in": 0,
+        "bytes_in": 0,
+        "stale": "",
+        "replay_s": 0.0,
+        "replayed": 0,
+        "memory": -1,
+    }
     fields = {k: v for k, v in fields.items() if k in M.SCHEMAS["heartbeat"]}
     raw = msgpack.packb({"t": "heartbeat", "v": 1, **fields, "seq": [0] * over}, use_bin_type=True)
     assert len(raw) < M.limits("heartbeat").bytes  # refused for its array, not its size
@@ -84,8 +133,10 @@ def test_containers_beyond_the_type_limits_are_rejected():
     # a long string, a byte string, a wide map, an ext type, in small types
     assert _reason(msgpack.packb({"t": "error", "v": 1, "message": "x" * (M.limits("error").str + 1)})) == "too_large"
     assert _reason(msgpack.packb({"t": "reset", "v": 1, "reason": b"x" * 5000}, use_bin_type=True)) == "too_large"
-    assert _reason(msgpack.packb({"t": "progress", "v": 1, "epoch": 1, "applied": {str(i): 0 for i in range(300)}})) \
+    assert (
+        _reason(msgpack.packb({"t": "progress", "v": 1, "epoch": 1, "applied": {str(i): 0 for i in range(300)}}))
         == "too_large"
+    )
     assert _reason(msgpack.packb({"t": "alive", "v": 1, "epoch": msgpack.ExtType(1, b"x")})) == "too_large"
 
 
@@ -121,16 +172,42 @@ def test_every_type_has_limits_that_fit_its_schema_and_a_socket():
 
 
 def test_real_messages_of_the_large_types_fit():
-    layout = {"num_groups": 1, "params": [[f"model.layers.{i}.mlp.weight", [4096, 1024], i * 4194304, 4194304, 0,
-                                           True] for i in range(100_000)]}
-    raw = M.encode("attach", job="big", rank=0, world=64, layout_hash=1, layout=layout, optim={"kind": "adam"},
-                   iteration=0, overwrite=False, restored=None)
+    layout = {
+        "num_groups": 1,
+        "params": [
+            [f"model.layers.{i}.mlp.weight", [4096, 1024], i * 4194304, 4194304, 0, True] for i in range(100_000)
+        ],
+    }
+    raw = M.encode(
+        "attach",
+        job="big",
+        rank=0,
+        world=64,
+        layout_hash=1,
+        layout=layout,
+        optim={"kind": "adam"},
+        iteration=0,
+        overwrite=False,
+        restored=None,
+    )
     assert M.decode(raw)["layout"]["params"][-1][0] == "model.layers.99999.mlp.weight"
     assert M.limits("status").bytes < len(raw) < M.limits("attach").bytes // 4
     blob = b"\x01" * (16 * _MiB)
-    raw = M.encode("fetch_reply", epoch=1, iteration=5, start=0, stop=10, arrays=[1, 2, 3],
-                   steps=[[i, 5.0] for i in range(200_000)], has_state=list(range(200_000)), commits=[[0, blob]],
-                   replay=None, chunk=16 * _MiB, sums=[1] * 1000, extras=[[1, 10, 2]])
+    raw = M.encode(
+        "fetch_reply",
+        epoch=1,
+        iteration=5,
+        start=0,
+        stop=10,
+        arrays=[1, 2, 3],
+        steps=[[i, 5.0] for i in range(200_000)],
+        has_state=list(range(200_000)),
+        commits=[[0, blob]],
+        replay=None,
+        chunk=16 * _MiB,
+        sums=[1] * 1000,
+        extras=[[1, 10, 2]],
+    )
     assert M.decode(raw)["commits"][0][1] == blob
 
 
@@ -165,15 +242,24 @@ class _FakeSocket:
 
 
 def _sender(nworkers: int) -> Sender:
-    s = Sender(None, None, ["tcp://127.0.0.1:1"] * nworkers, None, job_id=7, epoch=3, rank=0, world=1,
-               layout_hash=9, events=NoEvents())
+    s = Sender(
+        None,
+        None,
+        ["tcp://127.0.0.1:1"] * nworkers,
+        None,
+        job_id=7,
+        epoch=3,
+        rank=0,
+        world=1,
+        layout_hash=9,
+        events=NoEvents(),
+    )
     s.data = [_FakeSocket() for _ in range(nworkers)]
     return s
 
 
 def test_split_runs_cuts_into_consecutive_pieces():
-    assert Sender.split_runs([(0, 100, 10), (10, 500, 3)], 4) == [
-        (0, 100, 4), (4, 104, 4), (8, 108, 2), (10, 500, 3)]
+    assert Sender.split_runs([(0, 100, 10), (10, 500, 3)], 4) == [(0, 100, 4), (4, 104, 4), (8, 108, 2), (10, 500, 3)]
     big = F.MAX_PART_BYTES // 4
     pieces = Sender.split_runs([(5, 1000, 2 * big + 7)], big)
     assert [p[2] for p in pieces] == [big, big, 7] and [p[1] for p in pieces] == [1000, 1000 + big, 1000 + 2 * big]
@@ -191,12 +277,15 @@ def test_a_run_larger_than_a_part_is_sent_in_checked_parts(monkeypatch):
         assert h.seq == 0 and h.iteration == 4 and len(frames) == 1 + len(h.runs)
         assert len(h.runs) == sum(-(-n // 1024) for _, _, n in expect)
         assert all(len(p) <= 4096 for p in frames[1:])
-        for (dst, n, csum), payload in zip(h.runs, frames[1:], strict=True):
+        for (_dst, n, csum), payload in zip(h.runs, frames[1:], strict=True):
             assert len(payload) == 4 * n and F.checksum(payload) == csum
         # the parts land exactly where the runs did
-        got = {dst + i: v for (dst, n, _), p in zip(h.runs, frames[1:], strict=True)
-               for i, v in enumerate(np.frombuffer(p, np.float32))}
-        want = {dst + i: v for src, dst, n in expect for i, v in enumerate(data[src:src + n])}
+        got = {
+            dst + i: v
+            for (dst, n, _), p in zip(h.runs, frames[1:], strict=True)
+            for i, v in enumerate(np.frombuffer(p, np.float32))
+        }
+        want = {dst + i: v for src, dst, n in expect for i, v in enumerate(data[src : src + n])}
         assert got == want
     assert s.bytes_out == 4 * 5000
 
@@ -283,9 +372,11 @@ def test_a_peer_declaring_a_huge_frame_is_disconnected(live, target):
     """Row 4: a ZMTP peer declaring a 300 MB frame and sending 256 MB: coordinator +520 MB."""
     st = live.status()
     worker = st["workers"][0]
-    endpoint, kind, pid = {"coordinator": (live.address, b"DEALER", live.proc.pid),
-                           "data": (worker["data"], b"PUSH", worker["pid"]),
-                           "serve": (worker["serve"], b"DEALER", worker["pid"])}[target]
+    endpoint, kind, pid = {
+        "coordinator": (live.address, b"DEALER", live.proc.pid),
+        "data": (worker["data"], b"PUSH", worker["pid"]),
+        "serve": (worker["serve"], b"DEALER", worker["pid"]),
+    }[target]
     rss0 = rss_bytes(pid)
     sent = _zmtp_flood(endpoint, kind, 300_000_000, 64 * _MiB)
     assert 0 <= sent < 64 * _MiB, f"{target} read {sent} bytes of a 300 MB frame without closing"

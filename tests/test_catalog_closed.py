@@ -2,6 +2,7 @@
 expected names, as regular files inside the checkpoint directory; reads never go past
 the recorded size; shard ranges must tile the flat space exactly. Anything else makes
 ``verify`` report the checkpoint and a restore fall back to the next complete one."""
+
 from __future__ import annotations
 
 import json
@@ -104,9 +105,10 @@ def test_shard_ranges_must_tile_the_flat_space(tmp_path):
 
     root, d = _setup(tmp_path)
     img = _image(0, 20, 6, 99)
-    data = bytes(memoryview(img.buf)[:img.size])
+    data = bytes(memoryview(img.buf)[: img.size])
     with open(os.path.join(d, catalog.shard_name(1, 2)), "wb") as f:
         f.write(data)
-    _edit_manifest(d, lambda m: m["shards"][1].update(start=0, stop=20, bytes=len(data),
-                                                      checksum=f"{checksum(data):016x}"))
+    _edit_manifest(
+        d, lambda m: m["shards"][1].update(start=0, stop=20, bytes=len(data), checksum=f"{checksum(data):016x}")
+    )
     _expect_fallback(root, "tile")

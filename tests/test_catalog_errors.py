@@ -2,6 +2,7 @@
 a damaged plain or compressed shard, an error from the file system or a remote store --
 makes ``ls``/``verify`` report that checkpoint and a restore fall back to the next
 complete one with a warning naming it; the listing itself never crashes."""
+
 from __future__ import annotations
 
 import io
@@ -71,10 +72,10 @@ def _shard(root: str) -> bytes:
 def _plain_header(data: bytes, edit) -> bytes:
     """The shard with its JSON header edited, padded to the same length."""
     (hlen,) = struct.unpack_from("<Q", data)
-    header = edit(json.loads(data[8:8 + hlen]))
-    raw = (header if isinstance(header, bytes) else json.dumps(header).encode())
+    header = edit(json.loads(data[8 : 8 + hlen]))
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     assert len(raw) <= hlen
-    return data[:8] + raw + b" " * (hlen - len(raw)) + data[8 + hlen:]
+    return data[:8] + raw + b" " * (hlen - len(raw)) + data[8 + hlen :]
 
 
 def _compressed(data: bytes) -> bytes:
@@ -89,7 +90,7 @@ def _zst_index(data: bytes, edit) -> bytes:
     trailer = struct.Struct("<QQ8s")
     ilen, _, magic = trailer.unpack_from(z, len(z) - trailer.size)
     end = len(z) - trailer.size - ilen
-    index = edit(json.loads(z[end:end + ilen]))
+    index = edit(json.loads(z[end : end + ilen]))
     raw = json.dumps(index).encode()
     return z[:end] + raw + trailer.pack(len(raw), xxhash.xxh3_64_intdigest(raw), magic)
 
@@ -118,33 +119,41 @@ DAMAGE = {
     # manifests that parse
     "manifest nested too deep": lambda root: _manifest_text(root, "[" * 200_000 + "]" * 200_000),
     "layout offset is Infinity": lambda root: _edit_manifest(
-        root, lambda m: m["layout"]["params"][0].__setitem__(2, float("inf"))),
+        root, lambda m: m["layout"]["params"][0].__setitem__(2, float("inf"))
+    ),
     "layout shape is a number": lambda root: _edit_manifest(
-        root, lambda m: m["layout"]["params"][0].__setitem__(1, 16)),
+        root, lambda m: m["layout"]["params"][0].__setitem__(1, 16)
+    ),
     "layout num_groups is a list": lambda root: _edit_manifest(root, lambda m: m["layout"].update(num_groups=[])),
     "layout params hold strings": lambda root: _edit_manifest(root, lambda m: m["layout"].update(params="abc")),
     "world covers a rank with no record": lambda root: _edit_manifest(root, lambda m: m.update(world=3)),
     # plain shards
-    "shard truncated": lambda root: _replace_shard(root, _shard(root)[:len(_shard(root)) // 2]),
+    "shard truncated": lambda root: _replace_shard(root, _shard(root)[: len(_shard(root)) // 2]),
     "shard empty": lambda root: _replace_shard(root, b""),
     "shard meta start not a number": lambda root: _replace_shard(root, _plain_header(_shard(root), _meta_start)),
     "shard meta without stop": lambda root: _replace_shard(root, _plain_header(_shard(root), _meta_gone)),
     "shard header not UTF-8": lambda root: _replace_shard(root, _plain_header(_shard(root), lambda h: b"\xff\xfe{")),
     "shard header nested too deep": lambda root: _replace_shard(
-        root, _plain_header(_shard(root), lambda h: b"[" * 1000 + b"]" * 1000)),
+        root, _plain_header(_shard(root), lambda h: b"[" * 1000 + b"]" * 1000)
+    ),
     "shard offsets huge": lambda root: _replace_shard(root, _plain_header(_shard(root), _offsets_inf)),
     "shard header length huge": lambda root: _replace_shard(root, b"\xff" * 8 + _shard(root)[8:]),
     # compressed shards
-    "zst truncated": lambda root: _replace_shard(root, _compressed(_shard(root))[:-100],
-                                                 catalog.shard_name(1, 2, "zstd")),
+    "zst truncated": lambda root: _replace_shard(
+        root, _compressed(_shard(root))[:-100], catalog.shard_name(1, 2, "zstd")
+    ),
     "zst index image_bytes Infinity": lambda root: _replace_shard(
-        root, _zst_index(_shard(root), lambda ix: dict(ix, image_bytes=float("inf"))), catalog.shard_name(1, 2, "zstd")),
+        root, _zst_index(_shard(root), lambda ix: dict(ix, image_bytes=float("inf"))), catalog.shard_name(1, 2, "zstd")
+    ),
     "zst index head not a pair": lambda root: _replace_shard(
-        root, _zst_index(_shard(root), lambda ix: dict(ix, head={"a": 1})), catalog.shard_name(1, 2, "zstd")),
+        root, _zst_index(_shard(root), lambda ix: dict(ix, head={"a": 1})), catalog.shard_name(1, 2, "zstd")
+    ),
     "zst index tensors a list": lambda root: _replace_shard(
-        root, _zst_index(_shard(root), lambda ix: dict(ix, tensors=[1, 2])), catalog.shard_name(1, 2, "zstd")),
-    "zst blob garbage": lambda root: _replace_shard(root, _flip(_compressed(_shard(root)), 20, 60),
-                                                    catalog.shard_name(1, 2, "zstd")),
+        root, _zst_index(_shard(root), lambda ix: dict(ix, tensors=[1, 2])), catalog.shard_name(1, 2, "zstd")
+    ),
+    "zst blob garbage": lambda root: _replace_shard(
+        root, _flip(_compressed(_shard(root)), 20, 60), catalog.shard_name(1, 2, "zstd")
+    ),
 }
 
 
@@ -167,8 +176,9 @@ def _assert_fails_closed(root: str, kind: str, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="shadow.persist.catalog"):
         _info, snap = _bounded(lambda: catalog.find(root, kind, "j"))
     assert snap.iteration == 3
-    assert any(("iteration 6" in r.getMessage() or SIX in r.getMessage()) for r in caplog.records), \
-        [r.getMessage() for r in caplog.records]
+    assert any(("iteration 6" in r.getMessage() or SIX in r.getMessage()) for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])

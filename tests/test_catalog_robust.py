@@ -1,5 +1,6 @@
 """The catalog and the CLI facing odd job names, damaged manifests and shard headers,
 missing directories, and pipes: a clear error or a skipped entry, never a crash."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,13 @@ from tests.test_persist_units import LAYOUT, _write_checkpoint
 def shadow(*args: str) -> subprocess.CompletedProcess:
     """The CLI with stdout and stderr to pipes (not a terminal)."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    return subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env
+    )
 
 
 # ---- job names ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["exp*", "gpt[small]", "../escape", ".", "..", "", "a/b", "a b", None, 3])
 def test_invalid_job_names_are_refused_with_the_rule_and_a_fix(name):
@@ -89,13 +92,15 @@ def test_attach_and_coordinator_refuse_a_bad_job_name():
     with pytest.raises(InvalidJobNameError, match=r"'\.\./escape'"):
         trainer_hooks.attach(object(), None, "tcp://127.0.0.1:1", job="../escape")
     replies = []
-    coord = SimpleNamespace(pending={}, _reply=lambda env, kind, **f: replies.append((kind, f)),
-                            _start_attaches=lambda: None)
+    coord = SimpleNamespace(
+        pending={}, _reply=lambda env, kind, **f: replies.append((kind, f)), _start_attaches=lambda: None
+    )
     Coordinator._on_attach(coord, [b"id"], {"job": "exp*", "rank": 0, "world": 1})
     assert coord.pending == {} and replies[0][0] == "error" and "'exp*'" in replies[0][1]["message"]
 
 
 # ---- manifests ------------------------------------------------------------------------
+
 
 def _manifest_path(root: str, job: str, it: int) -> str:
     return os.path.join(catalog.checkpoint_dir(root, job, it), catalog.MANIFEST)
@@ -122,8 +127,16 @@ def _damage(path: str, how: str) -> None:
     json.dump(m, open(path, "w"))
 
 
-DAMAGE = ["list", "no-iteration", "iteration-str", "shards-dict", "shard-bytes-str", "file-escapes",
-          "job-mismatch", "job-invalid"]
+DAMAGE = [
+    "list",
+    "no-iteration",
+    "iteration-str",
+    "shards-dict",
+    "shard-bytes-str",
+    "file-escapes",
+    "job-mismatch",
+    "job-invalid",
+]
 
 
 @pytest.mark.parametrize("how", DAMAGE)
@@ -165,21 +178,23 @@ def test_ls_and_verify_show_an_unreadable_manifest(tmp_path):
 
 # ---- shard headers ------------------------------------------------------------------------
 
+
 def _rewrite_header(path: str, edit) -> None:
     """Replace the JSON header of a plain shard file, keeping its length (the manifest's
     size still matches); ``edit(header) -> header``."""
     data = bytearray(open(path, "rb").read())
     (hlen,) = struct.unpack_from("<Q", data)
-    header = json.loads(bytes(data[8:8 + hlen]))
+    header = json.loads(bytes(data[8 : 8 + hlen]))
     raw = json.dumps(edit(header), separators=(",", ":")).encode()
     assert len(raw) <= hlen
-    data[8:8 + hlen] = raw + b" " * (hlen - len(raw))
+    data[8 : 8 + hlen] = raw + b" " * (hlen - len(raw))
     open(path, "wb").write(bytes(data))
 
 
 EDITS = {
-    "no-data-offsets": lambda h: {k: ({"dtype": v["dtype"], "shape": v["shape"]} if k == "param" else v)
-                                  for k, v in h.items()},
+    "no-data-offsets": lambda h: {
+        k: ({"dtype": v["dtype"], "shape": v["shape"]} if k == "param" else v) for k, v in h.items()
+    },
     "spec-not-dict": lambda h: dict(h, param=[1, 2]),
     "bad-dtype": lambda h: dict(h, param=dict(h["param"], dtype="Q7")),
     "offsets-str": lambda h: dict(h, param=dict(h["param"], data_offsets=["0", "64"])),
@@ -215,7 +230,7 @@ def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
     shard = os.path.join(catalog.checkpoint_dir(root, "j", 6), catalog.shard_name(0, 2))
     data = open(shard, "rb").read()
     pos = data.index(b'"data_offsets"') + 1  # "data_offsets" -> "dbta_offsets": a KeyError before
-    flipped = data[:pos] + bytes([data[pos] ^ 0x03]) + data[pos + 1:]
+    flipped = data[:pos] + bytes([data[pos] ^ 0x03]) + data[pos + 1 :]
     open(shard, "wb").write(flipped)
     assert catalog.find(root, "local")[1].iteration == 3  # what `shadow restore` does
     remote = f"memory://flip-{os.getpid()}"
@@ -229,6 +244,7 @@ def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
 
 
 # ---- the CLI: missing directories, out= ------------------------------------------------------
+
 
 def test_ls_and_verify_on_a_missing_directory_say_so(tmp_path):
     missing = str(tmp_path / "nowhere")
@@ -269,12 +285,21 @@ def test_a_failed_export_leaves_no_temp_file(tmp_path, monkeypatch, fmt):
 
 # ---- tables on a pipe -------------------------------------------------------------------------
 
+
 def test_plan_on_a_pipe_is_not_cut_to_80_columns():
     res = shadow("plan")
     assert res.returncode == 0, res.stderr
     out = res.stdout
-    for header in ("strategy", "interval", "restorable after", "useful (simulated)", "lost GPU-h/day",
-                   "dominant cost", "trainer egress / GPU", "measured CPU"):
+    for header in (
+        "strategy",
+        "interval",
+        "restorable after",
+        "useful (simulated)",
+        "lost GPU-h/day",
+        "dominant cost",
+        "trainer egress / GPU",
+        "measured CPU",
+    ):
         assert header in out, header
     assert "…" not in out
     measured = [line for line in out.splitlines() if "CPU-s/it/B" in line][0]
@@ -283,15 +308,28 @@ def test_plan_on_a_pipe_is_not_cut_to_80_columns():
 
 def test_status_table_on_a_pipe_keeps_every_header():
     """``shadow status`` renders through the same console as ``ls`` and ``plan``."""
-    code = ("import sys, time; from shadow.cli._render import render_status; "
-            "w = dict(id=0, shard=0, start=0, stop=1024, applied=5, seen=5, health='ok', stale='', bytes_per_s=1e6, "
-            "replay_s_per_iteration=0.01, frames_in=10, rejected={}, pid=1, "
-            "data='tcp://very-long-host-name.cluster.example.internal:45555'); "
-            "render_status(dict(workers=[w], expected_workers=1, job=None), 'tcp://127.0.0.1:5555')")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         env={k: v for k, v in os.environ.items() if k != "COLUMNS"})
+    code = (
+        "import sys, time; from shadow.cli._render import render_status; "
+        "w = dict(id=0, shard=0, start=0, stop=1024, applied=5, seen=5, health='ok', stale='', bytes_per_s=1e6, "
+        "replay_s_per_iteration=0.01, frames_in=10, rejected={}, pid=1, "
+        "data='tcp://very-long-host-name.cluster.example.internal:45555'); "
+        "render_status(dict(workers=[w], expected_workers=1, job=None), 'tcp://127.0.0.1:5555')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "COLUMNS"},
+    )
     assert res.returncode == 0, res.stderr
-    for header in ("replay ms/it", "frames in", "rejected", "data address",
-                   "tcp://very-long-host-name.cluster.example.internal:45555"):
+    for header in (
+        "replay ms/it",
+        "frames in",
+        "rejected",
+        "data address",
+        "tcp://very-long-host-name.cluster.example.internal:45555",
+    ):
         assert header in res.stdout, header
     assert "…" not in res.stdout

@@ -1,4 +1,5 @@
 """The shadow CLI: config validation, status, errors."""
+
 from __future__ import annotations
 
 import json
@@ -21,33 +22,41 @@ from tests.conftest import ROOT
 
 
 def shadow(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
 
 
-@pytest.mark.parametrize("cls,args,needle", [
-    (ClusterConfig, ["workers=0"], "workers=0"),
-    (ClusterConfig, ["port=abc"], "port"),
-    (ClusterConfig, ["port=70000"], "port=70000"),
-    (ClusterConfig, ["log_level=LOUD"], "log_level"),
-    (StatusConfig, ["address=localhost:5555"], "address="),
-    (StatusConfig, ["nope=1"], "nope"),
-    (RestoreConfig, ["format=onnx"], "format='onnx'"),
-    (RestoreConfig, ["out"], "key=value"),
-    (ClusterConfig, ["workers=abc"], "workers='abc' is not allowed: workers takes an integer"),
-    (ClusterConfig, ["+extra=1"], "unknown key 'extra'"),
-    (ClusterConfig, ["persist.local.nope=1"], "unknown key 'persist.local.nope'"),
-    (ClusterConfig, ["persist=3"], "persist is a section"),
-    (ClusterConfig, ["persist.remote.compress=lz4"], "persist.remote.compress='lz4' is not supported; choose one of"),
-    (ClusterConfig, ["persist.local.dir=/x", "persist.local.every_n=0"], "persist.local at '/x' has no schedule"),
-    (ClusterConfig, ["metrics_port=65530", "workers=8"], "metrics_port=65530 leaves no port"),
-    (ClusterConfig, ["log_format=xml"], "log_format='xml' is not one of"),
-    (WorkerConfig, ["host="], "host= is empty"),
-    (ExportConfig, ["dtype=int8"], "dtype='int8' is not supported; choose one of"),
-    (ExportConfig, ["format=dcp"], "shadow restore writes the whole training state"),
-    (VerifyConfig, [], "source= is required"),
-    (StatusConfig, ["timeout=0"], "timeout=0.0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "cls,args,needle",
+    [
+        (ClusterConfig, ["workers=0"], "workers=0"),
+        (ClusterConfig, ["port=abc"], "port"),
+        (ClusterConfig, ["port=70000"], "port=70000"),
+        (ClusterConfig, ["log_level=LOUD"], "log_level"),
+        (StatusConfig, ["address=localhost:5555"], "address="),
+        (StatusConfig, ["nope=1"], "nope"),
+        (RestoreConfig, ["format=onnx"], "format='onnx'"),
+        (RestoreConfig, ["out"], "key=value"),
+        (ClusterConfig, ["workers=abc"], "workers='abc' is not allowed: workers takes an integer"),
+        (ClusterConfig, ["+extra=1"], "unknown key 'extra'"),
+        (ClusterConfig, ["persist.local.nope=1"], "unknown key 'persist.local.nope'"),
+        (ClusterConfig, ["persist=3"], "persist is a section"),
+        (
+            ClusterConfig,
+            ["persist.remote.compress=lz4"],
+            "persist.remote.compress='lz4' is not supported; choose one of",
+        ),
+        (ClusterConfig, ["persist.local.dir=/x", "persist.local.every_n=0"], "persist.local at '/x' has no schedule"),
+        (ClusterConfig, ["metrics_port=65530", "workers=8"], "metrics_port=65530 leaves no port"),
+        (ClusterConfig, ["log_format=xml"], "log_format='xml' is not one of"),
+        (WorkerConfig, ["host="], "host= is empty"),
+        (ExportConfig, ["dtype=int8"], "dtype='int8' is not supported; choose one of"),
+        (ExportConfig, ["format=dcp"], "shadow restore writes the whole training state"),
+        (VerifyConfig, [], "source= is required"),
+        (StatusConfig, ["timeout=0"], "timeout=0.0 must be positive"),
+    ],
+)
 def test_config_errors_name_the_key(cls, args, needle):
     with pytest.raises(UsageError) as ei:
         parse(cls, args)
@@ -98,7 +107,7 @@ def test_yaml_configs_compose_and_validate():
         schema = next((d for d in head.get("defaults", []) if isinstance(d, str) and d.startswith("shadow_")), None)
         if schema is None:
             continue  # not a CLI config (the example trainer's)
-        command = schema[len("shadow_"):]
+        command = schema[len("shadow_") :]
         cfg = compose(command, split(["--config-dir", str(ROOT / "configs"), "--config-name", path.stem]))
         assert isinstance(cfg, SCHEMAS[command])
         found += 1
@@ -143,11 +152,19 @@ def test_example_trainer_config_composes_from_yaml():
     import yaml
 
     script = str(ROOT / "scripts" / "train_gpt.py")
-    res = subprocess.run([sys.executable, script, "--config-name", "train_gpt", "model.n_layer=6", "--cfg", "job"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [sys.executable, script, "--config-name", "train_gpt", "model.n_layer=6", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     cfg = yaml.safe_load(res.stdout)
-    assert cfg["model"]["n_layer"] == 6 and cfg["coordinator"] == "tcp://127.0.0.1:5555" and cfg["shadow"]["job"] == "gpt"
-    res = subprocess.run([sys.executable, script, "shadow.policy=drop"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120)
+    assert (
+        cfg["model"]["n_layer"] == 6 and cfg["coordinator"] == "tcp://127.0.0.1:5555" and cfg["shadow"]["job"] == "gpt"
+    )
+    res = subprocess.run(
+        [sys.executable, script, "shadow.policy=drop"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert res.returncode != 0 and "shadow.policy='drop' is not one of" in res.stderr

@@ -4,6 +4,7 @@ Attach waits for it (bounded by SHADOW_CONNECT_TIMEOUT_S) instead of being refus
 status shows each worker's readiness; the kernel cache lives in a user cache directory;
 the workers of one host compile once; the demo works from an empty cache.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,18 @@ LAYOUT = Layout.build([("w", (8, 4), 0, True)], 1)
 
 
 def _attach_msg(world: int = 1, rank: int = 0) -> bytes:
-    return M.encode("attach", job="cold", rank=rank, world=world, layout_hash=LAYOUT.hash, layout=LAYOUT.to_dict(),
-                    optim={"kind": "adam"}, iteration=0, overwrite=False, restored=None)
+    return M.encode(
+        "attach",
+        job="cold",
+        rank=rank,
+        world=world,
+        layout_hash=LAYOUT.hash,
+        layout=LAYOUT.to_dict(),
+        optim={"kind": "adam"},
+        iteration=0,
+        overwrite=False,
+        restored=None,
+    )
 
 
 @pytest.fixture
@@ -75,8 +86,9 @@ def test_attach_waits_for_a_worker_still_compiling(coordinator, caplog):
         assert msg["t"] == "waiting" and (msg["ready"], msg["expected"], msg["starting"]) == (0, 1, 1)
 
         # the worker finishes compiling and registers: the attach goes ahead
-        worker.send(M.encode("register", data="tcp://127.0.0.1:1", serve="tcp://127.0.0.1:2", pid=4242,
-                             worker_id=0, memory=-1))
+        worker.send(
+            M.encode("register", data="tcp://127.0.0.1:1", serve="tcp://127.0.0.1:2", pid=4242, worker_id=0, memory=-1)
+        )
         assert _recv(worker)["t"] == "registered"
         configure = _recv(worker)
         assert configure["t"] == "configure" and configure["job"] == "cold"
@@ -116,9 +128,13 @@ def test_attach_wait_is_bounded_and_logged(coordinator, caplog):
 
 
 def _cache_dir_in(env: dict) -> str:
-    code = "from shadow.kernels import _cache; import numba.core.config as c; print(_cache.cache_dir()); print(c.CACHE_DIR)"
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "SHADOW_CACHE_DIR",
-                                                             "XDG_CACHE_HOME")} | env
+    code = (
+        "from shadow.kernels import _cache; import numba.core.config as c; "
+        "print(_cache.cache_dir()); print(c.CACHE_DIR)"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "SHADOW_CACHE_DIR", "XDG_CACHE_HOME")
+    } | env
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=ROOT)
     chosen, numba_dir = out.stdout.split()
     assert chosen == numba_dir, out.stdout
@@ -130,13 +146,15 @@ def test_kernel_cache_directory(tmp_path):
     assert _cache_dir_in({"XDG_CACHE_HOME": str(tmp_path / "x")}) == str(tmp_path / "x" / "shadow" / "numba")
     assert _cache_dir_in({"HOME": str(tmp_path / "h")}) == str(tmp_path / "h" / ".cache" / "shadow" / "numba")
     # numba's own setting wins
-    assert _cache_dir_in({"SHADOW_CACHE_DIR": str(tmp_path / "s"), "NUMBA_CACHE_DIR": str(tmp_path / "n")}) == \
-        str(tmp_path / "n")
+    assert _cache_dir_in({"SHADOW_CACHE_DIR": str(tmp_path / "s"), "NUMBA_CACHE_DIR": str(tmp_path / "n")}) == str(
+        tmp_path / "n"
+    )
     # a directory nobody may write (a read-only install's home) falls back to a temporary one
     blocked = tmp_path / "ro"
     blocked.write_text("a file where a directory should be")
-    assert _cache_dir_in({"SHADOW_CACHE_DIR": str(blocked)}).startswith("/") and \
-        not _cache_dir_in({"SHADOW_CACHE_DIR": str(blocked)}).startswith(str(blocked))
+    assert _cache_dir_in({"SHADOW_CACHE_DIR": str(blocked)}).startswith("/") and not _cache_dir_in(
+        {"SHADOW_CACHE_DIR": str(blocked)}
+    ).startswith(str(blocked))
 
 
 @pytest.mark.slow
@@ -146,8 +164,14 @@ def test_demo_from_an_empty_kernel_cache(tmp_path):
     cache = tmp_path / "numba-cache"
     cache.mkdir()
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
-    res = subprocess.run([sys.executable, "scripts/demo.py", "--steps", "8", "--seed", "3", "--keep"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--steps", "8", "--seed", "3", "--keep"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "RESULT: the resumed run equals the uninterrupted run bit for bit" in res.stdout
     work = re.search(r"shadow demo in (\S+)", res.stdout).group(1)

@@ -1,5 +1,6 @@
 """Compressed shard files: byte planes, the blob and file codecs, and the writer ->
 catalog path with each tier compressing or not (no processes)."""
+
 from __future__ import annotations
 
 import io
@@ -28,10 +29,22 @@ def _specials_f32(n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal(n) * rng.choice([1e-30, 1e-3, 1.0, 1e30], n)).astype(np.float32)
     bits = a.view(np.uint32)
-    special = np.array([0x7FC00000, 0x7FC01234, 0xFFBFFFFF, 0x7F800001,  # NaNs with payloads, a signalling NaN
-                        0x7F800000, 0xFF800000,  # +-inf
-                        0x00000001, 0x807FFFFF, 0x00400000,  # denormals
-                        0x80000000, 0x00000000], dtype=np.uint32)  # -0.0, +0.0
+    special = np.array(
+        [
+            0x7FC00000,
+            0x7FC01234,
+            0xFFBFFFFF,
+            0x7F800001,  # NaNs with payloads, a signalling NaN
+            0x7F800000,
+            0xFF800000,  # +-inf
+            0x00000001,
+            0x807FFFFF,
+            0x00400000,  # denormals
+            0x80000000,
+            0x00000000,
+        ],
+        dtype=np.uint32,
+    )  # -0.0, +0.0
     idx = rng.choice(n, size=min(n, 4 * len(special)), replace=False)
     bits[idx] = np.resize(special, len(idx))
     return a
@@ -41,7 +54,7 @@ ARRAYS = {
     "f32_specials": _specials_f32(10_007, 0),
     "f64": np.random.default_rng(1).standard_normal(3_001),
     "f64_specials": np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 5e-324, -5e-324, 1.0]),
-    "i64": np.random.default_rng(2).integers(-2**63, 2**63 - 1, 2_049, dtype=np.int64),
+    "i64": np.random.default_rng(2).integers(-(2**63), 2**63 - 1, 2_049, dtype=np.int64),
     "u8": np.random.default_rng(3).integers(0, 256, 777, dtype=np.uint8),
     "f16": np.random.default_rng(4).standard_normal(33).astype(np.float16),
     "i16": np.arange(-500, 501, dtype=np.int16),  # itemsize 2 kernel
@@ -128,13 +141,19 @@ def test_corrupt_or_truncated_blob_raises_a_clear_error():
 
 # ---- the compressed shard file ----
 
+
 def _image(n: int, seed: int, iteration: int = 5, start: int = 0) -> shardfile.ShardImage:
     img = shardfile.ShardImage(1024)
     entries = [shardfile.Entry(k, "F32", n) for k in ("param", "exp_avg", "exp_avg_sq")]
-    entries += [shardfile.Entry("param_index", "I64", 2), shardfile.Entry("steps", "F64", 2),
-                shardfile.Entry("has_state", "U8", 2), shardfile.Entry("commit.rank0", "U8", 3)]
-    img.layout(entries, {"format": shardfile.FORMAT, "start": str(start), "stop": str(start + n),
-                         "iteration": str(iteration)})
+    entries += [
+        shardfile.Entry("param_index", "I64", 2),
+        shardfile.Entry("steps", "F64", 2),
+        shardfile.Entry("has_state", "U8", 2),
+        shardfile.Entry("commit.rank0", "U8", 3),
+    ]
+    img.layout(
+        entries, {"format": shardfile.FORMAT, "start": str(start), "stop": str(start + n), "iteration": str(iteration)}
+    )
     for i, k in enumerate(("param", "exp_avg", "exp_avg_sq")):
         img.fill(k, _specials_f32(n, seed + i))
     img.fill("param_index", np.array([0, 1], dtype=np.int64))
@@ -147,7 +166,7 @@ def _image(n: int, seed: int, iteration: int = 5, start: int = 0) -> shardfile.S
 @pytest.mark.parametrize("threads", [1, 3])
 def test_shard_file_roundtrip_rebuild_and_corruption(tmp_path, threads):
     img = _image(5_000, 0)
-    image = img.buf[:img.size]
+    image = img.buf[: img.size]
     path = str(tmp_path / ("s" + zshard.SUFFIX))
     with knobs.override(COMPRESS_BLOCK_BYTES=4096):  # many blocks per tensor
         nbytes, csum = zshard.write(image, path, 3, threads=threads)
@@ -178,9 +197,9 @@ def test_shard_file_roundtrip_rebuild_and_corruption(tmp_path, threads):
 def test_shard_file_any_flip_fails_or_decodes_exactly():
     img = _image(300, 7)
     buf = io.BytesIO()
-    zshard.encode(img.buf[:img.size], buf, 1, block_bytes=512)
+    zshard.encode(img.buf[: img.size], buf, 1, block_bytes=512)
     data = buf.getvalue()
-    _, want = shardfile.parse(bytes(img.buf[:img.size]))
+    _, want = shardfile.parse(bytes(img.buf[: img.size]))
     rng = np.random.default_rng(1)
     ok = failed = 0
     for pos in rng.choice(len(data), 400, replace=False):
@@ -203,6 +222,7 @@ def test_encoder_refuses_a_non_shard_image():
 
 def xxh3(data: bytes) -> int:
     import xxhash
+
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -215,10 +235,17 @@ RANGES = [(0, 3000), (3000, LAYOUT.total)]
 def _state(lo: int, hi: int, seed: int) -> SimpleNamespace:
     in_range = np.array([p.offset < hi and p.offset + p.numel > lo for p in LAYOUT.params])
     arrays = {f: _specials_f32(hi - lo, seed + i) for i, f in enumerate((Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ))}
-    return SimpleNamespace(size=hi - lo, start=lo, stop=hi, layout=LAYOUT, in_range=in_range,
-                           steps=np.arange(len(LAYOUT.params), dtype=np.float64) + 1,
-                           has_state=np.ones(len(LAYOUT.params), dtype=bool),
-                           fields=lambda: (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ), array=arrays.__getitem__)
+    return SimpleNamespace(
+        size=hi - lo,
+        start=lo,
+        stop=hi,
+        layout=LAYOUT,
+        in_range=in_range,
+        steps=np.arange(len(LAYOUT.params), dtype=np.float64) + 1,
+        has_state=np.ones(len(LAYOUT.params), dtype=bool),
+        fields=lambda: (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ),
+        array=arrays.__getitem__,
+    )
 
 
 def _wait(p: ShardPersister, timeout: float = 10.0) -> dict:
@@ -233,18 +260,31 @@ def _wait(p: ShardPersister, timeout: float = 10.0) -> dict:
 
 
 def _commit(root: str, tier: str, reports: list[dict], iteration: int) -> None:
-    shards = [{"index": r["shard"], "start": r["start"], "stop": r["stop"], "file": r["file"], "bytes": r["bytes"],
-               "checksum": r["checksum"], "blob_ranks": r["blob_ranks"]} for r in reports]
-    m = catalog.new_manifest("j", iteration, 1, tier, LAYOUT.to_dict(), LAYOUT.hash, {"kind": "adam"}, 1, None,
-                             None, shards)
+    shards = [
+        {
+            "index": r["shard"],
+            "start": r["start"],
+            "stop": r["stop"],
+            "file": r["file"],
+            "bytes": r["bytes"],
+            "checksum": r["checksum"],
+            "blob_ranks": r["blob_ranks"],
+        }
+        for r in reports
+    ]
+    m = catalog.new_manifest(
+        "j", iteration, 1, tier, LAYOUT.to_dict(), LAYOUT.hash, {"kind": "adam"}, 1, None, None, shards
+    )
     catalog.write_manifest(root, "j", iteration, m)
 
 
 @pytest.mark.parametrize("local,remote", [("zstd", "none"), ("none", "zstd"), ("zstd", "zstd")])
 def test_writer_to_catalog_per_tier(tmp_path, local, remote):
     local_root, remote_root = str(tmp_path / "local"), f"memory://compress-{local}-{remote}-{os.getpid()}"
-    persist = {"local": {"dir": local_root, "compress": local, "compress_level": 1},
-               "remote": {"url": remote_root, "compress": remote, "compress_level": 3}}
+    persist = {
+        "local": {"dir": local_root, "compress": local, "compress_level": 1},
+        "remote": {"url": remote_root, "compress": remote, "compress_level": 3},
+    }
     states = [_state(lo, hi, 10 * i) for i, (lo, hi) in enumerate(RANGES)]
     with knobs.override(COMPRESS_BLOCK_BYTES=4096, PERSIST_BUFFERS=1):
         ps = [ShardPersister(persist, "j", i, 2, st) for i, st in enumerate(states)]
@@ -292,8 +332,7 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
         with open(path, "rb") as f:
             damaged = f.read()
         m = dict(info.manifest)
-        m["shards"] = [dict(sh, checksum=f"{checksum(damaged):016x}") if sh["index"] == 1 else sh
-                       for sh in m["shards"]]
+        m["shards"] = [dict(sh, checksum=f"{checksum(damaged):016x}") if sh["index"] == 1 else sh for sh in m["shards"]]
         catalog.write_manifest(local_root, "j", 7, m)
         assert cmd_verify(VerifyConfig(source=local_root)) == 0
         assert cmd_verify(VerifyConfig(source=local_root, deep=True)) == 1
@@ -309,9 +348,29 @@ def test_retention_removes_compressed_checkpoints(tmp_path):
     for it in (1, 2, 3):
         p.snapshot(it, 1, 1, {0: b"x"}, None)
         rep = _wait(p)
-        m = catalog.new_manifest("j", it, 1, "local", LAYOUT.to_dict(), LAYOUT.hash, {"kind": "adam"}, 1, None,
-                                 None, [{"index": 0, "start": 0, "stop": LAYOUT.total, "file": rep["file"],
-                                         "bytes": rep["bytes"], "checksum": rep["checksum"], "blob_ranks": [0]}])
+        m = catalog.new_manifest(
+            "j",
+            it,
+            1,
+            "local",
+            LAYOUT.to_dict(),
+            LAYOUT.hash,
+            {"kind": "adam"},
+            1,
+            None,
+            None,
+            [
+                {
+                    "index": 0,
+                    "start": 0,
+                    "stop": LAYOUT.total,
+                    "file": rep["file"],
+                    "bytes": rep["bytes"],
+                    "checksum": rep["checksum"],
+                    "blob_ranks": [0],
+                }
+            ],
+        )
         catalog.write_manifest(root, "j", it, m)
     assert len(retention.retain(root, "j", 1)) == 2
     assert [c.iteration for c in catalog.list_checkpoints(root)] == [3]

@@ -2,6 +2,7 @@
 that raises is counted and the loop goes on; an attach the workers could not hold is
 refused before anything changes; held attaches are bounded; a tier whose start-up scan
 failed refuses attaches instead of passing for empty."""
+
 from __future__ import annotations
 
 import os
@@ -37,9 +38,18 @@ def _recv(sock, timeout: float = 10.0) -> dict:
 
 
 def _attach(job: str, layout: Layout, rank: int = 0, world: int = 1) -> bytes:
-    return M.encode("attach", job=job, rank=rank, world=world, layout_hash=layout.hash,
-                    layout=layout.to_dict() if rank == 0 else None, optim=OPTIM, iteration=0, overwrite=False,
-                    restored=None)
+    return M.encode(
+        "attach",
+        job=job,
+        rank=rank,
+        world=world,
+        layout_hash=layout.hash,
+        layout=layout.to_dict() if rank == 0 else None,
+        optim=OPTIM,
+        iteration=0,
+        overwrite=False,
+        restored=None,
+    )
 
 
 def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
@@ -65,16 +75,21 @@ def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
         s = _dealer(address)
         s.send(M.encode("status"))
         reply = _recv(s)
-        assert reply["t"] == "error" and reply["code"] == "internal" and "KeyError" in reply["message"] and \
-            "status" in reply["message"]
+        assert (
+            reply["t"] == "error"
+            and reply["code"] == "internal"
+            and "KeyError" in reply["message"]
+            and "status" in reply["message"]
+        )
         time.sleep(0.5)  # a few rounds of the failing periodic step
         assert thread.is_alive()
         st = status(address)
         assert st["rejected"]["handler_status"] == 1
         assert st["rejected"]["periodic_check_workers"] >= 2
         # what only a worker sends, from anyone else: counted and dropped
-        s.send(M.encode("audited", epoch=0, iteration=1, ok=False, checked=1, max_ulp=0, first_param="p",
-                        detail="forged"))
+        s.send(
+            M.encode("audited", epoch=0, iteration=1, ok=False, checked=1, max_ulp=0, first_param="p", detail="forged")
+        )
         time.sleep(0.3)
         assert status(address)["rejected"]["not_a_worker"] == 1
         s.close(linger=0)
@@ -158,8 +173,9 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
             assert s.poll(5000) and _recv(s, 5.0)["t"] == "error"
             grown.append(rss_bytes(cluster.proc.pid) - rss0)
         assert cluster.status()["rejected"]["attach_full"] == 12
-        assert grown[-1] - grown[-7] < 48 << 20 and grown[-1] < 160 << 20, \
+        assert grown[-1] - grown[-7] < 48 << 20 and grown[-1] < 160 << 20, (
             f"coordinator RSS grew by {[g >> 20 for g in grown]} MiB"
+        )
         for s in socks:
             s.close(linger=0)
     finally:
@@ -219,7 +235,6 @@ def test_an_unreadable_job_directory_fails_the_scan(tmp_path):
         job.chmod(0o755)
 
 
-
 class _Sent:
     """A stand-in for the coordinator's ROUTER: records what it answers."""
 
@@ -236,16 +251,29 @@ def test_held_attaches_keep_one_layout_and_are_bounded_by_count():
     coord = Coordinator("tcp://127.0.0.1:1", workers=1)
     coord.sock = _Sent()
     layout = Layout.build([(f"p{i}", (4,), 0, True) for i in range(2000)], 1)
-    with_layout = M.encode("attach", job="a", rank=1, world=4, layout_hash=layout.hash, layout=layout.to_dict(),
-                           optim=OPTIM, iteration=0, overwrite=False, restored=None)
+    with_layout = M.encode(
+        "attach",
+        job="a",
+        rank=1,
+        world=4,
+        layout_hash=layout.hash,
+        layout=layout.to_dict(),
+        optim=OPTIM,
+        iteration=0,
+        overwrite=False,
+        restored=None,
+    )
     coord._on_message([b"r1", with_layout])
     kept = coord.pending["a"]["ranks"][1][1]
     assert kept["layout"] is None and kept["layout_hash"] == layout.hash  # only rank 0's layout is held
     assert coord.pending_view()["bytes"] < len(with_layout) // 10
     coord._on_message([b"r0", _attach("a", layout, world=4)])
     coord._on_message([b"r0", _attach("a", layout, world=4)])  # sent again: replaces, not counted twice
-    assert coord.pending_view() == {"jobs": 1, "ranks": 2,
-                                    "bytes": coord.pending["a"]["bytes"][0] + coord.pending["a"]["bytes"][1]}
+    assert coord.pending_view() == {
+        "jobs": 1,
+        "ranks": 2,
+        "bytes": coord.pending["a"]["bytes"][0] + coord.pending["a"]["bytes"][1],
+    }
     with knobs.override(ATTACH_PENDING_JOBS=2, ATTACH_PENDING_RANKS=4):
         coord._on_message([b"b0", _attach("b", layout, world=2)])
         coord._on_message([b"c0", _attach("c", layout, world=2)])  # a third job

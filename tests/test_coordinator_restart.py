@@ -1,5 +1,6 @@
 """The coordinator is SIGKILLed and restarted: the workers keep their state, the new
 coordinator rebuilds the cluster view from them, the trainer reconnects, nothing is lost."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,13 @@ pytestmark = pytest.mark.slow
 
 def _spawn(tmp, name: str, *args: str) -> subprocess.Popen:
     log = open(tmp / f"{name}.log", "a")
-    return subprocess.Popen([sys.executable, "-m", "shadow", *args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=dict(os.environ, SHADOW_WORKER_LOST_S="3"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "shadow", *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=dict(os.environ, SHADOW_WORKER_LOST_S="3"),
+    )
 
 
 def _wait(cond, what: str, limit: float = 60.0):
@@ -43,8 +49,10 @@ def test_coordinator_restart_rebuilds_from_workers(world1, tmp_path):
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     coord = _spawn(tmp_path, "coord", "coordinator", "workers=2", f"port={port}")
-    workers = [_spawn(tmp_path, f"worker{i}", "worker", f"coordinator={address}", f"worker_id={i}", "threads=1")
-               for i in range(2)]
+    workers = [
+        _spawn(tmp_path, f"worker{i}", "worker", f"coordinator={address}", f"worker_id={i}", "threads=1")
+        for i in range(2)
+    ]
     try:
         _wait(lambda: len(status(address, 1.0)["workers"]) == 2, "the workers")
         model, opt, sched = build()

@@ -2,6 +2,7 @@
 what torch 2.11's CUDA kernels computed on an H200 (``tests/data/cuda_optim.npz``, the
 first 2048 elements of a 32768-element capture: the band of magnitudes from 1e-12 to 1e4
 and the zero gradients are elements 0..1039)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,15 @@ def _same(got: np.ndarray, name: str) -> None:
 def test_adam_replay_matches_cuda_bit_for_bit(config):
     impl, lr, betas, eps, wd, decoupled = ADAM[config]
     plan = ReplayPlan(segments_for_range([0], [N], [0], 0, N, impl, 16, 8), impl, 512)
-    group = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": wd, "amsgrad": False, "maximize": False,
-             "decoupled": decoupled}
+    group = {
+        "lr": lr,
+        "betas": betas,
+        "eps": eps,
+        "weight_decay": wd,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled": decoupled,
+    }
     p, m, v = DATA["p0"].copy(), np.zeros(N, np.float32), np.zeros(N, np.float32)
     for k in (1, 2, 3):
         plan.prepare([group], np.array([float(k)]), set(), None)
@@ -49,8 +57,7 @@ def test_adam_replay_matches_cuda_bit_for_bit(config):
 def test_sgd_replay_matches_cuda_bit_for_bit(config):
     impl = SGD[config]
     plan = ReplayPlan(segments_for_range([0], [N], [0], 0, N, impl, 16, 8), impl, 512, "sgd")
-    group = {"lr": 0.01, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4, "nesterov": True,
-             "maximize": False}
+    group = {"lr": 0.01, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4, "nesterov": True, "maximize": False}
     p, buf = DATA["p0"].copy(), np.zeros(N, np.float32)
     for k in (1, 2, 3):
         plan.prepare_sgd([group], np.array([k > 1]), set())
@@ -63,8 +70,15 @@ def test_the_fused_l2_lane_rule_counts_from_the_parameters_first_element():
     """A worker's range may start inside a parameter: the lane (element index % 4) is
     the parameter's, not the range's."""
     impl, lr, betas, eps, wd, decoupled = ADAM["adam_fused_l2"]
-    group = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": wd, "amsgrad": False, "maximize": False,
-             "decoupled": decoupled}
+    group = {
+        "lr": lr,
+        "betas": betas,
+        "eps": eps,
+        "weight_decay": wd,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled": decoupled,
+    }
     for start in (1, 3, 6):  # the range [start, N) of the one parameter
         n = N - start
         plan = ReplayPlan(segments_for_range([0], [N], [0], start, N, impl, 16, 8), impl, 512)
@@ -76,12 +90,18 @@ def test_the_fused_l2_lane_rule_counts_from_the_parameters_first_element():
         assert np.array_equal(p.view(np.uint32), want.view(np.uint32)), start
 
 
-@pytest.mark.parametrize("make, impl, want", [
-    (lambda ps: torch.optim.AdamW(ps, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True), "fused", "fused"),
-    (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, amsgrad=True, fused=True), "fused", "fused"),
-    (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=0.1, nesterov=False, foreach=True),
-     "foreach", "foreach"),
-])
+@pytest.mark.parametrize(
+    "make, impl, want",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True), "fused", "fused"),
+        (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, amsgrad=True, fused=True), "fused", "fused"),
+        (
+            lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9, dampening=0.1, nesterov=False, foreach=True),
+            "foreach",
+            "foreach",
+        ),
+    ],
+)
 def test_device_calibration_picks_the_rule_that_reproduces_the_optimizer(make, impl, want):
     """The calibration machinery, run on CPU tensors: the trainer's optimizer steps the
     probes (several tensors, sizes not multiples of 4, a view at an odd offset, a large
@@ -126,17 +146,32 @@ def test_powers_come_from_the_device_table_not_the_workers_powf():
     assert one[3] != other[3]  # bc2s follows the device's power
 
 
-@pytest.mark.parametrize("bad", [
-    "x", [[1, [], 5, 0]], [["1", [], 5]], [[1, [[0, 5]], 5]], [[1, [[3, -1]], 5]], [[1, [[3]], 5]],
-    [[1, [], 0]], [[1 << 33, [], 5]],
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "x",
+        [[1, [], 5, 0]],
+        [["1", [], 5]],
+        [[1, [[0, 5]], 5]],
+        [[1, [[3, -1]], 5]],
+        [[1, [[3]], 5]],
+        [[1, [], 0]],
+        [[1 << 33, [], 5]],
+    ],
+)
 def test_a_malformed_power_table_is_refused_at_configure(bad):
     from shadow.kernels import powtab
     from shadow.layout import Layout
     from shadow.worker.server import Worker
 
     assert powtab.check_entries(bad) is not None
-    msg = {"layout": Layout.build([], 1).to_dict(), "start": 0, "stop": 0, "world": 1, "persist": {},
-           "optim": {"kind": "adam", "impl": "cuda_fused", "pow": bad}}
+    msg = {
+        "layout": Layout.build([], 1).to_dict(),
+        "start": 0,
+        "stop": 0,
+        "world": 1,
+        "persist": {},
+        "optim": {"kind": "adam", "impl": "cuda_fused", "pow": bad},
+    }
     problem = Worker._configure_problem(msg)
     assert problem is not None and "replay descriptor is malformed" in problem

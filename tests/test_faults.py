@@ -1,4 +1,5 @@
 """Failures of the shadow itself: training never stops, the cluster heals, restores stay exact."""
+
 from __future__ import annotations
 
 import os
@@ -83,8 +84,19 @@ def test_two_ranks_keep_training_through_a_worker_crash(tmp_path):
     cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         out = tmp_path / "out"
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(steps),
-                         "--kill-worker-at", "5", "--step-sleep", "0.15") == [0, 0], rank_logs(tmp_path)
+        assert run_ranks(
+            tmp_path,
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(out),
+            "--steps",
+            str(steps),
+            "--kill-worker-at",
+            "5",
+            "--step-sleep",
+            "0.15",
+        ) == [0, 0], rank_logs(tmp_path)
         st = cluster.wait_caught_up(steps)
         assert st["job"]["committed"] == steps and st["job"]["epoch"] >= 2  # resynced into a new epoch
         assert all(w["health"] == "ok" for w in st["workers"])
@@ -95,8 +107,9 @@ def test_two_ranks_keep_training_through_a_worker_crash(tmp_path):
         fresh, fopt, fsched = build(seed=9)
         info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
         assert info.iteration == steps
-        assert_same_state({"model": fresh.state_dict(), "optimizer": fopt.state_dict(),
-                           "scheduler": fsched.state_dict()}, a)
+        assert_same_state(
+            {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "scheduler": fsched.state_dict()}, a
+        )
     finally:
         cluster.stop()
 
@@ -142,8 +155,9 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
     try:
         model, opt, sched = build()
         ddp = DDP(model)
-        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="skippy",
-                                       policy="skip")
+        session = trainer_hooks.attach(
+            ddp, opt, coordinator=cluster.address, scheduler=sched, job="skippy", policy="skip"
+        )
         first_epoch = session.epoch
         it = _steps(ddp, opt, sched, 0, 2)
         deadline = time.monotonic() + 20
@@ -190,8 +204,18 @@ def test_network_faults_are_detected_and_healed(tmp_path):
     try:
         out = tmp_path / "out"
         env = {"SHADOW_FAULT_NET": "drop=0.03,dup=0.04,reorder=0.03,truncate=0.03,bitflip=0.04,seed=3,until=30,cover=1"}
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(steps),
-                         "--step-sleep", "0.05", env=env) == [0, 0], rank_logs(tmp_path)
+        assert run_ranks(
+            tmp_path,
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(out),
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.05",
+            env=env,
+        ) == [0, 0], rank_logs(tmp_path)
         st = cluster.wait_caught_up(steps)
         assert st["job"]["committed"] == steps and st["job"]["status"] in ("running", "detached")
         rejected = {}
@@ -207,13 +231,16 @@ def test_network_faults_are_detected_and_healed(tmp_path):
         assert sum(rejected.values()) >= sum(injected.values()) - injected["drop"]
         assert st["job"]["epoch"] >= 2  # the damaged replicas were resynced
         for r in range(2):
-            assert_same_state(torch.load(out / f"rank{r}.pt", weights_only=True),
-                              torch.load(ref / f"rank{r}.pt", weights_only=True))
+            assert_same_state(
+                torch.load(out / f"rank{r}.pt", weights_only=True), torch.load(ref / f"rank{r}.pt", weights_only=True)
+            )
         fresh, fopt, fsched = build(seed=9)
         info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
         assert info.iteration == steps
-        assert_same_state({"model": fresh.state_dict(), "optimizer": fopt.state_dict(),
-                           "scheduler": fsched.state_dict()}, torch.load(ref / "rank0.pt", weights_only=True))
+        assert_same_state(
+            {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "scheduler": fsched.state_dict()},
+            torch.load(ref / "rank0.pt", weights_only=True),
+        )
     finally:
         cluster.stop()
 

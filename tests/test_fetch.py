@@ -1,5 +1,6 @@
 """Restore from memory against fake workers: shards arrive in chunks, in parallel, straight
 into place; a chunk that fails its checksum or is short is refused with a clear error."""
+
 from __future__ import annotations
 
 import threading
@@ -29,14 +30,24 @@ def fake_worker(ctx, lo, hi, values, chunk, damage=None):
         chunks = []
         for f in F.state_fields(OPTIM):
             b = values[f][lo:hi].view(np.uint8)
-            chunks += [b[i:i + chunk].tobytes() for i in range(0, len(b), chunk)]
+            chunks += [b[i : i + chunk].tobytes() for i in range(0, len(b), chunk)]
         sums = [F.checksum(c) for c in chunks]
         if damage:
             damage(chunks, sums)
-        head = M.encode("fetch_reply", epoch=msg["epoch"], iteration=msg["iteration"], start=lo, stop=hi,
-                        arrays=[int(f) for f in F.state_fields(OPTIM)], steps=[[0, 5.0]] if lo == 0 else [],
-                        has_state=[0] if lo == 0 else [], commits=[[0 if lo == 0 else 1, b"blob"]], replay=None,
-                        chunk=chunk, sums=sums)
+        head = M.encode(
+            "fetch_reply",
+            epoch=msg["epoch"],
+            iteration=msg["iteration"],
+            start=lo,
+            stop=hi,
+            arrays=[int(f) for f in F.state_fields(OPTIM)],
+            steps=[[0, 5.0]] if lo == 0 else [],
+            has_state=[0] if lo == 0 else [],
+            commits=[[0 if lo == 0 else 1, b"blob"]],
+            replay=None,
+            chunk=chunk,
+            sums=sums,
+        )
         sock.send_multipart([ident, head] + chunks)
 
     t = threading.Thread(target=run, daemon=True)
@@ -57,8 +68,16 @@ def run_fetch(damage=None):
             sock, t, ep = fake_worker(ctx, lo, hi, values, chunk, damage if i == 1 else None)
             socks.append((sock, t))
             workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
-        info = {"job": "j", "epoch": 1, "iteration": 7, "layout": layout.to_dict(), "layout_hash": layout.hash,
-                "optim": OPTIM, "world": 2, "workers": workers}
+        info = {
+            "job": "j",
+            "epoch": 1,
+            "iteration": 7,
+            "layout": layout.to_dict(),
+            "layout_hash": layout.hash,
+            "optim": OPTIM,
+            "world": 2,
+            "workers": workers,
+        }
         with knobs.override(FETCH_TIMEOUT_S=10.0):
             snap = fetch_memory(info, "tcp://test")
         return snap, values
@@ -114,11 +133,13 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = ("import time, zmq\n"
-              "d = zmq.Context().socket(zmq.DEALER)\n"
-              f"d.connect('tcp://127.0.0.1:{port}')\n"
-              "d.send(b'hello')\n"
-              "time.sleep(60)\n")
+    client = (
+        "import time, zmq\n"
+        "d = zmq.Context().socket(zmq.DEALER)\n"
+        f"d.connect('tcp://127.0.0.1:{port}')\n"
+        "d.send(b'hello')\n"
+        "time.sleep(60)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", client])
     try:
         assert router.poll(30_000)
@@ -126,8 +147,9 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         os.kill(proc.pid, signal.SIGSTOP)  # frozen: its I/O thread stops reading
         w = Served(router)
         big = np.ones(256 << 20, dtype=np.uint8)  # far more than the socket buffers hold
-        w.serving[ident] = Reply("frozen", None, [router.send_multipart([ident, memoryview(big)], copy=False,
-                                                                        track=True)], time.monotonic())
+        w.serving[ident] = Reply(
+            "frozen", None, [router.send_multipart([ident, memoryview(big)], copy=False, track=True)], time.monotonic()
+        )
         t0 = time.monotonic()
         with knobs.override(SERVE_STALL_S=0.5):
             w._wait_for_readers()
@@ -137,7 +159,7 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         local.connect(f"tcp://127.0.0.1:{port}")
         local.send(b"hello")
         me, _ = router.recv_multipart()
-        tracker = router.send_multipart([me, memoryview(big[:1 << 20])], copy=False, track=True)
+        tracker = router.send_multipart([me, memoryview(big[: 1 << 20])], copy=False, track=True)
         assert local.poll(10_000) and len(local.recv_multipart()) == 1
         w.serving[me] = Reply("local", None, [tracker], time.monotonic())
         t0 = time.monotonic()

@@ -1,4 +1,5 @@
 """The one fetch_reply reader (shadow/transport/fetch.py) that restores and peer copies share."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,10 +14,21 @@ FIELDS = [int(Field.PARAM), int(Field.EXP_AVG)]
 
 def _reply(n: int = 10, chunk: int = 16, **over) -> list[bytes]:
     data = {f: np.arange(n, dtype=np.float32) + 100 * f for f in FIELDS}
-    chunks = [bytes(data[f].view(np.uint8)[o:o + chunk]) for f in FIELDS for o in range(0, n * 4, chunk)]
-    head = dict(epoch=3, iteration=7, start=0, stop=n, arrays=FIELDS, steps=[[0, 7.0]], has_state=[0],
-                commits=[[0, b"c"]], replay=None, chunk=chunk, sums=[checksum(c) for c in chunks],
-                extras=[[5, 2, checksum(b"xy")]])
+    chunks = [bytes(data[f].view(np.uint8)[o : o + chunk]) for f in FIELDS for o in range(0, n * 4, chunk)]
+    head = dict(
+        epoch=3,
+        iteration=7,
+        start=0,
+        stop=n,
+        arrays=FIELDS,
+        steps=[[0, 7.0]],
+        has_state=[0],
+        commits=[[0, b"c"]],
+        replay=None,
+        chunk=chunk,
+        sums=[checksum(c) for c in chunks],
+        extras=[[5, 2, checksum(b"xy")]],
+    )
     head.update(over)
     return [M.encode("fetch_reply", **head), *chunks, b"xy"]
 
@@ -37,17 +49,20 @@ def test_a_whole_reply_is_read_into_place():
     assert extras == {5: b"xy"}
 
 
-@pytest.mark.parametrize("damage, code", [
-    (lambda p: p[:3] + [p[3][:-4]] + p[4:], "malformed"),  # a short chunk
-    (lambda p: p[:2] + [bytes(b ^ 1 for b in p[2])] + p[3:], "damaged"),  # applied over while sent
-    (lambda p: p + [b"more"], "malformed"),
-    (lambda p: p[:-1], "malformed"),  # the extras chunk missing
-    (lambda p: [M.encode("error", code="moved_on", message="moved on to 8")], "moved_on"),
-    (lambda p: [M.encode("error", code="timeout", message="not in time")], "error"),
-    (lambda p: _reply(iteration=6), "mismatch"),
-    (lambda p: _reply(stop=12), "mismatch"),
-    (lambda p: _reply(steps=[[4, 1.0]]), "malformed"),  # a parameter index out of range
-])
+@pytest.mark.parametrize(
+    "damage, code",
+    [
+        (lambda p: p[:3] + [p[3][:-4]] + p[4:], "malformed"),  # a short chunk
+        (lambda p: p[:2] + [bytes(b ^ 1 for b in p[2])] + p[3:], "damaged"),  # applied over while sent
+        (lambda p: p + [b"more"], "malformed"),
+        (lambda p: p[:-1], "malformed"),  # the extras chunk missing
+        (lambda p: [M.encode("error", code="moved_on", message="moved on to 8")], "moved_on"),
+        (lambda p: [M.encode("error", code="timeout", message="not in time")], "error"),
+        (lambda p: _reply(iteration=6), "mismatch"),
+        (lambda p: _reply(stop=12), "mismatch"),
+        (lambda p: _reply(steps=[[4, 1.0]]), "malformed"),  # a parameter index out of range
+    ],
+)
 def test_every_defect_is_named_and_only_some_are_worth_a_retry(damage, code):
     with pytest.raises(fetch.FetchError) as err:
         _read(damage(_reply()))

@@ -1,6 +1,7 @@
 """Training-loop features, each replayed exactly: a 2-rank gloo run with the feature is
 SIGKILLed at a random iteration, restored in a new process group, finished, and compared
 bit for bit with an uninterrupted run without the shadow."""
+
 from __future__ import annotations
 
 import random
@@ -36,13 +37,16 @@ def test_feature_survives_kill_and_resume(feature, cluster, tmp_path):
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), *args) == [0, 0], rank_logs(tmp_path)
     kill_at = random.Random(zlib.crc32(feature.encode())).randint(3, STEPS - 2)
-    codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
-                      "--kill-at", str(kill_at), *args)
+    codes = run_ranks(
+        tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"), "--kill-at", str(kill_at), *args
+    )
     assert codes == [-9, -9], rank_logs(tmp_path)
     committed = cluster.wait_quiet()["job"]["committed"]  # where the killed ranks left it
     out = tmp_path / "resumed"
-    assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
-                     *args) == [0, 0], rank_logs(tmp_path)
+    assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), *args) == [
+        0,
+        0,
+    ], rank_logs(tmp_path)
     for r in range(2):
         a = torch.load(ref / f"rank{r}.pt", weights_only=True)
         b = torch.load(out / f"rank{r}.pt", weights_only=True)

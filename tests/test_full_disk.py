@@ -6,6 +6,7 @@ again, checkpoints complete again.
 The disk is a small tmpfs where this process may mount one (root, ``mount -t tmpfs``), and
 always also a stand-in: ``ServiceFaults(persist_full=<file>)`` (shadow.testing.faults), while
 which file exists every shard write stops half way with ``ENOSPC``."""
+
 from __future__ import annotations
 
 import errno
@@ -35,8 +36,9 @@ class Tmpfs:
     def __init__(self, path) -> None:
         self.path = path
         path.mkdir()
-        res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], capture_output=True,
-                             text=True, check=False)
+        res = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], capture_output=True, text=True, check=False
+        )
         if res.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); the stand-in covers it")
         self.filler = path / "filler"
@@ -89,14 +91,17 @@ def _wait(what: str, pred, limit: float = 60.0):
 
 
 def _state(model, opt) -> dict:
-    return {"params": [p.detach().clone() for p in model.parameters()],
-            "optim": [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "optim": [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()],
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True)) and all(
         x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-        for x, y in zip(a["optim"], b["optim"], strict=True))
+        for x, y in zip(a["optim"], b["optim"], strict=True)
+    )
 
 
 def _complete_files(root: str) -> list[str]:
@@ -108,8 +113,11 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
     store = (Tmpfs if disk == "tmpfs" else StandIn)(tmp_path / "disk")
     root = str(store.path / "ckpt")
     mport = free_port_run(3)  # the coordinator's, then one per worker
-    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={root}", "persist.local.every_n=2", "persist.local.keep=2",
-                                      f"metrics_port={mport}"), faults=getattr(store, "faults", None))
+    cluster = LocalCluster(
+        tmp_path,
+        args=(f"persist.local.dir={root}", "persist.local.every_n=2", "persist.local.keep=2", f"metrics_port={mport}"),
+        faults=getattr(store, "faults", None),
+    )
     session = None
     try:
         model, opt, sched = build()
@@ -129,8 +137,12 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
         def settled(pred) -> dict:
             def ready():
                 st = cluster.status()
-                return st if st["job"]["committed"] == it and not st["persist"]["local"]["in_flight"] and pred(st) \
+                return (
+                    st
+                    if st["job"]["committed"] == it and not st["persist"]["local"]["in_flight"] and pred(st)
                     else None
+                )
+
             return _wait("the cluster", ready)
 
         # 1. space: checkpoints complete
@@ -146,8 +158,9 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
         local = st["persist"]["local"]
         assert st["job"]["committed"] == it == 14 and session.degraded is None
         assert local["last_complete"]["iteration"] == before, local
-        assert "no space left on device" in local["last_error"] and "persist.local.keep" in local["last_error"], \
-            local["last_error"]
+        assert "no space left on device" in local["last_error"] and "persist.local.keep" in local["last_error"], local[
+            "last_error"
+        ]
         assert root in local["last_error"]
         assert value(scrape(mport), "shadow_persist_failures_total", tier="local") >= 2
         assert "no space left on device" in cluster.log.read_text()
@@ -187,6 +200,7 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
 
 # ---- the pieces, in process ------------------------------------------------------------------
 
+
 def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_path, monkeypatch):
     """The plain writer on a disk that fills half way: ENOSPC, no ``.tmp`` left, and the
     report text names the tier, the path, the free space and the retention setting."""
@@ -225,8 +239,9 @@ def test_the_coordinator_removes_a_failed_checkpoint_and_backs_off(tmp_path):
         pers.on_report(JOB, _report(root, "local", it, 1), 2)  # shard 1 wrote its file
 
     attempt(4, True)
-    assert t.complete == {"j": 4} and os.path.exists(os.path.join(catalog.checkpoint_dir(root, "j", 4),
-                                                                  catalog.MANIFEST))
+    assert t.complete == {"j": 4} and os.path.exists(
+        os.path.join(catalog.checkpoint_dir(root, "j", 4), catalog.MANIFEST)
+    )
     attempt(8, False)
     assert not os.path.exists(catalog.checkpoint_dir(root, "j", 8)) and t.failures == 1
     attempt(9, False)  # the first failure is retried at the next cut

@@ -1,5 +1,6 @@
 """Frame and message fuzzing against a live worker and coordinator: thousands of random
 and mutated inputs, no crash, no memory blow-up, no state change, every one counted."""
+
 from __future__ import annotations
 
 import random
@@ -30,17 +31,29 @@ def _mutated_frames(rnd: random.Random, template: F.Header):
         if kind < 0.3:
             yield [rnd.randbytes(rnd.randint(0, 200))]
             continue
-        runs = tuple((rnd.choice([0, rnd.getrandbits(63), rnd.randint(0, 5000)]),
-                      rnd.choice([0, 1, rnd.getrandbits(62), rnd.randint(1, 3000)]),
-                      rnd.getrandbits(64)) for _ in range(rnd.randint(0, 4)))
-        h = F.Header(F.Kind(rnd.randint(1, 3)), F.Field(rnd.randint(0, 4)),
-                     rnd.choice([template.job, rnd.getrandbits(64)]),
-                     rnd.choice([template.epoch + 1, rnd.getrandbits(32)]),  # never the live epoch
-                     rnd.randint(0, 3), rnd.randint(1, 4), rnd.choice([template.layout, rnd.getrandbits(64)]),
-                     rnd.getrandbits(63), rnd.getrandbits(63), runs)
+        runs = tuple(
+            (
+                rnd.choice([0, rnd.getrandbits(63), rnd.randint(0, 5000)]),
+                rnd.choice([0, 1, rnd.getrandbits(62), rnd.randint(1, 3000)]),
+                rnd.getrandbits(64),
+            )
+            for _ in range(rnd.randint(0, 4))
+        )
+        h = F.Header(
+            F.Kind(rnd.randint(1, 3)),
+            F.Field(rnd.randint(0, 4)),
+            rnd.choice([template.job, rnd.getrandbits(64)]),
+            rnd.choice([template.epoch + 1, rnd.getrandbits(32)]),  # never the live epoch
+            rnd.randint(0, 3),
+            rnd.randint(1, 4),
+            rnd.choice([template.layout, rnd.getrandbits(64)]),
+            rnd.getrandbits(63),
+            rnd.getrandbits(63),
+            runs,
+        )
         raw = h.pack()
         if kind < 0.5:
-            raw = raw[:rnd.randint(0, len(raw))]
+            raw = raw[: rnd.randint(0, len(raw))]
         elif kind < 0.6:
             raw = raw[:10] + struct.pack("<I", rnd.getrandbits(32)) + raw[14:]  # nruns-ish garbage
         payloads = [rnd.randbytes(rnd.randint(0, 64)) for _ in range(rnd.randint(0, 3))]
@@ -56,7 +69,8 @@ def _random_messages(rnd: random.Random):
         msg = {"t": rnd.choice(kinds), "v": rnd.choice([1, 2, "1", None])}
         for _ in range(rnd.randint(0, 6)):
             msg[rnd.choice(["epoch", "iteration", "rank", "world", "job", "layout", "x"])] = rnd.choice(
-                [rnd.getrandbits(63) - 2**62, -1, "s", None, [1, 2], {"a": 1}, 1.5, b"\x00"])
+                [rnd.getrandbits(63) - 2**62, -1, "s", None, [1, 2], {"a": 1}, 1.5, b"\x00"]
+            )
         yield msgpack.packb(msg, use_bin_type=True)
 
 
@@ -70,8 +84,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     before = cluster.wait_caught_up(3)
     worker = before["workers"][0]
     rss0 = rss_bytes(worker["pid"])
-    template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
-                        4, 0, ())
+    template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash, 4, 0, ())
     rnd = random.Random(1234)
     ctx = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)
@@ -89,8 +102,10 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     while dealer.poll(200):
         dealer.recv()  # error replies
     dealer.close()
-    after = cluster.wait_status(lambda st: st["workers"][0]["frames_in"] - worker["frames_in"] >= N_FRAMES,
-                                what=f"worker 0 receiving the {N_FRAMES} fuzzed frames")
+    after = cluster.wait_status(
+        lambda st: st["workers"][0]["frames_in"] - worker["frames_in"] >= N_FRAMES,
+        what=f"worker 0 receiving the {N_FRAMES} fuzzed frames",
+    )
     w = after["workers"][0]
     assert w["frames_in"] - worker["frames_in"] == N_FRAMES
     assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
@@ -139,8 +154,14 @@ def _live_frames(rnd: random.Random, session, workers: list, seq: list, applied:
         elif defect == "run_zero":
             kind, n = F.Kind.GRAD, 0
         else:
-            kind, field = rnd.choice([(F.Kind.GRAD, F.Field.PARAM), (F.Kind.STATE, F.Field.GRAD),
-                                      (F.Kind.EXTRA, F.Field.EXP_AVG), (F.Kind.STATE, F.Field.MAX_EXP_AVG_SQ)])
+            kind, field = rnd.choice(
+                [
+                    (F.Kind.GRAD, F.Field.PARAM),
+                    (F.Kind.STATE, F.Field.GRAD),
+                    (F.Kind.EXTRA, F.Field.EXP_AVG),
+                    (F.Kind.STATE, F.Field.MAX_EXP_AVG_SQ),
+                ]
+            )
         payload = rnd.randbytes(4 * min(n, 8))
         runs = ((dst, n, F.checksum(payload)),)
         if kind == F.Kind.COMMIT and defect not in ("seq_far", "seq_behind", "iter_old", "iter_far"):
@@ -214,8 +235,11 @@ def _near_valid_messages(rnd: random.Random, live: dict):
         yield kind, "version", msgpack.packb({**base, "v": M.VERSION + 1}, use_bin_type=True)
         for f in schema:
             yield kind, "missing", msgpack.packb({k: v for k, v in base.items() if k != f}, use_bin_type=True)
-            wrong = [x for x in (b"\x00", "s", 1.5, [1], {"a": 1}, None, 2**63 - 1, True)
-                     if not isinstance(x, schema[f]) or (isinstance(x, bool) and bool not in schema[f])]
+            wrong = [
+                x
+                for x in (b"\x00", "s", 1.5, [1], {"a": 1}, None, 2**63 - 1, True)
+                if not isinstance(x, schema[f]) or (isinstance(x, bool) and bool not in schema[f])
+            ]
             yield kind, "bad_field", msgpack.packb({**base, f: rnd.choice(wrong)}, use_bin_type=True)
 
 
@@ -254,17 +278,44 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
     assert k == 3
     for w, body in enumerate(bodies):
         for bad in _bad_commit_bodies(rnd, body, 4, len(session.layout.params)):
-            h = F.Header(F.Kind.COMMIT, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
-                         4, seq[w], ((0, len(bad), F.checksum(bad)),))
+            h = F.Header(
+                F.Kind.COMMIT,
+                F.Field.GRAD,
+                session.job_id,
+                session.epoch,
+                0,
+                1,
+                session.layout.hash,
+                4,
+                seq[w],
+                ((0, len(bad), F.checksum(bad)),),
+            )
             pushes[w].send_multipart([h.pack(), bad])
             seq[w] += 1
             sent[w] += 1
     for p in pushes:
         p.close()
-    live = {"epoch": session.epoch, "iteration": 4, "rank": 0, "world": 1, "job_id": session.job_id,
-            "job": "fuzzlive", "layout_hash": session.layout.hash, "worker": 0, "applied": 3, "ok": False,
-            "shard": 0, "gen": 0, "pid": 1, "worker_id": 0, "data": workers[0]["data"], "reason": "fuzz",
-            "detail": "forged", "seq": [0], "tier": "local"}
+    live = {
+        "epoch": session.epoch,
+        "iteration": 4,
+        "rank": 0,
+        "world": 1,
+        "job_id": session.job_id,
+        "job": "fuzzlive",
+        "layout_hash": session.layout.hash,
+        "worker": 0,
+        "applied": 3,
+        "ok": False,
+        "shard": 0,
+        "gen": 0,
+        "pid": 1,
+        "worker_id": 0,
+        "data": workers[0]["data"],
+        "reason": "fuzz",
+        "detail": "forged",
+        "seq": [0],
+        "tier": "local",
+    }
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 5000)
     dealer.connect(cluster.address)
@@ -283,9 +334,11 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
             s.recv()  # error replies
         s.close()
     after = cluster.wait_status(
-        lambda st: all(w1["frames_in"] - w0["frames_in"] >= n for w0, w1, n in zip(workers, st["workers"], sent,
-                                                                                    strict=True)),
-        what=f"the workers receiving the {sent} frames sent")
+        lambda st: all(
+            w1["frames_in"] - w0["frames_in"] >= n for w0, w1, n in zip(workers, st["workers"], sent, strict=True)
+        ),
+        what=f"the workers receiving the {sent} frames sent",
+    )
     assert after["job"]["committed"] == 3 and after["job"]["epoch"] == before["job"]["epoch"], after["job"]
     assert after["job"]["audit"]["mismatches"] == 0, after["job"]["audit"]  # a forged "audited" is not a worker's
     assert after["job"]["status"] == before["job"]["status"], after["job"]

@@ -1,6 +1,7 @@
 """On a CUDA device (skipped without one): attach -> SIGKILL -> restore, end to end, with
 bf16 autocast, GradScaler over fused AdamW (a step skipped on the device), the session's
 clip and gradient accumulation; and the copy stream's ordering on real streams."""
+
 from __future__ import annotations
 
 import os
@@ -13,17 +14,25 @@ import torch
 from shadow.testing import LocalCluster, free_port
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 HELPER = ROOT / "tests" / "helpers" / "gpu_trainer.py"
 
 
 def _run(tmp_path, *args: str) -> int:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     with open(tmp_path / "trainer.log", "a") as log:
-        return subprocess.run([sys.executable, str(HELPER), *args], env=env, cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=240).returncode
+        return subprocess.run(
+            [sys.executable, str(HELPER), *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=240
+        ).returncode
 
 
 def _ulp(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -54,11 +63,13 @@ def test_the_copy_stream_orders_after_the_current_stream_and_the_sender_waits():
 def test_attach_kill_restore_on_cuda(tmp_path):
     cluster = LocalCluster(tmp_path, workers=2)
     try:
-        assert _run(tmp_path, "train", cluster.address, str(tmp_path), "12", "7") == -9, \
-            (tmp_path / "trainer.log").read_text()
+        assert _run(tmp_path, "train", cluster.address, str(tmp_path), "12", "7") == -9, (
+            tmp_path / "trainer.log"
+        ).read_text()
         live = torch.load(tmp_path / "live.pt", weights_only=True)
-        assert _run(tmp_path, "resume", cluster.address, str(tmp_path), "12") == 0, \
-            (tmp_path / "trainer.log").read_text()
+        assert _run(tmp_path, "resume", cluster.address, str(tmp_path), "12") == 0, (
+            tmp_path / "trainer.log"
+        ).read_text()
         final = torch.load(tmp_path / "final.pt", weights_only=True)
         assert final["restored"] == 7 and final["iteration"] == 12
         assert cluster.wait_caught_up(12)["job"]["committed"] == 12
@@ -68,8 +79,9 @@ def test_attach_kill_restore_on_cuda(tmp_path):
         from tests.helpers.gpu_trainer import build
 
         model, opt, sched, scaler = build()
-        info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, scaler=scaler,
-                                     iteration=7, job="gpu", rank=0)
+        info = trainer_hooks.restore(
+            model, opt, source=cluster.address, scheduler=sched, scaler=scaler, iteration=7, job="gpu", rank=0
+        )
         assert info.iteration == 7 and scaler.state_dict() == live["scaler"]
         assert sched.state_dict()["last_epoch"] == live["sched"]["last_epoch"]
         worst = 0

@@ -1,5 +1,6 @@
 """Real processes: a local shadow cluster (coordinator + 2 workers), 2-rank gloo DDP
 trainers, SIGKILL, restore in a fresh process group; bit-exact comparisons."""
+
 from __future__ import annotations
 
 import random
@@ -28,9 +29,10 @@ def reference(tmp_path_factory):
 
 def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference, tmp_path):
     out = tmp_path / "out"
-    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS),
-                     *CLIP) == [0, 0], \
-        rank_logs(tmp_path)
+    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP) == [
+        0,
+        0,
+    ], rank_logs(tmp_path)
     trained = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
     # the hook does not change training numerics
     for r in range(2):
@@ -47,14 +49,20 @@ def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference,
     model, opt, sched = build(seed=99)
     info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, rank=1)
     assert info.iteration == STEPS and info.extra_state == {"it": STEPS} and info.tier == "memory"
-    assert_same_state({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-                      trained[0])
+    assert_same_state(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, trained[0]
+    )
     assert torch.equal(torch.get_rng_state(), trained[1]["rng"])  # rank 1's RNG
 
     # the CLI writes a plain torch file that loads with weights_only=True
     ckpt = tmp_path / "ckpt.pt"
-    res = subprocess.run([sys.executable, "-m", "shadow", "restore", f"source={cluster.address}", f"out={ckpt}",
-                          "format=torch"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "shadow", "restore", f"source={cluster.address}", f"out={ckpt}", "format=torch"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     sd = torch.load(ckpt, weights_only=True)
     assert sd["iteration"] == STEPS and sd["extra_state"] == {"it": STEPS} and len(sd["rng"]) == 2
@@ -62,23 +70,35 @@ def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference,
     m2.load_state_dict(sd["model"])
     o2.load_state_dict(sd["optimizer"])
     s2.load_state_dict(sd["scheduler"])
-    assert_same_state({"model": m2.state_dict(), "optimizer": o2.state_dict(), "scheduler": s2.state_dict()},
-                      trained[0])
+    assert_same_state(
+        {"model": m2.state_dict(), "optimizer": o2.state_dict(), "scheduler": s2.state_dict()}, trained[0]
+    )
     assert torch.equal(sd["rng"][0]["torch"], trained[0]["rng"])
 
 
 @pytest.mark.parametrize("seed", [11, 22, 33])
 def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, seed):
     kill_at = random.Random(seed).randint(2, STEPS - 2)
-    codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
-                      "--steps", str(STEPS), "--kill-at", str(kill_at), *CLIP)
+    codes = run_ranks(
+        tmp_path,
+        "--coordinator",
+        cluster.address,
+        "--out",
+        str(tmp_path / "dead"),
+        "--steps",
+        str(STEPS),
+        "--kill-at",
+        str(kill_at),
+        *CLIP,
+    )
     assert codes == [-9, -9], rank_logs(tmp_path)
     committed = cluster.wait_quiet()["job"]["committed"]  # where the killed ranks left it
     assert kill_at - 3 <= committed <= kill_at
     # a fresh process group restores from the shadow and finishes the run
     out = tmp_path / "resumed"
-    assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
-                     "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp_path)
+    assert run_ranks(
+        tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP
+    ) == [0, 0], rank_logs(tmp_path)
     for r in range(2):
         resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
         assert resumed["start"] == committed
@@ -90,17 +110,29 @@ def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, s
 def test_trainer_dying_mid_send_leaves_previous_iteration(cluster, reference, tmp_path):
     k = 6
     # iteration 6 sends one message normally, then the rest (commit included) only to worker 0, then dies
-    codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
-                      "--steps", str(STEPS), *CLIP, env={"SHADOW_FAULT_DIE_AT": f"{k}:1"})
+    codes = run_ranks(
+        tmp_path,
+        "--coordinator",
+        cluster.address,
+        "--out",
+        str(tmp_path / "dead"),
+        "--steps",
+        str(STEPS),
+        *CLIP,
+        env={"SHADOW_FAULT_DIE_AT": f"{k}:1"},
+    )
     assert 137 in codes, rank_logs(tmp_path)
-    st = cluster.wait_status(lambda st: st["workers"][0]["prepared"] == k and
-                             all(w["applied"] == k - 1 for w in st["workers"]), what=f"worker 0 holding all of {k}")
+    st = cluster.wait_status(
+        lambda st: st["workers"][0]["prepared"] == k and all(w["applied"] == k - 1 for w in st["workers"]),
+        what=f"worker 0 holding all of {k}",
+    )
     assert st["job"]["committed"] == k - 1
     assert st["workers"][0]["prepared"] == k  # worker 0 had all of k, yet nobody applied it
     assert all(w["applied"] == k - 1 for w in st["workers"])
     out = tmp_path / "resumed"
-    assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
-                     "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp_path)
+    assert run_ranks(
+        tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP
+    ) == [0, 0], rank_logs(tmp_path)
     for r in range(2):
         resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
         assert resumed["start"] == k - 1

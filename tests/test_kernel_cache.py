@@ -3,6 +3,7 @@
 numba keys its cache by the Python function, not by the compile flags; a parallel and a
 serial dispatcher of one function used to share an entry, so a worker loaded the
 single-threaded kernel after a trainer on its host had compiled that one first."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from shadow.kernels import _cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODULE = textwrap.dedent('''
+MODULE = textwrap.dedent("""
     import numba
     import numpy as np
     from numba import prange
@@ -30,9 +31,9 @@ MODULE = textwrap.dedent('''
 
 
     parallel, serial = _cache.kernel(thread_ids, True), _cache.kernel(thread_ids, False)
-''')
+""")
 
-RUN = textwrap.dedent('''
+RUN = textwrap.dedent("""
     import json, sys
     import numpy as np
     import probe_kernels as m
@@ -40,14 +41,19 @@ RUN = textwrap.dedent('''
     out = np.full(64, -1, dtype=np.int64)
     fn(out)
     print(json.dumps({"threads": sorted(set(out.tolist())), "compiled": len(fn.stats.cache_misses)}))
-''')
+""")
 
 
 def _run(tmp_path: Path, which: str) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_NUM_THREADS="2",
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", RUN, which], env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+        NUMBA_NUM_THREADS="2",
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", RUN, which], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

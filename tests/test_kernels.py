@@ -1,4 +1,5 @@
 """Replay kernels vs torch's own optimizers, bit for bit (``torch.equal``)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,11 +21,11 @@ def test_calibration_matches_this_cpu():
     assert vec % tail == 0
 
 
-@pytest.mark.parametrize("cls,wd,amsgrad,maximize", CASES,
-                         ids=[f"{c.__name__}-wd{w}-ams{a}-max{m}" for c, w, a, m in CASES])
+@pytest.mark.parametrize(
+    "cls,wd,amsgrad,maximize", CASES, ids=[f"{c.__name__}-wd{w}-ams{a}-max{m}" for c, w, a, m in CASES]
+)
 def test_fused_bit_identical(cls, wd, amsgrad, maximize):
-    theirs, ours = run_pair(cls, "fused", SIZES, steps=3, lr=1e-3, weight_decay=wd, amsgrad=amsgrad,
-                            maximize=maximize)
+    theirs, ours = run_pair(cls, "fused", SIZES, steps=3, lr=1e-3, weight_decay=wd, amsgrad=amsgrad, maximize=maximize)
     for key in theirs:
         for n, a, b in zip(SIZES, theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), f"{key} of a {n}-element tensor differs in {(a != b).sum()} elements"
@@ -35,8 +36,9 @@ def test_fused_bit_identical(cls, wd, amsgrad, maximize):
 def test_fused_grad_scale(cls, scale):
     """The fused step divides by GradScaler's scale; the replay multiplies by the
     reciprocal where that rounds alike (a power of two) and divides otherwise."""
-    theirs, ours = run_pair(cls, "fused", [7, 100, 4099], steps=3, clip=0.5, grad_scale=scale, lr=1e-2,
-                            weight_decay=0.1)
+    theirs, ours = run_pair(
+        cls, "fused", [7, 100, 4099], steps=3, clip=0.5, grad_scale=scale, lr=1e-2, weight_decay=0.1
+    )
     for key in theirs:
         for a, b in zip(theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), f"{key} differs in {(a != b).sum()} elements"
@@ -44,18 +46,20 @@ def test_fused_grad_scale(cls, scale):
 
 def test_exact_reciprocal():
     from shadow.kernels.plan import exact_reciprocal
-    assert exact_reciprocal(65536.0) == np.float32(2.0 ** -16)
-    assert exact_reciprocal(2.0 ** -126) == np.float32(2.0 ** 126)
-    assert exact_reciprocal(2.0 ** 127) == np.float32(2.0 ** -127)  # subnormal, still exact
-    for x in (3000.0, 0.0, float("inf"), float("nan"), 1.5, 2.0 ** -149):  # 2**149 overflows float32
+
+    assert exact_reciprocal(65536.0) == np.float32(2.0**-16)
+    assert exact_reciprocal(2.0**-126) == np.float32(2.0**126)
+    assert exact_reciprocal(2.0**127) == np.float32(2.0**-127)  # subnormal, still exact
+    for x in (3000.0, 0.0, float("inf"), float("nan"), 1.5, 2.0**-149):  # 2**149 overflows float32
         assert exact_reciprocal(x) is None, x
     assert exact_reciprocal(-4.0) == np.float32(-0.25)
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.95)], ids=["small-lerp-weight", "large-lerp-weight"])
 def test_fused_hyperparameters_and_clip(betas):
-    theirs, ours = run_pair(torch.optim.AdamW, "fused", [7, 100, 4099], steps=4, clip=0.5, lr=3e-2, betas=betas,
-                            eps=1e-6, weight_decay=0.01)
+    theirs, ours = run_pair(
+        torch.optim.AdamW, "fused", [7, 100, 4099], steps=4, clip=0.5, lr=3e-2, betas=betas, eps=1e-6, weight_decay=0.01
+    )
     for key in theirs:
         for a, b in zip(theirs[key], ours[key], strict=True):
             assert torch.equal(a, b), key

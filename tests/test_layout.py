@@ -1,4 +1,5 @@
 """Layout, shard and stripe math (property tests)."""
+
 from __future__ import annotations
 
 from itertools import pairwise
@@ -30,8 +31,12 @@ def test_shard_bounds_rejects_zero():
 
 
 @settings(max_examples=200)
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=12), st.integers(1, 5), st.integers(1, 4),
-       st.randoms(use_true_random=False))
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=12),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.randoms(use_true_random=False),
+)
 def test_every_bucket_byte_leaves_once_to_its_owner(numels, world, nshards, rnd):
     """Union over ranks of each rank's runs covers the bucket exactly once and lands every
     element at its own flat position on the shard that owns it."""
@@ -47,15 +52,15 @@ def test_every_bucket_byte_leaves_once_to_its_owner(numels, world, nshards, rnd)
     bucket = np.arange(boff)  # bucket element j holds "j"
     expected = np.empty(total, dtype=np.int64)
     for b, f, n in slots:
-        expected[f:f + n] = bucket[b:b + n]
+        expected[f : f + n] = bucket[b : b + n]
     got = np.full(total, -1, dtype=np.int64)
-    for r, stripe in enumerate(stripe_bounds(boff, world)):
+    for stripe in stripe_bounds(boff, world):
         for s, runs in enumerate(bucket_runs(slots, stripe, shards)):
             for run in runs:
                 assert shards[s][0] <= run.dst and run.dst + run.nelem <= shards[s][1]
                 assert stripe[0] <= run.src and run.src + run.nelem <= stripe[1]
-                assert (got[run.dst:run.dst + run.nelem] == -1).all(), "element sent twice"
-                got[run.dst:run.dst + run.nelem] = bucket[run.src:run.src + run.nelem]
+                assert (got[run.dst : run.dst + run.nelem] == -1).all(), "element sent twice"
+                got[run.dst : run.dst + run.nelem] = bucket[run.src : run.src + run.nelem]
     assert np.array_equal(got, expected)
 
 
@@ -69,13 +74,16 @@ def test_layout_hash_and_roundtrip():
     assert "shape [4, 3]" in other.describe_mismatch(lay)
 
 
-@pytest.mark.parametrize("bad", [
-    {"num_groups": 1, "params": [["a", [2], 3, 2, 0, True]]},  # offset gap
-    {"num_groups": 1, "params": [["a", [2], 0, 2, 1, True]]},  # group out of range
-    {"num_groups": 1, "params": [["a", [2], 0, 3, 0, True]]},  # numel != shape
-    {"params": []},
-    {"num_groups": 1, "params": [["a"]]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"num_groups": 1, "params": [["a", [2], 3, 2, 0, True]]},  # offset gap
+        {"num_groups": 1, "params": [["a", [2], 0, 2, 1, True]]},  # group out of range
+        {"num_groups": 1, "params": [["a", [2], 0, 3, 0, True]]},  # numel != shape
+        {"params": []},
+        {"num_groups": 1, "params": [["a"]]},
+    ],
+)
 def test_layout_rejects_malformed(bad):
     with pytest.raises(ValueError):
         Layout.from_dict(bad)
@@ -93,8 +101,12 @@ def test_a_received_layout_is_bounded():
             numel *= s
         return {"num_groups": groups, "params": [["w", list(shape), 0, numel, 0, True]]}
 
-    for bad, what in ((one([10**100]), "elements"), (one([2**24, 2**25]), "elements"),
-                      (one([1] * (MAX_DIMS + 1)), "dimensions"), (one([4], MAX_GROUPS + 1), "groups")):
+    for bad, what in (
+        (one([10**100]), "elements"),
+        (one([2**24, 2**25]), "elements"),
+        (one([1] * (MAX_DIMS + 1)), "dimensions"),
+        (one([4], MAX_GROUPS + 1), "groups"),
+    ):
         with pytest.raises(ValueError, match=what):
             Layout.from_dict(bad)
     assert Layout.from_dict(one([2**24, 2**23])).total == 2**47 < MAX_ELEMENTS  # a large real one still fits

@@ -1,6 +1,7 @@
 """Going on from an older iteration than the cluster holds: after a restore that fell back
 past a damaged checkpoint, and after an overwrite. What was newer is superseded (a new
 generation), restores never return it again, and a normal resume of the new run works."""
+
 from __future__ import annotations
 
 import glob
@@ -108,8 +109,7 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
         info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, job="ow", iteration=8)
         assert info.iteration == 8
         ddp = DDP(model)
-        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ow",
-                                       overwrite=True)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ow", overwrite=True)
         _train(ddp, opt, sched, range(9, 11), cluster)
         assert session.close() == 10
         assert cluster.status()["restorable"]["local"] == 10
@@ -156,17 +156,26 @@ def test_ls_shows_superseded_checkpoints(tmp_path):
     for gen, it in ((0, 2), (0, 3), (1, 3)):
         d = catalog.checkpoint_dir(root, "j", it, gen)
         os.makedirs(d)
-        shard = {"index": 0, "start": 0, "stop": 4, "file": "shard-00000-of-00001.safetensors", "bytes": 0,
-                 "checksum": "0", "blob_ranks": [0]}
-        m = catalog.new_manifest("j", it, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None, None,
-                                 [shard], gen)
+        shard = {
+            "index": 0,
+            "start": 0,
+            "stop": 4,
+            "file": "shard-00000-of-00001.safetensors",
+            "bytes": 0,
+            "checksum": "0",
+            "blob_ranks": [0],
+        }
+        m = catalog.new_manifest(
+            "j", it, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None, None, [shard], gen
+        )
         catalog.write_manifest(root, "j", it, m)
     catalog.write_generation(root, "j", 1, 2)
     os.makedirs(catalog.checkpoint_dir(root, "j", 4, 1))  # torn: no manifest
     found = catalog.list_checkpoints(root, job="j")
     assert [(c.generation, c.iteration, c.superseded) for c in found] == [(0, 3, True), (0, 2, False), (1, 3, False)]
-    res = subprocess.run([sys.executable, "-m", "shadow", "ls", f"source={root}", "json=true"], capture_output=True,
-                         text=True, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "shadow", "ls", f"source={root}", "json=true"], capture_output=True, text=True, cwd=ROOT
+    )
     assert res.returncode == 0, res.stderr
     rows = {(r["generation"], r["iteration"]): r["state"] for r in json.loads(res.stdout)}
     assert rows == {(0, 2): "complete", (0, 3): "superseded", (1, 3): "complete", (1, 4): "incomplete"}

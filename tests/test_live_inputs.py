@@ -2,6 +2,7 @@
 commit at the next valid sequence number, a frame far ahead of the expected sequence
 number or iteration. None of them may kill a worker, make a healthy replica stale or
 change what a restore returns."""
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,18 @@ def _push(endpoint: str, frames: list) -> None:
 
 
 def _commit_frame(session, worker: int, iteration: int, seq: int, body: bytes) -> list:
-    h = F.Header(F.Kind.COMMIT, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
-                 iteration, seq, ((0, len(body), F.checksum(body)),))
+    h = F.Header(
+        F.Kind.COMMIT,
+        F.Field.GRAD,
+        session.job_id,
+        session.epoch,
+        0,
+        1,
+        session.layout.hash,
+        iteration,
+        seq,
+        ((0, len(body), F.checksum(body)),),
+    )
     return [h.pack(), body]
 
 
@@ -62,8 +73,13 @@ def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, cluster
     for w, body in enumerate(bodies):
         rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
         replay = rec["replay"]
-        replay.update(iteration=4, sent=0, extras=0, skipped=list(range(len(session.layout.params))),
-                      audit={"positions": [before["workers"][w]["start"]], "values": []})
+        replay.update(
+            iteration=4,
+            sent=0,
+            extras=0,
+            skipped=list(range(len(session.layout.params))),
+            audit={"positions": [before["workers"][w]["start"]], "values": []},
+        )
         forged = msgpack.packb({"replay": replay, "blob": rec.get("blob")}, use_bin_type=True)
         _push(before["workers"][w]["data"], _commit_frame(session, w, 4, seq[w], forged))
     for w in range(len(bodies)):
@@ -94,8 +110,18 @@ def test_frames_far_ahead_do_not_make_a_healthy_replica_stale(world1, cluster):
     w = st["workers"][0]
     payload = torch.zeros(4).numpy()
     for seq, iteration in ((2**40, 4), (2**40 + 1, 5), (session.sender.seq[0] + 10**6, 4), (0, 2**40)):
-        h = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash,
-                     iteration, seq, ((w["start"], 4, F.checksum(payload)),))
+        h = F.Header(
+            F.Kind.GRAD,
+            F.Field.GRAD,
+            session.job_id,
+            session.epoch,
+            0,
+            1,
+            session.layout.hash,
+            iteration,
+            seq,
+            ((w["start"], 4, F.checksum(payload)),),
+        )
         _push(w["data"], [h.pack(), payload.tobytes()])
     w1 = _worker_rejected(cluster, 0, "out_of_window", at_least=4)
     assert w1["rejected"].get("out_of_window", 0) >= 4, w1

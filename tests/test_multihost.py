@@ -3,6 +3,7 @@ own, workers joining by the coordinator's address alone, a trainer on yet anothe
 
 Two setups: several loopback addresses (always), and real network namespaces joined by
 a bridge (separate network stacks, as separate hosts have; needs CAP_NET_ADMIN)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 def _spawn(cmd: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env=dict(os.environ, SHADOW_WORKER_LOST_S="3"))
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, SHADOW_WORKER_LOST_S="3")
+    )
 
 
 def _wait_workers(address: str, n: int, procs: list, log_path) -> dict:
@@ -74,14 +76,28 @@ def test_loopback_addresses(world1, tmp_path):
     procs = []
     with open(log_path, "a") as log:
         try:
-            procs.append(_spawn([sys.executable, "-m", "shadow", "coordinator", "workers=2", "host=127.0.0.2",
-                                 f"port={port}"], log))
+            procs.append(
+                _spawn(
+                    [sys.executable, "-m", "shadow", "coordinator", "workers=2", "host=127.0.0.2", f"port={port}"], log
+                )
+            )
             for host in ("127.0.0.3", "127.0.0.4"):
-                procs.append(_spawn([sys.executable, "-m", "shadow", "worker", f"coordinator={address}",
-                                     f"host={host}", "threads=1"], log))
+                procs.append(
+                    _spawn(
+                        [
+                            sys.executable,
+                            "-m",
+                            "shadow",
+                            "worker",
+                            f"coordinator={address}",
+                            f"host={host}",
+                            "threads=1",
+                        ],
+                        log,
+                    )
+                )
             st = _wait_workers(address, 2, procs, log_path)
-            assert sorted(w["data"].rsplit(":", 1)[0] for w in st["workers"]) == \
-                ["tcp://127.0.0.3", "tcp://127.0.0.4"]
+            assert sorted(w["data"].rsplit(":", 1)[0] for w in st["workers"]) == ["tcp://127.0.0.3", "tcp://127.0.0.4"]
             _train_and_restore(address, "loopback")
         finally:
             _stop(procs)
@@ -103,8 +119,10 @@ def _namespaces():
     try:
         _ip("link", "add", "shbr0", "type", "bridge")
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        pytest.skip(f"cannot create network namespaces here ({getattr(exc, 'stderr', exc)!s}); "
-                    "test_loopback_addresses covers the multi-address case")
+        pytest.skip(
+            f"cannot create network namespaces here ({getattr(exc, 'stderr', exc)!s}); "
+            "test_loopback_addresses covers the multi-address case"
+        )
     try:
         _ip("addr", "add", f"{SUBNET}.254/24", "dev", "shbr0")
         _ip("link", "set", "shbr0", "up")
@@ -135,14 +153,47 @@ def test_network_namespaces(world1, tmp_path):
     procs = []
     with _namespaces(), open(log_path, "a") as log:
         try:
-            procs.append(_spawn(["ip", "netns", "exec", "shc", sys.executable, "-m", "shadow", "coordinator",
-                                 "workers=2", f"host={SUBNET}.1", f"port={port}"], log))
+            procs.append(
+                _spawn(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        "shc",
+                        sys.executable,
+                        "-m",
+                        "shadow",
+                        "coordinator",
+                        "workers=2",
+                        f"host={SUBNET}.1",
+                        f"port={port}",
+                    ],
+                    log,
+                )
+            )
             for ns in ("shw1", "shw2"):
-                procs.append(_spawn(["ip", "netns", "exec", ns, sys.executable, "-m", "shadow", "worker",
-                                     f"coordinator={address}", "threads=1"], log))
+                procs.append(
+                    _spawn(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            ns,
+                            sys.executable,
+                            "-m",
+                            "shadow",
+                            "worker",
+                            f"coordinator={address}",
+                            "threads=1",
+                        ],
+                        log,
+                    )
+                )
             st = _wait_workers(address, 2, procs, log_path)
-            assert sorted(w["data"].rsplit(":", 1)[0] for w in st["workers"]) == \
-                [f"tcp://{SUBNET}.2", f"tcp://{SUBNET}.3"]
+            assert sorted(w["data"].rsplit(":", 1)[0] for w in st["workers"]) == [
+                f"tcp://{SUBNET}.2",
+                f"tcp://{SUBNET}.3",
+            ]
             _train_and_restore(address, "netns")
         finally:
             _stop(procs)

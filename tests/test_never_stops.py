@@ -4,6 +4,7 @@ An ``error`` from the coordinator after attach used to be latched and raised at 
 ``optimizer.step()``. Now the rank degrades, counts it, tells the coordinator (``paused``)
 and the cluster resyncs; a bucket reduced twice without ``no_sync`` still raises.
 """
+
 from __future__ import annotations
 
 import time

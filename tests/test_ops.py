@@ -1,6 +1,7 @@
 """Operating a cluster: every CLI command against a running cluster with a job (parsing
 --json), the Prometheus endpoints of coordinator, workers and a trainer (scraped over
 HTTP and checked against the metric catalogue), JSON logs."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,14 @@ pytestmark = pytest.mark.slow
 
 
 def shadow(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env=dict(os.environ, COLUMNS="220"))  # rich wraps a pipe at 80 otherwise
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=dict(os.environ, COLUMNS="220"),
+    )  # rich wraps a pipe at 80 otherwise
 
 
 def scrape(port: int) -> dict[str, list]:
@@ -55,8 +62,16 @@ def declared(metrics) -> set[str]:
 def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
     mport = free_port_run(3)  # the coordinator's, then one per worker
     ckpt = tmp_path / "ckpt"
-    cluster = LocalCluster(tmp_path, args=(f"metrics_port={mport}", f"persist.local.dir={ckpt}",
-                                      "persist.local.every_n=3", "persist.local.compress=zstd", "log_format=json"))
+    cluster = LocalCluster(
+        tmp_path,
+        args=(
+            f"metrics_port={mport}",
+            f"persist.local.dir={ckpt}",
+            "persist.local.every_n=3",
+            "persist.local.compress=zstd",
+            "log_format=json",
+        ),
+    )
     tport = free_port()
     trainer_hooks.serve_metrics(tport)
     try:
@@ -79,8 +94,11 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
             st = cluster.status()
             # and every worker's heartbeat has reported its 6 replays (heartbeats lag under load), and no
             # checkpoint is in flight (under load iteration 3's can still be writing when 6's completes)
-            if (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 6 and \
-                    not st["persist"]["local"]["in_flight"] and all(w["replayed"] == 6 for w in st["workers"]):
+            if (
+                (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 6
+                and not st["persist"]["local"]["in_flight"]
+                and all(w["replayed"] == 6 for w in st["workers"])
+            ):
                 break
             assert time.monotonic() < deadline, st["persist"]
             time.sleep(0.2)
@@ -105,8 +123,11 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         assert value(cm, "shadow_checkpoint_complete_iteration", tier="local") == 6
         assert value(cm, "shadow_checkpoint_complete_iteration", tier="memory") == 6
         assert abs(value(cm, "shadow_checkpoint_complete_timestamp_seconds", tier="local") - time.time()) < 120
-        assert value(cm, "shadow_persist_checkpoints_total", tier="local") == 2, \
-            (cm.get("shadow_persist_skipped_total"), cm.get("shadow_persist_failures_total"), st["persist"])  # 3 and 6
+        assert value(cm, "shadow_persist_checkpoints_total", tier="local") == 2, (
+            cm.get("shadow_persist_skipped_total"),
+            cm.get("shadow_persist_failures_total"),
+            st["persist"],
+        )  # 3 and 6
         assert value(cm, "shadow_persist_bytes_total", tier="local") > 0
         assert value(cm, "shadow_persist_duration_seconds", tier="local") > 0
         for w in (0, 1):
@@ -135,9 +156,14 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         for text in ("replay ms/it", "MiB/s in", "committed iteration 6", "local tier", "iteration 6"):
             assert text in res.stdout, (text, res.stdout)
 
-        watch = subprocess.Popen([sys.executable, "-m", "shadow", "status", f"address={cluster.address}", "watch=0.2"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                 env=dict(os.environ, COLUMNS="220"))
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "shadow", "status", f"address={cluster.address}", "watch=0.2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, COLUMNS="220"),
+        )
         time.sleep(2.0)  # several redraws
         watch.send_signal(signal.SIGINT)
         out, err = watch.communicate(timeout=30)

@@ -1,6 +1,7 @@
 """Tier schedules and the persister's lifetime, in process: the coordinator's
 :class:`Persistence` fed with fabricated or real shard reports, and a worker's sessions
 replaced over and over."""
+
 from __future__ import annotations
 
 import ctypes
@@ -26,8 +27,9 @@ LAYOUT = Layout.build([("a", (3000,), 0, True), ("b", (700,), 0, True)], 1)
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8}
 RANGES = [(0, 2000), (2000, LAYOUT.total)]
 TIER = {"every_n": 0, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
-JOB = SimpleNamespace(name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim=OPTIM, world=1,
-                      generation=0)
+JOB = SimpleNamespace(
+    name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim=OPTIM, world=1, generation=0
+)
 
 
 class Clock:
@@ -55,11 +57,25 @@ def _report(root: str, tier: str, iteration: int, shard: int, ok: bool = True, s
     if ok:
         os.makedirs(catalog.checkpoint_dir(root, "j", iteration), exist_ok=True)
     lo, hi = RANGES[shard]
-    return {"epoch": 1, "iteration": iteration, "tier": tier, "shard": shard, "ok": ok,
-            "error": "skipped: earlier checkpoint writes are still running" if skipped else ("" if ok else "boom"),
-            "file": catalog.shard_name(shard, 2), "start": lo, "stop": hi, "bytes": 100, "checksum": "00",
-            "raw_bytes": 100, "compress": "none", "seconds": 0.1, "commit": {"tokens": None} if shard == 0 else None,
-            "blob_ranks": [0] if shard == 0 else [], "skipped": skipped}
+    return {
+        "epoch": 1,
+        "iteration": iteration,
+        "tier": tier,
+        "shard": shard,
+        "ok": ok,
+        "error": "skipped: earlier checkpoint writes are still running" if skipped else ("" if ok else "boom"),
+        "file": catalog.shard_name(shard, 2),
+        "start": lo,
+        "stop": hi,
+        "bytes": 100,
+        "checksum": "00",
+        "raw_bytes": 100,
+        "compress": "none",
+        "seconds": 0.1,
+        "commit": {"tokens": None} if shard == 0 else None,
+        "blob_ranks": [0] if shard == 0 else [],
+        "skipped": skipped,
+    }
 
 
 def _local(pers: Persistence, root: str, iteration: int, skip: bool = False) -> list:
@@ -93,7 +109,7 @@ def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, c
     assert [pers.on_report(JOB, _report(local, "local", 21, s), 2) for s in (0, 1)] == [[], []]
     clock.now += 6
     assert pers.on_report(JOB, _report(local, "local", 20, 0), 2) == []
-    (kind, iteration, per_shard), = pers.on_report(JOB, _report(local, "local", 20, 1), 2)
+    ((kind, iteration, per_shard),) = pers.on_report(JOB, _report(local, "local", 20, 1), 2)
     assert (kind, iteration, sorted(per_shard)) == ("upload", 21, [0, 1])
     # a real failure is still one
     assert pers.local_due(22, None)
@@ -217,16 +233,32 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
 
     n = 1 << 19  # 6 MiB of state, 2 images of as much again
     layout = Layout.build([("w", (n,), 0, True)], 1)
-    persist = {"local": dict(TIER, every_n=1, dir=str(tmp_path / "local")),
-               "remote": dict(TIER, every_n=1, url=f"memory://leak-{os.getpid()}")}
+    persist = {
+        "local": dict(TIER, every_n=1, dir=str(tmp_path / "local")),
+        "remote": dict(TIER, every_n=1, url=f"memory://leak-{os.getpid()}"),
+    }
     w = Worker("tcp://127.0.0.1:1")
     w.ctrl, sent = None, []
     w._to_coord = lambda kind, **fields: sent.append(kind)
     rss = []
     for epoch in range(1, 11):
-        w._configure({"epoch": epoch, "job": "j", "job_id": 1, "layout": layout.to_dict(), "start": 0, "stop": n,
-                      "world": 1, "optim": OPTIM, "iteration": 1, "persist": persist, "shard": 0, "shards": 1,
-                      "peer": None})
+        w._configure(
+            {
+                "epoch": epoch,
+                "job": "j",
+                "job_id": 1,
+                "layout": layout.to_dict(),
+                "start": 0,
+                "stop": n,
+                "world": 1,
+                "optim": OPTIM,
+                "iteration": 1,
+                "persist": persist,
+                "shard": 0,
+                "shards": 1,
+                "peer": None,
+            }
+        )
         s = w.session
         for f in s.state.fields():  # as a bootstrap would
             s.state.array(f)[:] = 1.0

@@ -1,4 +1,5 @@
 """Shard files, manifests, the catalog and tier schedules, without processes."""
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,15 @@ def _image(start: int, stop: int, iteration: int, seed: int) -> shardfile.ShardI
     n = stop - start
     img = shardfile.ShardImage(1024)
     entries = [shardfile.Entry(name, "F32", n) for name in ("param", "exp_avg", "exp_avg_sq")]
-    entries += [shardfile.Entry("param_index", "I64", 1), shardfile.Entry("steps", "F64", 1),
-                shardfile.Entry("has_state", "U8", 1), shardfile.Entry("commit.rank0", "U8", 3)]
-    img.layout(entries, {"format": shardfile.FORMAT, "start": str(start), "stop": str(stop),
-                         "iteration": str(iteration)})
+    entries += [
+        shardfile.Entry("param_index", "I64", 1),
+        shardfile.Entry("steps", "F64", 1),
+        shardfile.Entry("has_state", "U8", 1),
+        shardfile.Entry("commit.rank0", "U8", 3),
+    ]
+    img.layout(
+        entries, {"format": shardfile.FORMAT, "start": str(start), "stop": str(stop), "iteration": str(iteration)}
+    )
     for name in ("param", "exp_avg", "exp_avg_sq"):
         img.fill(name, rng.standard_normal(n).astype(np.float32))
     img.fill("param_index", np.array([0 if start == 0 else 1], dtype=np.int64))
@@ -53,12 +59,22 @@ def _write_checkpoint(root: str, job: str, iteration: int, layout: Layout) -> No
     fs.makedirs(p, exist_ok=True)
     for i, (lo, hi) in enumerate([(0, 16), (16, layout.total)]):
         img = _image(lo, hi, iteration, iteration * 10 + i)
-        data = bytes(memoryview(img.buf)[:img.size])
+        data = bytes(memoryview(img.buf)[: img.size])
         fs.pipe_file(p + "/" + catalog.shard_name(i, 2), data)
-        shards.append({"index": i, "start": lo, "stop": hi, "file": catalog.shard_name(i, 2), "bytes": len(data),
-                       "checksum": f"{checksum(data):016x}", "blob_ranks": [0]})
-    m = catalog.new_manifest(job, iteration, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None,
-                             None, shards)
+        shards.append(
+            {
+                "index": i,
+                "start": lo,
+                "stop": hi,
+                "file": catalog.shard_name(i, 2),
+                "bytes": len(data),
+                "checksum": f"{checksum(data):016x}",
+                "blob_ranks": [0],
+            }
+        )
+    m = catalog.new_manifest(
+        job, iteration, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None, None, shards
+    )
     catalog.write_manifest(root, job, iteration, m)
 
 
@@ -140,11 +156,28 @@ def test_a_tier_the_coordinator_cannot_see_is_an_error_that_says_why(tmp_path):
 
     cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
     pers = Persistence({"local": dict(cfg, dir=str(tmp_path / "not-shared"))})
-    job = SimpleNamespace(name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0)
+    job = SimpleNamespace(
+        name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
+    )
     assert pers.local_due(1, None)
-    rep = {"tier": "local", "iteration": 1, "shard": 0, "ok": True, "error": "", "file": "shard-00000-of-00001.shard",
-           "start": 0, "stop": 8, "bytes": 100, "checksum": "00", "raw_bytes": 100, "compress": "none",
-           "seconds": 0.1, "commit": None, "blob_ranks": [0], "epoch": 1}
+    rep = {
+        "tier": "local",
+        "iteration": 1,
+        "shard": 0,
+        "ok": True,
+        "error": "",
+        "file": "shard-00000-of-00001.shard",
+        "start": 0,
+        "stop": 8,
+        "bytes": 100,
+        "checksum": "00",
+        "raw_bytes": 100,
+        "compress": "none",
+        "seconds": 0.1,
+        "commit": None,
+        "blob_ranks": [0],
+        "epoch": 1,
+    }
     assert pers.on_report(job, rep, nshards=1) == []
     tier = pers.tiers["local"]
     assert tier.count == 0 and tier.failures == 1 and tier.last_complete is None

@@ -1,5 +1,6 @@
 """Persistence with real processes: tiers written while training, everything killed,
 restore from disk bit for bit; torn writes; corruption; unwritable tiers; exports."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ STEPS = 12
 def reference(tmp_path_factory):
     """An uninterrupted run (no shadow) that dumps every rank's state after every iteration."""
     tmp = tmp_path_factory.mktemp("ref")
-    assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS), "--dump-dir", str(tmp / "dump")) == [0, 0], \
-        rank_logs(tmp)
+    assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS), "--dump-dir", str(tmp / "dump")) == [
+        0,
+        0,
+    ], rank_logs(tmp)
 
     def at(it: int, rank: int) -> dict:
         return torch.load(tmp / "dump" / f"it{it}-rank{rank}.pt", weights_only=True)
@@ -34,8 +37,9 @@ def reference(tmp_path_factory):
 
 
 def shadow(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "shadow", *args], capture_output=True, text=True, cwd=ROOT, timeout=180
+    )
 
 
 def restored_state(source: str, **kw) -> tuple[dict, object]:
@@ -43,22 +47,43 @@ def restored_state(source: str, **kw) -> tuple[dict, object]:
 
     model, opt, sched = build(seed=123)
     info = trainer_hooks.restore(model, opt, source=source, scheduler=sched, **kw)
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": torch.get_rng_state()}, info
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+    }, info
 
 
 def test_kill_everything_then_restore_from_disk(tmp_path, reference):
     local, remote = tmp_path / "local", tmp_path / "remote"
-    args = (f"persist.local.dir={local}", "persist.local.every_n=3", "persist.local.keep=2",
-            f"persist.remote.url=file://{remote}", "persist.remote.every_n=3", "persist.remote.keep=0")
+    args = (
+        f"persist.local.dir={local}",
+        "persist.local.every_n=3",
+        "persist.local.keep=2",
+        f"persist.remote.url=file://{remote}",
+        "persist.remote.every_n=3",
+        "persist.remote.keep=0",
+    )
     cluster = LocalCluster(tmp_path, args=args)
     try:
-        codes = run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"),
-                          "--steps", str(STEPS), "--kill-at", "8")
+        codes = run_ranks(
+            tmp_path,
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(tmp_path / "dead"),
+            "--steps",
+            str(STEPS),
+            "--kill-at",
+            "8",
+        )
         assert codes == [-9, -9], rank_logs(tmp_path)
         st = cluster.wait_quiet()  # where the killed ranks left it
-        st = cluster.wait_status(lambda st: not st["persist"]["local"]["in_flight"] and
-                                 not st["persist"]["remote"]["in_flight"], what="the checkpoints in flight")
+        st = cluster.wait_status(
+            lambda st: not st["persist"]["local"]["in_flight"] and not st["persist"]["remote"]["in_flight"],
+            what="the checkpoints in flight",
+        )
         k = st["persist"]["local"]["last_complete"]["iteration"]  # 6 unless the kill outran the sender
         assert 3 <= k <= 8 and st["persist"]["remote"]["last_complete"]["iteration"] == k, st["persist"]
     finally:
@@ -82,8 +107,9 @@ def test_kill_everything_then_restore_from_disk(tmp_path, reference):
         state, info = restored_state(cluster.address)
         assert (info.iteration, info.tier) == (k, "local")
         out = tmp_path / "resumed"
-        assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out),
-                         "--steps", str(STEPS)) == [0, 0], rank_logs(tmp_path)
+        assert run_ranks(
+            tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS)
+        ) == [0, 0], rank_logs(tmp_path)
         for r in range(2):
             resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
             assert resumed["start"] == k
@@ -95,11 +121,16 @@ def test_kill_everything_then_restore_from_disk(tmp_path, reference):
 
 def test_worker_dying_mid_write_leaves_previous_checkpoint(tmp_path, reference):
     local = tmp_path / "local"
-    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=3", "max_restarts=0"),
-                           faults=ServiceFaults(persist_die_at=6))
+    cluster = LocalCluster(
+        tmp_path,
+        args=(f"persist.local.dir={local}", "persist.local.every_n=3", "max_restarts=0"),
+        faults=ServiceFaults(persist_die_at=6),
+    )
     try:
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
-                         "--steps", "9") == [0, 0], rank_logs(tmp_path)
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"), "--steps", "9") == [
+            0,
+            0,
+        ], rank_logs(tmp_path)
     finally:
         cluster.kill_all()
     rows = json.loads(shadow("ls", f"source={local}", "json=true").stdout)
@@ -115,12 +146,18 @@ def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
     from shadow.persist import catalog
 
     local = tmp_path / "local"
-    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=2", "persist.local.keep=0"))
+    cluster = LocalCluster(
+        tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=2", "persist.local.keep=0")
+    )
     try:
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
-                         "--steps", "8") == [0, 0], rank_logs(tmp_path)
-        cluster.wait_status(lambda st: st["job"]["committed"] == 8 and not st["persist"]["local"]["in_flight"],
-                            what="iteration 8 committed and no checkpoint in flight")
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"), "--steps", "8") == [
+            0,
+            0,
+        ], rank_logs(tmp_path)
+        cluster.wait_status(
+            lambda st: st["job"]["committed"] == 8 and not st["persist"]["local"]["in_flight"],
+            what="iteration 8 committed and no checkpoint in flight",
+        )
     finally:
         cluster.stop()
     done = catalog.list_checkpoints(str(local))
@@ -152,10 +189,14 @@ def test_unwritable_tier_is_reported_and_training_goes_on(tmp_path):
     blocker.write_text("a file where the checkpoint directory should be")
     cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={blocker}", "persist.local.every_n=2"))
     try:
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
-                         "--steps", "6") == [0, 0], rank_logs(tmp_path)
-        st = cluster.wait_status(lambda st: st["job"]["committed"] == 6 and st["persist"]["local"]["last_error"],
-                                 what="iteration 6 committed and the tier's error reported")
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"), "--steps", "6") == [
+            0,
+            0,
+        ], rank_logs(tmp_path)
+        st = cluster.wait_status(
+            lambda st: st["job"]["committed"] == 6 and st["persist"]["local"]["last_error"],
+            what="iteration 6 committed and the tier's error reported",
+        )
         assert st["job"]["committed"] == 6  # replay went on
         local = st["persist"]["local"]
         assert local["last_complete"] is None and "NotADirectoryError" in local["last_error"]
@@ -165,8 +206,10 @@ def test_unwritable_tier_is_reported_and_training_goes_on(tmp_path):
 
 
 def test_exports_load_with_standard_tools(tmp_path, cluster):
-    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
-                     "--steps", "5") == [0, 0], rank_logs(tmp_path)
+    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"), "--steps", "5") == [
+        0,
+        0,
+    ], rank_logs(tmp_path)
     trained = torch.load(tmp_path / "o" / "rank0.pt", weights_only=True)
     # DCP: load into the state dicts torch.distributed.checkpoint.state_dict produces
     import torch.distributed.checkpoint as dcp
@@ -186,8 +229,12 @@ def test_exports_load_with_standard_tools(tmp_path, cluster):
     # safetensors: the model weights
     from safetensors.torch import load_file
 
-    assert shadow("restore", f"source={cluster.address}", f"out={tmp_path / 'w.safetensors'}",
-                  "format=safetensors").returncode == 0
+    assert (
+        shadow(
+            "restore", f"source={cluster.address}", f"out={tmp_path / 'w.safetensors'}", "format=safetensors"
+        ).returncode
+        == 0
+    )
     weights = load_file(tmp_path / "w.safetensors")
     assert weights.keys() == trained["model"].keys()
     assert all(torch.equal(weights[k], trained["model"][k]) for k in weights)
@@ -198,13 +245,24 @@ def test_exports_load_with_standard_tools(tmp_path, cluster):
 def test_token_schedule(tmp_path):
     local = tmp_path / "local"
     # the tiny trainer reports 48 tokens per rank per iteration: 96 per iteration on 2 ranks
-    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=0",
-                                      "persist.local.every_tokens=192", "persist.local.keep=0"))
+    cluster = LocalCluster(
+        tmp_path,
+        args=(
+            f"persist.local.dir={local}",
+            "persist.local.every_n=0",
+            "persist.local.every_tokens=192",
+            "persist.local.keep=0",
+        ),
+    )
     try:
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"),
-                         "--steps", "6") == [0, 0], rank_logs(tmp_path)
-        cluster.wait_status(lambda st: st["job"]["committed"] == 6 and not st["persist"]["local"]["in_flight"],
-                            what="iteration 6 committed and no checkpoint in flight")
+        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"), "--steps", "6") == [
+            0,
+            0,
+        ], rank_logs(tmp_path)
+        cluster.wait_status(
+            lambda st: st["job"]["committed"] == 6 and not st["persist"]["local"]["in_flight"],
+            what="iteration 6 committed and no checkpoint in flight",
+        )
     finally:
         cluster.stop()
     from shadow.persist import catalog

@@ -1,6 +1,7 @@
 """The failure-cost planner: simulation against the analytic model, Young/Daly, the public
 scenarios (Llama 3's 54-day run, a 100k-GPU job with hourly failures), the regime where
 restarts dominate, sizing from the measured figures, and input validation."""
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,15 @@ def waste_error(st: Strategy, mtbf: float, days: float = 300, trials: int = 4) -
     return abs((1 - sim) - (1 - ana)) / (1 - ana)
 
 
-@pytest.mark.parametrize("st,mtbf", [
-    (Strategy("sync", work_s=600, wall_s=600, stall_s=60, delay_s=0, restart_s=300), 1 * H),
-    (Strategy("sync", work_s=3000, wall_s=3000, stall_s=300, delay_s=0, restart_s=1200), 1 * H),  # costs ~ MTBF
-    (Strategy("async", work_s=120, wall_s=120, stall_s=1, delay_s=60, restart_s=300), 2 * H),
-    (Strategy("shadow", work_s=6, wall_s=6.06, stall_s=0, delay_s=6.06, restart_s=300), 2 * H),
-])
+@pytest.mark.parametrize(
+    "st,mtbf",
+    [
+        (Strategy("sync", work_s=600, wall_s=600, stall_s=60, delay_s=0, restart_s=300), 1 * H),
+        (Strategy("sync", work_s=3000, wall_s=3000, stall_s=300, delay_s=0, restart_s=1200), 1 * H),  # costs ~ MTBF
+        (Strategy("async", work_s=120, wall_s=120, stall_s=1, delay_s=60, restart_s=300), 2 * H),
+        (Strategy("shadow", work_s=6, wall_s=6.06, stall_s=0, delay_s=6.06, restart_s=300), 2 * H),
+    ],
+)
 def test_simulation_agrees_with_the_analytic_model_within_5_percent(st, mtbf):
     assert waste_error(st, mtbf) < 0.05
 
@@ -114,17 +118,20 @@ def test_sizing_reads_the_measured_figures(tmp_path):
         size(PlanConfig(shadow=ShadowPlanConfig(bench_dir=str(tmp_path))))
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["gpus=0"], "gpus=0 must be >= 1"),
-    (["gpu_mtbf_h=0"], "gpu_mtbf_h=0.0 must be > 0"),
-    (["job_mtbf_h=-1"], "job_mtbf_h=-1.0 must be >= 0"),
-    (["optimizer=lion"], "optimizer='lion' is not one of"),
-    (["iteration_s=0"], "iteration_s=0.0 must be > 0"),
-    (["shadow.overhead=1.5"], "shadow.overhead=1.5 must be a fraction"),
-    (["tiered.write_GBps=0"], "tiered.write_GBps=0.0 must be > 0"),
-    (["sync.interval_s=-5"], "sync.interval_s=-5.0 must be >= 0"),
-    (["params=lots"], "params='lots' is not allowed: params takes a number"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["gpus=0"], "gpus=0 must be >= 1"),
+        (["gpu_mtbf_h=0"], "gpu_mtbf_h=0.0 must be > 0"),
+        (["job_mtbf_h=-1"], "job_mtbf_h=-1.0 must be >= 0"),
+        (["optimizer=lion"], "optimizer='lion' is not one of"),
+        (["iteration_s=0"], "iteration_s=0.0 must be > 0"),
+        (["shadow.overhead=1.5"], "shadow.overhead=1.5 must be a fraction"),
+        (["tiered.write_GBps=0"], "tiered.write_GBps=0.0 must be > 0"),
+        (["sync.interval_s=-5"], "sync.interval_s=-5.0 must be >= 0"),
+        (["params=lots"], "params='lots' is not allowed: params takes a number"),
+    ],
+)
 def test_inputs_are_validated(args, needle):
     with pytest.raises(UsageError) as ei:
         compose("plan", split(args))
@@ -132,9 +139,25 @@ def test_inputs_are_validated(args, needle):
 
 
 def test_plan_cli_json():
-    res = subprocess.run([sys.executable, "-m", "shadow", "plan", "--config-dir", "configs", "--config-name",
-                          "plan_100k_hourly", "trials=2", "days=5", "--json"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shadow",
+            "plan",
+            "--config-dir",
+            "configs",
+            "--config-name",
+            "plan_100k_hourly",
+            "trials=2",
+            "days=5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert set(out["analytic"]) == set(out["simulated"]) == {"sync", "async", "shadow"}
@@ -145,8 +168,13 @@ def test_plan_cli_json():
 def test_simulator_script_writes_the_sweep_and_plots(tmp_path):
     import importlib.util
 
-    res = subprocess.run([sys.executable, "scripts/plan_failures.py", "--out", str(tmp_path), "--trials", "1",
-                          "--days", "3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "scripts/plan_failures.py", "--out", str(tmp_path), "--trials", "1", "--days", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads((tmp_path / "plan.json").read_text())
     sweep = out["sweep_gpus"]

@@ -1,6 +1,7 @@
 """Re-attaching mid-run (resync, add_param_group, a resumed run) keeps the checkpoint of
 the boundary intact: the bootstrap records that iteration's RNG and extra state, and the
 previous epoch keeps answering restores until the new one holds its base."""
+
 from __future__ import annotations
 
 import random
@@ -33,8 +34,7 @@ def test_reattach_bootstrap_records_the_boundary_rng_and_extra_state(world1, clu
     opt = torch.optim.AdamW(_groups(model), lr=1e-2, fused=True)
     ddp = DDP(model)
     box = {"it": 0}
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, job="boundary",
-                                   extra_state=lambda: dict(box))
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, job="boundary", extra_state=lambda: dict(box))
     random.seed(11)
     for it in range(1, 4):
         box["it"] = it
@@ -72,8 +72,7 @@ def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, clus
     streamed = bootstrap.bootstrap
     monkeypatch.setattr(bootstrap, "bootstrap", lambda att, carry: None)
     m3, o3, s3 = build(seed=4)
-    dead = trainer_hooks.attach(DDP(m3), o3, coordinator=cluster.address, scheduler=s3, job="handover",
-                                iteration=3)
+    dead = trainer_hooks.attach(DDP(m3), o3, coordinator=cluster.address, scheduler=s3, job="handover", iteration=3)
     st = cluster.status()
     assert st["job"]["epoch"] == dead.epoch and st["job"]["committed"] is None  # the new epoch has nothing yet
     assert st["restorable"]["memory"] == 3

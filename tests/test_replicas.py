@@ -1,5 +1,6 @@
 """replicas=2: losing a replica loses nothing and stops nothing; its replacement copies
 the shard from the surviving peer (not from the trainers) and the cut goes on."""
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,12 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int, s
 
 def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
     ckpt = tmp_path / "ckpt"
-    cluster = LocalCluster(tmp_path, workers=4, args=("replicas=2", f"persist.local.dir={ckpt}", "persist.local.every_n=4"),
-                      env={"SHADOW_WORKER_LOST_S": "1.5"})
+    cluster = LocalCluster(
+        tmp_path,
+        workers=4,
+        args=("replicas=2", f"persist.local.dir={ckpt}", "persist.local.every_n=4"),
+        env={"SHADOW_WORKER_LOST_S": "1.5"},
+    )
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -98,17 +103,31 @@ def test_damaged_replicas_reset_and_recopy_under_network_faults(tmp_path):
     cluster = LocalCluster(tmp_path, workers=4, args=("replicas=2",), env={"SHADOW_WORKER_LOST_S": "2"})
     try:
         env = {"SHADOW_FAULT_NET": "drop=0.004,dup=0.004,reorder=0.004,truncate=0.004,bitflip=0.004,seed=5,until=30"}
-        assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "out"), "--steps",
-                         str(steps), "--step-sleep", "0.05", env=env) == [0, 0], rank_logs(tmp_path)
+        assert run_ranks(
+            tmp_path,
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(tmp_path / "out"),
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.05",
+            env=env,
+        ) == [0, 0], rank_logs(tmp_path)
         st = cluster.wait_caught_up(steps)
         assert st["job"]["committed"] == steps and all(w["health"] == "ok" for w in st["workers"])
         assert cluster.log.read_text().count("copied iteration") >= 1
         for r in range(2):
-            assert_same_state(torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=True),
-                              torch.load(ref / f"rank{r}.pt", weights_only=True))
+            assert_same_state(
+                torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=True),
+                torch.load(ref / f"rank{r}.pt", weights_only=True),
+            )
         fresh, fopt, fsched = build(seed=9)
         assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == steps
-        assert_same_state({"model": fresh.state_dict(), "optimizer": fopt.state_dict(),
-                           "scheduler": fsched.state_dict()}, torch.load(ref / "rank0.pt", weights_only=True))
+        assert_same_state(
+            {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "scheduler": fsched.state_dict()},
+            torch.load(ref / "rank0.pt", weights_only=True),
+        )
     finally:
         cluster.stop()

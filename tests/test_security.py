@@ -1,4 +1,5 @@
 """CURVE keys, the ZAP guard and its refusal counts, over real sockets on 127.0.0.1."""
+
 from __future__ import annotations
 
 import os
@@ -78,8 +79,14 @@ def secured(keys):
 
 def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
     def keygen(*args):
-        return subprocess.run([sys.executable, "-m", "shadow", "keygen", f"dir={tmp_path / 'k'}", *args],
-                              capture_output=True, text=True, cwd=ROOT, timeout=60, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "shadow", "keygen", f"dir={tmp_path / 'k'}", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+            check=False,
+        )
 
     res = keygen("name=server")
     assert res.returncode == 0, res.stderr
@@ -95,8 +102,14 @@ def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
     res = keygen("name=trainer0")
     assert res.returncode == 0 and "security.allow" in res.stdout
     assert [p.name for p in (tmp_path / "k").iterdir() if p.name.startswith(".")] == []
-    help_ = subprocess.run([sys.executable, "-m", "shadow", "keygen", "--help"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=60, check=False)
+    help_ = subprocess.run(
+        [sys.executable, "-m", "shadow", "keygen", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=False,
+    )
     assert help_.returncode == 0 and "dir=keys" in help_.stdout and "overwrite=false" in help_.stdout
 
 
@@ -129,8 +142,9 @@ def test_plain_client_is_counted_as_a_failed_handshake(secured):
 
 
 def test_wrong_server_key_is_counted_as_a_failed_handshake(secured, keys):
-    c = secured.client(S.load_secret(keys / "allow" / "trainer.key_secret"),
-                       server_public=S.load_public(keys / "stranger.key"))
+    c = secured.client(
+        S.load_secret(keys / "allow" / "trainer.key_secret"), server_public=S.load_public(keys / "stranger.key")
+    )
     c.send(PAYLOAD)
     assert not secured.server.poll(300)
     assert wait_for(lambda: secured.guard.refused.get("handshake_crypto", 0) >= 1), secured.guard.refused

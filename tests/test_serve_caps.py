@@ -2,6 +2,7 @@
 all, answering more with a "busy" error at once; an apply never waits on a client that
 does not read its shard (issue 15, row 6), while a client that reads still gets a
 consistent one during training."""
+
 from __future__ import annotations
 
 import threading
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 class Big(nn.Module):
     """About a million parameters: a 12 MB Adam shard, more than the socket buffers hold."""
+
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(4096, 256)
@@ -128,8 +130,10 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path):
         asker.join(5)
         done.set()
         reader.join(60)
-        print(f"committed rate: {baseline:.1f} it/s with a reading client, {loaded:.1f} it/s with 20 more "
-              f"that do not read; {len(got)} restores")
+        print(
+            f"committed rate: {baseline:.1f} it/s with a reading client, {loaded:.1f} it/s with 20 more "
+            f"that do not read; {len(got)} restores"
+        )
         assert loaded >= 0.5 * baseline, (baseline, loaded)
 
         assert not errors, errors

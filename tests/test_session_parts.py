@@ -2,6 +2,7 @@
 explicit ``attach`` signature, the hook slot (one per DDP model, plain reduction when no
 session is attached), what ``close`` releases, and what a failed ``Attachment.open`` or
 resync leaves behind (nothing)."""
+
 from __future__ import annotations
 
 import gc
@@ -32,8 +33,12 @@ from trainer_hooks.session.sender import Refused
 def _recorder(**options):
     model, opt, sched = build()
     calls = []
-    rec = StepRecorder(opt, AttachOptions(**options), on_ready=lambda: calls.append("ready"),
-                       on_skipped=lambda: calls.append("skipped"))
+    rec = StepRecorder(
+        opt,
+        AttachOptions(**options),
+        on_ready=lambda: calls.append("ready"),
+        on_skipped=lambda: calls.append("skipped"),
+    )
     return model, opt, rec, calls
 
 
@@ -82,8 +87,12 @@ def test_the_recorder_waits_for_the_scheduler_and_scaler():
     _, opt, sched = build()
     scaler = torch.amp.GradScaler("cpu")
     calls = []
-    rec = StepRecorder(opt, AttachOptions(scheduler=sched, scaler=scaler), on_ready=lambda: calls.append("ready"),
-                       on_skipped=lambda: calls.append("skipped"))
+    rec = StepRecorder(
+        opt,
+        AttachOptions(scheduler=sched, scaler=scaler),
+        on_ready=lambda: calls.append("ready"),
+        on_skipped=lambda: calls.append("skipped"),
+    )
     rec.start(0, 1)
     k, sent = rec.advance()
     rec.record(k, sent, True, None, None, [], rank=1)
@@ -96,18 +105,21 @@ def test_the_recorder_waits_for_the_scheduler_and_scaler():
     assert calls == ["ready", "skipped"]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(policy="wait"), "back-pressure policy 'wait'"),
-    (dict(audit_every=-1), "audit_every=-1"),
-    (dict(audit_every=1.5), "audit_every=1.5"),
-    (dict(audit_every=True), "audit_every=True"),
-    (dict(tokens=5), "tokens must be a callable"),
-    (dict(extra_state={"a": 1}), "extra_state must be a callable"),
-    (dict(comm_hook="bf16"), "comm_hook must be a DDP communication hook"),
-    (dict(scaler=object()), "scaler must be a torch.amp.GradScaler"),
-    (dict(scheduler=object()), "scheduler must be a torch.optim.lr_scheduler"),
-    (dict(job="../x"), "job"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(policy="wait"), "back-pressure policy 'wait'"),
+        (dict(audit_every=-1), "audit_every=-1"),
+        (dict(audit_every=1.5), "audit_every=1.5"),
+        (dict(audit_every=True), "audit_every=True"),
+        (dict(tokens=5), "tokens must be a callable"),
+        (dict(extra_state={"a": 1}), "extra_state must be a callable"),
+        (dict(comm_hook="bf16"), "comm_hook must be a DDP communication hook"),
+        (dict(scaler=object()), "scaler must be a torch.amp.GradScaler"),
+        (dict(scheduler=object()), "scheduler must be a torch.optim.lr_scheduler"),
+        (dict(job="../x"), "job"),
+    ],
+)
 def test_attach_options_are_checked_at_construction(bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         AttachOptions(**bad)
@@ -133,8 +145,22 @@ def test_a_session_takes_options_or_their_keywords_not_both(world1):
 def test_attach_names_every_argument():
     sig = inspect.signature(trainer_hooks.attach)
     assert list(sig.parameters) == [
-        "ddp_model", "optimizer", "coordinator", "scheduler", "scaler", "extra_state", "tokens", "job", "iteration",
-        "overwrite", "policy", "comm_hook", "comm_state", "audit_every", "audit_strict"]
+        "ddp_model",
+        "optimizer",
+        "coordinator",
+        "scheduler",
+        "scaler",
+        "extra_state",
+        "tokens",
+        "job",
+        "iteration",
+        "overwrite",
+        "policy",
+        "comm_hook",
+        "comm_state",
+        "audit_every",
+        "audit_strict",
+    ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(sig.parameters.values())[3:])
     doc = trainer_hooks.attach.__doc__
     assert all(f"    {name}:" in doc for name in list(sig.parameters))
@@ -214,8 +240,9 @@ def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, clust
     gc.collect()
     assert gone() is None
     train_step(ddp, opt, sched, 3)  # plain DDP again
-    again = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot", iteration=3,
-                                 overwrite=True)  # the same DDP model: its one hook serves the new session
+    again = trainer_hooks.attach(
+        ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot", iteration=3, overwrite=True
+    )  # the same DDP model: its one hook serves the new session
     train_step(ddp, opt, sched, 4)
     assert again.close() == 4 and not _senders()
 
@@ -271,8 +298,11 @@ def test_parameters_on_several_devices_are_named():
     names = ["emb.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "ln.weight", "ln.bias"]
     layout = SimpleNamespace(params=[SimpleNamespace(name=n) for n in names])
     params = [torch.zeros(2, device="meta" if i == 1 else "cpu") for i in range(len(names))]
-    with pytest.raises(ShadowUsageError, match=r"on 2 devices \(cpu: emb.weight, fc1.bias, fc2.weight, "
-                                               r"fc2.bias and 2 more; meta: fc1.weight\).*model.to\(device\)"):
+    with pytest.raises(
+        ShadowUsageError,
+        match=r"on 2 devices \(cpu: emb.weight, fc1.bias, fc2.weight, "
+        r"fc2.bias and 2 more; meta: fc1.weight\).*model.to\(device\)",
+    ):
         device.device_of(layout, params)
     assert device.device_of(layout, [torch.zeros(1)] * len(names)) == torch.device("cpu")
     assert not device.capturing()  # no CUDA here

@@ -1,5 +1,6 @@
 """The shared harness (shadow/testing): waits, fault wrappers, state comparison, and a
 cluster that is always stopped."""
+
 from __future__ import annotations
 
 import errno
@@ -48,8 +49,12 @@ def test_fault_wrappers_are_put_back():
     real = (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all)
     with F.injected(ServiceFaults(corrupt_apply_at=1, persist_die_at=2, persist_full="/nonexistent")):
         assert (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all) != real
-        assert all(a is not b for a, b in zip(real, (state.ShardState.apply, writer.ShardPersister._write,
-                                                     shardfile._write_all), strict=True))
+        assert all(
+            a is not b
+            for a, b in zip(
+                real, (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all), strict=True
+            )
+        )
     assert (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all) == real
 
 
@@ -66,11 +71,16 @@ def test_the_full_disk_wrapper_fails_only_while_its_file_exists(tmp_path):
 
 
 def test_state_differences_are_bit_for_bit():
-    a = {"model": {"w": torch.tensor([1.0, 2.0])}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
-                                                               "param_groups": [{"lr": 0.1}]}, "scheduler": {"n": 1}}
-    b = {"model": {"w": torch.tensor([1.0, np.nextafter(np.float32(2.0), np.float32(3.0)).item()])},
-         "optimizer": {"state": {0: {"step": torch.tensor(3.0, dtype=torch.float64)}},
-                       "param_groups": [{"lr": 0.1}]}, "scheduler": {"n": 2}}
+    a = {
+        "model": {"w": torch.tensor([1.0, 2.0])},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+        "scheduler": {"n": 1},
+    }
+    b = {
+        "model": {"w": torch.tensor([1.0, np.nextafter(np.float32(2.0), np.float32(3.0)).item()])},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0, dtype=torch.float64)}}, "param_groups": [{"lr": 0.1}]},
+        "scheduler": {"n": 2},
+    }
     assert state_differences(a, a) == []
     assert_same_state(a, a)
     got = state_differences(a, b)

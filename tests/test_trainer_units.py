@@ -1,5 +1,6 @@
 """Trainer-side pieces that need no processes: codec, staging ring, layout building,
 optimizer checks."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,13 @@ from trainer_hooks.session.staging import RingFullError, StagingRing
 
 
 def test_codec_roundtrip_keeps_tensors_and_tuples():
-    obj = {"a": (1, 2.5, "x"), "t": torch.arange(6, dtype=torch.int16).reshape(2, 3), 3: [None, b"\x00\x01"],
-           "e": torch.empty(0), "nested": {"b": (torch.tensor(1.5),)}}
+    obj = {
+        "a": (1, 2.5, "x"),
+        "t": torch.arange(6, dtype=torch.int16).reshape(2, 3),
+        3: [None, b"\x00\x01"],
+        "e": torch.empty(0),
+        "nested": {"b": (torch.tensor(1.5),)},
+    }
     back = _codec.unpack(_codec.pack(obj))
     assert back["a"] == (1, 2.5, "x") and isinstance(back["a"], tuple)
     assert torch.equal(back["t"], obj["t"]) and back["t"].dtype == torch.int16
@@ -88,11 +94,14 @@ def test_layout_rejects_foreign_and_non_fp32_params():
         build_layout(m, torch.optim.AdamW(m.parameters()))
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.RMSprop(ps, lr=0.1),
-    lambda ps: torch.optim.Adam(ps, capturable=True),
-    lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01), fused=True),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.RMSprop(ps, lr=0.1),
+        lambda ps: torch.optim.Adam(ps, capturable=True),
+        lambda ps: torch.optim.Adam(ps, lr=torch.tensor(0.01), fused=True),
+    ],
+)
 def test_unsupported_optimizers_name_the_supported_ones(make):
     with pytest.raises(UnsupportedOptimizerError, match="torch.optim.AdamW, torch.optim.SGD"):
         describe(make(_model().parameters()))
@@ -113,10 +122,12 @@ def test_calibration_keeps_torch_thread_count():
     import subprocess
     import sys
 
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from trainer_hooks import _optim\n"
-            "_optim.calibrate()\n"
-            "print(torch.get_num_threads())\n")
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from trainer_hooks import _optim\n"
+        "_optim.calibrate()\n"
+        "print(torch.get_num_threads())\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
 

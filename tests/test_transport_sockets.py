@@ -1,4 +1,5 @@
 """The socket factory (shadow/transport): every socket's options come from one place."""
+
 from __future__ import annotations
 
 import re
@@ -41,8 +42,7 @@ def test_curve_on_both_sides_comes_from_the_factory(tmp_path, client):
     try:
         assert server.getsockopt(zmq.CURVE_SERVER) == 1
         port = server.bind_to_random_port("tcp://127.0.0.1")
-        dealer = SocketFactory(ctx, keys=keys if client == "curve" else None).dealer(f"tcp://127.0.0.1:{port}",
-                                                                                    1 << 16)
+        dealer = SocketFactory(ctx, keys=keys if client == "curve" else None).dealer(f"tcp://127.0.0.1:{port}", 1 << 16)
         dealer.send(b"ping")
         got = server.poll(3000 if client == "curve" else 1000)
         assert bool(got) == (client == "curve")  # a plain client never gets through the CURVE server

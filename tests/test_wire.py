@@ -1,4 +1,5 @@
 """Frame and control-message pack/unpack and rejection."""
+
 from __future__ import annotations
 
 import struct
@@ -11,8 +12,18 @@ from shadow.wire import messages as M
 
 
 def header(**kw):
-    base = dict(kind=F.Kind.GRAD, field=F.Field.GRAD, job=7, epoch=3, rank=1, world=2, layout=0xABC,
-                iteration=42, seq=5, runs=((16, 100, 123), (200, 4, 9)))
+    base = dict(
+        kind=F.Kind.GRAD,
+        field=F.Field.GRAD,
+        job=7,
+        epoch=3,
+        rank=1,
+        world=2,
+        layout=0xABC,
+        iteration=42,
+        seq=5,
+        runs=((16, 100, 123), (200, 4, 9)),
+    )
     base.update(kw)
     return F.Header(**base)
 
@@ -22,14 +33,17 @@ def test_header_roundtrip():
     assert F.unpack_header(h.pack(), max_runs=8) == h
 
 
-@pytest.mark.parametrize("mutate,reason", [
-    (lambda b: b[:10], "truncated"),
-    (lambda b: b"XXXX" + b[4:], "bad_magic"),
-    (lambda b: b[:4] + struct.pack("<H", 99) + b[6:], "bad_version"),
-    (lambda b: b[:6] + bytes([9]) + b[7:], "bad_kind"),
-    (lambda b: b + b"\0", "bad_length"),
-    (lambda b: b[:-1], "bad_length"),
-])
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda b: b[:10], "truncated"),
+        (lambda b: b"XXXX" + b[4:], "bad_magic"),
+        (lambda b: b[:4] + struct.pack("<H", 99) + b[6:], "bad_version"),
+        (lambda b: b[:6] + bytes([9]) + b[7:], "bad_kind"),
+        (lambda b: b + b"\0", "bad_length"),
+        (lambda b: b[:-1], "bad_length"),
+    ],
+)
 def test_header_rejections(mutate, reason):
     with pytest.raises(F.FrameError) as ei:
         F.unpack_header(mutate(header().pack()), max_runs=8)
@@ -57,15 +71,18 @@ def test_message_roundtrip():
     assert M.decode(raw) == {"t": "prepared", "v": M.VERSION, "epoch": 2, "iteration": 9, "tokens": None}
 
 
-@pytest.mark.parametrize("raw,reason", [
-    (b"\xc1garbage", "undecodable"),
-    (msgpack.packb([1, 2]), "not_a_map"),
-    (msgpack.packb({"t": "prepared", "v": 99, "epoch": 1, "iteration": 1, "tokens": 0}), "bad_version"),
-    (msgpack.packb({"t": "nope", "v": 1}), "unknown_type"),
-    (msgpack.packb({"t": "prepared", "v": 1, "epoch": 1}), "missing_field"),
-    (msgpack.packb({"t": "prepared", "v": 1, "epoch": "1", "iteration": 1, "tokens": 0}), "bad_field"),
-    (msgpack.packb({"t": "prepared", "v": 1, "epoch": True, "iteration": 1, "tokens": 0}), "bad_field"),
-])
+@pytest.mark.parametrize(
+    "raw,reason",
+    [
+        (b"\xc1garbage", "undecodable"),
+        (msgpack.packb([1, 2]), "not_a_map"),
+        (msgpack.packb({"t": "prepared", "v": 99, "epoch": 1, "iteration": 1, "tokens": 0}), "bad_version"),
+        (msgpack.packb({"t": "nope", "v": 1}), "unknown_type"),
+        (msgpack.packb({"t": "prepared", "v": 1, "epoch": 1}), "missing_field"),
+        (msgpack.packb({"t": "prepared", "v": 1, "epoch": "1", "iteration": 1, "tokens": 0}), "bad_field"),
+        (msgpack.packb({"t": "prepared", "v": 1, "epoch": True, "iteration": 1, "tokens": 0}), "bad_field"),
+    ],
+)
 def test_message_rejections(raw, reason):
     with pytest.raises(M.MessageError) as ei:
         M.decode(raw)

@@ -1,4 +1,5 @@
 """Workers start with glibc's malloc on transparent huge pages (shadow/worker/malloc.py)."""
+
 from __future__ import annotations
 
 import os

@@ -1,7 +1,9 @@
 """Trainer side of the shadow checkpoint service: attach a DDP training run, restore it."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -21,11 +23,24 @@ from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.session import Session
 
 
-def attach(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str, *,
-           scheduler: Any = None, scaler: Any = None, extra_state: Callable[[], Any] | None = None,
-           tokens: Callable[[], int] | None = None, job: str = "default", iteration: int | None = None,
-           overwrite: bool = False, policy: str = "block", comm_hook: Callable | None = None,
-           comm_state: Any = None, audit_every: int = 0, audit_strict: bool = False) -> Session:
+def attach(
+    ddp_model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    coordinator: str,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra_state: Callable[[], Any] | None = None,
+    tokens: Callable[[], int] | None = None,
+    job: str = "default",
+    iteration: int | None = None,
+    overwrite: bool = False,
+    policy: str = "block",
+    comm_hook: Callable | None = None,
+    comm_state: Any = None,
+    audit_every: int = 0,
+    audit_strict: bool = False,
+) -> Session:
     """Stream every iteration of ``ddp_model``/``optimizer`` to the shadow cluster at
     ``coordinator``. Call on every rank, before the first backward; returns the rank's
     :class:`Session`.
@@ -65,13 +80,36 @@ def attach(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
     twice without ``no_sync``) or asked for (``audit_strict``) is raised, at the next
     ``optimizer.step()``, never from inside DDP.
     """
-    options = AttachOptions(scheduler=scheduler, scaler=scaler, extra_state=extra_state, tokens=tokens, job=job,
-                            policy=policy, comm_hook=comm_hook, comm_state=comm_state, audit_every=audit_every,
-                            audit_strict=audit_strict)
+    options = AttachOptions(
+        scheduler=scheduler,
+        scaler=scaler,
+        extra_state=extra_state,
+        tokens=tokens,
+        job=job,
+        policy=policy,
+        comm_hook=comm_hook,
+        comm_state=comm_state,
+        audit_every=audit_every,
+        audit_strict=audit_strict,
+    )
     return Session(ddp_model, optimizer, coordinator, options, iteration=iteration, overwrite=overwrite)
 
 
 __all__ = [
-    "AttachOptions", "LayoutMismatchError", "RestoreInfo", "Session", "ShadowConnectionError", "ShadowError", "ShadowTimeoutError",
-    "ShadowUsageError", "UnsupportedOptimizerError", "apply_snapshot", "attach", "export", "export_weights", "restore", "serve_metrics", "state_dicts",
+    "AttachOptions",
+    "LayoutMismatchError",
+    "RestoreInfo",
+    "Session",
+    "ShadowConnectionError",
+    "ShadowError",
+    "ShadowTimeoutError",
+    "ShadowUsageError",
+    "UnsupportedOptimizerError",
+    "apply_snapshot",
+    "attach",
+    "export",
+    "export_weights",
+    "restore",
+    "serve_metrics",
+    "state_dicts",
 ]

@@ -12,6 +12,7 @@ measured deviation. A new torch version or GPU thus selects or rejects a rule it
 instead of drifting silently. A fused optimizer also takes one step under a GradScaler
 ``grad_scale``. One synchronisation, at attach.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,11 @@ logger = logging.getLogger(__name__)
 SIZES = (4096, 4099, 1000, 5)
 LONG_STEP = 5000  # a step count in the thousands (bias corrections near 1)
 SCALED_STEP, GRAD_SCALE = 2, 3000.0  # a fused step under GradScaler: the kernel divides by grad_scale
-CANDIDATES = {"fused": ("cuda_fused",), "foreach": ("cuda_foreach", "cuda_single"),
-              "single": ("cuda_single", "cuda_foreach")}
+CANDIDATES = {
+    "fused": ("cuda_fused",),
+    "foreach": ("cuda_foreach", "cuda_single"),
+    "single": ("cuda_single", "cuda_foreach"),
+}
 
 
 @dataclass
@@ -74,15 +78,18 @@ def _probe_tensors(gen: torch.Generator, scale: float) -> list[torch.Tensor]:
         x = torch.randn(n, generator=gen) * scale
         band = min(n, 256)  # magnitudes from 1e-12 to 1e4, and zeros
         x[:band] *= torch.logspace(-12, 4, band)
-        x[band // 2:band // 2 + 4] = 0.0
+        x[band // 2 : band // 2 + 4] = 0.0
         out.append(x)
     return out
 
 
 def _settings(optimizer: torch.optim.Optimizer, kind: str) -> dict:
     g = optimizer.param_groups[0]
-    keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize") if kind == "sgd" else \
-        ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    keys = (
+        ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+        if kind == "sgd"
+        else ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    )
     out = {k: g[k] for k in keys if k in g}
     if kind == "adam" and g.get("decoupled_weight_decay") and type(optimizer) is torch.optim.Adam:
         out["decoupled_weight_decay"] = True
@@ -99,7 +106,7 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
     at = 0
     for i, x in enumerate(p0):
         if i == len(p0) - 1:
-            t = base[at + 1:at + 1 + len(x)]
+            t = base[at + 1 : at + 1 + len(x)]
             t.copy_(x.to(device))
             params.append(torch.nn.Parameter(t))
         else:
@@ -112,7 +119,7 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
             for p in params:
                 opt.state[p]["step"].fill_(LONG_STEP - 1)
         scaled = k == SCALED_STEP and settings.get("fused")
-        for p, g in zip(params, gs):
+        for p, g in zip(params, gs, strict=True):
             p.grad = (g * GRAD_SCALE if scaled else g.clone()).to(device)
         if scaled:  # what GradScaler.step hands a fused optimizer
             opt.grad_scale = torch.tensor(GRAD_SCALE, device=device)
@@ -129,8 +136,16 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
     return out
 
 
-def _replay(impl: str, settings: dict, p0: list, grads: list, kind: str, decoupled: bool,
-            widths: tuple[int, int], powers: powtab.PowTable) -> list[list]:
+def _replay(
+    impl: str,
+    settings: dict,
+    p0: list,
+    grads: list,
+    kind: str,
+    decoupled: bool,
+    widths: tuple[int, int],
+    powers: powtab.PowTable,
+) -> list[list]:
     sizes = [len(x) for x in p0]
     offsets = list(np.cumsum([0] + sizes)[:-1])
     total = sum(sizes)
@@ -144,33 +159,53 @@ def _replay(impl: str, settings: dict, p0: list, grads: list, kind: str, decoupl
         scaled = k == SCALED_STEP and settings.get("fused")
         g = np.concatenate([(x * GRAD_SCALE if scaled else x).numpy() for x in gs]).astype(np.float32)
         if kind == "sgd":
-            group = {"lr": settings["lr"], "momentum": settings.get("momentum", 0.0),
-                     "dampening": settings.get("dampening", 0.0), "weight_decay": settings.get("weight_decay", 0.0),
-                     "nesterov": bool(settings.get("nesterov", False)), "maximize": bool(settings.get("maximize"))}
-            plan.prepare_sgd([group], np.full(len(sizes), k > 1), set(),
-                             grad_scale=np.float32(GRAD_SCALE) if scaled else None)
+            group = {
+                "lr": settings["lr"],
+                "momentum": settings.get("momentum", 0.0),
+                "dampening": settings.get("dampening", 0.0),
+                "weight_decay": settings.get("weight_decay", 0.0),
+                "nesterov": bool(settings.get("nesterov", False)),
+                "maximize": bool(settings.get("maximize")),
+            }
+            plan.prepare_sgd(
+                [group], np.full(len(sizes), k > 1), set(), grad_scale=np.float32(GRAD_SCALE) if scaled else None
+            )
             plan.apply_sgd(p, m, g, threads=False)
             out.append([p.copy()] + ([m.copy()] if group["momentum"] != 0 else []))
             continue
         step = float(LONG_STEP if k == len(grads) else k)
-        group = {"lr": settings["lr"], "betas": settings["betas"], "eps": settings["eps"],
-                 "weight_decay": settings["weight_decay"], "amsgrad": amsgrad,
-                 "maximize": bool(settings.get("maximize")), "decoupled": decoupled}
-        plan.prepare([group], np.full(len(sizes), step), set(), None,
-                     grad_scale=np.float32(GRAD_SCALE) if scaled else None)
+        group = {
+            "lr": settings["lr"],
+            "betas": settings["betas"],
+            "eps": settings["eps"],
+            "weight_decay": settings["weight_decay"],
+            "amsgrad": amsgrad,
+            "maximize": bool(settings.get("maximize")),
+            "decoupled": decoupled,
+        }
+        plan.prepare(
+            [group], np.full(len(sizes), step), set(), None, grad_scale=np.float32(GRAD_SCALE) if scaled else None
+        )
         plan.apply(p, m, v, mx if amsgrad else np.zeros(0, np.float32), g, threads=False)
         out.append([p.copy(), m.copy(), v.copy()] + ([mx.copy()] if amsgrad else []))
     return out
 
 
-def calibrate_device(optimizer: torch.optim.Optimizer, device: torch.device, kind: str, impl: str,
-                     candidates: tuple[str, ...] | None = None, widths: tuple[int, int] = (16, 8)) -> Calibration:
+def calibrate_device(
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    kind: str,
+    impl: str,
+    candidates: tuple[str, ...] | None = None,
+    widths: tuple[int, int] = (16, 8),
+) -> Calibration:
     """The replay rule for ``optimizer`` (torch implementation ``impl``) on ``device``:
     the first of ``candidates`` (default: the CUDA rules for ``impl``) that reproduces it;
     ``widths``: the CPU fused kernel's vector and tail widths, for CPU candidates."""
     cls = type(optimizer)
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or \
-        bool(optimizer.param_groups[0].get("decoupled_weight_decay"))
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+        optimizer.param_groups[0].get("decoupled_weight_decay")
+    )
     mine = _settings(optimizer, kind)
     probes = [mine]
     if mine.get("weight_decay", 0.0) != 0 or kind == "adam":
@@ -184,8 +219,18 @@ def calibrate_device(optimizer: torch.optim.Optimizer, device: torch.device, kin
     try:
         with _cache.compile_lock():  # ranks and workers on one host compile the kernels once
             powers = device_powers(optimizer, device) if kind == "adam" else []
-            cal = _measure(cls, probes, device, p0, grads, kind, decoupled, candidates or CANDIDATES[impl], widths,
-                           powtab.PowTable(powers))
+            cal = _measure(
+                cls,
+                probes,
+                device,
+                p0,
+                grads,
+                kind,
+                decoupled,
+                candidates or CANDIDATES[impl],
+                widths,
+                powtab.PowTable(powers),
+            )
             cal.powers = powers if cal.impl == "cuda_fused" else None
             return cal
     finally:
@@ -200,8 +245,8 @@ def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths
         for settings in probes:
             want = _run_device(cls, settings, device, p0, grads, kind)
             got = _replay(cand, settings, p0, grads, kind, decoupled, widths, powers)
-            for w_step, g_step in zip(want, got):
-                for w, g in zip(w_step, g_step):
+            for w_step, g_step in zip(want, got, strict=True):
+                for w, g in zip(w_step, g_step, strict=True):
                     worst = max(worst, _ulp(w, g))
         tried[cand] = worst
         if worst == 0:

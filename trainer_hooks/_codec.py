@@ -4,6 +4,7 @@ opaque commit blob: msgpack with two extension types, never pickle.
 * ext 1: a CPU tensor: ``[dtype name, shape, raw bytes]``;
 * ext 2: a tuple (msgpack would otherwise turn it into a list).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,10 +14,21 @@ import torch
 
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool,
-)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class EncodeError(TypeError):

@@ -1,12 +1,13 @@
 """Writing a checkpoint out in standard formats: a torch state-dict file, a
 ``torch.distributed.checkpoint`` directory, or the model weights as safetensors."""
+
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -33,8 +34,10 @@ def check_out(out: str) -> None:
     (the write would otherwise fail only at the end, after reading the whole checkpoint)."""
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"cannot write {out}: the directory {parent} does not exist; create it first "
-                                f"(mkdir -p {parent}) or choose another out=")
+        raise FileNotFoundError(
+            f"cannot write {out}: the directory {parent} does not exist; create it first "
+            f"(mkdir -p {parent}) or choose another out="
+        )
 
 
 def _via_tmp(out: str, write: Callable[[str], object]) -> None:
@@ -107,5 +110,8 @@ def export_weights(snap: Snapshot, out: str, fmt: str = "safetensors", dtype: st
         for alias, name in aliases.items():
             full[alias] = full[name]  # torch.save keeps the tie
         _via_tmp(out, lambda tmp: torch.save(full, tmp))
-    return {"tensors": len(weights), "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
-            "aliases": aliases}
+    return {
+        "tensors": len(weights),
+        "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
+        "aliases": aliases,
+    }

@@ -17,6 +17,7 @@ the index (names, dtypes, shapes, aliases, state-dict order), sent again only wh
 changes. Changes made through ``.data`` or a numpy view do not move ``_version`` and are
 not seen.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,11 @@ def collect(model: torch.nn.Module, layout_params) -> tuple[OrderedDict, dict, l
         if isinstance(t, torch.Tensor) and id(t) in held:
             continue
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
-            logger.warning("state-dict entry %r (%s) is not a dense tensor: the shadow does not checkpoint it",
-                           name, type(t).__name__)
+            logger.warning(
+                "state-dict entry %r (%s) is not a dense tensor: the shadow does not checkpoint it",
+                name,
+                type(t).__name__,
+            )
             continue
         if id(t) in seen:
             aliases[name] = seen[id(t)]
@@ -136,12 +140,21 @@ class ExtrasTracker:
         return sorted(out)
 
     def _index(self) -> bytes:
-        raw = _codec.pack({"format": FORMAT, "chunk": self.chunk, "aliases": self.aliases, "order": self.order,
-                           "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                       for n, t in zip(self.names, self.tensors)]})
+        raw = _codec.pack(
+            {
+                "format": FORMAT,
+                "chunk": self.chunk,
+                "aliases": self.aliases,
+                "order": self.order,
+                "tensors": [
+                    [n, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                    for n, t in zip(self.names, self.tensors, strict=True)
+                ],
+            }
+        )
         return struct.pack("<Q", len(raw)) + raw
 
-    def capture(self, everything: bool = False) -> "PendingExtras":
+    def capture(self, everything: bool = False) -> PendingExtras:
         """Training thread: copy what changed (all of it with ``everything``, at a
         bootstrap) to the host, non-blocking; :meth:`PendingExtras.finish` sends it."""
         todo = list(range(len(self.tensors))) if everything else self.changed()
@@ -172,7 +185,7 @@ class ExtrasTracker:
         runs: list[list] = [[] for _ in range(self.nworkers)]
         for j, buf in pieces:
             for c, lo in enumerate(range(0, len(buf), self.chunk)):
-                view = buf[lo:lo + self.chunk]
+                view = buf[lo : lo + self.chunk]
                 for w in self.replicas[(j + c) % self.nshards]:
                     runs[w].append((key(j, c), view))
         for w, rs in enumerate(runs):
@@ -203,7 +216,7 @@ class PendingExtras:
         if self.index is not None:
             pieces.append((INDEX, self.index))
         hosts = self.copies.get() if self.copies is not None else []
-        for j, host in zip(self.todo, hosts):
+        for j, host in zip(self.todo, hosts, strict=True):
             buf = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, dtype=np.uint8)
             digest = xxhash.xxh3_128_digest(buf)
             if self.everything or digest != t.digests[j]:
@@ -214,6 +227,7 @@ class PendingExtras:
 
 # -- restore ---------------------------------------------------------------------------------
 
+
 def _assemble(chunks: dict[int, Any], j: int, nbytes: int, chunk: int, what: str) -> torch.Tensor:
     out = torch.empty(nbytes, dtype=torch.uint8)
     dst = out.numpy()
@@ -222,7 +236,7 @@ def _assemble(chunks: dict[int, Any], j: int, nbytes: int, chunk: int, what: str
         want = min(chunk, nbytes - lo)
         if part is None or len(part) != want:
             raise LayoutMismatchError(f"the checkpoint lacks part {c} of {what} (or it has the wrong size)")
-        dst[lo:lo + want] = np.frombuffer(part, dtype=np.uint8)
+        dst[lo : lo + want] = np.frombuffer(part, dtype=np.uint8)
     return out
 
 
@@ -284,8 +298,10 @@ def load_plan(model: torch.nn.Module, layout_params, sd_model: dict, recorded) -
             continue
         plan.append((t, src))
     if problems:
-        raise LayoutMismatchError(f"the checkpoint's model state outside the optimizer does not match this model: "
-                                  f"{'; '.join(problems[:5])}; nothing was changed")
+        raise LayoutMismatchError(
+            f"the checkpoint's model state outside the optimizer does not match this model: "
+            f"{'; '.join(problems[:5])}; nothing was changed"
+        )
     return plan
 
 

@@ -6,6 +6,7 @@ On when ``SHADOW_METRICS_PORT`` is set (each rank serves on that port plus its
 :func:`serve_metrics`. One endpoint per process; it follows the newest session, so it
 survives re-attaches.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,7 @@ from shadow.metrics import TRAINER, MetricsServer, Samples, serve
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _server: MetricsServer | None = None
-_session: "weakref.ref | None" = None
+_session: weakref.ref | None = None
 
 
 def _samples() -> Samples:

@@ -1,6 +1,7 @@
 """The trainer's view of the canonical layout: optimizer parameters, their names in the
 model (DDP-wrapped or not) and tied-weight aliases (the rest of the model's state is
 ``_extras``')."""
+
 from __future__ import annotations
 
 import torch
@@ -52,5 +53,8 @@ def state_dict_aliases(model: torch.nn.Module) -> dict[str, str]:
     the canonical ``named_parameters`` name."""
     m = unwrap(model)
     canonical = {id(p): n for n, p in m.named_parameters()}
-    return {k: canonical[id(t)] for k, t in m.state_dict(keep_vars=True).items()
-            if id(t) in canonical and canonical[id(t)] != k}
+    return {
+        k: canonical[id(t)]
+        for k, t in m.state_dict(keep_vars=True).items()
+        if id(t) in canonical and canonical[id(t)] != k
+    }

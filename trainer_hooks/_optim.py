@@ -4,6 +4,7 @@ For the fused CPU kernel the replay is bit-identical; which elements take the
 compiler's scalar remainder path depends on the CPU build, so :func:`calibrate`
 checks the numba kernel against torch on this machine and picks the widths that match.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,10 @@ class UnsupportedOptimizerError(TypeError):
 
 
 def _unsupported(what: str) -> UnsupportedOptimizerError:
-    return UnsupportedOptimizerError(f"{what}; the shadow replays: {', '.join(SUPPORTED)} "
-                                     "(fp32, lr/betas as Python floats, capturable=False, differentiable=False)")
+    return UnsupportedOptimizerError(
+        f"{what}; the shadow replays: {', '.join(SUPPORTED)} "
+        "(fp32, lr/betas as Python floats, capturable=False, differentiable=False)"
+    )
 
 
 def _impl(group: dict, params: list[torch.Tensor]) -> str:
@@ -52,9 +55,16 @@ def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
         for g in optimizer.param_groups:
             if isinstance(g["lr"], torch.Tensor) or isinstance(g["weight_decay"], torch.Tensor):
                 raise _unsupported("lr and weight_decay given as tensors are not replayed")
-            out.append({"lr": float(g["lr"]), "momentum": float(g["momentum"]), "dampening": float(g["dampening"]),
-                        "weight_decay": float(g["weight_decay"]), "nesterov": bool(g["nesterov"]),
-                        "maximize": bool(g["maximize"])})
+            out.append(
+                {
+                    "lr": float(g["lr"]),
+                    "momentum": float(g["momentum"]),
+                    "dampening": float(g["dampening"]),
+                    "weight_decay": float(g["weight_decay"]),
+                    "nesterov": bool(g["nesterov"]),
+                    "maximize": bool(g["maximize"]),
+                }
+            )
         return out
     decoupled_default = isinstance(optimizer, torch.optim.AdamW)
     out = []
@@ -62,12 +72,17 @@ def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
         lr, (b1, b2) = g["lr"], g["betas"]
         if isinstance(lr, torch.Tensor) or isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
             raise _unsupported("lr and betas given as tensors are not replayed")
-        out.append({
-            "lr": float(lr), "betas": [float(b1), float(b2)], "eps": float(g["eps"]),
-            "weight_decay": float(g["weight_decay"]), "amsgrad": bool(g["amsgrad"]),
-            "maximize": bool(g["maximize"]),
-            "decoupled": bool(g.get("decoupled_weight_decay", decoupled_default)),
-        })
+        out.append(
+            {
+                "lr": float(lr),
+                "betas": [float(b1), float(b2)],
+                "eps": float(g["eps"]),
+                "weight_decay": float(g["weight_decay"]),
+                "amsgrad": bool(g["amsgrad"]),
+                "maximize": bool(g["maximize"]),
+                "decoupled": bool(g.get("decoupled_weight_decay", decoupled_default)),
+            }
+        )
     return out
 
 
@@ -98,7 +113,8 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
                 f"{torch.cuda.get_device_name(cuda)} with torch {torch.__version__}: the closest, {cal.impl}, "
                 f"deviates by up to {cal.max_ulp} ulp on the probes (tried: {cal.tried}); the shadow's state "
                 "will differ from the trainer's by that much per step, and the audit reports, not fails",
-                stacklevel=3)
+                stacklevel=3,
+            )
         impl, exact, powers = cal.impl, cal.bit_exact, cal.powers
     elif kind == "sgd":
         exact = True  # only multiplies and adds: every CPU path is reproduced exactly
@@ -110,10 +126,17 @@ def describe(optimizer: torch.optim.Optimizer) -> dict:
             stacklevel=3,
         )
     elif not exact:
-        warnings.warn("could not match torch's fused Adam bit for bit on this CPU build; the shadow's state "
-                      "may deviate by an ulp in tensor tails (docs/kernels.md)", stacklevel=3)
+        warnings.warn(
+            "could not match torch's fused Adam bit for bit on this CPU build; the shadow's state "
+            "may deviate by an ulp in tensor tails (docs/kernels.md)",
+            stacklevel=3,
+        )
     out = {
-        "kind": kind, "impl": impl, "vec_width": vec, "tail_width": tail, "bit_exact": exact,
+        "kind": kind,
+        "impl": impl,
+        "vec_width": vec,
+        "tail_width": tail,
+        "bit_exact": exact,
         "amsgrad_any": any(bool(g.get("amsgrad", False)) for g in optimizer.param_groups),
         "momentum_any": any(g.get("momentum", 0) != 0 for g in optimizer.param_groups),
     }
@@ -151,22 +174,32 @@ def _calibrate() -> tuple[int, int, bool]:
     init = np.concatenate([p.detach().numpy() for p in params])
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     for gs in grads:
-        for p, g in zip(params, gs):
+        for p, g in zip(params, gs, strict=True):
             p.grad = g.clone()
         opt.step()
     want = np.concatenate([p.detach().numpy() for p in params])
     offsets = np.cumsum([0] + sizes)[:-1]
-    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-             "maximize": False, "decoupled": True}
+    group = {
+        "lr": 1e-2,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled": True,
+    }
     for vec, tail in _CANDIDATES:
         flat, m, v = init.copy(), np.zeros_like(init), np.zeros_like(init)
-        plan = ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), 0, len(init), "fused", vec, tail),
-                          "fused", 4096)
+        plan = ReplayPlan(
+            segments_for_range(offsets, sizes, [0] * len(sizes), 0, len(init), "fused", vec, tail), "fused", 4096
+        )
         for k, gs in enumerate(grads, start=1):
             plan.prepare([group], np.full(len(sizes), float(k)), set(), None)
             plan.apply(flat, m, v, np.zeros(0, np.float32), np.concatenate([g.numpy() for g in gs]), threads=False)
         if np.array_equal(flat.view(np.uint32), want.view(np.uint32)):
             logger.debug("fused Adam calibrated: vec_width=%d tail_width=%d", vec, tail)
             return vec, tail, True
-    logger.warning("fused Adam calibration found no exact match on this CPU (%s)", torch.backends.cpu.get_cpu_capability())
+    logger.warning(
+        "fused Adam calibration found no exact match on this CPU (%s)", torch.backends.cpu.get_cpu_capability()
+    )
     return 16, 8, False

@@ -1,5 +1,6 @@
 """Putting a trainer back at a checkpointed iteration, and the plain torch state-dict
 form of a checkpoint (what ``shadow restore ... format=torch`` writes)."""
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ class RestoreInfo:
 
 def _flat(snap: Snapshot, field: Field, i: int) -> torch.Tensor:
     spec = snap.layout.params[i]
-    arr = snap.arrays[field][spec.offset:spec.offset + spec.numel]
+    arr = snap.arrays[field][spec.offset : spec.offset + spec.numel]
     return torch.from_numpy(arr).view(spec.shape)
 
 
@@ -54,8 +55,11 @@ def state_dicts(snap: Snapshot) -> dict:
         if sgd:
             state[i] = {"momentum_buffer": _flat(snap, Field.EXP_AVG, i)}
             continue
-        st = {"step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
-              "exp_avg": _flat(snap, Field.EXP_AVG, i), "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i)}
+        st = {
+            "step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
+            "exp_avg": _flat(snap, Field.EXP_AVG, i),
+            "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i),
+        }
         if groups[spec.group].get("amsgrad"):
             st["max_exp_avg_sq"] = _flat(snap, Field.MAX_EXP_AVG_SQ, i)
         state[i] = st
@@ -78,9 +82,19 @@ def state_dicts(snap: Snapshot) -> dict:
     }
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, source: str | None = None, *,
-            scheduler: Any = None, scaler: Any = None, job: str | None = None, iteration: int | None = None,
-            weights_only: bool = False, rank: int | None = None, timeout: float | None = None) -> RestoreInfo:
+def restore(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    source: str | None = None,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    job: str | None = None,
+    iteration: int | None = None,
+    weights_only: bool = False,
+    rank: int | None = None,
+    timeout: float | None = None,
+) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
 
@@ -95,13 +109,21 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
     if optimizer is None and not weights_only:
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     snap = resolve(source, job=job, iteration=iteration, timeout=timeout)
-    return apply_snapshot(snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only,
-                          rank=rank)
+    return apply_snapshot(
+        snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
+    )
 
 
-def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                   scheduler: Any = None, scaler: Any = None, weights_only: bool = False,
-                   rank: int | None = None) -> RestoreInfo:
+def apply_snapshot(
+    snap: Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    weights_only: bool = False,
+    rank: int | None = None,
+) -> RestoreInfo:
     """Load a :class:`shadow.restore.Snapshot` (from :func:`shadow.restore.resolve`) into
     ``model``/``optimizer``/``scheduler``/``scaler`` and this rank's RNG states; what
     :func:`restore` does once it has found the checkpoint."""
@@ -114,8 +136,10 @@ def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.opti
             raise LayoutMismatchError(f"cannot restore: {exc}; nothing was changed") from None
         if layout.hash != snap.layout.hash:
             raise LayoutMismatchError(
-                f"the checkpoint of job {snap.job!r} at iteration {snap.iteration} does not match this model/optimizer: "
-                f"{layout.describe_mismatch(snap.layout)}; nothing was changed")
+                f"the checkpoint of job {snap.job!r} at iteration {snap.iteration} "
+                "does not match this model/optimizer: "
+                f"{layout.describe_mismatch(snap.layout)}; nothing was changed"
+            )
     else:
         named = dict(unwrap(model).named_parameters())
         params = []
@@ -124,7 +148,8 @@ def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.opti
             if p is None or tuple(p.shape) != spec.shape:
                 raise LayoutMismatchError(
                     f"the checkpoint's parameter {spec.name!r} {list(spec.shape)} has no match in this model; "
-                    "nothing was changed")
+                    "nothing was changed"
+                )
             params.append(p)
     sd = state_dicts(snap)
     extras = _extras.load_plan(model, params, sd["model"], _extras.recorded(snap.extras))  # checked before any change
@@ -132,7 +157,7 @@ def apply_snapshot(snap: Snapshot, model: torch.nn.Module, optimizer: torch.opti
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
     with torch.no_grad():
-        for spec, p in zip(snap.layout.params, params):
+        for spec, p in zip(snap.layout.params, params, strict=True):
             p.copy_(sd["model"][spec.name])
         for live, saved in extras:  # parameters in no param group (frozen) and persistent buffers
             live.copy_(saved)

@@ -1,4 +1,5 @@
 """What each optimizer was last restored to: where its next attach starts."""
+
 from __future__ import annotations
 
 import weakref
@@ -22,4 +23,4 @@ class RestorePoint:
 
 
 #: what each optimizer was last restored to (default start of the next attach)
-RESTORED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, RestorePoint]" = weakref.WeakKeyDictionary()
+RESTORED: weakref.WeakKeyDictionary[torch.optim.Optimizer, RestorePoint] = weakref.WeakKeyDictionary()

@@ -23,6 +23,7 @@ run in which each of two ranks draws three faults sees every kind):
 alike) normally, then everything else only to worker 0, then the process dies (exit 137)
 once k's commit is out. With n at least the iteration's message count nothing is held back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ import os
 import random
 import time
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import zmq
 
@@ -43,10 +44,10 @@ logger = logging.getLogger(__name__)
 KINDS = ("drop", "dup", "reorder", "truncate", "bitflip")
 
 
-_ACTIVE: dict[tuple[str, int], "NetFaults"] = {}  # one draw sequence per process, across resyncs
+_ACTIVE: dict[tuple[str, int], NetFaults] = {}  # one draw sequence per process, across resyncs
 
 
-def parse(spec: str | None, rank: int) -> "NetFaults | None":
+def parse(spec: str | None, rank: int) -> NetFaults | None:
     if not spec:
         return None
     if (spec, rank) in _ACTIVE:
@@ -63,8 +64,7 @@ def parse(spec: str | None, rank: int) -> "NetFaults | None":
         elif key in KINDS:
             probs[key] = float(value)
         else:
-            raise ValueError(f"network faults: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, "
-                             "cover")
+            raise ValueError(f"network faults: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, cover")
     if sum(probs.values()) > 1.0:
         raise ValueError(f"network faults: probabilities add up to more than 1 ({spec})")
     _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span), cover, 2 * rank)
@@ -72,11 +72,17 @@ def parse(spec: str | None, rank: int) -> "NetFaults | None":
 
 
 class NetFaults:
-    def __init__(self, probs: dict[str, float], seed: int, span: tuple[int, int] = (0, 1 << 62),
-                 cover: bool = False, first: int = 0) -> None:
+    def __init__(
+        self,
+        probs: dict[str, float],
+        seed: int,
+        span: tuple[int, int] = (0, 1 << 62),
+        cover: bool = False,
+        first: int = 0,
+    ) -> None:
         self.probs, self.span, self.cover = probs, span, cover
         kinds = [k for k in probs if probs[k] > 0]
-        self.order = kinds[first % len(kinds):] + kinds[:first % len(kinds)] if kinds else []
+        self.order = kinds[first % len(kinds) :] + kinds[: first % len(kinds)] if kinds else []
         self.rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         self.held: dict[int, list] = {}  # worker -> frames held back for reordering
@@ -104,7 +110,7 @@ class NetFaults:
             elif kind == "reorder":
                 self.held[worker] = copies
             elif kind == "truncate":
-                sock.send_multipart(copies[:-1] if len(copies) > 1 else [copies[0][:len(copies[0]) // 2]])
+                sock.send_multipart(copies[:-1] if len(copies) > 1 else [copies[0][: len(copies[0]) // 2]])
             elif kind == "bitflip":
                 i = self.rng.randrange(len(copies))
                 frame = bytearray(copies[i])

@@ -1,5 +1,6 @@
 """The short commands: ``status``, ``restore``, ``export``, ``ls``, ``verify``, ``keygen``.
 Results go to stdout (a rich table, or JSON with ``--json``); problems to stderr."""
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,11 @@ def cmd_restore(cfg: RestoreConfig) -> int:
         from trainer_hooks import export
 
         export(snap, cfg.out, cfg.format)
-    print(f"wrote {cfg.out} ({cfg.format}): job {snap.job} iteration {snap.iteration}, {len(snap.layout.params)} "
-          f"parameters, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} ({snap.source}) in "
-          f"{time.monotonic() - t0:.2f} s")
+    print(
+        f"wrote {cfg.out} ({cfg.format}): job {snap.job} iteration {snap.iteration}, {len(snap.layout.params)} "
+        f"parameters, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} ({snap.source}) in "
+        f"{time.monotonic() - t0:.2f} s"
+    )
     return 0
 
 
@@ -83,9 +86,11 @@ def cmd_export(cfg: ExportConfig) -> int:
 
         info = export_weights(snap, cfg.out, cfg.format, cfg.dtype)
     tied = f", {len(info['aliases'])} tied" if info["aliases"] else ""
-    print(f"wrote {cfg.out} ({cfg.format}, {cfg.dtype}): model weights of job {snap.job} iteration "
-          f"{snap.iteration}, {info['tensors']} tensors{tied}, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} "
-          f"({snap.source}) in {time.monotonic() - t0:.2f} s")
+    print(
+        f"wrote {cfg.out} ({cfg.format}, {cfg.dtype}): model weights of job {snap.job} iteration "
+        f"{snap.iteration}, {info['tensors']} tensors{tied}, {_size(cfg.out) / 2**20:.1f} MiB, from {snap.tier} "
+        f"({snap.source}) in {time.monotonic() - t0:.2f} s"
+    )
     return 0
 
 
@@ -113,8 +118,12 @@ def _unreadable(mpath: str, reason: str) -> dict:
 
     d = posixpath.dirname(mpath)
     key = catalog.dir_key(d)
-    return {"job": posixpath.basename(posixpath.dirname(d)), "iteration": key[1] if key else None,
-            "path": mpath, "error": f"unreadable manifest: {reason}"}
+    return {
+        "job": posixpath.basename(posixpath.dirname(d)),
+        "iteration": key[1] if key else None,
+        "path": mpath,
+        "error": f"unreadable manifest: {reason}",
+    }
 
 
 def _size(path: str) -> int:
@@ -136,19 +145,48 @@ def cmd_ls(cfg: ListConfig) -> int:
         info = restore_info(cfg.source, cfg.job, cfg.timeout)
         if info["memory"]:
             m = info["memory"]
-            rows.append({"job": m["job"], "iteration": m["iteration"], "tier": "memory", "time": None,
-                         "bytes": None, "state": "complete", "path": cfg.source})
+            rows.append(
+                {
+                    "job": m["job"],
+                    "iteration": m["iteration"],
+                    "tier": "memory",
+                    "time": None,
+                    "bytes": None,
+                    "state": "complete",
+                    "path": cfg.source,
+                }
+            )
         roots = [(s["root"], s["tier"]) for s in info["storage"]]
     for root, tier in roots:
         skipped: list = []
         for c in catalog.list_checkpoints(root, tier, cfg.job, skipped=skipped):
-            rows.append({"job": c.job, "iteration": c.iteration, "generation": c.generation, "tier": tier,
-                         "time": c.manifest.get("created"), "bytes": c.bytes, "raw_bytes": c.raw_bytes,
-                         "state": "superseded" if c.superseded else "complete", "path": c.path})
+            rows.append(
+                {
+                    "job": c.job,
+                    "iteration": c.iteration,
+                    "generation": c.generation,
+                    "tier": tier,
+                    "time": c.manifest.get("created"),
+                    "bytes": c.bytes,
+                    "raw_bytes": c.raw_bytes,
+                    "state": "superseded" if c.superseded else "complete",
+                    "path": c.path,
+                }
+            )
         for d in catalog.list_torn(root, cfg.job):
             generation, iteration = catalog.dir_key(d) or (0, -1)
-            rows.append({"job": d.rstrip("/").split("/")[-2], "iteration": iteration, "generation": generation,
-                         "tier": tier, "time": None, "bytes": None, "state": "incomplete", "path": d})
+            rows.append(
+                {
+                    "job": d.rstrip("/").split("/")[-2],
+                    "iteration": iteration,
+                    "generation": generation,
+                    "tier": tier,
+                    "time": None,
+                    "bytes": None,
+                    "state": "incomplete",
+                    "path": d,
+                }
+            )
         rows += [dict(_unreadable(m, why), tier=tier, time=None, bytes=None, state="unreadable") for m, why in skipped]
     if cfg.json:
         print(json.dumps(rows, indent=2))
@@ -184,10 +222,29 @@ def cmd_verify(cfg: VerifyConfig) -> int:
                 catalog.load(c, check=True)
             except Exception as exc:  # every way a decode can fail is a finding, not a crash
                 problems.append(f"decoding: {type(exc).__name__}: {exc}")
-        results.append({"job": c.job, "iteration": c.iteration, "ok": not problems, "problems": problems,
-                        "shards": len(c.manifest["shards"]), "bytes": c.bytes, "path": c.path})
-    results += [{"job": b["job"], "iteration": b["iteration"], "ok": False, "problems": [f"{b['path']}: {b['error']}"],
-                 "shards": None, "bytes": None, "path": b["path"]} for b in bad]
+        results.append(
+            {
+                "job": c.job,
+                "iteration": c.iteration,
+                "ok": not problems,
+                "problems": problems,
+                "shards": len(c.manifest["shards"]),
+                "bytes": c.bytes,
+                "path": c.path,
+            }
+        )
+    results += [
+        {
+            "job": b["job"],
+            "iteration": b["iteration"],
+            "ok": False,
+            "problems": [f"{b['path']}: {b['error']}"],
+            "shards": None,
+            "bytes": None,
+            "path": b["path"],
+        }
+        for b in bad
+    ]
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
@@ -195,8 +252,10 @@ def cmd_verify(cfg: VerifyConfig) -> int:
             if r["shards"] is None:
                 print(f"{r['job']} iteration {r['iteration']}: UNREADABLE")
             else:
-                print(f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
-                      f"shards, {r['bytes'] / 2**20:.1f} MiB)")
+                print(
+                    f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
+                    f"shards, {r['bytes'] / 2**20:.1f} MiB)"
+                )
             for p in r["problems"]:
                 print(f"  {p}")
     return 0 if all(r["ok"] for r in results) else 1
@@ -210,8 +269,9 @@ def cmd_keygen(cfg: KeygenConfig) -> int:
     print(f"secret key: {secret} (mode 0600; keep it private)")
     if cfg.name == "server":
         print(f"on the cluster, coordinator and workers: security.server_key={secret} security.allow=DIR")
-        print(f"give clients the public key: security.server_public={public} "
-              f"(trainers: SHADOW_CURVE_SERVER_KEY={public})")
+        print(
+            f"give clients the public key: security.server_public={public} (trainers: SHADOW_CURVE_SERVER_KEY={public})"
+        )
     else:
         print(f"allow this client: copy {public} into the cluster's security.allow directory")
         print(f"on this client: security.client_key={secret} (trainers: SHADOW_CURVE_CLIENT_KEY={secret})")

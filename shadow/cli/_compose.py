@@ -1,6 +1,7 @@
 """From a command line to a typed config: Hydra composes the command's schema (and a YAML
 config from ``--config-dir``/``--config-name`` when given) with ``key=value`` overrides;
 the dataclass validates itself. Errors name the key, the value and what is allowed."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,14 @@ class Args:
     help: bool = False
 
 
-_FLAGS_WITH_VALUE = {"--config-dir": "config_dir", "-cd": "config_dir", "--config-name": "config_name",
-                     "-cn": "config_name", "--cfg": "show", "-c": "show"}
+_FLAGS_WITH_VALUE = {
+    "--config-dir": "config_dir",
+    "-cd": "config_dir",
+    "--config-name": "config_name",
+    "-cn": "config_name",
+    "--cfg": "show",
+    "-c": "show",
+}
 
 
 def split(argv: list[str]) -> Args:
@@ -52,8 +59,10 @@ def split(argv: list[str]) -> Args:
                 value = argv[i]
             setattr(args, _FLAGS_WITH_VALUE[name], value)
         elif a.startswith("-"):
-            raise UsageError(f"unknown flag {a!r}; flags: --help, --json, --cfg job, --config-dir DIR, "
-                             "--config-name NAME; everything else is key=value")
+            raise UsageError(
+                f"unknown flag {a!r}; flags: --help, --json, --cfg job, --config-dir DIR, "
+                "--config-name NAME; everything else is key=value"
+            )
         elif not eq:
             raise UsageError(f"argument {a!r} is not key=value (e.g. workers=4)")
         else:
@@ -83,8 +92,9 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
     if args.config_name is not None:
         cdir = os.path.abspath(args.config_dir or "configs")
         if not os.path.isdir(cdir):
-            raise UsageError(f"config directory {cdir} does not exist; pass --config-dir DIR "
-                             "(e.g. the repository's configs/)")
+            raise UsageError(
+                f"config directory {cdir} does not exist; pass --config-dir DIR (e.g. the repository's configs/)"
+            )
         ctx, name = initialize_config_dir(version_base="1.3", config_dir=cdir), args.config_name
     else:
         ctx, name = initialize(version_base="1.3", config_path=None), schema
@@ -96,8 +106,10 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
     except OmegaConfBaseException as exc:
         raise UsageError(_explain(cls, exc)) from None
     if OmegaConf.get_type(cfg) is not cls:
-        raise UsageError(f"config {args.config_name!r} is a {getattr(OmegaConf.get_type(cfg), '__name__', 'dict')}, "
-                         f"but {who} needs a {cls.__name__}: its defaults list must start with {schema}")
+        raise UsageError(
+            f"config {args.config_name!r} is a {getattr(OmegaConf.get_type(cfg), '__name__', 'dict')}, "
+            f"but {who} needs a {cls.__name__}: its defaults list must start with {schema}"
+        )
     _no_unknown_keys(cls, OmegaConf.to_container(cfg, resolve=False), "")
     try:
         obj = OmegaConf.to_object(cfg)
@@ -133,8 +145,9 @@ def _no_unknown_keys(cls: type, data: dict, prefix: str) -> None:
 
 
 def _keys_of(cls: type, prefix: str) -> str:
-    return f"keys{' of ' + prefix.rstrip('.') if prefix else ''}: " + \
-        ", ".join(prefix + f.name for f in dataclasses.fields(cls))
+    return f"keys{' of ' + prefix.rstrip('.') if prefix else ''}: " + ", ".join(
+        prefix + f.name for f in dataclasses.fields(cls)
+    )
 
 
 def _field_at(cls: type, dotted: str) -> tuple[type | None, Any, type | None]:
@@ -173,7 +186,9 @@ def _explain(cls: type, exc: Exception) -> str:
         value = str(cause).split("'")[1] if "'" in str(cause) else "?"
     base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
     if dataclasses.is_dataclass(base):
-        return f"{key}={value!r} is not allowed: {key} is a section; set its keys, e.g. {key}.KEY=VALUE " \
-               f"({_keys_of(base, key + '.')})"
+        return (
+            f"{key}={value!r} is not allowed: {key} is a section; set its keys, e.g. {key}.KEY=VALUE "
+            f"({_keys_of(base, key + '.')})"
+        )
     want = _TYPE_WORDS.get(base, getattr(base, "__name__", str(base)))
     return f"{key}={value!r} is not allowed: {key} takes {want} (default {default!r})"

@@ -1,5 +1,6 @@
 """``shadow COMMAND --help``: what the command does, examples, and every key with its
 default and meaning (taken from the config dataclass and its ``#:`` comments)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,7 +72,7 @@ def usage() -> str:
     return "\n".join(lines + ["", COMMON, "", "`shadow COMMAND --help` lists the command's keys."])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _comments(cls: type) -> dict[str, str]:
     """``name -> text`` of the ``#:`` comments beside a dataclass's fields (and its bases')."""
     out: dict[str, str] = {}

@@ -1,11 +1,12 @@
 """Human-readable status (rich)."""
+
 from __future__ import annotations
 
 import contextlib
 import datetime
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from rich.console import Console, Group
 from rich.markup import escape
@@ -47,8 +48,14 @@ def byte_progress(text: str) -> Iterator:
         TransferSpeedColumn,
     )
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
         task = bar.add_task(text, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -93,10 +100,24 @@ def status_view(st: dict, address: str) -> Group:
     out: list = []
     job = st.get("job")
     ready = sum(1 for w in st["workers"] if w.get("ready", True))
-    t = Table(title=f"shadow cluster {address}: {ready}/{st['expected_workers']} workers ready, "
-                    f"{st.get('shards', '?')} shards x {st.get('replicas', 1)}")
-    cols = ("worker", "shard", "range", "applied", "lag (it)", "health", "MiB/s in", "replay ms/it", "frames in",
-            "rejected", "pid", "data address")
+    t = Table(
+        title=f"shadow cluster {address}: {ready}/{st['expected_workers']} workers ready, "
+        f"{st.get('shards', '?')} shards x {st.get('replicas', 1)}"
+    )
+    cols = (
+        "worker",
+        "shard",
+        "range",
+        "applied",
+        "lag (it)",
+        "health",
+        "MiB/s in",
+        "replay ms/it",
+        "frames in",
+        "rejected",
+        "pid",
+        "data address",
+    )
     for col in cols:
         t.add_column(col, justify="right" if col not in ("health", "range", "data address") else "left")
     committed = job.get("committed") if job else None
@@ -105,19 +126,37 @@ def status_view(st: dict, address: str) -> Group:
         health = w["health"] + (f" ({w['stale']})" if w["stale"] else "")
         if w["health"] == "starting" and w.get("starting_s") is not None:
             health += f" (compiling kernels, {w['starting_s']:.0f} s)"
-        style = {"ok": "green", "lost": "red", "stale": "yellow", "joining": "cyan", "out": "magenta",
-                 "starting": "cyan"}.get(w["health"])
+        style = {
+            "ok": "green",
+            "lost": "red",
+            "stale": "yellow",
+            "joining": "cyan",
+            "out": "magenta",
+            "starting": "cyan",
+        }.get(w["health"])
         lag = str(max(0, w["seen"] - w["applied"])) if w["applied"] >= 0 else "-"
         per = w.get("replay_s_per_iteration")
         shard = w.get("shard", w["id"])
-        t.add_row(str(w["id"]), "-" if shard is None else str(shard), rng, str(w["applied"]), lag,
-                  f"[{style}]{health}[/{style}]" if style else health, _rate(w.get("bytes_per_s")),
-                  f"{per * 1e3:.1f}" if per is not None else "-", str(w["frames_in"]),
-                  str(sum(w["rejected"].values())), str(w["pid"]), w.get("data") or "-")
+        t.add_row(
+            str(w["id"]),
+            "-" if shard is None else str(shard),
+            rng,
+            str(w["applied"]),
+            lag,
+            f"[{style}]{health}[/{style}]" if style else health,
+            _rate(w.get("bytes_per_s")),
+            f"{per * 1e3:.1f}" if per is not None else "-",
+            str(w["frames_in"]),
+            str(sum(w["rejected"].values())),
+            str(w["pid"]),
+            w.get("data") or "-",
+        )
     out.append(t)
     if job:
-        line = (f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
-                f"committed iteration {committed if committed is not None else '- (bootstrapping)'}")
+        line = (
+            f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
+            f"committed iteration {committed if committed is not None else '- (bootstrapping)'}"
+        )
         if committed is not None:
             line += f", lag {job['lag_iterations']} it / {job['lag_s']:.2f} s, reached {_ago(job.get('cut_time'))}"
         line += f", resyncs {job.get('resyncs', 0)}"
@@ -134,11 +173,17 @@ def status_view(st: dict, address: str) -> Group:
         out.append(f"newest restorable checkpoint: {where or 'none'}")
     for name, tier in (st.get("persist") or {}).items():
         last = tier["last_complete"]
-        text = (f"{name} tier {tier['root']}: last complete "
-                + (f"iteration {last['iteration']} ({last['bytes'] / 2**20:.1f} MiB, {_ago(last.get('time'))}"
-                   + (f", took {last['seconds']:.2f} s" if last.get("seconds") is not None else "") + ")"
-                   if last else "none")
-                + f"; {tier['count']} written, {tier.get('failures', 0)} failed this run")
+        text = (
+            f"{name} tier {tier['root']}: last complete "
+            + (
+                f"iteration {last['iteration']} ({last['bytes'] / 2**20:.1f} MiB, {_ago(last.get('time'))}"
+                + (f", took {last['seconds']:.2f} s" if last.get("seconds") is not None else "")
+                + ")"
+                if last
+                else "none"
+            )
+            + f"; {tier['count']} written, {tier.get('failures', 0)} failed this run"
+        )
         if tier["last_error"]:
             text += f" — [red]ERROR[/red]: {tier['last_error']}"
         out.append(text)
@@ -158,12 +203,23 @@ def render_plan(r: dict) -> None:
     """``shadow plan``: the scenario, every strategy side by side, the break-even and the sizing."""
     console = stdout_console()
     sc = r["scenario"]
-    console.print(f"[bold]{sc['name'] or 'scenario'}[/bold]: {sc['gpus']} GPUs, job MTBF {sc['job_mtbf_h']:.2f} h "
-                  f"({sc['failures_per_day']:.1f} failures/day), {sc['params'] / 1e9:.0f}B params, state "
-                  f"{sc['state_TB']:.2f} TB, {sc['iteration_s']} s/iteration, restart {_dur(sc['restart_s'])} + load")
+    console.print(
+        f"[bold]{sc['name'] or 'scenario'}[/bold]: {sc['gpus']} GPUs, job MTBF {sc['job_mtbf_h']:.2f} h "
+        f"({sc['failures_per_day']:.1f} failures/day), {sc['params'] / 1e9:.0f}B params, state "
+        f"{sc['state_TB']:.2f} TB, {sc['iteration_s']} s/iteration, restart {_dur(sc['restart_s'])} + load"
+    )
     t = Table(title="expected cost of failures, per strategy")
-    for col in ("strategy", "interval", "stall / ckpt", "restorable after", "restart + load", "useful (analytic)",
-                "useful (simulated)", "lost GPU-h/day", "dominant cost"):
+    for col in (
+        "strategy",
+        "interval",
+        "stall / ckpt",
+        "restorable after",
+        "restart + load",
+        "useful (analytic)",
+        "useful (simulated)",
+        "lost GPU-h/day",
+        "dominant cost",
+    ):
         t.add_column(col, justify="left" if col in ("strategy", "dominant cost") else "right")
     sim = r.get("simulated", {})
     for name, a in r["analytic"].items():
@@ -171,19 +227,38 @@ def render_plan(r: dict) -> None:
         s = sim.get(name)
         simulated = f"{s['useful']:.4f} ± {s['useful_std']:.4f}" if s else "-"
         lost = f"{a['lost_gpu_h_per_day']:,.0f}" + (f" ({s['lost_gpu_h_per_day']:,.0f})" if s else "")
-        t.add_row(name, _dur(st["work_s"]), _dur(st["stall_s"]), _dur(st["delay_s"]), _dur(st["restart_s"]),
-                  f"{a['useful']:.4f}", simulated, lost, a["dominant"])
+        t.add_row(
+            name,
+            _dur(st["work_s"]),
+            _dur(st["stall_s"]),
+            _dur(st["delay_s"]),
+            _dur(st["restart_s"]),
+            f"{a['useful']:.4f}",
+            simulated,
+            lost,
+            a["dominant"],
+        )
     console.print(t)
-    console.print("lost GPU-h/day: analytic (simulated); interval = training between checkpoints; dominant cost "
-                  "= the largest of checkpoint overhead, rework after failures, restarts")
+    console.print(
+        "lost GPU-h/day: analytic (simulated); interval = training between checkpoints; dominant cost "
+        "= the largest of checkpoint overhead, rework after failures, restarts"
+    )
     be = r["break_even_shadow_overhead"]
-    console.print("shadow loses less than the better alternative while its step overhead stays below "
-                  + (f"[bold]{be * 100:.2f}%[/bold]" if be is not None else "[red]0% (it cannot win here)[/red]"))
+    console.print(
+        "shadow loses less than the better alternative while its step overhead stays below "
+        + (f"[bold]{be * 100:.2f}%[/bold]" if be is not None else "[red]0% (it cannot win here)[/red]")
+    )
     z = r["sizing"]
     t = Table(title="shadow cluster")
     for col in ("cores", "memory", "network in", "hosts", "limited by", "trainer egress / GPU", "measured CPU"):
         t.add_column(col, justify="right")
-    t.add_row(f"{z['cores']:.0f}", f"{z['memory_GB'] / 1e3:.1f} TB", f"{z['network_GBps']:.1f} GB/s", str(z["hosts"]),
-              z["limited_by"], f"{z['trainer_egress_MBps_per_gpu']:.1f} MB/s",
-              f"{z['cpu_s_per_iter_per_Bparams']:.2f} CPU-s/it/B ({z['measured_in']})")
+    t.add_row(
+        f"{z['cores']:.0f}",
+        f"{z['memory_GB'] / 1e3:.1f} TB",
+        f"{z['network_GBps']:.1f} GB/s",
+        str(z["hosts"]),
+        z["limited_by"],
+        f"{z['trainer_egress_MBps_per_gpu']:.1f} MB/s",
+        f"{z['cpu_s_per_iter_per_Bparams']:.2f} CPU-s/it/B ({z['measured_in']})",
+    )
     console.print(t)

@@ -1,4 +1,5 @@
 """The long-running commands: ``cluster``, ``coordinator``, ``worker``."""
+
 from __future__ import annotations
 
 import logging
@@ -21,16 +22,24 @@ logger = logging.getLogger("shadow.cli")
 
 def _warn_public(host: str, security) -> None:
     if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.") and not security.server_key:
-        logger.warning("binding to %s exposes the cluster beyond this host without authentication or encryption; "
-                       "make keys with `shadow keygen` and set security.server_key= and security.allow=", host)
+        logger.warning(
+            "binding to %s exposes the cluster beyond this host without authentication or encryption; "
+            "make keys with `shadow keygen` and set security.server_key= and security.allow=",
+            host,
+        )
 
 
 def _coordinator(cfg: CoordinatorConfig):
     from shadow import security
     from shadow.coordinator.server import Coordinator
 
-    return Coordinator(f"tcp://{cfg.host}:{cfg.port}", cfg.workers, cfg.persist.to_dict(),
-                       guard=security.guard_from_config(cfg.security), replicas=cfg.replicas)
+    return Coordinator(
+        f"tcp://{cfg.host}:{cfg.port}",
+        cfg.workers,
+        cfg.persist.to_dict(),
+        guard=security.guard_from_config(cfg.security),
+        replicas=cfg.replicas,
+    )
 
 
 def _coordinator_metrics(cfg: CoordinatorConfig, coord):
@@ -70,8 +79,13 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     from shadow.worker.server import Worker
 
     setup_logs(cfg.log_level, cfg.log_format, "worker")
-    worker = Worker(cfg.coordinator, host=cfg.host, worker_id=cfg.worker_id,
-                    guard=security.guard_from_config(cfg.security), keys=security.client_from_config(cfg.security))
+    worker = Worker(
+        cfg.coordinator,
+        host=cfg.host,
+        worker_id=cfg.worker_id,
+        guard=security.guard_from_config(cfg.security),
+        keys=security.client_from_config(cfg.security),
+    )
     _warn_public(worker.bind_host, cfg.security)
     metrics = None
     if cfg.metrics_port:
@@ -88,8 +102,11 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     address = f"tcp://{cfg.host}:{cfg.port}"
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)
-    curve = [f"security.server_key={cfg.security.server_key}", f"security.allow={cfg.security.allow}"] \
-        if cfg.security.server_key else []
+    curve = (
+        [f"security.server_key={cfg.security.server_key}", f"security.allow={cfg.security.allow}"]
+        if cfg.security.server_key
+        else []
+    )
     stop = threading.Event()
 
     def shutdown(*_):
@@ -106,24 +123,47 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     env = malloc.environ()
 
     def spawn(slot: int) -> subprocess.Popen:
-        return subprocess.Popen(env=env, args=[
-            sys.executable, "-m", WORKER_ENTRY, "worker", f"coordinator={address}", f"host={cfg.host}",
-            f"threads={cfg.threads()}", f"log_level={cfg.log_level}", f"log_format={cfg.log_format}",
-            f"worker_id={slot}", f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}", *curve,
-        ])
+        return subprocess.Popen(
+            env=env,
+            args=[
+                sys.executable,
+                "-m",
+                WORKER_ENTRY,
+                "worker",
+                f"coordinator={address}",
+                f"host={cfg.host}",
+                f"threads={cfg.threads()}",
+                f"log_level={cfg.log_level}",
+                f"log_format={cfg.log_format}",
+                f"worker_id={slot}",
+                f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}",
+                *curve,
+            ],
+        )
 
     procs = [spawn(i) for i in range(cfg.workers)]
     restarts = [0] * cfg.workers
-    logger.info("shadow cluster at %s: %d workers (pids %s), %d numba threads each", address, cfg.workers,
-                [p.pid for p in procs], cfg.threads())
+    logger.info(
+        "shadow cluster at %s: %d workers (pids %s), %d numba threads each",
+        address,
+        cfg.workers,
+        [p.pid for p in procs],
+        cfg.threads(),
+    )
     try:
         while not stop.is_set() and thread.is_alive():
             for slot, p in enumerate(procs):
                 if p.poll() is None or stop.is_set() or restarts[slot] >= cfg.max_restarts:
                     continue
                 restarts[slot] += 1
-                logger.error("worker %d (pid %d) exited with status %s; restarting it (%d/%d)", slot, p.pid,
-                             p.returncode, restarts[slot], cfg.max_restarts)
+                logger.error(
+                    "worker %d (pid %d) exited with status %s; restarting it (%d/%d)",
+                    slot,
+                    p.pid,
+                    p.returncode,
+                    restarts[slot],
+                    cfg.max_restarts,
+                )
                 procs[slot] = spawn(slot)
             time.sleep(0.2)
     finally:

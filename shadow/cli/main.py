@@ -1,6 +1,7 @@
 """The ``shadow`` command line (also ``python -m shadow``): Hydra-composed typed configs
 (``key=value`` overrides, ``--config-dir``/``--config-name``, ``--cfg job``) handed to
 one function per command."""
+
 from __future__ import annotations
 
 import sys
@@ -11,8 +12,15 @@ from shadow.cli._help import command_help, usage
 from shadow.cli._services import cmd_cluster, cmd_coordinator, cmd_worker
 
 COMMANDS = {
-    "cluster": cmd_cluster, "coordinator": cmd_coordinator, "worker": cmd_worker, "status": cmd_status,
-    "restore": cmd_restore, "export": cmd_export, "ls": cmd_ls, "verify": cmd_verify, "keygen": cmd_keygen,
+    "cluster": cmd_cluster,
+    "coordinator": cmd_coordinator,
+    "worker": cmd_worker,
+    "status": cmd_status,
+    "restore": cmd_restore,
+    "export": cmd_export,
+    "ls": cmd_ls,
+    "verify": cmd_verify,
+    "keygen": cmd_keygen,
     "plan": cmd_plan,
 }
 CLIENTS = ("status", "restore", "export", "ls")  # commands that connect to a cluster as a CURVE client

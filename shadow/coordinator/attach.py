@@ -2,6 +2,7 @@
 has arrived and every worker is ready (``waiting`` meanwhile), then checked (world,
 layout, start iteration against what the cluster holds, the job's generation) and the
 workers configured for a new epoch."""
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,17 @@ class AttachMixin:
             logger.error("attach of job %s rank %d refused: %s", msg["job"], msg["rank"], full)
             self._reply(env, "error", code="busy", message=full)
             return
-        p = self.pending.setdefault(msg["job"], {"ranks": {}, "bytes": {}, "held": 0, "since": now, "told": -1,
-                                                 "deadline": now + knobs.get("CONNECT_TIMEOUT_S")})
+        p = self.pending.setdefault(
+            msg["job"],
+            {
+                "ranks": {},
+                "bytes": {},
+                "held": 0,
+                "since": now,
+                "told": -1,
+                "deadline": now + knobs.get("CONNECT_TIMEOUT_S"),
+            },
+        )
         p["ranks"][msg["rank"]] = (env[0], msg)  # a rank attaching again replaces its entry
         p["held"] += size - p["bytes"].get(msg["rank"], 0)
         p["bytes"][msg["rank"]] = size
@@ -52,8 +62,11 @@ class AttachMixin:
 
     def pending_view(self) -> dict:
         """What the held attaches take: job names, ranks, bytes of their messages."""
-        return {"jobs": len(self.pending), "ranks": sum(len(p["ranks"]) for p in self.pending.values()),
-                "bytes": sum(p["held"] for p in self.pending.values())}
+        return {
+            "jobs": len(self.pending),
+            "ranks": sum(len(p["ranks"]) for p in self.pending.values()),
+            "bytes": sum(p["held"] for p in self.pending.values()),
+        }
 
     def _pending_full(self, name: str, rank: int, size: int) -> str | None:
         """Why one more held attach (job ``name``, ``rank``, a message of ``size`` bytes)
@@ -64,16 +77,24 @@ class AttachMixin:
         jobs = held["jobs"] + (p is None)
         ranks = held["ranks"] + (not again)
         nbytes = held["bytes"] - (p["bytes"].get(rank, 0) if again else 0) + size
-        for knob, value, what in (("ATTACH_PENDING_JOBS", jobs, "jobs with attaches waiting for their ranks"),
-                                  ("ATTACH_PENDING_RANKS", ranks, "rank attaches waiting"),
-                                  ("ATTACH_PENDING_BYTES", nbytes, "bytes of attach messages held")):
+        for knob, value, what in (
+            ("ATTACH_PENDING_JOBS", jobs, "jobs with attaches waiting for their ranks"),
+            ("ATTACH_PENDING_RANKS", ranks, "rank attaches waiting"),
+            ("ATTACH_PENDING_BYTES", nbytes, "bytes of attach messages held"),
+        ):
             cap = knobs.get_int(knob)
             if value > cap:
-                waiting = (f"other attaches are waiting for their ranks ({held['jobs']} jobs, {held['ranks']} "
-                           f"ranks, {held['bytes']} bytes) until they arrive or SHADOW_CONNECT_TIMEOUT_S passes: "
-                           "retry then, or" if held["ranks"] else "")
-                return (f"the coordinator holds too many pending attaches: this one would make {value} {what}, "
-                        f"over the bound of {cap} (SHADOW_{knob}); {waiting} raise SHADOW_{knob} on the coordinator")
+                waiting = (
+                    f"other attaches are waiting for their ranks ({held['jobs']} jobs, {held['ranks']} "
+                    f"ranks, {held['bytes']} bytes) until they arrive or SHADOW_CONNECT_TIMEOUT_S passes: "
+                    "retry then, or"
+                    if held["ranks"]
+                    else ""
+                )
+                return (
+                    f"the coordinator holds too many pending attaches: this one would make {value} {what}, "
+                    f"over the bound of {cap} (SHADOW_{knob}); {waiting} raise SHADOW_{knob} on the coordinator"
+                )
         return None
 
     def _start_attaches(self) -> None:
@@ -93,9 +114,12 @@ class AttachMixin:
                 except Exception as exc:  # the ranks must hear, and the loop go on
                     self._failed("attach_error", f"the attach of job {name!r}")
                     for ident, _ in p["ranks"].values():
-                        self._reply([ident], "error", code="internal",
-                                    message=f"attach of job {name!r} failed in the coordinator: "
-                                            f"{type(exc).__name__}: {exc}")
+                        self._reply(
+                            [ident],
+                            "error",
+                            code="internal",
+                            message=f"attach of job {name!r} failed in the coordinator: {type(exc).__name__}: {exc}",
+                        )
             elif ready < self.expected and p["told"] != ready:
                 p["told"] = ready
                 for ident, _ in p["ranks"].values():
@@ -108,12 +132,16 @@ class AttachMixin:
             world = next(iter(p["ranks"].values()))[1]["world"]
             ready = len(self.ready_workers(now))
             if len(p["ranks"]) < world:
-                text = (f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
-                        f"(ranks {sorted(p['ranks'])}); every rank must call attach")
+                text = (
+                    f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
+                    f"(ranks {sorted(p['ranks'])}); every rank must call attach"
+                )
             else:
-                text = (f"the shadow cluster has {ready} of {self.expected} workers ready after "
-                        f"{now - p['since']:.0f} s ({len(self.starting)} still compiling their kernels); "
-                        "check the worker logs, or allow longer with SHADOW_CONNECT_TIMEOUT_S")
+                text = (
+                    f"the shadow cluster has {ready} of {self.expected} workers ready after "
+                    f"{now - p['since']:.0f} s ({len(self.starting)} still compiling their kernels); "
+                    "check the worker logs, or allow longer with SHADOW_CONNECT_TIMEOUT_S"
+                )
             logger.error("attach of job %s failed: %s", name, text)
             for ident, _ in p["ranks"].values():
                 self._reply([ident], "error", code="timeout", message=text)
@@ -128,8 +156,12 @@ class AttachMixin:
             for ident in idents.values():
                 self._reply([ident], "error", code="refused", message=text)
 
-        if any(m["world"] != first["world"] or m["layout_hash"] != first["layout_hash"] or m["iteration"] != first["iteration"]
-               for m in msgs):
+        if any(
+            m["world"] != first["world"]
+            or m["layout_hash"] != first["layout_hash"]
+            or m["iteration"] != first["iteration"]
+            for m in msgs
+        ):
             return fail("ranks disagree on world size, layout or start iteration")
         if first["layout"] is None:
             return fail("rank 0 did not send the layout")
@@ -147,10 +179,12 @@ class AttachMixin:
         problem = self.persist.unscanned()
         if problem is not None:
             self._count("attach_tier_unreadable")
-            return fail(f"{problem}; what that tier holds is unknown, so whether this attach would go back behind "
-                        "a newer checkpoint (and the job's generation) cannot be checked: fix the tier (path, "
-                        "permissions, reachability; it is read again at every attach) or start the coordinator "
-                        "without it")
+            return fail(
+                f"{problem}; what that tier holds is unknown, so whether this attach would go back behind "
+                "a newer checkpoint (and the job's generation) cannot be checked: fix the tier (path, "
+                "permissions, reachability; it is read again at every attach) or start the coordinator "
+                "without it"
+            )
         old = self.job
         generation, held = self.persist.lineage(name)
         if old is not None and old.name == name:
@@ -163,19 +197,35 @@ class AttachMixin:
             if not first["overwrite"] and not vouched:
                 return fail(
                     f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
-                    f"{base}; restore first (trainer_hooks.restore) or attach with overwrite=True")
+                    f"{base}; restore first (trainer_hooks.restore) or attach with overwrite=True"
+                )
             generation += 1  # what is newer than the base is superseded, in memory and in every tier
             self.persist.supersede(name, generation, base)
-            logger.warning("job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded "
-                           "(generation %d)", name, base, "restored from this cluster" if vouched else "overwrite",
-                           held, generation)
+            logger.warning(
+                "job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded (generation %d)",
+                name,
+                base,
+                "restored from this cluster" if vouched else "overwrite",
+                held,
+                generation,
+            )
         # until the new epoch holds its base, restores read the old epoch's last cut
         self.retired = self._memory_info(old.name) if old is not None else None
         self.epoch += 1
         bounds = shard_bounds(layout.total, self.nshards)
         ranges = [bounds[i % self.nshards] for i in range(len(self.workers))]
-        self.job = JobRec(name, job_id_for(name), self.epoch, first["layout"], first["layout_hash"], first["world"],
-                          first["optim"], first["iteration"], ranges, idents)
+        self.job = JobRec(
+            name,
+            job_id_for(name),
+            self.epoch,
+            first["layout"],
+            first["layout_hash"],
+            first["world"],
+            first["optim"],
+            first["iteration"],
+            ranges,
+            idents,
+        )
         self.job.cut = first["iteration"] - 1
         self.job.generation = generation
         self.persist.reset(first["iteration"])
@@ -183,13 +233,31 @@ class AttachMixin:
         for w in self.workers:
             w.configured, w.prepared, w.stale, w.transit, w.out = -1, first["iteration"] - 1, "", "", False
             start, stop = ranges[w.id]
-            self._reply([w.ident], "configure", epoch=self.epoch, job=name, job_id=self.job.job_id,
-                        layout=first["layout"], start=start, stop=stop, world=first["world"],
-                        optim=first["optim"], iteration=first["iteration"],
-                        persist={**self.persist.config, "generation": generation},
-                        shard=self.shard_of(w), shards=self.nshards, peer=None)
-        logger.info("job %s epoch %d: configuring %d workers for %d params (%d elements)",
-                    name, self.epoch, len(self.workers), len(layout.params), layout.total)
+            self._reply(
+                [w.ident],
+                "configure",
+                epoch=self.epoch,
+                job=name,
+                job_id=self.job.job_id,
+                layout=first["layout"],
+                start=start,
+                stop=stop,
+                world=first["world"],
+                optim=first["optim"],
+                iteration=first["iteration"],
+                persist={**self.persist.config, "generation": generation},
+                shard=self.shard_of(w),
+                shards=self.nshards,
+                peer=None,
+            )
+        logger.info(
+            "job %s epoch %d: configuring %d workers for %d params (%d elements)",
+            name,
+            self.epoch,
+            len(self.workers),
+            len(layout.params),
+            layout.total,
+        )
 
     def _memory_problem(self, name: str, layout: Layout, optim: dict) -> str | None:
         """Why the workers could not hold ``layout``: the ranges of the workers of each
@@ -208,13 +276,16 @@ class AttachMixin:
                 continue
             w, one = max(held, key=lambda x: x[1])
             start, stop = bounds[w.id % self.nshards]
-            shared = f" (with {len(held) - 1} other workers on host {host}: {human(need)} in all)" if len(held) > 1 \
-                else ""
-            return (f"not enough memory: the layout of job {name!r} ({layout.total} elements) needs about "
-                    f"{human(one)} on worker {w.id} (range [{start}, {stop}): optimizer state, gradient slots"
-                    f"{', checkpoint images' if persist else ''}){shared}, and host {host} has {human(min(known))} "
-                    f"free; add workers (each holds 1/{self.nshards} of the elements), train a smaller model, or "
-                    "free memory on that host")
+            shared = (
+                f" (with {len(held) - 1} other workers on host {host}: {human(need)} in all)" if len(held) > 1 else ""
+            )
+            return (
+                f"not enough memory: the layout of job {name!r} ({layout.total} elements) needs about "
+                f"{human(one)} on worker {w.id} (range [{start}, {stop}): optimizer state, gradient slots"
+                f"{', checkpoint images' if persist else ''}){shared}, and host {host} has {human(min(known))} "
+                f"free; add workers (each holds 1/{self.nshards} of the elements), train a smaller model, or "
+                "free memory on that host"
+            )
         return None
 
     def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:

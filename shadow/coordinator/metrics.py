@@ -1,5 +1,6 @@
 """The coordinator's samples for its /metrics endpoint (read at scrape time; see
 :mod:`shadow.metrics`): the cluster view of every worker, the job, and the tiers."""
+
 from __future__ import annotations
 
 import time

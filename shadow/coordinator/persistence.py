@@ -8,6 +8,7 @@ completes then goes up (the newest complete one), and local retention keeps it u
 the copy is done. A checkpoint a worker skipped (all its images still being written)
 is not a failure: it is counted, logged as one summed warning per
 ``SHADOW_PERSIST_SKIP_LOG_S``, and the next cut is due again."""
+
 from __future__ import annotations
 
 import logging
@@ -59,10 +60,17 @@ class Tier:
     skip_log: dict = field(default_factory=lambda: {"count": 0, "lo": 0, "hi": 0, "at": float("-inf"), "why": ""})
 
     def status(self) -> dict:
-        return {"root": self.root, "schedule": {k: self.cfg[k] for k in ("every_n", "every_s", "every_tokens", "keep")},
-                "last_complete": self.last_complete, "last_error": self.last_error, "count": self.count,
-                "bytes": self.bytes, "failures": self.failures, "skipped": self.skipped,
-                "in_flight": sorted(self.in_flight)}
+        return {
+            "root": self.root,
+            "schedule": {k: self.cfg[k] for k in ("every_n", "every_s", "every_tokens", "keep")},
+            "last_complete": self.last_complete,
+            "last_error": self.last_error,
+            "count": self.count,
+            "bytes": self.bytes,
+            "failures": self.failures,
+            "skipped": self.skipped,
+            "in_flight": sorted(self.in_flight),
+        }
 
 
 def _probe(root: str) -> None:
@@ -75,8 +83,11 @@ def _probe(root: str) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     if info.get("type") != "directory":
-        logger.warning("tier root %s is a %s, not a directory: it holds no checkpoint, and none can be written "
-                       "there", root, info.get("type", "non-directory"))
+        logger.warning(
+            "tier root %s is a %s, not a directory: it holds no checkpoint, and none can be written there",
+            root,
+            info.get("type", "non-directory"),
+        )
         return
     for entry in fs.ls(base, detail=True):  # each job directory must be listable too
         if entry.get("type") == "directory":
@@ -108,8 +119,9 @@ class Persistence:
             found = catalog.list_checkpoints(tier.root, tier.name, job)
             for name in {c.job for c in found} | ({job} if job else set()):
                 marks = catalog.read_generations(tier.root, name)
-                self.generations[name] = max([self.generations.get(name, 0), *marks] +
-                                             [c.generation for c in found if c.job == name])
+                self.generations[name] = max(
+                    [self.generations.get(name, 0), *marks] + [c.generation for c in found if c.job == name]
+                )
         except Exception as exc:  # an unreachable tier must not stop the coordinator
             tier.last_error = f"cannot list {tier.root}: {type(exc).__name__}: {exc}"
             logger.error("tier %s: %s", tier.name, tier.last_error)
@@ -128,10 +140,21 @@ class Persistence:
                 tier.complete[c.job] = max(tier.complete.get(c.job, -1), c.iteration)
         if found:
             c = found[-1]
-            tier.last_complete = {"job": c.job, "iteration": c.iteration, "time": c.manifest.get("created"),
-                                  "bytes": c.bytes, "seconds": None}
-            logger.info("tier %s at %s: %d complete checkpoints, newest %s iteration %d",
-                        tier.name, tier.root, len(found), c.job, c.iteration)
+            tier.last_complete = {
+                "job": c.job,
+                "iteration": c.iteration,
+                "time": c.manifest.get("created"),
+                "bytes": c.bytes,
+                "seconds": None,
+            }
+            logger.info(
+                "tier %s at %s: %d complete checkpoints, newest %s iteration %d",
+                tier.name,
+                tier.root,
+                len(found),
+                c.job,
+                c.iteration,
+            )
 
     def unscanned(self) -> str | None:
         """Why some tier's contents are unknown (its start-up scan failed, and a retry now
@@ -207,10 +230,12 @@ class Persistence:
                 tier.last = tier.last_ok  # due again at the next cut
             # else failing again (a full disk): the next try follows the tier's schedule, not every cut
             if errors:
-                tier.last_error = "; ".join(f"iteration {r['iteration']} shard {r['shard']}: {r['error']}"
-                                            for r in errors)
-                logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"],
-                             tier.last_error)
+                tier.last_error = "; ".join(
+                    f"iteration {r['iteration']} shard {r['shard']}: {r['error']}" for r in errors
+                )
+                logger.error(
+                    "tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"], tier.last_error
+                )
                 tier.failures += 1
             else:
                 self._skipped(tier, rep["iteration"], failed[0]["error"])
@@ -233,8 +258,13 @@ class Persistence:
             if failed.discard_torn(tier.root, job.name, iteration, job.generation):
                 logger.info("tier %s: removed the incomplete checkpoint of iteration %d", tier.name, iteration)
         except Exception as exc:  # storage errors are reported, never fatal; retention retries later
-            logger.warning("tier %s: could not remove the incomplete checkpoint of iteration %d: %s: %s",
-                           tier.name, iteration, type(exc).__name__, exc)
+            logger.warning(
+                "tier %s: could not remove the incomplete checkpoint of iteration %d: %s: %s",
+                tier.name,
+                iteration,
+                type(exc).__name__,
+                exc,
+            )
 
     def _skipped(self, tier: Tier, iteration: int, reason: str) -> None:
         tier.skipped += 1
@@ -251,10 +281,16 @@ class Persistence:
         if not s["count"] or now - s["at"] < knobs.get("PERSIST_SKIP_LOG_S"):
             return
         span = f"iteration {s['lo']}" if s["lo"] == s["hi"] else f"iterations {s['lo']}-{s['hi']}"
-        logger.warning("tier %s: %d checkpoint request%s skipped (%s; %d in all)%s; not a failure: the next cut is "
-                       "due again (if this persists, raise SHADOW_PERSIST_BUFFERS or the tier's interval)",
-                       tier.name, s["count"], "" if s["count"] == 1 else "s", span, tier.skipped,
-                       f": {s['why']}" if s["why"] else "")
+        logger.warning(
+            "tier %s: %d checkpoint request%s skipped (%s; %d in all)%s; not a failure: the next cut is "
+            "due again (if this persists, raise SHADOW_PERSIST_BUFFERS or the tier's interval)",
+            tier.name,
+            s["count"],
+            "" if s["count"] == 1 else "s",
+            span,
+            tier.skipped,
+            f": {s['why']}" if s["why"] else "",
+        )
         s.update(count=0, at=now)
 
     def _retain(self, tier: Tier, job_name: str) -> list[str]:
@@ -263,34 +299,60 @@ class Persistence:
         keep = tier.cfg["keep"]
         remote = self.tiers.get("remote")
         now, hold = time.monotonic(), knobs.get("PERSIST_UPLOAD_HOLD_S")
-        copying = [it for it, t in (remote.requested.items() if remote and tier.name == "local" else ())
-                   if now - t < hold]
+        copying = [
+            it for it, t in (remote.requested.items() if remote and tier.name == "local" else ()) if now - t < hold
+        ]
         if keep and copying:
             done = catalog.list_checkpoints(tier.root, tier.name, job_name)
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
         return retention.retain(tier.root, job_name, keep, busy=tier.in_flight)
 
     def _commit(self, tier: Tier, job, iteration: int, got: dict) -> list:
-        shards = [{"index": r["shard"], "start": r["start"], "stop": r["stop"], "file": r["file"],
-                   "bytes": r["bytes"], "checksum": r["checksum"], "blob_ranks": r["blob_ranks"],
-                   "raw_bytes": r.get("raw_bytes", r["bytes"]), "compress": r.get("compress", "none")}
-                  for r in got.values()]
+        shards = [
+            {
+                "index": r["shard"],
+                "start": r["start"],
+                "stop": r["stop"],
+                "file": r["file"],
+                "bytes": r["bytes"],
+                "checksum": r["checksum"],
+                "blob_ranks": r["blob_ranks"],
+                "raw_bytes": r.get("raw_bytes", r["bytes"]),
+                "compress": r.get("compress", "none"),
+            }
+            for r in got.values()
+        ]
         commit = next((r["commit"] for r in got.values() if r["commit"] is not None), None)
         tokens = commit.get("tokens") if commit else None
-        manifest = catalog.new_manifest(job.name, iteration, job.epoch, tier.name, job.layout, job.layout_hash,
-                                        job.optim, job.world, tokens, commit, shards, job.generation)
+        manifest = catalog.new_manifest(
+            job.name,
+            iteration,
+            job.epoch,
+            tier.name,
+            job.layout,
+            job.layout_hash,
+            job.optim,
+            job.world,
+            tokens,
+            commit,
+            shards,
+            job.generation,
+        )
         try:
             catalog.write_manifest(tier.root, job.name, iteration, manifest)
             deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
             where = catalog.checkpoint_dir(tier.root, job.name, iteration, job.generation)
-            tier.last_error = f"writing the manifest of iteration {iteration}: " \
-                              f"{failed.write_error(exc, tier.name, where)}"
+            tier.last_error = (
+                f"writing the manifest of iteration {iteration}: {failed.write_error(exc, tier.name, where)}"
+            )
             if isinstance(exc, FileNotFoundError):
-                tier.last_error += (f" (the coordinator cannot see the shards the workers wrote under {tier.root}: "
-                                    "a tier's path must be storage the coordinator and every worker share -- one "
-                                    "host, or a shared mount; with node-local disks on several hosts, use "
-                                    "persist.remote.url for durable copies)")
+                tier.last_error += (
+                    f" (the coordinator cannot see the shards the workers wrote under {tier.root}: "
+                    "a tier's path must be storage the coordinator and every worker share -- one "
+                    "host, or a shared mount; with node-local disks on several hosts, use "
+                    "persist.remote.url for durable copies)"
+                )
             logger.error("tier %s: %s", tier.name, tier.last_error)
             tier.failing += 1
             if tier.failing < 2:
@@ -306,12 +368,27 @@ class Persistence:
         tier.bytes += nbytes
         tier.last_error = ""
         tier.complete[job.name] = max(tier.complete.get(job.name, -1), iteration)
-        if tier.last_complete is None or tier.last_complete["iteration"] <= iteration or \
-                tier.last_complete["job"] != job.name:
-            tier.last_complete = {"job": job.name, "iteration": iteration, "time": manifest["created"],
-                                  "bytes": nbytes, "seconds": max(r["seconds"] for r in got.values())}
-        logger.info("tier %s: checkpoint of %s iteration %d complete (%d bytes, %d shards)%s", tier.name,
-                    job.name, iteration, nbytes, len(shards), f"; retention removed {len(deleted)}" if deleted else "")
+        if (
+            tier.last_complete is None
+            or tier.last_complete["iteration"] <= iteration
+            or tier.last_complete["job"] != job.name
+        ):
+            tier.last_complete = {
+                "job": job.name,
+                "iteration": iteration,
+                "time": manifest["created"],
+                "bytes": nbytes,
+                "seconds": max(r["seconds"] for r in got.values()),
+            }
+        logger.info(
+            "tier %s: checkpoint of %s iteration %d complete (%d bytes, %d shards)%s",
+            tier.name,
+            job.name,
+            iteration,
+            nbytes,
+            len(shards),
+            f"; retention removed {len(deleted)}" if deleted else "",
+        )
         self._log_skips(tier)
         if tier.newest is None or tier.newest[0] < iteration:
             tier.newest = (iteration, tokens, dict(got))
@@ -324,8 +401,11 @@ class Persistence:
         if remote is None or local.newest is None:
             return []
         iteration, tokens, got = local.newest
-        if iteration in remote.in_flight or iteration <= remote.complete.get(job.name, -1) or \
-                not due(remote.cfg, iteration, time.time(), tokens, remote.last):
+        if (
+            iteration in remote.in_flight
+            or iteration <= remote.complete.get(job.name, -1)
+            or not due(remote.cfg, iteration, time.time(), tokens, remote.last)
+        ):
             return []
         remote.last = (iteration, time.time(), tokens)
         remote.in_flight[iteration] = {}

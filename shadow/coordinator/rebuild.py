@@ -13,6 +13,7 @@ the job is rebuilt from the newest epoch the workers share:
   the trainers are asked to resync once they reconnect (their heartbeats carry epoch and
   rank, which is all the coordinator needs to find them again).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,11 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
         return None, {}
     newest = max(held, key=lambda w: w.session["configure"]["epoch"])
     cfg = newest.session["configure"]
-    same = {w.id for w in held if w.session["configure"]["epoch"] == cfg["epoch"]
-            and w.session["configure"]["job_id"] == cfg["job_id"]}
+    same = {
+        w.id
+        for w in held
+        if w.session["configure"]["epoch"] == cfg["epoch"] and w.session["configure"]["job_id"] == cfg["job_id"]
+    }
     ranges: list = [None] * len(workers)
     stale: dict[int, str] = {}
     for w in workers:
@@ -66,8 +70,18 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     layout = Layout.from_dict(cfg["layout"])
     bounds = shard_bounds(layout.total, nshards)
     ranges = [r if r is not None else bounds[i % nshards] for i, r in enumerate(ranges)]
-    job = JobRec(cfg["job"], cfg["job_id"], cfg["epoch"], cfg["layout"], layout.hash, cfg["world"], cfg["optim"],
-                 cfg["iteration"], ranges, {})
+    job = JobRec(
+        cfg["job"],
+        cfg["job_id"],
+        cfg["epoch"],
+        cfg["layout"],
+        layout.hash,
+        cfg["world"],
+        cfg["optim"],
+        cfg["iteration"],
+        ranges,
+        {},
+    )
     job.generation = int(cfg["persist"].get("generation", 0))
     ok = [w for w in workers if w.id in same and w.id not in stale]
     job.cut = max([w.session["applied"] for w in ok] + [cfg["iteration"] - 1])
@@ -76,13 +90,20 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
         w.prepared = w.session["prepared"] if w in ok else job.cut
         w.applied = w.session["applied"] if w in ok else -1
     job.status = "running" if job.cut >= job.base else "bootstrapping"
-    logger.warning("rebuilt job %s epoch %d from %d workers: committed iteration %d%s", job.name, job.epoch,
-                   len(workers), job.cut, f"; stale workers {sorted(stale)}" if stale else "")
+    logger.warning(
+        "rebuilt job %s epoch %d from %d workers: committed iteration %d%s",
+        job.name,
+        job.epoch,
+        len(workers),
+        job.cut,
+        f"; stale workers {sorted(stale)}" if stale else "",
+    )
     return job, stale
 
 
 class RejoinMixin:
     """Coordinator handlers: ``rejoin`` from workers, and the rebuild once all have."""
+
     def _on_rejoin(self, env, msg) -> None:
         """A worker that outlived the previous coordinator reports what it holds."""
         try:

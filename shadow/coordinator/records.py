@@ -1,5 +1,6 @@
 """What the coordinator knows about each worker and the attached job (all of it can be
 rebuilt from the workers after a coordinator restart: see :mod:`rebuild`)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -80,8 +81,15 @@ class JobRec:
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded
     degraded_at: float = 0.0  # monotonic time of the last degrade
-    audit: dict = field(default_factory=lambda: {"checked": 0, "mismatches": 0, "last_iteration": None,
-                                                  "max_ulp": 0, "last_mismatch": ""})
+    audit: dict = field(
+        default_factory=lambda: {
+            "checked": 0,
+            "mismatches": 0,
+            "last_iteration": None,
+            "max_ulp": 0,
+            "last_mismatch": "",
+        }
+    )
 
 
 def job_id_for(name: str) -> int:

@@ -21,6 +21,7 @@ socket) joins at an iteration boundary every rank agrees on:
 Anything unexpected on the way (ranks disagree on m, the cut already passed m - 1, the
 peer is lost or moved on) degrades the job, and the usual resync rebuilds every shard.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,14 @@ class ReplicaMixin:
     def healthy(self, w: WorkerRec, now: float | None = None) -> bool:
         job = self.job
         now = time.monotonic() if now is None else now
-        return (w.alive(now) and not w.stale and not w.transit and not w.out and job is not None
-                and w.configured == job.epoch)
+        return (
+            w.alive(now)
+            and not w.stale
+            and not w.transit
+            and not w.out
+            and job is not None
+            and w.configured == job.epoch
+        )
 
     def serving(self) -> list[WorkerRec] | None:
         """One healthy replica per shard (lowest id first), or None if a shard has none."""
@@ -64,8 +71,9 @@ class ReplicaMixin:
             self._degrade(reason)
             return
         self._cancel_join(w)
-        logger.error("worker %d out of service (%s); shard %d continues on its other replica", w.id, reason,
-                     self.shard_of(w))
+        logger.error(
+            "worker %d out of service (%s); shard %d continues on its other replica", w.id, reason, self.shard_of(w)
+        )
         for ident in job.trainers.values():
             self._reply([ident], "replica_out", epoch=job.epoch, worker=w.id)
         self._advance_cut()
@@ -84,8 +92,12 @@ class ReplicaMixin:
         job.joining[w.id] = {"gen": job.gen, "from": {}, "at": None}
         for ident in job.trainers.values():  # whatever is queued for the old process is dropped
             self._reply([ident], "replica_out", epoch=job.epoch, worker=w.id)
-        logger.warning("worker %d joins shard %d (generation %d): the ranks pick the iteration, its peer "
-                       "sends the state", w.id, self.shard_of(w), job.gen)
+        logger.warning(
+            "worker %d joins shard %d (generation %d): the ranks pick the iteration, its peer sends the state",
+            w.id,
+            self.shard_of(w),
+            job.gen,
+        )
         for ident in job.trainers.values():
             self._reply([ident], "replica_in", epoch=job.epoch, worker=w.id, data=w.data, gen=job.gen)
         self._advance_cut()  # the cut no longer waits for the old process in this slot
@@ -115,22 +127,39 @@ class ReplicaMixin:
         starts = set(j["from"].values())
         m = max(starts)
         w = self.workers[msg["worker"]] if msg["worker"] < len(self.workers) else None
-        peers = [p for p in self.workers if p is not w and self.shard_of(p) == msg["worker"] % self.nshards
-                 and self.healthy(p)]
+        peers = [
+            p
+            for p in self.workers
+            if p is not w and self.shard_of(p) == msg["worker"] % self.nshards and self.healthy(p)
+        ]
         if len(starts) != 1 or job.cut > m - 1 or not peers or w is None:
             job.joining.pop(msg["worker"], None)
-            self._degrade(f"worker {msg['worker']} could not join from its peer (ranks start at {sorted(starts)}, "
-                          f"cut {job.cut}, healthy peers {[p.id for p in peers]})")
+            self._degrade(
+                f"worker {msg['worker']} could not join from its peer (ranks start at {sorted(starts)}, "
+                f"cut {job.cut}, healthy peers {[p.id for p in peers]})"
+            )
             return
         j["at"] = m - 1
         self._release_hold()
         peer = peers[0]
         lo, hi = job.ranges[w.id]
-        self._reply([w.ident], "configure", epoch=job.epoch, job=job.name, job_id=job.job_id, layout=job.layout,
-                    start=lo, stop=hi, world=job.world, optim=job.optim, iteration=m - 1,
-                    persist={**self.persist.config, "generation": job.generation}, shard=self.shard_of(w),
-                    shards=self.nshards,
-                    peer={"id": peer.id, "serve": peer.serve})
+        self._reply(
+            [w.ident],
+            "configure",
+            epoch=job.epoch,
+            job=job.name,
+            job_id=job.job_id,
+            layout=job.layout,
+            start=lo,
+            stop=hi,
+            world=job.world,
+            optim=job.optim,
+            iteration=m - 1,
+            persist={**self.persist.config, "generation": job.generation},
+            shard=self.shard_of(w),
+            shards=self.nshards,
+            peer={"id": peer.id, "serve": peer.serve},
+        )
         logger.info("worker %d: copying iteration %d from worker %d; ranks stream from %d", w.id, m - 1, peer.id, m)
 
     def _on_copied(self, env, msg) -> None:
@@ -143,6 +172,11 @@ class ReplicaMixin:
         w.seq, w.joined_at = [], time.monotonic()
         w.prepared = max(w.prepared, msg["iteration"])
         w.applied = msg["iteration"]
-        logger.info("worker %d is a healthy replica of shard %d again (from iteration %d, in %.2f s)", w.id,
-                    self.shard_of(w), msg["iteration"], msg["seconds"])
+        logger.info(
+            "worker %d is a healthy replica of shard %d again (from iteration %d, in %.2f s)",
+            w.id,
+            self.shard_of(w),
+            msg["iteration"],
+            msg["seconds"],
+        )
         self._advance_cut()

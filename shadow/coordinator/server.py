@@ -5,6 +5,7 @@ The cut rule: iteration k is declared applied only when every worker has reporte
 PREPARED(k); then every worker is told to apply through k and every trainer rank
 learns the new cut (its flow-control credit).
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,8 +44,10 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         if workers < 1:
             raise ValueError(f"a cluster needs at least one worker, got workers={workers}")
         if replicas < 1 or workers % replicas:
-            raise ValueError(f"replicas={replicas} must be >= 1 and divide workers={workers} "
-                             "(each shard is held by `replicas` workers)")
+            raise ValueError(
+                f"replicas={replicas} must be >= 1 and divide workers={workers} "
+                "(each shard is held by `replicas` workers)"
+            )
         self.bind = bind
         self.expected = workers
         self.replicas, self.nshards = replicas, workers // replicas
@@ -143,9 +146,13 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         except Exception as exc:  # a bug meeting an input: count it, answer, and carry on
             self._failed("handler_" + msg["t"], f"the {msg['t']} handler")
             try:
-                self._reply(envelope, "error", code="internal",
-                            message=f"the coordinator could not handle this {msg['t']} message "
-                                    f"({type(exc).__name__}: {exc}); it was dropped")
+                self._reply(
+                    envelope,
+                    "error",
+                    code="internal",
+                    message=f"the coordinator could not handle this {msg['t']} message "
+                    f"({type(exc).__name__}: {exc}); it was dropped",
+                )
             except Exception:  # the envelope itself may be the problem
                 logger.debug("could not answer a failed %s message", msg["t"], exc_info=True)
 
@@ -158,8 +165,12 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
     # -- workers ------------------------------------------------------------------------
     def _on_starting(self, env, msg) -> None:
         """A worker process is up and compiling its kernels; it registers when they are ready."""
-        self.starting[msg["pid"]] = {"worker_id": msg["worker_id"], "pid": msg["pid"], "seconds": msg["seconds"],
-                                     "last_seen": time.monotonic()}
+        self.starting[msg["pid"]] = {
+            "worker_id": msg["worker_id"],
+            "pid": msg["pid"],
+            "seconds": msg["seconds"],
+            "last_seen": time.monotonic(),
+        }
 
     def ready_workers(self, now: float | None = None) -> list[WorkerRec]:
         """Registered workers that answer: kernels compiled, sockets bound."""
@@ -197,9 +208,13 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             if slot < 0:
                 slot = next((i for i in range(self.expected) if i not in taken), -1)
             if not 0 <= slot < self.expected:
-                self._reply(env, "error", code="refused",
-                            message=f"cluster already has its {self.expected} workers "
-                                    f"(or worker_id={msg['worker_id']} is out of range)")
+                self._reply(
+                    env,
+                    "error",
+                    code="refused",
+                    message=f"cluster already has its {self.expected} workers "
+                    f"(or worker_id={msg['worker_id']} is out of range)",
+                )
                 return None
             w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
             self.workers.append(w)
@@ -277,11 +292,16 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         if job.status == "configuring" and all(x.configured == job.epoch for x in self.workers):
             job.status = "bootstrapping"
             workers = [
-                {"id": x.id, "data": x.data, "start": job.ranges[x.id][0], "stop": job.ranges[x.id][1],
-                 "shard": self.shard_of(x)}
+                {
+                    "id": x.id,
+                    "data": x.data,
+                    "start": job.ranges[x.id][0],
+                    "stop": job.ranges[x.id][1],
+                    "shard": self.shard_of(x),
+                }
                 for x in self.workers
             ]
-            for rank, ident in sorted(job.trainers.items()):
+            for _rank, ident in sorted(job.trainers.items()):
                 self._reply([ident], "attached", epoch=job.epoch, job_id=job.job_id, workers=workers)
             logger.info("job %s epoch %d attached: %d ranks, %d workers", job.name, job.epoch, job.world, len(workers))
 
@@ -299,8 +319,11 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         replica copies from its peer, no further than the copied iteration)."""
         job = self.job
         now = time.monotonic()
-        live = [x for x in self.workers if not x.out and not x.transit and x.alive(now)] \
-            if self.replicas > 1 else self.workers
+        live = (
+            [x for x in self.workers if not x.out and not x.transit and x.alive(now)]
+            if self.replicas > 1
+            else self.workers
+        )
         if not live:
             return
         cut = min(x.prepared for x in live)
@@ -332,8 +355,14 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             if kind == "upload":
                 for shard, r in per_shard.items():
                     x = self.workers[job.writers.get(shard, shard)]
-                    self._reply([x.ident], "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"],
-                                checksum=r["checksum"])
+                    self._reply(
+                        [x.ident],
+                        "upload",
+                        epoch=job.epoch,
+                        iteration=iteration,
+                        bytes=r["bytes"],
+                        checksum=r["checksum"],
+                    )
 
     def _on_audited(self, env, msg) -> None:
         job = self.job
@@ -348,11 +377,16 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         if not msg["ok"]:
             a["mismatches"] += 1
             a["last_mismatch"] = f"iteration {msg['iteration']}: {msg['detail']}"
-            logger.error("divergence audit failed at iteration %d (max %d ulp): %s", msg["iteration"],
-                         msg["max_ulp"], msg["detail"])
+            logger.error(
+                "divergence audit failed at iteration %d (max %d ulp): %s",
+                msg["iteration"],
+                msg["max_ulp"],
+                msg["detail"],
+            )
             for ident in job.trainers.values():
-                self._reply([ident], "audit", epoch=job.epoch, iteration=msg["iteration"], ok=False,
-                            detail=msg["detail"])
+                self._reply(
+                    [ident], "audit", epoch=job.epoch, iteration=msg["iteration"], ok=False, detail=msg["detail"]
+                )
 
     def _on_stale(self, env, msg) -> None:
         w = self._worker(env)

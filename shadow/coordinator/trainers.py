@@ -1,5 +1,6 @@
 """What the coordinator hears from trainer ranks besides attach/detach: heartbeats (how a
 restarted coordinator finds them; how lost messages are found), and ``lagging`` (policy skip)."""
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,21 @@ class TrainerMixin:
                 continue
             t, sent = sample
             for w in self.workers:
-                if w.epoch != job.epoch or w.transit or w.out or w.busy_at >= t or w.joined_at >= t or w.id >= len(sent) or rank >= len(w.seq):
+                if (
+                    w.epoch != job.epoch
+                    or w.transit
+                    or w.out
+                    or w.busy_at >= t
+                    or w.joined_at >= t
+                    or w.id >= len(sent)
+                    or rank >= len(w.seq)
+                ):
                     continue
                 if w.seq[rank] < sent[w.id]:
-                    w.transit = (f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
-                                 f"(received {w.seq[rank]} of {sent[w.id]})")
+                    w.transit = (
+                        f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
+                        f"(received {w.seq[rank]} of {sent[w.id]})"
+                    )
                     logger.error("worker %d: %s", w.id, w.transit)
                     self._replica_down(w, f"worker {w.id}: {w.transit}")
                     return
@@ -49,9 +60,15 @@ class TrainerMixin:
         if job is None and len(self.workers) < self.expected:
             return  # just restarted: the workers have not all rejoined yet, the job may yet be rebuilt
         if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
-            self._reply(env, "degraded", epoch=msg["epoch"], reason=(
-                f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
-                f"{'no job' if job is None else 'epoch %d' % job.epoch})"))
+            self._reply(
+                env,
+                "degraded",
+                epoch=msg["epoch"],
+                reason=(
+                    f"the coordinator does not hold this session (epoch {msg['epoch']}; it holds "
+                    f"{'no job' if job is None else f'epoch {job.epoch}'})"
+                ),
+            )
             now = time.monotonic()
             if job is None and all(w.alive(now) for w in self.workers):  # a cluster without the job: re-attach
                 self._reply(env, "resync", epoch=msg["epoch"])
@@ -87,5 +104,7 @@ class TrainerMixin:
         if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
             return
         behind = [w.id for w in self.workers if w.prepared < msg["iteration"] - knobs.get_int("MAX_LAG")]
-        self._degrade(f"rank {msg['rank']} reached iteration {msg['iteration']} with the cluster at "
-                      f"{msg['applied']} (policy skip); workers {behind} are behind")
+        self._degrade(
+            f"rank {msg['rank']} reached iteration {msg['iteration']} with the cluster at "
+            f"{msg['applied']} (policy skip); workers {behind} are behind"
+        )

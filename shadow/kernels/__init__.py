@@ -1,4 +1,5 @@
 """Optimizer replay kernels (numba) and the per-range plans that drive them."""
+
 from shadow.kernels.plan import (
     IMPLS,
     ReplayPlan,

@@ -15,6 +15,7 @@ kernel's cache when it is decorated), so :func:`configure` runs at that import.
 :func:`compile_lock` serialises the first compilation between the worker processes of
 one host: one compiles, the others then load its result from the cache.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ import logging
 import os
 import tempfile
 import types
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,11 @@ def configure() -> str:
     path = default_dir()
     if not _writable(path):
         fallback = os.path.join(tempfile.gettempdir(), f"shadow-numba-{os.getuid()}")
-        logger.warning("kernel cache directory %s is not writable; using %s (set SHADOW_CACHE_DIR to choose "
-                       "another)", path, fallback)
+        logger.warning(
+            "kernel cache directory %s is not writable; using %s (set SHADOW_CACHE_DIR to choose another)",
+            path,
+            fallback,
+        )
         path = fallback
         os.makedirs(path, exist_ok=True)
     config.CACHE_DIR = path
@@ -85,8 +89,7 @@ def kernel(fn: Callable, parallel: bool) -> Callable:
     from numba import njit
 
     if not parallel:
-        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
-                                fn.__closure__)
+        fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
         fn.__qualname__ = fn.__name__
     return njit(parallel=parallel, cache=True, nogil=True, error_model="numpy")(fn)
 

@@ -5,6 +5,7 @@ torch's CPU kernels are compiled with FMA contraction, so matching them bit for 
 needs the fused operation explicitly where they fuse, and plain ``a * b + c`` where
 they do not.
 """
+
 from __future__ import annotations
 
 from numba import types

@@ -36,6 +36,7 @@ plan picks it from the implementation; ``I_RULE`` names it per segment):
   + eps`` (single-tensor: ``sqrt(v) * (1/bc2s) + eps``, ``F_BC2S`` then holds ``1/bc2s``
   and ``I_RECIP`` is set); decay, L2 and the first moment as on CPU.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -45,12 +46,24 @@ from shadow.kernels import _cache  # first: it chooses the kernel cache director
 from shadow.kernels._fma import f32_at, fma32
 
 # Columns of the per-segment float32 scalar table.
-(F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE,
- F_RGRAD_SCALE) = range(12)
+(F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE, F_RGRAD_SCALE) = range(12)
 N_FSCALARS = 12
 # Columns of the per-segment int64 table.
-(I_ACTIVE, I_AMSGRAD, I_MAXIMIZE, I_TAIL_START, I_LERP_SMALL, I_L2, I_DECOUPLED, I_CLIP, I_INV_SCALE,
- I_GRAD_SCALE, I_RULE, I_PARAM_START, I_RECIP) = range(13)
+(
+    I_ACTIVE,
+    I_AMSGRAD,
+    I_MAXIMIZE,
+    I_TAIL_START,
+    I_LERP_SMALL,
+    I_L2,
+    I_DECOUPLED,
+    I_CLIP,
+    I_INV_SCALE,
+    I_GRAD_SCALE,
+    I_RULE,
+    I_PARAM_START,
+    I_RECIP,
+) = range(13)
 N_ISCALARS = 13
 # I_RULE values: whose rounding the segment reproduces
 RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH = 0, 1, 2
@@ -118,8 +131,9 @@ def _step(rule, p, m, vm, recip, nstep, bc2s, eps):
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, tail, snap_p, snap_m,
-                  snap_v, snap_x):
+def _update_range(
+    rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, tail, snap_p, snap_m, snap_v, snap_x
+):
     """Local elements ``[lo, hi)``; their gradient is ``grad[goff:goff + hi - lo]``. With
     ``snap_p`` non-empty, the new values are also written to the ``snap_*`` arrays (the
     persistence image of this iteration: one pass instead of an apply and a copy).
@@ -139,14 +153,29 @@ def _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, 
     w1, b2, c2, bc2s, eps, nstep = f[F_W1], f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP]
     off = lo - fl[I_PARAM_START]  # element i of the slice is element off + i of its parameter
     n = hi - lo
-    p_, m_, v_, g_ = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[goff:goff + n]
+    p_, m_, v_, g_ = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[goff : goff + n]
     snap = len(snap_p) > 0
     if fl[I_AMSGRAD] != 0:
         x_ = max_sq[lo:hi]
         sp_, sm_, sv_, sx_ = snap_p[lo:hi], snap_m[lo:hi], snap_v[lo:hi], snap_x[lo:hi]
         for i in range(n):
-            p, m, v = _moments(rule, _grad(g_[i], inv, cl, div, gs, rgs), p_[i], m_[i], v_[i], (off + i) & 3,
-                               wd, l2, decoupled, tail, dec, w1, small, b2, c2)
+            p, m, v = _moments(
+                rule,
+                _grad(g_[i], inv, cl, div, gs, rgs),
+                p_[i],
+                m_[i],
+                v_[i],
+                (off + i) & 3,
+                wd,
+                l2,
+                decoupled,
+                tail,
+                dec,
+                w1,
+                small,
+                b2,
+                c2,
+            )
             m_[i] = m
             v_[i] = v
             mx = x_[i]
@@ -163,8 +192,23 @@ def _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, 
     elif snap:  # a loop of its own: a branch in the body would stop vectorisation
         sp_, sm_, sv_ = snap_p[lo:hi], snap_m[lo:hi], snap_v[lo:hi]
         for i in range(n):
-            p, m, v = _moments(rule, _grad(g_[i], inv, cl, div, gs, rgs), p_[i], m_[i], v_[i], (off + i) & 3,
-                               wd, l2, decoupled, tail, dec, w1, small, b2, c2)
+            p, m, v = _moments(
+                rule,
+                _grad(g_[i], inv, cl, div, gs, rgs),
+                p_[i],
+                m_[i],
+                v_[i],
+                (off + i) & 3,
+                wd,
+                l2,
+                decoupled,
+                tail,
+                dec,
+                w1,
+                small,
+                b2,
+                c2,
+            )
             p = _step(rule, p, m, v, recip, nstep, bc2s, eps)
             m_[i] = m
             v_[i] = v
@@ -174,8 +218,23 @@ def _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, 
             sp_[i] = p
     else:
         for i in range(n):
-            p, m, v = _moments(rule, _grad(g_[i], inv, cl, div, gs, rgs), p_[i], m_[i], v_[i], (off + i) & 3,
-                               wd, l2, decoupled, tail, dec, w1, small, b2, c2)
+            p, m, v = _moments(
+                rule,
+                _grad(g_[i], inv, cl, div, gs, rgs),
+                p_[i],
+                m_[i],
+                v_[i],
+                (off + i) & 3,
+                wd,
+                l2,
+                decoupled,
+                tail,
+                dec,
+                w1,
+                small,
+                b2,
+                c2,
+            )
             m_[i] = m
             v_[i] = v
             p_[i] = _step(rule, p, m, v, recip, nstep, bc2s, eps)
@@ -185,13 +244,20 @@ def _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, 
 def _row(w, work, seg_f, seg_i, grad_addr, grad_len):
     """Work row ``w``: ``(lo, hi, float scalars, int scalars, its gradient part, goff)``."""
     s = work[w, 2]
-    return work[w, 0], work[w, 1], seg_f[s], seg_i[s], carray(f32_at(grad_addr[work[w, 3]]), grad_len[work[w, 3]]), \
-        work[w, 4]
+    return (
+        work[w, 0],
+        work[w, 1],
+        seg_f[s],
+        seg_i[s],
+        carray(f32_at(grad_addr[work[w, 3]]), grad_len[work[w, 3]]),
+        work[w, 4],
+    )
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _item(rule, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v,
-          snap_x):
+def _item(
+    rule, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+):
     """Work row ``w`` under ``rule`` (a constant)."""
     lo, hi, f, fl, grad, goff = _row(w, work, seg_f, seg_i, grad_addr, grad_len)
     if fl[I_ACTIVE] == 0:
@@ -203,12 +269,29 @@ def _item(rule, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work
         a = lo if half == 0 else mid
         b = mid if half == 0 else hi
         if b > a:
-            _update_range(rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff + (a - lo), a, b, f, fl, half == 1,
-                          snap_p, snap_m, snap_v, snap_x)
+            _update_range(
+                rule,
+                param,
+                exp_avg,
+                exp_avg_sq,
+                max_sq,
+                grad,
+                goff + (a - lo),
+                a,
+                b,
+                f,
+                fl,
+                half == 1,
+                snap_p,
+                snap_m,
+                snap_v,
+                snap_x,
+            )
 
 
-def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v,
-                snap_x):
+def _adam_apply(
+    param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+):
     """Apply one Adam/AdamW step in place over the work items, with torch's CPU rounding.
 
     ``work`` is int64 ``[n, 5]`` of ``(lo, hi, segment, part, goff)``: local elements
@@ -220,24 +303,71 @@ def _adam_apply(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, s
     amsgrad; the ``snap_*`` arrays are length 0 unless this pass also fills a snapshot.
     """
     for w in prange(work.shape[0]):
-        _item(RULE_CPU, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m,
-              snap_v, snap_x)
+        _item(
+            RULE_CPU,
+            w,
+            param,
+            exp_avg,
+            exp_avg_sq,
+            max_sq,
+            grad_addr,
+            grad_len,
+            work,
+            seg_f,
+            seg_i,
+            snap_p,
+            snap_m,
+            snap_v,
+            snap_x,
+        )
 
 
-def _adam_apply_cuda_fused(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p,
-                           snap_m, snap_v, snap_x):
+def _adam_apply_cuda_fused(
+    param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+):
     """:func:`_adam_apply` with the rounding of CUDA's fused Adam/AdamW."""
     for w in prange(work.shape[0]):
-        _item(RULE_CUDA_FUSED, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p,
-              snap_m, snap_v, snap_x)
+        _item(
+            RULE_CUDA_FUSED,
+            w,
+            param,
+            exp_avg,
+            exp_avg_sq,
+            max_sq,
+            grad_addr,
+            grad_len,
+            work,
+            seg_f,
+            seg_i,
+            snap_p,
+            snap_m,
+            snap_v,
+            snap_x,
+        )
 
 
-def _adam_apply_cuda_foreach(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p,
-                             snap_m, snap_v, snap_x):
+def _adam_apply_cuda_foreach(
+    param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+):
     """:func:`_adam_apply` with the rounding of CUDA's foreach and single-tensor Adam/AdamW."""
     for w in prange(work.shape[0]):
-        _item(RULE_CUDA_FOREACH, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i,
-              snap_p, snap_m, snap_v, snap_x)
+        _item(
+            RULE_CUDA_FOREACH,
+            w,
+            param,
+            exp_avg,
+            exp_avg_sq,
+            max_sq,
+            grad_addr,
+            grad_len,
+            work,
+            seg_f,
+            seg_i,
+            snap_p,
+            snap_m,
+            snap_v,
+            snap_x,
+        )
 
 
 #: per rounding rule (``I_RULE``), the kernel pair ``(multi-threaded, single-threaded)``:
@@ -245,6 +375,12 @@ def _adam_apply_cuda_foreach(param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad
 #: processes (calibration), which must not start a thread pool that competes with
 #: torch's own threads. One kernel per rule keeps the rule a constant in its loops, and
 #: each compiles on first use.
-KERNELS = {rule: (_cache.kernel(fn, True), _cache.kernel(fn, False)) for rule, fn in (
-    (RULE_CPU, _adam_apply), (RULE_CUDA_FUSED, _adam_apply_cuda_fused), (RULE_CUDA_FOREACH, _adam_apply_cuda_foreach))}
+KERNELS = {
+    rule: (_cache.kernel(fn, True), _cache.kernel(fn, False))
+    for rule, fn in (
+        (RULE_CPU, _adam_apply),
+        (RULE_CUDA_FUSED, _adam_apply_cuda_fused),
+        (RULE_CUDA_FOREACH, _adam_apply_cuda_foreach),
+    )
+}
 adam_apply, adam_apply_serial = KERNELS[RULE_CPU]

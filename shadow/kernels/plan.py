@@ -3,11 +3,12 @@
 Pure helpers (``segments_for_range``, ``adam_scalars``, ``tail_start``) are kept apart
 from :class:`ReplayPlan`, which turns a commit record into the kernel's scalar tables.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numba
 import numpy as np
@@ -19,9 +20,14 @@ from shadow.kernels.powtab import PowTable
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
 #: the rounding rule of each implementation (``adam.I_RULE``)
-RULES = {"fused": _adam.RULE_CPU, "foreach": _adam.RULE_CPU, "single": _adam.RULE_CPU,
-         "cuda_fused": _adam.RULE_CUDA_FUSED, "cuda_foreach": _adam.RULE_CUDA_FOREACH,
-         "cuda_single": _adam.RULE_CUDA_FOREACH}
+RULES = {
+    "fused": _adam.RULE_CPU,
+    "foreach": _adam.RULE_CPU,
+    "single": _adam.RULE_CPU,
+    "cuda_fused": _adam.RULE_CUDA_FUSED,
+    "cuda_foreach": _adam.RULE_CUDA_FOREACH,
+    "cuda_single": _adam.RULE_CUDA_FOREACH,
+}
 KINDS = ("adam", "sgd")
 
 
@@ -73,8 +79,9 @@ def adam_scalars(
     )
 
 
-def cuda_fused_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                       step: float, powers: PowTable) -> tuple[float, ...]:
+def cuda_fused_scalars(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float, powers: PowTable
+) -> tuple[float, ...]:
     """CUDA's fused Adam: every hyperparameter and the step count rounded to float32
     first, the bias corrections computed in float32 (``beta ** k`` as the trainer's
     device computes it: ``powers``; ``sqrtf``). Columns as :func:`adam_scalars`:
@@ -129,13 +136,12 @@ def segments_for_range(
 ) -> list[Segment]:
     """Intersect every parameter's flat extent with ``[start, stop)``."""
     out = []
-    for i, (off, n, g) in enumerate(zip(offsets, numels, groups)):
+    for i, (off, n, g) in enumerate(zip(offsets, numels, groups, strict=True)):
         lo, hi = max(off, start), min(off + n, stop)
         if lo >= hi:
             continue
         out.append(
-            Segment(i, g, lo - start, hi - start, off + tail_start(n, impl, vec_width, tail_width) - start,
-                    off - start)
+            Segment(i, g, lo - start, hi - start, off + tail_start(n, impl, vec_width, tail_width) - start, off - start)
         )
     return out
 
@@ -149,7 +155,9 @@ def work_items(segments: Sequence[Segment], chunk: int) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def part_work(segments: Sequence[Segment], parts: Sequence[tuple[int, int]], chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def part_work(
+    segments: Sequence[Segment], parts: Sequence[tuple[int, int]], chunk: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Work items over gradient *parts* (received payloads, applied where they lie).
 
     ``parts`` are ``(local_dst, nelem)`` sorted by ``local_dst``; part ``j`` holds the
@@ -199,8 +207,10 @@ def grad_parts(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     length = np.empty(len(arrays), dtype=np.int64)
     for i, a in enumerate(arrays):
         if a.dtype != np.float32 or not a.flags.c_contiguous:
-            raise ValueError(f"gradient part {i} is {a.dtype}, contiguous={a.flags.c_contiguous}; "
-                             "the kernels read C-contiguous float32")
+            raise ValueError(
+                f"gradient part {i} is {a.dtype}, contiguous={a.flags.c_contiguous}; "
+                "the kernels read C-contiguous float32"
+            )
         addr[i] = a.__array_interface__["data"][0]
         length[i] = a.shape[0]
     return addr, length
@@ -224,8 +234,9 @@ def interleave(work: np.ndarray, threads: int) -> np.ndarray:
 class ReplayPlan:
     """Scalar tables for one worker range, refreshed per iteration from the commit."""
 
-    def __init__(self, segments: Sequence[Segment], impl: str, chunk: int, kind: str = "adam",
-                 powers: PowTable | None = None) -> None:
+    def __init__(
+        self, segments: Sequence[Segment], impl: str, chunk: int, kind: str = "adam", powers: PowTable | None = None
+    ) -> None:
         if impl not in IMPLS:
             raise ValueError(f"unknown optimizer implementation {impl!r}; expected one of {IMPLS}")
         if kind not in KINDS:
@@ -248,8 +259,15 @@ class ReplayPlan:
                 self.seg_i[s, _adam.I_PARAM_START] = seg.start
                 self.seg_i[s, _adam.I_RECIP] = int(impl == "cuda_single")
 
-    def prepare_sgd(self, groups: Sequence[dict], has_state: np.ndarray, skipped: set[int], clip=None,
-                    inv_scale=None, grad_scale=None) -> None:
+    def prepare_sgd(
+        self,
+        groups: Sequence[dict],
+        has_state: np.ndarray,
+        skipped: set[int],
+        clip=None,
+        inv_scale=None,
+        grad_scale=None,
+    ) -> None:
         """Fill the SGD tables for one iteration (``has_state``: momentum buffer exists)."""
         one = np.float32(1.0)
         for s, seg in enumerate(self.segments):
@@ -293,12 +311,15 @@ class ReplayPlan:
         short = np.flatnonzero(active & (covered != self.seg_len))
         if len(short):
             seg = self.segments[int(short[0])]
-            raise ValueError(f"{len(short)} updated parameter slices lack gradient elements (first: parameter "
-                             f"{seg.param}, {int(covered[short[0]])} of {seg.hi - seg.lo} covered)")
+            raise ValueError(
+                f"{len(short)} updated parameter slices lack gradient elements (first: parameter "
+                f"{seg.param}, {int(covered[short[0]])} of {seg.hi - seg.lo} covered)"
+            )
         return work
 
-    def run(self, mod, arrays: tuple, parts: Sequence[tuple[int, np.ndarray]], snap: tuple = (),
-            threads: bool = True) -> np.ndarray:
+    def run(
+        self, mod, arrays: tuple, parts: Sequence[tuple[int, np.ndarray]], snap: tuple = (), threads: bool = True
+    ) -> np.ndarray:
         """Run ``mod``'s kernel (:mod:`adam` with ``(param, exp_avg, exp_avg_sq, max_sq)``,
         :mod:`sgd` with ``(param, momentum_buf)``) with gradients taken from ``parts``
         where they lie; ``snap``: arrays of the same shapes that receive the new values
@@ -343,8 +364,15 @@ class ReplayPlan:
             if key not in cache:
                 beta1, beta2 = grp["betas"]
                 cache[key] = adam_scalars(
-                    self.impl, grp["lr"], beta1, beta2, grp["eps"], grp["weight_decay"],
-                    grp["decoupled"], step, self.powers,
+                    self.impl,
+                    grp["lr"],
+                    beta1,
+                    beta2,
+                    grp["eps"],
+                    grp["weight_decay"],
+                    grp["decoupled"],
+                    step,
+                    self.powers,
                 )
             sc = cache[key]
             self.seg_f[s, : len(sc)] = sc
@@ -376,16 +404,26 @@ def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
     first use). Returns how many kernels had to be compiled (0: all came from the cache)."""
     one = np.ones(16, dtype=np.float32)
     segs = segments_for_range([0], [16], [0], 0, 16, "fused", 16, 8)
-    adam_group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
-                  "maximize": False, "decoupled": True}
+    adam_group = {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "amsgrad": False,
+        "maximize": False,
+        "decoupled": True,
+    }
     for impl in ("fused", "cuda_fused", "cuda_foreach"):  # one kernel per rounding rule
         plan = ReplayPlan(segs, impl, 16, "adam")
         plan.prepare([adam_group], np.ones(1), set(), None)
         for t in threads:
             plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=t)
     plan = ReplayPlan(segs, "fused", 16, "sgd")
-    plan.prepare_sgd([{"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
-                       "maximize": False}], np.zeros(1, dtype=bool), set())
+    plan.prepare_sgd(
+        [{"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "maximize": False}],
+        np.zeros(1, dtype=bool),
+        set(),
+    )
     for t in threads:
         plan.apply_sgd(one.copy(), one.copy(), one, threads=t)
     pairs = (*_adam.KERNELS.values(), (_sgd.sgd_apply, _sgd.sgd_apply_serial))

@@ -11,11 +11,12 @@ JSON-friendly integers).
 Past ``limit`` (where the reference is below 2**-30) every power that can occur rounds
 ``1 - p`` to 1.0 in float32, so no table is needed beyond it.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-TINY = 2.0 ** -30  # below this, 1 - p and sqrt(1 - p) round to 1.0f whatever p's last bits
+TINY = 2.0**-30  # below this, 1 - p and sqrt(1 - p) round to 1.0f whatever p's last bits
 MAX_STEPS = 1 << 20  # a beta closer to 1 than this covers is checked up to here only
 
 
@@ -86,12 +87,24 @@ def check_entries(entries) -> str | None:
     if not isinstance(entries, list) or len(entries) > 64:
         return "pow must be a list of at most 64 [beta bits, [[k, value bits], ...], limit]"
     for e in entries:
-        if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], int) and isinstance(e[1], list)
-                and isinstance(e[2], int) and 0 <= e[0] < 1 << 32 and 0 < e[2] <= MAX_STEPS + 1
-                and len(e[1]) <= MAX_STEPS):
+        if not (
+            isinstance(e, list)
+            and len(e) == 3
+            and isinstance(e[0], int)
+            and isinstance(e[1], list)
+            and isinstance(e[2], int)
+            and 0 <= e[0] < 1 << 32
+            and 0 < e[2] <= MAX_STEPS + 1
+            and len(e[1]) <= MAX_STEPS
+        ):
             return "pow entries must be [beta bits, [[k, value bits], ...], limit] of integers"
         for pair in e[1]:
-            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, int) for x in pair)
-                    and 0 < pair[0] <= MAX_STEPS and 0 <= pair[1] < 1 << 32):
+            if not (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and all(isinstance(x, int) for x in pair)
+                and 0 < pair[0] <= MAX_STEPS
+                and 0 <= pair[1] < 1 << 32
+            ):
                 return "pow entries must be [beta bits, [[k, value bits], ...], limit] of integers"
     return None

@@ -8,6 +8,7 @@ Per element, in torch's order: the gradient transforms of :mod:`shadow.kernels.a
 Nesterov ``g = fma(buf, m, g)`` else ``g = buf``; finally ``p = fma(g, -lr, p)``.
 Measured against torch 2.13 (``tests/test_kernels.py``).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ from shadow.kernels._fma import f32_at, fma32
 S_NEG_LR, S_MOMENTUM, S_DAMP1, S_WD, S_CLIP, S_INV_SCALE, S_GRAD_SCALE = range(7)
 N_FSCALARS = 7
 # int64 flag columns
-(J_ACTIVE, J_TAIL_START, J_FIRST, J_NESTEROV, J_MAXIMIZE, J_MOMENTUM, J_WD, J_CLIP, J_INV_SCALE,
- J_GRAD_SCALE) = range(10)
+(J_ACTIVE, J_TAIL_START, J_FIRST, J_NESTEROV, J_MAXIMIZE, J_MOMENTUM, J_WD, J_CLIP, J_INV_SCALE, J_GRAD_SCALE) = range(
+    10
+)
 N_ISCALARS = 10
 
 
@@ -55,7 +57,7 @@ def _sgd_range(param, buf, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_b)
     first = fl[J_FIRST] != 0
     nesterov = fl[J_NESTEROV] != 0
     n = hi - lo
-    p_, g_ = param[lo:hi], grad[goff:goff + n]
+    p_, g_ = param[lo:hi], grad[goff : goff + n]
     snap = len(snap_p) > 0
     sp_ = snap_p[lo:hi]
     if fl[J_MOMENTUM] == 0:
@@ -72,16 +74,18 @@ def _sgd_range(param, buf, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_b)
     if snap:  # a loop of its own: a branch in the body would stop vectorisation
         sb_ = snap_b[lo:hi]
         for i in range(n):
-            p, b = _sgd_step(p_[i], g_[i], b_[i], inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr,
-                             tail_rule)
+            p, b = _sgd_step(
+                p_[i], g_[i], b_[i], inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr, tail_rule
+            )
             b_[i] = b
             p_[i] = p
             sb_[i] = b
             sp_[i] = p
     else:
         for i in range(n):
-            p, b = _sgd_step(p_[i], g_[i], b_[i], inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr,
-                             tail_rule)
+            p, b = _sgd_step(
+                p_[i], g_[i], b_[i], inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, neg_lr, tail_rule
+            )
             b_[i] = b
             p_[i] = p
 

@@ -1,4 +1,5 @@
 """Prometheus metrics of the coordinator, the workers and the trainers."""
+
 from shadow.metrics._exposition import MetricsServer, Samples, serve
 from shadow.metrics.catalog import ALL, COORDINATOR, TRAINER, WORKER, Metric, exposed_names
 

@@ -5,10 +5,11 @@ A process hands :func:`serve` a function that reads its live counters and return
 ``(sum, count)``). It runs at scrape time in the HTTP server's thread, so the hot
 paths pay nothing for metrics.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily

@@ -7,6 +7,7 @@ never listed as complete. ``root`` is a local path or any fsspec URL. A shard fi
 plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
 :mod:`zshard`); the manifest's size and checksum describe the bytes on storage either way.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,8 @@ from shadow.errors import ShadowError
 from shadow.layout import Layout
 from shadow.persist import fsglob, shardfile, shardguard, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
-from shadow.persist.paths import is_local, local_path
 from shadow.persist.manifests import manifest_problem
+from shadow.persist.paths import is_local, local_path
 from shadow.restore.snapshot import Snapshot
 from shadow.wire.frames import Field, checksum
 
@@ -35,8 +36,12 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = "shadow-checkpoint/1"
-_FIELDS = {"param": Field.PARAM, "exp_avg": Field.EXP_AVG, "exp_avg_sq": Field.EXP_AVG_SQ,
-           "max_exp_avg_sq": Field.MAX_EXP_AVG_SQ}
+_FIELDS = {
+    "param": Field.PARAM,
+    "exp_avg": Field.EXP_AVG,
+    "exp_avg_sq": Field.EXP_AVG_SQ,
+    "max_exp_avg_sq": Field.MAX_EXP_AVG_SQ,
+}
 
 
 class CheckpointError(ShadowError):
@@ -151,8 +156,9 @@ def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
     return posixpath.join(d, MANIFEST)
 
 
-def list_checkpoints(root: str, tier: str = "local", job: str | None = None,
-                     skipped: list[tuple[str, str]] | None = None) -> list[CheckpointInfo]:
+def list_checkpoints(
+    root: str, tier: str = "local", job: str | None = None, skipped: list[tuple[str, str]] | None = None
+) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root`` (those with a manifest), lowest iteration first.
     A manifest that does not parse or fails :func:`manifest_problem` is skipped with a
     warning and appended to ``skipped`` (if given) as ``(path, reason)``."""
@@ -163,8 +169,9 @@ def list_checkpoints(root: str, tier: str = "local", job: str | None = None,
         try:
             with _reading(mpath):
                 manifest = json.loads(fs.cat_file(mpath))
-                problem = manifest_problem(manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(
-                    mpath))))
+                problem = manifest_problem(
+                    manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(mpath)))
+                )
             if problem is not None:
                 raise CheckpointError(f"{mpath}: {problem}")
         except CheckpointError as exc:  # the reason without the path, which the caller has
@@ -208,17 +215,23 @@ def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
         path = _shard_path(info, shard)
         data = fs.cat_file(path, start=0, end=shard["bytes"])
     except FileNotFoundError:
-        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file "
-                              f"{path} is missing") from None
+        raise CheckpointError(
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} is missing"
+        ) from None
     except OSError as exc:  # unreadable (permissions, I/O error)
-        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file "
-                              f"{path} cannot be read: {exc}") from None
+        raise CheckpointError(
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} cannot be read: {exc}"
+        ) from None
     if len(data) != shard["bytes"]:
-        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) is "
-                              f"{len(data)} bytes, manifest says {shard['bytes']}")
+        raise CheckpointError(
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) is "
+            f"{len(data)} bytes, manifest says {shard['bytes']}"
+        )
     if check and f"{checksum(data):016x}" != shard["checksum"]:
-        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) fails "
-                              "its checksum: the file is corrupt")
+        raise CheckpointError(
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) fails "
+            "its checksum: the file is corrupt"
+        )
     return data
 
 
@@ -229,8 +242,7 @@ def verify(info: CheckpointInfo) -> list[str]:
     where = f"iteration {info.iteration} ({info.tier})"
     try:
         with _reading(f"{where}: unreadable layout"):
-            tiling = shardguard.tiling_problem(info.manifest["shards"],
-                                               Layout.from_dict(info.manifest["layout"]).total)
+            tiling = shardguard.tiling_problem(info.manifest["shards"], Layout.from_dict(info.manifest["layout"]).total)
         if tiling:
             problems.append(f"{where}: {tiling}")
     except CheckpointError as exc:
@@ -315,19 +327,21 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     covered = done = 0
     for shard in m["shards"]:
         # whatever a damaged shard trips (KeyError, TypeError, a store error, ...) is a CheckpointError naming it
-        with _reading(f"iteration {info.iteration} ({info.tier}): shard {shard['index']} "
-                      f"({posixpath.join(info.path, shard['file'])}) is unreadable"):
+        with _reading(
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} "
+            f"({posixpath.join(info.path, shard['file'])}) is unreadable"
+        ):
             tensors = _shard_tensors(info, shard, check, arrays, total)
             lo = shard["start"]
-            for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"]):
+            for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"], strict=True):
                 if layout.params[int(i)].offset >= lo:
                     steps[int(i)] = s
                     has_state[int(i)] = bool(h)
             for name, t in tensors.items():
                 if name.startswith("commit.rank"):
-                    blobs[int(name[len("commit.rank"):])] = t.tobytes()
+                    blobs[int(name[len("commit.rank") :])] = t.tobytes()
                 elif name.startswith("extra."):
-                    extras[int(name[len("extra."):])] = t
+                    extras[int(name[len("extra.") :])] = t
         covered += shard["stop"] - lo
         done += shard["bytes"]
         if progress is not None:
@@ -337,12 +351,25 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     missing = sorted(set(range(m["world"])) - set(blobs))
     if missing:
         raise CheckpointError(f"iteration {info.iteration}: commit records of ranks {missing} are missing")
-    return Snapshot(m["job"], m["iteration"], layout, m["optim"], m["world"], arrays, steps, has_state, blobs,
-                    source=info.path, tier=info.tier, extras=extras)
+    return Snapshot(
+        m["job"],
+        m["iteration"],
+        layout,
+        m["optim"],
+        m["world"],
+        arrays,
+        steps,
+        has_state,
+        blobs,
+        source=info.path,
+        tier=info.tier,
+        extras=extras,
+    )
 
 
-def find(root: str, tier: str, job: str | None = None, iteration: int | None = None,
-         check: bool = True, progress=None) -> tuple[CheckpointInfo, Snapshot]:
+def find(
+    root: str, tier: str, job: str | None = None, iteration: int | None = None, check: bool = True, progress=None
+) -> tuple[CheckpointInfo, Snapshot]:
     """The newest complete checkpoint that reads back intact (or exactly ``iteration``).
 
     When picking the newest, a corrupt checkpoint is skipped (with a warning) in favour
@@ -365,15 +392,44 @@ def find(root: str, tier: str, job: str | None = None, iteration: int | None = N
         try:
             return info, load(info, check, progress)
         except CheckpointError as exc:
-            logger.warning("skipping checkpoint %s iteration %d at %s, trying the next older one: %s", info.job,
-                           info.iteration, info.path, exc)
+            logger.warning(
+                "skipping checkpoint %s iteration %d at %s, trying the next older one: %s",
+                info.job,
+                info.iteration,
+                info.path,
+                exc,
+            )
             errors.append(str(exc))
     raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
 
 
-def new_manifest(job: str, iteration: int, epoch: int, tier: str, layout: dict, layout_hash: int, optim: dict,
-                 world: int, tokens, commit, shards: list[dict], generation: int = 0) -> dict:
-    return {"format": FORMAT, "job": job, "iteration": iteration, "generation": generation, "epoch": epoch,
-            "tier": tier,
-            "created": time.time(), "layout": layout, "layout_hash": f"{layout_hash:016x}", "optim": optim,
-            "world": world, "tokens": tokens, "commit": commit, "shards": sorted(shards, key=lambda s: s["index"])}
+def new_manifest(
+    job: str,
+    iteration: int,
+    epoch: int,
+    tier: str,
+    layout: dict,
+    layout_hash: int,
+    optim: dict,
+    world: int,
+    tokens,
+    commit,
+    shards: list[dict],
+    generation: int = 0,
+) -> dict:
+    return {
+        "format": FORMAT,
+        "job": job,
+        "iteration": iteration,
+        "generation": generation,
+        "epoch": epoch,
+        "tier": tier,
+        "created": time.time(),
+        "layout": layout,
+        "layout_hash": f"{layout_hash:016x}",
+        "optim": optim,
+        "world": world,
+        "tokens": tokens,
+        "commit": commit,
+        "shards": sorted(shards, key=lambda s: s["index"]),
+    }

@@ -1,6 +1,7 @@
 """What a failed checkpoint write leaves: the error reported for it (a full disk says so,
 with the space left and what to do) and the torn directories (shards without a
 manifest) it is cleaned up from."""
+
 from __future__ import annotations
 
 import errno
@@ -12,8 +13,11 @@ from shadow.persist import fsglob
 from shadow.persist.catalog import MANIFEST, _fs, checkpoint_dir
 from shadow.persist.paths import is_local, local_path
 
-_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-         errno.EFBIG: "file too large for the file system"}
+_FULL = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file too large for the file system",
+}
 
 
 def write_error(exc: BaseException, tier: str, path: str) -> str:
@@ -33,9 +37,10 @@ def write_error(exc: BaseException, tier: str, path: str) -> str:
             free = f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB)"
         except OSError:
             pass
-    return (f"tier {tier}: {what} writing {path}{free}; free space or lower retention (persist.{tier}.keep); "
-            "checkpoints resume once a write fits")
-
+    return (
+        f"tier {tier}: {what} writing {path}{free}; free space or lower retention (persist.{tier}.keep); "
+        "checkpoints resume once a write fits"
+    )
 
 
 def discard_torn(root: str, job: str, iteration: int, generation: int = 0) -> bool:

@@ -6,6 +6,7 @@ paths as they are). A root such as ``/data/ckpt[1]`` would then match nothing, o
 match and delete a sibling's files. Patterns here escape the fixed parts with
 :func:`glob.escape`, which fsspec's glob (local, memory, object stores) understands.
 """
+
 from __future__ import annotations
 
 import glob

@@ -1,6 +1,7 @@
 """Generations of a job: when it goes on from an older iteration than a tier holds, a
 record ``<root>/<job>/generation-<g>.json`` (its base iteration) marks every checkpoint of
 an older generation after that base as superseded -- kept, but never the newest."""
+
 from __future__ import annotations
 
 import glob
@@ -25,8 +26,7 @@ def write_generation(root: str, job: str, generation: int, base: int) -> None:
     """Record that ``job`` went on from iteration ``base`` in a new ``generation``: every
     checkpoint of an older generation after ``base`` is superseded (never picked as the
     newest again, but kept). Written before the new generation persists anything."""
-    record = {"format": GENERATION_FORMAT, "job": job, "generation": generation, "base": base,
-              "created": time.time()}
+    record = {"format": GENERATION_FORMAT, "job": job, "generation": generation, "base": base, "created": time.time()}
     data = json.dumps(record, indent=1, sort_keys=True).encode()
     d = posixpath.join(root, job)
     name = GENERATION.format(generation)

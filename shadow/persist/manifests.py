@@ -7,6 +7,7 @@ file outside its own directory must be skipped (and reported), never crash a lis
 let a restore read someone else's files. Fields a reader does not use are not checked,
 so manifests may grow.
 """
+
 from __future__ import annotations
 
 from shadow.jobs import job_name_problem

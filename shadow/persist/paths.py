@@ -1,4 +1,5 @@
 """A tier's root: a local path (or ``file://`` URL), or any other fsspec URL."""
+
 from __future__ import annotations
 
 
@@ -7,4 +8,4 @@ def is_local(root: str) -> bool:
 
 
 def local_path(root: str) -> str:
-    return root[len("file://"):] if root.startswith("file://") else root
+    return root[len("file://") :] if root.startswith("file://") else root

@@ -17,6 +17,7 @@ Blob layout (all integers little-endian)::
 reassembled bytes, and raises :class:`CorruptBlobError` (naming ``where``) rather than
 return anything that differs from what :func:`encode` was given.
 """
+
 from __future__ import annotations
 
 import logging
@@ -231,8 +232,9 @@ def _parse(mv: memoryview, where: str) -> tuple[int, int, int, list[int]]:
     lengths = list(struct.unpack_from(f"<{itemsize}Q", mv, HEADER_SIZE))
     if table + sum(lengths) != len(mv):
         what = "truncated" if table + sum(lengths) > len(mv) else "has trailing bytes"
-        raise CorruptBlobError(f"{where}: {what}: the plane table says {table + sum(lengths)} bytes, "
-                               f"the blob has {len(mv)}")
+        raise CorruptBlobError(
+            f"{where}: {what}: the plane table says {table + sum(lengths)} bytes, the blob has {len(mv)}"
+        )
     return itemsize, nbytes, csum, lengths
 
 
@@ -253,7 +255,7 @@ def decode(blob, out: np.ndarray | None = None, where: str = "blob") -> np.ndarr
     z, dctx = _zstd(), _decompressor()
     pos = HEADER_SIZE + 8 * itemsize
     for j, length in enumerate(lengths):
-        frame = mv[pos:pos + length]
+        frame = mv[pos : pos + length]
         pos += length
         try:
             size = z.frame_content_size(frame)
@@ -265,8 +267,9 @@ def decode(blob, out: np.ndarray | None = None, where: str = "blob") -> np.ndarr
         except z.ZstdError as exc:
             raise CorruptBlobError(f"{where}: plane {j} is not a valid zstd frame: {exc}") from None
         if got != n or extra:
-            raise CorruptBlobError(f"{where}: plane {j} decompressed to {got}{'+' if extra else ''} bytes, "
-                                   f"expected {n}")
+            raise CorruptBlobError(
+                f"{where}: plane {j} decompressed to {got}{'+' if extra else ''} bytes, expected {n}"
+            )
     if itemsize > 1:
         join(planes, dst)
     if xxhash.xxh3_64_intdigest(dst) != csum:

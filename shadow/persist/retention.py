@@ -1,4 +1,5 @@
 """Retention: which checkpoints of a job a tier keeps, and deleting the rest."""
+
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,7 @@ def retain(root: str, job: str, keep: int, busy: Iterable[int] = ()) -> list[str
     def stale(d: str) -> bool:  # torn, older than the newest complete one, and not being written
         key = catalog.dir_key(d)
         return key is not None and key < newest and key[1] not in busy
+
     victims = [c.path for c in done[:-keep]] + [d for d in catalog.list_torn(root, job) if stale(d)]
     for d in victims:
         try:

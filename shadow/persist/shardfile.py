@@ -6,6 +6,7 @@ page-aligned buffer: the worker copies its range into it at an iteration boundar
 (:meth:`ShardImage.fill`), and a background thread writes it with large aligned writes
 (``O_DIRECT`` where the file system takes it, buffered otherwise), fsyncs and renames.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +14,9 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -35,7 +36,7 @@ _DTYPES = {"F32": np.float32, "F64": np.float64, "I64": np.int64, "U8": np.uint8
 def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     off = (-raw.ctypes.data) % PAGE
-    return raw[off:off + nbytes]
+    return raw[off : off + nbytes]
 
 
 def aligned_empty(count: int, dtype) -> np.ndarray:
@@ -88,23 +89,23 @@ class ShardImage:
         if self.size > len(self.buf):
             self.buf = _aligned(self.size)
         self.buf[:8] = np.frombuffer(struct.pack("<Q", hlen), dtype=np.uint8)
-        self.buf[8:8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        self.buf[8 + len(blob):self.data_start] = ord(" ")
+        self.buf[8 : 8 + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        self.buf[8 + len(blob) : self.data_start] = ord(" ")
         for name, spec in header.items():  # deterministic filler bytes
             if name.startswith(PAD_PREFIX):
                 lo, hi = spec["data_offsets"]
-                self.buf[self.data_start + lo:self.data_start + hi] = 0
+                self.buf[self.data_start + lo : self.data_start + hi] = 0
 
     def view(self, name: str) -> np.ndarray:
         off, e = self.offsets[name]
         start = self.data_start + off
-        return self.buf[start:start + e.nbytes].view(_DTYPES[e.dtype])
+        return self.buf[start : start + e.nbytes].view(_DTYPES[e.dtype])
 
     def fill(self, name: str, src: np.ndarray) -> None:
         np.copyto(self.view(name), src, casting="no")
 
     def checksum(self) -> int:
-        return checksum(memoryview(self.buf[:self.size]))
+        return checksum(memoryview(self.buf[: self.size]))
 
     def write(self, path: str) -> int:
         """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir). A write
@@ -148,6 +149,7 @@ WRITE_THREADS = 2  # chunks in flight at once
 
 def _write_all(fd: int, mv: memoryview, length: int) -> None:
     """Write ``mv[:length]`` at offset 0 in CHUNK-sized pieces, WRITE_THREADS at a time."""
+
     def put(pos: int) -> None:
         end = min(length, pos + CHUNK)
         while pos < end:
@@ -205,8 +207,9 @@ def _header(raw: bytes) -> tuple[dict, dict]:
             dtype = spec.get("dtype") if isinstance(spec, dict) else spec
             raise ValueError(f"tensor {name!r} has a malformed entry or an unsupported dtype ({dtype!r})")
         off = spec.get("data_offsets")
-        if not (isinstance(off, list) and len(off) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in off)):
+        if not (
+            isinstance(off, list) and len(off) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in off)
+        ):
             raise ValueError(f"tensor {name!r}: data_offsets {off!r} is not a pair of byte offsets")
     return meta, header
 
@@ -251,7 +254,7 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
             tensors[name] = arr
             flat = arr.view(np.uint8)
             for off in range(0, hi - lo, READ_PIECE):
-                view, pos = flat[off:off + READ_PIECE], base + lo + off
+                view, pos = flat[off : off + READ_PIECE], base + lo + off
                 body = len(view) - len(view) % PAGE
                 if dfd is not None and pos % PAGE == 0 and view.ctypes.data % PAGE == 0 and body:
                     pieces.append((view[:body], pos, True))
@@ -284,8 +287,9 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
     return meta, tensors, h.intdigest(), size
 
 
-def tensor_specs(data: bytes | memoryview,
-                 size: int | None = None) -> tuple[dict, int, list[tuple[str, np.dtype, int, int]]]:
+def tensor_specs(
+    data: bytes | memoryview, size: int | None = None
+) -> tuple[dict, int, list[tuple[str, np.dtype, int, int]]]:
     """``(metadata, data_start, [(name, dtype, lo, hi), ...] in offset order)`` of a shard
     file whose first bytes are ``data`` (at least the header) and whose length is ``size``
     (``len(data)`` by default); offsets are relative to ``data_start``. Validated."""
@@ -296,7 +300,7 @@ def tensor_specs(data: bytes | memoryview,
     (hlen,) = struct.unpack_from("<Q", mv)
     if 8 + hlen > min(size, len(mv)):
         raise ValueError("shard file header runs past the end of the file")
-    meta, header = _header(bytes(mv[8:8 + hlen]))
+    meta, header = _header(bytes(mv[8 : 8 + hlen]))
     base = 8 + hlen
     specs = []
     for name, spec in header.items():
@@ -315,4 +319,4 @@ def parse(data: bytes | memoryview) -> tuple[dict, dict[str, np.ndarray]]:
     """``(metadata, tensors)`` of a shard file image (validated, zero-copy views)."""
     mv = memoryview(data)
     meta, base, specs = tensor_specs(mv)
-    return meta, {name: np.frombuffer(mv[base + lo:base + hi], dtype=dt) for name, dt, lo, hi in specs}
+    return meta, {name: np.frombuffer(mv[base + lo : base + hi], dtype=dt) for name, dt, lo, hi in specs}

@@ -7,6 +7,7 @@ is read, so a FIFO never blocks a reader and ``/dev/zero`` is never read -- and 
 ranges of a manifest must tile the flat space ``[0, total)`` exactly, or a restore would
 hand out memory no shard wrote.
 """
+
 from __future__ import annotations
 
 import os

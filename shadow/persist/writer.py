@@ -22,6 +22,7 @@ worker calls it when the session is replaced or the worker stops -- ends them, w
 for a write in flight (bounded by ``SHADOW_PERSIST_CLOSE_S``; one still running then
 is abandoned: its file never gets a manifest) and drops the images.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,8 +85,9 @@ class ShardPersister:
         self._warming = False  # the warm-up holds an image for a moment
         self._uploader = None
         if self.remote:
-            self._uploader = threading.Thread(target=_upload_loop, args=(weakref.ref(self), self._uploads),
-                                              name="shadow-upload", daemon=True)
+            self._uploader = threading.Thread(
+                target=_upload_loop, args=(weakref.ref(self), self._uploads), name="shadow-upload", daemon=True
+            )
             self._uploader.start()
             weakref.finalize(self, self._uploads.put, _STOP)  # dropped without close(): the thread ends too
         if count:
@@ -99,8 +101,15 @@ class ShardPersister:
         d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration, self.generation)
         return os.path.join(d, self.file_name())
 
-    def snapshot(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], commit: dict | None,
-                 extras: dict | None = None) -> None:
+    def snapshot(
+        self,
+        iteration: int,
+        epoch: int,
+        world: int,
+        blobs: dict[int, bytes],
+        commit: dict | None,
+        extras: dict | None = None,
+    ) -> None:
         """Copy the range as of ``iteration`` into an image and start writing it."""
         if self._skipped_at == iteration:  # begin() already reported this one skipped
             return
@@ -111,8 +120,9 @@ class ShardPersister:
             np.copyto(view, self.state.array(f), casting="no")
         self.finish(img, iteration, epoch, blobs, commit, extras)
 
-    def begin(self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes],
-              extras: dict | None = None) -> shardfile.ShardImage | None:
+    def begin(
+        self, iteration: int, epoch: int, world: int, blobs: dict[int, bytes], extras: dict | None = None
+    ) -> shardfile.ShardImage | None:
         """Take a free image and lay it out for the range; None (reported as skipped) when
         every image is still being written. The caller fills the fields -- by copying, or
         in the apply pass of ``iteration`` itself (:meth:`field_views`) -- then calls
@@ -125,15 +135,27 @@ class ShardPersister:
         st = self.state
         nparams = int(st.in_range.sum())
         entries = [shardfile.Entry(f.name.lower(), "F32", st.size) for f in st.fields()]
-        entries += [shardfile.Entry("param_index", "I64", nparams), shardfile.Entry("steps", "F64", nparams),
-                    shardfile.Entry("has_state", "U8", nparams)]
+        entries += [
+            shardfile.Entry("param_index", "I64", nparams),
+            shardfile.Entry("steps", "F64", nparams),
+            shardfile.Entry("has_state", "U8", nparams),
+        ]
         entries += [shardfile.Entry(f"commit.rank{r}", "U8", len(b)) for r, b in sorted(blobs.items())]
         # this worker's chunks of the model state outside the optimizer (trainer_hooks._extras): every
         # checkpoint holds the whole set, however long ago a chunk last changed
         entries += [shardfile.Entry(f"extra.{k}", "U8", len(b)) for k, b in sorted((extras or {}).items())]
-        meta = {"format": shardfile.FORMAT, "job": self.job, "epoch": str(epoch), "iteration": str(iteration),
-                "start": str(st.start), "stop": str(st.stop), "shard": str(self.shard),
-                "shards": str(self.nshards), "layout_hash": f"{st.layout.hash:016x}", "world": str(world)}
+        meta = {
+            "format": shardfile.FORMAT,
+            "job": self.job,
+            "epoch": str(epoch),
+            "iteration": str(iteration),
+            "start": str(st.start),
+            "stop": str(st.stop),
+            "shard": str(self.shard),
+            "shards": str(self.nshards),
+            "layout_hash": f"{st.layout.hash:016x}",
+            "world": str(world),
+        }
         img.layout(entries, meta)
         return img
 
@@ -141,8 +163,15 @@ class ShardPersister:
         """Field -> its array in ``img`` (laid out by :meth:`begin`)."""
         return {f: img.view(f.name.lower()) for f in self.state.fields()}
 
-    def finish(self, img: shardfile.ShardImage, iteration: int, epoch: int, blobs: dict[int, bytes],
-               commit: dict | None, extras: dict | None = None) -> None:
+    def finish(
+        self,
+        img: shardfile.ShardImage,
+        iteration: int,
+        epoch: int,
+        blobs: dict[int, bytes],
+        commit: dict | None,
+        extras: dict | None = None,
+    ) -> None:
         """Fill the per-parameter metadata (as of now: after ``iteration`` applied) and the
         commit blobs, and start the background write."""
         st = self.state
@@ -209,7 +238,7 @@ class ShardPersister:
                 except queue.Empty:
                     break
                 try:
-                    img.buf[::shardfile.PAGE] = 0  # one byte per page faults the page in
+                    img.buf[:: shardfile.PAGE] = 0  # one byte per page faults the page in
                 finally:
                     self._give_back(img)
         finally:
@@ -259,8 +288,12 @@ class ShardPersister:
                 break
         self.results()
         if left:
-            logger.warning("shard %d: abandoning %s still running after %.1f s; their results are discarded",
-                           self.shard, ", ".join(left), timeout)
+            logger.warning(
+                "shard %d: abandoning %s still running after %.1f s; their results are discarded",
+                self.shard,
+                ", ".join(left),
+                timeout,
+            )
         return not left
 
     def _write(self, img: shardfile.ShardImage, iteration: int, epoch: int, extra: dict) -> None:
@@ -272,11 +305,27 @@ class ShardPersister:
                 csum = img.checksum()
                 nbytes = img.write(path)
             else:
-                nbytes, csum = zshard.write(img.buf[:img.size], path, level)
-            rep = self.report(iteration, epoch, "local", True, "", bytes=nbytes, checksum=f"{csum:016x}",
-                               seconds=time.monotonic() - t0, raw_bytes=img.size, **extra)
-            logger.info("persisted iteration %d shard %d: %d bytes (%d raw) in %.3f s", iteration, self.shard,
-                        nbytes, img.size, time.monotonic() - t0)
+                nbytes, csum = zshard.write(img.buf[: img.size], path, level)
+            rep = self.report(
+                iteration,
+                epoch,
+                "local",
+                True,
+                "",
+                bytes=nbytes,
+                checksum=f"{csum:016x}",
+                seconds=time.monotonic() - t0,
+                raw_bytes=img.size,
+                **extra,
+            )
+            logger.info(
+                "persisted iteration %d shard %d: %d bytes (%d raw) in %.3f s",
+                iteration,
+                self.shard,
+                nbytes,
+                img.size,
+                time.monotonic() - t0,
+            )
         except Exception as exc:  # reported to the coordinator; a background thread never raises
             # a full disk says so and what to do; the image goes back to the free list, no
             # partial file stays behind (shardfile/zshard remove their .tmp), and the
@@ -300,8 +349,18 @@ class ShardPersister:
             fs, path = fsspec.core.url_to_fs(dst)
             fs.makedirs(posixpath.dirname(path), exist_ok=True)
             nbytes, csum, raw = self._copy(src, fs, path, nbytes, csum)
-            rep = self.report(iteration, epoch, "remote", True, "", bytes=nbytes, checksum=csum,
-                               seconds=time.monotonic() - t0, file=name, raw_bytes=raw)
+            rep = self.report(
+                iteration,
+                epoch,
+                "remote",
+                True,
+                "",
+                bytes=nbytes,
+                checksum=csum,
+                seconds=time.monotonic() - t0,
+                file=name,
+                raw_bytes=raw,
+            )
         except Exception as exc:  # fsspec back ends raise many types
             error = failed.write_error(exc, "remote", dst)
             logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, error)
@@ -326,12 +385,25 @@ class ShardPersister:
         return n, f"{h:016x}", raw
 
     def report(self, iteration: int, epoch: int, tier: str, ok: bool, error: str, **kw) -> dict:
-        return {"epoch": epoch, "iteration": iteration, "tier": tier, "shard": self.shard, "ok": ok,
-                "error": error, "file": kw.get("file", self.file_name()), "start": self.state.start,
-                "stop": self.state.stop, "bytes": kw.get("bytes", 0), "checksum": kw.get("checksum", ""),
-                "raw_bytes": kw.get("raw_bytes", 0), "compress": self.local_codec[0] if tier == "local"
-                else self.remote_codec[0], "seconds": kw.get("seconds", 0.0), "commit": kw.get("commit"),
-                "blob_ranks": kw.get("blob_ranks", []), "skipped": kw.get("skipped", False)}
+        return {
+            "epoch": epoch,
+            "iteration": iteration,
+            "tier": tier,
+            "shard": self.shard,
+            "ok": ok,
+            "error": error,
+            "file": kw.get("file", self.file_name()),
+            "start": self.state.start,
+            "stop": self.state.stop,
+            "bytes": kw.get("bytes", 0),
+            "checksum": kw.get("checksum", ""),
+            "raw_bytes": kw.get("raw_bytes", 0),
+            "compress": self.local_codec[0] if tier == "local" else self.remote_codec[0],
+            "seconds": kw.get("seconds", 0.0),
+            "commit": kw.get("commit"),
+            "blob_ranks": kw.get("blob_ranks", []),
+            "skipped": kw.get("skipped", False),
+        }
 
     def results(self) -> list[dict]:
         out = []

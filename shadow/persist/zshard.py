@@ -24,6 +24,7 @@ never returns altered data); ``image_checksum`` is the xxh3 of the whole plain f
 checked when :func:`decode_to` rebuilds it. It is not a single zstd stream: ``zstd -d``
 refuses it; :func:`decode_to` turns it back into the plain, safetensors-readable file.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,8 +78,10 @@ def _tiles(specs: list, data_bytes: int, where: str) -> None:
     pos = 0
     for name, _dt, lo, hi in specs:
         if lo != pos:
-            raise CorruptBlobError(f"{where}: bytes {pos}..{lo} of the data belong to no tensor (or overlap "
-                                   f"at {name!r}); only files whose tensors tile the data can be compressed")
+            raise CorruptBlobError(
+                f"{where}: bytes {pos}..{lo} of the data belong to no tensor (or overlap "
+                f"at {name!r}); only files whose tensors tile the data can be compressed"
+            )
         pos = hi
     if pos != data_bytes:
         raise CorruptBlobError(f"{where}: the tensors end at byte {pos} of {data_bytes} data bytes")
@@ -103,8 +106,14 @@ def _ordered(fn: Callable, items: Iterable, threads: int) -> Iterator[tuple]:
             yield head, fut.result()
 
 
-def encode(image, out: BinaryIO, level: int, threads: int | None = None,
-           block_bytes: int | None = None, where: str = "shard image") -> tuple[int, int]:
+def encode(
+    image,
+    out: BinaryIO,
+    level: int,
+    threads: int | None = None,
+    block_bytes: int | None = None,
+    where: str = "shard image",
+) -> tuple[int, int]:
     """Compress a plain shard file image (bytes-like or uint8 array, e.g. a memmap of
     the file) into ``out``; returns ``(bytes written, xxh3-64 of them)``."""
     img = (image if isinstance(image, np.ndarray) else np.frombuffer(image, dtype=np.uint8)).reshape(-1).view(np.uint8)
@@ -121,9 +130,15 @@ def encode(image, out: BinaryIO, level: int, threads: int | None = None,
         jobs += [(name, p, min(base + hi, p + step), dt.itemsize) for p in range(base + lo, base + hi, step)]
         if lo == hi:
             jobs.append((name, base + lo, base + lo, dt.itemsize))  # an empty tensor still gets its blob
-    index: dict = {"format": FORMAT, "codec": CODEC, "level": level, "image_bytes": int(img.size),
-                   "image_checksum": f"{xxhash.xxh3_64_intdigest(img):016x}", "head": None,
-                   "tensors": {name: [] for name, *_ in specs}}
+    index: dict = {
+        "format": FORMAT,
+        "codec": CODEC,
+        "level": level,
+        "image_bytes": int(img.size),
+        "image_checksum": f"{xxhash.xxh3_64_intdigest(img):016x}",
+        "head": None,
+        "tensors": {name: [] for name, *_ in specs},
+    }
     w = _HashingWriter(out)
     w.write(MAGIC)
 
@@ -159,16 +174,18 @@ def _blob(mv: memoryview, ref, end: int, where: str) -> memoryview:
         raise CorruptBlobError(f"{where}: malformed blob reference {ref!r} in the index")
     pos, length = ref
     if not len(MAGIC) <= pos <= pos + length <= end:
-        raise CorruptBlobError(f"{where}: blob at bytes {pos}..{pos + length} lies outside the data "
-                               f"(8..{end}): the file is truncated or its index is corrupt")
-    return mv[pos:pos + length]
+        raise CorruptBlobError(
+            f"{where}: blob at bytes {pos}..{pos + length} lies outside the data "
+            f"(8..{end}): the file is truncated or its index is corrupt"
+        )
+    return mv[pos : pos + length]
 
 
 def _index(mv: memoryview, where: str) -> tuple[dict, int]:
     """The validated index of a compressed shard file and where it starts."""
     if len(mv) < len(MAGIC) + _TRAILER.size:
         raise CorruptBlobError(f"{where}: truncated: {len(mv)} bytes is too short for a compressed shard")
-    if bytes(mv[:len(MAGIC)]) != MAGIC:
+    if bytes(mv[: len(MAGIC)]) != MAGIC:
         raise CorruptBlobError(f"{where}: not a compressed shard file (bad magic at the start)")
     ilen, icsum, magic = _TRAILER.unpack_from(mv, len(mv) - _TRAILER.size)
     if magic != MAGIC:
@@ -176,7 +193,7 @@ def _index(mv: memoryview, where: str) -> tuple[dict, int]:
     end = len(mv) - _TRAILER.size - ilen
     if ilen > MAX_INDEX_BYTES or end < len(MAGIC):
         raise CorruptBlobError(f"{where}: index length {ilen} does not fit the file")
-    raw = mv[end:end + ilen]
+    raw = mv[end : end + ilen]
     if xxhash.xxh3_64_intdigest(raw) != icsum:
         raise CorruptBlobError(f"{where}: the index fails its checksum: the file is corrupt")
     try:
@@ -232,8 +249,9 @@ def _plan(mv: memoryview, where: str) -> tuple[dict, dict, list, memoryview, dic
     return index, meta, specs, head_blob, refs
 
 
-def decode(data, target: Target | None = None, where: str = "compressed shard",
-           threads: int = shardfile.READ_THREADS) -> tuple[dict, dict[str, np.ndarray]]:
+def decode(
+    data, target: Target | None = None, where: str = "compressed shard", threads: int = shardfile.READ_THREADS
+) -> tuple[dict, dict[str, np.ndarray]]:
     """``(metadata, tensors)`` of a compressed shard file's bytes, every block checked.
 
     ``target(name, dtype, count)`` returns where tensor ``name`` goes (or None for a
@@ -253,7 +271,7 @@ def decode(data, target: Target | None = None, where: str = "compressed shard",
         tensors[name] = arr
         dst, pos = arr.reshape(-1).view(np.uint8), 0
         for i, (blob, nbytes) in enumerate(refs[name]):
-            jobs.append((blob, dst[pos:pos + nbytes], f"{where}: tensor {name!r} block {i}"))
+            jobs.append((blob, dst[pos : pos + nbytes], f"{where}: tensor {name!r} block {i}"))
             pos += nbytes
 
     def work(job) -> None:
@@ -273,11 +291,14 @@ def decode_to(data, out: BinaryIO, where: str = "compressed shard", threads: int
     index, _meta, specs, head, refs = _plan(mv, where)
     w = _HashingWriter(out)
     jobs = [(head, f"{where}: header blob")]
-    jobs += [(blob, f"{where}: tensor {name!r} block {i}") for name, *_ in specs
-             for i, (blob, _n) in enumerate(refs[name])]
+    jobs += [
+        (blob, f"{where}: tensor {name!r} block {i}") for name, *_ in specs for i, (blob, _n) in enumerate(refs[name])
+    ]
     for _job, raw in _ordered(lambda job: planes.decode(job[0], where=job[1]), jobs, threads):
         w.write(raw)
     if w.nbytes != index["image_bytes"] or f"{w.h.intdigest():016x}" != index["image_checksum"]:
-        raise CorruptBlobError(f"{where}: the rebuilt plain file ({w.nbytes} bytes) does not match the original "
-                               f"({index['image_bytes']} bytes, checksum {index['image_checksum']})")
+        raise CorruptBlobError(
+            f"{where}: the rebuilt plain file ({w.nbytes} bytes) does not match the original "
+            f"({index['image_bytes']} bytes, checksum {index['image_checksum']})"
+        )
     return w.nbytes, w.h.intdigest()

@@ -1,5 +1,6 @@
 """Planning past one machine: expected lost GPU-hours under each checkpointing strategy
 (analytic and simulated) and the size of the shadow cluster a job needs."""
+
 from shadow.plan.config import AsyncConfig, PlanConfig, ShadowPlanConfig, SyncConfig
 from shadow.plan.model import STRATEGIES, Strategy, analyse, break_even_overhead, daly, strategies, young
 from shadow.plan.report import plan
@@ -7,6 +8,20 @@ from shadow.plan.simulate import simulate, simulate_many
 from shadow.plan.sizing import BenchmarkMissing, size
 
 __all__ = [
-    "AsyncConfig", "BenchmarkMissing", "PlanConfig", "STRATEGIES", "ShadowPlanConfig", "Strategy", "SyncConfig",
-    "analyse", "break_even_overhead", "daly", "plan", "simulate", "simulate_many", "size", "strategies", "young",
+    "AsyncConfig",
+    "BenchmarkMissing",
+    "PlanConfig",
+    "STRATEGIES",
+    "ShadowPlanConfig",
+    "Strategy",
+    "SyncConfig",
+    "analyse",
+    "break_even_overhead",
+    "daly",
+    "plan",
+    "simulate",
+    "simulate_many",
+    "size",
+    "strategies",
+    "young",
 ]

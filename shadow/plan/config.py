@@ -1,9 +1,9 @@
 """What ``shadow plan`` takes: the job, its failures, and what each checkpointing strategy
 costs. Every field is checked at construction; errors name the key, the value and the fix."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 OPTIMIZERS = {"adamw": 12.0, "adam": 12.0, "sgd": 8.0}  # fp32 bytes per parameter the shadow and a checkpoint hold
 # Llama 3 405B pre-training: 16,384 GPUs, 419 unexpected interruptions in a 54-day snapshot
@@ -56,7 +56,9 @@ class ShadowPlanConfig:
 
     overhead: float = 0.02  #: step-time overhead on the trainers (fraction; measure yours with bench_overhead.py)
     lag_iterations: int = 1  #: iterations the shadow's committed state trails the trainers
-    restore_GBps: float = 0.0  #: aggregate bandwidth from the shadow cluster to the restarting trainers, GB/s; 0 = its hosts' NICs
+    restore_GBps: float = (
+        0.0  #: aggregate bandwidth from the shadow cluster to the restarting trainers, GB/s; 0 = its hosts' NICs
+    )
     replicas: int = 1  #: workers holding each shard
     headroom: float = 2.0  #: sizing margin over the steady-state cores (catching up after a resync)
     cores_per_host: int = 64  #: cores of one shadow host (sizing)
@@ -69,8 +71,10 @@ class ShadowPlanConfig:
         if not 0 <= self.overhead < 1:
             raise ValueError(f"shadow.overhead={self.overhead} must be a fraction in [0, 1)")
         if self.lag_iterations < 0 or self.replicas < 1 or self.persist_images < 0:
-            raise ValueError(f"shadow.lag_iterations={self.lag_iterations} and shadow.persist_images="
-                             f"{self.persist_images} must be >= 0, shadow.replicas={self.replicas} >= 1")
+            raise ValueError(
+                f"shadow.lag_iterations={self.lag_iterations} and shadow.persist_images="
+                f"{self.persist_images} must be >= 0, shadow.replicas={self.replicas} >= 1"
+            )
         for key in ("ram_GB_per_host", "nic_GBps_per_host"):
             _positive(f"shadow.{key}", getattr(self, key))
         if self.restore_GBps < 0:
@@ -88,13 +92,17 @@ class PlanConfig:
     and the shadow cluster it needs."""
 
     gpus: int = 16384  #: GPUs in the job
-    gpu_mtbf_h: float = LLAMA3_GPU_MTBF_H  #: mean time between failures of one GPU (with its share of host and network), hours
+    gpu_mtbf_h: float = (
+        LLAMA3_GPU_MTBF_H  #: mean time between failures of one GPU (with its share of host and network), hours
+    )
     job_mtbf_h: float = 0.0  #: the job's MTBF, hours; when > 0 it replaces gpus / gpu_mtbf_h
     params: float = 405e9  #: model parameters
     optimizer: str = "adamw"  #: adamw, adam or sgd (sets the state's bytes per parameter)
     bytes_per_param: float = 0.0  #: checkpoint bytes per parameter; 0 = from the optimizer (12 for Adam)
     iteration_s: float = 6.0  #: seconds per training iteration
-    restart_s: float = 600.0  #: seconds from a failure to training again, before loading state (detect, reschedule, init)
+    restart_s: float = (
+        600.0  #: seconds from a failure to training again, before loading state (detect, reschedule, init)
+    )
     days: float = 30.0  #: simulated wall-clock days per trial
     trials: int = 4  #: simulated trials (seeds seed, seed+1, ...)
     seed: int = 0
@@ -102,7 +110,7 @@ class PlanConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     tiered: AsyncConfig = field(default_factory=AsyncConfig)
     shadow: ShadowPlanConfig = field(default_factory=ShadowPlanConfig)
-    name: Optional[str] = None  #: a label for the scenario
+    name: str | None = None  #: a label for the scenario
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -110,8 +118,10 @@ class PlanConfig:
         if self.job_mtbf_h < 0:
             raise ValueError(f"job_mtbf_h={self.job_mtbf_h} must be >= 0 (0 = from gpus / gpu_mtbf_h)")
         if self.job_mtbf_h == 0 and not self.gpu_mtbf_h > 0:
-            raise ValueError(f"gpu_mtbf_h={self.gpu_mtbf_h} must be > 0 (or set job_mtbf_h > 0, hours), e.g. "
-                             f"gpu_mtbf_h={LLAMA3_GPU_MTBF_H:.0f} (Llama 3's 16k-GPU run) or job_mtbf_h=1")
+            raise ValueError(
+                f"gpu_mtbf_h={self.gpu_mtbf_h} must be > 0 (or set job_mtbf_h > 0, hours), e.g. "
+                f"gpu_mtbf_h={LLAMA3_GPU_MTBF_H:.0f} (Llama 3's 16k-GPU run) or job_mtbf_h=1"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} is not one of {tuple(OPTIMIZERS)}")
         if self.bytes_per_param < 0:

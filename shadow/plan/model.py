@@ -22,6 +22,7 @@ Optimal interval of a periodic checkpoint of cost C (Daly's higher-order form of
 
     tau = sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C    for C < 2M, else M
 """
+
 from __future__ import annotations
 
 import math
@@ -138,6 +139,11 @@ def analyse(cfg: PlanConfig, shadow_restore_GBps: float | None = None) -> dict[s
     for name, st in strategies(cfg, shadow_restore_GBps).items():
         u = useful_fraction(st, cfg.mtbf_s)
         shares = breakdown(st, cfg.mtbf_s)
-        out[name] = {"strategy": st.to_dict(), "useful": u, "lost_gpu_h_per_day": lost_gpu_hours_per_day(cfg.gpus, u),
-                     "breakdown": shares, "dominant": max(shares, key=shares.get)}
+        out[name] = {
+            "strategy": st.to_dict(),
+            "useful": u,
+            "lost_gpu_h_per_day": lost_gpu_hours_per_day(cfg.gpus, u),
+            "breakdown": shares,
+            "dominant": max(shares, key=shares.get),
+        }
     return out

@@ -1,4 +1,5 @@
 """One plan: sizing, the analytic model and the simulation of every strategy, together."""
+
 from __future__ import annotations
 
 from shadow.plan.config import PlanConfig
@@ -12,9 +13,16 @@ def plan(cfg: PlanConfig, simulate: bool = True) -> dict:
     sizing = size(cfg)
     restore = sizing["restore_GBps"]
     out = {
-        "scenario": {"name": cfg.name, "gpus": cfg.gpus, "job_mtbf_h": cfg.mtbf_s / 3600.0,
-                     "failures_per_day": 86400.0 / cfg.mtbf_s, "params": cfg.params,
-                     "state_TB": cfg.state_bytes / 1e12, "iteration_s": cfg.iteration_s, "restart_s": cfg.restart_s},
+        "scenario": {
+            "name": cfg.name,
+            "gpus": cfg.gpus,
+            "job_mtbf_h": cfg.mtbf_s / 3600.0,
+            "failures_per_day": 86400.0 / cfg.mtbf_s,
+            "params": cfg.params,
+            "state_TB": cfg.state_bytes / 1e12,
+            "iteration_s": cfg.iteration_s,
+            "restart_s": cfg.restart_s,
+        },
         "analytic": analyse(cfg, restore),
         "break_even_shadow_overhead": break_even_overhead(cfg, restore),
         "sizing": sizing,

@@ -7,6 +7,7 @@ checkpoint restorable ``delay_s`` after its cycle ends -- so the simulation jump
 event to event and counts the cycles in between: its cost grows with the number of
 failures, not of iterations, and a 100k-GPU month runs in milliseconds.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,12 @@ class Outcome:
     rework_s: float  #: progress lost to rollbacks (wall seconds of work redone)
 
     def to_dict(self) -> dict:
-        return {"useful": self.useful, "failures": self.failures, "restarts_s": self.restarts_s,
-                "rework_s": self.rework_s}
+        return {
+            "useful": self.useful,
+            "failures": self.failures,
+            "restarts_s": self.restarts_s,
+            "rework_s": self.rework_s,
+        }
 
 
 def _progress_at(st: Strategy, since: float) -> float:
@@ -79,7 +84,11 @@ def simulate_many(st: Strategy, mtbf_s: float, horizon_s: float, trials: int, se
     """Mean and spread of ``trials`` seeded trials."""
     runs = [simulate(st, mtbf_s, horizon_s, seed + i) for i in range(trials)]
     u = np.array([r.useful for r in runs])
-    return {"useful": float(u.mean()), "useful_std": float(u.std(ddof=1)) if trials > 1 else 0.0,
-            "failures_per_trial": float(np.mean([r.failures for r in runs])),
-            "restart_share": float(np.mean([r.restarts_s for r in runs]) / horizon_s),
-            "rework_share": float(np.mean([r.rework_s for r in runs]) / horizon_s), "trials": trials}
+    return {
+        "useful": float(u.mean()),
+        "useful_std": float(u.std(ddof=1)) if trials > 1 else 0.0,
+        "failures_per_trial": float(np.mean([r.failures for r in runs])),
+        "restart_share": float(np.mean([r.restarts_s for r in runs]) / horizon_s),
+        "rework_share": float(np.mean([r.rework_s for r in runs]) / horizon_s),
+        "trials": trials,
+    }

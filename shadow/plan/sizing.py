@@ -6,6 +6,7 @@ per iteration per billion parameters, as ``scripts/bench_scaling.py`` measured i
 the 4 bytes per parameter per iteration the trainers send (each gradient byte once, to
 every replica).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,15 +25,18 @@ class BenchmarkMissing(ValueError):
 def measured_cpu(bench_dir: str) -> tuple[float, str]:
     """``(CPU-seconds per iteration per B params, where it came from)`` from the
     benchmark JSON."""
-    bench_dir = bench_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                          "docs", "bench")
+    bench_dir = bench_dir or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "bench"
+    )
     path = os.path.join(bench_dir, "scaling.json")
     try:
         with open(path) as f:
             sizing = json.load(f)["sizing"]
     except FileNotFoundError:
-        raise BenchmarkMissing(f"no measured figures at {path}: run `python scripts/bench_all.py --only apply,scaling` "
-                               "or set shadow.bench_dir= to a folder holding scaling.json") from None
+        raise BenchmarkMissing(
+            f"no measured figures at {path}: run `python scripts/bench_all.py --only apply,scaling` "
+            "or set shadow.bench_dir= to a folder holding scaling.json"
+        ) from None
     except (ValueError, KeyError) as exc:
         raise BenchmarkMissing(f"{path} is not a bench_scaling.py result ({exc}); run it again") from None
     value = sizing.get("worker_path_cpu_s_per_iter_per_Bparams") or sizing.get("replay_cpu_s_per_iter_per_Bparams")
@@ -60,13 +64,21 @@ def size(cfg: PlanConfig, cpu_s_per_iter_per_b: float | None = None) -> dict:
     cores = b * cpu_s_per_iter_per_b / cfg.iteration_s * sh.replicas * sh.headroom
     ram = cfg.params * worker_bytes_per_param(cfg) * sh.replicas
     net = 4.0 * cfg.params / cfg.iteration_s * sh.replicas
-    need = {"cores": cores / sh.cores_per_host, "memory": ram / (sh.ram_GB_per_host * GB),
-            "network": net / (sh.nic_GBps_per_host * GB)}
+    need = {
+        "cores": cores / sh.cores_per_host,
+        "memory": ram / (sh.ram_GB_per_host * GB),
+        "network": net / (sh.nic_GBps_per_host * GB),
+    }
     hosts = max(1, math.ceil(max(need.values())))
     return {
-        "cpu_s_per_iter_per_Bparams": cpu_s_per_iter_per_b, "measured_in": source,
-        "cores": cores, "memory_GB": ram / GB, "network_GBps": net / GB, "hosts": hosts,
-        "limited_by": max(need, key=need.get), "hosts_by": need,
+        "cpu_s_per_iter_per_Bparams": cpu_s_per_iter_per_b,
+        "measured_in": source,
+        "cores": cores,
+        "memory_GB": ram / GB,
+        "network_GBps": net / GB,
+        "hosts": hosts,
+        "limited_by": max(need, key=need.get),
+        "hosts_by": need,
         "restore_GBps": hosts * sh.nic_GBps_per_host,
         "trainer_egress_MBps_per_gpu": 4.0 * cfg.params / cfg.gpus / cfg.iteration_s * sh.replicas / 1e6,
         "worker_bytes_per_param": worker_bytes_per_param(cfg),

@@ -1,4 +1,5 @@
 """Restore: find a consistent checkpoint (:class:`Snapshot`) wherever it lives."""
+
 from shadow.restore.resolve import resolve
 from shadow.restore.snapshot import Snapshot
 

@@ -1,5 +1,6 @@
 """Finding the checkpoint to restore: shadow memory first, then the local tier, then the
 remote tier; or straight from a directory / fsspec URL."""
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,14 @@ def restore_info(address: str, job: str | None, timeout: float) -> dict:
         sock.close(linger=0)
 
 
-def resolve(source: str, job: str | None = None, iteration: int | None = None, timeout: float | None = None,
-            attempts: int = 5, progress=None) -> Snapshot:
+def resolve(
+    source: str,
+    job: str | None = None,
+    iteration: int | None = None,
+    timeout: float | None = None,
+    attempts: int = 5,
+    progress=None,
+) -> Snapshot:
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
 
     ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given."""

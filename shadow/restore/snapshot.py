@@ -5,6 +5,7 @@ the flat parameter and moment arrays, per-parameter step counts, the layout, and
 opaque per-rank commit blobs (RNG, scheduler, extra state) and the chunks of the model
 state outside the optimizer (``trainer_hooks._extras``), all for one iteration.
 """
+
 from __future__ import annotations
 
 import logging
@@ -100,20 +101,34 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     missing = sorted(set(range(info["world"])) - set(blobs))
     if missing:
         raise ShadowError(f"commit records of ranks {missing} are missing from the cluster")
-    return Snapshot(info["job"], info["iteration"], layout, info["optim"], info["world"], arrays, steps, has_state,
-                    blobs, source=address, generation=int(info.get("generation", 0)), extras=extras)
+    return Snapshot(
+        info["job"],
+        info["iteration"],
+        layout,
+        info["optim"],
+        info["world"],
+        arrays,
+        steps,
+        has_state,
+        blobs,
+        source=address,
+        generation=int(info.get("generation", 0)),
+        extras=extras,
+    )
 
 
-def _take_shard(sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs,
-                extras: dict | None = None) -> dict:
+def _take_shard(
+    sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs, extras: dict | None = None
+) -> dict:
     """Receive one worker's reply into ``arrays`` (allocated for the optimizer's fields, in
     wire order), each chunk straight into place; returns its head."""
     who = f"worker {w['id']}"
     lo, hi = w.get("start"), w.get("stop")
     src = fetch.SocketParts(sock)
     try:
-        head = fetch.read_head(src, epoch=None, iteration=info["iteration"], start=lo, stop=hi,
-                               fields=[int(f) for f in arrays], who=who)
+        head = fetch.read_head(
+            src, epoch=None, iteration=info["iteration"], start=lo, stop=hi, fields=[int(f) for f in arrays], who=who
+        )
         fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(arrays[fld][lo:hi]), who)
         got = fetch.read_extras(src, head, who)
         nparams = len(layout.params)

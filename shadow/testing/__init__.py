@@ -5,6 +5,7 @@ ports on 127.0.0.1, and the bit-for-bit comparison of trainer state
 
 Nothing in the service imports this package; it starts real processes and is meant for
 127.0.0.1 only."""
+
 from __future__ import annotations
 
 from shadow.testing.cluster import LocalCluster, pid_alive, rss_bytes, status
@@ -12,8 +13,20 @@ from shadow.testing.faults import ServiceFaults
 from shadow.testing.ports import free_port, free_port_run
 from shadow.testing.wait import wait_until
 
-__all__ = ["LocalCluster", "ServiceFaults", "assert_same_state", "free_port", "free_port_run", "pid_alive", "rss_bytes",
-           "live_state", "state_differences", "status", "ulp_report", "wait_until"]
+__all__ = [
+    "LocalCluster",
+    "ServiceFaults",
+    "assert_same_state",
+    "free_port",
+    "free_port_run",
+    "pid_alive",
+    "rss_bytes",
+    "live_state",
+    "state_differences",
+    "status",
+    "ulp_report",
+    "wait_until",
+]
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ them: on a failed start, on :meth:`stop` and on leaving a ``with`` block. Worker
 test stopped (SIGSTOP) are continued first so that they can exit; any worker process of
 this cluster still alive after the coordinator stopped is killed. Only processes whose
 command line names this cluster's address are ever signalled."""
+
 from __future__ import annotations
 
 import contextlib
@@ -62,9 +63,18 @@ class LocalCluster:
     Raises RuntimeError, with the log's last error line, when it does not start within
     ``start_timeout`` s. Use it as a context manager, or call :meth:`stop`."""
 
-    def __init__(self, tmp: Path, workers: int = 2, args: tuple[str, ...] = (), env: dict | None = None,
-                 port: int | None = None, keys=None, threads_per_worker: int = 1,
-                 start_timeout: float = 60.0, faults: ServiceFaults | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        workers: int = 2,
+        args: tuple[str, ...] = (),
+        env: dict | None = None,
+        port: int | None = None,
+        keys=None,
+        threads_per_worker: int = 1,
+        start_timeout: float = 60.0,
+        faults: ServiceFaults | None = None,
+    ) -> None:
         self.keys = keys
         self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
@@ -74,18 +84,29 @@ class LocalCluster:
         entry = "shadow.testing.faulty" if faults else "shadow"
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", entry, "cluster", f"workers={workers}", f"port={self.port}",
-                 f"threads_per_worker={threads_per_worker}", *args],
-                stdout=log, stderr=subprocess.STDOUT,
-                env=dict(os.environ, **(env or {}), **(faults.env() if faults else {})))
+                [
+                    sys.executable,
+                    "-m",
+                    entry,
+                    "cluster",
+                    f"workers={workers}",
+                    f"port={self.port}",
+                    f"threads_per_worker={threads_per_worker}",
+                    *args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, **(env or {}), **(faults.env() if faults else {})),
+            )
         try:
             wait_until(self._started, start_timeout, f"{workers} ready workers at {self.address}", period=0.2)
         except BaseException as exc:
             self.stop()  # no caller holds it yet: nothing else would stop it (and its workers)
             text = self.log.read_text(errors="replace")
             errors = [ln for ln in text.splitlines() if "Error" in ln]
-            raise RuntimeError(f"shadow cluster did not start ({errors[-1] if errors else exc}); "
-                               f"log {self.log}:\n{text[-3000:]}") from None
+            raise RuntimeError(
+                f"shadow cluster did not start ({errors[-1] if errors else exc}); log {self.log}:\n{text[-3000:]}"
+            ) from None
 
     def _started(self) -> bool:
         if self.proc.poll() is not None:
@@ -116,15 +137,21 @@ class LocalCluster:
         def check():
             last[:] = [self.status()]
             return last[0] if pred(last[0]) else None
+
         return wait_until(check, timeout, what, detail=lambda: last[0] if last else None)
 
     def wait_caught_up(self, iteration: int, timeout: float = 30.0, healthy: bool = True) -> dict:
         """The first status in which the job's committed cut is ``iteration``, every worker
         has applied it (their heartbeats lag the cut a little) and, with ``healthy``, every
         worker is healthy."""
+
         def ok(st):
-            return st["job"] and st["job"]["committed"] == iteration and \
-                all(w["applied"] == iteration and (w["health"] == "ok" or not healthy) for w in st["workers"])
+            return (
+                st["job"]
+                and st["job"]["committed"] == iteration
+                and all(w["applied"] == iteration and (w["health"] == "ok" or not healthy) for w in st["workers"])
+            )
+
         return self.wait_status(ok, timeout, f"iteration {iteration} committed and applied by every worker")
 
     def wait_quiet(self, quiet: float = 2.0, limit: float = 60.0) -> dict:
@@ -132,9 +159,13 @@ class LocalCluster:
         ``quiet`` s. Only for an end state that cannot be known in advance (what a trainer
         killed at a random point had sent is still being processed for a moment); where the
         end state is known, wait for it with :meth:`wait_status` or :meth:`wait_caught_up`."""
+
         def key(st):
-            return (st["job"] and st["job"]["committed"],
-                    [(w["prepared"], w["applied"], w["seen"], w["frames_in"]) for w in st["workers"]])
+            return (
+                st["job"] and st["job"]["committed"],
+                [(w["prepared"], w["applied"], w["seen"], w["frames_in"]) for w in st["workers"]],
+            )
+
         deadline = time.monotonic() + limit
         last, since = None, time.monotonic()
         while time.monotonic() < deadline:

@@ -15,6 +15,7 @@ shadow.testing.faulty``, which installs the faults named by ``SHADOW_FAULT_*`` v
 and spawns its workers through itself (``LocalCluster(faults=ServiceFaults(...))`` does
 both); in a test process, ``with injected(ServiceFaults(...)):``. Faults on the trainer's
 side are wrappers too: :mod:`trainer_hooks.testing`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-ENV = {"corrupt_apply_at": "SHADOW_FAULT_CORRUPT_APPLY_AT", "persist_die_at": "SHADOW_FAULT_PERSIST_DIE_AT",
-       "persist_full": "SHADOW_FAULT_PERSIST_FULL"}
+ENV = {
+    "corrupt_apply_at": "SHADOW_FAULT_CORRUPT_APPLY_AT",
+    "persist_die_at": "SHADOW_FAULT_PERSIST_DIE_AT",
+    "persist_full": "SHADOW_FAULT_PERSIST_FULL",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +79,12 @@ def install(faults: ServiceFaults) -> None:
         def apply(self, parts, commit, snap=None):
             done = real_apply(self, parts, commit, snap)
             if commit.get("iteration") == faults.corrupt_apply_at and self.size:
-                logger.error("fault injection: flipping a bit of every parameter after iteration %d",
-                             faults.corrupt_apply_at)
+                logger.error(
+                    "fault injection: flipping a bit of every parameter after iteration %d", faults.corrupt_apply_at
+                )
                 self.param.view(np.uint32)[:] ^= 1
             return done
+
         state.ShardState.apply = apply
     if faults.persist_die_at is not None:
         real_write = writer.ShardPersister._write
@@ -88,6 +94,7 @@ def install(faults: ServiceFaults) -> None:
             if iteration >= faults.persist_die_at:
                 _die_mid_write(img, self.local_path(iteration))
             return real_write(self, img, iteration, epoch, extra)
+
         writer.ShardPersister._write = _write
     if faults.persist_full is not None:
         real_write_all = shardfile._write_all
@@ -96,9 +103,10 @@ def install(faults: ServiceFaults) -> None:
 
         def _write_all(fd, mv, length):
             if os.path.exists(flag):  # half of the first piece goes in, as on a disk that fills up
-                os.pwrite(fd, mv[:min(length, shardfile.CHUNK) // 2 // shardfile.PAGE * shardfile.PAGE], 0)
+                os.pwrite(fd, mv[: min(length, shardfile.CHUNK) // 2 // shardfile.PAGE * shardfile.PAGE], 0)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real_write_all(fd, mv, length)
+
         shardfile._write_all = _write_all
 
 
@@ -123,7 +131,7 @@ def _die_mid_write(image, path: str) -> None:
     """Write half the image to the temporary file, then die."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "wb") as f:
-        f.write(memoryview(image.buf)[:image.size // 2])
+        f.write(memoryview(image.buf)[: image.size // 2])
         f.flush()
         os.fsync(f.fileno())
     logger.error("fault injection: worker dying in the middle of a checkpoint write")

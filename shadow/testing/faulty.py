@@ -1,6 +1,7 @@
 """``python -m shadow.testing.faulty <shadow command> ...``: the ``shadow`` command with the
 service faults that ``SHADOW_FAULT_*`` names installed (:mod:`shadow.testing.faults`);
 a cluster started this way spawns its workers through this entry point too. Tests only."""
+
 from __future__ import annotations
 
 import sys

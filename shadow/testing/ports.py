@@ -1,4 +1,5 @@
 """Free TCP ports on 127.0.0.1 (free when asked: a caller binds them soon after)."""
+
 from __future__ import annotations
 
 import socket

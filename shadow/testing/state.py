@@ -1,5 +1,6 @@
 """Bit-for-bit comparison of trainer state: ``{"model": state_dict, "optimizer":
 optimizer state_dict, "scheduler": ...}`` dicts, as a trainer saves them."""
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,10 @@ def ulp_report(a: torch.Tensor, b: torch.Tensor) -> dict:
         return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
 
     diff = (ordered(x) - ordered(y)).abs()
-    return {"max_ulp": int(diff.max()) if diff.numel() else 0,
-            "frac_diff": float((diff != 0).float().mean()) if diff.numel() else 0.0}
+    return {
+        "max_ulp": int(diff.max()) if diff.numel() else 0,
+        "frac_diff": float((diff != 0).float().mean()) if diff.numel() else 0.0,
+    }
 
 
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler=None) -> dict:

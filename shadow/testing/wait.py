@@ -1,4 +1,5 @@
 """Bounded waits on an explicit condition, instead of sleeping until things look quiet."""
+
 from __future__ import annotations
 
 import time
@@ -12,8 +13,13 @@ class WaitTimeout(AssertionError):
     """A condition did not hold in time (an AssertionError, so a test reports it as a failure)."""
 
 
-def wait_until(pred: Callable[[], T], timeout: float = 30.0, what: str = "the condition",
-               period: float = 0.1, detail: Callable[[], object] | None = None) -> T:
+def wait_until(
+    pred: Callable[[], T],
+    timeout: float = 30.0,
+    what: str = "the condition",
+    period: float = 0.1,
+    detail: Callable[[], object] | None = None,
+) -> T:
     """Call ``pred`` every ``period`` s until it returns something truthy, and return that.
     After ``timeout`` s, raise :class:`WaitTimeout` naming ``what`` (and ``detail()``, such
     as the last status, where given). An exception from ``pred`` propagates."""

@@ -6,6 +6,7 @@ range in chunks of ``chunk`` bytes, each with its xxh3 in ``sums``; then the ext
 (the model state outside the optimizer). The reader checks the head against what was
 asked for, every chunk's size and checksum, and that nothing follows; it never trusts a
 length or an index from the head without checking it."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -76,16 +77,18 @@ class ListParts:
         return raw
 
 
-def read_head(parts, *, epoch: int | None, iteration: int, start: int, stop: int, fields: list[int],
-              who: str) -> dict:
+def read_head(parts, *, epoch: int | None, iteration: int, start: int, stop: int, fields: list[int], who: str) -> dict:
     """The reply's head, checked against what was asked for (``epoch`` None: any)."""
     head = M.decode(parts.head())
     if head["t"] == "error":
         code = head["code"] if head["code"] in ("moved_on", "busy") else "error"
         raise FetchError(code, f"{who}: {head['message']}")
     if head["t"] != "fetch_reply" or head["iteration"] != iteration or (epoch is not None and head["epoch"] != epoch):
-        raise FetchError("mismatch", f"{who} answered {head['t']} for epoch {head.get('epoch')} iteration "
-                                     f"{head.get('iteration')}, not iteration {iteration}")
+        raise FetchError(
+            "mismatch",
+            f"{who} answered {head['t']} for epoch {head.get('epoch')} iteration "
+            f"{head.get('iteration')}, not iteration {iteration}",
+        )
     if (head["start"], head["stop"]) != (start, stop):
         raise FetchError("mismatch", f"{who} holds [{head['start']}, {head['stop']}), not [{start}, {stop})")
     chunk = head["chunk"]
@@ -105,13 +108,15 @@ def read_arrays(parts, head: dict, target: Callable[[Field], memoryview], who: s
             want = min(chunk, len(view) - off)
             if not parts.more():
                 raise FetchError("malformed", f"{who} sent too few bytes for {fld.name}")
-            got = parts.into(view[off:off + want])
+            got = parts.into(view[off : off + want])
             if got != want:
-                raise FetchError("malformed", f"{who} sent a {got}-byte chunk of {fld.name} at byte {off}, "
-                                              f"expected {want}")
-            if checksum(view[off:off + want]) != next(sums, None):
-                raise FetchError("damaged", f"{who}: {fld.name} bytes {off}..{off + want} of its shard fail their "
-                                            "checksum")
+                raise FetchError(
+                    "malformed", f"{who} sent a {got}-byte chunk of {fld.name} at byte {off}, expected {want}"
+                )
+            if checksum(view[off : off + want]) != next(sums, None):
+                raise FetchError(
+                    "damaged", f"{who}: {fld.name} bytes {off}..{off + want} of its shard fail their checksum"
+                )
 
 
 def read_extras(parts, head: dict, who: str) -> dict[int, bytes]:

@@ -10,6 +10,7 @@ sockets ``SHADOW_ZMQ_SNDHWM``.
 
 Call order: build one factory per process part (``SocketFactory(ctx, guard=..., keys=...)``),
 then ask it for sockets; the caller owns and closes them."""
+
 from __future__ import annotations
 
 import zmq
@@ -29,8 +30,9 @@ def fetch_limit() -> int:
 
 def data_limit() -> int:
     """The largest data-plane frame: a payload part, a commit record or a full run table."""
-    return max(F.MAX_PART_BYTES, knobs.get_int("MAX_COMMIT_BYTES"),
-               F.HEADER_SIZE + knobs.get_int("MAX_RUNS") * F.RUN_SIZE)
+    return max(
+        F.MAX_PART_BYTES, knobs.get_int("MAX_COMMIT_BYTES"), F.HEADER_SIZE + knobs.get_int("MAX_RUNS") * F.RUN_SIZE
+    )
 
 
 class SocketFactory:

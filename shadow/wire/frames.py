@@ -6,12 +6,14 @@ A message on the data socket is a ZeroMQ multipart message::
 
 The header names the job, session epoch, layout hash, sending rank, iteration and a
 per-(rank, worker) sequence number, and ends with a 32-bit checksum of the header and
-run table (so a flipped bit in a destination offset cannot land valid data elsewhere). Each run entry is ``(dst, nelem, checksum)``:
+run table (so a flipped bit in a destination offset cannot land valid data elsewhere).
+Each run entry is ``(dst, nelem, checksum)``:
 ``nelem`` fp32 elements landing at flat element ``dst`` (GRAD and STATE frames) or, for
 a COMMIT, ``nelem`` bytes of msgpack body; for an EXTRA, ``nelem`` bytes of the chunk
 keyed ``dst`` (``trainer_hooks._extras``). Payloads are raw little-endian bytes, sent
 zero-copy and received straight into the worker's preallocated buffers.
 """
+
 from __future__ import annotations
 
 import struct
@@ -81,8 +83,20 @@ class Header:
     runs: tuple[tuple[int, int, int], ...]  # (dst, nelem, checksum)
 
     def pack(self) -> bytes:
-        fields = (MAGIC, VERSION, int(self.kind), int(self.field), self.job, self.epoch, self.rank,
-                  self.world, self.layout, self.iteration, self.seq, len(self.runs))
+        fields = (
+            MAGIC,
+            VERSION,
+            int(self.kind),
+            int(self.field),
+            self.job,
+            self.epoch,
+            self.rank,
+            self.world,
+            self.layout,
+            self.iteration,
+            self.seq,
+            len(self.runs),
+        )
         table = b"".join(_RUN.pack(*r) for r in self.runs)
         return _HEADER.pack(*fields, _header_sum(_HEADER.pack(*fields, 0), table)) + table
 

@@ -15,6 +15,7 @@ Every refusal is a :class:`MessageError` whose ``reason`` is a short metric labe
 :func:`socket_limit` gives a socket's ``ZMQ_MAXMSGSIZE`` from the types it receives
 (:data:`RECEIVES`).
 """
+
 from __future__ import annotations
 
 import gc
@@ -34,34 +35,90 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "starting": {"pid": (int,), "worker_id": (int,), "seconds": (float, int)},  # compiling its kernels
     "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "memory": (int,)},
     "configured": {"epoch": (int,)},
-    "rejoin": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "session": (dict, type(None)),
-               "memory": (int,)},  # memory: bytes the worker has free (-1: unknown)
+    "rejoin": {
+        "data": (str,),
+        "serve": (str,),
+        "pid": (int,),
+        "worker_id": (int,),
+        "session": (dict, type(None)),
+        "memory": (int,),
+    },  # memory: bytes the worker has free (-1: unknown)
     "prepared": {"epoch": (int,), "iteration": (int,), "tokens": (int, type(None))},
-    "persisted": {"epoch": (int,), "iteration": (int,), "tier": (str,), "shard": (int,), "ok": (bool,),
-                  "error": (str,), "file": (str,), "start": (int,), "stop": (int,), "bytes": (int,),
-                  "checksum": (str,), "seconds": (float, int), "commit": (dict, type(None)), "blob_ranks": (list,)},
+    "persisted": {
+        "epoch": (int,),
+        "iteration": (int,),
+        "tier": (str,),
+        "shard": (int,),
+        "ok": (bool,),
+        "error": (str,),
+        "file": (str,),
+        "start": (int,),
+        "stop": (int,),
+        "bytes": (int,),
+        "checksum": (str,),
+        "seconds": (float, int),
+        "commit": (dict, type(None)),
+        "blob_ranks": (list,),
+    },
     "applied": {"epoch": (int,), "iteration": (int,)},
     "stale": {"epoch": (int,), "reason": (str,)},
     "copied": {"epoch": (int,), "iteration": (int,), "seconds": (float, int)},
-    "audited": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "checked": (int,), "max_ulp": (int,),
-                "first_param": (str,), "detail": (str,)},
-    "heartbeat": {"epoch": (int,), "applied": (int,), "seen": (int,), "rejected": (dict,),
-                  "frames_in": (int,), "bytes_in": (int,), "stale": (str,), "seq": (list,),
-                  "replay_s": (float, int), "replayed": (int,), "memory": (int,)},
+    "audited": {
+        "epoch": (int,),
+        "iteration": (int,),
+        "ok": (bool,),
+        "checked": (int,),
+        "max_ulp": (int,),
+        "first_param": (str,),
+        "detail": (str,),
+    },
+    "heartbeat": {
+        "epoch": (int,),
+        "applied": (int,),
+        "seen": (int,),
+        "rejected": (dict,),
+        "frames_in": (int,),
+        "bytes_in": (int,),
+        "stale": (str,),
+        "seq": (list,),
+        "replay_s": (float, int),
+        "replayed": (int,),
+        "memory": (int,),
+    },
     # coordinator -> worker
     "registered": {"worker_id": (int,), "hold": (bool,)},
     "reset": {"reason": (str,)},
     "reregister": {},
-    "configure": {"epoch": (int,), "job": (str,), "job_id": (int,), "layout": (dict,), "start": (int,),
-                  "stop": (int,), "world": (int,), "optim": (dict,), "iteration": (int,), "persist": (dict,),
-                  "shard": (int,), "shards": (int,), "peer": (dict, type(None))},
+    "configure": {
+        "epoch": (int,),
+        "job": (str,),
+        "job_id": (int,),
+        "layout": (dict,),
+        "start": (int,),
+        "stop": (int,),
+        "world": (int,),
+        "optim": (dict,),
+        "iteration": (int,),
+        "persist": (dict,),
+        "shard": (int,),
+        "shards": (int,),
+        "peer": (dict, type(None)),
+    },
     "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
     "apply": {"epoch": (int,), "iteration": (int,), "persist": (bool,)},
     "shutdown": {},
     # trainer -> coordinator
-    "attach": {"job": (str,), "rank": (int,), "world": (int,), "layout_hash": (int,),
-               "layout": (dict, type(None)), "optim": (dict,), "iteration": (int,), "overwrite": (bool,),
-               "restored": (dict, type(None))},  # the checkpoint this rank restored (job, iteration, generation, tier, path)
+    "attach": {
+        "job": (str,),
+        "rank": (int,),
+        "world": (int,),
+        "layout_hash": (int,),
+        "layout": (dict, type(None)),
+        "optim": (dict,),
+        "iteration": (int,),
+        "overwrite": (bool,),
+        "restored": (dict, type(None)),
+    },  # the checkpoint this rank restored (job, iteration, generation, tier, path)
     "detach": {"epoch": (int,), "rank": (int,)},
     "replica_from": {"epoch": (int,), "rank": (int,), "worker": (int,), "gen": (int,), "iteration": (int,)},
     "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
@@ -88,10 +145,19 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "fetch": {"epoch": (int,), "iteration": (int,)},
     # worker -> client; optional "extras": [[key, nbytes, xxh3], ...], chunks of the model state
     # outside the optimizer, sent after the arrays' chunks
-    "fetch_reply": {"epoch": (int,), "iteration": (int,), "start": (int,), "stop": (int,),
-                    "arrays": (list,), "steps": (list,), "has_state": (list,), "commits": (list,),
-                    "replay": (dict, type(None)), "chunk": (int,),
-                    "sums": (list,)},
+    "fetch_reply": {
+        "epoch": (int,),
+        "iteration": (int,),
+        "start": (int,),
+        "stop": (int,),
+        "arrays": (list,),
+        "steps": (list,),
+        "has_state": (list,),
+        "commits": (list,),
+        "replay": (dict, type(None)),
+        "chunk": (int,),
+        "sums": (list,),
+    },
 }
 
 # what an "error" reply's ``code`` says, so that a caller acts on it without reading the text:
@@ -173,16 +239,47 @@ _COMMIT_CARRIERS = ("persisted", "fetch_reply")
 #: (:func:`socket_limit`).
 RECEIVES: dict[str, tuple[str, ...]] = {
     # the coordinator's ROUTER
-    "coordinator": ("starting", "register", "configured", "rejoin", "prepared", "persisted", "applied", "stale",
-                    "copied", "audited", "heartbeat", "attach", "detach", "replica_from", "lagging", "paused",
-                    "trainer_hb", "status", "restore_info"),
+    "coordinator": (
+        "starting",
+        "register",
+        "configured",
+        "rejoin",
+        "prepared",
+        "persisted",
+        "applied",
+        "stale",
+        "copied",
+        "audited",
+        "heartbeat",
+        "attach",
+        "detach",
+        "replica_from",
+        "lagging",
+        "paused",
+        "trainer_hb",
+        "status",
+        "restore_info",
+    ),
     # a worker's DEALER to the coordinator
     "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "shutdown", "error"),
     # a worker's serve ROUTER
     "serve": ("fetch",),
     # a client's DEALER (trainer ranks, CLI, restore, a replica copying from its peer)
-    "client": ("attached", "waiting", "progress", "alive", "degraded", "resync", "replica_out", "replica_in",
-               "audit", "status_reply", "restore_info_reply", "error", "fetch_reply"),
+    "client": (
+        "attached",
+        "waiting",
+        "progress",
+        "alive",
+        "degraded",
+        "resync",
+        "replica_out",
+        "replica_in",
+        "audit",
+        "status_reply",
+        "restore_info_reply",
+        "error",
+        "fetch_reply",
+    ),
 }
 
 _PEEK_BYTES = 128  # a map header, "t", the type (at most _MAX_TYPE_LEN), "v" and the version fit
@@ -231,8 +328,15 @@ def peek_type(raw: bytes | memoryview) -> str:
         raise MessageError("undecodable", "not a msgpack message")
     if head[0] not in _MAP_MARKERS:
         raise MessageError("not_a_map", f"control message begins with byte {head[0]:#04x}, expected a map")
-    u = msgpack.Unpacker(raw=False, max_buffer_size=_PEEK_BYTES, max_str_len=_MAX_TYPE_LEN, max_bin_len=0,
-                         max_array_len=0, max_map_len=0, max_ext_len=0)
+    u = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=_PEEK_BYTES,
+        max_str_len=_MAX_TYPE_LEN,
+        max_bin_len=0,
+        max_array_len=0,
+        max_map_len=0,
+        max_ext_len=0,
+    )
     u.feed(head)
     order = 'a control message is a map that begins with its type "t", then its version "v"'
     try:
@@ -271,8 +375,16 @@ def decode(raw: bytes | memoryview) -> dict:
     paused = gc.isenabled()  # a body of many small containers decodes several times faster without collections
     gc.disable()
     try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_str_len=lim.str, max_bin_len=lim.bin,
-                              max_array_len=lim.array, max_map_len=lim.map, max_ext_len=0)
+        msg = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=lim.str,
+            max_bin_len=lim.bin,
+            max_array_len=lim.array,
+            max_map_len=lim.map,
+            max_ext_len=0,
+        )
     except ValueError as exc:
         if "exceeds max_" in str(exc):  # msgpack: "N exceeds max_array_len(M)"
             raise MessageError("too_large", f"{kind} message: {str(exc)[:200]}") from None

@@ -1,5 +1,6 @@
 """Which of this host's addresses a worker binds and advertises, so that a worker joins a
 cluster by the coordinator's address alone."""
+
 from __future__ import annotations
 
 import socket

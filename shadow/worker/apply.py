@@ -1,6 +1,7 @@
 """Applying prepared iterations on the coordinator's word (the cut), the divergence
 audit of each, and the local tier's snapshot of a cut taken in the same pass. Imports no
 torch."""
+
 from __future__ import annotations
 
 import logging
@@ -41,12 +42,18 @@ class ApplyMixin:
                 c = slot.commits[0]
                 s.state.install_meta(c["steps"], c["has_state"])
             else:
-                img = s.persister.begin(k, s.epoch, s.world, slot.blobs, extras) \
-                    if persist and k == iteration and s.persister is not None else None
+                img = (
+                    s.persister.begin(k, s.epoch, s.world, slot.blobs, extras)
+                    if persist and k == iteration and s.persister is not None
+                    else None
+                )
                 t0 = time.perf_counter()
                 try:
-                    filled = s.state.apply(s.inbox.grad_parts(slot), slot.commits[0],
-                                           s.persister.field_views(img) if img is not None else None)
+                    filled = s.state.apply(
+                        s.inbox.grad_parts(slot),
+                        slot.commits[0],
+                        s.persister.field_views(img) if img is not None else None,
+                    )
                     self.replay_s += time.perf_counter() - t0
                     self.replayed += 1
                 except ValueError as exc:
@@ -80,8 +87,10 @@ class ApplyMixin:
         if s.persister is None:
             return
         if s.applied != iteration:
-            self._to_coord("persisted", **s.persister.report(
-                iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}"))
+            self._to_coord(
+                "persisted",
+                **s.persister.report(iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}"),
+            )
             return
         commit = {k: v for k, v in s.commit.items() if k not in ("steps", "has_state", "sent")} if s.commit else None
         if folded is None:

@@ -1,5 +1,6 @@
 """Commit records on the worker: decoding and checking the replay part, agreement across
 ranks, and the divergence audit's comparison. The opaque blob is never decoded here."""
+
 from __future__ import annotations
 
 import msgpack
@@ -15,7 +16,13 @@ def audit_shard(state: ShardState, audit: dict) -> dict:
     if len(pos) == 0:
         return {"ok": True, "checked": 0, "max_ulp": 0, "first_param": "", "detail": ""}
     if pos.min() < state.start or pos.max() >= state.stop:
-        return {"ok": False, "checked": 0, "max_ulp": 0, "first_param": "", "detail": "audit positions outside the range"}
+        return {
+            "ok": False,
+            "checked": 0,
+            "max_ulp": 0,
+            "first_param": "",
+            "detail": "audit positions outside the range",
+        }
     offsets = np.asarray([p.offset for p in state.layout.params], dtype=np.int64)
     worst, first, checked = 0, None, 0
     for field, values in audit["values"].items():
@@ -34,13 +41,23 @@ def audit_shard(state: ShardState, audit: dict) -> dict:
             worst = max(worst, int(diff.max()))
             j = int(np.flatnonzero(diff)[0])
             i = int(np.searchsorted(offsets, pos[j], side="right") - 1)
-            cand = (int(pos[j]), state.layout.params[i].name, F.Field(int(field)).name.lower(), float(mine[j]),
-                    float(theirs[j]))
+            cand = (
+                int(pos[j]),
+                state.layout.params[i].name,
+                F.Field(int(field)).name.lower(),
+                float(mine[j]),
+                float(theirs[j]),
+            )
             first = cand if first is None or cand[0] < first[0] else first
     if first is None:
         return {"ok": True, "checked": checked, "max_ulp": 0, "first_param": "", "detail": ""}
-    return {"ok": False, "checked": checked, "max_ulp": worst, "first_param": first[1],
-            "detail": f"{first[2]} of {first[1]!r} (flat element {first[0]}): shadow {first[3]!r}, trainer {first[4]!r}"}
+    return {
+        "ok": False,
+        "checked": checked,
+        "max_ulp": worst,
+        "first_param": first[1],
+        "detail": f"{first[2]} of {first[1]!r} (flat element {first[0]}): shadow {first[3]!r}, trainer {first[4]!r}",
+    }
 
 
 def same(a, b) -> bool:
@@ -60,22 +77,39 @@ def _check_audit(audit) -> None:
     if not isinstance(audit, dict) or set(audit) != {"positions", "values"}:
         raise F.FrameError("bad_commit", "malformed audit sample: expected a map of positions and values")
     pos, values = audit["positions"], audit["values"]
-    if not isinstance(pos, list) or len(pos) > MAX_AUDIT_POSITIONS or \
-            not all(type(p) is int and 0 <= p < 2**63 for p in pos):
-        raise F.FrameError("bad_commit", f"malformed audit sample: positions must be at most "
-                                         f"{MAX_AUDIT_POSITIONS} flat element indices")
+    if (
+        not isinstance(pos, list)
+        or len(pos) > MAX_AUDIT_POSITIONS
+        or not all(type(p) is int and 0 <= p < 2**63 for p in pos)
+    ):
+        raise F.FrameError(
+            "bad_commit",
+            f"malformed audit sample: positions must be at most {MAX_AUDIT_POSITIONS} flat element indices",
+        )
     if not isinstance(values, dict) or not all(type(k) is int and k in _AUDIT_FIELDS for k in values):
         raise F.FrameError("bad_commit", "malformed audit sample: values must map state fields to lists")
     for v in values.values():
-        if not isinstance(v, list) or len(v) != len(pos) or \
-                not all(type(x) in (int, float) for x in v):
+        if not isinstance(v, list) or len(v) != len(pos) or not all(type(x) in (int, float) for x in v):
             raise F.FrameError("bad_commit", "malformed audit sample: one number per position per field")
 
 
-_SGD_GROUP = {"lr": "number", "momentum": "number", "dampening": "number", "weight_decay": "number",
-              "nesterov": "flag", "maximize": "flag"}
-_ADAM_GROUP = {"lr": "number", "betas": "pair", "eps": "number", "weight_decay": "number", "amsgrad": "flag",
-               "maximize": "flag", "decoupled": "flag"}
+_SGD_GROUP = {
+    "lr": "number",
+    "momentum": "number",
+    "dampening": "number",
+    "weight_decay": "number",
+    "nesterov": "flag",
+    "maximize": "flag",
+}
+_ADAM_GROUP = {
+    "lr": "number",
+    "betas": "pair",
+    "eps": "number",
+    "weight_decay": "number",
+    "amsgrad": "flag",
+    "maximize": "flag",
+    "decoupled": "flag",
+}
 
 
 def _is_number(v) -> bool:
@@ -92,8 +126,11 @@ def _check_group(g) -> None:
         raise F.FrameError("bad_commit", f"param group keys {sorted(map(str, g))}, expected {sorted(want)}")
     for key, kind in want.items():
         v = g[key]
-        ok = {"number": _is_number(v), "flag": type(v) is bool,
-              "pair": isinstance(v, list) and len(v) == 2 and all(_is_number(x) for x in v)}[kind]
+        ok = {
+            "number": _is_number(v),
+            "flag": type(v) is bool,
+            "pair": isinstance(v, list) and len(v) == 2 and all(_is_number(x) for x in v),
+        }[kind]
         if not ok:
             raise F.FrameError("bad_commit", f"group {key} is not a {'bool' if kind == 'flag' else kind}: {v!r:.40}")
 

@@ -1,6 +1,7 @@
 """The worker's data plane: validate each frame (header, epoch, layout, sequence, bounds,
 checksums), receive payloads straight into their slots, record commits, report PREPARED.
 Imports no torch."""
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,15 @@ class DataMixin:
             # header does not check out (it consumed no sequence number: if it was a real one,
             # the next frame shows the gap); bytes lost or changed after the sequence check
             # leave this replica unusable until a resync
-            if exc.reason in ("gap", "double_commit", "bad_checksum", "truncated_payload", "extra_payload",
-                              "overflow", "disagree"):
+            if exc.reason in (
+                "gap",
+                "double_commit",
+                "bad_checksum",
+                "truncated_payload",
+                "extra_payload",
+                "overflow",
+                "disagree",
+            ):
                 self._go_stale(str(exc))
         except zmq.ZMQError:
             raise
@@ -55,7 +63,9 @@ class DataMixin:
         if s is None:
             raise F.FrameError("not_configured", "frame arrived before this worker was configured")
         if h.epoch != s.epoch or h.job != s.job_id:
-            raise F.FrameError("wrong_epoch", f"frame for job {h.job:#x} epoch {h.epoch}, serving {s.job_id:#x} epoch {s.epoch}")
+            raise F.FrameError(
+                "wrong_epoch", f"frame for job {h.job:#x} epoch {h.epoch}, serving {s.job_id:#x} epoch {s.epoch}"
+            )
         if h.layout != s.layout_hash:
             raise F.FrameError("wrong_layout", f"layout {h.layout:#x} is not {s.layout_hash:#x}")
         if h.world != s.world:
@@ -67,8 +77,10 @@ class DataMixin:
         # the iterations a trainer may send: its slots bound how far ahead of the applied one
         horizon = (s.applied if s.applied >= 0 else s.base - 1) + s.inbox.nslots
         if h.iteration > horizon:
-            raise F.FrameError("out_of_window", f"iteration {h.iteration} is beyond {horizon} "
-                                                f"(applied {s.applied}, {s.inbox.nslots} slots)")
+            raise F.FrameError(
+                "out_of_window",
+                f"iteration {h.iteration} is beyond {horizon} (applied {s.applied}, {s.inbox.nslots} slots)",
+            )
         self._check_runs(h)  # before the sequence check: a malformed header consumes no sequence number
         s.inbox.check_seq(h.rank, h.seq, knobs.get_int("SEQ_WINDOW"))
         if h.kind == F.Kind.COMMIT:
@@ -89,8 +101,9 @@ class DataMixin:
             if len(h.runs) != 1:
                 raise F.FrameError("bad_commit", f"commit has {len(h.runs)} runs, expected 1")
             if h.runs[0][1] > cap:
-                raise F.FrameError("bad_commit", f"commit of {h.runs[0][1]} bytes exceeds the limit of {cap} "
-                                                 "(SHADOW_MAX_COMMIT_BYTES)")
+                raise F.FrameError(
+                    "bad_commit", f"commit of {h.runs[0][1]} bytes exceeds the limit of {cap} (SHADOW_MAX_COMMIT_BYTES)"
+                )
         elif h.kind == F.Kind.EXTRA:
             if h.field != F.Field.GRAD:
                 raise F.FrameError("bad_kind", f"EXTRA frame for field {h.field.name}")
@@ -145,10 +158,12 @@ class DataMixin:
                 view = self._recv_part(sock, nelem * 4)
                 parts.append((dst - lo, view))
             else:
-                view = target[dst - lo: dst - lo + nelem]
+                view = target[dst - lo : dst - lo + nelem]
                 self._recv_part_into(sock, view, nelem * 4)
             if F.checksum(view) != csum:
-                raise F.FrameError("bad_checksum", f"payload at flat {dst} (+{nelem}) from rank {h.rank} iteration {h.iteration}")
+                raise F.FrameError(
+                    "bad_checksum", f"payload at flat {dst} (+{nelem}) from rank {h.rank} iteration {h.iteration}"
+                )
             total += nelem
         if sock.getsockopt(zmq.RCVMORE):
             raise F.FrameError("extra_payload", "message has more payload frames than runs")
@@ -191,14 +206,20 @@ class DataMixin:
         replay, blob = decode_commit(body, h, len(s.layout.params), s.layout.num_groups)
         kind = F.Kind.STATE if replay["bootstrap"] else F.Kind.GRAD
         if replay["bootstrap"] != (h.iteration == s.base):
-            raise F.FrameError("bad_commit", f"bootstrap flag {replay['bootstrap']} at iteration {h.iteration} (base {s.base})")
+            raise F.FrameError(
+                "bad_commit", f"bootstrap flag {replay['bootstrap']} at iteration {h.iteration} (base {s.base})"
+            )
         slot = s.inbox.slot(h.iteration, kind)
         if slot.commits[h.rank] is not None:
             raise F.FrameError("double_commit", f"second commit from rank {h.rank} for iteration {h.iteration}")
         for other in slot.commits:
-            if other is not None and any(not same(other.get(k), replay.get(k)) for k in
-                                         ("groups", "skipped", "clip", "inv_scale", "grad_scale", "skip_step")):
-                raise F.FrameError("disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}")
+            if other is not None and any(
+                not same(other.get(k), replay.get(k))
+                for k in ("groups", "skipped", "clip", "inv_scale", "grad_scale", "skip_step")
+            ):
+                raise F.FrameError(
+                    "disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}"
+                )
         slot.commits[h.rank] = replay
         if blob is not None:
             slot.blobs[h.rank] = blob

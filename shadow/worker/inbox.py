@@ -1,6 +1,7 @@
 """Assembling iterations from frames: gradient slots (the received payload frames
 themselves, applied where they lie), per-rank accounting, and the PREPARED rule (all
 bytes of the range plus every rank's commit)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,9 +35,7 @@ class Slot:
 class Inbox:
     """Slots for the iterations in flight on one worker."""
 
-    def __init__(
-        self, size: int, world: int, nslots: int, expected_grad, state_fields: tuple[Field, ...]
-    ) -> None:
+    def __init__(self, size: int, world: int, nslots: int, expected_grad, state_fields: tuple[Field, ...]) -> None:
         self.size, self.world = size, world
         self.nslots = nslots  # GRAD iterations in flight at most (bounds the frames held)
         self.slots: dict[int, Slot] = {}
@@ -53,8 +52,9 @@ class Inbox:
         want = self.next_seq[rank]
         if seq != want:
             if seq > want + window:
-                raise FrameError("out_of_window", f"rank {rank} sent sequence {seq}, expected {want} "
-                                                  f"(more than {window} ahead)")
+                raise FrameError(
+                    "out_of_window", f"rank {rank} sent sequence {seq}, expected {want} (more than {window} ahead)"
+                )
             reason = "duplicate" if seq < want else "gap"
             raise FrameError(reason, f"rank {rank} sent sequence {seq}, expected {want}")
         self.next_seq[rank] = want + 1
@@ -63,13 +63,17 @@ class Inbox:
         s = self.slots.get(iteration)
         if s is not None:
             if s.kind != kind:
-                raise FrameError("mixed_kinds", f"iteration {iteration} carries both {s.kind.name} and {kind.name} frames")
+                raise FrameError(
+                    "mixed_kinds", f"iteration {iteration} carries both {s.kind.name} and {kind.name} frames"
+                )
             return s
         if kind == Kind.STATE:
             s = Slot(iteration, Kind.STATE, self.world)
         elif kind == Kind.GRAD:
             if sum(x.kind == Kind.GRAD for x in self.slots.values()) >= self.nslots:
-                raise FrameError("overflow", f"no free gradient slot for iteration {iteration} ({self.nslots} in flight)")
+                raise FrameError(
+                    "overflow", f"no free gradient slot for iteration {iteration} ({self.nslots} in flight)"
+                )
             s = Slot(iteration, Kind.GRAD, self.world)
         else:
             raise ValueError(f"slots hold GRAD or STATE iterations, not {kind.name}")
@@ -90,7 +94,7 @@ class Inbox:
         sent = np.asarray([c["sent"] for c in slot.commits], dtype=np.int64)
         if not np.array_equal(sent, slot.received):
             return False
-        if any(n != c.get("extras", 0) for n, c in zip(slot.extra_count, slot.commits)):
+        if any(n != c.get("extras", 0) for n, c in zip(slot.extra_count, slot.commits, strict=True)):
             return False
         if slot.kind == Kind.STATE:
             return all(slot.field_elems.get(int(f), 0) == self.size for f in self.state_fields)

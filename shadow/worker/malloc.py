@@ -13,6 +13,7 @@ glibc reads its tunables once, at process start, so ``shadow cluster`` starts it
 with the tunable and ``shadow worker`` started by hand executes itself again with it
 (once: the second start finds it set). ``SHADOW_WORKER_HUGEPAGES=0`` turns both off.
 """
+
 from __future__ import annotations
 
 import os

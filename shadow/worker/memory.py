@@ -5,6 +5,7 @@ coordinator refuses an attach whose ranges need more (:func:`session_bytes`) bef
 worker allocates anything, and a worker checks the same estimate before it configures.
 This module imports no torch and allocates nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -127,8 +128,11 @@ def session_bytes(size: int, fields: int | dict, nparams: int = 0, persist: bool
     size, nparams = max(0, int(size)), max(0, int(nparams))
     state = fields * size * 4 + nparams * PARAM_BYTES
     grads = knobs.get_int("WORKER_SLOTS") * size * 4
-    images = knobs.get_int("PERSIST_BUFFERS") * (fields * size * 4 + nparams * IMAGE_PARAM_BYTES + IMAGE_SLACK) \
-        if persist else 0
+    images = (
+        knobs.get_int("PERSIST_BUFFERS") * (fields * size * 4 + nparams * IMAGE_PARAM_BYTES + IMAGE_SLACK)
+        if persist
+        else 0
+    )
     return state + grads + images
 
 

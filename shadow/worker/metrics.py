@@ -1,5 +1,6 @@
 """A worker's samples for its /metrics endpoint (read at scrape time; see
 :mod:`shadow.metrics`)."""
+
 from __future__ import annotations
 
 import time

@@ -2,6 +2,7 @@
 :mod:`shadow.coordinator.replicas`): one ``fetch`` of iteration m - 1 on the peer's serve
 socket, answered once the peer has applied exactly that iteration (the coordinator holds
 the cut there), then installed as this worker's applied state. Imports no torch."""
+
 from __future__ import annotations
 
 import logging
@@ -33,7 +34,7 @@ class PeerCopy:
     started: float
 
     @classmethod
-    def start(cls, ctx: zmq.Context, peer: dict, epoch: int, iteration: int, keys=None) -> "PeerCopy":
+    def start(cls, ctx: zmq.Context, peer: dict, epoch: int, iteration: int, keys=None) -> PeerCopy:
         sock = SocketFactory(ctx, keys=keys).dealer(peer["serve"], fetch_limit())
         sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
         now = time.monotonic()
@@ -48,8 +49,15 @@ def install(session, parts: list[bytes], iteration: int) -> None:
     st = session.state
     src = fetch.ListParts(parts)
     try:
-        head = fetch.read_head(src, epoch=session.epoch, iteration=iteration, start=st.start, stop=st.stop,
-                               fields=[int(f) for f in st.fields()], who="peer")
+        head = fetch.read_head(
+            src,
+            epoch=session.epoch,
+            iteration=iteration,
+            start=st.start,
+            stop=st.stop,
+            fields=[int(f) for f in st.fields()],
+            who="peer",
+        )
         fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(st.array(fld)), "peer")
         extras = fetch.read_extras(src, head, "peer")
         nparams = len(st.steps)
@@ -70,6 +78,7 @@ def install(session, parts: list[bytes], iteration: int) -> None:
 
 class PeerMixin:
     """Worker handlers: ``reset`` (a damaged replica) and the peer copy of a joining one."""
+
     def _reset(self, reason: str) -> None:
         """A damaged replica: drop the session and every queued frame (a fresh data socket),
         then register again; the coordinator brings it back through a peer copy."""
@@ -82,16 +91,27 @@ class PeerMixin:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
-        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
-                       memory=available_bytes())
+        self._to_coord(
+            "register",
+            data=self.data_ep,
+            serve=self.serve_ep,
+            pid=os.getpid(),
+            worker_id=self.worker_id,
+            memory=available_bytes(),
+        )
 
     def _start_peer_copy(self, peer: dict) -> None:
         s = self.session
         if self.peer is not None:
             self.peer.close()
         self.peer = PeerCopy.start(self.ctx, peer, s.epoch, s.base, self.keys)
-        logger.info("fetching iteration %d of range [%d, %d) from peer worker %d", s.base, s.state.start,
-                    s.state.stop, self.peer.id)
+        logger.info(
+            "fetching iteration %d of range [%d, %d) from peer worker %d",
+            s.base,
+            s.state.start,
+            s.state.stop,
+            self.peer.id,
+        )
 
     def _peer_reply(self) -> None:
         p, s = self.peer, self.session

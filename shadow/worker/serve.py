@@ -9,6 +9,7 @@ waits for a shard being sent from the live state only while its client reads it:
 with no part handed to the kernel for ``SERVE_STALL_S`` is dropped and counted
 (``serve_dropped``); that client stays busy until zmq lets go of the reply, so one that
 never reads costs one such wait, not one per apply."""
+
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Reply:
     """A shard reply handed to zmq zero-copy: one tracker per part, done in send order."""
+
     client: str  # for logs: identity and peer address
     session: object  # the session whose arrays the parts point into
     trackers: list
@@ -55,6 +57,7 @@ def _client(ident: bytes, frame) -> str:
 
 class ServeMixin:
     """Worker handlers for the serve socket."""
+
     def _on_serve(self, sock) -> None:
         parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) != 2:
@@ -84,16 +87,20 @@ class ServeMixin:
         self._forget_sent(time.monotonic())
         r = self.serving.get(ident)
         if r is not None:
-            why = ("its previous shard reply was dropped unread and is still queued; a new connection can fetch"
-                   if r.dropped else "its previous shard reply is still being sent")
+            why = (
+                "its previous shard reply was dropped unread and is still queued; a new connection can fetch"
+                if r.dropped
+                else "its previous shard reply is still being sent"
+            )
             return "serve_busy", f"busy: one fetch at a time per client; {why}"
         if any(p[0] == ident for p in self.pending_fetch):
             return "serve_busy", "busy: one fetch at a time per client; its previous fetch is still waiting"
         cap = knobs.get_int("SERVE_MAX_FETCHES")
         live = len(self.pending_fetch) + sum(1 for r in self.serving.values() if not r.dropped)
         if live >= cap:
-            return "serve_full", (f"busy: this worker is serving {live} fetches, its limit (SERVE_MAX_FETCHES); "
-                                  "fetch again later")
+            return "serve_full", (
+                f"busy: this worker is serving {live} fetches, its limit (SERVE_MAX_FETCHES); fetch again later"
+            )
         return None
 
     def _forget_sent(self, now: float) -> None:
@@ -107,13 +114,15 @@ class ServeMixin:
             want = msg["iteration"]
             s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.session
             if s is None or msg["epoch"] != s.epoch:
-                self._serve_error(ident, "wrong_epoch",
-                                  f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
+                self._serve_error(
+                    ident, "wrong_epoch", f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}"
+                )
             elif s.applied == want or (want < 0 and s.applied >= 0):
                 self._serve_state(ident, s, msg.get("client") or ident.hex())
             elif s.applied > want:
-                self._serve_error(ident, "moved_on",
-                                  f"worker has moved on to iteration {s.applied}; fetch {want} again later")
+                self._serve_error(
+                    ident, "moved_on", f"worker has moved on to iteration {s.applied}; fetch {want} again later"
+                )
             else:
                 keep.append((ident, msg, deadline))
         self.pending_fetch = keep
@@ -144,22 +153,31 @@ class ServeMixin:
         views = []
         for f in fields:
             raw = st.array(f).view(np.uint8)
-            views += [raw[i:i + chunk] for i in range(0, len(raw), chunk)]
+            views += [raw[i : i + chunk] for i in range(0, len(raw), chunk)]
         extras = sorted(s.extras.items())  # chunks of the model state outside the optimizer, after the arrays
         head = M.encode(
-            "fetch_reply", epoch=s.epoch, iteration=s.applied, start=st.start, stop=st.stop,
-            arrays=[int(f) for f in fields], steps=[[int(i), float(st.steps[i])] for i in idx],
+            "fetch_reply",
+            epoch=s.epoch,
+            iteration=s.applied,
+            start=st.start,
+            stop=st.stop,
+            arrays=[int(f) for f in fields],
+            steps=[[int(i), float(st.steps[i])] for i in idx],
             has_state=[int(i) for i in idx if st.has_state[i]],
             commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
-            replay=s.commit, chunk=chunk, sums=[F.checksum(v) for v in views],
+            replay=s.commit,
+            chunk=chunk,
+            sums=[F.checksum(v) for v in views],
             extras=[[k, len(b), F.checksum(b)] for k, b in extras],
         )
         parts = [head] + [memoryview(v) for v in views] + [b for _, b in extras]
         self.serve.send(ident, zmq.SNDMORE)
         # part by part, so that an apply can tell a client that reads (parts done one after
         # another) from one that does not (parts below zmq's copy threshold are done at once)
-        trackers = [self.serve.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True)
-                    for i, p in enumerate(parts)]
+        trackers = [
+            self.serve.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True)
+            for i, p in enumerate(parts)
+        ]
         self.serving[ident] = Reply(client or ident.hex(), s, trackers, time.monotonic())
 
     def _wait_for_readers(self) -> None:
@@ -190,6 +208,12 @@ class ServeMixin:
     def _drop_reply(self, r: Reply, why: str) -> None:
         r.dropped = True
         self.rejected["serve_dropped"] += 1
-        logger.warning("restore client %s: stopped waiting for its shard reply (%s; %d of %d parts sent); applying: "
-                       "its copy will fail its checksums, and it gets no other fetch until zmq is done with this "
-                       "reply", r.client, why, r.sent, len(r.trackers))
+        logger.warning(
+            "restore client %s: stopped waiting for its shard reply (%s; %d of %d parts sent); applying: "
+            "its copy will fail its checksums, and it gets no other fetch until zmq is done with this "
+            "reply",
+            r.client,
+            why,
+            r.sent,
+            len(r.trackers),
+        )

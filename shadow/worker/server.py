@@ -9,6 +9,7 @@ Sockets (all polled by one loop, every wait bounded by the heartbeat period):
 
 This module imports no torch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,11 @@ class _Session:
         self.commit: dict | None = None  # rank 0's replay record of the applied iteration
         self.stale: str | None = None
         persist = msg["persist"]
-        self.persister = (ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
-                          if persist.get("local", {}).get("dir") else None)
+        self.persister = (
+            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
+            if persist.get("local", {}).get("dir")
+            else None
+        )
 
     def close(self) -> None:
         """Stop persisting (the session is replaced, dropped or the worker stops): the
@@ -85,8 +89,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
     reports the main thread drains), the guard's ZAP thread, and the metrics endpoint's
     HTTP thread, which reads fields without a lock and never writes."""
 
-    def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None,
-                 keys=None) -> None:
+    def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None, keys=None) -> None:
         self.coordinator = coordinator
         self.bind_host, self.host = bind_and_advertise(host, coordinator)
         self.worker_id = worker_id
@@ -150,8 +153,14 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
             return
         self._open()
         logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
-        self._to_coord("register", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
-                       memory=memory.report())
+        self._to_coord(
+            "register",
+            data=self.data_ep,
+            serve=self.serve_ep,
+            pid=os.getpid(),
+            worker_id=self.worker_id,
+            memory=memory.report(),
+        )
         hb = knobs.get("HEARTBEAT_S")
         next_hb = time.monotonic() + hb
         try:
@@ -179,8 +188,10 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
                     self._heartbeat()
                     self._expire_fetches(now)
                     if self.peer is not None and now > self.peer.deadline:
-                        self._peer_failed(f"peer worker {self.peer.id} did not send iteration "
-                                          f"{self.peer.iteration} within {knobs.get('FETCH_TIMEOUT_S'):.0f} s")
+                        self._peer_failed(
+                            f"peer worker {self.peer.id} did not send iteration "
+                            f"{self.peer.iteration} within {knobs.get('FETCH_TIMEOUT_S'):.0f} s"
+                        )
                 self._report_persisted()
         finally:
             self._close()
@@ -191,6 +202,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
     def _warm_up(self) -> bool:
         """Compile the replay kernels, saying "starting" every heartbeat period meanwhile;
         False if the worker was stopped first."""
+
         def tick(seconds: float) -> bool:
             self._to_coord("starting", pid=os.getpid(), worker_id=self.worker_id, seconds=round(seconds, 3))
             self._drain(self.ctrl, self._on_ctrl_starting)
@@ -235,12 +247,20 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
     def _heartbeat(self) -> None:
         s = self.session
         self._to_coord(
-            "heartbeat", rejected={**self.rejected, **{"auth_" + k: v for k, v in
-                                                       (self.guard.refused if self.guard else {}).items()}},
-            epoch=s.epoch if s else -1, applied=s.applied if s else -1,
-            seen=s.seen if s else -1, frames_in=self.frames_in,
-            bytes_in=self.bytes_in, stale=(s.stale or "") if s else "",
-            seq=list(s.inbox.next_seq) if s else [], replay_s=self.replay_s, replayed=self.replayed,
+            "heartbeat",
+            rejected={
+                **self.rejected,
+                **{"auth_" + k: v for k, v in (self.guard.refused if self.guard else {}).items()},
+            },
+            epoch=s.epoch if s else -1,
+            applied=s.applied if s else -1,
+            seen=s.seen if s else -1,
+            frames_in=self.frames_in,
+            bytes_in=self.bytes_in,
+            stale=(s.stale or "") if s else "",
+            seq=list(s.inbox.next_seq) if s else [],
+            replay_s=self.replay_s,
+            replayed=self.replayed,
             memory=memory.report(),
         )
 
@@ -256,18 +276,31 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         t = msg["t"]
         if t == "registered":
             self.worker_id, self.hold = msg["worker_id"], msg["hold"]
-            logger.info("registered as worker %d%s", self.worker_id,
-                        " (joining a running job: waiting for the ranks and a peer copy)" if self.hold else "")
+            logger.info(
+                "registered as worker %d%s",
+                self.worker_id,
+                " (joining a running job: waiting for the ranks and a peer copy)" if self.hold else "",
+            )
         elif t == "reset":
             self._reset(msg["reason"])
         elif t == "reregister":  # a restarted coordinator: tell it what this worker holds
             s = self.session
-            logger.warning("the coordinator restarted; rejoining as worker %d%s", self.worker_id,
-                           f" with epoch {s.epoch} at iteration {s.applied}" if s else "")
-            self._to_coord("rejoin", data=self.data_ep, serve=self.serve_ep, pid=os.getpid(), worker_id=self.worker_id,
-                           session=None if s is None else {"configure": s.config, "prepared": s.prepared,
-                                                           "applied": s.applied, "stale": s.stale or ""},
-                           memory=memory.report())
+            logger.warning(
+                "the coordinator restarted; rejoining as worker %d%s",
+                self.worker_id,
+                f" with epoch {s.epoch} at iteration {s.applied}" if s else "",
+            )
+            self._to_coord(
+                "rejoin",
+                data=self.data_ep,
+                serve=self.serve_ep,
+                pid=os.getpid(),
+                worker_id=self.worker_id,
+                session=None
+                if s is None
+                else {"configure": s.config, "prepared": s.prepared, "applied": s.applied, "stale": s.stale or ""},
+                memory=memory.report(),
+            )
         elif t == "configure":
             self._configure(msg)
         elif t == "apply":
@@ -293,8 +326,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
             return
         # anything in flight for the old epoch is void
         old = self.session
-        self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None \
-            else None
+        self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None else None
         self.session = sess
         if old is not None:  # its persister would otherwise live on, with its threads and images
             old.close()
@@ -309,7 +341,13 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         self.hold = False
         logger.info(
             "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d",
-            sess.epoch, sess.job, sess.state.start, sess.state.stop, sess.layout.total, sess.world, sess.base,
+            sess.epoch,
+            sess.job,
+            sess.state.start,
+            sess.state.stop,
+            sess.layout.total,
+            sess.world,
+            sess.base,
         )
         self._to_coord("configured", epoch=sess.epoch)
 
@@ -327,12 +365,16 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         if pow_problem is not None:
             return f"the replay descriptor is malformed: {pow_problem}"
         persist = msg["persist"]
-        local = isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
+        local = (
+            isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
+        )
         need = memory.session_bytes(stop - start, memory.nfields(msg["optim"]), len(layout.params), local)
         free = memory.available_bytes()
         if 0 <= free < need:
-            return (f"the range [{start}, {stop}) needs {memory.human(need)} and this worker has "
-                    f"{memory.human(free)} free; add workers, or free memory on this host")
+            return (
+                f"the range [{start}, {stop}) needs {memory.human(need)} and this worker has "
+                f"{memory.human(free)} free; add workers, or free memory on this host"
+            )
         return None
 
     def _go_stale(self, reason: str) -> None:

@@ -1,12 +1,13 @@
 """A worker's start-up: its replay kernels are compiled (or loaded from the cache) on a
 background thread, one process per host at a time (:func:`shadow.kernels._cache.compile_lock`),
 while the worker tells the coordinator it is starting."""
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,10 @@ def compile_kernels(tick: Callable[[float], bool], period: float) -> bool:
         th.join(period)
     if failed:
         raise failed[0]
-    logger.info("replay kernels %s in %.1f s (cache %s)",
-                f"compiled ({compiled[0]})" if compiled[0] else "loaded from the cache", time.monotonic() - t0,
-                _cache.cache_dir())
+    logger.info(
+        "replay kernels %s in %.1f s (cache %s)",
+        f"compiled ({compiled[0]})" if compiled[0] else "loaded from the cache",
+        time.monotonic() - t0,
+        _cache.cache_dir(),
+    )
     return True

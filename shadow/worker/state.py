@@ -1,4 +1,5 @@
 """A worker's shard of the training state and the replay of one iteration on it."""
+
 from __future__ import annotations
 
 import logging
@@ -42,9 +43,14 @@ class ShardState:
         self.steps = np.zeros(len(layout.params), dtype=np.float64)
         self.has_state = np.zeros(len(layout.params), dtype=bool)
         segs = segments_for_range(
-            [p.offset for p in layout.params], [p.numel for p in layout.params],
-            [p.group for p in layout.params], start, stop,
-            optim["impl"], int(optim["vec_width"]), int(optim["tail_width"]),
+            [p.offset for p in layout.params],
+            [p.numel for p in layout.params],
+            [p.group for p in layout.params],
+            start,
+            stop,
+            optim["impl"],
+            int(optim["vec_width"]),
+            int(optim["tail_width"]),
         )
         self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"), kind, PowTable(optim.get("pow")))
         self.in_range = np.zeros(len(layout.params), dtype=bool)
@@ -115,8 +121,14 @@ class ShardState:
             arrays = (self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq)
             mod = _adam
         empty = np.zeros(0, dtype=np.float32)
-        snaps = tuple(snap.get(f, empty) for f in (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ, Field.MAX_EXP_AVG_SQ)
-                      [:len(arrays)]) if snap else ()
+        snaps = (
+            tuple(
+                snap.get(f, empty)
+                for f in (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ, Field.MAX_EXP_AVG_SQ)[: len(arrays)]
+            )
+            if snap
+            else ()
+        )
         work = self.plan.run(mod, arrays, parts, snaps)
         if snap:  # what the kernel did not write (skipped or frozen parameters) is copied
             active_seg = self.plan.seg_i[:, 0] != 0

@@ -9,6 +9,7 @@ overflow), the session's clip, gradient accumulation with ``no_sync``.
 committed by the cluster, then SIGKILLs itself. ``resume`` restores from the cluster,
 re-attaches, trains to STEPS and saves OUT/final.pt with the restored iteration.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,11 +29,12 @@ import trainer_hooks
 
 def build():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256), nn.GELU(),
-                          nn.Linear(256, 10)).cuda()
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)
+    ).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.05 * k))
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=3)
     return model, opt, sched, scaler
 
 
@@ -57,9 +59,13 @@ def step(ddp, opt, sched, scaler, session, it: int, accum: int = 2) -> None:
 
 
 def state(model, opt, sched, scaler, iteration: int) -> dict:
-    return {"iteration": iteration, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "opt": [{k: v.detach().cpu() for k, v in opt.state[p].items()} for p in model.parameters()],
-            "sched": sched.state_dict(), "scaler": scaler.state_dict()}
+    return {
+        "iteration": iteration,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "opt": [{k: v.detach().cpu() for k, v in opt.state[p].items()} for p in model.parameters()],
+        "sched": sched.state_dict(),
+        "scaler": scaler.state_dict(),
+    }
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ SIGKILLs the process MS milliseconds after attach() is called, --kill-in-bootstr
 long after the bootstrap begins (the coordinator has opened the new epoch; 0 = at once,
 before any state is queued); either way the process never trains.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,16 +87,26 @@ def batch(seed: int, it: int, rank: int):
 SCHEDULERS = ("lambda", "onecycle", "sequential", "chained")
 
 
-def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False, optim: str = "adamw",
-          sched: str = "lambda", unused: bool = False, steps: int = 12, extras: bool = False):
+def build(
+    seed: int = 0,
+    impl: str = "fused",
+    amsgrad: bool = False,
+    optim: str = "adamw",
+    sched: str = "lambda",
+    unused: bool = False,
+    steps: int = 12,
+    extras: bool = False,
+):
     """The model, optimizer (two param groups, a frozen param) and scheduler under test;
     ``extras``: :class:`TinyExtras`, whose extra state is in no param group."""
     torch.manual_seed(seed)
     model = TinyExtras(unused) if extras else Tiny(unused)
     kw = {"fused": True} if impl == "fused" else ({"foreach": True} if impl == "foreach" else {"foreach": False})
     first = [p for n, p in model.named_parameters() if n.startswith(("fc", "emb", "side"))]
-    groups = [{"params": first, "weight_decay": 0.05},
-              {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3}]
+    groups = [
+        {"params": first, "weight_decay": 0.05},
+        {"params": [model.ln.weight, model.ln.bias, model.frozen], "weight_decay": 0.0, "lr": 3e-3},
+    ]
     if optim in ("adam", "adamw"):
         groups[1]["betas"] = (0.8, 0.99)  # per-group betas
     if optim == "adamw":
@@ -113,13 +124,22 @@ def build(seed: int = 0, impl: str = "fused", amsgrad: bool = False, optim: str 
     elif sched == "onecycle":
         s = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 6e-3], total_steps=steps + 1, pct_start=0.3)
     elif sched == "sequential":
-        s = torch.optim.lr_scheduler.SequentialLR(opt, [
-            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4),
-            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)], milestones=[4])
+        s = torch.optim.lr_scheduler.SequentialLR(
+            opt,
+            [
+                torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=4),
+                torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+            ],
+            milestones=[4],
+        )
     elif sched == "chained":
-        s = torch.optim.lr_scheduler.ChainedScheduler([
-            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.93),
-            torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)], optimizer=opt)
+        s = torch.optim.lr_scheduler.ChainedScheduler(
+            [
+                torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.93),
+                torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+            ],
+            optimizer=opt,
+        )
     else:
         raise ValueError(sched)
     return model, opt, s
@@ -164,16 +184,33 @@ def main() -> None:
     ap.add_argument("--kill-worker-at", type=int, default=0, help="rank 0 SIGKILLs shadow worker 1 then")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--extras", action="store_true", help="TinyExtras: frozen layer, BatchNorm, big buffer")
-    ap.add_argument("--poke-at", type=int, default=0, help="with --extras: change the frozen layer and the big "
-                                                             "buffer in place before this iteration's forward")
+    ap.add_argument(
+        "--poke-at",
+        type=int,
+        default=0,
+        help="with --extras: change the frozen layer and the big buffer in place before this iteration's forward",
+    )
     ap.add_argument("--policy", default="block", help="back-pressure policy: block | skip")
     ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
-    ap.add_argument("--info-out", default="", help="JSON progress file: restored / completed iteration, "
-                                                     "worker kill time ({rank} in the path: one per rank)")
-    ap.add_argument("--kill-in-attach", type=float, default=-1.0, metavar="MS",
-                    help="SIGKILL this process MS milliseconds after attach() starts (it never trains)")
-    ap.add_argument("--kill-in-bootstrap", type=float, default=-1.0, metavar="MS",
-                    help="SIGKILL this process MS milliseconds after attach's bootstrap begins (never trains)")
+    ap.add_argument(
+        "--info-out",
+        default="",
+        help="JSON progress file: restored / completed iteration, worker kill time ({rank} in the path: one per rank)",
+    )
+    ap.add_argument(
+        "--kill-in-attach",
+        type=float,
+        default=-1.0,
+        metavar="MS",
+        help="SIGKILL this process MS milliseconds after attach() starts (it never trains)",
+    )
+    ap.add_argument(
+        "--kill-in-bootstrap",
+        type=float,
+        default=-1.0,
+        metavar="MS",
+        help="SIGKILL this process MS milliseconds after attach's bootstrap begins (never trains)",
+    )
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -181,8 +218,9 @@ def main() -> None:
     info_out = Info(args.info_out, rank) if args.info_out else None
     random.seed(1000 + rank)
     np.random.seed(2000 + rank)
-    model, opt, sched = build(args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps,
-                              args.extras)
+    model, opt, sched = build(
+        args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps, args.extras
+    )
     ddp = DDP(model, find_unused_parameters=args.unused)
     hook = None
     if args.compress:
@@ -199,8 +237,9 @@ def main() -> None:
     scaler = None
     if args.amp:
         # the first scaled loss overflows (inf): that step is skipped, the scale backs off, then grows
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0,
-                                      growth_interval=2)
+        scaler = torch.amp.GradScaler(
+            "cpu", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0, growth_interval=2
+        )
     start = 0
     if args.mode == "resume":
         info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, scaler=scaler, job=args.job)
@@ -232,10 +271,18 @@ def main() -> None:
 
         bootstrap.bootstrap = bootstrap_then_die
     if args.coordinator:
-        session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, scheduler=sched, job=args.job,
-                                       extra_state=lambda: {"it": it_box["it"]},
-                                       tokens=lambda: it_box["it"] * 48 * world, comm_hook=hook, scaler=scaler,
-                                       policy=args.policy)
+        session = trainer_hooks.attach(
+            ddp,
+            opt,
+            coordinator=args.coordinator,
+            scheduler=sched,
+            job=args.job,
+            extra_state=lambda: {"it": it_box["it"]},
+            tokens=lambda: it_box["it"] * 48 * world,
+            comm_hook=hook,
+            scaler=scaler,
+            policy=args.policy,
+        )
         if kill_in_attach:
             # attach returned first: the bootstrap may still be streaming; never train
             if info_out is not None:
@@ -282,8 +329,15 @@ def main() -> None:
         draws.append((jitter,))
         if args.dump_dir:
             os.makedirs(args.dump_dir, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                        "rng": torch.get_rng_state()}, os.path.join(args.dump_dir, f"it{it}-rank{rank}.pt"))
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "rng": torch.get_rng_state(),
+                },
+                os.path.join(args.dump_dir, f"it{it}-rank{rank}.pt"),
+            )
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if it == args.kill_worker_at and rank == 0:
@@ -305,12 +359,21 @@ def main() -> None:
     if session is not None:
         session.close()
     os.makedirs(args.out, exist_ok=True)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "losses": losses, "start": start, "rng": torch.get_rng_state(), "draws": draws,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "epochs": session.epoch if session is not None else None,
-                "committed": session.applied if session is not None else None},
-               os.path.join(args.out, f"rank{rank}.pt"))
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "losses": losses,
+            "start": start,
+            "rng": torch.get_rng_state(),
+            "draws": draws,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "epochs": session.epoch if session is not None else None,
+            "committed": session.applied if session is not None else None,
+        },
+        os.path.join(args.out, f"rank{rank}.pt"),
+    )
     dist.destroy_process_group()
 
 

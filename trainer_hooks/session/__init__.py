@@ -11,13 +11,21 @@
 Names are imported on first use, so that a module of this package (``sender``) can be
 imported on its own without the rest.
 """
+
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"Session": "session", "AttachOptions": "options", "Attachment": "attachment",
-            "StepRecorder": "recorder", "RecoveryController": "recovery", "ErrorLatch": "recovery",
-            "SenderEvents": "sender", "HookSlot": "hook"}
+_EXPORTS = {
+    "Session": "session",
+    "AttachOptions": "options",
+    "Attachment": "attachment",
+    "StepRecorder": "recorder",
+    "RecoveryController": "recovery",
+    "ErrorLatch": "recovery",
+    "SenderEvents": "sender",
+    "HookSlot": "hook",
+}
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 was made for, the staging ring, the sender thread and the recovery state. ``open`` makes
 all of them and closes whatever it made if a later part fails; ``close`` releases them
 (the ring too: a closed session holds no staging memory)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,14 @@ class Attachment:
     #: the sender thread's class; ``trainer_hooks.testing`` swaps in a fault-injecting one
     sender_class: type = Sender
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, coordinator: str,
-                 options: AttachOptions, base: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        coordinator: str,
+        options: AttachOptions,
+        base: int,
+    ) -> None:
         """The layout and descriptors; no sockets yet (see :meth:`open`)."""
         self.model, self.optimizer, self.coordinator, self.options = model, optimizer, coordinator, options
         self.pg = model.process_group
@@ -65,9 +72,19 @@ class Attachment:
         self.ring_figures = {"blocked_s": 0.0, "occupancy": 0.0, "high_water": 0.0}
 
     @classmethod
-    def open(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, coordinator: str,
-             options: AttachOptions, latch: ErrorLatch, *, iteration: int, overwrite: bool = False,
-             restored: RestorePoint | None = None, carry: tuple | None = None) -> "Attachment":
+    def open(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        coordinator: str,
+        options: AttachOptions,
+        latch: ErrorLatch,
+        *,
+        iteration: int,
+        overwrite: bool = False,
+        restored: RestorePoint | None = None,
+        carry: tuple | None = None,
+    ) -> Attachment:
         """Handshake (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), ring, sender, bootstrap of
         iteration ``iteration`` (``carry``: the ``(rng, extra)`` recorded with it when
         re-attaching mid-run). If any part fails, what was opened is closed."""
@@ -84,13 +101,27 @@ class Attachment:
     def _handshake(self, overwrite: bool, restored: RestorePoint | None) -> None:
         self.ctx = zmq.Context.instance()
         self.dealer = dealer(self.ctx, self.coordinator)
-        payload = M.encode("attach", job=self.options.job, rank=self.rank, world=self.world,
-                           layout_hash=self.layout.hash, layout=self.layout.to_dict() if self.rank == 0 else None,
-                           optim=self.optim_desc, iteration=self.base, overwrite=bool(overwrite),
-                           restored=dataclasses.asdict(restored) if restored is not None else None)
+        payload = M.encode(
+            "attach",
+            job=self.options.job,
+            rank=self.rank,
+            world=self.world,
+            layout_hash=self.layout.hash,
+            layout=self.layout.to_dict() if self.rank == 0 else None,
+            optim=self.optim_desc,
+            iteration=self.base,
+            overwrite=bool(overwrite),
+            restored=dataclasses.asdict(restored) if restored is not None else None,
+        )
         try:
-            reply = request(self.dealer, self.coordinator, payload, knobs.get("CONNECT_TIMEOUT_S"), ("attached",),
-                            interim=LogWaiting(f"rank {self.rank}", self.coordinator))
+            reply = request(
+                self.dealer,
+                self.coordinator,
+                payload,
+                knobs.get("CONNECT_TIMEOUT_S"),
+                ("attached",),
+                interim=LogWaiting(f"rank {self.rank}", self.coordinator),
+            )
         except BaseException:
             self.dealer.close(linger=0)
             self.dealer, self.closed = None, True
@@ -103,9 +134,18 @@ class Attachment:
         nbuckets_slack = 16 * 256
         cap = knobs.get_int("RING_ITERATIONS") * (self.layout.total // self.world + nbuckets_slack)
         self.ring = StagingRing(cap, pin=self.device.type == "cuda")
-        self.sender = self.sender_class(self.ctx, self.dealer, [w["data"] for w in self.workers], self.ring,
-                                        job_id=self.job_id, epoch=self.epoch, rank=self.rank, world=self.world,
-                                        layout_hash=self.layout.hash, events=self.recovery)
+        self.sender = self.sender_class(
+            self.ctx,
+            self.dealer,
+            [w["data"] for w in self.workers],
+            self.ring,
+            job_id=self.job_id,
+            epoch=self.epoch,
+            rank=self.rank,
+            world=self.world,
+            layout_hash=self.layout.hash,
+            events=self.recovery,
+        )
         self.recovery.bind(self.sender, self.ring)
         self.sender.start()
 
@@ -117,15 +157,16 @@ class Attachment:
         if plan is None:
             base = reduced.data_ptr()
             slots = []
-            for p, g in zip(params, bucket.gradients()):
+            for p, g in zip(params, bucket.gradients(), strict=True):
                 i = self.index.get(id(p))
                 if i is not None:
                     slots.append(((g.data_ptr() - base) // 4, self.layout.params[i].offset, p.numel(), i))
             stripe = stripe_bounds(reduced.numel(), self.world)[self.rank]
             per_worker = bucket_runs([s[:3] for s in slots], stripe, self.shards)
             runs = [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
-            plan = buckets.BucketPlan(stripe, runs, [sum(n for _, _, n in rs) for rs in runs],
-                                      buckets.probes(slots, stripe))
+            plan = buckets.BucketPlan(
+                stripe, runs, [sum(n for _, _, n in rs) for rs in runs], buckets.probes(slots, stripe)
+            )
             self.plans[key] = plan
         return plan
 
@@ -151,7 +192,7 @@ class Attachment:
             else:
                 self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
             return
-        ready = self.copier.copy(self.ring.tensor[off:off + hi - lo], reduced[lo:hi])
+        ready = self.copier.copy(self.ring.tensor[off : off + hi - lo], reduced[lo:hi])
         probes = []
         if plan.probes:
             n = len(plan.probes)
@@ -181,21 +222,25 @@ class Attachment:
         if k - max(rec.applied, floor) <= lag or rec.degraded is not None:
             return
         if self.options.policy == "skip":
-            rec.fall_behind(k, f"iteration {k} is {k - max(rec.applied, floor)} ahead of the cluster's cut "
-                               f"{rec.applied} (SHADOW_MAX_LAG={lag})")
+            rec.fall_behind(
+                k,
+                f"iteration {k} is {k - max(rec.applied, floor)} ahead of the cluster's cut "
+                f"{rec.applied} (SHADOW_MAX_LAG={lag})",
+            )
             return
         t0 = time.monotonic()
         limit = knobs.get("BLOCK_TIMEOUT_S")
         with latch.cond:
             ok = latch.cond.wait_for(
-                lambda: k - max(rec.applied, floor) <= lag or latch.error is not None or rec.degraded is not None,
-                limit)
+                lambda: k - max(rec.applied, floor) <= lag or latch.error is not None or rec.degraded is not None, limit
+            )
         self.blocked_s += time.monotonic() - t0
         if not ok:
             rec.on_error(
                 f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
                 f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {rec.applied}); check "
-                f"`shadow status address={self.coordinator}`")
+                f"`shadow status address={self.coordinator}`"
+            )
 
     def queue_commit(self, commit: Commit) -> None:
         """Queue the commit of ``commit.iteration``: rank 0's state and the model state
@@ -203,8 +248,9 @@ class Attachment:
         builds the frames per worker (the blob only to the replicas of this rank's shard),
         after the EXTRA chunks (:mod:`trainer_hooks.session.commit`)."""
         state, extras = commit_parts.capture(self, commit)
-        self.sender.q.put(CommitItem(commit.iteration, None,
-                                     functools.partial(commit_parts.build, self, commit, state, extras)))
+        self.sender.q.put(
+            CommitItem(commit.iteration, None, functools.partial(commit_parts.build, self, commit, state, extras))
+        )
         self.last_emitted = commit.iteration
 
     def capture_extras(self, everything: bool):
@@ -227,11 +273,18 @@ class Attachment:
             done.wait(knobs.get("CLOSE_TIMEOUT_S"))
             cond = latch.cond if latch is not None else threading.Condition()
             with cond:
-                cond.wait_for(lambda: rec.applied >= self.last_emitted or rec.degraded is not None
-                              or (latch is not None and latch.error is not None), knobs.get("CLOSE_TIMEOUT_S"))
+                cond.wait_for(
+                    lambda: (
+                        rec.applied >= self.last_emitted
+                        or rec.degraded is not None
+                        or (latch is not None and latch.error is not None)
+                    ),
+                    knobs.get("CLOSE_TIMEOUT_S"),
+                )
             if rec.applied < self.last_emitted:
-                logger.warning("closing with iteration %d not yet committed (cluster at %d)",
-                               self.last_emitted, rec.applied)
+                logger.warning(
+                    "closing with iteration %d not yet committed (cluster at %d)", self.last_emitted, rec.applied
+                )
         self.closed = True
         if self.sender is not None and self.sender.ident is not None:
             self.sender.stop()
@@ -248,8 +301,11 @@ class Attachment:
         ring = self.ring
         if ring is None or (self.sender is not None and self.sender.is_alive()):
             return  # a sender that did not stop may still read it
-        self.ring_figures = {"blocked_s": ring.blocked_s, "occupancy": ring.occupancy,
-                             "high_water": ring.high_water / ring.capacity}
+        self.ring_figures = {
+            "blocked_s": ring.blocked_s,
+            "occupancy": ring.occupancy,
+            "high_water": ring.high_water / ring.capacity,
+        }
         self.ring = None
         if self.recovery is not None:
             self.recovery.ring = None
@@ -259,8 +315,15 @@ class Attachment:
     def figures(self) -> dict[str, Any]:
         """Ring and sender figures (kept once the ring is released)."""
         ring = self.ring
-        out = dict(self.ring_figures) if ring is None else {
-            "blocked_s": ring.blocked_s, "occupancy": ring.occupancy, "high_water": ring.high_water / ring.capacity}
+        out = (
+            dict(self.ring_figures)
+            if ring is None
+            else {
+                "blocked_s": ring.blocked_s,
+                "occupancy": ring.occupancy,
+                "high_water": ring.high_water / ring.capacity,
+            }
+        )
         out["blocked_s"] += self.blocked_s
         out["bytes_out"] = self.sender.bytes_out if self.sender is not None else 0
         out["messages_out"] = self.sender.messages_out if self.sender is not None else 0

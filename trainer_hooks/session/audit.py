@@ -3,6 +3,7 @@ values (a local generator seeded by k; the training loop's RNGs are never touche
 
 The values are gathered on the device into one small tensor that the commit copies to
 the host non-blocking; :func:`values` turns what landed into the per-worker records."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +30,7 @@ def sample(layout, params: list, optimizer, optim_desc: dict, shards: list, k: i
         pos = np.unique(rng.integers(lo, hi, size=min(64, hi - lo)))
         idx = np.searchsorted(offsets, pos, side="right") - 1
         where: dict[int, list] = {int(f): [] for f in keys}
-        for flat, i in zip(pos, idx):
+        for flat, i in zip(pos, idx, strict=True):
             p = params[i]
             elem = int(flat - offsets[i])
             for f, key in keys.items():
@@ -47,6 +48,9 @@ def values(plan: list, gathered) -> list:
     """Per worker: ``{"positions", "values": {field: [float]}}`` (or None) from the
     sampled values as they landed on the host."""
     got = [] if gathered is None else gathered.numpy().tolist()
-    return [None if p is None else
-            {"positions": p[0], "values": {f: [0.0 if j < 0 else got[j] for j in where] for f, where in p[1].items()}}
-            for p in plan]
+    return [
+        None
+        if p is None
+        else {"positions": p[0], "values": {f: [0.0 if j < 0 else got[j] for j in where] for f, where in p[1].items()}}
+        for p in plan
+    ]

@@ -1,5 +1,6 @@
 """Bootstrap (and resync): stream this rank's stripe of the full state to the workers as
 STATE frames for iteration ``base``, then the bootstrap commit (through the attachment)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,15 +28,15 @@ def bootstrap(att, carry: tuple | None) -> None:
     if hi > lo:
         for field in fields:
             data = np.zeros(hi - lo, dtype=np.float32)
-            for spec, p in zip(att.layout.params, att.params):
+            for spec, p in zip(att.layout.params, att.params, strict=True):
                 cut = intersect((spec.offset, spec.offset + spec.numel), (lo, hi))
                 if cut is None:
                     continue
                 src = p.detach() if field == F.Field.PARAM else opt_state.get(p, {}).get(key[field])
                 if src is None:
                     continue
-                flat = src.detach().reshape(-1)[cut[0] - spec.offset:cut[1] - spec.offset]
-                data[cut[0] - lo:cut[1] - lo] = flat.to("cpu", torch.float32).numpy()
+                flat = src.detach().reshape(-1)[cut[0] - spec.offset : cut[1] - spec.offset]
+                data[cut[0] - lo : cut[1] - lo] = flat.to("cpu", torch.float32).numpy()
             att.sender.q.put(StateItem(att.base, field, data, runs))
             for w, r in enumerate(runs):
                 sent[w] += sum(n for _, _, n in r)
@@ -44,8 +45,16 @@ def bootstrap(att, carry: tuple | None) -> None:
         st = opt_state.get(p, {})
         steps.append(float(st["step"]) if "step" in st else 0.0)
         has_state.append(st.get("momentum_buffer") is not None if sgd else "step" in st)
-    replay = {"iteration": att.base, "rank": att.rank, "groups": _optim.replay_groups(att.optimizer),
-              "skipped": [], "clip": None, "bootstrap": True, "steps": steps, "has_state": has_state}
+    replay = {
+        "iteration": att.base,
+        "rank": att.rank,
+        "groups": _optim.replay_groups(att.optimizer),
+        "skipped": [],
+        "clip": None,
+        "bootstrap": True,
+        "steps": steps,
+        "has_state": has_state,
+    }
     if carry is not None:
         rng, extra = carry
     else:
@@ -61,4 +70,3 @@ def split(shards: list, lo: int, hi: int) -> list[list[tuple[int, int, int]]]:
         cut = intersect((lo, hi), shard)
         out.append([(cut[0] - lo, cut[0], cut[1] - cut[0])] if cut else [])
     return out
-

@@ -1,5 +1,6 @@
 """How one DDP bucket maps to the flat space: this rank's stripe, its runs per worker,
 and the positions probed at the step to check the gradients were not changed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,6 +2,7 @@
 laid out at attach, and the gradients are the all-reduced ones (times the recorded
 transforms) -- anything else would make the replay diverge. The gradient check runs on
 the sender thread, off the step."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,12 +13,15 @@ from shadow.errors import ShadowError
 def check_layout(optimizer, layout, laid_out: list) -> None:
     """The optimizer's parameters are still ``laid_out`` (what ``layout`` was built from)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if len(optimizer.param_groups) != layout.num_groups or len(params) != len(laid_out) or \
-            any(a is not b for a, b in zip(params, laid_out)):
+    if (
+        len(optimizer.param_groups) != layout.num_groups
+        or len(params) != len(laid_out)
+        or any(a is not b for a, b in zip(params, laid_out, strict=True))
+    ):
         raise ShadowError(
             "the optimizer's parameters changed after attach (optimizer.add_param_group?); call "
-            "session.add_param_group(group) instead, which re-lays out the shadow at this iteration")
-
+            "session.add_param_group(group) instead, which re-lays out the shadow at this iteration"
+        )
 
 
 def check_samples(kept: list, grads, staged: dict, factors: list[float], layout, iteration: int) -> None:
@@ -27,7 +31,7 @@ def check_samples(kept: list, grads, staged: dict, factors: list[float], layout,
     index, element)``; ``grads``: their gradients as read before the step (float32, same
     order); ``staged``: ``{(param index, element): reduced value}`` as staged."""
     fs = [np.float32(f) for f in factors]
-    for (pidx, elem), got in zip(kept, np.asarray(grads, dtype=np.float32).reshape(-1)):
+    for (pidx, elem), got in zip(kept, np.asarray(grads, dtype=np.float32).reshape(-1), strict=True):
         value = staged.get((pidx, elem))
         if value is None:
             continue  # its bucket was not staged
@@ -40,4 +44,5 @@ def check_samples(kept: list, grads, staged: dict, factors: list[float], layout,
                 f"gradient of {name!r} changed between DDP's all-reduce and optimizer.step() in iteration "
                 f"{iteration} ({float(want)!r} -> {float(got)!r}); the shadow cannot replay that. Clip with "
                 "session.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and do not scale "
-                "gradients by hand; nothing from this iteration was checkpointed")
+                "gradients by hand; nothing from this iteration was checkpointed"
+            )

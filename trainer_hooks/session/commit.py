@@ -10,6 +10,7 @@ gradients against what was staged, fill in the replay record (clip, GradScaler f
 a step skipped on the device) and frame the commit per worker. A failed check refuses
 the commit (:class:`~trainer_hooks.session.sender.Refused`): nothing of it is sent.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,10 +30,13 @@ def capture(att, commit: Commit) -> tuple[HostCopy | None, Any]:
     if att.rank != 0:
         return None, None
     sched, scaler = att.options.scheduler, att.options.scaler
-    state = HostCopy({"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in att.optimizer.param_groups],
-                      "scheduler": sched.state_dict() if sched is not None else None,
-                      "scaler": transfer.scaler_state(scaler)})
+    state = HostCopy(
+        {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in att.optimizer.param_groups],
+            "scheduler": sched.state_dict() if sched is not None else None,
+            "scaler": transfer.scaler_state(scaler),
+        }
+    )
     return state, att.capture_extras(bool(commit.replay["bootstrap"]))
 
 
@@ -43,8 +47,12 @@ def _resolve(commit: Commit, probed: dict, layout) -> dict:
         return replay
     late = commit.late.get()
     s = late["scalars"]
-    replay.update(clip=s["clip"], inv_scale=s["inv_scale"], grad_scale=s["grad_scale"],
-                  skip_step=bool(replay["skip_step"] or (s["found_inf"] is not None and s["found_inf"] != 0.0)))
+    replay.update(
+        clip=s["clip"],
+        inv_scale=s["inv_scale"],
+        grad_scale=s["grad_scale"],
+        skip_step=bool(replay["skip_step"] or (s["found_inf"] is not None and s["found_inf"] != 0.0)),
+    )
     if commit.probes is not None:
         kept, grads = commit.probes
         factors = [f for f in (s["inv_scale"], s["clip"]) if f is not None]

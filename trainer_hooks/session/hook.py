@@ -6,17 +6,19 @@ bucket exactly as DDP would (the user's hook, or DDP's built-in all-reduce: sum,
 by the world size) and hands the result to the session. With no session attached it is
 only that reduction, so a closed or dropped session leaves nothing behind: DDP does not
 keep its staging ring alive."""
+
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-_SLOTS: "weakref.WeakKeyDictionary[DistributedDataParallel, HookSlot]" = weakref.WeakKeyDictionary()
+_SLOTS: weakref.WeakKeyDictionary[DistributedDataParallel, HookSlot] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -28,10 +30,10 @@ class HookSlot:
         self.world = dist.get_world_size(self.pg)
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
-        self._route: "weakref.WeakMethod | None" = None
+        self._route: weakref.WeakMethod | None = None
 
     @classmethod
-    def of(cls, model: DistributedDataParallel) -> "HookSlot":
+    def of(cls, model: DistributedDataParallel) -> HookSlot:
         """The slot of ``model``, registering the hook on first use. DDP refuses a second
         hook: a model that already has one of the user's fails here, before any connection
         (pass the user's hook to ``attach(comm_hook=...)`` instead)."""

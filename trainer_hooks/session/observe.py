@@ -1,6 +1,7 @@
 """Watching the scheduler and GradScaler step without touching their state: their class is
 swapped for a subclass that tells the owning session's :class:`StepRecorder` (``OWNERS``)
 when they step."""
+
 from __future__ import annotations
 
 import functools
@@ -10,16 +11,17 @@ from typing import Any
 from shadow.errors import ShadowError
 from trainer_hooks import _codec
 
-OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+OWNERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def observed(cls: type) -> type:
     """A subclass of a scheduler or GradScaler class that tells the owning session when
     it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched);
     it reports to the recorder in ``OWNERS``."""
     ns: dict = {"__module__": cls.__module__}
     if hasattr(cls, "unscale_"):  # GradScaler
+
         def unscale_(self, optimizer):
             recorder = OWNERS.get(self)
             if recorder is not None:
@@ -43,6 +45,7 @@ def observed(cls: type) -> type:
 
         ns.update(unscale_=unscale_, step=step, update=update)
     else:
+
         def step(self, *args, **kwargs):
             out = cls.step(self, *args, **kwargs)
             recorder = OWNERS.get(self)
@@ -74,12 +77,15 @@ def check_scheduler(scheduler: Any) -> None:
     if scheduler is None:
         return
     if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
-        raise TypeError(f"scheduler must be a torch.optim.lr_scheduler scheduler (step/state_dict/load_state_dict); "
-                        f"got {type(scheduler).__name__}")
+        raise TypeError(
+            f"scheduler must be a torch.optim.lr_scheduler scheduler (step/state_dict/load_state_dict); "
+            f"got {type(scheduler).__name__}"
+        )
     try:
         _codec.pack(scheduler.state_dict())
     except _codec.EncodeError as exc:
         raise ShadowError(
             f"the state of scheduler {type(scheduler).__name__} cannot be recorded ({exc}); supported: "
             "torch.optim.lr_scheduler schedulers whose state_dict holds numbers, strings, lists, dicts and "
-            "tensors (plain functions in LambdaLR are fine: torch leaves them out)") from None
+            "tensors (plain functions in LambdaLR are fine: torch leaves them out)"
+        ) from None

@@ -1,9 +1,11 @@
 """Every option of :func:`trainer_hooks.attach` in one typed, validated record."""
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from shadow.jobs import check_job_name
 from trainer_hooks.session import observe
@@ -36,8 +38,10 @@ class AttachOptions:
         if self.tokens is not None and not callable(self.tokens):
             raise TypeError("tokens must be a callable returning the number of tokens trained on so far")
         if self.comm_hook is not None and not callable(self.comm_hook):
-            raise TypeError("comm_hook must be a DDP communication hook, e.g. "
-                            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook")
+            raise TypeError(
+                "comm_hook must be a DDP communication hook, e.g. "
+                "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.bf16_compress_hook"
+            )
         try:
             every = operator.index(self.audit_every)
         except TypeError:
@@ -53,5 +57,4 @@ class AttachOptions:
     @property
     def observed(self) -> dict[str, Any]:
         """The scheduler and scaler the session watches, by name (those given)."""
-        return {name: obj for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler))
-                if obj is not None}
+        return {name: obj for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)) if obj is not None}

@@ -9,11 +9,13 @@ Nothing here waits for the device: the clip coefficient, the GradScaler's factor
 ``found_inf``, the probed gradients and the audit samples stay tensors, copied to the
 host non-blocking (:class:`~trainer_hooks.session.transfer.HostCopy`) and read by the
 sender thread when it builds the commit."""
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -57,8 +59,14 @@ class StepRecorder:
     ``on_skipped``: GradScaler skipped ``optimizer.step()`` (inf/nan gradients).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, options: AttachOptions, *,
-                 on_ready: Callable[[], None], on_skipped: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        options: AttachOptions,
+        *,
+        on_ready: Callable[[], None],
+        on_skipped: Callable[[], None],
+    ) -> None:
         self.optimizer, self.options = optimizer, options
         self.on_ready, self.on_skipped = on_ready, on_skipped
         self.lock = threading.Lock()
@@ -90,7 +98,8 @@ class StepRecorder:
         if index in self.seen:
             raise ShadowUsageError(
                 f"bucket {index} was all-reduced twice in iteration {self.next} without an optimizer step; "
-                "accumulate gradients inside `with ddp_model.no_sync():` for all but the last micro-batch")
+                "accumulate gradients inside `with ddp_model.no_sync():` for all but the last micro-batch"
+            )
         self.seen.add(index)
         return self.next
 
@@ -132,17 +141,35 @@ class StepRecorder:
             self.next = k + 1
         return k, sent
 
-    def record(self, k: int, sent: list, skip: bool, grad_scale: Any, found_inf: Any, params: list, rank: int,
-               audit: tuple | None = None) -> Commit:
+    def record(
+        self,
+        k: int,
+        sent: list,
+        skip: bool,
+        grad_scale: Any,
+        found_inf: Any,
+        params: list,
+        rank: int,
+        audit: tuple | None = None,
+    ) -> Commit:
         """The commit of iteration k (pending until the scheduler and scaler step).
         ``skip``: the step was skipped (known on the host); ``found_inf``: the tensor a
         fused optimizer skipped by (read later); ``audit``: ``(plan, sampled values)``."""
-        replay = {"iteration": k, "rank": rank, "groups": _optim.replay_groups(self.optimizer),
-                  "skipped": [i for i, p in enumerate(params) if p.grad is None],
-                  "skip_step": bool(skip), "bootstrap": False,
-                  "tokens": int(self.options.tokens()) if self.options.tokens is not None else None}
-        scalars = {"clip": _scalar(self.clip), "inv_scale": _scalar(self.inv_scale),
-                   "grad_scale": _scalar(grad_scale), "found_inf": _scalar(found_inf)}
+        replay = {
+            "iteration": k,
+            "rank": rank,
+            "groups": _optim.replay_groups(self.optimizer),
+            "skipped": [i for i, p in enumerate(params) if p.grad is None],
+            "skip_step": bool(skip),
+            "bootstrap": False,
+            "tokens": int(self.options.tokens()) if self.options.tokens is not None else None,
+        }
+        scalars = {
+            "clip": _scalar(self.clip),
+            "inv_scale": _scalar(self.inv_scale),
+            "grad_scale": _scalar(grad_scale),
+            "found_inf": _scalar(found_inf),
+        }
         self.clip = self.inv_scale = None
         probes, self.probes = self.probes, None
         extra = HostCopy(self.options.extra_state() if self.options.extra_state is not None else None)

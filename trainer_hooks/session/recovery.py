@@ -4,6 +4,7 @@ ranks take beside the last bucket of every iteration. The session re-attaches at
 boundary the ranks agreed on (:meth:`RecoveryController.boundary`): the vote taken in
 iteration j is read (copied non-blocking when it was reduced) at the boundary after
 iteration j + 1, when its copy has long landed, and every rank acts there."""
+
 from __future__ import annotations
 
 import logging
@@ -88,8 +89,11 @@ class RecoveryController:
     def on_degraded(self, reason: str) -> None:
         with self.latch.cond:
             if self.degraded is None:
-                logger.error("shadow cluster degraded, training continues without new checkpoints "
-                             "(streaming stops until the next attach): %s", reason)
+                logger.error(
+                    "shadow cluster degraded, training continues without new checkpoints "
+                    "(streaming stops until the next attach): %s",
+                    reason,
+                )
                 self.degraded = reason
                 if self.ring is not None:
                     self.ring.interrupt()  # a hook waiting for ring space (a dead worker's queue) stops waiting
@@ -128,16 +132,18 @@ class RecoveryController:
 
     def on_back(self) -> None:
         if self.sender.paused is not None:
-            logger.warning("rank %d hears the shadow coordinator again; the cluster resyncs once it is whole",
-                           self.rank)
+            logger.warning(
+                "rank %d hears the shadow coordinator again; the cluster resyncs once it is whole", self.rank
+            )
 
     # -- policy skip -------------------------------------------------------------------------------------
     def fall_behind(self, k: int, why: str) -> None:
         """Policy skip: never wait for the shadow. Stop streaming (degraded), tell the
         coordinator, and let it ask for a resync once the workers answer again."""
         self.on_degraded(f"policy skip: {why}; training goes on without checkpoints until the cluster resyncs")
-        self.sender.q.put(NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k,
-                                                 "applied": self.applied}))
+        self.sender.q.put(
+            NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k, "applied": self.applied})
+        )
 
     # -- votes -------------------------------------------------------------------------------------------
     def vote(self, fut: torch.futures.Future, device: torch.device, k: int, group) -> torch.futures.Future:
@@ -186,8 +192,17 @@ class RecoveryController:
         for g in sorted(x for x in self.joins if self.join_done < x <= gen):
             msg = self.joins.pop(g)
             self.sender.q.put(JoinItem(msg["worker"], msg["data"]))
-            self.sender.q.put(NoticeItem("replica_from", {"epoch": self.epoch, "rank": self.rank,
-                                                          "worker": msg["worker"], "gen": g,
-                                                          "iteration": next_iteration}))
+            self.sender.q.put(
+                NoticeItem(
+                    "replica_from",
+                    {
+                        "epoch": self.epoch,
+                        "rank": self.rank,
+                        "worker": msg["worker"],
+                        "gen": g,
+                        "iteration": next_iteration,
+                    },
+                )
+            )
             logger.info("rank %d streams to replica %d from iteration %d", self.rank, msg["worker"], next_iteration)
         self.join_done = max(self.join_done, gen)

@@ -14,14 +14,16 @@ object (the session's ``RecoveryController``).
 Fault injection wraps this class from the outside (``trainer_hooks.testing``): the
 overridable seams are :meth:`Sender._send` and :meth:`Sender._send_commit`.
 """
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -130,15 +132,32 @@ class SenderEvents(Protocol):
 class NoEvents:
     """A :class:`SenderEvents` that ignores everything (tests of the framing)."""
 
-    def on_error(self, exc: BaseException) -> None: pass
-    def on_progress(self, applied: int) -> None: pass
-    def on_degraded(self, reason: str) -> None: pass
-    def on_audit(self, msg: dict) -> None: pass
-    def on_resync(self) -> None: pass
-    def on_join(self, msg: dict) -> None: pass
-    def on_lost(self, why: str) -> None: pass
-    def on_back(self) -> None: pass
-    def on_refused(self, iteration: int, exc: BaseException) -> None: pass
+    def on_error(self, exc: BaseException) -> None:
+        pass
+
+    def on_progress(self, applied: int) -> None:
+        pass
+
+    def on_degraded(self, reason: str) -> None:
+        pass
+
+    def on_audit(self, msg: dict) -> None:
+        pass
+
+    def on_resync(self) -> None:
+        pass
+
+    def on_join(self, msg: dict) -> None:
+        pass
+
+    def on_lost(self, why: str) -> None:
+        pass
+
+    def on_back(self) -> None:
+        pass
+
+    def on_refused(self, iteration: int, exc: BaseException) -> None:
+        pass
 
 
 class Sender(threading.Thread):
@@ -150,8 +169,20 @@ class Sender(threading.Thread):
     commits, ``stop``); what the sender learns goes back through :class:`SenderEvents`,
     called on this thread."""
 
-    def __init__(self, ctx: zmq.Context, dealer: zmq.Socket, endpoints: list[str], ring, *, job_id: int,
-                 epoch: int, rank: int, world: int, layout_hash: int, events: SenderEvents) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        dealer: zmq.Socket,
+        endpoints: list[str],
+        ring,
+        *,
+        job_id: int,
+        epoch: int,
+        rank: int,
+        world: int,
+        layout_hash: int,
+        events: SenderEvents,
+    ) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
@@ -190,12 +221,20 @@ class Sender(threading.Thread):
                 now = time.monotonic()
                 if not self.lost and now - self.last_heard > knobs.get("COORDINATOR_LOST_S"):
                     self.lost = True
-                    self.events.on_lost(f"no answer from the shadow coordinator for {now - self.last_heard:.1f} s "
-                                 f"(SHADOW_COORDINATOR_LOST_S)")
+                    self.events.on_lost(
+                        f"no answer from the shadow coordinator for {now - self.last_heard:.1f} s "
+                        f"(SHADOW_COORDINATOR_LOST_S)"
+                    )
                 if now >= next_hb:  # lets a restarted coordinator find this rank again
                     next_hb = now + hb
-                    self._notify("trainer_hb", epoch=self.epoch, rank=self.rank, world=self.world,
-                                 job_id=self.job_id, seq=list(self.seq))
+                    self._notify(
+                        "trainer_hb",
+                        epoch=self.epoch,
+                        rank=self.rank,
+                        world=self.world,
+                        job_id=self.job_id,
+                        seq=list(self.seq),
+                    )
                     if self.paused is not None and not self.lost:  # until the coordinator asks for the resync
                         self._notify("paused", epoch=self.epoch, rank=self.rank, reason=self.paused)
         except BaseException as exc:  # the session logs it, degrades and trains on
@@ -231,13 +270,12 @@ class Sender(threading.Thread):
             return
         if isinstance(item, GradItem):
             item.ready.synchronize()  # the device-to-host copy into the slot
-            data = self.ring.array[item.ring_off:item.ring_off + item.nelem]
+            data = self.ring.array[item.ring_off : item.ring_off + item.nelem]
             if item.probes:
                 seen = self.probed.setdefault(item.iteration, {})
                 for pos, pidx, elem in item.probes:
                     seen[(pidx, elem)] = np.float32(data[pos])
-            self._send_payload(item.iteration, F.Kind.GRAD, F.Field.GRAD, data, item.runs,
-                               (item.ring_off, item.nelem))
+            self._send_payload(item.iteration, F.Kind.GRAD, F.Field.GRAD, data, item.runs, (item.ring_off, item.nelem))
         elif isinstance(item, StateItem):
             self._send_payload(item.iteration, F.Kind.STATE, item.field, item.data, item.runs, None)
         elif isinstance(item, CommitItem):
@@ -270,8 +308,18 @@ class Sender(threading.Thread):
             item.done.set()
 
     def _header(self, kind: F.Kind, field: F.Field, iteration: int, worker: int, runs) -> bytes:
-        h = F.Header(kind, field, self.job_id, self.epoch, self.rank, self.world, self.layout_hash, iteration,
-                     self.seq[worker], tuple(runs))
+        h = F.Header(
+            kind,
+            field,
+            self.job_id,
+            self.epoch,
+            self.rank,
+            self.world,
+            self.layout_hash,
+            iteration,
+            self.seq[worker],
+            tuple(runs),
+        )
         self.seq[worker] += 1
         return h.pack()
 
@@ -291,8 +339,8 @@ class Sender(threading.Thread):
             if not runs or w in self.out:
                 continue
             runs = self.split_runs(runs, F.MAX_PART_BYTES // data.itemsize)
-            views = [data[src:src + n] for src, _, n in runs]
-            table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views)]
+            views = [data[src : src + n] for src, _, n in runs]
+            table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views, strict=True)]
             frames = [self._header(kind, field, iteration, w, table)] + [memoryview(v) for v in views]
             tracker = self._send(w, frames, True, iteration)
             if tracker is not None:

@@ -22,6 +22,7 @@ Call order (what runs where):
 A resync or :meth:`Session.add_param_group` closes the current attachment and opens a
 new one at the same iteration boundary; the session, its hooks and its recorder stay.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,18 +50,30 @@ logger = logging.getLogger(__name__)
 class Session:
     """Handle returned by :func:`trainer_hooks.attach` (one per rank)."""
 
-    def __init__(self, ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, coordinator: str,
-                 options: AttachOptions | None = None, *, iteration: int | None = None, overwrite: bool = False,
-                 **option_values: Any) -> None:
+    def __init__(
+        self,
+        ddp_model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        coordinator: str,
+        options: AttachOptions | None = None,
+        *,
+        iteration: int | None = None,
+        overwrite: bool = False,
+        **option_values: Any,
+    ) -> None:
         """Prefer :func:`trainer_hooks.attach`. ``options``, or the same values as keywords
         (``scheduler=``, ``job=``, ...: the fields of :class:`AttachOptions`)."""
         if options is not None and option_values:
-            raise TypeError(f"pass the options either as an AttachOptions or as keywords, not both "
-                            f"(got options= and {sorted(option_values)})")
+            raise TypeError(
+                f"pass the options either as an AttachOptions or as keywords, not both "
+                f"(got options= and {sorted(option_values)})"
+            )
         options = AttachOptions(**option_values) if options is None else options
         if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError("attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
-                            f"reduced gradient buckets); got {type(ddp_model).__name__}")
+            raise TypeError(
+                "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
+                f"reduced gradient buckets); got {type(ddp_model).__name__}"
+            )
         if not isinstance(options, AttachOptions):
             raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
         self.model, self.optimizer, self.coordinator, self.options = ddp_model, optimizer, coordinator, options
@@ -75,25 +88,47 @@ class Session:
         self.attachment: Attachment | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
-        self._past = {"hook_s": 0.0, "buckets": 0, "blocked_s": 0.0, "bytes_out": 0,
-                      "messages_out": 0}  # figures of closed attachments
+        self._past = {
+            "hook_s": 0.0,
+            "buckets": 0,
+            "blocked_s": 0.0,
+            "bytes_out": 0,
+            "messages_out": 0,
+        }  # figures of closed attachments
         self._first_base = start
         self._views = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
         self._slot = HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self)
         att = self.attachment
-        logger.info("rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
-                    self.rank, coordinator, options.job, att.epoch, start, att.optim_desc["impl"], att.layout.total,
-                    len(att.shards))
+        logger.info(
+            "rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
+            self.rank,
+            coordinator,
+            options.job,
+            att.epoch,
+            start,
+            att.optim_desc["impl"],
+            att.layout.total,
+            len(att.shards),
+        )
 
     # -- attachments ----------------------------------------------------------------------------
     def _attach(self, start: int, overwrite: bool, carry: tuple | None) -> None:
         """Open an attachment at iteration ``start`` and route the hooks to it."""
         restored = RESTORED.get(self.optimizer)
         point: RestorePoint | None = restored if restored is not None and restored.iteration == start else None
-        self.attachment = Attachment.open(self.model, self.optimizer, self.coordinator, self.options, self.latch,
-                                          iteration=start, overwrite=overwrite, restored=point, carry=carry)
+        self.attachment = Attachment.open(
+            self.model,
+            self.optimizer,
+            self.coordinator,
+            self.options,
+            self.latch,
+            iteration=start,
+            overwrite=overwrite,
+            restored=point,
+            carry=carry,
+        )
         self.latch.error = None
         self.recorder.start(start, len(self.attachment.shards))
         self.closed = False
@@ -135,11 +170,19 @@ class Session:
             self._attach(k, overwrite=True, carry=self.recorder.last_record)
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
-            logger.error("rank %d: %s; training continues without the shadow (attach again to resume "
-                         "checkpointing)", self.rank, self._failed)
+            logger.error(
+                "rank %d: %s; training continues without the shadow (attach again to resume checkpointing)",
+                self.rank,
+                self._failed,
+            )
             return
-        logger.info("rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)", self.rank, k,
-                    time.monotonic() - t0, self.epoch)
+        logger.info(
+            "rank %d resynced the shadow cluster at iteration %d in %.2f s (epoch %d)",
+            self.rank,
+            k,
+            time.monotonic() - t0,
+            self.epoch,
+        )
 
     def add_param_group(self, group: dict) -> None:
         """``optimizer.add_param_group(group)``, then re-attach with the new layout: the
@@ -234,8 +277,14 @@ class Session:
             self.attachment.recovery.start_joins(action, self.recorder.next)
 
     # -- public ---------------------------------------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None, parameters=None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        parameters=None,
+    ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the clip coefficient recorded so the
         shadow applies the same scaling.
 
@@ -322,10 +371,18 @@ class Session:
             return self._past[key] + (current if live else 0)
 
         hook_s, buckets = total("hook_s", att.hook_s), total("buckets", att.buckets)
-        return {"hook_s": hook_s, "buckets": buckets, "hook_s_per_bucket": hook_s / buckets if buckets else 0.0,
-                "steps": self.iteration - self._first_base,
-                "blocked_s": total("blocked_s", fig["blocked_s"]), "ring_occupancy": fig["occupancy"],
-                "ring_high_water": fig["high_water"], "degraded": self.degraded,
-                "bytes_out": total("bytes_out", fig["bytes_out"]),
-                "messages_out": total("messages_out", fig["messages_out"]),
-                "applied": self.applied, "iteration": self.iteration, "shadow_errors": self.latch.shadow_errors}
+        return {
+            "hook_s": hook_s,
+            "buckets": buckets,
+            "hook_s_per_bucket": hook_s / buckets if buckets else 0.0,
+            "steps": self.iteration - self._first_base,
+            "blocked_s": total("blocked_s", fig["blocked_s"]),
+            "ring_occupancy": fig["occupancy"],
+            "ring_high_water": fig["high_water"],
+            "degraded": self.degraded,
+            "bytes_out": total("bytes_out", fig["bytes_out"]),
+            "messages_out": total("messages_out", fig["messages_out"]),
+            "applied": self.applied,
+            "iteration": self.iteration,
+            "shadow_errors": self.latch.shadow_errors,
+        }

@@ -8,6 +8,7 @@ Slots are carved in allocation order, and space is reclaimed from the oldest slo
 a slot released early (hooks running on several threads may queue their slots out of
 allocation order) is reclaimed once every older slot is released too.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,8 +65,10 @@ class StagingRing:
     def alloc(self, n: int, timeout: float) -> int:
         """Offset of ``n`` contiguous elements; waits up to ``timeout`` seconds."""
         if n > self.capacity:
-            raise ValueError(f"a bucket stripe of {n} elements exceeds the staging ring ({self.capacity}); "
-                             "raise SHADOW_RING_ITERATIONS")
+            raise ValueError(
+                f"a bucket stripe of {n} elements exceeds the staging ring ({self.capacity}); "
+                "raise SHADOW_RING_ITERATIONS"
+            )
         with self._cond:
             off = self._fits(n)
             if off is None:

@@ -11,6 +11,7 @@ current stream, so they see the values as of that point of the step.
 CPU tensors take the same calls: the copy happens at once and the event is :data:`DONE`,
 so the CPU tests exercise this code.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -157,7 +158,10 @@ def scaler_state(scaler: Any) -> Any:
     if not getattr(scaler, "_enabled", True) or not hasattr(scaler, "_growth_tracker"):
         return scaler.state_dict()  # disabled ({}), or not torch's GradScaler: its own state dict
     scale, tracker = scaler._scale, scaler._growth_tracker
-    return {"scale": float(scaler._init_scale) if scale is None else AsScalar(scale, float),
-            "growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
-            "growth_interval": scaler._growth_interval,
-            "_growth_tracker": int(scaler._init_growth_tracker) if tracker is None else AsScalar(tracker, int)}
+    return {
+        "scale": float(scaler._init_scale) if scale is None else AsScalar(scale, float),
+        "growth_factor": scaler._growth_factor,
+        "backoff_factor": scaler._backoff_factor,
+        "growth_interval": scaler._growth_interval,
+        "_growth_tracker": int(scaler._init_growth_tracker) if tracker is None else AsScalar(tracker, int),
+    }
