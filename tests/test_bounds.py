@@ -233,12 +233,14 @@ def test_the_body_is_decoded_with_the_collector_paused(monkeypatch):
 
 
 # -- data frames: the sender cuts runs to MAX_PART_BYTES ------------------------------------------
-class _FakeSocket:
-    def __init__(self) -> None:
-        self.sent: list[list[bytes]] = []
+class _RecordingDataSender:
+    """A DataSender that keeps a copy of every message, by worker."""
 
-    def send_multipart(self, frames, copy=True, track=False):
-        self.sent.append([bytes(f) for f in frames])
+    def __init__(self, n: int) -> None:
+        self.sent: list[list[list[bytes]]] = [[] for _ in range(n)]
+
+    def send(self, worker, frames, track):
+        self.sent[worker].append([bytes(f) for f in frames])
 
 
 def _sender(nworkers: int) -> Sender:
@@ -254,7 +256,7 @@ def _sender(nworkers: int) -> Sender:
         layout_hash=9,
         events=NoEvents(),
     )
-    s.data = [_FakeSocket() for _ in range(nworkers)]
+    s.data = _RecordingDataSender(nworkers)
     return s
 
 
@@ -272,7 +274,7 @@ def test_a_run_larger_than_a_part_is_sent_in_checked_parts(monkeypatch):
     runs = [[(0, 10_000, 2600), (2600, 20_000, 100)], [(2700, 50_000, 2300)]]
     s._send_payload(4, F.Kind.STATE, F.Field.PARAM, data, runs, None)
     for w, expect in enumerate(runs):
-        (frames,) = s.data[w].sent
+        (frames,) = s.data.sent[w]
         h = F.unpack_header(frames[0], 65536)
         assert h.seq == 0 and h.iteration == 4 and len(frames) == 1 + len(h.runs)
         assert len(h.runs) == sum(-(-n // 1024) for _, _, n in expect)

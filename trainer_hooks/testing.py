@@ -32,10 +32,10 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-import zmq
-
+from shadow.transport.send import DataSender
+from shadow.wire import frames as F
 from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.sender import CommitItem, Sender
 
@@ -87,8 +87,8 @@ class NetFaults:
         self.injected: Counter[str] = Counter()
         self.held: dict[int, list] = {}  # worker -> frames held back for reordering
 
-    def send(self, sock: zmq.Socket, worker: int, frames: list, track: bool, iteration: int):
-        """Send ``frames`` through the fault model; returns a tracker or None (done)."""
+    def send(self, out: DataSender, worker: int, frames: Sequence, track: bool, iteration: int):
+        """Send ``frames`` through the fault model to ``out``; returns a tracker or None (done)."""
         x, kind = self.rng.random(), None
         for name, p in self.probs.items() if self.span[0] <= iteration < self.span[1] else ():
             if x < p:
@@ -100,17 +100,17 @@ class NetFaults:
         held = self.held.pop(worker, None)
         tracker = None
         if kind is None:
-            tracker = sock.send_multipart(frames, copy=not track, track=track)
+            tracker = out.send(worker, frames, track)
         else:
             self.injected[kind] += 1
             copies = [bytes(f) for f in frames]
             if kind == "dup":
-                sock.send_multipart(copies)
-                sock.send_multipart(copies)
+                out.send(worker, copies, False)
+                out.send(worker, copies, False)
             elif kind == "reorder":
                 self.held[worker] = copies
             elif kind == "truncate":
-                sock.send_multipart(copies[:-1] if len(copies) > 1 else [copies[0][: len(copies[0]) // 2]])
+                out.send(worker, copies[:-1] if len(copies) > 1 else [copies[0][: len(copies[0]) // 2]], False)
             elif kind == "bitflip":
                 i = self.rng.randrange(len(copies))
                 frame = bytearray(copies[i])
@@ -118,11 +118,39 @@ class NetFaults:
                     bit = self.rng.randrange(len(frame) * 8)
                     frame[bit // 8] ^= 1 << (bit % 8)
                 copies[i] = bytes(frame)
-                sock.send_multipart(copies)
+                out.send(worker, copies, False)
             logger.warning("fault injection: %s of a data message to worker %d", kind, worker)
         if held is not None:
-            sock.send_multipart(held)
+            out.send(worker, held, False)
         return tracker
+
+
+class FaultyDataSender:
+    """A :class:`shadow.transport.send.DataSender` around another one: every message
+    passes through ``net`` (None: straight through). It reads each message's iteration
+    from its header, as anything on the wire could."""
+
+    def __init__(self, inner: DataSender, net: NetFaults | None) -> None:
+        self.inner, self.net = inner, net
+
+    def send(self, worker: int, frames: Sequence, track: bool):
+        if self.net is None:
+            return self.inner.send(worker, frames, track)
+        iteration = F.unpack_header(bytes(frames[0]), 1 << 20).iteration
+        return self.net.send(self.inner, worker, frames, track, iteration)
+
+    def open(self, worker: int, endpoint: str) -> None:
+        if self.net is not None:
+            self.net.held.pop(worker, None)
+        self.inner.open(worker, endpoint)
+
+    def drop(self, worker: int) -> None:
+        if self.net is not None:
+            self.net.held.pop(worker, None)
+        self.inner.drop(worker)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def parse_die_at(spec: str | None) -> tuple[int, int] | None:
@@ -145,8 +173,23 @@ class FaultySender(Sender):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.net: NetFaults | None = parse(self.net_spec, self.rank)
+        self._net: NetFaults | None = parse(self.net_spec, self.rank)
+        self._faulty: FaultyDataSender | None = None
         self._die_sent = 0
+
+    @property
+    def net(self) -> NetFaults | None:
+        return self._net
+
+    @net.setter
+    def net(self, value: NetFaults | None) -> None:
+        self._net = value
+        if self._faulty is not None:
+            self._faulty.net = value
+
+    def open_data(self, endpoints: list[str]) -> DataSender:
+        self._faulty = FaultyDataSender(super().open_data(endpoints), self._net)
+        return self._faulty
 
     def _send(self, w: int, frames: list, track: bool, iteration: int):
         if self.die_at is not None and iteration == self.die_at[0]:
@@ -154,8 +197,6 @@ class FaultySender(Sender):
                 self.seq[w] -= 1  # held back, as if never framed: no gap, no count
                 return None
             self._die_sent += 1
-        if self.net is not None:
-            return self.net.send(self.data[w], w, frames, track, iteration)
         return super()._send(w, frames, track, iteration)
 
     def _send_commit(self, item: CommitItem) -> None:

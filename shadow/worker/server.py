@@ -24,6 +24,7 @@ from shadow.kernels import powtab
 from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.transport import SocketFactory, data_limit
+from shadow.transport.receive import Context, FrameReceiver
 from shadow.wire import messages as M
 from shadow.worker import memory
 from shadow.worker.address import bind_and_advertise
@@ -51,6 +52,15 @@ class _Session:
         self.world = msg["world"]
         self.base = msg["iteration"]
         self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"])
+        self.context = Context(
+            self.job_id,
+            self.epoch,
+            self.layout_hash,
+            self.world,
+            self.state.start,
+            self.state.stop,
+            frozenset(self.state.fields()),
+        )  # what a data message must match
         self.exact = bool(msg["optim"].get("bit_exact", True))
         self.inbox = Inbox(
             self.state.size, self.world, knobs.get_int("WORKER_SLOTS"), self.state.expected_grad, self.state.fields()
@@ -97,8 +107,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         self.ctx = zmq.Context.instance()
         self.sockets = SocketFactory(self.ctx, guard=guard, keys=keys)
         self.rejected: Counter[str] = Counter()
-        self.frames_in = 0
-        self.bytes_in = 0
+        self.rx: FrameReceiver | None = None  # reads the data socket; its counters outlive a reset's fresh socket
         self.session: _Session | None = None
         # the previous epoch's state, served to restores until the new epoch has its base:
         # a trainer killed during a (re-)attach bootstrap restores from it
@@ -119,6 +128,20 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         self.data = self.sockets.pull(data_limit(), knobs.get_int("DATA_RCVHWM"))
         port = self.data.bind_to_random_port(f"tcp://{self.bind_host}")
         self.data_ep = f"tcp://{self.host}:{port}"
+        if self.rx is None:
+            self.rx = FrameReceiver(self.data)
+        else:
+            self.rx.sock = self.data
+
+    @property
+    def frames_in(self) -> int:
+        """Data messages whose header was read."""
+        return self.rx.frames_in if self.rx is not None else 0
+
+    @property
+    def bytes_in(self) -> int:
+        """Payload bytes received on the data socket."""
+        return self.rx.bytes_in if self.rx is not None else 0
 
     def _ctrl_open(self) -> None:
         self.ctrl = self.sockets.dealer(self.coordinator, M.socket_limit("worker"))

@@ -11,8 +11,10 @@ refused (:meth:`SenderEvents.on_refused`) and nothing of that iteration or later
 What it hears and what goes wrong reaches the session through one :class:`SenderEvents`
 object (the session's ``RecoveryController``).
 
-Fault injection wraps this class from the outside (``trainer_hooks.testing``): the
-overridable seams are :meth:`Sender._send` and :meth:`Sender._send_commit`.
+Messages leave through a :class:`shadow.transport.send.DataSender` (one ordered channel
+per worker), opened by :meth:`Sender.open_data`. Fault injection wraps from the outside
+(``trainer_hooks.testing``): a ``FaultyDataSender`` around the channels, and a sender
+subclass overriding :meth:`Sender._send` and :meth:`Sender._send_commit` to die mid-step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import zmq
 
 from shadow import knobs
 from shadow.errors import ShadowError
-from shadow.transport import SocketFactory
+from shadow.transport.send import DataSender, ZmqDataSender
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks.session.transfer import DONE
@@ -192,6 +194,7 @@ class Sender(threading.Thread):
         self.lost = False
         self.paused: str | None = None  # why this rank stopped streaming on its own: told with every heartbeat
         self.out: set[int] = set()  # replicas out of service: nothing is sent to them
+        self.data: DataSender  # the channels to the workers: opened by run(), on this thread
         self.seq = [0] * len(endpoints)
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
         self.bytes_out = 0
@@ -201,9 +204,9 @@ class Sender(threading.Thread):
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> None:
-        self.data = []
+        opened: DataSender | None = None
         try:
-            self.data = [self._push(ep) for ep in self.endpoints]
+            self.data = opened = self.open_data(list(self.endpoints))
             poll = knobs.get("SENDER_POLL_S")
             hb = knobs.get("HEARTBEAT_S")
             next_hb = 0.0
@@ -241,15 +244,16 @@ class Sender(threading.Thread):
             self.events.on_error(exc)
         finally:
             self._drain_on_exit()
-            for s in self.data:
-                if s is not None:
-                    s.close(linger=0)
+            if opened is not None:
+                opened.close()
 
     def stop(self) -> None:
         self.q.put("stop")
 
-    def _push(self, endpoint: str) -> zmq.Socket:
-        return SocketFactory(self.ctx).push(endpoint, knobs.get_int("ZMQ_SNDHWM"))
+    def open_data(self, endpoints: list[str]) -> DataSender:
+        """The channels to the workers, opened on this thread (fault injection overrides
+        this to wrap them)."""
+        return ZmqDataSender(self.ctx, endpoints, knobs.get_int("ZMQ_SNDHWM"))
 
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
@@ -292,9 +296,7 @@ class Sender(threading.Thread):
         elif isinstance(item, ExtraItem):
             self._send_extra(item)
         elif isinstance(item, JoinItem):
-            if self.data[item.worker] is not None:
-                self.data[item.worker].close(linger=0)
-            self.data[item.worker] = self._push(item.endpoint)
+            self.data.open(item.worker, item.endpoint)
             self.endpoints[item.worker] = item.endpoint
             self.seq[item.worker] = 0
             self.out.discard(item.worker)
@@ -370,7 +372,7 @@ class Sender(threading.Thread):
 
     def _send(self, w: int, frames: list, track: bool, iteration: int):
         """Send one message to worker ``w``; returns its zmq tracker when ``track`` (else None)."""
-        return self.data[w].send_multipart(frames, copy=not track, track=track)
+        return self.data.send(w, frames, track)
 
     def _notify(self, kind: str, **fields) -> None:
         try:
@@ -402,13 +404,11 @@ class Sender(threading.Thread):
                 self.events.on_progress(msg["applied"])
             elif msg["t"] == "resync" and msg["epoch"] == self.epoch:
                 self.events.on_resync()
-            elif msg["t"] == "replica_out" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
+            elif msg["t"] == "replica_out" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.endpoints):
                 logger.warning("shadow worker %d is out of service; its shard continues on a replica", msg["worker"])
                 self.out.add(msg["worker"])
-                if self.data[msg["worker"]] is not None:  # drop what is queued for it: frees the ring
-                    self.data[msg["worker"]].close(linger=0)
-                    self.data[msg["worker"]] = None
-            elif msg["t"] == "replica_in" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.data):
+                self.data.drop(msg["worker"])  # drop what is queued for it: frees the ring
+            elif msg["t"] == "replica_in" and msg["epoch"] == self.epoch and 0 <= msg["worker"] < len(self.endpoints):
                 self.events.on_join(msg)
             elif msg["t"] == "audit" and msg["epoch"] == self.epoch:
                 self.events.on_audit(msg)

@@ -1,0 +1,79 @@
+"""The sending end of the data path: one ordered channel per shadow worker.
+
+A trainer's sender thread frames each message (``shadow.wire.frames``) and hands it to a
+:class:`DataSender`. :class:`ZmqDataSender` is the production one (a PUSH socket per
+worker); fault injection wraps a DataSender from the outside
+(``trainer_hooks.testing.FaultyDataSender``), so nothing here checks for faults.
+Owned by the thread that creates it (ZeroMQ sockets are not thread-safe)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import zmq
+
+from shadow.transport.sockets import SocketFactory
+
+
+class Tracker(Protocol):
+    """Tells when ZeroMQ no longer reads a zero-copy message's buffers."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+class DataSender(Protocol):
+    """Ordered, per-worker delivery of data messages (lists of frames)."""
+
+    def send(self, worker: int, frames: Sequence, track: bool) -> Tracker | None:
+        """Queue one message to ``worker``. ``track``: send the frames zero-copy and
+        return a tracker (the caller keeps the buffers until it is done); otherwise the
+        frames are copied and None is returned."""
+        ...
+
+    def open(self, worker: int, endpoint: str) -> None:
+        """(Re)open the channel to ``worker`` at ``endpoint``; whatever was queued on the
+        old one is dropped."""
+        ...
+
+    def drop(self, worker: int) -> None:
+        """Close the channel to ``worker`` and drop what is queued on it."""
+        ...
+
+    def close(self) -> None:
+        """Close every channel, dropping what is queued."""
+        ...
+
+
+class ZmqDataSender:
+    """A PUSH socket per worker, each with the data path's send high-water mark."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int) -> None:
+        self.factory, self.hwm = SocketFactory(ctx), hwm
+        self.socks: list[zmq.Socket | None] = [None] * len(endpoints)
+        try:
+            for w, ep in enumerate(endpoints):
+                self.open(w, ep)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, worker: int, frames: Sequence, track: bool) -> Tracker | None:
+        sock = self.socks[worker]
+        if sock is None:
+            raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
+        return sock.send_multipart(frames, copy=not track, track=track)
+
+    def open(self, worker: int, endpoint: str) -> None:
+        self.drop(worker)
+        self.socks[worker] = self.factory.push(endpoint, self.hwm)
+
+    def drop(self, worker: int) -> None:
+        sock, self.socks[worker] = self.socks[worker], None
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for w in range(len(self.socks)):
+            self.drop(w)

@@ -1,0 +1,170 @@
+"""The data path's two seams in one process: ZmqDataSender -> FrameReceiver over inproc
+sockets. Every message is checked part by part; a bad one raises FrameError with its
+reason, and the next message still starts on a frame boundary."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import zmq
+
+from shadow.transport import Context, FrameReceiver, ZmqDataSender
+from shadow.wire import frames as F
+
+CTX = Context(job=0x5EED, epoch=3, layout=0xABC, world=1, lo=100, hi=1100, fields=frozenset({F.Field.PARAM}))
+_ids = itertools.count()
+
+
+@pytest.fixture
+def pair():
+    """A ZmqDataSender with one channel and the FrameReceiver on its other end."""
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    ep = f"inproc://rx-{next(_ids)}"
+    pull.bind(ep)
+    out = ZmqDataSender(ctx, [ep], hwm=100)
+    yield out, FrameReceiver(pull)
+    out.close()
+    pull.close(linger=0)
+
+
+def header(kind=F.Kind.GRAD, field=F.Field.GRAD, runs=(), **kw) -> bytes:
+    base = dict(job=CTX.job, epoch=CTX.epoch, rank=0, world=1, layout=CTX.layout, iteration=1, seq=0)
+    base.update(kw)
+    return F.Header(kind=kind, field=field, runs=tuple(runs), **base).pack()
+
+
+def message(parts: dict[int, np.ndarray], kind=F.Kind.GRAD, field=F.Field.GRAD, **kw) -> list:
+    runs = [(dst, len(v), F.checksum(v)) for dst, v in parts.items()]
+    return [header(kind, field, runs, **kw), *[v.tobytes() for v in parts.values()]]
+
+
+def take(rx: FrameReceiver, ctx=CTX) -> F.Header:
+    """A header, then the poll the worker does: blocks up to 2 s for the message."""
+    assert rx.sock.poll(2000), "no message arrived"
+    return rx.header(ctx)
+
+
+def reason(fn) -> str:
+    with pytest.raises(F.FrameError) as exc:
+        fn()
+    return exc.value.reason
+
+
+def test_gradient_parts_are_kept_zero_copy_and_checked(pair):
+    out, rx = pair
+    a, b = np.arange(7, dtype=np.float32), np.full(3, 2.5, dtype=np.float32)
+    assert out.send(0, message({100: a, 500: b}), track=False) is None
+    h = take(rx)
+    rx.check_runs(h, CTX)
+    total, parts = rx.runs_kept(h, CTX.lo)
+    assert total == 10 and [d for d, _ in parts] == [0, 400]
+    assert np.array_equal(parts[0][1], a) and np.array_equal(parts[1][1], b)
+    assert rx.frames_in == 1 and rx.bytes_in == 40
+
+
+def test_state_parts_land_in_place(pair):
+    out, rx = pair
+    target = np.zeros(CTX.hi - CTX.lo, dtype=np.float32)
+    v = np.linspace(0, 1, 9, dtype=np.float32)
+    tracker = out.send(0, message({1000: v}, F.Kind.STATE, F.Field.PARAM), track=True)
+    h = take(rx)
+    rx.check_runs(h, CTX)
+    assert rx.runs_into(h, target, CTX.lo) == 9
+    assert np.array_equal(target[900:909], v) and not target[:900].any() and not target[909:].any()
+    tracker.wait(2)
+    assert tracker.done
+
+
+@pytest.mark.parametrize(
+    "frames, why",
+    [
+        (lambda m: m[:-1], "truncated_payload"),  # a part left off
+        (lambda m: [*m, b"x"], "extra_payload"),  # one part too many
+        (lambda m: [m[0], m[1][:-4], m[2]], "truncated_payload"),  # a short part
+        (lambda m: [m[0], m[1][:-4] + b"\0\0\0\1", m[2]], "bad_checksum"),  # a changed byte
+    ],
+)
+def test_a_damaged_message_is_rejected_and_the_next_one_is_read_whole(pair, frames, why):
+    out, rx = pair
+    good = message({100: np.ones(4, np.float32), 200: np.ones(2, np.float32)})
+    out.send(0, frames(good), track=False)
+    out.send(0, good, track=False)
+    h = take(rx)
+    assert reason(lambda: rx.runs_kept(h, CTX.lo)) == why
+    rx.discard_rest()
+    h = take(rx)
+    assert rx.runs_kept(h, CTX.lo)[0] == 6
+
+
+@pytest.mark.parametrize(
+    "kw, runs, why",
+    [
+        (dict(epoch=2), [], "wrong_epoch"),
+        (dict(job=1), [], "wrong_epoch"),
+        (dict(layout=1), [], "wrong_layout"),
+        (dict(world=2), [], "bad_rank"),
+    ],
+)
+def test_a_header_for_another_context_is_rejected(pair, kw, runs, why):
+    out, rx = pair
+    out.send(0, [header(runs=runs, **kw)], track=False)
+    assert rx.sock.poll(2000)
+    assert reason(lambda: rx.header(CTX)) == why
+
+
+def test_nothing_is_taken_before_a_context_exists(pair):
+    out, rx = pair
+    out.send(0, [header()], track=False)
+    assert rx.sock.poll(2000)
+    assert reason(lambda: rx.header(None)) == "not_configured"
+
+
+@pytest.mark.parametrize(
+    "kind, field, runs, why",
+    [
+        (F.Kind.GRAD, F.Field.GRAD, [(99, 2, 0)], "out_of_range"),
+        (F.Kind.GRAD, F.Field.GRAD, [(1099, 2, 0)], "out_of_range"),
+        (F.Kind.GRAD, F.Field.GRAD, [(100, 0, 0)], "out_of_range"),
+        (F.Kind.GRAD, F.Field.PARAM, [(100, 1, 0)], "bad_kind"),
+        (F.Kind.STATE, F.Field.GRAD, [(100, 1, 0)], "bad_kind"),
+        (F.Kind.STATE, F.Field.EXP_AVG, [(100, 1, 0)], "bad_kind"),  # not a field of this optimizer
+        (F.Kind.COMMIT, F.Field.GRAD, [(0, 4, 0), (4, 4, 0)], "bad_commit"),
+        (F.Kind.EXTRA, F.Field.GRAD, [(7, 0, 0)], "bad_extra"),
+    ],
+)
+def test_run_tables_are_checked_against_the_context(kind, field, runs, why):
+    h = F.Header(kind, field, CTX.job, CTX.epoch, 0, 1, CTX.layout, 1, 0, tuple(runs))
+    assert reason(lambda: FrameReceiver.check_runs(h, CTX)) == why
+
+
+def test_a_part_larger_than_a_sender_makes_is_rejected(monkeypatch):
+    monkeypatch.setattr(F, "MAX_PART_BYTES", 64)
+    h = F.Header(F.Kind.GRAD, F.Field.GRAD, CTX.job, CTX.epoch, 0, 1, CTX.layout, 1, 0, ((100, 17, 0),))
+    assert reason(lambda: FrameReceiver.check_runs(h, CTX)) == "too_large"
+
+
+def test_commit_bodies_and_extra_chunks(pair):
+    out, rx = pair
+    body = b"commit record"
+    out.send(0, [header(F.Kind.COMMIT, runs=[(0, len(body), F.checksum(body))]), body], track=False)
+    h = take(rx)
+    rx.check_runs(h, CTX)
+    assert rx.body(h) == body
+    chunks = {5: b"abc", 9: b"defgh"}
+    table = [(k, len(v), F.checksum(v)) for k, v in chunks.items()]
+    out.send(0, [header(F.Kind.EXTRA, runs=table), *chunks.values()], track=False)
+    h = take(rx)
+    rx.check_runs(h, CTX)
+    assert {k: bytes(v) for k, v in rx.chunks(h)} == chunks
+    out.send(0, [header(F.Kind.COMMIT, runs=[(0, len(body), F.checksum(body))]), body, body], track=False)
+    assert reason(lambda: rx.body(take(rx))) == "extra_payload"
+
+
+def test_a_dropped_channel_refuses_to_send_until_opened_again(pair):
+    out, rx = pair
+    out.drop(0)
+    with pytest.raises(ValueError, match="no channel to shadow worker 0"):
+        out.send(0, [header()], track=False)
