@@ -65,8 +65,8 @@ def request(
     last: dict | None = None
     while True:
         left = deadline - time.monotonic()
-        if left > 0 and not sock.poll(min(left, 1.0) * 1000):
-            if last is not None:
+        if left > 0 and not sock.poll(int(min(left, 1.0) * 1000)):
+            if last is not None and interim is not None:  # (last is set only when interim is)
                 interim(last)
             continue
         if left <= 0:

@@ -36,7 +36,7 @@ ENV_CLIENT_KEY = "SHADOW_CURVE_CLIENT_KEY"  #: path to this client's .key_secret
 _POLL_MS = 100
 # handshake failures never reach ZAP; the server socket's monitor reports them
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-_PROTOCOL_REASONS = {
+_PROTOCOL_REASONS: dict[int, str] = {  # by the monitor event's value
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "handshake_mechanism",  # client without CURVE
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "handshake_crypto",  # client with a wrong server key
 }
@@ -197,8 +197,12 @@ class Guard:
         logger.warning("refused connection from %s (key %s): %s", peer, key, reason)
 
     def _run(self) -> None:
-        poller, polled = zmq.Poller(), set()
-        poller.register(self._zap, zmq.POLLIN)
+        zap = self._zap
+        if zap is None:
+            raise RuntimeError("the guard thread needs the ZAP socket: Guard.start opens it first")
+        poller = zmq.Poller()
+        polled: set[zmq.Socket] = set()  # the monitors registered with the poller
+        poller.register(zap, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
                 with self._lock:
@@ -207,8 +211,8 @@ class Guard:
                     poller.register(m, zmq.POLLIN)
                     polled.add(m)
                 for sock, _ in poller.poll(_POLL_MS):
-                    if sock is self._zap:
-                        self._answer_safely(self._zap.recv_multipart())
+                    if sock is zap:
+                        self._answer_safely(zap.recv_multipart())
                     elif not self._handshake(sock):
                         poller.unregister(sock)
                         polled.discard(sock)
@@ -218,7 +222,7 @@ class Guard:
         except Exception:  # never raise from a background thread; with ZAP_ENFORCE_DOMAIN this fails closed
             logger.exception("CURVE guard thread failed; new connections will not be admitted")
         finally:
-            self._zap.close(linger=0)
+            zap.close(linger=0)
             with self._lock:
                 for m in self._monitors:
                     m.close(linger=0)
@@ -246,6 +250,7 @@ class Guard:
             self.accepted += 1
             logger.debug("admitted %s (key %s)", address, key)
             reply = [b"200", b"OK", key.encode()]
+        assert self._zap is not None  # requests come in on it (the guard thread's)
         self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
 
     def _handshake(self, monitor: zmq.Socket) -> bool:

@@ -252,5 +252,5 @@ def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths
         if worst == 0:
             logger.debug("%s on %s replayed bit for bit with %s", cls.__name__, device, cand)
             return Calibration(cand, True, 0, tried)
-    best = min(tried, key=tried.get)
+    best = min(tried, key=lambda c: tried[c])
     return Calibration(best, False, tried[best], tried)

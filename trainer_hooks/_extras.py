@@ -218,7 +218,7 @@ class PendingExtras:
         hosts = self.copies.get() if self.copies is not None else []
         for j, host in zip(self.todo, hosts, strict=True):
             buf = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, dtype=np.uint8)
-            digest = xxhash.xxh3_128_digest(buf)
+            digest = xxhash.xxh3_128_digest(buf.data)
             if self.everything or digest != t.digests[j]:
                 t.digests[j] = digest
                 pieces.append((j + 1, buf))

@@ -25,7 +25,8 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Paramete
 def build_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Layout, list]:
     """Layout of ``optimizer``'s parameters, named as in ``model`` (without ``module.``)."""
     names = {id(p): n for n, p in unwrap(model).named_parameters()}
-    entries, params = [], []
+    entries: list[tuple[str, tuple[int, ...], int, bool]] = []  # (name, shape, group, requires_grad)
+    params: list[torch.nn.Parameter] = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if p.dtype != torch.float32:

@@ -51,7 +51,7 @@ def _impl(group: dict, params: list[torch.Tensor]) -> str:
 def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Per-group hyperparameters exactly as the next/last step uses them."""
     if isinstance(optimizer, torch.optim.SGD):
-        out = []
+        out: list[dict] = []
         for g in optimizer.param_groups:
             if isinstance(g["lr"], torch.Tensor) or isinstance(g["weight_decay"], torch.Tensor):
                 raise _unsupported("lr and weight_decay given as tensors are not replayed")
@@ -178,7 +178,7 @@ def _calibrate() -> tuple[int, int, bool]:
             p.grad = g.clone()
         opt.step()
     want = np.concatenate([p.detach().numpy() for p in params])
-    offsets = np.cumsum([0] + sizes)[:-1]
+    offsets = list(np.cumsum([0] + sizes)[:-1])
     group = {
         "lr": 1e-2,
         "betas": (0.9, 0.999),

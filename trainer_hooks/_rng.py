@@ -10,7 +10,9 @@ import torch
 
 def capture() -> dict:
     """torch CPU (and CUDA when present), Python ``random`` and numpy's global RNG."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state()  # the legacy tuple of numpy's global RandomState (an MT19937)
+    if not isinstance(np_state, tuple):
+        raise TypeError(f"numpy's global RNG state is a {type(np_state).__name__}, not MT19937's tuple")
     out = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

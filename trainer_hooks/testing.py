@@ -67,7 +67,7 @@ def parse(spec: str | None, rank: int) -> NetFaults | None:
             raise ValueError(f"network faults: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, cover")
     if sum(probs.values()) > 1.0:
         raise ValueError(f"network faults: probabilities add up to more than 1 ({spec})")
-    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, tuple(span), cover, 2 * rank)
+    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, (span[0], span[1]), cover, 2 * rank)
     return _ACTIVE[spec, rank]
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from shadow.config import ExportConfig, KeygenConfig, ListConfig, PlanConfig, RestoreConfig, StatusConfig, VerifyConfig
 
@@ -214,7 +215,7 @@ def cmd_verify(cfg: VerifyConfig) -> int:
         what = "complete checkpoint" + (f" of iteration {cfg.iteration}" if cfg.iteration is not None else "")
         print(f"shadow verify: no {what} under {cfg.source}", file=sys.stderr)
         return 1
-    results = []
+    results: list[dict[str, Any]] = []
     for c in found:
         problems = catalog.verify(c)
         if cfg.deep and not problems:

@@ -8,7 +8,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -89,6 +89,7 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
     from hydra import initialize, initialize_config_dir
     from hydra.errors import HydraException
 
+    ctx: initialize_config_dir | initialize
     if args.config_name is not None:
         cdir = os.path.abspath(args.config_dir or "configs")
         if not os.path.isdir(cdir):
@@ -110,7 +111,7 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
             f"config {args.config_name!r} is a {getattr(OmegaConf.get_type(cfg), '__name__', 'dict')}, "
             f"but {who} needs a {cls.__name__}: its defaults list must start with {schema}"
         )
-    _no_unknown_keys(cls, OmegaConf.to_container(cfg, resolve=False), "")
+    _no_unknown_keys(cls, cast(dict, OmegaConf.to_container(cfg, resolve=False)), "")  # a config is a map
     try:
         obj = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as exc:
@@ -140,7 +141,7 @@ def _no_unknown_keys(cls: type, data: dict, prefix: str) -> None:
         if key not in names:
             raise UsageError(f"unknown key {prefix + key!r}; {_keys_of(cls, prefix)}")
         sub = hints[key]
-        if dataclasses.is_dataclass(sub) and isinstance(value, dict):
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(value, dict):
             _no_unknown_keys(sub, value, f"{prefix}{key}.")
 
 

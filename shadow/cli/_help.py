@@ -94,10 +94,15 @@ def keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = hints[f.name]
-        if dataclasses.is_dataclass(sub):
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             out += keys(sub, f"{prefix}{f.name}.")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name} has no default")
         shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else str(default))
         out.append((prefix + f.name, shown, _comments(cls).get(f.name, "")))
     return out

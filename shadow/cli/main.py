@@ -5,13 +5,15 @@ one function per command."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from shadow.cli._commands import cmd_export, cmd_keygen, cmd_ls, cmd_plan, cmd_restore, cmd_status, cmd_verify
 from shadow.cli._compose import UsageError, compose, split, to_yaml
 from shadow.cli._help import command_help, usage
 from shadow.cli._services import cmd_cluster, cmd_coordinator, cmd_worker
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[[Any], int]] = {  # each takes its command's config
     "cluster": cmd_cluster,
     "coordinator": cmd_coordinator,
     "worker": cmd_worker,

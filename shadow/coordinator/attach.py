@@ -9,6 +9,7 @@ import logging
 import time
 
 from shadow import knobs
+from shadow.coordinator._host import CoordinatorHost
 from shadow.coordinator.records import JobRec, job_id_for
 from shadow.jobs import job_name_problem
 from shadow.layout import Layout, shard_bounds
@@ -19,7 +20,7 @@ from shadow.worker.memory import human, nfields, session_bytes
 logger = logging.getLogger(__name__)
 
 
-class AttachMixin:
+class AttachMixin(CoordinatorHost):
     """Coordinator methods: attach, its hold while workers start, and detach."""
 
     def _on_attach(self, env, msg) -> None:
@@ -76,7 +77,7 @@ class AttachMixin:
         again = p is not None and rank in p["ranks"]  # replaces its own entry
         jobs = held["jobs"] + (p is None)
         ranks = held["ranks"] + (not again)
-        nbytes = held["bytes"] - (p["bytes"].get(rank, 0) if again else 0) + size
+        nbytes = held["bytes"] - (p["bytes"].get(rank, 0) if p is not None and again else 0) + size
         for knob, value, what in (
             ("ATTACH_PENDING_JOBS", jobs, "jobs with attaches waiting for their ranks"),
             ("ATTACH_PENDING_RANKS", ranks, "rank attaches waiting"),

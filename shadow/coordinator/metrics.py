@@ -34,8 +34,10 @@ def samples(coord) -> Samples:
         "shadow_worker_applied_iteration": [((str(w.id),), w.applied) for w in workers],
         "shadow_frames_received": [((str(w.id),), w.frames_in) for w in workers],
         "shadow_bytes_received": [((str(w.id),), w.bytes_in) for w in workers],
-        "shadow_rejected_frames": [((str(w.id), r), n) for w in workers for r, n in dict(w.rejected).items()]
-        + [(("coordinator", r), n) for r, n in dict(coord.rejected).items()],
+        "shadow_rejected_frames": [
+            *(((str(w.id), r), n) for w in workers for r, n in dict(w.rejected).items()),
+            *((("coordinator", r), n) for r, n in dict(coord.rejected).items()),
+        ],
         "shadow_replay": [((str(w.id),), (w.replay_s, w.replayed)) for w in workers],
         "shadow_resyncs": [((name,), n) for name, n in {**({job.name: 0} if job else {}), **coord.resyncs}.items()],
         "shadow_auth_refused": [((r,), n) for r, n in (dict(coord.guard.refused) if coord.guard else {}).items()],

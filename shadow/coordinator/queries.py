@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 
+from shadow.coordinator._host import CoordinatorHost
 from shadow.coordinator.metrics import health
 from shadow.layout import Layout
 
 
-class QueryMixin:
+class QueryMixin(CoordinatorHost):
     def _on_status(self, env, msg) -> None:
         self._reply(env, "status_reply", status=self.status())
 
@@ -168,7 +169,8 @@ class QueryMixin:
             self.retired = None
         if self._memory_error(job_name):
             return None
-        job = self.job
+        job, serving = self.job, self.serving()
+        assert job is not None and serving is not None  # as _memory_error found them
         return {
             "job": job.name,
             "epoch": job.epoch,
@@ -180,6 +182,6 @@ class QueryMixin:
             "optim": job.optim,
             "workers": [
                 {"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]}
-                for w in self.serving()
+                for w in serving
             ],
         }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from shadow.coordinator._host import CoordinatorHost
 from shadow.coordinator.records import JobRec, WorkerRec
 from shadow.wire import messages as M
 
@@ -42,27 +43,26 @@ def valid_session(session: dict | None) -> dict | None:
 
 def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, dict[int, str]]:
     """The job the workers hold, and the workers that cannot serve it (id -> reason)."""
-    held = [w for w in workers if w.session is not None]
+    held = {w.id: w.session for w in workers if w.session is not None}  # worker id -> what it holds
     if not held:
         return None, {}
-    newest = max(held, key=lambda w: w.session["configure"]["epoch"])
-    cfg = newest.session["configure"]
+    cfg = max(held.values(), key=lambda s: s["configure"]["epoch"])["configure"]
     same = {
-        w.id
-        for w in held
-        if w.session["configure"]["epoch"] == cfg["epoch"] and w.session["configure"]["job_id"] == cfg["job_id"]
+        i
+        for i, s in held.items()
+        if s["configure"]["epoch"] == cfg["epoch"] and s["configure"]["job_id"] == cfg["job_id"]
     }
     ranges: list = [None] * len(workers)
     stale: dict[int, str] = {}
     for w in workers:
-        if w.id in same and not w.session["stale"]:
-            c = w.session["configure"]
+        if w.id in same and not held[w.id]["stale"]:
+            c = held[w.id]["configure"]
             ranges[w.id] = (c["start"], c["stop"])
         elif w.id in same:
-            stale[w.id] = w.session["stale"]
+            stale[w.id] = held[w.id]["stale"]
         else:
             stale[w.id] = "holds no state of the current epoch (it restarted with the coordinator)"
-    if any(w.session["configure"]["shards"] != nshards for w in held if w.id in same):
+    if any(held[i]["configure"]["shards"] != nshards for i in same):
         stale.update({i: "the cluster's shards do not match this worker's" for i in same if i not in stale})
     # ranges of stale workers: what the configuration says (a resync re-lays out anyway)
     from shadow.layout import Layout, shard_bounds
@@ -84,11 +84,11 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     )
     job.generation = int(cfg["persist"].get("generation", 0))
     ok = [w for w in workers if w.id in same and w.id not in stale]
-    job.cut = max([w.session["applied"] for w in ok] + [cfg["iteration"] - 1])
+    job.cut = max([held[w.id]["applied"] for w in ok] + [cfg["iteration"] - 1])
     for w in workers:
         w.configured = job.epoch if w.id in same else -1
-        w.prepared = w.session["prepared"] if w in ok else job.cut
-        w.applied = w.session["applied"] if w in ok else -1
+        w.prepared = held[w.id]["prepared"] if w in ok else job.cut
+        w.applied = held[w.id]["applied"] if w in ok else -1
     job.status = "running" if job.cut >= job.base else "bootstrapping"
     logger.warning(
         "rebuilt job %s epoch %d from %d workers: committed iteration %d%s",
@@ -101,7 +101,7 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     return job, stale
 
 
-class RejoinMixin:
+class RejoinMixin(CoordinatorHost):
     """Coordinator handlers: ``rejoin`` from workers, and the rebuild once all have."""
 
     def _on_rejoin(self, env, msg) -> None:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import logging
 import time
 
-from shadow.coordinator.records import WorkerRec
+from shadow.coordinator._host import CoordinatorHost
+from shadow.coordinator.records import JobRec, WorkerRec
 
 logger = logging.getLogger(__name__)
 
 
-class ReplicaMixin:
+class ReplicaMixin(CoordinatorHost):
     """Coordinator methods for replicated shards (see the module docstring)."""
 
     def shard_of(self, w: WorkerRec) -> int:
@@ -106,10 +107,10 @@ class ReplicaMixin:
     def _cancel_join(self, w: WorkerRec) -> None:
         job = self.job
         if job is not None and job.joining.pop(w.id, None) is not None:
-            self._release_hold()
+            self._release_hold(job)
 
-    def _release_hold(self) -> None:
-        job = self.job
+    def _release_hold(self, job: JobRec) -> None:
+        """Hold ``job``'s cut at the earliest iteration a joining replica copies, if any."""
         holds = [j["at"] for j in job.joining.values() if j["at"] is not None]
         job.hold = min(holds) if holds else None
 
@@ -140,7 +141,7 @@ class ReplicaMixin:
             )
             return
         j["at"] = m - 1
-        self._release_hold()
+        self._release_hold(job)
         peer = peers[0]
         lo, hi = job.ranges[w.id]
         self._reply(
@@ -167,7 +168,7 @@ class ReplicaMixin:
         if w is None or job is None or msg["epoch"] != job.epoch or w.id not in job.joining:
             return
         job.joining.pop(w.id)
-        self._release_hold()
+        self._release_hold(job)
         w.out, w.stale, w.transit, w.configured = False, "", "", job.epoch
         w.seq, w.joined_at = [], time.monotonic()
         w.prepared = max(w.prepared, msg["iteration"])

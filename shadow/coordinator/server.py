@@ -324,7 +324,7 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             if self.replicas > 1
             else self.workers
         )
-        if not live:
+        if job is None or not live:
             return
         cut = min(x.prepared for x in live)
         if job.hold is not None:

@@ -8,11 +8,12 @@ import time
 from collections import deque
 
 from shadow import knobs
+from shadow.coordinator._host import CoordinatorHost
 
 logger = logging.getLogger(__name__)
 
 
-class TrainerMixin:
+class TrainerMixin(CoordinatorHost):
     """Coordinator handlers for trainer heartbeats and lagging reports."""
 
     def _check_transit(self, now: float) -> None:

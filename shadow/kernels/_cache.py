@@ -71,7 +71,7 @@ def configure() -> str:
         )
         path = fallback
         os.makedirs(path, exist_ok=True)
-    config.CACHE_DIR = path
+    config.CACHE_DIR = path  # type: ignore[attr-defined]  # numba sets its config attributes at run time
     _chosen = path
     return path
 

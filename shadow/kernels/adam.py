@@ -69,7 +69,7 @@ N_ISCALARS = 13
 RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH = 0, 1, 2
 
 # The element functions below are plain ``@njit``, not inlined by numba: LLVM inlines them
-# into each loop, which it then vectorises (``scripts/inspect_kernels.py`` shows it).
+# into each loop, which it then vectorises (``tools/inspect_kernels.py`` shows it).
 # numba's own inlining (``inline="always"``) of the three rules' loops took 57-70 s to
 # compile instead of 18. They are not cached themselves: they are compiled (in
 # milliseconds) with the kernels that use them, and those are cached.
@@ -140,7 +140,7 @@ def _update_range(
 
     The loops run over slices from 0 (no negative-index wrap in the body), with numpy's
     error model (no zero-division checks) and the segment's choices as selects: LLVM
-    then vectorises them (``scripts/inspect_kernels.py`` shows the loops per CPU)."""
+    then vectorises them (``tools/inspect_kernels.py`` shows the loops per CPU)."""
     one = np.float32(1.0)
     inv = f[F_INV_SCALE] if fl[I_INV_SCALE] != 0 else one
     inv = -inv if fl[I_MAXIMIZE] != 0 else inv

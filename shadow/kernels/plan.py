@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -427,5 +428,5 @@ def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
     for t in threads:
         plan.apply_sgd(one.copy(), one.copy(), one, threads=t)
     pairs = (*_adam.KERNELS.values(), (_sgd.sgd_apply, _sgd.sgd_apply_serial))
-    kernels = [pair[0 if t else 1] for pair in pairs for t in threads]
+    kernels: list[Any] = [pair[0 if t else 1] for pair in pairs for t in threads]  # numba dispatchers
     return sum(len(k.stats.cache_misses) for k in kernels)

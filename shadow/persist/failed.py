@@ -24,7 +24,7 @@ def write_error(exc: BaseException, tier: str, path: str) -> str:
     """How a failed write of ``path`` on ``tier`` is reported (status, logs): a full disk
     or quota says so, with the free space left where it is a local path, and what to do;
     any other error as ``Type: message``."""
-    what = _FULL.get(exc.errno) if isinstance(exc, OSError) else None
+    what = _FULL.get(exc.errno) if isinstance(exc, OSError) and exc.errno is not None else None
     if what is None:
         return f"{type(exc).__name__}: {exc}"
     free = ""

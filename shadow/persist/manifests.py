@@ -10,13 +10,15 @@ so manifests may grow.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from shadow.jobs import job_name_problem
 
 _SHARD_INTS = ("index", "start", "stop", "bytes")
 _SUFFIXES = (".safetensors", ".shard.zst")  # plain (shardfile) and compressed (zshard.SUFFIX) shards
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+from types import ModuleType
 
 import numpy as np
 import xxhash
@@ -30,6 +31,7 @@ from numba import njit
 
 from shadow.kernels import _cache  # noqa: F401  (chooses the kernel cache directory before any @njit)
 
+zstandard: ModuleType | None
 try:
     import zstandard
 except ImportError:  # only compressing tiers need it; the error below names the fix
@@ -206,7 +208,7 @@ def encode(raw, itemsize: int, level: int) -> bytes:
     planes = split(src, itemsize, _scratch(src.size, "split").reshape(itemsize, -1))
     cctx = _compressor(level)
     frames = [cctx.compress(planes[j]) for j in range(itemsize)]
-    head = _HEAD.pack(MAGIC, itemsize, CODEC_ZSTD, 0, src.size, xxhash.xxh3_64_intdigest(src))
+    head = _HEAD.pack(MAGIC, itemsize, CODEC_ZSTD, 0, src.size, xxhash.xxh3_64_intdigest(src.data))
     return b"".join([head, struct.pack(f"<{itemsize}Q", *map(len, frames)), *frames])
 
 
@@ -272,6 +274,6 @@ def decode(blob, out: np.ndarray | None = None, where: str = "blob") -> np.ndarr
             )
     if itemsize > 1:
         join(planes, dst)
-    if xxhash.xxh3_64_intdigest(dst) != csum:
+    if xxhash.xxh3_64_intdigest(dst.data) != csum:
         raise CorruptBlobError(f"{where}: the decompressed bytes fail their checksum: the data is corrupt")
     return out

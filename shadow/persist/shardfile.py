@@ -105,7 +105,7 @@ class ShardImage:
         np.copyto(self.view(name), src, casting="no")
 
     def checksum(self) -> int:
-        return checksum(memoryview(self.buf[: self.size]))
+        return checksum(self.buf[: self.size].data)
 
     def write(self, path: str) -> int:
         """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir). A write
@@ -127,7 +127,7 @@ class ShardImage:
         if fd is None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            mv = memoryview(self.buf)
+            mv = self.buf.data
             try:
                 _write_all(fd, mv, self.size)
             except OSError as exc:
@@ -283,7 +283,7 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
     h.update(head)
     h.update(raw)
     for arr in tensors.values():  # offset order, back to back: the file's bytes
-        h.update(arr.view(np.uint8))
+        h.update(arr.view(np.uint8).data)
     return meta, tensors, h.intdigest(), size
 
 

@@ -81,7 +81,7 @@ class ShardPersister:
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()  # writes (and the warm-up) in flight
         self._closed = False
-        self._skipped_at = None  # the iteration begin() last reported skipped
+        self._skipped_at: int | None = None  # the iteration begin() last reported skipped
         self._warming = False  # the warm-up holds an image for a moment
         self._uploader = None
         if self.remote:

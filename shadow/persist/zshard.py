@@ -120,11 +120,11 @@ def encode(
     threads = knobs.get_int("COMPRESS_THREADS") if threads is None else threads
     block = knobs.get_int("COMPRESS_BLOCK_BYTES") if block_bytes is None else block_bytes
     try:
-        _meta, base, specs = shardfile.tensor_specs(memoryview(img))
+        _meta, base, specs = shardfile.tensor_specs(img.data)
     except ValueError as exc:
         raise ValueError(f"{where}: cannot compress: {exc}") from None
     _tiles(specs, img.size - base, where)
-    jobs = [(None, 0, base, 1)]
+    jobs: list[tuple[str | None, int, int, int]] = [(None, 0, base, 1)]  # (tensor, None: the header; lo, hi, itemsize)
     for name, dt, lo, hi in specs:
         step = max(block // dt.itemsize, 1) * dt.itemsize
         jobs += [(name, p, min(base + hi, p + step), dt.itemsize) for p in range(base + lo, base + hi, step)]
@@ -135,7 +135,7 @@ def encode(
         "codec": CODEC,
         "level": level,
         "image_bytes": int(img.size),
-        "image_checksum": f"{xxhash.xxh3_64_intdigest(img):016x}",
+        "image_checksum": f"{xxhash.xxh3_64_intdigest(img.data):016x}",
         "head": None,
         "tensors": {name: [] for name, *_ in specs},
     }
@@ -219,7 +219,7 @@ def _plan(mv: memoryview, where: str) -> tuple[dict, dict, list, memoryview, dic
     try:
         head_blob = _blob(mv, index["head"], end, where)
         head = planes.decode(head_blob, where=f"{where}: header blob")
-        meta, base, specs = shardfile.tensor_specs(head, size=int(index["image_bytes"]))
+        meta, base, specs = shardfile.tensor_specs(head.data, size=int(index["image_bytes"]))
         tensors = index["tensors"]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         if isinstance(exc, CorruptBlobError):

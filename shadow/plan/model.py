@@ -144,6 +144,6 @@ def analyse(cfg: PlanConfig, shadow_restore_GBps: float | None = None) -> dict[s
             "useful": u,
             "lost_gpu_h_per_day": lost_gpu_hours_per_day(cfg.gpus, u),
             "breakdown": shares,
-            "dominant": max(shares, key=shares.get),
+            "dominant": max(shares, key=lambda k: shares[k]),
         }
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from shadow.plan.config import PlanConfig
 from shadow.plan.model import analyse, break_even_overhead, strategies
 from shadow.plan.simulate import simulate_many
@@ -12,7 +14,7 @@ def plan(cfg: PlanConfig, simulate: bool = True) -> dict:
     """Everything ``shadow plan`` reports for ``cfg`` (JSON-serialisable)."""
     sizing = size(cfg)
     restore = sizing["restore_GBps"]
-    out = {
+    out: dict[str, Any] = {
         "scenario": {
             "name": cfg.name,
             "gpus": cfg.gpus,

@@ -1,7 +1,7 @@
 """How big a shadow cluster a job needs, from what this project measured.
 
 Cores come from the whole worker path (receive, checksum, replay, snapshot) in CPU-seconds
-per iteration per billion parameters, as ``scripts/bench_scaling.py`` measured it
+per iteration per billion parameters, as ``benchmarks/bench_scaling.py`` measured it
 (``<bench_dir>/scaling.json``); memory from the worker's bytes per parameter; network from
 the 4 bytes per parameter per iteration the trainers send (each gradient byte once, to
 every replica).
@@ -34,7 +34,7 @@ def measured_cpu(bench_dir: str) -> tuple[float, str]:
             sizing = json.load(f)["sizing"]
     except FileNotFoundError:
         raise BenchmarkMissing(
-            f"no measured figures at {path}: run `python scripts/bench_all.py --only apply,scaling` "
+            f"no measured figures at {path}: run `python benchmarks/bench_all.py --only apply,scaling` "
             "or set shadow.bench_dir= to a folder holding scaling.json"
         ) from None
     except (ValueError, KeyError) as exc:
@@ -77,7 +77,7 @@ def size(cfg: PlanConfig, cpu_s_per_iter_per_b: float | None = None) -> dict:
         "memory_GB": ram / GB,
         "network_GBps": net / GB,
         "hosts": hosts,
-        "limited_by": max(need, key=need.get),
+        "limited_by": max(need, key=lambda k: need[k]),
         "hosts_by": need,
         "restore_GBps": hosts * sh.nic_GBps_per_host,
         "trainer_egress_MBps_per_gpu": 4.0 * cfg.params / cfg.gpus / cfg.iteration_s * sh.replicas / 1e6,

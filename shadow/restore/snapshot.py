@@ -82,7 +82,7 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
             arrays[fld].fill(0)
         deadline = time.monotonic() + limit
         while pending:
-            ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000)))
             if not ready:
                 late = ", ".join(f"{w['id']} at {w['serve']}" for w in pending.values())
                 raise ShadowConnectionError(f"workers {late} did not answer within {limit:.0f} s")
@@ -124,6 +124,8 @@ def _take_shard(
     wire order), each chunk straight into place; returns its head."""
     who = f"worker {w['id']}"
     lo, hi = w.get("start"), w.get("stop")
+    if not isinstance(lo, int) or not isinstance(hi, int):
+        raise ShadowError(f"the restore info gives {who} no range (start {lo!r}, stop {hi!r})")
     src = fetch.SocketParts(sock)
     try:
         head = fetch.read_head(

@@ -31,7 +31,7 @@ def status(address: str, timeout: float = 5.0, keys=None) -> dict:
     s = SocketFactory(keys=keys).dealer(address, fetch_limit())
     try:
         s.send(M.encode("status"))
-        if not s.poll(timeout * 1000):
+        if not s.poll(int(timeout * 1000)):
             raise TimeoutError(f"no status from {address} within {timeout:.1f} s")
         return M.decode(s.recv())["status"]
     finally:

@@ -23,7 +23,8 @@ import dataclasses
 import errno
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -50,9 +51,9 @@ class ServiceFaults:
         return {ENV[f.name]: str(v) for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> ServiceFaults:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ServiceFaults:
         env = os.environ if env is None else env
-        got = {}
+        got: dict[str, Any] = {}
         for name, var in ENV.items():
             raw = env.get(var)
             if raw:
@@ -63,7 +64,13 @@ class ServiceFaults:
         return cls(**got)
 
 
-_originals: dict = {}
+_originals: dict[tuple[Any, str], Any] = {}  # (owner, name) -> what install replaced there
+
+
+def _replace(owner: Any, name: str, wrapper: Any) -> None:
+    """Put ``wrapper`` in place of ``owner.name``, keeping the original for :func:`uninstall`."""
+    _originals[(owner, name)] = getattr(owner, name)
+    setattr(owner, name, wrapper)
 
 
 def install(faults: ServiceFaults) -> None:
@@ -74,7 +81,6 @@ def install(faults: ServiceFaults) -> None:
     uninstall()
     if faults.corrupt_apply_at is not None:
         real_apply = state.ShardState.apply
-        _originals[(state.ShardState, "apply")] = real_apply
 
         def apply(self, parts, commit, snap=None):
             done = real_apply(self, parts, commit, snap)
@@ -85,20 +91,18 @@ def install(faults: ServiceFaults) -> None:
                 self.param.view(np.uint32)[:] ^= 1
             return done
 
-        state.ShardState.apply = apply
+        _replace(state.ShardState, "apply", apply)
     if faults.persist_die_at is not None:
         real_write = writer.ShardPersister._write
-        _originals[(writer.ShardPersister, "_write")] = real_write
 
         def _write(self, img, iteration, epoch, extra):
             if iteration >= faults.persist_die_at:
                 _die_mid_write(img, self.local_path(iteration))
             return real_write(self, img, iteration, epoch, extra)
 
-        writer.ShardPersister._write = _write
+        _replace(writer.ShardPersister, "_write", _write)
     if faults.persist_full is not None:
         real_write_all = shardfile._write_all
-        _originals[(shardfile, "_write_all")] = real_write_all
         flag = faults.persist_full
 
         def _write_all(fd, mv, length):
@@ -107,7 +111,7 @@ def install(faults: ServiceFaults) -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real_write_all(fd, mv, length)
 
-        shardfile._write_all = _write_all
+        _replace(shardfile, "_write_all", _write_all)
 
 
 def uninstall() -> None:

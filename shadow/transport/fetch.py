@@ -145,4 +145,4 @@ def param_indices(pairs, nparams: int, who: str, what: str) -> list:
 
 def as_bytes(view: np.ndarray) -> memoryview:
     """A writable byte view of a float32 array (or slice of one)."""
-    return memoryview(view).cast("B")
+    return view.data.cast("B")

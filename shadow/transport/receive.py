@@ -111,7 +111,7 @@ class FrameReceiver:
         for dst, nelem, csum in h.runs:
             view = target[dst - lo : dst - lo + nelem]
             self._more("message has fewer payload frames than runs")
-            got = self.sock.recv_into(view)
+            got = self.sock.recv_into(view.data)
             if got != nelem * 4:
                 raise F.FrameError("truncated_payload", f"payload is {got} bytes, run says {nelem * 4}")
             self.bytes_in += got

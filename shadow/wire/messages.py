@@ -406,9 +406,9 @@ def validate(msg: Any) -> None:
     kind, version = msg.get("t"), msg.get("v")
     if version != VERSION:
         raise MessageError("bad_version", f"message version {version!r}, this build speaks {VERSION}")
-    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
-    if schema is None:
+    if not isinstance(kind, str) or kind not in SCHEMAS:
         raise MessageError("unknown_type", f"unknown message type {kind!r}")
+    schema = SCHEMAS[kind]
     optional = OPTIONAL.get(kind, {})
     for name in msg:
         if name not in schema and name not in optional and name not in ("t", "v"):

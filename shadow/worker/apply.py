@@ -10,12 +10,13 @@ import time
 import numpy as np
 
 from shadow.wire import frames as F
+from shadow.worker._host import WorkerHost
 from shadow.worker.commit import audit_shard
 
 logger = logging.getLogger(__name__)
 
 
-class ApplyMixin:
+class ApplyMixin(WorkerHost):
     """Worker handlers for ``apply`` and the snapshots it takes."""
 
     def _apply_upto(self, epoch: int, iteration: int, persist: bool = False) -> None:
@@ -42,23 +43,20 @@ class ApplyMixin:
                 c = slot.commits[0]
                 s.state.install_meta(c["steps"], c["has_state"])
             else:
-                img = (
-                    s.persister.begin(k, s.epoch, s.world, slot.blobs, extras)
-                    if persist and k == iteration and s.persister is not None
-                    else None
-                )
+                persister = s.persister if persist and k == iteration else None  # snapshots the cut in this pass
+                img = persister.begin(k, s.epoch, s.world, slot.blobs, extras) if persister is not None else None
                 t0 = time.perf_counter()
                 try:
                     filled = s.state.apply(
                         s.inbox.grad_parts(slot),
                         slot.commits[0],
-                        s.persister.field_views(img) if img is not None else None,
+                        persister.field_views(img) if persister is not None and img is not None else None,
                     )
                     self.replay_s += time.perf_counter() - t0
                     self.replayed += 1
                 except ValueError as exc:
-                    if img is not None:
-                        s.persister.abandon(img)
+                    if persister is not None and img is not None:
+                        persister.abandon(img)
                     self._go_stale(f"iteration {k} cannot be applied: {exc}")
                     return
                 if img is not None:
@@ -84,7 +82,7 @@ class ApplyMixin:
         """Finish the snapshot of ``iteration`` (``folded``: ``(image, filled)`` from the
         apply pass) or take it by copying."""
         s = self.session
-        if s.persister is None:
+        if s is None or s.persister is None:
             return
         if s.applied != iteration:
             self._to_coord(

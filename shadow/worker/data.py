@@ -6,24 +6,30 @@ PREPARED reported. Imports no torch."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import zmq
 
 from shadow import knobs
 from shadow.transport.receive import FrameReceiver
 from shadow.wire import frames as F
+from shadow.worker._host import WorkerHost
 from shadow.worker.commit import decode_commit, same
+
+if TYPE_CHECKING:
+    from shadow.worker.server import _Session as Assignment
 
 logger = logging.getLogger(__name__)
 
 
-class DataMixin:
+class DataMixin(WorkerHost):
     """Worker handlers for the data socket: the session's policy (stale, iteration window,
     sequence numbers, commits) around :class:`shadow.transport.receive.FrameReceiver`,
     which reads and checks each message."""
 
     def _on_data(self, sock) -> None:
         rx = self.rx
+        assert rx is not None  # opened with the data socket that called
         try:
             self._take_frame(rx)
         except zmq.Again:
@@ -60,6 +66,7 @@ class DataMixin:
     def _take_frame(self, rx: FrameReceiver) -> None:
         s = self.session
         h = rx.header(None if s is None else s.context)
+        assert s is not None  # rx.header(None) refuses every frame
         if s.stale:
             raise F.FrameError("stale", "worker is stale; frames ignored until resync")
         if h.iteration <= s.applied or h.iteration < s.base:
@@ -74,16 +81,15 @@ class DataMixin:
         rx.check_runs(h, s.context)  # before the sequence check: a malformed header consumes no sequence number
         s.inbox.check_seq(h.rank, h.seq, knobs.get_int("SEQ_WINDOW"))
         if h.kind == F.Kind.COMMIT:
-            self._take_commit(rx, h)
+            self._take_commit(s, rx, h)
         elif h.kind == F.Kind.EXTRA:
-            self._take_extra(rx, h)
+            self._take_extra(s, rx, h)
         else:
-            self._take_payload(rx, h)
+            self._take_payload(s, rx, h)
         s.seen = max(s.seen, h.iteration)
-        self._report_prepared()
+        self._report_prepared(s)
 
-    def _take_payload(self, rx: FrameReceiver, h: F.Header) -> None:
-        s = self.session
+    def _take_payload(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
         kind = F.Kind.STATE if h.kind == F.Kind.STATE else F.Kind.GRAD
         slot = s.inbox.slot(h.iteration, kind)
         if slot.commits[h.rank] is not None:
@@ -96,10 +102,9 @@ class DataMixin:
             slot.parts.extend(parts)
         slot.received[h.rank] += total
 
-    def _take_extra(self, rx: FrameReceiver, h: F.Header) -> None:
+    def _take_extra(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
         """Chunks of model state outside the optimizer (``trainer_hooks._extras``), kept
         zero-copy by key; the worker's set takes them when their iteration is applied."""
-        s = self.session
         slot = s.inbox.slot(h.iteration, F.Kind.STATE if h.iteration == s.base else F.Kind.GRAD)
         if slot.commits[h.rank] is not None:
             raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
@@ -107,8 +112,7 @@ class DataMixin:
         slot.extras.update(chunks)
         slot.extra_count[h.rank] += len(chunks)
 
-    def _take_commit(self, rx: FrameReceiver, h: F.Header) -> None:
-        s = self.session
+    def _take_commit(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
         body = rx.body(h)
         replay, blob = decode_commit(body, h, len(s.layout.params), s.layout.num_groups)
         kind = F.Kind.STATE if replay["bootstrap"] else F.Kind.GRAD
@@ -131,8 +135,7 @@ class DataMixin:
         if blob is not None:
             slot.blobs[h.rank] = blob
 
-    def _report_prepared(self) -> None:
-        s = self.session
+    def _report_prepared(self, s: Assignment) -> None:
         k = s.prepared + 1
         while True:
             slot = s.inbox.slots.get(k)

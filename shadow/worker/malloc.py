@@ -5,7 +5,7 @@ zmq allocates every received frame with ``malloc``; a large one is a fresh ``mma
 three state arrays (numpy puts those on huge pages) through the TLB at once. glibc's
 ``glibc.malloc.hugetlb=1`` tunable (glibc 2.35+) makes ``malloc`` advise its mappings for
 transparent huge pages, where the kernel allows them (THP ``madvise`` or ``always``).
-Measured with ``scripts/bench_apply.py --params 50e6`` (AMD EPYC, 2 threads, a noisy
+Measured with ``benchmarks/bench_apply.py --params 50e6`` (AMD EPYC, 2 threads, a noisy
 shared VM): the whole worker path over the replay alone was 1.37x, 1.25x and 1.36x in
 three runs with it, 1.34x, 1.57x and 1.50x without.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from shadow import knobs
@@ -27,7 +28,7 @@ TUNABLE = "glibc.malloc.hugetlb=1"
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def wanted(env: dict | None = None) -> bool:
+def wanted(env: Mapping[str, str] | None = None) -> bool:
     """Whether a worker started with ``env`` should get the tunable: Linux with glibc 2.35+,
     transparent huge pages not ``never``, not already set, not turned off."""
     env = os.environ if env is None else env

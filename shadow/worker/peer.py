@@ -15,6 +15,7 @@ import zmq
 from shadow import knobs
 from shadow.transport import SocketFactory, fetch, fetch_limit
 from shadow.wire import messages as M
+from shadow.worker._host import WorkerHost
 from shadow.worker.memory import available_bytes
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def install(session, parts: list[bytes], iteration: int) -> None:
     session.applied = session.prepared = session.seen = iteration
 
 
-class PeerMixin:
+class PeerMixin(WorkerHost):
     """Worker handlers: ``reset`` (a damaged replica) and the peer copy of a joining one."""
 
     def _reset(self, reason: str) -> None:
@@ -102,6 +103,8 @@ class PeerMixin:
 
     def _start_peer_copy(self, peer: dict) -> None:
         s = self.session
+        if s is None:
+            raise RuntimeError("a peer copy needs the session it fills: configure first")
         if self.peer is not None:
             self.peer.close()
         self.peer = PeerCopy.start(self.ctx, peer, s.epoch, s.base, self.keys)
@@ -115,6 +118,8 @@ class PeerMixin:
 
     def _peer_reply(self) -> None:
         p, s = self.peer, self.session
+        if p is None or s is None:
+            raise RuntimeError("a peer reply with no peer copy in flight")
         parts = p.sock.recv_multipart()
         self.peer = None
         p.close()

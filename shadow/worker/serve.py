@@ -22,6 +22,7 @@ import zmq
 from shadow import knobs
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.worker._host import WorkerHost
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def _client(ident: bytes, frame) -> str:
     return f"{ident.hex()}" + (f" at {addr}" if addr else "")
 
 
-class ServeMixin:
+class ServeMixin(WorkerHost):
     """Worker handlers for the serve socket."""
 
     def _on_serve(self, sock) -> None:

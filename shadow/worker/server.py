@@ -196,7 +196,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
                     poller.register(self.peer.sock, zmq.POLLIN)
                 elif not self.hold:  # a joining replica leaves the trainers' frames queued until it has state
                     poller.register(self.data, zmq.POLLIN)
-                events = dict(poller.poll(timeout=wait * 1000))
+                events = dict(poller.poll(timeout=int(wait * 1000)))
                 if self.ctrl in events:
                     self._drain(self.ctrl, self._on_ctrl)
                 if self.peer is not None and self.peer.sock in events:

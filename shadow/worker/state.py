@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import numpy as np
 
@@ -112,6 +113,8 @@ class ShardState:
 
         transforms = (f32("clip"), f32("inv_scale"), f32("grad_scale"))
         fields = self.fields()
+        arrays: tuple[np.ndarray, ...]
+        mod: ModuleType  # the kernels' module
         if self.kind == "sgd":
             self.plan.prepare_sgd(commit["groups"], self.has_state, skipped, *transforms)
             arrays = (self.param, self.exp_avg)

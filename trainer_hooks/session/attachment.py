@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import zmq
+from torch.nn.parallel import DistributedDataParallel
 
 from shadow import knobs
 from shadow.client import LogWaiting, dealer, request
@@ -40,11 +41,11 @@ class Attachment:
     """What one attach made. Built by :meth:`open`, ended by :meth:`close`."""
 
     #: the sender thread's class; ``trainer_hooks.testing`` swaps in a fault-injecting one
-    sender_class: type = Sender
+    sender_class: type[Sender] = Sender
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: DistributedDataParallel,
         optimizer: torch.optim.Optimizer,
         coordinator: str,
         options: AttachOptions,
@@ -68,13 +69,16 @@ class Attachment:
         self.buckets = 0  # buckets the hook staged (or tried to)
         self.blocked_s = 0.0
         self.closed = False
-        self.dealer = self.ring = self.sender = self.recovery = None
+        self.dealer: zmq.Socket | None = None  # to the coordinator: the handshake's, then the sender's
+        self.ring: StagingRing | None = None  # None again once released (close)
+        self.sender: Sender | None = None
+        self._recovery: RecoveryController | None = None
         self.ring_figures = {"blocked_s": 0.0, "occupancy": 0.0, "high_water": 0.0}
 
     @classmethod
     def open(
         cls,
-        model: torch.nn.Module,
+        model: DistributedDataParallel,
         optimizer: torch.optim.Optimizer,
         coordinator: str,
         options: AttachOptions,
@@ -99,7 +103,7 @@ class Attachment:
         return att
 
     def _handshake(self, overwrite: bool, restored: RestorePoint | None) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.dealer = dealer(self.ctx, self.coordinator)
         payload = M.encode(
             "attach",
@@ -129,8 +133,18 @@ class Attachment:
         self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
         self.shards = [(w["start"], w["stop"]) for w in self.workers]
 
+    @property
+    def recovery(self) -> RecoveryController:
+        """This epoch's view of the cluster (committed cut, degraded, resyncs, joins); there
+        once :meth:`open` has started the attachment."""
+        if self._recovery is None:
+            raise RuntimeError("the attachment has not been started (Attachment.open starts it)")
+        return self._recovery
+
     def _start(self, latch: ErrorLatch) -> None:
-        self.recovery = RecoveryController(latch, self.rank, self.epoch, self.options.audit_strict)
+        if self.dealer is None:
+            raise RuntimeError("the attachment has no connection to the coordinator (the handshake comes first)")
+        self._recovery = RecoveryController(latch, self.rank, self.epoch, self.options.audit_strict)
         nbuckets_slack = 16 * 256
         cap = knobs.get_int("RING_ITERATIONS") * (self.layout.total // self.world + nbuckets_slack)
         self.ring = StagingRing(cap, pin=self.device.type == "cuda")
@@ -181,9 +195,12 @@ class Attachment:
         lo, hi = plan.stripe
         if hi <= lo or not any(plan.counts):
             return
+        ring, sender = self.ring, self.sender
+        if ring is None or sender is None:
+            raise RuntimeError("a bucket reached an attachment that is not running (not started, or closed)")
         block = self.options.policy == "block"
         try:
-            off = self.ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if block else 0.0)
+            off = ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if block else 0.0)
         except RingInterrupted:
             return  # degraded while waiting: nothing more is streamed until a resync
         except RingFullError as exc:
@@ -192,7 +209,7 @@ class Attachment:
             else:
                 self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
             return
-        ready = self.copier.copy(self.ring.tensor[off : off + hi - lo], reduced[lo:hi])
+        ready = self.copier.copy(ring.tensor[off : off + hi - lo], reduced[lo:hi])
         probes = []
         if plan.probes:
             n = len(plan.probes)
@@ -201,7 +218,7 @@ class Attachment:
                 probes.append((pos - lo, pidx, elem))
         with recorder.lock:
             recorder.staged(plan.counts, [(pidx, elem) for _, pidx, elem in probes])
-        self.sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
+        sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
 
     def fence(self) -> None:
         """The current stream waits (on the device) for every bucket copy queued so far:
@@ -247,8 +264,11 @@ class Attachment:
         outside the optimizer that changed are copied now (non-blocking); the sender
         builds the frames per worker (the blob only to the replicas of this rank's shard),
         after the EXTRA chunks (:mod:`trainer_hooks.session.commit`)."""
+        sender = self.sender
+        if sender is None:
+            raise RuntimeError("a commit reached an attachment that was never started")
         state, extras = commit_parts.capture(self, commit)
-        self.sender.q.put(
+        sender.q.put(
             CommitItem(commit.iteration, None, functools.partial(commit_parts.build, self, commit, state, extras))
         )
         self.last_emitted = commit.iteration
@@ -266,10 +286,10 @@ class Attachment:
         commit the last iteration queued. Then stop the sender, detach, release the ring."""
         if self.closed:
             return
-        rec = self.recovery
-        if wait and rec is not None and (latch is None or latch.error is None):
+        rec, sender = self._recovery, self.sender
+        if wait and rec is not None and sender is not None and (latch is None or latch.error is None):
             done = threading.Event()
-            self.sender.q.put(FlushItem(done))
+            sender.q.put(FlushItem(done))
             done.wait(knobs.get("CLOSE_TIMEOUT_S"))
             cond = latch.cond if latch is not None else threading.Condition()
             with cond:
@@ -307,8 +327,8 @@ class Attachment:
             "high_water": ring.high_water / ring.capacity,
         }
         self.ring = None
-        if self.recovery is not None:
-            self.recovery.ring = None
+        if self._recovery is not None:
+            self._recovery.ring = None
         if self.sender is not None:
             self.sender.ring = None
 

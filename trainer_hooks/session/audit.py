@@ -22,7 +22,7 @@ def sample(layout, params: list, optimizer, optim_desc: dict, shards: list, k: i
     names = _optim.STATE_KEYS[optim_desc["kind"]]
     keys = {f: names.get(f) for f in F.state_fields(optim_desc)}
     views: list[torch.Tensor] = []
-    plan = []
+    plan: list[tuple[list[int], dict[int, list]] | None] = []
     for lo, hi in shards:
         if hi <= lo:
             plan.append(None)

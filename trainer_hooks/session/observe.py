@@ -19,48 +19,54 @@ def observed(cls: type) -> type:
     """A subclass of a scheduler or GradScaler class that tells the owning session when
     it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched);
     it reports to the recorder in ``OWNERS``."""
-    ns: dict = {"__module__": cls.__module__}
-    if hasattr(cls, "unscale_"):  # GradScaler
+    methods = _scaler_methods(cls) if hasattr(cls, "unscale_") else _scheduler_methods(cls)
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__, **methods})
 
-        def unscale_(self, optimizer):
-            recorder = OWNERS.get(self)
-            if recorder is not None:
-                recorder.unscaled(self._scale.double().reciprocal().float())  # read later, by the sender
-            return cls.unscale_(self, optimizer)
 
-        def step(self, optimizer, *args, **kwargs):
-            recorder = OWNERS.get(self)
-            before = recorder.next if recorder is not None else None
-            out = cls.step(self, optimizer, *args, **kwargs)
-            if recorder is not None and recorder.next == before:
-                recorder.skipped_step()  # inf/nan: the optimizer did not step at all
-            return out
+def _scaler_methods(cls: type) -> dict[str, Any]:
+    """The observed GradScaler's ``unscale_``, ``step`` and ``update``."""
 
-        def update(self, *args, **kwargs):
-            out = cls.update(self, *args, **kwargs)
-            recorder = OWNERS.get(self)
-            if recorder is not None:
-                recorder.stepped("scaler")
-            return out
+    def unscale_(self, optimizer):
+        recorder = OWNERS.get(self)
+        if recorder is not None:
+            recorder.unscaled(self._scale.double().reciprocal().float())  # read later, by the sender
+        return cls.unscale_(self, optimizer)
 
-        ns.update(unscale_=unscale_, step=step, update=update)
-    else:
+    def step(self, optimizer, *args, **kwargs):
+        recorder = OWNERS.get(self)
+        before = recorder.next if recorder is not None else None
+        out = cls.step(self, optimizer, *args, **kwargs)
+        if recorder is not None and recorder.next == before:
+            recorder.skipped_step()  # inf/nan: the optimizer did not step at all
+        return out
 
-        def step(self, *args, **kwargs):
-            out = cls.step(self, *args, **kwargs)
-            recorder = OWNERS.get(self)
-            if recorder is not None:
-                recorder.stepped("scheduler")
-            return out
+    def update(self, *args, **kwargs):
+        out = cls.update(self, *args, **kwargs)
+        recorder = OWNERS.get(self)
+        if recorder is not None:
+            recorder.stepped("scaler")
+        return out
 
-        ns["step"] = step
-    return type(cls.__name__, (cls,), ns)
+    return {"unscale_": unscale_, "step": step, "update": update}
+
+
+def _scheduler_methods(cls: type) -> dict[str, Any]:
+    """The observed scheduler's ``step``."""
+
+    def step(self, *args, **kwargs):
+        out = cls.step(self, *args, **kwargs)
+        recorder = OWNERS.get(self)
+        if recorder is not None:
+            recorder.stepped("scheduler")
+        return out
+
+    return {"step": step}
 
 
 def watch(obj: Any, recorder: Any) -> type:
     """Swap ``obj``'s class for its observed subclass, reporting to ``recorder``;
     returns the original class for :func:`unwatch`."""
-    cls = type(obj)
+    cls: type = type(obj)  # annotated: mypy does not take type[Any] for Hashable (the cache key)
     obj.__class__ = observed(cls)
     OWNERS[obj] = recorder
     return cls

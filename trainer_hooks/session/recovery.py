@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from shadow import knobs
 from shadow.errors import ShadowError
-from trainer_hooks.session.sender import JoinItem, NoticeItem
+from trainer_hooks.session.sender import JoinItem, NoticeItem, Sender
+from trainer_hooks.session.staging import StagingRing
 from trainer_hooks.session.transfer import HostCopy
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ class RecoveryController:
 
     def __init__(self, latch: ErrorLatch, rank: int, epoch: int, audit_strict: bool = False) -> None:
         self.latch, self.rank, self.epoch, self.audit_strict = latch, rank, epoch, audit_strict
-        self.sender = None  # bound once the attachment's sender exists
-        self.ring = None
+        self.sender: Sender | None = None  # bound once the attachment's sender exists
+        self.ring: StagingRing | None = None  # bound with it; None again once the attachment releases it
         self.applied = -1  # newest iteration the cluster committed (as last heard)
         self.degraded: str | None = None  # why this attachment stopped streaming
         self.resync_requested = False  # the coordinator asked (this rank heard it)
@@ -62,8 +63,14 @@ class RecoveryController:
         self.join_done = 0  # newest generation this rank streams to
         self.join_at: tuple[int, int] | None = None  # (after iteration, up to generation)
 
-    def bind(self, sender, ring) -> None:
+    def bind(self, sender: Sender, ring: StagingRing) -> None:
         self.sender, self.ring = sender, ring
+
+    def _bound_sender(self) -> Sender:
+        """The attachment's sender: bound before it starts, so before anything here needs it."""
+        if self.sender is None:
+            raise RuntimeError("the recovery controller is not bound to its sender yet")
+        return self.sender
 
     # -- SenderEvents --------------------------------------------------------------------------------
     def on_error(self, exc: BaseException | str) -> None:
@@ -122,7 +129,7 @@ class RecoveryController:
         waiting). Once it answers again, every heartbeat tells it so (``paused``) until it
         asks for the resync, which it does when the cluster is whole (a restarted cluster
         without the job asks by itself)."""
-        self.sender.paused = why
+        self._bound_sender().paused = why
         self.on_degraded(why)
 
     def on_refused(self, iteration: int, exc: BaseException) -> None:
@@ -131,7 +138,7 @@ class RecoveryController:
         self.latch.set(exc)
 
     def on_back(self) -> None:
-        if self.sender.paused is not None:
+        if self._bound_sender().paused is not None:
             logger.warning(
                 "rank %d hears the shadow coordinator again; the cluster resyncs once it is whole", self.rank
             )
@@ -141,7 +148,7 @@ class RecoveryController:
         """Policy skip: never wait for the shadow. Stop streaming (degraded), tell the
         coordinator, and let it ask for a resync once the workers answer again."""
         self.on_degraded(f"policy skip: {why}; training goes on without checkpoints until the cluster resyncs")
-        self.sender.q.put(
+        self._bound_sender().q.put(
             NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k, "applied": self.applied})
         )
 
@@ -189,10 +196,11 @@ class RecoveryController:
         self.join_at = None
         with self.latch.cond:  # another rank may have heard of a join this one has not yet: it is in flight
             self.latch.cond.wait_for(lambda: max(self.joins, default=0) >= gen, knobs.get("CONNECT_TIMEOUT_S"))
+        sender = self._bound_sender()
         for g in sorted(x for x in self.joins if self.join_done < x <= gen):
             msg = self.joins.pop(g)
-            self.sender.q.put(JoinItem(msg["worker"], msg["data"]))
-            self.sender.q.put(
+            sender.q.put(JoinItem(msg["worker"], msg["data"]))
+            sender.q.put(
                 NoticeItem(
                     "replica_from",
                     {

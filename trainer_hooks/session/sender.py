@@ -343,7 +343,8 @@ class Sender(threading.Thread):
             runs = self.split_runs(runs, F.MAX_PART_BYTES // data.itemsize)
             views = [data[src : src + n] for src, _, n in runs]
             table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views, strict=True)]
-            frames = [self._header(kind, field, iteration, w, table)] + [memoryview(v) for v in views]
+            frames: list[bytes | memoryview] = [self._header(kind, field, iteration, w, table)]
+            frames += [v.data for v in views]
             tracker = self._send(w, frames, True, iteration)
             if tracker is not None:
                 trackers.append(tracker)
@@ -353,6 +354,8 @@ class Sender(threading.Thread):
             self.pending.append((ring_slot[0], ring_slot[1], trackers))
 
     def _send_commit(self, item: CommitItem) -> None:
+        if item.bodies is None:
+            raise RuntimeError(f"the commit of iteration {item.iteration} was never built")
         for w, body in enumerate(item.bodies):
             if w in self.out:
                 continue

@@ -100,7 +100,7 @@ class Session:
         self._slot = HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self)
-        att = self.attachment
+        att = self._att
         logger.info(
             "rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
             self.rank,
@@ -143,10 +143,18 @@ class Session:
         self._watched = [(obj, observe.watch(obj, self.recorder)) for obj in self.options.observed.values()]
         self._slot.bind(self._on_bucket, self.options.comm_hook, self.options.comm_state)
 
+    @property
+    def _att(self) -> Attachment:
+        """The current attachment: there from the end of ``__init__`` on (a failed resync
+        keeps the closed one)."""
+        if self.attachment is None:
+            raise RuntimeError("the session has no attachment (its first attach did not complete)")
+        return self.attachment
+
     def _detach(self, wait: bool) -> None:
         """Close the current attachment and unhook (the slot goes back to reducing only)."""
         self._emit_pending()
-        att = self.attachment
+        att = self._att
         att.close(wait=wait, latch=self.latch)
         for key, value in att.figures().items():
             if key in self._past:
@@ -229,7 +237,7 @@ class Session:
             raise ShadowUsageError(device.CAPTURE_ERROR)
         self.latch.raise_if_set(self.rank)
         self._emit_pending()
-        att = self.attachment
+        att = self._att
         checks.check_layout(self.optimizer, att.layout, att.params)
         self.recorder.read_probes(att.params)  # compared by the sender with what was staged
 
@@ -248,7 +256,7 @@ class Session:
         self._record(k, sent, True, None, None)
 
     def _record(self, k: int, sent: list, skip: bool, grad_scale: Any, found_inf: Any) -> None:
-        att, every = self.attachment, self.options.audit_every
+        att, every = self._att, self.options.audit_every
         audit = att.audit(k) if every and k % every == 0 and not skip and self.rank == 0 else None
         self.recorder.record(k, sent, skip, grad_scale, found_inf, att.params, self.rank, audit)
         if self.recorder.ready:
@@ -268,13 +276,14 @@ class Session:
         self._emit_pending()
         if self.closed:
             return
-        self.attachment.fence()
+        att = self._att
+        att.fence()
         k = self.recorder.next - 1
-        action = self.attachment.recovery.boundary(k)
+        action = att.recovery.boundary(k)
         if action == "resync":
             self._resync()
-        elif action is not None:
-            self.attachment.recovery.start_joins(action, self.recorder.next)
+        elif isinstance(action, int):  # a replica generation
+            att.recovery.start_joins(action, self.recorder.next)
 
     # -- public ---------------------------------------------------------------------------------------------
     def clip_grad_norm_(
@@ -311,7 +320,7 @@ class Session:
     @property
     def applied(self) -> int:
         """Newest iteration the cluster has committed (as last heard)."""
-        return self.attachment.recovery.applied
+        return self._att.recovery.applied
 
     @property
     def iteration(self) -> int:
@@ -321,7 +330,7 @@ class Session:
     @property
     def degraded(self) -> str | None:
         """Why this rank is not streaming now (None while it is)."""
-        return self._failed or self.attachment.recovery.degraded
+        return self._failed or self._att.recovery.degraded
 
     @property
     def job(self) -> str:
@@ -331,27 +340,27 @@ class Session:
     @property
     def epoch(self) -> int:
         """The cluster's epoch for this job (a new one at every resync or re-attach)."""
-        return self.attachment.epoch
+        return self._att.epoch
 
     @property
     def job_id(self) -> int:
         """The cluster's id for this job (in every data frame header)."""
-        return self.attachment.job_id
+        return self._att.job_id
 
     @property
     def layout(self):
         """The flat layout of the optimizer's parameters the cluster holds."""
-        return self.attachment.layout
+        return self._att.layout
 
     @property
     def base(self) -> int:
         """The iteration the current attachment started at."""
-        return self.attachment.base
+        return self._att.base
 
     @property
     def sender(self):
         """The current attachment's sender thread (its queue, sequence numbers, byte counts)."""
-        return self.attachment.sender
+        return self._att.sender
 
     @property
     def audit_failures(self) -> list[str]:
@@ -364,7 +373,7 @@ class Session:
         ``blocked_s`` (waits for the cluster or for ring space), ring occupancy and high
         water (the current ring), bytes and messages sent, ``applied``, ``iteration``,
         ``degraded``, ``shadow_errors``."""
-        att = self.attachment
+        att = self._att
         fig, live = att.figures(), not att.closed  # a closed attachment's figures are in _past
 
         def total(key: str, current: float) -> float:

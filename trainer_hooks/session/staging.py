@@ -80,6 +80,7 @@ class StagingRing:
                 if not ok:
                     raise RingFullError(f"staging ring stayed full for {timeout:.0f} s (the sender is stuck)")
                 off = self._fits(n)
+                assert off is not None  # the wait ended on room, and the lock is still held
             self._live.append([off, n, False])
             self._head = off + n
             self._used += n

@@ -32,7 +32,7 @@ class _Done:
 DONE = _Done()
 
 
-def _record(stream=None):
+def _record(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
     # blocking: a thread that waits on it sleeps instead of spinning on a core the trainer may need
     ev = torch.cuda.Event(blocking=True)
     ev.record(stream)
@@ -52,22 +52,23 @@ class CopyStream:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self.last = DONE
+        self.last: torch.cuda.Event | _Done = DONE
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if not self.cuda or src.device.type != "cuda":
+        stream = self.stream  # None unless the device is a GPU
+        if stream is None or src.device.type != "cuda":
             dst.copy_(src)
             return DONE
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            ev = _record(self.stream)
-        src.record_stream(self.stream)  # the allocator may not hand src's memory out before the copy ran
+            ev = _record(stream)
+        src.record_stream(stream)  # the allocator may not hand src's memory out before the copy ran
         self.last = ev
         return ev
 
     def fence(self) -> None:
-        if self.cuda and self.last is not DONE:
+        if self.cuda and not isinstance(self.last, _Done):  # DONE: nothing copied yet
             torch.cuda.current_stream(self.device).wait_event(self.last)
 
 
