@@ -1,7 +1,7 @@
 """The worker's per-iteration work before and after applying from the received frames
 and folding the persistence snapshot into the apply pass.
 
-    python scripts/bench_apply.py [--params 50e6] [--iters 6] [--threads 2] [--quick] [--json PATH]
+    python benchmarks/bench_apply.py [--params 50e6] [--iters 6] [--threads 2] [--quick] [--json PATH]
 
 A sender process streams one AdamW gradient of --params fp32 elements per iteration, as
 DDP buckets of GPT-sized runs framed exactly like the trainer's sender (xxh3 per run,
@@ -36,7 +36,29 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import Goal, pyplot, save
+
 ROOT = Path(__file__).resolve().parents[1]
+
+GOALS = [
+    Goal("whole worker path / replay alone (CPU-s, same threads)", "whole_path_vs_replay_alone", 1.25, "<=", "x"),
+    Goal("states bit-identical (before and after paths)", "bit_identical", True, "=="),
+    Goal("folded snapshot identical to the copied one", "snapshot_identical", True, "=="),
+    Goal(
+        "worker CPU / iteration, {key} vs before",
+        "paths.*.cpu_speedup_vs_before",
+        None,
+        unit="x",
+        where={"key": "after*"},
+    ),
+    Goal("bytes moved / param, {key}", "paths.*.bytes_per_param", None),
+    Goal("worker CPU-s / iteration / B params", "paths.after.cpu_s_per_iter_per_Bparams", None),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--params", "20e6", "--iters", "5"]
+ARGS_FULL: list[str] = []
+ARGS_SMOKE = ["--params", "2e6", "--iters", "2", "--threads", "1"]
 
 # bytes per parameter per iteration, by pass (see the module docstring)
 PASSES = {
@@ -101,14 +123,20 @@ def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
     ctx.term()
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--iters", type=int, default=6, help="iterations per kind (plain, snapshot)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true", help="10M params, 4 iterations per kind")
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """Both paths, plain and snapshot iterations, the table printed; the JSON document.
+    Run it in a process of its own: it re-executes that process with malloc on huge pages
+    (:func:`shadow.worker.malloc.reexec`) and sets NUMBA_NUM_THREADS before numba loads."""
     if args.quick:
         args.params, args.iters = min(args.params, 10e6), min(args.iters, 4)
     from shadow.worker import malloc
@@ -121,9 +149,10 @@ def main() -> int:
     from benchlib import machine_info
 
     from shadow import knobs
-    from shadow.kernels.plan import warm_up
+    from shadow.kernels.replay import warm_up
     from shadow.layout import Layout
     from shadow.persist.writer import ShardPersister
+    from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
     from shadow.wire import frames as F
     from shadow.worker.state import ShardState
 
@@ -161,11 +190,10 @@ def main() -> int:
         states[path] = st
         persisters[path] = ShardPersister({"local": {"dir": tmp}, "remote": {"url": ""}}, "bench", 0, 1, st)
     grad_buf = np.empty(total, dtype=np.float32)
-    max_runs = knobs.get_int("MAX_RUNS")
 
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 0)
+    pull = SocketFactory(ctx).pull(data_limit(), knobs.get_int("DATA_RCVHWM"))  # the worker's data socket
+    rx, rx_ctx = FrameReceiver(pull), Context(1, 1, 7, 1, 0, total)  # sender_main's job, epoch, layout, world
     endpoint = f"ipc://{tmp}/data"
     pull.bind(endpoint)
     parent, child = mp.get_context("spawn").Pipe()
@@ -181,18 +209,16 @@ def main() -> int:
         for _ in range(len(buckets)):
             pull.poll()  # waiting is not work
             c0 = time.process_time()
-            h = F.unpack_header(pull.recv(), max_runs)
-            for dst, n, csum in h.runs:
+            # the worker's receiver: header, context, run table, each part's size and xxh3
+            try:
+                h = rx.header(rx_ctx)
+                rx.check_runs(h, rx_ctx)
                 if path == "before":
-                    view = grad_buf[dst : dst + n]
-                    got = pull.recv_into(view)
+                    rx.runs_into(h, grad_buf, 0)
                 else:
-                    frame = pull.recv(copy=False)
-                    got = len(frame)
-                    view = np.frombuffer(frame.buffer, dtype=np.float32)
-                    parts.append((dst, view))
-                if got != 4 * n or F.checksum(view) != csum:
-                    raise SystemExit(f"bench frame check failed at {dst}")
+                    parts.extend(rx.runs_kept(h, 0)[1])
+            except F.FrameError as exc:
+                raise SystemExit(f"bench frame check failed: {exc}") from None
             cpu += time.process_time() - c0
         return sorted(parts, key=lambda p: p[0]), cpu
 
@@ -286,9 +312,40 @@ def main() -> int:
         f"(goal <= 1.25x); malloc on huge pages: {out['malloc_hugepages']}"
     )
     print(f"states bit-identical: {same}; folded snapshot identical to the copied one: {snap_ok}")
+    return out
+
+
+def plot(results: dict, path) -> bool:
+    """Worker CPU-s per iteration per B params of each path, bytes per param on the bars."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    p = results["paths"]
+    names = ["before", "after", "before+snapshot", "after+snapshot"]
+    fig, ax1 = plt.subplots(figsize=(6, 3.2))
+    ax1.bar(
+        names, [p[n]["cpu_s_per_iter_per_Bparams"] for n in names], color=["grey", "tab:green", "grey", "tab:green"]
+    )
+    for i, n in enumerate(names):
+        ax1.text(
+            i,
+            p[n]["cpu_s_per_iter_per_Bparams"],
+            f"{p[n]['bytes_per_param']} B/param",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax1.set_ylabel("worker CPU-s / iteration / B params")
+    ax1.set_title("Apply from frames, snapshot in the apply pass")
+    return save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
-    return 0 if same and snap_ok else 1
+    return 0 if out["bit_identical"] and out["snapshot_identical"] else 1
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ torch AdamW on CPU, then its parameters, exp_avg and exp_avg_sq compressed as th
 would (16 MiB blocks), plain zstd vs byte planes + zstd at several levels. Prints tables
 and writes JSON.
 
-    python scripts/bench_compress.py --json docs/bench/compress.json
+    python benchmarks/bench_compress.py --json docs/bench/compress.json
 
 Figures: ratio = raw bytes / compressed bytes; MB/s = raw MB per second of one thread
 (compress, and decompress into a preallocated buffer, checksums included for the planes
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import zstandard
-from benchlib import machine_info
+from benchlib import Goal, bars, example_gpt, machine_info
 
 from shadow import knobs
 from shadow.persist import planes, shardfile, zshard
@@ -34,12 +34,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FIELDS = ("param", "exp_avg", "exp_avg_sq")
 
+# figures only: compression is lossless by test, its ratio and speed are what they are
+_CODECS = {"key": "[zp]*-[13]"}  # zstd-1, zstd-3, planes-1, planes-3: one thread each
+GOALS = [
+    Goal("persisted shard, {key}: ratio", "shard.*.ratio", None, unit="x", where=_CODECS),
+    Goal("persisted shard, {key}: compress", "shard.*.compress_MBps", None, unit="MB/s", where=_CODECS),
+    Goal("persisted shard, {key}: decompress", "shard.*.decompress_MBps", None, unit="MB/s", where=_CODECS),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--repeat", "3"]
+ARGS_FULL = ["--repeat", "5"]
+ARGS_SMOKE = ["--n-layer", "1", "--n-embd", "64", "--steps", "2", "--repeat", "1", "--levels", "1,3"]
+
 
 def train(n_layer: int, n_embd: int, steps: int, batch: int) -> tuple[dict[str, np.ndarray], dict]:
-    """The GPT of scripts/gpt.py after ``steps`` AdamW steps: flat fp32 params and moments."""
+    """The GPT of examples/gpt.py after ``steps`` AdamW steps: flat fp32 params and moments."""
     import torch
-    from gpt import GPT, CharData, GPTConfig, corpus
 
+    GPT, CharData, GPTConfig, corpus = example_gpt()
     torch.manual_seed(0)
     data = CharData(corpus(4000))
     model = GPT(GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=n_layer, n_embd=n_embd))
@@ -148,7 +161,7 @@ def run_rounds(cases: dict, rounds: int) -> dict[str, list]:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=512, help="6 x 512: 19M parameters")
@@ -157,7 +170,12 @@ def main() -> int:
     ap.add_argument("--levels", default="1,3,9")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up (median)")
     ap.add_argument("--json", default="bench_compress.json")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """Train, then every codec per field, the whole shard file and the interleave, the
+    tables printed; the JSON document."""
     levels = [int(x) for x in args.levels.split(",")]
     t_start = time.perf_counter()
     info = machine_info()
@@ -328,6 +346,19 @@ def main() -> int:
         "interleave": interleave,
         "wall_s": time.perf_counter() - t_start,
     }
+    return out
+
+
+def plot(results: dict, path) -> bool:
+    """Compression ratio of the whole shard file per codec (no better plot: the speeds are
+    in the table)."""
+    shard = results["shard"]
+    return bars(path, list(shard), [v["ratio"] for v in shard.values()], "Persisted shard, lossless", "ratio")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = run(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json} ({out['wall_s']:.0f} s)")

@@ -1,6 +1,6 @@
 """The shadow on a GPU: step-time overhead, hook time, restore time and fidelity.
 
-    python scripts/bench_gpu.py [--accum 8,2] [--modes none,shadow,shadow_foreach,dcp]
+    python benchmarks/bench_gpu.py [--accum 8,2] [--modes none,shadow,shadow_foreach,dcp]
                                 [--steps 16] [--warmup 4] [--json PATH] [--tiny] [--device cuda|cpu]
 
 The protocol of issue 17: GPT-124M (12 layers, width 768, 12 heads, vocab 50304, block
@@ -40,10 +40,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import Goal, bars, machine_info
+
 from shadow.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "shadow", "shadow_foreach", "dcp")
+
+_SHADOW = {"mode": "shadow*"}
+GOALS = [
+    Goal("accum {accum}: {mode} / none", "results.*.vs_none", 1.005, "<=", "x", where={**_SHADOW, "accum": "8"}),
+    Goal("accum {accum}: {mode} / none", "results.*.vs_none", 1.03, "<=", "x", where={**_SHADOW, "accum": "2"}),
+    Goal("accum {accum}, {mode}: hook time per bucket", "results.*.hook_ms_per_bucket", 1.0, "<=", "ms"),
+    Goal("accum {accum}: {mode} / none", "results.*.vs_none", None, unit="x", where={"mode": "!shadow*"}),
+]
+NEEDS_CUDA = True  # bench_all.py skips it where torch sees no CUDA device
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--steps", "8", "--warmup", "2"]
+ARGS_FULL: list[str] = []
+ARGS_SMOKE = ["--tiny", "--steps", "2", "--warmup", "1", "--accum", "2"]
 
 
 def build_model(tiny: bool):
@@ -332,7 +348,7 @@ def pinning(args) -> tuple[str | None, str | None]:
     return f"{first}-{last}", f"{last + 1}-{n - 1}"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--accum", default="8,2")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ",".join(MODES))
@@ -348,16 +364,15 @@ def main() -> int:
     ap.add_argument("--rank-accum", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.rank_mode:
-        args.mode, args.accum = args.rank_mode, args.rank_accum
-        rank_main(args)
-        return 0
+    return ap
+
+
+def run(args) -> dict:
+    """Every accumulation x mode in a fresh trainer process, the table printed; the JSON
+    document (each result with its step time against none at that accumulation,
+    ``vs_none``). Needs a CUDA device unless ``--device cpu``."""
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu --tiny for a smoke run", file=sys.stderr)
-        return 2
     trainer_cores, cluster_cores = pinning(args)
     work = Path(tempfile.mkdtemp(prefix="bench_gpu-"))
     modes = [m for m in args.modes.split(",") if m]
@@ -377,6 +392,10 @@ def main() -> int:
                 print(f"  accum {accum} {mode}: {res['s_per_step']:.4f} s/step", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for r in results:
+        base = next((b["s_per_step"] for b in results if b["mode"] == "none" and b["accum"] == r["accum"]), None)
+        if base and r["mode"] != "none":
+            r["vs_none"] = r["s_per_step"] / base
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none (cpu)"
     print(
         f"\n{gpu}, torch {torch.__version__}, trainer cores {trainer_cores or 'not pinned'}, cluster cores "
@@ -402,27 +421,48 @@ def main() -> int:
             f"{f('hook_ms_per_bucket', '.3f')} | {f('hook_ms_per_step', '.2f')} | {f('blocked_s', '.3f')} | "
             f"{f('restore_s', '.2f')} | {f('dcp_load_s', '.2f')} | {ulp} | {frac} |"
         )
-    if args.json:
-        from benchlib import machine_info
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "trainer_cores": trainer_cores,
+        "cluster_cores": cluster_cores,
+        "workers": args.workers,
+        "worker_threads": args.worker_threads,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "tiny": args.tiny,
+        "results": results,
+        "machine": machine_info(),
+    }
 
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "gpu": gpu,
-                    "torch": torch.__version__,
-                    "trainer_cores": trainer_cores,
-                    "cluster_cores": cluster_cores,
-                    "workers": args.workers,
-                    "worker_threads": args.worker_threads,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                    "tiny": args.tiny,
-                    "results": results,
-                    "machine": machine_info(),
-                },
-                indent=2,
-            )
-        )
+
+def plot(results: dict, path) -> bool:
+    """Step time of each mode against none, per accumulation (the goal line: 1.005x)."""
+    rows = [r for r in results["results"] if "vs_none" in r]
+    return bars(
+        path,
+        [f"{r['mode']}\naccum {r['accum']}" for r in rows],
+        [r["vs_none"] for r in rows],
+        f"{results['gpu']}: step time / no checkpoint",
+        "step time / none",
+        goal=1.005,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.rank_mode:
+        args.mode, args.accum = args.rank_mode, args.rank_accum
+        rank_main(args)
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu --tiny for a smoke run", file=sys.stderr)
+        return 2
+    doc = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 

@@ -2,7 +2,7 @@
 the example GPT with no checkpointing, with the shadow attached (workers on this machine),
 with DCP async_save every iteration and every 50, and with torch.save every iteration.
 
-    python scripts/bench_overhead.py [--steps 20] [--rounds 1] [--n-layer 6] [--n-embd 512] [--json PATH]
+    python benchmarks/bench_overhead.py [--steps 20] [--rounds 1] [--n-layer 6] [--n-embd 512] [--json PATH]
 
 Each mode runs in fresh rank processes; the figure is seconds per step over the timed
 steps (after 3 warm-up steps), taken on rank 0, and its ratio to no checkpointing; with
@@ -23,18 +23,31 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import Goal, bars, example_gpt, machine_info
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "python_hook")
+
+GOALS = [
+    Goal("step time, shadow / none", "vs_none.shadow", 1.05, "<=", "x"),
+    Goal("shadow overhead / DCP async_save overhead", "overhead_vs_dcp_async", 0.2, "<="),
+    Goal("step time, {key} / none", "vs_none.*", None, unit="x", where={"key": "!shadow"}),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--steps", "8", "--rounds", "2", "--n-layer", "8", "--n-embd", "576"]
+ARGS_FULL = ["--steps", "20", "--rounds", "3", "--n-layer", "8", "--n-embd", "576"]
+ARGS_SMOKE = ["--steps", "2", "--rounds", "1", "--n-layer", "1", "--n-embd", "64", "--modes", "none,shadow"]
 
 
 def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from gpt import GPT, CharData, GPTConfig, corpus
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    GPT, CharData, GPTConfig, corpus = example_gpt()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -136,7 +149,7 @@ def launch(mode: str, args, work: Path, coordinator: str = "") -> dict:
     return res
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--n-layer", type=int, default=6)
@@ -147,11 +160,12 @@ def main() -> int:
     ap.add_argument("--rank-mode", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.rank_mode:
-        args.mode = args.rank_mode
-        rank_main(args)
-        return 0
+    return ap
+
+
+def run(args) -> dict:
+    """Every mode in fresh 2-rank processes (``--rounds`` interleaved rounds), the table
+    printed; the JSON document, with each mode's step time against none (``vs_none``)."""
     from shadow.testing import LocalCluster
 
     work = Path(tempfile.mkdtemp(prefix="bench_overhead-"))
@@ -186,22 +200,45 @@ def main() -> int:
     if "shadow" in results and "dcp_async" in results:
         sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
         print(f"shadow overhead / DCP async_save overhead: {sh / dc:.2f} (goal <= 0.2)" if dc > 0 else "")
-    if args.json:
-        from benchlib import machine_info
-
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "params": params,
-                    "steps": args.steps,
-                    "rounds": args.rounds,
-                    "results": results,
-                    "machine": machine_info(),
-                },
-                indent=2,
-            )
-        )
     shutil.rmtree(work, ignore_errors=True)
+    doc = {
+        "params": params,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "results": results,
+        "machine": machine_info(),
+        "vs_none": {m: r["s_per_step"] / base for m, r in results.items() if m != "none" and "none" in results},
+    }
+    if "shadow" in results and "dcp_async" in results:
+        sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
+        if dc > 0:
+            doc["overhead_vs_dcp_async"] = sh / dc
+    return doc
+
+
+def plot(results: dict, path) -> bool:
+    """Step time of each mode against no checkpointing, the goal line at 1.05x."""
+    r = results["results"]
+    base = r.get("none", next(iter(r.values())))["s_per_step"]
+    return bars(
+        path,
+        list(r),
+        [r[m]["s_per_step"] / base for m in r],
+        f"Trainer overhead, GPT {results['params'] / 1e6:.0f}M, 2 gloo ranks",
+        "step time / no checkpoint",
+        goal=1.05,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.rank_mode:
+        args.mode = args.rank_mode
+        rank_main(args)
+        return 0
+    doc = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 

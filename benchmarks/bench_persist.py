@@ -2,7 +2,7 @@
 bytes and vs torch.save + fsync; restore from disk vs torch.distributed.checkpoint.load.
 All in one run, same machine, same bytes. Prints a table and writes JSON.
 
-    python scripts/bench_persist.py --gib 1 --dir /path/on/the/disk --json docs/bench/persist.json
+    python benchmarks/bench_persist.py --gib 1 --dir /path/on/the/disk --json docs/bench/persist.json
 
 Goals: persist >= 0.9x raw write throughput and >= 1.5x torch.save; restore <= 0.5x DCP load.
 Page caches are dropped before each read when the process may (root); the JSON says so.
@@ -20,9 +20,21 @@ import time
 
 import numpy as np
 import torch
+from benchlib import Goal, bars
 
 from shadow.layout import Layout
-from shadow.persist import catalog, shardfile
+from shadow.persist import checkpoints, shardfile
+
+GOALS = [
+    Goal("shard write throughput / raw O_DIRECT", "ratios.persist_vs_raw_odirect", 0.9, ">=", "x"),
+    Goal("shard write throughput / torch.save + fsync", "ratios.persist_vs_torch_save", 1.5, ">=", "x"),
+    Goal("restore time / DCP load time", "ratios.restore_vs_dcp_load_time", 0.5, "<=", "x"),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--gib", "0.25", "--repeat", "2"]
+ARGS_FULL = ["--gib", "1", "--repeat", "3"]
+ARGS_SMOKE = ["--gib", "0.02", "--repeat", "1"]
 
 
 def drop_caches() -> bool:
@@ -46,13 +58,17 @@ def raw_odirect(buf: np.ndarray, path: str) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0, help="shard size (param + two Adam moments)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--json", default="bench_persist.json")
     ap.add_argument("--repeat", type=int, default=2)
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """Every write and read, best of --repeat, the table printed; the JSON document."""
     work = tempfile.mkdtemp(prefix="shadow-bench-", dir=args.dir)
     n = int(args.gib * 2**30 / 12) // 16 * 16
     rng = np.random.default_rng(0)
@@ -88,8 +104,8 @@ def main() -> int:
             img.fill("has_state", np.ones(1, np.uint8))
             img.fill("commit.rank0", np.zeros(1, np.uint8))
             run["snapshot_copy_s"] = time.perf_counter() - t0
-            d = catalog.checkpoint_dir(work, "bench", rep)
-            path = os.path.join(d, catalog.shard_name(0, 1))
+            d = checkpoints.checkpoint_dir(work, "bench", rep)
+            path = os.path.join(d, checkpoints.shard_name(0, 1))
             t0 = time.perf_counter()
             csum = img.checksum()
             run["checksum_s"] = time.perf_counter() - t0
@@ -112,7 +128,7 @@ def main() -> int:
             img.fill("has_state", np.ones(1, np.uint8))
             img.fill("commit.rank0", np.frombuffer(blob, np.uint8))
             size = img.write(path)
-            manifest = catalog.new_manifest(
+            manifest = checkpoints.new_manifest(
                 "bench",
                 rep,
                 1,
@@ -135,7 +151,7 @@ def main() -> int:
                     }
                 ],
             )
-            catalog.write_manifest(work, "bench", rep, manifest)
+            checkpoints.write_manifest(work, "bench", rep, manifest)
             del csum
             # raw O_DIRECT write of the same bytes
             run["raw_odirect_write_s"] = raw_odirect(
@@ -157,8 +173,8 @@ def main() -> int:
             target = {"state": {k: torch.empty(n) for k in arrays}}
             run["caches_dropped"] = drop_caches()
             t0 = time.perf_counter()
-            info = [c for c in catalog.list_checkpoints(work) if c.iteration == rep][0]
-            snap = catalog.load(info)
+            info = [c for c in checkpoints.list_checkpoints(work) if c.iteration == rep][0]
+            snap = checkpoints.load(info)
             run["shadow_restore_s"] = time.perf_counter() - t0
             assert np.array_equal(snap.arrays[next(iter(snap.arrays))][:8], arrays["param"][:8])
             del snap
@@ -179,11 +195,7 @@ def main() -> int:
         "persist_vs_torch_save": best["torch_save_s"] / best["shadow_write_s"],
         "restore_vs_dcp_load_time": best["shadow_restore_s"] / best["dcp_load_s"],
     }
-    goals = {
-        "persist_vs_raw_odirect": (">=", 0.9),
-        "persist_vs_torch_save": (">=", 1.5),
-        "restore_vs_dcp_load_time": ("<=", 0.5),
-    }
+    goals = {g.key.split(".")[-1]: (g.op, g.target) for g in GOALS}
     print(f"persistence benchmark: {gb:.2f} GB shard (3 x {n} fp32), best of {args.repeat}, {results['dir']}")
     print(f"{'measurement':34s} {'seconds':>9s} {'GB/s':>8s}")
     for k, v in best.items():
@@ -194,6 +206,26 @@ def main() -> int:
         ok = v >= g if op == ">=" else v <= g
         print(f"{k:34s} {v:9.2f} {op + str(g):>8s} {'met' if ok else 'NOT met'}")
     print(f"page caches dropped before reads: {results['runs'][0]['caches_dropped']}")
+    return results
+
+
+def plot(results: dict, path) -> bool:
+    """GB/s of each write and read (best of the runs)."""
+    gb = results["bytes"] / 1e9
+    best = results["best_s"]
+    return bars(
+        path,
+        [k.removesuffix("_s").replace("_", " ") for k in best],
+        [gb / v for v in best.values()],
+        f"Persistence, {gb:.2f} GB shard",
+        "GB/s",
+        horizontal=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    results = run(args)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
     return 0

@@ -1,7 +1,7 @@
 """Replay throughput: the shadow's numba AdamW against torch's fused AdamW on the same
 data and the same number of threads, and both against this machine's copy bandwidth.
 
-    python scripts/bench_replay.py [--params 50e6] [--threads 2] [--repeat 15] [--json PATH]
+    python benchmarks/bench_replay.py [--params 50e6] [--threads 2] [--repeat 15] [--json PATH]
 
 A GPT-like parameter list (a few large matrices, many small vectors) totalling --params
 elements, fp32. Each variant runs --repeat optimizer steps after a warm-up; the figure is
@@ -30,7 +30,22 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import Goal, bars
+
 ROOT = Path(__file__).resolve().parents[1]
+
+GOALS = [
+    Goal("replay vs torch AdamW(fused)", "shadow_vs_torch", 0.95, ">=", "x"),
+    Goal("replay GB/s vs the Adam-traffic stream", "shadow_vs_stream_bw", 0.9, ">="),
+    Goal("replay, cuda_fused rule vs torch AdamW(fused)", "cuda_fused_vs_torch", 0.95, ">=", "x"),
+    Goal("replay, cuda_foreach rule vs torch AdamW(fused)", "cuda_foreach_vs_torch", 0.95, ">=", "x"),
+    Goal("replay bit-identical to torch", "bit_identical", True, "=="),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--params", "50e6", "--repeat", "15"]
+ARGS_FULL = ["--repeat", "31"]
+ARGS_SMOKE = ["--params", "2e6", "--repeat", "2", "--threads", "1"]
 
 
 def shapes(total: int) -> list[int]:
@@ -45,13 +60,18 @@ def shapes(total: int) -> list[int]:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """Every variant in interleaved rounds, the table printed; the JSON document. Sets
+    NUMBA_NUM_THREADS, so it runs in a process that has not imported numba yet."""
     os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
     import numba
     import numpy as np
@@ -59,7 +79,7 @@ def main() -> int:
     from benchlib import machine_info
 
     from shadow import knobs
-    from shadow.kernels.plan import ReplayPlan, segments_for_range, warm_up
+    from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
@@ -217,6 +237,32 @@ def main() -> int:
         f"{gbps['copy'] / gbps['stream']:.2f} | |"
     )
     print(f"bit-identical to torch: {same}")
+    return rows
+
+
+def plot(results: dict, path) -> bool:
+    """GB/s moved per step: torch, the shadow's replay rules, and the bandwidth baselines."""
+    names = {
+        "torch": "torch fused",
+        "shadow": "shadow",
+        "cuda_fused": "cuda_fused rule",
+        "cuda_foreach": "cuda_foreach rule",
+        "stream": "Adam stream",
+        "copy": "copy",
+    }
+    keys = [k for k in names if f"{k}_GBps" in results]
+    return bars(
+        path,
+        [names[k] for k in keys],
+        [results[f"{k}_GBps"] for k in keys],
+        f"AdamW replay, {results['params'] / 1e6:.0f}M params, {results['threads']} threads",
+        "GB/s moved",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    rows = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

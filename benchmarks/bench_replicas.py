@@ -1,6 +1,6 @@
 """What replicas=2 costs and what it buys, measured in one run on this machine.
 
-    python scripts/bench_replicas.py [--steps 40] [--n-embd 256] [--json docs/bench/replicas.json]
+    python benchmarks/bench_replicas.py [--steps 40] [--n-embd 256] [--json docs/bench/replicas.json]
 
 One gloo rank trains the example GPT (fused AdamW) three ways: no shadow; attached to 2
 workers (replicas=1); attached to 4 workers holding 2 shards twice (replicas=2, the
@@ -27,13 +27,31 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gpt import GPT, CharData, GPTConfig, corpus
+from benchlib import Goal, bars, example_gpt
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
+GPT, CharData, GPTConfig, corpus = example_gpt()
+
+GOALS = [
+    Goal(
+        "replicas=2: a worker SIGKILL heals without re-attaching",
+        "runs.*.reattached",
+        False,
+        "==",
+        where={"replicas": "2"},
+    ),
+    Goal("replicas={replicas}: step time / no shadow", "runs.*.vs_plain", None, unit="x"),
+    Goal("replicas={replicas}: heal after a worker SIGKILL", "runs.*.heal_s", None, unit="s"),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--steps", "20"]
+ARGS_FULL: list[str] = []
+ARGS_SMOKE = ["--steps", "3", "--n-embd", "64"]
 
 
 def build(n_embd: int):
@@ -59,7 +77,7 @@ def timed(data, ddp, opt, steps: int, first: int = 1) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def run(workers: int, replicas: int, steps: int, n_embd: int, tmp: Path) -> dict:
+def run_attached(workers: int, replicas: int, steps: int, n_embd: int, tmp: Path) -> dict:
     data, model, ddp, opt = build(n_embd)
     cluster = LocalCluster(tmp, workers=workers, args=(f"replicas={replicas}",), env={"SHADOW_WORKER_LOST_S": "2"})
     try:
@@ -102,12 +120,17 @@ def run(workers: int, replicas: int, steps: int, n_embd: int, tmp: Path) -> dict
         cluster.stop()
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """No shadow, replicas=1 and replicas=2 (each with a worker SIGKILL), the table
+    printed; the JSON document. Initialises (and destroys) a gloo group of one."""
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_replicas-"))
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0, world_size=1)
@@ -115,7 +138,9 @@ def main() -> int:
     params = sum(p.numel() for p in model.parameters())
     timed(data, ddp, opt, 3)
     plain = timed(data, ddp, opt, args.steps, first=4)
-    rows = [run(2, 1, args.steps, args.n_embd, tmp), run(4, 2, args.steps, args.n_embd, tmp)]
+    rows = [run_attached(2, 1, args.steps, args.n_embd, tmp), run_attached(4, 2, args.steps, args.n_embd, tmp)]
+    for r in rows:
+        r["vs_plain"] = r["s_per_step"] / plain
     print(f"GPT {params / 1e6:.2f}M params, 1 rank, {args.steps} steps; no shadow: {plain * 1e3:.1f} ms/step")
     print(
         "| workers | replicas | ms/step | vs no shadow | MB sent/step "
@@ -129,14 +154,28 @@ def main() -> int:
             f"| {r['workers']} | {r['replicas']} | {r['s_per_step'] * 1e3:.1f} | {r['s_per_step'] / plain:.2f}x | "
             f"{r['bytes_per_step'] / 1e6:.1f} | {heal} | {'yes' if r['reattached'] else 'no'} | {copy} |"
         )
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"params": params, "plain_s_per_step": plain, "runs": rows, "machine": f"{os.cpu_count()} cores"},
-                indent=2,
-            )
-        )
     dist.destroy_process_group()
+    return {"params": params, "plain_s_per_step": plain, "runs": rows, "machine": f"{os.cpu_count()} cores"}
+
+
+def plot(results: dict, path) -> bool:
+    """Milliseconds per step with no shadow and with replicas=1 and 2 (the heal times are
+    single events: in the table, not plotted)."""
+    runs = results["runs"]
+    return bars(
+        path,
+        ["no shadow"] + [f"replicas={r['replicas']}" for r in runs],
+        [1e3 * results["plain_s_per_step"]] + [1e3 * r["s_per_step"] for r in runs],
+        f"Replicas, GPT {results['params'] / 1e6:.1f}M, 1 rank",
+        "ms / step",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    doc = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
 
 

@@ -2,12 +2,12 @@
 from the shadow's local-disk tier, with torch.distributed.checkpoint (DCP) `dcp.load`, and
 with a plain `torch.load` of a `torch.save`d state dict. All in one run, same state.
 
-    python scripts/bench_restore.py [--quick] [--n-layer 8] [--n-embd 576] [--steps 3]
+    python benchmarks/bench_restore.py [--quick] [--n-layer 8] [--n-embd 576] [--steps 3]
                                     [--repeat 3] [--no-evict] [--keep] [--json PATH]
 
 Setup (not timed): a shadow cluster (coordinator + 2 workers, 127.0.0.1, a free port,
 `persist.local.dir` in a temp dir, `persist.local.every_n=--steps`) and one trainer
-process (gloo, world 1, DDP) that trains the example GPT (scripts/gpt.py, default 32M
+process (gloo, world 1, DDP) that trains the example GPT (examples/gpt.py, default 32M
 params) for --steps iterations attached to the shadow, so iteration --steps is in the
 workers' memory and on the local tier; the trainer then writes the same state with
 `dcp.save` (from `get_state_dict`) and with `torch.save`, and exits.
@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 from benchcluster import Services, compare, dir_bytes, evict, free_port, wait_persisted
-from benchlib import machine_info
+from benchlib import Goal, bars, example_gpt, machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,6 +75,18 @@ PATHS = (
     "torch.load",
     "torch.load, evicted",
 )
+
+GOALS = [
+    Goal("restore {path} / DCP load", "rows.*.vs_dcp_load", 0.5, "<=", "x", where={"path": "shadow local*"}),
+    Goal("restore {path} / DCP load", "rows.*.vs_dcp_load", 1.0, "<=", "x", where={"path": "shadow memory*"}),
+    Goal("every restore bit-identical to the trained state", "bit_identical", True, "=="),
+    Goal("restore {path}, median seconds", "rows.*.median_s", None, unit="s"),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--no-evict", "--repeat", "5"]
+ARGS_FULL: list[str] = []
+ARGS_SMOKE = ["--quick", "--no-evict", "--repeat", "1"]
 
 
 # --------------------------------------------------------------------------- shared
@@ -92,8 +104,8 @@ def _setup_torch(work: Path, threads: int):
 
 def build(args, seed: int):
     import torch
-    from gpt import GPT, CharData, GPTConfig, corpus
 
+    GPT, CharData, GPTConfig, corpus = example_gpt()
     data = CharData(corpus(4000))
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=args.n_layer, n_embd=args.n_embd))
@@ -150,7 +162,7 @@ def restore_main(args) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import trainer_hooks
-    from shadow.persist import catalog
+    from shadow.persist import checkpoints
     from shadow.restore.resolve import restore_info
     from shadow.restore.snapshot import fetch_memory
 
@@ -158,7 +170,7 @@ def restore_main(args) -> None:
     ref = torch.load(work / "reference.pt", weights_only=True)
     n_params = sum(t.numel() for t in dict(build(args, 0)[0].named_parameters()).values())
     state_bytes = 3 * 4 * n_params  # param, exp_avg, exp_avg_sq in fp32
-    (ckpt,) = [c for c in catalog.list_checkpoints(str(local), job=JOB) if c.iteration == args.steps]
+    (ckpt,) = [c for c in checkpoints.list_checkpoints(str(local), job=JOB) if c.iteration == args.steps]
     read_bytes = {
         "shadow memory": state_bytes,
         "shadow local": ckpt.bytes,
@@ -252,9 +264,9 @@ def restore_main(args) -> None:
                 t2 = time.perf_counter()
                 b.update({"coordinator restore_info": t1 - t0, "worker fetch": t2 - t1})
             else:
-                found = catalog.list_checkpoints(source, "local", JOB)
+                found = checkpoints.list_checkpoints(source, "local", JOB)
                 t1 = time.perf_counter()
-                snap = catalog.load(found[-1])
+                snap = checkpoints.load(found[-1])
                 t2 = time.perf_counter()
                 b.update({"catalog list": t1 - t0, "read + xxh3 check": t2 - t1})
             t3 = time.perf_counter()
@@ -301,7 +313,7 @@ def restore_main(args) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a 1.6M-param GPT, 2 steps: under a minute in all")
     ap.add_argument("--n-layer", type=int, default=None, help="GPT layers (default 8; --quick 2)")
@@ -320,20 +332,23 @@ def main() -> int:
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--work", default="", help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def _sizes(args) -> None:
+    """The model and step defaults (smaller with --quick)."""
     q = args.quick
     args.n_layer = args.n_layer or (2 if q else 8)
     args.n_embd = args.n_embd or (256 if q else 576)
     args.steps = args.steps or (2 if q else 3)
-    if args.repeat < 1:
-        ap.error("--repeat must be >= 1")
-    if args.role == "train":
-        train_main(args)
-        return 0
-    if args.role == "restore":
-        restore_main(args)
-        return 0
 
+
+def run(args) -> dict:
+    """Train with a shadow cluster, then every restore path in a fresh process, the tables
+    printed; the JSON document (``bit_identical`` False: a restore differed)."""
+    _sizes(args)
+    if args.repeat < 1:
+        raise ValueError("--repeat must be >= 1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops the services
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="bench_restore-", dir=args.dir))
@@ -428,35 +443,63 @@ def main() -> int:
         print("  " + m)
     wall = time.monotonic() - t_start
     print(f"wall time {wall:.0f} s")
+    return {
+        "benchmark": "restore",
+        "quick": args.quick,
+        "machine": machine_info(),
+        "model": {
+            "gpt_n_layer": args.n_layer,
+            "gpt_n_embd": args.n_embd,
+            "params": res["params"],
+            "state_bytes": res["state_bytes"],
+        },
+        "train": train,
+        "repeat": args.repeat,
+        "rows": rows,
+        "times_s": res["times_s"],
+        "parts_s": res["parts_s"],
+        "shadow_breakdown_s": res["breakdown_s"],
+        "torch_threads_in_restorer": res["torch_threads"],
+        "bit_identical": ok,
+        "mismatches": res["mismatches"],
+        "cache_note": "page cache not dropped; warm rows read cached files, evicted rows fsync + "
+        "posix_fadvise(DONTNEED) the files first (guest cache only); the shadow reads with "
+        "O_DIRECT where the file system allows",
+        "wall_s": wall,
+    }
+
+
+def plot(results: dict, path) -> bool:
+    """Median seconds of each restore path."""
+    rows = results["rows"]
+    return bars(
+        path,
+        [r["path"] for r in rows],
+        [r["median_s"] for r in rows],
+        f"Restore of {results['model']['params'] / 1e6:.0f}M params + AdamW state",
+        "seconds",
+        horizontal=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    _sizes(args)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.role == "train":
+        train_main(args)
+        return 0
+    if args.role == "restore":
+        restore_main(args)
+        return 0
+    doc = run(args)
     if args.json:
-        doc = {
-            "benchmark": "restore",
-            "quick": args.quick,
-            "machine": machine_info(),
-            "model": {
-                "gpt_n_layer": args.n_layer,
-                "gpt_n_embd": args.n_embd,
-                "params": res["params"],
-                "state_bytes": res["state_bytes"],
-            },
-            "train": train,
-            "repeat": args.repeat,
-            "rows": rows,
-            "times_s": res["times_s"],
-            "parts_s": res["parts_s"],
-            "shadow_breakdown_s": res["breakdown_s"],
-            "torch_threads_in_restorer": res["torch_threads"],
-            "bit_identical": ok,
-            "mismatches": res["mismatches"],
-            "cache_note": "page cache not dropped; warm rows read cached files, evicted rows fsync + "
-            "posix_fadvise(DONTNEED) the files first (guest cache only); the shadow reads with "
-            "O_DIRECT where the file system allows",
-            "wall_s": wall,
-        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 0 if ok else 1
+    return 0 if doc["bit_identical"] else 1
 
 
 if __name__ == "__main__":

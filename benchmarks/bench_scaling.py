@@ -2,7 +2,7 @@
 worker and against the number of worker processes, and the shadow cluster's CPU-seconds
 per training iteration per billion parameters (the figure to size a cluster with).
 
-    python scripts/bench_scaling.py [--params 50e6] [--repeat 5] [--quick] [--json PATH]
+    python benchmarks/bench_scaling.py [--params 50e6] [--repeat 5] [--quick] [--json PATH]
 
 * threads: one process, the whole range, ``numba.set_num_threads(t)`` for t = 1..cores;
 * workers: w processes started together, each replaying its 1/w of the parameters on one
@@ -10,7 +10,7 @@ per training iteration per billion parameters (the figure to size a cluster with
   the slowest worker's median step (the cut waits for every worker);
 * CPU-seconds per iteration per B params: replay only (threads x seconds / params), and
   the whole worker path (receive, checksum, apply) from ``--apply-json`` when that file
-  exists (default ``docs/bench/apply.json``: what ``scripts/bench_apply.py`` measured
+  exists (default ``docs/bench/apply.json``: what ``benchmarks/bench_apply.py`` measured
   with process CPU time).
 
 Extrapolation (printed): the cores a shadow cluster needs to keep up with a model of P
@@ -30,7 +30,22 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import Goal, pyplot, save
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# figures only: scaling has no goal of its own, it sizes a cluster
+GOALS = [
+    Goal("replay speedup, {key} threads", "threads.*.speedup", None, unit="x"),
+    Goal("replay speedup, {key} workers", "workers.*.speedup", None, unit="x"),
+    Goal("replay CPU-s per iteration per B params", "sizing.replay_cpu_s_per_iter_per_Bparams", None),
+    Goal("worker path CPU-s per iteration per B params", "sizing.worker_path_cpu_s_per_iter_per_Bparams", None),
+]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK = ["--quick"]
+ARGS_FULL: list[str] = []
+ARGS_SMOKE = ["--params", "2e6", "--repeat", "1"]
 
 
 def _setup(nparams: int):
@@ -38,7 +53,7 @@ def _setup(nparams: int):
     from bench_replay import shapes
 
     from shadow import knobs
-    from shadow.kernels.plan import ReplayPlan, segments_for_range, warm_up
+    from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
 
     sizes = shapes(nparams)
     total = sum(sizes)
@@ -93,14 +108,19 @@ def _worker(nparams: int, repeat: int, barrier, out) -> None:
     out.put(_timed(step, repeat))
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="20M params, 3 repeats")
     ap.add_argument("--apply-json", default=str(ROOT / "docs" / "bench" / "apply.json"))
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """Threads 1..cores, then workers 1..cores, and the sizing table, printed; the JSON
+    document (``threads`` and ``workers`` keyed by the count)."""
     if args.quick:
         args.params, args.repeat = min(args.params, 20e6), min(args.repeat, 3)
     cores = os.cpu_count() or 1
@@ -178,6 +198,28 @@ def main() -> int:
         row = [per_b * b / t for t in (1, 5, 10)]
         res["sizing"]["cores"][f"{b}B"] = row
         print(f"| {b}B | {row[0]:.1f} | {row[1]:.1f} | {row[2]:.1f} |")
+    return res
+
+
+def plot(results: dict, path) -> bool:
+    """Replay throughput against threads (one worker) and workers (one thread each)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for kind in ("threads", "workers"):
+        pts = sorted((int(n), r["Mparams_per_s"]) for n, r in results[kind].items())
+        ax.plot([n for n, _ in pts], [v for _, v in pts], "o-", label=kind)
+    ax.set_xlabel("threads (one worker) / workers (one thread each)")
+    ax.set_ylabel("M params / s")
+    ax.set_title("Replay scaling on this machine")
+    ax.legend()
+    return save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    res = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -1,14 +1,15 @@
 """Data-plane throughput: the shadow's gradient framing and validation over ZeroMQ against
 a bare pyzmq PUSH/PULL of the same part sizes, in the same run, over tcp and ipc.
 
-    python scripts/bench_transport.py [--quick] [--rounds 3] [--seconds 1.0] [--json PATH]
+    python benchmarks/bench_transport.py [--quick] [--rounds 3] [--seconds 1.0] [--json PATH]
 
 A sender process (the trainer) and a receiver process (one worker), started with
-multiprocessing "spawn", with the real code's socket options: PUSH with LINGER 0 and
-SNDHWM = knobs ZMQ_SNDHWM (trainer_hooks/session/sender.py ``_push``), PULL with LINGER 0 and
-RCVHWM 0 bound to a free port on 127.0.0.1 or to ``ipc://<tmpdir>/x``
-(shadow/worker/server.py ``_open_data``). The control channel between the two is a
-local pipe carrying JSON; only the measured messages go over ZeroMQ.
+multiprocessing "spawn", on the production sockets: the trainer's channel is a
+``shadow.transport.ZmqDataSender`` (PUSH, SNDHWM = knobs ZMQ_SNDHWM), the worker's a PULL
+socket from ``shadow.transport.SocketFactory`` with the data path's RCVHWM and message
+size limit, bound to a free port on 127.0.0.1 or to ``ipc://<tmpdir>/x``. The control
+channel between the two is a local pipe carrying JSON; only the measured messages go over
+ZeroMQ.
 
 Variants, measured in interleaved rounds (the figure is the median round):
 
@@ -16,13 +17,13 @@ Variants, measured in interleaved rounds (the figure is the median round):
   no header, no checksums;
 * shadow recv_into: the sender frames each message like ``Sender._send_payload`` (xxh3
   of every part, ``F.Header(...).pack()`` run table, parts as memoryviews of a float32
-  staging ring, ``send_multipart(copy=False, track=True)``, a ring slot is reused only
-  once its tracker is done); the receiver does what ``DataMixin._take_frame`` /
-  ``_take_payload`` do for a GRAD frame: ``F.unpack_header``, context and range checks,
-  ``recv_into`` each part at its destination in a preallocated gradient buffer and
-  ``F.checksum`` it there;
-* shadow zero-copy: as above, but each part is taken with ``recv(copy=False)`` and the
-  checksum is computed on the frame's buffer (the worker's receive path being introduced).
+  staging ring, sent zero-copy through the DataSender, a ring slot is reused only once its
+  tracker is done); the receiver runs the worker's own ``shadow.transport.FrameReceiver``
+  (header, context, run table, sequence, each part's size and xxh3) and takes the parts
+  with ``runs_into``: each lands at its destination in a preallocated buffer (the path
+  of the worker's STATE messages);
+* shadow zero-copy: as above, with ``runs_kept``: each part stays in its frame and is
+  checked there (the worker's path for GRAD messages, the one the replay kernel reads).
 
 Messages: ``gpt-bucket`` is one 25 MB DDP bucket of a GPT-2-small block in DDP's reverse
 parameter order (10 runs: three 2-9 MB matrices, a 7 MB one, KB-sized biases and norms),
@@ -49,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from benchlib import machine_info
+from benchlib import Goal, bars, machine_info, pyplot, save
 from transport_receiver import (
     EPOCH,
     JOB,
@@ -62,12 +63,20 @@ from transport_receiver import (
 )
 
 from shadow import knobs
+from shadow.transport import ZmqDataSender
 from shadow.wire import frames as F
 
 ROOT = Path(__file__).resolve().parents[1]
 
 KIB, MIB = 1 << 10, 1 << 20
 VARIANTS = ("bare", "shadow_into", "shadow_zc")
+
+GOALS = [Goal("{transport} {shape}: shadow (zero-copy) / bare pyzmq", "rows.*.zc_vs_bare", 0.8, ">=", "x")]
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+# (--smoke: seconds, the figures meaningless)
+ARGS_QUICK: list[str] = []
+ARGS_FULL: list[str] = []
+ARGS_SMOKE = ["--quick", "--rounds", "1", "--seconds", "0.05"]
 
 
 def gpt_bucket(cap_bytes: int = 25 * MIB, d: int = 768) -> list[int]:
@@ -99,10 +108,8 @@ class Sender:
 
     def __init__(self, ctx, endpoint: str) -> None:
 
-        self.sock = ctx.socket(zmq.PUSH)  # as session/sender.py _push
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, knobs.get_int("ZMQ_SNDHWM"))
-        self.sock.connect(endpoint)
+        self.out = ZmqDataSender(ctx, [endpoint], knobs.get_int("ZMQ_SNDHWM"))  # as Sender.open_data
+        self.sock = self.out.socks[0]  # the bare baseline sends on the same socket, unframed
         self.seq = 0
         self.iteration = 1
 
@@ -136,11 +143,11 @@ class Sender:
                 F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq, tuple(table)
             ).pack()
             self.seq += 1
-            trackers[s] = sock.send_multipart([hdr] + [memoryview(v) for v in views], copy=False, track=True)
+            trackers[s] = self.out.send(0, [hdr] + [memoryview(v) for v in views], track=True)
         self.iteration += 1
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.out.close()
 
 
 # -- orchestration -------------------------------------------------------------------------
@@ -209,7 +216,7 @@ def local_costs(quick: bool) -> dict:
     return out
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short measurements (whole run < 60 s)")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds per cell (default 3)")
@@ -218,7 +225,11 @@ def main() -> int:
     )
     ap.add_argument("--transports", default="tcp,ipc")
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def run(args) -> dict:
+    """Measure every transport x message shape, print the tables; the JSON document."""
     rounds = args.rounds or 3
     target_s = args.seconds or (0.25 if args.quick else 1.0)
     transports = [t for t in args.transports.split(",") if t]
@@ -338,23 +349,48 @@ def main() -> int:
             f"{c['memcpy_GBps']:.1f} ({1 / c['memcpy_GBps']:.3f}) |"
         )
     print(f"total {elapsed:.0f} s")
+    return {
+        "machine": info,
+        "quick": args.quick,
+        "rounds": rounds,
+        "target_s": target_s,
+        "socket_options": {
+            "push": {"LINGER": 0, "SNDHWM": knobs.get_int("ZMQ_SNDHWM")},
+            "pull": {"LINGER": 0, "RCVHWM": 0},
+        },
+        "ring_bytes": RING_BYTES,
+        "shapes": shapes,
+        "rows": rows,
+        "local_costs": costs,
+        "goal": "shadow >= 0.8x bare",
+        "elapsed_s": elapsed,
+    }
+
+
+def plot(results: dict, path) -> bool:
+    """GB/s of bare pyzmq and the shadow (zero-copy) per transport and message shape."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = results["rows"]
+    if not rows:
+        return bars(path, [], [], "Gradient transport", "GB/s")
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    labels = [f"{r['transport']}\n{r['shape']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["bare_GBps"] for r in rows], 0.4, label="bare pyzmq")
+    ax.bar([i + 0.2 for i in x], [r["shadow_zc_GBps"] for r in rows], 0.4, label="shadow (framed, checked)")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax.set_title("Gradient transport, one sender -> one worker")
+    ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    doc = run(args)
     if args.json:
-        doc = {
-            "machine": info,
-            "quick": args.quick,
-            "rounds": rounds,
-            "target_s": target_s,
-            "socket_options": {
-                "push": {"LINGER": 0, "SNDHWM": knobs.get_int("ZMQ_SNDHWM")},
-                "pull": {"LINGER": 0, "RCVHWM": 0},
-            },
-            "ring_bytes": RING_BYTES,
-            "shapes": shapes,
-            "rows": rows,
-            "local_costs": costs,
-            "goal": "shadow >= 0.8x bare",
-            "elapsed_s": elapsed,
-        }
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 

@@ -18,7 +18,7 @@
 #
 # Arguments after the script name go to the training script, after the two this script
 # adds: TRAIN_COORDINATOR_ARG followed by the address, and TRAIN_RESUME_ARG when resuming.
-# The default training script is scripts/train_gpt.py (the example GPT, key=value
+# The default training script is examples/train_gpt.py (the example GPT, key=value
 # arguments; it trains on CPU with gloo). For your own trainer set TRAIN_SCRIPT and the two
 # argument forms, e.g. for argparse: TRAIN_COORDINATOR_ARG=--coordinator= TRAIN_RESUME_ARG=--resume
 #
@@ -39,7 +39,7 @@
 #                            (`shadow ls`), start fresh otherwise; always; never
 #   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt); when set,
 #                            SHADOW_RESUME=auto only counts that job's checkpoints
-#   TRAIN_SCRIPT             default: scripts/train_gpt.py next to this deploy/ folder
+#   TRAIN_SCRIPT             default: examples/train_gpt.py next to this deploy/ folder
 #   TRAIN_COORDINATOR_ARG    default "coordinator=" (the address is appended to it)
 #   TRAIN_RESUME_ARG         default "resume=true"
 #   TORCHRUN                 default torchrun
@@ -60,7 +60,7 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 SHADOW_RESUME="${SHADOW_RESUME:-auto}"
-TRAIN_SCRIPT="${TRAIN_SCRIPT:-$here/../scripts/train_gpt.py}"
+TRAIN_SCRIPT="${TRAIN_SCRIPT:-$here/../examples/train_gpt.py}"
 TRAIN_COORDINATOR_ARG="${TRAIN_COORDINATOR_ARG-coordinator=}"
 TRAIN_RESUME_ARG="${TRAIN_RESUME_ARG-resume=true}"
 TORCHRUN="${TORCHRUN:-torchrun}"

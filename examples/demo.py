@@ -1,7 +1,7 @@
 """The end-to-end demo: crash a DDP training run with SIGKILL, restore it from the shadow,
 and check that the resumed run is bit-identical to one that never crashed.
 
-    python scripts/demo.py [--steps 24] [--workers 2]
+    python examples/demo.py [--steps 24] [--workers 2]
 
 1. start a local shadow cluster (coordinator + workers) on a free port;
 2. train the example GPT with 2 ranks, no shadow: the uninterrupted reference;
@@ -41,7 +41,7 @@ def torchrun(out: Path, steps: int, *extra: str) -> subprocess.Popen:
         "torch.distributed.run",
         "--nproc_per_node=2",
         f"--master_port={free_port()}",
-        str(ROOT / "scripts" / "train_gpt.py"),
+        str(ROOT / "examples" / "train_gpt.py"),
         f"steps={steps}",
         f"out={out}",
         *extra,

@@ -1,10 +1,10 @@
 """Train the example GPT with DDP (gloo) under torchrun, attached to a shadow cluster.
 
-    torchrun --nproc_per_node=2 scripts/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200
+    torchrun --nproc_per_node=2 examples/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200
     # after a crash:
-    torchrun --nproc_per_node=2 scripts/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200 resume=true
+    torchrun --nproc_per_node=2 examples/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200 resume=true
     # from the YAML config (configs/train_gpt.yaml), with overrides; print it with --cfg job:
-    torchrun --nproc_per_node=2 scripts/train_gpt.py --config-name train_gpt model.n_layer=6
+    torchrun --nproc_per_node=2 examples/train_gpt.py --config-name train_gpt model.n_layer=6
 
 The config is a typed dataclass (:class:`TrainConfig`) registered in Hydra's ConfigStore
 as ``train_gpt_schema``; ``--help`` lists its keys.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from gpt import (  # scripts/ is on sys.path when run as a script
+from gpt import (  # examples/ is on sys.path when run as a script
     GPT,
     CharData,
     GPTConfig,
@@ -102,7 +102,7 @@ def load_config(argv: list[str]) -> TrainConfig | None:
         if args.help:
             print(__doc__)
             return None
-        cfg = compose_typed(TrainConfig, "train_gpt_schema", args, "scripts/train_gpt.py")
+        cfg = compose_typed(TrainConfig, "train_gpt_schema", args, "examples/train_gpt.py")
     except UsageError as exc:
         raise SystemExit(f"train_gpt.py: {exc}") from None
     if args.show:

@@ -352,7 +352,7 @@ class VerifyConfig:
         _check_source(self.source)
 
 
-SCHEMAS: dict[str, type] = {
+CONFIGS: dict[str, type] = {
     "cluster": ClusterConfig,
     "coordinator": CoordinatorConfig,
     "worker": WorkerConfig,
@@ -372,5 +372,5 @@ def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    for name, cls in SCHEMAS.items():
+    for name, cls in CONFIGS.items():
         cs.store(name=f"shadow_{name}", node=cls)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shadow.kernels.plan import part_work, segments_for_range, untouched
+from shadow.kernels.replay import part_work, segments_for_range, untouched
 from shadow.layout import Layout
 from shadow.wire.frames import Field
 from shadow.worker.state import ShardState

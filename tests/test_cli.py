@@ -99,7 +99,7 @@ def test_yaml_configs_compose_and_validate():
     import yaml
 
     from shadow.cli._compose import compose, split
-    from shadow.config import SCHEMAS
+    from shadow.config import CONFIGS
 
     found = 0
     for path in sorted((ROOT / "configs").glob("*.yaml")):
@@ -109,7 +109,7 @@ def test_yaml_configs_compose_and_validate():
             continue  # not a CLI config (the example trainer's)
         command = schema[len("shadow_") :]
         cfg = compose(command, split(["--config-dir", str(ROOT / "configs"), "--config-name", path.stem]))
-        assert isinstance(cfg, SCHEMAS[command])
+        assert isinstance(cfg, CONFIGS[command])
         found += 1
     assert found >= 3
     cfg = compose("cluster", split(["-cd", str(ROOT / "configs"), "-cn", "cluster", "persist=nvme", "workers=6"]))
@@ -148,10 +148,10 @@ def test_status_reports_workers(cluster):
 
 
 def test_example_trainer_config_composes_from_yaml():
-    """scripts/train_gpt.py reads configs/train_gpt.yaml through the same composition."""
+    """examples/train_gpt.py reads configs/train_gpt.yaml through the same composition."""
     import yaml
 
-    script = str(ROOT / "scripts" / "train_gpt.py")
+    script = str(ROOT / "examples" / "train_gpt.py")
     res = subprocess.run(
         [sys.executable, script, "--config-name", "train_gpt", "model.n_layer=6", "--cfg", "job"],
         capture_output=True,

@@ -165,7 +165,7 @@ def test_demo_from_an_empty_kernel_cache(tmp_path):
     cache.mkdir()
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
     res = subprocess.run(
-        [sys.executable, "scripts/demo.py", "--steps", "8", "--seed", "3", "--keep"],
+        [sys.executable, "examples/demo.py", "--steps", "8", "--seed", "3", "--keep"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -14,7 +14,7 @@ import pytest
 
 from shadow import knobs
 from shadow.layout import Layout
-from shadow.persist import catalog, planes, retention, shardfile, zshard
+from shadow.persist import checkpoints, planes, retention, shardfile, zshard
 from shadow.persist.writer import ShardPersister
 from shadow.wire.frames import Field
 
@@ -272,10 +272,10 @@ def _commit(root: str, tier: str, reports: list[dict], iteration: int) -> None:
         }
         for r in reports
     ]
-    m = catalog.new_manifest(
+    m = checkpoints.new_manifest(
         "j", iteration, 1, tier, LAYOUT.to_dict(), LAYOUT.hash, {"kind": "adam"}, 1, None, None, shards
     )
-    catalog.write_manifest(root, "j", iteration, m)
+    checkpoints.write_manifest(root, "j", iteration, m)
 
 
 @pytest.mark.parametrize("local,remote", [("zstd", "none"), ("none", "zstd"), ("zstd", "zstd")])
@@ -302,28 +302,28 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
     for root, tier, reps, codec in ((local_root, "local", reports, local), (remote_root, "remote", uploads, remote)):
         assert all(r["file"].endswith(suffix[codec]) and r["compress"] == codec for r in reps)
         assert all(r["raw_bytes"] >= r["bytes"] for r in reps)
-        info, snap = catalog.find(root, tier)
-        assert catalog.verify(info) == []
+        info, snap = checkpoints.find(root, tier)
+        assert checkpoints.verify(info) == []
         for f in (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ):
             want = np.concatenate([st.array(f) for st in states])
             assert _same_bytes(snap.arrays[f], want), (tier, f)
         assert np.array_equal(snap.steps, states[0].steps) and snap.blobs == {0: b"commit-record"}
 
     # a flipped byte on storage: verify names the shard, a restore refuses it
-    info = catalog.list_checkpoints(local_root)[0]
+    info = checkpoints.list_checkpoints(local_root)[0]
     path = os.path.join(info.path, reports[1]["file"])
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
-    problems = catalog.verify(info)
+    problems = checkpoints.verify(info)
     assert len(problems) == 1 and "shard 1" in problems[0] and "checksum" in problems[0]
-    with pytest.raises(catalog.CheckpointError, match="shard 1"):
-        catalog.load(info)
+    with pytest.raises(checkpoints.CheckpointError, match="shard 1"):
+        checkpoints.load(info)
     if local == "zstd":  # without the file checksum, the blocks' own checksums still refuse it
-        with pytest.raises(catalog.CheckpointError, match=r"shard 1 .*tensor '\w+' block \d+"):
-            catalog.load(info, check=False)
+        with pytest.raises(checkpoints.CheckpointError, match=r"shard 1 .*tensor '\w+' block \d+"):
+            checkpoints.load(info, check=False)
         # a manifest that vouches for the damaged file (a writer bug): only `shadow verify deep=true` sees it
         from shadow.cli._commands import cmd_verify
         from shadow.config import VerifyConfig
@@ -333,7 +333,7 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
             damaged = f.read()
         m = dict(info.manifest)
         m["shards"] = [dict(sh, checksum=f"{checksum(damaged):016x}") if sh["index"] == 1 else sh for sh in m["shards"]]
-        catalog.write_manifest(local_root, "j", 7, m)
+        checkpoints.write_manifest(local_root, "j", 7, m)
         assert cmd_verify(VerifyConfig(source=local_root)) == 0
         assert cmd_verify(VerifyConfig(source=local_root, deep=True)) == 1
     fs, p = fsspec.core.url_to_fs(remote_root)
@@ -348,7 +348,7 @@ def test_retention_removes_compressed_checkpoints(tmp_path):
     for it in (1, 2, 3):
         p.snapshot(it, 1, 1, {0: b"x"}, None)
         rep = _wait(p)
-        m = catalog.new_manifest(
+        m = checkpoints.new_manifest(
             "j",
             it,
             1,
@@ -371,7 +371,7 @@ def test_retention_removes_compressed_checkpoints(tmp_path):
                 }
             ],
         )
-        catalog.write_manifest(root, "j", it, m)
+        checkpoints.write_manifest(root, "j", it, m)
     assert len(retention.retain(root, "j", 1)) == 2
-    assert [c.iteration for c in catalog.list_checkpoints(root)] == [3]
-    assert catalog.list_checkpoints(root)[0].bytes == rep["bytes"] < rep["raw_bytes"]
+    assert [c.iteration for c in checkpoints.list_checkpoints(root)] == [3]
+    assert checkpoints.list_checkpoints(root)[0].bytes == rep["bytes"] < rep["raw_bytes"]

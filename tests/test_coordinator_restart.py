@@ -119,8 +119,8 @@ def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
         try:
             it = 9
             deadline = time.monotonic() + 60
-            while session.degraded is not None or session.applied < it - 1:
-                assert time.monotonic() < deadline, (session.degraded, session.applied, again.status())
+            while session.degraded is not None or session.committed < it - 1:
+                assert time.monotonic() < deadline, (session.degraded, session.committed, again.status())
                 it += 1
                 train_step(ddp, opt, sched, it)
                 time.sleep(0.2)

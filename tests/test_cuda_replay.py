@@ -125,7 +125,7 @@ def test_powers_come_from_the_device_table_not_the_workers_powf():
     from fractions import Fraction
 
     from shadow.kernels import powtab
-    from shadow.kernels.plan import cuda_fused_scalars
+    from shadow.kernels.replay import cuda_fused_scalars
 
     beta = 0.999
     ks = np.arange(1, 400)

@@ -443,7 +443,7 @@ def test_k8s_trainer_job_targets_the_same_cluster():
     launcher = re.search(r"(/\S+/deploy/torchrun\.sh)", script).group(1)
     assert launcher == f"{workdir.rstrip('/')}/deploy/torchrun.sh"
     assert re.search(r"^COPY deploy \./deploy", dockerfile, re.MULTILINE)
-    assert re.search(r"^COPY scripts ", dockerfile, re.MULTILINE)
+    assert re.search(r"^COPY examples ", dockerfile, re.MULTILINE)
     assert re.search(r"torch==2\.13\.0 .*download\.pytorch\.org/whl/cpu", dockerfile)
 
 
@@ -663,14 +663,14 @@ def test_command_line_extraction():
 
 
 def test_every_shadow_command_line_is_known():
-    from shadow.config import SCHEMAS
+    from shadow.config import CONFIGS
 
     lines = _all_command_lines()
     subs = {sub for _, sub, _ in lines}
     assert {"coordinator", "worker", "status", "restore", "ls", "keygen"} <= subs, f"found only {sorted(subs)}"
     for where, sub, tokens in lines:
         assert sub in SUBCOMMANDS, f"{where}: `shadow {sub}` is not a shadow command"
-        keys = schema_keys(SCHEMAS[sub])
+        keys = schema_keys(CONFIGS[sub])
         for key in argument_keys(tokens):
             assert key in keys, f"{where}: `shadow {sub}` has no key {key!r}"
         for flag in (t for t in tokens if t.startswith("--")):

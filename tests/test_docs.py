@@ -12,22 +12,22 @@ from tests.conftest import ROOT
 
 def test_api_reference_is_current():
     res = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_api_docs.py"), "--check"],
+        [sys.executable, str(ROOT / "tools" / "gen_api_docs.py"), "--check"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert res.returncode == 0, f"docs/api.md is stale: run python scripts/gen_api_docs.py\n{res.stdout}{res.stderr}"
+    assert res.returncode == 0, f"docs/api.md is stale: run python tools/gen_api_docs.py\n{res.stdout}{res.stderr}"
 
 
 def test_reference_covers_commands_metrics_and_public_names():
     import trainer_hooks
-    from shadow.config import SCHEMAS
+    from shadow.config import CONFIGS
     from shadow.metrics import ALL
 
     text = (ROOT / "docs" / "api.md").read_text()
-    for name in SCHEMAS:
+    for name in CONFIGS:
         assert f"### `shadow {name}`" in text
     for name in ALL:
         assert f"`{name}`" in text

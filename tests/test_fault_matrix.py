@@ -21,7 +21,7 @@ def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
     res = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "scripts" / "fault_matrix.py"),
+            str(ROOT / "tools" / "fault_matrix.py"),
             "--trials",
             "1",
             "--steps",

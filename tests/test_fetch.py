@@ -123,11 +123,11 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
     import time
     from collections import Counter
 
-    from shadow.worker.serve import Reply, ServeMixin
+    from shadow.worker.fetches import FetchMixin, Reply
 
-    class Served(ServeMixin):
+    class Served(FetchMixin):
         def __init__(self, sock):
-            self.serve, self.serving, self.session, self.rejected, self.pending_fetch = sock, {}, None, Counter(), []
+            self.serve, self.replies, self.assignment, self.rejected, self.pending_fetch = sock, {}, None, Counter(), []
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -147,13 +147,13 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         os.kill(proc.pid, signal.SIGSTOP)  # frozen: its I/O thread stops reading
         w = Served(router)
         big = np.ones(256 << 20, dtype=np.uint8)  # far more than the socket buffers hold
-        w.serving[ident] = Reply(
+        w.replies[ident] = Reply(
             "frozen", None, [router.send_multipart([ident, memoryview(big)], copy=False, track=True)], time.monotonic()
         )
         t0 = time.monotonic()
         with knobs.override(SERVE_STALL_S=0.5):
             w._wait_for_readers()
-        assert 0.3 < time.monotonic() - t0 < 3.0 and w.serving[ident].dropped and w.rejected["serve_dropped"] == 1
+        assert 0.3 < time.monotonic() - t0 < 3.0 and w.replies[ident].dropped and w.rejected["serve_dropped"] == 1
         # a shard that went out completely costs no wait
         local = ctx.socket(zmq.DEALER)
         local.connect(f"tcp://127.0.0.1:{port}")
@@ -161,10 +161,10 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         me, _ = router.recv_multipart()
         tracker = router.send_multipart([me, memoryview(big[: 1 << 20])], copy=False, track=True)
         assert local.poll(10_000) and len(local.recv_multipart()) == 1
-        w.serving[me] = Reply("local", None, [tracker], time.monotonic())
+        w.replies[me] = Reply("local", None, [tracker], time.monotonic())
         t0 = time.monotonic()
         w._wait_for_readers()
-        assert time.monotonic() - t0 < 1.0 and tracker.done and me not in w.serving
+        assert time.monotonic() - t0 < 1.0 and tracker.done and me not in w.replies
         local.close(0)
     finally:
         proc.kill()

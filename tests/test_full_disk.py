@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.persist import catalog, failed
+from shadow.persist import checkpoints, failed
 from shadow.testing import LocalCluster, ServiceFaults, free_port_run
 from shadow.testing.faults import injected
 from tests.conftest import train_step
@@ -165,10 +165,10 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
         assert value(scrape(mport), "shadow_persist_failures_total", tier="local") >= 2
         assert "no space left on device" in cluster.log.read_text()
         # nothing partial is listed, or left behind to hold the space
-        done = catalog.list_checkpoints(root, job=JOB)
+        done = checkpoints.list_checkpoints(root, job=JOB)
         assert done and done[-1].iteration == before and all(c.iteration <= before for c in done)
-        assert all(catalog.verify(c) == [] for c in done)
-        assert catalog.list_torn(root, JOB) == []
+        assert all(checkpoints.verify(c) == [] for c in done)
+        assert checkpoints.list_torn(root, JOB) == []
         assert not [f for f in _complete_files(root) if f.endswith(".tmp")]
         # the newest complete checkpoint from before the fill restores bit for bit, from the disk
         fresh, fopt, fsched = build(seed=7)
@@ -185,9 +185,9 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
         train(6)
         st = settled(lambda st: (st["persist"]["local"]["last_complete"] or {}).get("iteration", 0) > 14)
         assert st["persist"]["local"]["last_error"] == ""
-        newest = catalog.list_checkpoints(root, job=JOB)[-1]
-        assert newest.iteration > 14 and catalog.verify(newest) == []
-        snap = catalog.load(newest)
+        newest = checkpoints.list_checkpoints(root, job=JOB)[-1]
+        assert newest.iteration > 14 and checkpoints.verify(newest) == []
+        snap = checkpoints.load(newest)
         assert snap.iteration == newest.iteration
         assert session.close() == it
         session = None
@@ -208,7 +208,7 @@ def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_pat
 
     flag = tmp_path / "full"
     flag.touch()
-    path = str(tmp_path / "j" / "iteration-0000000004" / catalog.shard_name(0, 2))
+    path = str(tmp_path / "j" / "iteration-0000000004" / checkpoints.shard_name(0, 2))
     img = _image(0, 3000, 4, 0)
     with injected(ServiceFaults(persist_full=str(flag))), pytest.raises(OSError) as err:
         img.write(path)
@@ -218,7 +218,7 @@ def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_pat
     assert text.startswith(f"tier local: no space left on device writing {path} (")
     assert "MiB free of" in text and "persist.local.keep" in text
     assert failed.write_error(ValueError("x"), "local", path) == "ValueError: x"
-    assert img.write(path) == img.size and os.listdir(os.path.dirname(path)) == [catalog.shard_name(0, 2)]
+    assert img.write(path) == img.size and os.listdir(os.path.dirname(path)) == [checkpoints.shard_name(0, 2)]
 
 
 def test_the_coordinator_removes_a_failed_checkpoint_and_backs_off(tmp_path):
@@ -240,15 +240,15 @@ def test_the_coordinator_removes_a_failed_checkpoint_and_backs_off(tmp_path):
 
     attempt(4, True)
     assert t.complete == {"j": 4} and os.path.exists(
-        os.path.join(catalog.checkpoint_dir(root, "j", 4), catalog.MANIFEST)
+        os.path.join(checkpoints.checkpoint_dir(root, "j", 4), checkpoints.MANIFEST)
     )
     attempt(8, False)
-    assert not os.path.exists(catalog.checkpoint_dir(root, "j", 8)) and t.failures == 1
+    assert not os.path.exists(checkpoints.checkpoint_dir(root, "j", 8)) and t.failures == 1
     attempt(9, False)  # the first failure is retried at the next cut
-    assert t.failures == 2 and catalog.list_torn(root, "j") == []
+    assert t.failures == 2 and checkpoints.list_torn(root, "j") == []
     assert not pers.local_due(10, None) and not pers.local_due(12, None)  # then on the schedule (every 4)
     attempt(13, True)
     assert t.complete == {"j": 13} and t.last_error == "" and t.failing == 0
-    assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [4, 13]
+    assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j")] == [4, 13]
     # a failure reported for an iteration whose checkpoint is complete never deletes it
     assert failed.discard_torn(root, "j", 13) is False and failed.discard_torn(root, "j", 4) is False

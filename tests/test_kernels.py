@@ -45,7 +45,7 @@ def test_fused_grad_scale(cls, scale):
 
 
 def test_exact_reciprocal():
-    from shadow.kernels.plan import exact_reciprocal
+    from shadow.kernels.replay import exact_reciprocal
 
     assert exact_reciprocal(65536.0) == np.float32(2.0**-16)
     assert exact_reciprocal(2.0**-126) == np.float32(2.0**126)
@@ -110,7 +110,7 @@ def test_sgd_bit_identical(impl, case):
 def test_interleave_gives_each_thread_every_t_th_row():
     """numba's static schedule hands thread t the t-th contiguous block of rows;
     interleaved, those are rows t, t + T, ... of the original order."""
-    from shadow.kernels.plan import interleave
+    from shadow.kernels.replay import interleave
 
     work = np.arange(5 * 5, dtype=np.int64).reshape(5, 5)
     assert np.array_equal(interleave(work, 2)[:, 0], [0, 10, 20, 5, 15])

@@ -12,7 +12,7 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.persist import catalog
+from shadow.persist import checkpoints
 from shadow.testing import LocalCluster, assert_same_state, live_state
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
@@ -90,7 +90,7 @@ def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
     info = trainer_hooks.restore(fresh, fopt, source=str(local), scheduler=fsched)
     assert info.iteration == 8
     _same(model, opt, fresh, fopt)
-    manifests = [json.load(open(p)) for p in glob.glob(str(local / "fb" / "*" / catalog.MANIFEST))]
+    manifests = [json.load(open(p)) for p in glob.glob(str(local / "fb" / "*" / checkpoints.MANIFEST))]
     assert {(m["generation"], m["iteration"]) for m in manifests} >= {(0, 6), (1, 6), (1, 8)}
 
 
@@ -138,7 +138,7 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
     info = trainer_hooks.restore(last, lopt, source=str(local), scheduler=lsched, job="ow")
     assert info.iteration == 12
     _same(again, aopt, last, lopt)
-    ls = {(c.generation, c.iteration): c for c in catalog.list_checkpoints(str(local), job="ow")}
+    ls = {(c.generation, c.iteration): c for c in checkpoints.list_checkpoints(str(local), job="ow")}
     assert ls[(0, 12)].superseded and not ls[(1, 12)].superseded and not ls[(0, 8)].superseded
 
 
@@ -154,7 +154,7 @@ def test_ls_shows_superseded_checkpoints(tmp_path):
     layout = Layout.build([("w", (4,), 0, True)], 1)
     root = str(tmp_path)
     for gen, it in ((0, 2), (0, 3), (1, 3)):
-        d = catalog.checkpoint_dir(root, "j", it, gen)
+        d = checkpoints.checkpoint_dir(root, "j", it, gen)
         os.makedirs(d)
         shard = {
             "index": 0,
@@ -165,13 +165,13 @@ def test_ls_shows_superseded_checkpoints(tmp_path):
             "checksum": "0",
             "blob_ranks": [0],
         }
-        m = catalog.new_manifest(
+        m = checkpoints.new_manifest(
             "j", it, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None, None, [shard], gen
         )
-        catalog.write_manifest(root, "j", it, m)
-    catalog.write_generation(root, "j", 1, 2)
-    os.makedirs(catalog.checkpoint_dir(root, "j", 4, 1))  # torn: no manifest
-    found = catalog.list_checkpoints(root, job="j")
+        checkpoints.write_manifest(root, "j", it, m)
+    checkpoints.write_generation(root, "j", 1, 2)
+    os.makedirs(checkpoints.checkpoint_dir(root, "j", 4, 1))  # torn: no manifest
+    found = checkpoints.list_checkpoints(root, job="j")
     assert [(c.generation, c.iteration, c.superseded) for c in found] == [(0, 3, True), (0, 2, False), (1, 3, False)]
     res = subprocess.run(
         [sys.executable, "-m", "shadow", "ls", f"source={root}", "json=true"], capture_output=True, text=True, cwd=ROOT

@@ -38,8 +38,8 @@ def test_a_coordinator_error_degrades_then_resyncs(world1, cluster):
     assert "does not accept 'progress'" in session.degraded
     it = 3
     deadline = time.monotonic() + 60
-    while session.epoch == epoch or session.degraded is not None or session.applied < it - 1:
-        assert time.monotonic() < deadline, (session.degraded, session.applied, cluster.status()["job"])
+    while session.epoch == epoch or session.degraded is not None or session.committed < it - 1:
+        assert time.monotonic() < deadline, (session.degraded, session.committed, cluster.status()["job"])
         it += 1
         train_step(ddp, opt, sched, it)  # never raises
         time.sleep(0.1)

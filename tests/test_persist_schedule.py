@@ -19,7 +19,7 @@ from shadow import knobs
 from shadow.coordinator import persistence as persistence_mod
 from shadow.coordinator.persistence import Persistence
 from shadow.layout import Layout
-from shadow.persist import catalog, shardfile
+from shadow.persist import checkpoints, shardfile
 from shadow.persist.writer import ShardPersister
 from shadow.worker.state import ShardState
 
@@ -55,7 +55,7 @@ def clock(monkeypatch):
 def _report(root: str, tier: str, iteration: int, shard: int, ok: bool = True, skipped: bool = False) -> dict:
     """A worker's ``persisted`` report; an OK one with its directory on ``root``."""
     if ok:
-        os.makedirs(catalog.checkpoint_dir(root, "j", iteration), exist_ok=True)
+        os.makedirs(checkpoints.checkpoint_dir(root, "j", iteration), exist_ok=True)
     lo, hi = RANGES[shard]
     return {
         "epoch": 1,
@@ -64,7 +64,7 @@ def _report(root: str, tier: str, iteration: int, shard: int, ok: bool = True, s
         "shard": shard,
         "ok": ok,
         "error": "skipped: earlier checkpoint writes are still running" if skipped else ("" if ok else "boom"),
-        "file": catalog.shard_name(shard, 2),
+        "file": checkpoints.shard_name(shard, 2),
         "start": lo,
         "stop": hi,
         "bytes": 100,
@@ -197,12 +197,12 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
         # every report in, but shard 0's of 3 while it hangs
         pump(lambda it=it: set(lt.in_flight) <= ({3} if 3 <= it < 8 else set()) and 1 in lt.in_flight.get(3, {1: 0}))
     assert uploads == [9]
-    assert os.path.isdir(catalog.checkpoint_dir(local, "j", 9)), "local retention removed a copy's source"
+    assert os.path.isdir(checkpoints.checkpoint_dir(local, "j", 9)), "local retention removed a copy's source"
     release_copy.set()
     pump(lambda: not rt.in_flight)
     assert rt.complete == {"j": 9} and rt.failures == 0, rt.last_error
-    assert catalog.find(remote, "remote")[1].iteration == 9
-    assert [c.iteration for c in catalog.list_checkpoints(local)] == [10, 11, 12]  # retention caught up
+    assert checkpoints.find(remote, "remote")[1].iteration == 9
+    assert [c.iteration for c in checkpoints.list_checkpoints(local)] == [10, 11, 12]  # retention caught up
     skips = [(r["iteration"], r["skipped"]) for r in reports if not r["ok"]]
     assert skips == [(it, True) for it in range(4, 9)]  # one report each, marked as skips
     assert (lt.failures, lt.skipped, lt.last_error) == (0, 5, "")
@@ -259,7 +259,7 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
                 "peer": None,
             }
         )
-        s = w.session
+        s = w.assignment
         for f in s.state.fields():  # as a bootstrap would
             s.state.array(f)[:] = 1.0
         s.persister.snapshot(1, epoch, 1, {0: b"rec"}, None)
@@ -304,9 +304,9 @@ def test_an_older_checkpoint_completing_after_a_newer_one_is_kept_and_counted(tm
     assert pers.local_due(6, None)
     for shard in (0, 1):
         pers.on_report(JOB, _report(root, "local", 6, shard), 2)
-    assert t.complete == {"j": 6} and os.path.isdir(catalog.checkpoint_dir(root, "j", 3))
+    assert t.complete == {"j": 6} and os.path.isdir(checkpoints.checkpoint_dir(root, "j", 3))
     pers.on_report(JOB, late, 2)
     assert t.count == 2 and t.failures == 0 and t.last_error == "", t.last_error
-    assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [3, 6]
+    assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j")] == [3, 6]
     assert t.last_complete["iteration"] == 6 and t.last_ok[0] == 6  # the newest stays the newest
-    assert catalog.list_torn(root, "j") == []
+    assert checkpoints.list_torn(root, "j") == []

@@ -11,7 +11,7 @@ import pytest
 
 from shadow.coordinator.persistence import due
 from shadow.layout import Layout
-from shadow.persist import catalog, retention, shardfile
+from shadow.persist import checkpoints, retention, shardfile
 from shadow.wire.frames import Field, checksum
 
 
@@ -54,28 +54,28 @@ def test_shard_image_is_aligned_and_readable_by_safetensors(tmp_path):
 
 def _write_checkpoint(root: str, job: str, iteration: int, layout: Layout) -> None:
     shards = []
-    d = catalog.checkpoint_dir(root, job, iteration)
+    d = checkpoints.checkpoint_dir(root, job, iteration)
     fs, p = fsspec.core.url_to_fs(d)
     fs.makedirs(p, exist_ok=True)
     for i, (lo, hi) in enumerate([(0, 16), (16, layout.total)]):
         img = _image(lo, hi, iteration, iteration * 10 + i)
         data = bytes(memoryview(img.buf)[: img.size])
-        fs.pipe_file(p + "/" + catalog.shard_name(i, 2), data)
+        fs.pipe_file(p + "/" + checkpoints.shard_name(i, 2), data)
         shards.append(
             {
                 "index": i,
                 "start": lo,
                 "stop": hi,
-                "file": catalog.shard_name(i, 2),
+                "file": checkpoints.shard_name(i, 2),
                 "bytes": len(data),
                 "checksum": f"{checksum(data):016x}",
                 "blob_ranks": [0],
             }
         )
-    m = catalog.new_manifest(
+    m = checkpoints.new_manifest(
         job, iteration, 1, "local", layout.to_dict(), layout.hash, {"kind": "adam"}, 1, None, None, shards
     )
-    catalog.write_manifest(root, job, iteration, m)
+    checkpoints.write_manifest(root, job, iteration, m)
 
 
 LAYOUT = Layout.build([("a", (16,), 0, True), ("b", (20,), 0, True)], 1)
@@ -87,53 +87,53 @@ def test_catalog_roundtrip_corruption_and_fallback(tmp_path, kind):
     for it in (3, 6):
         _write_checkpoint(root, "j", it, LAYOUT)
     # a torn write: shard files, no manifest
-    fs, p = fsspec.core.url_to_fs(catalog.checkpoint_dir(root, "j", 9))
+    fs, p = fsspec.core.url_to_fs(checkpoints.checkpoint_dir(root, "j", 9))
     fs.makedirs(p, exist_ok=True)
-    fs.pipe_file(p + "/" + catalog.shard_name(0, 2), b"partial")
-    assert [c.iteration for c in catalog.list_checkpoints(root)] == [3, 6]
-    assert catalog.list_torn(root)[0].endswith("iteration-0000000009")
-    info, snap = catalog.find(root, kind)
+    fs.pipe_file(p + "/" + checkpoints.shard_name(0, 2), b"partial")
+    assert [c.iteration for c in checkpoints.list_checkpoints(root)] == [3, 6]
+    assert checkpoints.list_torn(root)[0].endswith("iteration-0000000009")
+    info, snap = checkpoints.find(root, kind)
     assert snap.iteration == 6 and snap.steps[0] == 6.0 and snap.blobs == {0: b"abc"}
     assert snap.arrays[Field.PARAM].shape == (LAYOUT.total,)
 
     # corrupt one byte of iteration 6, shard 1
-    shard_path = p.replace("iteration-0000000009", "iteration-0000000006") + "/" + catalog.shard_name(1, 2)
+    shard_path = p.replace("iteration-0000000009", "iteration-0000000006") + "/" + checkpoints.shard_name(1, 2)
     data = bytearray(fs.cat_file(shard_path))
     data[-5] ^= 0xFF
     fs.pipe_file(shard_path, bytes(data))
-    bad = [c for c in catalog.list_checkpoints(root) if c.iteration == 6][0]
-    problems = catalog.verify(bad)
+    bad = [c for c in checkpoints.list_checkpoints(root) if c.iteration == 6][0]
+    problems = checkpoints.verify(bad)
     assert len(problems) == 1 and "shard 1" in problems[0] and "checksum" in problems[0]
-    info, snap = catalog.find(root, kind)  # newest: falls back to the older complete one
+    info, snap = checkpoints.find(root, kind)  # newest: falls back to the older complete one
     assert snap.iteration == 3
-    with pytest.raises(catalog.CheckpointError, match="shard 1 .*checksum"):
-        catalog.find(root, kind, iteration=6)
-    with pytest.raises(catalog.CheckpointError, match="no complete checkpoint of iteration 7"):
-        catalog.find(root, kind, iteration=7)
+    with pytest.raises(checkpoints.CheckpointError, match="shard 1 .*checksum"):
+        checkpoints.find(root, kind, iteration=6)
+    with pytest.raises(checkpoints.CheckpointError, match="no complete checkpoint of iteration 7"):
+        checkpoints.find(root, kind, iteration=7)
 
 
 def test_retention_keeps_newest_and_only_deletes_after_a_complete_one(tmp_path):
     root = str(tmp_path)
-    os.makedirs(catalog.checkpoint_dir(root, "j", 1))  # torn, and nothing complete yet
+    os.makedirs(checkpoints.checkpoint_dir(root, "j", 1))  # torn, and nothing complete yet
     assert retention.retain(root, "j", 1) == []
     for it in (2, 4, 6):
         _write_checkpoint(root, "j", it, LAYOUT)
-    os.makedirs(catalog.checkpoint_dir(root, "j", 8))  # a write in progress, newer than the newest complete
+    os.makedirs(checkpoints.checkpoint_dir(root, "j", 8))  # a write in progress, newer than the newest complete
     removed = retention.retain(root, "j", 2)
     assert sorted(os.path.basename(r) for r in removed) == ["iteration-0000000001", "iteration-0000000002"]
-    assert [c.iteration for c in catalog.list_checkpoints(root)] == [4, 6]
-    assert os.path.isdir(catalog.checkpoint_dir(root, "j", 8))
+    assert [c.iteration for c in checkpoints.list_checkpoints(root)] == [4, 6]
+    assert os.path.isdir(checkpoints.checkpoint_dir(root, "j", 8))
 
 
 def test_missing_root_and_unknown_manifest_format(tmp_path):
-    with pytest.raises(catalog.CheckpointError, match="no complete checkpoint"):
-        catalog.find(str(tmp_path / "nothing"), "local")
+    with pytest.raises(checkpoints.CheckpointError, match="no complete checkpoint"):
+        checkpoints.find(str(tmp_path / "nothing"), "local")
     _write_checkpoint(str(tmp_path), "j", 1, LAYOUT)
-    mpath = os.path.join(catalog.checkpoint_dir(str(tmp_path), "j", 1), catalog.MANIFEST)
+    mpath = os.path.join(checkpoints.checkpoint_dir(str(tmp_path), "j", 1), checkpoints.MANIFEST)
     m = json.load(open(mpath))
     m["format"] = "something-else/9"
     json.dump(m, open(mpath, "w"))
-    assert catalog.list_checkpoints(str(tmp_path)) == []
+    assert checkpoints.list_checkpoints(str(tmp_path)) == []
 
 
 def test_schedules():

@@ -143,7 +143,7 @@ def test_worker_dying_mid_write_leaves_previous_checkpoint(tmp_path, reference):
 
 
 def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
-    from shadow.persist import catalog
+    from shadow.persist import checkpoints
 
     local = tmp_path / "local"
     cluster = LocalCluster(
@@ -160,7 +160,7 @@ def test_corrupt_shard_is_caught_and_older_checkpoint_used(tmp_path, reference):
         )
     finally:
         cluster.stop()
-    done = catalog.list_checkpoints(str(local))
+    done = checkpoints.list_checkpoints(str(local))
     assert len(done) >= 2
     newest, older = done[-1].iteration, done[-2].iteration
     shard = next((local / "default" / f"iteration-{newest:010d}").glob("shard-00001-*.safetensors"))
@@ -265,9 +265,9 @@ def test_token_schedule(tmp_path):
         )
     finally:
         cluster.stop()
-    from shadow.persist import catalog
+    from shadow.persist import checkpoints
 
-    done = catalog.list_checkpoints(str(local))
+    done = checkpoints.list_checkpoints(str(local))
     tokens = [c.manifest["tokens"] for c in done]
     assert [c.iteration * 96 for c in done] == tokens  # the trainer's count, recorded per checkpoint
     assert len(done) >= 2 and tokens[0] == 192  # the first at the first threshold

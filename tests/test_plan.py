@@ -169,7 +169,7 @@ def test_simulator_script_writes_the_sweep_and_plots(tmp_path):
     import importlib.util
 
     res = subprocess.run(
-        [sys.executable, "scripts/plan_failures.py", "--out", str(tmp_path), "--trials", "1", "--days", "3"],
+        [sys.executable, "tools/plan_failures.py", "--out", str(tmp_path), "--trials", "1", "--days", "3"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -190,7 +190,8 @@ def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
 
         # a restore client takes "busy" as worth asking again
         with pytest.raises(MovedOn):
-            _take_shard(first_reply_socket(ctx, err), {"id": 0}, {"iteration": 2}, None, {}, None, None, {})
+            w = {"id": 0, "start": 0, "stop": 8}
+            _take_shard(first_reply_socket(ctx, err), w, {"iteration": 2}, None, {}, None, None, {})
 
         time.sleep(1.5)  # a heartbeat carries the counts
         rejected = c.status()["workers"][0]["rejected"]

@@ -1,6 +1,6 @@
 """Fault matrix: run each fault scenario N times with seeded randomness and tabulate what held.
 
-    python scripts/fault_matrix.py --trials 3 --seed 0 [--scenarios a,b] [--steps 24] [--json PATH]
+    python tools/fault_matrix.py --trials 3 --seed 0 [--scenarios a,b] [--steps 24] [--json PATH]
 
 Every trial starts a fresh local cluster (``python -m shadow cluster workers=2``), runs the
 2-rank gloo tiny trainer (``tests/helpers/tiny_trainer.py``) with the fault, restores, and
@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from faultlib import (  # scripts/ is on sys.path when run as a script
+from faultlib import (  # tools/ is on sys.path when run as a script
     LOST_S,
     RANKS,
     References,

@@ -1,4 +1,4 @@
-"""Plumbing of the fault matrix (scripts/fault_matrix.py): a trial's processes, the local
+"""Plumbing of the fault matrix (tools/fault_matrix.py): a trial's processes, the local
 cluster, the status watcher, the reference runs and the verdicts."""
 
 from __future__ import annotations

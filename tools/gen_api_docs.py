@@ -2,8 +2,8 @@
 signatures and docstrings of the public names, every CLI key with its default and help,
 every metric, every tuning knob. `tests/test_docs.py` fails when docs/api.md is stale.
 
-    python scripts/gen_api_docs.py            # rewrite docs/api.md
-    python scripts/gen_api_docs.py --check    # exit 1 if it would change
+    python tools/gen_api_docs.py            # rewrite docs/api.md
+    python tools/gen_api_docs.py --check    # exit 1 if it would change
 """
 
 from __future__ import annotations
@@ -92,13 +92,13 @@ def render() -> str:
     import trainer_hooks
     from shadow import errors
     from shadow.cli._help import SUMMARY, keys
-    from shadow.config import SCHEMAS
+    from shadow.config import CONFIGS
     from shadow.metrics import catalog
 
     lines = [
         "# API and configuration reference",
         "",
-        "Generated from the code by `python scripts/gen_api_docs.py`; do not edit by hand.",
+        "Generated from the code by `python tools/gen_api_docs.py`; do not edit by hand.",
         "",
         "## Trainer side: `trainer_hooks`",
         "",
@@ -150,7 +150,7 @@ def render() -> str:
         "`--cfg job` prints the resolved config; `--json` (status, ls, verify) prints JSON.",
         "",
     ]
-    for name, cls in SCHEMAS.items():
+    for name, cls in CONFIGS.items():
         lines += [
             f"### `shadow {name}`: {SUMMARY[name]}",
             "",
@@ -189,7 +189,7 @@ def main() -> int:
     text = render()
     if args.check:
         if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale; run python scripts/gen_api_docs.py", file=sys.stderr)
+            print(f"{OUT} is stale; run python tools/gen_api_docs.py", file=sys.stderr)
             return 1
         return 0
     OUT.write_text(text)

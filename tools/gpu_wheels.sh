@@ -6,7 +6,7 @@
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#   python3 scripts/bench_gpu.py --json docs/bench/gpu.json
+#   python3 benchmarks/bench_gpu.py --json docs/bench/gpu.json
 #   python3 -m pytest -q -m gpu tests/test_gpu.py
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """Read the replay kernels' inner loops as LLVM compiles them for a given CPU, on any host.
 
-    python scripts/inspect_kernels.py [--cpu skylake-avx512 icelake-server znver3 ...] [--asm-dir DIR]
+    python tools/inspect_kernels.py [--cpu skylake-avx512 icelake-server znver3 ...] [--asm-dir DIR]
 
 For every CPU name the kernels are compiled (not run: the target's instructions need not
 exist here) with ``NUMBA_CPU_NAME`` set, in a child process with a cache of its own.

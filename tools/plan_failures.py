@@ -1,7 +1,7 @@
 """The failure-cost simulator: public scenarios, a sweep over GPU counts, shadow sizing
 over model sizes, and how sensitive the answer is to each input.
 
-    python scripts/plan_failures.py [--out docs/plan] [--trials 4] [--days 30]
+    python tools/plan_failures.py [--out docs/plan] [--trials 4] [--days 30]
 
 Writes ``<out>/plan.json`` and, with matplotlib (``pip install -e .[bench]``),
 ``lost_gpu_hours_vs_gpus.png`` and ``shadow_cores_vs_model_size.png``. Every figure is
@@ -205,7 +205,7 @@ def main() -> int:
     t0 = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"scenarios": {}, "command": "python scripts/plan_failures.py " + " ".join(sys.argv[1:])}
+    result = {"scenarios": {}, "command": "python tools/plan_failures.py " + " ".join(sys.argv[1:])}
     for name in SCENARIOS:
         r = plan(scenario(name))
         result["scenarios"][name] = r

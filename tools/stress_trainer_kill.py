@@ -1,7 +1,7 @@
 """Stress the trainer-kill scenarios: SIGKILL after an iteration, in the middle of one, and
 inside the bootstrap of a resumed run; 20 trials each by default.
 
-    python scripts/stress_trainer_kill.py [--trials 20] [--seed 0] [--steps 20] [--json PATH]
+    python tools/stress_trainer_kill.py [--trials 20] [--seed 0] [--steps 20] [--json PATH]
 
 Prints the fault-matrix table; exits 1 if any restore was not exact or any trial lost more
 iterations than its scenario allows (the kill after an iteration may lose the sender's

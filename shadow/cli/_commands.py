@@ -115,10 +115,10 @@ def _unreadable(mpath: str, reason: str) -> dict:
     """What ``ls``/``verify`` report for a manifest the catalog skipped."""
     import posixpath
 
-    from shadow.persist import catalog
+    from shadow.persist import checkpoints
 
     d = posixpath.dirname(mpath)
-    key = catalog.dir_key(d)
+    key = checkpoints.dir_key(d)
     return {
         "job": posixpath.basename(posixpath.dirname(d)),
         "iteration": key[1] if key else None,
@@ -134,11 +134,11 @@ def _size(path: str) -> int:
 
 
 def cmd_ls(cfg: ListConfig) -> int:
-    from shadow.persist import catalog
+    from shadow.persist import checkpoints
     from shadow.restore.resolve import is_endpoint, restore_info
 
     rows = []
-    roots = [(cfg.source, "local" if catalog.is_local(cfg.source) else "remote")]
+    roots = [(cfg.source, "local" if checkpoints.is_local(cfg.source) else "remote")]
     if not is_endpoint(cfg.source) and _missing_dir(cfg.source):
         print(f"shadow ls: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
@@ -160,7 +160,7 @@ def cmd_ls(cfg: ListConfig) -> int:
         roots = [(s["root"], s["tier"]) for s in info["storage"]]
     for root, tier in roots:
         skipped: list = []
-        for c in catalog.list_checkpoints(root, tier, cfg.job, skipped=skipped):
+        for c in checkpoints.list_checkpoints(root, tier, cfg.job, skipped=skipped):
             rows.append(
                 {
                     "job": c.job,
@@ -174,8 +174,8 @@ def cmd_ls(cfg: ListConfig) -> int:
                     "path": c.path,
                 }
             )
-        for d in catalog.list_torn(root, cfg.job):
-            generation, iteration = catalog.dir_key(d) or (0, -1)
+        for d in checkpoints.list_torn(root, cfg.job):
+            generation, iteration = checkpoints.dir_key(d) or (0, -1)
             rows.append(
                 {
                     "job": d.rstrip("/").split("/")[-2],
@@ -199,14 +199,14 @@ def cmd_ls(cfg: ListConfig) -> int:
 
 
 def cmd_verify(cfg: VerifyConfig) -> int:
-    from shadow.persist import catalog
+    from shadow.persist import checkpoints
 
-    tier = "local" if catalog.is_local(cfg.source) else "remote"
+    tier = "local" if checkpoints.is_local(cfg.source) else "remote"
     if _missing_dir(cfg.source):
         print(f"shadow verify: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
     skipped: list = []
-    found = catalog.list_checkpoints(cfg.source, tier, cfg.job, skipped=skipped)
+    found = checkpoints.list_checkpoints(cfg.source, tier, cfg.job, skipped=skipped)
     bad = [_unreadable(m, why) for m, why in skipped]
     if cfg.iteration is not None:
         found = [c for c in found if c.iteration == cfg.iteration]
@@ -217,10 +217,10 @@ def cmd_verify(cfg: VerifyConfig) -> int:
         return 1
     results: list[dict[str, Any]] = []
     for c in found:
-        problems = catalog.verify(c)
+        problems = checkpoints.verify(c)
         if cfg.deep and not problems:
             try:
-                catalog.load(c, check=True)
+                checkpoints.load(c, check=True)
             except Exception as exc:  # every way a decode can fail is a finding, not a crash
                 problems.append(f"decoding: {type(exc).__name__}: {exc}")
         results.append(

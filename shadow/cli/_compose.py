@@ -13,7 +13,7 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from shadow.config import SCHEMAS, register
+from shadow.config import CONFIGS, register
 
 
 class UsageError(ValueError):
@@ -78,7 +78,7 @@ def split(argv: list[str]) -> Args:
 def compose(command: str, args: Args) -> Any:
     """The typed config of ``shadow command`` for ``args``."""
     register()
-    return compose_typed(SCHEMAS[command], f"shadow_{command}", args, f"`shadow {command}`")
+    return compose_typed(CONFIGS[command], f"shadow_{command}", args, f"`shadow {command}`")
 
 
 def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
@@ -125,7 +125,7 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
 
 def parse(cls: type, overrides: list[str]) -> Any:
     """``cls`` from its defaults and ``key=value`` overrides (no YAML)."""
-    command = next(k for k, v in SCHEMAS.items() if v is cls)
+    command = next(k for k, v in CONFIGS.items() if v is cls)
     return compose(command, split(overrides))
 
 

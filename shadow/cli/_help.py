@@ -9,7 +9,7 @@ import inspect
 import re
 import typing
 
-from shadow.config import SCHEMAS
+from shadow.config import CONFIGS
 
 EXAMPLES = {
     "cluster": [
@@ -68,7 +68,7 @@ keys are Hydra overrides: key=value, nested with dots (persist.local.dir=/nvme),
 
 def usage() -> str:
     lines = ["usage: shadow COMMAND [key=value ...] [--help]", "", "commands:"]
-    lines += [f"  {name:<12} {SUMMARY[name]}\n               e.g.  {EXAMPLES[name][0]}" for name in SCHEMAS]
+    lines += [f"  {name:<12} {SUMMARY[name]}\n               e.g.  {EXAMPLES[name][0]}" for name in CONFIGS]
     return "\n".join(lines + ["", COMMON, "", "`shadow COMMAND --help` lists the command's keys."])
 
 
@@ -109,7 +109,7 @@ def keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
 
 
 def command_help(name: str) -> str:
-    cls = SCHEMAS[name]
+    cls = CONFIGS[name]
     doc = inspect.cleandoc(cls.__doc__ or "").replace("``", "")
     lines = [f"usage: shadow {name} [key=value ...]", "", doc, "", "examples:"]
     lines += [f"  {e}" for e in EXAMPLES[name]]

@@ -13,7 +13,7 @@ from shadow.coordinator._host import CoordinatorHost
 from shadow.coordinator.records import JobRec, job_id_for
 from shadow.jobs import job_name_problem
 from shadow.layout import Layout, shard_bounds
-from shadow.persist import catalog
+from shadow.persist import checkpoints
 from shadow.wire import messages as M
 from shadow.worker.memory import human, nfields, session_bytes
 
@@ -292,7 +292,7 @@ class AttachMixin(CoordinatorHost):
     def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:
         """Whether every rank restored iteration ``base`` of job ``name`` from this cluster:
         from its memory (the current generation), or from a checkpoint under one of its tiers."""
-        roots = [catalog.local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
+        roots = [checkpoints.local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
         for r in records:
             if not isinstance(r, dict) or r.get("job") != name or r.get("iteration") != base:
                 return False

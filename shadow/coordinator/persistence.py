@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from shadow import knobs
-from shadow.persist import catalog, failed, retention
+from shadow.persist import checkpoints, failed, retention
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +116,9 @@ class Persistence:
         try:
             if job is None:
                 _probe(tier.root)  # a listing of an unreadable root is empty, not an error
-            found = catalog.list_checkpoints(tier.root, tier.name, job)
+            found = checkpoints.list_checkpoints(tier.root, tier.name, job)
             for name in {c.job for c in found} | ({job} if job else set()):
-                marks = catalog.read_generations(tier.root, name)
+                marks = checkpoints.read_generations(tier.root, name)
                 self.generations[name] = max(
                     [self.generations.get(name, 0), *marks] + [c.generation for c in found if c.job == name]
                 )
@@ -187,7 +187,7 @@ class Persistence:
         self.generations[job] = max(self.generations.get(job, 0), generation)
         for t in self.tiers.values():
             try:
-                catalog.write_generation(t.root, job, generation, base)
+                checkpoints.write_generation(t.root, job, generation, base)
             except Exception as exc:  # storage errors are reported, never fatal
                 t.last_error = f"recording generation {generation} of {job} (from iteration {base}): {exc}"
                 logger.error("tier %s: %s", t.name, t.last_error)
@@ -303,7 +303,7 @@ class Persistence:
             it for it, t in (remote.requested.items() if remote and tier.name == "local" else ()) if now - t < hold
         ]
         if keep and copying:
-            done = catalog.list_checkpoints(tier.root, tier.name, job_name)
+            done = checkpoints.list_checkpoints(tier.root, tier.name, job_name)
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
         return retention.retain(tier.root, job_name, keep, busy=tier.in_flight)
 
@@ -324,7 +324,7 @@ class Persistence:
         ]
         commit = next((r["commit"] for r in got.values() if r["commit"] is not None), None)
         tokens = commit.get("tokens") if commit else None
-        manifest = catalog.new_manifest(
+        manifest = checkpoints.new_manifest(
             job.name,
             iteration,
             job.epoch,
@@ -339,10 +339,10 @@ class Persistence:
             job.generation,
         )
         try:
-            catalog.write_manifest(tier.root, job.name, iteration, manifest)
+            checkpoints.write_manifest(tier.root, job.name, iteration, manifest)
             deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
-            where = catalog.checkpoint_dir(tier.root, job.name, iteration, job.generation)
+            where = checkpoints.checkpoint_dir(tier.root, job.name, iteration, job.generation)
             tier.last_error = (
                 f"writing the manifest of iteration {iteration}: {failed.write_error(exc, tier.name, where)}"
             )

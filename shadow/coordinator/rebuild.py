@@ -3,7 +3,7 @@
 The coordinator keeps nothing on disk about the running job: the workers hold it. A
 restarted coordinator answers heartbeats from workers it does not know with
 ``reregister``; each worker answers ``rejoin`` with the ``configure`` message of its
-session and how far it got (prepared, applied, stale). Once every slot has rejoined,
+assignment and how far it got (prepared, applied, stale). Once every slot has rejoined,
 the job is rebuilt from the newest epoch the workers share:
 
 * the committed cut is the highest iteration any worker applied (a worker applies only
@@ -25,25 +25,25 @@ from shadow.wire import messages as M
 logger = logging.getLogger(__name__)
 
 
-def valid_session(session: dict | None) -> dict | None:
-    """A rejoin's session report, checked like any message from the network."""
-    if session is None:
+def valid_assignment(assignment: dict | None) -> dict | None:
+    """A rejoin's assignment report, checked like any message from the network."""
+    if assignment is None:
         return None
-    cfg = session.get("configure")
+    cfg = assignment.get("configure")
     if not isinstance(cfg, dict):
-        raise M.MessageError("bad_field", "rejoin.session lacks its configure message")
+        raise M.MessageError("bad_field", "rejoin.assignment lacks its configure message")
     M.validate({"t": "configure", "v": M.VERSION, **{k: v for k, v in cfg.items() if k not in ("t", "v")}})
     for key in ("prepared", "applied"):
-        if not isinstance(session.get(key), int) or isinstance(session.get(key), bool):
-            raise M.MessageError("bad_field", f"rejoin.session.{key} must be an integer")
-    if not isinstance(session.get("stale"), str):
-        raise M.MessageError("bad_field", "rejoin.session.stale must be a string")
-    return session
+        if not isinstance(assignment.get(key), int) or isinstance(assignment.get(key), bool):
+            raise M.MessageError("bad_field", f"rejoin.assignment.{key} must be an integer")
+    if not isinstance(assignment.get("stale"), str):
+        raise M.MessageError("bad_field", "rejoin.assignment.stale must be a string")
+    return assignment
 
 
 def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, dict[int, str]]:
     """The job the workers hold, and the workers that cannot serve it (id -> reason)."""
-    held = {w.id: w.session for w in workers if w.session is not None}  # worker id -> what it holds
+    held = {w.id: w.assignment for w in workers if w.assignment is not None}  # worker id -> what it holds
     if not held:
         return None, {}
     cfg = max(held.values(), key=lambda s: s["configure"]["epoch"])["configure"]
@@ -107,7 +107,7 @@ class RejoinMixin(CoordinatorHost):
     def _on_rejoin(self, env, msg) -> None:
         """A worker that outlived the previous coordinator reports what it holds."""
         try:
-            session = valid_session(msg["session"])
+            assignment = valid_assignment(msg["assignment"])
         except M.MessageError as exc:
             self._count(exc.reason)
             self._reply(env, "error", code="malformed", message=f"rejected rejoin: {exc}")
@@ -119,14 +119,14 @@ class RejoinMixin(CoordinatorHost):
         w = self._enrol(env, msg, fresh=False)
         if w is None:
             return
-        w.session = session
-        if len(self.workers) == self.expected and any(x.session for x in self.workers):
+        w.assignment = assignment
+        if len(self.workers) == self.expected and any(x.assignment for x in self.workers):
             self._rebuild()
 
     def _rebuild(self) -> None:
         job, stale = rebuild_job(self.workers, self.nshards)
         for w in self.workers:
-            w.session = None
+            w.assignment = None
         if job is None:
             return
         self.job, self.epoch = job, max(self.epoch, job.epoch)

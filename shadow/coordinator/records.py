@@ -28,7 +28,7 @@ class WorkerRec:
     frames_in: int = 0
     bytes_in: int = 0
     lost: bool = False
-    session: dict | None = None  # what a rejoining worker holds (coordinator restart)
+    assignment: dict | None = None  # what a rejoining worker holds (coordinator restart)
     seq: list = field(default_factory=list)  # data messages received per rank (its heartbeat)
     busy_at: float = 0.0  # last time its taken-frame counts (seq) moved
     transit: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
@@ -77,7 +77,7 @@ class JobRec:
     generation: int = 0  # lineage: raised when an attach goes back behind what the cluster holds
     joining: dict = field(default_factory=dict)  # worker id -> {"gen", "from": {rank: m}, "at": m - 1}
     writers: dict = field(default_factory=dict)  # shard -> worker id asked to persist it
-    hold: int | None = None  # the cut stays at or below this while a replica copies from its peer
+    cut_ceiling: int | None = None  # the cut stays at or below this while a replica copies from its peer
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded
     degraded_at: float = 0.0  # monotonic time of the last degrade

@@ -107,12 +107,12 @@ class ReplicaMixin(CoordinatorHost):
     def _cancel_join(self, w: WorkerRec) -> None:
         job = self.job
         if job is not None and job.joining.pop(w.id, None) is not None:
-            self._release_hold(job)
+            self._release_cut_ceiling(job)
 
-    def _release_hold(self, job: JobRec) -> None:
+    def _release_cut_ceiling(self, job: JobRec) -> None:
         """Hold ``job``'s cut at the earliest iteration a joining replica copies, if any."""
         holds = [j["at"] for j in job.joining.values() if j["at"] is not None]
-        job.hold = min(holds) if holds else None
+        job.cut_ceiling = min(holds) if holds else None
 
     def _on_replica_from(self, env, msg) -> None:
         """Rank ``msg.rank`` streams to the joining worker from iteration ``msg.iteration``."""
@@ -141,7 +141,7 @@ class ReplicaMixin(CoordinatorHost):
             )
             return
         j["at"] = m - 1
-        self._release_hold(job)
+        self._release_cut_ceiling(job)
         peer = peers[0]
         lo, hi = job.ranges[w.id]
         self._reply(
@@ -168,7 +168,7 @@ class ReplicaMixin(CoordinatorHost):
         if w is None or job is None or msg["epoch"] != job.epoch or w.id not in job.joining:
             return
         job.joining.pop(w.id)
-        self._release_hold(job)
+        self._release_cut_ceiling(job)
         w.out, w.stale, w.transit, w.configured = False, "", "", job.epoch
         w.seq, w.joined_at = [], time.monotonic()
         w.prepared = max(w.prepared, msg["iteration"])

@@ -191,7 +191,7 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         w = self._worker(env)
         slot = msg["worker_id"] if w is None else w.id
         taken = {x.id: x for x in self.workers}
-        hold = False
+        awaiting_copy = False
         if slot in taken and (w is None or fresh):
             # a restarted (or reset) worker takes its slot back: it has no state
             w = taken[slot]
@@ -200,8 +200,8 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             w.lost, w.stale, w.transit, w.configured = False, "restarted", "", -1
             w.prepared, w.applied, w.seen, w.seq, w.joined_at = -1, -1, -1, [], now
             self._cancel_join(w)
-            hold = self._start_join(w)
-            if not hold:
+            awaiting_copy = self._start_join(w)
+            if not awaiting_copy:
                 w.out = False
                 self._degrade(f"worker {slot} restarted")
         elif w is None:
@@ -221,7 +221,7 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
             self.workers.sort(key=lambda x: x.id)
         w.memory = msg.get("memory", -1)
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
-        self._reply(env, "registered", worker_id=w.id, hold=hold)
+        self._reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy)
         if len(self.ready_workers(now)) == self.expected:
             logger.info("all %d workers ready", self.expected)
         return w
@@ -327,8 +327,8 @@ class Coordinator(AttachMixin, ReplicaMixin, RejoinMixin, QueryMixin, TrainerMix
         if job is None or not live:
             return
         cut = min(x.prepared for x in live)
-        if job.hold is not None:
-            cut = min(cut, job.hold)
+        if job.cut_ceiling is not None:
+            cut = min(cut, job.cut_ceiling)
         if cut <= job.cut:
             return
         job.cut, job.cut_time = cut, time.time()

@@ -1,6 +1,6 @@
 """Optimizer replay kernels (numba) and the per-range plans that drive them."""
 
-from shadow.kernels.plan import (
+from shadow.kernels.replay import (
     IMPLS,
     ReplayPlan,
     Segment,

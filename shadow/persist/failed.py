@@ -10,7 +10,7 @@ import posixpath
 import shutil
 
 from shadow.persist import fsglob
-from shadow.persist.catalog import MANIFEST, _fs, checkpoint_dir
+from shadow.persist.checkpoints import MANIFEST, _fs, checkpoint_dir
 from shadow.persist.paths import is_local, local_path
 
 _FULL = {

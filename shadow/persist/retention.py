@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import fsspec
 
-from shadow.persist import catalog, fsglob
+from shadow.persist import checkpoints, fsglob
 
 logger = logging.getLogger(__name__)
 
@@ -19,17 +19,17 @@ def retain(root: str, job: str, keep: int, busy: Iterable[int] = ()) -> list[str
     complete."""
     if keep <= 0:
         return []
-    done = catalog.list_checkpoints(root, job=job)
+    done = checkpoints.list_checkpoints(root, job=job)
     if not done:
         return []
     fs, _ = fsspec.core.url_to_fs(root)
     newest, busy = (done[-1].generation, done[-1].iteration), set(busy)
 
     def stale(d: str) -> bool:  # torn, older than the newest complete one, and not being written
-        key = catalog.dir_key(d)
+        key = checkpoints.dir_key(d)
         return key is not None and key < newest and key[1] not in busy
 
-    victims = [c.path for c in done[:-keep]] + [d for d in catalog.list_torn(root, job) if stale(d)]
+    victims = [c.path for c in done[:-keep]] + [d for d in checkpoints.list_torn(root, job) if stale(d)]
     for d in victims:
         try:
             fs.rm(fsglob.literal(fs, d), recursive=True)

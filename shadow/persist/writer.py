@@ -37,7 +37,7 @@ import fsspec
 import numpy as np
 
 from shadow import knobs
-from shadow.persist import catalog, failed, shardfile, zshard
+from shadow.persist import checkpoints, failed, shardfile, zshard
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ShardPersister:
         self.local_codec = tier_codec(persist["local"])
         self.remote_codec = tier_codec(persist["remote"])
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
-        self.generation = int(persist.get("generation", 0))  # the job's lineage (catalog.write_generation)
+        self.generation = int(persist.get("generation", 0))  # the job's lineage (checkpoints.write_generation)
         n, p = state.size, len(state.layout.params)
         big = len(state.fields()) * n * 4
         count = knobs.get_int("PERSIST_BUFFERS") if self.local else 0
@@ -95,10 +95,10 @@ class ShardPersister:
 
     def file_name(self, tier: str = "local") -> str:
         codec = self.local_codec if tier == "local" else self.remote_codec
-        return catalog.shard_name(self.shard, self.nshards, codec[0])
+        return checkpoints.shard_name(self.shard, self.nshards, codec[0])
 
     def local_path(self, iteration: int) -> str:
-        d = catalog.checkpoint_dir(catalog.local_path(self.local), self.job, iteration, self.generation)
+        d = checkpoints.checkpoint_dir(checkpoints.local_path(self.local), self.job, iteration, self.generation)
         return os.path.join(d, self.file_name())
 
     def snapshot(
@@ -344,7 +344,7 @@ class ShardPersister:
         t0 = time.monotonic()
         src = self.local_path(iteration)
         name = self.file_name("remote")
-        dst = posixpath.join(catalog.checkpoint_dir(self.remote, self.job, iteration, self.generation), name)
+        dst = posixpath.join(checkpoints.checkpoint_dir(self.remote, self.job, iteration, self.generation), name)
         try:
             fs, path = fsspec.core.url_to_fs(dst)
             fs.makedirs(posixpath.dirname(path), exist_ok=True)

@@ -11,7 +11,7 @@ import zmq
 from shadow import knobs
 from shadow.client import dealer, request
 from shadow.errors import ShadowError
-from shadow.persist import catalog
+from shadow.persist import checkpoints
 from shadow.restore.snapshot import MovedOn, Snapshot, fetch_memory
 from shadow.wire import messages as M
 
@@ -44,7 +44,7 @@ def resolve(
     timeout = knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout
     if not is_endpoint(source):
         tier = "remote" if "://" in source else "local"  # a URL names a remote copy; a path, a local dir
-        return catalog.find(source, tier, job, iteration, progress=progress)[1]
+        return checkpoints.find(source, tier, job, iteration, progress=progress)[1]
     errors = []
     for attempt in range(attempts):
         info = restore_info(source, job, timeout)
@@ -68,10 +68,10 @@ def resolve(
     job = job or info.get("job")
     for st in info["storage"]:
         try:
-            snap = catalog.find(st["root"], st["tier"], job, iteration, progress=progress)[1]
+            snap = checkpoints.find(st["root"], st["tier"], job, iteration, progress=progress)[1]
             logger.info("restoring from the %s tier (%s): %s", st["tier"], st["root"], "; ".join(errors))
             return snap
-        except catalog.CheckpointError as exc:
+        except checkpoints.CheckpointError as exc:
             errors.append(f"{st['tier']}: {exc}")
         except Exception as exc:  # an unreachable remote tier
             errors.append(f"{st['tier']}: {type(exc).__name__}: {exc}")

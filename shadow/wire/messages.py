@@ -40,7 +40,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "serve": (str,),
         "pid": (int,),
         "worker_id": (int,),
-        "session": (dict, type(None)),
+        "assignment": (dict, type(None)),
         "memory": (int,),
     },  # memory: bytes the worker has free (-1: unknown)
     "prepared": {"epoch": (int,), "iteration": (int,), "tokens": (int, type(None))},
@@ -86,7 +86,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "memory": (int,),
     },
     # coordinator -> worker
-    "registered": {"worker_id": (int,), "hold": (bool,)},
+    "registered": {"worker_id": (int,), "awaiting_copy": (bool,)},
     "reset": {"reason": (str,)},
     "reregister": {},
     "configure": {
@@ -226,7 +226,7 @@ _SIZED: dict[str, Limits] = {
     "attached": PER_RANK,
     "attach": LAYOUT,
     "configure": LAYOUT,
-    "rejoin": LAYOUT,  # its session carries the configure message it holds
+    "rejoin": LAYOUT,  # its assignment carries the configure message it holds
     "restore_info_reply": LAYOUT,
     "status_reply": Limits(64 * _MiB, 64 * _KiB, 4 * _KiB, 1 << 20, 1 << 16),
     "persisted": Limits(16 * _MiB + 64 * _KiB, 64 * _KiB, 16 * _MiB, 1 << 21, 4096),

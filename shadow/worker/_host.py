@@ -1,4 +1,4 @@
-"""What the worker's mixins (:mod:`apply`, :mod:`peer`, :mod:`serve`) take from
+"""What the worker's mixins (:mod:`apply`, :mod:`peer`, :mod:`fetches`) take from
 :class:`~shadow.worker.server.Worker` and from each other, declared once for the type
 checker.
 
@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
     from shadow.security import ClientKeys
     from shadow.transport.receive import FrameReceiver
+    from shadow.worker.assignment import Assignment
+    from shadow.worker.fetches import Reply
     from shadow.worker.peer import PeerCopy
-    from shadow.worker.serve import Reply
-    from shadow.worker.server import _Session
 
 
 class WorkerHost:
@@ -35,11 +35,11 @@ class WorkerHost:
     serve_ep: str
     rejected: Counter[str]
     rx: FrameReceiver | None  # reads the data socket (set with it)
-    session: _Session | None
-    retired: _Session | None  # the previous epoch, served while the new one bootstraps
+    assignment: Assignment | None
+    retired: Assignment | None  # the previous epoch, served while the new one bootstraps
     pending_fetch: list[tuple[bytes, dict[str, Any], float]]  # (client, fetch, deadline)
-    serving: dict[bytes, Reply]  # client identity -> its shard reply, until zmq is done with it
-    hold: bool
+    replies: dict[bytes, Reply]  # client identity -> its shard reply, until zmq is done with it
+    awaiting_copy: bool  # a replacement replica: data frames stay queued until its peer copy
     peer: PeerCopy | None
     replay_s: float
     replayed: int
@@ -51,6 +51,6 @@ class WorkerHost:
         def _to_coord(self, kind: str, **fields: Any) -> None: ...
         def _go_stale(self, reason: str) -> None: ...
 
-        # serve.ServeMixin
+        # serve.FetchMixin
         def _answer_fetches(self) -> None: ...
         def _wait_for_readers(self) -> None: ...

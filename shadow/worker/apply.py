@@ -24,11 +24,11 @@ class ApplyMixin(WorkerHost):
         snapshot the cut for the local tier -- in the apply pass itself when the cut is a
         gradient iteration applied now (the kernel writes the new values to the image
         too: no separate copy), else by copying."""
-        s = self.session
+        s = self.assignment
         if s is None or epoch != s.epoch:
             return
         folded = None
-        if self.serving and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
+        if self.replies and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
             self._wait_for_readers()
         while True:
             k = s.applied + 1 if s.applied >= 0 else s.base
@@ -81,7 +81,7 @@ class ApplyMixin(WorkerHost):
     def _persist(self, iteration: int, folded=None) -> None:
         """Finish the snapshot of ``iteration`` (``folded``: ``(image, filled)`` from the
         apply pass) or take it by copying."""
-        s = self.session
+        s = self.assignment
         if s is None or s.persister is None:
             return
         if s.applied != iteration:
@@ -101,7 +101,7 @@ class ApplyMixin(WorkerHost):
         s.persister.finish(img, iteration, s.epoch, s.blobs, commit, s.extras)
 
     def _report_persisted(self) -> None:
-        s = self.session
+        s = self.assignment
         if s is None or s.persister is None:
             return
         for rep in s.persister.results():

@@ -17,7 +17,7 @@ from shadow.worker._host import WorkerHost
 from shadow.worker.commit import decode_commit, same
 
 if TYPE_CHECKING:
-    from shadow.worker.server import _Session as Assignment
+    from shadow.worker.assignment import Assignment
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class DataMixin(WorkerHost):
             self._go_stale(f"a data frame could not be handled ({type(exc).__name__}: {exc})")
 
     def _take_frame(self, rx: FrameReceiver) -> None:
-        s = self.session
+        s = self.assignment
         h = rx.header(None if s is None else s.context)
         assert s is not None  # rx.header(None) refuses every frame
         if s.stale:

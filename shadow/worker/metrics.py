@@ -10,7 +10,7 @@ from shadow.metrics import Samples
 
 def samples(w) -> Samples:
     """The :data:`shadow.metrics.WORKER` samples of worker ``w`` (a :class:`Worker`)."""
-    s = w.session
+    s = w.assignment
     out: Samples = {
         "shadow_worker_up_seconds": [((), time.monotonic() - w.started)],
         "shadow_worker_stale": [((), 1 if s is not None and s.stale else 0)],

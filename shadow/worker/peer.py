@@ -86,9 +86,9 @@ class PeerMixin(WorkerHost):
         logger.warning("resetting worker %d: %s", self.worker_id, reason)
         self.data.close(linger=0)
         self._open_data()
-        if self.session is not None:
-            self.session.close()
-        self.session, self.pending_fetch = None, []
+        if self.assignment is not None:
+            self.assignment.close()
+        self.assignment, self.pending_fetch = None, []
         if self.peer is not None:
             self.peer.close()
             self.peer = None
@@ -102,7 +102,7 @@ class PeerMixin(WorkerHost):
         )
 
     def _start_peer_copy(self, peer: dict) -> None:
-        s = self.session
+        s = self.assignment
         if s is None:
             raise RuntimeError("a peer copy needs the session it fills: configure first")
         if self.peer is not None:
@@ -117,7 +117,7 @@ class PeerMixin(WorkerHost):
         )
 
     def _peer_reply(self) -> None:
-        p, s = self.peer, self.session
+        p, s = self.peer, self.assignment
         if p is None or s is None:
             raise RuntimeError("a peer reply with no peer copy in flight")
         parts = p.sock.recv_multipart()
@@ -133,7 +133,7 @@ class PeerMixin(WorkerHost):
             logger.exception("copy from peer worker %d failed", p.id)
             self._peer_failed(f"copy from peer worker {p.id} failed: {type(exc).__name__}: {exc}")
             return
-        self.hold = False
+        self.awaiting_copy = False
         seconds = time.monotonic() - p.started
         logger.info("copied iteration %d from peer worker %d in %.2f s", p.iteration, p.id, seconds)
         self._to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)

@@ -22,72 +22,22 @@ import zmq
 from shadow import knobs
 from shadow.kernels import powtab
 from shadow.layout import Layout
-from shadow.persist.writer import ShardPersister
 from shadow.transport import SocketFactory, data_limit
-from shadow.transport.receive import Context, FrameReceiver
+from shadow.transport.receive import FrameReceiver
 from shadow.wire import messages as M
 from shadow.worker import memory
 from shadow.worker.address import bind_and_advertise
 from shadow.worker.apply import ApplyMixin
+from shadow.worker.assignment import Assignment
 from shadow.worker.data import DataMixin
-from shadow.worker.inbox import Inbox
+from shadow.worker.fetches import FetchMixin
 from shadow.worker.peer import PeerCopy, PeerMixin
-from shadow.worker.serve import ServeMixin
 from shadow.worker.startup import compile_kernels
-from shadow.worker.state import ShardState
 
 logger = logging.getLogger(__name__)
 
 
-class _Session:
-    """What a worker holds for one attach epoch."""
-
-    def __init__(self, msg: dict) -> None:
-        self.config = msg  # sent back if the coordinator restarts (rejoin)
-        self.epoch = msg["epoch"]
-        self.job = msg["job"]
-        self.job_id = msg["job_id"]
-        self.layout = Layout.from_dict(msg["layout"])
-        self.layout_hash = self.layout.hash
-        self.world = msg["world"]
-        self.base = msg["iteration"]
-        self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"])
-        self.context = Context(
-            self.job_id,
-            self.epoch,
-            self.layout_hash,
-            self.world,
-            self.state.start,
-            self.state.stop,
-            frozenset(self.state.fields()),
-        )  # what a data message must match
-        self.exact = bool(msg["optim"].get("bit_exact", True))
-        self.inbox = Inbox(
-            self.state.size, self.world, knobs.get_int("WORKER_SLOTS"), self.state.expected_grad, self.state.fields()
-        )
-        self.applied = -1  # nothing installed yet
-        self.prepared = self.base - 1  # highest iteration reported PREPARED
-        self.seen = self.base - 1
-        self.blobs: dict[int, bytes] = {}  # rank -> commit blob of the applied iteration
-        self.extras: dict = {}  # key -> newest chunk of model state outside the optimizer, as of applied
-        self.commit: dict | None = None  # rank 0's replay record of the applied iteration
-        self.stale: str | None = None
-        persist = msg["persist"]
-        self.persister = (
-            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
-            if persist.get("local", {}).get("dir")
-            else None
-        )
-
-    def close(self) -> None:
-        """Stop persisting (the session is replaced, dropped or the worker stops): the
-        persister's threads end and its images go; the state stays for serving."""
-        if self.persister is not None:
-            self.persister.close()
-            self.persister = None
-
-
-class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
+class Worker(ApplyMixin, PeerMixin, FetchMixin, DataMixin):
     """One shadow worker: receives its range of every bucket, applies the cut, serves
     fetches and peer copies, and snapshots for persistence.
 
@@ -108,13 +58,13 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         self.sockets = SocketFactory(self.ctx, guard=guard, keys=keys)
         self.rejected: Counter[str] = Counter()
         self.rx: FrameReceiver | None = None  # reads the data socket; its counters outlive a reset's fresh socket
-        self.session: _Session | None = None
+        self.assignment: Assignment | None = None
         # the previous epoch's state, served to restores until the new epoch has its base:
         # a trainer killed during a (re-)attach bootstrap restores from it
-        self.retired: _Session | None = None
+        self.retired: Assignment | None = None
         self.pending_fetch: list[tuple[bytes, dict, float]] = []
-        self.serving: dict = {}  # client identity -> its shard reply sent zero-copy (serve.Reply), until zmq is done
-        self.hold = False  # a replacement replica: leave data frames queued until configured
+        self.replies: dict = {}  # client identity -> its shard reply sent zero-copy (serve.Reply), until zmq is done
+        self.awaiting_copy = False  # a replacement replica: leave data frames queued until configured
         self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
         self._stop = False
         self.started = time.monotonic()
@@ -153,7 +103,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         self.serve_ep = f"tcp://{self.host}:{port}"
 
     def _close(self) -> None:
-        for sess in (self.session, self.retired):
+        for sess in (self.assignment, self.retired):
             if sess is not None:
                 sess.close()
         for s in (getattr(self, "data", None), getattr(self, "serve", None), self.ctrl):
@@ -194,7 +144,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
                     poller.register(s, zmq.POLLIN)
                 if self.peer is not None:
                     poller.register(self.peer.sock, zmq.POLLIN)
-                elif not self.hold:  # a joining replica leaves the trainers' frames queued until it has state
+                elif not self.awaiting_copy:  # a joining replica leaves the trainers' frames queued until it has state
                     poller.register(self.data, zmq.POLLIN)
                 events = dict(poller.poll(timeout=int(wait * 1000)))
                 if self.ctrl in events:
@@ -268,7 +218,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
             self._go_stale(f"a control message could not be carried out ({type(exc).__name__}: {exc})")
 
     def _heartbeat(self) -> None:
-        s = self.session
+        s = self.assignment
         self._to_coord(
             "heartbeat",
             rejected={
@@ -298,16 +248,16 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
             return
         t = msg["t"]
         if t == "registered":
-            self.worker_id, self.hold = msg["worker_id"], msg["hold"]
+            self.worker_id, self.awaiting_copy = msg["worker_id"], msg["awaiting_copy"]
             logger.info(
                 "registered as worker %d%s",
                 self.worker_id,
-                " (joining a running job: waiting for the ranks and a peer copy)" if self.hold else "",
+                " (joining a running job: waiting for the ranks and a peer copy)" if self.awaiting_copy else "",
             )
         elif t == "reset":
             self._reset(msg["reason"])
         elif t == "reregister":  # a restarted coordinator: tell it what this worker holds
-            s = self.session
+            s = self.assignment
             logger.warning(
                 "the coordinator restarted; rejoining as worker %d%s",
                 self.worker_id,
@@ -319,7 +269,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
                 serve=self.serve_ep,
                 pid=os.getpid(),
                 worker_id=self.worker_id,
-                session=None
+                assignment=None
                 if s is None
                 else {"configure": s.config, "prepared": s.prepared, "applied": s.applied, "stale": s.stale or ""},
                 memory=memory.report(),
@@ -329,7 +279,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         elif t == "apply":
             self._apply_upto(msg["epoch"], msg["iteration"], msg["persist"])
         elif t == "upload":
-            s = self.session
+            s = self.assignment
             if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
                 s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
         elif t == "shutdown":
@@ -342,15 +292,15 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
             problem = self._configure_problem(msg)
             if problem is not None:
                 raise ValueError(problem)
-            sess = _Session(msg)
+            sess = Assignment(msg)
         except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
             self._to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
             return
         # anything in flight for the old epoch is void
-        old = self.session
+        old = self.assignment
         self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None else None
-        self.session = sess
+        self.assignment = sess
         if old is not None:  # its persister would otherwise live on, with its threads and images
             old.close()
         self.configures += 1
@@ -361,7 +311,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         if msg["peer"] is not None:
             self._start_peer_copy(msg["peer"])
             return
-        self.hold = False
+        self.awaiting_copy = False
         logger.info(
             "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d",
             sess.epoch,
@@ -401,7 +351,7 @@ class Worker(ApplyMixin, PeerMixin, ServeMixin, DataMixin):
         return None
 
     def _go_stale(self, reason: str) -> None:
-        s = self.session
+        s = self.assignment
         if s is None or s.stale:
             return
         s.stale = reason

@@ -17,7 +17,7 @@ def compile_kernels(tick: Callable[[float], bool], period: float) -> bool:
     seconds meanwhile (it says "starting" and reads the control socket); returns False as
     soon as ``tick`` does (the worker was told to stop). A compile error is raised here."""
     from shadow.kernels import _cache
-    from shadow.kernels.plan import warm_up
+    from shadow.kernels.replay import warm_up
 
     t0 = time.monotonic()
     failed: list[BaseException] = []

@@ -11,8 +11,8 @@ from shadow import knobs
 from shadow.kernels import ReplayPlan, segments_for_range
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
-from shadow.kernels.plan import untouched
 from shadow.kernels.powtab import PowTable
+from shadow.kernels.replay import untouched
 from shadow.layout import Layout
 from shadow.wire.frames import Field, state_fields
 

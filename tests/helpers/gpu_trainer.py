@@ -83,7 +83,7 @@ def main() -> None:
         step(ddp, opt, sched, scaler, session, it)
         if it == kill_at:
             deadline = time.monotonic() + 60
-            while session.applied < it and time.monotonic() < deadline:
+            while session.committed < it and time.monotonic() < deadline:
                 time.sleep(0.01)
             torch.save(dict(state(model, opt, sched, scaler, it), optim=session.attachment.optim_desc), out / "live.pt")
             os.kill(os.getpid(), signal.SIGKILL)

@@ -5,7 +5,7 @@ Modes:
           SIGKILL itself at iteration kill_at) and dump final state to out_dir/rank{r}.pt
   resume  restore from the shadow, re-attach, finish to `steps`, dump like train
 
-Fault-matrix flags (scripts/fault_matrix.py): --info-out records progress as JSON (restored
+Fault-matrix flags (tools/fault_matrix.py): --info-out records progress as JSON (restored
 iteration, last completed iteration, when a shadow worker was killed); --kill-in-attach MS
 SIGKILLs the process MS milliseconds after attach() is called, --kill-in-bootstrap MS that
 long after the bootstrap begins (the coordinator has opened the new epoch; 0 = at once,
@@ -370,7 +370,7 @@ def main() -> None:
             "draws": draws,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "epochs": session.epoch if session is not None else None,
-            "committed": session.applied if session is not None else None,
+            "committed": session.committed if session is not None else None,
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )

@@ -236,26 +236,27 @@ class Attachment:
         lag = knobs.get_int("MAX_LAG")
         floor = self.base - 1  # the bootstrap (iteration base) is in flight like any iteration
         rec = self.recovery
-        if k - max(rec.applied, floor) <= lag or rec.degraded is not None:
+        if k - max(rec.committed, floor) <= lag or rec.degraded is not None:
             return
         if self.options.policy == "skip":
             rec.fall_behind(
                 k,
-                f"iteration {k} is {k - max(rec.applied, floor)} ahead of the cluster's cut "
-                f"{rec.applied} (SHADOW_MAX_LAG={lag})",
+                f"iteration {k} is {k - max(rec.committed, floor)} ahead of the cluster's cut "
+                f"{rec.committed} (SHADOW_MAX_LAG={lag})",
             )
             return
         t0 = time.monotonic()
         limit = knobs.get("BLOCK_TIMEOUT_S")
         with latch.cond:
             ok = latch.cond.wait_for(
-                lambda: k - max(rec.applied, floor) <= lag or latch.error is not None or rec.degraded is not None, limit
+                lambda: k - max(rec.committed, floor) <= lag or latch.error is not None or rec.degraded is not None,
+                limit,
             )
         self.blocked_s += time.monotonic() - t0
         if not ok:
             rec.on_error(
                 f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
-                f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {rec.applied}); check "
+                f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {rec.committed}); check "
                 f"`shadow status address={self.coordinator}`"
             )
 
@@ -295,15 +296,15 @@ class Attachment:
             with cond:
                 cond.wait_for(
                     lambda: (
-                        rec.applied >= self.last_emitted
+                        rec.committed >= self.last_emitted
                         or rec.degraded is not None
                         or (latch is not None and latch.error is not None)
                     ),
                     knobs.get("CLOSE_TIMEOUT_S"),
                 )
-            if rec.applied < self.last_emitted:
+            if rec.committed < self.last_emitted:
                 logger.warning(
-                    "closing with iteration %d not yet committed (cluster at %d)", self.last_emitted, rec.applied
+                    "closing with iteration %d not yet committed (cluster at %d)", self.last_emitted, rec.committed
                 )
         self.closed = True
         if self.sender is not None and self.sender.ident is not None:

@@ -54,7 +54,7 @@ class RecoveryController:
         self.latch, self.rank, self.epoch, self.audit_strict = latch, rank, epoch, audit_strict
         self.sender: Sender | None = None  # bound once the attachment's sender exists
         self.ring: StagingRing | None = None  # bound with it; None again once the attachment releases it
-        self.applied = -1  # newest iteration the cluster committed (as last heard)
+        self.committed = -1  # newest iteration the cluster committed (as last heard)
         self.degraded: str | None = None  # why this attachment stopped streaming
         self.resync_requested = False  # the coordinator asked (this rank heard it)
         self.resync_at: int | None = None  # every rank agreed: resync after this iteration
@@ -89,8 +89,8 @@ class RecoveryController:
 
     def on_progress(self, applied: int) -> None:
         with self.latch.cond:
-            if applied > self.applied:
-                self.applied = applied
+            if applied > self.committed:
+                self.committed = applied
                 self.latch.cond.notify_all()
 
     def on_degraded(self, reason: str) -> None:
@@ -149,7 +149,7 @@ class RecoveryController:
         coordinator, and let it ask for a resync once the workers answer again."""
         self.on_degraded(f"policy skip: {why}; training goes on without checkpoints until the cluster resyncs")
         self._bound_sender().q.put(
-            NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k, "applied": self.applied})
+            NoticeItem("lagging", {"epoch": self.epoch, "rank": self.rank, "iteration": k, "applied": self.committed})
         )
 
     # -- votes -------------------------------------------------------------------------------------------

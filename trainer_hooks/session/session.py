@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -315,12 +316,19 @@ class Session:
         """
         if not self.closed:
             self._detach(wait)
-        return self.applied
+        return self.committed
+
+    @property
+    def committed(self) -> int:
+        """Newest iteration the cluster has committed (as last heard): every shadow
+        worker applied it, so a restore can return it."""
+        return self._att.recovery.committed
 
     @property
     def applied(self) -> int:
-        """Newest iteration the cluster has committed (as last heard)."""
-        return self._att.recovery.applied
+        """Deprecated name of :attr:`committed`."""
+        warnings.warn("Session.applied is deprecated; use Session.committed", DeprecationWarning, stacklevel=2)
+        return self.committed
 
     @property
     def iteration(self) -> int:
@@ -391,7 +399,7 @@ class Session:
             "degraded": self.degraded,
             "bytes_out": total("bytes_out", fig["bytes_out"]),
             "messages_out": total("messages_out", fig["messages_out"]),
-            "applied": self.applied,
+            "committed": self.committed,
             "iteration": self.iteration,
             "shadow_errors": self.latch.shadow_errors,
         }

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from shadow.persist import catalog
+from shadow.persist import checkpoints
 from tests.test_persist_units import LAYOUT, _image, _write_checkpoint
 
 
@@ -19,11 +19,11 @@ def _setup(tmp_path) -> tuple[str, str]:
     root = str(tmp_path / "ckpt")
     for it in (3, 6):
         _write_checkpoint(root, "j", it, LAYOUT)
-    return root, catalog.checkpoint_dir(root, "j", 6)
+    return root, checkpoints.checkpoint_dir(root, "j", 6)
 
 
 def _edit_manifest(d: str, edit) -> None:
-    path = os.path.join(d, catalog.MANIFEST)
+    path = os.path.join(d, checkpoints.MANIFEST)
     m = json.load(open(path))
     edit(m)
     json.dump(m, open(path, "w"))
@@ -50,27 +50,27 @@ def _bounded(fn, seconds: float = 20.0):
 
 def _expect_fallback(root: str, why: str) -> None:
     """Iteration 6 is reported by verify (or not listed at all) and restores take 3."""
-    info, snap = _bounded(lambda: catalog.find(root, "local", "j"))
+    info, snap = _bounded(lambda: checkpoints.find(root, "local", "j"))
     assert snap.iteration == 3
-    six = [c for c in catalog.list_checkpoints(root, job="j") if c.iteration == 6]
+    six = [c for c in checkpoints.list_checkpoints(root, job="j") if c.iteration == 6]
     if six:
-        problems = _bounded(lambda: catalog.verify(six[0]))
+        problems = _bounded(lambda: checkpoints.verify(six[0]))
         assert problems and any(why in p for p in problems), problems
 
 
 def test_a_shard_file_must_have_its_own_name(tmp_path):
     root, d = _setup(tmp_path)
     # a plain basename of this directory, but shard 0's: shard 1's range would be read from it
-    _edit_manifest(d, lambda m: m["shards"][1].update(file=catalog.shard_name(0, 2)))
+    _edit_manifest(d, lambda m: m["shards"][1].update(file=checkpoints.shard_name(0, 2)))
     skipped: list = []
-    assert [c.iteration for c in catalog.list_checkpoints(root, job="j", skipped=skipped)] == [3]
+    assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j", skipped=skipped)] == [3]
     assert skipped and "shard-00001-of-00002" in skipped[0][1]
     _expect_fallback(root, "")
 
 
 def test_a_fifo_in_place_of_a_shard_never_hangs(tmp_path):
     root, d = _setup(tmp_path)
-    path = os.path.join(d, catalog.shard_name(1, 2))
+    path = os.path.join(d, checkpoints.shard_name(1, 2))
     os.unlink(path)
     os.mkfifo(path)
     _expect_fallback(root, "not a regular file")
@@ -79,7 +79,7 @@ def test_a_fifo_in_place_of_a_shard_never_hangs(tmp_path):
 @pytest.mark.parametrize("target", ["/dev/zero", "outside"])
 def test_a_link_out_of_the_checkpoint_is_not_followed(tmp_path, target):
     root, d = _setup(tmp_path)
-    path = os.path.join(d, catalog.shard_name(1, 2))
+    path = os.path.join(d, checkpoints.shard_name(1, 2))
     if target == "outside":  # a regular file elsewhere, with the very bytes the manifest expects
         target = str(tmp_path / "elsewhere.bin")
         os.replace(path, target)
@@ -91,7 +91,7 @@ def test_a_link_out_of_the_checkpoint_is_not_followed(tmp_path, target):
 
 def test_reads_never_go_past_the_recorded_size(tmp_path):
     root, d = _setup(tmp_path)
-    path = os.path.join(d, catalog.shard_name(1, 2))
+    path = os.path.join(d, checkpoints.shard_name(1, 2))
     with open(path, "ab") as f:
         f.write(b"\0" * (1 << 20))
     _expect_fallback(root, "bytes")
@@ -106,7 +106,7 @@ def test_shard_ranges_must_tile_the_flat_space(tmp_path):
     root, d = _setup(tmp_path)
     img = _image(0, 20, 6, 99)
     data = bytes(memoryview(img.buf)[: img.size])
-    with open(os.path.join(d, catalog.shard_name(1, 2)), "wb") as f:
+    with open(os.path.join(d, checkpoints.shard_name(1, 2)), "wb") as f:
         f.write(data)
     _edit_manifest(
         d, lambda m: m["shards"][1].update(start=0, stop=20, bytes=len(data), checksum=f"{checksum(data):016x}")

@@ -15,10 +15,10 @@ import fsspec
 import pytest
 import xxhash
 
-from shadow.persist import catalog, zshard
+from shadow.persist import checkpoints, zshard
 from shadow.wire.frames import checksum
-from tests.test_catalog_closed import _bounded
-from tests.test_catalog_robust import shadow
+from tests.test_checkpoints_closed import _bounded
+from tests.test_checkpoints_robust import shadow
 from tests.test_persist_units import LAYOUT, _write_checkpoint
 
 SIX = "iteration-0000000006"
@@ -36,18 +36,18 @@ def _root(tmp_path, kind: str) -> str:
 
 
 def _six(root: str) -> tuple[object, str]:
-    fs, p = fsspec.core.url_to_fs(catalog.checkpoint_dir(root, "j", 6))
+    fs, p = fsspec.core.url_to_fs(checkpoints.checkpoint_dir(root, "j", 6))
     return fs, p
 
 
 def _manifest_text(root: str, text: str) -> None:
     fs, p = _six(root)
-    fs.pipe_file(p + "/" + catalog.MANIFEST, text.encode())
+    fs.pipe_file(p + "/" + checkpoints.MANIFEST, text.encode())
 
 
 def _edit_manifest(root: str, edit) -> None:
     fs, p = _six(root)
-    m = json.loads(fs.cat_file(p + "/" + catalog.MANIFEST))
+    m = json.loads(fs.cat_file(p + "/" + checkpoints.MANIFEST))
     edit(m)
     _manifest_text(root, json.dumps(m))  # Infinity / NaN are written as such
 
@@ -56,7 +56,7 @@ def _replace_shard(root: str, data: bytes, name: str | None = None) -> None:
     """Shard 1 of iteration 6 becomes ``data`` (under ``name``), and the manifest records
     its true size and checksum: only reading it can tell it is damaged."""
     fs, p = _six(root)
-    old = catalog.shard_name(1, 2)
+    old = checkpoints.shard_name(1, 2)
     name = name or old
     if name != old:
         fs.rm_file(p + "/" + old)
@@ -66,7 +66,7 @@ def _replace_shard(root: str, data: bytes, name: str | None = None) -> None:
 
 def _shard(root: str) -> bytes:
     fs, p = _six(root)
-    return fs.cat_file(p + "/" + catalog.shard_name(1, 2))
+    return fs.cat_file(p + "/" + checkpoints.shard_name(1, 2))
 
 
 def _plain_header(data: bytes, edit) -> bytes:
@@ -140,19 +140,21 @@ DAMAGE = {
     "shard header length huge": lambda root: _replace_shard(root, b"\xff" * 8 + _shard(root)[8:]),
     # compressed shards
     "zst truncated": lambda root: _replace_shard(
-        root, _compressed(_shard(root))[:-100], catalog.shard_name(1, 2, "zstd")
+        root, _compressed(_shard(root))[:-100], checkpoints.shard_name(1, 2, "zstd")
     ),
     "zst index image_bytes Infinity": lambda root: _replace_shard(
-        root, _zst_index(_shard(root), lambda ix: dict(ix, image_bytes=float("inf"))), catalog.shard_name(1, 2, "zstd")
+        root,
+        _zst_index(_shard(root), lambda ix: dict(ix, image_bytes=float("inf"))),
+        checkpoints.shard_name(1, 2, "zstd"),
     ),
     "zst index head not a pair": lambda root: _replace_shard(
-        root, _zst_index(_shard(root), lambda ix: dict(ix, head={"a": 1})), catalog.shard_name(1, 2, "zstd")
+        root, _zst_index(_shard(root), lambda ix: dict(ix, head={"a": 1})), checkpoints.shard_name(1, 2, "zstd")
     ),
     "zst index tensors a list": lambda root: _replace_shard(
-        root, _zst_index(_shard(root), lambda ix: dict(ix, tensors=[1, 2])), catalog.shard_name(1, 2, "zstd")
+        root, _zst_index(_shard(root), lambda ix: dict(ix, tensors=[1, 2])), checkpoints.shard_name(1, 2, "zstd")
     ),
     "zst blob garbage": lambda root: _replace_shard(
-        root, _flip(_compressed(_shard(root)), 20, 60), catalog.shard_name(1, 2, "zstd")
+        root, _flip(_compressed(_shard(root)), 20, 60), checkpoints.shard_name(1, 2, "zstd")
     ),
 }
 
@@ -162,19 +164,19 @@ def _assert_fails_closed(root: str, kind: str, caplog) -> None:
     the listing does not crash, and a restore of the newest falls back to 3 with a warning
     naming iteration 6."""
     skipped: list = []
-    found = _bounded(lambda: catalog.list_checkpoints(root, kind, "j", skipped=skipped))
+    found = _bounded(lambda: checkpoints.list_checkpoints(root, kind, "j", skipped=skipped))
     assert 3 in [c.iteration for c in found]
     six = [c for c in found if c.iteration == 6]
     if six:
-        problems = _bounded(lambda: catalog.verify(six[0]))
+        problems = _bounded(lambda: checkpoints.verify(six[0]))
         if not problems:  # size and checksum hold: only decoding finds the damage
-            with pytest.raises(catalog.CheckpointError, match="iteration 6"):
-                _bounded(lambda: catalog.load(six[0]))
+            with pytest.raises(checkpoints.CheckpointError, match="iteration 6"):
+                _bounded(lambda: checkpoints.load(six[0]))
     else:
         assert any(SIX in path and why for path, why in skipped), skipped
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="shadow.persist.catalog"):
-        _info, snap = _bounded(lambda: catalog.find(root, kind, "j"))
+    with caplog.at_level(logging.WARNING, logger="shadow.persist.checkpoints"):
+        _info, snap = _bounded(lambda: checkpoints.find(root, kind, "j"))
     assert snap.iteration == 3
     assert any(("iteration 6" in r.getMessage() or SIX in r.getMessage()) for r in caplog.records), [
         r.getMessage() for r in caplog.records
@@ -195,13 +197,13 @@ def test_a_manifest_without_a_creation_time_next_to_another_job_lists(tmp_path):
     root = str(tmp_path / "ckpt")
     for job in ("j", "k"):
         _write_checkpoint(root, job, 6, LAYOUT)
-    path = os.path.join(catalog.checkpoint_dir(root, "k", 6), catalog.MANIFEST)
+    path = os.path.join(checkpoints.checkpoint_dir(root, "k", 6), checkpoints.MANIFEST)
     with open(path) as f:
         m = json.load(f)
     m["created"] = None
     with open(path, "w") as f:
         json.dump(m, f)
-    assert sorted(c.job for c in catalog.list_checkpoints(root)) == ["j", "k"]
+    assert sorted(c.job for c in checkpoints.list_checkpoints(root)) == ["j", "k"]
 
 
 @pytest.mark.parametrize("where", ["manifest", "shard"])
@@ -213,7 +215,7 @@ def test_a_remote_store_error_fails_closed(tmp_path, where, monkeypatch, caplog)
     real_cat, real_info = MemoryFileSystem.cat_file, MemoryFileSystem.info
 
     def broken(path: str) -> bool:
-        return SIX in path and (path.endswith(catalog.MANIFEST) == (where == "manifest"))
+        return SIX in path and (path.endswith(checkpoints.MANIFEST) == (where == "manifest"))
 
     def cat_file(self, path, *a, **kw):
         if broken(path):
@@ -229,8 +231,8 @@ def test_a_remote_store_error_fails_closed(tmp_path, where, monkeypatch, caplog)
     monkeypatch.setattr(MemoryFileSystem, "info", info)
     _assert_fails_closed(root, "memory", caplog)
     skipped: list = []
-    found = catalog.list_checkpoints(root, "memory", "j", skipped=skipped)
-    reasons = [why for _p, why in skipped] + [p for c in found if c.iteration == 6 for p in catalog.verify(c)]
+    found = checkpoints.list_checkpoints(root, "memory", "j", skipped=skipped)
+    reasons = [why for _p, why in skipped] + [p for c in found if c.iteration == 6 for p in checkpoints.verify(c)]
     assert any("StoreError" in r and "503" in r for r in reasons), reasons
 
 

@@ -56,7 +56,7 @@ def _client(ident: bytes, frame) -> str:
     return f"{ident.hex()}" + (f" at {addr}" if addr else "")
 
 
-class ServeMixin(WorkerHost):
+class FetchMixin(WorkerHost):
     """Worker handlers for the serve socket."""
 
     def _on_serve(self, sock) -> None:
@@ -86,7 +86,7 @@ class ServeMixin(WorkerHost):
     def _refuse_fetch(self, ident: bytes) -> tuple[str, str] | None:
         """``(reason, message)`` if a fetch from ``ident`` is over a cap, else None."""
         self._forget_sent(time.monotonic())
-        r = self.serving.get(ident)
+        r = self.replies.get(ident)
         if r is not None:
             why = (
                 "its previous shard reply was dropped unread and is still queued; a new connection can fetch"
@@ -97,7 +97,7 @@ class ServeMixin(WorkerHost):
         if any(p[0] == ident for p in self.pending_fetch):
             return "serve_busy", "busy: one fetch at a time per client; its previous fetch is still waiting"
         cap = knobs.get_int("SERVE_MAX_FETCHES")
-        live = len(self.pending_fetch) + sum(1 for r in self.serving.values() if not r.dropped)
+        live = len(self.pending_fetch) + sum(1 for r in self.replies.values() if not r.dropped)
         if live >= cap:
             return "serve_full", (
                 f"busy: this worker is serving {live} fetches, its limit (SERVE_MAX_FETCHES); fetch again later"
@@ -106,14 +106,14 @@ class ServeMixin(WorkerHost):
 
     def _forget_sent(self, now: float) -> None:
         """Drop the replies zmq is done with (sent, or their client gone)."""
-        for ident in [i for i, r in self.serving.items() if r.advance(now)]:
-            del self.serving[ident]
+        for ident in [i for i, r in self.replies.items() if r.advance(now)]:
+            del self.replies[ident]
 
     def _answer_fetches(self) -> None:
         keep = []
         for ident, msg, deadline in self.pending_fetch:
             want = msg["iteration"]
-            s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.session
+            s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.assignment
             if s is None or msg["epoch"] != s.epoch:
                 self._serve_error(
                     ident, "wrong_epoch", f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}"
@@ -179,7 +179,7 @@ class ServeMixin(WorkerHost):
             self.serve.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True)
             for i, p in enumerate(parts)
         ]
-        self.serving[ident] = Reply(client or ident.hex(), s, trackers, time.monotonic())
+        self.replies[ident] = Reply(client or ident.hex(), s, trackers, time.monotonic())
 
     def _wait_for_readers(self) -> None:
         """Before the live state changes: let zmq finish sending the shards served from it,
@@ -193,8 +193,8 @@ class ServeMixin(WorkerHost):
             now = time.monotonic()
             self._forget_sent(now)
             waiting = False
-            for r in self.serving.values():
-                if r.dropped or r.session is not self.session:  # a retired epoch's arrays do not change
+            for r in self.replies.values():
+                if r.dropped or r.session is not self.assignment:  # a retired epoch's arrays do not change
                     continue
                 if now - r.progress > stall:
                     self._drop_reply(r, f"no part of it was sent for {now - r.progress:.2f} s")

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 import torch
 
-from shadow.persist import catalog, retention
+from shadow.persist import checkpoints, retention
 from tests.conftest import ROOT
 from tests.test_persist_units import LAYOUT, _write_checkpoint
 
@@ -57,10 +57,10 @@ def test_catalog_functions_refuse_a_job_name_that_would_glob_or_escape(tmp_path)
     with pytest.raises(InvalidJobNameError, match="exp"):
         retention.retain(root, "exp*", 1)
     with pytest.raises(InvalidJobNameError, match="escape"):
-        catalog.list_checkpoints(root, job="../escape")
+        checkpoints.list_checkpoints(root, job="../escape")
     with pytest.raises(InvalidJobNameError):
-        catalog.list_torn(root, job="gpt[small]")
-    assert [c.iteration for c in catalog.list_checkpoints(root, job="exp1")] == [1, 2]  # nothing deleted
+        checkpoints.list_torn(root, job="gpt[small]")
+    assert [c.iteration for c in checkpoints.list_checkpoints(root, job="exp1")] == [1, 2]  # nothing deleted
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])
@@ -72,15 +72,15 @@ def test_glob_characters_in_the_root_are_taken_literally(tmp_path, kind):
     for it in (1, 2, 3):
         _write_checkpoint(root, "j", it, LAYOUT)
     _write_checkpoint(sibling, "j", 9, LAYOUT)
-    fs, p = fsspec.core.url_to_fs(catalog.checkpoint_dir(root, "j", 5))
+    fs, p = fsspec.core.url_to_fs(checkpoints.checkpoint_dir(root, "j", 5))
     fs.makedirs(p, exist_ok=True)  # a torn write
-    assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [1, 2, 3]
-    assert [c.iteration for c in catalog.list_checkpoints(root)] == [1, 2, 3]
-    assert len(catalog.list_torn(root, "j")) == 1
-    assert catalog.find(root, kind, "j")[0].iteration == 3
+    assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j")] == [1, 2, 3]
+    assert [c.iteration for c in checkpoints.list_checkpoints(root)] == [1, 2, 3]
+    assert len(checkpoints.list_torn(root, "j")) == 1
+    assert checkpoints.find(root, kind, "j")[0].iteration == 3
     retention.retain(root, "j", 1)
-    assert [c.iteration for c in catalog.list_checkpoints(root, job="j")] == [3]
-    assert [c.iteration for c in catalog.list_checkpoints(sibling)] == [9]
+    assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j")] == [3]
+    assert [c.iteration for c in checkpoints.list_checkpoints(sibling)] == [9]
 
 
 def test_attach_and_coordinator_refuse_a_bad_job_name():
@@ -103,7 +103,7 @@ def test_attach_and_coordinator_refuse_a_bad_job_name():
 
 
 def _manifest_path(root: str, job: str, it: int) -> str:
-    return os.path.join(catalog.checkpoint_dir(root, job, it), catalog.MANIFEST)
+    return os.path.join(checkpoints.checkpoint_dir(root, job, it), checkpoints.MANIFEST)
 
 
 def _damage(path: str, how: str) -> None:
@@ -146,12 +146,12 @@ def test_a_malformed_manifest_is_skipped_and_reported(tmp_path, how, caplog):
     _write_checkpoint(root, "bad", 5, LAYOUT)
     _damage(_manifest_path(root, "bad", 5), how)
     skipped: list = []
-    with caplog.at_level("WARNING", logger="shadow.persist.catalog"):
-        found = catalog.list_checkpoints(root, skipped=skipped)
+    with caplog.at_level("WARNING", logger="shadow.persist.checkpoints"):
+        found = checkpoints.list_checkpoints(root, skipped=skipped)
     assert [(c.job, c.iteration) for c in found] == [("good", 4)]
     assert len(skipped) == 1 and skipped[0][0].endswith(os.path.join("bad", "iteration-0000000005", "manifest.json"))
     assert "iteration-0000000005" in caplog.text
-    assert catalog.find(root, "local")[1].iteration == 4  # restore without job= is not blocked by the other job
+    assert checkpoints.find(root, "local")[1].iteration == 4  # restore without job= is not blocked by the other job
 
 
 def test_ls_and_verify_show_an_unreadable_manifest(tmp_path):
@@ -211,12 +211,12 @@ def test_a_damaged_shard_header_falls_back_to_the_previous_checkpoint(tmp_path, 
     root = str(tmp_path)
     for it in (3, 6):
         _write_checkpoint(root, "j", it, LAYOUT)
-    shard = os.path.join(catalog.checkpoint_dir(root, "j", 6), catalog.shard_name(0, 2))
+    shard = os.path.join(checkpoints.checkpoint_dir(root, "j", 6), checkpoints.shard_name(0, 2))
     _rewrite_header(shard, EDITS[edit])
-    info, snap = catalog.find(root, "local", check=False)  # no checksum: the header itself must be judged
+    info, snap = checkpoints.find(root, "local", check=False)  # no checksum: the header itself must be judged
     assert snap.iteration == 3
-    with pytest.raises(catalog.CheckpointError, match="shard-00000-of-00002"):
-        catalog.find(root, "local", iteration=6, check=False)
+    with pytest.raises(checkpoints.CheckpointError, match="shard-00000-of-00002"):
+        checkpoints.find(root, "local", iteration=6, check=False)
 
 
 def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
@@ -227,18 +227,18 @@ def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
     root = str(tmp_path)
     for it in (3, 6):
         _write_checkpoint(root, "j", it, LAYOUT)
-    shard = os.path.join(catalog.checkpoint_dir(root, "j", 6), catalog.shard_name(0, 2))
+    shard = os.path.join(checkpoints.checkpoint_dir(root, "j", 6), checkpoints.shard_name(0, 2))
     data = open(shard, "rb").read()
     pos = data.index(b'"data_offsets"') + 1  # "data_offsets" -> "dbta_offsets": a KeyError before
     flipped = data[:pos] + bytes([data[pos] ^ 0x03]) + data[pos + 1 :]
     open(shard, "wb").write(flipped)
-    assert catalog.find(root, "local")[1].iteration == 3  # what `shadow restore` does
+    assert checkpoints.find(root, "local")[1].iteration == 3  # what `shadow restore` does
     remote = f"memory://flip-{os.getpid()}"
     for it in (3, 6):
         _write_checkpoint(remote, "j", it, LAYOUT)
-    fs, p = fsspec.core.url_to_fs(catalog.checkpoint_dir(remote, "j", 6))
-    fs.pipe_file(p + "/" + catalog.shard_name(0, 2), flipped)
-    assert catalog.find(remote, "remote", check=False)[1].iteration == 3
+    fs, p = fsspec.core.url_to_fs(checkpoints.checkpoint_dir(remote, "j", 6))
+    fs.pipe_file(p + "/" + checkpoints.shard_name(0, 2), flipped)
+    assert checkpoints.find(remote, "remote", check=False)[1].iteration == 3
     with pytest.raises(ValueError, match="data_offsets"):
         shardfile.parse(flipped)
 

@@ -1,0 +1,63 @@
+"""What a worker holds for one attach epoch: its assigned shard of one job.
+
+The coordinator's ``configure`` message makes one; it lives until the next epoch's replaces
+it (then it is ``Worker.retired`` until the new one has its base) or the worker resets.
+Imports no torch."""
+
+from __future__ import annotations
+
+from shadow import knobs
+from shadow.layout import Layout
+from shadow.persist.writer import ShardPersister
+from shadow.transport.receive import Context
+from shadow.worker.inbox import Inbox
+from shadow.worker.state import ShardState
+
+
+class Assignment:
+    """The job, epoch, shard range and state a ``configure`` message assigns, the inbox of
+    iterations in flight, and how far they got (prepared, applied, stale)."""
+
+    def __init__(self, msg: dict) -> None:
+        self.config = msg  # sent back if the coordinator restarts (rejoin)
+        self.epoch = msg["epoch"]
+        self.job = msg["job"]
+        self.job_id = msg["job_id"]
+        self.layout = Layout.from_dict(msg["layout"])
+        self.layout_hash = self.layout.hash
+        self.world = msg["world"]
+        self.base = msg["iteration"]
+        self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"])
+        self.context = Context(
+            self.job_id,
+            self.epoch,
+            self.layout_hash,
+            self.world,
+            self.state.start,
+            self.state.stop,
+            frozenset(self.state.fields()),
+        )  # what a data message must match
+        self.exact = bool(msg["optim"].get("bit_exact", True))
+        self.inbox = Inbox(
+            self.state.size, self.world, knobs.get_int("WORKER_SLOTS"), self.state.expected_grad, self.state.fields()
+        )
+        self.applied = -1  # nothing installed yet
+        self.prepared = self.base - 1  # highest iteration reported PREPARED
+        self.seen = self.base - 1
+        self.blobs: dict[int, bytes] = {}  # rank -> commit blob of the applied iteration
+        self.extras: dict = {}  # key -> newest chunk of model state outside the optimizer, as of applied
+        self.commit: dict | None = None  # rank 0's replay record of the applied iteration
+        self.stale: str | None = None
+        persist = msg["persist"]
+        self.persister = (
+            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
+            if persist.get("local", {}).get("dir")
+            else None
+        )
+
+    def close(self) -> None:
+        """Stop persisting (the session is replaced, dropped or the worker stops): the
+        persister's threads end and its images go; the state stays for serving."""
+        if self.persister is not None:
+            self.persister.close()
+            self.persister = None
