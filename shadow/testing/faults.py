@@ -13,8 +13,13 @@ in this process with wrappers that misbehave on cue, and :func:`uninstall` puts 
 A cluster with faults is started through this package's entry point, ``python -m
 shadow.testing.faulty``, which installs the faults named by ``SHADOW_FAULT_*`` variables
 and spawns its workers through itself (``LocalCluster(faults=ServiceFaults(...))`` does
-both); in a test process, ``with injected(ServiceFaults(...)):``. Faults on the trainer's
-side are wrappers too: :mod:`trainer_hooks.testing`."""
+both); in a test process, ``with injected(ServiceFaults(...)):``.
+
+Faults on the wire: :class:`FaultyDataSender` wraps a trainer's
+:class:`shadow.transport.send.DataSender` and passes each message through
+:class:`NetFaults` (drop, dup, reorder, truncate, bitflip; :func:`parse` reads the
+``net=`` spec). :mod:`trainer_hooks.testing` installs it in a trainer, with a sender that
+dies half-way through an iteration."""
 
 from __future__ import annotations
 
@@ -23,10 +28,15 @@ import dataclasses
 import errno
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import random
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from shadow.transport.send import DataSender
+from shadow.wire import frames as F
 
 logger = logging.getLogger(__name__)
 
@@ -140,3 +150,116 @@ def _die_mid_write(image, path: str) -> None:
         os.fsync(f.fileno())
     logger.error("fault injection: worker dying in the middle of a checkpoint write")
     os._exit(137)
+
+
+# -- faults on the wire ------------------------------------------------------------------------
+KINDS = ("drop", "dup", "reorder", "truncate", "bitflip")
+
+
+_ACTIVE: dict[tuple[str, int], NetFaults] = {}  # one draw sequence per process, across resyncs
+
+
+def parse(spec: str | None, rank: int) -> NetFaults | None:
+    if not spec:
+        return None
+    if (spec, rank) in _ACTIVE:
+        return _ACTIVE[spec, rank]
+    probs, seed, span, cover = {}, 0, [0, 1 << 62], False
+    for item in spec.split(","):
+        key, _, value = item.strip().partition("=")
+        if key == "seed":
+            seed = int(value)
+        elif key == "cover":
+            cover = bool(int(value))
+        elif key in ("from", "until"):
+            span[key == "until"] = int(value)
+        elif key in KINDS:
+            probs[key] = float(value)
+        else:
+            raise ValueError(f"network faults: unknown fault {key!r}; use {', '.join(KINDS)}, seed, from, until, cover")
+    if sum(probs.values()) > 1.0:
+        raise ValueError(f"network faults: probabilities add up to more than 1 ({spec})")
+    _ACTIVE[spec, rank] = NetFaults(probs, seed * 1000 + rank, (span[0], span[1]), cover, 2 * rank)
+    return _ACTIVE[spec, rank]
+
+
+class NetFaults:
+    def __init__(
+        self,
+        probs: dict[str, float],
+        seed: int,
+        span: tuple[int, int] = (0, 1 << 62),
+        cover: bool = False,
+        first: int = 0,
+    ) -> None:
+        self.probs, self.span, self.cover = probs, span, cover
+        kinds = [k for k in probs if probs[k] > 0]
+        self.order = kinds[first % len(kinds) :] + kinds[: first % len(kinds)] if kinds else []
+        self.rng = random.Random(seed)
+        self.injected: Counter[str] = Counter()
+        self.held: dict[int, list] = {}  # worker -> frames held back for reordering
+
+    def send(self, out: DataSender, worker: int, frames: Sequence, track: bool, iteration: int):
+        """Send ``frames`` through the fault model to ``out``; returns a tracker or None (done)."""
+        x, kind = self.rng.random(), None
+        for name, p in self.probs.items() if self.span[0] <= iteration < self.span[1] else ():
+            if x < p:
+                kind = name
+                break
+            x -= p
+        if kind is not None and self.cover:
+            kind = next((k for k in self.order if not self.injected[k]), kind)
+        held = self.held.pop(worker, None)
+        tracker = None
+        if kind is None:
+            tracker = out.send(worker, frames, track)
+        else:
+            self.injected[kind] += 1
+            copies = [bytes(f) for f in frames]
+            if kind == "dup":
+                out.send(worker, copies, False)
+                out.send(worker, copies, False)
+            elif kind == "reorder":
+                self.held[worker] = copies
+            elif kind == "truncate":
+                out.send(worker, copies[:-1] if len(copies) > 1 else [copies[0][: len(copies[0]) // 2]], False)
+            elif kind == "bitflip":
+                i = self.rng.randrange(len(copies))
+                frame = bytearray(copies[i])
+                if frame:
+                    bit = self.rng.randrange(len(frame) * 8)
+                    frame[bit // 8] ^= 1 << (bit % 8)
+                copies[i] = bytes(frame)
+                out.send(worker, copies, False)
+            logger.warning("fault injection: %s of a data message to worker %d", kind, worker)
+        if held is not None:
+            out.send(worker, held, False)
+        return tracker
+
+
+class FaultyDataSender:
+    """A :class:`shadow.transport.send.DataSender` around another one: every message
+    passes through ``net`` (None: straight through). It reads each message's iteration
+    from its header, as anything on the wire could."""
+
+    def __init__(self, inner: DataSender, net: NetFaults | None) -> None:
+        self.inner, self.net = inner, net
+
+    def send(self, worker: int, frames: Sequence, track: bool):
+        if self.net is None:
+            return self.inner.send(worker, frames, track)
+        iteration = F.unpack_header(bytes(frames[0]), 1 << 20).iteration
+        return self.net.send(self.inner, worker, frames, track, iteration)
+
+    def open(self, worker: int, endpoint: str) -> None:
+        if self.net is not None:
+            self.net.held.pop(worker, None)
+        self.inner.open(worker, endpoint)
+
+    def drop(self, worker: int) -> None:
+        if self.net is not None:
+            self.net.held.pop(worker, None)
+        self.inner.drop(worker)
+
+    def close(self) -> None:
+        self.inner.close()
