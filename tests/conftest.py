@@ -1,18 +1,25 @@
-"""Fixtures: a real local shadow cluster per test (shadow.testing.LocalCluster), a one-rank
-process group in this process, and a 2-rank gloo launcher of the tiny trainer."""
+"""Fixtures: a real local shadow cluster (shadow.testing.LocalCluster), fresh per test
+(``cluster``) or shared by the session's tests under a job name each (``shared_cluster``,
+``job``), a one-rank process group in this process, and a 2-rank gloo launcher of the tiny
+trainer."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from shadow.jobs import job_name_problem
 from shadow.testing import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,18 +41,119 @@ def capture_commits(monkeypatch) -> list:
     return seen
 
 
+CLUSTER_FIXTURES = ("cluster", "shared_cluster")
+
+
 def pytest_collection_modifyitems(items):
-    """A test that starts a cluster through the ``cluster`` fixture is ``slow`` (the fast
-    lane, ``-m "not slow"``, starts no services)."""
+    """A test that uses a cluster through the ``cluster`` or ``shared_cluster`` fixture is
+    ``slow`` (the fast lane, ``-m "not slow"``, starts no services)."""
     for item in items:
-        if "cluster" in getattr(item, "fixturenames", ()):
+        if any(f in getattr(item, "fixturenames", ()) for f in CLUSTER_FIXTURES):
             item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
 def cluster(tmp_path):
+    """A fresh cluster of this test's own: for a test that kills, stops or restarts its
+    services, or needs a coordinator that has never held a job."""
     with LocalCluster(tmp_path) as c:
         yield c
+
+
+class SharedClusterRestarted(UserWarning):
+    """A test left the shared cluster unhealthy; the next test got a new one."""
+
+
+class SharedCluster:
+    """One default ``LocalCluster`` (2 workers) for the whole session, started on first use.
+    The coordinator holds one job at a time and a new attach replaces it (new epoch, every
+    worker reconfigured), so tests share it one after another, each under its own job name
+    (the ``job`` fixture). Before each test the cluster must be healthy: the coordinator
+    alive, every worker ready, ``ok`` and heard from since the last test ended, no attach
+    held. If a test left it otherwise, it is stopped and a new one started, with a
+    :class:`SharedClusterRestarted` warning naming that test (``-W
+    error::tests.conftest.SharedClusterRestarted`` makes it an error)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.cluster: LocalCluster | None = None
+        self.last = ""  # the node id of the test that used it last
+        self.released = 0.0  # wall time when that test ended
+
+    def _problem(self) -> str | None:
+        c = self.cluster
+        if c.proc.poll() is not None:
+            return f"its coordinator exited with status {c.proc.returncode}"
+
+        def healthy(st):  # every worker heard from since the last test ended (a frozen one is not lost yet)
+            return (
+                len(st["workers"]) == c.workers
+                and all(
+                    w["ready"] and w["health"] == "ok" and c.asked_at - w["last_seen_s"] > self.released
+                    for w in st["workers"]
+                )
+                and st["attach_pending"]["ranks"] == 0
+            )
+
+        try:
+            c.wait_status(healthy, timeout=10, what="every worker ready, ok and heard from, no attach held")
+        except Exception as exc:  # no status, or not healthy in time: either way, start a new one
+            return f"{type(exc).__name__}: {str(exc)[:2000]}"
+        return None
+
+    def get(self, test: str) -> LocalCluster:
+        problem = self._problem() if self.cluster is not None else None
+        if problem is not None:
+            warnings.warn(
+                f"the shared cluster was unhealthy after {self.last}: {problem}; starting a new one",
+                SharedClusterRestarted,
+                stacklevel=2,
+            )
+            self.stop()
+        if self.cluster is None:
+            self.cluster = LocalCluster(self.tmp)
+        self.last = test
+        return self.cluster
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def _shared_clusters(tmp_path_factory):
+    shared = SharedCluster(tmp_path_factory.mktemp("shared-cluster"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+@pytest.fixture
+def shared_cluster(_shared_clusters, request) -> Iterator[LocalCluster]:
+    """The session's shared cluster (see :class:`SharedCluster`). A test on it attaches and
+    restores under its ``job`` name only; reads the workers' cumulative counters
+    (``rejected``, ``frames_in``, the coordinator's ``rejected``) as differences from a
+    status it took itself; trusts a worker's heartbeat fields (``applied``, counters) only
+    in a status where ``heard_after_cut`` holds (``wait_caught_up`` checks it): before its
+    job's first cut they may still be the previous job's. It never kills, stops or
+    restarts a service, nor changes its settings (use ``cluster`` or a ``LocalCluster``)."""
+    yield _shared_clusters.get(request.node.nodeid)
+    _shared_clusters.released = time.time()
+
+
+_JOB_NUMBERS = itertools.count(1)
+
+
+@pytest.fixture
+def job(request) -> str:
+    """A job name of this test's own, unique in the session: ``<module>.<test>.<n>``, made
+    valid (shadow.jobs.job_name_problem) and at most about 100 characters."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{request.node.path.stem}.{request.node.name}").strip("-.")
+    name = f"{name[:96].rstrip('-.')}.{next(_JOB_NUMBERS)}"
+    assert job_name_problem(name) is None, name
+    return name
 
 
 def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, timeout: float = 180) -> list[int]:

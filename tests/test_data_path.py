@@ -125,17 +125,19 @@ def _step(ddp, opt, sched, scaler, session, it: int, *, bad: bool = False) -> No
     opt.zero_grad()
 
 
-def test_an_attached_step_never_reads_a_tensor_back_and_restores_bit_identical(world1, cluster, monkeypatch):
+def test_an_attached_step_never_reads_a_tensor_back_and_restores_bit_identical(
+    world1, shared_cluster, job, monkeypatch
+):
     model, opt, sched = build(extras=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     ddp = DDP(model)
     session = trainer_hooks.attach(
         ddp,
         opt,
-        coordinator=cluster.address,
+        coordinator=shared_cluster.address,
         scheduler=sched,
         scaler=scaler,
-        job="nosync",
+        job=job,
         audit_every=2,
         audit_strict=True,
         extra_state=lambda: {"seen": torch.tensor([7]), "scale": scaler._scale},
@@ -158,7 +160,7 @@ def test_an_attached_step_never_reads_a_tensor_back_and_restores_bit_identical(w
     model2, opt2, sched2 = build(seed=5, extras=True)
     scaler2 = torch.amp.GradScaler("cpu")
     info = trainer_hooks.restore(
-        model2, opt2, source=cluster.address, scheduler=sched2, scaler=scaler2, job="nosync", rank=0
+        model2, opt2, source=shared_cluster.address, scheduler=sched2, scaler=scaler2, job=job, rank=0
     )
     assert info.iteration == 7
     for k, v in live.items():
@@ -170,12 +172,12 @@ def test_an_attached_step_never_reads_a_tensor_back_and_restores_bit_identical(w
     assert scaler2.state_dict() == scaler_state and sched2.state_dict()["last_epoch"] == sched_state["last_epoch"]
 
 
-def test_a_refused_commit_stops_the_stream_at_that_iteration(world1, cluster):
+def test_a_refused_commit_stops_the_stream_at_that_iteration(world1, shared_cluster, job):
     """The gradient check runs on the sender: a commit that fails it is never sent, nor is
     anything after it, and the step after raises."""
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="refused")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for it in range(1, 3):
         _step(ddp, opt, sched, scaler, session, it)
@@ -196,25 +198,28 @@ def test_a_refused_commit_stops_the_stream_at_that_iteration(world1, cluster):
     with pytest.raises(trainer_hooks.ShadowError, match="iteration 3"):
         _step(ddp, opt, sched, scaler, session, 4)
     session.close(wait=False)
-    st = cluster.wait_status(
-        lambda st: all(w["applied"] == 2 for w in st["workers"]), what="iteration 2 applied by every worker"
+    st = shared_cluster.wait_status(
+        lambda st: all(w["applied"] == 2 for w in st["workers"]) and shared_cluster.heard_after_cut(st),
+        what="iteration 2 applied by every worker",
     )
     assert st["job"]["committed"] == 2
 
 
-def test_gradients_as_bucket_views_are_staged_before_the_loop_writes_them(world1, cluster):
+def test_gradients_as_bucket_views_are_staged_before_the_loop_writes_them(world1, shared_cluster, job):
     """With ``gradient_as_bucket_view=True`` the loop's clip and unscale write the bucket
     itself; what was staged is still the reduced gradient, and the restore is exact."""
     model, opt, sched = build()
     ddp = DDP(model, gradient_as_bucket_view=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, scaler=scaler, job="views")
+    session = trainer_hooks.attach(
+        ddp, opt, coordinator=shared_cluster.address, scheduler=sched, scaler=scaler, job=job
+    )
     assert session._views
     for it in range(1, 6):
         _step(ddp, opt, sched, scaler, session, it)
     assert session.close() == 5 and session.stats()["shadow_errors"] == 0 and session.latch.error is None
     live = {k: v.clone() for k, v in model.state_dict().items()}
     model2, opt2, sched2 = build(seed=3)
-    trainer_hooks.restore(model2, opt2, source=cluster.address, scheduler=sched2, job="views", rank=0)
+    trainer_hooks.restore(model2, opt2, source=shared_cluster.address, scheduler=sched2, job=job, rank=0)
     for k, v in live.items():
         assert torch.equal(model2.state_dict()[k], v), k

@@ -32,18 +32,29 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_feature_survives_kill_and_resume(feature, cluster, tmp_path):
-    args = ("--steps", str(STEPS), *FEATURES[feature])
+def test_feature_survives_kill_and_resume(feature, shared_cluster, job, tmp_path):
+    args = ("--steps", str(STEPS), "--job", job, *FEATURES[feature])
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), *args) == [0, 0], rank_logs(tmp_path)
     kill_at = random.Random(zlib.crc32(feature.encode())).randint(3, STEPS - 2)
     codes = run_ranks(
-        tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"), "--kill-at", str(kill_at), *args
+        tmp_path,
+        "--coordinator",
+        shared_cluster.address,
+        "--out",
+        str(tmp_path / "dead"),
+        "--kill-at",
+        str(kill_at),
+        *args,
     )
     assert codes == [-9, -9], rank_logs(tmp_path)
-    committed = cluster.wait_quiet()["job"]["committed"]  # where the killed ranks left it
+    quiet = shared_cluster.wait_quiet()["job"]
+    assert quiet["name"] == job
+    committed = quiet["committed"]  # where the killed ranks left it
     out = tmp_path / "resumed"
-    assert run_ranks(tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), *args) == [
+    assert run_ranks(
+        tmp_path, "--mode", "resume", "--coordinator", shared_cluster.address, "--out", str(out), *args
+    ) == [
         0,
         0,
     ], rank_logs(tmp_path)

@@ -74,14 +74,14 @@ def _random_messages(rnd: random.Random):
         yield msgpack.packb(msg, use_bin_type=True)
 
 
-def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
+def test_fuzzed_frames_and_messages_change_nothing(world1, shared_cluster, job):
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzz")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)
     session.close()
-    before = cluster.wait_caught_up(3)
+    before = shared_cluster.wait_caught_up(3)
     worker = before["workers"][0]
     rss0 = rss_bytes(worker["pid"])
     template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash, 4, 0, ())
@@ -94,7 +94,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
         push.send_multipart(frames)
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 5000)
-    dealer.connect(cluster.address)
+    dealer.connect(shared_cluster.address)
     for raw in _random_messages(rnd):
         dealer.send(raw)
     push.close()
@@ -102,18 +102,19 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, cluster):
     while dealer.poll(200):
         dealer.recv()  # error replies
     dealer.close()
-    after = cluster.wait_status(
+    after = shared_cluster.wait_status(
         lambda st: st["workers"][0]["frames_in"] - worker["frames_in"] >= N_FRAMES,
         what=f"worker 0 receiving the {N_FRAMES} fuzzed frames",
     )
     w = after["workers"][0]
     assert w["frames_in"] - worker["frames_in"] == N_FRAMES
     assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
-    assert sum(after["rejected"].values()) >= N_MESSAGES * 0.9  # the coordinator counted its rejections
+    # the coordinator counted its rejections
+    assert sum(after["rejected"].values()) - sum(before["rejected"].values()) >= N_MESSAGES * 0.9
     assert w["health"] == "ok" and after["job"]["committed"] == 3 and w["applied"] == 3, w
     assert rss_bytes(worker["pid"]) - rss0 < 64 << 20
     fresh, fopt, fsched = build(seed=8)
-    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzz").iteration == 3
+    assert trainer_hooks.restore(fresh, fopt, source=shared_cluster.address, job=job).iteration == 3
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -243,7 +244,7 @@ def _near_valid_messages(rnd: random.Random, live: dict):
             yield kind, "bad_field", msgpack.packb({**base, f: rnd.choice(wrong)}, use_bin_type=True)
 
 
-def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
+def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monkeypatch):
     """The fuzz above never matches the live session, so it never reaches sequence handling
     or commit decoding. This one does: live epoch, job, layout hash and valid or near-valid
     sequence numbers for frames, malformed commits at the next valid sequence number, and
@@ -253,12 +254,12 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
     commits = capture_commits(monkeypatch)
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fuzzlive")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)
     assert session.close() == 3
     seq = list(session.sender.seq)  # after close: the last commit has been sent
-    before = cluster.wait_caught_up(3)
+    before = shared_cluster.wait_caught_up(3)
     workers = before["workers"]
     rss0 = {w["pid"]: rss_bytes(w["pid"]) for w in workers}
     rnd = random.Random(4321)
@@ -301,7 +302,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
         "rank": 0,
         "world": 1,
         "job_id": session.job_id,
-        "job": "fuzzlive",
+        "job": job,
         "layout_hash": session.layout.hash,
         "worker": 0,
         "applied": 3,
@@ -318,7 +319,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
     }
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 5000)
-    dealer.connect(cluster.address)
+    dealer.connect(shared_cluster.address)
     serve = ctx.socket(zmq.DEALER)
     serve.setsockopt(zmq.LINGER, 5000)
     serve.connect(workers[0]["serve"])
@@ -333,7 +334,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
         while s.poll(200):
             s.recv()  # error replies
         s.close()
-    after = cluster.wait_status(
+    after = shared_cluster.wait_status(
         lambda st: all(
             w1["frames_in"] - w0["frames_in"] >= n for w0, w1, n in zip(workers, st["workers"], sent, strict=True)
         ),
@@ -346,10 +347,10 @@ def test_fuzz_with_live_values_changes_nothing(world1, cluster, monkeypatch):
         assert w1["pid"] == w0["pid"] and w1["health"] == "ok" and w1["applied"] == 3 and not w1["stale"], w1
         assert w1["frames_in"] - w0["frames_in"] == n
         assert sum(w1["rejected"].values()) - sum(w0["rejected"].values()) >= n  # each one counted
-        assert w1["rejected"].get("bad_commit", 0) >= 20, w1["rejected"]
+        assert w1["rejected"].get("bad_commit", 0) - w0["rejected"].get("bad_commit", 0) >= 20, w1["rejected"]
         assert rss_bytes(w0["pid"]) - rss0[w0["pid"]] < 64 << 20
     assert sum(after["rejected"].values()) - sum(before["rejected"].values()) >= n_msgs * 0.9
     fresh, fopt, _ = build(seed=8)
-    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job="fuzzlive").iteration == 3
+    assert trainer_hooks.restore(fresh, fopt, source=shared_cluster.address, job=job).iteration == 3
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)

@@ -27,9 +27,11 @@ def reference(tmp_path_factory):
     return [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference, tmp_path):
+def test_attached_run_matches_plain_run_and_restores_exactly(shared_cluster, job, reference, tmp_path):
     out = tmp_path / "out"
-    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP) == [
+    assert run_ranks(
+        tmp_path, "--coordinator", shared_cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP, "--job", job
+    ) == [
         0,
         0,
     ], rank_logs(tmp_path)
@@ -39,15 +41,17 @@ def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference,
         assert_same_state(trained[r], reference[r])
         assert trained[r]["losses"] == reference[r]["losses"]
         assert trained[r]["committed"] == STEPS
-    st = cluster.status()
-    assert st["job"]["committed"] == STEPS and all(w["health"] == "ok" for w in st["workers"])
+    st = shared_cluster.status()
+    assert (
+        st["job"]["name"] == job and st["job"]["committed"] == STEPS and all(w["health"] == "ok" for w in st["workers"])
+    )
     assert sum(w["stop"] - w["start"] for w in st["workers"]) == st["job"]["elements"]
 
     # restore into a fresh, differently initialised model in this process (no DDP)
     import trainer_hooks
 
     model, opt, sched = build(seed=99)
-    info = trainer_hooks.restore(model, opt, source=cluster.address, scheduler=sched, rank=1)
+    info = trainer_hooks.restore(model, opt, source=shared_cluster.address, scheduler=sched, job=job, rank=1)
     assert info.iteration == STEPS and info.extra_state == {"it": STEPS} and info.tier == "memory"
     assert_same_state(
         {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, trained[0]
@@ -57,7 +61,16 @@ def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference,
     # the CLI writes a plain torch file that loads with weights_only=True
     ckpt = tmp_path / "ckpt.pt"
     res = subprocess.run(
-        [sys.executable, "-m", "shadow", "restore", f"source={cluster.address}", f"out={ckpt}", "format=torch"],
+        [
+            sys.executable,
+            "-m",
+            "shadow",
+            "restore",
+            f"source={shared_cluster.address}",
+            f"job={job}",
+            f"out={ckpt}",
+            "format=torch",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -77,12 +90,12 @@ def test_attached_run_matches_plain_run_and_restores_exactly(cluster, reference,
 
 
 @pytest.mark.parametrize("seed", [11, 22, 33])
-def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, seed):
+def test_sigkill_restore_resume_is_bit_identical(shared_cluster, job, reference, tmp_path, seed):
     kill_at = random.Random(seed).randint(2, STEPS - 2)
     codes = run_ranks(
         tmp_path,
         "--coordinator",
-        cluster.address,
+        shared_cluster.address,
         "--out",
         str(tmp_path / "dead"),
         "--steps",
@@ -90,14 +103,29 @@ def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, s
         "--kill-at",
         str(kill_at),
         *CLIP,
+        "--job",
+        job,
     )
     assert codes == [-9, -9], rank_logs(tmp_path)
-    committed = cluster.wait_quiet()["job"]["committed"]  # where the killed ranks left it
+    quiet = shared_cluster.wait_quiet()["job"]
+    assert quiet["name"] == job
+    committed = quiet["committed"]  # where the killed ranks left it
     assert kill_at - 3 <= committed <= kill_at
     # a fresh process group restores from the shadow and finishes the run
     out = tmp_path / "resumed"
     assert run_ranks(
-        tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP
+        tmp_path,
+        "--mode",
+        "resume",
+        "--coordinator",
+        shared_cluster.address,
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        *CLIP,
+        "--job",
+        job,
     ) == [0, 0], rank_logs(tmp_path)
     for r in range(2):
         resumed = torch.load(out / f"rank{r}.pt", weights_only=True)
@@ -107,31 +135,48 @@ def test_sigkill_restore_resume_is_bit_identical(cluster, reference, tmp_path, s
         assert torch.equal(resumed["rng"], reference[r]["rng"])
 
 
-def test_trainer_dying_mid_send_leaves_previous_iteration(cluster, reference, tmp_path):
+def test_trainer_dying_mid_send_leaves_previous_iteration(shared_cluster, job, reference, tmp_path):
     k = 6
     # iteration 6 sends one message normally, then the rest (commit included) only to worker 0, then dies
     codes = run_ranks(
         tmp_path,
         "--coordinator",
-        cluster.address,
+        shared_cluster.address,
         "--out",
         str(tmp_path / "dead"),
         "--steps",
         str(STEPS),
         *CLIP,
+        "--job",
+        job,
         env={"SHADOW_FAULT_DIE_AT": f"{k}:1"},
     )
     assert 137 in codes, rank_logs(tmp_path)
-    st = cluster.wait_status(
-        lambda st: st["workers"][0]["prepared"] == k and all(w["applied"] == k - 1 for w in st["workers"]),
+    st = shared_cluster.wait_status(
+        lambda st: (
+            st["workers"][0]["prepared"] == k
+            and all(w["applied"] == k - 1 for w in st["workers"])
+            and shared_cluster.heard_after_cut(st)
+        ),
         what=f"worker 0 holding all of {k}",
     )
-    assert st["job"]["committed"] == k - 1
+    assert st["job"]["name"] == job and st["job"]["committed"] == k - 1
     assert st["workers"][0]["prepared"] == k  # worker 0 had all of k, yet nobody applied it
     assert all(w["applied"] == k - 1 for w in st["workers"])
     out = tmp_path / "resumed"
     assert run_ranks(
-        tmp_path, "--mode", "resume", "--coordinator", cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP
+        tmp_path,
+        "--mode",
+        "resume",
+        "--coordinator",
+        shared_cluster.address,
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        *CLIP,
+        "--job",
+        job,
     ) == [0, 0], rank_logs(tmp_path)
     for r in range(2):
         resumed = torch.load(out / f"rank{r}.pt", weights_only=True)

@@ -22,10 +22,10 @@ from trainer_hooks.session.sender import NoticeItem
 pytestmark = pytest.mark.slow
 
 
-def test_a_coordinator_error_degrades_then_resyncs(world1, cluster):
+def test_a_coordinator_error_degrades_then_resyncs(world1, shared_cluster, job):
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="steady")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     epoch = session.epoch
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)
@@ -39,23 +39,23 @@ def test_a_coordinator_error_degrades_then_resyncs(world1, cluster):
     it = 3
     deadline = time.monotonic() + 60
     while session.epoch == epoch or session.degraded is not None or session.committed < it - 1:
-        assert time.monotonic() < deadline, (session.degraded, session.committed, cluster.status()["job"])
+        assert time.monotonic() < deadline, (session.degraded, session.committed, shared_cluster.status()["job"])
         it += 1
         train_step(ddp, opt, sched, it)  # never raises
         time.sleep(0.1)
     assert session.close() == it
-    st = cluster.status()
-    assert st["job"]["resyncs"] == 1 and st["job"]["committed"] == it
+    st = shared_cluster.status()
+    assert st["job"]["name"] == job and st["job"]["resyncs"] == 1 and st["job"]["committed"] == it
     fresh, fopt, fsched = build(seed=7)
-    info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="steady")
+    info = trainer_hooks.restore(fresh, fopt, source=shared_cluster.address, scheduler=fsched, job=job)
     assert info.iteration == it
     assert_same_state(live_state(fresh, fopt), live_state(model, opt))
 
 
-def test_a_bucket_reduced_twice_is_still_raised(world1, cluster):
+def test_a_bucket_reduced_twice_is_still_raised(world1, shared_cluster, job):
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="twice")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     try:
         x = torch.randint(0, 37, (4, 6))
         for _ in range(2):  # accumulation without no_sync: every bucket is all-reduced twice

@@ -205,8 +205,10 @@ def test_unwritable_tier_is_reported_and_training_goes_on(tmp_path):
         cluster.stop()
 
 
-def test_exports_load_with_standard_tools(tmp_path, cluster):
-    assert run_ranks(tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "o"), "--steps", "5") == [
+def test_exports_load_with_standard_tools(tmp_path, shared_cluster, job):
+    assert run_ranks(
+        tmp_path, "--coordinator", shared_cluster.address, "--out", str(tmp_path / "o"), "--steps", "5", "--job", job
+    ) == [
         0,
         0,
     ], rank_logs(tmp_path)
@@ -215,7 +217,11 @@ def test_exports_load_with_standard_tools(tmp_path, cluster):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    assert shadow("restore", f"source={cluster.address}", f"out={tmp_path / 'dcp'}", "format=dcp").returncode == 0
+    dcp_out = tmp_path / "dcp"
+    assert (
+        shadow("restore", f"source={shared_cluster.address}", f"job={job}", f"out={dcp_out}", "format=dcp").returncode
+        == 0
+    )
     model, opt, _ = build(seed=77)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optimizer": osd}
@@ -231,14 +237,18 @@ def test_exports_load_with_standard_tools(tmp_path, cluster):
 
     assert (
         shadow(
-            "restore", f"source={cluster.address}", f"out={tmp_path / 'w.safetensors'}", "format=safetensors"
+            "restore",
+            f"source={shared_cluster.address}",
+            f"job={job}",
+            f"out={tmp_path / 'w.safetensors'}",
+            "format=safetensors",
         ).returncode
         == 0
     )
     weights = load_file(tmp_path / "w.safetensors")
     assert weights.keys() == trained["model"].keys()
     assert all(torch.equal(weights[k], trained["model"][k]) for k in weights)
-    res = shadow("restore", f"source={cluster.address}", "out=/tmp/x", "format=onnx")
+    res = shadow("restore", f"source={shared_cluster.address}", "out=/tmp/x", "format=onnx")
     assert res.returncode == 2 and "torch" in res.stderr
 
 

@@ -28,13 +28,13 @@ def _groups(model):
     return [p for n, p in model.named_parameters() if not n.startswith("side")]
 
 
-def test_reattach_bootstrap_records_the_boundary_rng_and_extra_state(world1, cluster):
+def test_reattach_bootstrap_records_the_boundary_rng_and_extra_state(world1, shared_cluster, job):
     torch.manual_seed(0)
     model = Tiny(unused_branch=True)
     opt = torch.optim.AdamW(_groups(model), lr=1e-2, fused=True)
     ddp = DDP(model)
     box = {"it": 0}
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, job="boundary", extra_state=lambda: dict(box))
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, job=job, extra_state=lambda: dict(box))
     random.seed(11)
     for it in range(1, 4):
         box["it"] = it
@@ -49,17 +49,17 @@ def test_reattach_bootstrap_records_the_boundary_rng_and_extra_state(world1, clu
     o2 = torch.optim.AdamW(_groups(m2), lr=1e-2, fused=True)
     o2.add_param_group({"params": [m2.side.weight, m2.side.bias], "lr": 5e-3})
     random.seed(99)
-    info = trainer_hooks.restore(m2, o2, source=cluster.address)
+    info = trainer_hooks.restore(m2, o2, source=shared_cluster.address, job=job)
     assert info.iteration == 3 and info.extra_state == {"it": 3}
     assert random.getstate() == at_boundary
     for a, b in zip(model.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
-def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, cluster, monkeypatch):
+def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, shared_cluster, job, monkeypatch):
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="handover")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     from tests.conftest import train_step
 
     for it in range(1, 4):
@@ -72,14 +72,16 @@ def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, clus
     streamed = bootstrap.bootstrap
     monkeypatch.setattr(bootstrap, "bootstrap", lambda att, carry: None)
     m3, o3, s3 = build(seed=4)
-    dead = trainer_hooks.attach(DDP(m3), o3, coordinator=cluster.address, scheduler=s3, job="handover", iteration=3)
-    st = cluster.status()
-    assert st["job"]["epoch"] == dead.epoch and st["job"]["committed"] is None  # the new epoch has nothing yet
+    dead = trainer_hooks.attach(DDP(m3), o3, coordinator=shared_cluster.address, scheduler=s3, job=job, iteration=3)
+    st = shared_cluster.status()
+    # the new epoch has nothing yet
+    assert st["job"]["name"] == job and st["job"]["epoch"] == dead.epoch and st["job"]["committed"] is None
     assert st["restorable"]["memory"] == 3
     dead.close(wait=False)
     monkeypatch.setattr(bootstrap, "bootstrap", streamed)
     fresh, fopt, fsched = build(seed=7)
-    info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
-    assert info.iteration == 3 and info.tier == "memory"
+    # no job named: the cluster's newest one, this test's (it attached last), served by the previous epoch
+    info = trainer_hooks.restore(fresh, fopt, source=shared_cluster.address, scheduler=fsched)
+    assert info.iteration == 3 and info.tier == "memory" and info.job == job
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k

@@ -221,11 +221,11 @@ def test_a_hook_slot_reduces_like_ddp_and_routes_weakly(world1):
 
 
 @pytest.mark.slow
-def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, cluster):
+def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, shared_cluster, job):
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot")
-    assert session.job == "slot" and session.options.scheduler is sched
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
+    assert session.job == job and session.options.scheduler is sched
     ring = weakref.ref(session.attachment.ring.tensor)
     for it in range(1, 3):
         train_step(ddp, opt, sched, it)
@@ -241,14 +241,14 @@ def test_close_releases_the_ring_and_the_model_takes_a_new_session(world1, clust
     assert gone() is None
     train_step(ddp, opt, sched, 3)  # plain DDP again
     again = trainer_hooks.attach(
-        ddp, opt, coordinator=cluster.address, scheduler=sched, job="slot", iteration=3, overwrite=True
+        ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job, iteration=3, overwrite=True
     )  # the same DDP model: its one hook serves the new session
     train_step(ddp, opt, sched, 4)
     assert again.close() == 4 and not _senders()
 
 
 @pytest.mark.slow
-def test_a_failed_open_closes_what_it_opened(world1, cluster, monkeypatch):
+def test_a_failed_open_closes_what_it_opened(world1, shared_cluster, job, monkeypatch):
     model, opt, sched = build()
 
     def broken(att, carry):
@@ -256,7 +256,7 @@ def test_a_failed_open_closes_what_it_opened(world1, cluster, monkeypatch):
 
     monkeypatch.setattr(bootstrap, "bootstrap", broken)
     with pytest.raises(RuntimeError, match="bootstrap broke"):
-        trainer_hooks.attach(DDP(model), opt, coordinator=cluster.address, scheduler=sched, job="half")
+        trainer_hooks.attach(DDP(model), opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     deadline = time.monotonic() + 10
     while _senders():
         assert time.monotonic() < deadline, "a sender thread outlived the failed attach"
@@ -265,10 +265,10 @@ def test_a_failed_open_closes_what_it_opened(world1, cluster, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_failed_resync_stops_streaming_and_training_goes_on(world1, cluster, monkeypatch):
+def test_a_failed_resync_stops_streaming_and_training_goes_on(world1, shared_cluster, job, monkeypatch):
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="resync")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     for it in range(1, 3):
         train_step(ddp, opt, sched, it)
     deadline = time.monotonic() + 20
@@ -309,12 +309,12 @@ def test_parameters_on_several_devices_are_named():
 
 
 @pytest.mark.slow
-def test_a_captured_step_is_refused_at_the_step_not_in_backward(world1, cluster, monkeypatch):
+def test_a_captured_step_is_refused_at_the_step_not_in_backward(world1, shared_cluster, job, monkeypatch):
     from trainer_hooks.session import device
 
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="graph")
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     try:
         train_step(ddp, opt, sched, 1)
         monkeypatch.setattr(device, "capturing", lambda: True)  # as under torch.cuda.graph(...)

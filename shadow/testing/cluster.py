@@ -81,6 +81,7 @@ class LocalCluster:
         self.workers = workers
         self.log = Path(tmp) / f"cluster-{self.port}.log"
         self._pids: set[int] = set()
+        self.asked_at = 0.0  # wall time just before the last status request (heard_after_cut)
         entry = "shadow.testing.faulty" if faults else "shadow"
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
@@ -125,6 +126,7 @@ class LocalCluster:
         self.stop()
 
     def status(self, timeout: float = 5.0) -> dict:
+        self.asked_at = time.time()
         st = status(self.address, timeout=timeout, keys=self.keys)
         self._note(st)
         return st
@@ -140,16 +142,28 @@ class LocalCluster:
 
         return wait_until(check, timeout, what, detail=lambda: last[0] if last else None)
 
+    def heard_after_cut(self, st: dict) -> bool:
+        """Whether every worker's last heartbeat in ``st``, the status :meth:`status` returned
+        last, came after the job's last cut. A worker's ``applied``, ``seen``, ``frames_in``
+        and ``rejected`` are what its last heartbeat said: on a cluster that held another job
+        before, a heartbeat from before this job's first cut may still speak of that job."""
+        job = st["job"]
+        if not job or job["cut_time"] is None:
+            return False
+        # asked_at - last_seen_s is no later than the heartbeat (last_seen_s is in ms)
+        return all(self.asked_at - w["last_seen_s"] > job["cut_time"] + 0.001 for w in st["workers"])
+
     def wait_caught_up(self, iteration: int, timeout: float = 30.0, healthy: bool = True) -> dict:
         """The first status in which the job's committed cut is ``iteration``, every worker
-        has applied it (their heartbeats lag the cut a little) and, with ``healthy``, every
-        worker is healthy."""
+        has applied it, as a heartbeat after the cut says (heartbeats lag the cut a little)
+        and, with ``healthy``, every worker is healthy."""
 
         def ok(st):
             return (
                 st["job"]
                 and st["job"]["committed"] == iteration
                 and all(w["applied"] == iteration and (w["health"] == "ok" or not healthy) for w in st["workers"])
+                and self.heard_after_cut(st)
             )
 
         return self.wait_status(ok, timeout, f"iteration {iteration} committed and applied by every worker")
