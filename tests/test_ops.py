@@ -74,6 +74,7 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
     )
     tport = free_port()
     trainer_hooks.serve_metrics(tport)
+    session = None
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -198,6 +199,8 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
         for name, p in model.named_parameters():
             assert torch.equal(full["model"][name], p.detach())
     finally:
+        if session is not None and not session.closed:  # a failed assertion leaves no sender thread behind
+            session.close(wait=False)
         cluster.stop()
     events = [json.loads(line) for line in cluster.log.read_text().splitlines() if line.startswith("{")]
     assert events and all({"time", "level", "logger", "pid", "role", "message"} <= set(e) for e in events)

@@ -31,7 +31,7 @@ def _samples() -> Samples:
     st = s.stats()
     return {
         "shadow_trainer_iteration": [(rank, st["iteration"])],
-        "shadow_trainer_applied_iteration": [(rank, st["applied"])],
+        "shadow_trainer_committed_iteration": [(rank, st["committed"])],
         "shadow_trainer_hook": [(rank, (st["hook_s"], st["steps"]))],
         "shadow_trainer_blocked_seconds": [(rank, st["blocked_s"])],
         "shadow_trainer_staging_ring_occupancy": [(rank, st["ring_occupancy"])],

@@ -129,9 +129,9 @@ WORKER = (
 TRAINER = (
     _m("shadow_trainer_iteration", "gauge", "Iterations this rank has completed while attached.", "rank"),
     _m(
-        "shadow_trainer_applied_iteration",
+        "shadow_trainer_committed_iteration",
         "gauge",
-        "Newest iteration the cluster has applied, as this rank last heard.",
+        "Newest iteration the cluster has committed, as this rank last heard.",
         "rank",
     ),
     _m(
