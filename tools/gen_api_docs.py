@@ -186,6 +186,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is not what the code says")
     args = ap.parse_args()
+    import shadow
+
+    here = Path(shadow.__file__).resolve().parents[1]
+    if here != ROOT:  # an editable install of another checkout: its code would be documented here
+        print(
+            f"shadow is imported from {here}, not from this checkout ({ROOT}); "
+            f"run `pip install -e {ROOT}` (or scripts/setup.sh) first",
+            file=sys.stderr,
+        )
+        return 2
     text = render()
     if args.check:
         if not OUT.exists() or OUT.read_text() != text:
