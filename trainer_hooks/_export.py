@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from shadow.restore import Snapshot
+from shadow.snapshot import Snapshot
 from trainer_hooks._codec import unpack
 from trainer_hooks._extras import snapshot_aliases
 from trainer_hooks._restore import state_dicts

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from shadow.errors import LayoutMismatchError
-from shadow.restore import Snapshot, resolve
+from shadow.restore import resolve
+from shadow.snapshot import Snapshot
 from shadow.wire.frames import Field
 from trainer_hooks import _codec, _extras, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap

@@ -29,7 +29,7 @@ from shadow.persist import fsglob, shardfile, shardguard, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
 from shadow.persist.manifests import manifest_problem
 from shadow.persist.paths import is_local, local_path
-from shadow.restore.snapshot import Snapshot
+from shadow.snapshot import Snapshot
 from shadow.wire.frames import Field, checksum
 
 logger = logging.getLogger(__name__)

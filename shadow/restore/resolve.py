@@ -12,7 +12,8 @@ from shadow import knobs
 from shadow.client import dealer, request
 from shadow.errors import ShadowError
 from shadow.persist import checkpoints
-from shadow.restore.snapshot import MovedOn, Snapshot, fetch_memory
+from shadow.restore.snapshot import MovedOn, fetch_memory
+from shadow.snapshot import Snapshot
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)

@@ -1,16 +1,9 @@
-"""A complete checkpoint in flat form, and fetching it from a live shadow cluster.
-
-A :class:`Snapshot` is what every restore path produces and every exporter consumes:
-the flat parameter and moment arrays, per-parameter step counts, the layout, and the
-opaque per-rank commit blobs (RNG, scheduler, extra state) and the chunks of the model
-state outside the optimizer (``trainer_hooks._extras``), all for one iteration.
-"""
+"""Fetching a checkpoint (:class:`~shadow.snapshot.Snapshot`) from a live shadow cluster's memory."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -19,29 +12,12 @@ from shadow import knobs
 from shadow.client import dealer
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
+from shadow.snapshot import Snapshot
 from shadow.transport import fetch
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, state_fields
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Snapshot:
-    job: str
-    iteration: int
-    layout: Layout
-    optim: dict
-    world: int
-    arrays: dict[Field, np.ndarray]
-    steps: np.ndarray
-    has_state: np.ndarray
-    blobs: dict[int, bytes]
-    source: str
-    tier: str = "memory"
-    extra: dict = field(default_factory=dict)
-    generation: int = 0  # the job's lineage: a restore to an older iteration then training on starts a new one
-    extras: dict = field(default_factory=dict)  # key -> chunk of model state outside the optimizer (opaque)
 
 
 class MovedOn(ShadowError):
