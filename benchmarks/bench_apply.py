@@ -149,6 +149,7 @@ def run(args) -> dict:
     from benchlib import machine_info
 
     from shadow import knobs
+    from shadow.config import LocalTierConfig, PersistConfig
     from shadow.kernels.replay import warm_up
     from shadow.layout import Layout
     from shadow.persist.writer import ShardPersister
@@ -188,7 +189,7 @@ def run(args) -> dict:
         st = ShardState(layout, 0, total, optim)
         st.param[:] = init
         states[path] = st
-        persisters[path] = ShardPersister({"local": {"dir": tmp}, "remote": {"url": ""}}, "bench", 0, 1, st)
+        persisters[path] = ShardPersister(PersistConfig(LocalTierConfig(dir=tmp)), "bench", 0, 1, st)
     grad_buf = np.empty(total, dtype=np.float32)
 
     ctx = zmq.Context()

@@ -163,8 +163,7 @@ def restore_main(args) -> None:
 
     import trainer_hooks
     from shadow.persist import checkpoints
-    from shadow.restore.resolve import restore_info
-    from shadow.restore.snapshot import fetch_memory
+    from shadow.restore.memory import fetch_memory, restore_info
 
     local, dcp_dir, torch_file = work / "local", work / "dcp", work / "torch_ckpt.pt"
     ref = torch.load(work / "reference.pt", weights_only=True)

@@ -41,7 +41,7 @@ def _minflt() -> int:
 # -- receiver (the worker) ----------------------------------------------------------------------
 def take_grad_message(rx: FrameReceiver, ctx: Context, target, seq: int, zero_copy: bool, keep: list) -> int:
     """One GRAD message through the worker's own receiver, in the order
-    ``shadow.worker.data.DataMixin._take_frame`` calls it: header and context, run table,
+    ``shadow.worker.data.DataPath.take`` calls it: header and context, run table,
     the sequence number (here every message arrives in order), then the parts.
     ``zero_copy``: :meth:`FrameReceiver.runs_kept` (the worker's GRAD path: the frames are
     kept in ``keep``, as the worker keeps them in the inbox slot for the replay kernel);

@@ -108,7 +108,17 @@ class PersistConfig:
             raise ValueError(f"persist.local.dir={self.local.dir!r} must be a local directory")
 
     def to_dict(self) -> dict:
+        """The plain form the coordinator sends its workers (rebuilt there by :meth:`from_dict`)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PersistConfig:
+        """The config back from :meth:`to_dict` (a missing field takes its default), validated
+        again; only the ``local`` and ``remote`` sections are read (a message may carry more)."""
+        try:
+            return cls(LocalTierConfig(**d.get("local", {})), RemoteTierConfig(**d.get("remote", {})))
+        except TypeError as exc:  # an unknown field
+            raise ValueError(f"persist: {exc}; the tier fields are those of {LocalTierConfig.__name__}") from None
 
 
 @dataclass
@@ -175,6 +185,17 @@ def _check_metrics_port(port: int) -> None:
         _check_port(port)
 
 
+def check_shape(workers: int, replicas: int) -> None:
+    """A cluster of ``workers`` slots, each shard held by ``replicas`` of them, or a
+    ``ValueError`` saying what to change."""
+    if workers < 1:
+        raise ValueError(f"workers={workers}: a cluster needs at least 1 worker")
+    if replicas < 1 or workers % replicas:
+        raise ValueError(
+            f"replicas={replicas} must be >= 1 and divide workers={workers}; e.g. workers={2 * workers} replicas=2"
+        )
+
+
 @dataclass
 class CoordinatorConfig:
     """The coordinator alone (workers join by its address)."""
@@ -190,13 +211,7 @@ class CoordinatorConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers={self.workers}: a cluster needs at least 1 worker")
-        if self.replicas < 1 or self.workers % self.replicas:
-            raise ValueError(
-                f"replicas={self.replicas} must be >= 1 and divide workers={self.workers}; "
-                f"e.g. workers={2 * self.workers} replicas=2"
-            )
+        check_shape(self.workers, self.replicas)
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
         _check_log(self.log_level, self.log_format)

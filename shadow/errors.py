@@ -22,3 +22,7 @@ class LayoutMismatchError(ShadowError, ValueError):
 class ShadowUsageError(ShadowError):
     """The training loop did something the shadow cannot checkpoint (the fix is in the
     loop, e.g. accumulate with ``no_sync``); raised at the next ``optimizer.step()``."""
+
+
+class CheckpointError(ShadowError):
+    """A checkpoint on storage is missing, torn or corrupt."""

@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from shadow.persist import checkpoints
+from shadow.restore import find_checkpoint
 from tests.test_persist_units import LAYOUT, _image, _write_checkpoint
 
 
@@ -50,7 +51,7 @@ def _bounded(fn, seconds: float = 20.0):
 
 def _expect_fallback(root: str, why: str) -> None:
     """Iteration 6 is reported by verify (or not listed at all) and restores take 3."""
-    info, snap = _bounded(lambda: checkpoints.find(root, "local", "j"))
+    info, snap = _bounded(lambda: find_checkpoint(root, "local", "j"))
     assert snap.iteration == 3
     six = [c for c in checkpoints.list_checkpoints(root, job="j") if c.iteration == 6]
     if six:

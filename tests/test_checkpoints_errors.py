@@ -16,6 +16,7 @@ import pytest
 import xxhash
 
 from shadow.persist import checkpoints, zshard
+from shadow.restore import find_checkpoint
 from shadow.wire.frames import checksum
 from tests.test_checkpoints_closed import _bounded
 from tests.test_checkpoints_robust import shadow
@@ -176,7 +177,7 @@ def _assert_fails_closed(root: str, kind: str, caplog) -> None:
         assert any(SIX in path and why for path, why in skipped), skipped
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="shadow.persist.checkpoints"):
-        _info, snap = _bounded(lambda: checkpoints.find(root, kind, "j"))
+        _info, snap = _bounded(lambda: find_checkpoint(root, kind, "j"))
     assert snap.iteration == 3
     assert any(("iteration 6" in r.getMessage() or SIX in r.getMessage()) for r in caplog.records), [
         r.getMessage() for r in caplog.records

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shadow.persist import checkpoints, retention
+from shadow.restore import find_checkpoint
 from tests.conftest import ROOT
 from tests.test_persist_units import LAYOUT, _write_checkpoint
 
@@ -77,7 +78,7 @@ def test_glob_characters_in_the_root_are_taken_literally(tmp_path, kind):
     assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j")] == [1, 2, 3]
     assert [c.iteration for c in checkpoints.list_checkpoints(root)] == [1, 2, 3]
     assert len(checkpoints.list_torn(root, "j")) == 1
-    assert checkpoints.find(root, kind, "j")[0].iteration == 3
+    assert find_checkpoint(root, kind, "j")[0].iteration == 3
     retention.retain(root, "j", 1)
     assert [c.iteration for c in checkpoints.list_checkpoints(root, job="j")] == [3]
     assert [c.iteration for c in checkpoints.list_checkpoints(sibling)] == [9]
@@ -86,17 +87,16 @@ def test_glob_characters_in_the_root_are_taken_literally(tmp_path, kind):
 def test_attach_and_coordinator_refuse_a_bad_job_name():
     """The trainer refuses before connecting; the coordinator refuses an attach message."""
     import trainer_hooks
+    from shadow.coordinator.outbox import RecordingOutbox
     from shadow.coordinator.server import Coordinator
     from shadow.jobs import InvalidJobNameError
 
     with pytest.raises(InvalidJobNameError, match=r"'\.\./escape'"):
         trainer_hooks.attach(object(), None, "tcp://127.0.0.1:1", job="../escape")
-    replies = []
-    coord = SimpleNamespace(
-        pending={}, _reply=lambda env, kind, **f: replies.append((kind, f)), _start_attaches=lambda: None
-    )
-    Coordinator._on_attach(coord, [b"id"], {"job": "exp*", "rank": 0, "world": 1})
-    assert coord.pending == {} and replies[0][0] == "error" and "'exp*'" in replies[0][1]["message"]
+    out = RecordingOutbox()
+    coord = Coordinator("tcp://127.0.0.1:1", workers=1, outbox=out)
+    coord.attach.on_attach([b"id"], {"job": "exp*", "rank": 0, "world": 1})
+    assert coord.state.pending == {} and out.kinds() == ["error"] and "'exp*'" in out.last("error")["message"]
 
 
 # ---- manifests ------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_a_malformed_manifest_is_skipped_and_reported(tmp_path, how, caplog):
     assert [(c.job, c.iteration) for c in found] == [("good", 4)]
     assert len(skipped) == 1 and skipped[0][0].endswith(os.path.join("bad", "iteration-0000000005", "manifest.json"))
     assert "iteration-0000000005" in caplog.text
-    assert checkpoints.find(root, "local")[1].iteration == 4  # restore without job= is not blocked by the other job
+    assert find_checkpoint(root, "local")[1].iteration == 4  # restore without job= is not blocked by the other job
 
 
 def test_ls_and_verify_show_an_unreadable_manifest(tmp_path):
@@ -213,10 +213,10 @@ def test_a_damaged_shard_header_falls_back_to_the_previous_checkpoint(tmp_path, 
         _write_checkpoint(root, "j", it, LAYOUT)
     shard = os.path.join(checkpoints.checkpoint_dir(root, "j", 6), checkpoints.shard_name(0, 2))
     _rewrite_header(shard, EDITS[edit])
-    info, snap = checkpoints.find(root, "local", check=False)  # no checksum: the header itself must be judged
+    info, snap = find_checkpoint(root, "local", check=False)  # no checksum: the header itself must be judged
     assert snap.iteration == 3
     with pytest.raises(checkpoints.CheckpointError, match="shard-00000-of-00002"):
-        checkpoints.find(root, "local", iteration=6, check=False)
+        find_checkpoint(root, "local", iteration=6, check=False)
 
 
 def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
@@ -232,13 +232,13 @@ def test_a_bit_flip_in_a_shard_header_falls_back_on_every_tier(tmp_path):
     pos = data.index(b'"data_offsets"') + 1  # "data_offsets" -> "dbta_offsets": a KeyError before
     flipped = data[:pos] + bytes([data[pos] ^ 0x03]) + data[pos + 1 :]
     open(shard, "wb").write(flipped)
-    assert checkpoints.find(root, "local")[1].iteration == 3  # what `shadow restore` does
+    assert find_checkpoint(root, "local")[1].iteration == 3  # what `shadow restore` does
     remote = f"memory://flip-{os.getpid()}"
     for it in (3, 6):
         _write_checkpoint(remote, "j", it, LAYOUT)
     fs, p = fsspec.core.url_to_fs(checkpoints.checkpoint_dir(remote, "j", 6))
     fs.pipe_file(p + "/" + checkpoints.shard_name(0, 2), flipped)
-    assert checkpoints.find(remote, "remote", check=False)[1].iteration == 3
+    assert find_checkpoint(remote, "remote", check=False)[1].iteration == 3
     with pytest.raises(ValueError, match="data_offsets"):
         shardfile.parse(flipped)
 
@@ -265,11 +265,11 @@ def test_out_under_a_missing_parent_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_a_failed_export_leaves_no_temp_file(tmp_path, monkeypatch, fmt):
-    from trainer_hooks import _export
+    from shadow import export as _export
+    from shadow.export import state
 
-    monkeypatch.setattr(_export, "state_dicts", lambda snap: {"model": {"w": torch.ones(3)}})
-    monkeypatch.setattr(_export, "unpack", lambda blob: {})
-    monkeypatch.setattr(_export, "snapshot_aliases", lambda extras, blob: {})
+    monkeypatch.setattr(state, "state_dicts", lambda snap: {"model": {"w": torch.ones(3)}})
+    monkeypatch.setattr(state, "aliases", lambda snap: {})
     snap = SimpleNamespace(job="j", iteration=1, blobs={0: b""}, extras={})
     out = tmp_path / "taken"
     out.mkdir()

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from shadow import knobs
+from shadow.config import PersistConfig
 from shadow.layout import Layout
 from shadow.persist import checkpoints, planes, retention, shardfile, zshard
 from shadow.persist.writer import ShardPersister
+from shadow.restore import find_checkpoint
 from shadow.wire.frames import Field
 
 pytest.importorskip("zstandard")
@@ -287,7 +289,7 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
     }
     states = [_state(lo, hi, 10 * i) for i, (lo, hi) in enumerate(RANGES)]
     with knobs.override(COMPRESS_BLOCK_BYTES=4096, PERSIST_BUFFERS=1):
-        ps = [ShardPersister(persist, "j", i, 2, st) for i, st in enumerate(states)]
+        ps = [ShardPersister(PersistConfig.from_dict(persist), "j", i, 2, st) for i, st in enumerate(states)]
         for p in ps:
             p.snapshot(7, 1, 1, {0: b"commit-record"}, {"tokens": None})
         reports = [_wait(p) for p in ps]
@@ -302,7 +304,7 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
     for root, tier, reps, codec in ((local_root, "local", reports, local), (remote_root, "remote", uploads, remote)):
         assert all(r["file"].endswith(suffix[codec]) and r["compress"] == codec for r in reps)
         assert all(r["raw_bytes"] >= r["bytes"] for r in reps)
-        info, snap = checkpoints.find(root, tier)
+        info, snap = find_checkpoint(root, tier)
         assert checkpoints.verify(info) == []
         for f in (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ):
             want = np.concatenate([st.array(f) for st in states])
@@ -344,7 +346,7 @@ def test_retention_removes_compressed_checkpoints(tmp_path):
     root = str(tmp_path)
     persist = {"local": {"dir": root, "compress": "zstd", "compress_level": 1}, "remote": {"url": ""}}
     st = _state(0, LAYOUT.total, 0)
-    p = ShardPersister(persist, "j", 0, 1, st)
+    p = ShardPersister(PersistConfig.from_dict(persist), "j", 0, 1, st)
     for it in (1, 2, 3):
         p.snapshot(it, 1, 1, {0: b"x"}, None)
         rep = _wait(p)

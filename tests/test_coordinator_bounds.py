@@ -14,10 +14,13 @@ import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.config import PersistConfig
+from shadow.coordinator.outbox import RecordingOutbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.server import Coordinator
 from shadow.layout import Layout
 from shadow.testing import LocalCluster, free_port, pid_alive, rss_bytes, status
+from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
@@ -56,7 +59,7 @@ def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
     address = f"tcp://127.0.0.1:{free_port()}"
     coord = Coordinator(address, workers=1)
     calls = {"status": 0}
-    real_status = coord._on_status
+    real_status = coord.routes["status"]
 
     def flaky_status(env, msg):  # the first status raises, as a bug meeting an input would
         calls["status"] += 1
@@ -67,8 +70,8 @@ def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
     def broken_check():
         raise ZeroDivisionError("state built from a message")
 
-    coord._on_status = flaky_status
-    coord._check_workers = broken_check
+    coord.routes["status"] = flaky_status
+    coord.periodic["check_workers"] = broken_check
     thread = threading.Thread(target=coord.run, daemon=True)
     thread.start()
     try:
@@ -212,7 +215,11 @@ def test_scan_failure_of_a_job_directory_is_not_an_empty_tier(tmp_path, monkeypa
 
     real = persistence._probe
     monkeypatch.setattr(persistence, "_probe", lambda root: (_ for _ in ()).throw(PermissionError(13, "denied")))
-    p = Persistence({"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}})
+    p = Persistence(
+        PersistConfig.from_dict(
+            {"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}}
+        )
+    )
     assert "denied" in p.tiers["local"].scan_error
     assert "cannot read tier local" in p.unscanned() and "denied" in p.unscanned()
     monkeypatch.setattr(persistence, "_probe", real)
@@ -225,27 +232,20 @@ def test_an_unreadable_job_directory_fails_the_scan(tmp_path):
     job.mkdir()
     job.chmod(0)
     try:
-        p = Persistence({"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}})
+        p = Persistence(
+            PersistConfig.from_dict(
+                {"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}}
+            )
+        )
         assert "Permission" in p.unscanned()
     finally:
         job.chmod(0o755)
 
 
-class _Sent:
-    """A stand-in for the coordinator's ROUTER: records what it answers."""
-
-    def __init__(self):
-        self.out = []
-
-    def send_multipart(self, parts):
-        self.out.append((parts[0], M.decode(parts[-1])))
-
-
 def test_held_attaches_keep_one_layout_and_are_bounded_by_count():
-    from shadow import knobs
-
-    coord = Coordinator("tcp://127.0.0.1:1", workers=1)
-    coord.sock = _Sent()
+    out = RecordingOutbox()
+    tuning = Tuning.load(attach_pending_jobs=2, attach_pending_ranks=4)
+    coord = Coordinator("tcp://127.0.0.1:1", workers=1, outbox=out, tuning=tuning)
     layout = Layout.build([(f"p{i}", (4,), 0, True) for i in range(2000)], 1)
     with_layout = M.encode(
         "attach",
@@ -259,24 +259,24 @@ def test_held_attaches_keep_one_layout_and_are_bounded_by_count():
         overwrite=False,
         restored=None,
     )
-    coord._on_message([b"r1", with_layout])
-    kept = coord.pending["a"]["ranks"][1][1]
+    coord.on_message([b"r1", with_layout])
+    kept = coord.state.pending["a"]["ranks"][1][1]
     assert kept["layout"] is None and kept["layout_hash"] == layout.hash  # only rank 0's layout is held
-    assert coord.pending_view()["bytes"] < len(with_layout) // 10
-    coord._on_message([b"r0", _attach("a", layout, world=4)])
-    coord._on_message([b"r0", _attach("a", layout, world=4)])  # sent again: replaces, not counted twice
-    assert coord.pending_view() == {
+    assert coord.state.pending_view()["bytes"] < len(with_layout) // 10
+    coord.on_message([b"r0", _attach("a", layout, world=4)])
+    coord.on_message([b"r0", _attach("a", layout, world=4)])  # sent again: replaces, not counted twice
+    assert coord.state.pending_view() == {
         "jobs": 1,
         "ranks": 2,
-        "bytes": coord.pending["a"]["bytes"][0] + coord.pending["a"]["bytes"][1],
+        "bytes": coord.state.pending["a"]["bytes"][0] + coord.state.pending["a"]["bytes"][1],
     }
-    with knobs.override(ATTACH_PENDING_JOBS=2, ATTACH_PENDING_RANKS=4):
-        coord._on_message([b"b0", _attach("b", layout, world=2)])
-        coord._on_message([b"c0", _attach("c", layout, world=2)])  # a third job
-        ident, reply = coord.sock.out[-1]
-        assert ident == b"c0" and reply["t"] == "error" and "SHADOW_ATTACH_PENDING_JOBS" in reply["message"]
-        coord._on_message([b"a2", _attach("a", layout, rank=2, world=4)])
-        coord._on_message([b"a3", _attach("a", layout, rank=3, world=4)])  # a fifth rank
-        ident, reply = coord.sock.out[-1]
-        assert ident == b"a3" and reply["t"] == "error" and "SHADOW_ATTACH_PENDING_RANKS" in reply["message"]
-    assert coord.rejected["attach_full"] == 2 and "c" not in coord.pending
+    # the bounds: 2 jobs, 4 ranks
+    coord.on_message([b"b0", _attach("b", layout, world=2)])
+    coord.on_message([b"c0", _attach("c", layout, world=2)])  # a third job
+    ident, kind, reply = out.sent[-1]
+    assert ident == b"c0" and kind == "error" and "SHADOW_ATTACH_PENDING_JOBS" in reply["message"]
+    coord.on_message([b"a2", _attach("a", layout, rank=2, world=4)])
+    coord.on_message([b"a3", _attach("a", layout, rank=3, world=4)])  # a fifth rank
+    ident, kind, reply = out.sent[-1]
+    assert ident == b"a3" and kind == "error" and "SHADOW_ATTACH_PENDING_RANKS" in reply["message"]
+    assert coord.state.rejected["attach_full"] == 2 and "c" not in coord.state.pending

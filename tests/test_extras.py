@@ -13,6 +13,7 @@ import torch
 
 from shadow import knobs
 from shadow.errors import LayoutMismatchError
+from shadow.export import extras as read_extras
 from shadow.testing import LocalCluster
 from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
@@ -169,7 +170,7 @@ def test_tracker_sends_what_changed_only():
     }
     model.table = torch.arange(7.0)  # reassigned, new shape: the index goes again
     assert _emit(tracker, 5, chunks)[1] == {0, names["table"]}
-    decoded, aliases, order = _extras.decode(chunks)
+    decoded, aliases, order = read_extras.decode(chunks)
     assert order == list(model.state_dict()) and aliases == {}
     _same(decoded, {n: model.state_dict()[n] for n in decoded})
 
@@ -195,11 +196,11 @@ def test_any_dtype_roundtrips_in_small_chunks():
         chunks: dict = {}
         _emit(tracker, 0, chunks, everything=True)
     assert len(chunks) > 20
-    decoded, aliases, _ = _extras.decode(chunks)
+    decoded, aliases, _ = read_extras.decode(chunks)
     assert aliases == {"tied": "mask"} and "scratch" not in decoded and "lin.weight" not in decoded
     want = model.state_dict()
     _same(decoded, {k: v for k, v in want.items() if k in decoded})
-    full = _extras.model_state(
+    full = read_extras.model_state(
         {"lin.weight": want["lin.weight"], "lin.bias": want["lin.bias"]}, chunks, {"aliases": {}}
     )
     assert list(full) == list(want)

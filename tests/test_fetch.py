@@ -12,7 +12,7 @@ import zmq
 from shadow import knobs
 from shadow.errors import ShadowError
 from shadow.layout import Layout
-from shadow.restore.snapshot import fetch_memory
+from shadow.restore.memory import fetch_memory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 
@@ -121,13 +121,11 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
     import subprocess
     import sys
     import time
-    from collections import Counter
 
-    from shadow.worker.fetches import FetchMixin, Reply
-
-    class Served(FetchMixin):
-        def __init__(self, sock):
-            self.serve, self.replies, self.assignment, self.rejected, self.pending_fetch = sock, {}, None, Counter(), []
+    from shadow.transport import SocketFactory
+    from shadow.worker.address import Binding
+    from shadow.worker.fetches import FetchServer, Reply
+    from shadow.worker.worker_state import WorkerState
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -145,15 +143,16 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         assert router.poll(30_000)
         ident, _ = router.recv_multipart()
         os.kill(proc.pid, signal.SIGSTOP)  # frozen: its I/O thread stops reading
-        w = Served(router)
+        w = FetchServer(WorkerState(), SocketFactory(ctx), Binding("127.0.0.1", "127.0.0.1"))
+        w.sock = router
         big = np.ones(256 << 20, dtype=np.uint8)  # far more than the socket buffers hold
         w.replies[ident] = Reply(
             "frozen", None, [router.send_multipart([ident, memoryview(big)], copy=False, track=True)], time.monotonic()
         )
         t0 = time.monotonic()
         with knobs.override(SERVE_STALL_S=0.5):
-            w._wait_for_readers()
-        assert 0.3 < time.monotonic() - t0 < 3.0 and w.replies[ident].dropped and w.rejected["serve_dropped"] == 1
+            w.wait_for_readers()
+        assert 0.3 < time.monotonic() - t0 < 3.0 and w.replies[ident].dropped and w.state.rejected["serve_dropped"] == 1
         # a shard that went out completely costs no wait
         local = ctx.socket(zmq.DEALER)
         local.connect(f"tcp://127.0.0.1:{port}")
@@ -163,7 +162,7 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         assert local.poll(10_000) and len(local.recv_multipart()) == 1
         w.replies[me] = Reply("local", None, [tracker], time.monotonic())
         t0 = time.monotonic()
-        w._wait_for_readers()
+        w.wait_for_readers()
         assert time.monotonic() - t0 < 1.0 and tracker.done and me not in w.replies
         local.close(0)
     finally:

@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.config import PersistConfig
 from shadow.persist import checkpoints, failed
 from shadow.testing import LocalCluster, ServiceFaults, free_port_run
 from shadow.testing.faults import injected
@@ -229,7 +230,7 @@ def test_the_coordinator_removes_a_failed_checkpoint_and_backs_off(tmp_path):
     from tests.test_persist_schedule import JOB, TIER, _report
 
     root = str(tmp_path / "local")
-    pers = Persistence({"local": dict(TIER, every_n=4, dir=root)})
+    pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=4, dir=root)}))
     pers.reset(0)
     t = pers.tiers["local"]
 

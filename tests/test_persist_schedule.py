@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from shadow import knobs
+from shadow.config import PersistConfig
 from shadow.coordinator import persistence as persistence_mod
 from shadow.coordinator.persistence import Persistence
 from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile
 from shadow.persist.writer import ShardPersister
+from shadow.restore import find_checkpoint
 from shadow.worker.state import ShardState
 
 LAYOUT = Layout.build([("a", (3000,), 0, True), ("b", (700,), 0, True)], 1)
@@ -88,7 +90,11 @@ def _local(pers: Persistence, root: str, iteration: int, skip: bool = False) -> 
 
 def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, clock):
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
-    pers = Persistence({"local": dict(TIER, every_n=1, dir=local), "remote": dict(TIER, every_n=4, url=remote)})
+    pers = Persistence(
+        PersistConfig.from_dict(
+            {"local": dict(TIER, every_n=1, dir=local), "remote": dict(TIER, every_n=4, url=remote)}
+        )
+    )
     pers.reset(0)
     asked = []
     for it in range(1, 11):  # complete at 1, 2, 9, 10; skipped at 3-8 (every image still being written)
@@ -102,7 +108,11 @@ def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, c
     assert pers.tiers["remote"].complete == {"j": 9}
 
     # by time: local 21 completes before 20; when the remote tier is due, the newest goes up
-    pers = Persistence({"local": dict(TIER, every_n=1, dir=local), "remote": dict(TIER, every_s=10.0, url=remote)})
+    pers = Persistence(
+        PersistConfig.from_dict(
+            {"local": dict(TIER, every_n=1, dir=local), "remote": dict(TIER, every_s=10.0, url=remote)}
+        )
+    )
     pers.reset(19)
     assert pers.local_due(20, None) and pers.local_due(21, None)
     clock.now += 5
@@ -123,7 +133,7 @@ def test_skips_are_one_summed_warning_and_a_metric(tmp_path, clock, caplog):
     from shadow.coordinator.metrics import samples
 
     local = str(tmp_path / "local")
-    pers = Persistence({"local": dict(TIER, every_n=1, dir=local)})
+    pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=1, dir=local)}))
     pers.reset(0)
     caplog.set_level(logging.INFO, logger="shadow.coordinator.persistence")
     for it in range(1, 7):
@@ -136,8 +146,9 @@ def test_skips_are_one_summed_warning_and_a_metric(tmp_path, clock, caplog):
     _local(pers, local, 7)  # the next complete checkpoint sums up the rest
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "5 checkpoint requests skipped (iterations 2-6; 6 in all)" in warnings[1]
-    coord = SimpleNamespace(workers=[], expected=0, job=None, resyncs={}, guard=None, rejected={}, persist=pers)
-    got = samples(coord)
+    from shadow.coordinator.state import ClusterState
+
+    got = samples(ClusterState(expected=1), pers)
     assert got["shadow_persist_skipped"] == [(("local",), 6)] and got["shadow_persist_failures"] == [(("local",), 0)]
 
 
@@ -168,10 +179,13 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
 
     monkeypatch.setattr(shardfile.ShardImage, "write", slow_write)
     monkeypatch.setattr(ShardPersister, "_copy", slow_copy)
-    pers = Persistence(persist)
+    pers = Persistence(PersistConfig.from_dict(persist))
     pers.reset(0)
     with knobs.override(PERSIST_BUFFERS=1):
-        ps = [ShardPersister(persist, "j", i, 2, _state(lo, hi)) for i, (lo, hi) in enumerate(RANGES)]
+        ps = [
+            ShardPersister(PersistConfig.from_dict(persist), "j", i, 2, _state(lo, hi))
+            for i, (lo, hi) in enumerate(RANGES)
+        ]
     reports, uploads = [], []
     lt, rt = pers.tiers["local"], pers.tiers["remote"]
 
@@ -201,7 +215,7 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
     release_copy.set()
     pump(lambda: not rt.in_flight)
     assert rt.complete == {"j": 9} and rt.failures == 0, rt.last_error
-    assert checkpoints.find(remote, "remote")[1].iteration == 9
+    assert find_checkpoint(remote, "remote")[1].iteration == 9
     assert [c.iteration for c in checkpoints.list_checkpoints(local)] == [10, 11, 12]  # retention caught up
     skips = [(r["iteration"], r["skipped"]) for r in reports if not r["ok"]]
     assert skips == [(it, True) for it in range(4, 9)]  # one report each, marked as skips
@@ -238,8 +252,8 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
         "remote": dict(TIER, every_n=1, url=f"memory://leak-{os.getpid()}"),
     }
     w = Worker("tcp://127.0.0.1:1")
-    w.ctrl, sent = None, []
-    w._to_coord = lambda kind, **fields: sent.append(kind)
+    sent = []
+    w.outbox.to_coord = lambda kind, **fields: sent.append(kind)
     rss = []
     for epoch in range(1, 11):
         w._configure(
@@ -259,7 +273,7 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
                 "peer": None,
             }
         )
-        s = w.assignment
+        s = w.state.assignment
         for f in s.state.fields():  # as a bootstrap would
             s.state.array(f)[:] = 1.0
         s.persister.snapshot(1, epoch, 1, {0: b"rec"}, None)
@@ -295,7 +309,7 @@ def test_an_older_checkpoint_completing_after_a_newer_one_is_kept_and_counted(tm
     6 used to delete 3's directory as torn while 3 was still being written, so 3's manifest
     failed with FileNotFoundError and counted as a failure. Now 3 completes too."""
     root = str(tmp_path / "local")
-    pers = Persistence({"local": dict(TIER, every_n=3, keep=2, dir=root)})
+    pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=3, keep=2, dir=root)}))
     pers.reset(0)
     t = pers.tiers["local"]
     assert pers.local_due(3, None)

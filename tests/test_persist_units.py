@@ -9,9 +9,11 @@ import fsspec
 import numpy as np
 import pytest
 
-from shadow.coordinator.persistence import due
+from shadow.config import PersistConfig
 from shadow.layout import Layout
 from shadow.persist import checkpoints, retention, shardfile
+from shadow.restore import find_checkpoint
+from shadow.storage import Schedule
 from shadow.wire.frames import Field, checksum
 
 
@@ -92,7 +94,7 @@ def test_catalog_roundtrip_corruption_and_fallback(tmp_path, kind):
     fs.pipe_file(p + "/" + checkpoints.shard_name(0, 2), b"partial")
     assert [c.iteration for c in checkpoints.list_checkpoints(root)] == [3, 6]
     assert checkpoints.list_torn(root)[0].endswith("iteration-0000000009")
-    info, snap = checkpoints.find(root, kind)
+    info, snap = find_checkpoint(root, kind)
     assert snap.iteration == 6 and snap.steps[0] == 6.0 and snap.blobs == {0: b"abc"}
     assert snap.arrays[Field.PARAM].shape == (LAYOUT.total,)
 
@@ -104,12 +106,12 @@ def test_catalog_roundtrip_corruption_and_fallback(tmp_path, kind):
     bad = [c for c in checkpoints.list_checkpoints(root) if c.iteration == 6][0]
     problems = checkpoints.verify(bad)
     assert len(problems) == 1 and "shard 1" in problems[0] and "checksum" in problems[0]
-    info, snap = checkpoints.find(root, kind)  # newest: falls back to the older complete one
+    info, snap = find_checkpoint(root, kind)  # newest: falls back to the older complete one
     assert snap.iteration == 3
     with pytest.raises(checkpoints.CheckpointError, match="shard 1 .*checksum"):
-        checkpoints.find(root, kind, iteration=6)
+        find_checkpoint(root, kind, iteration=6)
     with pytest.raises(checkpoints.CheckpointError, match="no complete checkpoint of iteration 7"):
-        checkpoints.find(root, kind, iteration=7)
+        find_checkpoint(root, kind, iteration=7)
 
 
 def test_retention_keeps_newest_and_only_deletes_after_a_complete_one(tmp_path):
@@ -127,7 +129,7 @@ def test_retention_keeps_newest_and_only_deletes_after_a_complete_one(tmp_path):
 
 def test_missing_root_and_unknown_manifest_format(tmp_path):
     with pytest.raises(checkpoints.CheckpointError, match="no complete checkpoint"):
-        checkpoints.find(str(tmp_path / "nothing"), "local")
+        find_checkpoint(str(tmp_path / "nothing"), "local")
     _write_checkpoint(str(tmp_path), "j", 1, LAYOUT)
     mpath = os.path.join(checkpoints.checkpoint_dir(str(tmp_path), "j", 1), checkpoints.MANIFEST)
     m = json.load(open(mpath))
@@ -137,14 +139,14 @@ def test_missing_root_and_unknown_manifest_format(tmp_path):
 
 
 def test_schedules():
-    cfg = {"every_n": 5, "every_s": 0.0, "every_tokens": 0}
-    assert not due(cfg, 4, 0.0, None, (0, 0.0, None)) and due(cfg, 5, 0.0, None, (0, 0.0, None))
-    assert due(cfg, 12, 0.0, None, (7, 0.0, None)) and not due(cfg, 11, 0.0, None, (7, 0.0, None))
-    cfg = {"every_n": 0, "every_s": 2.0, "every_tokens": 0}
-    assert not due(cfg, 100, 1.0, None, (0, 0.0, None)) and due(cfg, 1, 2.5, None, (0, 0.0, None))
-    cfg = {"every_n": 0, "every_s": 0.0, "every_tokens": 1000}
-    assert not due(cfg, 9, 0.0, 900, (0, 0.0, 0)) and due(cfg, 9, 0.0, 1000, (0, 0.0, 0))
-    assert not due(cfg, 9, 0.0, None, (0, 0.0, 0))
+    s = Schedule(every_n=5)
+    assert not s.due(4, 0.0, None, (0, 0.0, None)) and s.due(5, 0.0, None, (0, 0.0, None))
+    assert s.due(12, 0.0, None, (7, 0.0, None)) and not s.due(11, 0.0, None, (7, 0.0, None))
+    s = Schedule(every_s=2.0)
+    assert not s.due(100, 1.0, None, (0, 0.0, None)) and s.due(1, 2.5, None, (0, 0.0, None))
+    s = Schedule(every_tokens=1000)
+    assert not s.due(9, 0.0, 900, (0, 0.0, 0)) and s.due(9, 0.0, 1000, (0, 0.0, 0))
+    assert not s.due(9, 0.0, None, (0, 0.0, 0))
 
 
 def test_a_tier_the_coordinator_cannot_see_is_an_error_that_says_why(tmp_path):
@@ -155,7 +157,7 @@ def test_a_tier_the_coordinator_cannot_see_is_an_error_that_says_why(tmp_path):
     from shadow.coordinator.persistence import Persistence
 
     cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
-    pers = Persistence({"local": dict(cfg, dir=str(tmp_path / "not-shared"))})
+    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(tmp_path / "not-shared"))}))
     job = SimpleNamespace(
         name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
     )

@@ -15,8 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.restore.resolve import restore_info
-from shadow.restore.snapshot import MovedOn, _take_shard, fetch_memory
+from shadow.restore.memory import MovedOn, _take_shard, fetch_memory, restore_info
 from shadow.testing import LocalCluster
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum

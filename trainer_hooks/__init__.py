@@ -15,10 +15,11 @@ from shadow.errors import (
     ShadowTimeoutError,
     ShadowUsageError,
 )
-from trainer_hooks._export import export, export_weights
+from shadow.export import export, export_weights
+from shadow.export.state import state_dicts
 from trainer_hooks._metrics import serve_metrics
 from trainer_hooks._optim import UnsupportedOptimizerError
-from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore, state_dicts
+from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.session import Session
 

@@ -14,7 +14,6 @@ import warnings
 import numpy as np
 import torch
 
-from shadow.kernels import ReplayPlan, segments_for_range
 from shadow.wire import frames as F
 
 logger = logging.getLogger(__name__)
@@ -167,6 +166,8 @@ def calibrate() -> tuple[int, int, bool]:
 
 
 def _calibrate() -> tuple[int, int, bool]:
+    from shadow.kernels import ReplayPlan, segments_for_range  # numba: loaded at attach, not at import
+
     gen = torch.Generator().manual_seed(1234)
     sizes = list(_SIZES)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]

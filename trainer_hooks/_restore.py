@@ -1,10 +1,10 @@
-"""Putting a trainer back at a checkpointed iteration, and the plain torch state-dict
-form of a checkpoint (what ``shadow restore ... format=torch`` writes)."""
+"""Putting a trainer back at a checkpointed iteration. The plain torch state-dict form of
+a checkpoint (what ``shadow restore ... format=torch`` writes) is
+:func:`shadow.export.state.state_dicts`."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from shadow.errors import LayoutMismatchError
-from shadow.restore import resolve
+from shadow.export.extras import recorded
+from shadow.export.state import state_dicts
 from shadow.snapshot import Snapshot
-from shadow.wire.frames import Field
-from trainer_hooks import _codec, _extras, _rng
+from trainer_hooks import _extras, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
 from trainer_hooks._restored import RESTORED, RestorePoint
 
@@ -32,55 +32,6 @@ class RestoreInfo:
     source: str
     tier: str
     world: int
-
-
-def _flat(snap: Snapshot, field: Field, i: int) -> torch.Tensor:
-    spec = snap.layout.params[i]
-    arr = snap.arrays[field][spec.offset : spec.offset + spec.numel]
-    return torch.from_numpy(arr).view(spec.shape)
-
-
-def state_dicts(snap: Snapshot) -> dict:
-    """``{"model", "optimizer", "scheduler", "iteration", "rng", "extra_state", ...}``
-    with ordinary torch state dicts, loadable with ``load_state_dict``."""
-    blobs = {r: _codec.unpack(b) for r, b in snap.blobs.items()}
-    b0 = blobs[0]
-    params = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
-    model = _extras.model_state(params, snap.extras, b0)  # with frozen params, buffers, aliases
-    groups = b0["param_groups"]
-    state: dict[int, dict] = {}
-    sgd = snap.optim.get("kind") == "sgd"
-    for i, spec in enumerate(snap.layout.params):
-        if not snap.has_state[i]:
-            continue
-        if sgd:
-            state[i] = {"momentum_buffer": _flat(snap, Field.EXP_AVG, i)}
-            continue
-        st = {
-            "step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
-            "exp_avg": _flat(snap, Field.EXP_AVG, i),
-            "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i),
-        }
-        if groups[spec.group].get("amsgrad"):
-            st["max_exp_avg_sq"] = _flat(snap, Field.MAX_EXP_AVG_SQ, i)
-        state[i] = st
-    param_groups = []
-    for gi, g in enumerate(groups):
-        g = dict(g)
-        g["params"] = [i for i, spec in enumerate(snap.layout.params) if spec.group == gi]
-        param_groups.append(g)
-    ranks = [blobs[r] for r in sorted(blobs)]
-    return {
-        "model": model,
-        "optimizer": {"state": state, "param_groups": param_groups},
-        "scheduler": b0.get("scheduler"),
-        "scaler": b0.get("scaler"),
-        "iteration": snap.iteration,
-        "rng": [b["rng"] for b in ranks],
-        "extra_state": b0.get("extra_state"),
-        "extra_state_by_rank": [b.get("extra_state") for b in ranks],
-        "job": snap.job,
-    }
 
 
 def restore(
@@ -109,6 +60,8 @@ def restore(
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
     if optimizer is None and not weights_only:
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
+    from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
+
     snap = resolve(source, job=job, iteration=iteration, timeout=timeout)
     return apply_snapshot(
         snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
@@ -153,7 +106,7 @@ def apply_snapshot(
                 )
             params.append(p)
     sd = state_dicts(snap)
-    extras = _extras.load_plan(model, params, sd["model"], _extras.recorded(snap.extras))  # checked before any change
+    extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras))  # checked before any change
     blob_rank = rank if rank in range(len(sd["rng"])) else None
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)

@@ -65,7 +65,7 @@ def cmd_restore(cfg: RestoreConfig) -> int:
     _check_out(cfg.out)
     snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
     with stage(f"writing {cfg.out} ({cfg.format})"):
-        from trainer_hooks import export
+        from shadow.export import export
 
         export(snap, cfg.out, cfg.format)
     print(
@@ -83,7 +83,7 @@ def cmd_export(cfg: ExportConfig) -> int:
     _check_out(cfg.out)
     snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
     with stage(f"writing {cfg.out} ({cfg.format}, {cfg.dtype})"):
-        from trainer_hooks import export_weights
+        from shadow.export import export_weights
 
         info = export_weights(snap, cfg.out, cfg.format, cfg.dtype)
     tied = f", {len(info['aliases'])} tied" if info["aliases"] else ""
@@ -96,35 +96,43 @@ def cmd_export(cfg: ExportConfig) -> int:
 
 
 def _check_out(out: str) -> None:
-    """A missing parent of ``out=`` is an error before the checkpoint is read, not after."""
-    from trainer_hooks._export import check_out
+    """A missing parent of ``out=``, or a host without torch (a service-only install), is an
+    error before the checkpoint is read, not after."""
+    from shadow.export import check_out, require_torch
 
     check_out(out)
+    require_torch(f"writing {out}")
 
 
 def _missing_dir(source: str) -> str | None:
     """``"no such directory: ..."`` when ``source`` (a path or fsspec URL) is not a
     directory, else None; an empty listing of a mistyped path would look like no checkpoints."""
-    import fsspec
+    from shadow.storage import storage_for
 
-    fs, path = fsspec.core.url_to_fs(source)
-    return None if fs.isdir(path) else f"no such directory: {source}"
+    st = storage_for(source)
+    return None if st.isdir(st.base) else f"no such directory: {source}"
 
 
-def _unreadable(mpath: str, reason: str) -> dict:
-    """What ``ls``/``verify`` report for a manifest the catalog skipped."""
-    import posixpath
+def _unreadable(c) -> dict:
+    """What ``ls``/``verify`` report for a manifest the catalog skipped (an ``unreadable``
+    :class:`~shadow.restore.Candidate`)."""
+    return {"job": c.job, "iteration": c.iteration, "path": c.path, "error": f"unreadable manifest: {c.error}"}
 
-    from shadow.persist import checkpoints
 
-    d = posixpath.dirname(mpath)
-    key = checkpoints.dir_key(d)
-    return {
-        "job": posixpath.basename(posixpath.dirname(d)),
-        "iteration": key[1] if key else None,
-        "path": mpath,
-        "error": f"unreadable manifest: {reason}",
-    }
+def _ls_row(c) -> dict:
+    """One row of ``shadow ls`` for a :class:`~shadow.restore.Candidate`."""
+    if c.tier == "memory":
+        return {"job": c.job, "iteration": c.iteration, "tier": "memory", "time": None, "bytes": None} | {
+            "state": "complete",
+            "path": c.path,
+        }
+    if c.state == "unreadable":
+        return dict(_unreadable(c), tier=c.tier, time=None, bytes=None, state=c.state)
+    row = {"job": c.job, "iteration": c.iteration, "generation": c.generation, "tier": c.tier, "time": c.time}
+    row["bytes"] = c.bytes
+    if c.state != "incomplete":
+        row["raw_bytes"] = c.raw_bytes
+    return row | {"state": c.state, "path": c.path}
 
 
 def _size(path: str) -> int:
@@ -134,61 +142,15 @@ def _size(path: str) -> int:
 
 
 def cmd_ls(cfg: ListConfig) -> int:
-    from shadow.persist import checkpoints
-    from shadow.restore.resolve import is_endpoint, restore_info
+    from shadow.restore import MemorySource, open_source
 
-    rows = []
-    roots = [(cfg.source, "local" if checkpoints.is_local(cfg.source) else "remote")]
-    if not is_endpoint(cfg.source) and _missing_dir(cfg.source):
+    src = open_source(cfg.source, cfg.timeout)
+    if not isinstance(src, MemorySource) and _missing_dir(cfg.source):
         print(f"shadow ls: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
-    if is_endpoint(cfg.source):
-        info = restore_info(cfg.source, cfg.job, cfg.timeout)
-        if info["memory"]:
-            m = info["memory"]
-            rows.append(
-                {
-                    "job": m["job"],
-                    "iteration": m["iteration"],
-                    "tier": "memory",
-                    "time": None,
-                    "bytes": None,
-                    "state": "complete",
-                    "path": cfg.source,
-                }
-            )
-        roots = [(s["root"], s["tier"]) for s in info["storage"]]
-    for root, tier in roots:
-        skipped: list = []
-        for c in checkpoints.list_checkpoints(root, tier, cfg.job, skipped=skipped):
-            rows.append(
-                {
-                    "job": c.job,
-                    "iteration": c.iteration,
-                    "generation": c.generation,
-                    "tier": tier,
-                    "time": c.manifest.get("created"),
-                    "bytes": c.bytes,
-                    "raw_bytes": c.raw_bytes,
-                    "state": "superseded" if c.superseded else "complete",
-                    "path": c.path,
-                }
-            )
-        for d in checkpoints.list_torn(root, cfg.job):
-            generation, iteration = checkpoints.dir_key(d) or (0, -1)
-            rows.append(
-                {
-                    "job": d.rstrip("/").split("/")[-2],
-                    "iteration": iteration,
-                    "generation": generation,
-                    "tier": tier,
-                    "time": None,
-                    "bytes": None,
-                    "state": "incomplete",
-                    "path": d,
-                }
-            )
-        rows += [dict(_unreadable(m, why), tier=tier, time=None, bytes=None, state="unreadable") for m, why in skipped]
+    rows = [_ls_row(c) for c in src.candidates(cfg.job)]
+    if isinstance(src, MemorySource):  # then the cluster's tiers
+        rows += [_ls_row(c) for tier in src.tiers() for c in tier.candidates(cfg.job)]
     if cfg.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -200,14 +162,15 @@ def cmd_ls(cfg: ListConfig) -> int:
 
 def cmd_verify(cfg: VerifyConfig) -> int:
     from shadow.persist import checkpoints
+    from shadow.restore import TierSource
+    from shadow.storage import source_tier
 
-    tier = "local" if checkpoints.is_local(cfg.source) else "remote"
     if _missing_dir(cfg.source):
         print(f"shadow verify: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
-    skipped: list = []
-    found = checkpoints.list_checkpoints(cfg.source, tier, cfg.job, skipped=skipped)
-    bad = [_unreadable(m, why) for m, why in skipped]
+    listed = TierSource(source_tier(cfg.source), cfg.source).candidates(cfg.job)
+    found = [c.handle for c in listed if c.loadable]
+    bad = [_unreadable(c) for c in listed if c.state == "unreadable"]
     if cfg.iteration is not None:
         found = [c for c in found if c.iteration == cfg.iteration]
         bad = [b for b in bad if b["iteration"] == cfg.iteration]

@@ -36,7 +36,7 @@ def _coordinator(cfg: CoordinatorConfig):
     return Coordinator(
         f"tcp://{cfg.host}:{cfg.port}",
         cfg.workers,
-        cfg.persist.to_dict(),
+        cfg.persist,
         guard=security.guard_from_config(cfg.security),
         replicas=cfg.replicas,
     )
@@ -48,7 +48,7 @@ def _coordinator_metrics(cfg: CoordinatorConfig, coord):
     from shadow.coordinator.metrics import samples
     from shadow.metrics import COORDINATOR, serve
 
-    return serve(cfg.host, cfg.metrics_port, COORDINATOR, lambda: samples(coord))
+    return serve(cfg.host, cfg.metrics_port, COORDINATOR, lambda: samples(coord.state, coord.persist, coord.guard))
 
 
 def _run(service, metrics) -> int:

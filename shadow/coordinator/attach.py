@@ -7,44 +7,53 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
-from shadow import knobs
-from shadow.coordinator._host import CoordinatorHost
-from shadow.coordinator.records import JobRec, job_id_for
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.queries import memory_info
+from shadow.coordinator.records import JobRec, JobStatus, job_id_for
+from shadow.coordinator.state import ClusterState, configure_fields
 from shadow.jobs import job_name_problem
 from shadow.layout import Layout, shard_bounds
-from shadow.persist import checkpoints
+from shadow.storage.url import local_path
 from shadow.wire import messages as M
 from shadow.worker.memory import human, nfields, session_bytes
 
 logger = logging.getLogger(__name__)
 
 
-class AttachMixin(CoordinatorHost):
-    """Coordinator methods: attach, its hold while workers start, and detach."""
+Msg = dict[str, Any]
 
-    def _on_attach(self, env, msg) -> None:
+
+class Attach:
+    """Handlers ``attach`` and ``detach`` (trainers); attaches held while their ranks
+    arrive and workers start (periodic :meth:`start_attaches`, :meth:`expire_attaches`)."""
+
+    def __init__(self, state: ClusterState, out: Outbox, persist: Persistence) -> None:
+        self.state, self.out, self.persist = state, out, persist
+
+    def on_attach(self, env: list[bytes], msg: Msg, size: int = 0) -> None:
+        """Rank ``msg.rank`` of job ``msg.job`` attaches; ``size``: its message's bytes on the wire."""
         now = time.monotonic()
         problem = job_name_problem(msg["job"])  # the name becomes a directory under every tier's root
         if problem is not None:
             logger.error("attach refused: %s", problem)
-            self._reply(env, "error", code="refused", message=problem)
+            self.out.reply(env, "error", code="refused", message=problem)
             return
         if not 0 <= msg["rank"] < msg["world"]:
-            self._reply(env, "error", code="refused", message=f"rank {msg['rank']} is not in world {msg['world']}")
+            self.out.reply(env, "error", code="refused", message=f"rank {msg['rank']} is not in world {msg['world']}")
             return
         if msg["rank"] != 0 and msg["layout"] is not None:
             msg = {**msg, "layout": None}  # rank 0's layout is the job's; the others' hashes must match it
             size = len(M.encode("attach", **{k: v for k, v in msg.items() if k not in ("t", "v")}))
-        else:
-            size = self._msg_bytes
         full = self._pending_full(msg["job"], msg["rank"], size)
         if full is not None:
-            self._count("attach_full")
+            self.state.rejected.add("attach_full")
             logger.error("attach of job %s rank %d refused: %s", msg["job"], msg["rank"], full)
-            self._reply(env, "error", code="busy", message=full)
+            self.out.reply(env, "error", code="busy", message=full)
             return
-        p = self.pending.setdefault(
+        p = self.state.pending.setdefault(
             msg["job"],
             {
                 "ranks": {},
@@ -52,38 +61,30 @@ class AttachMixin(CoordinatorHost):
                 "held": 0,
                 "since": now,
                 "told": -1,
-                "deadline": now + knobs.get("CONNECT_TIMEOUT_S"),
+                "deadline": now + self.state.tuning.connect_timeout_s,
             },
         )
         p["ranks"][msg["rank"]] = (env[0], msg)  # a rank attaching again replaces its entry
         p["held"] += size - p["bytes"].get(msg["rank"], 0)
         p["bytes"][msg["rank"]] = size
         p["told"] = -1  # a newcomer hears how many workers are ready
-        self._start_attaches()
-
-    def pending_view(self) -> dict:
-        """What the held attaches take: job names, ranks, bytes of their messages."""
-        return {
-            "jobs": len(self.pending),
-            "ranks": sum(len(p["ranks"]) for p in self.pending.values()),
-            "bytes": sum(p["held"] for p in self.pending.values()),
-        }
+        self.start_attaches()
 
     def _pending_full(self, name: str, rank: int, size: int) -> str | None:
         """Why one more held attach (job ``name``, ``rank``, a message of ``size`` bytes)
         would pass a bound on what the coordinator holds, or None."""
-        p = self.pending.get(name)
-        held = self.pending_view()
+        p = self.state.pending.get(name)
+        held = self.state.pending_view()
         again = p is not None and rank in p["ranks"]  # replaces its own entry
         jobs = held["jobs"] + (p is None)
         ranks = held["ranks"] + (not again)
         nbytes = held["bytes"] - (p["bytes"].get(rank, 0) if p is not None and again else 0) + size
-        for knob, value, what in (
-            ("ATTACH_PENDING_JOBS", jobs, "jobs with attaches waiting for their ranks"),
-            ("ATTACH_PENDING_RANKS", ranks, "rank attaches waiting"),
-            ("ATTACH_PENDING_BYTES", nbytes, "bytes of attach messages held"),
+        tuning = self.state.tuning
+        for knob, cap, value, what in (
+            ("ATTACH_PENDING_JOBS", tuning.attach_pending_jobs, jobs, "jobs with attaches waiting for their ranks"),
+            ("ATTACH_PENDING_RANKS", tuning.attach_pending_ranks, ranks, "rank attaches waiting"),
+            ("ATTACH_PENDING_BYTES", tuning.attach_pending_bytes, nbytes, "bytes of attach messages held"),
         ):
-            cap = knobs.get_int(knob)
             if value > cap:
                 waiting = (
                     f"other attaches are waiting for their ranks ({held['jobs']} jobs, {held['ranks']} "
@@ -98,40 +99,42 @@ class AttachMixin(CoordinatorHost):
                 )
         return None
 
-    def _start_attaches(self) -> None:
+    def start_attaches(self) -> None:
         """Start every pending attach whose ranks have all arrived, once every worker is
         ready; until then each rank hears ``waiting`` whenever the count of ready workers
         changes (a cluster still compiling its kernels holds attaches, it does not refuse)."""
-        if not self.pending:
+        if not self.state.pending:
             return
-        ready = len(self.ready_workers())
-        for name in list(self.pending):
-            p = self.pending[name]
+        ready = len(self.state.ready_workers())
+        for name in list(self.state.pending):
+            p = self.state.pending[name]
             world = next(iter(p["ranks"].values()))[1]["world"]
-            if ready >= self.expected and len(p["ranks"]) >= world:
-                del self.pending[name]
+            if ready >= self.state.expected and len(p["ranks"]) >= world:
+                del self.state.pending[name]
                 try:
                     self._start_job(name, p["ranks"])
                 except Exception as exc:  # the ranks must hear, and the loop go on
-                    self._failed("attach_error", f"the attach of job {name!r}")
+                    self.state.rejected.failed("attach_error", f"the attach of job {name!r}")
                     for ident, _ in p["ranks"].values():
-                        self._reply(
+                        self.out.reply(
                             [ident],
                             "error",
                             code="internal",
                             message=f"attach of job {name!r} failed in the coordinator: {type(exc).__name__}: {exc}",
                         )
-            elif ready < self.expected and p["told"] != ready:
+            elif ready < self.state.expected and p["told"] != ready:
                 p["told"] = ready
                 for ident, _ in p["ranks"].values():
-                    self._reply([ident], "waiting", ready=ready, expected=self.expected, starting=len(self.starting))
+                    self.out.reply(
+                        [ident], "waiting", ready=ready, expected=self.state.expected, starting=len(self.state.starting)
+                    )
 
-    def _expire_attaches(self) -> None:
+    def expire_attaches(self) -> None:
         now = time.monotonic()
-        for name in [n for n, p in self.pending.items() if now > p["deadline"]]:
-            p = self.pending.pop(name)
+        for name in [n for n, p in self.state.pending.items() if now > p["deadline"]]:
+            p = self.state.pending.pop(name)
             world = next(iter(p["ranks"].values()))[1]["world"]
-            ready = len(self.ready_workers(now))
+            ready = len(self.state.ready_workers(now))
             if len(p["ranks"]) < world:
                 text = (
                     f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
@@ -139,13 +142,13 @@ class AttachMixin(CoordinatorHost):
                 )
             else:
                 text = (
-                    f"the shadow cluster has {ready} of {self.expected} workers ready after "
-                    f"{now - p['since']:.0f} s ({len(self.starting)} still compiling their kernels); "
+                    f"the shadow cluster has {ready} of {self.state.expected} workers ready after "
+                    f"{now - p['since']:.0f} s ({len(self.state.starting)} still compiling their kernels); "
                     "check the worker logs, or allow longer with SHADOW_CONNECT_TIMEOUT_S"
                 )
             logger.error("attach of job %s failed: %s", name, text)
             for ident, _ in p["ranks"].values():
-                self._reply([ident], "error", code="timeout", message=text)
+                self.out.reply([ident], "error", code="timeout", message=text)
 
     def _start_job(self, name: str, ranks: dict) -> None:
         msgs = [m for _, m in (ranks[r] for r in sorted(ranks))]
@@ -155,7 +158,7 @@ class AttachMixin(CoordinatorHost):
         def fail(text: str) -> None:
             logger.error("attach of job %s refused: %s", name, text)
             for ident in idents.values():
-                self._reply([ident], "error", code="refused", message=text)
+                self.out.reply([ident], "error", code="refused", message=text)
 
         if any(
             m["world"] != first["world"]
@@ -175,18 +178,18 @@ class AttachMixin(CoordinatorHost):
         # nothing about the current job changes before every check has passed
         problem = self._memory_problem(name, layout, first["optim"])
         if problem is not None:
-            self._count("attach_memory")
+            self.state.rejected.add("attach_memory")
             return fail(problem)
         problem = self.persist.unscanned()
         if problem is not None:
-            self._count("attach_tier_unreadable")
+            self.state.rejected.add("attach_tier_unreadable")
             return fail(
                 f"{problem}; what that tier holds is unknown, so whether this attach would go back behind "
                 "a newer checkpoint (and the job's generation) cannot be checked: fix the tier (path, "
                 "permissions, reachability; it is read again at every attach) or start the coordinator "
                 "without it"
             )
-        old = self.job
+        old = self.state.job
         generation, held = self.persist.lineage(name)
         if old is not None and old.name == name:
             generation, held = max(generation, old.generation), max(held, old.cut)
@@ -211,14 +214,15 @@ class AttachMixin(CoordinatorHost):
                 generation,
             )
         # until the new epoch holds its base, restores read the old epoch's last cut
-        self.retired = self._memory_info(old.name) if old is not None else None
-        self.epoch += 1
-        bounds = shard_bounds(layout.total, self.nshards)
-        ranges = [bounds[i % self.nshards] for i in range(len(self.workers))]
-        self.job = JobRec(
+        st = self.state
+        st.retired = memory_info(st, old.name) if old is not None else None
+        st.epoch += 1
+        bounds = shard_bounds(layout.total, st.nshards)
+        ranges = [bounds[i % st.nshards] for i in range(len(st.workers))]
+        job = st.job = JobRec(
             name,
             job_id_for(name),
-            self.epoch,
+            st.epoch,
             first["layout"],
             first["layout_hash"],
             first["world"],
@@ -227,35 +231,18 @@ class AttachMixin(CoordinatorHost):
             ranges,
             idents,
         )
-        self.job.cut = first["iteration"] - 1
-        self.job.generation = generation
+        job.cut = first["iteration"] - 1
+        job.generation = generation
         self.persist.reset(first["iteration"])
-        self.tokens.clear()
-        for w in self.workers:
+        st.tokens.clear()
+        for w in st.workers:
             w.configured, w.prepared, w.stale, w.transit, w.out = -1, first["iteration"] - 1, "", "", False
-            start, stop = ranges[w.id]
-            self._reply(
-                [w.ident],
-                "configure",
-                epoch=self.epoch,
-                job=name,
-                job_id=self.job.job_id,
-                layout=first["layout"],
-                start=start,
-                stop=stop,
-                world=first["world"],
-                optim=first["optim"],
-                iteration=first["iteration"],
-                persist={**self.persist.config, "generation": generation},
-                shard=self.shard_of(w),
-                shards=self.nshards,
-                peer=None,
-            )
+            self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, first["iteration"]))
         logger.info(
             "job %s epoch %d: configuring %d workers for %d params (%d elements)",
             name,
-            self.epoch,
-            len(self.workers),
+            st.epoch,
+            len(self.state.workers),
             len(layout.params),
             layout.total,
         )
@@ -263,11 +250,11 @@ class AttachMixin(CoordinatorHost):
     def _memory_problem(self, name: str, layout: Layout, optim: dict) -> str | None:
         """Why the workers could not hold ``layout``: the ranges of the workers of each
         host need more than the least free memory a worker there reports."""
-        bounds = shard_bounds(layout.total, self.nshards)
-        persist = bool(self.persist.config.get("local", {}).get("dir"))
+        bounds = shard_bounds(layout.total, self.state.nshards)
+        persist = self.persist.config.local.enabled
         hosts: dict[str, list] = {}
-        for w in self.workers:
-            start, stop = bounds[w.id % self.nshards]
+        for w in self.state.workers:
+            start, stop = bounds[w.id % self.state.nshards]
             need = session_bytes(stop - start, nfields(optim), len(layout.params), persist)
             hosts.setdefault(_host(w.data), []).append((w, need))
         for host, held in sorted(hosts.items()):
@@ -276,7 +263,7 @@ class AttachMixin(CoordinatorHost):
             if not known or need <= min(known):
                 continue
             w, one = max(held, key=lambda x: x[1])
-            start, stop = bounds[w.id % self.nshards]
+            start, stop = bounds[w.id % self.state.nshards]
             shared = (
                 f" (with {len(held) - 1} other workers on host {host}: {human(need)} in all)" if len(held) > 1 else ""
             )
@@ -284,7 +271,7 @@ class AttachMixin(CoordinatorHost):
                 f"not enough memory: the layout of job {name!r} ({layout.total} elements) needs about "
                 f"{human(one)} on worker {w.id} (range [{start}, {stop}): optimizer state, gradient slots"
                 f"{', checkpoint images' if persist else ''}){shared}, and host {host} has {human(min(known))} "
-                f"free; add workers (each holds 1/{self.nshards} of the elements), train a smaller model, or "
+                f"free; add workers (each holds 1/{self.state.nshards} of the elements), train a smaller model, or "
                 "free memory on that host"
             )
         return None
@@ -292,7 +279,7 @@ class AttachMixin(CoordinatorHost):
     def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:
         """Whether every rank restored iteration ``base`` of job ``name`` from this cluster:
         from its memory (the current generation), or from a checkpoint under one of its tiers."""
-        roots = [checkpoints.local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
+        roots = [local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
         for r in records:
             if not isinstance(r, dict) or r.get("job") != name or r.get("iteration") != base:
                 return False
@@ -303,12 +290,12 @@ class AttachMixin(CoordinatorHost):
                 return False
         return True
 
-    def _on_detach(self, env, msg) -> None:
-        job = self.job
+    def on_detach(self, env: list[bytes], msg: Msg) -> None:
+        job = self.state.job
         if job is not None and msg["epoch"] == job.epoch:
             job.detached.add(msg["rank"])
             if len(job.detached) == job.world:
-                job.status = "detached"
+                job.status = JobStatus.DETACHED
                 logger.info("job %s epoch %d detached at iteration %d", job.name, job.epoch, job.cut)
 
 

@@ -13,36 +13,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-import fsspec
-
-from shadow import knobs
+from shadow.config import PersistConfig
 from shadow.persist import checkpoints, failed, retention
+from shadow.storage import storage_for
+from shadow.storage.tier import Tier, tiers_for
+from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("local", "remote")
-
-
-def due(cfg: dict, iteration: int, now: float, tokens: int | None, last: tuple[int, float, int | None]) -> bool:
-    """Whether a tier with schedule ``cfg`` should checkpoint ``iteration``, given the
-    ``(iteration, time, tokens)`` of its last checkpoint request."""
-    last_it, last_t, last_tokens = last
-    if cfg["every_n"] and iteration - last_it >= cfg["every_n"]:
-        return True
-    if cfg["every_s"] and now - last_t >= cfg["every_s"]:
-        return True
-    if cfg["every_tokens"] and tokens is not None and tokens - (last_tokens or 0) >= cfg["every_tokens"]:
-        return True
-    return False
-
 
 @dataclass
-class Tier:
-    name: str
-    cfg: dict
-    root: str
+class TierState:
+    """What the coordinator tracks of one :class:`~shadow.storage.tier.Tier`: requests in
+    flight, what it holds complete, and its figures (status ``persist``, the metrics)."""
+
+    tier: Tier
     last: tuple = (0, 0.0, None)  # (iteration, time, tokens) of the last request
     last_ok: tuple = (0, 0.0, None)  # ... of the last request that became a complete checkpoint
     in_flight: dict = field(default_factory=dict)  # iteration -> {shard: report}
@@ -59,10 +47,18 @@ class Tier:
     newest: tuple | None = None  # (iteration, tokens, {shard: report}) of the newest complete one this run
     skip_log: dict = field(default_factory=lambda: {"count": 0, "lo": 0, "hi": 0, "at": float("-inf"), "why": ""})
 
-    def status(self) -> dict:
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    @property
+    def root(self) -> str:
+        return self.tier.root
+
+    def status(self) -> dict[str, Any]:
         return {
             "root": self.root,
-            "schedule": {k: self.cfg[k] for k in ("every_n", "every_s", "every_tokens", "keep")},
+            "schedule": asdict(self.tier.schedule),
             "last_complete": self.last_complete,
             "last_error": self.last_error,
             "count": self.count,
@@ -77,9 +73,9 @@ def _probe(root: str) -> None:
     """Raise if what tier ``root`` holds cannot be known (no permission, a symlink loop, an
     unreachable store): its listing would pass for empty. A root that does not exist, or is
     not a directory, holds no checkpoint (writing one fails, and is reported then)."""
-    fs, base = fsspec.core.url_to_fs(root)
+    st = storage_for(root)
     try:
-        info = fs.info(base)
+        info = st.info(st.base)
     except (FileNotFoundError, NotADirectoryError):
         return
     if info.get("type") != "directory":
@@ -89,9 +85,9 @@ def _probe(root: str) -> None:
             info.get("type", "non-directory"),
         )
         return
-    for entry in fs.ls(base, detail=True):  # each job directory must be listable too
+    for entry in st.ls(st.base):  # each job directory must be listable too
         if entry.get("type") == "directory":
-            fs.ls(entry["name"], detail=False)
+            st.ls(entry["name"])
 
 
 class Persistence:
@@ -101,18 +97,20 @@ class Persistence:
     Threads: only the coordinator's loop thread calls it (from the ``persisted`` handler and
     the cut), so nothing is locked; the metrics thread reads ``tiers`` without writing."""
 
-    def __init__(self, persist: dict) -> None:
-        self.config = persist
-        self.tiers: dict[str, Tier] = {}
+    def __init__(self, persist: PersistConfig | None = None, tuning: Tuning | None = None) -> None:
+        self.config = persist if persist is not None else PersistConfig()
+        self.tuning = tuning if tuning is not None else Tuning.load()
+        self.tiers: dict[str, TierState] = {t.name: TierState(t) for t in tiers_for(self.config)}  # nearest first
         self.generations: dict[str, int] = {}  # job -> newest generation seen in any tier
-        for name, key in (("local", "dir"), ("remote", "url")):
-            cfg = persist.get(name, {})
-            if cfg.get(key):
-                self.tiers[name] = Tier(name, cfg, cfg[key])
         for t in self.tiers.values():
             self._scan(t)
 
-    def _scan(self, tier: Tier, job: str | None = None) -> None:
+    def wire(self, generation: int) -> dict[str, Any]:
+        """The tiers as a ``configure`` message carries them to the workers (which rebuild
+        the :class:`~shadow.config.PersistConfig` with ``from_dict``), with the job's lineage."""
+        return {**self.config.to_dict(), "generation": generation}
+
+    def _scan(self, tier: TierState, job: str | None = None) -> None:
         try:
             if job is None:
                 _probe(tier.root)  # a listing of an unreadable root is empty, not an error
@@ -203,7 +201,7 @@ class Persistence:
 
     def local_due(self, iteration: int, tokens: int | None) -> bool:
         t = self.tiers.get("local")
-        if t is None or not due(t.cfg, iteration, time.time(), tokens, t.last):
+        if t is None or not t.tier.schedule.due(iteration, time.time(), tokens, t.last):
             return False
         t.last = (iteration, time.time(), tokens)
         t.in_flight[iteration] = {}
@@ -250,7 +248,7 @@ class Persistence:
                 logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
         return follow
 
-    def _discard(self, tier: Tier, job, iteration: int) -> None:
+    def _discard(self, tier: TierState, job, iteration: int) -> None:
         """A checkpoint that failed never gets a manifest: delete the shards the other
         workers wrote for it, so that on a full disk they do not hold the space the next
         attempt needs (earlier complete checkpoints are never touched)."""
@@ -266,7 +264,7 @@ class Persistence:
                 exc,
             )
 
-    def _skipped(self, tier: Tier, iteration: int, reason: str) -> None:
+    def _skipped(self, tier: TierState, iteration: int, reason: str) -> None:
         tier.skipped += 1
         s = tier.skip_log
         s["lo"] = iteration if not s["count"] else min(s["lo"], iteration)
@@ -275,10 +273,10 @@ class Persistence:
         s["why"] = reason
         self._log_skips(tier)
 
-    def _log_skips(self, tier: Tier) -> None:
+    def _log_skips(self, tier: TierState) -> None:
         """One warning for the skips since the last one, at most every SHADOW_PERSIST_SKIP_LOG_S."""
         s, now = tier.skip_log, time.monotonic()
-        if not s["count"] or now - s["at"] < knobs.get("PERSIST_SKIP_LOG_S"):
+        if not s["count"] or now - s["at"] < self.tuning.persist_skip_log_s:
             return
         span = f"iteration {s['lo']}" if s["lo"] == s["hi"] else f"iterations {s['lo']}-{s['hi']}"
         logger.warning(
@@ -293,12 +291,12 @@ class Persistence:
         )
         s.update(count=0, at=now)
 
-    def _retain(self, tier: Tier, job_name: str) -> list[str]:
+    def _retain(self, tier: TierState, job_name: str) -> list[str]:
         """Retention of ``tier``; on the local tier, checkpoints from the oldest one whose
         remote copy is in flight on are kept (for SHADOW_PERSIST_UPLOAD_HOLD_S at most)."""
-        keep = tier.cfg["keep"]
+        keep = tier.tier.schedule.keep
         remote = self.tiers.get("remote")
-        now, hold = time.monotonic(), knobs.get("PERSIST_UPLOAD_HOLD_S")
+        now, hold = time.monotonic(), self.tuning.persist_upload_hold_s
         copying = [
             it for it, t in (remote.requested.items() if remote and tier.name == "local" else ()) if now - t < hold
         ]
@@ -307,7 +305,7 @@ class Persistence:
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
         return retention.retain(tier.root, job_name, keep, busy=tier.in_flight)
 
-    def _commit(self, tier: Tier, job, iteration: int, got: dict) -> list:
+    def _commit(self, tier: TierState, job, iteration: int, got: dict) -> list:
         shards = [
             {
                 "index": r["shard"],
@@ -404,7 +402,7 @@ class Persistence:
         if (
             iteration in remote.in_flight
             or iteration <= remote.complete.get(job.name, -1)
-            or not due(remote.cfg, iteration, time.time(), tokens, remote.last)
+            or not remote.tier.schedule.due(iteration, time.time(), tokens, remote.last)
         ):
             return []
         remote.last = (iteration, time.time(), tokens)

@@ -17,12 +17,20 @@ the job is rebuilt from the newest epoch the workers share:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from shadow.coordinator._host import CoordinatorHost
-from shadow.coordinator.records import JobRec, WorkerRec
+from shadow.coordinator.cut import Cut
+from shadow.coordinator.membership import Membership
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.records import JobRec, JobStatus, WorkerRec
+from shadow.coordinator.state import ClusterState
+from shadow.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
+
+Msg = dict[str, Any]
 
 
 def valid_assignment(assignment: dict | None) -> dict | None:
@@ -65,8 +73,6 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     if any(held[i]["configure"]["shards"] != nshards for i in same):
         stale.update({i: "the cluster's shards do not match this worker's" for i in same if i not in stale})
     # ranges of stale workers: what the configuration says (a resync re-lays out anyway)
-    from shadow.layout import Layout, shard_bounds
-
     layout = Layout.from_dict(cfg["layout"])
     bounds = shard_bounds(layout.total, nshards)
     ranges = [r if r is not None else bounds[i % nshards] for i, r in enumerate(ranges)]
@@ -89,7 +95,7 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
         w.configured = job.epoch if w.id in same else -1
         w.prepared = held[w.id]["prepared"] if w in ok else job.cut
         w.applied = held[w.id]["applied"] if w in ok else -1
-    job.status = "running" if job.cut >= job.base else "bootstrapping"
+    job.status = JobStatus.RUNNING if job.cut >= job.base else JobStatus.BOOTSTRAPPING
     logger.warning(
         "rebuilt job %s epoch %d from %d workers: committed iteration %d%s",
         job.name,
@@ -101,42 +107,49 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     return job, stale
 
 
-class RejoinMixin(CoordinatorHost):
-    """Coordinator handlers: ``rejoin`` from workers, and the rebuild once all have."""
+class Rebuild:
+    """Handler ``rejoin`` (workers that outlived the previous coordinator), and the rebuild
+    of the job once every slot has rejoined."""
 
-    def _on_rejoin(self, env, msg) -> None:
+    def __init__(
+        self, state: ClusterState, out: Outbox, cut: Cut, membership: Membership, persist: Persistence
+    ) -> None:
+        self.state, self.out, self.cut, self.membership, self.persist = state, out, cut, membership, persist
+
+    def on_rejoin(self, env: list[bytes], msg: Msg) -> None:
         """A worker that outlived the previous coordinator reports what it holds."""
         try:
             assignment = valid_assignment(msg["assignment"])
         except M.MessageError as exc:
-            self._count(exc.reason)
-            self._reply(env, "error", code="malformed", message=f"rejected rejoin: {exc}")
+            self.state.rejected.add(exc.reason)
+            self.out.reply(env, "error", code="malformed", message=f"rejected rejoin: {exc}")
             return
-        if self.job is not None:  # this coordinator already runs a job
-            if self._worker(env) is None:
-                self._on_register(env, msg)
+        if self.state.job is not None:  # this coordinator already runs a job
+            if self.state.worker(env[0]) is None:
+                self.membership.on_register(env, msg)
             return
-        w = self._enrol(env, msg, fresh=False)
+        w = self.membership.enrol(env, msg, fresh=False)
         if w is None:
             return
         w.assignment = assignment
-        if len(self.workers) == self.expected and any(x.assignment for x in self.workers):
-            self._rebuild()
+        if len(self.state.workers) == self.state.expected and any(x.assignment for x in self.state.workers):
+            self.rebuild()
 
-    def _rebuild(self) -> None:
-        job, stale = rebuild_job(self.workers, self.nshards)
-        for w in self.workers:
+    def rebuild(self) -> None:
+        st = self.state
+        job, stale = rebuild_job(st.workers, st.nshards)
+        for w in self.state.workers:
             w.assignment = None
         if job is None:
             return
-        self.job, self.epoch = job, max(self.epoch, job.epoch)
+        st.job, st.epoch = job, max(st.epoch, job.epoch)
         self.persist.reset(job.cut)
-        for w in self.workers:
+        for w in self.state.workers:
             if w.id in stale:
                 w.stale = stale[w.id]
         if stale:
-            self._degrade("coordinator restarted; workers " + ", ".join(f"{i} ({r})" for i, r in stale.items()))
+            self.cut.degrade("coordinator restarted; workers " + ", ".join(f"{i} ({r})" for i, r in stale.items()))
             return
-        for w in self.workers:  # one may have missed the last apply of the old coordinator
-            self._reply([w.ident], "apply", epoch=job.epoch, iteration=job.cut, persist=False)
-        self._advance_cut()
+        for w in st.workers:  # one may have missed the last apply of the old coordinator
+            self.out.to_worker(w, "apply", epoch=job.epoch, iteration=job.cut, persist=False)
+        self.cut.advance()

@@ -6,8 +6,35 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
-from shadow import knobs
+
+class JobStatus(str, Enum):
+    """Where the attached job is: ``configuring`` (workers told the new epoch's ranges),
+    ``bootstrapping`` (every worker configured; the first cut not yet reached), ``running``,
+    ``degraded`` (the checkpoint is frozen until the trainers resync), ``detached`` (every
+    rank detached)."""
+
+    CONFIGURING = "configuring"
+    BOOTSTRAPPING = "bootstrapping"
+    RUNNING = "running"
+    DEGRADED = "degraded"
+    DETACHED = "detached"
+
+
+class Health(str, Enum):
+    """A registered worker as the cluster sees it (status ``health``, metric ``shadow_workers``):
+    ``lost`` (no heartbeat for SHADOW_WORKER_LOST_S), ``joining`` (a replica copying its
+    peer's state), ``stale`` (its state or its data stream is damaged), ``out`` (a replica
+    taken out of service), else ``ok``. A process still compiling its kernels, not yet
+    registered, shows as ``starting``."""
+
+    OK = "ok"
+    JOINING = "joining"
+    STALE = "stale"
+    OUT = "out"
+    LOST = "lost"
+    STARTING = "starting"
 
 
 @dataclass
@@ -51,8 +78,9 @@ class WorkerRec:
             self.replay_per_it = per if self.replay_per_it is None else 0.75 * self.replay_per_it + 0.25 * per
         self._last_hb, self.replay_s, self.replayed = now, replay_s, replayed
 
-    def alive(self, now: float) -> bool:
-        return now - self.last_seen < knobs.get("WORKER_LOST_S")
+    def alive(self, now: float, lost_s: float) -> bool:
+        """Heard from within the last ``lost_s`` seconds."""
+        return now - self.last_seen < lost_s
 
 
 @dataclass
@@ -67,7 +95,7 @@ class JobRec:
     base: int
     ranges: list
     trainers: dict  # rank -> ident
-    status: str = "configuring"
+    status: JobStatus = JobStatus.CONFIGURING
     cut: int = -2  # set to base - 1 at start
     cut_time: float = 0.0
     attach_time: float = field(default_factory=time.time)

@@ -26,86 +26,74 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
-from shadow.coordinator._host import CoordinatorHost
-from shadow.coordinator.records import JobRec, WorkerRec
+from shadow.coordinator.cut import Cut
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.records import JobRec, JobStatus, WorkerRec
+from shadow.coordinator.state import ClusterState, configure_fields
 
 logger = logging.getLogger(__name__)
 
+Msg = dict[str, Any]
 
-class ReplicaMixin(CoordinatorHost):
-    """Coordinator methods for replicated shards (see the module docstring)."""
 
-    def shard_of(self, w: WorkerRec) -> int:
-        return w.id % self.nshards
+class Replicas:
+    """Taking a replica out of service, and a replacement's join from its peer (see the
+    module docstring): handlers ``replica_from`` (trainers) and ``copied`` (workers)."""
 
-    def healthy(self, w: WorkerRec, now: float | None = None) -> bool:
-        job = self.job
-        now = time.monotonic() if now is None else now
-        return (
-            w.alive(now)
-            and not w.stale
-            and not w.transit
-            and not w.out
-            and job is not None
-            and w.configured == job.epoch
-        )
+    def __init__(self, state: ClusterState, out: Outbox, cut: Cut, persist: Persistence) -> None:
+        self.state, self.out, self.cut, self.persist = state, out, cut, persist
 
-    def serving(self) -> list[WorkerRec] | None:
-        """One healthy replica per shard (lowest id first), or None if a shard has none."""
-        now, out = time.monotonic(), {}
-        for w in self.workers:
-            if self.shard_of(w) not in out and self.healthy(w, now):
-                out[self.shard_of(w)] = w
-        return [out[s] for s in range(self.nshards)] if len(out) == self.nshards else None
-
-    def _replica_down(self, w: WorkerRec, reason: str) -> None:
+    def down(self, w: WorkerRec, reason: str) -> None:
         """Take ``w`` out of service if every shard keeps a healthy replica; else degrade."""
-        job = self.job
-        if job is None or job.status not in ("running",) or self.replicas == 1 or w.out:
+        job = self.state.job
+        if job is None or job.status != JobStatus.RUNNING or self.state.replicas == 1 or w.out:
             if not w.out:
-                self._degrade(reason)
+                self.cut.degrade(reason)
             return
         w.out = True
-        if self.serving() is None:
+        if self.state.serving() is None:
             w.out = False
-            self._degrade(reason)
+            self.cut.degrade(reason)
             return
-        self._cancel_join(w)
+        self.cancel_join(w)
         logger.error(
-            "worker %d out of service (%s); shard %d continues on its other replica", w.id, reason, self.shard_of(w)
+            "worker %d out of service (%s); shard %d continues on its other replica",
+            w.id,
+            reason,
+            self.state.shard_of(w),
         )
-        for ident in job.trainers.values():
-            self._reply([ident], "replica_out", epoch=job.epoch, worker=w.id)
-        self._advance_cut()
-        if w.alive(time.monotonic()) and w.stale:  # a damaged but live replica: fresh socket, then a rejoin
-            self._reply([w.ident], "reset", reason=reason)
+        self.out.to_trainers(job, "replica_out", epoch=job.epoch, worker=w.id)
+        self.cut.advance()
+        if self.state.alive(w, time.monotonic()) and w.stale:  # a damaged but live replica: fresh socket, then a rejoin
+            self.out.to_worker(w, "reset", reason=reason)
 
-    def _start_join(self, w: WorkerRec) -> bool:
+    def start_join(self, w: WorkerRec) -> bool:
         """A fresh process holds slot ``w``: bring it in from its peer. False if it cannot."""
-        job = self.job
-        if job is None or self.replicas == 1 or job.status != "running":
+        job = self.state.job
+        if job is None or self.state.replicas == 1 or job.status != JobStatus.RUNNING:
             return False
         w.out = True
-        if self.serving() is None:
+        if self.state.serving() is None:
             return False
         job.gen += 1
         job.joining[w.id] = {"gen": job.gen, "from": {}, "at": None}
-        for ident in job.trainers.values():  # whatever is queued for the old process is dropped
-            self._reply([ident], "replica_out", epoch=job.epoch, worker=w.id)
+        # whatever is queued for the old process is dropped
+        self.out.to_trainers(job, "replica_out", epoch=job.epoch, worker=w.id)
         logger.warning(
             "worker %d joins shard %d (generation %d): the ranks pick the iteration, its peer sends the state",
             w.id,
-            self.shard_of(w),
+            self.state.shard_of(w),
             job.gen,
         )
-        for ident in job.trainers.values():
-            self._reply([ident], "replica_in", epoch=job.epoch, worker=w.id, data=w.data, gen=job.gen)
-        self._advance_cut()  # the cut no longer waits for the old process in this slot
+        self.out.to_trainers(job, "replica_in", epoch=job.epoch, worker=w.id, data=w.data, gen=job.gen)
+        self.cut.advance()  # the cut no longer waits for the old process in this slot
         return True
 
-    def _cancel_join(self, w: WorkerRec) -> None:
-        job = self.job
+    def cancel_join(self, w: WorkerRec) -> None:
+        job = self.state.job
         if job is not None and job.joining.pop(w.id, None) is not None:
             self._release_cut_ceiling(job)
 
@@ -114,9 +102,9 @@ class ReplicaMixin(CoordinatorHost):
         holds = [j["at"] for j in job.joining.values() if j["at"] is not None]
         job.cut_ceiling = min(holds) if holds else None
 
-    def _on_replica_from(self, env, msg) -> None:
+    def on_replica_from(self, env: list[bytes], msg: Msg) -> None:
         """Rank ``msg.rank`` streams to the joining worker from iteration ``msg.iteration``."""
-        job = self.job
+        job = self.state.job
         if job is None or msg["epoch"] != job.epoch:
             return
         j = job.joining.get(msg["worker"])
@@ -127,15 +115,15 @@ class ReplicaMixin(CoordinatorHost):
             return
         starts = set(j["from"].values())
         m = max(starts)
-        w = self.workers[msg["worker"]] if msg["worker"] < len(self.workers) else None
+        w = self.state.workers[msg["worker"]] if msg["worker"] < len(self.state.workers) else None
         peers = [
             p
-            for p in self.workers
-            if p is not w and self.shard_of(p) == msg["worker"] % self.nshards and self.healthy(p)
+            for p in self.state.workers
+            if p is not w and self.state.shard_of(p) == msg["worker"] % self.state.nshards and self.state.healthy(p)
         ]
         if len(starts) != 1 or job.cut > m - 1 or not peers or w is None:
             job.joining.pop(msg["worker"], None)
-            self._degrade(
+            self.cut.degrade(
                 f"worker {msg['worker']} could not join from its peer (ranks start at {sorted(starts)}, "
                 f"cut {job.cut}, healthy peers {[p.id for p in peers]})"
             )
@@ -143,28 +131,15 @@ class ReplicaMixin(CoordinatorHost):
         j["at"] = m - 1
         self._release_cut_ceiling(job)
         peer = peers[0]
-        lo, hi = job.ranges[w.id]
-        self._reply(
-            [w.ident],
+        self.out.to_worker(
+            w,
             "configure",
-            epoch=job.epoch,
-            job=job.name,
-            job_id=job.job_id,
-            layout=job.layout,
-            start=lo,
-            stop=hi,
-            world=job.world,
-            optim=job.optim,
-            iteration=m - 1,
-            persist={**self.persist.config, "generation": job.generation},
-            shard=self.shard_of(w),
-            shards=self.nshards,
-            peer={"id": peer.id, "serve": peer.serve},
+            **configure_fields(self.state, w, self.persist, m - 1, peer={"id": peer.id, "serve": peer.serve}),
         )
         logger.info("worker %d: copying iteration %d from worker %d; ranks stream from %d", w.id, m - 1, peer.id, m)
 
-    def _on_copied(self, env, msg) -> None:
-        w, job = self._worker(env), self.job
+    def on_copied(self, env: list[bytes], msg: Msg) -> None:
+        w, job = self.state.worker(env[0]), self.state.job
         if w is None or job is None or msg["epoch"] != job.epoch or w.id not in job.joining:
             return
         job.joining.pop(w.id)
@@ -176,8 +151,8 @@ class ReplicaMixin(CoordinatorHost):
         logger.info(
             "worker %d is a healthy replica of shard %d again (from iteration %d, in %.2f s)",
             w.id,
-            self.shard_of(w),
+            self.state.shard_of(w),
             msg["iteration"],
             msg["seconds"],
         )
-        self._advance_cut()
+        self.cut.advance()

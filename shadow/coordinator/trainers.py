@@ -6,24 +6,36 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
-from shadow import knobs
-from shadow.coordinator._host import CoordinatorHost
+from shadow.coordinator.cut import Cut
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.records import JobStatus
+from shadow.coordinator.replicas import Replicas
+from shadow.coordinator.state import ClusterState
 
 logger = logging.getLogger(__name__)
 
 
-class TrainerMixin(CoordinatorHost):
-    """Coordinator handlers for trainer heartbeats and lagging reports."""
+Msg = dict[str, Any]
 
-    def _check_transit(self, now: float) -> None:
+
+class Trainers:
+    """Handlers ``trainer_hb``, ``paused`` and ``lagging`` (trainers), and the periodic
+    :meth:`check_transit`."""
+
+    def __init__(self, state: ClusterState, out: Outbox, cut: Cut, replicas: Replicas) -> None:
+        self.state, self.out, self.cut, self.replicas = state, out, cut, replicas
+
+    def check_transit(self, now: float | None = None) -> None:
         """Frames lost in transit with nothing sent after them (so no sequence gap shows):
         a rank reported, at least SHADOW_WORKER_LOST_S ago, having sent more messages to a
         worker than the worker has received, and the worker has received nothing since."""
-        job = self.job
-        if job is None or job.status not in ("running", "bootstrapping"):
+        now = time.monotonic() if now is None else now
+        job = self.state.job
+        if job is None or job.status not in (JobStatus.RUNNING, JobStatus.BOOTSTRAPPING):
             return
-        grace = knobs.get("WORKER_LOST_S")
+        grace = self.state.tuning.worker_lost_s
         for rank, samples in job.sent.items():
             sample = None
             while len(samples) > 1 and now - samples[1][0] >= grace:
@@ -33,7 +45,7 @@ class TrainerMixin(CoordinatorHost):
             if sample is None:
                 continue
             t, sent = sample
-            for w in self.workers:
+            for w in self.state.workers:
                 if (
                     w.epoch != job.epoch
                     or w.transit
@@ -50,18 +62,18 @@ class TrainerMixin(CoordinatorHost):
                         f"(received {w.seq[rank]} of {sent[w.id]})"
                     )
                     logger.error("worker %d: %s", w.id, w.transit)
-                    self._replica_down(w, f"worker {w.id}: {w.transit}")
+                    self.replicas.down(w, f"worker {w.id}: {w.transit}")
                     return
 
-    def _on_trainer_hb(self, env, msg) -> None:
+    def on_trainer_hb(self, env: list[bytes], msg: Msg) -> None:
         """Trainer ranks heartbeat so that a restarted coordinator can find them again (and
         so that they can tell it is there: every heartbeat is answered)."""
-        self._reply(env, "alive", epoch=msg["epoch"])
-        job = self.job
-        if job is None and len(self.workers) < self.expected:
+        self.out.reply(env, "alive", epoch=msg["epoch"])
+        job = self.state.job
+        if job is None and len(self.state.workers) < self.state.expected:
             return  # just restarted: the workers have not all rejoined yet, the job may yet be rebuilt
         if job is None or msg["job_id"] != job.job_id or msg["epoch"] != job.epoch:
-            self._reply(
+            self.out.reply(
                 env,
                 "degraded",
                 epoch=msg["epoch"],
@@ -71,11 +83,13 @@ class TrainerMixin(CoordinatorHost):
                 ),
             )
             now = time.monotonic()
-            if job is None and all(w.alive(now) for w in self.workers):  # a cluster without the job: re-attach
-                self._reply(env, "resync", epoch=msg["epoch"])
+            if job is None and all(
+                self.state.alive(w, now) for w in self.state.workers
+            ):  # a cluster without the job: re-attach
+                self.out.reply(env, "resync", epoch=msg["epoch"])
             return
         if not 0 <= msg["rank"] < job.world:
-            self._count("bad_rank")
+            self.state.rejected.add("bad_rank")
             return
         job.sent.setdefault(msg["rank"], deque(maxlen=256)).append((time.monotonic(), msg["seq"]))
         if job.trainers.get(msg["rank"]) == env[0]:
@@ -84,28 +98,30 @@ class TrainerMixin(CoordinatorHost):
         job.trainers[msg["rank"]] = env[0]
         logger.info("job %s: trainer rank %d %s", job.name, msg["rank"], "found" if new else "reconnected")
         if job.cut >= job.base:
-            self._reply(env, "progress", epoch=job.epoch, applied=job.cut)
-        if job.status == "degraded":
-            self._reply(env, "degraded", epoch=job.epoch, reason=job.reason)
+            self.out.reply(env, "progress", epoch=job.epoch, applied=job.cut)
+        if job.status == JobStatus.DEGRADED:
+            self.out.reply(env, "degraded", epoch=job.epoch, reason=job.reason)
             if job.resync_requested:
-                self._reply(env, "resync", epoch=job.epoch)
+                self.out.reply(env, "resync", epoch=job.epoch)
 
-    def _on_paused(self, env, msg) -> None:
+    def on_paused(self, env: list[bytes], msg: Msg) -> None:
         """A rank stopped streaming on its own (it heard nothing from the coordinator for a
         while): the job cannot advance without its frames, so degrade it; the resync follows
         once every worker answers."""
-        job = self.job
-        if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
+        job = self.state.job
+        if job is None or msg["epoch"] != job.epoch or job.status in (JobStatus.DEGRADED, JobStatus.DETACHED):
             return  # no job: the heartbeat path asks for a fresh attach once the cluster is whole
-        self._degrade(f"rank {msg['rank']} stopped streaming: {msg['reason']}")
+        self.cut.degrade(f"rank {msg['rank']} stopped streaming: {msg['reason']}")
 
-    def _on_lagging(self, env, msg) -> None:
+    def on_lagging(self, env: list[bytes], msg: Msg) -> None:
         """Policy skip: a rank ran more than SHADOW_MAX_LAG iterations ahead and stopped streaming."""
-        job = self.job
-        if job is None or msg["epoch"] != job.epoch or job.status in ("degraded", "detached"):
+        job = self.state.job
+        if job is None or msg["epoch"] != job.epoch or job.status in (JobStatus.DEGRADED, JobStatus.DETACHED):
             return
-        behind = [w.id for w in self.workers if w.prepared < msg["iteration"] - knobs.get_int("MAX_LAG")]
-        self._degrade(
+        behind = [
+            w.id for w in self.state.workers if w.prepared < msg["iteration"] - self.state.tuning.max_lag_iterations
+        ]
+        self.cut.degrade(
             f"rank {msg['rank']} reached iteration {msg['iteration']} with the cluster at "
             f"{msg['applied']} (policy skip); workers {behind} are behind"
         )

@@ -1,5 +1,6 @@
 """Checkpoints on storage: naming, manifests (the commit marker), listing, verification,
-retention, and reading one back as a :class:`~shadow.restore.Snapshot`.
+and reading one back as a :class:`~shadow.snapshot.Snapshot` (which one to restore is
+:mod:`shadow.restore`'s choice).
 
 A checkpoint lives in ``<root>/<job>/iteration-<k>/``: one shard file per worker and a
 ``manifest.json`` written last. A directory without a manifest is a torn write and is
@@ -13,23 +14,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import posixpath
 import re
 import struct
 import time
 from dataclasses import dataclass, field
 
-import fsspec
 import numpy as np
 
-from shadow.errors import ShadowError
+from shadow.errors import CheckpointError  # CheckpointError: raised here, and named here too
 from shadow.layout import Layout
 from shadow.persist import fsglob, shardfile, shardguard, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
 from shadow.persist.manifests import manifest_problem
-from shadow.persist.paths import is_local, local_path
 from shadow.snapshot import Snapshot
+from shadow.storage import Storage, storage_for
 from shadow.wire.frames import Field, checksum
 
 logger = logging.getLogger(__name__)
@@ -42,10 +41,6 @@ _FIELDS = {
     "exp_avg_sq": Field.EXP_AVG_SQ,
     "max_exp_avg_sq": Field.MAX_EXP_AVG_SQ,
 }
-
-
-class CheckpointError(ShadowError):
-    """A checkpoint on storage is missing, torn or corrupt."""
 
 
 # what damaged bytes or failing storage raise on the way through a parser; anything else
@@ -73,11 +68,16 @@ def _reading(what: str):
         raise CheckpointError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
-def checkpoint_dir(root: str, job: str, iteration: int, generation: int = 0) -> str:
-    """``<root>/<job>/iteration-<k>``; a later generation's (see :func:`write_generation`)
-    ends in ``-gen<g>``, so it never overwrites the checkpoint it supersedes."""
+def dir_name(iteration: int, generation: int = 0) -> str:
+    """``iteration-<k>``; a later generation's (see :func:`write_generation`) ends in
+    ``-gen<g>``, so it never overwrites the checkpoint it supersedes."""
     suffix = f"-gen{generation}" if generation else ""
-    return posixpath.join(root, job, f"iteration-{iteration:010d}{suffix}")
+    return f"iteration-{iteration:010d}{suffix}"
+
+
+def checkpoint_dir(root: str, job: str, iteration: int, generation: int = 0) -> str:
+    """``<root>/<job>/iteration-<k>`` (see :func:`dir_name`), in the root's own terms."""
+    return posixpath.join(root, job, dir_name(iteration, generation))
 
 
 _DIR = re.compile(r"iteration-(\d+)(?:-gen(\d+))?$")
@@ -99,9 +99,9 @@ def shard_name(index: int, count: int, compress: str = "none") -> str:
 class CheckpointInfo:
     root: str
     tier: str
-    path: str  # directory, in the file system's own terms
+    path: str  # directory, in the storage's own terms
     manifest: dict
-    fs: object = field(default=None, repr=False, compare=False)
+    storage: Storage = field(repr=False, compare=False)
     superseded: bool = False  # a later generation went on from an earlier iteration
 
     @property
@@ -127,48 +127,28 @@ class CheckpointInfo:
         return sum(s.get("raw_bytes") or s["bytes"] for s in self.manifest["shards"])
 
 
-def _fs(root: str):
-    return fsspec.core.url_to_fs(root)
-
-
-def write_manifest(root: str, job: str, iteration: int, manifest: dict) -> str:
-    """Commit a checkpoint: write its manifest last (tmp, fsync, rename)."""
-    d = checkpoint_dir(root, job, iteration, int(manifest.get("generation", 0)))
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    if is_local(root):
-        path = os.path.join(local_path(d), MANIFEST)
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:  # a full disk: no partial manifest left behind
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.replace(tmp, path)
-        shardfile.fsync_dir(local_path(d))
-        return path
-    fs, p = _fs(d)
-    fs.pipe_file(posixpath.join(p, MANIFEST + ".tmp"), data)
-    fsglob.move(fs, posixpath.join(p, MANIFEST + ".tmp"), posixpath.join(p, MANIFEST))
-    return posixpath.join(d, MANIFEST)
+def write_manifest(root: str | Storage, job: str, iteration: int, manifest: dict) -> str:
+    """Commit a checkpoint: write its manifest last (tmp, fsync, rename); returns its path
+    in the storage's terms."""
+    st = storage_for(root)
+    path = st.join(job, dir_name(iteration, int(manifest.get("generation", 0))), MANIFEST)
+    st.write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return path
 
 
 def list_checkpoints(
-    root: str, tier: str = "local", job: str | None = None, skipped: list[tuple[str, str]] | None = None
+    root: str | Storage, tier: str = "local", job: str | None = None, skipped: list[tuple[str, str]] | None = None
 ) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root`` (those with a manifest), lowest iteration first.
     A manifest that does not parse or fails :func:`manifest_problem` is skipped with a
     warning and appended to ``skipped`` (if given) as ``(path, reason)``."""
-    fs, base = _fs(root)
-    pattern = fsglob.pattern(base, job, "iteration-*", MANIFEST)
+    st = storage_for(root)
+    pattern = fsglob.pattern(st.base, job, "iteration-*", MANIFEST)
     out = []
-    for mpath in fs.glob(pattern):
+    for mpath in st.list(pattern):
         try:
             with _reading(mpath):
-                manifest = json.loads(fs.cat_file(mpath))
+                manifest = json.loads(st.cat(mpath))
                 problem = manifest_problem(
                     manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(mpath)))
                 )
@@ -181,9 +161,9 @@ def list_checkpoints(
                 skipped.append((mpath, reason))
             continue
         d = posixpath.dirname(mpath)
-        out.append(CheckpointInfo(root, tier, d, manifest, fs))
+        out.append(CheckpointInfo(st.url, tier, d, manifest, st))
     for name in {c.job for c in out}:
-        generations = read_generations(root, name)
+        generations = read_generations(st, name)
         for c in out:
             if c.job == name:
                 c.superseded = superseded(c.generation, c.iteration, generations)
@@ -192,28 +172,26 @@ def list_checkpoints(
     return out
 
 
-def list_torn(root: str, job: str | None = None) -> list[str]:
+def list_torn(root: str | Storage, job: str | None = None) -> list[str]:
     """Checkpoint directories without a manifest (interrupted writes)."""
-    fs, base = _fs(root)
-    dirs = fs.glob(fsglob.pattern(base, job, "iteration-*"))
-    return sorted(d for d in dirs if not fs.exists(posixpath.join(d, MANIFEST)))
+    st = storage_for(root)
+    dirs = st.list(fsglob.pattern(st.base, job, "iteration-*"))
+    return sorted(d for d in dirs if not st.exists(posixpath.join(d, MANIFEST)))
 
 
 def _shard_path(info: CheckpointInfo, shard: dict) -> str:
     """The shard's file once :mod:`shardguard` vouches for it (regular, inside, right size)."""
     try:
-        if is_local(info.root):
-            return shardguard.local_file(info.path, shard["file"], shard["bytes"])
-        return shardguard.remote_file(info.fs, info.path, shard["file"], shard["bytes"])
+        return info.storage.shard_file(info.path, shard["file"], shard["bytes"])
     except ValueError as exc:
         raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']}: {exc}") from None
 
 
-def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
+def _read_shard(info: CheckpointInfo, shard: dict, check: bool) -> bytes:
     path = posixpath.join(info.path, shard["file"])
     try:
         path = _shard_path(info, shard)
-        data = fs.cat_file(path, start=0, end=shard["bytes"])
+        data = info.storage.cat(path, start=0, end=shard["bytes"])
     except FileNotFoundError:
         raise CheckpointError(
             f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} is missing"
@@ -237,7 +215,6 @@ def _read_shard(fs, info: CheckpointInfo, shard: dict, check: bool) -> bytes:
 
 def verify(info: CheckpointInfo) -> list[str]:
     """Re-read every shard and check size and checksum; returns the problems found."""
-    fs = info.fs
     problems = []
     where = f"iteration {info.iteration} ({info.tier})"
     try:
@@ -250,7 +227,7 @@ def verify(info: CheckpointInfo) -> list[str]:
     for shard in info.manifest["shards"]:
         try:
             with _reading(f"{where}: shard {shard['index']} ({posixpath.join(info.path, shard['file'])})"):
-                _read_shard(fs, info, shard, True)
+                _read_shard(info, shard, True)
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
@@ -258,7 +235,7 @@ def verify(info: CheckpointInfo) -> list[str]:
 
 def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict, total: int) -> dict:
     """One shard's tensors; the big arrays land directly in ``arrays`` (local files) or
-    are copied there (other file systems)."""
+    are copied there (other storage)."""
     lo, hi = shard["start"], shard["stop"]
     where = f"iteration {info.iteration} ({info.tier}): shard {shard['index']}"
     path = posixpath.join(info.path, shard["file"])
@@ -274,12 +251,12 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
         return arrays[fld][lo:hi]
 
     if zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
-        data = _read_shard(info.fs, info, shard, check)
+        data = _read_shard(info, shard, check)
         try:
             meta, tensors = zshard.decode(data, target, where=f"{where} ({path})")
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-    elif is_local(info.root):
+    elif info.storage.os_path(info.path) is not None:  # the local file system: parallel reads into place
         try:
             path = _shard_path(info, shard)
             meta, tensors, csum, size = shardfile.read_into(path, target)
@@ -292,7 +269,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
         if check and f"{csum:016x}" != shard["checksum"]:
             raise CheckpointError(f"{where} ({path}) fails its checksum: the file is corrupt")
     else:
-        data = _read_shard(info.fs, info, shard, check)
+        data = _read_shard(info, shard, check)
         try:
             meta, tensors = shardfile.parse(data)
         except ValueError as exc:
@@ -365,42 +342,6 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
         tier=info.tier,
         extras=extras,
     )
-
-
-def find(
-    root: str, tier: str, job: str | None = None, iteration: int | None = None, check: bool = True, progress=None
-) -> tuple[CheckpointInfo, Snapshot]:
-    """The newest complete checkpoint that reads back intact (or exactly ``iteration``).
-
-    When picking the newest, a corrupt checkpoint is skipped (with a warning) in favour
-    of the next older one; an explicit ``iteration`` that is corrupt is an error.
-    """
-    found = list_checkpoints(root, tier, job)
-    if job is None and len({c.job for c in found}) > 1:
-        raise CheckpointError(f"{root} holds several jobs {sorted({c.job for c in found})}; pass job=")
-    if iteration is not None:
-        found = [c for c in found if c.iteration == iteration]
-        if not found:
-            raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
-        return found[-1], load(found[-1], check, progress)
-    if not found:
-        torn = list_torn(root, job)
-        extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
-        raise CheckpointError(f"no complete checkpoint under {root}{extra}")
-    errors = []
-    for info in reversed([c for c in found if not c.superseded]):  # never an abandoned iteration
-        try:
-            return info, load(info, check, progress)
-        except CheckpointError as exc:
-            logger.warning(
-                "skipping checkpoint %s iteration %d at %s, trying the next older one: %s",
-                info.job,
-                info.iteration,
-                info.path,
-                exc,
-            )
-            errors.append(str(exc))
-    raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
 
 
 def new_manifest(

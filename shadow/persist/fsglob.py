@@ -1,21 +1,17 @@
-"""Paths under a tier's root that fsspec takes literally.
+"""Glob patterns under a tier's root that match its fixed parts literally.
 
-fsspec reads ``*``, ``?`` and ``[`` as glob syntax not only in :meth:`glob` but also in
-``rm`` and ``mv``/``copy`` (on every file system but the local one, whose ``rm`` takes
-paths as they are). A root such as ``/data/ckpt[1]`` would then match nothing, or worse,
-match and delete a sibling's files. Patterns here escape the fixed parts with
-:func:`glob.escape`, which fsspec's glob (local, memory, object stores) understands.
+fsspec reads ``*``, ``?`` and ``[`` as glob syntax, so a root such as ``/data/ckpt[1]``
+would match nothing, or a sibling's files. Patterns here escape the fixed parts with
+:func:`glob.escape`, which fsspec's glob (local, memory, object stores) understands; the
+storage's ``rm`` and ``move`` take their paths literally (:mod:`shadow.storage.remote`).
 """
 
 from __future__ import annotations
 
 import glob
 import posixpath
-import re
 
 from shadow.jobs import check_job_name
-
-_MAGIC = re.compile(r"[*?[]")
 
 
 def pattern(base: str, job: str | None, *rest: str) -> str:
@@ -24,20 +20,3 @@ def pattern(base: str, job: str | None, *rest: str) -> str:
     if job is not None:
         check_job_name(job)
     return posixpath.join(glob.escape(base), glob.escape(job) if job is not None else "*", *rest)
-
-
-def literal(fs, path: str) -> str:
-    """``path`` as a glob-expanding fsspec call (``rm``) must be given it to mean exactly it."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    return path if isinstance(fs, LocalFileSystem) else glob.escape(path)
-
-
-def move(fs, src: str, dst: str) -> None:
-    """Move one file; ``fs.mv`` where the paths hold no glob characters, else a literal
-    copy and delete (``mv`` would read them as a pattern)."""
-    if _MAGIC.search(src) or _MAGIC.search(dst):
-        fs.cp_file(src, dst)
-        fs.rm_file(src)
-    else:
-        fs.mv(src, dst)

@@ -7,14 +7,10 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import os
 import posixpath
 import time
 
-import fsspec
-
-from shadow.persist import shardfile
-from shadow.persist.paths import is_local, local_path
+from shadow.storage import Storage, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -22,36 +18,25 @@ GENERATION = "generation-{:06d}.json"
 GENERATION_FORMAT = "shadow-generation/1"
 
 
-def write_generation(root: str, job: str, generation: int, base: int) -> None:
+def write_generation(root: str | Storage, job: str, generation: int, base: int) -> None:
     """Record that ``job`` went on from iteration ``base`` in a new ``generation``: every
     checkpoint of an older generation after ``base`` is superseded (never picked as the
     newest again, but kept). Written before the new generation persists anything."""
     record = {"format": GENERATION_FORMAT, "job": job, "generation": generation, "base": base, "created": time.time()}
-    data = json.dumps(record, indent=1, sort_keys=True).encode()
-    d = posixpath.join(root, job)
-    name = GENERATION.format(generation)
-    if is_local(root):
-        os.makedirs(local_path(d), exist_ok=True)
-        path = os.path.join(local_path(d), name)
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
-        shardfile.fsync_dir(local_path(d))
-        return
-    fs, p = fsspec.core.url_to_fs(d)
-    fs.pipe_file(posixpath.join(p, name), data)
+    st = storage_for(root)
+    st.write_atomic(
+        st.join(job, GENERATION.format(generation)), json.dumps(record, indent=1, sort_keys=True).encode(), True
+    )
 
 
-def read_generations(root: str, job: str) -> dict[int, int]:
+def read_generations(root: str | Storage, job: str) -> dict[int, int]:
     """``{generation: base}`` recorded for ``job`` under ``root`` (unreadable records are
     skipped with a warning)."""
-    fs, base = fsspec.core.url_to_fs(root)
+    st = storage_for(root)
     out: dict[int, int] = {}
-    for path in fs.glob(posixpath.join(base, glob.escape(job), "generation-*.json")):
+    for path in st.list(posixpath.join(glob.escape(st.base), glob.escape(job), "generation-*.json")):
         try:
-            rec = json.loads(fs.cat_file(path))
+            rec = json.loads(st.cat(path))
             if rec.get("format") != GENERATION_FORMAT or rec.get("job") != job:
                 raise ValueError(f"format {rec.get('format')!r}, job {rec.get('job')!r}")
             out[int(rec["generation"])] = int(rec["base"])

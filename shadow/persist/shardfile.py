@@ -9,18 +9,18 @@ page-aligned buffer: the worker copies its range into it at an iteration boundar
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from shadow.storage.local import replacing
 from shadow.wire.frames import checksum
 
 logger = logging.getLogger(__name__)
@@ -160,31 +160,6 @@ def _write_all(fd: int, mv: memoryview, length: int) -> None:
 
     with ThreadPoolExecutor(WRITE_THREADS) as pool:
         list(pool.map(put, range(0, length, CHUNK)))
-
-
-@contextlib.contextmanager
-def replacing(path: str) -> Iterator[str]:
-    """Write ``path`` durably through ``path + ".tmp"`` (yielded): renamed over ``path``
-    and its directory fsynced once the body returns; removed if it raises (a full disk
-    would otherwise keep the partial file's space until retention finds it)."""
-    tmp = path + ".tmp"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    try:
-        yield tmp
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 READ_PIECE = 64 << 20  # bytes per parallel read

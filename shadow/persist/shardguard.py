@@ -1,47 +1,12 @@
-"""What a reader checks before it opens a shard file a manifest names, and after.
+"""What a reader checks of the shards a manifest names before it reads them.
 
-A manifest is data found on storage, so the file it names must be the checkpoint's own:
-a regular file inside the checkpoint directory (a link may point only at a regular file
-in that same directory), exactly the size the manifest records -- checked before a byte
-is read, so a FIFO never blocks a reader and ``/dev/zero`` is never read -- and the shard
-ranges of a manifest must tile the flat space ``[0, total)`` exactly, or a restore would
-hand out memory no shard wrote.
+A manifest is data found on storage: the shard ranges it names must tile the flat space
+``[0, total)`` exactly, or a restore would hand out memory no shard wrote. (That each
+file is the checkpoint's own -- a regular file inside its directory, of the recorded
+size, checked before a byte is read -- is the storage's :meth:`shard_file`.)
 """
 
 from __future__ import annotations
-
-import os
-import posixpath
-import stat
-
-
-def local_file(directory: str, name: str, size: int) -> str:
-    """The path of shard file ``name`` in local checkpoint ``directory``, once it is known
-    to be a regular file inside it of ``size`` bytes; ``FileNotFoundError`` if it is
-    missing, ``ValueError`` saying what is wrong otherwise."""
-    path = os.path.join(directory, name)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        real, home = os.path.realpath(path), os.path.realpath(directory)
-        if os.path.dirname(real) != home:
-            raise ValueError(f"{path} is a link to {real}, outside the checkpoint directory")
-        st = os.stat(real)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    if st.st_size != size:
-        raise ValueError(f"{path} is {st.st_size} bytes, manifest says {size}")
-    return path
-
-
-def remote_file(fs, directory: str, name: str, size: int) -> str:
-    """The same checks through an fsspec file system (its ``info``)."""
-    path = posixpath.join(directory, name)
-    info = fs.info(path)
-    if info.get("type") != "file":
-        raise ValueError(f"{path} is not a regular file (a {info.get('type')})")
-    if info.get("size") is not None and info["size"] != size:
-        raise ValueError(f"{path} is {info['size']} bytes, manifest says {size}")
-    return path
 
 
 def tiling_problem(shards: list[dict], total: int) -> str | None:

@@ -32,25 +32,21 @@ import queue
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
-import fsspec
 import numpy as np
 
 from shadow import knobs
 from shadow.persist import checkpoints, failed, shardfile, zshard
+from shadow.storage import Codec, LocalStorage, Storage, storage_for
+
+if TYPE_CHECKING:
+    from shadow.config import PersistConfig
 
 logger = logging.getLogger(__name__)
 
 SKIPPED = "skipped: earlier checkpoint writes are still running"
 _STOP = None  # ends the upload thread
-
-
-def tier_codec(cfg: dict) -> tuple[str, int]:
-    """``(compress, level)`` of a tier's config dict (``"none"`` when it has no key)."""
-    compress = cfg.get("compress", "none") or "none"
-    if compress not in ("none", "zstd"):
-        raise ValueError(f"compress={compress!r} is not supported; choose 'none' or 'zstd'")
-    return compress, int(cfg.get("compress_level", 3))
 
 
 class ShardPersister:
@@ -61,15 +57,23 @@ class ShardPersister:
     Each write runs on its own ``shadow-persist`` thread that owns its image until it gives
     it back to the free list; one ``shadow-upload`` thread copies to the remote tier; the
     warm-up thread holds one image at a time. They share only the free list, the report
-    and upload queues (thread-safe) and ``_threads`` (under ``_lock``)."""
+    and upload queues (thread-safe) and ``_threads`` (under ``_lock``).
 
-    def __init__(self, persist: dict, job: str, shard: int, nshards: int, state) -> None:
-        self.local = persist["local"]["dir"]
-        self.remote = persist["remote"]["url"]
-        self.local_codec = tier_codec(persist["local"])
-        self.remote_codec = tier_codec(persist["remote"])
+    ``persist`` is the cluster's typed config (a worker rebuilds it from the coordinator's
+    message: :meth:`~shadow.config.PersistConfig.from_dict`); ``generation`` is the job's
+    lineage (:func:`~shadow.persist.checkpoints.write_generation`)."""
+
+    def __init__(self, persist: PersistConfig, job: str, shard: int, nshards: int, state, generation: int = 0) -> None:
+        self.local = persist.local.dir
+        self.remote = persist.remote.url
+        self.local_codec = Codec(persist.local.compress, persist.local.compress_level)
+        self.remote_codec = Codec(persist.remote.compress, persist.remote.compress_level)
+        # the local tier is a directory on this host (PersistConfig checks it); the remote one any
+        # storage, whose back end loads on the background threads (the warm-up or the first upload)
+        self._local_storage = LocalStorage(self.local or ".")
+        self._remote_storage: Storage | None = None
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
-        self.generation = int(persist.get("generation", 0))  # the job's lineage (checkpoints.write_generation)
+        self.generation = generation
         n, p = state.size, len(state.layout.params)
         big = len(state.fields()) * n * 4
         count = knobs.get_int("PERSIST_BUFFERS") if self.local else 0
@@ -95,11 +99,11 @@ class ShardPersister:
 
     def file_name(self, tier: str = "local") -> str:
         codec = self.local_codec if tier == "local" else self.remote_codec
-        return checkpoints.shard_name(self.shard, self.nshards, codec[0])
+        return checkpoints.shard_name(self.shard, self.nshards, codec.compress)
 
     def local_path(self, iteration: int) -> str:
-        d = checkpoints.checkpoint_dir(checkpoints.local_path(self.local), self.job, iteration, self.generation)
-        return os.path.join(d, self.file_name())
+        name = checkpoints.dir_name(iteration, self.generation)
+        return self._local_storage.join(self.job, name, self.file_name())
 
     def snapshot(
         self,
@@ -251,7 +255,7 @@ class ShardPersister:
             page.write(probe)
             os.unlink(probe)
             if self.remote:
-                fsspec.core.url_to_fs(self.remote)
+                self._remote()
         except Exception as exc:  # the first real write reports the same problem, with its iteration
             logger.warning("warming up the checkpoint writer under %s failed: %s", self.local, exc)
             return
@@ -300,12 +304,11 @@ class ShardPersister:
         t0 = time.monotonic()
         path = self.local_path(iteration)
         try:
-            compress, level = self.local_codec
-            if compress == "none":
+            if self.local_codec.compress == "none":
                 csum = img.checksum()
-                nbytes = img.write(path)
+                nbytes = self._local_storage.write_image(path, img)
             else:
-                nbytes, csum = zshard.write(img.buf[: img.size], path, level)
+                nbytes, csum = zshard.write(img.buf[: img.size], path, self.local_codec.level)
             rep = self.report(
                 iteration,
                 epoch,
@@ -346,9 +349,10 @@ class ShardPersister:
         name = self.file_name("remote")
         dst = posixpath.join(checkpoints.checkpoint_dir(self.remote, self.job, iteration, self.generation), name)
         try:
-            fs, path = fsspec.core.url_to_fs(dst)
-            fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            nbytes, csum, raw = self._copy(src, fs, path, nbytes, csum)
+            remote = self._remote()
+            path = remote.join(self.job, checkpoints.dir_name(iteration, self.generation), name)
+            remote.makedirs(posixpath.dirname(path))
+            nbytes, csum, raw = self._copy(src, remote, path, nbytes, csum)
             rep = self.report(
                 iteration,
                 epoch,
@@ -367,15 +371,21 @@ class ShardPersister:
             rep = self.report(iteration, epoch, "remote", False, error)
         self._results.put(rep)
 
-    def _copy(self, src: str, fs, path: str, nbytes: int, csum: str) -> tuple[int, str, int]:
-        """Copy the local shard file to ``path`` on ``fs`` in the remote tier's format;
+    def _remote(self) -> Storage:
+        """The remote tier's storage (made on first use: loading a back end may take a while)."""
+        if self._remote_storage is None:
+            self._remote_storage = storage_for(self.remote)
+        return self._remote_storage
+
+    def _copy(self, src: str, remote: Storage, path: str, nbytes: int, csum: str) -> tuple[int, str, int]:
+        """Copy the local shard file to ``path`` on ``remote`` in the remote tier's format;
         returns ``(bytes, checksum, plain image bytes)`` of what the remote tier now stores."""
-        (lc, _), (rc, level) = self.local_codec, self.remote_codec
+        lc, rc, level = self.local_codec.compress, self.remote_codec.compress, self.remote_codec.level
         if lc == rc:
-            fs.put_file(src, path)
+            remote.put_file(src, path)
             return nbytes, csum, nbytes if lc == "none" else zshard.image_bytes(np.memmap(src, np.uint8, mode="r"))
         data = np.memmap(src, dtype=np.uint8, mode="r")
-        with fs.open(path, "wb") as out:
+        with remote.open(path, "wb") as out:
             if rc == "zstd":  # compress while copying
                 n, h = zshard.encode(data, out, level, where=src)
                 raw = data.size
@@ -398,7 +408,7 @@ class ShardPersister:
             "bytes": kw.get("bytes", 0),
             "checksum": kw.get("checksum", ""),
             "raw_bytes": kw.get("raw_bytes", 0),
-            "compress": self.local_codec[0] if tier == "local" else self.remote_codec[0],
+            "compress": (self.local_codec if tier == "local" else self.remote_codec).compress,
             "seconds": kw.get("seconds", 0.0),
             "commit": kw.get("commit"),
             "blob_ranks": kw.get("blob_ranks", []),

@@ -42,6 +42,7 @@ import xxhash
 from shadow import knobs
 from shadow.persist import planes, shardfile
 from shadow.persist.planes import CorruptBlobError
+from shadow.storage.local import replacing
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def encode(
 def write(image, path: str, level: int, threads: int | None = None) -> tuple[int, int]:
     """Compress a plain shard image to ``path`` durably (tmp, fsync, rename, fsync dir);
     returns ``(bytes on storage, their xxh3-64)``, what a manifest records."""
-    with shardfile.replacing(path) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
+    with replacing(path) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
         result = encode(image, f, level, threads, where=path)
         f.flush()
         os.fsync(f.fileno())

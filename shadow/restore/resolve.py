@@ -1,34 +1,96 @@
-"""Finding the checkpoint to restore: shadow memory first, then the local tier, then the
-remote tier; or straight from a directory / fsspec URL."""
+"""Finding the checkpoint to restore: from a live cluster, its memory first, then its
+tiers nearest first; or straight from a directory / fsspec URL. Every source is a
+:class:`~shadow.restore.sources.RestoreSource`, and one rule picks from each (:func:`pick`)."""
 
 from __future__ import annotations
 
 import logging
 import time
-
-import zmq
+from typing import TYPE_CHECKING
 
 from shadow import knobs
-from shadow.client import dealer, request
-from shadow.errors import ShadowError
-from shadow.persist import checkpoints
-from shadow.restore.snapshot import MovedOn, fetch_memory
+from shadow.errors import CheckpointError, ShadowError
+from shadow.restore.memory import MemorySource, MovedOn
+from shadow.restore.sources import COMPLETE, INCOMPLETE, Candidate, RestoreSource
 from shadow.snapshot import Snapshot
-from shadow.wire import messages as M
+
+if TYPE_CHECKING:  # a tier's readers and codecs load only when a tier is read
+    from shadow.persist.checkpoints import CheckpointInfo
+    from shadow.restore.tier import TierSource
+    from shadow.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 
 def is_endpoint(source: str) -> bool:
+    """Whether ``source`` names a live cluster (its coordinator's address) rather than a
+    checkpoint directory."""
     return source.startswith(("tcp://", "ipc://", "inproc://"))
 
 
-def restore_info(address: str, job: str | None, timeout: float) -> dict:
-    sock = dealer(zmq.Context.instance(), address)
-    try:
-        return request(sock, address, M.encode("restore_info", job=job), timeout, ("restore_info_reply",))["info"]
-    finally:
-        sock.close(linger=0)
+def open_source(source: str, timeout: float | None = None) -> MemorySource | TierSource:
+    """The source ``source`` names: a cluster's memory for a coordinator address, else the
+    tier at that path or URL (reported as ``local`` for a path, ``remote`` for a URL)."""
+    if is_endpoint(source):
+        return MemorySource(source, knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout)
+    from shadow.restore.tier import TierSource
+    from shadow.storage.url import source_tier
+
+    return TierSource(source_tier(source), source)
+
+
+def pick(
+    source: RestoreSource, job: str | None = None, iteration: int | None = None, progress=None
+) -> tuple[Candidate, Snapshot]:
+    """The newest complete checkpoint of ``source`` that reads back intact (or exactly
+    ``iteration``), with its candidate.
+
+    When picking the newest, a damaged checkpoint is skipped (with a warning) in favour of
+    the next older one, and a superseded one is never taken; an explicit ``iteration``
+    that is damaged is an error. Without ``job``, a source holding several jobs is an error."""
+    listed = source.candidates(job)
+    found = [c for c in listed if c.loadable]
+    root = source.root
+    if job is None and len({c.job for c in found}) > 1:
+        raise CheckpointError(f"{root} holds several jobs {sorted({c.job for c in found})}; pass job=")
+    if iteration is not None:
+        found = [c for c in found if c.iteration == iteration]
+        if not found:
+            raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
+        return found[-1], source.load(found[-1], progress)
+    if not found:
+        torn = [c.path for c in listed if c.state == INCOMPLETE]
+        extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
+        raise CheckpointError(f"no complete checkpoint under {root}{extra}")
+    errors = []
+    for c in reversed([c for c in found if c.state == COMPLETE]):  # never an abandoned iteration
+        try:
+            return c, source.load(c, progress)
+        except CheckpointError as exc:
+            logger.warning(
+                "skipping checkpoint %s iteration %d at %s, trying the next older one: %s",
+                c.job,
+                c.iteration,
+                c.path,
+                exc,
+            )
+            errors.append(str(exc))
+    raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
+
+
+def find_checkpoint(
+    root: str | Storage,
+    tier: str,
+    job: str | None = None,
+    iteration: int | None = None,
+    check: bool = True,
+    progress=None,
+) -> tuple[CheckpointInfo, Snapshot]:
+    """:func:`pick` from the tier at ``root``: the checkpoint's catalog entry and its snapshot."""
+    from shadow.restore.tier import TierSource
+
+    c, snap = pick(TierSource(tier, root, check), job, iteration, progress)
+    return c.handle, snap
 
 
 def resolve(
@@ -42,22 +104,21 @@ def resolve(
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
 
     ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given."""
-    timeout = knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout
-    if not is_endpoint(source):
-        tier = "remote" if "://" in source else "local"  # a URL names a remote copy; a path, a local dir
-        return checkpoints.find(source, tier, job, iteration, progress=progress)[1]
+    src = open_source(source, timeout)
+    if not isinstance(src, MemorySource):
+        return pick(src, job, iteration, progress)[1]
     errors = []
     for attempt in range(attempts):
-        info = restore_info(source, job, timeout)
-        mem = info["memory"]
-        if mem is None:
-            errors.append(f"memory: {info['memory_error']}")
+        held = src.candidates(job)
+        if not held:
+            errors.append(f"memory: {src.problem}")
             break
-        if iteration is not None and mem["iteration"] != iteration:
-            errors.append(f"memory: holds iteration {mem['iteration']}, not {iteration}")
+        mem = held[-1]
+        if iteration is not None and mem.iteration != iteration:
+            errors.append(f"memory: holds iteration {mem.iteration}, not {iteration}")
             break
         try:
-            return fetch_memory(mem, source, progress)
+            return src.load(mem, progress)
         except MovedOn as exc:  # training is live and moved on: take the newer cut
             logger.info("restore raced a live cluster (%s); retrying", exc)
             time.sleep(0.05 * (attempt + 1))
@@ -66,14 +127,14 @@ def resolve(
             break
     else:
         errors.append(f"memory: the cluster kept moving on during {attempts} attempts")
-    job = job or info.get("job")
-    for st in info["storage"]:
+    job = job or src.job
+    for tier in src.tiers():
         try:
-            snap = checkpoints.find(st["root"], st["tier"], job, iteration, progress=progress)[1]
-            logger.info("restoring from the %s tier (%s): %s", st["tier"], st["root"], "; ".join(errors))
+            snap = pick(tier, job, iteration, progress)[1]
+            logger.info("restoring from the %s tier (%s): %s", tier.name, tier.root, "; ".join(errors))
             return snap
-        except checkpoints.CheckpointError as exc:
-            errors.append(f"{st['tier']}: {exc}")
+        except CheckpointError as exc:
+            errors.append(f"{tier.name}: {exc}")
         except Exception as exc:  # an unreachable remote tier
-            errors.append(f"{st['tier']}: {type(exc).__name__}: {exc}")
+            errors.append(f"{tier.name}: {type(exc).__name__}: {exc}")
     raise ShadowError(f"no restorable checkpoint behind {source}: " + "; ".join(errors))

@@ -60,7 +60,6 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "commit": (dict, type(None)),
         "blob_ranks": (list,),
     },
-    "applied": {"epoch": (int,), "iteration": (int,)},
     "stale": {"epoch": (int,), "reason": (str,)},
     "copied": {"epoch": (int,), "iteration": (int,), "seconds": (float, int)},
     "audited": {
@@ -246,7 +245,6 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "rejoin",
         "prepared",
         "persisted",
-        "applied",
         "stale",
         "copied",
         "audited",
@@ -259,6 +257,7 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "trainer_hb",
         "status",
         "restore_info",
+        "shutdown",
     ),
     # a worker's DEALER to the coordinator
     "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "shutdown", "error"),

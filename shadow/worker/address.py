@@ -55,3 +55,16 @@ def bind_and_advertise(host: str, coordinator: str) -> tuple[str, str]:
     if host in ("0.0.0.0", "*"):
         return "0.0.0.0", route_address(coordinator)
     return host, host
+
+
+class Binding:
+    """Where a worker's server sockets (data, serve) bind, and the address it advertises for
+    them: ``bind_host`` and ``host`` from :func:`bind_and_advertise`."""
+
+    def __init__(self, bind_host: str, host: str) -> None:
+        self.bind_host, self.host = bind_host, host
+
+    def bind(self, sock) -> str:
+        """Bind ``sock`` to a random port of the bind host; returns the endpoint peers connect to."""
+        port = sock.bind_to_random_port(f"tcp://{self.bind_host}")
+        return f"tcp://{self.host}:{port}"

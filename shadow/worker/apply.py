@@ -10,33 +10,45 @@ import time
 import numpy as np
 
 from shadow.wire import frames as F
-from shadow.worker._host import WorkerHost
 from shadow.worker.commit import audit_shard
+from shadow.worker.fetches import FetchServer
+from shadow.worker.outbox import Outbox
+from shadow.worker.worker_state import WorkerState, go_stale
 
 logger = logging.getLogger(__name__)
 
 
-class ApplyMixin(WorkerHost):
-    """Worker handlers for ``apply`` and the snapshots it takes."""
+class Apply:
+    """Applies the cut to ``state.assignment`` (``apply`` from the coordinator), audits it,
+    snapshots it for the local tier, and reports the persister's results.
 
-    def _apply_upto(self, epoch: int, iteration: int, persist: bool = False) -> None:
+    Talks to the coordinator through ``outbox`` (``audited``, ``persisted``, ``stale``) and
+    to ``fetches`` (shards being sent from the live state are let go before it changes;
+    fetches waiting for an applied iteration are answered). Owned by the worker's main
+    thread; the persister's threads only hand back reports that :meth:`report_persisted`
+    drains."""
+
+    def __init__(self, state: WorkerState, outbox: Outbox, fetches: FetchServer) -> None:
+        self.state, self.outbox, self.fetches = state, outbox, fetches
+
+    def upto(self, epoch: int, iteration: int, persist: bool = False) -> None:
         """Apply every prepared iteration up to the cut ``iteration``; with ``persist``,
         snapshot the cut for the local tier -- in the apply pass itself when the cut is a
         gradient iteration applied now (the kernel writes the new values to the image
         too: no separate copy), else by copying."""
-        s = self.assignment
+        w, s = self.state, self.state.assignment
         if s is None or epoch != s.epoch:
             return
         folded = None
-        if self.replies and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
-            self._wait_for_readers()
+        if self.fetches.replies and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
+            self.fetches.wait_for_readers()
         while True:
             k = s.applied + 1 if s.applied >= 0 else s.base
             if k > iteration:
                 break
             slot = s.inbox.slots.get(k)
             if slot is None or not s.inbox.complete(slot):
-                self._go_stale(f"asked to apply iteration {k} that is not prepared here")
+                self._stale(f"asked to apply iteration {k} that is not prepared here")
                 return
             extras = {**s.extras, **slot.extras} if slot.extras else s.extras  # chunks are kept until replaced
             if slot.kind == F.Kind.STATE:
@@ -52,19 +64,19 @@ class ApplyMixin(WorkerHost):
                         slot.commits[0],
                         persister.field_views(img) if persister is not None and img is not None else None,
                     )
-                    self.replay_s += time.perf_counter() - t0
-                    self.replayed += 1
+                    w.replay_s += time.perf_counter() - t0
+                    w.replayed += 1
                 except ValueError as exc:
                     if persister is not None and img is not None:
                         persister.abandon(img)
-                    self._go_stale(f"iteration {k} cannot be applied: {exc}")
+                    self._stale(f"iteration {k} cannot be applied: {exc}")
                     return
                 if img is not None:
                     folded = (img, filled)
             s.inbox.release(k)
             s.applied = k
-            if self.retired is not None:  # the new epoch holds its base: the old one is no longer needed
-                self.retired = None
+            if w.retired is not None:  # the new epoch holds its base: the old one is no longer needed
+                w.retired = None
             s.blobs = slot.blobs
             s.extras = extras
             s.commit = slot.commits[0]
@@ -73,19 +85,19 @@ class ApplyMixin(WorkerHost):
                 result = audit_shard(s.state, audit)
                 if not s.exact and not result["ok"]:  # a GPU trainer: report the deviation, do not fail
                     result.update(ok=True, detail="deviation (not bit-exact by design): " + result["detail"])
-                self._to_coord("audited", epoch=s.epoch, iteration=k, **result)
+                self.outbox.to_coord("audited", epoch=s.epoch, iteration=k, **result)
         if persist:
             self._persist(iteration, folded)
-        self._answer_fetches()
+        self.fetches.answer()
 
     def _persist(self, iteration: int, folded=None) -> None:
         """Finish the snapshot of ``iteration`` (``folded``: ``(image, filled)`` from the
         apply pass) or take it by copying."""
-        s = self.assignment
+        s = self.state.assignment
         if s is None or s.persister is None:
             return
         if s.applied != iteration:
-            self._to_coord(
+            self.outbox.to_coord(
                 "persisted",
                 **s.persister.report(iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}"),
             )
@@ -100,16 +112,20 @@ class ApplyMixin(WorkerHost):
                 np.copyto(view, s.state.array(f), casting="no")
         s.persister.finish(img, iteration, s.epoch, s.blobs, commit, s.extras)
 
-    def _report_persisted(self) -> None:
-        s = self.assignment
+    def report_persisted(self) -> None:
+        """Tell the coordinator what the persister finished since the last call, and tally it."""
+        s = self.state.assignment
         if s is None or s.persister is None:
             return
         for rep in s.persister.results():
-            tally = self.persisted.setdefault(rep["tier"], [0.0, 0, 0, 0])
+            tally = self.state.persisted.setdefault(rep["tier"], [0.0, 0, 0, 0])
             if rep["ok"]:
                 tally[0] += rep["seconds"]
                 tally[1] += 1
                 tally[2] += rep["bytes"]
             elif not rep.get("skipped"):  # a skip is not a failure
                 tally[3] += 1
-            self._to_coord("persisted", **rep)
+            self.outbox.to_coord("persisted", **rep)
+
+    def _stale(self, reason: str) -> None:
+        go_stale(self.state, self.outbox, reason)

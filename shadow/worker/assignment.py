@@ -7,6 +7,7 @@ Imports no torch."""
 from __future__ import annotations
 
 from shadow import knobs
+from shadow.config import PersistConfig
 from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.transport.receive import Context
@@ -48,10 +49,11 @@ class Assignment:
         self.extras: dict = {}  # key -> newest chunk of model state outside the optimizer, as of applied
         self.commit: dict | None = None  # rank 0's replay record of the applied iteration
         self.stale: str | None = None
-        persist = msg["persist"]
+        persist = PersistConfig.from_dict(msg["persist"])  # the cluster's typed config, rebuilt
+        generation = int(msg["persist"].get("generation", 0))  # the job's lineage, beside the config
         self.persister = (
-            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state)
-            if persist.get("local", {}).get("dir")
+            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state, generation)
+            if persist.local.enabled
             else None
         )
 

@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 import zmq
 
 from shadow import knobs
+from shadow.transport import SocketFactory, data_limit
 from shadow.transport.receive import FrameReceiver
 from shadow.wire import frames as F
-from shadow.worker._host import WorkerHost
+from shadow.worker.address import Binding
 from shadow.worker.commit import decode_commit, same
+from shadow.worker.outbox import Outbox
+from shadow.worker.worker_state import WorkerState, go_stale
 
 if TYPE_CHECKING:
     from shadow.worker.assignment import Assignment
@@ -22,20 +25,64 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class DataMixin(WorkerHost):
-    """Worker handlers for the data socket: the session's policy (stale, iteration window,
-    sequence numbers, commits) around :class:`shadow.transport.receive.FrameReceiver`,
-    which reads and checks each message."""
+class DataPath:
+    """The data socket (a PULL) and the assignment's policy (stale, iteration window,
+    sequence numbers, commits) around :class:`shadow.transport.receive.FrameReceiver`, which
+    reads and checks each message: payloads go straight into their inbox slots, and each
+    iteration that becomes complete is reported ``prepared`` through ``outbox``.
 
-    def _on_data(self, sock) -> None:
+    Reads and writes ``state.assignment``; counts refusals in ``state.rejected``. Call
+    order: :meth:`open` (binds; the endpoint to advertise), :meth:`on_message` when the
+    socket is readable, :meth:`reopen` on a reset, :meth:`close`. The receiver (``rx``)
+    and its counters outlive a reopen. Owned by the worker's main thread."""
+
+    def __init__(self, state: WorkerState, outbox: Outbox, sockets: SocketFactory, binding: Binding) -> None:
+        self.state, self.outbox, self.sockets, self.binding = state, outbox, sockets, binding
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self.rx: FrameReceiver | None = None  # reads the data socket; its counters outlive a reset's fresh socket
+
+    def open(self) -> str:
+        """Bind a fresh data socket; returns the endpoint trainers push to."""
+        # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
+        self.sock = self.sockets.pull(data_limit(), knobs.get_int("DATA_RCVHWM"))
+        self.endpoint = self.binding.bind(self.sock)
+        if self.rx is None:
+            self.rx = FrameReceiver(self.sock)
+        else:
+            self.rx.sock = self.sock
+        return self.endpoint
+
+    def reopen(self) -> str:
+        """Drop every queued frame: close the socket and bind a fresh one (a reset)."""
+        self.close()
+        return self.open()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+
+    @property
+    def frames_in(self) -> int:
+        """Data messages whose header was read."""
+        return self.rx.frames_in if self.rx is not None else 0
+
+    @property
+    def bytes_in(self) -> int:
+        """Payload bytes received on the data socket."""
+        return self.rx.bytes_in if self.rx is not None else 0
+
+    def on_message(self, sock: zmq.Socket) -> None:
+        """One message off the data socket (``zmq.Again`` if none): taken into the
+        assignment, or refused and counted (some refusals make the assignment stale)."""
         rx = self.rx
         assert rx is not None  # opened with the data socket that called
         try:
-            self._take_frame(rx)
+            self.take(rx)
         except zmq.Again:
             raise
         except F.FrameError as exc:
-            self.rejected[exc.reason] += 1
+            self.state.rejected[exc.reason] += 1
             rx.discard_rest()
             if exc.reason == "stale":
                 logger.debug("dropped frame: %s", exc)
@@ -54,17 +101,19 @@ class DataMixin(WorkerHost):
                 "overflow",
                 "disagree",
             ):
-                self._go_stale(str(exc))
+                go_stale(self.state, self.outbox, str(exc))
         except zmq.ZMQError:
             raise
         except Exception as exc:  # a bug meeting an input: count it, keep going, trust this replica no more
-            self.rejected["data_error_" + type(exc).__name__] += 1
+            self.state.rejected["data_error_" + type(exc).__name__] += 1
             logger.exception("a data frame could not be handled")
             rx.discard_rest()
-            self._go_stale(f"a data frame could not be handled ({type(exc).__name__}: {exc})")
+            go_stale(self.state, self.outbox, f"a data frame could not be handled ({type(exc).__name__}: {exc})")
 
-    def _take_frame(self, rx: FrameReceiver) -> None:
-        s = self.assignment
+    def take(self, rx: FrameReceiver) -> None:
+        """Read one message with ``rx`` and take it into the assignment; a refusal raises
+        :class:`~shadow.wire.frames.FrameError` (the rest of the message is left unread)."""
+        s = self.state.assignment
         h = rx.header(None if s is None else s.context)
         assert s is not None  # rx.header(None) refuses every frame
         if s.stale:
@@ -145,4 +194,4 @@ class DataMixin(WorkerHost):
         if k - 1 > s.prepared:
             s.prepared = k - 1
             c = s.inbox.slots[s.prepared].commits[0]
-            self._to_coord("prepared", epoch=s.epoch, iteration=s.prepared, tokens=c.get("tokens"))
+            self.outbox.to_coord("prepared", epoch=s.epoch, iteration=s.prepared, tokens=c.get("tokens"))

@@ -20,9 +20,11 @@ import numpy as np
 import zmq
 
 from shadow import knobs
+from shadow.transport import SocketFactory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from shadow.worker._host import WorkerHost
+from shadow.worker.address import Binding
+from shadow.worker.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +58,44 @@ def _client(ident: bytes, frame) -> str:
     return f"{ident.hex()}" + (f" at {addr}" if addr else "")
 
 
-class FetchMixin(WorkerHost):
-    """Worker handlers for the serve socket."""
+class FetchServer:
+    """The serve socket (a ROUTER) and the fetches on it: those waiting for their iteration
+    (``pending``: ``(client identity, fetch, deadline)``) and the shard replies zmq is still
+    sending zero-copy (``replies``: client identity -> :class:`Reply`).
 
-    def _on_serve(self, sock) -> None:
+    Reads the assignment (or the retired one) from ``state`` and counts refusals in
+    ``state.rejected``. Call order: :meth:`open` (binds; the endpoint to advertise), then
+    :meth:`on_message` when the socket is readable, :meth:`answer` whenever the applied
+    iteration moves, :meth:`wait_for_readers` before it does, :meth:`expire` every heartbeat
+    period; :meth:`close`. Owned by the worker's main thread."""
+
+    def __init__(self, state: WorkerState, sockets: SocketFactory, binding: Binding) -> None:
+        self.state, self.sockets, self.binding = state, sockets, binding
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self.pending: list[tuple[bytes, dict, float]] = []
+        self.replies: dict[bytes, Reply] = {}
+
+    def open(self) -> str:
+        """Bind the serve socket; returns the endpoint restore clients and peers connect to."""
+        self.sock = self.sockets.router(M.socket_limit("serve"))
+        self.endpoint = self.binding.bind(self.sock)
+        return self.endpoint
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+
+    def forget_pending(self) -> None:
+        """Drop the fetches waiting for an iteration, unanswered (a reset)."""
+        self.pending = []
+
+    def on_message(self, sock: zmq.Socket) -> None:
+        """One message off the serve socket (``zmq.Again`` if none): a ``fetch`` is refused
+        at once when over a cap, else waits for its iteration."""
         parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) != 2:
-            self.rejected["serve_malformed"] += 1
+            self.state.rejected["serve_malformed"] += 1
             return
         ident, raw = parts[0].bytes, parts[1]
         try:
@@ -70,20 +103,20 @@ class FetchMixin(WorkerHost):
             if msg["t"] != "fetch":
                 raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
         except M.MessageError as exc:
-            self.rejected["serve_" + exc.reason] += 1
+            self.state.rejected["serve_" + exc.reason] += 1
             sock.send_multipart([ident, M.encode("error", code="malformed", message=str(exc))])
             return
-        refused = self._refuse_fetch(ident)
+        refused = self.refuse(ident)
         if refused is not None:
             reason, text = refused
-            self.rejected[reason] += 1
+            self.state.rejected[reason] += 1
             sock.send_multipart([ident, M.encode("error", code="busy", message=text)])
             return
         msg["client"] = _client(ident, raw)
-        self.pending_fetch.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
-        self._answer_fetches()
+        self.pending.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
+        self.answer()
 
-    def _refuse_fetch(self, ident: bytes) -> tuple[str, str] | None:
+    def refuse(self, ident: bytes) -> tuple[str, str] | None:
         """``(reason, message)`` if a fetch from ``ident`` is over a cap, else None."""
         self._forget_sent(time.monotonic())
         r = self.replies.get(ident)
@@ -94,10 +127,10 @@ class FetchMixin(WorkerHost):
                 else "its previous shard reply is still being sent"
             )
             return "serve_busy", f"busy: one fetch at a time per client; {why}"
-        if any(p[0] == ident for p in self.pending_fetch):
+        if any(p[0] == ident for p in self.pending):
             return "serve_busy", "busy: one fetch at a time per client; its previous fetch is still waiting"
         cap = knobs.get_int("SERVE_MAX_FETCHES")
-        live = len(self.pending_fetch) + sum(1 for r in self.replies.values() if not r.dropped)
+        live = len(self.pending) + sum(1 for r in self.replies.values() if not r.dropped)
         if live >= cap:
             return "serve_full", (
                 f"busy: this worker is serving {live} fetches, its limit (SERVE_MAX_FETCHES); fetch again later"
@@ -109,42 +142,44 @@ class FetchMixin(WorkerHost):
         for ident in [i for i, r in self.replies.items() if r.advance(now)]:
             del self.replies[ident]
 
-    def _answer_fetches(self) -> None:
+    def answer(self) -> None:
+        """Answer each waiting fetch whose iteration is applied (its shard), passed or of
+        another epoch (an error); the others keep waiting."""
         keep = []
-        for ident, msg, deadline in self.pending_fetch:
+        retired = self.state.retired
+        for ident, msg, deadline in self.pending:
             want = msg["iteration"]
-            s = self.retired if self.retired is not None and msg["epoch"] == self.retired.epoch else self.assignment
+            s = retired if retired is not None and msg["epoch"] == retired.epoch else self.state.assignment
             if s is None or msg["epoch"] != s.epoch:
-                self._serve_error(
-                    ident, "wrong_epoch", f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}"
-                )
+                self._error(ident, "wrong_epoch", f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
             elif s.applied == want or (want < 0 and s.applied >= 0):
-                self._serve_state(ident, s, msg.get("client") or ident.hex())
+                self._send_state(ident, s, msg.get("client") or ident.hex())
             elif s.applied > want:
-                self._serve_error(
+                self._error(
                     ident, "moved_on", f"worker has moved on to iteration {s.applied}; fetch {want} again later"
                 )
             else:
                 keep.append((ident, msg, deadline))
-        self.pending_fetch = keep
+        self.pending = keep
 
-    def _expire_fetches(self, now: float) -> None:
+    def expire(self, now: float) -> None:
+        """Answer the fetches past their deadline with a ``timeout`` error; forget the sent replies."""
         keep = []
-        for ident, msg, deadline in self.pending_fetch:
+        for ident, msg, deadline in self.pending:
             if now > deadline:
-                self._serve_error(ident, "timeout", f"iteration {msg['iteration']} was not applied here in time")
+                self._error(ident, "timeout", f"iteration {msg['iteration']} was not applied here in time")
             else:
                 keep.append((ident, msg, deadline))
-        self.pending_fetch = keep
+        self.pending = keep
         self._forget_sent(now)
 
-    def _serve_error(self, ident: bytes, code: str, text: str) -> None:
-        self.serve.send_multipart([ident, M.encode("error", code=code, message=text)])
+    def _error(self, ident: bytes, code: str, text: str) -> None:
+        self._sock().send_multipart([ident, M.encode("error", code=code, message=text)])
 
-    def _serve_state(self, ident: bytes, s, client: str = "") -> None:
+    def _send_state(self, ident: bytes, s, client: str = "") -> None:
         """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
         chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part
-        tracked. The next apply waits (:meth:`_wait_for_readers`) while zmq sends them; a
+        tracked. The next apply waits (:meth:`wait_for_readers`) while zmq sends them; a
         client still reading after that gets chunks that fail their sums and fetches again,
         so it never installs a torn shard."""
         st = s.state
@@ -172,21 +207,21 @@ class FetchMixin(WorkerHost):
             extras=[[k, len(b), F.checksum(b)] for k, b in extras],
         )
         parts = [head] + [memoryview(v) for v in views] + [b for _, b in extras]
-        self.serve.send(ident, zmq.SNDMORE)
+        sock = self._sock()
+        sock.send(ident, zmq.SNDMORE)
         # part by part, so that an apply can tell a client that reads (parts done one after
         # another) from one that does not (parts below zmq's copy threshold are done at once)
         trackers = [
-            self.serve.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True)
-            for i, p in enumerate(parts)
+            sock.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True) for i, p in enumerate(parts)
         ]
         self.replies[ident] = Reply(client or ident.hex(), s, trackers, time.monotonic())
 
-    def _wait_for_readers(self) -> None:
+    def wait_for_readers(self) -> None:
         """Before the live state changes: let zmq finish sending the shards served from it,
         waiting only while they make progress (a part done within ``SERVE_STALL_S``) and
         ``SERVE_HOLD_S`` at most in all. A reply that stalls, or is still going at the end,
         is dropped: its client's copy fails its checksums, and the client stays busy (see
-        :meth:`_refuse_fetch`) until zmq is done with it, so it costs no further waits."""
+        :meth:`refuse`) until zmq is done with it, so it costs no further waits."""
         stall, hold = knobs.get("SERVE_STALL_S"), knobs.get("SERVE_HOLD_S")
         t0 = time.monotonic()
         while True:
@@ -194,7 +229,7 @@ class FetchMixin(WorkerHost):
             self._forget_sent(now)
             waiting = False
             for r in self.replies.values():
-                if r.dropped or r.session is not self.assignment:  # a retired epoch's arrays do not change
+                if r.dropped or r.session is not self.state.assignment:  # a retired epoch's arrays do not change
                     continue
                 if now - r.progress > stall:
                     self._drop_reply(r, f"no part of it was sent for {now - r.progress:.2f} s")
@@ -208,7 +243,7 @@ class FetchMixin(WorkerHost):
 
     def _drop_reply(self, r: Reply, why: str) -> None:
         r.dropped = True
-        self.rejected["serve_dropped"] += 1
+        self.state.rejected["serve_dropped"] += 1
         logger.warning(
             "restore client %s: stopped waiting for its shard reply (%s; %d of %d parts sent); applying: "
             "its copy will fail its checksums, and it gets no other fetch until zmq is done with this "
@@ -218,3 +253,8 @@ class FetchMixin(WorkerHost):
             r.sent,
             len(r.trackers),
         )
+
+    def _sock(self) -> zmq.Socket:
+        if self.sock is None:
+            raise RuntimeError("the serve socket is not open: call open() first")
+        return self.sock

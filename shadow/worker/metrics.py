@@ -8,16 +8,19 @@ import time
 from shadow.metrics import Samples
 
 
-def samples(w) -> Samples:
-    """The :data:`shadow.metrics.WORKER` samples of worker ``w`` (a :class:`Worker`)."""
+def samples(worker) -> Samples:
+    """The :data:`shadow.metrics.WORKER` samples of ``worker`` (a
+    :class:`~shadow.worker.server.Worker`): its :class:`~shadow.worker.worker_state.WorkerState`
+    and its data path's receive counters, read without a lock from the HTTP thread."""
+    w, data = worker.state, worker.data
     s = w.assignment
     out: Samples = {
         "shadow_worker_up_seconds": [((), time.monotonic() - w.started)],
         "shadow_worker_stale": [((), 1 if s is not None and s.stale else 0)],
         "shadow_worker_applied": [((), s.applied if s is not None else -1)],
         "shadow_worker_seen": [((), s.seen if s is not None else -1)],
-        "shadow_worker_frames_received": [((), w.frames_in)],
-        "shadow_worker_bytes_received": [((), w.bytes_in)],
+        "shadow_worker_frames_received": [((), data.frames_in)],
+        "shadow_worker_bytes_received": [((), data.bytes_in)],
         "shadow_worker_rejected_frames": [((reason,), n) for reason, n in dict(w.rejected).items()],
         "shadow_worker_replay": [((), (w.replay_s, w.replayed))],
         "shadow_worker_resyncs": [((), max(0, w.configures - 1))],

@@ -6,7 +6,6 @@ the cut there), then installed as this worker's applied state. Imports no torch.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -15,18 +14,20 @@ import zmq
 from shadow import knobs
 from shadow.transport import SocketFactory, fetch, fetch_limit
 from shadow.wire import messages as M
-from shadow.worker._host import WorkerHost
-from shadow.worker.memory import available_bytes
+from shadow.worker.outbox import Outbox
+from shadow.worker.worker_state import WorkerState, go_stale
 
 logger = logging.getLogger(__name__)
 
 
 class PeerError(ValueError):
-    pass
+    """A peer's reply does not fit this worker's assignment."""
 
 
 @dataclass
-class PeerCopy:
+class PeerFetch:
+    """One ``fetch`` of iteration ``iteration`` on peer worker ``id``'s serve socket, in flight."""
+
     id: int
     serve: str
     iteration: int
@@ -35,8 +36,8 @@ class PeerCopy:
     started: float
 
     @classmethod
-    def start(cls, ctx: zmq.Context, peer: dict, epoch: int, iteration: int, keys=None) -> PeerCopy:
-        sock = SocketFactory(ctx, keys=keys).dealer(peer["serve"], fetch_limit())
+    def start(cls, sockets: SocketFactory, peer: dict, epoch: int, iteration: int) -> PeerFetch:
+        sock = sockets.dealer(peer["serve"], fetch_limit())
         sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
         now = time.monotonic()
         return cls(int(peer["id"]), peer["serve"], iteration, sock, now + knobs.get("FETCH_TIMEOUT_S"), now)
@@ -77,69 +78,79 @@ def install(session, parts: list[bytes], iteration: int) -> None:
     session.applied = session.prepared = session.seen = iteration
 
 
-class PeerMixin(WorkerHost):
-    """Worker handlers: ``reset`` (a damaged replica) and the peer copy of a joining one."""
+class PeerCopy:
+    """Fills a joining replica's assignment from a healthy peer: the ``configure`` of such a
+    replica names the peer, :meth:`start` sends the fetch, :meth:`on_reply` installs the
+    reply and tells the coordinator ``copied``; a failed or late copy makes the assignment
+    stale (:meth:`failed`, :meth:`check_deadline`). One copy at a time (``fetch``); a new
+    epoch or a reset cancels it (:meth:`cancel`).
 
-    def _reset(self, reason: str) -> None:
-        """A damaged replica: drop the session and every queued frame (a fresh data socket),
-        then register again; the coordinator brings it back through a peer copy."""
-        logger.warning("resetting worker %d: %s", self.worker_id, reason)
-        self.data.close(linger=0)
-        self._open_data()
-        if self.assignment is not None:
-            self.assignment.close()
-        self.assignment, self.pending_fetch = None, []
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
-        self._to_coord(
-            "register",
-            data=self.data_ep,
-            serve=self.serve_ep,
-            pid=os.getpid(),
-            worker_id=self.worker_id,
-            memory=available_bytes(),
-        )
+    Connects with ``sockets`` (the process's CURVE client keys), reads and writes ``state``
+    and sends through ``outbox``. Owned by the worker's main thread."""
 
-    def _start_peer_copy(self, peer: dict) -> None:
-        s = self.assignment
+    def __init__(self, state: WorkerState, outbox: Outbox, sockets: SocketFactory) -> None:
+        self.state, self.outbox, self.sockets = state, outbox, sockets
+        self.fetch: PeerFetch | None = None  # the state fetch from a peer replica, while in flight
+
+    @property
+    def sock(self) -> zmq.Socket | None:
+        """The socket the peer's reply arrives on, while a copy is in flight."""
+        return self.fetch.sock if self.fetch is not None else None
+
+    def start(self, peer: dict) -> None:
+        """Fetch the assignment's base iteration from ``peer`` (``{"id", "serve"}``)."""
+        s = self.state.assignment
         if s is None:
             raise RuntimeError("a peer copy needs the session it fills: configure first")
-        if self.peer is not None:
-            self.peer.close()
-        self.peer = PeerCopy.start(self.ctx, peer, s.epoch, s.base, self.keys)
+        if self.fetch is not None:
+            self.fetch.close()
+        self.fetch = PeerFetch.start(self.sockets, peer, s.epoch, s.base)
         logger.info(
             "fetching iteration %d of range [%d, %d) from peer worker %d",
             s.base,
             s.state.start,
             s.state.stop,
-            self.peer.id,
+            self.fetch.id,
         )
 
-    def _peer_reply(self) -> None:
-        p, s = self.peer, self.assignment
+    def on_reply(self) -> None:
+        """The peer answered: install its shard, or give up on the copy."""
+        p, s = self.fetch, self.state.assignment
         if p is None or s is None:
             raise RuntimeError("a peer reply with no peer copy in flight")
         parts = p.sock.recv_multipart()
-        self.peer = None
+        self.fetch = None
         p.close()
         try:
             install(s, parts, p.iteration)
         except (PeerError, M.MessageError) as exc:
-            self._peer_failed(f"copy from peer worker {p.id} failed: {exc}")
+            self.failed(f"copy from peer worker {p.id} failed: {exc}")
             return
         except Exception as exc:  # a malformed head that got past validation: the copy failed, the worker lives
-            self.rejected["peer_error_" + type(exc).__name__] += 1
+            self.state.rejected["peer_error_" + type(exc).__name__] += 1
             logger.exception("copy from peer worker %d failed", p.id)
-            self._peer_failed(f"copy from peer worker {p.id} failed: {type(exc).__name__}: {exc}")
+            self.failed(f"copy from peer worker {p.id} failed: {type(exc).__name__}: {exc}")
             return
-        self.awaiting_copy = False
+        self.state.awaiting_copy = False
         seconds = time.monotonic() - p.started
         logger.info("copied iteration %d from peer worker %d in %.2f s", p.iteration, p.id, seconds)
-        self._to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)
+        self.outbox.to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)
 
-    def _peer_failed(self, reason: str) -> None:
-        if self.peer is not None:
-            self.peer.close()
-            self.peer = None
-        self._go_stale(reason)
+    def check_deadline(self, now: float) -> None:
+        """A copy not answered within ``FETCH_TIMEOUT_S`` of its start has failed."""
+        p = self.fetch
+        if p is not None and now > p.deadline:
+            self.failed(
+                f"peer worker {p.id} did not send iteration {p.iteration} within {knobs.get('FETCH_TIMEOUT_S'):.0f} s"
+            )
+
+    def failed(self, reason: str) -> None:
+        """Give up on the copy: the assignment is stale (the coordinator resyncs it)."""
+        self.cancel()
+        go_stale(self.state, self.outbox, reason)
+
+    def cancel(self) -> None:
+        """Drop the copy in flight, if any (its epoch is over, or the worker resets)."""
+        if self.fetch is not None:
+            self.fetch.close()
+            self.fetch = None

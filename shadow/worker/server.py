@@ -3,9 +3,14 @@ coordinator's word, serve its shard for restores.
 
 Sockets (all polled by one loop, every wait bounded by the heartbeat period):
 
-* ``data`` (PULL, bound): GRAD / STATE / COMMIT frames from every trainer rank;
-* ``ctrl`` (DEALER, connected to the coordinator): register, configure, prepared, apply;
-* ``serve`` (ROUTER, bound): ``fetch`` requests from restore clients.
+* ``data`` (PULL, bound): GRAD / STATE / COMMIT frames from every trainer rank
+  (:class:`~shadow.worker.data.DataPath`);
+* ``ctrl`` (DEALER, connected to the coordinator): register, configure, prepared, apply
+  (:class:`~shadow.worker.outbox.ZmqOutbox` sends; :data:`ROUTES` dispatches what arrives);
+* ``serve`` (ROUTER, bound): ``fetch`` requests from restore clients and peers
+  (:class:`~shadow.worker.fetches.FetchServer`);
+* while a replacement replica copies its shard, a DEALER to the peer
+  (:class:`~shadow.worker.peer.PeerCopy`).
 
 This module imports no torch.
 """
@@ -15,185 +20,143 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from shadow import knobs
 from shadow.kernels import powtab
 from shadow.layout import Layout
-from shadow.transport import SocketFactory, data_limit
-from shadow.transport.receive import FrameReceiver
+from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 from shadow.worker import memory
-from shadow.worker.address import bind_and_advertise
-from shadow.worker.apply import ApplyMixin
+from shadow.worker.address import Binding, bind_and_advertise
+from shadow.worker.apply import Apply
 from shadow.worker.assignment import Assignment
-from shadow.worker.data import DataMixin
-from shadow.worker.fetches import FetchMixin
-from shadow.worker.peer import PeerCopy, PeerMixin
+from shadow.worker.data import DataPath
+from shadow.worker.fetches import FetchServer
+from shadow.worker.outbox import ZmqOutbox
+from shadow.worker.peer import PeerCopy
 from shadow.worker.startup import compile_kernels
+from shadow.worker.worker_state import WorkerState, go_stale
 
 logger = logging.getLogger(__name__)
 
 
-class Worker(ApplyMixin, PeerMixin, FetchMixin, DataMixin):
+class Worker:
     """One shadow worker: receives its range of every bucket, applies the cut, serves
     fetches and peer copies, and snapshots for persistence.
 
-    Threads: :meth:`run`, on the process's main thread, owns the data, control and serve
-    sockets, the sessions (``session``, ``retired``) and their state arrays: receive,
-    apply, serve and peer copy all run there. Other threads own only what they were handed:
-    the kernel warm-up thread at start-up (the worker reports "starting" until it is done), a session's
-    :class:`~shadow.persist.writer.ShardPersister` threads (their images and a queue of
-    reports the main thread drains), the guard's ZAP thread, and the metrics endpoint's
-    HTTP thread, which reads fields without a lock and never writes."""
+    A small handle over its parts, each built here around the one :class:`WorkerState`
+    (``state``) and the :class:`~shadow.worker.outbox.ZmqOutbox` to the coordinator
+    (``outbox``): ``data`` (:class:`DataPath`), ``apply`` (:class:`Apply`), ``fetches``
+    (:class:`FetchServer`) and ``peer`` (:class:`PeerCopy`). The coordinator's control
+    messages go through :data:`ROUTES` to the handlers below.
+
+    Threads: :meth:`run`, on the process's main thread, owns the sockets, the state and
+    every part: receive, apply, serve and peer copy all run there. Other threads own only
+    what they were handed: the kernel warm-up thread at start-up (the worker reports
+    "starting" until it is done), an assignment's :class:`~shadow.persist.writer.ShardPersister`
+    threads (their images and a queue of reports the main thread drains), the guard's ZAP
+    thread, and the metrics endpoint's HTTP thread, which reads the state without a lock
+    and never writes."""
 
     def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None, keys=None) -> None:
         self.coordinator = coordinator
         self.bind_host, self.host = bind_and_advertise(host, coordinator)
-        self.worker_id = worker_id
         self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.sockets = SocketFactory(self.ctx, guard=guard, keys=keys)
-        self.rejected: Counter[str] = Counter()
-        self.rx: FrameReceiver | None = None  # reads the data socket; its counters outlive a reset's fresh socket
-        self.assignment: Assignment | None = None
-        # the previous epoch's state, served to restores until the new epoch has its base:
-        # a trainer killed during a (re-)attach bootstrap restores from it
-        self.retired: Assignment | None = None
-        self.pending_fetch: list[tuple[bytes, dict, float]] = []
-        self.replies: dict = {}  # client identity -> its shard reply sent zero-copy (serve.Reply), until zmq is done
-        self.awaiting_copy = False  # a replacement replica: leave data frames queued until configured
-        self.peer: PeerCopy | None = None  # the state fetch from a peer replica, while in flight
-        self._stop = False
-        self.started = time.monotonic()
-        self.replay_s, self.replayed = 0.0, 0  # time in the apply kernels, iterations applied
-        self.configures = 0  # epochs configured: the first bootstrap, then every resync or peer copy
-        self.persisted: dict[str, list] = {}  # tier -> [seconds, shards, bytes, failures]
-
-    # -- sockets ---------------------------------------------------------------------
-    def _open_data(self) -> None:
-        # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-        self.data = self.sockets.pull(data_limit(), knobs.get_int("DATA_RCVHWM"))
-        port = self.data.bind_to_random_port(f"tcp://{self.bind_host}")
-        self.data_ep = f"tcp://{self.host}:{port}"
-        if self.rx is None:
-            self.rx = FrameReceiver(self.data)
-        else:
-            self.rx.sock = self.data
-
-    @property
-    def frames_in(self) -> int:
-        """Data messages whose header was read."""
-        return self.rx.frames_in if self.rx is not None else 0
-
-    @property
-    def bytes_in(self) -> int:
-        """Payload bytes received on the data socket."""
-        return self.rx.bytes_in if self.rx is not None else 0
-
-    def _ctrl_open(self) -> None:
-        self.ctrl = self.sockets.dealer(self.coordinator, M.socket_limit("worker"))
-
-    def _open(self) -> None:
-        self._open_data()
-        self.serve = self.sockets.router(M.socket_limit("serve"))
-        port = self.serve.bind_to_random_port(f"tcp://{self.bind_host}")
-        self.serve_ep = f"tcp://{self.host}:{port}"
+        binding = Binding(self.bind_host, self.host)
+        self.state = WorkerState(worker_id=worker_id)
+        self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
+        self.data = DataPath(self.state, self.outbox, self.sockets, binding)
+        self.fetches = FetchServer(self.state, self.sockets, binding)
+        self.apply = Apply(self.state, self.outbox, self.fetches)
+        self.peer = PeerCopy(self.state, self.outbox, self.sockets)
 
     def _close(self) -> None:
-        for sess in (self.assignment, self.retired):
+        for sess in (self.state.assignment, self.state.retired):
             if sess is not None:
                 sess.close()
-        for s in (getattr(self, "data", None), getattr(self, "serve", None), self.ctrl):
-            if s is not None:
-                s.close(linger=0)
+        self.data.close()
+        self.fetches.close()
+        self.outbox.close()
         if self.guard is not None:
             self.guard.stop()
 
-    def _to_coord(self, kind: str, **fields) -> None:
-        try:
-            self.ctrl.send(M.encode(kind, **fields), zmq.NOBLOCK)
-        except zmq.Again:  # the coordinator is away and the queue is full: it rebuilds from a rejoin
-            self.rejected["ctrl_dropped"] += 1
-
     # -- main loop -------------------------------------------------------------------
     def run(self) -> None:
-        self._ctrl_open()
+        ctrl = self.outbox.open()
         if not self._warm_up():
             self._close()
             return
-        self._open()
-        logger.info("worker up: data %s serve %s coordinator %s", self.data_ep, self.serve_ep, self.coordinator)
-        self._to_coord(
-            "register",
-            data=self.data_ep,
-            serve=self.serve_ep,
-            pid=os.getpid(),
-            worker_id=self.worker_id,
-            memory=memory.report(),
+        self.data.open()
+        self.fetches.open()
+        logger.info(
+            "worker up: data %s serve %s coordinator %s", self.data.endpoint, self.fetches.endpoint, self.coordinator
         )
+        self._register(memory.report())
         hb = knobs.get("HEARTBEAT_S")
         next_hb = time.monotonic() + hb
+        st = self.state
         try:
-            while not self._stop:
+            while not st.stopping:
                 wait = min(max(0.0, next_hb - time.monotonic()), 0.05)
                 poller = zmq.Poller()
-                for s in (self.ctrl, self.serve):
+                for s in (ctrl, self.fetches.sock):
                     poller.register(s, zmq.POLLIN)
-                if self.peer is not None:
+                if self.peer.sock is not None:
                     poller.register(self.peer.sock, zmq.POLLIN)
-                elif not self.awaiting_copy:  # a joining replica leaves the trainers' frames queued until it has state
-                    poller.register(self.data, zmq.POLLIN)
+                elif not st.awaiting_copy:  # a joining replica leaves the trainers' frames queued until it has state
+                    poller.register(self.data.sock, zmq.POLLIN)
                 events = dict(poller.poll(timeout=int(wait * 1000)))
-                if self.ctrl in events:
-                    self._drain(self.ctrl, self._on_ctrl)
-                if self.peer is not None and self.peer.sock in events:
-                    self._peer_reply()
-                if self.data in events:
-                    self._drain(self.data, self._on_data, limit=256)
-                if self.serve in events:
-                    self._drain(self.serve, self._on_serve)
+                if ctrl in events:
+                    self._drain(ctrl, self._on_ctrl, "ctrl")
+                if self.peer.sock is not None and self.peer.sock in events:
+                    self.peer.on_reply()
+                if self.data.sock in events:
+                    self._drain(self.data.sock, self.data.on_message, "data", limit=256)
+                if self.fetches.sock in events:
+                    self._drain(self.fetches.sock, self.fetches.on_message, "serve")
                 now = time.monotonic()
                 if now >= next_hb:
                     next_hb = now + hb
                     self._heartbeat()
-                    self._expire_fetches(now)
-                    if self.peer is not None and now > self.peer.deadline:
-                        self._peer_failed(
-                            f"peer worker {self.peer.id} did not send iteration "
-                            f"{self.peer.iteration} within {knobs.get('FETCH_TIMEOUT_S'):.0f} s"
-                        )
-                self._report_persisted()
+                    self.fetches.expire(now)
+                    self.peer.check_deadline(now)
+                self.apply.report_persisted()
         finally:
             self._close()
 
     def stop(self) -> None:
-        self._stop = True
+        self.state.stopping = True
 
     def _warm_up(self) -> bool:
         """Compile the replay kernels, saying "starting" every heartbeat period meanwhile;
         False if the worker was stopped first."""
 
         def tick(seconds: float) -> bool:
-            self._to_coord("starting", pid=os.getpid(), worker_id=self.worker_id, seconds=round(seconds, 3))
-            self._drain(self.ctrl, self._on_ctrl_starting)
-            return not self._stop
+            self.outbox.to_coord("starting", pid=os.getpid(), worker_id=self.state.worker_id, seconds=round(seconds, 3))
+            self._drain(self.outbox.sock, self._on_ctrl_starting, "ctrl_starting")
+            return not self.state.stopping
 
-        return compile_kernels(tick, knobs.get("HEARTBEAT_S")) and not self._stop
+        return compile_kernels(tick, knobs.get("HEARTBEAT_S")) and not self.state.stopping
 
     def _on_ctrl_starting(self, sock) -> None:
         """Control messages while the kernels compile: only ``shutdown`` means anything yet."""
         try:
             msg = M.decode(sock.recv(zmq.NOBLOCK))
         except M.MessageError as exc:
-            self.rejected["ctrl_" + exc.reason] += 1
+            self.state.rejected["ctrl_" + exc.reason] += 1
             return
         if msg["t"] == "shutdown":
-            self._stop = True
+            self.state.stopping = True
 
-    def _drain(self, sock, handler, limit: int = 64) -> None:
+    def _drain(self, sock, handler: Callable[[Any], None], where: str, limit: int = 64) -> None:
+        """Call ``handler(sock)`` until the socket has nothing more (``zmq.Again``), ``limit``
+        times at most; ``where`` names the handler in counters and logs."""
         for _ in range(limit):
             try:
                 handler(sock)
@@ -202,92 +165,129 @@ class Worker(ApplyMixin, PeerMixin, FetchMixin, DataMixin):
             except zmq.ZMQError:
                 raise
             except Exception as exc:  # a bug meeting an input: count it and carry on
-                self._handler_failed(sock, handler, exc)
+                self._handler_failed(sock, where, exc)
 
-    def _handler_failed(self, sock, handler, exc: Exception) -> None:
+    def _handler_failed(self, sock, where: str, exc: Exception) -> None:
         """A handler raised: the rest of the message is discarded, the failure counted by
         handler and exception type (status and metrics) and logged with its traceback. A
         control message may have been half carried out (an apply, a configure), so the
         session is no longer trusted: stale until the coordinator resyncs it."""
-        where = handler.__name__.lstrip("_").removeprefix("on_")
-        self.rejected[f"{where}_error_{type(exc).__name__}"] += 1
+        self.state.rejected[f"{where}_error_{type(exc).__name__}"] += 1
         logger.exception("the %s handler failed; the worker carries on", where)
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv()
-        if sock is self.ctrl:
-            self._go_stale(f"a control message could not be carried out ({type(exc).__name__}: {exc})")
+        if sock is self.outbox.sock:
+            go_stale(
+                self.state, self.outbox, f"a control message could not be carried out ({type(exc).__name__}: {exc})"
+            )
+
+    def _register(self, free: int) -> None:
+        self.outbox.to_coord(
+            "register",
+            data=self.data.endpoint,
+            serve=self.fetches.endpoint,
+            pid=os.getpid(),
+            worker_id=self.state.worker_id,
+            memory=free,
+        )
 
     def _heartbeat(self) -> None:
-        s = self.assignment
-        self._to_coord(
+        st = self.state
+        s = st.assignment
+        self.outbox.to_coord(
             "heartbeat",
             rejected={
-                **self.rejected,
+                **st.rejected,
                 **{"auth_" + k: v for k, v in (self.guard.refused if self.guard else {}).items()},
             },
             epoch=s.epoch if s else -1,
             applied=s.applied if s else -1,
             seen=s.seen if s else -1,
-            frames_in=self.frames_in,
-            bytes_in=self.bytes_in,
+            frames_in=self.data.frames_in,
+            bytes_in=self.data.bytes_in,
             stale=(s.stale or "") if s else "",
             seq=list(s.inbox.next_seq) if s else [],
-            replay_s=self.replay_s,
-            replayed=self.replayed,
+            replay_s=st.replay_s,
+            replayed=st.replayed,
             memory=memory.report(),
         )
 
-    # -- control plane -----------------------------------------------------------------
+    # -- control plane: the handlers of ROUTES -------------------------------------------
     def _on_ctrl(self, sock) -> None:
         raw = sock.recv(zmq.NOBLOCK)
         try:
             msg = M.decode(raw)
         except M.MessageError as exc:
-            self.rejected["ctrl_" + exc.reason] += 1
+            self.state.rejected["ctrl_" + exc.reason] += 1
             logger.warning("rejected control message from coordinator: %s", exc)
             return
-        t = msg["t"]
-        if t == "registered":
-            self.worker_id, self.awaiting_copy = msg["worker_id"], msg["awaiting_copy"]
-            logger.info(
-                "registered as worker %d%s",
-                self.worker_id,
-                " (joining a running job: waiting for the ranks and a peer copy)" if self.awaiting_copy else "",
-            )
-        elif t == "reset":
-            self._reset(msg["reason"])
-        elif t == "reregister":  # a restarted coordinator: tell it what this worker holds
-            s = self.assignment
-            logger.warning(
-                "the coordinator restarted; rejoining as worker %d%s",
-                self.worker_id,
-                f" with epoch {s.epoch} at iteration {s.applied}" if s else "",
-            )
-            self._to_coord(
-                "rejoin",
-                data=self.data_ep,
-                serve=self.serve_ep,
-                pid=os.getpid(),
-                worker_id=self.worker_id,
-                assignment=None
-                if s is None
-                else {"configure": s.config, "prepared": s.prepared, "applied": s.applied, "stale": s.stale or ""},
-                memory=memory.report(),
-            )
-        elif t == "configure":
-            self._configure(msg)
-        elif t == "apply":
-            self._apply_upto(msg["epoch"], msg["iteration"], msg["persist"])
-        elif t == "upload":
-            s = self.assignment
-            if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
-                s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
-        elif t == "shutdown":
-            self._stop = True
-        else:
-            self.rejected["ctrl_unexpected"] += 1
+        self.dispatch(msg)
+
+    def dispatch(self, msg: dict) -> None:
+        """Carry out one decoded control message from the coordinator: its handler in
+        :data:`ROUTES`; a type with none is counted as ``ctrl_unexpected``."""
+        handler = ROUTES.get(msg["t"])
+        if handler is None:
+            self.state.rejected["ctrl_unexpected"] += 1
+            return
+        handler(self, msg)
+
+    def _on_registered(self, msg: dict) -> None:
+        st = self.state
+        st.worker_id, st.awaiting_copy = msg["worker_id"], msg["awaiting_copy"]
+        logger.info(
+            "registered as worker %d%s",
+            st.worker_id,
+            " (joining a running job: waiting for the ranks and a peer copy)" if st.awaiting_copy else "",
+        )
+
+    def _on_reset(self, msg: dict) -> None:
+        """A damaged replica: drop the session and every queued frame (a fresh data socket),
+        then register again; the coordinator brings it back through a peer copy."""
+        st = self.state
+        logger.warning("resetting worker %d: %s", st.worker_id, msg["reason"])
+        self.data.reopen()
+        if st.assignment is not None:
+            st.assignment.close()
+        st.assignment = None
+        self.fetches.forget_pending()
+        self.peer.cancel()
+        self._register(memory.available_bytes())
+
+    def _on_reregister(self, msg: dict) -> None:
+        """A restarted coordinator: tell it what this worker holds."""
+        st = self.state
+        s = st.assignment
+        logger.warning(
+            "the coordinator restarted; rejoining as worker %d%s",
+            st.worker_id,
+            f" with epoch {s.epoch} at iteration {s.applied}" if s else "",
+        )
+        self.outbox.to_coord(
+            "rejoin",
+            data=self.data.endpoint,
+            serve=self.fetches.endpoint,
+            pid=os.getpid(),
+            worker_id=st.worker_id,
+            assignment=None
+            if s is None
+            else {"configure": s.config, "prepared": s.prepared, "applied": s.applied, "stale": s.stale or ""},
+            memory=memory.report(),
+        )
+
+    def _on_apply(self, msg: dict) -> None:
+        self.apply.upto(msg["epoch"], msg["iteration"], msg["persist"])
+
+    def _on_upload(self, msg: dict) -> None:
+        s = self.state.assignment
+        if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
+            s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
+
+    def _on_shutdown(self, msg: dict) -> None:
+        self.state.stopping = True
 
     def _configure(self, msg: dict) -> None:
+        st = self.state
         try:
             problem = self._configure_problem(msg)
             if problem is not None:
@@ -295,23 +295,21 @@ class Worker(ApplyMixin, PeerMixin, FetchMixin, DataMixin):
             sess = Assignment(msg)
         except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
-            self._to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
+            self.outbox.to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
             return
         # anything in flight for the old epoch is void
-        old = self.assignment
-        self.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None else None
-        self.assignment = sess
+        old = st.assignment
+        st.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None else None
+        st.assignment = sess
         if old is not None:  # its persister would otherwise live on, with its threads and images
             old.close()
-        self.configures += 1
-        self._answer_fetches()  # waiting fetches of the old epoch get an answer from the retired copy
-        if self.peer is not None:  # a peer copy of the old epoch is void too
-            self.peer.close()
-            self.peer = None
+        st.configures += 1
+        self.fetches.answer()  # waiting fetches of the old epoch get an answer from the retired copy
+        self.peer.cancel()  # a peer copy of the old epoch is void too
         if msg["peer"] is not None:
-            self._start_peer_copy(msg["peer"])
+            self.peer.start(msg["peer"])
             return
-        self.awaiting_copy = False
+        st.awaiting_copy = False
         logger.info(
             "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d",
             sess.epoch,
@@ -322,7 +320,7 @@ class Worker(ApplyMixin, PeerMixin, FetchMixin, DataMixin):
             sess.world,
             sess.base,
         )
-        self._to_coord("configured", epoch=sess.epoch)
+        self.outbox.to_coord("configured", epoch=sess.epoch)
 
     @staticmethod
     def _configure_problem(msg: dict) -> str | None:
@@ -350,10 +348,15 @@ class Worker(ApplyMixin, PeerMixin, FetchMixin, DataMixin):
             )
         return None
 
-    def _go_stale(self, reason: str) -> None:
-        s = self.assignment
-        if s is None or s.stale:
-            return
-        s.stale = reason
-        logger.error("worker %d is stale in epoch %d: %s", self.worker_id, s.epoch, reason)
-        self._to_coord("stale", epoch=s.epoch, reason=reason)
+
+#: The coordinator's control messages to a worker, by type, and their handlers (any other
+#: type is counted as ``ctrl_unexpected``). Each runs on the worker's main thread.
+ROUTES: dict[str, Callable[[Worker, dict], None]] = {
+    "registered": Worker._on_registered,
+    "reset": Worker._on_reset,
+    "reregister": Worker._on_reregister,
+    "configure": Worker._configure,
+    "apply": Worker._on_apply,
+    "upload": Worker._on_upload,
+    "shutdown": Worker._on_shutdown,
+}

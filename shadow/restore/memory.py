@@ -1,21 +1,27 @@
-"""Fetching a checkpoint (:class:`~shadow.snapshot.Snapshot`) from a live shadow cluster's memory."""
+"""A live shadow cluster's memory as a restore source: what its coordinator says it holds
+(:func:`restore_info`) and fetching that iteration from every worker (:func:`fetch_memory`)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
 
 from shadow import knobs
-from shadow.client import dealer
+from shadow.client import dealer, request
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
+from shadow.restore.sources import Candidate
 from shadow.snapshot import Snapshot
 from shadow.transport import fetch
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, state_fields
+
+if TYPE_CHECKING:
+    from shadow.restore.tier import TierSource
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +29,60 @@ logger = logging.getLogger(__name__)
 class MovedOn(ShadowError):
     """A live cluster applied a newer iteration while a restore was reading it, or a
     worker was too busy to serve it (error codes ``moved_on``, ``busy``); worth asking again."""
+
+
+def restore_info(address: str, job: str | None, timeout: float) -> dict:
+    """The coordinator's answer to ``restore_info``: the iteration its workers' memory holds
+    (``memory``, or why none: ``memory_error``), its job and its tiers (``storage``)."""
+    sock = dealer(zmq.Context.instance(), address)
+    try:
+        return request(sock, address, M.encode("restore_info", job=job), timeout, ("restore_info_reply",))["info"]
+    finally:
+        sock.close(linger=0)
+
+
+class MemorySource:
+    """The cluster behind coordinator ``address``: at most one candidate, the iteration its
+    workers hold now (each :meth:`candidates` call asks again: a live cluster moves on).
+
+    Call order: :meth:`candidates` (one request, ``timeout`` seconds at most), then
+    :meth:`load` of its candidate (``SHADOW_FETCH_TIMEOUT_S`` for the workers' replies;
+    :class:`MovedOn` means ask again), and :meth:`tiers` for the cluster's persisted tiers
+    as of the last answer."""
+
+    name = "memory"
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address, self.timeout = address, timeout
+        self.info: dict = {}  # the coordinator's last answer
+        self.problem = ""  # why the last answer named no iteration
+
+    @property
+    def root(self) -> str:
+        return self.address
+
+    @property
+    def job(self) -> str | None:
+        """The job the coordinator's last answer was about."""
+        return self.info.get("job")
+
+    def candidates(self, job: str | None) -> list[Candidate]:
+        self.info = restore_info(self.address, job, self.timeout)
+        mem = self.info["memory"]
+        if mem is None:
+            self.problem = str(self.info["memory_error"])
+            return []
+        self.problem = ""
+        return [Candidate(mem["job"], mem["iteration"], "memory", self.address, generation=None, handle=mem)]
+
+    def load(self, candidate: Candidate, progress=None) -> Snapshot:
+        return fetch_memory(candidate.handle, self.address, progress)
+
+    def tiers(self) -> list[TierSource]:
+        """The cluster's persisted tiers, nearest first, as its last answer named them."""
+        from shadow.restore.tier import TierSource  # the tiers' readers load only when a tier is read
+
+        return [TierSource(st["tier"], st["root"]) for st in self.info.get("storage", [])]
 
 
 def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:

@@ -1,5 +1,9 @@
 """Writing a checkpoint out in standard formats: a torch state-dict file, a
-``torch.distributed.checkpoint`` directory, or the model weights as safetensors."""
+``torch.distributed.checkpoint`` directory, or the model weights as safetensors.
+
+torch (and the modules here that need it) is imported inside the writers, after the
+arguments are checked: importing this module costs nothing on a host without torch, and
+a writer called there raises :class:`~shadow.export.TorchMissingError`."""
 
 from __future__ import annotations
 
@@ -9,16 +13,12 @@ import os
 import shutil
 from collections.abc import Callable
 
-import torch
-
+from shadow.export._torch import require_torch
 from shadow.snapshot import Snapshot
-from trainer_hooks._codec import unpack
-from trainer_hooks._extras import snapshot_aliases
-from trainer_hooks._restore import state_dicts
 
 FORMATS = ("torch", "dcp", "safetensors")
 WEIGHT_FORMATS = ("safetensors", "torch")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # what export_weights casts floating tensors to
 
 
 def _fqn_optimizer(sd: dict, names: list[str]) -> dict:
@@ -58,11 +58,14 @@ def export(snap: Snapshot, out: str, fmt: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not supported; choose one of {FORMATS}")
     check_out(out)
-    sd = state_dicts(snap)
+    torch = require_torch(f"writing a checkpoint in format={fmt}")
+    from shadow.export import state
+
+    sd = state.state_dicts(snap)
     if fmt == "torch":
         _via_tmp(out, lambda tmp: torch.save(sd, tmp))
         return out
-    aliases = snapshot_aliases(snap.extras, unpack(snap.blobs[0]))
+    aliases = state.aliases(snap)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
@@ -73,10 +76,10 @@ def export(snap: Snapshot, out: str, fmt: str) -> str:
     import torch.distributed.checkpoint as dcp
 
     names = [p.name for p in snap.layout.params]
-    state = {"model": dict(sd["model"]), "optimizer": _fqn_optimizer(sd, names)}
+    tensors = {"model": dict(sd["model"]), "optimizer": _fqn_optimizer(sd, names)}
     created = not os.path.exists(out)
     try:
-        dcp.save(state, checkpoint_id=out, no_dist=True)
+        dcp.save(tensors, checkpoint_id=out, no_dist=True)
         with open(os.path.join(out, "shadow.json"), "w") as f:
             json.dump({"job": snap.job, "iteration": snap.iteration, "scheduler_in": "torch format only"}, f)
     except BaseException:
@@ -94,11 +97,14 @@ def export_weights(snap: Snapshot, out: str, fmt: str = "safetensors", dtype: st
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"format={fmt!r} is not supported for weights; choose one of {WEIGHT_FORMATS}")
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {tuple(DTYPES)}")
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
     check_out(out)
-    sd = state_dicts(snap)["model"]
-    aliases = snapshot_aliases(snap.extras, unpack(snap.blobs[0]))
-    cast = DTYPES[dtype]
+    torch = require_torch(f"writing model weights in format={fmt}")
+    from shadow.export import state
+
+    sd = state.state_dicts(snap)["model"]
+    aliases = state.aliases(snap)
+    cast = getattr(torch, dtype)
     weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if k not in aliases}
     if fmt == "safetensors":
         from safetensors.torch import save_file

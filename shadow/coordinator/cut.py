@@ -1,0 +1,156 @@
+"""The committed cut, and freezing it.
+
+Iteration k is committed only when every (healthy) worker has reported ``prepared(k)``;
+then every worker is told to apply through k (the writers of a persisted checkpoint
+snapshot it in that pass) and every trainer rank learns the new cut, its flow-control
+credit. A failure that breaks the chain *degrades* the job: the checkpoint stays frozen at
+the last cut until every worker answers again and the trainers resync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.persistence import Persistence
+from shadow.coordinator.records import JobStatus
+from shadow.coordinator.state import ClusterState
+
+logger = logging.getLogger(__name__)
+
+Msg = dict[str, Any]
+
+
+class Cut:
+    """Handlers ``configured``, ``prepared``, ``persisted`` and ``audited`` (all from workers),
+    the cut itself (:meth:`advance`), and :meth:`degrade` / :meth:`maybe_resync`."""
+
+    def __init__(self, state: ClusterState, out: Outbox, persist: Persistence) -> None:
+        self.state, self.out, self.persist = state, out, persist
+
+    def on_configured(self, env: list[bytes], msg: Msg) -> None:
+        st, job = self.state, self.state.job
+        w = st.worker(env[0])
+        if w is None or job is None or msg["epoch"] != job.epoch:
+            return
+        w.configured = msg["epoch"]
+        w.prepared, w.stale = job.base - 1, ""
+        if job.status == JobStatus.CONFIGURING and all(x.configured == job.epoch for x in st.workers):
+            job.status = JobStatus.BOOTSTRAPPING
+            workers = [
+                {
+                    "id": x.id,
+                    "data": x.data,
+                    "start": job.ranges[x.id][0],
+                    "stop": job.ranges[x.id][1],
+                    "shard": st.shard_of(x),
+                }
+                for x in st.workers
+            ]
+            self.out.to_trainers(job, "attached", epoch=job.epoch, job_id=job.job_id, workers=workers)
+            logger.info("job %s epoch %d attached: %d ranks, %d workers", job.name, job.epoch, job.world, len(workers))
+
+    def on_prepared(self, env: list[bytes], msg: Msg) -> None:
+        st, job = self.state, self.state.job
+        w = st.worker(env[0])
+        if w is None or job is None or msg["epoch"] != job.epoch:
+            return
+        w.prepared = max(w.prepared, msg["iteration"])
+        if msg["tokens"] is not None:
+            st.tokens[msg["iteration"]] = msg["tokens"]
+        self.advance()
+
+    def advance(self) -> None:
+        """The cut: the newest iteration every healthy worker has prepared (and, while a
+        replica copies from its peer, no further than the copied iteration)."""
+        st, job = self.state, self.state.job
+        now = time.monotonic()
+        live = (
+            [x for x in st.workers if not x.out and not x.transit and st.alive(x, now)]
+            if st.replicas > 1
+            else st.workers
+        )
+        if job is None or not live:
+            return
+        cut = min(x.prepared for x in live)
+        if job.cut_ceiling is not None:
+            cut = min(cut, job.cut_ceiling)
+        if cut <= job.cut:
+            return
+        job.cut, job.cut_time = cut, time.time()
+        st.retired = None  # the new epoch holds its base: restores read it, not the previous epoch's
+        if job.status == JobStatus.BOOTSTRAPPING:
+            job.status = JobStatus.RUNNING
+        persist = self.persist.local_due(cut, st.tokens.get(cut))
+        writers = {st.shard_of(x): x for x in reversed(live)}  # one replica per shard writes
+        for x in live:
+            writes = bool(persist) and writers.get(st.shard_of(x)) is x
+            if writes:
+                job.writers[st.shard_of(x)] = x.id
+            # the writer snapshots the cut in the apply pass itself
+            self.out.to_worker(x, "apply", epoch=job.epoch, iteration=cut, persist=writes)
+        self.out.to_trainers(job, "progress", epoch=job.epoch, applied=cut)
+        for it in [i for i in st.tokens if i < cut]:
+            del st.tokens[it]
+
+    def on_persisted(self, env: list[bytes], msg: Msg) -> None:
+        st, job = self.state, self.state.job
+        if job is None or msg["epoch"] != job.epoch:
+            return
+        for kind, iteration, per_shard in self.persist.on_report(job, msg, st.nshards):
+            if kind == "upload":
+                for shard, r in per_shard.items():
+                    x = st.workers[job.writers.get(shard, shard)]
+                    self.out.to_worker(
+                        x, "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"], checksum=r["checksum"]
+                    )
+
+    def on_audited(self, env: list[bytes], msg: Msg) -> None:
+        job = self.state.job
+        if job is None or msg["epoch"] != job.epoch:
+            return
+        a = job.audit
+        a["checked"] += msg["checked"]
+        a["last_iteration"] = msg["iteration"]
+        a["max_ulp"] = max(a["max_ulp"], msg["max_ulp"])
+        if msg["ok"] and msg["detail"]:
+            a["last_deviation"] = f"iteration {msg['iteration']}: {msg['detail']}"
+        if not msg["ok"]:
+            a["mismatches"] += 1
+            a["last_mismatch"] = f"iteration {msg['iteration']}: {msg['detail']}"
+            logger.error(
+                "divergence audit failed at iteration %d (max %d ulp): %s",
+                msg["iteration"],
+                msg["max_ulp"],
+                msg["detail"],
+            )
+            self.out.to_trainers(
+                job, "audit", epoch=job.epoch, iteration=msg["iteration"], ok=False, detail=msg["detail"]
+            )
+
+    def degrade(self, reason: str) -> None:
+        """Freeze the checkpoint at the current cut: the trainers hear why, and a resync
+        follows once every worker answers again."""
+        job = self.state.job
+        if job is None or job.status in (JobStatus.DETACHED, JobStatus.CONFIGURING):
+            return
+        job.status, job.reason, job.degraded_at = JobStatus.DEGRADED, reason, time.monotonic()
+        self.out.to_trainers(job, "degraded", epoch=job.epoch, reason=f"{reason}; checkpoint frozen at {job.cut}")
+        self.maybe_resync()
+
+    def maybe_resync(self) -> None:
+        """Once every worker slot is alive again, ask the trainers to resync the cluster
+        (a new epoch bootstrapped from their state at an iteration boundary)."""
+        st, job, now = self.state, self.state.job, time.monotonic()
+        if job is None or job.status != JobStatus.DEGRADED or job.resync_requested:
+            return
+        if len(st.workers) < st.expected or not all(st.alive(w, now) for w in st.workers):
+            return
+        if not all(w.last_seen > job.degraded_at for w in st.workers):
+            return  # every worker must have answered since the failure (a frozen one has not)
+        job.resync_requested = True
+        st.resyncs[job.name] = st.resyncs.get(job.name, 0) + 1
+        logger.info("job %s: all %d workers alive; asking the trainers to resync", job.name, len(st.workers))
+        self.out.to_trainers(job, "resync", epoch=job.epoch)

@@ -1,0 +1,131 @@
+"""Worker membership: processes starting, registering (or taking their slot back after a
+restart), heartbeats, and workers lost or reporting stale state."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from shadow.coordinator.attach import Attach
+from shadow.coordinator.cut import Cut
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.records import JobStatus, WorkerRec
+from shadow.coordinator.replicas import Replicas
+from shadow.coordinator.state import ClusterState
+
+logger = logging.getLogger(__name__)
+
+Msg = dict[str, Any]
+
+
+class Membership:
+    """Handlers ``starting``, ``register``, ``heartbeat`` and ``stale`` (workers), and the
+    periodic :meth:`check_workers`."""
+
+    def __init__(self, state: ClusterState, out: Outbox, cut: Cut, replicas: Replicas, attach: Attach) -> None:
+        self.state, self.out, self.cut, self.replicas, self.attach = state, out, cut, replicas, attach
+
+    def on_starting(self, env: list[bytes], msg: Msg) -> None:
+        """A worker process is up and compiling its kernels; it registers when they are ready."""
+        self.state.starting[msg["pid"]] = {
+            "worker_id": msg["worker_id"],
+            "pid": msg["pid"],
+            "seconds": msg["seconds"],
+            "last_seen": time.monotonic(),
+        }
+
+    def on_register(self, env: list[bytes], msg: Msg) -> None:
+        self.state.starting.pop(msg["pid"], None)
+        w = self.enrol(env, msg, fresh=True)
+        if w is not None:
+            self.cut.maybe_resync()
+            self.attach.start_attaches()
+
+    def enrol(self, env: list[bytes], msg: Msg, fresh: bool) -> WorkerRec | None:
+        """A worker (re)takes a slot: its own ``worker_id`` if it names one, else the first free.
+        ``fresh``: it holds no state (a register, not a rejoin)."""
+        st, now = self.state, time.monotonic()
+        w = st.worker(env[0])
+        slot = msg["worker_id"] if w is None else w.id
+        taken = {x.id: x for x in st.workers}
+        awaiting_copy = False
+        if slot in taken and (w is None or fresh):
+            # a restarted (or reset) worker takes its slot back: it has no state
+            w = taken[slot]
+            logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
+            w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
+            w.lost, w.stale, w.transit, w.configured = False, "restarted", "", -1
+            w.prepared, w.applied, w.seen, w.seq, w.joined_at = -1, -1, -1, [], now
+            self.replicas.cancel_join(w)
+            awaiting_copy = self.replicas.start_join(w)
+            if not awaiting_copy:
+                w.out = False
+                self.cut.degrade(f"worker {slot} restarted")
+        elif w is None:
+            if slot < 0:
+                slot = next((i for i in range(st.expected) if i not in taken), -1)
+            if not 0 <= slot < st.expected:
+                self.out.reply(
+                    env,
+                    "error",
+                    code="refused",
+                    message=f"cluster already has its {st.expected} workers "
+                    f"(or worker_id={msg['worker_id']} is out of range)",
+                )
+                return None
+            w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
+            st.workers.append(w)
+            st.workers.sort(key=lambda x: x.id)
+        w.memory = msg.get("memory", -1)
+        logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
+        self.out.reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy)
+        if len(st.ready_workers(now)) == st.expected:
+            logger.info("all %d workers ready", st.expected)
+        return w
+
+    def on_heartbeat(self, env: list[bytes], msg: Msg) -> None:
+        w = self.state.worker(env[0])
+        if w is None:  # a worker of a previous coordinator: ask what it holds
+            self.out.reply(env, "reregister")
+            return
+        w.last_seen = time.monotonic()
+        if msg["seq"] != w.seq:  # frames taken (not merely received: rejected ones do not count)
+            w.busy_at = w.last_seen
+        w.seq = msg["seq"]
+        w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
+        w.observe(w.last_seen, msg["bytes_in"], msg["replay_s"], msg["replayed"])
+        w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
+        w.memory = msg.get("memory", -1)
+        if self.state.status_is(JobStatus.DEGRADED):
+            self.cut.maybe_resync()
+
+    def check_workers(self) -> None:
+        """Periodic: forget processes that died while compiling; mark workers lost (or back)."""
+        st, now = self.state, time.monotonic()
+        for pid in [p for p, x in st.starting.items() if now - x["last_seen"] > st.tuning.worker_lost_s]:
+            del st.starting[pid]  # died while compiling (shadow cluster starts another)
+        for w in st.workers:
+            alive = st.alive(w, now)
+            if not alive and not w.lost:
+                w.lost = True
+                logger.error("worker %d (pid %d) is lost: no heartbeat for %.1f s", w.id, w.pid, now - w.last_seen)
+                self.replicas.down(w, f"worker {w.id} lost")
+            elif alive and w.lost:
+                w.lost = False
+                logger.info("worker %d is back", w.id)
+                self.cut.maybe_resync()
+
+    def on_stale(self, env: list[bytes], msg: Msg) -> None:
+        st = self.state
+        w = st.worker(env[0])
+        if w is None:
+            return
+        w.stale = msg["reason"]
+        logger.error("worker %d reports stale state: %s", w.id, msg["reason"])
+        job = st.job
+        if job is not None and msg["epoch"] == job.epoch and job.status != JobStatus.DEGRADED:
+            if w.id in job.joining:  # the peer copy failed
+                self.replicas.cancel_join(w)
+                w.out = False
+            self.replicas.down(w, f"worker {w.id} is stale ({msg['reason']})")

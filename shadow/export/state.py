@@ -1,0 +1,68 @@
+"""A :class:`~shadow.snapshot.Snapshot` as plain torch state dicts: what ``restore`` loads
+into a live model and what every exporter writes. Imports torch: load it only where torch
+is needed (see :mod:`shadow.export`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from shadow.export import blob, extras
+from shadow.snapshot import Snapshot
+from shadow.wire.frames import Field
+
+
+def _flat(snap: Snapshot, field: Field, i: int) -> torch.Tensor:
+    spec = snap.layout.params[i]
+    arr = snap.arrays[field][spec.offset : spec.offset + spec.numel]
+    return torch.from_numpy(arr).view(spec.shape)
+
+
+def state_dicts(snap: Snapshot) -> dict:
+    """``{"model", "optimizer", "scheduler", "iteration", "rng", "extra_state", ...}``
+    with ordinary torch state dicts, loadable with ``load_state_dict``."""
+    blobs = {r: blob.unpack(b) for r, b in snap.blobs.items()}
+    b0 = blobs[0]
+    params = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
+    model = extras.model_state(params, snap.extras, b0)  # with frozen params, buffers, aliases
+    groups = b0["param_groups"]
+    state: dict[int, dict] = {}
+    sgd = snap.optim.get("kind") == "sgd"
+    for i, spec in enumerate(snap.layout.params):
+        if not snap.has_state[i]:
+            continue
+        if sgd:
+            state[i] = {"momentum_buffer": _flat(snap, Field.EXP_AVG, i)}
+            continue
+        st = {
+            "step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
+            "exp_avg": _flat(snap, Field.EXP_AVG, i),
+            "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i),
+        }
+        if groups[spec.group].get("amsgrad"):
+            st["max_exp_avg_sq"] = _flat(snap, Field.MAX_EXP_AVG_SQ, i)
+        state[i] = st
+    param_groups = []
+    for gi, g in enumerate(groups):
+        g = dict(g)
+        g["params"] = [i for i, spec in enumerate(snap.layout.params) if spec.group == gi]
+        param_groups.append(g)
+    ranks = [blobs[r] for r in sorted(blobs)]
+    return {
+        "model": model,
+        "optimizer": {"state": state, "param_groups": param_groups},
+        "scheduler": b0.get("scheduler"),
+        "scaler": b0.get("scaler"),
+        "iteration": snap.iteration,
+        "rng": [b["rng"] for b in ranks],
+        "extra_state": b0.get("extra_state"),
+        "extra_state_by_rank": [b.get("extra_state") for b in ranks],
+        "job": snap.job,
+    }
+
+
+def aliases(snap: Snapshot) -> dict[str, str]:
+    """Every model state-dict key of ``snap`` that names an already-named tensor (tied
+    weights): ``alias -> name``."""
+    return extras.snapshot_aliases(snap.extras, blob.unpack(snap.blobs[0]))

@@ -1,0 +1,140 @@
+"""The local file system as a :class:`~shadow.storage.base.Storage`: durable writes
+(tmp, fsync, rename, directory fsync), ``O_DIRECT`` shard images, and the same glob and
+listing rules as fsspec's local file system."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from typing import BinaryIO, cast
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from shadow.storage.base import Image, Storage
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def replacing(path: str) -> Iterator[str]:
+    """Write ``path`` durably through ``path + ".tmp"`` (yielded): renamed over ``path``
+    and its directory fsynced once the body returns; removed if it raises (a full disk
+    would otherwise keep the partial file's space until retention finds it)."""
+    tmp = path + ".tmp"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+class LocalStorage(Storage):
+    """A directory on this host (``url``: a path or a ``file://`` URL)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        fs, self.base = fsspec.core.url_to_fs(url)  # an absolute POSIX path, as fsspec names it
+        assert isinstance(fs, LocalFileSystem), url
+        self._fs = fs
+
+    @property
+    def local(self) -> bool:
+        return True
+
+    def write_atomic(self, path: str, data: bytes, parents: bool = False) -> None:
+        d = os.path.dirname(path)
+        if parents:
+            os.makedirs(d, exist_ok=True)
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # a full disk: no partial file left behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.replace(tmp, path)
+        fsync_dir(d)
+
+    def write_image(self, path: str, image: Image) -> int:
+        return image.write(path)
+
+    def read_into(self, path: str, out: memoryview, offset: int = 0) -> int:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            return f.readinto(out) or 0
+
+    def cat(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self._fs.cat_file(path, start=start, end=end)
+
+    def list(self, pattern: str) -> list[str]:
+        return self._fs.glob(pattern)
+
+    def exists(self, path: str) -> bool:
+        return self._fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return self._fs.isdir(path)
+
+    def info(self, path: str) -> dict:
+        return self._fs.info(path)
+
+    def ls(self, path: str) -> builtins.list[dict]:
+        return self._fs.ls(path, detail=True)
+
+    def rm(self, path: str, recursive: bool = True) -> None:
+        self._fs.rm(path, recursive=recursive)  # the local rm takes paths as they are
+
+    def put_file(self, src: str, path: str) -> None:
+        self._fs.put_file(src, path)
+
+    def open(self, path: str, mode: str = "rb") -> BinaryIO:
+        return cast(BinaryIO, open(path, mode))  # noqa: SIM115 -- the caller closes it
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def move(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def shard_file(self, directory: str, name: str, size: int) -> str:
+        path = os.path.join(directory, name)
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            real, home = os.path.realpath(path), os.path.realpath(directory)
+            if os.path.dirname(real) != home:
+                raise ValueError(f"{path} is a link to {real}, outside the checkpoint directory")
+            st = os.stat(real)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size != size:
+            raise ValueError(f"{path} is {st.st_size} bytes, manifest says {size}")
+        return path
+
+    def free_space(self, path: str) -> str:
+        try:
+            d = path
+            while d and not os.path.isdir(d):
+                d = os.path.dirname(d)
+            usage = shutil.disk_usage(d or ".")
+        except OSError:
+            return ""
+        return f" ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB)"

@@ -1,0 +1,99 @@
+"""Any fsspec back end (object stores, shared file systems reached by URL, ``memory://``)
+as a :class:`~shadow.storage.base.Storage`.
+
+fsspec reads ``*``, ``?`` and ``[`` as glob syntax not only in ``glob`` but also in ``rm``
+and ``mv``/``copy`` (on every file system but the local one). A root such as
+``s3://b/ckpt[1]`` would then match nothing, or worse, a sibling's files: :meth:`rm` and
+:meth:`move` here take their paths literally.
+"""
+
+from __future__ import annotations
+
+import builtins
+import glob
+import posixpath
+import re
+from typing import BinaryIO
+
+import fsspec
+
+from shadow.storage.base import Image, Storage
+
+_MAGIC = re.compile(r"[*?[]")
+
+
+class FsspecStorage(Storage):
+    """A tier behind an fsspec URL. Writes are made atomic by writing ``<path>.tmp`` and
+    moving it over ``path`` (what the back end offers; an object store's move is a copy
+    and a delete, and the manifest written last is still the commit marker)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.fs, self.base = fsspec.core.url_to_fs(url)
+
+    @property
+    def local(self) -> bool:
+        return False
+
+    def write_atomic(self, path: str, data: bytes, parents: bool = False) -> None:
+        if parents:
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        self.fs.pipe_file(path + ".tmp", data)
+        self.move(path + ".tmp", path)
+
+    def write_image(self, path: str, image: Image) -> int:
+        self.write_atomic(path, bytes(image.buf[: image.size]))
+        return image.size
+
+    def read_into(self, path: str, out: memoryview, offset: int = 0) -> int:
+        with self.fs.open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def cat(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def list(self, pattern: str) -> list[str]:
+        return self.fs.glob(pattern)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.fs.isdir(path)
+
+    def info(self, path: str) -> dict:
+        return self.fs.info(path)
+
+    def ls(self, path: str) -> builtins.list[dict]:
+        return self.fs.ls(path, detail=True)
+
+    def rm(self, path: str, recursive: bool = True) -> None:
+        self.fs.rm(glob.escape(path), recursive=recursive)
+
+    def put_file(self, src: str, path: str) -> None:
+        self.fs.put_file(src, path)
+
+    def open(self, path: str, mode: str = "rb") -> BinaryIO:
+        return self.fs.open(path, mode)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def move(self, src: str, dst: str) -> None:
+        if _MAGIC.search(src) or _MAGIC.search(dst):  # mv would read them as a pattern
+            self.fs.cp_file(src, dst)
+            self.fs.rm_file(src)
+        else:
+            self.fs.mv(src, dst)
+
+    def shard_file(self, directory: str, name: str, size: int) -> str:
+        path = posixpath.join(directory, name)
+        info = self.fs.info(path)
+        if info.get("type") != "file":
+            raise ValueError(f"{path} is not a regular file (a {info.get('type')})")
+        if info.get("size") is not None and info["size"] != size:
+            raise ValueError(f"{path} is {info['size']} bytes, manifest says {size}")
+        return path

@@ -1,0 +1,61 @@
+"""``Tuning``: one typed home for the knobs, built once: argument, then environment, then default."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shadow.tuning import ENV, NAMES, Tuning
+
+
+def test_precedence_is_argument_then_environment_then_default():
+    env = {"SHADOW_MAX_LAG": "7", "SHADOW_WORKER_LOST_S": "1.5"}
+    t = Tuning.load(env, worker_lost_s=2.5)
+    assert t.worker_lost_s == 2.5  # the argument wins over the environment
+    assert t.max_lag_iterations == 7 and isinstance(t.max_lag_iterations, int)  # the environment over the default
+    assert t.heartbeat_s == Tuning().heartbeat_s == 0.5  # the default
+    assert Tuning.load(env, max_lag_iterations=None).max_lag_iterations == 7  # None: not given
+
+
+def test_it_is_frozen_and_replace_checks_again():
+    t = Tuning()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.max_runs = 3  # type: ignore[misc]
+    assert t.replace(max_runs=3).max_runs == 3 and t.max_runs == 65536
+    with pytest.raises(ValueError, match=r"tuning.max_runs=-1 must be >= 0"):
+        t.replace(max_runs=-1)
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"SHADOW_HEARTBEAT_S": "fast"}, r"SHADOW_HEARTBEAT_S='fast' is not a number"),
+        ({"SHADOW_WORKER_SLOTS": "2.5"}, r"tuning.worker_slots=2.5 must be a whole number"),
+        ({"SHADOW_FETCH_TIMEOUT_S": "-1"}, r"tuning.fetch_timeout_s=-1.0 must be >= 0"),
+    ],
+)
+def test_a_bad_value_names_the_knob(env, match):
+    with pytest.raises(ValueError, match=match):
+        Tuning.load(env)
+
+
+def test_an_unknown_field_is_refused_with_the_list():
+    with pytest.raises(ValueError, match=r"unknown tuning field\(s\) \['max_lag'\]"):
+        Tuning.load({}, max_lag=3)
+
+
+def test_environ_rebuilds_the_same_tuning_in_a_child_process():
+    t = Tuning.load({}, worker_lost_s=1.5, seq_window_messages=64)
+    assert t.environ() == {"SHADOW_WORKER_LOST_S": "1.5", "SHADOW_SEQ_WINDOW": "64"}
+    assert Tuning.load(t.environ()) == t
+    assert Tuning().environ() == {}
+
+
+def test_every_field_has_a_unit_or_a_count_in_its_name_and_one_variable():
+    units = ("_s", "_bytes", "_iterations", "_messages", "_elements", "_port")
+    counts = ("worker_slots", "worker_hugepages", "max_runs", "serve_max_fetches", "persist_buffers")
+    counts += ("attach_pending_jobs", "attach_pending_ranks", "compress_threads")
+    for name in NAMES:
+        assert name.endswith(units) or name in counts, name
+    assert len(set(NAMES.values())) == len(NAMES) and ENV[NAMES["max_lag_iterations"]] == "max_lag_iterations"
