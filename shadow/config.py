@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shadow.plan.config import PlanConfig
+from shadow.tuning import TuningConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -185,6 +186,13 @@ def _check_metrics_port(port: int) -> None:
         _check_port(port)
 
 
+def _check_tuning(value: Any) -> None:
+    if not isinstance(value, TuningConfig):
+        raise ValueError(
+            f"tuning={value!r} is not allowed: tuning is a section; set its keys, e.g. tuning.worker_lost_s=1.5"
+        )
+
+
 def check_shape(workers: int, replicas: int) -> None:
     """A cluster of ``workers`` slots, each shard held by ``replicas`` of them, or a
     ``ValueError`` saying what to change."""
@@ -209,9 +217,11 @@ class CoordinatorConfig:
     log_format: str = "text"  #: text (one line per event) or json (one JSON object per line)
     persist: PersistConfig = field(default_factory=PersistConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.tuning.Tuning); the workers get them too
 
     def __post_init__(self) -> None:
         check_shape(self.workers, self.replicas)
+        _check_tuning(self.tuning)
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
         _check_log(self.log_level, self.log_format)
@@ -253,9 +263,11 @@ class WorkerConfig:
     log_format: str = "text"  #: text or json
     worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.tuning.Tuning)
 
     def __post_init__(self) -> None:
         _check_endpoint("coordinator", self.coordinator)
+        _check_tuning(self.tuning)
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = all cores)")
         if not self.host:

@@ -137,6 +137,40 @@ class Tuning:
         }
 
 
+def _config_class() -> type:
+    """:class:`TuningConfig`: the services' ``tuning:`` group, every field of :class:`Tuning`
+    optional (None: from the environment, else the default)."""
+    default = Tuning()
+    spec = [
+        (
+            f.name,
+            int | None if f.type in ("int", int) else float | None,
+            field(
+                default=None,
+                metadata={
+                    **f.metadata,
+                    "help": f"{f.metadata['doc']} (null: ${f.metadata['env']}, else {getattr(default, f.name)})",
+                },
+            ),
+        )
+        for f in fields(Tuning)
+    ]
+
+    def resolve(self: Any) -> Tuning:
+        """The :class:`Tuning` these settings give (argument, then environment, then default)."""
+        return Tuning.load(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def check(self: Any) -> None:
+        self.resolve()  # a value out of range is an error when the command line is read
+
+    doc = "Knobs given on the command line (``tuning.worker_lost_s=1.5``); see :class:`Tuning`."
+    namespace = {"resolve": resolve, "__post_init__": check, "__doc__": doc}
+    return dataclasses.make_dataclass("TuningConfig", spec, namespace=namespace)
+
+
+TuningConfig = _config_class()
+TuningConfig.__module__ = __name__
+
 #: field name -> its environment variable
 NAMES: dict[str, str] = {f.name: f.metadata["env"] for f in fields(Tuning)}
 #: environment variable -> field name

@@ -59,3 +59,32 @@ def test_every_field_has_a_unit_or_a_count_in_its_name_and_one_variable():
     for name in NAMES:
         assert name.endswith(units) or name in counts, name
     assert len(set(NAMES.values())) == len(NAMES) and ENV[NAMES["max_lag_iterations"]] == "max_lag_iterations"
+
+
+def test_services_take_a_tuning_group_on_the_command_line(monkeypatch):
+    from shadow.cli._compose import UsageError, parse
+    from shadow.config import ClusterConfig, WorkerConfig
+
+    monkeypatch.setenv("SHADOW_HEARTBEAT_S", "0.25")
+    cfg = parse(ClusterConfig, ["workers=2", "tuning.worker_lost_s=1.5"])
+    t = cfg.tuning.resolve()
+    assert t.worker_lost_s == 1.5 and t.heartbeat_s == 0.25  # the command line, then the environment
+    assert t.environ() == {"SHADOW_WORKER_LOST_S": "1.5", "SHADOW_HEARTBEAT_S": "0.25"}  # what its workers get
+    assert parse(WorkerConfig, ["tuning.seq_window_messages=64"]).tuning.resolve().seq_window_messages == 64
+    for bad, said in (
+        ("tuning.worker_lost_s=-1", "must be >= 0"),
+        ("tuning.max_lag=3", "unknown key 'tuning.max_lag'"),
+        ("tuning.max_runs=many", "takes an integer"),
+        ("tuning=3", "tuning is a section"),
+    ):
+        with pytest.raises(UsageError, match=said):
+            parse(ClusterConfig, [bad])
+
+
+def test_the_coordinator_runs_with_the_tuning_it_is_given():
+    from shadow.coordinator.outbox import RecordingOutbox
+    from shadow.coordinator.server import Coordinator
+
+    t = Tuning.load({}, worker_lost_s=0.75, persist_skip_log_s=5.0)
+    coord = Coordinator("tcp://127.0.0.1:1", workers=1, outbox=RecordingOutbox(), tuning=t)
+    assert coord.state.tuning is t and coord.persist.tuning is t

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -133,14 +134,22 @@ def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def _hint(cls: type, f: dataclasses.Field) -> Any:
+    """The type of field ``f`` of ``cls``: its annotation, or, for a section annotated
+    ``Any`` (``tuning``, a generated dataclass), the dataclass its default is made from."""
+    factory = f.default_factory
+    if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        return factory
+    return typing.get_type_hints(cls)[f.name]
+
+
 def _no_unknown_keys(cls: type, data: dict, prefix: str) -> None:
     """``+key=value`` adds keys Hydra accepts and the dataclass would silently drop."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
-        if key not in names:
+        if key not in fields:
             raise UsageError(f"unknown key {prefix + key!r}; {_keys_of(cls, prefix)}")
-        sub = hints[key]
+        sub = _hint(cls, fields[key])
         if isinstance(sub, type) and dataclasses.is_dataclass(sub) and isinstance(value, dict):
             _no_unknown_keys(sub, value, f"{prefix}{key}.")
 
@@ -160,7 +169,7 @@ def _field_at(cls: type, dotted: str) -> tuple[type | None, Any, type | None]:
         if part not in fields:
             return None, None, owner
         f = fields[part]
-        hint = typing.get_type_hints(owner)[part]
+        hint = _hint(owner, f)
         if i == len(parts) - 1:
             default = f.default if f.default is not dataclasses.MISSING else None
             return hint, default, owner
@@ -185,7 +194,7 @@ def _explain(cls: type, exc: Exception) -> str:
     value = getattr(cause, "value", None)
     if value is None:
         value = str(cause).split("'")[1] if "'" in str(cause) else "?"
-    base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
     if dataclasses.is_dataclass(base):
         return (
             f"{key}={value!r} is not allowed: {key} is a section; set its keys, e.g. {key}.KEY=VALUE "

@@ -94,6 +94,9 @@ def keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = hints[f.name]
+        factory = f.default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):  # a group typed Any (tuning)
+            sub = factory
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             out += keys(sub, f"{prefix}{f.name}.")
             continue
@@ -104,7 +107,7 @@ def keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             raise TypeError(f"{cls.__name__}.{f.name} has no default")
         shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else str(default))
-        out.append((prefix + f.name, shown, _comments(cls).get(f.name, "")))
+        out.append((prefix + f.name, shown, _comments(cls).get(f.name, "") or f.metadata.get("help", "")))
     return out
 
 

@@ -39,6 +39,7 @@ def _coordinator(cfg: CoordinatorConfig):
         cfg.persist,
         guard=security.guard_from_config(cfg.security),
         replicas=cfg.replicas,
+        tuning=cfg.tuning.resolve(),
     )
 
 
@@ -78,6 +79,9 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     from shadow import security
     from shadow.worker.server import Worker
 
+    # the worker's parts still read their knobs through shadow.knobs, which reads the
+    # environment: the tuning given here (tuning.*=) reaches them that way
+    os.environ.update(cfg.tuning.resolve().environ())
     setup_logs(cfg.log_level, cfg.log_format, "worker")
     worker = Worker(
         cfg.coordinator,
@@ -120,7 +124,7 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
 
     from shadow.worker import malloc
 
-    env = malloc.environ()
+    env = {**malloc.environ(), **coord.tuning.environ()}  # the workers run with the cluster's tuning
 
     def spawn(slot: int) -> subprocess.Popen:
         return subprocess.Popen(
