@@ -12,12 +12,12 @@ import fsspec
 import numpy as np
 import pytest
 
-from shadow import knobs
 from shadow.config import PersistConfig
 from shadow.layout import Layout
 from shadow.persist import checkpoints, planes, retention, shardfile, zshard
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
+from shadow.tuning import Tuning
 from shadow.wire.frames import Field
 
 pytest.importorskip("zstandard")
@@ -170,8 +170,7 @@ def test_shard_file_roundtrip_rebuild_and_corruption(tmp_path, threads):
     img = _image(5_000, 0)
     image = img.buf[: img.size]
     path = str(tmp_path / ("s" + zshard.SUFFIX))
-    with knobs.override(COMPRESS_BLOCK_BYTES=4096):  # many blocks per tensor
-        nbytes, csum = zshard.write(image, path, 3, threads=threads)
+    nbytes, csum = zshard.write(image, path, 3, threads=threads, block_bytes=4096)  # many blocks per tensor
     with open(path, "rb") as f:
         data = f.read()
     assert nbytes == len(data) < img.size and csum == xxh3(data) and not os.path.exists(path + ".tmp")
@@ -288,16 +287,16 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
         "remote": {"url": remote_root, "compress": remote, "compress_level": 3},
     }
     states = [_state(lo, hi, 10 * i) for i, (lo, hi) in enumerate(RANGES)]
-    with knobs.override(COMPRESS_BLOCK_BYTES=4096, PERSIST_BUFFERS=1):
-        ps = [ShardPersister(PersistConfig.from_dict(persist), "j", i, 2, st) for i, st in enumerate(states)]
-        for p in ps:
-            p.snapshot(7, 1, 1, {0: b"commit-record"}, {"tokens": None})
-        reports = [_wait(p) for p in ps]
-        assert all(r["ok"] for r in reports), reports
-        _commit(local_root, "local", reports, 7)
-        for p, r in zip(ps, reports, strict=True):
-            p.upload(7, 1, r["bytes"], r["checksum"])
-        uploads = [_wait(p) for p in ps]
+    tuning = Tuning.load(compress_block_bytes=4096, persist_buffers=1)
+    ps = [ShardPersister(PersistConfig.from_dict(persist), "j", i, 2, st, tuning=tuning) for i, st in enumerate(states)]
+    for p in ps:
+        p.snapshot(7, 1, 1, {0: b"commit-record"}, {"tokens": None})
+    reports = [_wait(p) for p in ps]
+    assert all(r["ok"] for r in reports), reports
+    _commit(local_root, "local", reports, 7)
+    for p, r in zip(ps, reports, strict=True):
+        p.upload(7, 1, r["bytes"], r["checksum"])
+    uploads = [_wait(p) for p in ps]
     assert all(r["ok"] and r["tier"] == "remote" for r in uploads), uploads
     _commit(remote_root, "remote", uploads, 7)
     suffix = {"zstd": zshard.SUFFIX, "none": ".safetensors"}

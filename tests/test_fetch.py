@@ -150,8 +150,8 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
             "frozen", None, [router.send_multipart([ident, memoryview(big)], copy=False, track=True)], time.monotonic()
         )
         t0 = time.monotonic()
-        with knobs.override(SERVE_STALL_S=0.5):
-            w.wait_for_readers()
+        w.state.tuning = w.state.tuning.replace(serve_stall_s=0.5)
+        w.wait_for_readers()
         assert 0.3 < time.monotonic() - t0 < 3.0 and w.replies[ident].dropped and w.state.rejected["serve_dropped"] == 1
         # a shard that went out completely costs no wait
         local = ctx.socket(zmq.DEALER)

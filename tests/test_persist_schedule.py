@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shadow import knobs
 from shadow.config import PersistConfig
 from shadow.coordinator import persistence as persistence_mod
 from shadow.coordinator.persistence import Persistence
@@ -23,6 +22,7 @@ from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
+from shadow.tuning import Tuning
 from shadow.worker.state import ShardState
 
 LAYOUT = Layout.build([("a", (3000,), 0, True), ("b", (700,), 0, True)], 1)
@@ -142,7 +142,7 @@ def test_skips_are_one_summed_warning_and_a_metric(tmp_path, clock, caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(warnings) == 1 and "1 checkpoint request skipped (iteration 1; 1 in all)" in warnings[0].getMessage()
-    clock.now += knobs.get("PERSIST_SKIP_LOG_S")
+    clock.now += pers.tuning.persist_skip_log_s
     _local(pers, local, 7)  # the next complete checkpoint sums up the rest
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "5 checkpoint requests skipped (iterations 2-6; 6 in all)" in warnings[1]
@@ -181,11 +181,12 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
     monkeypatch.setattr(ShardPersister, "_copy", slow_copy)
     pers = Persistence(PersistConfig.from_dict(persist))
     pers.reset(0)
-    with knobs.override(PERSIST_BUFFERS=1):
-        ps = [
-            ShardPersister(PersistConfig.from_dict(persist), "j", i, 2, _state(lo, hi))
-            for i, (lo, hi) in enumerate(RANGES)
-        ]
+    ps = [
+        ShardPersister(
+            PersistConfig.from_dict(persist), "j", i, 2, _state(lo, hi), tuning=Tuning.load(persist_buffers=1)
+        )
+        for i, (lo, hi) in enumerate(RANGES)
+    ]
     reports, uploads = [], []
     lt, rt = pers.tiers["local"], pers.tiers["remote"]
 

@@ -88,3 +88,12 @@ def test_the_coordinator_runs_with_the_tuning_it_is_given():
     t = Tuning.load({}, worker_lost_s=0.75, persist_skip_log_s=5.0)
     coord = Coordinator("tcp://127.0.0.1:1", workers=1, outbox=RecordingOutbox(), tuning=t)
     assert coord.state.tuning is t and coord.persist.tuning is t
+
+
+def test_the_worker_and_its_parts_run_with_the_tuning_they_are_given():
+    from shadow.worker.server import Worker
+
+    t = Tuning.load({}, serve_max_fetches=3, seq_window_messages=8)
+    w = Worker("tcp://127.0.0.1:1", tuning=t)
+    assert w.state.tuning is t
+    assert w.fetches.state is w.state and w.data.state is w.state and w.apply.state is w.state

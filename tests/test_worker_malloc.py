@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from shadow import knobs
 from shadow.worker import malloc
 
 needs_it = pytest.mark.skipif(not malloc.wanted({}), reason="no glibc 2.35+ with transparent huge pages here")
@@ -23,9 +22,9 @@ def test_environ_adds_the_tunable_once_and_keeps_others():
 
 
 def test_turned_off_by_the_knob():
-    with knobs.override(WORKER_HUGEPAGES=0):
-        assert not malloc.wanted({})
-        assert "GLIBC_TUNABLES" not in malloc.environ({})
+    off = {"SHADOW_WORKER_HUGEPAGES": "0"}
+    assert not malloc.wanted(off)
+    assert "GLIBC_TUNABLES" not in malloc.environ(off)
 
 
 @needs_it

@@ -4,6 +4,7 @@ failures and :class:`DataPath`'s policy around the receiver (``shadow/worker/``)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -11,7 +12,6 @@ import numpy as np
 import pytest
 import zmq
 
-from shadow import knobs
 from shadow.layout import Layout
 from shadow.transport import FrameReceiver, SocketFactory
 from shadow.wire import frames as F
@@ -31,6 +31,17 @@ OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8}
 BASE = 5
 LOCAL = Binding("127.0.0.1", "127.0.0.1")
 _ids = itertools.count()
+
+
+@contextlib.contextmanager
+def tuned(state: WorkerState, **changes):
+    """The worker's knobs changed for a block (its parts read them from the state)."""
+    saved = state.tuning
+    state.tuning = saved.replace(**changes)
+    try:
+        yield
+    finally:
+        state.tuning = saved
 
 
 def configure(epoch: int = 2, **kw) -> dict:
@@ -199,7 +210,7 @@ def test_a_client_has_one_fetch_at_a_time_and_a_worker_at_most_its_cap():
     assert reason == "serve_busy" and "still being sent" in text
     srv.replies[b"b"].dropped = True
     assert "dropped unread" in srv.refuse(b"b")[1]
-    with knobs.override(SERVE_MAX_FETCHES=2):
+    with tuned(srv.state, serve_max_fetches=2):
         assert srv.refuse(b"c") is None  # a dropped reply does not count
         srv.replies[b"d"] = Reply("d", None, [Tracker()], time.monotonic())
         reason, text = srv.refuse(b"c")
@@ -235,7 +246,7 @@ def test_the_serve_socket_refuses_with_a_code_and_counts(served):
     assert err["t"] == "error" and err["code"] == "malformed" and state.rejected["serve_unexpected"] == 1
     err = M.decode(exchange(srv, client, M.encode("fetch", epoch=2, iteration=BASE))[0])
     assert err["code"] == "wrong_epoch" and "not 2" in err["message"]  # nothing configured
-    with knobs.override(SERVE_MAX_FETCHES=1):
+    with tuned(state, serve_max_fetches=1):
         srv.pending.append((b"other", {"epoch": 2, "iteration": BASE}, time.monotonic() + 60))
         err = M.decode(exchange(srv, client, M.encode("fetch", epoch=2, iteration=BASE))[0])
     assert err["code"] == "busy" and state.rejected["serve_full"] == 1
@@ -259,7 +270,7 @@ def test_a_fetch_not_answered_in_time_gets_a_timeout(served):
     srv, state, client = served
     state.assignment = Assignment(configure())
     exchange(srv, client, M.encode("fetch", epoch=2, iteration=BASE + 3))
-    srv.expire(time.monotonic() + knobs.get("FETCH_TIMEOUT_S") + 1)
+    srv.expire(time.monotonic() + state.tuning.fetch_timeout_s + 1)
     assert client.poll(2000)
     err = M.decode(client.recv_multipart()[0])
     assert err["code"] == "timeout" and srv.pending == []
@@ -289,7 +300,7 @@ def test_a_peer_copy_that_is_late_or_malformed_makes_the_assignment_stale():
 
         state.assignment = Assignment(configure(epoch=3))
         peer.start({"id": 3, "serve": ep})
-        peer.check_deadline(time.monotonic() + knobs.get("FETCH_TIMEOUT_S") + 1)
+        peer.check_deadline(time.monotonic() + state.tuning.fetch_timeout_s + 1)
         assert peer.sock is None
         assert out.last("stale")["reason"].startswith(f"peer worker 3 did not send iteration {BASE} within")
     finally:

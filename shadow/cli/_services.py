@@ -79,9 +79,10 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     from shadow import security
     from shadow.worker.server import Worker
 
-    # the worker's parts still read their knobs through shadow.knobs, which reads the
-    # environment: the tuning given here (tuning.*=) reaches them that way
-    os.environ.update(cfg.tuning.resolve().environ())
+    tuning = cfg.tuning.resolve()
+    # the wire's limits (MAX_RUNS, MAX_COMMIT_BYTES, FETCH_CHUNK_BYTES) are still read through
+    # shadow.knobs, from the environment: the tuning given here reaches them that way too
+    os.environ.update(tuning.environ())
     setup_logs(cfg.log_level, cfg.log_format, "worker")
     worker = Worker(
         cfg.coordinator,
@@ -89,6 +90,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         worker_id=cfg.worker_id,
         guard=security.guard_from_config(cfg.security),
         keys=security.client_from_config(cfg.security),
+        tuning=tuning,
     )
     _warn_public(worker.bind_host, cfg.security)
     metrics = None

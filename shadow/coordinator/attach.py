@@ -255,7 +255,7 @@ class Attach:
         hosts: dict[str, list] = {}
         for w in self.state.workers:
             start, stop = bounds[w.id % self.state.nshards]
-            need = session_bytes(stop - start, nfields(optim), len(layout.params), persist)
+            need = session_bytes(stop - start, nfields(optim), len(layout.params), persist, self.state.tuning)
             hosts.setdefault(_host(w.data), []).append((w, need))
         for host, held in sorted(hosts.items()):
             known = [w.memory for w, _ in held if w.memory >= 0]

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shadow import knobs
 from shadow.persist import checkpoints, failed, shardfile, zshard
 from shadow.storage import Codec, LocalStorage, Storage, storage_for
+from shadow.tuning import Tuning
 
 if TYPE_CHECKING:
     from shadow.config import PersistConfig
@@ -63,7 +63,17 @@ class ShardPersister:
     message: :meth:`~shadow.config.PersistConfig.from_dict`); ``generation`` is the job's
     lineage (:func:`~shadow.persist.checkpoints.write_generation`)."""
 
-    def __init__(self, persist: PersistConfig, job: str, shard: int, nshards: int, state, generation: int = 0) -> None:
+    def __init__(
+        self,
+        persist: PersistConfig,
+        job: str,
+        shard: int,
+        nshards: int,
+        state,
+        generation: int = 0,
+        tuning: Tuning | None = None,
+    ) -> None:
+        self.tuning = tuning if tuning is not None else Tuning.load()
         self.local = persist.local.dir
         self.remote = persist.remote.url
         self.local_codec = Codec(persist.local.compress, persist.local.compress_level)
@@ -76,7 +86,7 @@ class ShardPersister:
         self.generation = generation
         n, p = state.size, len(state.layout.params)
         big = len(state.fields()) * n * 4
-        count = knobs.get_int("PERSIST_BUFFERS") if self.local else 0
+        count = self.tuning.persist_buffers if self.local else 0
         self._free: queue.Queue = queue.Queue()
         for _ in range(count):
             self._free.put(shardfile.ShardImage(big + p * 17 + (1 << 20)))
@@ -202,7 +212,7 @@ class ShardPersister:
         if not self._warming:
             return None
         try:  # the warm-up is faulting in an image's pages: wait for it (a heartbeat at most) rather than skip
-            return self._free.get(timeout=knobs.get("HEARTBEAT_S"))
+            return self._free.get(timeout=self.tuning.heartbeat_s)
         except queue.Empty:
             return None
 
@@ -267,7 +277,7 @@ class ShardPersister:
         and is abandoned after that (its report is never read, so its file never enters
         a manifest). Idempotent; returns whether every thread ended in time."""
         if timeout is None:
-            timeout = knobs.get("PERSIST_CLOSE_S")
+            timeout = self.tuning.persist_close_s
         with self._lock:
             if self._closed:
                 return True
@@ -308,7 +318,13 @@ class ShardPersister:
                 csum = img.checksum()
                 nbytes = self._local_storage.write_image(path, img)
             else:
-                nbytes, csum = zshard.write(img.buf[: img.size], path, self.local_codec.level)
+                nbytes, csum = zshard.write(
+                    img.buf[: img.size],
+                    path,
+                    self.local_codec.level,
+                    self.tuning.compress_threads,
+                    self.tuning.compress_block_bytes,
+                )
             rep = self.report(
                 iteration,
                 epoch,
@@ -387,7 +403,9 @@ class ShardPersister:
         data = np.memmap(src, dtype=np.uint8, mode="r")
         with remote.open(path, "wb") as out:
             if rc == "zstd":  # compress while copying
-                n, h = zshard.encode(data, out, level, where=src)
+                n, h = zshard.encode(
+                    data, out, level, self.tuning.compress_threads, self.tuning.compress_block_bytes, where=src
+                )
                 raw = data.size
             else:  # a plain remote copy of a compressed local file: rebuilt and checked block by block
                 n, h = zshard.decode_to(data, out, where=src)

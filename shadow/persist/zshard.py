@@ -39,10 +39,10 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
-from shadow import knobs
 from shadow.persist import planes, shardfile
 from shadow.persist.planes import CorruptBlobError
 from shadow.storage.local import replacing
+from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,11 @@ def encode(
     """Compress a plain shard file image (bytes-like or uint8 array, e.g. a memmap of
     the file) into ``out``; returns ``(bytes written, xxh3-64 of them)``."""
     img = (image if isinstance(image, np.ndarray) else np.frombuffer(image, dtype=np.uint8)).reshape(-1).view(np.uint8)
-    threads = knobs.get_int("COMPRESS_THREADS") if threads is None else threads
-    block = knobs.get_int("COMPRESS_BLOCK_BYTES") if block_bytes is None else block_bytes
+    if threads is None or block_bytes is None:  # not given: the environment's, else the defaults
+        tuning = Tuning.load()
+        threads = tuning.compress_threads if threads is None else threads
+        block_bytes = tuning.compress_block_bytes if block_bytes is None else block_bytes
+    block = block_bytes
     try:
         _meta, base, specs = shardfile.tensor_specs(img.data)
     except ValueError as exc:
@@ -160,11 +163,11 @@ def encode(
     return w.nbytes, w.h.intdigest()
 
 
-def write(image, path: str, level: int, threads: int | None = None) -> tuple[int, int]:
+def write(image, path: str, level: int, threads: int | None = None, block_bytes: int | None = None) -> tuple[int, int]:
     """Compress a plain shard image to ``path`` durably (tmp, fsync, rename, fsync dir);
     returns ``(bytes on storage, their xxh3-64)``, what a manifest records."""
     with replacing(path) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
-        result = encode(image, f, level, threads, where=path)
+        result = encode(image, f, level, threads, block_bytes, where=path)
         f.flush()
         os.fsync(f.fileno())
     return result

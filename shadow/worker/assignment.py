@@ -6,11 +6,11 @@ Imports no torch."""
 
 from __future__ import annotations
 
-from shadow import knobs
 from shadow.config import PersistConfig
 from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.transport.receive import Context
+from shadow.tuning import Tuning
 from shadow.worker.inbox import Inbox
 from shadow.worker.state import ShardState
 
@@ -19,7 +19,8 @@ class Assignment:
     """The job, epoch, shard range and state a ``configure`` message assigns, the inbox of
     iterations in flight, and how far they got (prepared, applied, stale)."""
 
-    def __init__(self, msg: dict) -> None:
+    def __init__(self, msg: dict, tuning: Tuning | None = None) -> None:
+        tuning = tuning if tuning is not None else Tuning.load()
         self.config = msg  # sent back if the coordinator restarts (rejoin)
         self.epoch = msg["epoch"]
         self.job = msg["job"]
@@ -28,7 +29,7 @@ class Assignment:
         self.layout_hash = self.layout.hash
         self.world = msg["world"]
         self.base = msg["iteration"]
-        self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"])
+        self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"], tuning.kernel_chunk_elements)
         self.context = Context(
             self.job_id,
             self.epoch,
@@ -40,7 +41,7 @@ class Assignment:
         )  # what a data message must match
         self.exact = bool(msg["optim"].get("bit_exact", True))
         self.inbox = Inbox(
-            self.state.size, self.world, knobs.get_int("WORKER_SLOTS"), self.state.expected_grad, self.state.fields()
+            self.state.size, self.world, tuning.worker_slots, self.state.expected_grad, self.state.fields()
         )
         self.applied = -1  # nothing installed yet
         self.prepared = self.base - 1  # highest iteration reported PREPARED
@@ -52,7 +53,7 @@ class Assignment:
         persist = PersistConfig.from_dict(msg["persist"])  # the cluster's typed config, rebuilt
         generation = int(msg["persist"].get("generation", 0))  # the job's lineage, beside the config
         self.persister = (
-            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state, generation)
+            ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state, generation, tuning)
             if persist.local.enabled
             else None
         )

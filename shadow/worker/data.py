@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from shadow import knobs
 from shadow.transport import SocketFactory, data_limit
 from shadow.transport.receive import FrameReceiver
 from shadow.wire import frames as F
@@ -45,7 +44,7 @@ class DataPath:
     def open(self) -> str:
         """Bind a fresh data socket; returns the endpoint trainers push to."""
         # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-        self.sock = self.sockets.pull(data_limit(), knobs.get_int("DATA_RCVHWM"))
+        self.sock = self.sockets.pull(data_limit(), self.state.tuning.data_rcvhwm_messages)
         self.endpoint = self.binding.bind(self.sock)
         if self.rx is None:
             self.rx = FrameReceiver(self.sock)
@@ -128,7 +127,7 @@ class DataPath:
                 f"iteration {h.iteration} is beyond {horizon} (applied {s.applied}, {s.inbox.nslots} slots)",
             )
         rx.check_runs(h, s.context)  # before the sequence check: a malformed header consumes no sequence number
-        s.inbox.check_seq(h.rank, h.seq, knobs.get_int("SEQ_WINDOW"))
+        s.inbox.check_seq(h.rank, h.seq, self.state.tuning.seq_window_messages)
         if h.kind == F.Kind.COMMIT:
             self._take_commit(s, rx, h)
         elif h.kind == F.Kind.EXTRA:

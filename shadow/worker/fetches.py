@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from shadow import knobs
 from shadow.transport import SocketFactory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
@@ -113,7 +112,7 @@ class FetchServer:
             sock.send_multipart([ident, M.encode("error", code="busy", message=text)])
             return
         msg["client"] = _client(ident, raw)
-        self.pending.append((ident, msg, time.monotonic() + knobs.get("FETCH_TIMEOUT_S")))
+        self.pending.append((ident, msg, time.monotonic() + self.state.tuning.fetch_timeout_s))
         self.answer()
 
     def refuse(self, ident: bytes) -> tuple[str, str] | None:
@@ -129,7 +128,7 @@ class FetchServer:
             return "serve_busy", f"busy: one fetch at a time per client; {why}"
         if any(p[0] == ident for p in self.pending):
             return "serve_busy", "busy: one fetch at a time per client; its previous fetch is still waiting"
-        cap = knobs.get_int("SERVE_MAX_FETCHES")
+        cap = self.state.tuning.serve_max_fetches
         live = len(self.pending) + sum(1 for r in self.replies.values() if not r.dropped)
         if live >= cap:
             return "serve_full", (
@@ -185,7 +184,7 @@ class FetchServer:
         st = s.state
         fields = st.fields()
         idx = np.flatnonzero(st.in_range)
-        chunk = knobs.get_int("FETCH_CHUNK_BYTES") // 4 * 4
+        chunk = self.state.tuning.fetch_chunk_bytes // 4 * 4
         views = []
         for f in fields:
             raw = st.array(f).view(np.uint8)
@@ -222,7 +221,7 @@ class FetchServer:
         ``SERVE_HOLD_S`` at most in all. A reply that stalls, or is still going at the end,
         is dropped: its client's copy fails its checksums, and the client stays busy (see
         :meth:`refuse`) until zmq is done with it, so it costs no further waits."""
-        stall, hold = knobs.get("SERVE_STALL_S"), knobs.get("SERVE_HOLD_S")
+        stall, hold = self.state.tuning.serve_stall_s, self.state.tuning.serve_hold_s
         t0 = time.monotonic()
         while True:
             now = time.monotonic()

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from shadow import knobs
+from shadow.tuning import Tuning
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -32,7 +32,7 @@ def wanted(env: Mapping[str, str] | None = None) -> bool:
     """Whether a worker started with ``env`` should get the tunable: Linux with glibc 2.35+,
     transparent huge pages not ``never``, not already set, not turned off."""
     env = os.environ if env is None else env
-    if sys.platform != "linux" or not knobs.get_int("WORKER_HUGEPAGES"):
+    if sys.platform != "linux" or not Tuning.load(env).worker_hugepages:
         return False
     lib, version = platform.libc_ver()
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from shadow import knobs
+from shadow.tuning import Tuning
 from shadow.wire.frames import state_fields
 
 logger = logging.getLogger(__name__)
@@ -118,21 +118,20 @@ def nfields(optim: dict) -> int:
         return 4  # unknown: the largest (Adam with AMSGrad)
 
 
-def session_bytes(size: int, fields: int | dict, nparams: int = 0, persist: bool = False) -> int:
+def session_bytes(
+    size: int, fields: int | dict, nparams: int = 0, persist: bool = False, tuning: Tuning | None = None
+) -> int:
     """What a worker configured for a range of ``size`` elements allocates: the state
     (``fields`` float32 arrays -- a count, or an optimizer description -- and
     per-parameter tables for ``nparams`` parameters), the gradient frames held for
-    ``SHADOW_WORKER_SLOTS`` iterations in flight, and, with a local tier (``persist``),
-    ``SHADOW_PERSIST_BUFFERS`` shard images."""
+    ``tuning.worker_slots`` iterations in flight, and, with a local tier (``persist``),
+    ``tuning.persist_buffers`` shard images (``tuning``: the workers'; None: the environment's)."""
+    tuning = tuning if tuning is not None else Tuning.load()
     fields = nfields(fields) if isinstance(fields, dict) else max(1, int(fields))
     size, nparams = max(0, int(size)), max(0, int(nparams))
     state = fields * size * 4 + nparams * PARAM_BYTES
-    grads = knobs.get_int("WORKER_SLOTS") * size * 4
-    images = (
-        knobs.get_int("PERSIST_BUFFERS") * (fields * size * 4 + nparams * IMAGE_PARAM_BYTES + IMAGE_SLACK)
-        if persist
-        else 0
-    )
+    grads = tuning.worker_slots * size * 4
+    images = tuning.persist_buffers * (fields * size * 4 + nparams * IMAGE_PARAM_BYTES + IMAGE_SLACK) if persist else 0
     return state + grads + images
 
 

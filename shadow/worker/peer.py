@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from shadow import knobs
 from shadow.transport import SocketFactory, fetch, fetch_limit
 from shadow.wire import messages as M
 from shadow.worker.outbox import Outbox
@@ -36,11 +35,11 @@ class PeerFetch:
     started: float
 
     @classmethod
-    def start(cls, sockets: SocketFactory, peer: dict, epoch: int, iteration: int) -> PeerFetch:
+    def start(cls, sockets: SocketFactory, peer: dict, epoch: int, iteration: int, timeout_s: float) -> PeerFetch:
         sock = sockets.dealer(peer["serve"], fetch_limit())
         sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
         now = time.monotonic()
-        return cls(int(peer["id"]), peer["serve"], iteration, sock, now + knobs.get("FETCH_TIMEOUT_S"), now)
+        return cls(int(peer["id"]), peer["serve"], iteration, sock, now + timeout_s, now)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -104,7 +103,7 @@ class PeerCopy:
             raise RuntimeError("a peer copy needs the session it fills: configure first")
         if self.fetch is not None:
             self.fetch.close()
-        self.fetch = PeerFetch.start(self.sockets, peer, s.epoch, s.base)
+        self.fetch = PeerFetch.start(self.sockets, peer, s.epoch, s.base, self.state.tuning.fetch_timeout_s)
         logger.info(
             "fetching iteration %d of range [%d, %d) from peer worker %d",
             s.base,
@@ -140,9 +139,8 @@ class PeerCopy:
         """A copy not answered within ``FETCH_TIMEOUT_S`` of its start has failed."""
         p = self.fetch
         if p is not None and now > p.deadline:
-            self.failed(
-                f"peer worker {p.id} did not send iteration {p.iteration} within {knobs.get('FETCH_TIMEOUT_S'):.0f} s"
-            )
+            limit = self.state.tuning.fetch_timeout_s
+            self.failed(f"peer worker {p.id} did not send iteration {p.iteration} within {limit:.0f} s")
 
     def failed(self, reason: str) -> None:
         """Give up on the copy: the assignment is stale (the coordinator resyncs it)."""

@@ -25,10 +25,10 @@ from typing import Any
 
 import zmq
 
-from shadow import knobs
 from shadow.kernels import powtab
 from shadow.layout import Layout
 from shadow.transport import SocketFactory
+from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.worker import memory
 from shadow.worker.address import Binding, bind_and_advertise
@@ -62,14 +62,22 @@ class Worker:
     thread, and the metrics endpoint's HTTP thread, which reads the state without a lock
     and never writes."""
 
-    def __init__(self, coordinator: str, host: str = "127.0.0.1", worker_id: int = -1, guard=None, keys=None) -> None:
+    def __init__(
+        self,
+        coordinator: str,
+        host: str = "127.0.0.1",
+        worker_id: int = -1,
+        guard=None,
+        keys=None,
+        tuning: Tuning | None = None,
+    ) -> None:
         self.coordinator = coordinator
         self.bind_host, self.host = bind_and_advertise(host, coordinator)
         self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
         self.ctx: zmq.Context = zmq.Context.instance()
         self.sockets = SocketFactory(self.ctx, guard=guard, keys=keys)
         binding = Binding(self.bind_host, self.host)
-        self.state = WorkerState(worker_id=worker_id)
+        self.state = WorkerState(tuning=tuning if tuning is not None else Tuning.load(), worker_id=worker_id)
         self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
         self.data = DataPath(self.state, self.outbox, self.sockets, binding)
         self.fetches = FetchServer(self.state, self.sockets, binding)
@@ -98,9 +106,9 @@ class Worker:
             "worker up: data %s serve %s coordinator %s", self.data.endpoint, self.fetches.endpoint, self.coordinator
         )
         self._register(memory.report())
-        hb = knobs.get("HEARTBEAT_S")
-        next_hb = time.monotonic() + hb
         st = self.state
+        hb = st.tuning.heartbeat_s
+        next_hb = time.monotonic() + hb
         try:
             while not st.stopping:
                 wait = min(max(0.0, next_hb - time.monotonic()), 0.05)
@@ -142,7 +150,7 @@ class Worker:
             self._drain(self.outbox.sock, self._on_ctrl_starting, "ctrl_starting")
             return not self.state.stopping
 
-        return compile_kernels(tick, knobs.get("HEARTBEAT_S")) and not self.state.stopping
+        return compile_kernels(tick, self.state.tuning.heartbeat_s) and not self.state.stopping
 
     def _on_ctrl_starting(self, sock) -> None:
         """Control messages while the kernels compile: only ``shutdown`` means anything yet."""
@@ -289,10 +297,10 @@ class Worker:
     def _configure(self, msg: dict) -> None:
         st = self.state
         try:
-            problem = self._configure_problem(msg)
+            problem = self._configure_problem(msg, st.tuning)
             if problem is not None:
                 raise ValueError(problem)
-            sess = Assignment(msg)
+            sess = Assignment(msg, st.tuning)
         except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
             self.outbox.to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
@@ -323,7 +331,7 @@ class Worker:
         self.outbox.to_coord("configured", epoch=sess.epoch)
 
     @staticmethod
-    def _configure_problem(msg: dict) -> str | None:
+    def _configure_problem(msg: dict, tuning: Tuning | None = None) -> str | None:
         """What makes a ``configure`` impossible to carry out here, checked before
         anything is allocated: a range outside the layout, or more memory than is free."""
         layout = Layout.from_dict(msg["layout"])
@@ -339,7 +347,7 @@ class Worker:
         local = (
             isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
         )
-        need = memory.session_bytes(stop - start, memory.nfields(msg["optim"]), len(layout.params), local)
+        need = memory.session_bytes(stop - start, memory.nfields(msg["optim"]), len(layout.params), local, tuning)
         free = memory.available_bytes()
         if 0 <= free < need:
             return (

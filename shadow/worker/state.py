@@ -7,13 +7,13 @@ from types import ModuleType
 
 import numpy as np
 
-from shadow import knobs
 from shadow.kernels import ReplayPlan, segments_for_range
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
 from shadow.layout import Layout
+from shadow.tuning import Tuning
 from shadow.wire.frames import Field, state_fields
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,9 @@ class ShardState:
     (only the parameters intersecting the range are meaningful).
     """
 
-    def __init__(self, layout: Layout, start: int, stop: int, optim: dict) -> None:
+    def __init__(self, layout: Layout, start: int, stop: int, optim: dict, chunk: int | None = None) -> None:
+        """``chunk``: elements per parallel work item of the replay (``Tuning.kernel_chunk_elements``;
+        None: the environment's, else the default)."""
         kind = optim.get("kind")
         if kind not in SUPPORTED_KINDS:
             raise ValueError(f"optimizer kind {kind!r} is not supported by this worker; supported: {SUPPORTED_KINDS}")
@@ -53,7 +55,8 @@ class ShardState:
             int(optim["vec_width"]),
             int(optim["tail_width"]),
         )
-        self.plan = ReplayPlan(segs, optim["impl"], knobs.get_int("KERNEL_CHUNK"), kind, PowTable(optim.get("pow")))
+        chunk = Tuning.load().kernel_chunk_elements if chunk is None else chunk
+        self.plan = ReplayPlan(segs, optim["impl"], chunk, kind, PowTable(optim.get("pow")))
         self.in_range = np.zeros(len(layout.params), dtype=bool)
         self.in_range[[s.param for s in segs]] = True
         #: elements of each parameter that fall in this range

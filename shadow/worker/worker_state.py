@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shadow.tuning import Tuning
+
 if TYPE_CHECKING:
     from shadow.worker.assignment import Assignment
     from shadow.worker.outbox import Outbox
@@ -28,6 +30,7 @@ class WorkerState:
     every part reads and writes it there. The metrics endpoint's HTTP thread reads fields
     without a lock and never writes."""
 
+    tuning: Tuning = field(default_factory=Tuning.load)  # the knobs every part reads
     worker_id: int = -1  # the slot the coordinator gave (``registered``), or the one asked for
     assignment: Assignment | None = None  # the current attach epoch's shard (``configure``)
     # the previous epoch's shard, served to restores until the new epoch has its base: a
