@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from shadow.plan.config import PlanConfig
-from shadow.tuning import TuningConfig
+from shadow.tuning import TuningConfig, check_section
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
@@ -186,13 +186,6 @@ def _check_metrics_port(port: int) -> None:
         _check_port(port)
 
 
-def _check_tuning(value: Any) -> None:
-    if not isinstance(value, TuningConfig):
-        raise ValueError(
-            f"tuning={value!r} is not allowed: tuning is a section; set its keys, e.g. tuning.worker_lost_s=1.5"
-        )
-
-
 def check_shape(workers: int, replicas: int) -> None:
     """A cluster of ``workers`` slots, each shard held by ``replicas`` of them, or a
     ``ValueError`` saying what to change."""
@@ -221,7 +214,7 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         check_shape(self.workers, self.replicas)
-        _check_tuning(self.tuning)
+        check_section(self.tuning)
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
         _check_log(self.log_level, self.log_format)
@@ -267,7 +260,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _check_endpoint("coordinator", self.coordinator)
-        _check_tuning(self.tuning)
+        check_section(self.tuning)
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = all cores)")
         if not self.host:

@@ -171,6 +171,16 @@ def _config_class() -> type:
 TuningConfig = _config_class()
 TuningConfig.__module__ = __name__
 
+
+def check_section(value: Any) -> None:
+    """A config's ``tuning`` field holds a :class:`TuningConfig` (its annotation is ``Any``, so
+    OmegaConf would take ``tuning=3``), or a ``ValueError`` naming the fix."""
+    if not isinstance(value, TuningConfig):
+        raise ValueError(
+            f"tuning={value!r} is not allowed: tuning is a section; set its keys, e.g. tuning.worker_lost_s=1.5"
+        )
+
+
 #: field name -> its environment variable
 NAMES: dict[str, str] = {f.name: f.metadata["env"] for f in fields(Tuning)}
 #: environment variable -> field name
