@@ -148,12 +148,12 @@ def run(args) -> dict:
     from bench_replay import shapes
     from benchlib import machine_info
 
-    from shadow import knobs
     from shadow.config import LocalTierConfig, PersistConfig
     from shadow.kernels.replay import warm_up
     from shadow.layout import Layout
     from shadow.persist.writer import ShardPersister
     from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
+    from shadow.tuning import Tuning
     from shadow.wire import frames as F
     from shadow.worker.state import ShardState
 
@@ -193,8 +193,9 @@ def run(args) -> dict:
     grad_buf = np.empty(total, dtype=np.float32)
 
     ctx = zmq.Context()
-    pull = SocketFactory(ctx).pull(data_limit(), knobs.get_int("DATA_RCVHWM"))  # the worker's data socket
-    rx, rx_ctx = FrameReceiver(pull), Context(1, 1, 7, 1, 0, total)  # sender_main's job, epoch, layout, world
+    tuning = Tuning.load()  # the knobs, as a worker would read them here
+    pull = SocketFactory(ctx).pull(data_limit(tuning), tuning.data_rcvhwm_messages)  # the worker's data socket
+    rx, rx_ctx = FrameReceiver(pull, tuning), Context(1, 1, 7, 1, 0, total)  # sender_main's job, epoch, layout, world
     endpoint = f"ipc://{tmp}/data"
     pull.bind(endpoint)
     parent, child = mp.get_context("spawn").Pipe()

@@ -27,8 +27,10 @@ import numpy as np
 import zstandard
 from benchlib import Goal, bars, example_gpt, machine_info
 
-from shadow import knobs
 from shadow.persist import planes, shardfile, zshard
+from shadow.tuning import Tuning
+
+TUNING = Tuning.load()  # the knobs, as the services would read them here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +183,7 @@ def run(args) -> dict:
     info = machine_info()
     info["zstandard"] = zstandard.__version__
     arrays, model = train(args.n_layer, args.n_embd, args.steps, args.batch)
-    block = knobs.get_int("COMPRESS_BLOCK_BYTES")
+    block = TUNING.compress_block_bytes
     print(
         f"GPT {model['params'] / 1e6:.1f}M params after {args.steps} AdamW steps (loss {model['final_loss']:.3f}, "
         f"{model['train_s']:.0f} s); {os.cpu_count()} cores; blocks of {block >> 20} MiB; median of "

@@ -78,8 +78,8 @@ def run(args) -> dict:
     import torch
     from benchlib import machine_info
 
-    from shadow import knobs
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
+    from shadow.tuning import Tuning
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
@@ -108,7 +108,7 @@ def run(args) -> dict:
     for impl in ("fused", "cuda_fused", "cuda_foreach"):
         segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, 16, 8)
         replays[impl] = (
-            ReplayPlan(segs, impl, knobs.get_int("KERNEL_CHUNK"), "adam"),
+            ReplayPlan(segs, impl, Tuning.load().kernel_chunk_elements, "adam"),
             flat_p if impl == "fused" else flat_p.copy(),
             np.zeros(total, np.float32),
             np.zeros(total, np.float32),

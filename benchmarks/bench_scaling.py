@@ -52,8 +52,8 @@ def _setup(nparams: int):
     import numpy as np
     from bench_replay import shapes
 
-    from shadow import knobs
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
+    from shadow.tuning import Tuning
 
     sizes = shapes(nparams)
     total = sum(sizes)
@@ -62,7 +62,7 @@ def _setup(nparams: int):
     plan = ReplayPlan(
         segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, "fused", 16, 8),
         "fused",
-        knobs.get_int("KERNEL_CHUNK"),
+        Tuning.load().kernel_chunk_elements,
         "adam",
     )
     rng = np.random.default_rng(0)

@@ -5,7 +5,7 @@ a bare pyzmq PUSH/PULL of the same part sizes, in the same run, over tcp and ipc
 
 A sender process (the trainer) and a receiver process (one worker), started with
 multiprocessing "spawn", on the production sockets: the trainer's channel is a
-``shadow.transport.ZmqDataSender`` (PUSH, SNDHWM = knobs ZMQ_SNDHWM), the worker's a PULL
+``shadow.transport.ZmqDataSender`` (PUSH, SNDHWM = Tuning.sndhwm_messages), the worker's a PULL
 socket from ``shadow.transport.SocketFactory`` with the data path's RCVHWM and message
 size limit, bound to a free port on 127.0.0.1 or to ``ipc://<tmpdir>/x``. The control
 channel between the two is a local pipe carrying JSON; only the measured messages go over
@@ -62,9 +62,11 @@ from transport_receiver import (
     receiver_main,
 )
 
-from shadow import knobs
 from shadow.transport import ZmqDataSender
+from shadow.tuning import Tuning
 from shadow.wire import frames as F
+
+TUNING = Tuning.load()  # the knobs, as the services would read them here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +110,7 @@ class Sender:
 
     def __init__(self, ctx, endpoint: str) -> None:
 
-        self.out = ZmqDataSender(ctx, [endpoint], knobs.get_int("ZMQ_SNDHWM"))  # as Sender.open_data
+        self.out = ZmqDataSender(ctx, [endpoint], TUNING.sndhwm_messages)  # as Sender.open_data
         self.sock = self.out.socks[0]  # the bare baseline sends on the same socket, unframed
         self.seq = 0
         self.iteration = 1
@@ -355,7 +357,7 @@ def run(args) -> dict:
         "rounds": rounds,
         "target_s": target_s,
         "socket_options": {
-            "push": {"LINGER": 0, "SNDHWM": knobs.get_int("ZMQ_SNDHWM")},
+            "push": {"LINGER": 0, "SNDHWM": TUNING.sndhwm_messages},
             "pull": {"LINGER": 0, "RCVHWM": 0},
         },
         "ring_bytes": RING_BYTES,

@@ -12,9 +12,11 @@ import time
 import numpy as np
 import zmq
 
-from shadow import knobs
 from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
+from shadow.tuning import Tuning
 from shadow.wire import frames as F
+
+TUNING = Tuning.load()  # the knobs, as the services would read them here
 
 JOB, EPOCH, LAYOUT = 0x5EED, 7, 0xC0FFEE  # the header's context fields (checked by the receiver)
 RECV_TIMEOUT_S = 30.0
@@ -70,7 +72,7 @@ def receiver_main(conn) -> None:
             cmd = json.loads(conn.recv_bytes())
             op = cmd["op"]
             if op == "bind":  # as the worker's _open_data
-                sock = SocketFactory(ctx).pull(data_limit(), knobs.get_int("DATA_RCVHWM"))
+                sock = SocketFactory(ctx).pull(data_limit(TUNING), TUNING.data_rcvhwm_messages)
                 if cmd["transport"] == "tcp":
                     ep = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
                 else:
@@ -104,7 +106,7 @@ def _receive(sock, cmd: dict, target, nparts: int) -> dict:
     variant, n, seq = cmd["variant"], cmd["n"], cmd["seq0"]
     zero_copy = variant == "shadow_zc"
     ctx = Context(JOB, EPOCH, LAYOUT, 1, 0, target.shape[0])
-    rx = FrameReceiver(sock)
+    rx = FrameReceiver(sock, TUNING)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     got = errors = 0

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import zmq
 
 from shadow.errors import ShadowConnectionError
+from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,12 @@ def request(
         return msg
 
 
-def dealer(ctx: zmq.Context, address: str, keys=None) -> zmq.Socket:
-    """A DEALER connected to ``address``; a CURVE client when ``keys`` (default: this
-    process's keys, :func:`shadow.security.current_client`) are set."""
+def dealer(ctx: zmq.Context, address: str, keys=None, tuning: Tuning = DEFAULT) -> zmq.Socket:
+    """A DEALER connected to ``address``, receiving what a service answers within
+    ``tuning``'s limits; a CURVE client when ``keys`` (default: this process's keys,
+    :func:`shadow.security.current_client`) are set."""
     from shadow.transport import SocketFactory, fetch_limit
 
     check_address(address)
     factory = SocketFactory(ctx) if keys is None else SocketFactory(ctx, keys=keys)
-    return factory.dealer(address, fetch_limit())
+    return factory.dealer(address, fetch_limit(tuning))

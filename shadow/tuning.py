@@ -137,6 +137,10 @@ class Tuning:
         }
 
 
+#: the defaults: what a helper uses when its caller passes no tuning
+DEFAULT = Tuning()
+
+
 def _config_class() -> type:
     """:class:`TuningConfig`: the services' ``tuning:`` group, every field of :class:`Tuning`
     optional (None: from the environment, else the default)."""

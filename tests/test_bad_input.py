@@ -9,8 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow import knobs
 from shadow.testing import free_port
+from shadow.tuning import Tuning
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import Tiny, build
 
@@ -26,9 +26,9 @@ def test_unreachable_coordinator_fails_fast(world1):
     model, opt, sched = build()
     ddp = DDP(model)
     t0 = time.monotonic()
-    with knobs.override(CONNECT_TIMEOUT_S=1.5):
-        with pytest.raises(trainer_hooks.ShadowConnectionError, match="no shadow coordinator answered.*shadow cluster"):
-            trainer_hooks.attach(ddp, opt, coordinator=f"tcp://127.0.0.1:{free_port()}")
+    with pytest.raises(trainer_hooks.ShadowConnectionError, match="no shadow coordinator answered.*shadow cluster"):
+        address = f"tcp://127.0.0.1:{free_port()}"
+        trainer_hooks.attach(ddp, opt, coordinator=address, tuning=Tuning(connect_timeout_s=1.5))
     assert time.monotonic() - t0 < 10
 
 
@@ -165,19 +165,21 @@ def test_training_survives_a_lost_worker_that_does_not_come_back(world1, tmp_pat
     try:
         model, opt, sched = build()
         ddp = DDP(model)
-        with knobs.override(BLOCK_TIMEOUT_S=60.0):
-            session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="lossy")
-            _train(session, ddp, opt, sched, 2)
-            deadline = time.monotonic() + 30
-            while (cluster.status()["job"]["committed"] or -1) < 2:  # the checkpoint to be frozen
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            os.kill(cluster.status()["workers"][1]["pid"], signal.SIGKILL)
-            t0 = time.monotonic()
-            _train(session, ddp, opt, sched, 12, start=2)
-            assert time.monotonic() - t0 < 30
-            assert session.degraded is not None and "worker 1 lost" in session.degraded
-            session.close()
+        # a stall is bounded by the tuning's block timeout
+        session = trainer_hooks.attach(
+            ddp, opt, coordinator=cluster.address, scheduler=sched, job="lossy", tuning=Tuning(block_timeout_s=60.0)
+        )
+        _train(session, ddp, opt, sched, 2)
+        deadline = time.monotonic() + 30
+        while (cluster.status()["job"]["committed"] or -1) < 2:  # the checkpoint to be frozen
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(cluster.status()["workers"][1]["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        _train(session, ddp, opt, sched, 12, start=2)
+        assert time.monotonic() - t0 < 30
+        assert session.degraded is not None and "worker 1 lost" in session.degraded
+        session.close()
         st = cluster.status()
     finally:
         cluster.stop()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
-from shadow import knobs
 from shadow.testing import LocalCluster, rss_bytes
+from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks.session.sender import NoEvents, Sender
@@ -166,9 +166,10 @@ def test_every_type_has_limits_that_fit_its_schema_and_a_socket():
     assert M.socket_limit("serve") == 64 << 10
     assert M.socket_limit("coordinator") == M.limits("attach").bytes == 64 * _MiB
     assert M.socket_limit("client") == M.limits("fetch_reply").bytes
-    with knobs.override(MAX_COMMIT_BYTES=40 * _MiB):  # commit records grow with their knob
-        assert M.limits("persisted").bin == 40 * _MiB and M.limits("persisted").bytes > 40 * _MiB
-        assert M.limits("fetch_reply").bin == 40 * _MiB
+    big = 40 * _MiB  # commit records grow with Tuning.max_commit_bytes
+    assert M.limits("persisted", big).bin == big and M.limits("persisted", big).bytes > big
+    assert M.limits("fetch_reply", big).bin == big and M.limits("status", big) == M.limits("status")
+    assert M.socket_limit("coordinator", 128 * _MiB) > 128 * _MiB
 
 
 def test_real_messages_of_the_large_types_fit():
@@ -255,6 +256,7 @@ def _sender(nworkers: int) -> Sender:
         world=1,
         layout_hash=9,
         events=NoEvents(),
+        tuning=Tuning(),
     )
     s.data = _RecordingDataSender(nworkers)
     return s

@@ -96,38 +96,39 @@ def test_coordinator_restart_rebuilds_from_workers(world1, tmp_path):
 
 def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
     """Coordinator and every worker SIGKILLed under policy block: the trainer stops waiting
-    once the coordinator has been silent for SHADOW_COORDINATOR_LOST_S and trains on; a new
+    once the coordinator has been silent for tuning.coordinator_lost_s and trains on; a new
     cluster on the same address is found by the trainer's heartbeats, the ranks re-attach
     by themselves, and what the new cluster holds equals the trainer bit for bit."""
-    from shadow import knobs
     from shadow.testing import LocalCluster
+    from shadow.tuning import Tuning
 
     cluster = LocalCluster(tmp_path)
-    with knobs.override(COORDINATOR_LOST_S=2.0):
-        model, opt, sched = build()
-        ddp = DDP(model)
-        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="whole")
-        for it in range(1, 4):
+    # the trainer gives the coordinator up after 2 s of silence
+    model, opt, sched = build()
+    ddp = DDP(model)
+    tuning = Tuning(coordinator_lost_s=2.0)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="whole", tuning=tuning)
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    cluster.kill_all()
+    t0 = time.monotonic()
+    for it in range(4, 10):  # would wait BLOCK_TIMEOUT_S (120 s) and raise without the coordinator check
+        train_step(ddp, opt, sched, it)
+    assert time.monotonic() - t0 < 30
+    assert session.degraded and "no answer from the shadow coordinator" in session.degraded
+    again = LocalCluster(tmp_path, port=cluster.port)
+    try:
+        it = 9
+        deadline = time.monotonic() + 60
+        while session.degraded is not None or session.committed < it - 1:
+            assert time.monotonic() < deadline, (session.degraded, session.committed, again.status())
+            it += 1
             train_step(ddp, opt, sched, it)
-        cluster.kill_all()
-        t0 = time.monotonic()
-        for it in range(4, 10):  # would wait BLOCK_TIMEOUT_S (120 s) and raise without the coordinator check
-            train_step(ddp, opt, sched, it)
-        assert time.monotonic() - t0 < 30
-        assert session.degraded and "no answer from the shadow coordinator" in session.degraded
-        again = LocalCluster(tmp_path, port=cluster.port)
-        try:
-            it = 9
-            deadline = time.monotonic() + 60
-            while session.degraded is not None or session.committed < it - 1:
-                assert time.monotonic() < deadline, (session.degraded, session.committed, again.status())
-                it += 1
-                train_step(ddp, opt, sched, it)
-                time.sleep(0.2)
-            assert session.close() == it
-            fresh, fopt, fsched = build(seed=3)
-            info = trainer_hooks.restore(fresh, fopt, source=again.address, scheduler=fsched, job="whole")
-            assert info.iteration == it
-            assert_same_state(live_state(fresh, fopt), live_state(model, opt))
-        finally:
-            again.stop()
+            time.sleep(0.2)
+        assert session.close() == it
+        fresh, fopt, fsched = build(seed=3)
+        info = trainer_hooks.restore(fresh, fopt, source=again.address, scheduler=fsched, job="whole")
+        assert info.iteration == it
+        assert_same_state(live_state(fresh, fopt), live_state(model, opt))
+    finally:
+        again.stop()

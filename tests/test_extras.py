@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from shadow import knobs
 from shadow.errors import LayoutMismatchError
 from shadow.export import extras as read_extras
 from shadow.testing import LocalCluster
+from shadow.tuning import Tuning
 from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
 from trainer_hooks import _extras
@@ -143,7 +143,7 @@ def _emit(tracker, k: int, chunks: dict, everything: bool = False) -> tuple[list
 
 def test_tracker_sends_what_changed_only():
     model, opt, _ = build(extras=True)
-    tracker = _extras.ExtrasTracker(model, [p for g in opt.param_groups for p in g["params"]], WORKERS)
+    tracker = _extras.ExtrasTracker(model, [p for g in opt.param_groups for p in g["params"]], WORKERS, Tuning())
     names = {n: j + 1 for j, n in enumerate(tracker.names)}
     assert set(names) == {
         "base.weight",
@@ -191,10 +191,10 @@ class Odd(torch.nn.Module):
 def test_any_dtype_roundtrips_in_small_chunks():
     torch.manual_seed(0)
     model = Odd()
-    with knobs.override(EXTRA_CHUNK_BYTES=64):  # every tensor and the index span several chunks
-        tracker = _extras.ExtrasTracker(model, list(model.lin.parameters()), WORKERS)
-        chunks: dict = {}
-        _emit(tracker, 0, chunks, everything=True)
+    tuning = Tuning(extra_chunk_bytes=64)  # every tensor and the index span several chunks
+    tracker = _extras.ExtrasTracker(model, list(model.lin.parameters()), WORKERS, tuning)
+    chunks: dict = {}
+    _emit(tracker, 0, chunks, everything=True)
     assert len(chunks) > 20
     decoded, aliases, _ = read_extras.decode(chunks)
     assert aliases == {"tied": "mask"} and "scratch" not in decoded and "lin.weight" not in decoded

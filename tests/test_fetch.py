@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import zmq
 
-from shadow import knobs
 from shadow.errors import ShadowError
 from shadow.layout import Layout
 from shadow.restore.memory import fetch_memory
+from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 
@@ -78,8 +78,7 @@ def run_fetch(damage=None):
             "world": 2,
             "workers": workers,
         }
-        with knobs.override(FETCH_TIMEOUT_S=10.0):
-            snap = fetch_memory(info, "tcp://test")
+        snap = fetch_memory(info, "tcp://test", tuning=Tuning(fetch_timeout_s=10.0))
         return snap, values
     finally:
         for sock, t in socks:

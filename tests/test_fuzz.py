@@ -249,7 +249,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
     or commit decoding. This one does: live epoch, job, layout hash and valid or near-valid
     sequence numbers for frames, malformed commits at the next valid sequence number, and
     every control message type with live values, to the coordinator and the serve socket."""
-    from shadow import knobs
+    from shadow.tuning import Tuning
 
     commits = capture_commits(monkeypatch)
     model, opt, sched = build()
@@ -271,7 +271,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
         p.connect(w["data"])
         pushes.append(p)
     sent = [0] * len(workers)
-    for w, frames in _live_frames(rnd, session, workers, seq, 3, knobs.get_int("SEQ_WINDOW")):
+    for w, frames in _live_frames(rnd, session, workers, seq, 3, Tuning.load().seq_window_messages):
         pushes[w].send_multipart(frames)
         sent[w] += 1
     # malformed commits at the next valid sequence number: each takes it and is refused

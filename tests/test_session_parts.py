@@ -155,6 +155,20 @@ def test_a_session_takes_options_or_their_keywords_not_both(world1):
         trainer_hooks.Session(DDP(model), opt, "tcp://127.0.0.1:1", policy="wait")
 
 
+def test_options_take_a_tuning_built_once_from_argument_environment_default(monkeypatch):
+    from shadow.tuning import Tuning
+
+    monkeypatch.setenv("SHADOW_BLOCK_TIMEOUT_S", "7.5")
+    assert AttachOptions().tuning == Tuning(block_timeout_s=7.5)  # read when the options are built
+    opts = AttachOptions()
+    monkeypatch.setenv("SHADOW_BLOCK_TIMEOUT_S", "9")
+    assert opts.tuning.block_timeout_s == 7.5  # and never again
+    given = Tuning(ring_iterations=2)
+    assert AttachOptions(tuning=given).tuning is given  # an argument wins over the environment
+    with pytest.raises(TypeError, match="tuning must be a shadow.tuning.Tuning"):
+        AttachOptions(tuning={"ring_iterations": 2})
+
+
 def test_attach_names_every_argument():
     sig = inspect.signature(trainer_hooks.attach)
     assert list(sig.parameters) == [
@@ -173,6 +187,7 @@ def test_attach_names_every_argument():
         "comm_state",
         "audit_every",
         "audit_strict",
+        "tuning",
     ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(sig.parameters.values())[3:])
     doc = trainer_hooks.attach.__doc__

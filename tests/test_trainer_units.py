@@ -133,10 +133,9 @@ def test_calibration_keeps_torch_thread_count():
 
 
 def test_a_busy_metrics_port_does_not_fail_the_attach(monkeypatch, caplog):
-    """SHADOW_METRICS_PORT taken by another process: the rank logs it and trains on."""
+    """The metrics port taken by another process: the rank logs it and trains on."""
     import socket
 
-    from shadow import knobs
     from trainer_hooks import _metrics
 
     monkeypatch.setattr(_metrics, "_server", None)
@@ -146,7 +145,6 @@ def test_a_busy_metrics_port_does_not_fail_the_attach(monkeypatch, caplog):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         session = type("FakeSession", (), {"rank": 3})()
-        with knobs.override(METRICS_PORT=busy.getsockname()[1]):
-            _metrics.publish(session)  # must not raise
+        _metrics.publish(session, busy.getsockname()[1])  # must not raise
     assert _metrics._server is None and _metrics._session() is session
     assert "no metrics endpoint" in caplog.text and "pick another metrics_port" in caplog.text

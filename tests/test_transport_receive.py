@@ -137,13 +137,13 @@ def test_nothing_is_taken_before_a_context_exists(pair):
 )
 def test_run_tables_are_checked_against_the_context(kind, field, runs, why):
     h = F.Header(kind, field, CTX.job, CTX.epoch, 0, 1, CTX.layout, 1, 0, tuple(runs))
-    assert reason(lambda: FrameReceiver.check_runs(h, CTX)) == why
+    assert reason(lambda: FrameReceiver(None).check_runs(h, CTX)) == why
 
 
 def test_a_part_larger_than_a_sender_makes_is_rejected(monkeypatch):
     monkeypatch.setattr(F, "MAX_PART_BYTES", 64)
     h = F.Header(F.Kind.GRAD, F.Field.GRAD, CTX.job, CTX.epoch, 0, 1, CTX.layout, 1, 0, ((100, 17, 0),))
-    assert reason(lambda: FrameReceiver.check_runs(h, CTX)) == "too_large"
+    assert reason(lambda: FrameReceiver(None).check_runs(h, CTX)) == "too_large"
 
 
 def test_commit_bodies_and_extra_chunks(pair):

@@ -7,9 +7,9 @@ import re
 import pytest
 import zmq
 
-from shadow import knobs
 from shadow import security as S
 from shadow.transport import SocketFactory, data_limit, fetch_limit
+from shadow.tuning import DEFAULT
 from tests.conftest import ROOT
 
 
@@ -21,7 +21,7 @@ def test_each_socket_gets_linger_limits_and_water_marks():
         router, pull, dealer, push = made
         assert all(s.getsockopt(zmq.LINGER) == 0 for s in made)
         assert router.getsockopt(zmq.MAXMSGSIZE) == 1 << 20 and pull.getsockopt(zmq.MAXMSGSIZE) == data_limit()
-        assert dealer.getsockopt(zmq.MAXMSGSIZE) == fetch_limit() >= knobs.get_int("FETCH_CHUNK_BYTES")
+        assert dealer.getsockopt(zmq.MAXMSGSIZE) == fetch_limit() >= DEFAULT.fetch_chunk_bytes
         assert push.getsockopt(zmq.MAXMSGSIZE) == -1  # it only sends
         assert pull.getsockopt(zmq.RCVHWM) == 7 and push.getsockopt(zmq.SNDHWM) == 5
         assert not any(s.getsockopt(zmq.CURVE_SERVER) for s in made)

@@ -97,3 +97,35 @@ def test_the_worker_and_its_parts_run_with_the_tuning_they_are_given():
     w = Worker("tcp://127.0.0.1:1", tuning=t)
     assert w.state.tuning is t
     assert w.fetches.state is w.state and w.data.state is w.state and w.apply.state is w.state
+
+
+def test_no_module_reads_a_knob_from_the_environment_but_tuning():
+    """One home, read once: every SHADOW_<knob> variable is read by ``Tuning.load`` only,
+    and the module that held the knobs before it is gone."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert not (root / "shadow" / "knobs.py").exists()
+    names = "|".join(re.escape(v) for v in ENV)
+    read = re.compile(rf"(?:environ(?:\.get)?|getenv)\(\s*[\"'](?:{names})[\"']|environ\[\s*[\"'](?:{names})[\"']")
+    offenders = []
+    for path in [*(root / "shadow").rglob("*.py"), *(root / "trainer_hooks").rglob("*.py")]:
+        if path.name == "tuning.py" or read.search(path.read_text()) is None:
+            continue
+        offenders.append(str(path.relative_to(root)))
+    assert offenders == []
+    assert "knobs" not in {p.stem for p in (root / "shadow").glob("*.py")}
+
+
+def test_the_wire_limits_follow_the_tuning_they_are_given():
+    from shadow.transport import data_limit, fetch_limit
+    from shadow.transport.receive import FrameReceiver
+    from shadow.wire import frames as F
+
+    big = Tuning(max_commit_bytes=96 << 20, fetch_chunk_bytes=128 << 20, max_runs=1 << 20)
+    assert data_limit(big) >= 96 << 20 and data_limit(big) >= F.HEADER_SIZE + (1 << 20) * F.RUN_SIZE
+    assert data_limit(big) > data_limit()
+    assert fetch_limit(Tuning(fetch_chunk_bytes=3 << 30)) == 3 << 30 > fetch_limit()  # a client takes whole chunks
+    rx = FrameReceiver(None, big)
+    assert (rx.max_runs, rx.max_commit_bytes) == (1 << 20, 96 << 20)

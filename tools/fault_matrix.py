@@ -49,8 +49,10 @@ from faultlib import (  # tools/ is on sys.path when run as a script
     table,
 )
 
-from shadow import knobs
 from shadow.testing import LocalCluster, status
+from shadow.tuning import Tuning
+
+TUNING = Tuning.load()  # the knobs, as the services would read them here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +77,7 @@ def trainer_kill(t: Trial) -> dict:
         cut = committed(settled(c))
         # the sender streams asynchronously: a SIGKILL may catch up to MAX_LAG iterations in flight
         return resume_and_judge(
-            t, c, "resume", done, knobs.get_int("MAX_LAG"), f"killed after iteration {done}, cluster committed {cut}"
+            t, c, "resume", done, TUNING.max_lag_iterations, f"killed after iteration {done}, cluster committed {cut}"
         )
 
 

@@ -80,10 +80,15 @@ def _section_functions(module, names: list[str]) -> list[str]:
 
 
 def _knobs() -> list[str]:
-    src = (ROOT / "shadow" / "knobs.py").read_text()
-    rows = re.findall(r'^\s+"([A-Z_]+)":\s*([^,]+),\s*#\s*(.+)$', src, re.M)
-    out = ["| environment variable | default | meaning |", "|---|---|---|"]
-    out += [f"| `SHADOW_{n}` | `{d.strip()}` | {h.strip()} |" for n, d, h in rows]
+    from dataclasses import fields
+
+    from shadow.tuning import DEFAULT, Tuning
+
+    out = ["| field | environment variable | default | meaning |", "|---|---|---|---|"]
+    out += [
+        f"| `{f.name}` | `{f.metadata['env']}` | `{getattr(DEFAULT, f.name)!r}` | {f.metadata['doc']} |"
+        for f in fields(Tuning)
+    ]
     return out
 
 
@@ -177,7 +182,13 @@ def render() -> str:
         lines += [f"### {title}", "", "| metric | type | labels | meaning |", "|---|---|---|---|"]
         lines += [f"| `{m.name}` | {m.kind} | {', '.join(m.labels) or '-'} | {m.help} |" for m in group]
         lines.append("")
-    lines += ["## Tuning knobs", "", "Every knob has a default in `shadow/knobs.py` and an environment override.", ""]
+    lines += [
+        "## Tuning knobs",
+        "",
+        "The fields of `shadow.tuning.Tuning`: `attach(tuning=)`, `restore(tuning=)`, a service's `tuning.<field>=`,",
+        "else the environment variable, else the default.",
+        "",
+    ]
     lines += _knobs()
     return "\n".join(lines) + "\n"
 

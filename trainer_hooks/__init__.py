@@ -17,6 +17,7 @@ from shadow.errors import (
 )
 from shadow.export import export, export_weights
 from shadow.export.state import state_dicts
+from shadow.tuning import Tuning
 from trainer_hooks._metrics import serve_metrics
 from trainer_hooks._optim import UnsupportedOptimizerError
 from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore
@@ -41,6 +42,7 @@ def attach(
     comm_state: Any = None,
     audit_every: int = 0,
     audit_strict: bool = False,
+    tuning: Tuning | None = None,
 ) -> Session:
     """Stream every iteration of ``ddp_model``/``optimizer`` to the shadow cluster at
     ``coordinator``. Call on every rank, before the first backward; returns the rank's
@@ -73,9 +75,12 @@ def attach(
         audit_every: every N steps compare a sample of parameters and moments with the
             shadow bit for bit (0: never).
         audit_strict: raise on an audit mismatch (at the next step) instead of logging it.
+        tuning: the knobs of this rank's session (a :class:`shadow.tuning.Tuning`: ring size,
+            lag, timeouts, ...). Default: :meth:`Tuning.load`, each field from its
+            ``SHADOW_<NAME>`` environment variable, else its default.
 
     A failure of the shadow (a lost worker or coordinator, an error it reports, a stall
-    past ``SHADOW_BLOCK_TIMEOUT_S``) never stops training: the rank trains on unprotected
+    past ``tuning.block_timeout_s``) never stops training: the rank trains on unprotected
     until the cluster resyncs, and counts it in ``session.stats()["shadow_errors"]``. Only
     what the training loop got wrong (:class:`ShadowUsageError`, e.g. a bucket reduced
     twice without ``no_sync``) or asked for (``audit_strict``) is raised, at the next
@@ -92,6 +97,7 @@ def attach(
         comm_state=comm_state,
         audit_every=audit_every,
         audit_strict=audit_strict,
+        tuning=Tuning.load() if tuning is None else tuning,
     )
     return Session(ddp_model, optimizer, coordinator, options, iteration=iteration, overwrite=overwrite)
 
@@ -105,6 +111,7 @@ __all__ = [
     "ShadowError",
     "ShadowTimeoutError",
     "ShadowUsageError",
+    "Tuning",
     "UnsupportedOptimizerError",
     "apply_snapshot",
     "attach",

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import xxhash
 
-from shadow import knobs
 from shadow.errors import LayoutMismatchError
 from shadow.export.extras import FORMAT, INDEX, key
+from shadow.tuning import Tuning
 from trainer_hooks import _codec
 from trainer_hooks._model import unwrap
 from trainer_hooks.session.sender import ExtraItem
@@ -97,7 +97,7 @@ def _slot(m: torch.nn.Module, name: str):
 class ExtrasTracker:
     """Rank 0's view of the extras of one attach epoch: what was sent, and what changed."""
 
-    def __init__(self, model: torch.nn.Module, layout_params, workers: list[dict]) -> None:
+    def __init__(self, model: torch.nn.Module, layout_params, workers: list[dict], tuning: Tuning) -> None:
         tensors, self.aliases, self.order = collect(model, layout_params)
         m = unwrap(model)
         self.names = list(tensors)
@@ -112,7 +112,7 @@ class ExtrasTracker:
         self.versions: list[int | None] = [None] * len(self.tensors)
         self.digests: list[bytes | None] = [None] * len(self.tensors)
         self.index_dirty = True
-        self.chunk = max(1, min(knobs.get_int("EXTRA_CHUNK_BYTES"), knobs.get_int("MAX_COMMIT_BYTES")))
+        self.chunk = max(1, min(tuning.extra_chunk_bytes, tuning.max_commit_bytes))
         shard_of = [w.get("shard", i) for i, w in enumerate(workers)]
         self.nshards = max(shard_of) + 1
         self.replicas = [[w for w, s in enumerate(shard_of) if s == shard] for shard in range(self.nshards)]

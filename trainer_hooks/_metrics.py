@@ -14,7 +14,6 @@ import os
 import threading
 import weakref
 
-from shadow import knobs
 from shadow.metrics import TRAINER, MetricsServer, Samples, serve
 
 logger = logging.getLogger(__name__)
@@ -52,12 +51,11 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> MetricsServer:
         return _server
 
 
-def publish(session) -> None:
-    """Make ``session`` the one this process's endpoint reports; start the endpoint if
-    ``SHADOW_METRICS_PORT`` asks for one."""
+def publish(session, port: int = 0) -> None:
+    """Make ``session`` the one this process's endpoint reports; start the endpoint on
+    ``port`` + ``LOCAL_RANK`` if ``port`` (``Tuning.metrics_port``) asks for one."""
     global _session
     _session = weakref.ref(session)
-    port = knobs.get_int("METRICS_PORT")
     if port and _server is None:
         port += int(os.environ.get("LOCAL_RANK", "0"))
         try:

@@ -15,6 +15,7 @@ from shadow.errors import LayoutMismatchError
 from shadow.export.extras import recorded
 from shadow.export.state import state_dicts
 from shadow.snapshot import Snapshot
+from shadow.tuning import Tuning
 from trainer_hooks import _extras, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
 from trainer_hooks._restored import RESTORED, RestorePoint
@@ -46,6 +47,7 @@ def restore(
     weights_only: bool = False,
     rank: int | None = None,
     timeout: float | None = None,
+    tuning: Tuning | None = None,
 ) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
@@ -54,7 +56,9 @@ def restore(
     the local tier, then the remote tier; ``RestoreInfo.tier`` says which was used), a
     checkpoint directory, or an fsspec URL. Weights are restored first; with
     ``weights_only=True`` only the model is touched. Nothing is modified unless the
-    checkpoint matches the model and optimizer exactly.
+    checkpoint matches the model and optimizer exactly. ``timeout`` bounds the wait for a
+    coordinator (default ``tuning.connect_timeout_s``); ``tuning``: a
+    :class:`shadow.tuning.Tuning` (default: :meth:`Tuning.load`, from the environment).
     """
     if source is None:
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
@@ -62,7 +66,7 @@ def restore(
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
 
-    snap = resolve(source, job=job, iteration=iteration, timeout=timeout)
+    snap = resolve(source, job=job, iteration=iteration, timeout=timeout, tuning=tuning)
     return apply_snapshot(
         snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
     )

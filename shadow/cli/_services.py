@@ -80,9 +80,6 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     from shadow.worker.server import Worker
 
     tuning = cfg.tuning.resolve()
-    # the wire's limits (MAX_RUNS, MAX_COMMIT_BYTES, FETCH_CHUNK_BYTES) are still read through
-    # shadow.knobs, from the environment: the tuning given here reaches them that way too
-    os.environ.update(tuning.environ())
     setup_logs(cfg.log_level, cfg.log_format, "worker")
     worker = Worker(
         cfg.coordinator,

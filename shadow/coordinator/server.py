@@ -110,7 +110,9 @@ class Coordinator:
         }
 
     def run(self) -> None:
-        sock = SocketFactory(zmq.Context.instance(), guard=self.guard).router(M.socket_limit("coordinator"))
+        sock = SocketFactory(zmq.Context.instance(), guard=self.guard).router(
+            M.socket_limit("coordinator", self.tuning.max_commit_bytes)
+        )
         sock.bind(self.bind)
         if self.socket_out is not None:
             self.socket_out.sock = sock
@@ -156,7 +158,7 @@ class Coordinator:
             return
         envelope, raw = parts[:-1], parts[-1]
         try:
-            msg = M.decode(raw)
+            msg = M.decode(raw, self.tuning.max_commit_bytes)
         except M.MessageError as exc:
             st.rejected.add(exc.reason)
             logger.warning("rejected control message: %s", exc)

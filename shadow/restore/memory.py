@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zmq
 
-from shadow import knobs
 from shadow.client import dealer, request
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
 from shadow.restore.sources import Candidate
 from shadow.snapshot import Snapshot
 from shadow.transport import fetch
+from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, state_fields
 
@@ -31,10 +31,10 @@ class MovedOn(ShadowError):
     worker was too busy to serve it (error codes ``moved_on``, ``busy``); worth asking again."""
 
 
-def restore_info(address: str, job: str | None, timeout: float) -> dict:
+def restore_info(address: str, job: str | None, timeout: float, tuning: Tuning = DEFAULT) -> dict:
     """The coordinator's answer to ``restore_info``: the iteration its workers' memory holds
     (``memory``, or why none: ``memory_error``), its job and its tiers (``storage``)."""
-    sock = dealer(zmq.Context.instance(), address)
+    sock = dealer(zmq.Context.instance(), address, tuning=tuning)
     try:
         return request(sock, address, M.encode("restore_info", job=job), timeout, ("restore_info_reply",))["info"]
     finally:
@@ -46,14 +46,14 @@ class MemorySource:
     workers hold now (each :meth:`candidates` call asks again: a live cluster moves on).
 
     Call order: :meth:`candidates` (one request, ``timeout`` seconds at most), then
-    :meth:`load` of its candidate (``SHADOW_FETCH_TIMEOUT_S`` for the workers' replies;
+    :meth:`load` of its candidate (``tuning.fetch_timeout_s`` for the workers' replies;
     :class:`MovedOn` means ask again), and :meth:`tiers` for the cluster's persisted tiers
     as of the last answer."""
 
     name = "memory"
 
-    def __init__(self, address: str, timeout: float) -> None:
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, timeout: float, tuning: Tuning = DEFAULT) -> None:
+        self.address, self.timeout, self.tuning = address, timeout, tuning
         self.info: dict = {}  # the coordinator's last answer
         self.problem = ""  # why the last answer named no iteration
 
@@ -67,7 +67,7 @@ class MemorySource:
         return self.info.get("job")
 
     def candidates(self, job: str | None) -> list[Candidate]:
-        self.info = restore_info(self.address, job, self.timeout)
+        self.info = restore_info(self.address, job, self.timeout, self.tuning)
         mem = self.info["memory"]
         if mem is None:
             self.problem = str(self.info["memory_error"])
@@ -76,7 +76,7 @@ class MemorySource:
         return [Candidate(mem["job"], mem["iteration"], "memory", self.address, generation=None, handle=mem)]
 
     def load(self, candidate: Candidate, progress=None) -> Snapshot:
-        return fetch_memory(candidate.handle, self.address, progress)
+        return fetch_memory(candidate.handle, self.address, progress, self.tuning)
 
     def tiers(self) -> list[TierSource]:
         """The cluster's persisted tiers, nearest first, as its last answer named them."""
@@ -85,7 +85,7 @@ class MemorySource:
         return [TierSource(st["tier"], st["root"]) for st in self.info.get("storage", [])]
 
 
-def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
+def fetch_memory(info: dict, address: str, progress=None, tuning: Tuning = DEFAULT) -> Snapshot:
     """Read the iteration described by a coordinator's memory info from every worker.
 
     All workers are asked at once and answer in parallel (a context of its own with an
@@ -101,13 +101,13 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
     blobs: dict[int, bytes] = {}
     extras: dict[int, bytes] = {}
     covered, done_bytes = 0, 0
-    limit = knobs.get("FETCH_TIMEOUT_S")
+    limit = tuning.fetch_timeout_s
     ctx = zmq.Context(io_threads=max(1, min(4, len(info["workers"]))))
     pending: dict[zmq.Socket, dict] = {}
     poller = zmq.Poller()
     try:
         for w in info["workers"]:
-            sock = dealer(ctx, w["serve"])
+            sock = dealer(ctx, w["serve"], tuning=tuning)
             sock.send(M.encode("fetch", epoch=info["epoch"], iteration=info["iteration"]))
             pending[sock] = w
             poller.register(sock, zmq.POLLIN)
@@ -125,7 +125,9 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
             for sock in ready:
                 w = pending.pop(sock)
                 poller.unregister(sock)
-                head = _take_shard(sock, w, info, layout, arrays, steps, has_state, blobs, extras)
+                head = _take_shard(
+                    sock, w, info, layout, arrays, steps, has_state, blobs, extras, tuning.max_commit_bytes
+                )
                 covered += head["stop"] - head["start"]
                 done_bytes += (head["stop"] - head["start"]) * 4 * len(head["arrays"])
                 if progress is not None:
@@ -154,7 +156,16 @@ def fetch_memory(info: dict, address: str, progress=None) -> Snapshot:
 
 
 def _take_shard(
-    sock, w: dict, info: dict, layout: Layout, arrays, steps, has_state, blobs, extras: dict | None = None
+    sock,
+    w: dict,
+    info: dict,
+    layout: Layout,
+    arrays,
+    steps,
+    has_state,
+    blobs,
+    extras: dict | None = None,
+    commit_bytes: int = DEFAULT.max_commit_bytes,
 ) -> dict:
     """Receive one worker's reply into ``arrays`` (allocated for the optimizer's fields, in
     wire order), each chunk straight into place; returns its head."""
@@ -165,7 +176,14 @@ def _take_shard(
     src = fetch.SocketParts(sock)
     try:
         head = fetch.read_head(
-            src, epoch=None, iteration=info["iteration"], start=lo, stop=hi, fields=[int(f) for f in arrays], who=who
+            src,
+            epoch=None,
+            iteration=info["iteration"],
+            start=lo,
+            stop=hi,
+            fields=[int(f) for f in arrays],
+            who=who,
+            commit_bytes=commit_bytes,
         )
         fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(arrays[fld][lo:hi]), who)
         got = fetch.read_extras(src, head, who)

@@ -8,11 +8,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from shadow import knobs
 from shadow.errors import CheckpointError, ShadowError
 from shadow.restore.memory import MemorySource, MovedOn
 from shadow.restore.sources import COMPLETE, INCOMPLETE, Candidate, RestoreSource
 from shadow.snapshot import Snapshot
+from shadow.tuning import Tuning
 
 if TYPE_CHECKING:  # a tier's readers and codecs load only when a tier is read
     from shadow.persist.checkpoints import CheckpointInfo
@@ -28,11 +28,14 @@ def is_endpoint(source: str) -> bool:
     return source.startswith(("tcp://", "ipc://", "inproc://"))
 
 
-def open_source(source: str, timeout: float | None = None) -> MemorySource | TierSource:
+def open_source(source: str, timeout: float | None = None, tuning: Tuning | None = None) -> MemorySource | TierSource:
     """The source ``source`` names: a cluster's memory for a coordinator address, else the
-    tier at that path or URL (reported as ``local`` for a path, ``remote`` for a URL)."""
+    tier at that path or URL (reported as ``local`` for a path, ``remote`` for a URL).
+    ``timeout``: how long the coordinator may take to answer (default:
+    ``tuning.connect_timeout_s``); ``tuning``: default :meth:`Tuning.load`."""
     if is_endpoint(source):
-        return MemorySource(source, knobs.get("CONNECT_TIMEOUT_S") if timeout is None else timeout)
+        tuning = Tuning.load() if tuning is None else tuning
+        return MemorySource(source, tuning.connect_timeout_s if timeout is None else timeout, tuning)
     from shadow.restore.tier import TierSource
     from shadow.storage.url import source_tier
 
@@ -100,11 +103,13 @@ def resolve(
     timeout: float | None = None,
     attempts: int = 5,
     progress=None,
+    tuning: Tuning | None = None,
 ) -> Snapshot:
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
 
-    ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given."""
-    src = open_source(source, timeout)
+    ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given; ``tuning``
+    bounds the waits on a live cluster (default: :meth:`Tuning.load`)."""
+    src = open_source(source, timeout, tuning)
     if not isinstance(src, MemorySource):
         return pick(src, job, iteration, progress)[1]
     errors = []

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import zmq
 
+from shadow.tuning import DEFAULT
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum
 
@@ -77,9 +78,20 @@ class ListParts:
         return raw
 
 
-def read_head(parts, *, epoch: int | None, iteration: int, start: int, stop: int, fields: list[int], who: str) -> dict:
-    """The reply's head, checked against what was asked for (``epoch`` None: any)."""
-    head = M.decode(parts.head())
+def read_head(
+    parts,
+    *,
+    epoch: int | None,
+    iteration: int,
+    start: int,
+    stop: int,
+    fields: list[int],
+    who: str,
+    commit_bytes: int = DEFAULT.max_commit_bytes,
+) -> dict:
+    """The reply's head, checked against what was asked for (``epoch`` None: any;
+    ``commit_bytes``: the reader's ``Tuning.max_commit_bytes``)."""
+    head = M.decode(parts.head(), commit_bytes)
     if head["t"] == "error":
         code = head["code"] if head["code"] in ("moved_on", "busy") else "error"
         raise FetchError(code, f"{who}: {head['message']}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from shadow import knobs
+from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
 
 
@@ -46,8 +46,9 @@ class FrameReceiver:
     Counters: ``frames_in`` (messages whose header was read) and ``bytes_in`` (payload
     bytes received)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, tuning: Tuning = DEFAULT) -> None:
         self.sock = sock
+        self.max_runs, self.max_commit_bytes = tuning.max_runs, tuning.max_commit_bytes
         self.frames_in = 0
         self.bytes_in = 0
 
@@ -57,7 +58,7 @@ class FrameReceiver:
         check it against ``ctx`` (None: nothing is being served yet)."""
         raw = self.sock.recv(zmq.NOBLOCK)
         self.frames_in += 1
-        h = F.unpack_header(raw, knobs.get_int("MAX_RUNS"))
+        h = F.unpack_header(raw, self.max_runs)
         if ctx is None:
             raise F.FrameError("not_configured", "frame arrived before this worker was configured")
         if h.epoch != ctx.epoch or h.job != ctx.job:
@@ -70,12 +71,11 @@ class FrameReceiver:
             raise F.FrameError("bad_rank", f"world {h.world} is not {ctx.world}")
         return h
 
-    @staticmethod
-    def check_runs(h: F.Header, ctx: Context) -> None:
+    def check_runs(self, h: F.Header, ctx: Context) -> None:
         """The run table against ``ctx``: runs inside the range, no part larger than a
         sender ever makes, one commit body of bounded size. Call before the sequence
         check: a malformed header consumes no sequence number."""
-        cap = knobs.get_int("MAX_COMMIT_BYTES")
+        cap = self.max_commit_bytes
         if h.kind == F.Kind.COMMIT:
             if len(h.runs) != 1:
                 raise F.FrameError("bad_commit", f"commit has {len(h.runs)} runs, expected 1")

@@ -6,7 +6,7 @@ before anything is buffered. Server sockets (ROUTER, PULL) get CURVE from the pr
 :class:`shadow.security.Guard` before they bind; client sockets (DEALER, PUSH) get the
 process's :class:`shadow.security.ClientKeys` before they connect. High-water marks are
 per use: the worker's data socket holds a few iterations' messages, the trainer's data
-sockets ``SHADOW_ZMQ_SNDHWM``.
+sockets ``Tuning.sndhwm_messages``.
 
 Call order: build one factory per process part (``SocketFactory(ctx, guard=..., keys=...)``),
 then ask it for sockets; the caller owns and closes them."""
@@ -15,24 +15,22 @@ from __future__ import annotations
 
 import zmq
 
-from shadow import knobs
+from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 
 _CURRENT = object()  # keys: this process's client keys (security.current_client), read when a socket is made
 
 
-def fetch_limit() -> int:
+def fetch_limit(tuning: Tuning = DEFAULT) -> int:
     """The largest message a client of a service receives: a reply, or a fetched shard's head
     or chunk."""
-    return max(M.socket_limit("client"), knobs.get_int("FETCH_CHUNK_BYTES"))
+    return max(M.socket_limit("client", tuning.max_commit_bytes), tuning.fetch_chunk_bytes)
 
 
-def data_limit() -> int:
+def data_limit(tuning: Tuning = DEFAULT) -> int:
     """The largest data-plane frame: a payload part, a commit record or a full run table."""
-    return max(
-        F.MAX_PART_BYTES, knobs.get_int("MAX_COMMIT_BYTES"), F.HEADER_SIZE + knobs.get_int("MAX_RUNS") * F.RUN_SIZE
-    )
+    return max(F.MAX_PART_BYTES, tuning.max_commit_bytes, F.HEADER_SIZE + tuning.max_runs * F.RUN_SIZE)
 
 
 class SocketFactory:

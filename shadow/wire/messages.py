@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from shadow import knobs
+from shadow.tuning import DEFAULT
 
 VERSION = 1
 
@@ -286,21 +286,22 @@ _MAX_TYPE_LEN = 64
 _MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 
-def limits(kind: str) -> Limits:
-    """The limits of message type ``kind`` (``KeyError`` for an unknown type)."""
+def limits(kind: str, commit_bytes: int = DEFAULT.max_commit_bytes) -> Limits:
+    """The limits of message type ``kind`` (``KeyError`` for an unknown type); the types that
+    carry commit records grow with ``commit_bytes`` (``Tuning.max_commit_bytes``)."""
     lim = LIMITS[kind]
     if kind in _COMMIT_CARRIERS:
-        commit = knobs.get_int("MAX_COMMIT_BYTES")
+        commit = int(commit_bytes)
         lim = lim._replace(bytes=max(lim.bytes, commit + 64 * _KiB), bin=max(lim.bin, commit))
     return lim
 
 
-def socket_limit(kinds: Iterable[str]) -> int:
+def socket_limit(kinds: Iterable[str], commit_bytes: int = DEFAULT.max_commit_bytes) -> int:
     """The largest message, in bytes, among types ``kinds`` (a key of :data:`RECEIVES`
     or the types themselves): a socket's ``ZMQ_MAXMSGSIZE``."""
     if isinstance(kinds, str):
         kinds = RECEIVES[kinds]
-    return max(limits(k).bytes for k in kinds)
+    return max(limits(k, commit_bytes).bytes for k in kinds)
 
 
 class MessageError(ValueError):
@@ -365,10 +366,11 @@ def peek_type(raw: bytes | memoryview) -> str:
     return kind
 
 
-def decode(raw: bytes | memoryview) -> dict:
-    """Decode and validate one control message within its type's :func:`limits`."""
+def decode(raw: bytes | memoryview, commit_bytes: int = DEFAULT.max_commit_bytes) -> dict:
+    """Decode and validate one control message within its type's :func:`limits`
+    (``commit_bytes``: the receiver's ``Tuning.max_commit_bytes``)."""
     kind = peek_type(raw)
-    lim = limits(kind)
+    lim = limits(kind, commit_bytes)
     if len(raw) > lim.bytes:
         raise MessageError("too_large", f"{kind} message of {len(raw)} bytes exceeds its limit of {lim.bytes}")
     paused = gc.isenabled()  # a body of many small containers decodes several times faster without collections

@@ -44,10 +44,10 @@ class DataPath:
     def open(self) -> str:
         """Bind a fresh data socket; returns the endpoint trainers push to."""
         # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-        self.sock = self.sockets.pull(data_limit(), self.state.tuning.data_rcvhwm_messages)
+        self.sock = self.sockets.pull(data_limit(self.state.tuning), self.state.tuning.data_rcvhwm_messages)
         self.endpoint = self.binding.bind(self.sock)
         if self.rx is None:
-            self.rx = FrameReceiver(self.sock)
+            self.rx = FrameReceiver(self.sock, self.state.tuning)
         else:
             self.rx.sock = self.sock
         return self.endpoint

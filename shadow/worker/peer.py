@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import zmq
 
 from shadow.transport import SocketFactory, fetch, fetch_limit
+from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.worker.outbox import Outbox
 from shadow.worker.worker_state import WorkerState, go_stale
@@ -35,18 +36,19 @@ class PeerFetch:
     started: float
 
     @classmethod
-    def start(cls, sockets: SocketFactory, peer: dict, epoch: int, iteration: int, timeout_s: float) -> PeerFetch:
-        sock = sockets.dealer(peer["serve"], fetch_limit())
+    def start(cls, sockets: SocketFactory, peer: dict, epoch: int, iteration: int, tuning: Tuning) -> PeerFetch:
+        sock = sockets.dealer(peer["serve"], fetch_limit(tuning))
         sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
         now = time.monotonic()
-        return cls(int(peer["id"]), peer["serve"], iteration, sock, now + timeout_s, now)
+        return cls(int(peer["id"]), peer["serve"], iteration, sock, now + tuning.fetch_timeout_s, now)
 
     def close(self) -> None:
         self.sock.close(linger=0)
 
 
-def install(session, parts: list[bytes], iteration: int) -> None:
-    """Check a peer's ``fetch_reply`` against this session and install it."""
+def install(session, parts: list[bytes], iteration: int, commit_bytes: int) -> None:
+    """Check a peer's ``fetch_reply`` against this session and install it (``commit_bytes``:
+    this worker's ``Tuning.max_commit_bytes``)."""
     st = session.state
     src = fetch.ListParts(parts)
     try:
@@ -58,6 +60,7 @@ def install(session, parts: list[bytes], iteration: int) -> None:
             stop=st.stop,
             fields=[int(f) for f in st.fields()],
             who="peer",
+            commit_bytes=commit_bytes,
         )
         fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(st.array(fld)), "peer")
         extras = fetch.read_extras(src, head, "peer")
@@ -103,7 +106,7 @@ class PeerCopy:
             raise RuntimeError("a peer copy needs the session it fills: configure first")
         if self.fetch is not None:
             self.fetch.close()
-        self.fetch = PeerFetch.start(self.sockets, peer, s.epoch, s.base, self.state.tuning.fetch_timeout_s)
+        self.fetch = PeerFetch.start(self.sockets, peer, s.epoch, s.base, self.state.tuning)
         logger.info(
             "fetching iteration %d of range [%d, %d) from peer worker %d",
             s.base,
@@ -121,7 +124,7 @@ class PeerCopy:
         self.fetch = None
         p.close()
         try:
-            install(s, parts, p.iteration)
+            install(s, parts, p.iteration, self.state.tuning.max_commit_bytes)
         except (PeerError, M.MessageError) as exc:
             self.failed(f"copy from peer worker {p.id} failed: {exc}")
             return

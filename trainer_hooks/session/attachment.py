@@ -17,7 +17,6 @@ import torch.distributed as dist
 import zmq
 from torch.nn.parallel import DistributedDataParallel
 
-from shadow import knobs
 from shadow.client import LogWaiting, dealer, request
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
@@ -122,7 +121,7 @@ class Attachment:
                 self.dealer,
                 self.coordinator,
                 payload,
-                knobs.get("CONNECT_TIMEOUT_S"),
+                self.options.tuning.connect_timeout_s,
                 ("attached",),
                 interim=LogWaiting(f"rank {self.rank}", self.coordinator),
             )
@@ -144,9 +143,11 @@ class Attachment:
     def _start(self, latch: ErrorLatch) -> None:
         if self.dealer is None:
             raise RuntimeError("the attachment has no connection to the coordinator (the handshake comes first)")
-        self._recovery = RecoveryController(latch, self.rank, self.epoch, self.options.audit_strict)
+        self._recovery = RecoveryController(
+            latch, self.rank, self.epoch, self.options.audit_strict, self.options.tuning.connect_timeout_s
+        )
         nbuckets_slack = 16 * 256
-        cap = knobs.get_int("RING_ITERATIONS") * (self.layout.total // self.world + nbuckets_slack)
+        cap = self.options.tuning.ring_iterations * (self.layout.total // self.world + nbuckets_slack)
         self.ring = StagingRing(cap, pin=self.device.type == "cuda")
         self.sender = self.sender_class(
             self.ctx,
@@ -159,6 +160,7 @@ class Attachment:
             world=self.world,
             layout_hash=self.layout.hash,
             events=self.recovery,
+            tuning=self.options.tuning,
         )
         self.recovery.bind(self.sender, self.ring)
         self.sender.start()
@@ -200,7 +202,7 @@ class Attachment:
             raise RuntimeError("a bucket reached an attachment that is not running (not started, or closed)")
         block = self.options.policy == "block"
         try:
-            off = ring.alloc(hi - lo, knobs.get("BLOCK_TIMEOUT_S") if block else 0.0)
+            off = ring.alloc(hi - lo, self.options.tuning.block_timeout_s if block else 0.0)
         except RingInterrupted:
             return  # degraded while waiting: nothing more is streamed until a resync
         except RingFullError as exc:
@@ -233,7 +235,7 @@ class Attachment:
     def throttle(self, k: int, latch: ErrorLatch) -> None:
         """Policy block: wait while this rank is more than ``SHADOW_MAX_LAG`` iterations
         ahead of the cluster (bounded); policy skip: fall behind instead of waiting."""
-        lag = knobs.get_int("MAX_LAG")
+        lag = self.options.tuning.max_lag_iterations
         floor = self.base - 1  # the bootstrap (iteration base) is in flight like any iteration
         rec = self.recovery
         if k - max(rec.committed, floor) <= lag or rec.degraded is not None:
@@ -246,7 +248,7 @@ class Attachment:
             )
             return
         t0 = time.monotonic()
-        limit = knobs.get("BLOCK_TIMEOUT_S")
+        limit = self.options.tuning.block_timeout_s
         with latch.cond:
             ok = latch.cond.wait_for(
                 lambda: k - max(rec.committed, floor) <= lag or latch.error is not None or rec.degraded is not None,
@@ -278,7 +280,7 @@ class Attachment:
         """Rank 0: copy the model state outside the optimizer that changed (all of it at
         a bootstrap, which starts a new epoch); sent with the commit."""
         if everything or self.extras is None:
-            self.extras = ExtrasTracker(self.model, self.params, self.workers)
+            self.extras = ExtrasTracker(self.model, self.params, self.workers, self.options.tuning)
         return self.extras.capture(everything=everything)
 
     # -- the end -------------------------------------------------------------------------------------
@@ -291,7 +293,7 @@ class Attachment:
         if wait and rec is not None and sender is not None and (latch is None or latch.error is None):
             done = threading.Event()
             sender.q.put(FlushItem(done))
-            done.wait(knobs.get("CLOSE_TIMEOUT_S"))
+            done.wait(self.options.tuning.close_timeout_s)
             cond = latch.cond if latch is not None else threading.Condition()
             with cond:
                 cond.wait_for(
@@ -300,7 +302,7 @@ class Attachment:
                         or rec.degraded is not None
                         or (latch is not None and latch.error is not None)
                     ),
-                    knobs.get("CLOSE_TIMEOUT_S"),
+                    self.options.tuning.close_timeout_s,
                 )
             if rec.committed < self.last_emitted:
                 logger.warning(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shadow.jobs import check_job_name
+from shadow.tuning import Tuning
 from trainer_hooks.session import observe
 
 POLICIES = ("block", "skip")
@@ -28,8 +29,14 @@ class AttachOptions:
     comm_state: Any = None
     audit_every: int = 0
     audit_strict: bool = False
+    tuning: Tuning = field(default_factory=Tuning.load)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tuning, Tuning):
+            raise TypeError(
+                f"tuning must be a shadow.tuning.Tuning (e.g. Tuning.load(block_timeout_s=30)), "
+                f"got {type(self.tuning).__name__}"
+            )
         check_job_name(self.job)  # it names a directory under every tier's root
         if self.policy not in POLICIES:
             raise ValueError(f"back-pressure policy {self.policy!r} is not supported; choose one of {POLICIES}")

@@ -13,7 +13,6 @@ import threading
 import torch
 import torch.distributed as dist
 
-from shadow import knobs
 from shadow.errors import ShadowError
 from trainer_hooks.session.sender import JoinItem, NoticeItem, Sender
 from trainer_hooks.session.staging import StagingRing
@@ -50,8 +49,9 @@ class RecoveryController:
     """One attachment's view of the cluster (committed cut, degraded, asked resyncs and
     replica joins) and the votes on them. It is the sender's :class:`SenderEvents`."""
 
-    def __init__(self, latch: ErrorLatch, rank: int, epoch: int, audit_strict: bool = False) -> None:
+    def __init__(self, latch: ErrorLatch, rank: int, epoch: int, audit_strict: bool, join_wait_s: float) -> None:
         self.latch, self.rank, self.epoch, self.audit_strict = latch, rank, epoch, audit_strict
+        self.join_wait_s = join_wait_s  # how long a rank waits for a join another rank has heard of
         self.sender: Sender | None = None  # bound once the attachment's sender exists
         self.ring: StagingRing | None = None  # bound with it; None again once the attachment releases it
         self.committed = -1  # newest iteration the cluster committed (as last heard)
@@ -195,7 +195,7 @@ class RecoveryController:
         up to generation ``gen`` from ``next_iteration`` on; tell the coordinator so."""
         self.join_at = None
         with self.latch.cond:  # another rank may have heard of a join this one has not yet: it is in flight
-            self.latch.cond.wait_for(lambda: max(self.joins, default=0) >= gen, knobs.get("CONNECT_TIMEOUT_S"))
+            self.latch.cond.wait_for(lambda: max(self.joins, default=0) >= gen, self.join_wait_s)
         sender = self._bound_sender()
         for g in sorted(x for x in self.joins if self.join_done < x <= gen):
             msg = self.joins.pop(g)

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from shadow import knobs
 from shadow.errors import ShadowError
 from shadow.transport.send import DataSender, ZmqDataSender
+from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks.session.transfer import DONE
@@ -184,12 +184,14 @@ class Sender(threading.Thread):
         world: int,
         layout_hash: int,
         events: SenderEvents,
+        tuning: Tuning,
     ) -> None:
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
         self.job_id, self.epoch, self.rank, self.world, self.layout_hash = job_id, epoch, rank, world, layout_hash
         self.events = events
+        self.tuning = tuning
         self.last_heard = time.monotonic()  # anything from the coordinator (it answers every heartbeat)
         self.lost = False
         self.paused: str | None = None  # why this rank stopped streaming on its own: told with every heartbeat
@@ -207,8 +209,8 @@ class Sender(threading.Thread):
         opened: DataSender | None = None
         try:
             self.data = opened = self.open_data(list(self.endpoints))
-            poll = knobs.get("SENDER_POLL_S")
-            hb = knobs.get("HEARTBEAT_S")
+            poll = self.tuning.sender_poll_s
+            hb = self.tuning.heartbeat_s
             next_hb = 0.0
             while True:
                 try:
@@ -222,7 +224,7 @@ class Sender(threading.Thread):
                 self._reap()
                 self._listen()
                 now = time.monotonic()
-                if not self.lost and now - self.last_heard > knobs.get("COORDINATOR_LOST_S"):
+                if not self.lost and now - self.last_heard > self.tuning.coordinator_lost_s:
                     self.lost = True
                     self.events.on_lost(
                         f"no answer from the shadow coordinator for {now - self.last_heard:.1f} s "
@@ -253,7 +255,7 @@ class Sender(threading.Thread):
     def open_data(self, endpoints: list[str]) -> DataSender:
         """The channels to the workers, opened on this thread (fault injection overrides
         this to wrap them)."""
-        return ZmqDataSender(self.ctx, endpoints, knobs.get_int("ZMQ_SNDHWM"))
+        return ZmqDataSender(self.ctx, endpoints, self.tuning.sndhwm_messages)
 
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
@@ -303,7 +305,7 @@ class Sender(threading.Thread):
         elif isinstance(item, NoticeItem):
             self._notify(item.kind, **item.fields)
         elif isinstance(item, FlushItem):
-            deadline = time.monotonic() + knobs.get("CLOSE_TIMEOUT_S")
+            deadline = time.monotonic() + self.tuning.close_timeout_s
             while self.pending and time.monotonic() < deadline:
                 self._reap()
                 time.sleep(0.001)

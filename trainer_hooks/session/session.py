@@ -100,7 +100,7 @@ class Session:
         self._views = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
         self._slot = HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
-        _metrics.publish(self)
+        _metrics.publish(self, options.tuning.metrics_port)
         att = self._att
         logger.info(
             "rank %d attached to %s as job %s epoch %d at iteration %d (%s Adam, %d elements, %d workers)",
