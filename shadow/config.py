@@ -10,25 +10,14 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from shadow.choices import Compression, Dtype, Format, LogFormat, LogLevel, WeightFormat
 from shadow.plan.config import PlanConfig
 from shadow.tuning import TuningConfig, check_section
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LOG_FORMATS = ("text", "json")
-FORMATS = ("torch", "dcp", "safetensors")
-COMPRESSIONS = ("none", "zstd")
-EXPORT_FORMATS = ("safetensors", "torch")
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_port(port: int) -> None:
     if not 0 < port < 65536:
         raise ValueError(f"port={port} is not a TCP port; use 1-65535")
-
-
-def _check_level(level: str) -> None:
-    if level.upper() not in LOG_LEVELS:
-        raise ValueError(f"log_level={level!r} is not one of {LOG_LEVELS}")
 
 
 def _check_endpoint(key: str, value: str) -> None:
@@ -45,7 +34,7 @@ class TierConfig:
     every_s: float = 0.0  #: seconds between checkpoints (0 = not by time)
     every_tokens: int = 0  #: tokens between checkpoints, as reported by the trainer (0 = not by tokens)
     keep: int = 3  #: complete checkpoints to retain (0 = keep all)
-    compress: str = "none"  #: "none" or "zstd" (lossless: float bytes split into planes, then zstd)
+    compress: Compression = Compression.none  #: none or zstd (lossless: float bytes split into planes, then zstd)
     compress_level: int = 1  #: zstd level, 1 (fastest; on float planes also the smallest measured) to 19
 
     KEY: ClassVar[str] = "persist.TIER"  # where the tier sits in a config, for error messages
@@ -59,8 +48,7 @@ class TierConfig:
         for key in ("every_n", "every_s", "every_tokens", "keep"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{k}.{key}={getattr(self, key)} must be >= 0")
-        if self.compress not in COMPRESSIONS:
-            raise ValueError(f"{k}.compress={self.compress!r} is not supported; choose one of {COMPRESSIONS}")
+        self.compress = Compression.parse(self.compress, f"{k}.compress")
         if not 1 <= self.compress_level <= 19:
             raise ValueError(f"{k}.compress_level={self.compress_level} must be 1 (fastest) to 19 (smallest)")
         if self.location and not (self.every_n or self.every_s or self.every_tokens):
@@ -175,10 +163,9 @@ class KeygenConfig:
             raise ValueError(f"name={self.name!r} is not a file stem; use e.g. name=server or name=trainer0")
 
 
-def _check_log(level: str, fmt: str) -> None:
-    _check_level(level)
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log_format={fmt!r} is not one of {LOG_FORMATS} (json: one JSON object per line)")
+def _check_log(cfg: Any) -> None:
+    cfg.log_level = LogLevel.parse(cfg.log_level, "log_level")
+    cfg.log_format = LogFormat.parse(cfg.log_format, "log_format")
 
 
 def _check_metrics_port(port: int) -> None:
@@ -206,8 +193,8 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"  #: interface to bind (127.0.0.1 keeps the cluster local; 0.0.0.0 = every interface)
     port: int = 5555  #: coordinator port
     metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
-    log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR
-    log_format: str = "text"  #: text (one line per event) or json (one JSON object per line)
+    log_level: LogLevel = LogLevel.INFO  #: DEBUG, INFO, WARNING or ERROR
+    log_format: LogFormat = LogFormat.text  #: text (one line per event) or json (one JSON object per line)
     persist: PersistConfig = field(default_factory=PersistConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.tuning.Tuning); the workers get them too
@@ -217,7 +204,7 @@ class CoordinatorConfig:
         check_section(self.tuning)
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
-        _check_log(self.log_level, self.log_format)
+        _check_log(self)
 
 
 @dataclass
@@ -252,8 +239,8 @@ class WorkerConfig:
     )
     threads: int = 0  #: numba threads; 0 = all cores
     metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
-    log_level: str = "INFO"  #: DEBUG, INFO, WARNING or ERROR
-    log_format: str = "text"  #: text or json
+    log_level: LogLevel = LogLevel.INFO  #: DEBUG, INFO, WARNING or ERROR
+    log_format: LogFormat = LogFormat.text  #: text or json
     worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.tuning.Tuning)
@@ -266,7 +253,7 @@ class WorkerConfig:
         if not self.host:
             raise ValueError("host= is empty; give an interface address or host=auto")
         _check_metrics_port(self.metrics_port)
-        _check_log(self.log_level, self.log_format)
+        _check_log(self)
 
 
 @dataclass
@@ -304,7 +291,7 @@ class RestoreConfig:
 
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
     out: str = "checkpoint.pt"  #: file (torch, safetensors) or directory (dcp) to write
-    format: str = "torch"  #: torch (torch.load-able), dcp (torch.distributed.checkpoint), safetensors (weights)
+    format: Format = Format.torch  #: torch (torch.load-able), dcp (torch.distributed.checkpoint), safetensors (weights)
     job: str | None = None  #: the job to restore (default: the only or newest one)
     iteration: int | None = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0  #: seconds to wait for the coordinator and workers
@@ -312,8 +299,7 @@ class RestoreConfig:
 
     def __post_init__(self) -> None:
         _check_source(self.source)
-        if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r} is not supported; choose one of {FORMATS}")
+        self.format = Format.parse(self.format, "format")
         _check_timeout(self.timeout)
 
 
@@ -324,8 +310,8 @@ class ExportConfig:
 
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
     out: str = "model.safetensors"  #: file to write
-    format: str = "safetensors"  #: safetensors or torch (a model state dict for torch.load)
-    dtype: str = "float32"  #: float32, bfloat16 or float16 (the shadow holds fp32)
+    format: WeightFormat = WeightFormat.safetensors  #: safetensors or torch (a model state dict for torch.load)
+    dtype: Dtype = Dtype.float32  #: float32, bfloat16 or float16 (the shadow holds fp32)
     job: str | None = None  #: the job to export (default: the only or newest one)
     iteration: int | None = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0  #: seconds to wait for the coordinator and workers
@@ -333,13 +319,8 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         _check_source(self.source)
-        if self.format not in EXPORT_FORMATS:
-            raise ValueError(
-                f"format={self.format!r} is not supported by export; choose one of {EXPORT_FORMATS} "
-                "(shadow restore writes the whole training state)"
-            )
-        if self.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; choose one of {EXPORT_DTYPES}")
+        self.format = WeightFormat.parse(self.format, "format")
+        self.dtype = Dtype.parse(self.dtype, "dtype")
         _check_timeout(self.timeout)
 
 

@@ -12,6 +12,8 @@ import datetime
 import json
 import logging
 
+from shadow.choices import LogFormat, LogLevel
+
 TEXT = "%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s"
 
 
@@ -43,12 +45,13 @@ class OneLineFormatter(logging.Formatter):
         return super().format(record).replace("\n", " | ")
 
 
-def setup(level: str, fmt: str = "text", role: str = "shadow") -> None:
+def setup(level: str | LogLevel, fmt: str | LogFormat = LogFormat.text, role: str = "shadow") -> None:
     """Send every shadow log record to stderr in ``fmt`` (text or json), at ``level``."""
+    level, fmt = LogLevel.parse(level, "log_level"), LogFormat.parse(fmt, "log_format")
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter(role) if fmt == "json" else OneLineFormatter(TEXT))
+    handler.setFormatter(JsonFormatter(role) if fmt is LogFormat.json else OneLineFormatter(TEXT))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel(getattr(logging, level.upper()))
+    root.setLevel(getattr(logging, level.value))

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from shadow.choices import Policy
 from shadow.errors import (
     LayoutMismatchError,
     ShadowConnectionError,
@@ -37,7 +38,7 @@ def attach(
     job: str = "default",
     iteration: int | None = None,
     overwrite: bool = False,
-    policy: str = "block",
+    policy: str | Policy = "block",
     comm_hook: Callable | None = None,
     comm_state: Any = None,
     audit_every: int = 0,

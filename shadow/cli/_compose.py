@@ -14,6 +14,7 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from shadow.choices import Choice
 from shadow.config import CONFIGS, register
 
 
@@ -90,6 +91,7 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
     from hydra import initialize, initialize_config_dir
     from hydra.errors import HydraException
 
+    overrides = [_choice_override(cls, o) for o in args.overrides]  # before Hydra is initialized
     ctx: initialize_config_dir | initialize
     if args.config_name is not None:
         cdir = os.path.abspath(args.config_dir or "configs")
@@ -102,7 +104,7 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
         ctx, name = initialize(version_base="1.3", config_path=None), schema
     try:
         with ctx:
-            cfg = hydra_compose(config_name=name, overrides=args.overrides)
+            cfg = hydra_compose(config_name=name, overrides=overrides)
     except HydraException as exc:
         raise UsageError(_explain(cls, exc)) from None
     except OmegaConfBaseException as exc:
@@ -177,6 +179,27 @@ def _field_at(cls: type, dotted: str) -> tuple[type | None, Any, type | None]:
     return None, None, None
 
 
+def _choice_of(hint: Any) -> type[Choice] | None:
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+    return base if isinstance(base, type) and issubclass(base, Choice) else None
+
+
+def _choice_override(cls: type, override: str) -> str:
+    """``key=value`` for a key that takes a :class:`~shadow.choices.Choice`, with the value
+    spelled as the member's name (``log_level=info`` -> ``log_level=INFO``); a value that
+    is none of the choices is an error naming them. Other overrides pass unchanged."""
+    key, eq, value = override.partition("=")
+    if not eq or not key or not key[0].isalpha():  # +key=..., ~key: Hydra's own grammar
+        return override
+    choice = _choice_of(_field_at(cls, key)[0])
+    if choice is None or value in ("null", ""):
+        return override
+    try:
+        return f"{key}={choice.parse(value, key).name}"
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -200,5 +223,8 @@ def _explain(cls: type, exc: Exception) -> str:
             f"{key}={value!r} is not allowed: {key} is a section; set its keys, e.g. {key}.KEY=VALUE "
             f"({_keys_of(base, key + '.')})"
         )
+    if isinstance(base, type) and issubclass(base, Choice):
+        extra = f" ({base.hint()})" if base.hint() else ""
+        return f"{key}={value!r} is not one of {base.values()}{extra}"
     want = _TYPE_WORDS.get(base, getattr(base, "__name__", str(base)))
     return f"{key}={value!r} is not allowed: {key} takes {want} (default {default!r})"

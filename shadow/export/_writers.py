@@ -13,12 +13,13 @@ import os
 import shutil
 from collections.abc import Callable
 
+from shadow.choices import Dtype, Format, WeightFormat
 from shadow.export._torch import require_torch
 from shadow.snapshot import Snapshot
 
-FORMATS = ("torch", "dcp", "safetensors")
-WEIGHT_FORMATS = ("safetensors", "torch")
-DTYPES = ("float32", "bfloat16", "float16")  # what export_weights casts floating tensors to
+FORMATS = Format.values()
+WEIGHT_FORMATS = WeightFormat.values()
+DTYPES = Dtype.values()  # what export_weights casts floating tensors to
 
 
 def _fqn_optimizer(sd: dict, names: list[str]) -> dict:
@@ -53,10 +54,10 @@ def _via_tmp(out: str, write: Callable[[str], object]) -> None:
         raise
 
 
-def export(snap: Snapshot, out: str, fmt: str) -> str:
-    """Write ``snap`` to ``out`` in ``fmt``; returns what was written."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format={fmt!r} is not supported; choose one of {FORMATS}")
+def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
+    """Write ``snap`` to ``out`` in ``fmt`` (a :class:`~shadow.choices.Format` or its name);
+    returns what was written."""
+    fmt = Format.parse(fmt, "format")
     check_out(out)
     torch = require_torch(f"writing a checkpoint in format={fmt}")
     from shadow.export import state
@@ -89,27 +90,30 @@ def export(snap: Snapshot, out: str, fmt: str) -> str:
     return out
 
 
-def export_weights(snap: Snapshot, out: str, fmt: str = "safetensors", dtype: str = "float32") -> dict:
+def export_weights(
+    snap: Snapshot,
+    out: str,
+    fmt: str | WeightFormat = WeightFormat.safetensors,
+    dtype: str | Dtype = Dtype.float32,
+) -> dict:
     """Write the model weights of ``snap`` (no optimizer state) to ``out`` as safetensors
     or a torch state-dict file, floating tensors cast to ``dtype``. Tied weights are
     written once (safetensors refuses shared storage) and named in the metadata.
     Returns ``{"tensors", "bytes", "aliases"}``."""
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"format={fmt!r} is not supported for weights; choose one of {WEIGHT_FORMATS}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
+    fmt = WeightFormat.parse(fmt, "format", "weights only; export() writes the whole training state")
+    dtype = Dtype.parse(dtype, "dtype")
     check_out(out)
     torch = require_torch(f"writing model weights in format={fmt}")
     from shadow.export import state
 
     sd = state.state_dicts(snap)["model"]
     aliases = state.aliases(snap)
-    cast = getattr(torch, dtype)
+    cast = getattr(torch, dtype.value)
     weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if k not in aliases}
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        meta = {"job": snap.job, "iteration": str(snap.iteration), "dtype": dtype, "aliases": json.dumps(aliases)}
+        meta = {"job": snap.job, "iteration": str(snap.iteration), "dtype": dtype.value, "aliases": json.dumps(aliases)}
         _via_tmp(out, lambda tmp: save_file(weights, tmp, metadata=meta))
     else:
         full = dict(weights)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shadow.choices import Compression
 from shadow.storage.base import Storage
 from shadow.storage.url import storage_for
 
@@ -35,12 +36,11 @@ class Schedule:
 class Codec:
     """How a tier stores a shard: ``none`` (the plain image) or ``zstd`` at ``level``."""
 
-    compress: str = "none"
+    compress: Compression = Compression.none
     level: int = 1
 
     def __post_init__(self) -> None:
-        if self.compress not in ("none", "zstd"):
-            raise ValueError(f"compress={self.compress!r} is not supported; choose 'none' or 'zstd'")
+        object.__setattr__(self, "compress", Compression.parse(self.compress, "compress"))
 
 
 @dataclass(frozen=True)

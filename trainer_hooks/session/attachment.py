@@ -17,6 +17,7 @@ import torch.distributed as dist
 import zmq
 from torch.nn.parallel import DistributedDataParallel
 
+from shadow.choices import Policy
 from shadow.client import LogWaiting, dealer, request
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
@@ -200,7 +201,7 @@ class Attachment:
         ring, sender = self.ring, self.sender
         if ring is None or sender is None:
             raise RuntimeError("a bucket reached an attachment that is not running (not started, or closed)")
-        block = self.options.policy == "block"
+        block = self.options.policy is Policy.block
         try:
             off = ring.alloc(hi - lo, self.options.tuning.block_timeout_s if block else 0.0)
         except RingInterrupted:
@@ -240,7 +241,7 @@ class Attachment:
         rec = self.recovery
         if k - max(rec.committed, floor) <= lag or rec.degraded is not None:
             return
-        if self.options.policy == "skip":
+        if self.options.policy is Policy.skip:
             rec.fall_behind(
                 k,
                 f"iteration {k} is {k - max(rec.committed, floor)} ahead of the cluster's cut "

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shadow.choices import Policy
 from shadow.jobs import check_job_name
 from shadow.tuning import Tuning
 from trainer_hooks.session import observe
 
-POLICIES = ("block", "skip")
+POLICIES = Policy.values()
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class AttachOptions:
     extra_state: Callable[[], Any] | None = None
     tokens: Callable[[], int] | None = None
     job: str = "default"
-    policy: str = "block"
+    policy: Policy | str = Policy.block  # a Policy or its name (a Policy once built)
     comm_hook: Callable | None = None
     comm_state: Any = None
     audit_every: int = 0
@@ -38,8 +39,12 @@ class AttachOptions:
                 f"got {type(self.tuning).__name__}"
             )
         check_job_name(self.job)  # it names a directory under every tier's root
-        if self.policy not in POLICIES:
-            raise ValueError(f"back-pressure policy {self.policy!r} is not supported; choose one of {POLICIES}")
+        try:
+            object.__setattr__(self, "policy", Policy.parse(self.policy, "policy"))
+        except ValueError:
+            raise ValueError(
+                f"back-pressure policy {self.policy!r} is not supported; choose one of {POLICIES}"
+            ) from None
         if self.extra_state is not None and not callable(self.extra_state):
             raise TypeError("extra_state must be a callable returning the state to save each iteration")
         if self.tokens is not None and not callable(self.tokens):
