@@ -11,7 +11,7 @@ import pytest
 from shadow.coordinator.outbox import RecordingOutbox
 from shadow.coordinator.queries import status_view
 from shadow.coordinator.rebuild import rebuild_job
-from shadow.coordinator.records import JobStatus, WorkerRec
+from shadow.coordinator.records import JobStatus, JoinStage, WorkerRec
 from shadow.coordinator.routes import ROUTES
 from shadow.coordinator.server import Coordinator
 from shadow.layout import Layout, shard_bounds
@@ -165,7 +165,12 @@ def test_a_restarted_replica_joins_from_its_peer():
     assert sim.out.last("registered", b"w1-new") == {"worker_id": 1, "awaiting_copy": True}
     assert sim.out.kinds(b"t0") == ["replica_out", "replica_in"]
     gen = sim.out.last("replica_in", b"t0")["gen"]
+    join = sim.state.job.joining[1]
+    assert join.stage is JoinStage.VOTING and join.gen == gen
+    sim.send(b"t0", "replica_from", epoch=1, rank=0, worker=1, gen=gen - 1, iteration=2)  # an older join's vote
+    assert join.starts == {} and "configure" not in sim.out.kinds(b"w1-new")
     sim.send(b"t0", "replica_from", epoch=1, rank=0, worker=1, gen=gen, iteration=2)
+    assert join.stage is JoinStage.COPYING and join.at == 1 and join.starts == {0: 2}
     configure = sim.out.last("configure", b"w1-new")
     assert configure["iteration"] == 1 and configure["peer"] == {"id": 0, "serve": "tcp://127.0.0.1:8000"}
     sim.prepared(b"w0", 1)

@@ -37,6 +37,29 @@ class Health(str, Enum):
     STARTING = "starting"
 
 
+class JoinStage(str, Enum):
+    """Where a replica joining its shard is: ``voting`` (the ranks are telling from which
+    iteration each streams to it) or ``copying`` (it copies the iteration before that from
+    its peer; the cut is held there until it has)."""
+
+    VOTING = "voting"
+    COPYING = "copying"
+
+
+@dataclass
+class Join:
+    """One replica join of generation ``gen``: each rank's first streamed iteration
+    (``starts``), and the iteration it copies (``at``, once every rank agreed)."""
+
+    gen: int
+    starts: dict[int, int] = field(default_factory=dict)  # rank -> first iteration it streams to the replica
+    at: int | None = None
+
+    @property
+    def stage(self) -> JoinStage:
+        return JoinStage.VOTING if self.at is None else JoinStage.COPYING
+
+
 @dataclass
 class WorkerRec:
     ident: bytes
@@ -103,7 +126,7 @@ class JobRec:
     resync_requested: bool = False
     gen: int = 0  # replica joins started
     generation: int = 0  # lineage: raised when an attach goes back behind what the cluster holds
-    joining: dict = field(default_factory=dict)  # worker id -> {"gen", "from": {rank: m}, "at": m - 1}
+    joining: dict[int, Join] = field(default_factory=dict)  # worker id -> its join in progress
     writers: dict = field(default_factory=dict)  # shard -> worker id asked to persist it
     cut_ceiling: int | None = None  # the cut stays at or below this while a replica copies from its peer
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)

@@ -31,7 +31,7 @@ from typing import Any
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
-from shadow.coordinator.records import JobRec, JobStatus, WorkerRec
+from shadow.coordinator.records import JobRec, JobStatus, Join, JoinStage, WorkerRec
 from shadow.coordinator.state import ClusterState, configure_fields
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Replicas:
         if self.state.serving() is None:
             return False
         job.gen += 1
-        job.joining[w.id] = {"gen": job.gen, "from": {}, "at": None}
+        job.joining[w.id] = Join(job.gen)
         # whatever is queued for the old process is dropped
         self.out.to_trainers(job, "replica_out", epoch=job.epoch, worker=w.id)
         logger.warning(
@@ -99,7 +99,7 @@ class Replicas:
 
     def _release_cut_ceiling(self, job: JobRec) -> None:
         """Hold ``job``'s cut at the earliest iteration a joining replica copies, if any."""
-        holds = [j["at"] for j in job.joining.values() if j["at"] is not None]
+        holds = [j.at for j in job.joining.values() if j.at is not None]
         job.cut_ceiling = min(holds) if holds else None
 
     def on_replica_from(self, env: list[bytes], msg: Msg) -> None:
@@ -108,12 +108,12 @@ class Replicas:
         if job is None or msg["epoch"] != job.epoch:
             return
         j = job.joining.get(msg["worker"])
-        if j is None or j["gen"] != msg["gen"] or j["at"] is not None:
+        if j is None or j.gen != msg["gen"] or j.stage is not JoinStage.VOTING:
             return
-        j["from"][msg["rank"]] = msg["iteration"]
-        if len(j["from"]) < job.world:
+        j.starts[msg["rank"]] = msg["iteration"]
+        if len(j.starts) < job.world:
             return
-        starts = set(j["from"].values())
+        starts = set(j.starts.values())
         m = max(starts)
         w = self.state.workers[msg["worker"]] if msg["worker"] < len(self.state.workers) else None
         peers = [
@@ -128,7 +128,7 @@ class Replicas:
                 f"cut {job.cut}, healthy peers {[p.id for p in peers]})"
             )
             return
-        j["at"] = m - 1
+        j.at = m - 1
         self._release_cut_ceiling(job)
         peer = peers[0]
         self.out.to_worker(
