@@ -211,10 +211,10 @@ def test_a_tier_that_cannot_be_scanned_refuses_attaches_until_fixed(world1, tmp_
 def test_scan_failure_of_a_job_directory_is_not_an_empty_tier(tmp_path, monkeypatch):
     """Persistence alone: any listing error at start-up is kept, reported, and retried."""
     (tmp_path / "job").mkdir()
-    from shadow.coordinator import persistence
+    from shadow.coordinator import tiers
 
-    real = persistence._probe
-    monkeypatch.setattr(persistence, "_probe", lambda root: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    real = tiers._probe
+    monkeypatch.setattr(tiers, "_probe", lambda root: (_ for _ in ()).throw(PermissionError(13, "denied")))
     p = Persistence(
         PersistConfig.from_dict(
             {"local": {"dir": str(tmp_path), "every_n": 1, "every_s": 0, "every_tokens": 0, "keep": 0}}
@@ -222,7 +222,7 @@ def test_scan_failure_of_a_job_directory_is_not_an_empty_tier(tmp_path, monkeypa
     )
     assert "denied" in p.tiers["local"].scan_error
     assert "cannot read tier local" in p.unscanned() and "denied" in p.unscanned()
-    monkeypatch.setattr(persistence, "_probe", real)
+    monkeypatch.setattr(tiers, "_probe", real)
     assert p.unscanned() is None and p.tiers["local"].scan_error == "" and p.tiers["local"].last_error == ""
 
 

@@ -20,6 +20,7 @@ from shadow.coordinator import persistence as persistence_mod
 from shadow.coordinator.persistence import Persistence
 from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile
+from shadow.persist.upload import Uploader
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
 from shadow.tuning import Tuning
@@ -166,7 +167,7 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
     persist = {"local": dict(TIER, every_n=1, dir=local), "remote": dict(TIER, every_n=4, keep=0, url=remote)}
     release_write, release_copy = threading.Event(), threading.Event()
-    write, copy = shardfile.ShardImage.write, ShardPersister._copy
+    write, copy = shardfile.ShardImage.write, Uploader._copy
 
     def slow_write(img, path):
         if "iteration-0000000003" in path and "shard-00000" in path:
@@ -178,7 +179,7 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
         return copy(self, *args)
 
     monkeypatch.setattr(shardfile.ShardImage, "write", slow_write)
-    monkeypatch.setattr(ShardPersister, "_copy", slow_copy)
+    monkeypatch.setattr(Uploader, "_copy", slow_copy)
     pers = Persistence(PersistConfig.from_dict(persist))
     pers.reset(0)
     ps = [

@@ -1,6 +1,7 @@
 """The coordinator's side of persistence: when each tier is due, collecting the workers'
 shard reports, committing a checkpoint by writing its manifest, retention, and the
-catalog of complete checkpoints per tier.
+catalog of complete checkpoints per tier (kept in :mod:`~shadow.coordinator.tiers`'s
+``TierState``, filled from storage by its ``scan``).
 
 The local tier is due by its own schedule at each new cut. The remote tier is due once
 its schedule has elapsed since the last remote copy; the next local checkpoint that
@@ -13,81 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shadow.config import PersistConfig
+from shadow.coordinator.tiers import TierState, scan
 from shadow.persist import checkpoints, failed, retention
-from shadow.storage import storage_for
-from shadow.storage.tier import Tier, tiers_for
+from shadow.storage.tier import tiers_for
 from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TierState:
-    """What the coordinator tracks of one :class:`~shadow.storage.tier.Tier`: requests in
-    flight, what it holds complete, and its figures (status ``persist``, the metrics)."""
-
-    tier: Tier
-    last: tuple = (0, 0.0, None)  # (iteration, time, tokens) of the last request
-    last_ok: tuple = (0, 0.0, None)  # ... of the last request that became a complete checkpoint
-    in_flight: dict = field(default_factory=dict)  # iteration -> {shard: report}
-    complete: dict = field(default_factory=dict)  # job -> newest complete iteration
-    last_complete: dict | None = None  # {"job", "iteration", "time", "bytes", "seconds"}
-    last_error: str = ""
-    scan_error: str = ""  # the start-up scan failed: what this tier holds is unknown (attaches are refused)
-    count: int = 0
-    bytes: int = 0
-    failures: int = 0
-    skipped: int = 0  # requests a worker skipped (not failures)
-    failing: int = 0  # failures in a row (a full disk, say); after two, retries follow the schedule
-    requested: dict = field(default_factory=dict)  # iteration in flight -> monotonic time of the request
-    newest: tuple | None = None  # (iteration, tokens, {shard: report}) of the newest complete one this run
-    skip_log: dict = field(default_factory=lambda: {"count": 0, "lo": 0, "hi": 0, "at": float("-inf"), "why": ""})
-
-    @property
-    def name(self) -> str:
-        return self.tier.name
-
-    @property
-    def root(self) -> str:
-        return self.tier.root
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "schedule": asdict(self.tier.schedule),
-            "last_complete": self.last_complete,
-            "last_error": self.last_error,
-            "count": self.count,
-            "bytes": self.bytes,
-            "failures": self.failures,
-            "skipped": self.skipped,
-            "in_flight": sorted(self.in_flight),
-        }
-
-
-def _probe(root: str) -> None:
-    """Raise if what tier ``root`` holds cannot be known (no permission, a symlink loop, an
-    unreachable store): its listing would pass for empty. A root that does not exist, or is
-    not a directory, holds no checkpoint (writing one fails, and is reported then)."""
-    st = storage_for(root)
-    try:
-        info = st.info(st.base)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    if info.get("type") != "directory":
-        logger.warning(
-            "tier root %s is a %s, not a directory: it holds no checkpoint, and none can be written there",
-            root,
-            info.get("type", "non-directory"),
-        )
-        return
-    for entry in st.ls(st.base):  # each job directory must be listable too
-        if entry.get("type") == "directory":
-            st.ls(entry["name"])
 
 
 class Persistence:
@@ -103,56 +38,12 @@ class Persistence:
         self.tiers: dict[str, TierState] = {t.name: TierState(t) for t in tiers_for(self.config)}  # nearest first
         self.generations: dict[str, int] = {}  # job -> newest generation seen in any tier
         for t in self.tiers.values():
-            self._scan(t)
+            scan(t, self.generations)
 
     def wire(self, generation: int) -> dict[str, Any]:
         """The tiers as a ``configure`` message carries them to the workers (which rebuild
         the :class:`~shadow.config.PersistConfig` with ``from_dict``), with the job's lineage."""
         return {**self.config.to_dict(), "generation": generation}
-
-    def _scan(self, tier: TierState, job: str | None = None) -> None:
-        try:
-            if job is None:
-                _probe(tier.root)  # a listing of an unreadable root is empty, not an error
-            found = checkpoints.list_checkpoints(tier.root, tier.name, job)
-            for name in {c.job for c in found} | ({job} if job else set()):
-                marks = checkpoints.read_generations(tier.root, name)
-                self.generations[name] = max(
-                    [self.generations.get(name, 0), *marks] + [c.generation for c in found if c.job == name]
-                )
-        except Exception as exc:  # an unreachable tier must not stop the coordinator
-            tier.last_error = f"cannot list {tier.root}: {type(exc).__name__}: {exc}"
-            logger.error("tier %s: %s", tier.name, tier.last_error)
-            if job is None:  # what the tier holds is unknown: never taken as "nothing"
-                tier.scan_error = tier.last_error
-            return
-        if job is None and tier.scan_error:
-            logger.info("tier %s at %s is readable again", tier.name, tier.root)
-            if tier.last_error == tier.scan_error:
-                tier.last_error = ""
-            tier.scan_error = ""
-        if job is not None:
-            tier.complete.pop(job, None)
-        for c in found:
-            if not c.superseded:  # an abandoned iteration is never the newest
-                tier.complete[c.job] = max(tier.complete.get(c.job, -1), c.iteration)
-        if found:
-            c = found[-1]
-            tier.last_complete = {
-                "job": c.job,
-                "iteration": c.iteration,
-                "time": c.manifest.get("created"),
-                "bytes": c.bytes,
-                "seconds": None,
-            }
-            logger.info(
-                "tier %s at %s: %d complete checkpoints, newest %s iteration %d",
-                tier.name,
-                tier.root,
-                len(found),
-                c.job,
-                c.iteration,
-            )
 
     def unscanned(self) -> str | None:
         """Why some tier's contents are unknown (its start-up scan failed, and a retry now
@@ -161,7 +52,7 @@ class Persistence:
         problems = []
         for t in self.tiers.values():
             if t.scan_error:
-                self._scan(t)
+                scan(t, self.generations)
             if t.scan_error:
                 why = t.scan_error.removeprefix(f"cannot list {t.root}: ")
                 problems.append(f"cannot read tier {t.name} ({t.root}): {why}")
@@ -190,7 +81,7 @@ class Persistence:
                 t.last_error = f"recording generation {generation} of {job} (from iteration {base}): {exc}"
                 logger.error("tier %s: %s", t.name, t.last_error)
                 continue
-            self._scan(t, job)
+            scan(t, self.generations, job)
 
     def reset(self, base: int) -> None:
         for t in self.tiers.values():

@@ -9,12 +9,10 @@ then asks again at the next cut).
 
 Compression is per tier (``compress``/``compress_level`` of its config) and runs only on
 the background threads, never on the apply path: a compressing local tier writes
-``*.shard.zst`` (:mod:`zshard`) instead of the plain file. The remote tier gets the
-local file as it is when both tiers agree on compressing or not (when both compress,
-the local tier's level stands: recompressing gains next to nothing, byte planes leave
-little for a higher level to find); otherwise the upload compresses a plain local file
-or decompresses a compressed one while copying it. Every report's ``bytes``/``checksum``
-describe the file as stored on that tier; ``raw_bytes`` is the plain image's size.
+``*.shard.zst`` (:mod:`zshard`) instead of the plain file; the copy to the remote tier
+(:mod:`~shadow.persist.upload`) converts it when the tiers differ. Every report's
+``bytes``/``checksum`` describe the file as stored on that tier; ``raw_bytes`` is the
+plain image's size.
 
 Lifetime: the threads hold no reference that keeps a persister alive once its owner
 lets go (the upload thread sees it through a weak reference); :meth:`close` -- the
@@ -27,17 +25,16 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import queue
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shadow.persist import checkpoints, failed, shardfile, zshard
-from shadow.storage import Codec, LocalStorage, Storage, storage_for
+from shadow.persist.upload import Uploader
+from shadow.storage import Codec, LocalStorage
 from shadow.tuning import Tuning
 
 if TYPE_CHECKING:
@@ -46,7 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SKIPPED = "skipped: earlier checkpoint writes are still running"
-_STOP = None  # ends the upload thread
 
 
 class ShardPersister:
@@ -55,9 +51,9 @@ class ShardPersister:
     Threads: the worker's main thread calls :meth:`snapshot` / :meth:`begin` /
     :meth:`finish` / :meth:`abandon`, :meth:`upload`, :meth:`results` and :meth:`close`.
     Each write runs on its own ``shadow-persist`` thread that owns its image until it gives
-    it back to the free list; one ``shadow-upload`` thread copies to the remote tier; the
-    warm-up thread holds one image at a time. They share only the free list, the report
-    and upload queues (thread-safe) and ``_threads`` (under ``_lock``).
+    it back to the free list; one ``shadow-upload`` thread (its :class:`~shadow.persist.upload.Uploader`)
+    copies to the remote tier; the warm-up thread holds one image at a time. They share only
+    the free list, the report and upload queues (thread-safe) and ``_threads`` (under ``_lock``).
 
     ``persist`` is the cluster's typed config (a worker rebuilds it from the coordinator's
     message: :meth:`~shadow.config.PersistConfig.from_dict`); ``generation`` is the job's
@@ -81,7 +77,6 @@ class ShardPersister:
         # the local tier is a directory on this host (PersistConfig checks it); the remote one any
         # storage, whose back end loads on the background threads (the warm-up or the first upload)
         self._local_storage = LocalStorage(self.local or ".")
-        self._remote_storage: Storage | None = None
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
         self.generation = generation
         n, p = state.size, len(state.layout.params)
@@ -91,19 +86,12 @@ class ShardPersister:
         for _ in range(count):
             self._free.put(shardfile.ShardImage(big + p * 17 + (1 << 20)))
         self._results: queue.Queue = queue.Queue()
-        self._uploads: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()  # writes (and the warm-up) in flight
         self._closed = False
         self._skipped_at: int | None = None  # the iteration begin() last reported skipped
         self._warming = False  # the warm-up holds an image for a moment
-        self._uploader = None
-        if self.remote:
-            self._uploader = threading.Thread(
-                target=_upload_loop, args=(weakref.ref(self), self._uploads), name="shadow-upload", daemon=True
-            )
-            self._uploader.start()
-            weakref.finalize(self, self._uploads.put, _STOP)  # dropped without close(): the thread ends too
+        self._uploader = Uploader(self, self._results) if self.remote else None
         if count:
             self._start(self._warm_up, (), "shadow-persist-warm-up")
 
@@ -264,8 +252,8 @@ class ShardPersister:
             page.size = shardfile.PAGE
             page.write(probe)
             os.unlink(probe)
-            if self.remote:
-                self._remote()
+            if self._uploader is not None:
+                self._uploader.storage()
         except Exception as exc:  # the first real write reports the same problem, with its iteration
             logger.warning("warming up the checkpoint writer under %s failed: %s", self.local, exc)
             return
@@ -283,14 +271,8 @@ class ShardPersister:
                 return True
             self._closed = True
             threads = list(self._threads)
-        while True:  # uploads not started yet
-            try:
-                self._uploads.get_nowait()
-            except queue.Empty:
-                break
-        self._uploads.put(_STOP)
-        if self._uploader is not None:
-            threads.append(self._uploader)
+        if self._uploader is not None:  # uploads not started yet are dropped
+            threads.append(self._uploader.stop())
         deadline = time.monotonic() + timeout
         for th in threads:
             th.join(max(0.0, deadline - time.monotonic()))
@@ -357,60 +339,9 @@ class ShardPersister:
         self._results.put(rep)
 
     def upload(self, iteration: int, epoch: int, nbytes: int, checksum: str) -> None:
-        self._uploads.put((iteration, epoch, nbytes, checksum))
-
-    def _upload(self, iteration: int, epoch: int, nbytes: int, csum: str) -> None:
-        t0 = time.monotonic()
-        src = self.local_path(iteration)
-        name = self.file_name("remote")
-        dst = posixpath.join(checkpoints.checkpoint_dir(self.remote, self.job, iteration, self.generation), name)
-        try:
-            remote = self._remote()
-            path = remote.join(self.job, checkpoints.dir_name(iteration, self.generation), name)
-            remote.makedirs(posixpath.dirname(path))
-            nbytes, csum, raw = self._copy(src, remote, path, nbytes, csum)
-            rep = self.report(
-                iteration,
-                epoch,
-                "remote",
-                True,
-                "",
-                bytes=nbytes,
-                checksum=csum,
-                seconds=time.monotonic() - t0,
-                file=name,
-                raw_bytes=raw,
-            )
-        except Exception as exc:  # fsspec back ends raise many types
-            error = failed.write_error(exc, "remote", dst)
-            logger.error("copying iteration %d shard %d to %s failed: %s", iteration, self.shard, dst, error)
-            rep = self.report(iteration, epoch, "remote", False, error)
-        self._results.put(rep)
-
-    def _remote(self) -> Storage:
-        """The remote tier's storage (made on first use: loading a back end may take a while)."""
-        if self._remote_storage is None:
-            self._remote_storage = storage_for(self.remote)
-        return self._remote_storage
-
-    def _copy(self, src: str, remote: Storage, path: str, nbytes: int, csum: str) -> tuple[int, str, int]:
-        """Copy the local shard file to ``path`` on ``remote`` in the remote tier's format;
-        returns ``(bytes, checksum, plain image bytes)`` of what the remote tier now stores."""
-        lc, rc, level = self.local_codec.compress, self.remote_codec.compress, self.remote_codec.level
-        if lc == rc:
-            remote.put_file(src, path)
-            return nbytes, csum, nbytes if lc == "none" else zshard.image_bytes(np.memmap(src, np.uint8, mode="r"))
-        data = np.memmap(src, dtype=np.uint8, mode="r")
-        with remote.open(path, "wb") as out:
-            if rc == "zstd":  # compress while copying
-                n, h = zshard.encode(
-                    data, out, level, self.tuning.compress_threads, self.tuning.compress_block_bytes, where=src
-                )
-                raw = data.size
-            else:  # a plain remote copy of a compressed local file: rebuilt and checked block by block
-                n, h = zshard.decode_to(data, out, where=src)
-                raw = n
-        return n, f"{h:016x}", raw
+        """Copy the local checkpoint of ``iteration`` to the remote tier (reported later)."""
+        if self._uploader is not None:
+            self._uploader.request(iteration, epoch, nbytes, checksum)
 
     def report(self, iteration: int, epoch: int, tier: str, ok: bool, error: str, **kw) -> dict:
         return {
@@ -440,15 +371,3 @@ class ShardPersister:
                 out.append(self._results.get_nowait())
             except queue.Empty:
                 return out
-
-
-def _upload_loop(ref: weakref.ref, uploads: queue.Queue) -> None:
-    """The upload thread: copies requests off ``uploads`` until :data:`_STOP` or until the
-    persister behind ``ref`` is gone (it holds the persister only while copying)."""
-    while True:
-        item = uploads.get()
-        persister = ref() if item is not _STOP else None
-        if persister is None:
-            return
-        persister._upload(*item)
-        del persister
