@@ -25,156 +25,24 @@ from typing import Any, NamedTuple
 import msgpack
 
 from shadow.tuning import DEFAULT
+from shadow.wire.schemas import ERROR_CODES, OPTIONAL, RECEIVES, SCHEMAS, VERSION
 
-VERSION = 1
-
-_num = (int, float)
-# type -> {field: accepted python types}
-SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
-    # worker -> coordinator
-    "starting": {"pid": (int,), "worker_id": (int,), "seconds": (float, int)},  # compiling its kernels
-    "register": {"data": (str,), "serve": (str,), "pid": (int,), "worker_id": (int,), "memory": (int,)},
-    "configured": {"epoch": (int,)},
-    "rejoin": {
-        "data": (str,),
-        "serve": (str,),
-        "pid": (int,),
-        "worker_id": (int,),
-        "assignment": (dict, type(None)),
-        "memory": (int,),
-    },  # memory: bytes the worker has free (-1: unknown)
-    "prepared": {"epoch": (int,), "iteration": (int,), "tokens": (int, type(None))},
-    "persisted": {
-        "epoch": (int,),
-        "iteration": (int,),
-        "tier": (str,),
-        "shard": (int,),
-        "ok": (bool,),
-        "error": (str,),
-        "file": (str,),
-        "start": (int,),
-        "stop": (int,),
-        "bytes": (int,),
-        "checksum": (str,),
-        "seconds": (float, int),
-        "commit": (dict, type(None)),
-        "blob_ranks": (list,),
-    },
-    "stale": {"epoch": (int,), "reason": (str,)},
-    "copied": {"epoch": (int,), "iteration": (int,), "seconds": (float, int)},
-    "audited": {
-        "epoch": (int,),
-        "iteration": (int,),
-        "ok": (bool,),
-        "checked": (int,),
-        "max_ulp": (int,),
-        "first_param": (str,),
-        "detail": (str,),
-    },
-    "heartbeat": {
-        "epoch": (int,),
-        "applied": (int,),
-        "seen": (int,),
-        "rejected": (dict,),
-        "frames_in": (int,),
-        "bytes_in": (int,),
-        "stale": (str,),
-        "seq": (list,),
-        "replay_s": (float, int),
-        "replayed": (int,),
-        "memory": (int,),
-    },
-    # coordinator -> worker
-    "registered": {"worker_id": (int,), "awaiting_copy": (bool,)},
-    "reset": {"reason": (str,)},
-    "reregister": {},
-    "configure": {
-        "epoch": (int,),
-        "job": (str,),
-        "job_id": (int,),
-        "layout": (dict,),
-        "start": (int,),
-        "stop": (int,),
-        "world": (int,),
-        "optim": (dict,),
-        "iteration": (int,),
-        "persist": (dict,),
-        "shard": (int,),
-        "shards": (int,),
-        "peer": (dict, type(None)),
-    },
-    "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
-    "apply": {"epoch": (int,), "iteration": (int,), "persist": (bool,)},
-    "shutdown": {},
-    # trainer -> coordinator
-    "attach": {
-        "job": (str,),
-        "rank": (int,),
-        "world": (int,),
-        "layout_hash": (int,),
-        "layout": (dict, type(None)),
-        "optim": (dict,),
-        "iteration": (int,),
-        "overwrite": (bool,),
-        "restored": (dict, type(None)),
-    },  # the checkpoint this rank restored (job, iteration, generation, tier, path)
-    "detach": {"epoch": (int,), "rank": (int,)},
-    "replica_from": {"epoch": (int,), "rank": (int,), "worker": (int,), "gen": (int,), "iteration": (int,)},
-    "lagging": {"epoch": (int,), "rank": (int,), "iteration": (int,), "applied": (int,)},
-    "paused": {"epoch": (int,), "rank": (int,), "reason": (str,)},  # a rank stopped streaming on its own
-    "trainer_hb": {"epoch": (int,), "rank": (int,), "world": (int,), "job_id": (int,), "seq": (list,)},
-    # coordinator -> trainer
-    "attached": {"epoch": (int,), "job_id": (int,), "workers": (list,)},
-    "waiting": {"ready": (int,), "expected": (int,), "starting": (int,)},  # attach held: workers still starting
-    "progress": {"epoch": (int,), "applied": (int,)},
-    "alive": {"epoch": (int,)},  # the answer to every trainer_hb: a trainer that hears nothing is on its own
-    "degraded": {"epoch": (int,), "reason": (str,)},
-    "resync": {"epoch": (int,)},
-    "replica_out": {"epoch": (int,), "worker": (int,)},
-    "replica_in": {"epoch": (int,), "worker": (int,), "data": (str,), "gen": (int,)},
-    "audit": {"epoch": (int,), "iteration": (int,), "ok": (bool,), "detail": (str,)},
-    # anyone -> coordinator
-    "status": {},
-    "restore_info": {"job": (str, type(None))},
-    # coordinator -> anyone
-    "status_reply": {"status": (dict,)},
-    "restore_info_reply": {"info": (dict,)},
-    "error": {"message": (str,), "code": (str,)},  # code: one of ERROR_CODES, for callers to act on
-    # client -> worker serve socket
-    "fetch": {"epoch": (int,), "iteration": (int,)},
-    # worker -> client; optional "extras": [[key, nbytes, xxh3], ...], chunks of the model state
-    # outside the optimizer, sent after the arrays' chunks
-    "fetch_reply": {
-        "epoch": (int,),
-        "iteration": (int,),
-        "start": (int,),
-        "stop": (int,),
-        "arrays": (list,),
-        "steps": (list,),
-        "has_state": (list,),
-        "commits": (list,),
-        "replay": (dict, type(None)),
-        "chunk": (int,),
-        "sums": (list,),
-    },
-}
-
-# what an "error" reply's ``code`` says, so that a caller acts on it without reading the text:
-# malformed (the request did not decode or check), refused (valid, but not accepted: a bad
-# job name, a rank out of range, no slot for another worker, a type this service does not
-# take), busy (a limit is reached: ask again later), moved_on (the iteration asked for has been
-# applied past), wrong_epoch (another epoch is served), timeout (what was waited for did not
-# come in time), internal (the service failed on it and dropped it)
-ERROR_CODES = ("malformed", "refused", "busy", "moved_on", "wrong_epoch", "timeout", "internal")
-
-# type -> {field: accepted python types}: fields a sender may leave out (checked when present)
-OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
-    # chunks of the model state outside the optimizer: [[key, nbytes, xxh3], ...]
-    "fetch_reply": {"extras": (list,)},
-    # shadow.persist.writer.Persister.report: bytes before compression, the codec, and a
-    # request skipped because every image was still being written (not a failure)
-    "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,)},
-}
+__all__ = [
+    "ERROR_CODES",
+    "LIMITS",
+    "OPTIONAL",
+    "RECEIVES",
+    "SCHEMAS",
+    "VERSION",
+    "Limits",
+    "MessageError",
+    "decode",
+    "encode",
+    "limits",
+    "peek_type",
+    "socket_limit",
+    "validate",
+]
 
 _KiB, _MiB = 1 << 10, 1 << 20
 
@@ -202,7 +70,7 @@ PER_RANK = Limits(1 * _MiB, 16 * _KiB, 4 * _KiB, 1 << 16, 4096)
 LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _KiB, 1 << 21, 1 << 16)
 
 #: Per-type limits; a type not named here gets :data:`SMALL`. ``persisted`` and
-#: ``fetch_reply`` carry commit records and grow with the ``MAX_COMMIT_BYTES`` knob
+#: ``fetch_reply`` carry commit records and grow with ``Tuning.max_commit_bytes``
 #: (:func:`limits`).
 #:
 #: ==================================================  ======  =======  ===========  =======  ======
@@ -218,7 +86,7 @@ LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _KiB, 1 << 21, 1 << 16)
 #: per rank, a checksum per chunk)                                      commit
 #: ==================================================  ======  =======  ===========  =======  ======
 #:
-#: ("commit": the ``MAX_COMMIT_BYTES`` knob, 16 MiB by default.)
+#: ("commit": ``Tuning.max_commit_bytes``, 16 MiB by default.)
 _SIZED: dict[str, Limits] = {
     "heartbeat": PER_RANK,
     "trainer_hb": PER_RANK,
@@ -233,53 +101,6 @@ _SIZED: dict[str, Limits] = {
 }
 LIMITS: dict[str, Limits] = {kind: _SIZED.get(kind, SMALL) for kind in SCHEMAS}
 _COMMIT_CARRIERS = ("persisted", "fetch_reply")
-
-#: The message types each kind of socket receives, for its ``ZMQ_MAXMSGSIZE``
-#: (:func:`socket_limit`).
-RECEIVES: dict[str, tuple[str, ...]] = {
-    # the coordinator's ROUTER
-    "coordinator": (
-        "starting",
-        "register",
-        "configured",
-        "rejoin",
-        "prepared",
-        "persisted",
-        "stale",
-        "copied",
-        "audited",
-        "heartbeat",
-        "attach",
-        "detach",
-        "replica_from",
-        "lagging",
-        "paused",
-        "trainer_hb",
-        "status",
-        "restore_info",
-        "shutdown",
-    ),
-    # a worker's DEALER to the coordinator
-    "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "shutdown", "error"),
-    # a worker's serve ROUTER
-    "serve": ("fetch",),
-    # a client's DEALER (trainer ranks, CLI, restore, a replica copying from its peer)
-    "client": (
-        "attached",
-        "waiting",
-        "progress",
-        "alive",
-        "degraded",
-        "resync",
-        "replica_out",
-        "replica_in",
-        "audit",
-        "status_reply",
-        "restore_info_reply",
-        "error",
-        "fetch_reply",
-    ),
-}
 
 _PEEK_BYTES = 128  # a map header, "t", the type (at most _MAX_TYPE_LEN), "v" and the version fit
 _MAX_TYPE_LEN = 64
