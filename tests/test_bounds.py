@@ -19,7 +19,8 @@ from shadow.testing import LocalCluster, rss_bytes
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from trainer_hooks.session.sender import NoEvents, Sender
+from trainer_hooks.session.items import NoEvents
+from trainer_hooks.session.sender import Sender
 
 _MiB = 1 << 20
 

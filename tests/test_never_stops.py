@@ -17,7 +17,7 @@ import trainer_hooks
 from shadow.testing import assert_same_state, live_state
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
-from trainer_hooks.session.sender import NoticeItem
+from trainer_hooks.session.items import NoticeItem
 
 pytestmark = pytest.mark.slow
 

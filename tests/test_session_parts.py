@@ -25,9 +25,9 @@ from trainer_hooks.session import bootstrap
 from trainer_hooks.session import commit as commit_parts
 from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.hook import HookSlot
+from trainer_hooks.session.items import Refused
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
-from trainer_hooks.session.sender import Refused
 
 
 def _recorder(**options):

@@ -35,7 +35,7 @@ from shadow.export.extras import FORMAT, INDEX, key
 from shadow.tuning import Tuning
 from trainer_hooks import _codec
 from trainer_hooks._model import unwrap
-from trainer_hooks.session.sender import ExtraItem
+from trainer_hooks.session.items import ExtraItem
 from trainer_hooks.session.transfer import HostCopy
 
 logger = logging.getLogger(__name__)

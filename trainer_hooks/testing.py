@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from shadow.testing.faults import FaultyDataSender, NetFaults, parse
 from shadow.transport.send import DataSender
 from trainer_hooks.session.attachment import Attachment
-from trainer_hooks.session.sender import CommitItem, Sender
+from trainer_hooks.session.items import CommitItem
+from trainer_hooks.session.sender import Sender
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@
 * ``hook``       -- the one DDP comm hook per model, and the slot it reads;
 * ``recorder``   -- :class:`StepRecorder`: per-step bookkeeping -> commit records;
 * ``recovery``   -- :class:`RecoveryController`: degraded mode, votes, joins (the sender's events);
-* ``staging``, ``sender`` -- the staging ring and the sender thread.
+* ``staging``, ``sender`` -- the staging ring and the sender thread;
+* ``items``      -- what the session puts on the sender's queue, and :class:`SenderEvents`.
 
 Names are imported on first use, so that a module of this package (``sender``) can be
 imported on its own without the rest.
@@ -23,7 +24,7 @@ _EXPORTS = {
     "StepRecorder": "recorder",
     "RecoveryController": "recovery",
     "ErrorLatch": "recovery",
-    "SenderEvents": "sender",
+    "SenderEvents": "items",
     "HookSlot": "hook",
 }
 

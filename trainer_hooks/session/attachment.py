@@ -27,10 +27,11 @@ from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._restored import RestorePoint
 from trainer_hooks.session import audit, bootstrap, buckets, device
 from trainer_hooks.session import commit as commit_parts
+from trainer_hooks.session.items import CommitItem, FlushItem, GradItem
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import Commit, StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
-from trainer_hooks.session.sender import CommitItem, FlushItem, GradItem, Sender
+from trainer_hooks.session.sender import Sender
 from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
 from trainer_hooks.session.transfer import CopyStream
 

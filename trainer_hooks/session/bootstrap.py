@@ -9,8 +9,8 @@ import torch
 from shadow.layout import intersect, stripe_bounds
 from shadow.wire import frames as F
 from trainer_hooks import _optim, _rng
+from trainer_hooks.session.items import StateItem
 from trainer_hooks.session.recorder import Commit
-from trainer_hooks.session.sender import StateItem
 from trainer_hooks.session.transfer import HostCopy
 
 

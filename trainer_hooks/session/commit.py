@@ -8,7 +8,7 @@ On the sender thread (:func:`build`), in queue order: wait for those copies and 
 step's (the recorder's :class:`~trainer_hooks.session.recorder.Commit`), check the probed
 gradients against what was staged, fill in the replay record (clip, GradScaler factors,
 a step skipped on the device) and frame the commit per worker. A failed check refuses
-the commit (:class:`~trainer_hooks.session.sender.Refused`): nothing of it is sent.
+the commit (:class:`~trainer_hooks.session.items.Refused`): nothing of it is sent.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import msgpack
 from shadow.errors import ShadowError
 from trainer_hooks import _codec
 from trainer_hooks.session import audit, checks, transfer
+from trainer_hooks.session.items import Refused
 from trainer_hooks.session.recorder import Commit
-from trainer_hooks.session.sender import Refused
 from trainer_hooks.session.transfer import HostCopy
 
 

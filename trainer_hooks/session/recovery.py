@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from shadow.errors import ShadowError
-from trainer_hooks.session.sender import JoinItem, NoticeItem, Sender
+from trainer_hooks.session.items import JoinItem, NoticeItem
+from trainer_hooks.session.sender import Sender
 from trainer_hooks.session.staging import StagingRing
 from trainer_hooks.session.transfer import HostCopy
 
