@@ -151,6 +151,7 @@ def run(args) -> dict:
     from shadow.config import LocalTierConfig, PersistConfig
     from shadow.kernels.replay import warm_up
     from shadow.layout import Layout
+    from shadow.optim_groups import AdamGroup
     from shadow.persist.writer import ShardPersister
     from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
     from shadow.tuning import Tuning
@@ -169,15 +170,9 @@ def run(args) -> dict:
         "grad_scale": None,
         "skip_step": False,
         "groups": [
-            {
-                "lr": 1e-3,
-                "betas": (0.9, 0.999),
-                "eps": 1e-8,
-                "weight_decay": 0.1,
-                "amsgrad": False,
-                "maximize": False,
-                "decoupled": True,
-            }
+            AdamGroup(
+                lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True
+            ).to_wire()
         ],
     }
     warm_up()

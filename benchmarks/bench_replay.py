@@ -79,6 +79,7 @@ def run(args) -> dict:
     from benchlib import machine_info
 
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
+    from shadow.optim_groups import AdamGroup
     from shadow.tuning import Tuning
 
     torch.set_num_threads(args.threads)
@@ -94,15 +95,9 @@ def run(args) -> dict:
     flat_g = torch.cat(grads).numpy()
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
     warm_up()
-    group = {
-        "lr": 1e-3,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled": True,
-    }
+    group = AdamGroup(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True
+    )
     steps = np.zeros(len(sizes))
     replays = {}
     for impl in ("fused", "cuda_fused", "cuda_foreach"):

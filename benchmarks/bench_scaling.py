@@ -53,6 +53,7 @@ def _setup(nparams: int):
     from bench_replay import shapes
 
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
+    from shadow.optim_groups import AdamGroup
     from shadow.tuning import Tuning
 
     sizes = shapes(nparams)
@@ -69,15 +70,9 @@ def _setup(nparams: int):
     p = rng.standard_normal(total, dtype=np.float32)
     g = rng.standard_normal(total, dtype=np.float32) * np.float32(1e-2)
     m, v = np.zeros(total, np.float32), np.zeros(total, np.float32)
-    group = {
-        "lr": 1e-3,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled": True,
-    }
+    group = AdamGroup(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True
+    )
     steps = np.zeros(len(sizes))
 
     def step():

@@ -4,25 +4,22 @@ plain contiguous apply followed by a copy."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from shadow.kernels.replay import part_work, segments_for_range, untouched
 from shadow.layout import Layout
+from shadow.optim_groups import AdamGroup, SgdGroup
 from shadow.wire.frames import Field
 from shadow.worker.state import ShardState
 
 SIZES = [1000, 37, 4096 + 5, 3, 2500]
-ADAM = {
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 0.01,
-    "amsgrad": False,
-    "maximize": False,
-    "decoupled": True,
-}
-SGD = {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-4, "nesterov": True, "maximize": False}
+ADAM = AdamGroup(
+    lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False, decoupled=True
+)
+SGD = SgdGroup(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-4, nesterov=True, maximize=False)
 
 
 def make_state(kind: str, start: int, stop: int, amsgrad: bool = False) -> ShardState:
@@ -43,10 +40,10 @@ def make_state(kind: str, start: int, stop: int, amsgrad: bool = False) -> Shard
 
 
 def commit(kind: str, skipped=(), amsgrad: bool = False, skip_step: bool = False) -> dict:
-    group = dict(SGD) if kind == "sgd" else dict(ADAM, amsgrad=amsgrad)
+    group = SGD if kind == "sgd" else dataclasses.replace(ADAM, amsgrad=amsgrad)
     return {
         "skipped": list(skipped),
-        "groups": [group],
+        "groups": [group.to_wire()],
         "clip": 0.5,
         "inv_scale": None,
         "grad_scale": None,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shadow.kernels import ReplayPlan, segments_for_range
+from shadow.optim_groups import AdamGroup, SgdGroup
 
 DATA = np.load(Path(__file__).parent / "data" / "cuda_optim.npz")
 N = DATA["p0"].shape[0]
@@ -35,15 +36,7 @@ def _same(got: np.ndarray, name: str) -> None:
 def test_adam_replay_matches_cuda_bit_for_bit(config):
     impl, lr, betas, eps, wd, decoupled = ADAM[config]
     plan = ReplayPlan(segments_for_range([0], [N], [0], 0, N, impl, 16, 8), impl, 512)
-    group = {
-        "lr": lr,
-        "betas": betas,
-        "eps": eps,
-        "weight_decay": wd,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled": decoupled,
-    }
+    group = AdamGroup(lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=False, maximize=False, decoupled=decoupled)
     p, m, v = DATA["p0"].copy(), np.zeros(N, np.float32), np.zeros(N, np.float32)
     for k in (1, 2, 3):
         plan.prepare([group], np.array([float(k)]), set(), None)
@@ -57,7 +50,7 @@ def test_adam_replay_matches_cuda_bit_for_bit(config):
 def test_sgd_replay_matches_cuda_bit_for_bit(config):
     impl = SGD[config]
     plan = ReplayPlan(segments_for_range([0], [N], [0], 0, N, impl, 16, 8), impl, 512, "sgd")
-    group = {"lr": 0.01, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4, "nesterov": True, "maximize": False}
+    group = SgdGroup(lr=0.01, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True, maximize=False)
     p, buf = DATA["p0"].copy(), np.zeros(N, np.float32)
     for k in (1, 2, 3):
         plan.prepare_sgd([group], np.array([k > 1]), set())
@@ -70,15 +63,7 @@ def test_the_fused_l2_lane_rule_counts_from_the_parameters_first_element():
     """A worker's range may start inside a parameter: the lane (element index % 4) is
     the parameter's, not the range's."""
     impl, lr, betas, eps, wd, decoupled = ADAM["adam_fused_l2"]
-    group = {
-        "lr": lr,
-        "betas": betas,
-        "eps": eps,
-        "weight_decay": wd,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled": decoupled,
-    }
+    group = AdamGroup(lr=lr, betas=betas, eps=eps, weight_decay=wd, amsgrad=False, maximize=False, decoupled=decoupled)
     for start in (1, 3, 6):  # the range [start, N) of the one parameter
         n = N - start
         plan = ReplayPlan(segments_for_range([0], [N], [0], start, N, impl, 16, 8), impl, 512)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from shadow.kernels import ReplayPlan, powtab, segments_for_range
+from shadow.optim_groups import AdamGroup, SgdGroup
 
 logger = logging.getLogger(__name__)
 
@@ -159,30 +160,31 @@ def _replay(
         scaled = k == SCALED_STEP and settings.get("fused")
         g = np.concatenate([(x * GRAD_SCALE if scaled else x).numpy() for x in gs]).astype(np.float32)
         if kind == "sgd":
-            group = {
-                "lr": settings["lr"],
-                "momentum": settings.get("momentum", 0.0),
-                "dampening": settings.get("dampening", 0.0),
-                "weight_decay": settings.get("weight_decay", 0.0),
-                "nesterov": bool(settings.get("nesterov", False)),
-                "maximize": bool(settings.get("maximize")),
-            }
+            sgd = SgdGroup(
+                lr=settings["lr"],
+                momentum=settings.get("momentum", 0.0),
+                dampening=settings.get("dampening", 0.0),
+                weight_decay=settings.get("weight_decay", 0.0),
+                nesterov=bool(settings.get("nesterov", False)),
+                maximize=bool(settings.get("maximize")),
+            )
             plan.prepare_sgd(
-                [group], np.full(len(sizes), k > 1), set(), grad_scale=np.float32(GRAD_SCALE) if scaled else None
+                [sgd], np.full(len(sizes), k > 1), set(), grad_scale=np.float32(GRAD_SCALE) if scaled else None
             )
             plan.apply_sgd(p, m, g, threads=False)
-            out.append([p.copy()] + ([m.copy()] if group["momentum"] != 0 else []))
+            out.append([p.copy()] + ([m.copy()] if sgd.momentum != 0 else []))
             continue
         step = float(LONG_STEP if k == len(grads) else k)
-        group = {
-            "lr": settings["lr"],
-            "betas": settings["betas"],
-            "eps": settings["eps"],
-            "weight_decay": settings["weight_decay"],
-            "amsgrad": amsgrad,
-            "maximize": bool(settings.get("maximize")),
-            "decoupled": decoupled,
-        }
+        b1, b2 = settings["betas"]
+        group = AdamGroup(
+            lr=settings["lr"],
+            betas=(b1, b2),
+            eps=settings["eps"],
+            weight_decay=settings["weight_decay"],
+            amsgrad=amsgrad,
+            maximize=bool(settings.get("maximize")),
+            decoupled=decoupled,
+        )
         plan.prepare(
             [group], np.full(len(sizes), step), set(), None, grad_scale=np.float32(GRAD_SCALE) if scaled else None
         )

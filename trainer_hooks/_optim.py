@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import torch
 
+from shadow.optim_groups import AdamGroup, SgdGroup
 from shadow.wire import frames as F
 
 logger = logging.getLogger(__name__)
@@ -47,42 +48,48 @@ def _impl(group: dict, params: list[torch.Tensor]) -> str:
     return "single"
 
 
-def replay_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Per-group hyperparameters exactly as the next/last step uses them."""
+def replay_groups(optimizer: torch.optim.Optimizer) -> list[AdamGroup] | list[SgdGroup]:
+    """Per-group hyperparameters exactly as the next/last step uses them (``to_wire()``
+    gives each group's map in a commit record)."""
     if isinstance(optimizer, torch.optim.SGD):
-        out: list[dict] = []
+        sgd: list[SgdGroup] = []
         for g in optimizer.param_groups:
             if isinstance(g["lr"], torch.Tensor) or isinstance(g["weight_decay"], torch.Tensor):
                 raise _unsupported("lr and weight_decay given as tensors are not replayed")
-            out.append(
-                {
-                    "lr": float(g["lr"]),
-                    "momentum": float(g["momentum"]),
-                    "dampening": float(g["dampening"]),
-                    "weight_decay": float(g["weight_decay"]),
-                    "nesterov": bool(g["nesterov"]),
-                    "maximize": bool(g["maximize"]),
-                }
+            sgd.append(
+                SgdGroup(
+                    lr=float(g["lr"]),
+                    momentum=float(g["momentum"]),
+                    dampening=float(g["dampening"]),
+                    weight_decay=float(g["weight_decay"]),
+                    nesterov=bool(g["nesterov"]),
+                    maximize=bool(g["maximize"]),
+                )
             )
-        return out
+        return sgd
     decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-    out = []
+    adam: list[AdamGroup] = []
     for g in optimizer.param_groups:
         lr, (b1, b2) = g["lr"], g["betas"]
         if isinstance(lr, torch.Tensor) or isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
             raise _unsupported("lr and betas given as tensors are not replayed")
-        out.append(
-            {
-                "lr": float(lr),
-                "betas": [float(b1), float(b2)],
-                "eps": float(g["eps"]),
-                "weight_decay": float(g["weight_decay"]),
-                "amsgrad": bool(g["amsgrad"]),
-                "maximize": bool(g["maximize"]),
-                "decoupled": bool(g.get("decoupled_weight_decay", decoupled_default)),
-            }
+        adam.append(
+            AdamGroup(
+                lr=float(lr),
+                betas=(float(b1), float(b2)),
+                eps=float(g["eps"]),
+                weight_decay=float(g["weight_decay"]),
+                amsgrad=bool(g["amsgrad"]),
+                maximize=bool(g["maximize"]),
+                decoupled=bool(g.get("decoupled_weight_decay", decoupled_default)),
+            )
         )
-    return out
+    return adam
+
+
+def wire_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """:func:`replay_groups` as a commit record carries them."""
+    return [g.to_wire() for g in replay_groups(optimizer)]
 
 
 def describe(optimizer: torch.optim.Optimizer) -> dict:
@@ -180,15 +187,9 @@ def _calibrate() -> tuple[int, int, bool]:
         opt.step()
     want = np.concatenate([p.detach().numpy() for p in params])
     offsets = list(np.cumsum([0] + sizes)[:-1])
-    group = {
-        "lr": 1e-2,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled": True,
-    }
+    group = AdamGroup(
+        lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True
+    )
     for vec, tail in _CANDIDATES:
         flat, m, v = init.copy(), np.zeros_like(init), np.zeros_like(init)
         plan = ReplayPlan(

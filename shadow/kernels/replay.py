@@ -17,6 +17,7 @@ import numpy as np
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
+from shadow.optim_groups import AdamGroup, SgdGroup
 
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
@@ -262,7 +263,7 @@ class ReplayPlan:
 
     def prepare_sgd(
         self,
-        groups: Sequence[dict],
+        groups: Sequence[SgdGroup],
         has_state: np.ndarray,
         skipped: set[int],
         clip=None,
@@ -283,10 +284,10 @@ class ReplayPlan:
             row_f[_sgd.S_GRAD_SCALE] = grad_scale if grad_scale is not None else one
             row_i[_sgd.J_ACTIVE] = 1
             row_i[_sgd.J_FIRST] = int(not has_state[seg.param])
-            row_i[_sgd.J_NESTEROV] = int(bool(grp["nesterov"]))
-            row_i[_sgd.J_MAXIMIZE] = int(bool(grp["maximize"]))
-            row_i[_sgd.J_MOMENTUM] = int(grp["momentum"] != 0)
-            row_i[_sgd.J_WD] = int(grp["weight_decay"] != 0)
+            row_i[_sgd.J_NESTEROV] = int(bool(grp.nesterov))
+            row_i[_sgd.J_MAXIMIZE] = int(bool(grp.maximize))
+            row_i[_sgd.J_MOMENTUM] = int(grp.momentum != 0)
+            row_i[_sgd.J_WD] = int(grp.weight_decay != 0)
             row_i[_sgd.J_CLIP] = int(clip is not None)
             row_i[_sgd.J_INV_SCALE] = int(inv_scale is not None)
             row_i[_sgd.J_GRAD_SCALE] = int(grad_scale is not None)
@@ -339,7 +340,7 @@ class ReplayPlan:
 
     def prepare(
         self,
-        groups: Sequence[dict],
+        groups: Sequence[AdamGroup],
         steps: np.ndarray,
         skipped: set[int],
         clip: np.float32 | None,
@@ -348,8 +349,8 @@ class ReplayPlan:
     ) -> None:
         """Fill the tables for one iteration.
 
-        ``groups``: per param group ``lr, betas, eps, weight_decay, amsgrad, maximize,
-        decoupled``; ``steps``: per-parameter step count *after* this iteration's
+        ``groups``: per param group, its settings (:class:`shadow.optim_groups.AdamGroup`);
+        ``steps``: per-parameter step count *after* this iteration's
         increment; ``skipped``: parameters the optimizer did not step.
         """
         cache: dict[tuple[int, float], tuple[float, ...]] = {}
@@ -363,15 +364,15 @@ class ReplayPlan:
             step = float(steps[seg.param])
             key = (seg.group, step)
             if key not in cache:
-                beta1, beta2 = grp["betas"]
+                beta1, beta2 = grp.betas
                 cache[key] = adam_scalars(
                     self.impl,
-                    grp["lr"],
+                    grp.lr,
                     beta1,
                     beta2,
-                    grp["eps"],
-                    grp["weight_decay"],
-                    grp["decoupled"],
+                    grp.eps,
+                    grp.weight_decay,
+                    grp.decoupled,
                     step,
                     self.powers,
                 )
@@ -384,12 +385,12 @@ class ReplayPlan:
             row_i[_adam.I_INV_SCALE] = int(inv_scale is not None)
             row_i[_adam.I_GRAD_SCALE] = int(grad_scale is not None and rgs is None)  # divide
             row_i[_adam.I_ACTIVE] = 1
-            row_i[_adam.I_AMSGRAD] = int(bool(grp["amsgrad"]))
-            row_i[_adam.I_MAXIMIZE] = int(bool(grp["maximize"]))
+            row_i[_adam.I_AMSGRAD] = int(bool(grp.amsgrad))
+            row_i[_adam.I_MAXIMIZE] = int(bool(grp.maximize))
             row_i[_adam.I_LERP_SMALL] = int(abs(sc[_adam.F_W1]) < 0.5)
-            wd = grp["weight_decay"]
-            row_i[_adam.I_L2] = int(wd != 0 and not grp["decoupled"])
-            row_i[_adam.I_DECOUPLED] = int(wd != 0 and grp["decoupled"])
+            wd = grp.weight_decay
+            row_i[_adam.I_L2] = int(wd != 0 and not grp.decoupled)
+            row_i[_adam.I_DECOUPLED] = int(wd != 0 and grp.decoupled)
             row_i[_adam.I_CLIP] = int(clip is not None)
 
     def apply(self, param, exp_avg, exp_avg_sq, max_sq, grad, threads: bool = True) -> None:
@@ -405,15 +406,9 @@ def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
     first use). Returns how many kernels had to be compiled (0: all came from the cache)."""
     one = np.ones(16, dtype=np.float32)
     segs = segments_for_range([0], [16], [0], 0, 16, "fused", 16, 8)
-    adam_group = {
-        "lr": 1e-3,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 0.0,
-        "amsgrad": False,
-        "maximize": False,
-        "decoupled": True,
-    }
+    adam_group = AdamGroup(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, decoupled=True
+    )
     for impl in ("fused", "cuda_fused", "cuda_foreach"):  # one kernel per rounding rule
         plan = ReplayPlan(segs, impl, 16, "adam")
         plan.prepare([adam_group], np.ones(1), set(), None)
@@ -421,7 +416,7 @@ def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
             plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=t)
     plan = ReplayPlan(segs, "fused", 16, "sgd")
     plan.prepare_sgd(
-        [{"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "maximize": False}],
+        [SgdGroup(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)],
         np.zeros(1, dtype=bool),
         set(),
     )

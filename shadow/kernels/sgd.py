@@ -16,6 +16,7 @@ from numba import carray, njit, prange
 
 from shadow.kernels import _cache  # first: it chooses the kernel cache directory before any @njit
 from shadow.kernels._fma import f32_at, fma32
+from shadow.optim_groups import SgdGroup
 
 # float32 scalar columns
 S_NEG_LR, S_MOMENTUM, S_DAMP1, S_WD, S_CLIP, S_INV_SCALE, S_GRAD_SCALE = range(7)
@@ -118,6 +119,6 @@ def _sgd_apply(param, buf, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap
 sgd_apply, sgd_apply_serial = _cache.kernel(_sgd_apply, True), _cache.kernel(_sgd_apply, False)
 
 
-def sgd_scalars(group: dict) -> tuple:
+def sgd_scalars(group: SgdGroup) -> tuple:
     f32 = np.float32
-    return (f32(-group["lr"]), f32(group["momentum"]), f32(1 - group["dampening"]), f32(group["weight_decay"]))
+    return (f32(-group.lr), f32(group.momentum), f32(1 - group.dampening), f32(group.weight_decay))

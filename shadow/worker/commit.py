@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
+from shadow.optim_groups import group_from_wire
 from shadow.wire import frames as F
 from shadow.worker.state import ShardState
 
@@ -93,46 +94,13 @@ def _check_audit(audit) -> None:
             raise F.FrameError("bad_commit", "malformed audit sample: one number per position per field")
 
 
-_SGD_GROUP = {
-    "lr": "number",
-    "momentum": "number",
-    "dampening": "number",
-    "weight_decay": "number",
-    "nesterov": "flag",
-    "maximize": "flag",
-}
-_ADAM_GROUP = {
-    "lr": "number",
-    "betas": "pair",
-    "eps": "number",
-    "weight_decay": "number",
-    "amsgrad": "flag",
-    "maximize": "flag",
-    "decoupled": "flag",
-}
-
-
-def _is_number(v) -> bool:
-    return type(v) in (int, float)  # not bool, not a string that float() would take
-
-
 def _check_group(g) -> None:
-    """A param group's settings, as trainer_hooks._optim.describe sends them: exactly the
-    keys of an SGD or an Adam group, numbers as int or float, flags as bool."""
-    if not isinstance(g, dict):
-        raise F.FrameError("bad_commit", "a param group is not a map")
-    want = _SGD_GROUP if "momentum" in g else _ADAM_GROUP
-    if set(g) != set(want):
-        raise F.FrameError("bad_commit", f"param group keys {sorted(map(str, g))}, expected {sorted(want)}")
-    for key, kind in want.items():
-        v = g[key]
-        ok = {
-            "number": _is_number(v),
-            "flag": type(v) is bool,
-            "pair": isinstance(v, list) and len(v) == 2 and all(_is_number(x) for x in v),
-        }[kind]
-        if not ok:
-            raise F.FrameError("bad_commit", f"group {key} is not a {'bool' if kind == 'flag' else kind}: {v!r:.40}")
+    """A param group's settings, as trainer_hooks._optim sends them: exactly the keys of an
+    SGD or an Adam group (:mod:`shadow.optim_groups`), numbers as int or float, flags as bool."""
+    try:
+        group_from_wire(g)
+    except ValueError as exc:
+        raise F.FrameError("bad_commit", str(exc)) from None
 
 
 def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:

@@ -13,6 +13,7 @@ from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
 from shadow.layout import Layout
+from shadow.optim_groups import AdamGroup, SgdGroup
 from shadow.tuning import Tuning
 from shadow.wire.frames import Field, state_fields
 
@@ -101,7 +102,7 @@ class ShardState:
         values (the persistence image: the snapshot is taken in the same pass). Returns
         whether ``snap`` was filled (False when the step is skipped: nothing ran).
         Raises ``ValueError`` (state untouched) when the parts overlap or leave an updated
-        element without a gradient."""
+        element without a gradient, or a group's settings are not this optimizer's."""
         skipped = set(commit["skipped"])
         if commit.get("skip_step"):
             return False
@@ -118,12 +119,15 @@ class ShardState:
         fields = self.fields()
         arrays: tuple[np.ndarray, ...]
         mod: ModuleType  # the kernels' module
+        sgd: list[SgdGroup] = []
         if self.kind == "sgd":
-            self.plan.prepare_sgd(commit["groups"], self.has_state, skipped, *transforms)
+            sgd = [SgdGroup.from_wire(g) for g in commit["groups"]]
+            self.plan.prepare_sgd(sgd, self.has_state, skipped, *transforms)
             arrays = (self.param, self.exp_avg)
             mod = _sgd
         else:
-            self.plan.prepare(commit["groups"], steps_next, skipped, *transforms)
+            adam = [AdamGroup.from_wire(g) for g in commit["groups"]]
+            self.plan.prepare(adam, steps_next, skipped, *transforms)
             arrays = (self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq)
             mod = _adam
         empty = np.zeros(0, dtype=np.float32)
@@ -142,7 +146,7 @@ class ShardState:
                 for f in fields:
                     snap[f][lo:hi] = self.array(f)[lo:hi]
         if self.kind == "sgd":
-            with_momentum = np.asarray([commit["groups"][p.group]["momentum"] != 0 for p in self.layout.params])
+            with_momentum = np.asarray([sgd[p.group].momentum != 0 for p in self.layout.params])
             self.has_state |= active & with_momentum  # torch keeps a momentum buffer only then
         else:
             self.steps = steps_next

@@ -48,7 +48,7 @@ def bootstrap(att, carry: tuple | None) -> None:
     replay = {
         "iteration": att.base,
         "rank": att.rank,
-        "groups": _optim.replay_groups(att.optimizer),
+        "groups": _optim.wire_groups(att.optimizer),
         "skipped": [],
         "clip": None,
         "bootstrap": True,

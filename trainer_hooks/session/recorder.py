@@ -158,7 +158,7 @@ class StepRecorder:
         replay = {
             "iteration": k,
             "rank": rank,
-            "groups": _optim.replay_groups(self.optimizer),
+            "groups": _optim.wire_groups(self.optimizer),
             "skipped": [i for i, p in enumerate(params) if p.grad is None],
             "skip_step": bool(skip),
             "bootstrap": False,
