@@ -16,6 +16,13 @@
 #     SHADOW_COORDINATOR=tcp://10.0.0.5:5555 NNODES=4 NODE_RANK=$i MASTER_ADDR=gpu-node-0 \
 #         deploy/torchrun.sh steps=1000
 #
+# A cluster bound beyond loopback runs with CURVE keys (docs/operations.md, Security): give
+# the trainers the cluster's public key and the trainer pair (`shadow keygen role=trainer`),
+# and let Prometheus scrape this host's address:
+#
+#     SHADOW_CURVE_SERVER_KEY=keys/server.key SHADOW_CURVE_CLIENT_KEY=keys/trainers/trainer.key_secret \
+#         SHADOW_METRICS_HOST=auto SHADOW_COORDINATOR=tcp://10.0.0.5:5555 deploy/torchrun.sh steps=1000
+#
 # Arguments after the script name go to the training script, after the two this script
 # adds: TRAIN_COORDINATOR_ARG followed by the address, and TRAIN_RESUME_ARG when resuming.
 # The default training script is examples/train_gpt.py (the example GPT, key=value
@@ -29,12 +36,15 @@
 #   MASTER_ADDR, MASTER_PORT torch.distributed rendezvous on node 0 (default 127.0.0.1, 29500)
 #   SHADOW_METRICS_PORT      each rank serves Prometheus metrics on this + LOCAL_RANK
 #                            (default 9500: ranks 0-7 use 9500-9507; "" = no metrics)
-#   SHADOW_METRICS_HOST      the interface those endpoints bind (default here 0.0.0.0, so a
-#                            Prometheus on another host can scrape them; the hooks' own
-#                            default is 127.0.0.1)
+#   SHADOW_METRICS_HOST      the address those endpoints bind: default 127.0.0.1 (this host
+#                            only, as the hooks' own default); "auto" = this host's own
+#                            address, the one that routes to the coordinator (what `shadow
+#                            worker host=auto` binds), for a Prometheus on another host; or
+#                            an address (Kubernetes: the pod IP). Never every interface by default
 #   SHADOW_CURVE_SERVER_KEY  the cluster's public key file (server.key), with
-#   SHADOW_CURVE_CLIENT_KEY  this trainer's secret key file (NAME.key_secret): set both when
-#                            the cluster runs with security.server_key= (CURVE); unset = off
+#   SHADOW_CURVE_CLIENT_KEY  this trainer's secret key file (trainer.key_secret, from `shadow
+#                            keygen role=trainer`): set both when the cluster runs with
+#                            security.server_key= (CURVE; required beyond loopback); unset = off
 #   SHADOW_RESUME            auto (default): resume when the shadow holds a complete checkpoint
 #                            (`shadow ls`), start fresh otherwise; always; never
 #   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt); when set,
@@ -92,9 +102,28 @@ if [[ -n "${SHADOW_CURVE_SERVER_KEY:-}" || -n "${SHADOW_CURVE_CLIENT_KEY:-}" ]];
   export SHADOW_CURVE_SERVER_KEY SHADOW_CURVE_CLIENT_KEY
 fi
 
+# This host's address on the way to the coordinator (a UDP connect sends nothing).
+route_address() {
+  local target="${SHADOW_COORDINATOR#tcp://}"
+  python3 - "${target%:*}" <<'EOF'
+import socket, sys
+family, _, _, _, addr = socket.getaddrinfo(sys.argv[1].strip("[]"), 9, type=socket.SOCK_DGRAM)[0]
+with socket.socket(family, socket.SOCK_DGRAM) as s:
+    s.connect(addr)
+    print(s.getsockname()[0])
+EOF
+}
+
 SHADOW_METRICS_PORT="${SHADOW_METRICS_PORT-9500}"
 if [[ -n "$SHADOW_METRICS_PORT" ]]; then
-  SHADOW_METRICS_HOST="${SHADOW_METRICS_HOST:-0.0.0.0}"
+  # default: loopback only; "auto": this host's own address (never every interface by default)
+  SHADOW_METRICS_HOST="${SHADOW_METRICS_HOST:-127.0.0.1}"
+  if [[ "$SHADOW_METRICS_HOST" == auto ]]; then
+    if ! SHADOW_METRICS_HOST="$(route_address)"; then
+      log "SHADOW_METRICS_HOST=auto: no route from this host to $SHADOW_COORDINATOR; set SHADOW_METRICS_HOST"
+      exit 2
+    fi
+  fi
   export SHADOW_METRICS_PORT SHADOW_METRICS_HOST
 else
   unset SHADOW_METRICS_PORT
@@ -138,6 +167,8 @@ fi
 
 curve=off
 if [[ -n "${SHADOW_CURVE_CLIENT_KEY:-}" ]]; then curve=on; fi
+metrics=off
+if [[ -n "${SHADOW_METRICS_PORT:-}" ]]; then metrics="$SHADOW_METRICS_HOST:$SHADOW_METRICS_PORT+LOCAL_RANK"; fi
 log "$NPROC_PER_NODE ranks, node $NODE_RANK of $NNODES, shadow $SHADOW_COORDINATOR," \
-    "metrics ports ${SHADOW_METRICS_PORT:-off}+LOCAL_RANK, CURVE $curve"
+    "metrics $metrics, CURVE $curve"
 exec "$TORCHRUN" "${launch[@]}" "$TRAIN_SCRIPT" "$TRAIN_COORDINATOR_ARG$SHADOW_COORDINATOR" "${resume[@]}" "$@"

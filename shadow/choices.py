@@ -106,6 +106,20 @@ class Dtype(Choice):
     float16 = "float16"
 
 
+class Role(Choice):
+    """Who connects to a cluster, each with keys of its own (:mod:`shadow.security`): a
+    worker, a trainer rank, a read-only client (status, ls, restore, export), an admin."""
+
+    worker = "worker"
+    trainer = "trainer"
+    client = "client"
+    admin = "admin"
+
+
+#: the roles, in order
+ROLES: tuple[str, ...] = Role.values()
+
+
 class Policy(Choice):
     """Back-pressure: ``block`` checkpoints every iteration and waits for a slow shadow;
     ``skip`` never waits and resyncs after falling behind."""

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from shadow.choices import Compression, Dtype, Format, LogFormat, LogLevel, WeightFormat
+from shadow.config_security import KeygenConfig, SecurityConfig
 from shadow.plan.config import PlanConfig
 from shadow.tuning import TuningConfig, check_section
 
@@ -89,12 +90,39 @@ class PersistConfig:
 
     local: LocalTierConfig = field(default_factory=LocalTierConfig)
     remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    #: permissions of checkpoint files, an octal string ("0640"); directories get the same
+    #: plus search where read is allowed ("0750"). Empty: 0600 files, 0700 directories
+    mode: str = ""
+    sign: bool = False  #: sign each manifest (HMAC-SHA256) with the key in security.manifest_key
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sign, bool):
+            raise ValueError(f"persist.sign={self.sign!r} must be true or false")
+        if self.mode:
+            try:
+                bits = int(self.mode, 8)
+            except ValueError:
+                bits = -1
+            if not 0 <= bits <= 0o777 or bits & 0o600 != 0o600:
+                raise ValueError(
+                    f"persist.mode={self.mode!r} is not a file mode the owner can read and write; give an octal "
+                    "string such as 0600 (the default: the owner only) or 0640 (and its group)"
+                )
         if self.remote.enabled and not self.local.enabled:
             raise ValueError("persist.remote.url needs persist.local.dir: the remote tier is copied from the local one")
         if "://" in self.local.dir and not self.local.dir.startswith("file://"):
             raise ValueError(f"persist.local.dir={self.local.dir!r} must be a local directory")
+
+    @property
+    def file_mode(self) -> int:
+        """The permission bits of a checkpoint file."""
+        return int(self.mode, 8) if self.mode else 0o600
+
+    @property
+    def dir_mode(self) -> int:
+        """The permission bits of a checkpoint directory: the file mode, searchable wherever readable."""
+        m = self.file_mode
+        return m | ((m & 0o444) >> 2)
 
     def to_dict(self) -> dict:
         """The plain form the coordinator sends its workers (rebuilt there by :meth:`from_dict`)."""
@@ -105,62 +133,14 @@ class PersistConfig:
         """The config back from :meth:`to_dict` (a missing field takes its default), validated
         again; only the ``local`` and ``remote`` sections are read (a message may carry more)."""
         try:
-            return cls(LocalTierConfig(**d.get("local", {})), RemoteTierConfig(**d.get("remote", {})))
+            return cls(
+                LocalTierConfig(**d.get("local", {})),
+                RemoteTierConfig(**d.get("remote", {})),
+                mode=d.get("mode", ""),
+                sign=d.get("sign", False),
+            )
         except TypeError as exc:  # an unknown field
             raise ValueError(f"persist: {exc}; the tier fields are those of {LocalTierConfig.__name__}") from None
-
-
-@dataclass
-class SecurityConfig:
-    """ZeroMQ CURVE authentication and encryption (all empty = off). Make keys with
-    ``shadow keygen``; servers (cluster, coordinator, worker) set ``server_key`` and ``allow``,
-    clients (status, restore, ls) set ``server_public`` and ``client_key``."""
-
-    server_key: str = ""  #: the cluster's secret key file (name.key_secret), for coordinator and workers
-    allow: str = ""  #: directory of allowed client public keys (*.key); required with server_key
-    server_public: str = ""  #: the cluster's public key file (name.key), for clients
-    client_key: str = ""  #: this client's secret key file (name.key_secret)
-
-    def __post_init__(self) -> None:
-        if self.server_key and not self.allow:
-            raise ValueError(
-                f"security.server_key={self.server_key!r} needs security.allow: a directory of the "
-                "clients' public .key files (e.g. security.allow=keys/clients)"
-            )
-        if self.allow and not self.server_key:
-            raise ValueError(
-                f"security.allow={self.allow!r} needs security.server_key: the cluster's "
-                ".key_secret file (make one with `shadow keygen dir=keys name=server`)"
-            )
-        if self.client_key and not self.server_public:
-            raise ValueError(
-                f"security.client_key={self.client_key!r} needs security.server_public: the "
-                "cluster's public .key file (e.g. security.server_public=keys/server.key)"
-            )
-        if self.server_public and not (self.client_key or self.server_key):
-            raise ValueError(
-                f"security.server_public={self.server_public!r} needs security.client_key: this "
-                "client's .key_secret file (make one with `shadow keygen dir=keys name=CLIENT`)"
-            )
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.server_key or self.client_key)
-
-
-@dataclass
-class KeygenConfig:
-    """Where ``shadow keygen`` writes a CURVE key pair."""
-
-    dir: str = "keys"  #: directory for name.key and name.key_secret (created if missing)
-    name: str = "server"  #: file stem: "server" for the cluster pair, a client's name otherwise
-    overwrite: bool = False  #: replace an existing pair (holders of the old key stop working)
-
-    def __post_init__(self) -> None:
-        if not self.dir:
-            raise ValueError("dir= is empty; give the directory for the key files, e.g. dir=keys")
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ValueError(f"name={self.name!r} is not a file stem; use e.g. name=server or name=trainer0")
 
 
 def _check_log(cfg: Any) -> None:
@@ -205,6 +185,11 @@ class CoordinatorConfig:
         _check_port(self.port)
         _check_metrics_port(self.metrics_port)
         _check_log(self)
+        if self.persist.sign and not self.security.manifest_key:
+            raise ValueError(
+                "persist.sign=true needs security.manifest_key: a file holding the signing key "
+                "(make one with `head -c 32 /dev/urandom > manifest.key && chmod 600 manifest.key`)"
+            )
 
 
 @dataclass
@@ -219,6 +204,7 @@ class ClusterConfig(CoordinatorConfig):
         super().__post_init__()
         if self.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
+        self.security.check_workers_key("shadow cluster")
         if self.metrics_port and self.metrics_port + self.workers >= 65536:
             raise ValueError(
                 f"metrics_port={self.metrics_port} leaves no port for worker {self.workers - 1} "
@@ -254,6 +240,7 @@ class WorkerConfig:
             raise ValueError("host= is empty; give an interface address or host=auto")
         _check_metrics_port(self.metrics_port)
         _check_log(self)
+        self.security.check_workers_key("shadow worker")
 
 
 @dataclass
@@ -348,6 +335,7 @@ class VerifyConfig:
     iteration: int | None = None  #: verify only this iteration (default: all complete ones)
     deep: bool = False  #: also decode every shard and check the tensors it holds (slower)
     json: bool = False  #: print JSON results (also: --json)
+    manifest_key: str = ""  #: file holding the manifest key: check signatures (default: $SHADOW_MANIFEST_KEY)
 
     def __post_init__(self) -> None:
         _check_source(self.source)

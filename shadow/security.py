@@ -1,9 +1,13 @@
-"""ZeroMQ CURVE authentication and encryption: key files, a ZAP guard for servers, client keys.
+"""ZeroMQ CURVE authentication and encryption: key files, a ZAP guard for servers, client keys,
+and the role each admitted key has.
 
-A cluster has one server key pair (coordinator and workers bind with it, and workers also
-connect to the coordinator with it) and an allow directory of client public keys. Clients
-(trainer ranks, ``shadow status``/``restore``/``ls``) carry their own pair and the cluster's
-public key. Keys travel as z85 text (40 bytes), as ``zmq.auth`` writes them.
+A cluster has one server key pair (coordinator and workers bind with it) and one allow
+directory of public keys per role (:data:`ROLES`: worker, trainer, client, admin). Everything
+that connects (a worker, a trainer rank, ``shadow status``/``restore``/``ls``, an admin)
+carries its own pair and the cluster's public key. The :class:`Guard` admits a key with
+its role, and only on a socket that takes that role; the role travels with every message
+received on the connection (ZeroMQ's ``User-Id`` property, :func:`role_of`), so a server
+checks who sent each message. Keys travel as z85 text (40 bytes), as ``zmq.auth`` writes them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +27,7 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from shadow.choices import ROLES
 from shadow.errors import ShadowError
 
 if TYPE_CHECKING:
@@ -30,7 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-DOMAIN = b"shadow"
+DOMAIN = b"shadow"  # a socket's ZAP domain: b"shadow:" and the roles it admits, comma-separated
 ENV_SERVER_KEY = "SHADOW_CURVE_SERVER_KEY"  #: path to the cluster's public key file
 ENV_CLIENT_KEY = "SHADOW_CURVE_CLIENT_KEY"  #: path to this client's .key_secret file
 _POLL_MS = 100
@@ -121,25 +127,55 @@ def load_allow_list(path: str | os.PathLike) -> set[bytes]:
     return keys
 
 
+def load_roles(allow: Mapping[str, str | os.PathLike]) -> dict[bytes, str]:
+    """Public key -> role, from each role's allow list (``{role: directory or key file}``). A
+    key allowed under two roles is an error: a key has one role."""
+    roles: dict[bytes, str] = {}
+    for role, path in allow.items():
+        if role not in ROLES:
+            raise SecurityError(f"unknown role {role!r}; the roles are {ROLES}")
+        for key in load_allow_list(path):
+            if roles.get(key, role) != role:
+                raise SecurityError(
+                    f"public key {key.decode()} is allowed as both {roles[key]} and {role} (in {path}); "
+                    "a key has one role: make a pair per role with `shadow keygen role=...`"
+                )
+            roles[key] = role
+    return roles
+
+
+def role_of(frame: zmq.Frame) -> str | None:
+    """The role of the peer that sent ``frame`` (received with ``copy=False`` on a socket a
+    :class:`Guard` checks), or None on a socket without authentication."""
+    try:
+        role = frame.get("User-Id")
+    except zmq.ZMQError:  # no ZAP handler: nothing was authenticated
+        return None
+    return role if role in ROLES else None
+
+
 def _z85(key: bytes) -> str:
     return z85.encode(key).decode() if len(key) == 32 else key.decode(errors="replace")
 
 
 class Guard:
-    """Authenticates CURVE clients for the server sockets of one process.
+    """Authenticates CURVE clients for the server sockets of one process, each with its role.
 
     Call order: 1. ``start(ctx)`` binds a ZAP handler on the context and starts the guard
-    thread; 2. ``server(sock)`` on each server socket before it binds; 3. ``stop()`` after the
-    server sockets are closed (joins the thread within ``timeout`` seconds).
+    thread; 2. ``server(sock, roles)`` on each server socket before it binds; 3. ``stop()``
+    after the server sockets are closed (joins the thread within ``timeout`` seconds).
+    ``allow`` maps a role to the directory (or key file) of its public keys.
     ``accepted`` counts admitted handshakes; ``refused`` maps a reason to a count:
-    ``unknown_key`` (CURVE client not in the allow list), ``mechanism`` (a non-CURVE ZAP
-    request), ``handshake_mechanism`` (client without CURVE), ``handshake_crypto`` (client
-    with a wrong server key) and ``handshake`` (any other failed handshake).
+    ``unknown_key`` (CURVE client in no allow list), ``role_<role>`` (a key of a role the
+    socket does not take: e.g. a client's at a worker's data socket), ``mechanism`` (a
+    non-CURVE ZAP request), ``handshake_mechanism`` (client without CURVE),
+    ``handshake_crypto`` (client with a wrong server key) and ``handshake`` (any other
+    failed handshake).
     """
 
-    def __init__(self, server_key: str | os.PathLike, allow: str | os.PathLike) -> None:
+    def __init__(self, server_key: str | os.PathLike, allow: Mapping[str, str | os.PathLike]) -> None:
         self.public, self.secret = load_secret(server_key)
-        self.allowed = load_allow_list(allow) | {self.public}
+        self.roles = load_roles(allow)  # the server's own pair is no one's key: every peer brings its own
         self.accepted = 0
         self.refused: dict[str, int] = {}
         self._ctx: zmq.Context | None = None
@@ -167,13 +203,17 @@ class Guard:
         self._thread = threading.Thread(target=self._run, name="shadow-zap", daemon=True)
         self._thread.start()
 
-    def server(self, sock: zmq.Socket) -> None:
-        """Make ``sock`` a CURVE server checked by this guard; call before ``bind``."""
+    def server(self, sock: zmq.Socket, roles: tuple[str, ...] = ROLES) -> None:
+        """Make ``sock`` a CURVE server checked by this guard, admitting the keys of ``roles``;
+        call before ``bind``."""
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown or not roles:
+            raise ValueError(f"roles {list(roles)} must be some of {ROLES}")
         self.start(sock.context)
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
-        sock.zap_domain = DOMAIN
+        sock.zap_domain = DOMAIN + b":" + ",".join(roles).encode()
         try:  # without it libzmq admits every client with the server key once no ZAP handler is bound
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         except zmq.ZMQError:
@@ -240,16 +280,26 @@ class Guard:
         if len(request) < 6 or request[0] != b"1.0":
             logger.warning("malformed ZAP request (%d frames); ignored", len(request))
             return
-        request_id, address, mechanism, creds = request[1], request[3].decode(errors="replace"), request[5], request[6:]
+        request_id, domain, address = request[1], request[2], request[3].decode(errors="replace")
+        mechanism, creds = request[5], request[6:]
         key = _z85(creds[0]) if mechanism == b"CURVE" and creds else "-"
-        reason = "mechanism" if mechanism != b"CURVE" else "" if key.encode() in self.allowed else "unknown_key"
+        takes = domain.partition(b":")[2].decode(errors="replace").split(",")
+        role = self.roles.get(key.encode())
+        if mechanism != b"CURVE":
+            reason = "mechanism"
+        elif role is None:
+            reason = "unknown_key"
+        elif role not in takes:
+            reason = "role_" + role
+        else:
+            reason = ""
         if reason:
             self._refuse(reason, address, key)
             reply = [b"400", reason.encode(), b""]
         else:
             self.accepted += 1
-            logger.debug("admitted %s (key %s)", address, key)
-            reply = [b"200", b"OK", key.encode()]
+            logger.debug("admitted %s (key %s) as %s", address, key, role)
+            reply = [b"200", b"OK", str(role).encode()]
         assert self._zap is not None  # requests come in on it (the guard thread's)
         self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
 
@@ -303,19 +353,18 @@ def client_from_env() -> ClientKeys | None:
 
 
 def client_from_config(cfg: SecurityConfig) -> ClientKeys | None:
-    """Client keys from ``security.server_public``/``client_key``; a process holding the server
-    pair (``security.server_key``, e.g. a worker) connects with that pair. None when CURVE is off."""
-    if cfg.client_key:
-        return client_keys(cfg.server_public, cfg.client_key)
-    if cfg.server_key:
-        public, secret = load_secret(cfg.server_key)
-        return ClientKeys(public, public, secret)
-    return None
+    """Client keys from ``security.client_key`` (this process's own pair) and the cluster's
+    public key (``security.server_public``, or the public half of ``security.server_key`` for a
+    worker, which holds the server pair). None when this process has no key of its own."""
+    if not cfg.client_key:
+        return None
+    server = load_public(cfg.server_public) if cfg.server_public else load_secret(cfg.server_key)[0]
+    return ClientKeys(server, *load_secret(cfg.client_key))
 
 
 def guard_from_config(cfg: SecurityConfig) -> Guard | None:
-    """A Guard for ``security.server_key``/``allow``; None when CURVE is off."""
-    return Guard(cfg.server_key, cfg.allow) if cfg.server_key else None
+    """A Guard for ``security.server_key`` and the ``allow_<role>s`` lists; None when CURVE is off."""
+    return Guard(cfg.server_key, cfg.allow()) if cfg.server_key else None
 
 
 _UNSET = object()

@@ -161,7 +161,12 @@ def test_degrade_freezes_the_cut_and_a_resync_follows_once_every_worker_answers(
 def test_a_restarted_replica_joins_from_its_peer():
     sim = Sim(workers=2, replicas=2)
     sim.running()
-    sim.register(1, ident=b"w1-new", pid=999)  # the process in slot 1 restarted
+    sim.register(1, ident=b"w1-new", pid=999)  # another process asks for slot 1 while its holder is connected
+    assert sim.out.last("error", b"w1-new")["code"] == "busy" and sim.state.refused == {("peer", "slot_taken"): 1}
+    assert sim.out.last("error", b"w1")["message"].startswith("another process (pid 999)")  # the holder hears of it
+    assert sim.state.workers[1].ident == b"w1" and sim.out.kinds(b"t0") == []
+    sim.out.gone.add(b"w1")  # the process in slot 1 died: its connection is closed
+    sim.register(1, ident=b"w1-new", pid=999)  # its restart takes the slot back
     assert sim.out.last("registered", b"w1-new") == {"worker_id": 1, "awaiting_copy": True}
     assert sim.out.kinds(b"t0") == ["replica_out", "replica_in"]
     gen = sim.out.last("replica_in", b"t0")["gen"]

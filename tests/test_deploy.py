@@ -4,10 +4,14 @@
   a query is one the catalogue exposes, labels and functions fit the metric;
 * the Kubernetes manifests parse and agree with each other (Service names and ports, the
   worker command, the worker count, the persistence overlay);
-* the shell recipes pass ``bash -n`` (and shellcheck where installed), and torchrun.sh and
-  shadow-worker.sh behave as documented when run against stand-ins for ``shadow`` and
-  ``torchrun``;
-* every ``shadow ...`` command line in deploy/ names a real subcommand and real keys.
+* the shell recipes pass ``bash -n`` (and shellcheck where installed), and torchrun.sh,
+  shadow-worker.sh and k8s/make-keys.sh behave as documented when run against stand-ins for
+  ``shadow``, ``torchrun`` and ``kubectl``;
+* every ``shadow ...`` command line in deploy/ names a real subcommand and real keys;
+* security: the Slurm job and the Kubernetes manifests run with CURVE and role keys (every
+  process its own key, the coordinator and workers every allow directory, keys made with
+  ``shadow keygen role=``), each Kubernetes pod mounts only its role's secret keys, and no
+  metrics endpoint binds every interface by default.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "shadow-dashboard.json"
 K8S = DEPLOY / "k8s"
-SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", DEPLOY / "slurm" / "shadow-job.sbatch"]
+SBATCH = DEPLOY / "slurm" / "shadow-job.sbatch"
+MAKE_KEYS = K8S / "make-keys.sh"
+SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", SBATCH, MAKE_KEYS]
 SUBCOMMANDS = {"cluster", "coordinator", "worker", "status", "restore", "export", "ls", "verify", "keygen"}
 # labels Prometheus adds to every series (scrape job, target) or that deploy/prometheus.yml sets
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "slurm_job"}
@@ -180,12 +186,14 @@ def array_literals(text: str) -> dict[str, list[str]]:
     return arrays
 
 
-def expand_arrays(tokens: list[str], arrays: dict[str, list[str]]) -> list[str]:
-    """``"${name[@]}"`` replaced by the words of ``name``'s literals."""
+def expand_arrays(tokens: list[str], arrays: dict[str, list[str]], depth: int = 0) -> list[str]:
+    """``"${name[@]}"`` replaced by the words of ``name``'s literals (themselves expanded:
+    ``b=("${a[@]}" x=1)``)."""
+    assert depth < 10, "arrays expand into each other without end"
     out = []
     for tok in tokens:
         m = re.fullmatch(r"\$\{(\w+)\[@\]\}", tok.strip('"'))
-        out.extend(arrays.get(m.group(1), [])) if m else out.append(tok)
+        out.extend(expand_arrays(arrays.get(m.group(1), []), arrays, depth + 1)) if m else out.append(tok)
     return out
 
 
@@ -520,10 +528,17 @@ def stubs(tmp_path):
         "shadow",
         'echo "shadow $*" >> "$STUB_LOG"\n'
         'if [[ "$1" == ls ]]; then cat "$STUB_LS" || exit 1; exit 0; fi\n'
+        # keygen: a pair of files as `shadow keygen role= dir= name=` writes them
+        'if [[ "$1" == keygen ]]; then for a in "${@:2}"; do case "$a" in role=*) r="${a#role=}";; '
+        'dir=*) d="${a#dir=}";; name=*) n="${a#name=}";; esac; done; mkdir -p "$d"; '
+        'echo "public $r" > "$d/${n:-$r}.key"; echo "secret $r" > "$d/${n:-$r}.key_secret"; exit 0; fi\n'
         'if [[ "$1" == worker ]]; then n=$(grep -c "^shadow worker" "$STUB_LOG"); '
         "(( n <= ${STUB_FAILS:-0} )) && exit 3; exit 0; fi\n",
     )
     _stub(bindir, "torchrun", 'printf "%s\\n" "$@"\n')
+    _stub(
+        bindir, "kubectl", 'echo "kubectl $*" >> "$STUB_LOG"\nif [[ " $* " == *" apply "* ]]; then cat >/dev/null; fi\n'
+    )
     _stub(bindir, "nvidia-smi", "exit 1\n")
     env = {
         k: v
@@ -598,7 +613,15 @@ def test_torchrun_sh_exports_metrics_and_curve(stubs):
         env, SHADOW_COORDINATOR="tcp://h:1", SHADOW_CURVE_SERVER_KEY=str(server), SHADOW_CURVE_CLIENT_KEY=str(client)
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["9500", "0.0.0.0", str(server), str(client)]
+    # metrics: loopback unless told otherwise, never every interface by default
+    assert r.stdout.split() == ["9500", "127.0.0.1", str(server), str(client)]
+
+    # auto: this host's address towards the coordinator (loopback for a local coordinator)
+    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://127.0.0.1:1", SHADOW_METRICS_HOST="auto")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:2] == ["9500", "127.0.0.1"]
+    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://h:1", SHADOW_METRICS_HOST="10.1.2.3", SHADOW_METRICS_PORT="9600")
+    assert r.returncode == 0 and r.stdout.split()[:2] == ["9600", "10.1.2.3"]
 
 
 def test_shadow_worker_sh_restarts_into_its_slot(stubs):
@@ -660,6 +683,8 @@ def test_command_line_extraction():
     arrays = array_literals('a=(x=1)\nif true; then\n  a+=(y.z="$v" \\\n     w=2)\nfi\n')
     assert arrays == {"a": ["x=1", 'y.z="$v"', "w=2"]}
     assert expand_arrays(["k=1", '"${a[@]}"', '"${b[@]}"'], arrays) == ["k=1", "x=1", 'y.z="$v"', "w=2"]
+    nested = array_literals('a=(x=1)\nb=("${a[@]}" y=2)\n')
+    assert expand_arrays(['"${b[@]}"'], nested) == ["x=1", "y=2"]
 
 
 def test_every_shadow_command_line_is_known():
@@ -694,3 +719,292 @@ def test_slurm_worker_arguments_are_worker_keys():
     # shadow-worker.sh adds the slot and the metrics port itself
     helper = (DEPLOY / "slurm" / "shadow-worker.sh").read_text()
     assert 'worker_id="$slot"' in helper and 'metrics_port="$metrics_port"' in helper
+
+
+# ---------------------------------------------------------------- security: roles, keys, binds
+
+ROLES = ("worker", "trainer", "client", "admin")  # who connects; "server" is the cluster's own pair
+KEY_ROLES = ("server", *ROLES)
+ALLOW_KEYS = tuple(f"security.allow_{r}s" for r in ROLES)
+SERVER_KEYS = ("security.server_key", *ALLOW_KEYS)  # what the coordinator and every worker need
+
+
+def unquote(value: str) -> str:
+    return value.replace('"', "").replace("'", "")
+
+
+def arg_values(tokens: list[str]) -> dict[str, str]:
+    """key -> value (quotes removed) of a command line's key=value tokens."""
+    out = {}
+    for tok in tokens:
+        if re.match(r"^[a-z_][a-z0-9_.]*=", tok.strip("\"'")):
+            key, value = tok.strip("\"'").split("=", 1)
+            out[key] = unquote(value)
+    return out
+
+
+def script_commands(path: Path) -> list[tuple[int, str, dict[str, str]]]:
+    """(logical line number, subcommand, key -> value) of each ``shadow SUB`` command line of
+    a shell script, its arrays expanded."""
+    text = path.read_text()
+    arrays = array_literals(text)
+    found = []
+    for i, line in enumerate(logical_lines(text)):
+        if line.lstrip().startswith("#"):
+            continue
+        found += [(i, sub, arg_values(expand_arrays(toks, arrays))) for sub, toks in shadow_commands(line)]
+    return found
+
+
+def sbatch_worker_args() -> dict[str, str]:
+    """The key=value arguments the sbatch gives deploy/slurm/shadow-worker.sh (for `shadow worker`)."""
+    raw = SBATCH.read_text()
+    m = re.search(r"shadow-worker\.sh\"?\s+\S+\s+\S+\s+(.*)", "\n".join(logical_lines(raw)))
+    assert m, "the sbatch does not start deploy/slurm/shadow-worker.sh"
+    return arg_values(expand_arrays(m.group(1).split(), array_literals(raw)))
+
+
+def shell_strings(text: str) -> dict[str, str]:
+    """Plain string variables a script builds (``name="..."``, ``name+="..."``), unquoted."""
+    out: dict[str, str] = {}
+    for name, plus, value in re.findall(r"^\s*(\w+)(\+?)=(\"[^\"]*\"|[^\s(][^\s]*)\s*$", text, re.MULTILINE):
+        out[name] = (out.get(name, "") if plus else "") + unquote(value)
+    return out
+
+
+def keygen_pairs(commands: list[tuple[int, str, dict[str, str]]]) -> dict[str, tuple[int, str]]:
+    """role -> (line, the path stem DIR/NAME) of each ``shadow keygen`` in ``commands``."""
+    out = {}
+    for line, sub, args in commands:
+        if sub == "keygen":
+            assert "role" in args, f"`shadow keygen` without role= (line {line}): {args}"
+            role = args["role"]
+            default_dir = "keys" if role == "server" else f"keys/{role}s"
+            out[role] = (line, f"{args.get('dir', default_dir)}/{args.get('name', role)}")
+    return out
+
+
+def recipe_files() -> list[Path]:
+    """The launch recipes themselves (not their READMEs): scripts and manifests."""
+    return [DEPLOY / "torchrun.sh", *sorted((DEPLOY / "slurm").iterdir()), *sorted(K8S.rglob("*.yaml")), MAKE_KEYS]
+
+
+def test_no_recipe_binds_every_interface():
+    for path in recipe_files():
+        for n, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.lstrip().startswith("#"):
+                continue
+            assert "0.0.0.0" not in line, f"{path.relative_to(ROOT)}:{n} binds every interface: {line.strip()}"
+    torchrun = (DEPLOY / "torchrun.sh").read_text()
+    default = re.search(r'SHADOW_METRICS_HOST="\$\{SHADOW_METRICS_HOST:-([^}]*)\}"', torchrun)
+    assert default and default.group(1) == "127.0.0.1", "torchrun.sh's metrics default is not 127.0.0.1"
+
+
+def test_no_recipe_runs_without_keys():
+    for path in deploy_text_files():
+        text = path.read_text()
+        assert "security.allow=" not in text, f"{path.relative_to(ROOT)} uses the removed security.allow="
+        if path.suffix != ".md":  # a README may explain it; no recipe sets it
+            assert "security.insecure" not in text, f"{path.relative_to(ROOT)} runs a cluster without keys"
+
+
+def test_keygen_is_called_with_a_role():
+    keygens = [(where, toks) for where, sub, toks in _all_command_lines() if sub == "keygen"]
+    assert keygens
+    for where, toks in keygens:
+        role = re.match(r"\w*", arg_values(toks).get("role", "")).group(0)  # prose: "role=trainer`),"
+        assert role, f"{where}: `shadow keygen` without role="
+        assert role in (*KEY_ROLES, "ROLE"), f"{where}: role={role}"
+
+
+def test_sbatch_runs_every_process_with_its_keys():
+    text = SBATCH.read_text()
+    cmds = script_commands(SBATCH)
+    by_sub: dict[str, list[dict[str, str]]] = {}
+    for _, sub, args in cmds:
+        by_sub.setdefault(sub, []).append(args)
+    # every role's pair is made, before anything starts, where the arguments below look for it
+    pairs = keygen_pairs(cmds)
+    assert set(pairs) == set(KEY_ROLES), f"the sbatch makes pairs for {sorted(pairs)}"
+    lines = logical_lines(text)
+    first_srun = next(i for i, line in enumerate(lines) if re.match(r"\s*srun\b", line))
+    assert all(line < first_srun for line, _ in pairs.values()), "a key pair is made after the services start"
+    chmod = next((i for i, line in enumerate(lines) if re.search(r'chmod 0?700 "\$SHADOW_KEYS"', line)), None)
+    assert chmod is not None and chmod < min(line for line, _ in pairs.values()), "the keys directory is not 0700"
+    assert re.search(r"^\s*umask 0?077\b", text, re.MULTILINE), "keys are made without umask 077"
+    stem = {role: s for role, (_, s) in pairs.items()}
+
+    (coord,) = by_sub["coordinator"]
+    worker = sbatch_worker_args()
+    for name, args in (("coordinator", coord), ("worker", worker)):
+        missing = [k for k in SERVER_KEYS if k not in args]
+        assert not missing, f"the {name} runs without {missing}"
+        assert args["security.server_key"] == stem["server"] + ".key_secret"
+        for role in ROLES:
+            assert args[f"security.allow_{role}s"] == stem[role].rsplit("/", 1)[0], f"{name}: allow_{role}s"
+    assert worker["security.client_key"] == stem["worker"] + ".key_secret", "workers connect without their own key"
+    assert "security.client_key" not in coord
+    allow_dirs = [coord[k] for k in ALLOW_KEYS]
+    assert len(set(allow_dirs)) == len(allow_dirs), "two roles share an allow directory"
+
+    # the job's own status/ls/restore: a read-only client
+    for sub in ("status", "ls", "restore"):
+        assert by_sub.get(sub), f"the sbatch runs no `shadow {sub}`"
+        for args in by_sub[sub]:
+            assert args.get("security.server_public") == stem["server"] + ".key", f"`shadow {sub}` lacks server_public"
+            assert args.get("security.client_key") == stem["client"] + ".key_secret", f"`shadow {sub}`: client_key"
+
+    # trainers: the two variables, for the training step only (not exported to the services)
+    assert not re.search(r"^\s*export\s+SHADOW_CURVE", text, re.MULTILINE), "trainer keys exported to every step"
+    train = next(line for line in lines if "deploy/torchrun.sh" in line and re.match(r"\s*srun\b", line))
+    export = unquote(re.search(r"--export=(\S+)", train).group(1))
+    strings = shell_strings(text)
+    export = re.sub(r"\$\{?(\w+)\}?", lambda m: strings.get(m.group(1), m.group(0)), export)
+    env = dict(kv.split("=", 1) for kv in export.split(",") if "=" in kv)
+    assert env.get("SHADOW_CURVE_SERVER_KEY") == stem["server"] + ".key"
+    assert env.get("SHADOW_CURVE_CLIENT_KEY") == stem["trainer"] + ".key_secret"
+    # metrics: each node's own address
+    assert env.get("SHADOW_METRICS_HOST") == "auto"
+    assert coord["host"] == "$coord_ip" and worker["host"] == "auto"
+
+
+def make_keys_secrets() -> dict[str, set[str]]:
+    """Secret name -> the file names make-keys.sh stores in it."""
+    found = {}
+    for line in logical_lines(MAKE_KEYS.read_text()):
+        m = re.match(r"^secret\s+(\S+)\s+(.*)$", line.strip())
+        if m:
+            found[m.group(1)] = {unquote(f).rsplit("/", 1)[-1] for f in m.group(2).split()}
+    return found
+
+
+def pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def mounted_files(obj: dict, c: dict) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret, key) of every file a Secret volume mounts there."""
+    secrets = make_keys_secrets()
+    volumes = {v["name"]: v for v in pod_spec(obj).get("volumes", [])}
+    out = {}
+    for m in c.get("volumeMounts", []):
+        sec = volumes[m["name"]].get("secret")
+        if sec is None:
+            continue
+        items = sec.get("items") or [{"key": k, "path": k} for k in sorted(secrets.get(sec["secretName"], ()))]
+        for item in items:
+            out[f"{m['mountPath'].rstrip('/')}/{item['path']}"] = (sec["secretName"], item["key"])
+    return out
+
+
+def test_k8s_secrets_come_from_make_keys():
+    secrets = make_keys_secrets()
+    pairs = keygen_pairs(script_commands(MAKE_KEYS))
+    assert set(pairs) == set(KEY_ROLES), f"make-keys.sh makes pairs for {sorted(pairs)}"
+    made = {p.rsplit("/", 1)[-1] + suffix for _, p in pairs.values() for suffix in (".key", ".key_secret")}
+    assert set().union(*secrets.values()) <= made, "a Secret holds a file make-keys.sh does not make"
+    for (kind, name), obj in k8s_objects().items():
+        if kind not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        for v in pod_spec(obj).get("volumes", []):
+            if "secret" in v:
+                sec = v["secret"]
+                assert sec["secretName"] in secrets, f"{kind}/{name} mounts {sec['secretName']}, which nothing makes"
+                for item in sec.get("items", []):
+                    assert item["key"] in secrets[sec["secretName"]], f"{kind}/{name}: {item['key']}"
+                assert sec.get("defaultMode", 0o644) & 0o007 == 0, f"{kind}/{name}: keys readable by others"
+        sc = pod_spec(obj).get("securityContext", {})
+        assert sc.get("runAsNonRoot") and sc.get("fsGroup") == 1000, f"{kind}/{name}: not uid 1000 with fsGroup"
+
+
+def _secret_files(files: dict[str, tuple[str, str]]) -> set[str]:
+    return {key for _, key in files.values() if key.endswith(".key_secret")}
+
+
+def test_k8s_coordinator_and_workers_run_with_role_keys():
+    objs = k8s_objects()
+    for kind, name, own in (
+        ("Deployment", "shadow-coordinator", None),
+        ("StatefulSet", "shadow-worker", "worker.key_secret"),
+    ):
+        obj = objs[(kind, name)]
+        c = container(obj)
+        script = container_script(c)
+        files = mounted_files(obj, c)
+        assert files[kv(script, "security.server_key")][1] == "server.key_secret", f"{name}: server_key"
+        dirs = []
+        for role in ROLES:
+            d = kv(script, f"security.allow_{role}s").rstrip("/")
+            in_dir = {key for path, (_, key) in files.items() if path.rsplit("/", 1)[0] == d}
+            assert in_dir == {f"{role}.key"}, f"{name}: allow_{role}s={d} holds {sorted(in_dir)}"
+            dirs.append(d)
+        assert len(set(dirs)) == len(dirs)
+        if own:
+            assert files[kv(script, "security.client_key")][1] == own, f"{name}: client_key"
+        else:
+            assert "security.client_key=" not in script
+        # least privilege: no other role's secret key
+        assert _secret_files(files) == {"server.key_secret"} | ({own} if own else set()), name
+    # both bind the pod IP, metrics included
+    coord = container(objs[("Deployment", "shadow-coordinator")])
+    assert kv(container_script(coord), "host") == "$POD_IP"
+    pod_ip = next(e for e in coord["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert kv(container_script(container(objs[("StatefulSet", "shadow-worker")])), "host") == "auto"
+
+
+def test_k8s_trainers_and_clients_carry_their_keys():
+    objs = k8s_objects()
+    job = objs[("Job", "shadow-trainer")]
+    trainer = container(job)
+    env = [(e["name"], e) for e in trainer["env"]]
+    values = {n: e.get("value") for n, e in env}
+    files = mounted_files(job, trainer)
+    assert files[values["SHADOW_CURVE_SERVER_KEY"]][1] == "server.key"
+    assert files[values["SHADOW_CURVE_CLIENT_KEY"]][1] == "trainer.key_secret"
+    assert _secret_files(files) == {"trainer.key_secret"}
+    # metrics on the pod IP: POD_IP from the downward API, defined before it is used
+    names = [n for n, _ in env]
+    assert values["SHADOW_METRICS_HOST"] == "$(POD_IP)"
+    assert names.index("POD_IP") < names.index("SHADOW_METRICS_HOST")
+    assert dict(env)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+    client = objs[("Deployment", "shadow-client")]
+    files = mounted_files(client, container(client))
+    assert sorted(key for _, key in files.values()) == ["client.key_secret", "server.key"]
+    readme = (K8S / "README.md").read_text()
+    for path, (_, key) in files.items():
+        flag = "security.server_public" if key == "server.key" else "security.client_key"
+        assert f"{flag}={path}" in readme, f"the README's client commands do not pass {flag}={path}"
+
+
+def test_make_keys_sh_makes_private_pairs_and_secrets(stubs):
+    tmp, env = stubs
+    keys = tmp / "keys"
+    r = subprocess.run(
+        ["bash", str(MAKE_KEYS), str(keys)], env=env, check=False, capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o700
+    for role in KEY_ROLES:
+        d = keys if role == "server" else keys / f"{role}s"
+        assert (d / f"{role}.key").is_file() and (d / f"{role}.key_secret").is_file(), role
+        assert stat.S_IMODE(d.stat().st_mode) & 0o077 == 0, f"{d} is readable by others"
+    calls = (tmp / "calls.log").read_text().splitlines()
+    assert len([c for c in calls if c.startswith("shadow keygen role=")]) == 5
+    created = {}
+    for c in calls:
+        m = re.match(r"kubectl create secret generic (\S+) (.*) --dry-run=client -o yaml$", c)
+        if m:
+            created[m.group(1)] = {f.split("=", 1)[1].rsplit("/", 1)[-1] for f in m.group(2).split()}
+    assert created == make_keys_secrets()
+    assert created["shadow-allow-keys"] == {f"{r}.key" for r in ROLES}
+
+    # a second run keeps the pairs (holders of them keep working) and refreshes the Secrets
+    (tmp / "calls.log").write_text("")
+    r = subprocess.run(
+        ["bash", str(MAKE_KEYS), str(keys)], env=env, check=False, capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0, r.stderr
+    calls = (tmp / "calls.log").read_text()
+    assert "shadow keygen" not in calls and calls.count("kubectl create secret") == len(created)

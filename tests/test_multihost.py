@@ -2,7 +2,12 @@
 own, workers joining by the coordinator's address alone, a trainer on yet another.
 
 Two setups: several loopback addresses (always), and real network namespaces joined by
-a bridge (separate network stacks, as separate hosts have; needs CAP_NET_ADMIN)."""
+a bridge (separate network stacks, as separate hosts have; needs CAP_NET_ADMIN). Both run
+with CURVE role keys laid out as the deployment recipes lay them out (docs/operations.md,
+Security): the coordinator and the workers bind with the server pair and admit each allow
+directory's keys with its role, each worker connects with a key of its own (one per host),
+the trainer with a trainer key, ``status`` with a client key. Across namespaces, a
+coordinator without keys on a non-loopback address refuses to start."""
 
 from __future__ import annotations
 
@@ -11,12 +16,15 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow import security
 from shadow.testing import free_port, status
 from tests.conftest import ROOT, train_step
 from tests.helpers.tiny_trainer import build
@@ -24,17 +32,53 @@ from tests.helpers.tiny_trainer import build
 pytestmark = pytest.mark.slow
 
 
+ROLES = ("worker", "trainer", "client", "admin")
+
+
+@dataclass
+class Keys:
+    """Role key pairs in a private directory: ``server.key(_secret)`` at the top, each other
+    role's pairs in ``<role>s/`` (what ``shadow keygen role=...`` writes by default)."""
+
+    root: Path
+    workers: int
+
+    def __post_init__(self) -> None:
+        security.generate(self.root, "server")
+        for i in range(self.workers):  # one worker key per host
+            security.generate(self.root / "workers", f"worker{i}")
+        for role in ("trainer", "client", "admin"):
+            security.generate(self.root / f"{role}s", role)
+        for d in (self.root, *(self.root / f"{r}s" for r in ROLES)):
+            d.chmod(0o700)
+
+    def server(self) -> list[str]:
+        """The coordinator's arguments: the server pair and every role's allow directory."""
+        return [f"security.server_key={self.root / 'server.key_secret'}"] + [
+            f"security.allow_{role}s={self.root / f'{role}s'}" for role in ROLES
+        ]
+
+    def worker(self, i: int) -> list[str]:
+        """Worker ``i``'s: the coordinator's, and its own key to connect with."""
+        return [*self.server(), f"security.client_key={self.root / 'workers' / f'worker{i}.key_secret'}"]
+
+    def client(self, role: str) -> security.ClientKeys:
+        """What a ``role`` process connects with (SHADOW_CURVE_SERVER_KEY / _CLIENT_KEY for trainers)."""
+        return security.client_keys(self.root / "server.key", self.root / f"{role}s" / f"{role}.key_secret")
+
+
 def _spawn(cmd: list[str], log) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHADOW_CURVE_")}
     return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, SHADOW_WORKER_LOST_S="3")
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(env, SHADOW_WORKER_LOST_S="3")
     )
 
 
-def _wait_workers(address: str, n: int, procs: list, log_path) -> dict:
+def _wait_workers(address: str, n: int, procs: list, log_path, keys: security.ClientKeys) -> dict:
     deadline = time.monotonic() + 60
     while True:
         try:
-            st = status(address, timeout=1.0)
+            st = status(address, timeout=1.0, keys=keys)
             if sum(1 for w in st["workers"] if w["ready"]) == n:
                 return st
         except TimeoutError:
@@ -44,17 +88,27 @@ def _wait_workers(address: str, n: int, procs: list, log_path) -> dict:
         time.sleep(0.2)
 
 
-def _train_and_restore(address: str, job: str) -> None:
-    model, opt, sched = build()
-    ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=address, scheduler=sched, job=job)
-    for it in range(1, 5):
-        train_step(ddp, opt, sched, it)
-    assert session.close() == 4
-    fresh, fopt, fsched = build(seed=5)
-    assert trainer_hooks.restore(fresh, fopt, source=address, scheduler=fsched, job=job).iteration == 4
-    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
-        assert torch.equal(a, b)
+def _train_and_restore(address: str, job: str, keys: Keys) -> None:
+    """Train and restore as a trainer (its key for every socket of this process), then check
+    that a client's key reads the status and a connection without keys gets nothing."""
+    security.set_client(keys.client("trainer"))
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=address, scheduler=sched, job=job)
+        for it in range(1, 5):
+            train_step(ddp, opt, sched, it)
+        assert session.close() == 4
+        fresh, fopt, fsched = build(seed=5)
+        assert trainer_hooks.restore(fresh, fopt, source=address, scheduler=fsched, job=job).iteration == 4
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        security.set_client(None)
+    st = status(address, timeout=5.0, keys=keys.client("client"))
+    assert st["security"]["curve"] and st["security"]["accepted"] >= 3
+    with pytest.raises(TimeoutError):  # a plain socket: the CURVE handshake fails
+        status(address, timeout=1.0)
 
 
 def _stop(procs: list) -> None:
@@ -72,16 +126,27 @@ def test_loopback_addresses(world1, tmp_path):
     """Coordinator on 127.0.0.2, workers on 127.0.0.3 and 127.0.0.4, trainer on 127.0.0.1."""
     port = free_port()
     address = f"tcp://127.0.0.2:{port}"
+    keys = Keys(tmp_path / "keys", workers=2)
     log_path = tmp_path / "cluster.log"
     procs = []
     with open(log_path, "a") as log:
         try:
             procs.append(
                 _spawn(
-                    [sys.executable, "-m", "shadow", "coordinator", "workers=2", "host=127.0.0.2", f"port={port}"], log
+                    [
+                        sys.executable,
+                        "-m",
+                        "shadow",
+                        "coordinator",
+                        "workers=2",
+                        "host=127.0.0.2",
+                        f"port={port}",
+                        *keys.server(),
+                    ],
+                    log,
                 )
             )
-            for host in ("127.0.0.3", "127.0.0.4"):
+            for i, host in enumerate(("127.0.0.3", "127.0.0.4")):
                 procs.append(
                     _spawn(
                         [
@@ -92,13 +157,14 @@ def test_loopback_addresses(world1, tmp_path):
                             f"coordinator={address}",
                             f"host={host}",
                             "threads=1",
+                            *keys.worker(i),
                         ],
                         log,
                     )
                 )
-            st = _wait_workers(address, 2, procs, log_path)
+            st = _wait_workers(address, 2, procs, log_path, keys.client("client"))
             assert sorted(w["data"].rsplit(":", 1)[0] for w in st["workers"]) == ["tcp://127.0.0.3", "tcp://127.0.0.4"]
-            _train_and_restore(address, "loopback")
+            _train_and_restore(address, "loopback", keys)
         finally:
             _stop(procs)
 
@@ -145,14 +211,40 @@ def _namespaces():
 
 def test_network_namespaces(world1, tmp_path):
     """Separate network stacks: workers started with nothing but the coordinator's address
-    (host=auto) bind and advertise their own host's address, and a trainer on a fourth
-    host trains and restores through them."""
+    (host=auto) and their keys bind and advertise their own host's address, and a trainer
+    on a fourth host trains and restores through them. Without keys, a coordinator on a
+    non-loopback address refuses to start."""
     port = 5555  # a namespace of its own: no other process can hold it
     address = f"tcp://{SUBNET}.1:{port}"
+    keys = Keys(tmp_path / "keys", workers=2)
     log_path = tmp_path / "cluster.log"
     procs = []
     with _namespaces(), open(log_path, "a") as log:
         try:
+            bare = _spawn(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    "shc",
+                    sys.executable,
+                    "-m",
+                    "shadow",
+                    "coordinator",
+                    f"host={SUBNET}.1",
+                    "port=5556",
+                ],
+                log,
+            )
+            try:
+                refused = bare.wait(timeout=60) != 0
+            except subprocess.TimeoutExpired:
+                refused = False
+            finally:
+                _stop([bare])
+            assert refused, "a coordinator without keys started on a non-loopback address"
+            log.flush()
+            assert "without keys" in log_path.read_text()
             procs.append(
                 _spawn(
                     [
@@ -167,11 +259,12 @@ def test_network_namespaces(world1, tmp_path):
                         "workers=2",
                         f"host={SUBNET}.1",
                         f"port={port}",
+                        *keys.server(),
                     ],
                     log,
                 )
             )
-            for ns in ("shw1", "shw2"):
+            for i, ns in enumerate(("shw1", "shw2")):
                 procs.append(
                     _spawn(
                         [
@@ -185,15 +278,16 @@ def test_network_namespaces(world1, tmp_path):
                             "worker",
                             f"coordinator={address}",
                             "threads=1",
+                            *keys.worker(i),
                         ],
                         log,
                     )
                 )
-            st = _wait_workers(address, 2, procs, log_path)
+            st = _wait_workers(address, 2, procs, log_path, keys.client("client"))
             assert sorted(w["data"].rsplit(":", 1)[0] for w in st["workers"]) == [
                 f"tcp://{SUBNET}.2",
                 f"tcp://{SUBNET}.3",
             ]
-            _train_and_restore(address, "netns")
+            _train_and_restore(address, "netns", keys)
         finally:
             _stop(procs)

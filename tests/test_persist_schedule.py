@@ -169,10 +169,10 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
     release_write, release_copy = threading.Event(), threading.Event()
     write, copy = shardfile.ShardImage.write, Uploader._copy
 
-    def slow_write(img, path):
+    def slow_write(img, path, **modes):
         if "iteration-0000000003" in path and "shard-00000" in path:
             assert release_write.wait(20)
-        return write(img, path)
+        return write(img, path, **modes)
 
     def slow_copy(self, *args):
         assert release_copy.wait(20)

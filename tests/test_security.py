@@ -37,6 +37,7 @@ def keys(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("keys")
     S.generate(d, "server")
     S.generate(d / "allow", "trainer")
+    S.generate(d / "clients", "client")
     S.generate(d, "stranger")
     return d
 
@@ -46,7 +47,7 @@ class Secured:
 
     def __init__(self, keys: Path) -> None:
         self.ctx = zmq.Context()
-        self.guard = S.Guard(keys / "server.key_secret", keys / "allow")
+        self.guard = S.Guard(keys / "server.key_secret", {"trainer": keys / "allow", "client": keys / "clients"})
         self.guard.start(self.ctx)
         self.server = self.ctx.socket(zmq.ROUTER)
         self.server.linger = 0
@@ -88,19 +89,32 @@ def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
             check=False,
         )
 
-    res = keygen("name=server")
+    res = keygen("role=server")
     assert res.returncode == 0, res.stderr
     public, secret = tmp_path / "k" / "server.key", tmp_path / "k" / "server.key_secret"
     assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
     assert f"security.server_key={secret}" in res.stdout and f"security.server_public={public}" in res.stdout
     before = S.load_secret(secret)
     assert S.load_public(public) == before[0]
-    res = keygen("name=server")
+    res = keygen("role=server")
     assert res.returncode == 1 and f"{public} already exists" in res.stderr and "overwrite=true" in res.stderr
-    assert keygen("name=server", "overwrite=true").returncode == 0
+    assert keygen("role=server", "overwrite=true").returncode == 0
     assert S.load_secret(secret) != before
-    res = keygen("name=trainer0")
-    assert res.returncode == 0 and "security.allow" in res.stdout
+    res = keygen("role=trainer", "name=trainer0")
+    assert res.returncode == 0 and "security.allow_trainers" in res.stdout and "SHADOW_CURVE_CLIENT_KEY" in res.stdout
+    assert (tmp_path / "k" / "trainer0.key_secret").exists()
+    res = subprocess.run(
+        [sys.executable, "-m", "shadow", "keygen", "role=worker"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0 and (tmp_path / "keys" / "workers" / "worker.key_secret").exists(), res.stderr
+    assert "security.allow_workers" in res.stdout and "security.client_key=" in res.stdout
+    res = keygen("role=root")
+    assert res.returncode == 2 and "role='root' is not one of" in res.stderr
     assert [p.name for p in (tmp_path / "k").iterdir() if p.name.startswith(".")] == []
     help_ = subprocess.run(
         [sys.executable, "-m", "shadow", "keygen", "--help"],
@@ -110,19 +124,54 @@ def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
         timeout=60,
         check=False,
     )
-    assert help_.returncode == 0 and "dir=keys" in help_.stdout and "overwrite=false" in help_.stdout
+    assert help_.returncode == 0 and "role=server" in help_.stdout and "overwrite=false" in help_.stdout
 
 
-def test_allowed_client_and_the_server_pair_get_through(secured, keys):
-    for keypair in (S.load_secret(keys / "allow" / "trainer.key_secret"), S.load_secret(keys / "server.key_secret")):
-        c = secured.client(keypair)
+def test_allowed_keys_get_through_with_their_role(secured, keys):
+    for name, role in (("allow/trainer", "trainer"), ("clients/client", "client")):
+        c = secured.client(S.load_secret(keys / f"{name}.key_secret"))
         c.send(PAYLOAD)
         assert secured.server.poll(2000), "the allowed client's message did not arrive"
-        ident, msg = secured.server.recv_multipart()
-        assert msg == PAYLOAD
-        secured.server.send_multipart([ident, b"pong"])
+        frames = secured.server.recv_multipart(copy=False)
+        assert frames[-1].bytes == PAYLOAD and S.role_of(frames[-1]) == role
+        secured.server.send_multipart([frames[0].bytes, b"pong"])
         assert c.poll(2000) and c.recv() == b"pong"
     assert secured.guard.accepted == 2 and secured.guard.refused == {}
+
+
+def test_the_server_pair_is_no_ones_key(secured, keys):
+    """Workers connect with keys of their own: the cluster's pair is not admitted as a client."""
+    c = secured.client(S.load_secret(keys / "server.key_secret"))
+    c.send(PAYLOAD)
+    assert not secured.server.poll(300)
+    assert wait_for(lambda: secured.guard.refused.get("unknown_key", 0) >= 1), secured.guard.refused
+
+
+def test_a_socket_admits_only_its_roles(secured, keys):
+    pull = secured.ctx.socket(zmq.PULL)
+    pull.linger = 0
+    secured.sockets.append(pull)
+    secured.guard.server(pull, ("trainer",))  # a worker's data socket
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    for name in ("clients/client", "allow/trainer"):
+        push = secured.ctx.socket(zmq.PUSH)
+        push.linger = 0
+        secured.sockets.append(push)
+        S.client(push, secured.guard.public, S.load_secret(keys / f"{name}.key_secret"))
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(PAYLOAD, zmq.NOBLOCK)
+    assert pull.poll(2000) and pull.recv() == PAYLOAD  # the trainer's
+    assert not pull.poll(300)  # never the client's
+    assert wait_for(lambda: secured.guard.refused.get("role_client", 0) >= 1), secured.guard.refused
+    with pytest.raises(ValueError, match="must be some of"):
+        secured.guard.server(secured.ctx.socket(zmq.PULL), ("root",))
+
+
+def test_a_key_has_one_role(keys, tmp_path):
+    with pytest.raises(S.SecurityError, match="allowed as both trainer and client"):
+        S.load_roles({"trainer": keys / "allow", "client": keys / "allow"})
+    with pytest.raises(S.SecurityError, match="unknown role 'root'"):
+        S.load_roles({"root": keys / "allow"})
 
 
 def test_unknown_key_is_refused_and_counted(secured, keys):
@@ -218,14 +267,20 @@ def test_traffic_is_encrypted_on_the_wire(secured, keys):
 
 
 def test_security_config_validation():
-    with pytest.raises(ValueError, match="security.allow"):
+    with pytest.raises(ValueError, match="security.allow_workers, allow_trainers, allow_clients and allow_admins"):
         SecurityConfig(server_key="keys/server.key_secret")
     with pytest.raises(ValueError, match="security.server_public"):
         SecurityConfig(client_key="keys/me.key_secret")
-    with pytest.raises(ValueError, match="security.server_key"):
-        SecurityConfig(allow="keys/clients")
-    with pytest.raises(UsageError, match="security.allow"):
+    with pytest.raises(ValueError, match="security.allow_clients needs security.server_key"):
+        SecurityConfig(allow_clients="keys/clients")
+    with pytest.raises(UsageError, match="security.allow_workers"):
         parse(ClusterConfig, ["security.server_key=k.key_secret"])
+    with pytest.raises(UsageError, match="unknown key 'security.allow'"):
+        parse(ClusterConfig, ["security.allow=keys/clients"])
+    with pytest.raises(UsageError, match="shadow cluster with security.server_key needs security.client_key"):
+        parse(ClusterConfig, ["security.server_key=k.key_secret", "security.allow_workers=w"])
+    both = ["security.server_key=k.key_secret", "security.allow_workers=w", "security.client_key=w/w.key_secret"]
+    assert parse(ClusterConfig, both).security.allow() == {"worker": "w"}
     cfg = parse(StatusConfig, ["security.server_public=s.key", "security.client_key=c.key_secret"])
     assert cfg.security.enabled and not StatusConfig().security.enabled
 

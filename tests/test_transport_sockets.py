@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import zmq
@@ -36,7 +37,7 @@ def test_curve_on_both_sides_comes_from_the_factory(tmp_path, client):
     S.generate(tmp_path, "server")
     S.generate(tmp_path / "allow", "trainer")
     ctx = zmq.Context()
-    guard = S.Guard(tmp_path / "server.key_secret", tmp_path / "allow")
+    guard = S.Guard(tmp_path / "server.key_secret", {"trainer": tmp_path / "allow"})
     server = SocketFactory(ctx, guard=guard).router(1 << 16)
     keys = S.client_keys(tmp_path / "server.key", tmp_path / "allow" / "trainer.key_secret")
     try:
@@ -69,3 +70,30 @@ def test_no_other_module_sets_socket_options():
                 if pattern.search(line) and not (rel == "shadow/security.py" and "zap" in line):
                     found.append(f"{rel}:{n}")
     assert not found, found
+
+
+def test_send_if_connected_tells_a_live_peer_from_a_gone_one():
+    """How the coordinator tells a live worker from a dead one before another process takes
+    its slot: a send to a connected identity goes through, to a closed one it is refused."""
+    from shadow.transport.sockets import send_if_connected
+
+    ctx = zmq.Context()
+    router = SocketFactory(ctx, keys=None).router(1 << 16)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = SocketFactory(ctx, keys=None).dealer(f"tcp://127.0.0.1:{port}", 1 << 16)
+    try:
+        dealer.send(b"hello")
+        assert router.poll(2000)
+        ident = router.recv_multipart()[0]
+        assert send_if_connected(router, [ident, b"are you there"])
+        assert dealer.poll(2000) and dealer.recv() == b"are you there"
+        assert not send_if_connected(router, [b"nobody", b"x"])
+        dealer.close(linger=0)
+        deadline = time.monotonic() + 5
+        while send_if_connected(router, [ident, b"x"]):
+            assert time.monotonic() < deadline, "the closed connection still counts as connected"
+            time.sleep(0.02)
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        ctx.term()

@@ -48,6 +48,7 @@ def restore(
     rank: int | None = None,
     timeout: float | None = None,
     tuning: Tuning | None = None,
+    sign_key: bytes | None = None,
 ) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
@@ -59,6 +60,9 @@ def restore(
     checkpoint matches the model and optimizer exactly. ``timeout`` bounds the wait for a
     coordinator (default ``tuning.connect_timeout_s``); ``tuning``: a
     :class:`shadow.tuning.Tuning` (default: :meth:`Tuning.load`, from the environment).
+    ``sign_key``: the manifest key (``shadow.persist.signing.load_key(path)``) a persisted
+    checkpoint's signature is checked with: one unsigned or failing it is never restored
+    (default: the key file ``$SHADOW_MANIFEST_KEY`` names; none: signatures unchecked).
     """
     if source is None:
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
@@ -66,7 +70,7 @@ def restore(
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
 
-    snap = resolve(source, job=job, iteration=iteration, timeout=timeout, tuning=tuning)
+    snap = resolve(source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key)
     return apply_snapshot(
         snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
     )

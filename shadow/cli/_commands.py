@@ -50,12 +50,38 @@ def cmd_status(cfg: StatusConfig) -> int:
     return 0
 
 
-def _read(source: str, job, iteration, timeout: float):
+def _sign_key(cfg) -> bytes | None:
+    """The manifest key a command checks signed checkpoints with: the file its
+    ``security.manifest_key`` (``verify``: ``manifest_key``) names, else ``$SHADOW_MANIFEST_KEY``;
+    None (neither set): signatures are not checked. A key file that is missing or short is an error."""
+    from shadow.persist import signing
+
+    given = getattr(cfg, "manifest_key", "") or getattr(getattr(cfg, "security", None), "manifest_key", "")
+    path = given or os.environ.get(signing.ENV, "")
+    return signing.load_key(path) if path else None
+
+
+def _signature(info) -> str:
+    """How a listed checkpoint's signature stands: ``verified`` (checked with the key),
+    ``unchecked`` (signed, but no key was given) or ``none`` (not signed)."""
+    return "verified" if info.verified else ("unchecked" if info.signed else "none")
+
+
+def _note_unchecked(cmd: str, infos: list, key: bytes | None) -> None:
+    if key is None and any(i.signed for i in infos):
+        print(
+            f"shadow {cmd}: these manifests are signed, but no manifest key was given (security.manifest_key "
+            "or SHADOW_MANIFEST_KEY): signatures were not checked",
+            file=sys.stderr,
+        )
+
+
+def _read(source: str, job, iteration, timeout: float, sign_key: bytes | None = None):
     from shadow.cli._render import byte_progress
     from shadow.restore import resolve
 
     with byte_progress(f"reading the checkpoint behind {source}") as progress:
-        return resolve(source, job=job, iteration=iteration, timeout=timeout, progress=progress)
+        return resolve(source, job=job, iteration=iteration, timeout=timeout, progress=progress, sign_key=sign_key)
 
 
 def cmd_restore(cfg: RestoreConfig) -> int:
@@ -63,7 +89,7 @@ def cmd_restore(cfg: RestoreConfig) -> int:
 
     t0 = time.monotonic()
     _check_out(cfg.out)
-    snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
+    snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout, _sign_key(cfg))
     with stage(f"writing {cfg.out} ({cfg.format})"):
         from shadow.export import export
 
@@ -81,7 +107,7 @@ def cmd_export(cfg: ExportConfig) -> int:
 
     t0 = time.monotonic()
     _check_out(cfg.out)
-    snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout)
+    snap = _read(cfg.source, cfg.job, cfg.iteration, cfg.timeout, _sign_key(cfg))
     with stage(f"writing {cfg.out} ({cfg.format}, {cfg.dtype})"):
         from shadow.export import export_weights
 
@@ -120,7 +146,8 @@ def _unreadable(c) -> dict:
 
 
 def _ls_row(c) -> dict:
-    """One row of ``shadow ls`` for a :class:`~shadow.restore.Candidate`."""
+    """One row of ``shadow ls`` for a :class:`~shadow.restore.Candidate` (a tier's complete
+    one also says how its signature stands, :func:`_signature`)."""
     if c.tier == "memory":
         return {"job": c.job, "iteration": c.iteration, "tier": "memory", "time": None, "bytes": None} | {
             "state": "complete",
@@ -132,6 +159,8 @@ def _ls_row(c) -> dict:
     row["bytes"] = c.bytes
     if c.state != "incomplete":
         row["raw_bytes"] = c.raw_bytes
+    if c.handle is not None:
+        row["signature"] = _signature(c.handle)
     return row | {"state": c.state, "path": c.path}
 
 
@@ -143,14 +172,18 @@ def _size(path: str) -> int:
 
 def cmd_ls(cfg: ListConfig) -> int:
     from shadow.restore import MemorySource, open_source
+    from shadow.restore.resolve import cluster_tiers
 
-    src = open_source(cfg.source, cfg.timeout)
+    key = _sign_key(cfg)
+    src = open_source(cfg.source, cfg.timeout, sign_key=key)
     if not isinstance(src, MemorySource) and _missing_dir(cfg.source):
         print(f"shadow ls: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
-    rows = [_ls_row(c) for c in src.candidates(cfg.job)]
+    listed = src.candidates(cfg.job)
     if isinstance(src, MemorySource):  # then the cluster's tiers
-        rows += [_ls_row(c) for tier in src.tiers() for c in tier.candidates(cfg.job)]
+        listed += [c for tier in cluster_tiers(src, key) for c in tier.candidates(cfg.job)]
+    rows = [_ls_row(c) for c in listed]
+    _note_unchecked("ls", [c.handle for c in listed if c.tier != "memory" and c.handle is not None], key)
     if cfg.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -168,7 +201,8 @@ def cmd_verify(cfg: VerifyConfig) -> int:
     if _missing_dir(cfg.source):
         print(f"shadow verify: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
-    listed = TierSource(source_tier(cfg.source), cfg.source).candidates(cfg.job)
+    key = _sign_key(cfg)
+    listed = TierSource(source_tier(cfg.source), cfg.source, sign_key=key).candidates(cfg.job)
     found = [c.handle for c in listed if c.loadable]
     bad = [_unreadable(c) for c in listed if c.state == "unreadable"]
     if cfg.iteration is not None:
@@ -195,8 +229,10 @@ def cmd_verify(cfg: VerifyConfig) -> int:
                 "shards": len(c.manifest["shards"]),
                 "bytes": c.bytes,
                 "path": c.path,
+                "signature": _signature(c),
             }
         )
+    _note_unchecked("verify", found, key)
     results += [
         {
             "job": b["job"],
@@ -206,6 +242,7 @@ def cmd_verify(cfg: VerifyConfig) -> int:
             "shards": None,
             "bytes": None,
             "path": b["path"],
+            "signature": None,
         }
         for b in bad
     ]
@@ -216,9 +253,10 @@ def cmd_verify(cfg: VerifyConfig) -> int:
             if r["shards"] is None:
                 print(f"{r['job']} iteration {r['iteration']}: UNREADABLE")
             else:
+                signed = {"verified": ", signature verified", "unchecked": ", signed (not checked: no key)"}
                 print(
                     f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
-                    f"shards, {r['bytes'] / 2**20:.1f} MiB)"
+                    f"shards, {r['bytes'] / 2**20:.1f} MiB{signed.get(r['signature'], '')})"
                 )
             for p in r["problems"]:
                 print(f"  {p}")
@@ -231,14 +269,19 @@ def cmd_keygen(cfg: KeygenConfig) -> int:
     public, secret = generate(cfg.dir, cfg.name, overwrite=cfg.overwrite)
     print(f"public key: {public}")
     print(f"secret key: {secret} (mode 0600; keep it private)")
-    if cfg.name == "server":
-        print(f"on the cluster, coordinator and workers: security.server_key={secret} security.allow=DIR")
-        print(
-            f"give clients the public key: security.server_public={public} (trainers: SHADOW_CURVE_SERVER_KEY={public})"
-        )
+    if cfg.role == "server":
+        print(f"coordinator and workers: security.server_key={secret} and the allow lists, e.g.")
+        print("  security.allow_workers=keys/workers security.allow_trainers=keys/trainers")
+        print("  security.allow_clients=keys/clients security.allow_admins=keys/admins")
+        print(f"everything that connects: security.server_public={public} (trainers: SHADOW_CURVE_SERVER_KEY={public})")
+        return 0
+    print(f"admit it as a {cfg.role}: its public key must be in the cluster's security.allow_{cfg.role}s directory")
+    if cfg.role == "worker":
+        print(f"on the worker (or shadow cluster): security.client_key={secret}")
+    elif cfg.role == "trainer":
+        print(f"on each trainer rank: SHADOW_CURVE_CLIENT_KEY={secret} (and SHADOW_CURVE_SERVER_KEY=<server.key>)")
     else:
-        print(f"allow this client: copy {public} into the cluster's security.allow directory")
-        print(f"on this client: security.client_key={secret} (trainers: SHADOW_CURVE_CLIENT_KEY={secret})")
+        print(f"on this {cfg.role}: security.client_key={secret} security.server_public=<server.key>")
     return 0
 
 

@@ -20,18 +20,46 @@ WORKER_ENTRY = "shadow"
 logger = logging.getLogger("shadow.cli")
 
 
-def _warn_public(host: str, security) -> None:
-    if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127.") and not security.server_key:
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_exposure(host: str, security, who: str) -> None:
+    """Who can control a service bound to ``host``: without keys, on loopback, any local user
+    (said at every start); beyond loopback, anyone who can reach it, which is refused unless
+    ``security.insecure=true`` (then warned at every start)."""
+    if security.server_key:
+        return
+    if _loopback(host):
         logger.warning(
-            "binding to %s exposes the cluster beyond this host without authentication or encryption; "
-            "make keys with `shadow keygen` and set security.server_key= and security.allow=",
+            "%s: unauthenticated: any local user can control this cluster (bound to %s without keys; "
+            "make role keys with `shadow keygen role=...` and set security.server_key and security.allow_*)",
+            who,
             host,
         )
+        return
+    if not security.insecure:
+        from shadow.security import SecurityError
+
+        raise SecurityError(
+            f"{who}: refusing to bind {host} without keys: anyone who can reach it could stop the cluster, "
+            "replace a job or plant a checkpoint. Make keys (`shadow keygen role=server`, role=worker, "
+            "role=trainer, role=client, role=admin) and set security.server_key and security.allow_workers/"
+            "allow_trainers/allow_clients/allow_admins (workers also security.client_key), or bind to "
+            "127.0.0.1, or accept the risk with security.insecure=true"
+        )
+    logger.warning(
+        "%s: INSECURE: bound to %s without keys (security.insecure=true): anyone who can reach it controls "
+        "this cluster and can read its checkpoints",
+        who,
+        host,
+    )
 
 
 def _coordinator(cfg: CoordinatorConfig):
     from shadow import security
     from shadow.coordinator.server import Coordinator
+    from shadow.persist import signing
 
     return Coordinator(
         f"tcp://{cfg.host}:{cfg.port}",
@@ -40,6 +68,7 @@ def _coordinator(cfg: CoordinatorConfig):
         guard=security.guard_from_config(cfg.security),
         replicas=cfg.replicas,
         tuning=cfg.tuning.resolve(),
+        sign_key=signing.load_key(cfg.security.manifest_key) if cfg.persist.sign else None,
     )
 
 
@@ -68,7 +97,7 @@ def _run(service, metrics) -> int:
 
 def cmd_coordinator(cfg: CoordinatorConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "coordinator")
-    _warn_public(cfg.host, cfg.security)
+    check_exposure(cfg.host, cfg.security, "coordinator")
     coord = _coordinator(cfg)
     return _run(coord, _coordinator_metrics(cfg, coord))
 
@@ -89,7 +118,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         keys=security.client_from_config(cfg.security),
         tuning=tuning,
     )
-    _warn_public(worker.bind_host, cfg.security)
+    check_exposure(worker.bind_host, cfg.security, f"worker {cfg.worker_id}")
     metrics = None
     if cfg.metrics_port:
         from shadow.metrics import WORKER, serve
@@ -101,15 +130,16 @@ def cmd_worker(cfg: WorkerConfig) -> int:
 
 def cmd_cluster(cfg: ClusterConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "cluster")
-    _warn_public(cfg.host, cfg.security)
+    check_exposure(cfg.host, cfg.security, "cluster")
     address = f"tcp://{cfg.host}:{cfg.port}"
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)
-    curve = (
-        [f"security.server_key={cfg.security.server_key}", f"security.allow={cfg.security.allow}"]
-        if cfg.security.server_key
-        else []
-    )
+    sec = cfg.security
+    curve = [  # the workers bind with the cluster's pair and admit the same roles; they connect with their own key
+        f"security.{k}={getattr(sec, k)}"
+        for k in ("server_key", "client_key", "allow_workers", "allow_trainers", "allow_clients", "allow_admins")
+        if getattr(sec, k)
+    ] + (["security.insecure=true"] if sec.insecure else [])
     stop = threading.Event()
 
     def shutdown(*_):

@@ -190,6 +190,13 @@ class Attach:
                 "without it"
             )
         old = self.state.job
+        if old is not None and old.name != name and old.status != JobStatus.DETACHED and not first["overwrite"]:
+            self.state.refuse("trainer", "replace_without_overwrite")  # (attaches start from the loop too)
+            return fail(
+                f"the cluster holds job {old.name!r} (committed iteration {old.cut}), which has not detached; "
+                f"attach job {name!r} with overwrite=True to replace it (its in-memory checkpoint is dropped), "
+                "or close that job's session first"
+            )
         generation, held = self.persist.lineage(name)
         if old is not None and old.name == name:
             generation, held = max(generation, old.generation), max(held, old.cut)
@@ -292,7 +299,7 @@ class Attach:
 
     def on_detach(self, env: list[bytes], msg: Msg) -> None:
         job = self.state.job
-        if job is not None and msg["epoch"] == job.epoch:
+        if job is not None and msg["epoch"] == job.epoch and self.state.from_rank(env, msg["rank"]):
             job.detached.add(msg["rank"])
             if len(job.detached) == job.world:
                 job.status = JobStatus.DETACHED

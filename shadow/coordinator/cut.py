@@ -99,6 +99,12 @@ class Cut:
         st, job = self.state, self.state.job
         if job is None or msg["epoch"] != job.epoch:
             return
+        problem = self._not_its_shard(env, msg)
+        if problem:
+            st.refuse(st.sender_role, "not_the_writer")
+            logger.warning("refused a persisted report: %s", problem)
+            self.out.reply(env, "error", code="refused", message=problem)
+            return
         for kind, iteration, per_shard in self.persist.on_report(job, msg, st.nshards):
             if kind == "upload":
                 for shard, r in per_shard.items():
@@ -106,6 +112,22 @@ class Cut:
                     self.out.to_worker(
                         x, "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"], checksum=r["checksum"]
                     )
+
+    def _not_its_shard(self, env: list[bytes], msg: Msg) -> str:
+        """Why a ``persisted`` report cannot be taken from this connection ("" when it can):
+        only the worker asked to write a shard reports it (after a coordinator restart, before
+        any request: a worker of that shard), and only under the file name the tier gives it."""
+        st, job, shard = self.state, self.state.job, msg["shard"]
+        w = st.worker(env[0])
+        assert job is not None
+        writer = job.writers.get(shard)
+        if w is None or not (writer == w.id or (writer is None and st.shard_of(w) == shard)):
+            who = "an unregistered connection" if w is None else f"worker {w.id}"
+            return f"{who} reported shard {shard} of iteration {msg['iteration']}, which it was not asked to write"
+        want = self.persist.file_for(msg["tier"], shard, st.nshards)
+        if msg["ok"] and want is not None and msg["file"] != want:
+            return f"worker {w.id} reported shard {shard} as {msg['file']!r}; the {msg['tier']} tier names it {want!r}"
+        return ""
 
     def on_audited(self, env: list[bytes], msg: Msg) -> None:
         job = self.state.job

@@ -52,7 +52,25 @@ class Membership:
         awaiting_copy = False
         if slot in taken and (w is None or fresh):
             # a restarted (or reset) worker takes its slot back: it has no state
-            w = taken[slot]
+            held = taken[slot]
+            if held.ident != env[0] and not held.lost and self._holder_connected(held, msg["pid"]):
+                st.refuse(st.sender_role, "slot_taken")
+                logger.warning(
+                    "refused a register for slot %d (pid %d): worker %d (pid %d) is alive and still connected",
+                    slot,
+                    msg["pid"],
+                    held.id,
+                    held.pid,
+                )
+                self.out.reply(
+                    env,
+                    "error",
+                    code="busy",
+                    message=f"worker slot {slot} is held by a live, connected worker (pid {held.pid}); "
+                    "a worker takes a slot back once its previous process is gone",
+                )
+                return None
+            w = held
             logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
             w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
             w.lost, w.stale, w.transit, w.configured = False, "restarted", "", -1
@@ -83,6 +101,14 @@ class Membership:
         if len(st.ready_workers(now)) == st.expected:
             logger.info("all %d workers ready", st.expected)
         return w
+
+    def _holder_connected(self, held: WorkerRec, pid: int) -> bool:
+        """Whether the process holding a slot is still connected: asked by sending it a notice
+        (a process that died has closed its connection at once; a live one learns that another
+        process claimed its slot)."""
+        return self.out.still_there(
+            held.ident, "error", code="refused", message=f"another process (pid {pid}) asked for this worker's slot"
+        )
 
     def on_heartbeat(self, env: list[bytes], msg: Msg) -> None:
         w = self.state.worker(env[0])

@@ -35,6 +35,7 @@ def samples(st: ClusterState, persist: Persistence, guard: Any = None) -> Sample
         "shadow_replay": [((str(w.id),), (w.replay_s, w.replayed)) for w in workers],
         "shadow_resyncs": [((name,), n) for name, n in {**({job.name: 0} if job else {}), **st.resyncs}.items()],
         "shadow_auth_refused": [((r,), n) for r, n in (dict(guard.refused) if guard else {}).items()],
+        "shadow_refused_messages": [((role, reason), n) for (role, reason), n in dict(st.refused).items()],
     }
     if job is not None:
         committed = job.cut >= job.base

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import zmq
 
 from shadow.coordinator.records import JobRec, WorkerRec
+from shadow.transport.sockets import send_if_connected
 from shadow.wire import messages as M
 
 
@@ -26,6 +27,9 @@ class Outbox(Protocol):
 
     def to_trainers(self, job: JobRec, kind: str, **fields: Any) -> None:
         """To every trainer rank of ``job`` the coordinator knows, in rank order."""
+
+    def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
+        """Send to connection ``ident`` only if it is still connected; whether it was."""
 
 
 class ZmqOutbox:
@@ -47,6 +51,11 @@ class ZmqOutbox:
         for _rank, ident in sorted(job.trainers.items()):
             self.reply([ident], kind, **fields)
 
+    def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
+        if self.sock is None:
+            raise RuntimeError("the coordinator sends nothing before run() opens its socket")
+        return send_if_connected(self.sock, [ident, M.encode(kind, **fields)])
+
 
 class RecordingOutbox:
     """An :class:`Outbox` that keeps ``(ident, kind, fields)`` for each message instead of
@@ -54,6 +63,7 @@ class RecordingOutbox:
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, str, dict[str, Any]]] = []
+        self.gone: set[bytes] = set()  # connections :meth:`still_there` finds closed
 
     def reply(self, envelope: list[bytes], kind: str, **fields: Any) -> None:
         msg = M.decode(M.encode(kind, **fields))
@@ -65,6 +75,12 @@ class RecordingOutbox:
     def to_trainers(self, job: JobRec, kind: str, **fields: Any) -> None:
         for _rank, ident in sorted(job.trainers.items()):
             self.reply([ident], kind, **fields)
+
+    def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
+        if ident in self.gone:
+            return False
+        self.reply([ident], kind, **fields)
+        return True
 
     def kinds(self, ident: bytes | None = None) -> list[str]:
         """The kinds sent (to ``ident`` only, if given), in order."""

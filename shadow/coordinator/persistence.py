@@ -8,7 +8,11 @@ its schedule has elapsed since the last remote copy; the next local checkpoint t
 completes then goes up (the newest complete one), and local retention keeps it until
 the copy is done. A checkpoint a worker skipped (all its images still being written)
 is not a failure: it is counted, logged as one summed warning per
-``SHADOW_PERSIST_SKIP_LOG_S``, and the next cut is due again."""
+``SHADOW_PERSIST_SKIP_LOG_S``, and the next cut is due again.
+
+Everything it writes on a local file system (manifests, generation records, directories)
+gets ``persist.mode``'s permissions (0600 files, 0700 directories by default); with
+``persist.sign`` each manifest is signed (:mod:`shadow.persist.signing`)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Any
 
 from shadow.config import PersistConfig
 from shadow.coordinator.tiers import TierState, scan
-from shadow.persist import checkpoints, failed, retention
+from shadow.persist import checkpoints, failed, retention, signing
 from shadow.storage.tier import tiers_for
 from shadow.tuning import Tuning
 
@@ -30,11 +34,22 @@ class Persistence:
     catalog of complete checkpoints.
 
     Threads: only the coordinator's loop thread calls it (from the ``persisted`` handler and
-    the cut), so nothing is locked; the metrics thread reads ``tiers`` without writing."""
+    the cut), so nothing is locked; the metrics thread reads ``tiers`` without writing.
 
-    def __init__(self, persist: PersistConfig | None = None, tuning: Tuning | None = None) -> None:
+    ``sign_key``: the manifest key (:func:`shadow.persist.signing.load_key` of
+    ``security.manifest_key``), needed when ``persist.sign`` is on and otherwise unused."""
+
+    def __init__(
+        self, persist: PersistConfig | None = None, tuning: Tuning | None = None, sign_key: bytes | None = None
+    ) -> None:
         self.config = persist if persist is not None else PersistConfig()
         self.tuning = tuning if tuning is not None else Tuning.load()
+        if self.config.sign and sign_key is None:
+            raise ValueError(
+                "persist.sign=true needs the manifest key: set security.manifest_key to a key file "
+                f"(make one with `{signing.MAKE_ONE}`)"
+            )
+        self.sign_key = sign_key if self.config.sign else None
         self.tiers: dict[str, TierState] = {t.name: TierState(t) for t in tiers_for(self.config)}  # nearest first
         self.generations: dict[str, int] = {}  # job -> newest generation seen in any tier
         for t in self.tiers.values():
@@ -76,7 +91,7 @@ class Persistence:
         self.generations[job] = max(self.generations.get(job, 0), generation)
         for t in self.tiers.values():
             try:
-                checkpoints.write_generation(t.root, job, generation, base)
+                checkpoints.write_generation(t.storage, job, generation, base)
             except Exception as exc:  # storage errors are reported, never fatal
                 t.last_error = f"recording generation {generation} of {job} (from iteration {base}): {exc}"
                 logger.error("tier %s: %s", t.name, t.last_error)
@@ -98,6 +113,11 @@ class Persistence:
         t.in_flight[iteration] = {}
         t.requested[iteration] = time.monotonic()
         return True
+
+    def file_for(self, tier: str, shard: int, nshards: int) -> str | None:
+        """The file name tier ``tier`` gives shard ``shard`` of ``nshards`` (None: no such tier)."""
+        t = self.tiers.get(tier)
+        return None if t is None else checkpoints.shard_name(shard, nshards, t.tier.codec.compress)
 
     def on_report(self, job, rep: dict, nshards: int) -> list[tuple[str, int, dict]]:
         """Record one worker's report; returns follow-up requests ``(kind, iteration, per-shard)``."""
@@ -144,7 +164,7 @@ class Persistence:
         workers wrote for it, so that on a full disk they do not hold the space the next
         attempt needs (earlier complete checkpoints are never touched)."""
         try:
-            if failed.discard_torn(tier.root, job.name, iteration, job.generation):
+            if failed.discard_torn(tier.storage, job.name, iteration, job.generation):
                 logger.info("tier %s: removed the incomplete checkpoint of iteration %d", tier.name, iteration)
         except Exception as exc:  # storage errors are reported, never fatal; retention retries later
             logger.warning(
@@ -192,9 +212,9 @@ class Persistence:
             it for it, t in (remote.requested.items() if remote and tier.name == "local" else ()) if now - t < hold
         ]
         if keep and copying:
-            done = checkpoints.list_checkpoints(tier.root, tier.name, job_name)
+            done = checkpoints.list_checkpoints(tier.storage, tier.name, job_name)
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
-        return retention.retain(tier.root, job_name, keep, busy=tier.in_flight)
+        return retention.retain(tier.storage, job_name, keep, busy=tier.in_flight)
 
     def _commit(self, tier: TierState, job, iteration: int, got: dict) -> list:
         shards = [
@@ -228,7 +248,7 @@ class Persistence:
             job.generation,
         )
         try:
-            checkpoints.write_manifest(tier.root, job.name, iteration, manifest)
+            checkpoints.write_manifest(tier.storage, job.name, iteration, manifest, self.sign_key)
             deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
             where = checkpoints.checkpoint_dir(tier.root, job.name, iteration, job.generation)

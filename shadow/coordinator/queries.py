@@ -57,6 +57,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
             "curve": guard is not None,
             "accepted": guard.accepted if guard else 0,
             "refused": dict(guard.refused) if guard else {},
+            "refused_by_role": {f"{role}/{reason}": n for (role, reason), n in dict(st.refused).items()},
         },
         "workers": [
             {

@@ -110,6 +110,8 @@ class Replicas:
         j = job.joining.get(msg["worker"])
         if j is None or j.gen != msg["gen"] or j.stage is not JoinStage.VOTING:
             return
+        if not self.state.from_rank(env, msg["rank"]):
+            return
         j.starts[msg["rank"]] = msg["iteration"]
         if len(j.starts) < job.world:
             return

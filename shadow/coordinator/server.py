@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from shadow import security
 from shadow.config import PersistConfig
 from shadow.coordinator.attach import Attach
 from shadow.coordinator.cut import Cut
@@ -41,18 +42,6 @@ from shadow.wire import messages as M
 logger = logging.getLogger(__name__)
 
 
-class Lifecycle:
-    """Handler ``shutdown``: every worker is told to exit, then the coordinator stops."""
-
-    def __init__(self, state: ClusterState, out: Outbox, stop: Callable[[], None]) -> None:
-        self.state, self.out, self.stop = state, out, stop
-
-    def on_shutdown(self, env: list[bytes], msg: dict[str, Any]) -> None:
-        for w in self.state.workers:
-            self.out.to_worker(w, "shutdown")
-        self.stop()
-
-
 class Coordinator:
     """Membership, the committed cut, attaches, replicas and persistence of one cluster.
 
@@ -66,7 +55,7 @@ class Coordinator:
 
     ``outbox``: where messages go instead of the socket (unit tests drive :meth:`on_message`
     without :meth:`run`); ``tuning``: the knobs (default: :meth:`Tuning.load`, the
-    environment's)."""
+    environment's); ``sign_key``: the key manifests are signed with (``persist.sign``)."""
 
     def __init__(
         self,
@@ -77,12 +66,13 @@ class Coordinator:
         replicas: int = 1,
         outbox: Outbox | None = None,
         tuning: Tuning | None = None,
+        sign_key: bytes | None = None,
     ) -> None:
         self.bind = bind
         self.tuning = tuning if tuning is not None else Tuning.load()
         self.state = ClusterState(expected=workers, replicas=replicas, tuning=self.tuning)
         self.guard = guard  # shadow.security.Guard when CURVE is on
-        self.persist = Persistence(persist, self.tuning)
+        self.persist = Persistence(persist, self.tuning, sign_key)
         self.socket_out: ZmqOutbox | None = None  # the socket's outbox, opened by run()
         if outbox is None:
             outbox = self.socket_out = ZmqOutbox()
@@ -101,7 +91,6 @@ class Coordinator:
         self.rebuild = Rebuild(st, out, self.cut, self.membership, persist)
         self.trainers = Trainers(st, out, self.cut, self.replicas)
         self.queries = Queries(st, out, persist, self.guard)
-        self.lifecycle = Lifecycle(st, out, self.stop)
         self.routes: dict[str, Callable[..., None]] = {
             t: getattr(getattr(self, r.component), r.handler) for t, r in ROUTES.items()
         }
@@ -124,10 +113,11 @@ class Coordinator:
                 if poller.poll(timeout=200):
                     for _ in range(256):
                         try:
-                            parts = sock.recv_multipart(zmq.NOBLOCK)
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self.on_message(parts)
+                        role = security.role_of(frames[-1]) if self.guard is not None else None
+                        self.on_message([f.bytes for f in frames], role)
                 self.tick()
         finally:
             sock.close(linger=0)
@@ -150,8 +140,15 @@ class Coordinator:
             except Exception:
                 self.state.rejected.failed("periodic_" + name, f"periodic step {name}")
 
-    def on_message(self, parts: list[bytes]) -> None:
-        """Decode, check and route one message from the ROUTER (envelope frames, then the body)."""
+    def refuse(self, envelope: list[bytes], role: str | None, reason: str, message: str) -> None:
+        """Refuse one message: counted by role and reason, answered with a ``refused`` error."""
+        self.state.refuse(role, reason)
+        logger.warning("refused a message (%s from %s): %s", reason, role or "an unauthenticated peer", message)
+        self.out.reply(envelope, "error", code="refused", message=message)
+
+    def on_message(self, parts: list[bytes], role: str | None = None) -> None:
+        """Decode, check and route one message from the ROUTER (envelope frames, then the
+        body), sent by a peer of ``role`` (None: no authentication, any role)."""
         st = self.state
         if len(parts) < 2:
             st.rejected.add("malformed")
@@ -170,9 +167,14 @@ class Coordinator:
             st.rejected.add("unexpected")
             self.out.reply(envelope, "error", code="refused", message=f"coordinator does not accept {kind!r} messages")
             return
+        if role is not None and role not in route.roles:
+            article = "an" if role[0] in "aeiou" else "a"
+            self.refuse(envelope, role, "role", f"{article} {role} may not send {kind!r} messages")
+            return
         if route.worker_only and st.worker(envelope[0]) is None:
             st.rejected.add("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)
             return
+        st.sender_role = role
         try:
             if route.sized:
                 handler(envelope, msg, size=len(raw))

@@ -57,12 +57,30 @@ class ClusterState:
     #              "since": t, "told": n, "deadline": t}: attaches waiting for their other ranks
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)
     rejected: Rejections = field(default_factory=Rejections)
+    # (role, reason) -> messages refused because of who sent them ("peer": no authentication)
+    refused: dict[tuple[str, str], int] = field(default_factory=dict)
+    sender_role: str | None = None  # the role of the message being handled (None: unauthenticated)
     epoch: int = 0
     started: float = field(default_factory=time.time)
     tokens: dict[int, int] = field(default_factory=dict)  # iteration -> tokens seen, for token schedules
     retired: dict[str, Any] | None = None  # memory info of the previous epoch, while the new one bootstraps
     resyncs: dict[str, int] = field(default_factory=dict)  # job -> resyncs asked of its trainers
     starting: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> a worker still compiling
+
+    def from_rank(self, env: list[bytes], rank: int) -> bool:
+        """Whether a message naming ``rank`` of the attached job comes from that rank's own
+        connection (the one it attached or heartbeats from); if not, it is counted as refused."""
+        job = self.job
+        if job is not None and job.trainers.get(rank) == env[0]:
+            return True
+        self.refuse(self.sender_role, "not_the_rank")
+        logger.warning("refused a message naming rank %d from another connection", rank)
+        return False
+
+    def refuse(self, role: str | None, reason: str) -> None:
+        """Count one message refused because of its sender (``role`` None: unauthenticated)."""
+        key = (role or "peer", reason)
+        self.refused[key] = self.refused.get(key, 0) + 1
 
     def __post_init__(self) -> None:
         check_shape(self.expected, self.replicas)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shadow.persist import checkpoints
-from shadow.storage import storage_for
+from shadow.storage import Storage, storage_for
 from shadow.storage.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,11 @@ class TierState:
     def root(self) -> str:
         return self.tier.root
 
+    @property
+    def storage(self) -> Storage:
+        """Where the tier writes: on a local file system, with ``persist.mode``'s permissions."""
+        return self.tier.storage
+
     def status(self) -> dict[str, Any]:
         return {
             "root": self.root,
@@ -59,7 +64,7 @@ class TierState:
         }
 
 
-def _probe(root: str) -> None:
+def _probe(root: str | Storage) -> None:
     """Raise if what tier ``root`` holds cannot be known (no permission, a symlink loop, an
     unreachable store): its listing would pass for empty. A root that does not exist, or is
     not a directory, holds no checkpoint (writing one fails, and is reported then)."""
@@ -71,7 +76,7 @@ def _probe(root: str) -> None:
     if info.get("type") != "directory":
         logger.warning(
             "tier root %s is a %s, not a directory: it holds no checkpoint, and none can be written there",
-            root,
+            st.url,
             info.get("type", "non-directory"),
         )
         return
@@ -86,10 +91,10 @@ def scan(tier: TierState, generations: dict[str, int], job: str | None = None) -
     A listing that fails leaves ``tier.last_error`` (and, for every job, ``scan_error``)."""
     try:
         if job is None:
-            _probe(tier.root)  # a listing of an unreadable root is empty, not an error
-        found = checkpoints.list_checkpoints(tier.root, tier.name, job)
+            _probe(tier.storage)  # a listing of an unreadable root is empty, not an error
+        found = checkpoints.list_checkpoints(tier.storage, tier.name, job)
         for name in {c.job for c in found} | ({job} if job else set()):
-            marks = checkpoints.read_generations(tier.root, name)
+            marks = checkpoints.read_generations(tier.storage, name)
             generations[name] = max([generations.get(name, 0), *marks] + [c.generation for c in found if c.job == name])
     except Exception as exc:  # an unreachable tier must not stop the coordinator
         tier.last_error = f"cannot list {tier.root}: {type(exc).__name__}: {exc}"

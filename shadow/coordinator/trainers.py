@@ -111,12 +111,16 @@ class Trainers:
         job = self.state.job
         if job is None or msg["epoch"] != job.epoch or job.status in (JobStatus.DEGRADED, JobStatus.DETACHED):
             return  # no job: the heartbeat path asks for a fresh attach once the cluster is whole
+        if not self.state.from_rank(env, msg["rank"]):
+            return
         self.cut.degrade(f"rank {msg['rank']} stopped streaming: {msg['reason']}")
 
     def on_lagging(self, env: list[bytes], msg: Msg) -> None:
         """Policy skip: a rank ran more than SHADOW_MAX_LAG iterations ahead and stopped streaming."""
         job = self.state.job
         if job is None or msg["epoch"] != job.epoch or job.status in (JobStatus.DEGRADED, JobStatus.DETACHED):
+            return
+        if not self.state.from_rank(env, msg["rank"]):
             return
         behind = [
             w.id for w in self.state.workers if w.prepared < msg["iteration"] - self.state.tuning.max_lag_iterations

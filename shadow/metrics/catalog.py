@@ -35,6 +35,13 @@ def _m(name: str, kind: str, help: str, *labels: str) -> Metric:
 
 
 COORDINATOR = (
+    _m(
+        "shadow_refused_messages",
+        "counter",
+        "Control messages refused because of their sender, by role (peer: unauthenticated) and reason.",
+        "role",
+        "reason",
+    ),
     _m("shadow_workers_expected", "gauge", "Worker slots the cluster is configured for."),
     _m("shadow_workers", "gauge", "Workers by health (ok, joining, stale, out, lost).", "health"),
     _m(

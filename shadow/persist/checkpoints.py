@@ -24,7 +24,7 @@ import numpy as np
 
 from shadow.errors import CheckpointError  # CheckpointError: raised here, and named here too
 from shadow.layout import Layout
-from shadow.persist import fsglob, shardfile, shardguard, zshard
+from shadow.persist import fsglob, shardfile, shardguard, signing, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
 from shadow.persist.manifests import manifest_problem
 from shadow.snapshot import Snapshot
@@ -103,6 +103,7 @@ class CheckpointInfo:
     manifest: dict
     storage: Storage = field(repr=False, compare=False)
     superseded: bool = False  # a later generation went on from an earlier iteration
+    verified: bool = False  # its signature was checked with the manifest key (signing) and holds
 
     @property
     def job(self) -> str:
@@ -117,6 +118,11 @@ class CheckpointInfo:
         return int(self.manifest.get("generation", 0))
 
     @property
+    def signed(self) -> bool:
+        """Whether the manifest carries a signature (checked only where :attr:`verified`)."""
+        return signing.FIELD in self.manifest
+
+    @property
     def bytes(self) -> int:
         """Bytes on storage (compressed where the tier compresses)."""
         return sum(s["bytes"] for s in self.manifest["shards"])
@@ -127,21 +133,30 @@ class CheckpointInfo:
         return sum(s.get("raw_bytes") or s["bytes"] for s in self.manifest["shards"])
 
 
-def write_manifest(root: str | Storage, job: str, iteration: int, manifest: dict) -> str:
-    """Commit a checkpoint: write its manifest last (tmp, fsync, rename); returns its path
-    in the storage's terms."""
+def write_manifest(root: str | Storage, job: str, iteration: int, manifest: dict, sign_key: bytes | None = None) -> str:
+    """Commit a checkpoint: write its manifest last (tmp, fsync, rename), signed with
+    ``sign_key`` if given (:mod:`~shadow.persist.signing`); returns its path in the
+    storage's terms."""
     st = storage_for(root)
+    if sign_key is not None:
+        manifest = signing.signed(manifest, sign_key)
     path = st.join(job, dir_name(iteration, int(manifest.get("generation", 0))), MANIFEST)
     st.write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
     return path
 
 
 def list_checkpoints(
-    root: str | Storage, tier: str = "local", job: str | None = None, skipped: list[tuple[str, str]] | None = None
+    root: str | Storage,
+    tier: str = "local",
+    job: str | None = None,
+    skipped: list[tuple[str, str]] | None = None,
+    sign_key: bytes | None = None,
 ) -> list[CheckpointInfo]:
     """Complete checkpoints under ``root`` (those with a manifest), lowest iteration first.
     A manifest that does not parse or fails :func:`manifest_problem` is skipped with a
-    warning and appended to ``skipped`` (if given) as ``(path, reason)``."""
+    warning and appended to ``skipped`` (if given) as ``(path, reason)``. With ``sign_key``
+    (:mod:`~shadow.persist.signing`), so is one whose signature is missing or wrong: it may
+    have been tampered with. Without it, signatures are not checked."""
     st = storage_for(root)
     pattern = fsglob.pattern(st.base, job, "iteration-*", MANIFEST)
     out = []
@@ -149,6 +164,8 @@ def list_checkpoints(
         try:
             with _reading(mpath):
                 manifest = json.loads(st.cat(mpath))
+                if sign_key is not None and isinstance(manifest, dict):  # before anything else trusts a field
+                    signing.check(manifest, sign_key)
                 problem = manifest_problem(
                     manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(mpath)))
                 )
@@ -156,12 +173,13 @@ def list_checkpoints(
                 raise CheckpointError(f"{mpath}: {problem}")
         except CheckpointError as exc:  # the reason without the path, which the caller has
             reason = str(exc).removeprefix(f"{mpath}: ").removeprefix("ValueError: ")
-            logger.warning("ignoring unreadable manifest %s: %s", mpath, reason)
+            what = "refusing" if isinstance(exc, signing.SignatureError) else "ignoring unreadable"
+            logger.warning("%s manifest %s: %s", what, mpath, reason)
             if skipped is not None:
                 skipped.append((mpath, reason))
             continue
         d = posixpath.dirname(mpath)
-        out.append(CheckpointInfo(st.url, tier, d, manifest, st))
+        out.append(CheckpointInfo(st.url, tier, d, manifest, st, verified=sign_key is not None))
     for name in {c.job for c in out}:
         generations = read_generations(st, name)
         for c in out:

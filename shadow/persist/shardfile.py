@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from shadow.storage import modes
 from shadow.storage.local import replacing
 from shadow.wire.frames import checksum
 
@@ -107,11 +108,12 @@ class ShardImage:
     def checksum(self) -> int:
         return checksum(self.buf[: self.size].data)
 
-    def write(self, path: str) -> int:
-        """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir). A write
-        that fails (a full disk: ``ENOSPC``) removes its partial ``.tmp`` file, which
-        would otherwise hold on to the space until retention finds the directory."""
-        with replacing(path) as tmp:
+    def write(self, path: str, file_mode: int = modes.FILE_MODE, dir_mode: int = modes.DIR_MODE) -> int:
+        """Write the image to ``path`` durably (tmp, fsync, rename, fsync dir), the file with
+        permissions ``file_mode`` and the directories it creates ``dir_mode``, whatever the
+        umask. A write that fails (a full disk: ``ENOSPC``) removes its partial ``.tmp``
+        file, which would otherwise hold on to the space until retention finds the directory."""
+        with replacing(path, file_mode, dir_mode) as tmp:
             self._write_tmp(tmp)
         return self.size
 
@@ -120,12 +122,12 @@ class ShardImage:
         fd = None
         if direct:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, modes.FILE_MODE)
             except OSError:
                 fd = None
         used_direct = fd is not None
         if fd is None:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, modes.FILE_MODE)
         try:
             mv = self.buf.data
             try:
@@ -135,7 +137,7 @@ class ShardImage:
                     raise
                 os.close(fd)
                 fd = None
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, modes.FILE_MODE)
                 used_direct = False
                 _write_all(fd, mv, self.size)
             os.fsync(fd)

@@ -75,8 +75,10 @@ class ShardPersister:
         self.local_codec = Codec(persist.local.compress, persist.local.compress_level)
         self.remote_codec = Codec(persist.remote.compress, persist.remote.compress_level)
         # the local tier is a directory on this host (PersistConfig checks it); the remote one any
-        # storage, whose back end loads on the background threads (the warm-up or the first upload)
-        self._local_storage = LocalStorage(self.local or ".")
+        # storage, whose back end loads on the background threads (the warm-up or the first upload).
+        # What either creates on a local file system gets persist.mode's permissions (0600/0700)
+        self.file_mode, self.dir_mode = persist.file_mode, persist.dir_mode
+        self._local_storage = LocalStorage(self.local or ".", self.file_mode, self.dir_mode)
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
         self.generation = generation
         n, p = state.size, len(state.layout.params)
@@ -250,7 +252,7 @@ class ShardPersister:
             page = shardfile.ShardImage(shardfile.PAGE)
             page.buf[:] = 0
             page.size = shardfile.PAGE
-            page.write(probe)
+            self._local_storage.write_image(probe, page)  # the job's directory, with the tier's permissions
             os.unlink(probe)
             if self._uploader is not None:
                 self._uploader.storage()
@@ -306,6 +308,8 @@ class ShardPersister:
                     self.local_codec.level,
                     self.tuning.compress_threads,
                     self.tuning.compress_block_bytes,
+                    self.file_mode,
+                    self.dir_mode,
                 )
             rep = self.report(
                 iteration,

@@ -41,6 +41,7 @@ import xxhash
 
 from shadow.persist import planes, shardfile
 from shadow.persist.planes import CorruptBlobError
+from shadow.storage import modes
 from shadow.storage.local import replacing
 from shadow.tuning import Tuning
 
@@ -163,10 +164,19 @@ def encode(
     return w.nbytes, w.h.intdigest()
 
 
-def write(image, path: str, level: int, threads: int | None = None, block_bytes: int | None = None) -> tuple[int, int]:
-    """Compress a plain shard image to ``path`` durably (tmp, fsync, rename, fsync dir);
+def write(
+    image,
+    path: str,
+    level: int,
+    threads: int | None = None,
+    block_bytes: int | None = None,
+    file_mode: int = modes.FILE_MODE,
+    dir_mode: int = modes.DIR_MODE,
+) -> tuple[int, int]:
+    """Compress a plain shard image to ``path`` durably (tmp, fsync, rename, fsync dir),
+    the file with permissions ``file_mode`` and the directories it creates ``dir_mode``;
     returns ``(bytes on storage, their xxh3-64)``, what a manifest records."""
-    with replacing(path) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
+    with replacing(path, file_mode, dir_mode) as tmp, open(tmp, "wb", buffering=1 << 20) as f:
         result = encode(image, f, level, threads, block_bytes, where=path)
         f.flush()
         os.fsync(f.fileno())

@@ -1,16 +1,23 @@
 """Finding the checkpoint to restore: from a live cluster, its memory first, then its
 tiers nearest first; or straight from a directory / fsspec URL. Every source is a
-:class:`~shadow.restore.sources.RestoreSource`, and one rule picks from each (:func:`pick`)."""
+:class:`~shadow.restore.sources.RestoreSource`, and one rule picks from each (:func:`pick`).
+
+Signed manifests (:mod:`shadow.persist.signing`): a tier read with a manifest key lists a
+checkpoint whose manifest is unsigned or fails its signature as unreadable, so
+:func:`pick` never returns it (the newest falls back to an older one, with a warning; an
+explicit iteration is an error saying why). :func:`resolve` takes the key from
+``$SHADOW_MANIFEST_KEY`` when given none; the lower-level functions only as passed."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
 from shadow.errors import CheckpointError, ShadowError
 from shadow.restore.memory import MemorySource, MovedOn
-from shadow.restore.sources import COMPLETE, INCOMPLETE, Candidate, RestoreSource
+from shadow.restore.sources import COMPLETE, INCOMPLETE, UNREADABLE, Candidate, RestoreSource
 from shadow.snapshot import Snapshot
 from shadow.tuning import Tuning
 
@@ -21,6 +28,9 @@ if TYPE_CHECKING:  # a tier's readers and codecs load only when a tier is read
 
 logger = logging.getLogger(__name__)
 
+# shadow.persist.signing.ENV, named here too: a restore from memory loads nothing of shadow.persist
+KEY_ENV = "SHADOW_MANIFEST_KEY"
+
 
 def is_endpoint(source: str) -> bool:
     """Whether ``source`` names a live cluster (its coordinator's address) rather than a
@@ -28,18 +38,30 @@ def is_endpoint(source: str) -> bool:
     return source.startswith(("tcp://", "ipc://", "inproc://"))
 
 
-def open_source(source: str, timeout: float | None = None, tuning: Tuning | None = None) -> MemorySource | TierSource:
+def open_source(
+    source: str, timeout: float | None = None, tuning: Tuning | None = None, sign_key: bytes | None = None
+) -> MemorySource | TierSource:
     """The source ``source`` names: a cluster's memory for a coordinator address, else the
     tier at that path or URL (reported as ``local`` for a path, ``remote`` for a URL).
     ``timeout``: how long the coordinator may take to answer (default:
-    ``tuning.connect_timeout_s``); ``tuning``: default :meth:`Tuning.load`."""
+    ``tuning.connect_timeout_s``); ``tuning``: default :meth:`Tuning.load`; ``sign_key``:
+    the manifest key a tier is read with (None: signatures are not checked)."""
     if is_endpoint(source):
         tuning = Tuning.load() if tuning is None else tuning
         return MemorySource(source, tuning.connect_timeout_s if timeout is None else timeout, tuning)
     from shadow.restore.tier import TierSource
     from shadow.storage.url import source_tier
 
-    return TierSource(source_tier(source), source)
+    return TierSource(source_tier(source), source, sign_key=sign_key)
+
+
+def cluster_tiers(src: MemorySource, sign_key: bytes | None = None) -> list[TierSource]:
+    """The persisted tiers of the cluster behind ``src``, nearest first, as its last answer
+    named them, each read with ``sign_key``."""
+    tiers = src.tiers()
+    for tier in tiers:
+        tier.sign_key = sign_key
+    return tiers
 
 
 def pick(
@@ -49,8 +71,10 @@ def pick(
     ``iteration``), with its candidate.
 
     When picking the newest, a damaged checkpoint is skipped (with a warning) in favour of
-    the next older one, and a superseded one is never taken; an explicit ``iteration``
-    that is damaged is an error. Without ``job``, a source holding several jobs is an error."""
+    the next older one, and a superseded one is never taken; so is one the source refused
+    (``unreadable``: a damaged manifest, or one failing its signature). An explicit
+    ``iteration`` that is damaged or refused is an error saying why. Without ``job``, a
+    source holding several jobs is an error."""
     listed = source.candidates(job)
     found = [c for c in listed if c.loadable]
     root = source.root
@@ -58,12 +82,21 @@ def pick(
         raise CheckpointError(f"{root} holds several jobs {sorted({c.job for c in found})}; pass job=")
     if iteration is not None:
         found = [c for c in found if c.iteration == iteration]
+        refused = [c for c in listed if c.state == UNREADABLE and c.iteration == iteration and job in (None, c.job)]
+        if not found and refused:
+            raise CheckpointError(
+                f"the checkpoint of job {refused[-1].job} iteration {iteration} under {root} cannot be used "
+                f"({refused[-1].path}): {refused[-1].error}"
+            )
         if not found:
             raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
         return found[-1], source.load(found[-1], progress)
     if not found:
         torn = [c.path for c in listed if c.state == INCOMPLETE]
         extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
+        bad = [c for c in listed if c.state == UNREADABLE and job in (None, c.job)]
+        if bad:
+            extra += f" ({len(bad)} unreadable, e.g. {bad[-1].path}: {bad[-1].error})"
         raise CheckpointError(f"no complete checkpoint under {root}{extra}")
     errors = []
     for c in reversed([c for c in found if c.state == COMPLETE]):  # never an abandoned iteration
@@ -88,11 +121,13 @@ def find_checkpoint(
     iteration: int | None = None,
     check: bool = True,
     progress=None,
+    sign_key: bytes | None = None,
 ) -> tuple[CheckpointInfo, Snapshot]:
-    """:func:`pick` from the tier at ``root``: the checkpoint's catalog entry and its snapshot."""
+    """:func:`pick` from the tier at ``root``: the checkpoint's catalog entry and its snapshot.
+    ``sign_key``: the manifest key to check signatures with (None: not checked)."""
     from shadow.restore.tier import TierSource
 
-    c, snap = pick(TierSource(tier, root, check), job, iteration, progress)
+    c, snap = pick(TierSource(tier, root, check, sign_key), job, iteration, progress)
     return c.handle, snap
 
 
@@ -104,12 +139,21 @@ def resolve(
     attempts: int = 5,
     progress=None,
     tuning: Tuning | None = None,
+    sign_key: bytes | None = None,
 ) -> Snapshot:
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
 
     ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given; ``tuning``
-    bounds the waits on a live cluster (default: :meth:`Tuning.load`)."""
-    src = open_source(source, timeout, tuning)
+    bounds the waits on a live cluster (default: :meth:`Tuning.load`). ``sign_key``: the
+    manifest key persisted tiers are read with (default: the file ``$SHADOW_MANIFEST_KEY``
+    names, if set; with none, signatures are not checked). A live cluster's memory has no
+    manifest: its connection is what CURVE (``security``) protects."""
+    key = sign_key
+    if key is None and os.environ.get(KEY_ENV):
+        from shadow.persist import signing
+
+        key = signing.env_key()
+    src = open_source(source, timeout, tuning, key)
     if not isinstance(src, MemorySource):
         return pick(src, job, iteration, progress)[1]
     errors = []
@@ -133,7 +177,7 @@ def resolve(
     else:
         errors.append(f"memory: the cluster kept moving on during {attempts} attempts")
     job = job or src.job
-    for tier in src.tiers():
+    for tier in cluster_tiers(src, key):
         try:
             snap = pick(tier, job, iteration, progress)[1]
             logger.info("restoring from the %s tier (%s): %s", tier.name, tier.root, "; ".join(errors))

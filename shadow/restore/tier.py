@@ -14,10 +14,14 @@ from shadow.storage import Storage, storage_for
 class TierSource:
     """A persisted tier (``root``: a path, a URL or a :class:`Storage`): its complete
     checkpoints (each manifest read), then its torn and unreadable ones. Loading verifies
-    checksums unless ``check=False``. No timeout of its own: the storage's apply."""
+    checksums unless ``check=False``. No timeout of its own: the storage's apply.
 
-    def __init__(self, name: str, root: str | Storage, check: bool = True) -> None:
-        self.name, self.check = name, check
+    ``sign_key``: the manifest key (:mod:`shadow.persist.signing`); with it, a checkpoint
+    whose manifest is unsigned or fails its signature is listed ``unreadable`` (it may have
+    been tampered with), never offered for loading. None: signatures are not checked."""
+
+    def __init__(self, name: str, root: str | Storage, check: bool = True, sign_key: bytes | None = None) -> None:
+        self.name, self.check, self.sign_key = name, check, sign_key
         self._root = root
         self._storage: Storage | None = root if isinstance(root, Storage) else None
 
@@ -47,7 +51,7 @@ class TierSource:
                 c.raw_bytes,
                 handle=c,
             )
-            for c in checkpoints.list_checkpoints(self.storage, self.name, job, skipped=skipped)
+            for c in checkpoints.list_checkpoints(self.storage, self.name, job, skipped, self.sign_key)
         ]
         for d in checkpoints.list_torn(self.storage, job):
             generation, iteration = checkpoints.dir_key(d) or (0, -1)

@@ -17,12 +17,13 @@ from typing import Any, BinaryIO, Protocol
 class Image(Protocol):
     """A shard image ready to be stored (:class:`shadow.persist.shardfile.ShardImage`): its
     first ``size`` bytes of ``buf`` are the file, and ``write(path)`` stores them durably
-    on the local file system by its own fastest way (``O_DIRECT``)."""
+    on the local file system by its own fastest way (``O_DIRECT``), the file with
+    permissions ``file_mode`` and the directories it creates ``dir_mode``."""
 
     buf: Any
     size: int
 
-    def write(self, path: str) -> int: ...
+    def write(self, path: str, file_mode: int = ..., dir_mode: int = ...) -> int: ...
 
 
 class Storage(ABC):
@@ -32,7 +33,8 @@ class Storage(ABC):
 
     Call order for one checkpoint, as the tiers use it:
 
-    0. ``storage_for(url)`` (no I/O; a remote back end loads its client lazily).
+    0. ``storage_for(url, file_mode, dir_mode)`` (no I/O; a remote back end loads its client
+       lazily; on the local file system, what it creates gets those permissions).
     1. Each worker stores its shard: :meth:`write_image` (the local tier) or
        :meth:`put_file` of the local file (the remote copy); :meth:`makedirs` first where
        the back end needs directories.

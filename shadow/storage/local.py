@@ -1,6 +1,8 @@
 """The local file system as a :class:`~shadow.storage.base.Storage`: durable writes
 (tmp, fsync, rename, directory fsync), ``O_DIRECT`` shard images, and the same glob and
-listing rules as fsspec's local file system."""
+listing rules as fsspec's local file system. Every file and directory it creates gets the
+tier's permissions (:mod:`shadow.storage.modes`: ``0600``/``0700`` unless ``persist.mode``
+says otherwise), whatever the umask."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import BinaryIO, cast
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from shadow.storage import modes
 from shadow.storage.base import Image, Storage
 
 
@@ -28,27 +31,38 @@ def fsync_dir(path: str) -> None:
 
 
 @contextlib.contextmanager
-def replacing(path: str) -> Iterator[str]:
-    """Write ``path`` durably through ``path + ".tmp"`` (yielded): renamed over ``path``
-    and its directory fsynced once the body returns; removed if it raises (a full disk
-    would otherwise keep the partial file's space until retention finds it)."""
+def replacing(
+    path: str, file_mode: int = modes.FILE_MODE, dir_mode: int = modes.DIR_MODE, parents: bool = True
+) -> Iterator[str]:
+    """Write ``path`` durably through ``path + ".tmp"`` (yielded, already created with
+    permissions ``file_mode``: the body opens it again): renamed over ``path`` and its
+    directory fsynced once the body returns; removed if it raises (a full disk would
+    otherwise keep the partial file's space until retention finds it). ``parents`` creates
+    the missing directories above it first, each ``dir_mode``."""
     tmp = path + ".tmp"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    d = os.path.dirname(path) or "."
+    if parents:
+        modes.makedirs(d, dir_mode)
     try:
+        modes.create(tmp, file_mode)
         yield tmp
+        os.chmod(tmp, file_mode)  # whatever the body did to it
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(d)
 
 
 class LocalStorage(Storage):
-    """A directory on this host (``url``: a path or a ``file://`` URL)."""
+    """A directory on this host (``url``: a path or a ``file://`` URL). What it creates
+    gets permissions ``file_mode`` (files) and ``dir_mode`` (directories), whatever the
+    umask (:mod:`shadow.storage.modes`); reading needs neither."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, file_mode: int = modes.FILE_MODE, dir_mode: int = modes.DIR_MODE) -> None:
         self.url = url
+        self.file_mode, self.dir_mode = file_mode, dir_mode
         fs, self.base = fsspec.core.url_to_fs(url)  # an absolute POSIX path, as fsspec names it
         assert isinstance(fs, LocalFileSystem), url
         self._fs = fs
@@ -58,24 +72,14 @@ class LocalStorage(Storage):
         return True
 
     def write_atomic(self, path: str, data: bytes, parents: bool = False) -> None:
-        d = os.path.dirname(path)
-        if parents:
-            os.makedirs(d, exist_ok=True)
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:  # a full disk: no partial file left behind
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        os.replace(tmp, path)
-        fsync_dir(d)
+        # a full disk: no partial file left behind (replacing removes it)
+        with replacing(path, self.file_mode, self.dir_mode, parents) as tmp, open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
     def write_image(self, path: str, image: Image) -> int:
-        return image.write(path)
+        return image.write(path, file_mode=self.file_mode, dir_mode=self.dir_mode)
 
     def read_into(self, path: str, out: memoryview, offset: int = 0) -> int:
         with open(path, "rb", buffering=0) as f:
@@ -104,13 +108,18 @@ class LocalStorage(Storage):
         self._fs.rm(path, recursive=recursive)  # the local rm takes paths as they are
 
     def put_file(self, src: str, path: str) -> None:
-        self._fs.put_file(src, path)
+        with replacing(path, self.file_mode, self.dir_mode) as tmp, open(src, "rb") as f, open(tmp, "wb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
 
     def open(self, path: str, mode: str = "rb") -> BinaryIO:
+        if any(c in mode for c in "wax+") and not os.path.exists(path):  # a new file: the tier's permissions
+            modes.create(path, self.file_mode, exclusive=True)
         return cast(BinaryIO, open(path, mode))  # noqa: SIM115 -- the caller closes it
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        modes.makedirs(path, self.dir_mode)
 
     def move(self, src: str, dst: str) -> None:
         os.replace(src, dst)

@@ -59,11 +59,14 @@ class Tier:
 
 
 def tiers_for(persist) -> list[Tier]:
-    """The enabled tiers of a :class:`~shadow.config.PersistConfig`, nearest first."""
+    """The enabled tiers of a :class:`~shadow.config.PersistConfig`, nearest first; a tier
+    on a local file system creates its files and directories with ``persist.file_mode``
+    and ``persist.dir_mode``."""
     out = []
     for name in TIER_ORDER:
         cfg = getattr(persist, name)
         if cfg.enabled:
             schedule = Schedule(cfg.every_n, cfg.every_s, cfg.every_tokens, cfg.keep)
-            out.append(Tier(name, storage_for(cfg.location), schedule, Codec(cfg.compress, cfg.compress_level)))
+            storage = storage_for(cfg.location, persist.file_mode, persist.dir_mode)
+            out.append(Tier(name, storage, schedule, Codec(cfg.compress, cfg.compress_level)))
     return out

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from shadow.storage.base import Storage
+from shadow.storage.modes import DIR_MODE, FILE_MODE
 
 
-def storage_for(url: str | Storage) -> Storage:
+def storage_for(url: str | Storage, file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE) -> Storage:
     """The storage behind a tier root: :class:`LocalStorage` for a path or a ``file://``
-    URL, :class:`FsspecStorage` for any other URL (a :class:`Storage` is returned as it is)."""
+    URL, creating files with permissions ``file_mode`` and directories ``dir_mode``
+    (:mod:`shadow.storage.modes`); :class:`FsspecStorage` for any other URL (its back end
+    decides permissions); a :class:`Storage` is returned as it is."""
     if isinstance(url, Storage):
         return url
     if "://" not in url or url.startswith("file://"):
         from shadow.storage.local import LocalStorage  # fsspec loads with the first storage made
 
-        return LocalStorage(url)
+        return LocalStorage(url, file_mode, dir_mode)
     from shadow.storage.remote import FsspecStorage
 
     return FsspecStorage(url)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import zmq
 
+from shadow.choices import ROLES
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
@@ -31,6 +32,23 @@ def fetch_limit(tuning: Tuning = DEFAULT) -> int:
 def data_limit(tuning: Tuning = DEFAULT) -> int:
     """The largest data-plane frame: a payload part, a commit record or a full run table."""
     return max(F.MAX_PART_BYTES, tuning.max_commit_bytes, F.HEADER_SIZE + tuning.max_runs * F.RUN_SIZE)
+
+
+def send_if_connected(router: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send ``frames`` (an identity, then the message) on ``router`` only if that identity is
+    still connected; whether it was (a connected peer whose queue is full counts as connected)."""
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown identity raises instead of being dropped
+    try:
+        router.send_multipart(frames, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return True
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return False
+        raise
+    finally:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
 
 class SocketFactory:
@@ -57,9 +75,9 @@ class SocketFactory:
             s.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
         return s
 
-    def _server(self, s: zmq.Socket) -> zmq.Socket:
+    def _server(self, s: zmq.Socket, roles: tuple[str, ...]) -> zmq.Socket:
         if self.guard is not None:
-            self.guard.server(s)
+            self.guard.server(s, roles)
         return s
 
     def _client(self, s: zmq.Socket, address: str | None, keys) -> zmq.Socket:
@@ -70,18 +88,20 @@ class SocketFactory:
             s.connect(address)
         return s
 
-    def router(self, max_bytes: int) -> zmq.Socket:
-        """A server ROUTER (not bound yet): the coordinator's, a worker's serve socket. A reply
-        to a peer that has gone is dropped (``ROUTER_MANDATORY`` off)."""
+    def router(self, max_bytes: int, roles: tuple[str, ...] = ROLES) -> zmq.Socket:
+        """A server ROUTER (not bound yet) admitting peers of ``roles`` (with a guard): the
+        coordinator's, a worker's serve socket. A reply to a peer that has gone is dropped
+        (``ROUTER_MANDATORY`` off)."""
         s = self._socket(zmq.ROUTER, max_bytes)
         s.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        return self._server(s)
+        return self._server(s, roles)
 
-    def pull(self, max_bytes: int, rcvhwm: int) -> zmq.Socket:
-        """A server PULL (not bound yet) holding at most ``rcvhwm`` messages: a worker's data socket."""
+    def pull(self, max_bytes: int, rcvhwm: int, roles: tuple[str, ...] = ("trainer",)) -> zmq.Socket:
+        """A server PULL (not bound yet) holding at most ``rcvhwm`` messages, admitting peers of
+        ``roles`` (with a guard): a worker's data socket, which takes trainers only."""
         s = self._socket(zmq.PULL, max_bytes)
         s.setsockopt(zmq.RCVHWM, int(rcvhwm))
-        return self._server(s)
+        return self._server(s, roles)
 
     def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT) -> zmq.Socket:
         """A client DEALER, connected to ``address`` when given."""

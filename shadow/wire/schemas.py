@@ -177,7 +177,6 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "trainer_hb",
         "status",
         "restore_info",
-        "shutdown",
     ),
     # a worker's DEALER to the coordinator
     "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "shutdown", "error"),

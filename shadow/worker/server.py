@@ -294,6 +294,12 @@ class Worker:
     def _on_shutdown(self, msg: dict) -> None:
         self.state.stopping = True
 
+    def _on_error(self, msg: dict) -> None:
+        """The coordinator refused something of this worker's (e.g. a register for a slot a
+        live process holds): it says why; the worker goes on (a heartbeat asks again)."""
+        self.state.rejected["coordinator_" + msg["code"]] += 1
+        logger.warning("the coordinator refused a message of this worker (%s): %s", msg["code"], msg["message"])
+
     def _configure(self, msg: dict) -> None:
         st = self.state
         try:
@@ -367,4 +373,5 @@ ROUTES: dict[str, Callable[[Worker, dict], None]] = {
     "apply": Worker._on_apply,
     "upload": Worker._on_upload,
     "shutdown": Worker._on_shutdown,
+    "error": Worker._on_error,
 }

@@ -1,0 +1,298 @@
+"""Who may send what: every message type of the coordinator from every role, and each attack
+the trust review found (an unauthenticated shutdown, a fake worker taking a slot, a job
+replaced by another process, a forged ``persisted``, a spoofed ``paused``), refused and
+counted. Driven through ``Coordinator.on_message`` (the role is what the CURVE guard
+attaches to each message) with a recording outbox: no processes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from shadow.choices import ROLES
+from shadow.coordinator.queries import status_view
+from shadow.coordinator.records import JobStatus
+from shadow.coordinator.routes import ROUTES
+from shadow.persist.checkpoints import shard_name
+from shadow.wire import messages as M
+from tests.test_coordinator_parts import BOUNDS, LAYOUT, Sim
+
+
+def _live(sim: Sim) -> dict:
+    job = sim.state.job
+    assert job is not None
+    return {
+        "epoch": job.epoch,
+        "job": job.name,
+        "job_id": job.job_id,
+        "rank": 0,
+        "world": job.world,
+        "worker": 1,
+        "worker_id": 1,
+        "iteration": job.cut + 1,
+        "gen": job.gen,
+        "tier": "local",
+        "shard": 1,
+        "pid": 4242,
+        "data": "tcp://127.0.0.1:9999",
+        "serve": "tcp://127.0.0.1:9998",
+    }
+
+
+def _message(kind: str, live: dict) -> bytes:
+    """A well-formed ``kind`` with the live job's values where a field names one."""
+    fields = {}
+    for name, types in M.SCHEMAS[kind].items():
+        if name in live and isinstance(live[name], types):
+            fields[name] = live[name]
+        else:
+            t = types[0]
+            fields[name] = {int: 0, float: 0.5, str: "x", bool: True, dict: {}, list: [], type(None): None}[t]
+    return M.encode(kind, **fields)
+
+
+def _view(sim: Sim) -> tuple:
+    """What an unauthorised message must not change."""
+    job = sim.state.job
+    assert job is not None
+    workers = tuple((w.id, w.ident, w.serve, w.data, w.lost, w.out) for w in sim.state.workers)
+    return job.name, job.epoch, job.status, job.cut, dict(job.trainers), set(job.detached), workers
+
+
+@pytest.mark.parametrize("kind", sorted(ROUTES))
+@pytest.mark.parametrize("role", ROLES)
+def test_each_message_type_is_taken_from_its_roles_only(kind, role):
+    sim = Sim()
+    sim.running()
+    ident = b"w1" if role == "worker" else b"t0" if role == "trainer" else b"peer"
+    before = _view(sim)
+    sim.coord.on_message([ident, _message(kind, _live(sim))], role)
+    if role in ROUTES[kind].roles:
+        assert (role, "role") not in sim.state.refused
+        return
+    assert sim.state.refused == {(role, "role"): 1}
+    assert sim.out.kinds() == ["error"] and sim.out.last("error")["code"] == "refused"
+    assert f"{'an' if role == 'admin' else 'a'} {role} may not send {kind!r}" in sim.out.last("error")["message"]
+    assert _view(sim) == before
+    refused = status_view(sim.state, sim.coord.persist)["security"]["refused_by_role"]
+    assert refused == {f"{role}/role": 1}
+
+
+def test_the_route_table_names_who_sends_what():
+    worker = {"starting", "register", "rejoin", "heartbeat", "prepared", "persisted", "stale", "configured"}
+    worker |= {"copied", "audited"}
+    trainer = {"attach", "detach", "paused", "lagging", "replica_from", "trainer_hb"}
+    assert {k for k, r in ROUTES.items() if r.roles == {"worker"}} == worker
+    assert {k for k, r in ROUTES.items() if r.roles == {"trainer"}} == trainer
+    assert {k for k, r in ROUTES.items() if "client" in r.roles} == {"status", "restore_info"}
+    assert "shutdown" not in ROUTES and "shutdown" not in M.RECEIVES["coordinator"]
+
+
+@pytest.mark.parametrize("role", [None, *ROLES])
+def test_shutdown_is_not_a_message_the_coordinator_takes(role):
+    """Row 1 and 2: one ``shutdown`` stopped the cluster and lost the in-memory checkpoint."""
+    sim = Sim()
+    sim.running()
+    before = _view(sim)
+    sim.coord.on_message([b"t0", M.encode("shutdown")], role)
+    assert sim.out.kinds() == ["error"] and "does not accept 'shutdown'" in sim.out.last("error")["message"]
+    assert "shutdown" not in sim.out.kinds(b"w0") and not sim.coord._stop and _view(sim) == before
+
+
+def test_a_register_cannot_take_a_live_connected_slot():
+    """Row 3: a fake worker registering as worker 0 every 20 ms took its slot, and restores
+    were sent to its serve endpoint."""
+    sim = Sim()
+    sim.running()
+    for _ in range(5):
+        sim.send(b"fake", "register", data="tcp://6.6.6.6:1", serve="tcp://6.6.6.6:2", pid=666, worker_id=0, memory=-1)
+        assert sim.out.last("error", b"fake")["code"] == "busy"
+    w0 = sim.state.workers[0]
+    assert w0.ident == b"w0" and w0.serve == "tcp://127.0.0.1:8000" and not w0.lost
+    info = status_view(sim.state, sim.coord.persist)
+    assert info["workers"][0]["serve"] == "tcp://127.0.0.1:8000"
+    assert sim.state.refused == {("peer", "slot_taken"): 5}
+    job = sim.state.job
+    assert job is not None and job.status == JobStatus.RUNNING  # nothing degraded either
+    w0.lost = True  # once the holder is lost (or its connection gone), a restart takes the slot back
+    sim.send(
+        b"w0b", "register", data="tcp://127.0.0.1:7100", serve="tcp://127.0.0.1:8100", pid=7, worker_id=0, memory=-1
+    )
+    assert sim.out.last("registered", b"w0b")["worker_id"] == 0 and sim.state.workers[0].ident == b"w0b"
+
+
+def test_another_job_replaces_the_attached_one_only_with_overwrite():
+    """Row 4: a second process attached another job name without any flag and replaced it."""
+    sim = Sim()
+    sim.running()
+
+    def attach(name: str, overwrite: bool) -> None:
+        sim.send(
+            b"intruder",
+            "attach",
+            job=name,
+            rank=0,
+            world=1,
+            layout_hash=LAYOUT.hash,
+            layout=LAYOUT.to_dict(),
+            optim={"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1},
+            iteration=0,
+            overwrite=overwrite,
+            restored=None,
+        )
+
+    attach("other", overwrite=False)
+    assert "with overwrite=True to replace it" in sim.out.last("error", b"intruder")["message"]
+    assert sim.state.job.name == "job" and sim.state.refused == {("trainer", "replace_without_overwrite"): 1}
+    attach("other", overwrite=True)
+    assert sim.state.job.name == "other" and sim.out.kinds(b"w0")[-1] == "configure"  # replaced, as asked
+
+
+def test_persisted_is_taken_from_the_shards_writer_under_its_own_name(tmp_path, caplog):
+    """Row 5: a forged ``persisted`` whose ``file`` pointed elsewhere became the manifest."""
+    from shadow.config import LocalTierConfig, PersistConfig
+
+    sim = Sim()
+    sim.coord = type(sim.coord)(
+        "tcp://127.0.0.1:1",
+        workers=2,
+        outbox=sim.out,
+        persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=1)),
+    )
+    sim.state = sim.coord.state
+    sim.running()
+    job = sim.state.job
+    assert job is not None
+    sim.prepared(b"w0", 1)
+    sim.prepared(b"w1", 1)
+    assert sim.coord.persist.tiers["local"].in_flight == {1: {}}  # iteration 1 is being written
+
+    def persisted(ident: bytes, shard: int, file: str) -> None:
+        lo, hi = BOUNDS[shard]
+        sim.send(
+            ident,
+            "persisted",
+            epoch=job.epoch,
+            iteration=1,
+            tier="local",
+            shard=shard,
+            ok=True,
+            error="",
+            file=file,
+            start=lo,
+            stop=hi,
+            bytes=8,
+            checksum="0" * 16,
+            seconds=0.1,
+            blob_ranks=[],
+            commit=None,
+        )
+
+    caplog.set_level(logging.WARNING)
+    persisted(b"w0", 1, shard_name(1, 2))  # worker 0 reports worker 1's shard
+    assert "not asked to write" in sim.out.last("error", b"w0")["message"]
+    persisted(b"w1", 1, "../../elsewhere/evil.safetensors")  # the writer, another file
+    assert "the local tier names it 'shard-00001-of-00002.safetensors'" in sim.out.last("error", b"w1")["message"]
+    assert sim.state.refused == {("peer", "not_the_writer"): 2}
+    tier = sim.coord.persist.tiers["local"]
+    assert tier.in_flight == {1: {}}  # neither report was recorded
+    persisted(b"w1", 1, shard_name(1, 2))  # the writer, under its name
+    assert tier.in_flight == {1: {1: tier.in_flight[1][1]}} and sim.state.refused == {("peer", "not_the_writer"): 2}
+
+
+def test_paused_lagging_detach_and_votes_come_from_the_ranks_own_connection():
+    """Row 6: one spoofed ``paused`` forced a full resync."""
+    sim = Sim()
+    sim.running()
+    job = sim.state.job
+    assert job is not None
+    before = _view(sim)
+    sim.send(b"spoof", "paused", epoch=job.epoch, rank=0, reason="spoofed")
+    sim.send(b"spoof", "lagging", epoch=job.epoch, rank=0, iteration=9, applied=0)
+    sim.send(b"spoof", "detach", epoch=job.epoch, rank=0)
+    assert _view(sim) == before and job.status == JobStatus.RUNNING
+    assert sim.state.refused == {("peer", "not_the_rank"): 3}
+    sim.send(b"t0", "paused", epoch=job.epoch, rank=0, reason="real")  # the rank itself
+    assert job.status == JobStatus.DEGRADED
+
+
+def test_exposure_beyond_loopback_needs_keys_or_insecure(caplog):
+    from shadow.cli._services import check_exposure
+    from shadow.config import SecurityConfig
+    from shadow.security import SecurityError
+
+    caplog.set_level(logging.WARNING, logger="shadow.cli")
+    check_exposure("127.0.0.1", SecurityConfig(), "cluster")
+    assert "unauthenticated: any local user can control this cluster" in caplog.text
+    with pytest.raises(SecurityError, match="refusing to bind 10.1.2.3 without keys.*security.insecure=true"):
+        check_exposure("10.1.2.3", SecurityConfig(), "coordinator")
+    caplog.clear()
+    check_exposure("10.1.2.3", SecurityConfig(insecure=True), "coordinator")
+    assert "INSECURE: bound to 10.1.2.3 without keys" in caplog.text
+    caplog.clear()
+    keyed = SecurityConfig(server_key="k.key_secret", allow_trainers="t")
+    check_exposure("10.1.2.3", keyed, "coordinator")
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forged_well_formed_messages_from_every_role_take_nothing(seed, tmp_path):
+    """The fuzz, with valid messages: every type, live values (the job, epoch, ranks, slots,
+    shards) or random ones, sent with every role from connections that are not the cluster's
+    own workers and ranks. Nothing crashes a handler, no slot changes hands, the job is not
+    replaced (``overwrite`` is the trainer role's to ask: the forgeries never ask), the cut
+    never goes back, and no report reaches a tier."""
+    import random
+
+    from shadow.config import LocalTierConfig, PersistConfig
+
+    rnd = random.Random(seed)
+    sim = Sim()
+    sim.coord = type(sim.coord)(
+        "tcp://127.0.0.1:1",
+        workers=2,
+        outbox=sim.out,
+        persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=1)),
+    )
+    sim.state = sim.coord.state
+    sim.running()
+    job = sim.state.job
+    assert job is not None
+    slots = [(w.id, w.ident, w.serve, w.data) for w in sim.state.workers]
+    live = _live(sim)
+    cut = job.cut
+    for _ in range(1500):
+        kind = rnd.choice(sorted(M.SCHEMAS))
+        fields = {}
+        for name, types in M.SCHEMAS[kind].items():
+            if name in live and isinstance(live[name], types) and rnd.random() < 0.8:
+                fields[name] = live[name]
+            else:
+                t = rnd.choice(types)
+                fields[name] = {
+                    int: rnd.choice([0, 1, -1, 2, 7, 2**31]),
+                    float: rnd.choice([0.0, 0.5, -1.0, 1e9]),
+                    str: rnd.choice(["", "x", "job", "tcp://127.0.0.1:1", "../../x"]),
+                    bool: rnd.random() < 0.5,
+                    dict: {},
+                    list: rnd.choice([[], [0], [0, 1]]),
+                    type(None): None,
+                }[t]
+        if kind == "attach":
+            fields["overwrite"] = False
+        role = rnd.choice(ROLES)
+        ident = rnd.choice([b"forger-%d" % i for i in range(4)])
+        try:
+            raw = M.encode(kind, **fields)
+        except M.MessageError:  # not well formed (e.g. an error code outside the set): not a forgery of interest
+            continue
+        sim.coord.on_message([ident, raw], role)
+        assert job.cut >= cut
+        cut = job.cut
+    assert not [r for r in sim.state.rejected if r.startswith(("handler_", "periodic_"))], dict(sim.state.rejected)
+    assert [(w.id, w.ident, w.serve, w.data) for w in sim.state.workers] == slots
+    assert sim.state.job is job and job.name == "job"
+    assert sim.coord.persist.tiers["local"].complete == {}
+    refused = sim.state.refused
+    assert sum(n for (_, reason), n in refused.items() if reason == "role") > 300  # many forgeries: the wrong role
