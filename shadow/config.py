@@ -75,6 +75,9 @@ class LocalTierConfig(TierConfig):
 @dataclass
 class RemoteTierConfig(TierConfig):
     url: str = ""  #: shared-file-system path or fsspec URL, filled from the local tier (empty = off)
+    #: fsspec storage options for the URL's back end (persist.remote.options.endpoint_url=...; s3fs:
+    #: key, secret, endpoint_url, client_kwargs, ...). Credentials are better left to the AWS_* environment
+    options: dict[str, Any] = field(default_factory=dict)
     every_n: int = 1000
     KEY: ClassVar[str] = "persist.remote"
 

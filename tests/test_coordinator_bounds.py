@@ -182,28 +182,34 @@ def test_held_attaches_are_bounded_by_bytes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_tier_that_cannot_be_scanned_refuses_attaches_until_fixed(world1, tmp_path):
-    """Item 3: a failed start-up scan must not pass for an empty tier (no overwrite protection)."""
+def test_a_tier_that_cannot_be_scanned_is_held_not_taken_for_empty(world1, tmp_path):
+    """A failed start-up scan must not pass for an empty tier (no overwrite protection), and
+    must not stop training either: the attach goes on with memory, the tier is held (not
+    written for that attach) and counted as failing; once fixed, the next attach reads it."""
     root = tmp_path / "tier"
     root.symlink_to(root)  # a symlink loop: unreadable for root too (chmod 000 is not, for root)
     cluster = LocalCluster(tmp_path, workers=1, args=(f"persist.local.dir={root}", "persist.local.every_n=1"))
     try:
         model, opt, sched = build()
-        with pytest.raises(trainer_hooks.ShadowConnectionError, match="cannot read tier local.*fix the tier"):
-            trainer_hooks.attach(DDP(model), opt, coordinator=cluster.address, scheduler=sched, job="scan")
-        assert "symbolic links" in cluster.status()["persist"]["local"]["scan_error"]
-        assert cluster.status()["job"] is None
-        assert cluster.status()["rejected"]["attach_tier_unreadable"] == 1
-
-        root.unlink()  # fixed: the next attach reads the tier again, no restart
-        root.mkdir()
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="scan")
         for it in range(1, 3):
             train_step(ddp, opt, sched, it)
-        assert session.close() == 2
+        assert session.close() == 2 and session.degraded is None
         st = cluster.status()
-        assert st["persist"]["local"]["scan_error"] == "" and st["job"]["committed"] == 2
+        local = st["persist"]["local"]
+        assert "symbolic links" in local["scan_error"] and "not written until an attach reads it" in local["held"]
+        assert local["failures"] == 1 and local["count"] == 0 and local["in_flight"] == []
+        assert st["job"]["committed"] == 2 and st["rejected"]["attach_tier_unreadable"] == 1
+
+        root.unlink()  # fixed: the next attach reads the tier again, no restart
+        root.mkdir()
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="scan", iteration=2)
+        for it in range(3, 5):
+            train_step(ddp, opt, sched, it)
+        assert session.close() == 4
+        st = cluster.wait_status(lambda st: st["persist"]["local"]["count"] >= 1, what="a checkpoint on the tier")
+        assert st["persist"]["local"]["scan_error"] == "" and st["persist"]["local"]["held"] == ""
     finally:
         cluster.stop()
 

@@ -91,7 +91,7 @@ def compose_typed(cls: type, schema: str, args: Args, who: str) -> Any:
     from hydra import initialize, initialize_config_dir
     from hydra.errors import HydraException
 
-    overrides = [_choice_override(cls, o) for o in args.overrides]  # before Hydra is initialized
+    overrides = [_map_override(cls, _choice_override(cls, o)) for o in args.overrides]  # before Hydra starts
     ctx: initialize_config_dir | initialize
     if args.config_name is not None:
         cdir = os.path.abspath(args.config_dir or "configs")
@@ -184,6 +184,23 @@ def _choice_of(hint: Any) -> type[Choice] | None:
     return base if isinstance(base, type) and issubclass(base, Choice) else None
 
 
+def _map_override(cls: type, override: str) -> str:
+    """``key=value`` for a key inside a field typed as a map (``persist.remote.options.X``),
+    as Hydra's add-or-replace (``++key=value``): such a map has no keys of its own to override."""
+    key, eq, _ = override.partition("=")
+    if not eq or not key or not key[0].isalpha():
+        return override
+    owner: Any = cls
+    for part in key.split(".")[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
+        if part not in fields:
+            return override
+        owner = _hint(owner, fields[part])
+        if typing.get_origin(owner) is dict or owner is dict:
+            return "++" + override
+    return override
+
+
 def _choice_override(cls: type, override: str) -> str:
     """``key=value`` for a key that takes a :class:`~shadow.choices.Choice`, with the value
     spelled as the member's name (``log_level=info`` -> ``log_level=INFO``); a value that
@@ -213,7 +230,8 @@ def _explain(cls: type, exc: Exception) -> str:
     hint, default, owner = _field_at(cls, key)
     if hint is None:
         prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
-        return f"unknown key {key!r}; {_keys_of(owner, prefix) if owner is not None else ''}"
+        known = _keys_of(owner, prefix) if dataclasses.is_dataclass(owner) else ""
+        return f"unknown key {key!r}; {known}" if known else f"{key}: {str(cause).splitlines()[0]}"
     value = getattr(cause, "value", None)
     if value is None:
         value = str(cause).split("'")[1] if "'" in str(cause) else "?"

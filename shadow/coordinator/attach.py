@@ -180,14 +180,14 @@ class Attach:
         if problem is not None:
             self.state.rejected.add("attach_memory")
             return fail(problem)
-        problem = self.persist.unscanned()
-        if problem is not None:
+        problem = self.persist.hold_unscanned(name)
+        if problem is not None:  # memory and the readable tiers still protect the run
             self.state.rejected.add("attach_tier_unreadable")
-            return fail(
-                f"{problem}; what that tier holds is unknown, so whether this attach would go back behind "
-                "a newer checkpoint (and the job's generation) cannot be checked: fix the tier (path, "
-                "permissions, reachability; it is read again at every attach) or start the coordinator "
-                "without it"
+            logger.error(
+                "attach of job %s goes on without the tier(s) it cannot read: %s; they are not written "
+                "until a later attach reads them (fix the path, permissions or reachability)",
+                name,
+                problem,
             )
         old = self.state.job
         if old is not None and old.name != name and old.status != JobStatus.DETACHED and not first["overwrite"]:

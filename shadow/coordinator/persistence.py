@@ -62,8 +62,8 @@ class Persistence:
 
     def unscanned(self) -> str | None:
         """Why some tier's contents are unknown (its start-up scan failed, and a retry now
-        fails too), or None: until then no attach may start, since the overwrite
-        protection and the job's generation need what the tier holds."""
+        fails too), or None. Such a tier is held (:meth:`hold_unscanned`): never taken for an
+        empty one, so the overwrite protection and the job's generation stay sound."""
         problems = []
         for t in self.tiers.values():
             if t.scan_error:
@@ -72,6 +72,24 @@ class Persistence:
                 why = t.scan_error.removeprefix(f"cannot list {t.root}: ")
                 problems.append(f"cannot read tier {t.name} ({t.root}): {why}")
         return "; ".join(problems) or None
+
+    def hold_unscanned(self, job: str) -> str | None:
+        """At an attach of ``job``: read again every tier whose contents are unknown; one that
+        is still unreadable is held, not written for this attach (what it holds is unknown, so
+        writing there could mix lineages), and counted as a failure; the attach goes on with
+        memory and the other tiers. The local tier held holds the remote one too (the remote
+        tier is copied from it). Returns what is held and why, or None."""
+        problem = self.unscanned()
+        for t in self.tiers.values():
+            t.held = ""
+            if t.scan_error:
+                t.held = f"unreadable when job {job} attached ({t.scan_error}); not written until an attach reads it"
+                t.last_error = t.held
+                t.failures += 1
+        local, remote = self.tiers.get("local"), self.tiers.get("remote")
+        if local is not None and local.held and remote is not None and not remote.held:
+            remote.held = "the local tier it is copied from is held"
+        return problem
 
     def storage(self) -> list[dict]:
         """Where restores may look, nearest first."""
@@ -107,7 +125,7 @@ class Persistence:
 
     def local_due(self, iteration: int, tokens: int | None) -> bool:
         t = self.tiers.get("local")
-        if t is None or not t.tier.schedule.due(iteration, time.time(), tokens, t.last):
+        if t is None or t.held or not t.tier.schedule.due(iteration, time.time(), tokens, t.last):
             return False
         t.last = (iteration, time.time(), tokens)
         t.in_flight[iteration] = {}
@@ -307,7 +325,7 @@ class Persistence:
         """When the remote schedule has elapsed since the last remote copy: copy the newest
         complete local checkpoint (unless it is there or on its way already)."""
         remote, local = self.tiers.get("remote"), self.tiers["local"]
-        if remote is None or local.newest is None:
+        if remote is None or remote.held or local.newest is None:
             return []
         iteration, tokens, got = local.newest
         if (

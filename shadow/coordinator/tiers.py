@@ -27,7 +27,8 @@ class TierState:
     complete: dict = field(default_factory=dict)  # job -> newest complete iteration
     last_complete: dict | None = None  # {"job", "iteration", "time", "bytes", "seconds"}
     last_error: str = ""
-    scan_error: str = ""  # the start-up scan failed: what this tier holds is unknown (attaches are refused)
+    scan_error: str = ""  # the start-up scan failed: what this tier holds is unknown
+    held: str = ""  # why this tier is not written for the attached job (unreadable when it attached), or ""
     count: int = 0
     bytes: int = 0
     failures: int = 0
@@ -61,6 +62,7 @@ class TierState:
             "failures": self.failures,
             "skipped": self.skipped,
             "in_flight": sorted(self.in_flight),
+            "held": self.held,
         }
 
 

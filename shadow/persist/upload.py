@@ -44,7 +44,7 @@ class Uploader:
     request queue (thread-safe) and the remote storage, made once on first use."""
 
     def __init__(self, owner: ShardPersister, results: queue.Queue) -> None:
-        self.remote = owner.remote
+        self.remote, self.options = owner.remote, owner.remote_options
         self.file_mode, self.dir_mode = owner.file_mode, owner.dir_mode  # where the remote tier is a local path
         self.local_codec, self.remote_codec, self.tuning = owner.local_codec, owner.remote_codec, owner.tuning
         self._results = results
@@ -71,7 +71,7 @@ class Uploader:
     def storage(self) -> Storage:
         """The remote tier's storage (made on first use: loading a back end may take a while)."""
         if self._storage is None:
-            self._storage = storage_for(self.remote, self.file_mode, self.dir_mode)
+            self._storage = storage_for(self.remote, self.file_mode, self.dir_mode, self.options)
         return self._storage
 
     def _loop(self, ref: weakref.ref) -> None:

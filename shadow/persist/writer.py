@@ -72,6 +72,7 @@ class ShardPersister:
         self.tuning = tuning if tuning is not None else Tuning.load()
         self.local = persist.local.dir
         self.remote = persist.remote.url
+        self.remote_options = dict(persist.remote.options)  # the back end's fsspec storage options
         self.local_codec = Codec(persist.local.compress, persist.local.compress_level)
         self.remote_codec = Codec(persist.remote.compress, persist.remote.compress_level)
         # the local tier is a directory on this host (PersistConfig checks it); the remote one any

@@ -13,13 +13,20 @@ import builtins
 import glob
 import posixpath
 import re
-from typing import BinaryIO
+from collections.abc import Mapping
+from typing import Any, BinaryIO
 
 import fsspec
 
 from shadow.storage.base import Image, Storage
 
 _MAGIC = re.compile(r"[*?[]")
+#: object stores: no directories, only keys; making one would create a missing bucket instead
+#: of reporting it (s3fs's makedirs does), so nothing is made
+_NO_DIRECTORIES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
+#: S3 clients wait this long at most (botocore's defaults: 60 s per connect and read, several
+#: retries): an endpoint that never answers must cost a checkpoint, not the coordinator's loop
+_S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 3}}}
 
 
 class FsspecStorage(Storage):
@@ -27,9 +34,14 @@ class FsspecStorage(Storage):
     moving it over ``path`` (what the back end offers; an object store's move is a copy
     and a delete, and the manifest written last is still the commit marker)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         self.url = url
-        self.fs, self.base = fsspec.core.url_to_fs(url)
+        given = dict(options or {})
+        if url.startswith(("s3://", "s3a://")):
+            given = {**_S3_DEFAULTS, **given}
+        self.fs, self.base = fsspec.core.url_to_fs(url, **given)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,)
+        self.keys_only = bool(set(protocols) & _NO_DIRECTORIES)
 
     @property
     def local(self) -> bool:
@@ -37,7 +49,7 @@ class FsspecStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes, parents: bool = False) -> None:
         if parents:
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            self.makedirs(posixpath.dirname(path))
         self.fs.pipe_file(path + ".tmp", data)
         self.move(path + ".tmp", path)
 
@@ -80,7 +92,8 @@ class FsspecStorage(Storage):
         return self.fs.open(path, mode)
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        if not self.keys_only:
+            self.fs.makedirs(path, exist_ok=True)
 
     def move(self, src: str, dst: str) -> None:
         if _MAGIC.search(src) or _MAGIC.search(dst):  # mv would read them as a pattern

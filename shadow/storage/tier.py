@@ -67,6 +67,6 @@ def tiers_for(persist) -> list[Tier]:
         cfg = getattr(persist, name)
         if cfg.enabled:
             schedule = Schedule(cfg.every_n, cfg.every_s, cfg.every_tokens, cfg.keep)
-            storage = storage_for(cfg.location, persist.file_mode, persist.dir_mode)
+            storage = storage_for(cfg.location, persist.file_mode, persist.dir_mode, getattr(cfg, "options", None))
             out.append(Tier(name, storage, schedule, Codec(cfg.compress, cfg.compress_level)))
     return out

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from shadow.storage.base import Storage
 from shadow.storage.modes import DIR_MODE, FILE_MODE
 
 
-def storage_for(url: str | Storage, file_mode: int = FILE_MODE, dir_mode: int = DIR_MODE) -> Storage:
+def storage_for(
+    url: str | Storage,
+    file_mode: int = FILE_MODE,
+    dir_mode: int = DIR_MODE,
+    options: Mapping[str, Any] | None = None,
+) -> Storage:
     """The storage behind a tier root: :class:`LocalStorage` for a path or a ``file://``
     URL, creating files with permissions ``file_mode`` and directories ``dir_mode``
     (:mod:`shadow.storage.modes`); :class:`FsspecStorage` for any other URL (its back end
-    decides permissions); a :class:`Storage` is returned as it is."""
+    decides permissions; ``options``: the back end's fsspec storage options); a
+    :class:`Storage` is returned as it is."""
     if isinstance(url, Storage):
         return url
     if "://" not in url or url.startswith("file://"):
@@ -19,7 +28,7 @@ def storage_for(url: str | Storage, file_mode: int = FILE_MODE, dir_mode: int = 
         return LocalStorage(url, file_mode, dir_mode)
     from shadow.storage.remote import FsspecStorage
 
-    return FsspecStorage(url)
+    return FsspecStorage(url, options)
 
 
 def source_tier(source: str) -> str:
