@@ -26,7 +26,10 @@ _MAGIC = re.compile(r"[*?[]")
 _NO_DIRECTORIES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 #: S3 clients wait this long at most (botocore's defaults: 60 s per connect and read, several
 #: retries): an endpoint that never answers must cost a checkpoint, not the coordinator's loop
-_S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 3}}}
+_S3_DEFAULTS = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 3}},
+    "max_concurrency": 4,  # parts of one multipart upload in flight at once
+}
 
 
 class FsspecStorage(Storage):
