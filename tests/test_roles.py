@@ -52,6 +52,22 @@ def _message(kind: str, live: dict) -> bytes:
     return M.encode(kind, **fields)
 
 
+def _with_tier(tmp_path) -> Sim:
+    """A running :class:`Sim` whose coordinator has a local tier at ``tmp_path``, due every iteration."""
+    from shadow.config import LocalTierConfig, PersistConfig
+
+    sim = Sim()
+    sim.coord = type(sim.coord)(
+        "tcp://127.0.0.1:1",
+        workers=2,
+        outbox=sim.out,
+        persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=1)),
+    )
+    sim.state = sim.coord.state
+    sim.running()
+    return sim
+
+
 def _view(sim: Sim) -> tuple:
     """What an unauthorised message must not change."""
     job = sim.state.job
@@ -153,17 +169,7 @@ def test_another_job_replaces_the_attached_one_only_with_overwrite():
 
 def test_persisted_is_taken_from_the_shards_writer_under_its_own_name(tmp_path, caplog):
     """Row 5: a forged ``persisted`` whose ``file`` pointed elsewhere became the manifest."""
-    from shadow.config import LocalTierConfig, PersistConfig
-
-    sim = Sim()
-    sim.coord = type(sim.coord)(
-        "tcp://127.0.0.1:1",
-        workers=2,
-        outbox=sim.out,
-        persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=1)),
-    )
-    sim.state = sim.coord.state
-    sim.running()
+    sim = _with_tier(tmp_path)
     job = sim.state.job
     assert job is not None
     sim.prepared(b"w0", 1)
@@ -247,18 +253,8 @@ def test_forged_well_formed_messages_from_every_role_take_nothing(seed, tmp_path
     never goes back, and no report reaches a tier."""
     import random
 
-    from shadow.config import LocalTierConfig, PersistConfig
-
     rnd = random.Random(seed)
-    sim = Sim()
-    sim.coord = type(sim.coord)(
-        "tcp://127.0.0.1:1",
-        workers=2,
-        outbox=sim.out,
-        persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=1)),
-    )
-    sim.state = sim.coord.state
-    sim.running()
+    sim = _with_tier(tmp_path)
     job = sim.state.job
     assert job is not None
     slots = [(w.id, w.ident, w.serve, w.data) for w in sim.state.workers]
