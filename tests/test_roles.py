@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import msgpack
 import pytest
 
 from shadow.choices import ROLES
@@ -104,7 +105,7 @@ def test_the_route_table_names_who_sends_what():
     assert {k for k, r in ROUTES.items() if r.roles == {"worker"}} == worker
     assert {k for k, r in ROUTES.items() if r.roles == {"trainer"}} == trainer
     assert {k for k, r in ROUTES.items() if "client" in r.roles} == {"status", "restore_info"}
-    assert "shutdown" not in ROUTES and "shutdown" not in M.RECEIVES["coordinator"]
+    assert "shutdown" not in ROUTES and "shutdown" not in M.SCHEMAS  # no message stops anything
 
 
 @pytest.mark.parametrize("role", [None, *ROLES])
@@ -113,8 +114,9 @@ def test_shutdown_is_not_a_message_the_coordinator_takes(role):
     sim = Sim()
     sim.running()
     before = _view(sim)
-    sim.coord.on_message([b"t0", M.encode("shutdown")], role)
-    assert sim.out.kinds() == ["error"] and "does not accept 'shutdown'" in sim.out.last("error")["message"]
+    sim.coord.on_message([b"t0", msgpack.packb({"t": "shutdown", "v": M.VERSION})], role)
+    assert sim.out.kinds() == ["error"] and "unknown message type 'shutdown'" in sim.out.last("error")["message"]
+    assert sim.state.rejected["unknown_type"] == 1
     assert "shutdown" not in sim.out.kinds(b"w0") and not sim.coord._stop and _view(sim) == before
 
 

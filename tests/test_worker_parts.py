@@ -93,7 +93,7 @@ def skipped_step(s: Assignment, iteration: int) -> None:
 
 # -- the routes ------------------------------------------------------------------------------
 def test_the_routes_cover_exactly_the_coordinators_messages_to_a_worker():
-    assert set(ROUTES) == {"registered", "reset", "reregister", "configure", "apply", "upload", "shutdown", "error"}
+    assert set(ROUTES) == {"registered", "reset", "reregister", "configure", "apply", "upload", "error"}
     assert all(kind in M.SCHEMAS for kind in ROUTES)
 
 
@@ -118,8 +118,8 @@ def test_registered_configure_apply_and_shutdown_through_the_routes():
     w.dispatch(ctrl("apply", epoch=2, iteration=BASE, persist=False))
     assert s.applied == BASE and out.kinds() == ["configured"]
     w.dispatch(ctrl("upload", epoch=2, iteration=BASE, bytes=1, checksum="x"))  # no persister: ignored
-    w.dispatch(ctrl("shutdown"))
-    assert w.state.stopping and w.state.rejected == {}
+    w.dispatch(ctrl("error", code="busy", message="another process asked for this slot"))
+    assert not w.state.stopping and w.state.rejected == {"coordinator_busy": 1}
 
 
 def test_a_configure_that_cannot_be_carried_out_reports_stale_and_keeps_the_old_epoch():

@@ -83,7 +83,6 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
     "apply": {"epoch": (int,), "iteration": (int,), "persist": (bool,)},
-    "shutdown": {},
     # trainer -> coordinator
     "attach": {
         "job": (str,),
@@ -179,7 +178,7 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "restore_info",
     ),
     # a worker's DEALER to the coordinator
-    "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "shutdown", "error"),
+    "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "error"),
     # a worker's serve ROUTER
     "serve": ("fetch",),
     # a client's DEALER (trainer ranks, CLI, restore, a replica copying from its peer)

@@ -153,14 +153,15 @@ class Worker:
         return compile_kernels(tick, self.state.tuning.heartbeat_s) and not self.state.stopping
 
     def _on_ctrl_starting(self, sock) -> None:
-        """Control messages while the kernels compile: only ``shutdown`` means anything yet."""
+        """Control messages while the kernels compile: the worker has not registered yet, so
+        only an ``error`` means anything (it is logged); the rest is read and dropped."""
         try:
             msg = M.decode(sock.recv(zmq.NOBLOCK))
         except M.MessageError as exc:
             self.state.rejected["ctrl_" + exc.reason] += 1
             return
-        if msg["t"] == "shutdown":
-            self.state.stopping = True
+        if msg["t"] == "error":
+            self._on_error(msg)
 
     def _drain(self, sock, handler: Callable[[Any], None], where: str, limit: int = 64) -> None:
         """Call ``handler(sock)`` until the socket has nothing more (``zmq.Again``), ``limit``
@@ -291,9 +292,6 @@ class Worker:
         if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
             s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
 
-    def _on_shutdown(self, msg: dict) -> None:
-        self.state.stopping = True
-
     def _on_error(self, msg: dict) -> None:
         """The coordinator refused something of this worker's (e.g. a register for a slot a
         live process holds): it says why; the worker goes on (a heartbeat asks again)."""
@@ -372,6 +370,5 @@ ROUTES: dict[str, Callable[[Worker, dict], None]] = {
     "configure": Worker._configure,
     "apply": Worker._on_apply,
     "upload": Worker._on_upload,
-    "shutdown": Worker._on_shutdown,
     "error": Worker._on_error,
 }
