@@ -95,12 +95,15 @@ def request(
         return msg
 
 
-def dealer(ctx: zmq.Context, address: str, keys=None, tuning: Tuning = DEFAULT) -> zmq.Socket:
+def dealer(
+    ctx: zmq.Context, address: str, keys=None, tuning: Tuning = DEFAULT, rcvhwm: int | None = None
+) -> zmq.Socket:
     """A DEALER connected to ``address``, receiving what a service answers within
     ``tuning``'s limits; a CURVE client when ``keys`` (default: this process's keys,
-    :func:`shadow.security.current_client`) are set."""
+    :func:`shadow.security.current_client`) are set. ``rcvhwm``: see
+    :meth:`shadow.transport.SocketFactory.dealer`."""
     from shadow.transport import SocketFactory, fetch_limit
 
     check_address(address)
     factory = SocketFactory(ctx) if keys is None else SocketFactory(ctx, keys=keys)
-    return factory.dealer(address, fetch_limit(tuning))
+    return factory.dealer(address, fetch_limit(tuning), rcvhwm=rcvhwm)

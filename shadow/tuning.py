@@ -66,7 +66,7 @@ class Tuning:
     attach_pending_jobs: int = _knob(16, "ATTACH_PENDING_JOBS", "job names with an attach waiting for its ranks")
     attach_pending_ranks: int = _knob(65536, "ATTACH_PENDING_RANKS", "rank attaches waiting (all jobs)")
     attach_pending_bytes: int = _knob(64 << 20, "ATTACH_PENDING_BYTES", "bytes of the attach messages held waiting")
-    fetch_timeout_s: float = _knob(60.0, "FETCH_TIMEOUT_S", "a restore waits this long for the workers' shards")
+    fetch_timeout_s: float = _knob(60.0, "FETCH_TIMEOUT_S", "a restore or peer copy drops a worker silent this long")
     fetch_chunk_bytes: int = _knob(16 << 20, "FETCH_CHUNK_BYTES", "a worker sends its shard in parts of this size")
     serve_hold_s: float = _knob(2.0, "SERVE_HOLD_S", "the next apply waits this long at most for a shard being sent")
     serve_stall_s: float = _knob(

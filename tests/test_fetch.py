@@ -19,8 +19,9 @@ from shadow.wire import messages as M
 OPTIM = {"kind": "adam", "amsgrad_any": False}
 
 
-def fake_worker(ctx, lo, hi, values, chunk, damage=None):
-    """A serve socket answering one fetch; ``damage(chunks, sums)`` alters the reply."""
+def fake_worker(ctx, lo, hi, values, chunk, damage=None, multipart=False):
+    """A serve socket answering one fetch, each part its own message (a worker's framing) or
+    one multipart message (an older worker's); ``damage(chunks, sums)`` alters the reply."""
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
 
@@ -48,14 +49,18 @@ def fake_worker(ctx, lo, hi, values, chunk, damage=None):
             chunk=chunk,
             sums=sums,
         )
-        sock.send_multipart([ident, head] + chunks)
+        if multipart:
+            sock.send_multipart([ident, head] + chunks)
+        else:
+            for part in [head] + chunks:
+                sock.send_multipart([ident, part])
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return sock, t, f"tcp://127.0.0.1:{port}"
 
 
-def run_fetch(damage=None):
+def run_fetch(damage=None, multipart=False):
     total, split, chunk = 50_000, 20_480, 4096 * 4  # several chunks per field
     layout = Layout.build([("w", (total,), 0, True)], 1)
     rng = np.random.default_rng(0)
@@ -65,7 +70,7 @@ def run_fetch(damage=None):
     try:
         workers = []
         for i, (lo, hi) in enumerate([(0, split), (split, total)]):
-            sock, t, ep = fake_worker(ctx, lo, hi, values, chunk, damage if i == 1 else None)
+            sock, t, ep = fake_worker(ctx, lo, hi, values, chunk, damage if i == 1 else None, multipart)
             socks.append((sock, t))
             workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
         info = {
@@ -87,8 +92,9 @@ def run_fetch(damage=None):
         ctx.term()
 
 
-def test_chunked_parallel_fetch_lands_every_byte():
-    snap, values = run_fetch()
+@pytest.mark.parametrize("multipart", [False, True])
+def test_chunked_parallel_fetch_lands_every_byte(multipart):
+    snap, values = run_fetch(multipart=multipart)
     for f, want in values.items():
         assert np.array_equal(snap.arrays[f], want)
     assert snap.steps[0] == 5.0 and snap.has_state[0] and sorted(snap.blobs) == [0, 1]

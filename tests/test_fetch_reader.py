@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import zmq
 
 from shadow.transport import fetch
 from shadow.wire import messages as M
@@ -33,14 +34,23 @@ def _reply(n: int = 10, chunk: int = 16, **over) -> list[bytes]:
     return [M.encode("fetch_reply", **head), *chunks, b"xy"]
 
 
+def _reader(out: dict, n: int = 10) -> fetch.ReplyReader:
+    return fetch.ReplyReader(
+        epoch=3,
+        iteration=7,
+        start=0,
+        stop=n,
+        fields=FIELDS,
+        who="w",
+        target=lambda fld: fetch.as_bytes(out[int(fld)]),
+    )
+
+
 def _read(parts, n: int = 10):
-    src = fetch.ListParts(parts)
-    head = fetch.read_head(src, epoch=3, iteration=7, start=0, stop=n, fields=FIELDS, who="w")
     out = {f: np.zeros(n, dtype=np.float32) for f in FIELDS}
-    fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(out[int(fld)]), "w")
-    extras = fetch.read_extras(src, head, "w")
-    fetch.param_indices(head["steps"], 1, "w", "a step")
-    return out, extras
+    reader = fetch.read_reply(fetch.ListParts(parts), _reader(out, n))
+    fetch.param_indices(reader.head["steps"], 1, "w", "a step")
+    return out, reader.extras
 
 
 def test_a_whole_reply_is_read_into_place():
@@ -61,6 +71,9 @@ def test_a_whole_reply_is_read_into_place():
         (lambda p: _reply(iteration=6), "mismatch"),
         (lambda p: _reply(stop=12), "mismatch"),
         (lambda p: _reply(steps=[[4, 1.0]]), "malformed"),  # a parameter index out of range
+        (lambda p: _reply(sums=[1, 2]), "malformed"),  # fewer checksums than chunks
+        (lambda p: _reply(extras=[[5, "two", 3]]), "malformed"),
+        (lambda p: p[:1], "malformed"),  # the head alone
     ],
 )
 def test_every_defect_is_named_and_only_some_are_worth_a_retry(damage, code):
@@ -68,3 +81,37 @@ def test_every_defect_is_named_and_only_some_are_worth_a_retry(damage, code):
         _read(damage(_reply()))
     assert err.value.code == code
     assert err.value.retry == (code in ("moved_on", "busy", "damaged"))
+
+
+def test_a_reply_fed_part_by_part_from_a_socket_lands_as_each_part_arrives():
+    """Each part its own message (a worker's framing): the reader takes what is there
+    (zmq.Again: nothing read) and resumes when more comes; the head alone places nothing."""
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://feed")
+    b.connect("inproc://feed")
+    try:
+        out = {f: np.zeros(10, dtype=np.float32) for f in FIELDS}
+        reader, parts = _reader(out), fetch.SocketParts(b, zmq.NOBLOCK)
+        with pytest.raises(zmq.Again):
+            reader.feed(parts)
+        reply = _reply()
+        a.send(reply[0])
+        assert not reader.feed(parts) and reader.total == 80 and reader.received == 0
+        with pytest.raises(zmq.Again):
+            reader.feed(parts)
+        for i, part in enumerate(reply[1:], start=1):
+            a.send(part)
+            assert reader.feed(parts) == (i == len(reply) - 1)
+            if i == 3:  # the first array's chunks (16, 16, 8 bytes) in place, the second still zero
+                assert reader.received == 40 and not out[FIELDS[1]].any()
+                assert np.array_equal(out[FIELDS[0]], np.arange(10, dtype=np.float32) + 100 * FIELDS[0])
+        reader.finish(parts)
+        assert all(np.array_equal(out[f], np.arange(10, dtype=np.float32) + 100 * f) for f in FIELDS)
+        assert reader.extras == {5: b"xy"} and reader.received == reader.total
+        with pytest.raises(RuntimeError):
+            reader.feed(parts)
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()

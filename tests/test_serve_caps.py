@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -15,8 +16,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.restore.memory import MovedOn, _take_shard, fetch_memory, restore_info
+from shadow.restore.memory import MovedOn, _fetch_shard, _Progress, fetch_memory, restore_info
 from shadow.testing import LocalCluster
+from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum
 
@@ -189,8 +191,7 @@ def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
 
         # a restore client takes "busy" as worth asking again
         with pytest.raises(MovedOn):
-            w = {"id": 0, "start": 0, "stop": 8}
-            _take_shard(first_reply_socket(ctx, err), w, {"iteration": 2}, None, {}, None, None, {})
+            fetch_from_one_that_answers(ctx, err)
 
         time.sleep(1.5)  # a heartbeat carries the counts
         rejected = c.status()["workers"][0]["rejected"]
@@ -201,14 +202,21 @@ def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
         c.stop()
 
 
-def first_reply_socket(ctx, msg: dict) -> zmq.Socket:
-    """A DEALER with ``msg`` waiting in it."""
+def fetch_from_one_that_answers(ctx, msg: dict) -> None:
+    """A restore client's fetch of one shard from a serve socket answering ``msg`` to it."""
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    d = ctx.socket(zmq.DEALER)
-    d.connect(f"tcp://127.0.0.1:{port}")
-    d.send(b"hi")
-    ident, _ = router.recv_multipart()
-    router.send_multipart([ident, M.encode("error", code=msg["code"], message=msg["message"])])
-    assert d.poll(5000)
-    return d
+
+    def answer():
+        ident, _ = router.recv_multipart()
+        router.send_multipart([ident, M.encode("error", code=msg["code"], message=msg["message"])])
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        w = {"id": 0, "start": 0, "stop": 8, "serve": f"tcp://127.0.0.1:{port}"}
+        arrays = {Field.PARAM: np.zeros(8, dtype=np.float32)}
+        _fetch_shard(ctx, w, {"epoch": 1, "iteration": 2}, arrays, Tuning(), _Progress(None, 0), threading.Event())
+    finally:
+        t.join(5)
+        router.close(linger=0)

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,7 +21,7 @@ from shadow.snapshot import Snapshot
 from shadow.transport import fetch
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
-from shadow.wire.frames import Field, state_fields
+from shadow.wire.frames import state_fields
 
 if TYPE_CHECKING:
     from shadow.restore.tier import TierSource
@@ -88,52 +91,37 @@ class MemorySource:
 def fetch_memory(info: dict, address: str, progress=None, tuning: Tuning = DEFAULT) -> Snapshot:
     """Read the iteration described by a coordinator's memory info from every worker.
 
-    All workers are asked at once and answer in parallel (a context of its own with an
-    I/O thread per worker, up to 4); each shard's chunks are received straight into
-    place in the flat arrays (``recv_into``: one copy from zmq's buffer, none after)."""
+    All workers are asked at once and read in parallel (a thread per worker, up to
+    ``FETCH_THREADS``; zmq I/O threads, up to 4). Each chunk is received straight into place
+    in the flat arrays as it arrives (``recv_into``: one copy from zmq's buffer, none after)
+    and its checksum checked there, while the later chunks are still on the wire; a worker
+    silent for ``tuning.fetch_timeout_s`` fails the fetch."""
     layout = Layout.from_dict(info["layout"])
     if layout.hash != info["layout_hash"]:
         raise ShadowError("coordinator sent a layout that does not match its hash")
     total = layout.total
-    arrays: dict[Field, np.ndarray] = {}
+    fields = state_fields(info["optim"])
+    arrays = {fld: np.empty(total, dtype=np.float32) for fld in fields}
+    workers = list(info["workers"])
+    ctx = zmq.Context(io_threads=max(1, min(4, len(workers))))
+    tracker = _Progress(progress, total * 4 * len(fields))
+    stop = threading.Event()  # one shard failed: the others stop reading
+    try:
+        with ThreadPoolExecutor(max(1, min(FETCH_THREADS, len(workers))), thread_name_prefix="shadow-fetch") as pool:
+            jobs = [pool.submit(_fetch_shard, ctx, w, info, arrays, tuning, tracker, stop) for w in workers]
+            futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
+            stop.set()
+            readers = [(w, job.result()) for w, job in zip(workers, jobs, strict=True)]
+    finally:
+        stop.set()
+        ctx.destroy(linger=0)  # closes every socket
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)
     blobs: dict[int, bytes] = {}
     extras: dict[int, bytes] = {}
-    covered, done_bytes = 0, 0
-    limit = tuning.fetch_timeout_s
-    ctx = zmq.Context(io_threads=max(1, min(4, len(info["workers"]))))
-    pending: dict[zmq.Socket, dict] = {}
-    poller = zmq.Poller()
-    try:
-        for w in info["workers"]:
-            sock = dealer(ctx, w["serve"], tuning=tuning)
-            sock.send(M.encode("fetch", epoch=info["epoch"], iteration=info["iteration"]))
-            pending[sock] = w
-            poller.register(sock, zmq.POLLIN)
-        # while the workers copy and send, fault the destination pages in: first touches
-        # of fresh memory cost as much as the transfer itself on some hosts
-        for fld in state_fields(info["optim"]):
-            arrays[fld] = np.empty(total, dtype=np.float32)
-            arrays[fld].fill(0)
-        deadline = time.monotonic() + limit
-        while pending:
-            ready = dict(poller.poll(int(max(0.0, deadline - time.monotonic()) * 1000)))
-            if not ready:
-                late = ", ".join(f"{w['id']} at {w['serve']}" for w in pending.values())
-                raise ShadowConnectionError(f"workers {late} did not answer within {limit:.0f} s")
-            for sock in ready:
-                w = pending.pop(sock)
-                poller.unregister(sock)
-                head = _take_shard(
-                    sock, w, info, layout, arrays, steps, has_state, blobs, extras, tuning.max_commit_bytes
-                )
-                covered += head["stop"] - head["start"]
-                done_bytes += (head["stop"] - head["start"]) * 4 * len(head["arrays"])
-                if progress is not None:
-                    progress(done_bytes, total * 4 * len(head["arrays"]))
-    finally:
-        ctx.destroy(linger=0)  # closes every socket
+    covered = 0
+    for w, reader in readers:
+        covered += _merge(reader, w, layout, steps, has_state, blobs, extras)
     if covered != total:
         raise ShadowError(f"workers cover {covered} of {total} elements")
     missing = sorted(set(range(info["world"])) - set(blobs))
@@ -155,51 +143,97 @@ def fetch_memory(info: dict, address: str, progress=None, tuning: Tuning = DEFAU
     )
 
 
-def _take_shard(
-    sock,
-    w: dict,
-    info: dict,
-    layout: Layout,
-    arrays,
-    steps,
-    has_state,
-    blobs,
-    extras: dict | None = None,
-    commit_bytes: int = DEFAULT.max_commit_bytes,
-) -> dict:
-    """Receive one worker's reply into ``arrays`` (allocated for the optimizer's fields, in
-    wire order), each chunk straight into place; returns its head."""
-    who = f"worker {w['id']}"
+FETCH_THREADS = 8  # threads reading workers' replies at once (each waits on its own socket)
+
+
+class _Progress:
+    """``progress(done_bytes, total_bytes)`` after each chunk, from any fetch thread."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+        self.lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        if self.progress is None or not nbytes:
+            return
+        with self.lock:
+            self.done += nbytes
+            self.progress(self.done, self.total)
+
+
+def _fetch_shard(
+    ctx: zmq.Context, w: dict, info: dict, arrays: dict, tuning: Tuning, tracker: _Progress, stop: threading.Event
+):
+    """Ask worker ``w`` for its shard and read the reply into ``arrays`` as it arrives; the
+    reader, complete (None if ``stop`` was set first). Runs in a fetch thread, on a socket
+    of its own."""
+    who = f"worker {w.get('id')}"
     lo, hi = w.get("start"), w.get("stop")
-    if not isinstance(lo, int) or not isinstance(hi, int):
+    if not isinstance(lo, int) or not isinstance(hi, int) or not 0 <= lo <= hi:
         raise ShadowError(f"the restore info gives {who} no range (start {lo!r}, stop {hi!r})")
-    src = fetch.SocketParts(sock)
+    # at most FETCH_BUFFER_BYTES of chunks wait in zmq's buffers before it stops reading the connection
+    sock = dealer(ctx, w["serve"], tuning=tuning, rcvhwm=max(2, FETCH_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes)))
     try:
-        head = fetch.read_head(
-            src,
+        sock.send(M.encode("fetch", epoch=info["epoch"], iteration=info["iteration"]))
+        reader = fetch.ReplyReader(
             epoch=None,
             iteration=info["iteration"],
             start=lo,
             stop=hi,
             fields=[int(f) for f in arrays],
             who=who,
-            commit_bytes=commit_bytes,
+            target=lambda fld: fetch.as_bytes(arrays[fld][lo:hi]),
+            commit_bytes=tuning.max_commit_bytes,
         )
-        fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(arrays[fld][lo:hi]), who)
-        got = fetch.read_extras(src, head, who)
-        nparams = len(layout.params)
+        parts = fetch.SocketParts(sock, zmq.NOBLOCK)
+        limit = tuning.fetch_timeout_s
+        heard = time.monotonic()
+        while not reader.done:
+            if stop.is_set():
+                return None
+            if not sock.poll(100, zmq.POLLIN):
+                if time.monotonic() - heard > limit:
+                    raise ShadowConnectionError(f"{who} at {w['serve']} sent nothing for {limit:.0f} s")
+                continue
+            heard = time.monotonic()
+            while not reader.done:  # every part already here
+                before = reader.received
+                try:
+                    reader.feed(parts)
+                except zmq.Again:
+                    break
+                tracker.add(reader.received - before)
+        reader.finish(parts)
+    except fetch.FetchError as exc:
+        raise (MovedOn if exc.retry else ShadowError)(str(exc)) from None
+    finally:
+        sock.close(linger=0)
+    return reader
+
+
+FETCH_BUFFER_BYTES = 64 << 20  # per worker: what zmq may hold of a reply before the reader takes it
+
+
+def _merge(reader, w: dict, layout: Layout, steps, has_state, blobs, extras) -> int:
+    """A complete reply's steps, state flags, commit records and extras into the snapshot's;
+    the number of elements it covers."""
+    head, who = reader.head, f"worker {w.get('id')}"
+    lo, hi = head["start"], head["stop"]
+    nparams = len(layout.params)
+    try:
         pairs = fetch.param_indices(head["steps"], nparams, who, "a step")
         flags = fetch.param_indices(head["has_state"], nparams, who, "state flags")
     except fetch.FetchError as exc:
-        raise (MovedOn if exc.retry else ShadowError)(str(exc)) from None
-    if extras is not None:
-        extras.update(got)
+        raise ShadowError(str(exc)) from None
+    extras.update(reader.extras)
     for i, s in pairs:
         if layout.params[i].offset >= lo:  # the shard holding a param's first element owns its step
             steps[i] = s
     for i in flags:
         if layout.params[i].offset >= lo:
             has_state[i] = True
-    for r, b in head["commits"]:
-        blobs[int(r)] = b
-    return head
+    for entry in head["commits"]:
+        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and isinstance(entry[1], bytes)):
+            raise ShadowError(f"{who} sent a malformed commit record entry {entry!r:.80}")
+        blobs[entry[0]] = entry[1]
+    return hi - lo

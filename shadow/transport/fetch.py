@@ -1,11 +1,18 @@
-"""One reader of a worker's ``fetch_reply``, for a restore (straight into the flat arrays)
-and for a replica's peer copy (into its own range) alike.
+"""One reader of a worker's ``fetch_reply``, for a restore (straight into place) and for a
+replica's peer copy (into its own range) alike.
 
-A reply is a head (msgpack) and then, for each array the head names, its bytes of the
-range in chunks of ``chunk`` bytes, each with its xxh3 in ``sums``; then the extras chunks
-(the model state outside the optimizer). The reader checks the head against what was
-asked for, every chunk's size and checksum, and that nothing follows; it never trusts a
-length or an index from the head without checking it."""
+A reply is a stream of zmq messages on one connection: a head (msgpack), then, for each
+array the head names, its bytes of the range in chunks of ``chunk`` bytes, each with its
+xxh3 in ``sums``; then the extras chunks (the model state outside the optimizer). Each part
+is its own message, so a reader takes chunks as they arrive, while the rest are still on
+the wire, and holds at most its socket's ``RCVHWM`` chunks in zmq's buffers rather than the
+whole shard (a multipart message is delivered only once complete). A reader reading the
+parts of one multipart message (an older worker's framing) reads the same bytes.
+
+:class:`ReplyReader` takes one part per :meth:`ReplyReader.feed`: a client can drive several
+replies from one poll loop, and a worker's event loop can feed a peer copy part by part. It
+checks the head against what was asked for, every chunk's size and checksum as it lands,
+and never trusts a length or an index from the head without checking it."""
 
 from __future__ import annotations
 
@@ -36,22 +43,25 @@ class FetchError(ValueError):
 
 
 class SocketParts:
-    """The parts of a reply still in a socket: each chunk received straight into place."""
+    """The parts of a reply still in a socket: each chunk received straight into place.
+    ``flags=zmq.NOBLOCK``: a part not there yet raises ``zmq.Again`` and nothing is read."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket, flags: int = 0) -> None:
+        self.sock, self.flags = sock, flags
 
     def head(self) -> bytes:
-        return self.sock.recv()
+        return self.sock.recv(self.flags)
 
     def more(self) -> bool:
+        """Whether the message just read has further parts (trailing parts of a multipart
+        reply; separate trailing messages are never read: the socket closes after a reply)."""
         return bool(self.sock.getsockopt(zmq.RCVMORE))
 
     def into(self, target: memoryview) -> int:
-        return self.sock.recv_into(target)
+        return self.sock.recv_into(target, flags=self.flags)
 
     def take(self) -> bytes:
-        return self.sock.recv()
+        return self.sock.recv(self.flags)
 
 
 class ListParts:
@@ -73,6 +83,8 @@ class ListParts:
         return len(raw)
 
     def take(self) -> bytes:
+        if self.i >= len(self.parts):
+            raise FetchError("malformed", "the reply ended early: too few parts")
         raw = self.parts[self.i]
         self.i += 1
         return raw
@@ -109,41 +121,115 @@ def read_head(
     return head
 
 
-def read_arrays(parts, head: dict, target: Callable[[Field], memoryview], who: str) -> None:
-    """Each array's bytes into ``target(field)`` (a byte view of the range), chunk by chunk,
-    each checked against its checksum."""
-    sums, chunk = iter(head["sums"]), head["chunk"]
-    for f in head["arrays"]:
-        fld = Field(f)
-        view = target(fld)
-        for off in range(0, len(view), chunk):
-            want = min(chunk, len(view) - off)
-            if not parts.more():
-                raise FetchError("malformed", f"{who} sent too few bytes for {fld.name}")
-            got = parts.into(view[off : off + want])
-            if got != want:
-                raise FetchError(
-                    "malformed", f"{who} sent a {got}-byte chunk of {fld.name} at byte {off}, expected {want}"
-                )
-            if checksum(view[off : off + want]) != next(sums, None):
-                raise FetchError(
-                    "damaged", f"{who}: {fld.name} bytes {off}..{off + want} of its shard fail their checksum"
-                )
+class ReplyReader:
+    """One ``fetch_reply``, read part by part (:meth:`feed`) into ``target(field)`` (a byte
+    view of the range ``[start, stop)`` of that array); the head is checked against what was
+    asked for (``epoch`` None: any), each chunk against its size and checksum as it lands.
 
+    After the last part: ``head`` (the decoded head), ``extras`` (key -> bytes), ``done``.
+    ``received``: the array bytes in place so far; ``total``: all of them (0 before the head).
+    """
 
-def read_extras(parts, head: dict, who: str) -> dict[int, bytes]:
-    """The extras chunks, each checked; then nothing may follow."""
-    extras = {}
-    for key, nbytes, csum in head.get("extras", []):
-        if not parts.more():
-            raise FetchError("malformed", f"{who} sent too few extras chunks")
+    def __init__(
+        self,
+        *,
+        epoch: int | None,
+        iteration: int,
+        start: int,
+        stop: int,
+        fields: list[int],
+        who: str,
+        target: Callable[[Field], memoryview],
+        commit_bytes: int = DEFAULT.max_commit_bytes,
+    ) -> None:
+        self.epoch, self.iteration, self.start, self.stop, self.fields = epoch, iteration, start, stop, fields
+        self.who, self.target, self.commit_bytes = who, target, commit_bytes
+        self.head: dict | None = None
+        self.extras: dict[int, bytes] = {}
+        self.received = self.total = 0
+        self.done = False
+        self._chunks: list[tuple[Field, memoryview, int]] = []  # (field, where it goes, its byte offset)
+        self._next = 0  # the next chunk, then the next extras chunk
+
+    def feed(self, parts) -> bool:
+        """Read the next part of the reply from ``parts``; True once the reply is complete.
+        Raises :class:`FetchError`; whatever ``parts`` raises before reading a part
+        (``zmq.Again`` from a non-blocking socket) passes through with nothing read."""
+        if self.done:
+            raise RuntimeError("the reply is complete: nothing more to feed")
+        if self.head is None:
+            self._take_head(parts)
+        elif self._next < len(self._chunks):
+            self._take_chunk(parts)
+        else:
+            self._take_extra(parts)
+        n = len(self._chunks) + len(self.head.get("extras", [])) if self.head is not None else -1
+        self.done = self._next == n
+        return self.done
+
+    def finish(self, parts) -> None:
+        """After the last part: nothing may follow in the same message."""
+        if parts.more():
+            raise FetchError("malformed", f"{self.who} sent more than its shard")
+
+    def _take_head(self, parts) -> None:
+        head = read_head(
+            parts,
+            epoch=self.epoch,
+            iteration=self.iteration,
+            start=self.start,
+            stop=self.stop,
+            fields=self.fields,
+            who=self.who,
+            commit_bytes=self.commit_bytes,
+        )
+        chunk = head["chunk"]
+        for f in head["arrays"]:
+            fld = Field(f)
+            view = self.target(fld)
+            self._chunks += [(fld, view[off : off + chunk], off) for off in range(0, len(view), chunk)]
+        if len(head["sums"]) != len(self._chunks):
+            raise FetchError(
+                "malformed", f"{self.who} sent {len(head['sums'])} checksums for {len(self._chunks)} chunks"
+            )
+        for entry in head.get("extras", []):
+            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
+                raise FetchError("malformed", f"{self.who} sent a malformed extras entry {entry!r:.80}")
+        self.total = sum(len(v) for _, v, _ in self._chunks)
+        self.head = head
+
+    def _take_chunk(self, parts) -> None:
+        assert self.head is not None
+        fld, view, off = self._chunks[self._next]
+        got = parts.into(view)
+        if got != len(view):
+            raise FetchError(
+                "malformed", f"{self.who} sent a {got}-byte chunk of {fld.name} at byte {off}, expected {len(view)}"
+            )
+        if checksum(view) != self.head["sums"][self._next]:
+            raise FetchError(
+                "damaged", f"{self.who}: {fld.name} bytes {off}..{off + len(view)} of its shard fail their checksum"
+            )
+        self._next += 1
+        self.received += len(view)
+
+    def _take_extra(self, parts) -> None:
+        assert self.head is not None
+        key, nbytes, csum = self.head["extras"][self._next - len(self._chunks)]
         raw = parts.take()
         if len(raw) != nbytes or checksum(raw) != csum:
-            raise FetchError("malformed", f"{who} sent a short or damaged extras chunk {key:#x}")
-        extras[int(key)] = raw
-    if parts.more():
-        raise FetchError("malformed", f"{who} sent more than its shard")
-    return extras
+            raise FetchError("malformed", f"{self.who} sent a short or damaged extras chunk {key:#x}")
+        self.extras[key] = raw
+        self._next += 1
+
+
+def read_reply(parts, reader: ReplyReader) -> ReplyReader:
+    """Feed ``reader`` every part of a reply from ``parts`` (a blocking source), then check
+    that nothing follows; returns the reader."""
+    while not reader.feed(parts):
+        pass
+    reader.finish(parts)
+    return reader
 
 
 def param_indices(pairs, nparams: int, who: str, what: str) -> list:

@@ -88,12 +88,15 @@ class SocketFactory:
             s.connect(address)
         return s
 
-    def router(self, max_bytes: int, roles: tuple[str, ...] = ROLES) -> zmq.Socket:
+    def router(self, max_bytes: int, roles: tuple[str, ...] = ROLES, sndhwm: int | None = None) -> zmq.Socket:
         """A server ROUTER (not bound yet) admitting peers of ``roles`` (with a guard): the
         coordinator's, a worker's serve socket. A reply to a peer that has gone is dropped
-        (``ROUTER_MANDATORY`` off)."""
+        (``ROUTER_MANDATORY`` off), and so is a message over ``sndhwm`` queued for one peer
+        (0: no limit; default zmq's 1000)."""
         s = self._socket(zmq.ROUTER, max_bytes)
         s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if sndhwm is not None:
+            s.setsockopt(zmq.SNDHWM, int(sndhwm))
         return self._server(s, roles)
 
     def pull(self, max_bytes: int, rcvhwm: int, roles: tuple[str, ...] = ("trainer",)) -> zmq.Socket:
@@ -103,9 +106,13 @@ class SocketFactory:
         s.setsockopt(zmq.RCVHWM, int(rcvhwm))
         return self._server(s, roles)
 
-    def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT) -> zmq.Socket:
-        """A client DEALER, connected to ``address`` when given."""
-        return self._client(self._socket(zmq.DEALER, max_bytes), address, keys)
+    def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT, rcvhwm: int | None = None) -> zmq.Socket:
+        """A client DEALER, connected to ``address`` when given; ``rcvhwm``: the messages it
+        holds at most before it stops reading the connection (default zmq's 1000)."""
+        s = self._socket(zmq.DEALER, max_bytes)
+        if rcvhwm is not None:
+            s.setsockopt(zmq.RCVHWM, int(rcvhwm))
+        return self._client(s, address, keys)
 
     def push(self, address: str | None, sndhwm: int, keys=_CURRENT) -> zmq.Socket:
         """A client PUSH (sends only) holding at most ``sndhwm`` messages: a trainer's data socket."""

@@ -77,7 +77,8 @@ class FetchServer:
 
     def open(self) -> str:
         """Bind the serve socket; returns the endpoint restore clients and peers connect to."""
-        self.sock = self.sockets.router(M.socket_limit("serve"))
+        # a reply's parts are separate messages, references to the live arrays: never drop one
+        self.sock = self.sockets.router(M.socket_limit("serve"), sndhwm=0)
         self.endpoint = self.binding.bind(self.sock)
         return self.endpoint
 
@@ -177,8 +178,8 @@ class FetchServer:
 
     def _send_state(self, ident: bytes, s, client: str = "") -> None:
         """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
-        chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part
-        tracked. The next apply waits (:meth:`wait_for_readers`) while zmq sends them; a
+        chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part a
+        message of its own, tracked. The next apply waits (:meth:`wait_for_readers`) while zmq sends them; a
         client still reading after that gets chunks that fail their sums and fetches again,
         so it never installs a torn shard."""
         st = s.state
@@ -207,12 +208,16 @@ class FetchServer:
         )
         parts = [head] + [memoryview(v) for v in views] + [b for _, b in extras]
         sock = self._sock()
-        sock.send(ident, zmq.SNDMORE)
-        # part by part, so that an apply can tell a client that reads (parts done one after
-        # another) from one that does not (parts below zmq's copy threshold are done at once)
-        trackers = [
-            sock.send(p, zmq.SNDMORE if i < len(parts) - 1 else 0, copy=False, track=True) for i, p in enumerate(parts)
-        ]
+        # each part its own message, so that the client takes chunks as they arrive (zmq hands
+        # over a multipart message only once all of it is there); each tracked, so that an
+        # apply can tell a client that reads (parts done one after another) from one that does
+        # not (parts below zmq's copy threshold are done at once). The serve socket's send
+        # queue is unbounded (SNDHWM 0): a ROUTER drops what is over it, and the parts are
+        # zero-copy references to the live arrays, not copies
+        trackers = []
+        for p in parts:
+            sock.send(ident, zmq.SNDMORE)
+            trackers.append(sock.send(p, copy=False, track=True))
         self.replies[ident] = Reply(client or ident.hex(), s, trackers, time.monotonic())
 
     def wait_for_readers(self) -> None:

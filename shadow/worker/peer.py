@@ -26,7 +26,10 @@ class PeerError(ValueError):
 
 @dataclass
 class PeerFetch:
-    """One ``fetch`` of iteration ``iteration`` on peer worker ``id``'s serve socket, in flight."""
+    """One ``fetch`` of iteration ``iteration`` on peer worker ``id``'s serve socket, in
+    flight: its reply is read straight into the session's arrays, part by part (``reader``),
+    as the worker's event loop finds them. ``deadline``: ``FETCH_TIMEOUT_S`` after the last
+    part (or the request)."""
 
     id: int
     serve: str
@@ -34,36 +37,57 @@ class PeerFetch:
     sock: zmq.Socket
     deadline: float
     started: float
+    reader: fetch.ReplyReader
 
     @classmethod
-    def start(cls, sockets: SocketFactory, peer: dict, epoch: int, iteration: int, tuning: Tuning) -> PeerFetch:
-        sock = sockets.dealer(peer["serve"], fetch_limit(tuning))
-        sock.send(M.encode("fetch", epoch=epoch, iteration=iteration))
+    def start(cls, sockets: SocketFactory, peer: dict, session, tuning: Tuning) -> PeerFetch:
+        st = session.state
+        rcvhwm = max(2, PEER_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes))
+        sock = sockets.dealer(peer["serve"], fetch_limit(tuning), rcvhwm=rcvhwm)
+        sock.send(M.encode("fetch", epoch=session.epoch, iteration=session.base))
+        reader = fetch.ReplyReader(
+            epoch=session.epoch,
+            iteration=session.base,
+            start=st.start,
+            stop=st.stop,
+            fields=[int(f) for f in st.fields()],
+            who="peer",
+            target=lambda fld: fetch.as_bytes(st.array(fld)),
+            commit_bytes=tuning.max_commit_bytes,
+        )
         now = time.monotonic()
-        return cls(int(peer["id"]), peer["serve"], iteration, sock, now + tuning.fetch_timeout_s, now)
+        return cls(int(peer["id"]), peer["serve"], session.base, sock, now + tuning.fetch_timeout_s, now, reader)
+
+    def read(self, timeout_s: float) -> bool:
+        """Feed the reader every part already here; True once the reply is complete
+        (raises :class:`PeerError` for a reply that cannot be installed)."""
+        parts = fetch.SocketParts(self.sock, zmq.NOBLOCK)
+        try:
+            while not self.reader.done:
+                try:
+                    self.reader.feed(parts)
+                except zmq.Again:
+                    return False
+                self.deadline = time.monotonic() + timeout_s
+            self.reader.finish(parts)
+        except fetch.FetchError as exc:
+            raise PeerError(str(exc)) from None
+        return True
 
     def close(self) -> None:
         self.sock.close(linger=0)
 
 
-def install(session, parts: list[bytes], iteration: int, commit_bytes: int) -> None:
-    """Check a peer's ``fetch_reply`` against this session and install it (``commit_bytes``:
-    this worker's ``Tuning.max_commit_bytes``)."""
-    st = session.state
-    src = fetch.ListParts(parts)
+PEER_BUFFER_BYTES = 64 << 20  # what zmq may hold of a peer's reply before the event loop takes it
+
+
+def install(session, reader: fetch.ReplyReader, iteration: int) -> None:
+    """Install a peer's complete ``fetch_reply`` (its arrays are in place already) as this
+    session's applied state at ``iteration``."""
+    st, head = session.state, reader.head
+    if head is None or not reader.done:
+        raise PeerError("the peer's reply is not complete")
     try:
-        head = fetch.read_head(
-            src,
-            epoch=session.epoch,
-            iteration=iteration,
-            start=st.start,
-            stop=st.stop,
-            fields=[int(f) for f in st.fields()],
-            who="peer",
-            commit_bytes=commit_bytes,
-        )
-        fetch.read_arrays(src, head, lambda fld: fetch.as_bytes(st.array(fld)), "peer")
-        extras = fetch.read_extras(src, head, "peer")
         nparams = len(st.steps)
         steps = fetch.param_indices(head["steps"], nparams, "peer", "a step")
         flags = fetch.param_indices(head["has_state"], nparams, "peer", "state flags")
@@ -75,7 +99,7 @@ def install(session, parts: list[bytes], iteration: int, commit_bytes: int) -> N
     for i in flags:
         st.has_state[int(i)] = True
     session.blobs = {int(r): bytes(b) for r, b in head["commits"]}
-    session.extras = extras
+    session.extras = reader.extras
     session.commit = head["replay"]
     session.applied = session.prepared = session.seen = iteration
 
@@ -106,7 +130,7 @@ class PeerCopy:
             raise RuntimeError("a peer copy needs the session it fills: configure first")
         if self.fetch is not None:
             self.fetch.close()
-        self.fetch = PeerFetch.start(self.sockets, peer, s.epoch, s.base, self.state.tuning)
+        self.fetch = PeerFetch.start(self.sockets, peer, s, self.state.tuning)
         logger.info(
             "fetching iteration %d of range [%d, %d) from peer worker %d",
             s.base,
@@ -116,15 +140,15 @@ class PeerCopy:
         )
 
     def on_reply(self) -> None:
-        """The peer answered: install its shard, or give up on the copy."""
+        """Parts of the peer's reply arrived: read them into place; once all are here,
+        install the shard, or give up on the copy."""
         p, s = self.fetch, self.state.assignment
         if p is None or s is None:
             raise RuntimeError("a peer reply with no peer copy in flight")
-        parts = p.sock.recv_multipart()
-        self.fetch = None
-        p.close()
         try:
-            install(s, parts, p.iteration, self.state.tuning.max_commit_bytes)
+            if not p.read(self.state.tuning.fetch_timeout_s):
+                return
+            install(s, p.reader, p.iteration)
         except (PeerError, M.MessageError) as exc:
             self.failed(f"copy from peer worker {p.id} failed: {exc}")
             return
@@ -133,17 +157,19 @@ class PeerCopy:
             logger.exception("copy from peer worker %d failed", p.id)
             self.failed(f"copy from peer worker {p.id} failed: {type(exc).__name__}: {exc}")
             return
+        self.fetch = None
+        p.close()
         self.state.awaiting_copy = False
         seconds = time.monotonic() - p.started
         logger.info("copied iteration %d from peer worker %d in %.2f s", p.iteration, p.id, seconds)
         self.outbox.to_coord("copied", epoch=s.epoch, iteration=p.iteration, seconds=seconds)
 
     def check_deadline(self, now: float) -> None:
-        """A copy not answered within ``FETCH_TIMEOUT_S`` of its start has failed."""
+        """A copy with no part of its reply for ``FETCH_TIMEOUT_S`` has failed."""
         p = self.fetch
         if p is not None and now > p.deadline:
             limit = self.state.tuning.fetch_timeout_s
-            self.failed(f"peer worker {p.id} did not send iteration {p.iteration} within {limit:.0f} s")
+            self.failed(f"peer worker {p.id} sent nothing of iteration {p.iteration} for {limit:.0f} s")
 
     def failed(self, reason: str) -> None:
         """Give up on the copy: the assignment is stale (the coordinator resyncs it)."""
