@@ -26,7 +26,7 @@ class Services:
         self.cluster: subprocess.Popen | None = None
         self.logs: list = []
 
-    def start_cluster(self, port: int, steps: int) -> str:
+    def start_cluster(self, port: int, steps: int, extra: list[str] | None = None) -> str:
         address = f"tcp://127.0.0.1:{port}"
         log = open(self.work / "cluster.log", "w")  # noqa: SIM115 (closed in stop())
         self.logs.append(log)
@@ -43,6 +43,7 @@ class Services:
                 f"persist.local.dir={self.work / 'local'}",
                 f"persist.local.every_n={steps}",
                 "persist.local.keep=1",
+                *(extra or []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -126,15 +127,16 @@ class Services:
             f.close()
 
 
-def wait_persisted(address: str, steps: int, limit: float = 120) -> dict:
+def wait_persisted(address: str, steps: int, limit: float = 120, tiers: tuple[str, ...] = ("local",)) -> dict:
+    """The cluster's status once iteration ``steps`` is committed and complete on ``tiers``."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         st = status(address, 5.0)
-        lc = (st.get("persist") or {}).get("local", {}).get("last_complete")
-        if st.get("job") and st["job"]["committed"] == steps and lc and lc["iteration"] == steps:
+        done = [((st.get("persist") or {}).get(t) or {}).get("last_complete") for t in tiers]
+        if st.get("job") and st["job"]["committed"] == steps and all(lc and lc["iteration"] == steps for lc in done):
             return st
         time.sleep(0.2)
-    raise RuntimeError(f"iteration {steps} was not committed and persisted locally within {limit:.0f} s: {st}")
+    raise RuntimeError(f"iteration {steps} was not committed and persisted on {tiers} within {limit:.0f} s: {st}")
 
 
 def dir_bytes(path: Path) -> int:

@@ -197,3 +197,48 @@ def test_open_source_tells_a_cluster_from_a_directory(tmp_path):
     src = open_source(f"file://{tmp_path}")
     assert isinstance(src, TierSource) and src.name == "remote" and src.root == f"file://{tmp_path}"
     assert isinstance(src.storage, LocalStorage)
+
+
+@pytest.mark.parametrize("cache", ["cached", "evicted", "second half evicted"])
+def test_a_shard_file_reads_back_the_same_from_the_page_cache_or_past_it(tmp_path, cache, monkeypatch):
+    """``read_into`` copies what the page cache holds (``RWF_NOWAIT``) and reads the rest with
+    ``O_DIRECT``: every mix gives the file's bytes and its checksum."""
+    monkeypatch.setattr(shardfile, "READ_PIECE", 1 << 20)
+    n = 700_001  # three pieces a tensor, a partial page at the end
+    rng = np.random.default_rng(1)
+    values = {"param": rng.standard_normal(n).astype(np.float32), "exp_avg": rng.standard_normal(n).astype(np.float32)}
+    entries = [shardfile.Entry(name, "F32", n) for name in values]
+    img = shardfile.ShardImage(sum(e.nbytes for e in entries) + (1 << 20))
+    img.layout(entries, {"format": shardfile.FORMAT, "k": "v"})
+    for name, v in values.items():
+        img.fill(name, v)
+    path = str(tmp_path / "s.safetensors")
+    img.write(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        os.pread(fd, size, 0)  # in the page cache
+        if cache != "cached":
+            os.fsync(fd)
+            start = 0 if cache == "evicted" else size // 2 // 4096 * 4096
+            os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    copied = []  # bytes each aligned piece took from the page cache
+    real = shardfile._cached_part
+    monkeypatch.setattr(shardfile, "_cached_part", lambda *a: copied.append(real(*a)) or copied[-1])
+    meta, tensors, csum, got_size = shardfile.read_into(
+        path, lambda name, dt, count: shardfile.aligned_empty(count, dt)
+    )
+    assert meta["k"] == "v" and got_size == size and csum == img.checksum()
+    body = sum(v.nbytes for v in values.values()) // 4096 * 4096
+    if os.path.exists("/proc/self") and getattr(os, "RWF_NOWAIT", 0):  # Linux: which way each byte came
+        if cache == "cached":
+            assert sum(copied) >= body - 2 * 4096, (copied, body)
+        elif cache == "evicted":
+            assert sum(copied) < body // 4, (copied, body)
+        else:
+            assert 0 < sum(copied) < body, (copied, body)
+    for name, v in values.items():
+        assert np.array_equal(tensors[name], v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -24,20 +25,38 @@ def stdout_console() -> Console:
     return Console(width=PIPE_WIDTH)
 
 
+SHOW_AFTER_S = 1.0  # a spinner or bar appears once a step has taken this long: quick ones stay silent
+
+
+def on_terminal() -> bool:
+    """Whether stderr is a terminal (spinners and bars are shown there only)."""
+    return sys.stderr.isatty()
+
+
 @contextlib.contextmanager
-def stage(text: str) -> Iterator[None]:
-    """A spinner while a long step runs, on a terminal only (quiet in logs and pipes)."""
-    if not sys.stderr.isatty():
+def stage(text: str, after_s: float = SHOW_AFTER_S) -> Iterator[None]:
+    """A spinner while a long step runs, shown once it has taken ``after_s`` seconds, on a
+    terminal only (quiet in logs and pipes)."""
+    if not on_terminal():
         yield
         return
-    with Console(stderr=True).status(text):
+    status = Console(stderr=True).status(text)
+    timer = threading.Timer(after_s, status.start)
+    timer.daemon = True
+    timer.start()
+    try:
         yield
+    finally:
+        timer.cancel()
+        timer.join()
+        status.stop()
 
 
 @contextlib.contextmanager
-def byte_progress(text: str) -> Iterator:
-    """A progress bar fed ``(done_bytes, total_bytes)``, on a terminal only."""
-    if not sys.stderr.isatty():
+def byte_progress(text: str, after_s: float = SHOW_AFTER_S) -> Iterator:
+    """A progress bar fed ``(done_bytes, total_bytes)``, shown from the first update after
+    ``after_s`` seconds, on a terminal only."""
+    if not on_terminal():
         yield None
         return
     from rich.progress import (
@@ -48,16 +67,32 @@ def byte_progress(text: str) -> Iterator:
         TransferSpeedColumn,
     )
 
-    with Progress(
+    bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         console=Console(stderr=True),
         transient=True,
-    ) as bar:
-        task = bar.add_task(text, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+    )
+    task = bar.add_task(text, total=None)
+    t0, shown = time.monotonic(), False
+    lock = threading.Lock()  # a restore reports from its fetch threads
+
+    def update(done: int, total: int) -> None:
+        nonlocal shown
+        with lock:
+            if not shown and time.monotonic() - t0 >= after_s:
+                bar.start()
+                shown = True
+            bar.update(task, completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        with lock:
+            if shown:
+                bar.stop()
 
 
 def render_checkpoints(rows: list[dict], source: str) -> None:

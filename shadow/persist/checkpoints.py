@@ -17,7 +17,9 @@ import logging
 import posixpath
 import re
 import struct
-import time
+import threading
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +28,7 @@ from shadow.errors import CheckpointError  # CheckpointError: raised here, and n
 from shadow.layout import Layout
 from shadow.persist import fsglob, shardfile, shardguard, signing, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
-from shadow.persist.manifests import manifest_problem
+from shadow.persist.manifests import FORMAT, manifest_problem, new_manifest  # noqa: F401 (named here too)
 from shadow.snapshot import Snapshot
 from shadow.storage import Storage, storage_for
 from shadow.wire.frames import Field, checksum
@@ -34,7 +36,6 @@ from shadow.wire.frames import Field, checksum
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-FORMAT = "shadow-checkpoint/1"
 _FIELDS = {
     "param": Field.PARAM,
     "exp_avg": Field.EXP_AVG,
@@ -264,9 +265,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             return None
         if count != hi - lo:
             raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
-        if fld not in arrays:
-            arrays[fld] = shardfile.aligned_empty(total, np.float32)
-        return arrays[fld][lo:hi]
+        return _flat(arrays, fld, total)[lo:hi]
 
     if zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
         data = _read_shard(info, shard, check)
@@ -296,10 +295,24 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             if name in tensors:
                 if len(tensors[name]) != hi - lo:
                     raise CheckpointError(f"{where}: {name} has the wrong size")
-                arrays.setdefault(fld, np.empty(total, dtype=np.float32))[lo:hi] = tensors[name]
+                _flat(arrays, fld, total)[lo:hi] = tensors[name]
     if (int(meta["start"]), int(meta["stop"]), int(meta["iteration"])) != (lo, hi, info.iteration):
         raise CheckpointError(f"{where} holds another range or iteration")
     return tensors
+
+
+_ALLOC = threading.Lock()  # shards read in parallel share the flat arrays: each made once
+
+
+def _flat(arrays: dict, fld: Field, total: int) -> np.ndarray:
+    """The snapshot's flat array of ``fld`` (made, page-aligned, by the first shard to need it)."""
+    with _ALLOC:
+        if fld not in arrays:
+            arrays[fld] = shardfile.aligned_empty(total, np.float32)
+        return arrays[fld]
+
+
+LOAD_THREADS = 8  # shards read at once (a local shard's reads are parallel within it too)
 
 
 def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
@@ -320,13 +333,30 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     blobs: dict[int, bytes] = {}
     extras: dict[int, np.ndarray] = {}  # chunks of model state outside the optimizer, by key
     covered = done = 0
-    for shard in m["shards"]:
+
+    def unreadable(shard: dict) -> str:
+        where = posixpath.join(info.path, shard["file"])
+        return f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({where}) is unreadable"
+
+    def read(shard: dict) -> dict:
         # whatever a damaged shard trips (KeyError, TypeError, a store error, ...) is a CheckpointError naming it
-        with _reading(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} "
-            f"({posixpath.join(info.path, shard['file'])}) is unreadable"
-        ):
-            tensors = _shard_tensors(info, shard, check, arrays, total)
+        with _reading(unreadable(shard)):
+            return _shard_tensors(info, shard, check, arrays, total)
+
+    # every shard at once (disjoint ranges of the same arrays); merged in manifest order
+    with ThreadPoolExecutor(max(1, min(LOAD_THREADS, len(m["shards"]))), thread_name_prefix="shadow-load") as pool:
+        jobs = [pool.submit(read, shard) for shard in m["shards"]]
+        for job in futures.as_completed(jobs):
+            if job.exception() is not None:
+                for other in jobs:
+                    other.cancel()
+                job.result()  # raises it
+            if progress is not None:
+                done += m["shards"][jobs.index(job)]["bytes"]
+                progress(done, info.bytes)
+    for shard, job in zip(m["shards"], jobs, strict=True):
+        tensors = job.result()
+        with _reading(unreadable(shard)):
             lo = shard["start"]
             for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"], strict=True):
                 if layout.params[int(i)].offset >= lo:
@@ -338,9 +368,6 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
                 elif name.startswith("extra."):
                     extras[int(name[len("extra.") :])] = t
         covered += shard["stop"] - lo
-        done += shard["bytes"]
-        if progress is not None:
-            progress(done, info.bytes)
     if covered != total:
         raise CheckpointError(f"iteration {info.iteration}: shards cover {covered} of {total} elements")
     missing = sorted(set(range(m["world"])) - set(blobs))
@@ -360,35 +387,3 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
         tier=info.tier,
         extras=extras,
     )
-
-
-def new_manifest(
-    job: str,
-    iteration: int,
-    epoch: int,
-    tier: str,
-    layout: dict,
-    layout_hash: int,
-    optim: dict,
-    world: int,
-    tokens,
-    commit,
-    shards: list[dict],
-    generation: int = 0,
-) -> dict:
-    return {
-        "format": FORMAT,
-        "job": job,
-        "iteration": iteration,
-        "generation": generation,
-        "epoch": epoch,
-        "tier": tier,
-        "created": time.time(),
-        "layout": layout,
-        "layout_hash": f"{layout_hash:016x}",
-        "optim": optim,
-        "world": world,
-        "tokens": tokens,
-        "commit": commit,
-        "shards": sorted(shards, key=lambda s: s["index"]),
-    }

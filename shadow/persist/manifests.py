@@ -10,10 +10,12 @@ so manifests may grow.
 
 from __future__ import annotations
 
+import time
 from typing import TypeGuard
 
 from shadow.jobs import job_name_problem
 
+FORMAT = "shadow-checkpoint/1"
 _SHARD_INTS = ("index", "start", "stop", "bytes")
 _SUFFIXES = (".safetensors", ".shard.zst")  # plain (shardfile) and compressed (zshard.SUFFIX) shards
 
@@ -81,3 +83,36 @@ def manifest_problem(manifest: object, fmt: str, job_dir: str) -> str | None:
     if len({s["index"] for s in shards}) != len(shards):
         return "two shards have the same index"
     return None
+
+
+def new_manifest(
+    job: str,
+    iteration: int,
+    epoch: int,
+    tier: str,
+    layout: dict,
+    layout_hash: int,
+    optim: dict,
+    world: int,
+    tokens,
+    commit,
+    shards: list[dict],
+    generation: int = 0,
+) -> dict:
+    """A checkpoint's manifest: what the coordinator writes last, once every shard is durable."""
+    return {
+        "format": FORMAT,
+        "job": job,
+        "iteration": iteration,
+        "generation": generation,
+        "epoch": epoch,
+        "tier": tier,
+        "created": time.time(),
+        "layout": layout,
+        "layout_hash": f"{layout_hash:016x}",
+        "optim": optim,
+        "world": world,
+        "tokens": tokens,
+        "commit": commit,
+        "shards": sorted(shards, key=lambda s: s["index"]),
+    }

@@ -71,6 +71,7 @@ class S3Server:
             f"-master.port={ports[0]}",
             f"-volume.port={ports[1]}",
             "-master.volumeSizeLimitMB=64",
+            "-volume.max=64",  # 64 volumes of 64 MB: 4 GB (the default 8 holds 512 MB)
             "-filer",
             f"-filer.port={ports[2]}",
             "-s3",
