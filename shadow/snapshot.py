@@ -34,3 +34,6 @@ class Snapshot:
     extra: dict = field(default_factory=dict)
     generation: int = 0  # the job's lineage: a restore to an older iteration then training on starts a new one
     extras: dict = field(default_factory=dict)  # key -> chunk of model state outside the optimizer (opaque)
+    # the live tensors a restore received the parameters into (layout order; see
+    # shadow.restore.ParamSink), instead of arrays[Field.PARAM]; empty: they are in arrays
+    placed: tuple = ()

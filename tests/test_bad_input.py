@@ -32,6 +32,25 @@ def test_unreachable_coordinator_fails_fast(world1):
     assert time.monotonic() - t0 < 10
 
 
+def test_a_restore_in_place_says_what_it_changed_when_the_rest_does_not_match(world1, shared_cluster, job):
+    """From memory, a CPU model's parameters are received straight into it once its layout
+    matches; model state outside the optimizer that then does not match is an error that
+    says the parameters are restored and nothing else was changed."""
+    model, opt, sched = build(extras=True)
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
+    _train(session, ddp, opt, sched, 3)
+    assert session.close() == 3
+    other, oopt, _ = build(seed=9, extras=True)
+    other.table = torch.zeros(7)  # a buffer of another size: outside the layout, found once the data is in
+    with pytest.raises(trainer_hooks.LayoutMismatchError, match="parameters were received into the model already"):
+        trainer_hooks.restore(other, oopt, source=shared_cluster.address, job=job)
+    optim_params = [p for g in opt.param_groups for p in g["params"]]
+    got = [p for g in oopt.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(optim_params, got, strict=True))
+    assert torch.equal(other.table, torch.zeros(7)) and not oopt.state
+
+
 def test_malformed_address_and_unsupported_optimizer(world1):
     model, opt, _ = build()
     ddp = DDP(model)

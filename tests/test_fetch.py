@@ -15,6 +15,7 @@ from shadow.restore.memory import fetch_memory
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.wire.frames import Field
 
 OPTIM = {"kind": "adam", "amsgrad_any": False}
 
@@ -60,9 +61,13 @@ def fake_worker(ctx, lo, hi, values, chunk, damage=None, multipart=False):
     return sock, t, f"tcp://127.0.0.1:{port}"
 
 
-def run_fetch(damage=None, multipart=False):
+# parameters of several sizes (one empty), so that chunks and shards straddle them
+SHAPES = [("a", (7,)), ("empty", (0,)), ("b", (123, 45)), ("c", (1,)), ("d", (50_000 - 7 - 123 * 45 - 1,))]
+LAYOUT = Layout.build([(name, shape, 0, True) for name, shape in SHAPES], 1)
+
+
+def run_fetch(damage=None, multipart=False, sink=None, layout=LAYOUT):
     total, split, chunk = 50_000, 20_480, 4096 * 4  # several chunks per field
-    layout = Layout.build([("w", (total,), 0, True)], 1)
     rng = np.random.default_rng(0)
     values = {f: rng.standard_normal(total).astype(np.float32) for f in F.state_fields(OPTIM)}
     ctx = zmq.Context()
@@ -83,7 +88,7 @@ def run_fetch(damage=None, multipart=False):
             "world": 2,
             "workers": workers,
         }
-        snap = fetch_memory(info, "tcp://test", tuning=Tuning(fetch_timeout_s=10.0))
+        snap = fetch_memory(info, "tcp://test", tuning=Tuning(fetch_timeout_s=10.0), sink=sink)
         return snap, values
     finally:
         for sock, t in socks:
@@ -98,6 +103,50 @@ def test_chunked_parallel_fetch_lands_every_byte(multipart):
     for f, want in values.items():
         assert np.array_equal(snap.arrays[f], want)
     assert snap.steps[0] == 5.0 and snap.has_state[0] and sorted(snap.blobs) == [0, 1]
+
+
+def model_params(layout=LAYOUT):
+    import torch
+
+    from trainer_hooks._sink import ModelParams
+
+    params = [torch.full(spec.shape, -1.0) for spec in layout.params]
+    return params, ModelParams.of(layout, params)
+
+
+def test_parameters_land_straight_in_the_model_and_the_moments_in_flat_arrays():
+    params, sink = model_params()
+    snap, values = run_fetch(sink=sink)
+    assert Field.PARAM not in snap.arrays and snap.placed == tuple(params)
+    got = np.concatenate([p.numpy().reshape(-1) for p in params])
+    assert np.array_equal(got, values[Field.PARAM])
+    for f in (Field.EXP_AVG, Field.EXP_AVG_SQ):
+        assert np.array_equal(snap.arrays[f], values[f])
+
+
+def test_a_sink_of_another_layout_is_left_alone():
+    other = Layout.build([("w", (50_000,), 0, True)], 1)
+    params, sink = model_params(other)
+    snap, values = run_fetch(sink=sink)
+    assert snap.placed == () and np.array_equal(snap.arrays[Field.PARAM], values[Field.PARAM])
+    assert all(bool((p == -1.0).all()) for p in params)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scattered_chunks_of_any_size_and_order_fill_every_parameter(seed):
+    params, sink = model_params()
+    rng = np.random.default_rng(seed)
+    flat = rng.standard_normal(LAYOUT.total).astype(np.float32).view(np.uint8)
+    cuts = np.unique(np.concatenate([[0, len(flat)], rng.integers(0, len(flat), 40)]))
+    pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
+    rng.shuffle(pieces)
+    for a, b in pieces:
+        buf = sink.staging(int(b - a))
+        np.frombuffer(buf, dtype=np.uint8)[:] = flat[a:b]
+        sink.put(int(a), buf)
+    assert np.array_equal(np.concatenate([p.numpy().reshape(-1) for p in params]), flat.view(np.float32))
+    with pytest.raises(ValueError, match="run past"):
+        sink.put(len(flat) - 4, memoryview(bytes(8)))
 
 
 def test_corrupt_chunk_is_refused():

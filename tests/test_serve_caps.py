@@ -216,7 +216,8 @@ def fetch_from_one_that_answers(ctx, msg: dict) -> None:
     try:
         w = {"id": 0, "start": 0, "stop": 8, "serve": f"tcp://127.0.0.1:{port}"}
         arrays = {Field.PARAM: np.zeros(8, dtype=np.float32)}
-        _fetch_shard(ctx, w, {"epoch": 1, "iteration": 2}, arrays, Tuning(), _Progress(None, 0), threading.Event())
+        info = {"epoch": 1, "iteration": 2}
+        _fetch_shard(ctx, w, info, 8, list(arrays), arrays, Tuning(), _Progress(None, 0), threading.Event())
     finally:
         t.join(5)
         router.close(linger=0)

@@ -19,6 +19,7 @@ from shadow.tuning import Tuning
 from trainer_hooks import _extras, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
 from trainer_hooks._restored import RESTORED, RestorePoint
+from trainer_hooks._sink import ModelParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ def restore(
     the local tier, then the remote tier; ``RestoreInfo.tier`` says which was used), a
     checkpoint directory, or an fsspec URL. Weights are restored first; with
     ``weights_only=True`` only the model is touched. Nothing is modified unless the
-    checkpoint matches the model and optimizer exactly. ``timeout`` bounds the wait for a
+    checkpoint matches the model and optimizer exactly (for a model on the CPU restored from
+    memory, the parameters are received straight into it once its layout is known to match;
+    if every source then fails, it holds part of them and this raises). ``timeout`` bounds the wait for a
     coordinator (default ``tuning.connect_timeout_s``); ``tuning``: a
     :class:`shadow.tuning.Tuning` (default: :meth:`Tuning.load`, from the environment).
     ``sign_key``: the manifest key (``shadow.persist.signing.load_key(path)``) a persisted
@@ -70,7 +73,13 @@ def restore(
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
 
-    snap = resolve(source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key)
+    sink = None
+    if optimizer is not None:
+        try:  # a model on the CPU gets its parameters straight from the workers (memory only)
+            sink = ModelParams.of(*build_layout(model, optimizer))
+        except LayoutError:
+            sink = None  # apply_snapshot says what does not match
+    snap = resolve(source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key, sink=sink)
     return apply_snapshot(
         snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
     )
@@ -114,13 +123,23 @@ def apply_snapshot(
                 )
             params.append(p)
     sd = state_dicts(snap)
-    extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras))  # checked before any change
+    try:
+        extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras))  # checked before any change
+    except LayoutMismatchError as exc:
+        if not snap.placed:
+            raise
+        raise LayoutMismatchError(
+            str(exc).replace("nothing was changed", "the parameters were received into the model already, the rest")
+            + " was not changed"
+        ) from None
     blob_rank = rank if rank in range(len(sd["rng"])) else None
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
     with torch.no_grad():
         for spec, p in zip(snap.layout.params, params, strict=True):
-            p.copy_(sd["model"][spec.name])
+            saved = sd["model"][spec.name]
+            if saved is not p:  # a parameter received in place is there already
+                p.copy_(saved)
         for live, saved in extras:  # parameters in no param group (frozen) and persistent buffers
             live.copy_(saved)
     if optimizer is not None and not weights_only:

@@ -24,7 +24,10 @@ def state_dicts(snap: Snapshot) -> dict:
     with ordinary torch state dicts, loadable with ``load_state_dict``."""
     blobs = {r: blob.unpack(b) for r, b in snap.blobs.items()}
     b0 = blobs[0]
-    params = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
+    if snap.placed:  # received straight into the live model's parameters
+        params = OrderedDict((spec.name, t) for spec, t in zip(snap.layout.params, snap.placed, strict=True))
+    else:
+        params = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
     model = extras.model_state(params, snap.extras, b0)  # with frozen params, buffers, aliases
     groups = b0["param_groups"]
     state: dict[int, dict] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from shadow.restore.memory import MemorySource, MovedOn, fetch_memory, restore_info
+from shadow.restore.memory import MemorySource, MovedOn, ParamSink, fetch_memory, restore_info
 from shadow.restore.resolve import find_checkpoint, is_endpoint, open_source, pick, resolve
 from shadow.restore.sources import Candidate, RestoreSource
 from shadow.snapshot import Snapshot
@@ -20,6 +20,7 @@ __all__ = [
     "Candidate",
     "MemorySource",
     "MovedOn",
+    "ParamSink",
     "RestoreSource",
     "Snapshot",
     "TierSource",

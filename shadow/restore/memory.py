@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import zmq
@@ -21,7 +21,7 @@ from shadow.snapshot import Snapshot
 from shadow.transport import fetch
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
-from shadow.wire.frames import state_fields
+from shadow.wire.frames import Field, state_fields
 
 if TYPE_CHECKING:
     from shadow.restore.tier import TierSource
@@ -78,8 +78,8 @@ class MemorySource:
         self.problem = ""
         return [Candidate(mem["job"], mem["iteration"], "memory", self.address, generation=None, handle=mem)]
 
-    def load(self, candidate: Candidate, progress=None) -> Snapshot:
-        return fetch_memory(candidate.handle, self.address, progress, self.tuning)
+    def load(self, candidate: Candidate, progress=None, sink: ParamSink | None = None) -> Snapshot:
+        return fetch_memory(candidate.handle, self.address, progress, self.tuning, sink)
 
     def tiers(self) -> list[TierSource]:
         """The cluster's persisted tiers, nearest first, as its last answer named them."""
@@ -88,27 +88,47 @@ class MemorySource:
         return [TierSource(st["tier"], st["root"]) for st in self.info.get("storage", [])]
 
 
-def fetch_memory(info: dict, address: str, progress=None, tuning: Tuning = DEFAULT) -> Snapshot:
+class ParamSink(Protocol):
+    """The live parameters a restore receives ``Field.PARAM`` into, when its checkpoint has
+    their layout (``layout_hash``): ``scatter`` puts each checked chunk in place (see
+    :class:`shadow.transport.fetch.Scatter`); ``tensors``, layout order, end up in
+    :attr:`Snapshot.placed`. ``trainer_hooks.restore`` makes one for a model on the CPU."""
+
+    layout_hash: int
+    scatter: fetch.Scatter
+    tensors: tuple
+
+
+def fetch_memory(
+    info: dict, address: str, progress=None, tuning: Tuning = DEFAULT, sink: ParamSink | None = None
+) -> Snapshot:
     """Read the iteration described by a coordinator's memory info from every worker.
 
     All workers are asked at once and read in parallel (a thread per worker, up to
     ``FETCH_THREADS``; zmq I/O threads, up to 4). Each chunk is received straight into place
     in the flat arrays as it arrives (``recv_into``: one copy from zmq's buffer, none after)
     and its checksum checked there, while the later chunks are still on the wire; a worker
-    silent for ``tuning.fetch_timeout_s`` fails the fetch."""
+    silent for ``tuning.fetch_timeout_s`` fails the fetch. With a ``sink`` whose layout the
+    checkpoint has, the parameters go straight into its tensors (no flat parameter array);
+    if the fetch then fails, they hold part of it."""
     layout = Layout.from_dict(info["layout"])
     if layout.hash != info["layout_hash"]:
         raise ShadowError("coordinator sent a layout that does not match its hash")
     total = layout.total
     fields = state_fields(info["optim"])
-    arrays = {fld: np.empty(total, dtype=np.float32) for fld in fields}
+    placed = sink is not None and sink.layout_hash == layout.hash
+    targets: dict = {Field.PARAM: sink.scatter} if placed and sink is not None else {}
+    arrays = {fld: np.empty(total, dtype=np.float32) for fld in fields if fld not in targets}
     workers = list(info["workers"])
     ctx = zmq.Context(io_threads=max(1, min(4, len(workers))))
     tracker = _Progress(progress, total * 4 * len(fields))
     stop = threading.Event()  # one shard failed: the others stop reading
     try:
         with ThreadPoolExecutor(max(1, min(FETCH_THREADS, len(workers))), thread_name_prefix="shadow-fetch") as pool:
-            jobs = [pool.submit(_fetch_shard, ctx, w, info, arrays, tuning, tracker, stop) for w in workers]
+            jobs = [
+                pool.submit(_fetch_shard, ctx, w, info, total, fields, arrays | targets, tuning, tracker, stop)
+                for w in workers
+            ]
             futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
             stop.set()
             readers = [(w, job.result()) for w, job in zip(workers, jobs, strict=True)]
@@ -140,6 +160,7 @@ def fetch_memory(info: dict, address: str, progress=None, tuning: Tuning = DEFAU
         source=address,
         generation=int(info.get("generation", 0)),
         extras=extras,
+        placed=sink.tensors if placed and sink is not None else (),
     )
 
 
@@ -162,15 +183,23 @@ class _Progress:
 
 
 def _fetch_shard(
-    ctx: zmq.Context, w: dict, info: dict, arrays: dict, tuning: Tuning, tracker: _Progress, stop: threading.Event
+    ctx: zmq.Context,
+    w: dict,
+    info: dict,
+    total: int,
+    fields,
+    targets: dict,
+    tuning: Tuning,
+    tracker: _Progress,
+    stop: threading.Event,
 ):
-    """Ask worker ``w`` for its shard and read the reply into ``arrays`` as it arrives; the
-    reader, complete (None if ``stop`` was set first). Runs in a fetch thread, on a socket
-    of its own."""
+    """Ask worker ``w`` for its shard and read the reply into ``targets`` (field -> flat
+    array or :class:`~shadow.transport.fetch.Scatter`) as it arrives; the reader, complete
+    (None if ``stop`` was set first). Runs in a fetch thread, on a socket of its own."""
     who = f"worker {w.get('id')}"
     lo, hi = w.get("start"), w.get("stop")
-    if not isinstance(lo, int) or not isinstance(hi, int) or not 0 <= lo <= hi:
-        raise ShadowError(f"the restore info gives {who} no range (start {lo!r}, stop {hi!r})")
+    if not isinstance(lo, int) or not isinstance(hi, int) or not 0 <= lo <= hi <= total:
+        raise ShadowError(f"the restore info gives {who} no range within the layout (start {lo!r}, stop {hi!r})")
     # at most FETCH_BUFFER_BYTES of chunks wait in zmq's buffers before it stops reading the connection
     sock = dealer(ctx, w["serve"], tuning=tuning, rcvhwm=max(2, FETCH_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes)))
     try:
@@ -180,9 +209,9 @@ def _fetch_shard(
             iteration=info["iteration"],
             start=lo,
             stop=hi,
-            fields=[int(f) for f in arrays],
+            fields=[int(f) for f in fields],
             who=who,
-            target=lambda fld: fetch.as_bytes(arrays[fld][lo:hi]),
+            target=lambda fld: t if not isinstance(t := targets[fld], np.ndarray) else fetch.as_bytes(t[lo:hi]),
             commit_bytes=tuning.max_commit_bytes,
         )
         parts = fetch.SocketParts(sock, zmq.NOBLOCK)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shadow.errors import CheckpointError, ShadowError
-from shadow.restore.memory import MemorySource, MovedOn
+from shadow.restore.memory import MemorySource, MovedOn, ParamSink
 from shadow.restore.sources import COMPLETE, INCOMPLETE, UNREADABLE, Candidate, RestoreSource
 from shadow.snapshot import Snapshot
 from shadow.tuning import Tuning
@@ -140,6 +140,7 @@ def resolve(
     progress=None,
     tuning: Tuning | None = None,
     sign_key: bytes | None = None,
+    sink: ParamSink | None = None,
 ) -> Snapshot:
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
 
@@ -147,7 +148,8 @@ def resolve(
     bounds the waits on a live cluster (default: :meth:`Tuning.load`). ``sign_key``: the
     manifest key persisted tiers are read with (default: the file ``$SHADOW_MANIFEST_KEY``
     names, if set; with none, signatures are not checked). A live cluster's memory has no
-    manifest: its connection is what CURVE (``security``) protects."""
+    manifest: its connection is what CURVE (``security``) protects. ``sink``: live
+    parameters a fetch from memory receives the parameters into (see :class:`ParamSink`)."""
     key = sign_key
     if key is None and os.environ.get(KEY_ENV):
         from shadow.persist import signing
@@ -167,7 +169,7 @@ def resolve(
             errors.append(f"memory: holds iteration {mem.iteration}, not {iteration}")
             break
         try:
-            return src.load(mem, progress)
+            return src.load(mem, progress, sink)
         except MovedOn as exc:  # training is live and moved on: take the newer cut
             logger.info("restore raced a live cluster (%s); retrying", exc)
             time.sleep(0.05 * (attempt + 1))

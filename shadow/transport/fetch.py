@@ -17,6 +17,7 @@ and never trusts a length or an index from the head without checking it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import zmq
@@ -121,10 +122,26 @@ def read_head(
     return head
 
 
+class Scatter(Protocol):
+    """Where a field's bytes go when they land in tensors of their own rather than one flat
+    array (a live model's parameters): each chunk is received into :meth:`staging`, checked
+    there, then handed to :meth:`put`. Called from the fetch threads (one staging buffer
+    per thread)."""
+
+    def staging(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes`` for one chunk, this thread's own."""
+        ...
+
+    def put(self, byte_offset: int, data: memoryview) -> None:
+        """``data`` holds the field's bytes from ``byte_offset`` (of its whole flat form)."""
+        ...
+
+
 class ReplyReader:
     """One ``fetch_reply``, read part by part (:meth:`feed`) into ``target(field)`` (a byte
-    view of the range ``[start, stop)`` of that array); the head is checked against what was
-    asked for (``epoch`` None: any), each chunk against its size and checksum as it lands.
+    view of the range ``[start, stop)`` of that array, or a :class:`Scatter`); the head is
+    checked against what was asked for (``epoch`` None: any), each chunk against its size
+    and checksum as it lands (a scattered chunk before it is put in place).
 
     After the last part: ``head`` (the decoded head), ``extras`` (key -> bytes), ``done``.
     ``received``: the array bytes in place so far; ``total``: all of them (0 before the head).
@@ -139,7 +156,7 @@ class ReplyReader:
         stop: int,
         fields: list[int],
         who: str,
-        target: Callable[[Field], memoryview],
+        target: Callable[[Field], memoryview | Scatter],
         commit_bytes: int = DEFAULT.max_commit_bytes,
     ) -> None:
         self.epoch, self.iteration, self.start, self.stop, self.fields = epoch, iteration, start, stop, fields
@@ -148,7 +165,8 @@ class ReplyReader:
         self.extras: dict[int, bytes] = {}
         self.received = self.total = 0
         self.done = False
-        self._chunks: list[tuple[Field, memoryview, int]] = []  # (field, where it goes, its byte offset)
+        # (field, where it goes: a view, or the Scatter, its byte offset in the range, its size)
+        self._chunks: list[tuple[Field, memoryview | Scatter, int, int]] = []
         self._next = 0  # the next chunk, then the next extras chunk
 
     def feed(self, parts) -> bool:
@@ -183,11 +201,13 @@ class ReplyReader:
             who=self.who,
             commit_bytes=self.commit_bytes,
         )
-        chunk = head["chunk"]
+        chunk, nbytes = head["chunk"], (self.stop - self.start) * 4
         for f in head["arrays"]:
             fld = Field(f)
-            view = self.target(fld)
-            self._chunks += [(fld, view[off : off + chunk], off) for off in range(0, len(view), chunk)]
+            where = self.target(fld)
+            for off in range(0, nbytes, chunk):
+                n = min(chunk, nbytes - off)
+                self._chunks.append((fld, where[off : off + n] if isinstance(where, memoryview) else where, off, n))
         if len(head["sums"]) != len(self._chunks):
             raise FetchError(
                 "malformed", f"{self.who} sent {len(head['sums'])} checksums for {len(self._chunks)} chunks"
@@ -195,23 +215,26 @@ class ReplyReader:
         for entry in head.get("extras", []):
             if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
                 raise FetchError("malformed", f"{self.who} sent a malformed extras entry {entry!r:.80}")
-        self.total = sum(len(v) for _, v, _ in self._chunks)
+        self.total = sum(n for *_, n in self._chunks)
         self.head = head
 
     def _take_chunk(self, parts) -> None:
         assert self.head is not None
-        fld, view, off = self._chunks[self._next]
+        fld, where, off, n = self._chunks[self._next]
+        view = where if isinstance(where, memoryview) else where.staging(n)
         got = parts.into(view)
-        if got != len(view):
+        if got != n:
             raise FetchError(
-                "malformed", f"{self.who} sent a {got}-byte chunk of {fld.name} at byte {off}, expected {len(view)}"
+                "malformed", f"{self.who} sent a {got}-byte chunk of {fld.name} at byte {off}, expected {n}"
             )
         if checksum(view) != self.head["sums"][self._next]:
             raise FetchError(
-                "damaged", f"{self.who}: {fld.name} bytes {off}..{off + len(view)} of its shard fail their checksum"
+                "damaged", f"{self.who}: {fld.name} bytes {off}..{off + n} of its shard fail their checksum"
             )
+        if not isinstance(where, memoryview):
+            where.put(self.start * 4 + off, view)
         self._next += 1
-        self.received += len(view)
+        self.received += n
 
     def _take_extra(self, parts) -> None:
         assert self.head is not None
