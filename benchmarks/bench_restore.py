@@ -3,14 +3,17 @@ from the shadow's local-disk tier, with torch.distributed.checkpoint (DCP) `dcp.
 with a plain `torch.load` of a `torch.save`d state dict. All in one run, same state.
 
     python benchmarks/bench_restore.py [--quick] [--n-layer 8] [--n-embd 576] [--steps 3]
-                                    [--repeat 3] [--no-evict] [--keep] [--json PATH]
+                                    [--repeat 3] [--no-evict] [--no-s3] [--keep] [--json PATH]
 
 Setup (not timed): a shadow cluster (coordinator + 2 workers, 127.0.0.1, a free port,
 `persist.local.dir` in a temp dir, `persist.local.every_n=--steps`) and one trainer
 process (gloo, world 1, DDP) that trains the example GPT (examples/gpt.py, default 32M
 params) for --steps iterations attached to the shadow, so iteration --steps is in the
 workers' memory and on the local tier; the trainer then writes the same state with
-`dcp.save` (from `get_state_dict`) and with `torch.save`, and exits.
+`dcp.save` (from `get_state_dict`) and with `torch.save`, and exits. With `weed` and s3fs
+(the test extra) and without --no-s3, a SeaweedFS S3 server on loopback too: the cluster's
+remote tier (`persist.remote.url=s3://...`, uploaded by the workers) and DCP's own fsspec
+writer put the same state there.
 
 Timed, in a fresh process (gloo world 1, as a restarted trainer), each restore into a
 freshly constructed GPT + AdamW(fused) (construction not timed), from the call until the
@@ -23,6 +26,8 @@ model and optimizer hold the state:
                   runs DCP's zero-grad lr=0 step to allocate the state it loads into)
   torch.load      sd = torch.load(path, weights_only=True); model.load_state_dict(sd["model"]);
                   opt.load_state_dict(sd["optim"])
+  shadow remote (S3)  trainer_hooks.restore(model, opt, source="s3://bucket/...")
+  DCP load, S3    as DCP load, with storage_reader=FsspecReader("s3://bucket/...")
 
 One warm-up round (reported as "first call", not in the median), then --repeat rounds;
 the paths run interleaved, the order rotated each round; the figure is the median. After
@@ -30,8 +35,8 @@ every restore the model and optimizer state dicts are compared with the trained 
 (torch.equal on every tensor, == on param_groups); a mismatch is printed loudly and the
 script exits 1. Separate, untimed-in-the-table rounds split the shadow paths into fetch
 (`shadow.restore.resolve`: coordinator query + worker fetch, or catalog list + read +
-xxh3 check) and install (`trainer_hooks.apply_snapshot`), and time xxh3 over the shard
-bytes alone.
+xxh3 check; the parameters straight into the model, as `trainer_hooks.restore` does) and
+install (`trainer_hooks.apply_snapshot`), and time xxh3 over the shard bytes alone.
 
 Caches: the page cache is not dropped (that would hit everyone on a shared machine). The
 "warm" disk rows read files that were just written and sit in the page cache. The
@@ -173,6 +178,8 @@ def restore_main(args) -> None:
     import trainer_hooks
     from shadow.persist import checkpoints
     from shadow.restore.memory import fetch_memory, restore_info
+    from trainer_hooks._model import build_layout
+    from trainer_hooks._sink import ModelParams
 
     local, dcp_dir, torch_file = work / "local", work / "dcp", work / "torch_ckpt.pt"
     ref = torch.load(work / "reference.pt", weights_only=True)
@@ -276,16 +283,17 @@ def restore_main(args) -> None:
             gc.collect()
             b: dict = {}
             t0 = time.perf_counter()
+            sink = ModelParams.of(*build_layout(model, opt))  # as trainer_hooks.restore: parameters in place
             if name == "shadow memory":
                 info = restore_info(source, JOB, 10.0)
                 t1 = time.perf_counter()
-                snap = fetch_memory(info["memory"], source)
+                snap = fetch_memory(info["memory"], source, sink=sink)
                 t2 = time.perf_counter()
                 b.update({"coordinator restore_info": t1 - t0, "worker fetch": t2 - t1})
             else:
                 found = checkpoints.list_checkpoints(source, "local", JOB)
                 t1 = time.perf_counter()
-                snap = checkpoints.load(found[-1])
+                snap = checkpoints.load(found[-1], sink=sink)
                 t2 = time.perf_counter()
                 b.update({"catalog list": t1 - t0, "read + xxh3 check": t2 - t1})
             t3 = time.perf_counter()
@@ -304,7 +312,7 @@ def restore_main(args) -> None:
             if name == "shadow local":
                 h = xxhash.xxh3_64()
                 t6 = time.perf_counter()
-                for arr in snap.arrays.values():
+                for arr in [*snap.arrays.values(), *(t.detach().numpy() for t in snap.placed)]:
                     h.update(arr.view(np.uint8))
                 b["xxh3 of the state bytes alone"] = time.perf_counter() - t6
             problems = compare(model, opt, ref)

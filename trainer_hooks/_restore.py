@@ -79,10 +79,21 @@ def restore(
             sink = ModelParams.of(*build_layout(model, optimizer))
         except LayoutError:
             sink = None  # apply_snapshot says what does not match
-    snap = resolve(source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key, sink=sink)
-    return apply_snapshot(
-        snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
-    )
+    try:
+        snap = resolve(
+            source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key, sink=sink
+        )
+        return apply_snapshot(
+            snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
+        )
+    except Exception:
+        if sink is not None and sink.written:
+            logger.error(
+                "the restore failed after it had received checkpoint data into the model's parameters: they "
+                "hold a checkpoint's parameters or part of them (the optimizer, buffers and RNG are unchanged); "
+                "restore again before training on"
+            )
+        raise
 
 
 def apply_snapshot(

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from shadow.layout import Layout
 from shadow.transport.fetch import Scatter
+
+PAGE = 4096
 
 
 class ModelParams:
@@ -26,6 +29,7 @@ class ModelParams:
         self.views = [p.detach().numpy().reshape(-1).view(np.uint8) for p in params]
         self.scatter: Scatter = self  # the fetch's Scatter
         self.local = threading.local()  # each fetch thread's staging buffer
+        self.written = False  # a chunk has been put into the parameters
 
     @classmethod
     def of(cls, layout: Layout, params: list[torch.Tensor]) -> ModelParams | None:
@@ -34,12 +38,28 @@ class ModelParams:
         return cls(layout, params) if ok and params else None
 
     def staging(self, nbytes: int) -> memoryview:
+        """This thread's buffer for one chunk, page-aligned (a valid ``O_DIRECT`` target)."""
         buf = getattr(self.local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = self.local.buf = np.empty(nbytes, dtype=np.uint8)
+            raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+            start = (-raw.ctypes.data) % PAGE
+            buf = self.local.buf = raw[start : start + nbytes]
         return buf[:nbytes].data
 
+    def chunks(self, byte_offset: int, nbytes: int) -> Iterator[memoryview]:
+        """The flat parameter bytes ``[byte_offset, byte_offset + nbytes)``, where they are
+        now, in order (a shard file's checksum is taken over them)."""
+        i, end = max(0, bisect.bisect_right(self.starts, byte_offset) - 1), byte_offset + nbytes
+        while byte_offset < end and i < len(self.views):
+            at = byte_offset - self.starts[i]
+            n = min(len(self.views[i]) - at, end - byte_offset)
+            if n > 0:
+                yield self.views[i][at : at + n].data
+                byte_offset += n
+            i += 1
+
     def put(self, byte_offset: int, data: memoryview) -> None:
+        self.written = True
         src = np.frombuffer(data, dtype=np.uint8)
         i, done = max(0, bisect.bisect_right(self.starts, byte_offset) - 1), 0
         while done < len(src) and i < len(self.views):

@@ -16,6 +16,7 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -211,12 +212,29 @@ def _cached_part(fd: int, view: np.ndarray, off: int) -> int:
     return done
 
 
-def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | None]) -> tuple[dict, dict, int, int]:
+@dataclass
+class Placed:
+    """A tensor of a shard file that goes to a scatter target (a live model's parameters:
+    :class:`shadow.transport.fetch.Scatter`) rather than into an array: its bytes are those
+    of the field's flat form from ``byte_offset``."""
+
+    scatter: Any
+    byte_offset: int
+
+
+SCATTER_PIECE = 8 << 20  # bytes per parallel read of a placed tensor (each thread stages one)
+
+
+def read_into(
+    path: str, target: Callable[[str, np.dtype, int], np.ndarray | Placed | None]
+) -> tuple[dict, dict, int, int]:
     """Read a local shard file straight into caller-provided arrays, in parallel pieces.
 
-    ``target(name, dtype, count)`` returns where tensor ``name`` goes (or None for a
-    fresh array). Returns ``(metadata, tensors, checksum, file_size)``; the checksum is
-    the same xxh3 of the whole file that the writer recorded.
+    ``target(name, dtype, count)`` returns where tensor ``name`` goes: an array, a
+    :class:`Placed` scatter target (read a piece at a time into its staging buffer, then put;
+    not in the returned tensors), or None for a fresh array. Returns ``(metadata, tensors,
+    checksum, file_size)``; the checksum is the same xxh3 of the whole file that the writer
+    recorded (a placed tensor's bytes are hashed where they landed).
     """
     fd = os.open(path, os.O_RDONLY)
     dfd = None
@@ -225,6 +243,7 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError:
             dfd = None
+    order: list[tuple[np.ndarray | Placed, int]] = []  # each tensor's destination and size, file order
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
@@ -236,7 +255,8 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
         raw = os.pread(fd, hlen, 8)
         meta, header = _header(raw)
         base = 8 + hlen
-        tensors, pieces = {}, []
+        tensors: dict[str, np.ndarray] = {}
+        pieces: list[tuple[np.ndarray | Placed, int, int, int]] = []  # (where, file position, bytes, tensor offset)
         for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             lo, hi = spec["data_offsets"]
             dt = np.dtype(_DTYPES[spec["dtype"]])
@@ -244,37 +264,29 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
                 raise ValueError(f"tensor {name!r} lies outside the shard file")
             count = (hi - lo) // dt.itemsize
             arr = target(name, dt, count)
+            if isinstance(arr, Placed):
+                order.append((arr, hi - lo))
+                pieces += [
+                    (arr, base + lo + o, min(SCATTER_PIECE, hi - lo - o), o) for o in range(0, hi - lo, SCATTER_PIECE)
+                ]
+                continue
             if arr is None:
                 arr = np.empty(count, dtype=dt)
             if arr.dtype != dt or arr.size != count:
                 raise ValueError(f"tensor {name!r} is {spec['dtype']} x {count}, not what the layout expects")
             tensors[name] = arr
+            order.append((arr, hi - lo))
             flat = arr.view(np.uint8)
-            for off in range(0, hi - lo, READ_PIECE):
-                view, pos = flat[off : off + READ_PIECE], base + lo + off
-                body = len(view) - len(view) % PAGE
-                if dfd is not None and pos % PAGE == 0 and view.ctypes.data % PAGE == 0 and body:
-                    pieces.append((view[:body], pos, True))
-                    view, pos = view[body:], pos + body
-                if len(view):
-                    pieces.append((view, pos, False))
+            pieces += [(flat[o : o + READ_PIECE], base + lo + o, 0, o) for o in range(0, hi - lo, READ_PIECE)]
 
-        def read(piece):
-            view, off, direct = piece
-            if direct:  # what the page cache holds is copied from there; the rest read past it
-                cached = _cached_part(fd, view, off)
-                view, off = view[cached:], off + cached
-                direct = bool(len(view)) and cached % PAGE == 0 and view.ctypes.data % PAGE == 0
-            if not len(view):
-                return
-            try:
-                got = os.preadv(dfd if direct else fd, [view], off)
-            except OSError:
-                if not direct:
-                    raise
-                got = os.preadv(fd, [view], off)  # the file system refused O_DIRECT after all
-            if got != len(view):
-                raise ValueError(f"shard file ended early at byte {off + got}")
+        def read(piece) -> None:
+            where, pos, nbytes, off = piece
+            if isinstance(where, Placed):
+                buf = np.frombuffer(where.scatter.staging(nbytes), dtype=np.uint8)
+                _read_span(fd, dfd, buf, pos)
+                where.scatter.put(where.byte_offset + off, buf.data)
+            else:
+                _read_span(fd, dfd, where, pos)
 
         with ThreadPoolExecutor(READ_THREADS) as pool:
             list(pool.map(read, pieces))
@@ -285,9 +297,35 @@ def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | Non
     h = xxhash.xxh3_64()
     h.update(head)
     h.update(raw)
-    for arr in tensors.values():  # offset order, back to back: the file's bytes
-        h.update(arr.view(np.uint8).data)
+    for where, nbytes in order:  # offset order, back to back: the file's bytes
+        if isinstance(where, Placed):
+            for part in where.scatter.chunks(where.byte_offset, nbytes):
+                h.update(part)
+        else:
+            h.update(where.view(np.uint8).data)
     return meta, tensors, h.intdigest(), size
+
+
+def _read_span(fd: int, dfd: int | None, view: np.ndarray, pos: int) -> None:
+    """Fill ``view`` with the file's bytes from ``pos``: what the page cache holds copied from
+    there, the page-aligned rest past it with ``O_DIRECT`` (``dfd``) where the buffer allows,
+    the remainder buffered."""
+    if dfd is not None:
+        done = _cached_part(fd, view, pos)
+        view, pos = view[done:], pos + done
+        body = len(view) - len(view) % PAGE
+        if body and pos % PAGE == 0 and view.ctypes.data % PAGE == 0:
+            try:
+                got = os.preadv(dfd, [view[:body].data], pos)
+            except OSError:  # the file system refused O_DIRECT after all
+                got = os.preadv(fd, [view[:body].data], pos)
+            if got != body:
+                raise ValueError(f"shard file ended early at byte {pos + got}")
+            view, pos = view[body:], pos + body
+    if len(view):
+        got = os.preadv(fd, [view.data], pos)
+        if got != len(view):
+            raise ValueError(f"shard file ended early at byte {pos + got}")
 
 
 def tensor_specs(
