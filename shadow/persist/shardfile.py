@@ -9,10 +9,14 @@ page-aligned buffer: the worker copies its range into it at an iteration boundar
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
+import mmap
 import os
 import struct
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -192,24 +196,49 @@ def _header(raw: bytes) -> tuple[dict, dict]:
     return meta, header
 
 
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+def _libc():
+    """libc through ctypes, for ``mmap``/``mincore``/``munmap`` (None where there is none)."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        return lib
+    except (OSError, AttributeError):
+        return None
 
 
-def _cached_part(fd: int, view: np.ndarray, off: int) -> int:
-    """How much of ``view`` (the file's bytes from ``off``) came from the page cache: read
-    with ``RWF_NOWAIT``, which copies cached pages and stops at the first page that would
-    need the disk. A file just written or read is copied at memory speed; a cold one costs
-    one refused call, then is read with ``O_DIRECT``."""
-    done = 0
-    while _NOWAIT and done < len(view):
-        try:
-            got = os.preadv(fd, [view[done:].data], off + done, _NOWAIT)
-        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: no such reads here
-            break
-        if got <= 0:
-            break
-        done += got
-    return done
+_LIBC = _libc() if sys.platform.startswith("linux") else None
+
+
+def resident_pages(fd: int, size: int) -> np.ndarray | None:
+    """Which of the file's pages the page cache holds (``mincore`` of a read-only mapping: no
+    I/O, nothing read), or None where that cannot be told (then every page is read past the
+    cache)."""
+    if _LIBC is None or size <= 0:
+        return None
+    addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        vec = np.zeros(-(-size // PAGE), dtype=np.uint8)
+        if _LIBC.mincore(addr, size, vec.ctypes.data) != 0:
+            return None
+        return (vec & 1).astype(bool)
+    finally:
+        _LIBC.munmap(addr, size)
+
+
+def _cached_prefix(resident: np.ndarray | None, pos: int, nbytes: int) -> int:
+    """How many bytes from ``pos`` lie in pages the page cache held (whole pages, up to ``nbytes``)."""
+    if resident is None or pos % PAGE:
+        return 0
+    first = pos // PAGE
+    pages = resident[first : first + -(-nbytes // PAGE)]
+    missing = np.flatnonzero(~pages)
+    whole = len(pages) if not len(missing) else int(missing[0])
+    return min(nbytes, whole * PAGE)
 
 
 @dataclass
@@ -279,14 +308,16 @@ def read_into(
             flat = arr.view(np.uint8)
             pieces += [(flat[o : o + READ_PIECE], base + lo + o, 0, o) for o in range(0, hi - lo, READ_PIECE)]
 
+        resident = resident_pages(fd, size) if dfd is not None else None
+
         def read(piece) -> None:
             where, pos, nbytes, off = piece
             if isinstance(where, Placed):
                 buf = np.frombuffer(where.scatter.staging(nbytes), dtype=np.uint8)
-                _read_span(fd, dfd, buf, pos)
+                _read_span(fd, dfd, buf, pos, resident)
                 where.scatter.put(where.byte_offset + off, buf.data)
             else:
-                _read_span(fd, dfd, where, pos)
+                _read_span(fd, dfd, where, pos, resident)
 
         with ThreadPoolExecutor(READ_THREADS) as pool:
             list(pool.map(read, pieces))
@@ -306,12 +337,16 @@ def read_into(
     return meta, tensors, h.intdigest(), size
 
 
-def _read_span(fd: int, dfd: int | None, view: np.ndarray, pos: int) -> None:
-    """Fill ``view`` with the file's bytes from ``pos``: what the page cache holds copied from
-    there, the page-aligned rest past it with ``O_DIRECT`` (``dfd``) where the buffer allows,
-    the remainder buffered."""
+def _read_span(fd: int, dfd: int | None, view: np.ndarray, pos: int, resident: np.ndarray | None) -> None:
+    """Fill ``view`` with the file's bytes from ``pos``: the leading pages the page cache held
+    (``resident``) copied from there, the page-aligned rest past it with ``O_DIRECT``
+    (``dfd``) where the buffer allows, the remainder buffered."""
     if dfd is not None:
-        done = _cached_part(fd, view, pos)
+        done = _cached_prefix(resident, pos, len(view))
+        if done:
+            got = os.preadv(fd, [view[:done].data], pos)
+            if got != done:
+                raise ValueError(f"shard file ended early at byte {pos + got}")
         view, pos = view[done:], pos + done
         body = len(view) - len(view) % PAGE
         if body and pos % PAGE == 0 and view.ctypes.data % PAGE == 0:
