@@ -91,37 +91,6 @@ class ListParts:
         return raw
 
 
-def read_head(
-    parts,
-    *,
-    epoch: int | None,
-    iteration: int,
-    start: int,
-    stop: int,
-    fields: list[int],
-    who: str,
-    commit_bytes: int = DEFAULT.max_commit_bytes,
-) -> dict:
-    """The reply's head, checked against what was asked for (``epoch`` None: any;
-    ``commit_bytes``: the reader's ``Tuning.max_commit_bytes``)."""
-    head = M.decode(parts.head(), commit_bytes)
-    if head["t"] == "error":
-        code = head["code"] if head["code"] in ("moved_on", "busy") else "error"
-        raise FetchError(code, f"{who}: {head['message']}")
-    if head["t"] != "fetch_reply" or head["iteration"] != iteration or (epoch is not None and head["epoch"] != epoch):
-        raise FetchError(
-            "mismatch",
-            f"{who} answered {head['t']} for epoch {head.get('epoch')} iteration "
-            f"{head.get('iteration')}, not iteration {iteration}",
-        )
-    if (head["start"], head["stop"]) != (start, stop):
-        raise FetchError("mismatch", f"{who} holds [{head['start']}, {head['stop']}), not [{start}, {stop})")
-    chunk = head["chunk"]
-    if head["arrays"] != fields or chunk <= 0 or chunk % 4:
-        raise FetchError("mismatch", f"{who} sent arrays {head['arrays']} in chunks of {chunk}, expected {fields}")
-    return head
-
-
 class Scatter(Protocol):
     """Where a field's bytes go when they land in tensors of their own rather than one flat
     array (a live model's parameters): each chunk is received into :meth:`staging`, checked
@@ -195,17 +164,36 @@ class ReplyReader:
         if parts.more():
             raise FetchError("malformed", f"{self.who} sent more than its shard")
 
+    def _decode_head(self, parts) -> dict:
+        """The reply's head, checked against what was asked for."""
+        who, iteration, epoch = self.who, self.iteration, self.epoch
+        head = M.decode(parts.head(), self.commit_bytes)
+        if head["t"] == "error":
+            code = head["code"] if head["code"] in ("moved_on", "busy") else "error"
+            raise FetchError(code, f"{who}: {head['message']}")
+        if (
+            head["t"] != "fetch_reply"
+            or head["iteration"] != iteration
+            or (epoch is not None and head["epoch"] != epoch)
+        ):
+            raise FetchError(
+                "mismatch",
+                f"{who} answered {head['t']} for epoch {head.get('epoch')} iteration "
+                f"{head.get('iteration')}, not iteration {iteration}",
+            )
+        if (head["start"], head["stop"]) != (self.start, self.stop):
+            raise FetchError(
+                "mismatch", f"{who} holds [{head['start']}, {head['stop']}), not [{self.start}, {self.stop})"
+            )
+        chunk = head["chunk"]
+        if head["arrays"] != self.fields or chunk <= 0 or chunk % 4:
+            raise FetchError(
+                "mismatch", f"{who} sent arrays {head['arrays']} in chunks of {chunk}, expected {self.fields}"
+            )
+        return head
+
     def _take_head(self, parts) -> None:
-        head = read_head(
-            parts,
-            epoch=self.epoch,
-            iteration=self.iteration,
-            start=self.start,
-            stop=self.stop,
-            fields=self.fields,
-            who=self.who,
-            commit_bytes=self.commit_bytes,
-        )
+        head = self._decode_head(parts)
         chunk, nbytes = head["chunk"], (self.stop - self.start) * 4
         for f in head["arrays"]:
             fld = Field(f)
