@@ -34,8 +34,8 @@ the paths run interleaved, the order rotated each round; the figure is the media
 every restore the model and optimizer state dicts are compared with the trained state
 (torch.equal on every tensor, == on param_groups); a mismatch is printed loudly and the
 script exits 1. Separate, untimed-in-the-table rounds split the shadow paths into fetch
-(`shadow.restore.resolve`: coordinator query + worker fetch, or catalog list + read +
-xxh3 check; the parameters straight into the model, as `trainer_hooks.restore` does) and
+(`shadow.restore.resolve`: coordinator query + worker fetch, the parameters straight into
+the model as `trainer_hooks.restore` does, or catalog list + read + xxh3 check) and
 install (`trainer_hooks.apply_snapshot`), and time xxh3 over the shard bytes alone.
 
 Caches: the page cache is not dropped (that would hit everyone on a shared machine). The
@@ -283,7 +283,7 @@ def restore_main(args) -> None:
             gc.collect()
             b: dict = {}
             t0 = time.perf_counter()
-            sink = ModelParams.of(*build_layout(model, opt))  # as trainer_hooks.restore: parameters in place
+            sink = ModelParams.of(*build_layout(model, opt))  # as trainer_hooks.restore: from memory, in place
             if name == "shadow memory":
                 info = restore_info(source, JOB, 10.0)
                 t1 = time.perf_counter()
@@ -293,7 +293,7 @@ def restore_main(args) -> None:
             else:
                 found = checkpoints.list_checkpoints(source, "local", JOB)
                 t1 = time.perf_counter()
-                snap = checkpoints.load(found[-1], sink=sink)
+                snap = checkpoints.load(found[-1])
                 t2 = time.perf_counter()
                 b.update({"catalog list": t1 - t0, "read + xxh3 check": t2 - t1})
             t3 = time.perf_counter()

@@ -309,16 +309,6 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
             want = np.concatenate([st.array(f) for st in states])
             assert _same_bytes(snap.arrays[f], want), (tier, f)
         assert np.array_equal(snap.steps, states[0].steps) and snap.blobs == {0: b"commit-record"}
-        # straight into a model's parameters, from plain and compressed shards alike
-        import torch
-
-        from trainer_hooks._sink import ModelParams
-
-        params = [torch.full(spec.shape, -1.0) for spec in LAYOUT.params]
-        _, placed = find_checkpoint(root, tier, sink=ModelParams.of(LAYOUT, params))
-        assert placed.placed == tuple(params) and Field.PARAM not in placed.arrays
-        got = np.concatenate([t.numpy().reshape(-1) for t in params])
-        assert _same_bytes(got, snap.arrays[Field.PARAM]), tier
 
     # a flipped byte on storage: verify names the shard, a restore refuses it
     info = checkpoints.list_checkpoints(local_root)[0]

@@ -192,30 +192,6 @@ def test_a_tier_source_lists_every_state_and_pick_takes_the_newest_intact(storag
         pick(src, "k")
 
 
-def test_a_tier_read_puts_the_parameters_straight_into_the_model(storage):
-    """With a sink of the checkpoint's layout, the parameters land in the live tensors (a
-    damaged newer checkpoint's bytes that landed first are overwritten by the one picked);
-    the moments stay in flat arrays; a sink of another layout is left alone."""
-    import torch
-
-    from shadow.wire.frames import Field
-    from trainer_hooks._sink import ModelParams
-
-    for it in (1, 2):
-        _checkpoint(storage, "j", it)
-    _checkpoint(storage, "j", 3, damaged=True)
-    param = torch.full((24,), -1.0)
-    sink = ModelParams.of(LAYOUT, [param])
-    c, snap = pick(TierSource("local", storage), "j", sink=sink)
-    assert c.iteration == 2 and snap.placed == (param,) and Field.PARAM not in snap.arrays
-    assert torch.equal(param, torch.full((24,), 2.0)) and snap.arrays[Field.EXP_AVG].shape == (24,)
-    other = torch.full((3, 8), -1.0)
-    _, snap = pick(
-        TierSource("local", storage), "j", sink=ModelParams.of(Layout.build([("v", (3, 8), 0, True)], 1), [other])
-    )
-    assert snap.placed == () and float(snap.arrays[Field.PARAM][0]) == 2.0 and bool((other == -1.0).all())
-
-
 def test_open_source_tells_a_cluster_from_a_directory(tmp_path):
     assert isinstance(open_source("tcp://127.0.0.1:1", 1.0), MemorySource)
     src = open_source(f"file://{tmp_path}")

@@ -1,21 +1,19 @@
 """Receiving a checkpoint's parameters straight into a live model's parameter tensors (a
-:class:`shadow.restore.ParamSink`): no flat parameter array is allocated and nothing is
-copied again at install. For parameters in CPU memory; a model on a GPU is restored
-through the flat arrays."""
+:class:`shadow.restore.ParamSink`), from a cluster's memory: each chunk is checked before
+it is put, no flat parameter array is allocated and nothing is copied again at install.
+For parameters in CPU memory; a model on a GPU, and every read from a tier (whose whole-file
+checksum is known only at the end), go through the flat arrays."""
 
 from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from shadow.layout import Layout
 from shadow.transport.fetch import Scatter
-
-PAGE = 4096
 
 
 class ModelParams:
@@ -38,25 +36,11 @@ class ModelParams:
         return cls(layout, params) if ok and params else None
 
     def staging(self, nbytes: int) -> memoryview:
-        """This thread's buffer for one chunk, page-aligned (a valid ``O_DIRECT`` target)."""
+        """This thread's buffer for one chunk."""
         buf = getattr(self.local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-            start = (-raw.ctypes.data) % PAGE
-            buf = self.local.buf = raw[start : start + nbytes]
+            buf = self.local.buf = np.empty(nbytes, dtype=np.uint8)
         return buf[:nbytes].data
-
-    def chunks(self, byte_offset: int, nbytes: int) -> Iterator[memoryview]:
-        """The flat parameter bytes ``[byte_offset, byte_offset + nbytes)``, where they are
-        now, in order (a shard file's checksum is taken over them)."""
-        i, end = max(0, bisect.bisect_right(self.starts, byte_offset) - 1), byte_offset + nbytes
-        while byte_offset < end and i < len(self.views):
-            at = byte_offset - self.starts[i]
-            n = min(len(self.views[i]) - at, end - byte_offset)
-            if n > 0:
-                yield self.views[i][at : at + n].data
-                byte_offset += n
-            i += 1
 
     def put(self, byte_offset: int, data: memoryview) -> None:
         self.written = True

@@ -252,7 +252,7 @@ def verify(info: CheckpointInfo) -> list[str]:
     return problems
 
 
-def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict, total: int, scatter=None) -> dict:
+def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict, total: int) -> dict:
     """One shard's tensors; the big arrays land directly in ``arrays`` (local files) or
     are copied there (other storage)."""
     lo, hi = shard["start"], shard["stop"]
@@ -265,11 +265,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             return None
         if count != hi - lo:
             raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
-        if fld == Field.PARAM and scatter is not None:
-            return shardfile.Placed(scatter, lo * 4) if local else None
         return _flat(arrays, fld, total)[lo:hi]
-
-    local = not zshard.is_compressed(shard["file"]) and info.storage.os_path(info.path) is not None
 
     if zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
         data = _read_shard(info, shard, check)
@@ -277,8 +273,6 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             meta, tensors = zshard.decode(data, target, where=f"{where} ({path})")
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-        if scatter is not None and "param" in tensors:
-            scatter.put(lo * 4, tensors["param"].view(np.uint8).data)
     elif info.storage.os_path(info.path) is not None:  # the local file system: parallel reads into place
         try:
             path = _shard_path(info, shard)
@@ -301,10 +295,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             if name in tensors:
                 if len(tensors[name]) != hi - lo:
                     raise CheckpointError(f"{where}: {name} has the wrong size")
-                if fld == Field.PARAM and scatter is not None:
-                    scatter.put(lo * 4, tensors[name].view(np.uint8).data)
-                else:
-                    _flat(arrays, fld, total)[lo:hi] = tensors[name]
+                _flat(arrays, fld, total)[lo:hi] = tensors[name]
     if (int(meta["start"]), int(meta["stop"]), int(meta["iteration"])) != (lo, hi, info.iteration):
         raise CheckpointError(f"{where} holds another range or iteration")
     return tensors
@@ -324,11 +315,9 @@ def _flat(arrays: dict, fld: Field, total: int) -> np.ndarray:
 LOAD_THREADS = 8  # shards read at once (a local shard's reads are parallel within it too)
 
 
-def load(info: CheckpointInfo, check: bool = True, progress=None, sink=None) -> Snapshot:
+def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     """Read a checkpoint back into a snapshot (checksums verified unless ``check=False``);
-    ``progress(done_bytes, total_bytes)`` is called after each shard. ``sink``: live
-    parameters (:class:`shadow.restore.ParamSink`) the parameters are read straight into
-    when the checkpoint has their layout (a failed read leaves part of them there)."""
+    ``progress(done_bytes, total_bytes)`` is called after each shard."""
     m = info.manifest
     with _reading(f"iteration {info.iteration} ({info.tier}): unreadable layout in {info.path}"):
         layout = Layout.from_dict(m["layout"])
@@ -339,7 +328,6 @@ def load(info: CheckpointInfo, check: bool = True, progress=None, sink=None) -> 
     if tiling:  # checked before a byte is read: never hand out memory no shard wrote
         raise CheckpointError(f"iteration {info.iteration} ({info.path}): {tiling}")
     arrays: dict[Field, np.ndarray] = {}
-    placed = sink is not None and sink.layout_hash == layout.hash
     steps = np.zeros(len(layout.params), dtype=np.float64)
     has_state = np.zeros(len(layout.params), dtype=bool)
     blobs: dict[int, bytes] = {}
@@ -353,7 +341,7 @@ def load(info: CheckpointInfo, check: bool = True, progress=None, sink=None) -> 
     def read(shard: dict) -> dict:
         # whatever a damaged shard trips (KeyError, TypeError, a store error, ...) is a CheckpointError naming it
         with _reading(unreadable(shard)):
-            return _shard_tensors(info, shard, check, arrays, total, sink.scatter if placed else None)
+            return _shard_tensors(info, shard, check, arrays, total)
 
     # every shard at once (disjoint ranges of the same arrays); merged in manifest order
     with ThreadPoolExecutor(max(1, min(LOAD_THREADS, len(m["shards"]))), thread_name_prefix="shadow-load") as pool:
@@ -398,5 +386,4 @@ def load(info: CheckpointInfo, check: bool = True, progress=None, sink=None) -> 
         source=info.path,
         tier=info.tier,
         extras=extras,
-        placed=sink.tensors if placed else (),
     )

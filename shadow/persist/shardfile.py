@@ -20,7 +20,6 @@ import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -241,29 +240,12 @@ def _cached_prefix(resident: np.ndarray | None, pos: int, nbytes: int) -> int:
     return min(nbytes, whole * PAGE)
 
 
-@dataclass
-class Placed:
-    """A tensor of a shard file that goes to a scatter target (a live model's parameters:
-    :class:`shadow.transport.fetch.Scatter`) rather than into an array: its bytes are those
-    of the field's flat form from ``byte_offset``."""
-
-    scatter: Any
-    byte_offset: int
-
-
-SCATTER_PIECE = 8 << 20  # bytes per parallel read of a placed tensor (each thread stages one)
-
-
-def read_into(
-    path: str, target: Callable[[str, np.dtype, int], np.ndarray | Placed | None]
-) -> tuple[dict, dict, int, int]:
+def read_into(path: str, target: Callable[[str, np.dtype, int], np.ndarray | None]) -> tuple[dict, dict, int, int]:
     """Read a local shard file straight into caller-provided arrays, in parallel pieces.
 
-    ``target(name, dtype, count)`` returns where tensor ``name`` goes: an array, a
-    :class:`Placed` scatter target (read a piece at a time into its staging buffer, then put;
-    not in the returned tensors), or None for a fresh array. Returns ``(metadata, tensors,
-    checksum, file_size)``; the checksum is the same xxh3 of the whole file that the writer
-    recorded (a placed tensor's bytes are hashed where they landed).
+    ``target(name, dtype, count)`` returns where tensor ``name`` goes (or None for a
+    fresh array). Returns ``(metadata, tensors, checksum, file_size)``; the checksum is
+    the same xxh3 of the whole file that the writer recorded.
     """
     fd = os.open(path, os.O_RDONLY)
     dfd = None
@@ -272,7 +254,6 @@ def read_into(
             dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError:
             dfd = None
-    order: list[tuple[np.ndarray | Placed, int]] = []  # each tensor's destination and size, file order
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
@@ -285,7 +266,7 @@ def read_into(
         meta, header = _header(raw)
         base = 8 + hlen
         tensors: dict[str, np.ndarray] = {}
-        pieces: list[tuple[np.ndarray | Placed, int, int, int]] = []  # (where, file position, bytes, tensor offset)
+        pieces: list[tuple[np.ndarray, int]] = []  # (where, file position)
         for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             lo, hi = spec["data_offsets"]
             dt = np.dtype(_DTYPES[spec["dtype"]])
@@ -293,34 +274,16 @@ def read_into(
                 raise ValueError(f"tensor {name!r} lies outside the shard file")
             count = (hi - lo) // dt.itemsize
             arr = target(name, dt, count)
-            if isinstance(arr, Placed):
-                order.append((arr, hi - lo))
-                pieces += [
-                    (arr, base + lo + o, min(SCATTER_PIECE, hi - lo - o), o) for o in range(0, hi - lo, SCATTER_PIECE)
-                ]
-                continue
             if arr is None:
                 arr = np.empty(count, dtype=dt)
             if arr.dtype != dt or arr.size != count:
                 raise ValueError(f"tensor {name!r} is {spec['dtype']} x {count}, not what the layout expects")
             tensors[name] = arr
-            order.append((arr, hi - lo))
             flat = arr.view(np.uint8)
-            pieces += [(flat[o : o + READ_PIECE], base + lo + o, 0, o) for o in range(0, hi - lo, READ_PIECE)]
-
+            pieces += [(flat[o : o + READ_PIECE], base + lo + o) for o in range(0, hi - lo, READ_PIECE)]
         resident = resident_pages(fd, size) if dfd is not None else None
-
-        def read(piece) -> None:
-            where, pos, nbytes, off = piece
-            if isinstance(where, Placed):
-                buf = np.frombuffer(where.scatter.staging(nbytes), dtype=np.uint8)
-                _read_span(fd, dfd, buf, pos, resident)
-                where.scatter.put(where.byte_offset + off, buf.data)
-            else:
-                _read_span(fd, dfd, where, pos, resident)
-
         with ThreadPoolExecutor(READ_THREADS) as pool:
-            list(pool.map(read, pieces))
+            list(pool.map(lambda piece: _read_span(fd, dfd, piece[0], piece[1], resident), pieces))
     finally:
         os.close(fd)
         if dfd is not None:
@@ -328,12 +291,8 @@ def read_into(
     h = xxhash.xxh3_64()
     h.update(head)
     h.update(raw)
-    for where, nbytes in order:  # offset order, back to back: the file's bytes
-        if isinstance(where, Placed):
-            for part in where.scatter.chunks(where.byte_offset, nbytes):
-                h.update(part)
-        else:
-            h.update(where.view(np.uint8).data)
+    for arr in tensors.values():  # offset order, back to back: the file's bytes
+        h.update(arr.view(np.uint8).data)
     return meta, tensors, h.intdigest(), size
 
 

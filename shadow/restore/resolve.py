@@ -65,7 +65,7 @@ def cluster_tiers(src: MemorySource, sign_key: bytes | None = None) -> list[Tier
 
 
 def pick(
-    source: RestoreSource, job: str | None = None, iteration: int | None = None, progress=None, sink=None
+    source: RestoreSource, job: str | None = None, iteration: int | None = None, progress=None
 ) -> tuple[Candidate, Snapshot]:
     """The newest complete checkpoint of ``source`` that reads back intact (or exactly
     ``iteration``), with its candidate.
@@ -74,7 +74,7 @@ def pick(
     the next older one, and a superseded one is never taken; so is one the source refused
     (``unreadable``: a damaged manifest, or one failing its signature). An explicit
     ``iteration`` that is damaged or refused is an error saying why. Without ``job``, a
-    source holding several jobs is an error. ``sink``: see :meth:`RestoreSource.load`."""
+    source holding several jobs is an error."""
     listed = source.candidates(job)
     found = [c for c in listed if c.loadable]
     root = source.root
@@ -90,7 +90,7 @@ def pick(
             )
         if not found:
             raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
-        return found[-1], source.load(found[-1], progress, sink)
+        return found[-1], source.load(found[-1], progress)
     if not found:
         torn = [c.path for c in listed if c.state == INCOMPLETE]
         extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
@@ -101,7 +101,7 @@ def pick(
     errors = []
     for c in reversed([c for c in found if c.state == COMPLETE]):  # never an abandoned iteration
         try:
-            return c, source.load(c, progress, sink)
+            return c, source.load(c, progress)
         except CheckpointError as exc:
             logger.warning(
                 "skipping checkpoint %s iteration %d at %s, trying the next older one: %s",
@@ -122,14 +122,12 @@ def find_checkpoint(
     check: bool = True,
     progress=None,
     sign_key: bytes | None = None,
-    sink=None,
 ) -> tuple[CheckpointInfo, Snapshot]:
     """:func:`pick` from the tier at ``root``: the checkpoint's catalog entry and its snapshot.
-    ``sign_key``: the manifest key to check signatures with (None: not checked); ``sink``:
-    see :meth:`RestoreSource.load`."""
+    ``sign_key``: the manifest key to check signatures with (None: not checked)."""
     from shadow.restore.tier import TierSource
 
-    c, snap = pick(TierSource(tier, root, check, sign_key), job, iteration, progress, sink)
+    c, snap = pick(TierSource(tier, root, check, sign_key), job, iteration, progress)
     return c.handle, snap
 
 
@@ -151,8 +149,9 @@ def resolve(
     manifest key persisted tiers are read with (default: the file ``$SHADOW_MANIFEST_KEY``
     names, if set; with none, signatures are not checked). A live cluster's memory has no
     manifest: its connection is what CURVE (``security``) protects. ``sink``: live
-    parameters the checkpoint's parameters are received into, when it has their layout
-    (see :class:`ParamSink`)."""
+    parameters a fetch from memory receives the parameters into, when the cluster holds
+    their layout (see :class:`ParamSink`); a tier is always read into flat arrays, so a
+    damaged file, found only by its whole-file checksum, never reaches the model."""
     key = sign_key
     if key is None and os.environ.get(KEY_ENV):
         from shadow.persist import signing
@@ -160,7 +159,7 @@ def resolve(
         key = signing.env_key()
     src = open_source(source, timeout, tuning, key)
     if not isinstance(src, MemorySource):
-        return pick(src, job, iteration, progress, sink)[1]
+        return pick(src, job, iteration, progress)[1]
     errors = []
     for attempt in range(attempts):
         held = src.candidates(job)
@@ -184,7 +183,7 @@ def resolve(
     job = job or src.job
     for tier in cluster_tiers(src, key):
         try:
-            snap = pick(tier, job, iteration, progress, sink)[1]
+            snap = pick(tier, job, iteration, progress)[1]
             logger.info("restoring from the %s tier (%s): %s", tier.name, tier.root, "; ".join(errors))
             return snap
         except CheckpointError as exc:

@@ -41,8 +41,7 @@ class RestoreSource(Protocol):
 
     Call order: 0. :meth:`candidates` lists what it holds for ``job`` (every job if None),
     restorable ones oldest first (the newest last); 1. :meth:`load` reads one of them
-    (``progress(done_bytes, total_bytes)`` as it arrives; the parameters straight into
-    ``sink``, a :class:`~shadow.restore.ParamSink`, when it has their layout). A damaged checkpoint raises
+    (``progress(done_bytes, total_bytes)`` as it arrives). A damaged checkpoint raises
     :class:`~shadow.errors.CheckpointError` (try the next older one); a live
     cluster that moved on raises :class:`~shadow.restore.memory.MovedOn` (ask again).
     Timeouts are the source's own (see each)."""
@@ -56,4 +55,4 @@ class RestoreSource(Protocol):
 
     def candidates(self, job: str | None) -> list[Candidate]: ...
 
-    def load(self, candidate: Candidate, progress=None, sink=None) -> Snapshot: ...
+    def load(self, candidate: Candidate, progress=None) -> Snapshot: ...

@@ -63,5 +63,5 @@ class TierSource:
             out.append(Candidate(job_dir, key[1] if key else None, self.name, mpath, UNREADABLE, None, error=reason))
         return out
 
-    def load(self, candidate: Candidate, progress=None, sink=None) -> Snapshot:
-        return checkpoints.load(candidate.handle, self.check, progress, sink)
+    def load(self, candidate: Candidate, progress=None) -> Snapshot:
+        return checkpoints.load(candidate.handle, self.check, progress)

@@ -16,7 +16,7 @@ and never trusts a length or an index from the head without checking it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -103,11 +103,6 @@ class Scatter(Protocol):
 
     def put(self, byte_offset: int, data: memoryview) -> None:
         """``data`` holds the field's bytes from ``byte_offset`` (of its whole flat form)."""
-        ...
-
-    def chunks(self, byte_offset: int, nbytes: int) -> Iterator[memoryview]:
-        """The field's bytes ``[byte_offset, byte_offset + nbytes)`` where they landed, in
-        order (what a shard file's checksum is taken over)."""
         ...
 
 
