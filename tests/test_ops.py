@@ -23,20 +23,10 @@ import trainer_hooks
 from shadow.metrics import COORDINATOR, TRAINER, WORKER
 from shadow.testing import LocalCluster, free_port, free_port_run
 from tests.conftest import ROOT, train_step
+from tests.helpers.cli import shadow_cli as shadow
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
-
-
-def shadow(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shadow", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-        env=dict(os.environ, COLUMNS="220"),
-    )  # rich wraps a pipe at 80 otherwise
 
 
 def scrape(port: int) -> dict[str, list]:
