@@ -231,6 +231,9 @@ class WorkerConfig:
     log_level: LogLevel = LogLevel.INFO  #: DEBUG, INFO, WARNING or ERROR
     log_format: LogFormat = LogFormat.text  #: text or json
     worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
+    #: this worker's own directory for the local tier, on its host's disk (node-local); empty = the
+    #: cluster's persist.local.dir. Manifests record which disk holds each shard
+    local_dir: str = ""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.tuning.Tuning)
 

@@ -176,7 +176,7 @@ def _assert_fails_closed(root: str, kind: str, caplog) -> None:
     else:
         assert any(SIX in path and why for path, why in skipped), skipped
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="shadow.persist.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="shadow.persist"):
         _info, snap = _bounded(lambda: find_checkpoint(root, kind, "j"))
     assert snap.iteration == 3
     assert any(("iteration 6" in r.getMessage() or SIX in r.getMessage()) for r in caplog.records), [

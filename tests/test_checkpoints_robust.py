@@ -146,7 +146,7 @@ def test_a_malformed_manifest_is_skipped_and_reported(tmp_path, how, caplog):
     _write_checkpoint(root, "bad", 5, LAYOUT)
     _damage(_manifest_path(root, "bad", 5), how)
     skipped: list = []
-    with caplog.at_level("WARNING", logger="shadow.persist.checkpoints"):
+    with caplog.at_level("WARNING", logger="shadow.persist"):
         found = checkpoints.list_checkpoints(root, skipped=skipped)
     assert [(c.job, c.iteration) for c in found] == [("good", 4)]
     assert len(skipped) == 1 and skipped[0][0].endswith(os.path.join("bad", "iteration-0000000005", "manifest.json"))

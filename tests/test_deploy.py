@@ -455,18 +455,28 @@ def test_k8s_trainer_job_targets_the_same_cluster():
     assert re.search(r"torch==2\.13\.0 .*download\.pytorch\.org/whl/cpu", dockerfile)
 
 
-def test_k8s_persist_overlay_mounts_the_tier_directory():
+def test_k8s_persist_overlay_gives_each_worker_its_own_disk_and_an_object_store():
+    """The default persistence: the coordinator's manifests on a claim of its own, a claim per
+    worker pod (node-local, ReadWriteOnce) at the tier's directory, an s3:// remote tier, and
+    the object store's credentials in both."""
     pvc = load_yaml_docs(K8S / "persist" / "pvc.yaml")[0]
-    assert pvc["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in pvc["spec"]["accessModes"]
+    assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
     args = yaml.safe_load((K8S / "persist" / "config-patch.yaml").read_text())["data"]["COORDINATOR_ARGS"]
     tier_dir = kv(args, "persist.local.dir")
-    for name in ("coordinator-patch.yaml", "workers-patch.yaml"):
-        spec = yaml.safe_load((K8S / "persist" / name).read_text())["spec"]["template"]["spec"]
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]}
-        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
-        assert any(claims[n] == pvc["metadata"]["name"] and mounts[n] == tier_dir for n in mounts if n in claims), (
-            f"{name} does not mount {pvc['metadata']['name']} at {tier_dir}"
-        )
+    assert kv(args, "persist.remote.url").startswith("s3://")
+    coord = yaml.safe_load((K8S / "persist" / "coordinator-patch.yaml").read_text())["spec"]["template"]["spec"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in coord["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in coord["containers"][0]["volumeMounts"]}
+    assert any(claims.get(n) == pvc["metadata"]["name"] and p == tier_dir for n, p in mounts.items())
+    workers = yaml.safe_load((K8S / "persist" / "workers-patch.yaml").read_text())["spec"]
+    (disk,) = workers["volumeClaimTemplates"]
+    assert disk["spec"]["accessModes"] == ["ReadWriteOnce"]
+    mounts = {m["name"]: m["mountPath"] for m in workers["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts[disk["metadata"]["name"]] == tier_dir
+    for spec in (coord, workers["template"]["spec"]):
+        refs = spec["containers"][0]["envFrom"]
+        assert {"configMapRef": {"name": "shadow-config"}} in refs
+        assert any(r.get("secretRef", {}).get("name") == "shadow-s3" for r in refs)
 
 
 def test_k8s_container_scripts_are_valid_sh():

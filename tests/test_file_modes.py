@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 
 import numpy as np
@@ -65,7 +66,9 @@ def write_checkpoints(persist: dict, iterations, sign_key: bytes | None = None) 
                 assert time.monotonic() < deadline, {n: t.last_error for n, t in pers.tiers.items()}
                 for p in ps:
                     for rep in p.results():
-                        for _, i, per_shard in pers.on_report(JOB, rep, 2):
+                        for kind, i, per_shard in pers.on_report(JOB, rep, 2):
+                            if kind != "upload":
+                                continue
                             for shard, r in per_shard.items():
                                 ps[shard].upload(i, 1, r["bytes"], r["checksum"])
                 time.sleep(0.002)
@@ -195,7 +198,7 @@ def test_a_planted_link_as_the_temporary_file_is_not_followed(tmp_path, umask):
     target.write_bytes(b"keep")
     d = tmp_path / "ckpt"
     d.mkdir()
-    os.symlink(target, d / "manifest.json.tmp")
+    os.symlink(target, d / f"manifest.json.{os.getpid()}-{threading.get_ident():x}.tmp")  # this writer's name
     with pytest.raises(OSError):
         LocalStorage(str(d)).write_atomic(str(d / "manifest.json"), b"{}")
     assert target.read_bytes() == b"keep"

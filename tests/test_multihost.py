@@ -278,3 +278,136 @@ def test_network_namespaces(world1, tmp_path):
             _train_and_restore(address, "netns", keys)
         finally:
             _stop(procs)
+
+
+def _worker_on_own_disk(ns: str, store: Path, disk: Path, *args: str) -> list[str]:
+    """A worker in network namespace ``ns`` whose ``local_dir`` is ``disk``: in a mount
+    namespace of its own, ``store`` (this host's disk) is mounted there, so every worker
+    sees its own disk at the same path and no other process sees any of them there."""
+    mount = f'mount --bind "{store}" "{disk}" && exec "$0" "$@"'
+    return ["ip", "netns", "exec", ns, "unshare", "-m", "--propagation", "private", "sh", "-c", mount,
+            sys.executable, "-m", "shadow", "worker", f"local_dir={disk}", *args]  # fmt: skip
+
+
+def _restore_as_trainer(address: str, keys: Keys, iteration: int | None = None):
+    security.set_client(keys.client("trainer"))
+    try:
+        fresh, fopt, fsched = build(seed=7)
+        info = trainer_hooks.restore(fresh, fopt, source=address, scheduler=fsched, job="nodes", iteration=iteration)
+        return info, fresh
+    finally:
+        security.set_client(None)
+
+
+def test_node_local_disks(world1, tmp_path):
+    """Each worker writes its shard to its own disk (replicas=2: both copies), the coordinator
+    keeps the manifests on its own, and nobody else can see a worker's disk: a restore of a
+    persisted iteration is served by the workers over the network; after the host of one
+    replica is lost with its disk, by the other; after the whole cluster restarts on the
+    same disks, from the disk that is left. Every restore equals the trained state."""
+    port = 5555
+    address = f"tcp://{SUBNET}.1:{port}"
+    keys = Keys(tmp_path / "keys", workers=2)
+    log_path = tmp_path / "cluster.log"
+    coord_dir, disk = tmp_path / "coordinator", tmp_path / "disk"
+    stores = [tmp_path / "store0", tmp_path / "store1"]
+    for d in (coord_dir, disk, *stores):
+        d.mkdir()
+    persist = [f"persist.local.dir={coord_dir}", "persist.local.every_n=2", "persist.local.keep=0"]
+
+    def start(log, workers=(0, 1)) -> list:
+        procs = [
+            _spawn(
+                _shadow_in(
+                    "shc",
+                    "coordinator",
+                    "workers=2",
+                    "replicas=2",
+                    f"host={SUBNET}.1",
+                    f"port={port}",
+                    *persist,
+                    *keys.server(),
+                ),  # fmt: skip
+                log,
+            )
+        ]
+        for i in workers:
+            procs.append(
+                _spawn(
+                    _worker_on_own_disk(
+                        f"shw{i + 1}",
+                        stores[i],
+                        disk,
+                        f"coordinator={address}",
+                        "threads=1",
+                        f"worker_id={i}",
+                        *keys.worker(i),
+                    ),
+                    log,
+                )  # fmt: skip
+            )
+        _wait_workers(address, len(workers), procs, log_path, keys.client("client"))
+        return procs
+
+    procs: list = []
+    with _namespaces(), open(log_path, "a") as log:
+        try:
+            procs = start(log)
+            security.set_client(keys.client("trainer"))
+            try:
+                model, opt, sched = build()
+                ddp = DDP(model)
+                session = trainer_hooks.attach(ddp, opt, coordinator=address, scheduler=sched, job="nodes")
+                snaps = {}
+                for it in range(1, 8):
+                    train_step(ddp, opt, sched, it)
+                    snaps[it] = [p.detach().clone() for p in model.parameters()]
+                assert session.close() == 7
+            finally:
+                security.set_client(None)
+            deadline = time.monotonic() + 30
+            while not sorted(coord_dir.glob("nodes/iteration-*/manifest.json")):
+                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+                time.sleep(0.2)
+            manifests = sorted(coord_dir.glob("nodes/iteration-*/manifest.json"))
+            import json
+
+            m = json.loads(manifests[0].read_text())
+            persisted = m["iteration"]
+            (shard,) = m["shards"]
+            assert len({h["disk"] for h in shard["holders"]}) == 2 and {h["dir"] for h in shard["holders"]} == {
+                str(disk)
+            }
+            for store in stores:  # each worker's own disk has its copy; the coordinator's and this host's view none
+                assert (store / "nodes" / manifests[0].parent.name / shard["file"]).stat().st_size == shard["bytes"]
+            assert not list(disk.iterdir()) and not list(manifests[0].parent.glob("shard-*"))
+
+            info, fresh = _restore_as_trainer(address, keys, persisted)  # memory holds 7: a tier serves it
+            assert (info.iteration, info.tier) == (persisted, "local")
+            assert all(torch.equal(a, b) for a, b in zip(snaps[persisted], fresh.parameters(), strict=True))
+            log.flush()
+            assert "to a restore" in log_path.read_text()
+
+            # one replica's host is lost with its disk: the other serves the checkpoint
+            procs[2].kill()
+            procs[2].wait()
+            import shutil
+
+            shutil.rmtree(stores[1] / "nodes")
+            deadline = time.monotonic() + 30
+            while status(address, timeout=5.0, keys=keys.client("client"))["workers"][1]["health"] != "lost":
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+            info, fresh = _restore_as_trainer(address, keys, persisted)
+            assert (info.iteration, info.tier) == (persisted, "local")
+            assert all(torch.equal(a, b) for a, b in zip(snaps[persisted], fresh.parameters(), strict=True))
+
+            # the whole cluster restarts on the same disks (the lost one comes back empty)
+            _stop(procs)
+            procs = start(log)
+            newest = json.loads(sorted(coord_dir.glob("nodes/iteration-*/manifest.json"))[-1].read_text())
+            info, fresh = _restore_as_trainer(address, keys)
+            assert (info.iteration, info.tier) == (newest["iteration"], "local")
+            assert all(torch.equal(a, b) for a, b in zip(snaps[info.iteration], fresh.parameters(), strict=True))
+        finally:
+            _stop(procs)

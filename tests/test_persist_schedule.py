@@ -97,10 +97,15 @@ def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, c
         )
     )
     pers.reset(0)
-    asked = []
+    asked, forgot = [], []
     for it in range(1, 11):  # complete at 1, 2, 9, 10; skipped at 3-8 (every image still being written)
-        asked += [(kind, i) for kind, i, _ in _local(pers, local, it, skip=3 <= it <= 8)]
+        follow = _local(pers, local, it, skip=3 <= it <= 8)
+        asked += [(kind, i) for kind, i, _ in follow if kind != "forget"]
+        forgot += [what for kind, _, what in follow if kind == "forget"]
     assert asked == [("upload", 9)]  # due since 0 by 9, not at a multiple of 4; 10 is 1 after the copy of 9
+    # shard 1's copies of the skipped checkpoints go from its worker's disk, and so does what retention drops
+    assert forgot[:6] == [[f"iteration-{it:010d}"] for it in range(3, 9)]
+    assert all(all(checkpoints.dir_key(d)[1] < 9 for d in what) for what in forgot[6:])
     t = pers.tiers["local"]
     assert (t.failures, t.skipped, t.last_error, t.count) == (0, 6, "", 4)
     assert t.status()["skipped"] == 6 and t.status()["failures"] == 0
@@ -117,10 +122,13 @@ def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, c
     pers.reset(19)
     assert pers.local_due(20, None) and pers.local_due(21, None)
     clock.now += 5
-    assert [pers.on_report(JOB, _report(local, "local", 21, s), 2) for s in (0, 1)] == [[], []]
+    follow = [pers.on_report(JOB, _report(local, "local", 21, s), 2) for s in (0, 1)]
+    assert [[f for f in out if f[0] != "forget"] for out in follow] == [[], []]  # (retention of the first run's)
     clock.now += 6
     assert pers.on_report(JOB, _report(local, "local", 20, 0), 2) == []
-    ((kind, iteration, per_shard),) = pers.on_report(JOB, _report(local, "local", 20, 1), 2)
+    ((kind, iteration, per_shard),) = [
+        f for f in pers.on_report(JOB, _report(local, "local", 20, 1), 2) if f[0] != "forget"
+    ]
     assert (kind, iteration, sorted(per_shard)) == ("upload", 21, [0, 1])
     # a real failure is still one
     assert pers.local_due(22, None)
@@ -198,7 +206,9 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
             for p in ps:
                 for r in p.results():
                     reports.append(r)
-                    for _, it, per_shard in pers.on_report(JOB, r, 2):
+                    for kind, it, per_shard in pers.on_report(JOB, r, 2):
+                        if kind != "upload":
+                            continue
                         uploads.append(it)
                         for shard, rep in per_shard.items():
                             ps[shard].upload(it, 1, rep["bytes"], rep["checksum"])

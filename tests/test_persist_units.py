@@ -51,7 +51,7 @@ def test_shard_image_is_aligned_and_readable_by_safetensors(tmp_path):
     assert np.array_equal(loaded["param"], img.view("param")) and loaded["commit.rank0"].tobytes() == b"abc"
     meta, tensors = shardfile.parse(open(path, "rb").read())
     assert meta["iteration"] == "5" and np.array_equal(tensors["exp_avg"], img.view("exp_avg"))
-    assert not os.path.exists(path + ".tmp")
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
 def _write_checkpoint(root: str, job: str, iteration: int, layout: Layout) -> None:
@@ -149,38 +149,60 @@ def test_schedules():
     assert not s.due(9, 0.0, None, (0, 0.0, 0))
 
 
-def test_a_tier_the_coordinator_cannot_see_is_an_error_that_says_why(tmp_path):
-    """Workers on other hosts wrote shards the coordinator's filesystem does not have: the
-    checkpoint is not committed, the failure is counted, and the error names the fix."""
+def test_a_node_local_tier_commits_on_the_coordinators_own_disk(tmp_path):
+    """Workers on other hosts wrote their shards to their own disks, none of which the
+    coordinator sees: it makes the checkpoint's directory on its own disk, writes the
+    manifest there, and the manifest names both copies of the shard (two replicas, two
+    disks); a copy whose bytes differ from its replica's fails the checkpoint instead."""
     from types import SimpleNamespace
 
     from shadow.coordinator.persistence import Persistence
+    from shadow.persist import checkpoints
 
     cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
-    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(tmp_path / "not-shared"))}))
+    root = tmp_path / "coordinator-only"
+    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(root))}))
     job = SimpleNamespace(
         name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
     )
-    assert pers.local_due(1, None)
-    rep = {
-        "tier": "local",
-        "iteration": 1,
-        "shard": 0,
-        "ok": True,
-        "error": "",
-        "file": "shard-00000-of-00001.shard",
-        "start": 0,
-        "stop": 8,
-        "bytes": 100,
-        "checksum": "00",
-        "raw_bytes": 100,
-        "compress": "none",
-        "seconds": 0.1,
-        "commit": None,
-        "blob_ranks": [0],
-        "epoch": 1,
-    }
-    assert pers.on_report(job, rep, nshards=1) == []
+
+    def report(it: int, worker: int, checksum: str = "00") -> dict:
+        return {
+            "tier": "local",
+            "iteration": it,
+            "shard": 0,
+            "ok": True,
+            "error": "",
+            "file": "shard-00000-of-00001.safetensors",
+            "start": 0,
+            "stop": LAYOUT.total,
+            "bytes": 100,
+            "checksum": checksum,
+            "raw_bytes": 100,
+            "compress": "none",
+            "seconds": 0.1,
+            "commit": None,
+            "blob_ranks": [0],
+            "epoch": 1,
+            "worker": worker,
+            "disk": {"id": f"{worker:032x}", "dir": f"/disk{worker}", "host": f"h{worker}"},
+        }
+
+    assert pers.local_due(1, None, {0: 0, 1: 0})
+    assert pers.on_report(job, report(1, 0), nshards=1) == []  # the other replica's copy is still due
+    assert pers.on_report(job, report(1, 1), nshards=1) == []
     tier = pers.tiers["local"]
-    assert tier.count == 0 and tier.failures == 1 and tier.last_complete is None
-    assert "shared mount" in tier.last_error and "persist.remote.url" in tier.last_error
+    assert tier.count == 1 and tier.failures == 0, tier.last_error
+    (info,) = checkpoints.list_checkpoints(str(root), job="j")
+    (shard,) = info.manifest["shards"]
+    assert [(h["worker"], h["disk"], h["dir"]) for h in shard["holders"]] == [
+        (0, f"{0:032x}", "/disk0"),
+        (1, f"{1:032x}", "/disk1"),
+    ]
+    assert not (root / "j" / "iteration-0000000001" / "shard-00000-of-00001.safetensors").exists()
+    assert pers.local_due(2, None, {0: 0, 1: 0})
+    pers.on_report(job, report(2, 0), nshards=1)
+    follow = pers.on_report(job, report(2, 1, checksum="01"), nshards=1)
+    assert tier.count == 1 and tier.failures == 1 and "replicas of shard 0 wrote different files" in tier.last_error
+    assert follow == [("forget", 2, ["iteration-0000000002"])]  # the workers delete their copies
+    assert [c.iteration for c in checkpoints.list_checkpoints(str(root), job="j")] == [1]

@@ -93,7 +93,7 @@ def skipped_step(s: Assignment, iteration: int) -> None:
 
 # -- the routes ------------------------------------------------------------------------------
 def test_the_routes_cover_exactly_the_coordinators_messages_to_a_worker():
-    assert set(ROUTES) == {"registered", "reset", "reregister", "configure", "apply", "upload", "error"}
+    assert set(ROUTES) == {"registered", "reset", "reregister", "configure", "apply", "upload", "forget", "error"}
     assert all(kind in M.SCHEMAS for kind in ROUTES)
 
 

@@ -117,6 +117,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         guard=security.guard_from_config(cfg.security),
         keys=security.client_from_config(cfg.security),
         tuning=tuning,
+        local_dir=cfg.local_dir,
     )
     check_exposure(worker.bind_host, cfg.security, f"worker {cfg.worker_id}")
     metrics = None

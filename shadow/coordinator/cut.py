@@ -83,14 +83,18 @@ class Cut:
         st.retired = None  # the new epoch holds its base: restores read it, not the previous epoch's
         if job.status == JobStatus.BOOTSTRAPPING:
             job.status = JobStatus.RUNNING
-        persist = self.persist.local_due(cut, st.tokens.get(cut))
-        writers = {st.shard_of(x): x for x in reversed(live)}  # one replica per shard writes
+        # every live replica of a shard writes its own copy, to its own disk (node-local tiers)
+        writers = {x.id: st.shard_of(x) for x in live}
+        if len(set(writers.values())) < st.nshards:  # some shard has no live copy: nothing complete to write
+            writers = {}
+        persist = self.persist.local_due(cut, st.tokens.get(cut), writers)
+        if persist:
+            job.writers = {}
+            for wid, shard in writers.items():
+                job.writers.setdefault(shard, set()).add(wid)
         for x in live:
-            writes = bool(persist) and writers.get(st.shard_of(x)) is x
-            if writes:
-                job.writers[st.shard_of(x)] = x.id
-            # the writer snapshots the cut in the apply pass itself
-            self.out.to_worker(x, "apply", epoch=job.epoch, iteration=cut, persist=writes)
+            # a writer snapshots the cut in the apply pass itself
+            self.out.to_worker(x, "apply", epoch=job.epoch, iteration=cut, persist=persist and x.id in writers)
         self.out.to_trainers(job, "progress", epoch=job.epoch, applied=cut)
         for it in [i for i in st.tokens if i < cut]:
             del st.tokens[it]
@@ -105,13 +109,19 @@ class Cut:
             logger.warning("refused a persisted report: %s", problem)
             self.out.reply(env, "error", code="refused", message=problem)
             return
-        for kind, iteration, per_shard in self.persist.on_report(job, msg, st.nshards):
-            if kind == "upload":
-                for shard, r in per_shard.items():
-                    x = st.workers[job.writers.get(shard, shard)]
-                    self.out.to_worker(
-                        x, "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"], checksum=r["checksum"]
-                    )
+        w = st.worker(env[0])
+        assert w is not None  # _not_its_shard found it
+        for kind, iteration, what in self.persist.on_report(job, {**msg, "worker": w.id}, st.nshards):
+            if kind == "upload":  # what: shard -> the report of the copy to upload
+                for r in what.values():
+                    x = next((y for y in st.workers if y.id == r["worker"]), None)
+                    if x is not None:
+                        self.out.to_worker(
+                            x, "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"], checksum=r["checksum"]
+                        )
+            elif kind == "forget":  # what: checkpoint directories retention dropped, gone from every disk
+                for x in st.workers:
+                    self.out.to_worker(x, "forget", job=job.name, dirs=list(what))
 
     def _not_its_shard(self, env: list[bytes], msg: Msg) -> str:
         """Why a ``persisted`` report cannot be taken from this connection ("" when it can):
@@ -121,7 +131,7 @@ class Cut:
         w = st.worker(env[0])
         assert job is not None
         writer = job.writers.get(shard)
-        if w is None or not (writer == w.id or (writer is None and st.shard_of(w) == shard)):
+        if w is None or not (w.id in (writer or ()) or (writer is None and st.shard_of(w) == shard)):
             who = "an unregistered connection" if w is None else f"worker {w.id}"
             return f"{who} reported shard {shard} of iteration {msg['iteration']}, which it was not asked to write"
         want = self.persist.file_for(msg["tier"], shard, st.nshards)

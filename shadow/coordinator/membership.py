@@ -96,8 +96,11 @@ class Membership:
             st.workers.append(w)
             st.workers.sort(key=lambda x: x.id)
         w.memory = msg.get("memory", -1)
+        w.files, w.disk = msg.get("files", ""), msg.get("disk")
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
-        self.out.reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy)
+        local_dir = self.cut.persist.config.local.dir  # where the worker's shards are unless it has its own
+        extra = {"local_dir": local_dir} if local_dir else {}
+        self.out.reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy, **extra)
         if len(st.ready_workers(now)) == st.expected:
             logger.info("all %d workers ready", st.expected)
         return w
@@ -123,6 +126,7 @@ class Membership:
         w.observe(w.last_seen, msg["bytes_in"], msg["replay_s"], msg["replayed"])
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
         w.memory = msg.get("memory", -1)
+        w.files, w.disk = msg.get("files", ""), msg.get("disk")
         if self.state.status_is(JobStatus.DEGRADED):
             self.cut.maybe_resync()
 

@@ -17,12 +17,13 @@ gets ``persist.mode``'s permissions (0600 files, 0700 directories by default); w
 from __future__ import annotations
 
 import logging
+import posixpath
 import time
 from typing import Any
 
 from shadow.config import PersistConfig
 from shadow.coordinator.tiers import TierState, scan
-from shadow.persist import checkpoints, failed, retention, signing
+from shadow.persist import checkpoints, disks, failed, retention, signing
 from shadow.storage.tier import tiers_for
 from shadow.tuning import Tuning
 
@@ -120,15 +121,20 @@ class Persistence:
         for t in self.tiers.values():
             t.last = t.last_ok = (base, time.time(), None)
             t.in_flight.clear()
+            t.asked.clear()
             t.requested.clear()
             t.newest = None
 
-    def local_due(self, iteration: int, tokens: int | None) -> bool:
+    def local_due(self, iteration: int, tokens: int | None, writers: dict[int, int] | None = None) -> bool:
+        """Whether the local tier takes the cut ``iteration``; if so, it waits for a report
+        from each of ``writers`` (worker id -> its shard: every live replica writes a copy;
+        None: one report per shard, from any writer)."""
         t = self.tiers.get("local")
-        if t is None or t.held or not t.tier.schedule.due(iteration, time.time(), tokens, t.last):
+        if t is None or t.held or writers == {} or not t.tier.schedule.due(iteration, time.time(), tokens, t.last):
             return False
         t.last = (iteration, time.time(), tokens)
         t.in_flight[iteration] = {}
+        t.asked[iteration] = None if writers is None else dict(writers)
         t.requested[iteration] = time.monotonic()
         return True
 
@@ -137,18 +143,28 @@ class Persistence:
         t = self.tiers.get(tier)
         return None if t is None else checkpoints.shard_name(shard, nshards, t.tier.codec.compress)
 
-    def on_report(self, job, rep: dict, nshards: int) -> list[tuple[str, int, dict]]:
-        """Record one worker's report; returns follow-up requests ``(kind, iteration, per-shard)``."""
+    def on_report(self, job, rep: dict, nshards: int) -> list[tuple[str, int, Any]]:
+        """Record one worker's report (``rep["worker"]``: its id); returns follow-up requests
+        ``(kind, iteration, what)``: ``upload`` (shard -> the report of the copy to upload)
+        and ``forget`` (local checkpoint directories to delete from every worker's disk)."""
         tier = self.tiers.get(rep["tier"])
         if tier is None or rep["iteration"] not in tier.in_flight:
             return []
+        asked = tier.asked.get(rep["iteration"])  # None: a report per shard, from any writer
+        who = rep.get("worker", rep["shard"]) if asked is not None else rep["shard"]
+        if asked is not None and who not in asked:
+            return []
         got = tier.in_flight[rep["iteration"]]
-        got[rep["shard"]] = rep
-        if len(got) < nshards:
+        got[who] = {**rep, "worker": rep.get("worker", rep["shard"])}
+        if len(got) < (nshards if asked is None else len(asked)):
             return []
         del tier.in_flight[rep["iteration"]]
+        tier.asked.pop(rep["iteration"], None)
         tier.requested.pop(rep["iteration"], None)
-        failed = [r for r in got.values() if not r["ok"]]
+        problem = _copies_differ(got.values())
+        failed = [r for r in got.values() if not r["ok"]] or (
+            [{**rep, "ok": False, "error": problem}] if problem else []
+        )
         if failed:
             errors = [r for r in failed if not r.get("skipped")]
             if errors:
@@ -167,12 +183,16 @@ class Persistence:
             else:
                 self._skipped(tier, rep["iteration"], failed[0]["error"])
             self._discard(tier, job, rep["iteration"])
-            follow = []
+            follow: list[tuple[str, int, Any]] = []
+            if tier.name == "local" and any(r["ok"] for r in got.values()):  # the copies made, on their disks
+                follow.append(("forget", rep["iteration"], [checkpoints.dir_name(rep["iteration"], job.generation)]))
         else:
             follow = self._commit(tier, job, rep["iteration"], got)
         if tier.name == "remote" and "local" in self.tiers:  # a copy ended: what local retention held may go
             try:
-                self._retain(self.tiers["local"], job.name)
+                gone = self._retain(self.tiers["local"], job.name)
+                if gone:
+                    follow.append(("forget", rep["iteration"], [posixpath.basename(d.rstrip("/")) for d in gone]))
             except Exception as exc:  # storage errors are reported, never fatal
                 logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
         return follow
@@ -235,6 +255,9 @@ class Persistence:
         return retention.retain(tier.storage, job_name, keep, busy=tier.in_flight)
 
     def _commit(self, tier: TierState, job, iteration: int, got: dict) -> list:
+        copies: dict[int, list[dict]] = {}  # shard -> its copies' reports, by worker id
+        for wid in sorted(got):
+            copies.setdefault(got[wid]["shard"], []).append(got[wid])
         shards = [
             {
                 "index": r["shard"],
@@ -246,8 +269,10 @@ class Persistence:
                 "blob_ranks": r["blob_ranks"],
                 "raw_bytes": r.get("raw_bytes", r["bytes"]),
                 "compress": r.get("compress", "none"),
+                "holders": [disks.holder(c["worker"], c.get("disk")) for c in copies[index]],
             }
-            for r in got.values()
+            for index in sorted(copies)
+            for r in copies[index][:1]
         ]
         commit = next((r["commit"] for r in got.values() if r["commit"] is not None), None)
         tokens = commit.get("tokens") if commit else None
@@ -266,27 +291,28 @@ class Persistence:
             job.generation,
         )
         try:
-            checkpoints.write_manifest(tier.storage, job.name, iteration, manifest, self.sign_key)
+            # the coordinator keeps the local tier's manifests on its own disk: the workers' shards
+            # may be on theirs (node-local), so the directory may be new here
+            checkpoints.write_manifest(
+                tier.storage, job.name, iteration, manifest, self.sign_key, parents=tier.name == "local"
+            )
             deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
             where = checkpoints.checkpoint_dir(tier.root, job.name, iteration, job.generation)
             tier.last_error = (
                 f"writing the manifest of iteration {iteration}: {failed.write_error(exc, tier.name, where)}"
             )
-            if isinstance(exc, FileNotFoundError):
-                tier.last_error += (
-                    f" (the coordinator cannot see the shards the workers wrote under {tier.root}: "
-                    "a tier's path must be storage the coordinator and every worker share -- one "
-                    "host, or a shared mount; with node-local disks on several hosts, use "
-                    "persist.remote.url for durable copies)"
-                )
             logger.error("tier %s: %s", tier.name, tier.last_error)
             tier.failing += 1
             if tier.failing < 2:
                 tier.last = tier.last_ok
             tier.failures += 1
             self._discard(tier, job, iteration)  # never one whose manifest did get written
-            return []
+            return (
+                [("forget", iteration, [checkpoints.dir_name(iteration, job.generation)])]
+                if tier.name == "local"
+                else []
+            )
         if iteration >= tier.last_ok[0]:  # an older checkpoint can complete after a newer one
             tier.last_ok = (iteration, time.time(), tokens)
         tier.failing = 0
@@ -318,8 +344,15 @@ class Persistence:
         )
         self._log_skips(tier)
         if tier.newest is None or tier.newest[0] < iteration:
-            tier.newest = (iteration, tokens, dict(got))
-        return self._remote_due(job) if tier.name == "local" else []
+            tier.newest = (
+                iteration,
+                tokens,
+                {index: c[0] for index, c in copies.items()},
+            )  # one copy per shard goes up
+        follow: list[tuple[str, int, Any]] = []
+        if deleted and tier.name == "local":
+            follow.append(("forget", iteration, [posixpath.basename(d.rstrip("/")) for d in deleted]))
+        return follow + (self._remote_due(job) if tier.name == "local" else [])
 
     def _remote_due(self, job) -> list:
         """When the remote schedule has elapsed since the last remote copy: copy the newest
@@ -336,5 +369,19 @@ class Persistence:
             return []
         remote.last = (iteration, time.time(), tokens)
         remote.in_flight[iteration] = {}
+        remote.asked[iteration] = {r.get("worker", shard): shard for shard, r in got.items()}
         remote.requested[iteration] = time.monotonic()
-        return [("upload", iteration, {r["shard"]: r for r in got.values()})]
+        return [("upload", iteration, dict(got))]
+
+
+def _copies_differ(reports) -> str:
+    """Why the copies of a shard that replicas wrote cannot be one checkpoint's ("" when they
+    can): replicas apply the same iterations bit for bit, so their files must be equal."""
+    by_shard: dict[int, set] = {}
+    for r in reports:
+        if r["ok"]:
+            by_shard.setdefault(r["shard"], set()).add((r["bytes"], r["checksum"]))
+    for shard, kinds in sorted(by_shard.items()):
+        if len(kinds) > 1:
+            return f"the replicas of shard {shard} wrote different files ({sorted(kinds)}): their states differ"
+    return ""

@@ -4,6 +4,8 @@ re-attach bootstraps, the storage tiers)."""
 
 from __future__ import annotations
 
+import json
+import posixpath
 import time
 from typing import Any
 
@@ -12,6 +14,7 @@ from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import Health, JobStatus
 from shadow.coordinator.state import ClusterState
 from shadow.layout import Layout
+from shadow.persist import checkpoints
 
 Msg = dict[str, Any]
 
@@ -29,16 +32,51 @@ class Queries:
         """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
         st = self.state
         memory = memory_info(st, msg["job"])
+        storage = self.persist.storage()
+        now = time.monotonic()
+        for tier in storage:
+            if tier["tier"] == "local":  # the workers that serve their disks' shard files
+                tier["workers"] = [
+                    {"id": w.id, "files": w.files, "disk": w.disk} for w in st.workers if w.files and st.alive(w, now)
+                ]
         self.out.reply(
             env,
             "restore_info_reply",
             info={
                 "memory": memory,
                 "memory_error": "" if memory else memory_error(st, msg["job"]),
-                "storage": self.persist.storage(),
+                "storage": storage,
                 "job": st.job.name if st.job else None,
             },
         )
+
+    def on_catalog(self, env: list[bytes], msg: Msg) -> None:
+        """A tier's checkpoints as the coordinator keeps them (its own copy of the manifests
+        of a node-local tier): each manifest's bytes, for the client to check itself."""
+        tier = self.persist.tiers.get(msg["tier"])
+        if tier is None:
+            self.out.reply(env, "error", code="refused", message=f"this cluster has no {msg['tier']!r} tier")
+            return
+        try:
+            found = checkpoints.list_checkpoints(tier.storage, tier.name, msg["job"])
+            torn = checkpoints.list_torn(tier.storage, msg["job"])
+        except Exception as exc:  # an unreadable tier is an answer, not a crash
+            self.out.reply(env, "error", code="internal", message=f"cannot list tier {tier.name}: {exc}")
+            return
+        self.out.reply(
+            env,
+            "catalog_reply",
+            root=tier.root,
+            checkpoints=[
+                [_relative(tier.storage.base, c.path), json.dumps(c.manifest).encode(), c.superseded] for c in found
+            ],
+            torn=[_relative(tier.storage.base, d) for d in torn],
+        )
+
+
+def _relative(base: str, path: str) -> str:
+    """``<job>/<iteration directory>`` of a checkpoint directory under ``base``."""
+    return posixpath.relpath(path.rstrip("/"), base.rstrip("/") or "/")
 
 
 def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> dict[str, Any]:

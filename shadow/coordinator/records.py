@@ -89,6 +89,8 @@ class WorkerRec:
     rate_in: float = 0.0  # bytes/s received, over the last few heartbeats
     replay_per_it: float | None = None  # seconds per applied iteration, over the last few heartbeats
     memory: int = -1  # bytes it has free (its register, rejoin and heartbeats; -1: unknown)
+    files: str = ""  # its files socket: the shard files of its local tier (its heartbeats)
+    disk: dict | None = None  # {"id", "dir", "host"} of its local tier (its heartbeats; shadow.persist.disks)
     _last_hb: float = 0.0
 
     def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:
@@ -127,7 +129,7 @@ class JobRec:
     gen: int = 0  # replica joins started
     generation: int = 0  # lineage: raised when an attach goes back behind what the cluster holds
     joining: dict[int, Join] = field(default_factory=dict)  # worker id -> its join in progress
-    writers: dict = field(default_factory=dict)  # shard -> worker id asked to persist it
+    writers: dict = field(default_factory=dict)  # shard -> ids of the workers last asked to persist it
     cut_ceiling: int | None = None  # the cut stays at or below this while a replica copies from its peer
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded

@@ -50,6 +50,7 @@ ROUTES: dict[str, Route] = {
     # readers: trainers restoring, clients (status, ls, restore, export), admins
     "status": Route("queries", "on_status", READERS),
     "restore_info": Route("queries", "on_restore_info", READERS),
+    "catalog": Route("queries", "on_catalog", READERS),
 }
 
 #: periodic steps the loop runs after each poll, in order: (component, method)

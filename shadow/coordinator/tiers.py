@@ -23,7 +23,8 @@ class TierState:
     tier: Tier
     last: tuple = (0, 0.0, None)  # (iteration, time, tokens) of the last request
     last_ok: tuple = (0, 0.0, None)  # ... of the last request that became a complete checkpoint
-    in_flight: dict = field(default_factory=dict)  # iteration -> {shard: report}
+    in_flight: dict = field(default_factory=dict)  # iteration -> {worker id: report}
+    asked: dict = field(default_factory=dict)  # iteration in flight -> {worker id: shard} of the writers asked
     complete: dict = field(default_factory=dict)  # job -> newest complete iteration
     last_complete: dict | None = None  # {"job", "iteration", "time", "bytes", "seconds"}
     last_error: str = ""

@@ -11,13 +11,13 @@ plain (``*.safetensors``, :mod:`shardfile`) or compressed (``*.shard.zst``,
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import posixpath
 import re
-import struct
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +28,13 @@ from shadow.errors import CheckpointError  # CheckpointError: raised here, and n
 from shadow.layout import Layout
 from shadow.persist import fsglob, shardfile, shardguard, signing, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
-from shadow.persist.manifests import FORMAT, manifest_problem, new_manifest  # noqa: F401 (named here too)
+from shadow.persist.manifests import (  # noqa: F401 (named here too)
+    FORMAT,
+    _reading,
+    manifest_problem,
+    new_manifest,
+    read_manifest,
+)
 from shadow.snapshot import Snapshot
 from shadow.storage import Storage, storage_for
 from shadow.wire.frames import Field, checksum
@@ -42,31 +48,6 @@ _FIELDS = {
     "exp_avg_sq": Field.EXP_AVG_SQ,
     "max_exp_avg_sq": Field.MAX_EXP_AVG_SQ,
 }
-
-
-# what damaged bytes or failing storage raise on the way through a parser; anything else
-# reading a checkpoint may be a bug, so its traceback is logged as well
-_DAMAGE = (ValueError, OSError, EOFError, struct.error, RecursionError, OverflowError, MemoryError)
-
-
-@contextlib.contextmanager
-def _reading(what: str):
-    """The boundary around reading one checkpoint (its manifest in :func:`list_checkpoints`,
-    a shard in :func:`verify` and :func:`load`): whatever the read raises -- a manifest
-    that parses but holds odd values, a truncated or corrupt plain or compressed shard, an
-    ``OSError`` or a remote store client's own error type -- leaves it as a
-    :class:`CheckpointError` naming ``what`` and the exception's type, so a listing reports
-    the checkpoint and a restore falls back to an older one instead of crashing. Types
-    that damage does not usually raise are logged with their traceback (a bug stays
-    visible)."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as exc:  # see above: every failure of a read is a finding
-        if not isinstance(exc, _DAMAGE):
-            logger.warning("reading %s raised %s", what, type(exc).__name__, exc_info=True)
-        raise CheckpointError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 def dir_name(iteration: int, generation: int = 0) -> str:
@@ -105,6 +86,9 @@ class CheckpointInfo:
     storage: Storage = field(repr=False, compare=False)
     superseded: bool = False  # a later generation went on from an earlier iteration
     verified: bool = False  # its signature was checked with the manifest key (signing) and holds
+    #: where each shard is read from, when not from ``storage``: ``locate(shard)`` returns a path this
+    #: host can read, or the file's bytes (a node-local tier read through its workers)
+    locate: Callable[[dict], str | bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
     def job(self) -> str:
@@ -134,15 +118,23 @@ class CheckpointInfo:
         return sum(s.get("raw_bytes") or s["bytes"] for s in self.manifest["shards"])
 
 
-def write_manifest(root: str | Storage, job: str, iteration: int, manifest: dict, sign_key: bytes | None = None) -> str:
+def write_manifest(
+    root: str | Storage,
+    job: str,
+    iteration: int,
+    manifest: dict,
+    sign_key: bytes | None = None,
+    parents: bool = False,
+) -> str:
     """Commit a checkpoint: write its manifest last (tmp, fsync, rename), signed with
     ``sign_key`` if given (:mod:`~shadow.persist.signing`); returns its path in the
-    storage's terms."""
+    storage's terms. ``parents``: make the checkpoint's directory if it is not there (the
+    coordinator's copy of a node-local tier's manifests)."""
     st = storage_for(root)
     if sign_key is not None:
         manifest = signing.signed(manifest, sign_key)
     path = st.join(job, dir_name(iteration, int(manifest.get("generation", 0))), MANIFEST)
-    st.write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    st.write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode(), parents=parents)
     return path
 
 
@@ -162,25 +154,11 @@ def list_checkpoints(
     pattern = fsglob.pattern(st.base, job, "iteration-*", MANIFEST)
     out = []
     for mpath in st.list(pattern):
-        try:
-            with _reading(mpath):
-                manifest = json.loads(st.cat(mpath))
-                if sign_key is not None and isinstance(manifest, dict):  # before anything else trusts a field
-                    signing.check(manifest, sign_key)
-                problem = manifest_problem(
-                    manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(mpath)))
-                )
-            if problem is not None:
-                raise CheckpointError(f"{mpath}: {problem}")
-        except CheckpointError as exc:  # the reason without the path, which the caller has
-            reason = str(exc).removeprefix(f"{mpath}: ").removeprefix("ValueError: ")
-            what = "refusing" if isinstance(exc, signing.SignatureError) else "ignoring unreadable"
-            logger.warning("%s manifest %s: %s", what, mpath, reason)
-            if skipped is not None:
-                skipped.append((mpath, reason))
-            continue
-        d = posixpath.dirname(mpath)
-        out.append(CheckpointInfo(st.url, tier, d, manifest, st, verified=sign_key is not None))
+        manifest = read_manifest(functools.partial(st.cat, mpath), mpath, sign_key, skipped)
+        if manifest is not None:
+            out.append(
+                CheckpointInfo(st.url, tier, posixpath.dirname(mpath), manifest, st, verified=sign_key is not None)
+            )
     for name in {c.job for c in out}:
         generations = read_generations(st, name)
         for c in out:
@@ -206,11 +184,20 @@ def _shard_path(info: CheckpointInfo, shard: dict) -> str:
         raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']}: {exc}") from None
 
 
-def _read_shard(info: CheckpointInfo, shard: dict, check: bool) -> bytes:
+def _read_shard(info: CheckpointInfo, shard: dict, check: bool, located: str | bytes | None = None) -> bytes:
+    """A shard file's bytes, checked against the manifest: from the tier's storage, or
+    from where ``located`` says (a path this host sees, or the bytes a worker served)."""
     path = posixpath.join(info.path, shard["file"])
+    if isinstance(located, bytes):
+        return _checked(info, shard, located, check, f"{path}, served by a worker")
     try:
-        path = _shard_path(info, shard)
-        data = info.storage.cat(path, start=0, end=shard["bytes"])
+        if located is not None:
+            path = located
+            with open(path, "rb") as f:
+                data = f.read()
+        else:
+            path = _shard_path(info, shard)
+            data = info.storage.cat(path, start=0, end=shard["bytes"])
     except FileNotFoundError:
         raise CheckpointError(
             f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} is missing"
@@ -219,14 +206,18 @@ def _read_shard(info: CheckpointInfo, shard: dict, check: bool) -> bytes:
         raise CheckpointError(
             f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} cannot be read: {exc}"
         ) from None
+    return _checked(info, shard, data, check, path)
+
+
+def _checked(info: CheckpointInfo, shard: dict, data: bytes, check: bool, where: str) -> bytes:
     if len(data) != shard["bytes"]:
         raise CheckpointError(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) is "
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({where}) is "
             f"{len(data)} bytes, manifest says {shard['bytes']}"
         )
     if check and f"{checksum(data):016x}" != shard["checksum"]:
         raise CheckpointError(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({path}) fails "
+            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({where}) fails "
             "its checksum: the file is corrupt"
         )
     return data
@@ -254,7 +245,7 @@ def verify(info: CheckpointInfo) -> list[str]:
 
 def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict, total: int) -> dict:
     """One shard's tensors; the big arrays land directly in ``arrays`` (local files) or
-    are copied there (other storage)."""
+    are copied there (other storage, and files a worker served)."""
     lo, hi = shard["start"], shard["stop"]
     where = f"iteration {info.iteration} ({info.tier}): shard {shard['index']}"
     path = posixpath.join(info.path, shard["file"])
@@ -267,15 +258,16 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
         return _flat(arrays, fld, total)[lo:hi]
 
+    located = info.locate(shard) if info.locate is not None else None
     if zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
-        data = _read_shard(info, shard, check)
+        data = _read_shard(info, shard, check, located)
         try:
             meta, tensors = zshard.decode(data, target, where=f"{where} ({path})")
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
-    elif info.storage.os_path(info.path) is not None:  # the local file system: parallel reads into place
-        try:
-            path = _shard_path(info, shard)
+    elif isinstance(located, str) or (located is None and info.storage.os_path(info.path) is not None):
+        try:  # a file system this host sees: parallel reads into place
+            path = located if isinstance(located, str) else _shard_path(info, shard)
             meta, tensors, csum, size = shardfile.read_into(path, target)
         except FileNotFoundError:
             raise CheckpointError(f"{where} file {path} is missing") from None
@@ -286,7 +278,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
         if check and f"{csum:016x}" != shard["checksum"]:
             raise CheckpointError(f"{where} ({path}) fails its checksum: the file is corrupt")
     else:
-        data = _read_shard(info, shard, check)
+        data = _read_shard(info, shard, check, located)
         try:
             meta, tensors = shardfile.parse(data)
         except ValueError as exc:

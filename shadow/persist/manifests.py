@@ -10,10 +10,20 @@ so manifests may grow.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import posixpath
+import struct
 import time
+from collections.abc import Callable
 from typing import TypeGuard
 
+from shadow.errors import CheckpointError
 from shadow.jobs import job_name_problem
+from shadow.persist import signing
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "shadow-checkpoint/1"
 _SHARD_INTS = ("index", "start", "stop", "bytes")
@@ -116,3 +126,55 @@ def new_manifest(
         "commit": commit,
         "shards": sorted(shards, key=lambda s: s["index"]),
     }
+
+
+# what damaged bytes or failing storage raise on the way through a parser; anything else
+# reading a checkpoint may be a bug, so its traceback is logged as well
+_DAMAGE = (ValueError, OSError, EOFError, struct.error, RecursionError, OverflowError, MemoryError)
+
+
+@contextlib.contextmanager
+def _reading(what: str):
+    """The boundary around reading one checkpoint (its manifest in :func:`list_checkpoints`,
+    a shard in :func:`verify` and :func:`load`): whatever the read raises -- a manifest
+    that parses but holds odd values, a truncated or corrupt plain or compressed shard, an
+    ``OSError`` or a remote store client's own error type -- leaves it as a
+    :class:`CheckpointError` naming ``what`` and the exception's type, so a listing reports
+    the checkpoint and a restore falls back to an older one instead of crashing. Types
+    that damage does not usually raise are logged with their traceback (a bug stays
+    visible)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # see above: every failure of a read is a finding
+        if not isinstance(exc, _DAMAGE):
+            logger.warning("reading %s raised %s", what, type(exc).__name__, exc_info=True)
+        raise CheckpointError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def read_manifest(
+    raw: Callable[[], bytes], mpath: str, sign_key: bytes | None = None, skipped: list | None = None
+) -> dict | None:
+    """The manifest at ``mpath`` (its bytes from ``raw()``), or None -- with a warning, and
+    ``(path, reason)`` appended to ``skipped`` -- when it does not parse, fails
+    :func:`manifest_problem` (e.g. it names another job than its directory's) or, with
+    ``sign_key``, its signature is missing or wrong."""
+    try:
+        with _reading(mpath):
+            manifest = json.loads(raw())
+            if sign_key is not None and isinstance(manifest, dict):  # before anything else trusts a field
+                signing.check(manifest, sign_key)
+            problem = manifest_problem(
+                manifest, FORMAT, posixpath.basename(posixpath.dirname(posixpath.dirname(mpath)))
+            )
+        if problem is not None:
+            raise CheckpointError(f"{mpath}: {problem}")
+    except CheckpointError as exc:  # the reason without the path, which the caller has
+        reason = str(exc).removeprefix(f"{mpath}: ").removeprefix("ValueError: ")
+        what = "refusing" if isinstance(exc, signing.SignatureError) else "ignoring unreadable"
+        logger.warning("%s manifest %s: %s", what, mpath, reason)
+        if skipped is not None:
+            skipped.append((mpath, reason))
+        return None
+    return manifest

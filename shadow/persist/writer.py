@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shadow.persist import checkpoints, failed, shardfile, zshard
+from shadow.persist import checkpoints, disks, failed, shardfile, zshard
 from shadow.persist.upload import Uploader
 from shadow.storage import Codec, LocalStorage
 from shadow.tuning import Tuning
@@ -80,6 +80,8 @@ class ShardPersister:
         # What either creates on a local file system gets persist.mode's permissions (0600/0700)
         self.file_mode, self.dir_mode = persist.file_mode, persist.dir_mode
         self._local_storage = LocalStorage(self.local or ".", self.file_mode, self.dir_mode)
+        # which disk the copies go to, for the manifest (node-local tiers: each worker its own)
+        self.disk = disks.describe(self.local, self.file_mode, self.dir_mode) if self.local else None
         self.job, self.shard, self.nshards, self.state = job, shard, nshards, state
         self.generation = generation
         n, p = state.size, len(state.layout.params)
@@ -367,6 +369,7 @@ class ShardPersister:
             "commit": kw.get("commit"),
             "blob_ranks": kw.get("blob_ranks", []),
             "skipped": kw.get("skipped", False),
+            **({"disk": self.disk} if self.disk is not None else {}),
         }
 
     def results(self) -> list[dict]:

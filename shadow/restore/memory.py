@@ -82,10 +82,18 @@ class MemorySource:
         return fetch_memory(candidate.handle, self.address, progress, self.tuning, sink)
 
     def tiers(self) -> list[TierSource]:
-        """The cluster's persisted tiers, nearest first, as its last answer named them."""
-        from shadow.restore.tier import TierSource  # the tiers' readers load only when a tier is read
+        """The cluster's persisted tiers, nearest first, as its last answer named them: the
+        local one through the coordinator and its workers (its disks may be node-local:
+        :class:`~shadow.restore.cluster_tier.ClusterTierSource`), the others as they are."""
+        from shadow.restore.cluster_tier import ClusterTierSource  # the tiers' readers load only when read
+        from shadow.restore.tier import TierSource
 
-        return [TierSource(st["tier"], st["root"]) for st in self.info.get("storage", [])]
+        return [
+            ClusterTierSource(st["tier"], st["root"], self.address, st["workers"], self.timeout, self.tuning)
+            if isinstance(st.get("workers"), list)
+            else TierSource(st["tier"], st["root"])
+            for st in self.info.get("storage", [])
+        ]
 
 
 class ParamSink(Protocol):

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Iterator
 from typing import BinaryIO, cast
 
@@ -34,12 +35,14 @@ def fsync_dir(path: str) -> None:
 def replacing(
     path: str, file_mode: int = modes.FILE_MODE, dir_mode: int = modes.DIR_MODE, parents: bool = True
 ) -> Iterator[str]:
-    """Write ``path`` durably through ``path + ".tmp"`` (yielded, already created with
+    """Write ``path`` durably through ``<path>.<writer>.tmp`` (yielded, already created with
     permissions ``file_mode``: the body opens it again): renamed over ``path`` and its
     directory fsynced once the body returns; removed if it raises (a full disk would
     otherwise keep the partial file's space until retention finds it). ``parents`` creates
-    the missing directories above it first, each ``dir_mode``."""
-    tmp = path + ".tmp"
+    the missing directories above it first, each ``dir_mode``. The temporary name is the
+    writer's own (process and thread), so two writers of the same file -- the replicas of
+    a shard on one shared disk, whose bytes are equal -- never write into each other's."""
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident():x}.tmp"
     d = os.path.dirname(path) or "."
     if parents:
         modes.makedirs(d, dir_mode)

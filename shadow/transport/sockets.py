@@ -88,13 +88,24 @@ class SocketFactory:
             s.connect(address)
         return s
 
-    def router(self, max_bytes: int, roles: tuple[str, ...] = ROLES, sndhwm: int | None = None) -> zmq.Socket:
+    def router(
+        self,
+        max_bytes: int,
+        roles: tuple[str, ...] = ROLES,
+        sndhwm: int | None = None,
+        send_timeout_s: float | None = None,
+    ) -> zmq.Socket:
         """A server ROUTER (not bound yet) admitting peers of ``roles`` (with a guard): the
-        coordinator's, a worker's serve socket. A reply to a peer that has gone is dropped
-        (``ROUTER_MANDATORY`` off), and so is a message over ``sndhwm`` queued for one peer
-        (0: no limit; default zmq's 1000)."""
+        coordinator's, a worker's serve and files sockets. A reply to a peer that has gone is
+        dropped (``ROUTER_MANDATORY`` off), and so is a message over ``sndhwm`` queued for one
+        peer (0: no limit; default zmq's 1000). With ``send_timeout_s``, a send to a peer with
+        ``sndhwm`` queued waits for it that long, then raises ``zmq.Again``, and one to a peer
+        that has gone raises ``EHOSTUNREACH`` (``ROUTER_MANDATORY`` on): the files socket, whose
+        thread may block."""
         s = self._socket(zmq.ROUTER, max_bytes)
-        s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1 if send_timeout_s is not None else 0)
+        if send_timeout_s is not None:
+            s.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         if sndhwm is not None:
             s.setsockopt(zmq.SNDHWM, int(sndhwm))
         return self._server(s, roles)

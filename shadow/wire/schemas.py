@@ -82,6 +82,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "peer": (dict, type(None)),
     },
     "upload": {"epoch": (int,), "iteration": (int,), "bytes": (int,), "checksum": (str,)},
+    "forget": {"job": (str,), "dirs": (list,)},  # checkpoint directories retention dropped
     "apply": {"epoch": (int,), "iteration": (int,), "persist": (bool,)},
     # trainer -> coordinator
     "attach": {
@@ -113,12 +114,19 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # anyone -> coordinator
     "status": {},
     "restore_info": {"job": (str, type(None))},
+    "catalog": {"tier": (str,), "job": (str, type(None))},  # a tier's manifests, as the coordinator keeps them
     # coordinator -> anyone
     "status_reply": {"status": (dict,)},
     "restore_info_reply": {"info": (dict,)},
+    # checkpoints: [[directory (job/iteration-k), manifest.json's bytes, superseded], ...]; torn: directories
+    "catalog_reply": {"root": (str,), "checkpoints": (list,), "torn": (list,)},
     "error": {"message": (str,), "code": (str,)},  # code: one of ERROR_CODES, for callers to act on
     # client -> worker serve socket
     "fetch": {"epoch": (int,), "iteration": (int,)},
+    # client -> worker files socket: a shard file of the worker's local tier, and its head (the
+    # file follows in messages of ``chunk`` bytes)
+    "read_file": {"job": (str,), "dir": (str,), "file": (str,), "bytes": (int,)},
+    "file_reply": {"bytes": (int,), "chunk": (int,)},
     # worker -> client; optional "extras": [[key, nbytes, xxh3], ...], chunks of the model state
     # outside the optimizer, sent after the arrays' chunks
     "fetch_reply": {
@@ -150,7 +158,13 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "fetch_reply": {"extras": (list,)},
     # shadow.persist.writer.Persister.report: bytes before compression, the codec, and a
     # request skipped because every image was still being written (not a failure)
-    "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,)},
+    "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,), "disk": (dict,)},
+    # a worker's files socket and the disk of its local tier (shadow.worker.files)
+    "heartbeat": {"files": (str,), "disk": (dict, type(None))},
+    "register": {"files": (str,), "disk": (dict, type(None))},
+    "rejoin": {"files": (str,), "disk": (dict, type(None))},
+    # the cluster's persist.local.dir, where a worker without its own local_dir keeps its shards
+    "registered": {"local_dir": (str,)},
 }
 
 #: The message types each kind of socket receives, for its ``ZMQ_MAXMSGSIZE``
@@ -176,11 +190,14 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "trainer_hb",
         "status",
         "restore_info",
+        "catalog",
     ),
     # a worker's DEALER to the coordinator
-    "worker": ("registered", "reset", "reregister", "configure", "upload", "apply", "error"),
+    "worker": ("registered", "reset", "reregister", "configure", "upload", "forget", "apply", "error"),
     # a worker's serve ROUTER
     "serve": ("fetch",),
+    # a worker's files ROUTER
+    "files": ("read_file",),
     # a client's DEALER (trainer ranks, CLI, restore, a replica copying from its peer)
     "client": (
         "attached",
@@ -194,7 +211,9 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "audit",
         "status_reply",
         "restore_info_reply",
+        "catalog_reply",
         "error",
         "fetch_reply",
+        "file_reply",
     ),
 }

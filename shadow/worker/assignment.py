@@ -19,7 +19,9 @@ class Assignment:
     """The job, epoch, shard range and state a ``configure`` message assigns, the inbox of
     iterations in flight, and how far they got (prepared, applied, stale)."""
 
-    def __init__(self, msg: dict, tuning: Tuning | None = None) -> None:
+    def __init__(self, msg: dict, tuning: Tuning | None = None, local_dir: str = "") -> None:
+        """``local_dir``: this worker's own directory for the local tier (node-local), which
+        takes the place of the cluster's ``persist.local.dir`` when the tier is on."""
         tuning = tuning if tuning is not None else Tuning.load()
         self.config = msg  # sent back if the coordinator restarts (rejoin)
         self.epoch = msg["epoch"]
@@ -51,6 +53,8 @@ class Assignment:
         self.commit: dict | None = None  # rank 0's replay record of the applied iteration
         self.stale: str | None = None
         persist = PersistConfig.from_dict(msg["persist"])  # the cluster's typed config, rebuilt
+        if local_dir and persist.local.enabled:
+            persist.local.dir = local_dir
         generation = int(msg["persist"].get("generation", 0))  # the job's lineage, beside the config
         self.persister = (
             ShardPersister(persist, self.job, msg["shard"], msg["shards"], self.state, generation, tuning)

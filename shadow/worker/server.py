@@ -36,6 +36,7 @@ from shadow.worker.apply import Apply
 from shadow.worker.assignment import Assignment
 from shadow.worker.data import DataPath
 from shadow.worker.fetches import FetchServer
+from shadow.worker.files import FileServer
 from shadow.worker.outbox import ZmqOutbox
 from shadow.worker.peer import PeerCopy
 from shadow.worker.startup import compile_kernels
@@ -70,6 +71,7 @@ class Worker:
         guard=None,
         keys=None,
         tuning: Tuning | None = None,
+        local_dir: str = "",
     ) -> None:
         self.coordinator = coordinator
         self.bind_host, self.host = bind_and_advertise(host, coordinator)
@@ -81,6 +83,7 @@ class Worker:
         self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
         self.data = DataPath(self.state, self.outbox, self.sockets, binding)
         self.fetches = FetchServer(self.state, self.sockets, binding)
+        self.files = FileServer(self.sockets, binding, local_dir)
         self.apply = Apply(self.state, self.outbox, self.fetches)
         self.peer = PeerCopy(self.state, self.outbox, self.sockets)
 
@@ -90,6 +93,7 @@ class Worker:
                 sess.close()
         self.data.close()
         self.fetches.close()
+        self.files.close()
         self.outbox.close()
         if self.guard is not None:
             self.guard.stop()
@@ -102,6 +106,7 @@ class Worker:
             return
         self.data.open()
         self.fetches.open()
+        self.files.open()
         logger.info(
             "worker up: data %s serve %s coordinator %s", self.data.endpoint, self.fetches.endpoint, self.coordinator
         )
@@ -198,6 +203,8 @@ class Worker:
             pid=os.getpid(),
             worker_id=self.state.worker_id,
             memory=free,
+            files=self.files.endpoint,
+            disk=self.files.disk,
         )
 
     def _heartbeat(self) -> None:
@@ -219,6 +226,8 @@ class Worker:
             replay_s=st.replay_s,
             replayed=st.replayed,
             memory=memory.report(),
+            files=self.files.endpoint,
+            disk=self.files.disk,
         )
 
     # -- control plane: the handlers of ROUTES -------------------------------------------
@@ -244,6 +253,7 @@ class Worker:
     def _on_registered(self, msg: dict) -> None:
         st = self.state
         st.worker_id, st.awaiting_copy = msg["worker_id"], msg["awaiting_copy"]
+        self.files.learn(msg.get("local_dir", ""))
         logger.info(
             "registered as worker %d%s",
             st.worker_id,
@@ -282,6 +292,8 @@ class Worker:
             if s is None
             else {"configure": s.config, "prepared": s.prepared, "applied": s.applied, "stale": s.stale or ""},
             memory=memory.report(),
+            files=self.files.endpoint,
+            disk=self.files.disk,
         )
 
     def _on_apply(self, msg: dict) -> None:
@@ -291,6 +303,11 @@ class Worker:
         s = self.state.assignment
         if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
             s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
+
+    def _on_forget(self, msg: dict) -> None:
+        """Checkpoints the coordinator's retention dropped (or that failed): gone from this
+        worker's disk too (deleted on the files thread)."""
+        self.files.forget(msg["job"], [d for d in msg["dirs"] if isinstance(d, str)])
 
     def _on_error(self, msg: dict) -> None:
         """The coordinator refused something of this worker's (e.g. a register for a slot a
@@ -304,7 +321,7 @@ class Worker:
             problem = self._configure_problem(msg, st.tuning)
             if problem is not None:
                 raise ValueError(problem)
-            sess = Assignment(msg, st.tuning)
+            sess = Assignment(msg, st.tuning, self.files.override)
         except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
             self.outbox.to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
@@ -316,6 +333,8 @@ class Worker:
         if old is not None:  # its persister would otherwise live on, with its threads and images
             old.close()
         st.configures += 1
+        if sess.persister is not None:  # where this worker's local tier is, for the files socket
+            self.files.learn(sess.persister.local, sess.persister.file_mode, sess.persister.dir_mode)
         self.fetches.answer()  # waiting fetches of the old epoch get an answer from the retired copy
         self.peer.cancel()  # a peer copy of the old epoch is void too
         if msg["peer"] is not None:
@@ -368,6 +387,7 @@ ROUTES: dict[str, Callable[[Worker, dict], None]] = {
     "reset": Worker._on_reset,
     "reregister": Worker._on_reregister,
     "configure": Worker._configure,
+    "forget": Worker._on_forget,
     "apply": Worker._on_apply,
     "upload": Worker._on_upload,
     "error": Worker._on_error,

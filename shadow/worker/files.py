@@ -1,0 +1,226 @@
+"""A worker's node-local checkpoint files: serving them to restore clients, telling the
+coordinator which disk they are on, and deleting those the coordinator's retention dropped.
+
+The local tier of a cluster is a directory on each worker's own host (the worker's
+``local_dir=``, else the cluster's ``persist.local.dir``). The coordinator keeps the
+manifests; a restore client that cannot see a worker's disk asks the worker for the shard
+files (``read_file`` on this socket, a ROUTER of its own on a thread of its own, so disk
+reads never hold up the apply path). Each reply is a ``file_reply`` head, then the file in
+``FILE_CHUNK_BYTES`` messages; the client checks the whole file against the manifest's
+checksum. Only files a checkpoint has are served: a valid job name, a checkpoint
+directory's name, a shard file's name, a regular file of the size the client expects (its
+manifest's), under this worker's root.
+
+Threads: the worker's main thread calls :meth:`FileServer.open`, :meth:`learn`,
+:meth:`forget`, :attr:`disk` and :meth:`close`; one ``shadow-files`` thread owns the socket
+and does every disk access (serving, the disk's id, deletes). They share ``_todo`` (a
+queue) and ``disk`` / ``_roots`` (replaced whole, never changed in place)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import shutil
+import stat
+import threading
+
+import zmq
+
+from shadow.jobs import job_name_problem
+from shadow.persist import disks
+from shadow.persist.checkpoints import dir_key
+from shadow.transport import SocketFactory
+from shadow.wire import messages as M
+from shadow.worker.address import Binding
+
+logger = logging.getLogger(__name__)
+
+FILE_CHUNK_BYTES = 8 << 20  # one message of a file reply
+SEND_TIMEOUT_S = 30.0  # a client that reads nothing this long is dropped
+READERS = ("trainer", "client", "admin")  # the roles that may read checkpoint files (restores)
+_SHARD = re.compile(r"shard-\d{5}-of-\d{5}(\.safetensors|\.shard\.zst)")
+
+
+def file_problem(job: object, directory: object, name: object) -> str | None:
+    """Why ``job/directory/name`` is not a checkpoint's shard file (None if it may be)."""
+    problem = job_name_problem(job)
+    if problem is not None:
+        return problem
+    if not isinstance(directory, str) or dir_key(directory) is None or "/" in directory:
+        return f"{directory!r:.80} is not a checkpoint directory's name"
+    if not isinstance(name, str) or not _SHARD.fullmatch(name):
+        return f"{name!r:.80} is not a shard file's name"
+    return None
+
+
+class FileServer:
+    """The files socket and the thread behind it (see the module's text)."""
+
+    def __init__(self, sockets: SocketFactory, binding: Binding, local_dir: str = "", modes=None) -> None:
+        self.sockets, self.binding = sockets, binding
+        self.override = os.path.abspath(local_dir) if local_dir else ""
+        self._roots = (self.override, "")  # (this worker's own, the cluster's)
+        self.modes = modes  # (file_mode, dir_mode) for the disk's mark, once a configure says
+        self.disk: dict | None = None  # {"id", "dir", "host"} of the root, once known
+        self.endpoint = ""
+        self.served = self.refused = 0
+        self._todo: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def root(self) -> str:
+        """Where this worker's local tier is ("" while unknown)."""
+        own, cluster = self._roots
+        return own or cluster
+
+    def open(self) -> str:
+        """Bind the files socket and start the thread; returns the endpoint to advertise."""
+        sock = self.sockets.router(M.socket_limit("files"), READERS, sndhwm=4, send_timeout_s=SEND_TIMEOUT_S)
+        self.endpoint = self.binding.bind(sock)
+        self._thread = threading.Thread(target=self._loop, args=(sock,), name="shadow-files", daemon=True)
+        self._thread.start()
+        if self.override:  # known now: the register says it (a restore may come before any heartbeat)
+            self._identify()
+        return self.endpoint
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def learn(self, cluster_dir: str, file_mode: int | None = None, dir_mode: int | None = None) -> None:
+        """The cluster's ``persist.local.dir`` (a configure or a register said it); this
+        worker's own ``local_dir`` wins over it."""
+        cluster = os.path.abspath(cluster_dir) if cluster_dir else ""
+        if file_mode is not None and dir_mode is not None:
+            self.modes = (file_mode, dir_mode)
+        if cluster != self._roots[1]:
+            self._roots = (self.override, cluster)
+            self._todo.put(("identify",))
+
+    def forget(self, job: str, names: list[str]) -> None:
+        """Delete checkpoint directories ``names`` of ``job`` from this worker's disk (the
+        coordinator's retention, or a checkpoint that failed)."""
+        self._todo.put(("forget", job, list(names)))
+
+    # -- the thread --------------------------------------------------------------------
+    def _loop(self, sock: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                self._chores()
+                if not sock.poll(200):
+                    continue
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                try:
+                    self._serve(sock, parts)
+                except Exception:  # a bug meeting an input: logged, the thread goes on
+                    logger.exception("serving a file failed; the files socket carries on")
+        finally:
+            sock.close(linger=0)
+
+    def _chores(self) -> None:
+        while True:
+            try:
+                item = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "identify":
+                self._identify()
+            elif item[0] == "forget":
+                self._delete(item[1], item[2])
+
+    def _identify(self) -> None:
+        if not self.root:
+            return
+        file_mode, dir_mode = self.modes if self.modes else (0o600, 0o700)
+        self.disk = disks.describe(self.root, file_mode, dir_mode)
+        logger.info("local tier on this worker: %s (disk %s)", self.disk["dir"], self.disk["id"] or "unknown")
+
+    def _delete(self, job: str, names: list[str]) -> None:
+        root = self.root
+        for name in names:
+            if not root or file_problem(job, name, "shard-00000-of-00001.safetensors") is not None:
+                continue
+            path = os.path.join(root, job, name)
+            try:
+                shutil.rmtree(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                logger.warning("could not delete %s from this worker's disk: %s", path, exc)
+                continue
+            logger.info("deleted %s (retention)", path)
+
+    def _error(self, sock: zmq.Socket, ident: bytes, code: str, text: str) -> None:
+        self.refused += 1
+        try:
+            sock.send_multipart([ident, M.encode("error", code=code, message=text)])
+        except zmq.ZMQError:
+            pass
+
+    def _serve(self, sock: zmq.Socket, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self.refused += 1
+            return
+        ident = parts[0]
+        try:
+            msg = M.decode(parts[1])
+            if msg["t"] != "read_file":
+                raise M.MessageError("unexpected", f"files socket got {msg['t']!r}")
+        except M.MessageError as exc:
+            self._error(sock, ident, "malformed", str(exc))
+            return
+        problem = file_problem(msg["job"], msg["dir"], msg["file"])
+        root = self.root
+        if problem is None and not root:
+            problem = "this worker has no local tier (no persist.local.dir or local_dir yet)"
+        if problem is not None:
+            self._error(sock, ident, "refused", problem)
+            return
+        path = os.path.join(root, msg["job"], msg["dir"], msg["file"])
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            self._error(sock, ident, "refused", f"no such file on this worker's disk: {path}")
+            return
+        except OSError as exc:
+            self._error(sock, ident, "refused", f"cannot read {path} on this worker: {exc}")
+            return
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != msg["bytes"]:
+                self._error(
+                    sock, ident, "refused", f"{path} is not a regular file of {msg['bytes']} bytes on this worker"
+                )
+                return
+            self._send(sock, ident, fd, info.st_size, path)
+        finally:
+            os.close(fd)
+
+    def _send(self, sock: zmq.Socket, ident: bytes, fd: int, size: int, path: str) -> None:
+        try:
+            sock.send_multipart([ident, M.encode("file_reply", bytes=size, chunk=FILE_CHUNK_BYTES)])
+            done = 0
+            while done < size:
+                data = os.pread(fd, min(FILE_CHUNK_BYTES, size - done), done)
+                if not data:
+                    raise OSError(f"{path} ended at {done} of {size} bytes")
+                sock.send_multipart([ident, data], copy=False)
+                done += len(data)
+        except zmq.Again:
+            logger.warning("dropped a file reply (%s): the client read nothing for %.0f s", path, SEND_TIMEOUT_S)
+            return
+        except zmq.ZMQError as exc:  # the client went away
+            logger.warning("dropped a file reply (%s): %s", path, exc)
+            return
+        except OSError as exc:  # the client waits for the rest and times out; its restore goes on elsewhere
+            logger.error("reading %s for a restore failed: %s", path, exc)
+            return
+        self.served += 1
+        logger.info("served %s (%d bytes) to a restore", path, size)

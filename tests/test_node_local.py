@@ -1,0 +1,150 @@
+"""Node-local tiers in one process: a worker's files socket serves only checkpoint shard
+files under its own root, a checkpoint whose shards are on a disk this host cannot see
+loads through the worker holding them (and is refused when that copy is damaged or no
+worker holds it), retention's deletes reach the workers' disks, and a directory's disk id
+is the same for every worker using it. The cluster-wide cases (separate hosts, a lost
+host, a restarted cluster) are in test_multihost.py."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from shadow.errors import CheckpointError, ShadowError
+from shadow.persist import checkpoints, disks
+from shadow.restore.cluster_tier import ClusterTierSource, read_file
+from shadow.transport import SocketFactory
+from shadow.tuning import Tuning
+from shadow.worker.address import Binding
+from shadow.worker.files import FileServer
+from tests.test_persist_units import LAYOUT, _write_checkpoint
+
+TUNING = Tuning.load().replace(fetch_timeout_s=5.0)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = FileServer(SocketFactory(zmq.Context.instance()), Binding("127.0.0.1", "127.0.0.1"), str(tmp_path / "disk"))
+    srv.open()
+    yield srv
+    srv.close()
+
+
+def _coordinator_copy(tmp_path, server: FileServer, holder_dir: str) -> checkpoints.CheckpointInfo:
+    """Iteration 5 of job ``j`` written to the worker's disk; the manifest, with the shards'
+    holders, on the coordinator's disk only (as a node-local tier keeps it)."""
+    _write_checkpoint(server.root, "j", 5, LAYOUT)
+    (on_disk,) = checkpoints.list_checkpoints(server.root, job="j")
+    manifest = dict(on_disk.manifest)
+    manifest["shards"] = [
+        {**s, "holders": [{"worker": 0, "disk": server.disk["id"], "dir": holder_dir, "host": "elsewhere"}]}
+        for s in manifest["shards"]
+    ]
+    coord = str(tmp_path / "coordinator")
+    checkpoints.write_manifest(coord, "j", 5, manifest, parents=True)
+    (info,) = checkpoints.list_checkpoints(coord, job="j")
+    return info
+
+
+def _through(src: ClusterTierSource, info: checkpoints.CheckpointInfo) -> checkpoints.CheckpointInfo:
+    info.locate = lambda shard: src._locate(info, shard)
+    return info
+
+
+def test_a_checkpoint_on_a_disk_only_its_worker_sees_loads_through_it(tmp_path, server):
+    info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")  # the holder's path is not on this host
+    direct = checkpoints.load(checkpoints.list_checkpoints(server.root, job="j")[0])
+    workers = [{"id": 0, "files": server.endpoint, "disk": server.disk}]
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING)
+    snap = checkpoints.load(_through(src, info))
+    assert server.served == 2  # both shards came over the files socket
+    assert snap.iteration == 5 and set(snap.arrays) == set(direct.arrays)
+    for f in direct.arrays:
+        assert np.array_equal(snap.arrays[f], direct.arrays[f])
+    assert np.array_equal(snap.steps, direct.steps) and snap.blobs == direct.blobs
+
+    # a holder directory this host does see is read directly, not through the worker
+    info = _coordinator_copy(tmp_path / "again", server, server.root)
+    checkpoints.load(_through(src, info))
+    assert server.served == 2
+
+
+def test_a_damaged_or_unheld_copy_is_refused(tmp_path, server):
+    info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")
+    shard = info.manifest["shards"][1]
+    path = f"{server.root}/j/{info.path.rsplit('/', 1)[1]}/{shard['file']}"
+    with open(path, "r+b") as f:  # one bit of the worker's copy flips
+        f.seek(shard["bytes"] - 1)
+        last = f.read(1)
+        f.seek(shard["bytes"] - 1)
+        f.write(bytes([last[0] ^ 1]))
+    workers = [{"id": 0, "files": server.endpoint, "disk": server.disk}]
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING)
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoints.load(_through(src, info))
+    other = [{"id": 1, "files": server.endpoint, "disk": {"id": "f" * 32, "dir": "/d", "host": "h"}}]
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", other, 1.0, TUNING)
+    with pytest.raises(CheckpointError, match="no live worker holds it"):
+        checkpoints.load(_through(src, info))
+
+
+@pytest.mark.parametrize(
+    "job,directory,name,why",
+    [
+        ("../j", "iteration-0000000005", "shard-00000-of-00002.safetensors", "A-Za-z0-9"),
+        ("j", "../../etc", "shard-00000-of-00002.safetensors", "not a checkpoint directory"),
+        ("j", "iteration-0000000005", "../../../etc/passwd", "not a shard file"),
+        ("j", "iteration-0000000005", "manifest.json", "not a shard file"),
+        ("j", "iteration-0000000009", "shard-00000-of-00002.safetensors", "no such file"),
+    ],
+)
+def test_the_files_socket_serves_shard_files_only(tmp_path, server, job, directory, name, why):
+    _write_checkpoint(server.root, "j", 5, LAYOUT)
+    with pytest.raises(ShadowError, match=why):
+        read_file(server.endpoint, job, directory, {"file": name, "bytes": 100}, TUNING)
+    # the right size is part of the request: a file of another size is not this checkpoint's
+    (info,) = checkpoints.list_checkpoints(server.root, job="j")
+    shard = info.manifest["shards"][0]
+    with pytest.raises(ShadowError, match="not a regular file of"):
+        read_file(server.endpoint, "j", "iteration-0000000005", {**shard, "bytes": shard["bytes"] + 1}, TUNING)
+    assert len(read_file(server.endpoint, "j", "iteration-0000000005", shard, TUNING)) == shard["bytes"]
+
+
+def test_a_link_in_a_workers_tier_is_not_followed(tmp_path, server):
+    _write_checkpoint(server.root, "j", 5, LAYOUT)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 64)
+    d = f"{server.root}/j/iteration-0000000005"
+    name = "shard-00000-of-00002.safetensors"
+    shutil.move(f"{d}/{name}", str(tmp_path / "moved"))
+    (tmp_path / "link").symlink_to(secret)
+    shutil.move(str(tmp_path / "link"), f"{d}/{name}")
+    with pytest.raises(ShadowError, match="cannot read"):
+        read_file(server.endpoint, "j", "iteration-0000000005", {"file": name, "bytes": 64}, TUNING)
+
+
+def test_forget_deletes_checkpoint_directories_only(tmp_path, server):
+    for it in (5, 6):
+        _write_checkpoint(server.root, "j", it, LAYOUT)
+    keep = tmp_path / "disk" / "j" / "notes"
+    keep.mkdir()
+    server.forget("j", ["iteration-0000000005", "../../x", "notes", "iteration-0000000007"])
+    deadline = time.monotonic() + 5
+    while (tmp_path / "disk" / "j" / "iteration-0000000005").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert sorted(p.name for p in (tmp_path / "disk" / "j").iterdir()) == ["iteration-0000000006", "notes"]
+
+
+def test_a_directory_has_one_disk_id(tmp_path, caplog):
+    a, b = disks.describe(str(tmp_path / "a")), disks.describe(str(tmp_path / "a"))
+    assert a == b and len(a["id"]) == 32 and a["dir"] == str(tmp_path / "a")
+    assert disks.describe(str(tmp_path / "b"))["id"] != a["id"]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / disks.MARK).write_text("not an id")
+    assert disks.describe(str(tmp_path / "c"))["id"] == "" and "does not hold a disk id" in caplog.text
+    assert (tmp_path / "c" / disks.MARK).read_text() == "not an id"  # left for a person to look at
