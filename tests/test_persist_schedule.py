@@ -17,6 +17,7 @@ import pytest
 
 from shadow.config import PersistConfig
 from shadow.coordinator import persistence as persistence_mod
+from shadow.coordinator import tiers as tiers_mod
 from shadow.coordinator.persistence import Persistence
 from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile
@@ -52,6 +53,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(persistence_mod, "time", c)
+    monkeypatch.setattr(tiers_mod, "time", c)  # the skip log's
     return c
 
 
@@ -144,7 +146,7 @@ def test_skips_are_one_summed_warning_and_a_metric(tmp_path, clock, caplog):
     local = str(tmp_path / "local")
     pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=1, dir=local)}))
     pers.reset(0)
-    caplog.set_level(logging.INFO, logger="shadow.coordinator.persistence")
+    caplog.set_level(logging.INFO, logger="shadow.coordinator")
     for it in range(1, 7):
         clock.now += 1
         _local(pers, local, it, skip=True)

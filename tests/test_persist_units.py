@@ -206,3 +206,51 @@ def test_a_node_local_tier_commits_on_the_coordinators_own_disk(tmp_path):
     assert tier.count == 1 and tier.failures == 1 and "replicas of shard 0 wrote different files" in tier.last_error
     assert follow == [("forget", 2, ["iteration-0000000002"])]  # the workers delete their copies
     assert [c.iteration for c in checkpoints.list_checkpoints(str(root), job="j")] == [1]
+
+
+def test_a_writer_lost_mid_checkpoint(tmp_path):
+    """A replica lost while writing: its shard's other copy completes the checkpoint (one
+    holder); the last writer of a shard lost: the checkpoint fails, says why, and its copies
+    are deleted from the disks. Nothing stays in flight either way."""
+    from types import SimpleNamespace
+
+    from shadow.coordinator.persistence import Persistence
+    from shadow.persist import checkpoints
+
+    cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 0, "compress": "none", "compress_level": 1}
+    root = tmp_path / "manifests"
+    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(root))}))
+    job = SimpleNamespace(
+        name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
+    )
+    rep = {
+        "tier": "local",
+        "shard": 0,
+        "ok": True,
+        "error": "",
+        "file": "shard-00000-of-00001.safetensors",
+        "start": 0,
+        "stop": LAYOUT.total,
+        "bytes": 100,
+        "checksum": "00",
+        "seconds": 0.1,
+        "commit": None,
+        "blob_ranks": [0],
+        "epoch": 1,
+    }
+    tier = pers.tiers["local"]
+    assert pers.local_due(1, None, {0: 0, 1: 0})
+    assert pers.writer_lost(job, 1, 1) == [] and tier.in_flight == {1: {}}
+    pers.on_report(job, dict(rep, iteration=1, worker=0), 1)
+    (info,) = checkpoints.list_checkpoints(str(root), job="j")
+    assert [h["worker"] for h in info.manifest["shards"][0]["holders"]] == [0] and tier.count == 1
+
+    assert pers.local_due(2, None, {0: 0, 1: 0})
+    pers.on_report(job, dict(rep, iteration=2, worker=1), 1)  # one copy is in
+    follow = pers.writer_lost(job, 0, 1)  # the other replica goes: its copy still stands
+    assert tier.count == 2 and tier.in_flight == {} and follow == []
+
+    assert pers.local_due(3, None, {0: 0})
+    assert pers.writer_lost(job, 0, 1) == []  # no copy was made: nothing to delete
+    assert tier.count == 2 and tier.failures == 1 and "the last writer of this shard, was lost" in tier.last_error
+    assert tier.in_flight == {} and tier.asked == {}

@@ -196,6 +196,26 @@ def plot(out: Path, sweep: list[dict], cores: dict) -> list[str]:
     return made
 
 
+def print_storage(s: dict) -> None:
+    """One scenario's storage side: each tier, then which tier a restore reads after each failure."""
+    m = s["memory"]
+    print(f"  storage: memory {m['bytes'] / 1e12:.2f} TB, restore {m['restore_s']:.1f} s")
+    for name in ("local", "remote"):
+        t = s.get(name)
+        if t is None:
+            continue
+        took = t.get("write_s", t.get("upload_s"))
+        print(
+            f"    {name:<6} every {t['every_n']} it ({t['interval_s'] / 60:.0f} min): {t['bytes'] / 1e12:.2f} TB, "
+            f"held {t['held_bytes'] / 1e12:.2f} TB, needs {t['needed_GBps']:.2f} GB/s, "
+            f"{'write' if name == 'local' else 'upload'} {took:.1f} s, restore {t['restore_s']:.1f} s"
+        )
+    for row in s["after"]:
+        tier = row["tier"] or "none"
+        lost = f"{row['lost_iterations']:.0f}/{row['lost_iterations_max']:.0f} it" if row["tier"] else "-"
+        print(f"    after {row['failure']}: {tier}, lost {lost}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "docs" / "plan"))
@@ -219,9 +239,11 @@ def main() -> int:
             )
         be = r["break_even_shadow_overhead"]
         print(
-            f"  shadow break-even step overhead: {'-' if be is None else f'{be * 100:.2f}%'}; cluster "
+            f"  shadow break-even step overhead: {'-' if be is None else f'{be * 100:.2f}%'} (used: "
+            f"{r['scenario']['shadow_overhead'] * 100:.2f}%, {r['scenario']['shadow_overhead_source']}); cluster "
             f"{r['sizing']['hosts']} hosts ({r['sizing']['limited_by']}-bound), {r['sizing']['cores']:.0f} cores"
         )
+        print_storage(r["storage"])
     base = scenario("plan_llama3_405b")
     result["sweep_gpus"] = sweep_gpus(base, args.trials, args.days)
     print("\n== GPUs (Llama 3 per-GPU MTBF), lost GPU-h/day analytic [simulated], restart share of the loss")

@@ -297,3 +297,48 @@ def render_plan(r: dict) -> None:
         f"{z['cpu_s_per_iter_per_Bparams']:.2f} CPU-s/it/B ({z['measured_in']})",
     )
     console.print(t)
+    console.print(f"shadow step overhead {sc['shadow_overhead'] * 100:.2f}% ({sc['shadow_overhead_source']})")
+    _render_storage(console, r["storage"])
+
+
+def _render_storage(console, s: dict) -> None:
+    """The storage side of ``shadow plan``: each tier's bytes, cadence, bandwidth and
+    restore time, then which tier serves a restore after each kind of failure."""
+    t = Table(title="storage tiers")
+    for col in ("tier", "every", "bytes / checkpoint", "held", "needed", "write / upload", "restore"):
+        t.add_column(col, justify="left" if col == "tier" else "right")
+    m = s["memory"]
+    t.add_row("memory", "iteration", f"{m['bytes'] / 1e12:.2f} TB", "-", "-", "-", _dur(m["restore_s"]))
+    for name in ("local", "remote"):
+        x = s.get(name)
+        if x is None:
+            continue
+        need = f"{x['needed_GBps']:.1f} GB/s" + (
+            f" ({x['needed_GBps_per_host']:.2f}/host)" if "needed_GBps_per_host" in x else ""
+        )
+        took = x.get("write_s", x.get("upload_s", 0.0))
+        t.add_row(
+            name,
+            f"{x['every_n']} it ({_dur(x['interval_s'])})",
+            f"{x['bytes'] / 1e12:.2f} TB",
+            f"{x['held_bytes'] / 1e12:.2f} TB",
+            need,
+            _dur(took) + ("" if x["fits"] else " [red](longer than the interval)[/red]"),
+            _dur(x["restore_s"]),
+        )
+    console.print(t)
+    t = Table(title="which tier a restore reads")
+    for col in ("failure", "tier", "lost iterations (mean / max)", "read state"):
+        t.add_column(col, justify="left" if col in ("failure", "tier") else "right")
+    for row in s["after"]:
+        if row["tier"] is None:
+            t.add_row(row["failure"], "[red]none[/red]", "-", "-")
+        else:
+            t.add_row(
+                row["failure"],
+                row["tier"],
+                f"{row['lost_iterations']:.0f} / {row['lost_iterations_max']:.0f}",
+                _dur(row["restore_s"]),
+            )
+    console.print(t)
+    console.print(f"object store: stored / plain {s['remote_ratio']:.2f} ({s['remote_ratio_source']})")

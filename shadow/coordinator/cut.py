@@ -111,7 +111,19 @@ class Cut:
             return
         w = st.worker(env[0])
         assert w is not None  # _not_its_shard found it
-        for kind, iteration, what in self.persist.on_report(job, {**msg, "worker": w.id}, st.nshards):
+        self._follow_up(job, self.persist.on_report(job, {**msg, "worker": w.id}, st.nshards))
+
+    def writer_lost(self, w) -> None:
+        """Worker ``w`` is lost: the checkpoint copies it was writing will not come."""
+        job = self.state.job
+        if job is not None:
+            self._follow_up(job, self.persist.writer_lost(job, w.id, self.state.nshards))
+
+    def _follow_up(self, job, follows: list) -> None:
+        """Send what persistence asks for next: uploads to the remote tier, and deletes from
+        every worker's disk."""
+        st = self.state
+        for kind, iteration, what in follows:
             if kind == "upload":  # what: shard -> the report of the copy to upload
                 for r in what.values():
                     x = next((y for y in st.workers if y.id == r["worker"]), None)

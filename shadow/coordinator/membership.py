@@ -141,6 +141,7 @@ class Membership:
                 w.lost = True
                 logger.error("worker %d (pid %d) is lost: no heartbeat for %.1f s", w.id, w.pid, now - w.last_seen)
                 self.replicas.down(w, f"worker {w.id} lost")
+                self.cut.writer_lost(w)
             elif alive and w.lost:
                 w.lost = False
                 logger.info("worker %d is back", w.id)

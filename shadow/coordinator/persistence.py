@@ -154,16 +154,45 @@ class Persistence:
         who = rep.get("worker", rep["shard"]) if asked is not None else rep["shard"]
         if asked is not None and who not in asked:
             return []
-        got = tier.in_flight[rep["iteration"]]
-        got[who] = {**rep, "worker": rep.get("worker", rep["shard"])}
+        tier.in_flight[rep["iteration"]][who] = {**rep, "worker": rep.get("worker", rep["shard"])}
+        return self._settle(tier, job, rep["iteration"], nshards)
+
+    def writer_lost(self, job, worker: int, nshards: int) -> list[tuple[str, int, Any]]:
+        """Worker ``worker`` is lost: the copies it was asked to write will not come. A
+        checkpoint in flight whose shard has another copy asked goes on without it (and
+        completes once the others are in); one whose shard no one else writes fails. Returns
+        the follow-up requests, as :meth:`on_report` does."""
+        follow: list[tuple[str, int, Any]] = []
+        for tier in self.tiers.values():
+            for it in list(tier.asked):
+                asked = tier.asked[it]
+                if not asked or worker not in asked or worker in tier.in_flight.get(it, {}):
+                    continue
+                shard = asked[worker]
+                if any(s == shard for w, s in asked.items() if w != worker):
+                    del asked[worker]  # the other replicas' copies stand for it
+                else:
+                    error = f"worker {worker}, the last writer of this shard, was lost"
+                    tier.in_flight[it][worker] = dict(iteration=it, shard=shard, worker=worker, ok=False, error=error)
+                logger.warning(
+                    "tier %s: checkpoint of iteration %d: worker %d was lost while writing", tier.name, it, worker
+                )
+                follow += self._settle(tier, job, it, nshards)
+        return follow
+
+    def _settle(self, tier: TierState, job, iteration: int, nshards: int) -> list[tuple[str, int, Any]]:
+        """Once every report asked for is in: commit the checkpoint of ``iteration``, or
+        count its failure (or skip) and drop what was written of it."""
+        got = tier.in_flight[iteration]
+        asked = tier.asked.get(iteration)
         if len(got) < (nshards if asked is None else len(asked)):
             return []
-        del tier.in_flight[rep["iteration"]]
-        tier.asked.pop(rep["iteration"], None)
-        tier.requested.pop(rep["iteration"], None)
+        del tier.in_flight[iteration]
+        tier.asked.pop(iteration, None)
+        tier.requested.pop(iteration, None)
         problem = _copies_differ(got.values())
         failed = [r for r in got.values() if not r["ok"]] or (
-            [{**rep, "ok": False, "error": problem}] if problem else []
+            [{"iteration": iteration, "shard": -1, "ok": False, "error": problem}] if problem else []
         )
         if failed:
             errors = [r for r in failed if not r.get("skipped")]
@@ -176,23 +205,21 @@ class Persistence:
                 tier.last_error = "; ".join(
                     f"iteration {r['iteration']} shard {r['shard']}: {r['error']}" for r in errors
                 )
-                logger.error(
-                    "tier %s: checkpoint of iteration %d not taken: %s", tier.name, rep["iteration"], tier.last_error
-                )
+                logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, iteration, tier.last_error)
                 tier.failures += 1
             else:
-                self._skipped(tier, rep["iteration"], failed[0]["error"])
-            self._discard(tier, job, rep["iteration"])
+                tier.skip(iteration, failed[0]["error"], self.tuning.persist_skip_log_s)
+            self._discard(tier, job, iteration)
             follow: list[tuple[str, int, Any]] = []
             if tier.name == "local" and any(r["ok"] for r in got.values()):  # the copies made, on their disks
-                follow.append(("forget", rep["iteration"], [checkpoints.dir_name(rep["iteration"], job.generation)]))
+                follow.append(("forget", iteration, [checkpoints.dir_name(iteration, job.generation)]))
         else:
-            follow = self._commit(tier, job, rep["iteration"], got)
+            follow = self._commit(tier, job, iteration, got)
         if tier.name == "remote" and "local" in self.tiers:  # a copy ended: what local retention held may go
             try:
                 gone = self._retain(self.tiers["local"], job.name)
                 if gone:
-                    follow.append(("forget", rep["iteration"], [posixpath.basename(d.rstrip("/")) for d in gone]))
+                    follow.append(("forget", iteration, [posixpath.basename(d.rstrip("/")) for d in gone]))
             except Exception as exc:  # storage errors are reported, never fatal
                 logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
         return follow
@@ -212,33 +239,6 @@ class Persistence:
                 type(exc).__name__,
                 exc,
             )
-
-    def _skipped(self, tier: TierState, iteration: int, reason: str) -> None:
-        tier.skipped += 1
-        s = tier.skip_log
-        s["lo"] = iteration if not s["count"] else min(s["lo"], iteration)
-        s["hi"] = max(s["hi"], iteration) if s["count"] else iteration
-        s["count"] += 1
-        s["why"] = reason
-        self._log_skips(tier)
-
-    def _log_skips(self, tier: TierState) -> None:
-        """One warning for the skips since the last one, at most every SHADOW_PERSIST_SKIP_LOG_S."""
-        s, now = tier.skip_log, time.monotonic()
-        if not s["count"] or now - s["at"] < self.tuning.persist_skip_log_s:
-            return
-        span = f"iteration {s['lo']}" if s["lo"] == s["hi"] else f"iterations {s['lo']}-{s['hi']}"
-        logger.warning(
-            "tier %s: %d checkpoint request%s skipped (%s; %d in all)%s; not a failure: the next cut is "
-            "due again (if this persists, raise SHADOW_PERSIST_BUFFERS or the tier's interval)",
-            tier.name,
-            s["count"],
-            "" if s["count"] == 1 else "s",
-            span,
-            tier.skipped,
-            f": {s['why']}" if s["why"] else "",
-        )
-        s.update(count=0, at=now)
 
     def _retain(self, tier: TierState, job_name: str) -> list[str]:
         """Retention of ``tier``; on the local tier, checkpoints from the oldest one whose
@@ -342,7 +342,7 @@ class Persistence:
             len(shards),
             f"; retention removed {len(deleted)}" if deleted else "",
         )
-        self._log_skips(tier)
+        tier.log_skips(self.tuning.persist_skip_log_s)
         if tier.newest is None or tier.newest[0] < iteration:
             tier.newest = (
                 iteration,

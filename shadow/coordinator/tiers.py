@@ -5,6 +5,7 @@ what the tier holds, at start-up and again for a job whose lineage changes."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +66,36 @@ class TierState:
             "in_flight": sorted(self.in_flight),
             "held": self.held,
         }
+
+    def skip(self, iteration: int, reason: str, log_s: float) -> None:
+        """A checkpoint request a worker skipped (every image still being written): counted,
+        and logged with the others in one warning at most every ``log_s`` seconds."""
+        self.skipped += 1
+        s = self.skip_log
+        s["lo"] = iteration if not s["count"] else min(s["lo"], iteration)
+        s["hi"] = max(s["hi"], iteration) if s["count"] else iteration
+        s["count"] += 1
+        s["why"] = reason
+        self.log_skips(log_s)
+
+    def log_skips(self, log_s: float) -> None:
+        """One warning for the skips since the last one, at most every ``log_s`` seconds
+        (SHADOW_PERSIST_SKIP_LOG_S)."""
+        s, now = self.skip_log, time.monotonic()
+        if not s["count"] or now - s["at"] < log_s:
+            return
+        span = f"iteration {s['lo']}" if s["lo"] == s["hi"] else f"iterations {s['lo']}-{s['hi']}"
+        logger.warning(
+            "tier %s: %d checkpoint request%s skipped (%s; %d in all)%s; not a failure: the next cut is "
+            "due again (if this persists, raise SHADOW_PERSIST_BUFFERS or the tier's interval)",
+            self.name,
+            s["count"],
+            "" if s["count"] == 1 else "s",
+            span,
+            self.skipped,
+            f": {s['why']}" if s["why"] else "",
+        )
+        s.update(count=0, at=now)
 
 
 def _probe(root: str | Storage) -> None:

@@ -237,7 +237,7 @@ def verify(info: CheckpointInfo) -> list[str]:
     for shard in info.manifest["shards"]:
         try:
             with _reading(f"{where}: shard {shard['index']} ({posixpath.join(info.path, shard['file'])})"):
-                _read_shard(info, shard, True)
+                _read_shard(info, shard, True, info.locate(shard) if info.locate is not None else None)
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems

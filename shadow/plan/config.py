@@ -54,7 +54,9 @@ class AsyncConfig:
 class ShadowPlanConfig:
     """Per-iteration checkpointing through a shadow cluster."""
 
-    overhead: float = 0.02  #: step-time overhead on the trainers (fraction; measure yours with bench_overhead.py)
+    #: step-time overhead on the trainers (fraction); -1 = the measured GPU figure: <bench_dir>/gpu.json
+    #: (benchmarks/bench_gpu.py), else the last one on record (shadow.plan.sizing.RECORDED_GPU_OVERHEAD)
+    overhead: float = -1.0
     lag_iterations: int = 1  #: iterations the shadow's committed state trails the trainers
     restore_GBps: float = (
         0.0  #: aggregate bandwidth from the shadow cluster to the restarting trainers, GB/s; 0 = its hosts' NICs
@@ -68,8 +70,8 @@ class ShadowPlanConfig:
     bench_dir: str = ""  #: folder of the measured figures (scaling.json); empty = this repository's docs/bench
 
     def __post_init__(self) -> None:
-        if not 0 <= self.overhead < 1:
-            raise ValueError(f"shadow.overhead={self.overhead} must be a fraction in [0, 1)")
+        if not (0 <= self.overhead < 1 or self.overhead == -1):
+            raise ValueError(f"shadow.overhead={self.overhead} must be a fraction in [0, 1) (or -1: the measured one)")
         if self.lag_iterations < 0 or self.replicas < 1 or self.persist_images < 0:
             raise ValueError(
                 f"shadow.lag_iterations={self.lag_iterations} and shadow.persist_images="
@@ -83,6 +85,32 @@ class ShadowPlanConfig:
             raise ValueError(f"shadow.headroom={self.headroom} must be >= 1 (a margin over the steady state)")
         if self.cores_per_host < 1:
             raise ValueError(f"shadow.cores_per_host={self.cores_per_host} must be >= 1")
+
+
+@dataclass
+class StoragePlanConfig:
+    """The shadow's persisted tiers: node-local disks on the shadow hosts (every replica
+    writes its copy) and an object store the workers upload to."""
+
+    local_every_n: int = 100  #: iterations between local-tier checkpoints (persist.local.every_n; 0 = none)
+    remote_every_n: int = 1000  #: iterations between object-store copies (persist.remote.every_n; 0 = none)
+    keep: int = 3  #: complete checkpoints each tier keeps (persist.<tier>.keep)
+    disk_GBps_per_host: float = 6.0  #: write (and read) bandwidth of one shadow host's local disks, GB/s
+    object_store_GBps: float = 100.0  #: aggregate bandwidth to (and from) the object store, GB/s
+    #: stored / plain bytes of the remote tier (persist.remote.compress=zstd); 0 = the measured ratio in
+    #: <bench_dir>/compress.json, else 1
+    remote_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.local_every_n < 0 or self.remote_every_n < 0 or self.keep < 1:
+            raise ValueError(
+                f"storage.local_every_n={self.local_every_n} and storage.remote_every_n={self.remote_every_n} "
+                f"must be >= 0 (0 = no such tier), storage.keep={self.keep} >= 1"
+            )
+        for key in ("disk_GBps_per_host", "object_store_GBps"):
+            _positive(f"storage.{key}", getattr(self, key))
+        if not 0 <= self.remote_ratio <= 2:
+            raise ValueError(f"storage.remote_ratio={self.remote_ratio} must be in (0, 2] (0 = the measured one)")
 
 
 @dataclass
@@ -110,6 +138,7 @@ class PlanConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     tiered: AsyncConfig = field(default_factory=AsyncConfig)
     shadow: ShadowPlanConfig = field(default_factory=ShadowPlanConfig)
+    storage: StoragePlanConfig = field(default_factory=StoragePlanConfig)
     name: str | None = None  #: a label for the scenario
 
     def __post_init__(self) -> None:

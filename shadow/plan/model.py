@@ -29,6 +29,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from shadow.plan.config import PlanConfig
+from shadow.plan.sizing import measured_overhead
 
 GB = 1e9
 STRATEGIES = ("sync", "async", "shadow")
@@ -79,12 +80,20 @@ def strategies(cfg: PlanConfig, shadow_restore_GBps: float | None = None) -> dic
     wall = tau * (1.0 + cfg.tiered.overhead * min(1.0, write / tau))  # slower steps while a write runs
     out["async"] = Strategy("async", tau, wall, stall, write, cfg.restart_s + s / (cfg.tiered.read_GBps * GB))
     sh = cfg.shadow
-    wall = it * (1.0 + sh.overhead)
+    wall = it * (1.0 + shadow_overhead(cfg)[0])
     restore = sh.restore_GBps or shadow_restore_GBps
     if not restore:
         raise ValueError("shadow.restore_GBps=0 needs the cluster's size (its NICs) to know the restore bandwidth")
     out["shadow"] = Strategy("shadow", it, wall, 0.0, sh.lag_iterations * wall, cfg.restart_s + s / (restore * GB))
     return out
+
+
+def shadow_overhead(cfg: PlanConfig) -> tuple[float, str]:
+    """The shadow's step-time overhead the plan uses and where it came from: as given, or
+    (``shadow.overhead=-1``) the measured GPU figure."""
+    if cfg.shadow.overhead >= 0:
+        return cfg.shadow.overhead, "given"
+    return measured_overhead(cfg.shadow.bench_dir)
 
 
 def useful_fraction(st: Strategy, mtbf_s: float) -> float:

@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from shadow.plan.config import PlanConfig
-from shadow.plan.model import analyse, break_even_overhead, strategies
+from shadow.plan.model import analyse, break_even_overhead, shadow_overhead, strategies
 from shadow.plan.simulate import simulate_many
 from shadow.plan.sizing import size
+from shadow.plan.storage import storage
 
 
 def plan(cfg: PlanConfig, simulate: bool = True) -> dict:
     """Everything ``shadow plan`` reports for ``cfg`` (JSON-serialisable)."""
     sizing = size(cfg)
     restore = sizing["restore_GBps"]
+    overhead, overhead_source = shadow_overhead(cfg)
     out: dict[str, Any] = {
         "scenario": {
             "name": cfg.name,
@@ -24,10 +26,13 @@ def plan(cfg: PlanConfig, simulate: bool = True) -> dict:
             "state_TB": cfg.state_bytes / 1e12,
             "iteration_s": cfg.iteration_s,
             "restart_s": cfg.restart_s,
+            "shadow_overhead": overhead,
+            "shadow_overhead_source": overhead_source,
         },
         "analytic": analyse(cfg, restore),
         "break_even_shadow_overhead": break_even_overhead(cfg, restore),
         "sizing": sizing,
+        "storage": storage(cfg, sizing),
     }
     if simulate:
         horizon = cfg.days * 86400.0

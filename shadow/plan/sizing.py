@@ -22,13 +22,50 @@ class BenchmarkMissing(ValueError):
     pass
 
 
+#: The shadow's step-time overhead last measured on a GPU, for plans made where no
+#: ``gpu.json`` exists: one H200, GPT-124M, bf16, fused AdamW, gradient accumulation 8
+#: (1.3 GB/s of fp32 gradients), 1.048-1.057x the step time without a checkpoint, before the
+#: GPU data path took the hook's synchronous copies out (at accumulation 2: 1.186x).
+RECORDED_GPU_OVERHEAD = (0.053, "H200, GPT-124M, accumulation 8: 1.048-1.057x (before the GPU data path)")
+
+
+def _bench_dir(bench_dir: str) -> str:
+    return bench_dir or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "bench"
+    )
+
+
+def measured_overhead(bench_dir: str) -> tuple[float, str]:
+    """``(the shadow's step-time overhead on a GPU, where it came from)``: from
+    ``<bench_dir>/gpu.json`` (``benchmarks/bench_gpu.py --json``; fused AdamW, the largest
+    accumulation measured, the protocol's main row), else :data:`RECORDED_GPU_OVERHEAD`."""
+    path = os.path.join(_bench_dir(bench_dir), "gpu.json")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        rows = [r for r in doc["results"] if r.get("mode") == "shadow" and r.get("vs_none")]
+        row = max(rows, key=lambda r: r["accum"])
+        return max(0.0, float(row["vs_none"]) - 1.0), f"{path} ({doc.get('gpu', 'GPU')}, accumulation {row['accum']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return RECORDED_GPU_OVERHEAD
+
+
+def measured_ratio(bench_dir: str) -> tuple[float, str]:
+    """``(stored / plain bytes of a zstd tier, where it came from)``: a whole shard at level
+    1 in ``<bench_dir>/compress.json`` (``benchmarks/bench_compress.py``), else 1 (plain)."""
+    path = os.path.join(_bench_dir(bench_dir), "compress.json")
+    try:
+        with open(path) as f:
+            ratio = float(json.load(f)["shard"]["planes-1"]["ratio"])
+        return 1.0 / ratio, f"{path} (a shard, zstd level 1 on byte planes)"
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return 1.0, "not measured (stored as plain)"
+
+
 def measured_cpu(bench_dir: str) -> tuple[float, str]:
     """``(CPU-seconds per iteration per B params, where it came from)`` from the
     benchmark JSON."""
-    bench_dir = bench_dir or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "bench"
-    )
-    path = os.path.join(bench_dir, "scaling.json")
+    path = os.path.join(_bench_dir(bench_dir), "scaling.json")
     try:
         with open(path) as f:
             sizing = json.load(f)["sizing"]
