@@ -149,45 +149,54 @@ def test_schedules():
     assert not s.due(9, 0.0, None, (0, 0.0, 0))
 
 
+def _coordinator(tmp_path, keep: int):
+    """A coordinator's persistence with a local tier in ``tmp_path/manifests`` (every
+    iteration, ``keep``), and a one-shard job for it."""
+    from types import SimpleNamespace
+
+    from shadow.coordinator.persistence import Persistence
+
+    cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": keep, "compress": "none", "compress_level": 1}
+    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(tmp_path / "manifests"))}))
+    job = SimpleNamespace(
+        name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
+    )
+    return pers, job, tmp_path / "manifests"
+
+
+def _copy_report(it: int, worker: int, checksum: str = "00") -> dict:
+    """Worker ``worker``'s report of its copy of the only shard at iteration ``it``, on its own disk."""
+    return {
+        "tier": "local",
+        "iteration": it,
+        "shard": 0,
+        "ok": True,
+        "error": "",
+        "file": "shard-00000-of-00001.safetensors",
+        "start": 0,
+        "stop": LAYOUT.total,
+        "bytes": 100,
+        "checksum": checksum,
+        "raw_bytes": 100,
+        "compress": "none",
+        "seconds": 0.1,
+        "commit": None,
+        "blob_ranks": [0],
+        "epoch": 1,
+        "worker": worker,
+        "disk": {"id": f"{worker:032x}", "dir": f"/disk{worker}", "host": f"h{worker}"},
+    }
+
+
 def test_a_node_local_tier_commits_on_the_coordinators_own_disk(tmp_path):
     """Workers on other hosts wrote their shards to their own disks, none of which the
     coordinator sees: it makes the checkpoint's directory on its own disk, writes the
     manifest there, and the manifest names both copies of the shard (two replicas, two
     disks); a copy whose bytes differ from its replica's fails the checkpoint instead."""
-    from types import SimpleNamespace
-
-    from shadow.coordinator.persistence import Persistence
     from shadow.persist import checkpoints
 
-    cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 3, "compress": "none", "compress_level": 1}
-    root = tmp_path / "coordinator-only"
-    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(root))}))
-    job = SimpleNamespace(
-        name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
-    )
-
-    def report(it: int, worker: int, checksum: str = "00") -> dict:
-        return {
-            "tier": "local",
-            "iteration": it,
-            "shard": 0,
-            "ok": True,
-            "error": "",
-            "file": "shard-00000-of-00001.safetensors",
-            "start": 0,
-            "stop": LAYOUT.total,
-            "bytes": 100,
-            "checksum": checksum,
-            "raw_bytes": 100,
-            "compress": "none",
-            "seconds": 0.1,
-            "commit": None,
-            "blob_ranks": [0],
-            "epoch": 1,
-            "worker": worker,
-            "disk": {"id": f"{worker:032x}", "dir": f"/disk{worker}", "host": f"h{worker}"},
-        }
-
+    pers, job, root = _coordinator(tmp_path, keep=3)
+    report = _copy_report
     assert pers.local_due(1, None, {0: 0, 1: 0})
     assert pers.on_report(job, report(1, 0), nshards=1) == []  # the other replica's copy is still due
     assert pers.on_report(job, report(1, 1), nshards=1) == []
@@ -212,32 +221,10 @@ def test_a_writer_lost_mid_checkpoint(tmp_path):
     """A replica lost while writing: its shard's other copy completes the checkpoint (one
     holder); the last writer of a shard lost: the checkpoint fails, says why, and its copies
     are deleted from the disks. Nothing stays in flight either way."""
-    from types import SimpleNamespace
-
-    from shadow.coordinator.persistence import Persistence
     from shadow.persist import checkpoints
 
-    cfg = {"every_n": 1, "every_s": 0.0, "every_tokens": 0, "keep": 0, "compress": "none", "compress_level": 1}
-    root = tmp_path / "manifests"
-    pers = Persistence(PersistConfig.from_dict({"local": dict(cfg, dir=str(root))}))
-    job = SimpleNamespace(
-        name="j", epoch=1, layout=LAYOUT.to_dict(), layout_hash=LAYOUT.hash, optim={}, world=1, generation=0
-    )
-    rep = {
-        "tier": "local",
-        "shard": 0,
-        "ok": True,
-        "error": "",
-        "file": "shard-00000-of-00001.safetensors",
-        "start": 0,
-        "stop": LAYOUT.total,
-        "bytes": 100,
-        "checksum": "00",
-        "seconds": 0.1,
-        "commit": None,
-        "blob_ranks": [0],
-        "epoch": 1,
-    }
+    pers, job, root = _coordinator(tmp_path, keep=0)
+    rep = _copy_report(0, 0)
     tier = pers.tiers["local"]
     assert pers.local_due(1, None, {0: 0, 1: 0})
     assert pers.writer_lost(job, 1, 1) == [] and tier.in_flight == {1: {}}
