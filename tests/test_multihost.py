@@ -12,7 +12,9 @@ coordinator without keys on a non-loopback address refuses to start."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -304,7 +306,8 @@ def test_node_local_disks(world1, tmp_path):
     keeps the manifests on its own, and nobody else can see a worker's disk: a restore of a
     persisted iteration is served by the workers over the network; after the host of one
     replica is lost with its disk, by the other; after the whole cluster restarts on the
-    same disks, from the disk that is left. Every restore equals the trained state."""
+    same disks, from the disk that is left; after every disk is lost too, from the object
+    store. Every restore equals the trained state."""
     port = 5555
     address = f"tcp://{SUBNET}.1:{port}"
     keys = Keys(tmp_path / "keys", workers=2)
@@ -313,7 +316,14 @@ def test_node_local_disks(world1, tmp_path):
     stores = [tmp_path / "store0", tmp_path / "store1"]
     for d in (coord_dir, disk, *stores):
         d.mkdir()
-    persist = [f"persist.local.dir={coord_dir}", "persist.local.every_n=2", "persist.local.keep=0"]
+    remote = tmp_path / "object-store"  # every host sees it, as an object store
+    persist = [
+        f"persist.local.dir={coord_dir}",
+        "persist.local.every_n=2",
+        "persist.local.keep=0",
+        f"persist.remote.url={remote}",
+        "persist.remote.every_n=2",
+    ]
 
     def start(log, workers=(0, 1)) -> list:
         procs = [
@@ -370,8 +380,6 @@ def test_node_local_disks(world1, tmp_path):
                 assert time.monotonic() < deadline, log_path.read_text()[-4000:]
                 time.sleep(0.2)
             manifests = sorted(coord_dir.glob("nodes/iteration-*/manifest.json"))
-            import json
-
             m = json.loads(manifests[0].read_text())
             persisted = m["iteration"]
             (shard,) = m["shards"]
@@ -391,8 +399,6 @@ def test_node_local_disks(world1, tmp_path):
             # one replica's host is lost with its disk: the other serves the checkpoint
             procs[2].kill()
             procs[2].wait()
-            import shutil
-
             shutil.rmtree(stores[1] / "nodes")
             deadline = time.monotonic() + 30
             while status(address, timeout=5.0, keys=keys.client("client"))["workers"][1]["health"] != "lost":
@@ -408,6 +414,16 @@ def test_node_local_disks(world1, tmp_path):
             newest = json.loads(sorted(coord_dir.glob("nodes/iteration-*/manifest.json"))[-1].read_text())
             info, fresh = _restore_as_trainer(address, keys)
             assert (info.iteration, info.tier) == (newest["iteration"], "local")
+            assert all(torch.equal(a, b) for a, b in zip(snaps[info.iteration], fresh.parameters(), strict=True))
+
+            # the whole cluster again, and every worker's disk with it: the object store serves
+            _stop(procs)
+            for store in stores:
+                shutil.rmtree(store / "nodes", ignore_errors=True)
+            procs = start(log)
+            uploaded = json.loads(sorted(remote.glob("nodes/iteration-*/manifest.json"))[-1].read_text())
+            info, fresh = _restore_as_trainer(address, keys)
+            assert (info.iteration, info.tier) == (uploaded["iteration"], "remote")
             assert all(torch.equal(a, b) for a, b in zip(snaps[info.iteration], fresh.parameters(), strict=True))
         finally:
             _stop(procs)

@@ -148,3 +148,29 @@ def test_a_directory_has_one_disk_id(tmp_path, caplog):
     (tmp_path / "c" / disks.MARK).write_text("not an id")
     assert disks.describe(str(tmp_path / "c"))["id"] == "" and "does not hold a disk id" in caplog.text
     assert (tmp_path / "c" / disks.MARK).read_text() == "not an id"  # left for a person to look at
+
+
+def test_a_client_that_stops_reading_holds_up_no_other(tmp_path, server):
+    """Files go out a chunk each in turn, each as its client's queue has room: a client
+    that asked and reads nothing does not stop another from getting the whole file."""
+    from shadow.client import dealer
+    from shadow.wire import messages as M
+
+    _write_checkpoint(server.root, "j", 5, LAYOUT)
+    (info,) = checkpoints.list_checkpoints(server.root, job="j")
+    shard = info.manifest["shards"][1]
+    big = f"{server.root}/j/iteration-0000000005/{shard['file']}"
+    with open(big, "ab") as f:  # many chunks: the silent client's queue fills
+        f.write(b"\0" * (64 << 20))
+    shard = {**shard, "bytes": shard["bytes"] + (64 << 20)}
+    silent = dealer(zmq.Context.instance(), server.endpoint, rcvhwm=1)
+    try:
+        silent.send(
+            M.encode("read_file", job="j", dir="iteration-0000000005", file=shard["file"], bytes=shard["bytes"])
+        )
+        time.sleep(0.5)
+        # (a head held up behind the silent client would time out: HEAD_TIMEOUT_S)
+        data = read_file(server.endpoint, "j", "iteration-0000000005", shard, TUNING)
+        assert len(data) == shard["bytes"]
+    finally:
+        silent.close(linger=0)

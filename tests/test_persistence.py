@@ -136,7 +136,9 @@ def test_worker_dying_mid_write_leaves_previous_checkpoint(tmp_path, reference):
     rows = json.loads(shadow("ls", f"source={local}", "json=true").stdout)
     complete = sorted(r["iteration"] for r in rows if r["state"] == "complete")
     torn = [r["iteration"] for r in rows if r["state"] == "incomplete"]
-    assert complete and max(complete) < 6 and len(torn) == 1 and torn[0] >= 6, rows
+    # the dead writer's checkpoint never completes; its directory is torn, or removed once the
+    # coordinator finds the writer lost (the checkpoint then fails and the other shard is deleted)
+    assert complete and max(complete) < 6 and len(torn) <= 1 and all(t >= 6 for t in torn), rows
     state, info = restored_state(str(local))
     assert info.iteration == max(complete)
     assert_same_state(state, reference(info.iteration, 0))

@@ -255,6 +255,7 @@ class Persistence:
         return retention.retain(tier.storage, job_name, keep, busy=tier.in_flight)
 
     def _commit(self, tier: TierState, job, iteration: int, got: dict) -> list:
+        local = tier.name == "local"
         copies: dict[int, list[dict]] = {}  # shard -> its copies' reports, by worker id
         for wid in sorted(got):
             copies.setdefault(got[wid]["shard"], []).append(got[wid])
@@ -269,7 +270,8 @@ class Persistence:
                 "blob_ranks": r["blob_ranks"],
                 "raw_bytes": r.get("raw_bytes", r["bytes"]),
                 "compress": r.get("compress", "none"),
-                "holders": [disks.holder(c["worker"], c.get("disk")) for c in copies[index]],
+                # where its copies are: a local tier's on the writers' disks (the remote tier is one store)
+                **({"holders": [disks.holder(c["worker"], c.get("disk")) for c in copies[index]]} if local else {}),
             }
             for index in sorted(copies)
             for r in copies[index][:1]

@@ -36,6 +36,8 @@ from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
 
+HEAD_TIMEOUT_S = 10.0  # a worker asked for a file answers this fast, or is taken for gone
+
 
 class ClusterTierSource(TierSource):
     """The local tier of the cluster behind coordinator ``address``; ``workers``: the live
@@ -170,14 +172,17 @@ def read_file(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuni
     """Shard file ``shard["file"]`` of checkpoint directory ``directory`` of ``job`` from the
     worker whose files socket is ``endpoint``: its ``shard["bytes"]`` bytes (unchecked: the
     caller compares them with the manifest). A worker silent for ``tuning.fetch_timeout_s``
-    fails it; so does an error reply (no such file there, not a shard file)."""
+    fails it; so does an error reply (no such file there, not a shard file) and one that
+    does not answer within :data:`HEAD_TIMEOUT_S` (a live worker answers at once, whatever
+    else it is sending: its host may be gone while the coordinator still lists it)."""
     nbytes = int(shard["bytes"])
     sock = dealer(zmq.Context.instance(), endpoint, tuning=tuning, rcvhwm=8)
     wait = int(tuning.fetch_timeout_s * 1000)
     try:
         sock.send(M.encode("read_file", job=job, dir=directory, file=shard["file"], bytes=nbytes))
-        if not sock.poll(wait):
-            raise ShadowError(f"no answer from {endpoint} within {tuning.fetch_timeout_s:.0f} s")
+        head_s = min(HEAD_TIMEOUT_S, tuning.fetch_timeout_s)
+        if not sock.poll(int(head_s * 1000)):
+            raise ShadowError(f"no answer from {endpoint} within {head_s:.0f} s")
         head = M.decode(sock.recv())
         if head["t"] == "error":
             raise ShadowError(head["message"])

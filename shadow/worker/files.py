@@ -5,9 +5,12 @@ The local tier of a cluster is a directory on each worker's own host (the worker
 ``local_dir=``, else the cluster's ``persist.local.dir``). The coordinator keeps the
 manifests; a restore client that cannot see a worker's disk asks the worker for the shard
 files (``read_file`` on this socket, a ROUTER of its own on a thread of its own, so disk
-reads never hold up the apply path). Each reply is a ``file_reply`` head, then the file in
-``FILE_CHUNK_BYTES`` messages; the client checks the whole file against the manifest's
-checksum. Only files a checkpoint has are served: a valid job name, a checkpoint
+reads never hold up the apply path). Each reply is a ``file_reply`` head, sent at once,
+then the file in ``FILE_CHUNK_BYTES`` messages; the files being sent (every rank of a
+restarting job may ask for the same shard) go a chunk each in turn, each as its client's
+queue (``SNDHWM`` 4) has room, and one whose client reads nothing for ``SEND_TIMEOUT_S``
+is dropped. The client checks the whole file against the manifest's checksum. Only files
+a checkpoint has are served: a valid job name, a checkpoint
 directory's name, a shard file's name, a regular file of the size the client expects (its
 manifest's), under this worker's root.
 
@@ -25,6 +28,8 @@ import re
 import shutil
 import stat
 import threading
+import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -41,6 +46,19 @@ FILE_CHUNK_BYTES = 8 << 20  # one message of a file reply
 SEND_TIMEOUT_S = 30.0  # a client that reads nothing this long is dropped
 READERS = ("trainer", "client", "admin")  # the roles that may read checkpoint files (restores)
 _SHARD = re.compile(r"shard-\d{5}-of-\d{5}(\.safetensors|\.shard\.zst)")
+
+
+@dataclass
+class _Transfer:
+    """A file being sent to one client."""
+
+    ident: bytes
+    fd: int
+    size: int
+    path: str
+    progress: float  # monotonic time a chunk last went out
+    done: int = 0
+    waiting: bool = False  # its client's queue was full at the last try
 
 
 def file_problem(job: object, directory: object, name: object) -> str | None:
@@ -78,7 +96,7 @@ class FileServer:
 
     def open(self) -> str:
         """Bind the files socket and start the thread; returns the endpoint to advertise."""
-        sock = self.sockets.router(M.socket_limit("files"), READERS, sndhwm=4, send_timeout_s=SEND_TIMEOUT_S)
+        sock = self.sockets.router(M.socket_limit("files"), READERS, sndhwm=4, send_timeout_s=1.0)
         self.endpoint = self.binding.bind(sock)
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="shadow-files", daemon=True)
         self._thread.start()
@@ -108,20 +126,31 @@ class FileServer:
 
     # -- the thread --------------------------------------------------------------------
     def _loop(self, sock: zmq.Socket) -> None:
+        sending: list[_Transfer] = []  # files being sent, a chunk each in turn
         try:
             while not self._stop.is_set():
                 self._chores()
-                if not sock.poll(200):
-                    continue
-                try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                try:
-                    self._serve(sock, parts)
-                except Exception:  # a bug meeting an input: logged, the thread goes on
-                    logger.exception("serving a file failed; the files socket carries on")
+                if sock.poll(0 if sending else 200):
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        parts = []
+                    try:
+                        t = self._serve(sock, parts) if parts else None
+                    except Exception:  # a bug meeting an input: logged, the thread goes on
+                        logger.exception("serving a file failed; the files socket carries on")
+                        t = None
+                    if t is not None:
+                        sending.append(t)
+                for t in list(sending):
+                    if self._advance(sock, t):
+                        os.close(t.fd)
+                        sending.remove(t)
+                if sending and all(t.waiting for t in sending):
+                    time.sleep(0.001)  # every client's queue is full: let the network drain them
         finally:
+            for t in sending:
+                os.close(t.fd)
             sock.close(linger=0)
 
     def _chores(self) -> None:
@@ -164,10 +193,12 @@ class FileServer:
         except zmq.ZMQError:
             pass
 
-    def _serve(self, sock: zmq.Socket, parts: list[bytes]) -> None:
+    def _serve(self, sock: zmq.Socket, parts: list[bytes]) -> _Transfer | None:
+        """One request: refused at once, or the file opened, its head sent and its
+        transfer returned (sent a chunk at a time, in turn with the others)."""
         if len(parts) != 2:
             self.refused += 1
-            return
+            return None
         ident = parts[0]
         try:
             msg = M.decode(parts[1])
@@ -175,52 +206,63 @@ class FileServer:
                 raise M.MessageError("unexpected", f"files socket got {msg['t']!r}")
         except M.MessageError as exc:
             self._error(sock, ident, "malformed", str(exc))
-            return
+            return None
         problem = file_problem(msg["job"], msg["dir"], msg["file"])
         root = self.root
         if problem is None and not root:
             problem = "this worker has no local tier (no persist.local.dir or local_dir yet)"
         if problem is not None:
             self._error(sock, ident, "refused", problem)
-            return
+            return None
         path = os.path.join(root, msg["job"], msg["dir"], msg["file"])
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except FileNotFoundError:
             self._error(sock, ident, "refused", f"no such file on this worker's disk: {path}")
-            return
+            return None
         except OSError as exc:
             self._error(sock, ident, "refused", f"cannot read {path} on this worker: {exc}")
-            return
+            return None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != msg["bytes"]:
-                self._error(
-                    sock, ident, "refused", f"{path} is not a regular file of {msg['bytes']} bytes on this worker"
-                )
-                return
-            self._send(sock, ident, fd, info.st_size, path)
-        finally:
+                raise ValueError(f"{path} is not a regular file of {msg['bytes']} bytes on this worker")
+            sock.send_multipart(
+                [ident, M.encode("file_reply", bytes=info.st_size, chunk=FILE_CHUNK_BYTES)], zmq.NOBLOCK
+            )
+        except (ValueError, OSError, zmq.ZMQError) as exc:
             os.close(fd)
+            if isinstance(exc, ValueError):
+                self._error(sock, ident, "refused", str(exc))
+            return None
+        return _Transfer(ident, fd, info.st_size, path, time.monotonic())
 
-    def _send(self, sock: zmq.Socket, ident: bytes, fd: int, size: int, path: str) -> None:
+    def _advance(self, sock: zmq.Socket, t: _Transfer) -> bool:
+        """Send the next chunk of ``t`` if its client's queue has room; True once it is done
+        or given up (the client went away, read nothing for ``SEND_TIMEOUT_S``, or the file
+        could not be read: the client then times out and its restore goes on elsewhere)."""
+        now = time.monotonic()
         try:
-            sock.send_multipart([ident, M.encode("file_reply", bytes=size, chunk=FILE_CHUNK_BYTES)])
-            done = 0
-            while done < size:
-                data = os.pread(fd, min(FILE_CHUNK_BYTES, size - done), done)
-                if not data:
-                    raise OSError(f"{path} ended at {done} of {size} bytes")
-                sock.send_multipart([ident, data], copy=False)
-                done += len(data)
-        except zmq.Again:
-            logger.warning("dropped a file reply (%s): the client read nothing for %.0f s", path, SEND_TIMEOUT_S)
-            return
+            data = os.pread(t.fd, min(FILE_CHUNK_BYTES, t.size - t.done), t.done)
+            if not data:
+                raise OSError(f"{t.path} ended at {t.done} of {t.size} bytes")
+            sock.send_multipart([t.ident, data], zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # its queue is full
+            t.waiting = True
+            if now - t.progress > SEND_TIMEOUT_S:
+                logger.warning("dropped a file reply (%s): the client read nothing for %.0f s", t.path, SEND_TIMEOUT_S)
+                return True
+            return False
         except zmq.ZMQError as exc:  # the client went away
-            logger.warning("dropped a file reply (%s): %s", path, exc)
-            return
-        except OSError as exc:  # the client waits for the rest and times out; its restore goes on elsewhere
-            logger.error("reading %s for a restore failed: %s", path, exc)
-            return
+            logger.warning("dropped a file reply (%s): %s", t.path, exc)
+            return True
+        except OSError as exc:
+            logger.error("reading %s for a restore failed: %s", t.path, exc)
+            return True
+        t.done += len(data)
+        t.progress, t.waiting = now, False
+        if t.done < t.size:
+            return False
         self.served += 1
-        logger.info("served %s (%d bytes) to a restore", path, size)
+        logger.info("served %s (%d bytes) to a restore", t.path, t.size)
+        return True
