@@ -235,7 +235,9 @@ def run(args) -> dict:
         "Warm rows read from the page cache; 'shadow memory' reads what the workers send over ZeroMQ."
     )
     print("\nwhere the time goes (median s):")
-    for name in ("DCP load", "torch.load"):
+    for name in ("DCP load", "torch.load", "shadow local, via workers"):
+        if not res["parts_s"].get(name):
+            continue
         ks = res["parts_s"][name][0].keys()
         print(
             f"  {name:14s} " + ", ".join(f"{k} {statistics.median(d[k] for d in res['parts_s'][name]):.3f}" for k in ks)

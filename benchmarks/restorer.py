@@ -22,6 +22,7 @@ PATHS = (
     "shadow memory",
     "shadow local",
     "shadow local, evicted",
+    "shadow local, via workers",
     "DCP load",
     "DCP load, evicted",
     "torch.load",
@@ -135,6 +136,26 @@ def restore_main(args) -> None:
 
         return run
 
+    def via_workers(model, opt, parts):
+        """The cluster's local tier as a client that sees none of the workers' disks reads it:
+        listed by the coordinator, every shard sent by the worker holding it."""
+        from shadow.restore.memory import MemorySource
+        from shadow.restore.resolve import pick
+
+        t0 = time.perf_counter()
+        src = MemorySource(args.coordinator, 30.0)
+        src.candidates(JOB)
+        (tier,) = [t for t in src.tiers() if t.name == "local"]
+        tier.direct = False
+        t1 = time.perf_counter()
+        _, snap = pick(tier, JOB, args.steps)
+        t2 = time.perf_counter()
+        info = trainer_hooks.apply_snapshot(snap, model, opt)
+        t3 = time.perf_counter()
+        if (info.tier, info.iteration) != ("local", args.steps):
+            raise RuntimeError(f"the local tier through the workers gave {info.tier} iteration {info.iteration}")
+        parts.update({"ask coordinator": t1 - t0, "read via workers": t2 - t1, "install": t3 - t2})
+
     def dcp_load(model, opt, parts):
         t0 = time.perf_counter()
         msd, osd = get_state_dict(model, opt)
@@ -167,6 +188,7 @@ def restore_main(args) -> None:
         "shadow memory": (shadow(args.coordinator, "memory"), None),
         "shadow local": (shadow(str(local), "local"), None),
         "shadow local, evicted": (shadow(str(local), "local"), local),
+        "shadow local, via workers": (via_workers, None),
         "DCP load": (dcp_load, None),
         "DCP load, evicted": (dcp_load, dcp_dir),
         "torch.load": (torch_load, None),

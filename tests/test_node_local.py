@@ -71,6 +71,18 @@ def test_a_checkpoint_on_a_disk_only_its_worker_sees_loads_through_it(tmp_path, 
     info = _coordinator_copy(tmp_path / "again", server, server.root)
     checkpoints.load(_through(src, info))
     assert server.served == 2
+    # the same path on this host that is another disk (its mark differs) is not the holder's
+    decoy = tmp_path / "decoy"
+    shutil.copytree(server.root, decoy)
+    (decoy / disks.MARK).write_text("e" * 32)
+    info = _coordinator_copy(tmp_path / "third", server, str(decoy))
+    checkpoints.load(_through(src, info))
+    assert server.served == 4
+    # and a client told to read nothing itself goes through the worker too
+    direct_off = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING, direct=False)
+    info = _coordinator_copy(tmp_path / "fourth", server, server.root)
+    checkpoints.load(_through(direct_off, info))
+    assert server.served == 6
 
 
 def test_a_damaged_or_unheld_copy_is_refused(tmp_path, server):
@@ -174,3 +186,33 @@ def test_a_client_that_stops_reading_holds_up_no_other(tmp_path, server):
         assert len(data) == shard["bytes"]
     finally:
         silent.close(linger=0)
+
+
+def test_a_damaged_copy_on_one_disk_is_passed_over_for_its_replicas(tmp_path, server):
+    """replicas=2 on two disks, one copy of a shard damaged: the restore takes the other."""
+    info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")
+    other = FileServer(
+        SocketFactory(zmq.Context.instance()), Binding("127.0.0.1", "127.0.0.1"), str(tmp_path / "disk2")
+    )
+    other.open()
+    try:
+        shutil.copytree(f"{server.root}/j", f"{other.root}/j")
+        shard = info.manifest["shards"][1]
+        with open(f"{server.root}/j/iteration-0000000005/{shard['file']}", "r+b") as f:
+            f.seek(shard["bytes"] // 2)
+            byte = f.read(1)
+            f.seek(shard["bytes"] // 2)
+            f.write(bytes([byte[0] ^ 0x10]))
+        for s in info.manifest["shards"]:
+            s["holders"].append({"worker": 1, "disk": other.disk["id"], "dir": "/nonexistent/disk2", "host": "h2"})
+        workers = [
+            {"id": 0, "files": server.endpoint, "disk": server.disk},
+            {"id": 1, "files": other.endpoint, "disk": other.disk},
+        ]
+        src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING)
+        snap = checkpoints.load(_through(src, info))
+        direct = checkpoints.load(checkpoints.list_checkpoints(other.root, job="j")[0])
+        assert all(np.array_equal(snap.arrays[f], direct.arrays[f]) for f in direct.arrays)
+        assert other.served == 1  # only the damaged shard came from the second disk
+    finally:
+        other.close()

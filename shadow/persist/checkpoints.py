@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -87,8 +88,8 @@ class CheckpointInfo:
     superseded: bool = False  # a later generation went on from an earlier iteration
     verified: bool = False  # its signature was checked with the manifest key (signing) and holds
     #: where each shard is read from, when not from ``storage``: ``locate(shard)`` returns a path this
-    #: host can read, or the file's bytes (a node-local tier read through its workers)
-    locate: Callable[[dict], str | bytes] | None = field(default=None, repr=False, compare=False)
+    #: host can read, or a :class:`ShardReader` (a node-local tier read through its workers)
+    locate: Callable[[dict], str | ShardReader] | None = field(default=None, repr=False, compare=False)
 
     @property
     def job(self) -> str:
@@ -184,12 +185,24 @@ def _shard_path(info: CheckpointInfo, shard: dict) -> str:
         raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']}: {exc}") from None
 
 
-def _read_shard(info: CheckpointInfo, shard: dict, check: bool, located: str | bytes | None = None) -> bytes:
+class ShardReader(Protocol):
+    """A shard file read from elsewhere than the tier's storage (a worker's disk, through the
+    worker): ``read_into`` as :func:`shardfile.read_into` does for a path, ``read_all`` its
+    bytes; ``where`` names it in errors. Whatever fails is a :class:`CheckpointError`."""
+
+    where: str
+
+    def read_into(self, target: Callable) -> tuple[dict, dict, int, int]: ...
+
+    def read_all(self) -> bytes: ...
+
+
+def _read_shard(info: CheckpointInfo, shard: dict, check: bool, located: str | ShardReader | None = None) -> bytes:
     """A shard file's bytes, checked against the manifest: from the tier's storage, or
-    from where ``located`` says (a path this host sees, or the bytes a worker served)."""
+    from where ``located`` says (a path this host sees, or a reader of a worker's copy)."""
     path = posixpath.join(info.path, shard["file"])
-    if isinstance(located, bytes):
-        return _checked(info, shard, located, check, f"{path}, served by a worker")
+    if located is not None and not isinstance(located, str):
+        return _checked(info, shard, located.read_all(), check, located.where)
     try:
         if located is not None:
             path = located
@@ -259,7 +272,14 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
         return _flat(arrays, fld, total)[lo:hi]
 
     located = info.locate(shard) if info.locate is not None else None
-    if zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
+    if located is not None and not isinstance(located, str) and not zshard.is_compressed(shard["file"]):
+        # a worker's copy, streamed: each chunk put in place as it arrives, the file's xxh3 kept on the way
+        meta, tensors, csum, size = located.read_into(target)
+        if size != shard["bytes"]:
+            raise CheckpointError(f"{where} ({located.where}) is {size} bytes, manifest says {shard['bytes']}")
+        if check and f"{csum:016x}" != shard["checksum"]:
+            raise CheckpointError(f"{where} ({located.where}) fails its checksum: the file is corrupt")
+    elif zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
         data = _read_shard(info, shard, check, located)
         try:
             meta, tensors = zshard.decode(data, target, where=f"{where} ({path})")

@@ -23,12 +23,16 @@ import functools
 import logging
 import os
 import posixpath
+import struct
 
+import numpy as np
+import xxhash
 import zmq
 
 from shadow.client import dealer, request
 from shadow.errors import CheckpointError, ShadowError
-from shadow.persist import checkpoints
+from shadow.persist import checkpoints, shardfile
+from shadow.persist import disks as disks_mod
 from shadow.restore.sources import COMPLETE, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.restore.tier import TierSource
 from shadow.tuning import DEFAULT, Tuning
@@ -43,7 +47,8 @@ class ClusterTierSource(TierSource):
     """The local tier of the cluster behind coordinator ``address``; ``workers``: the live
     workers the coordinator named (``{"id", "files", "disk"}`` each), ``timeout``: how
     long the coordinator may take to answer, ``tuning.fetch_timeout_s``: how long a worker
-    may stay silent while it sends a file."""
+    may stay silent while it sends a file; ``direct``: whether files this host sees are read
+    directly (else every shard comes through a worker)."""
 
     def __init__(
         self,
@@ -54,9 +59,11 @@ class ClusterTierSource(TierSource):
         timeout: float,
         tuning: Tuning = DEFAULT,
         sign_key: bytes | None = None,
+        direct: bool = True,
     ) -> None:
         super().__init__(name, root, True, sign_key)
         self.address, self.timeout, self.tuning = address, timeout, tuning
+        self.direct = direct  # read the files this host sees itself (False: always through the workers)
         self.workers = [w for w in workers if isinstance(w, dict) and isinstance(w.get("files"), str) and w["files"]]
 
     def candidates(self, job: str | None) -> list[Candidate]:
@@ -139,17 +146,20 @@ class ClusterTierSource(TierSource):
         finally:
             sock.close(linger=0)
 
-    def _locate(self, info: checkpoints.CheckpointInfo, shard: dict) -> str | bytes:
+    def _locate(self, info: checkpoints.CheckpointInfo, shard: dict) -> str | WorkerFile:
         """Where shard ``shard`` of ``info`` is read from: a path this host sees, or the
-        bytes a worker holding a copy served (checked by the caller)."""
+        workers holding a copy (checked by the caller)."""
         rel = posixpath.join(info.job, posixpath.basename(info.path), shard["file"])
         holders = [h for h in shard.get("holders", []) if isinstance(h, dict)]
-        for d in [self.root] + [h.get("dir") for h in holders]:
+        disks = {h.get("disk") for h in holders if h.get("disk")}
+        # a directory this host sees is read directly when it is a holder's disk (its mark says
+        # so: the same path on another host may be another disk); a manifest naming no disk
+        # (written before node-local tiers) is read where the coordinator's directory has it
+        for d in [self.root] + [h.get("dir") for h in holders] if self.direct else []:
             if isinstance(d, str) and d and info.storage.os_path(d) is not None:
                 path = os.path.join(d, rel)
-                if os.path.isfile(path) and os.access(path, os.R_OK):
+                if (not disks or disk_id_of(d) in disks) and os.path.isfile(path) and os.access(path, os.R_OK):
                     return path
-        disks = {h.get("disk") for h in holders if h.get("disk")}
 
         def disk_of(w: dict) -> str:
             return str(w["disk"].get("id") or "") if isinstance(w.get("disk"), dict) else ""
@@ -158,26 +168,69 @@ class ClusterTierSource(TierSource):
         serving = [w for w in self.workers if disk_of(w) in disks] + [w for w in self.workers if not disk_of(w)]
         if not disks:  # a manifest that does not say: any worker may hold it
             serving = list(self.workers)
+        where = f"iteration {info.iteration} ({self.name}): shard {shard['index']}"
+        if not serving:
+            raise CheckpointError(f"{where}: no live worker holds it and this host does not see its disk")
+        return WorkerFile(serving, info.job, posixpath.basename(info.path), shard, self.tuning, where)
+
+
+class WorkerFile:
+    """A shard file on the workers' disks (a :class:`~shadow.persist.checkpoints.ShardReader`),
+    read from the first of ``workers`` that serves it; every failure is a
+    :class:`CheckpointError` naming each worker tried."""
+
+    def __init__(self, workers: list[dict], job: str, directory: str, shard: dict, tuning: Tuning, where: str):
+        self.workers, self.job, self.directory, self.shard, self.tuning = workers, job, directory, shard, tuning
+        self.where = f"{where}, on a worker's disk"
+
+    def read_into(self, target) -> tuple[dict, dict, int, int]:
+        """As :func:`shadow.persist.shardfile.read_into`: each chunk put in place as it arrives.
+        A copy that fails the manifest's checksum is passed over for the next worker's."""
+
+        def read(endpoint: str) -> tuple[dict, dict, int, int]:
+            got = stream_into(endpoint, self.job, self.directory, self.shard, target, self.tuning)
+            self._check(got[2])
+            return got
+
+        return self._first(read)
+
+    def read_all(self) -> bytes:
+        def read(endpoint: str) -> bytes:
+            data = read_file(endpoint, self.job, self.directory, self.shard, self.tuning)
+            self._check(xxhash.xxh3_64_intdigest(data))
+            return data
+
+        return self._first(read)
+
+    def _check(self, csum: int) -> None:
+        if f"{csum:016x}" != self.shard.get("checksum"):
+            raise ShadowError("its copy fails the manifest's checksum (damaged on that disk)")
+
+    def _first(self, read):
         errors = []
-        for w in serving:
+        for w in self.workers:
             try:
-                return read_file(w["files"], info.job, posixpath.basename(info.path), shard, self.tuning)
-            except ShadowError as exc:
+                return read(w["files"])
+            except ShadowError as exc:  # CheckpointError too: another copy may be whole
                 errors.append(f"worker {w.get('id')}: {exc}")
-        why = "; ".join(errors) or "no live worker holds it and this host does not see its disk"
-        raise CheckpointError(f"iteration {info.iteration} ({self.name}): shard {shard['index']}: {why}")
+        raise CheckpointError(f"{self.where}: " + "; ".join(errors))
 
 
-def read_file(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning = DEFAULT) -> bytes:
-    """Shard file ``shard["file"]`` of checkpoint directory ``directory`` of ``job`` from the
-    worker whose files socket is ``endpoint``: its ``shard["bytes"]`` bytes (unchecked: the
-    caller compares them with the manifest). A worker silent for ``tuning.fetch_timeout_s``
-    fails it; so does an error reply (no such file there, not a shard file) and one that
-    does not answer within :data:`HEAD_TIMEOUT_S` (a live worker answers at once, whatever
-    else it is sending: its host may be gone while the coordinator still lists it)."""
+def disk_id_of(root: str) -> str:
+    """The disk id marked in ``root`` (:mod:`shadow.persist.disks`), or "" (none, unreadable)."""
+    try:
+        with open(os.path.join(root, disks_mod.MARK), "rb") as f:
+            return f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _request(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning) -> zmq.Socket:
+    """Ask the worker at ``endpoint`` for the file; returns the socket once its head says it
+    comes (an error reply, a head for another size, or none within :data:`HEAD_TIMEOUT_S`:
+    ``ShadowError``)."""
     nbytes = int(shard["bytes"])
     sock = dealer(zmq.Context.instance(), endpoint, tuning=tuning, rcvhwm=8)
-    wait = int(tuning.fetch_timeout_s * 1000)
     try:
         sock.send(M.encode("read_file", job=job, dir=directory, file=shard["file"], bytes=nbytes))
         head_s = min(HEAD_TIMEOUT_S, tuning.fetch_timeout_s)
@@ -188,21 +241,97 @@ def read_file(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuni
             raise ShadowError(head["message"])
         if head["t"] != "file_reply" or head["bytes"] != nbytes or head["chunk"] <= 0:
             raise ShadowError(f"{endpoint} answered {head['t']!r} for {nbytes} bytes: not the file asked for")
-        out = bytearray(nbytes)
-        done = 0
-        while done < nbytes:
-            if not sock.poll(wait):
-                raise ShadowError(
-                    f"{endpoint} sent {done} of {nbytes} bytes, then nothing for {tuning.fetch_timeout_s:.0f} s"
-                )
-            frame = sock.recv(copy=False)
-            n = len(frame.buffer)
-            if n == 0 or done + n > nbytes:
-                raise ShadowError(f"{endpoint} sent more than the {nbytes} bytes of the file")
-            out[done : done + n] = frame.buffer
-            done += n
-        return bytes(out)
     except M.MessageError as exc:
+        sock.close(linger=0)
         raise ShadowError(f"{endpoint} sent a malformed reply: {exc}") from None
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def _chunks(sock: zmq.Socket, endpoint: str, nbytes: int, tuning: Tuning):
+    """The file's chunks as they arrive (buffers valid until the next one), ``nbytes`` in
+    all; a worker silent for ``tuning.fetch_timeout_s`` or sending too much: ``ShadowError``."""
+    wait, done = int(tuning.fetch_timeout_s * 1000), 0
+    while done < nbytes:
+        if not sock.poll(wait):
+            raise ShadowError(
+                f"{endpoint} sent {done} of {nbytes} bytes, then nothing for {tuning.fetch_timeout_s:.0f} s"
+            )
+        buf = sock.recv(copy=False).buffer
+        if len(buf) == 0 or done + len(buf) > nbytes:
+            raise ShadowError(f"{endpoint} sent more than the {nbytes} bytes of the file")
+        yield done, buf
+        done += len(buf)
+
+
+def read_file(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning = DEFAULT) -> bytes:
+    """Shard file ``shard["file"]`` of checkpoint directory ``directory`` of ``job`` from the
+    worker whose files socket is ``endpoint``: its ``shard["bytes"]`` bytes (unchecked: the
+    caller compares them with the manifest). A worker silent for ``tuning.fetch_timeout_s``
+    fails it; so does an error reply (no such file there, not a shard file) and one that
+    does not answer within :data:`HEAD_TIMEOUT_S` (a live worker answers at once, whatever
+    else it is sending: its host may be gone while the coordinator still lists it)."""
+    nbytes = int(shard["bytes"])
+    sock = _request(endpoint, job, directory, shard, tuning)
+    try:
+        out = bytearray(nbytes)
+        for pos, buf in _chunks(sock, endpoint, nbytes, tuning):
+            out[pos : pos + len(buf)] = buf
+        return bytes(out)
     finally:
         sock.close(linger=0)
+
+
+def stream_into(endpoint: str, job: str, directory: str, shard: dict, target, tuning: Tuning = DEFAULT):
+    """As :func:`read_file`, a plain shard file put straight into place as it arrives:
+    ``target(name, dtype, count)`` says where each tensor goes (None: a fresh array), as for
+    :func:`shadow.persist.shardfile.read_into`, whose ``(metadata, tensors, xxh3 of the whole
+    file, size)`` it returns. Nothing is checked against the manifest here; a header that does
+    not parse is a ``ShadowError``."""
+    nbytes = int(shard["bytes"])
+    sock = _request(endpoint, job, directory, shard, tuning)
+    h = xxhash.xxh3_64()
+    head = bytearray()  # the file's first bytes, until its header is whole
+    places: list[tuple[int, int, np.ndarray]] = []  # (file lo, file hi, where), in file order
+    tensors: dict[str, np.ndarray] = {}
+    meta: dict | None = None  # once the header is parsed
+    try:
+        for pos, buf in _chunks(sock, endpoint, nbytes, tuning):
+            h.update(buf)
+            if meta is None:
+                head += buf
+                if len(head) < 8 or len(head) < 8 + struct.unpack_from("<Q", head)[0]:
+                    continue
+                try:
+                    meta, base, specs = shardfile.tensor_specs(memoryview(head), nbytes)
+                except ValueError as exc:
+                    raise ShadowError(f"{endpoint}: the shard file's header: {exc}") from None
+                for name, dt, lo, hi in specs:
+                    count = (hi - lo) // dt.itemsize
+                    arr = target(name, dt, count)
+                    arr = np.empty(count, dtype=dt) if arr is None else arr
+                    if arr.dtype != dt or arr.size != count:
+                        raise ShadowError(f"tensor {name!r} is {dt} x {count}, not what the layout expects")
+                    tensors[name] = arr
+                    places.append((base + lo, base + hi, arr.view(np.uint8)))
+                pos, buf = 0, memoryview(head)
+            _scatter(places, pos, buf)
+    finally:
+        sock.close(linger=0)
+    if meta is None:
+        raise ShadowError(f"{endpoint}: the shard file ends inside its header")
+    return meta, tensors, h.intdigest(), nbytes
+
+
+def _scatter(places: list[tuple[int, int, np.ndarray]], pos: int, buf) -> None:
+    """Copy the file's bytes ``buf``, starting at file position ``pos``, into the places
+    they belong to."""
+    data = np.frombuffer(buf, dtype=np.uint8)
+    end = pos + len(data)
+    for lo, hi, where in places:
+        if hi <= pos or lo >= end:
+            continue
+        a, b = max(lo, pos), min(hi, end)
+        where[a - lo : b - lo] = data[a - pos : b - pos]
