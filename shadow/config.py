@@ -336,15 +336,20 @@ class ListConfig:
 class VerifyConfig:
     """Re-read persisted checkpoints and check every checksum."""
 
-    source: str = ""  #: checkpoint directory or fsspec URL (required)
+    #: checkpoint directory or fsspec URL, or a coordinator address: its tiers, every copy of every
+    #: shard on the workers' disks read through the workers (required)
+    source: str = ""
     job: str | None = None  #: only this job
     iteration: int | None = None  #: verify only this iteration (default: all complete ones)
     deep: bool = False  #: also decode every shard and check the tensors it holds (slower)
     json: bool = False  #: print JSON results (also: --json)
     manifest_key: str = ""  #: file holding the manifest key: check signatures (default: $SHADOW_MANIFEST_KEY)
+    timeout: float = 5.0  #: seconds to wait for the coordinator (a coordinator address)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         _check_source(self.source)
+        _check_timeout(self.timeout)
 
 
 CONFIGS: dict[str, type] = {

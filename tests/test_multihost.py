@@ -29,6 +29,7 @@ import trainer_hooks
 from shadow import security
 from shadow.testing import free_port, status
 from tests.conftest import ROOT, train_step
+from tests.helpers.cli import shadow_cli
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -395,6 +396,12 @@ def test_node_local_disks(world1, tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(snaps[persisted], fresh.parameters(), strict=True))
             log.flush()
             assert "to a restore" in log_path.read_text()
+            client = [f"security.server_public={keys.root / 'server.key'}"] + [
+                f"security.client_key={keys.root / 'clients' / 'client.key_secret'}"
+            ]
+            res = shadow_cli("verify", f"source={address}", "job=nodes", *client)  # every copy, through the workers
+            committed = len(list(coord_dir.glob("nodes/iteration-*/manifest.json")))
+            assert res.returncode == 0 and res.stdout.count("(local tier): OK") == committed, res.stdout
 
             # one replica's host is lost with its disk: the other serves the checkpoint
             procs[2].kill()
@@ -407,6 +414,9 @@ def test_node_local_disks(world1, tmp_path):
             info, fresh = _restore_as_trainer(address, keys, persisted)
             assert (info.iteration, info.tier) == (persisted, "local")
             assert all(torch.equal(a, b) for a, b in zip(snaps[persisted], fresh.parameters(), strict=True))
+            res = shadow_cli("verify", f"source={address}", "job=nodes", f"iteration={persisted}", *client)
+            lost = shard["holders"][[h["worker"] for h in shard["holders"]].index(1)]["disk"]
+            assert res.returncode == 1 and f"on disk {lost} (worker 1" in res.stdout, res.stdout  # its copy is gone
 
             # the whole cluster restarts on the same disks (the lost one comes back empty)
             _stop(procs)

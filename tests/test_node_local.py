@@ -216,3 +216,23 @@ def test_a_damaged_copy_on_one_disk_is_passed_over_for_its_replicas(tmp_path, se
         assert other.served == 1  # only the damaged shard came from the second disk
     finally:
         other.close()
+
+
+def test_verify_through_the_cluster_reads_every_copy(tmp_path, server):
+    """Each holder's copy is read and checked: a damaged one and one no live worker holds
+    are each a problem naming its disk; the intact copies are not."""
+    info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")
+    shard = info.manifest["shards"][0]
+    with open(f"{server.root}/j/iteration-0000000005/{shard['file']}", "r+b") as f:
+        f.seek(shard["bytes"] // 2)
+        byte = f.read(1)
+        f.seek(shard["bytes"] // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    for s in info.manifest["shards"]:
+        s["holders"].append({"worker": 7, "disk": "d" * 32, "dir": "/nonexistent/gone", "host": "gone"})
+    workers = [{"id": 0, "files": server.endpoint, "disk": server.disk}]
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING)
+    problems = src.verify_copies(info)
+    assert len(problems) == 3, problems  # shard 0 damaged on disk 0; both shards missing on the lost disk
+    assert sum(f"on disk {server.disk['id']}" in p and "shard 0" in p for p in problems) == 1
+    assert sum(f"on disk {'d' * 32}" in p for p in problems) == 2

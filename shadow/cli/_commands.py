@@ -195,14 +195,22 @@ def cmd_ls(cfg: ListConfig) -> int:
 
 def cmd_verify(cfg: VerifyConfig) -> int:
     from shadow.persist import checkpoints
-    from shadow.restore import TierSource
+    from shadow.restore import MemorySource, TierSource
+    from shadow.restore.resolve import cluster_tiers, is_endpoint
     from shadow.storage import source_tier
 
-    if _missing_dir(cfg.source):
+    key = _sign_key(cfg)
+    if is_endpoint(cfg.source):  # a cluster: its tiers, every copy of every shard
+        src = MemorySource(cfg.source, cfg.timeout)
+        src.candidates(cfg.job)
+        sources: list = cluster_tiers(src, key)
+    elif _missing_dir(cfg.source):
         print(f"shadow verify: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
-    key = _sign_key(cfg)
-    listed = TierSource(source_tier(cfg.source), cfg.source, sign_key=key).candidates(cfg.job)
+    else:
+        sources = [TierSource(source_tier(cfg.source), cfg.source, sign_key=key)]
+    listed = [c for s in sources for c in s.candidates(cfg.job)]
+    by_tier = {s.name: s for s in sources}
     found = [c.handle for c in listed if c.loadable]
     bad = [_unreadable(c) for c in listed if c.state == "unreadable"]
     if cfg.iteration is not None:
@@ -214,7 +222,8 @@ def cmd_verify(cfg: VerifyConfig) -> int:
         return 1
     results: list[dict[str, Any]] = []
     for c in found:
-        problems = checkpoints.verify(c)
+        copies = getattr(by_tier.get(c.tier), "verify_copies", None)  # a node-local tier: each disk's copy
+        problems = copies(c) if copies is not None else checkpoints.verify(c)
         if cfg.deep and not problems:
             try:
                 checkpoints.load(c, check=True)
@@ -230,6 +239,7 @@ def cmd_verify(cfg: VerifyConfig) -> int:
                 "bytes": c.bytes,
                 "path": c.path,
                 "signature": _signature(c),
+                "tier": c.tier,
             }
         )
     _note_unchecked("verify", found, key)
@@ -243,19 +253,22 @@ def cmd_verify(cfg: VerifyConfig) -> int:
             "bytes": None,
             "path": b["path"],
             "signature": None,
+            "tier": b.get("tier"),
         }
         for b in bad
     ]
+    cluster = len(sources) > 1 or is_endpoint(cfg.source)
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
         for r in results:
+            name = f"{r['job']} iteration {r['iteration']}" + (f" ({r['tier']} tier)" if cluster else "")
             if r["shards"] is None:
-                print(f"{r['job']} iteration {r['iteration']}: UNREADABLE")
+                print(f"{name}: UNREADABLE")
             else:
                 signed = {"verified": ", signature verified", "unchecked": ", signed (not checked: no key)"}
                 print(
-                    f"{r['job']} iteration {r['iteration']}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
+                    f"{name}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
                     f"shards, {r['bytes'] / 2**20:.1f} MiB{signed.get(r['signature'], '')})"
                 )
             for p in r["problems"]:

@@ -25,7 +25,7 @@ COMMANDS: dict[str, Callable[[Any], int]] = {  # each takes its command's config
     "keygen": cmd_keygen,
     "plan": cmd_plan,
 }
-CLIENTS = ("status", "restore", "export", "ls")  # commands that connect to a cluster as a CURVE client
+CLIENTS = ("status", "restore", "export", "ls", "verify")  # commands that connect to a cluster as a CURVE client
 
 
 def main(argv: list[str] | None = None) -> int:

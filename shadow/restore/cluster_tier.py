@@ -137,6 +137,29 @@ class ClusterTierSource(TierSource):
         )
         return out
 
+    def verify_copies(self, info: checkpoints.CheckpointInfo) -> list[str]:
+        """Read every copy of every shard of ``info`` (each holder's, on its disk: directly
+        where this host sees it, else through a live worker on it) and check it against the
+        manifest; returns the problems, one per copy that is missing, unreachable or damaged."""
+        problems = []
+        for shard in info.manifest["shards"]:
+            holders = [h for h in shard.get("holders", []) if isinstance(h, dict)] or [{}]
+            for h in holders:
+                copy = f"iteration {info.iteration} ({self.name}): shard {shard['index']}" + (
+                    f" on disk {h.get('disk')} (worker {h.get('worker')}, host {h.get('host')}, {h.get('dir')})"
+                    if h
+                    else ""
+                )
+                try:
+                    got = self._locate(info, {**shard, "holders": [h]} if h else shard)
+                    data = _read_path(got) if isinstance(got, str) else got.read_all()
+                except (ShadowError, OSError) as exc:
+                    problems.append(f"{copy}: {exc}")
+                    continue
+                if len(data) != shard["bytes"] or f"{xxhash.xxh3_64_intdigest(data):016x}" != shard["checksum"]:
+                    problems.append(f"{copy}: fails its size or checksum: the copy is corrupt")
+        return problems
+
     def _catalog(self, job: str | None) -> dict:
         sock = dealer(zmq.Context.instance(), self.address, tuning=self.tuning)
         try:
@@ -214,6 +237,11 @@ class WorkerFile:
             except ShadowError as exc:  # CheckpointError too: another copy may be whole
                 errors.append(f"worker {w.get('id')}: {exc}")
         raise CheckpointError(f"{self.where}: " + "; ".join(errors))
+
+
+def _read_path(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def disk_id_of(root: str) -> str:
