@@ -50,6 +50,15 @@ def _coordinator_copy(tmp_path, server: FileServer, holder_dir: str) -> checkpoi
     return info
 
 
+def _flip(path: str, offset: int) -> None:
+    """Flip one bit of the file at ``offset``: damage on a disk."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def _through(src: ClusterTierSource, info: checkpoints.CheckpointInfo) -> checkpoints.CheckpointInfo:
     info.locate = lambda shard: src._locate(info, shard)
     return info
@@ -89,11 +98,7 @@ def test_a_damaged_or_unheld_copy_is_refused(tmp_path, server):
     info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")
     shard = info.manifest["shards"][1]
     path = f"{server.root}/j/{info.path.rsplit('/', 1)[1]}/{shard['file']}"
-    with open(path, "r+b") as f:  # one bit of the worker's copy flips
-        f.seek(shard["bytes"] - 1)
-        last = f.read(1)
-        f.seek(shard["bytes"] - 1)
-        f.write(bytes([last[0] ^ 1]))
+    _flip(path, shard["bytes"] - 1)  # one bit of the worker's copy flips
     workers = [{"id": 0, "files": server.endpoint, "disk": server.disk}]
     src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING)
     with pytest.raises(CheckpointError, match="checksum"):
@@ -198,11 +203,7 @@ def test_a_damaged_copy_on_one_disk_is_passed_over_for_its_replicas(tmp_path, se
     try:
         shutil.copytree(f"{server.root}/j", f"{other.root}/j")
         shard = info.manifest["shards"][1]
-        with open(f"{server.root}/j/iteration-0000000005/{shard['file']}", "r+b") as f:
-            f.seek(shard["bytes"] // 2)
-            byte = f.read(1)
-            f.seek(shard["bytes"] // 2)
-            f.write(bytes([byte[0] ^ 0x10]))
+        _flip(f"{server.root}/j/iteration-0000000005/{shard['file']}", shard["bytes"] // 2)
         for s in info.manifest["shards"]:
             s["holders"].append({"worker": 1, "disk": other.disk["id"], "dir": "/nonexistent/disk2", "host": "h2"})
         workers = [
@@ -223,11 +224,7 @@ def test_verify_through_the_cluster_reads_every_copy(tmp_path, server):
     are each a problem naming its disk; the intact copies are not."""
     info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")
     shard = info.manifest["shards"][0]
-    with open(f"{server.root}/j/iteration-0000000005/{shard['file']}", "r+b") as f:
-        f.seek(shard["bytes"] // 2)
-        byte = f.read(1)
-        f.seek(shard["bytes"] // 2)
-        f.write(bytes([byte[0] ^ 0x01]))
+    _flip(f"{server.root}/j/iteration-0000000005/{shard['file']}", shard["bytes"] // 2)
     for s in info.manifest["shards"]:
         s["holders"].append({"worker": 7, "disk": "d" * 32, "dir": "/nonexistent/gone", "host": "gone"})
     workers = [{"id": 0, "files": server.endpoint, "disk": server.disk}]
