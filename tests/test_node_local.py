@@ -19,6 +19,7 @@ from shadow.persist import checkpoints, disks
 from shadow.restore.cluster_tier import ClusterTierSource, read_file
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning
+from shadow.wire import messages as M
 from shadow.worker.address import Binding
 from shadow.worker.files import FileServer
 from tests.test_persist_units import LAYOUT, _write_checkpoint
@@ -171,7 +172,6 @@ def test_a_client_that_stops_reading_holds_up_no_other(tmp_path, server):
     """Files go out a chunk each in turn, each as its client's queue has room: a client
     that asked and reads nothing does not stop another from getting the whole file."""
     from shadow.client import dealer
-    from shadow.wire import messages as M
 
     _write_checkpoint(server.root, "j", 5, LAYOUT)
     (info,) = checkpoints.list_checkpoints(server.root, job="j")
@@ -233,3 +233,41 @@ def test_verify_through_the_cluster_reads_every_copy(tmp_path, server):
     assert len(problems) == 3, problems  # shard 0 damaged on disk 0; both shards missing on the lost disk
     assert sum(f"on disk {server.disk['id']}" in p and "shard 0" in p for p in problems) == 1
     assert sum(f"on disk {'d' * 32}" in p for p in problems) == 2
+
+
+def test_the_coordinators_catalog_is_read_again_only_when_the_tier_changed(tmp_path, monkeypatch):
+    """``catalog`` answers from what it read last while the tier's manifests are unchanged,
+    reads again when one is added, and sends the newest manifests that fit its budget,
+    saying how many older ones it left out."""
+    from shadow.config import PersistConfig
+    from shadow.coordinator import queries
+    from shadow.coordinator.outbox import RecordingOutbox
+    from shadow.coordinator.persistence import Persistence
+    from shadow.coordinator.state import ClusterState
+
+    root = tmp_path / "manifests"
+    tier = {"every_n": 1, "keep": 0, "dir": str(root)}
+    q = queries.Queries(
+        ClusterState(expected=1), RecordingOutbox(), Persistence(PersistConfig.from_dict({"local": tier}))
+    )
+    reads = []
+    real = checkpoints.list_checkpoints
+    monkeypatch.setattr(checkpoints, "list_checkpoints", lambda *a, **k: reads.append(1) or real(*a, **k))
+
+    def ask() -> dict:
+        q.on_catalog([b"c"], {"t": "catalog", "tier": "local", "job": "j"})
+        return q.out.last("catalog_reply", b"c")
+
+    for it in (1, 2):
+        _write_checkpoint(str(root), "j", it, LAYOUT)
+    assert [e[0] for e in ask()["checkpoints"]] == ["j/iteration-0000000001", "j/iteration-0000000002"]
+    ask()
+    assert len(reads) == 1  # unchanged: not read again
+    _write_checkpoint(str(root), "j", 3, LAYOUT)
+    assert len(ask()["checkpoints"]) == 3 and len(reads) == 2
+    size = len(ask()["checkpoints"][-1][1])
+    monkeypatch.setattr(queries, "CATALOG_BYTES", 2 * size + 10)
+    got = ask()
+    assert [e[0] for e in got["checkpoints"]] == ["j/iteration-0000000002", "j/iteration-0000000003"]
+    assert got["left_out"] == 1
+    assert q.out.last("catalog_reply", b"c") is not None and M.decode(M.encode("catalog_reply", **got))

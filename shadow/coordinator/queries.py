@@ -5,6 +5,7 @@ re-attach bootstraps, the storage tiers)."""
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import time
 from typing import Any
@@ -14,9 +15,13 @@ from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import Health, JobStatus
 from shadow.coordinator.state import ClusterState
 from shadow.layout import Layout
-from shadow.persist import checkpoints
+from shadow.persist import checkpoints, fsglob
 
 Msg = dict[str, Any]
+logger = logging.getLogger(__name__)
+
+#: the manifests one ``catalog_reply`` carries at most (its limit is 256 MiB): the newest first
+CATALOG_BYTES = 128 << 20
 
 
 class Queries:
@@ -24,6 +29,7 @@ class Queries:
 
     def __init__(self, state: ClusterState, out: Outbox, persist: Persistence, guard: Any = None) -> None:
         self.state, self.out, self.persist, self.guard = state, out, persist, guard
+        self._catalogs: dict[tuple, tuple[list, list]] = {}  # (tier, job) -> (what it was read from, entries)
 
     def on_status(self, env: list[bytes], msg: Msg) -> None:
         self.out.reply(env, "status_reply", status=status_view(self.state, self.persist, self.guard))
@@ -58,8 +64,7 @@ class Queries:
             self.out.reply(env, "error", code="refused", message=f"this cluster has no {msg['tier']!r} tier")
             return
         try:
-            found = checkpoints.list_checkpoints(tier.storage, tier.name, msg["job"])
-            torn = checkpoints.list_torn(tier.storage, msg["job"])
+            entries, torn, left_out = self._catalog(tier, msg["job"])
         except Exception as exc:  # an unreadable tier is an answer, not a crash
             self.out.reply(env, "error", code="internal", message=f"cannot list tier {tier.name}: {exc}")
             return
@@ -67,11 +72,49 @@ class Queries:
             env,
             "catalog_reply",
             root=tier.root,
-            checkpoints=[
-                [_relative(tier.storage.base, c.path), json.dumps(c.manifest).encode(), c.superseded] for c in found
-            ],
-            torn=[_relative(tier.storage.base, d) for d in torn],
+            checkpoints=entries,
+            torn=torn,
+            **({"left_out": left_out} if left_out else {}),
         )
+
+    def _catalog(self, tier, job: str | None) -> tuple[list, list, int]:
+        """``(entries, torn, left out)`` of ``tier`` for ``job``, newest entries first, within
+        :data:`CATALOG_BYTES`. The manifests are read and checked again only when the tier's
+        manifests and generation records changed (their names, sizes and times): this runs on
+        the loop thread, and a tier that keeps every checkpoint holds many."""
+        st = tier.storage
+        paths = sorted(st.list(fsglob.pattern(st.base, job, "iteration-*", checkpoints.MANIFEST)))
+        paths += sorted(st.list(fsglob.pattern(st.base, job, "generation-*.json")))
+        stamp = [(p, _stamp(st.info(p))) for p in paths]
+        key = (tier.name, job)
+        cached = self._catalogs.get(key)
+        if cached is not None and cached[0] == stamp:
+            entries = cached[1]
+        else:
+            found = checkpoints.list_checkpoints(st, tier.name, job)
+            entries = [[_relative(st.base, c.path), json.dumps(c.manifest).encode(), c.superseded] for c in found]
+            self._catalogs[key] = (stamp, entries)
+        sent, total = [], 0
+        for e in reversed(entries):  # the newest first, as a restore picks
+            if total + len(e[1]) > CATALOG_BYTES:
+                break
+            sent.append(e)
+            total += len(e[1])
+        if len(sent) < len(entries):
+            logger.warning(
+                "tier %s: the catalog sent the %d newest of %d checkpoints (%d MiB of manifests at most)",
+                tier.name,
+                len(sent),
+                len(entries),
+                CATALOG_BYTES >> 20,
+            )
+        torn = [_relative(st.base, d) for d in checkpoints.list_torn(st, job)]
+        return sent[::-1], torn, len(entries) - len(sent)
+
+
+def _stamp(info: dict) -> tuple:
+    """What tells a file's version from another's: its size and modification time."""
+    return info.get("size"), str(info.get("mtime", info.get("LastModified", "")))
 
 
 def _relative(base: str, path: str) -> str:

@@ -78,6 +78,13 @@ class ClusterTierSource(TierSource):
                 self.root,
             )
             return super().candidates(job)
+        if reply.get("left_out"):
+            logger.warning(
+                "the coordinator at %s listed only the newest checkpoints of its %s tier: %d older ones were left out",
+                self.address,
+                self.name,
+                reply["left_out"],
+            )
         out: list[Candidate] = []
         for entry in reply["checkpoints"]:
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):

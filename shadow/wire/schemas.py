@@ -165,6 +165,8 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "rejoin": {"files": (str,), "disk": (dict, type(None))},
     # the cluster's persist.local.dir, where a worker without its own local_dir keeps its shards
     "registered": {"local_dir": (str,)},
+    # older checkpoints the catalog left out (its manifests would not fit)
+    "catalog_reply": {"left_out": (int,)},
 }
 
 #: The message types each kind of socket receives, for its ``ZMQ_MAXMSGSIZE``
