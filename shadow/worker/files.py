@@ -10,14 +10,16 @@ then the file in ``FILE_CHUNK_BYTES`` messages; the files being sent (every rank
 restarting job may ask for the same shard) go a chunk each in turn, each as its client's
 queue (``SNDHWM`` 4) has room, and one whose client reads nothing for ``SEND_TIMEOUT_S``
 is dropped. The client checks the whole file against the manifest's checksum. Only files
-a checkpoint has are served: a valid job name, a checkpoint
-directory's name, a shard file's name, a regular file of the size the client expects (its
-manifest's), under this worker's root.
+a checkpoint has are served: a valid job name, a checkpoint directory's name, a shard
+file's name, a regular file of the size the client expects (its manifest's), under this
+worker's root.
 
 Threads: the worker's main thread calls :meth:`FileServer.open`, :meth:`learn`,
 :meth:`forget`, :attr:`disk` and :meth:`close`; one ``shadow-files`` thread owns the socket
-and does every disk access (serving, the disk's id, deletes). They share ``_todo`` (a
-queue) and ``disk`` / ``_roots`` (replaced whole, never changed in place)."""
+and does the disk accesses after start-up (serving, the disk's id, deletes); :meth:`open`
+reads the id of the worker's own ``local_dir`` itself, so the register carries it. They
+share ``_todo`` (a queue) and ``disk`` / ``_roots`` (replaced whole, never changed in
+place)."""
 
 from __future__ import annotations
 
@@ -76,11 +78,11 @@ def file_problem(job: object, directory: object, name: object) -> str | None:
 class FileServer:
     """The files socket and the thread behind it (see the module's text)."""
 
-    def __init__(self, sockets: SocketFactory, binding: Binding, local_dir: str = "", modes=None) -> None:
+    def __init__(self, sockets: SocketFactory, binding: Binding, local_dir: str = "") -> None:
         self.sockets, self.binding = sockets, binding
         self.override = os.path.abspath(local_dir) if local_dir else ""
         self._roots = (self.override, "")  # (this worker's own, the cluster's)
-        self.modes = modes  # (file_mode, dir_mode) for the disk's mark, once a configure says
+        self.modes: tuple[int, int] | None = None  # (file_mode, dir_mode) for the disk's mark, once a configure says
         self.disk: dict | None = None  # {"id", "dir", "host"} of the root, once known
         self.endpoint = ""
         self.served = self.refused = 0
