@@ -28,6 +28,14 @@ FEATURES = {
     "sgd-momentum-nesterov": ("--optim", "sgd"),
     "sgd-foreach-clip": ("--optim", "sgd", "--impl", "foreach", "--clip", "0.05"),
     "grad-scaler-unscale-clip": ("--amp", "unscale", "--clip", "0.05"),
+    # torch's own clip_grad_norm_ in the loop (as frameworks call it), recorded
+    "torch-clip-in-loop": ("--clip", "0.05", "--clip-via", "torch"),
+    # optimizer.step(closure) with forward, backward and torch's clip inside (Lightning)
+    "closure-torch-clip": ("--closure", "--clip", "0.05", "--clip-via", "torch"),
+    # GradScaler(enabled=False), always built by nanoGPT-style scripts
+    "disabled-grad-scaler-clip": ("--disabled-scaler", "--clip", "0.05", "--clip-via", "torch"),
+    # a scheduler stepped twice per optimizer step (accelerate's AcceleratedScheduler); the inner one attached
+    "scheduler-twice-per-step": ("--sched-steps", "2"),
 }
 
 

@@ -5,7 +5,8 @@ a checkpoint (what ``shadow restore ... format=torch`` writes) is
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +35,58 @@ class RestoreInfo:
     source: str
     tier: str
     world: int
+    #: this rank's RNG states as checkpointed (``None``: the checkpoint has none for it).
+    #: Applied by :func:`restore` unless ``defer_rng=True``; then :meth:`apply_rng` does it.
+    rng: dict | None = field(default=None, repr=False)
+    #: whether :func:`restore` applied :attr:`rng` (False with ``defer_rng=True`` until
+    #: :meth:`apply_rng`)
+    rng_applied: bool = False
+
+    def apply_rng(self) -> None:
+        """Set this process's RNGs (torch CPU and CUDA, Python ``random``, numpy's global
+        generator) to the checkpointed states. For loops that draw from them between the
+        restore and the point the checkpoint was taken at (building a DataLoader iterator,
+        prefetching the next batch): restore with ``defer_rng=True``, build what draws,
+        then call this. Once only: a second call would rewind the generators again."""
+        if self.rng is None:
+            raise ValueError(
+                f"the checkpoint of job {self.job!r} at iteration {self.iteration} has no RNG state for "
+                "this rank; nothing was changed"
+            )
+        if self.rng_applied:
+            raise RuntimeError("the RNG states were applied already (apply_rng() runs once per restore)")
+        _rng.restore(self.rng)
+        self.rng_applied = True
+
+
+def process_rank(rank: int | None, world: int) -> int:
+    """This process's rank for a restore of a checkpoint taken with ``world`` ranks:
+    ``rank`` if given, else the default process group's, else ``$RANK`` (set by torchrun
+    and every launcher). A checkpoint of one rank needs none of them. Raises
+    :class:`ValueError` when the rank cannot be told: giving rank 1 rank 0's RNG and extra
+    state would resume it silently wrong."""
+    if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        return rank
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    env = os.environ.get("RANK")
+    if env is not None:
+        try:
+            value = int(env)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"RANK={env!r} in the environment is not a rank (an integer >= 0); pass rank= to restore")
+        return value
+    if world <= 1:
+        return 0
+    raise ValueError(
+        f"cannot tell which of the checkpoint's {world} ranks this process is: no process group is initialised "
+        "and RANK is not set; call restore after init_process_group, run under a launcher that sets RANK "
+        "(torchrun does), or pass rank=; nothing was changed"
+    )
 
 
 def restore(
@@ -50,6 +103,7 @@ def restore(
     timeout: float | None = None,
     tuning: Tuning | None = None,
     sign_key: bytes | None = None,
+    defer_rng: bool = False,
 ) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
@@ -66,6 +120,14 @@ def restore(
     ``sign_key``: the manifest key (``shadow.persist.signing.load_key(path)``) a persisted
     checkpoint's signature is checked with: one unsigned or failing it is never restored
     (default: the key file ``$SHADOW_MANIFEST_KEY`` names; none: signatures unchecked).
+
+    ``rank``: this process's rank in the checkpointed job (which RNG states and extra state
+    it gets). Default: the process group's if one is initialised, else ``$RANK`` (torchrun
+    and other launchers set it); a multi-rank checkpoint restored where neither tells the
+    rank is refused rather than given rank 0's state. ``defer_rng=True``: leave the RNGs
+    alone and return their states in ``info.rng``; call ``info.apply_rng()`` once the loop
+    has drawn what it draws before the point of the checkpoint (a prefetched batch, a new
+    DataLoader iterator).
     """
     if source is None:
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
@@ -84,7 +146,14 @@ def restore(
             source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key, sink=sink
         )
         return apply_snapshot(
-            snap, model, optimizer, scheduler=scheduler, scaler=scaler, weights_only=weights_only, rank=rank
+            snap,
+            model,
+            optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            weights_only=weights_only,
+            rank=rank,
+            defer_rng=defer_rng,
         )
     except Exception:
         if sink is not None and sink.written:
@@ -105,12 +174,12 @@ def apply_snapshot(
     scaler: Any = None,
     weights_only: bool = False,
     rank: int | None = None,
+    defer_rng: bool = False,
 ) -> RestoreInfo:
     """Load a :class:`shadow.restore.Snapshot` (from :func:`shadow.restore.resolve`) into
     ``model``/``optimizer``/``scheduler``/``scaler`` and this rank's RNG states; what
     :func:`restore` does once it has found the checkpoint."""
-    if rank is None:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = process_rank(rank, snap.world)
     if optimizer is not None:
         try:
             layout, params = build_layout(model, optimizer)
@@ -160,8 +229,11 @@ def apply_snapshot(
             scheduler.load_state_dict(sd["scheduler"])
         if scaler is not None and sd["scaler"] is not None:
             scaler.load_state_dict(sd["scaler"])
-        if blob_rank is not None:
-            _rng.restore(sd["rng"][blob_rank])
     extra = sd["extra_state_by_rank"][blob_rank] if blob_rank is not None else sd["extra_state"]
+    restores_state = optimizer is not None and not weights_only
+    rng = sd["rng"][blob_rank] if blob_rank is not None and restores_state else None
+    info = RestoreInfo(snap.iteration, extra, snap.job, snap.source, snap.tier, snap.world, rng)
+    if rng is not None and not defer_rng:
+        info.apply_rng()
     logger.info("restored iteration %d of job %s from %s (%s)", snap.iteration, snap.job, snap.source, snap.tier)
-    return RestoreInfo(snap.iteration, extra, snap.job, snap.source, snap.tier, snap.world)
+    return info

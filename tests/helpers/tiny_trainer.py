@@ -191,6 +191,11 @@ def main() -> None:
         help="with --extras: change the frozen layer and the big buffer in place before this iteration's forward",
     )
     ap.add_argument("--policy", default="block", help="back-pressure policy: block | skip")
+    ap.add_argument("--clip-via", default="session", help="with --clip, attached: session | torch (clip_grad_norm_)")
+    ap.add_argument("--closure", action="store_true", help="optimizer.step(closure): forward, backward, clip inside")
+    ap.add_argument("--disabled-scaler", action="store_true", help="a GradScaler(enabled=False) used as AMP loops do")
+    ap.add_argument("--sched-steps", type=int, default=1, help="scheduler steps per optimizer step")
+    ap.add_argument("--sched-wrap", action="store_true", help="with --sched-steps: attach with a wrapper stepping them")
     ap.add_argument("--amp", default="", help="GradScaler + bf16 autocast: 'step' | 'unscale' (unscale_ first)")
     ap.add_argument(
         "--info-out",
@@ -235,14 +240,39 @@ def main() -> None:
 
     testing.inject_from_env()  # SHADOW_FAULT_NET / SHADOW_FAULT_DIE_AT (tests and the fault matrix)
     scaler = None
-    if args.amp:
+    if args.disabled_scaler:
+        scaler = torch.amp.GradScaler("cpu", enabled=False)  # built always, enabled only for fp16 (nanoGPT)
+    elif args.amp:
         # the first scaled loss overflows (inf): that step is skipped, the scale backs off, then grows
         scaler = torch.amp.GradScaler(
             "cpu", init_scale=2.0**16, backoff_factor=0.5, growth_factor=2.0, growth_interval=2
         )
+    stepper = sched
+    if args.sched_steps > 1:
+
+        class Repeating:
+            """Steps the scheduler it wraps several times per call (as accelerate's AcceleratedScheduler)."""
+
+            def __init__(self, inner) -> None:
+                self.inner = inner
+
+            def step(self) -> None:
+                for _ in range(args.sched_steps):
+                    self.inner.step()
+
+            def state_dict(self):
+                return self.inner.state_dict()
+
+            def load_state_dict(self, state) -> None:
+                self.inner.load_state_dict(state)
+
+        stepper = Repeating(sched)
+    attached_sched = stepper if args.sched_wrap else sched
     start = 0
     if args.mode == "resume":
-        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, scaler=scaler, job=args.job)
+        info = trainer_hooks.restore(
+            ddp, opt, source=args.coordinator, scheduler=attached_sched, scaler=scaler, job=args.job
+        )
         start = info.iteration
         if info_out is not None:
             info_out.update(restored=start, completed=start, tier=info.tier, extra_state=info.extra_state)
@@ -275,7 +305,7 @@ def main() -> None:
             ddp,
             opt,
             coordinator=args.coordinator,
-            scheduler=sched,
+            scheduler=attached_sched,
             job=args.job,
             extra_state=lambda: {"it": it_box["it"]},
             tokens=lambda: it_box["it"] * 48 * world,
@@ -295,35 +325,54 @@ def main() -> None:
         jitter = random.random() + float(np.random.rand())
         if it == args.poke_at:
             model.poke()
-        for micro in range(args.accum):
-            x, y = batch(args.seed, it * 7 + micro, rank)
-            use_side = args.unused and it % 2 == 1
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
-                if micro < args.accum - 1:
-                    with ddp.no_sync():
-                        micro_loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
-                        (scaler.scale(micro_loss) if scaler else micro_loss).backward()
-                    continue
-                loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
+
+        def forward_backward(it=it):
+            for micro in range(args.accum):
+                x, y = batch(args.seed, it * 7 + micro, rank)
+                use_side = args.unused and it % 2 == 1
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None and scaler.is_enabled()):
+                    if micro < args.accum - 1:
+                        with ddp.no_sync():
+                            micro_loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
+                            (scaler.scale(micro_loss) if scaler else micro_loss).backward()
+                        continue
+                    loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
+                if scaler is not None and scaler.is_enabled():
+                    # iterations 1 and 5 overflow (inf gradients): GradScaler skips those steps
+                    blowup = 1e36 if it in (1, 5) else 1.0
+                    scaler.scale(loss * blowup).backward()
+                elif scaler is not None:
+                    scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+            if scaler is not None and (args.amp == "unscale" or args.disabled_scaler):
+                scaler.unscale_(opt)
+            if args.clip:
+                if session is not None and args.clip_via == "session":
+                    session.clip_grad_norm_(args.clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+            return loss
+
+        if args.closure:
+            box: dict = {}
+
+            def closure(box=box):
+                box["loss"] = forward_backward()
+                return box["loss"]
+
+            (scaler.step(opt, closure) if scaler is not None else opt.step(closure))
+            loss = box["loss"]
             if scaler is not None:
-                # iterations 1 and 5 overflow (inf gradients): GradScaler skips those steps
-                blowup = 1e36 if it in (1, 5) else 1.0
-                scaler.scale(loss * blowup).backward()
-            else:
-                loss.backward()
-        if scaler is not None and args.amp == "unscale":
-            scaler.unscale_(opt)
-        if args.clip:
-            if session is not None:
-                session.clip_grad_norm_(args.clip)
-            else:
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
+                scaler.update()
         else:
-            opt.step()
-        sched.step()
+            loss = forward_backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        stepper.step()
         opt.zero_grad()
         losses.append(loss.item() + 0.0 * jitter)
         draws.append((jitter,))

@@ -43,6 +43,7 @@ def check_samples(kept: list, grads, staged: dict, factors: list[float], layout,
             raise ShadowError(
                 f"gradient of {name!r} changed between DDP's all-reduce and optimizer.step() in iteration "
                 f"{iteration} ({float(want)!r} -> {float(got)!r}); the shadow cannot replay that. Clip with "
-                "session.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_, and do not scale "
-                "gradients by hand; nothing from this iteration was checkpointed"
+                "torch.nn.utils.clip_grad_norm_ (or session.clip_grad_norm_), once per iteration; do not scale, "
+                "clamp (clip_grad_value_) or replace gradients by hand; nothing from this iteration was "
+                "checkpointed"
             )

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from shadow.errors import ShadowError
+from shadow.errors import ShadowError, ShadowUsageError
 from trainer_hooks import _codec
 from trainer_hooks.session import audit, checks, transfer
 from trainer_hooks.session.items import Refused
@@ -43,6 +43,10 @@ def capture(att, commit: Commit) -> tuple[HostCopy | None, Any]:
 def _resolve(commit: Commit, probed: dict, layout) -> dict:
     """The replay record of ``commit`` with what the step left on the device."""
     replay = dict(commit.replay)
+    if commit.refusal is not None:
+        raise Refused(commit.refusal) from ShadowUsageError(
+            f"{commit.refusal}; nothing from this iteration was checkpointed"
+        )
     if commit.late is None:  # a bootstrap: nothing was read on the device
         return replay
     late = commit.late.get()

@@ -27,10 +27,12 @@ def _scaler_methods(cls: type) -> dict[str, Any]:
     """The observed GradScaler's ``unscale_``, ``step`` and ``update``."""
 
     def unscale_(self, optimizer):
+        out = cls.unscale_(self, optimizer)  # torch's own checks first (a disabled scaler returns at once)
         recorder = OWNERS.get(self)
-        if recorder is not None:
-            recorder.unscaled(self._scale.double().reciprocal().float())  # read later, by the sender
-        return cls.unscale_(self, optimizer)
+        scale = getattr(self, "_scale", None)
+        if recorder is not None and getattr(self, "_enabled", True) and scale is not None:
+            recorder.unscaled(scale.double().reciprocal().float())  # read later, by the sender
+        return out
 
     def step(self, optimizer, *args, **kwargs):
         recorder = OWNERS.get(self)

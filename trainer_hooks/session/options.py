@@ -64,9 +64,20 @@ class AttachOptions:
         object.__setattr__(self, "audit_strict", bool(self.audit_strict))
         if self.scaler is not None and not hasattr(self.scaler, "unscale_"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}")
+        if self.scaler is not None and not _enabled(self.scaler):
+            # GradScaler(enabled=False) (e.g. nanoGPT's, unless fp16) scales nothing and keeps no
+            # state: the same as no scaler
+            object.__setattr__(self, "scaler", None)
         observe.check_scheduler(self.scheduler)
 
     @property
     def observed(self) -> dict[str, Any]:
         """The scheduler and scaler the session watches, by name (those given)."""
         return {name: obj for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)) if obj is not None}
+
+
+def _enabled(scaler: Any) -> bool:
+    """Whether ``scaler`` scales: ``GradScaler.is_enabled()`` (a scaler without it is taken
+    as enabled)."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else bool(getattr(scaler, "_enabled", True))

@@ -41,6 +41,7 @@ class Commit:
     audit: Any = None  # the audit plan (trainer_hooks.session.audit), if sampled
     late: HostCopy | None = None
     probes: tuple[list, HostCopy] | None = None
+    refusal: str | None = None  # why this iteration cannot be replayed (the sender refuses it)
 
 
 def _scalar(x: Any) -> Any:
@@ -77,9 +78,17 @@ class StepRecorder:
         self.probes: tuple[list, HostCopy] | None = None  # what the step read of them
         self.clip: Any = None  # clip coefficient of this iteration (a tensor: not read here)
         self.inv_scale: Any = None  # GradScaler unscale factor of this iteration (a tensor)
+        self.refusal: str | None = None  # why this iteration cannot be replayed, once known
         self.pending: Commit | None = None  # recorded, waiting for the scheduler/scaler to step
         self.awaiting: set[str] = set()
         self.last_record: tuple[dict, Any] | None = None  # (rng, extra) of the newest record
+        # scheduler steps per optimizer step, learnt from the loop: the commit leaves after that
+        # many (accelerate's wrapper steps the scheduler once per process per optimizer step)
+        self.sched_count = 0  # scheduler steps since the last optimizer step
+        self.cadence: int | None = None  # as counted over the last whole window (None: not yet)
+        self._window = False  # sched_count counts from an optimizer step
+        self.early: int | None = None  # iteration whose commit left on a scheduler step, until the window closes
+        self.on_stale: Callable[[int, str], None] | None = None  # that commit's scheduler state was stale
 
     def start(self, base: int, nworkers: int) -> None:
         """A new attachment at iteration ``base``: iteration ``base + 1`` is next."""
@@ -88,7 +97,7 @@ class StepRecorder:
             self.sent = [0] * nworkers
             self.seen.clear()
             self.samples.clear()
-        self.clip = self.inv_scale = self.probes = None
+        self.clip = self.inv_scale = self.probes = self.refusal = None
         self.pending, self.awaiting = None, set()
 
     # -- the comm hook (caller holds the lock) ------------------------------------------------------
@@ -112,8 +121,21 @@ class StepRecorder:
 
     # -- what the loop did to the gradients ----------------------------------------------------------
     def clipped(self, coef: Any) -> None:
-        """The clip coefficient (a tensor, or a number) the gradients were multiplied by."""
+        """The clip coefficient (a tensor, or a number) the gradients were multiplied by.
+        A second clip in one iteration is not replayed (one factor per iteration): the
+        iteration is refused."""
+        if self.clip is not None:
+            self.refuse(
+                f"the gradients were clipped twice in iteration {self.next}; the shadow replays one clip "
+                "coefficient per iteration: clip once, after the last backward"
+            )
         self.clip = coef
+
+    def refuse(self, why: str) -> None:
+        """Iteration ``next`` cannot be replayed: its commit is refused (nothing of it is
+        checkpointed) and the next step raises ``why``."""
+        if self.refusal is None:
+            self.refusal = why
 
     def unscaled(self, inv_scale: Any) -> None:
         """The GradScaler unscale factor (a tensor, or a number)."""
@@ -171,13 +193,17 @@ class StepRecorder:
             "found_inf": _scalar(found_inf),
         }
         self.clip = self.inv_scale = None
+        refusal, self.refusal = self.refusal, None
         probes, self.probes = self.probes, None
         extra = HostCopy(self.options.extra_state() if self.options.extra_state is not None else None)
         rng = _rng.capture()
         self.last_record = (rng, extra)  # a resync bootstrap right after k records these, not later draws
         late = HostCopy({"scalars": scalars, "audit": None if audit is None else audit[1]})
-        self.pending = Commit(k, replay, rng, extra, sent, None if audit is None else audit[0], late, probes)
+        self.pending = Commit(k, replay, rng, extra, sent, None if audit is None else audit[0], late, probes, refusal)
         self.awaiting = set(self.options.observed)
+        if self._window:
+            self.cadence = self.sched_count
+        self._window, self.sched_count, self.early = True, 0, None
         return self.pending
 
     @property
@@ -191,10 +217,36 @@ class StepRecorder:
 
     # -- the observers (trainer_hooks.session.observe) ----------------------------------------------
     def stepped(self, what: str) -> None:
-        """The scheduler or scaler stepped: once all have, the pending commit leaves."""
+        """The scheduler or scaler stepped: once all have, the pending commit leaves.
+
+        The scheduler counts as stepped once it has stepped as often as it did per optimizer
+        step in the last whole window (a scheduler stepped every other iteration, or per
+        epoch, or not learnt yet: the commit leaves when the next forward or step begins).
+        A scheduler that steps again after its commit left early made that commit's
+        scheduler state stale: ``on_stale`` says so."""
+        if what == "scheduler":
+            self.sched_count += 1
+            if self.pending is None:
+                if self.early is not None and self.on_stale is not None:
+                    k, self.early = self.early, None
+                    self.on_stale(
+                        k,
+                        f"the scheduler stepped {self.sched_count} times after optimizer step {k} (it had stepped "
+                        f"{self.cadence} times per step): the state recorded with iteration {k} missed the last",
+                    )
+                return
+            if not self.cadence or self.sched_count < self.cadence:
+                return
         self.awaiting.discard(what)
         if not self.awaiting:
+            if "scheduler" in self.options.observed and self.pending is not None:
+                self.early = self.pending.iteration
             self.on_ready()
+
+    def window_closed(self) -> None:
+        """The next forward or step began: a scheduler step from now on belongs to the next
+        iteration's state."""
+        self.early = None
 
     def skipped_step(self) -> None:
         """The scaler stepped and the optimizer did not: iteration ``next`` was skipped."""

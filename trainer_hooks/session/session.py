@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shadow.errors import ShadowUsageError
 from trainer_hooks import _metrics
 from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks.session import checks, device, observe
+from trainer_hooks.session import checks, clipping, device, observe
 from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.hook import HookSlot
 from trainer_hooks.session.options import AttachOptions
@@ -86,6 +86,7 @@ class Session:
             raise ValueError(f"iteration must be >= 0, got {start}")
         self.latch = ErrorLatch()
         self.recorder = StepRecorder(optimizer, options, on_ready=self._emit_pending, on_skipped=self._skipped_step)
+        self.recorder.on_stale = self._stale_schedule
         self.attachment: Attachment | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
@@ -143,6 +144,7 @@ class Session:
         ]
         self._watched = [(obj, observe.watch(obj, self.recorder)) for obj in self.options.observed.values()]
         self._slot.bind(self._on_bucket, self.options.comm_hook, self.options.comm_state)
+        clipping.register(self)
 
     @property
     def _att(self) -> Attachment:
@@ -168,6 +170,7 @@ class Session:
         for obj, cls in self._watched:
             observe.unwatch(obj, cls)
         self._slot.unbind(self._on_bucket)
+        clipping.unregister(self)
 
     def _resync(self) -> None:
         """Re-attach at this iteration boundary: a new epoch bootstrapped from this rank's
@@ -231,16 +234,51 @@ class Session:
         return reduced
 
     # -- step 2: optimizer hooks ------------------------------------------------------------------------
-    def _pre_step(self, optimizer, args, kwargs) -> None:
+    def _pre_step(self, optimizer, args, kwargs) -> tuple | None:
         if self.closed:
-            return
+            return None
         if device.capturing():
             raise ShadowUsageError(device.CAPTURE_ERROR)
         self.latch.raise_if_set(self.rank)
+        self.recorder.window_closed()
         self._emit_pending()
         att = self._att
         checks.check_layout(self.optimizer, att.layout, att.params)
-        self.recorder.read_probes(att.params)  # compared by the sender with what was staged
+        # torch passes the step's own arguments: (optimizer, closure?) and keywords
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.recorder.read_probes(att.params)  # compared by the sender with what was staged
+            return None
+        # optimizer.step(closure) (Lightning, LBFGS-style loops): forward, backward and any
+        # clipping run inside the step; the gradients are probed once the closure returns
+        wrapped = functools.partial(self._run_closure, closure)
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=wrapped)
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _run_closure(self, closure):
+        loss = closure()
+        if not self.closed:
+            self.recorder.read_probes(self._att.params)
+        return loss
+
+    def _clipped(self, scaled: set[int], coef: torch.Tensor) -> None:
+        """torch clipped the gradients of the parameters ``scaled`` (ids) by ``coef``
+        (:mod:`trainer_hooks.session.clipping`): record it if they are this session's."""
+        if self.closed or self.attachment is None:
+            return
+        with_grad = [p for p in self._att.params if p.grad is not None]
+        hit = sum(id(p) in scaled for p in with_grad)
+        if hit == 0:
+            return  # another model's parameters
+        if hit != len(with_grad):
+            self.recorder.refuse(
+                f"clip_grad_norm_ scaled {hit} of the {len(with_grad)} attached parameters that have gradients in "
+                f"iteration {self.recorder.next}; the shadow replays one clip coefficient for all of them: clip "
+                "model.parameters() (or the optimizer's parameters) in one call"
+            )
+            return
+        self.recorder.clipped(coef)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self.closed:
@@ -265,6 +303,19 @@ class Session:
         att.throttle(k, self.latch)
         self.latch.raise_if_set(self.rank)
 
+    def _stale_schedule(self, k: int, why: str) -> None:
+        """The scheduler stepped more often than learnt after commit ``k`` left: until the
+        commit of ``k + 1`` lands, a restore of ``k`` gets the scheduler one step behind."""
+        self.latch.shadow_errors += 1
+        logger.error(
+            "rank %d: %s; a restore of iteration %d until iteration %d is committed gets that scheduler state "
+            "(step the scheduler the same number of times per optimizer step)",
+            self.rank,
+            why,
+            k,
+            k + 1,
+        )
+
     def _emit_pending(self) -> None:
         """Queue the recorded commit, if any (dropped while degraded: nothing is streamed)."""
         commit = self.recorder.take_pending()
@@ -274,6 +325,7 @@ class Session:
         att.queue_commit(commit)
 
     def _before_forward(self) -> None:
+        self.recorder.window_closed()
         self._emit_pending()
         if self.closed:
             return
@@ -295,19 +347,15 @@ class Session:
         foreach: bool | None = None,
         parameters=None,
     ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` with the clip coefficient recorded so the
-        shadow applies the same scaling.
+        """``torch.nn.utils.clip_grad_norm_`` over ``parameters`` (default
+        ``model.parameters()``; the order matters, since the total norm is summed in it).
 
-        ``parameters`` defaults to ``model.parameters()`` -- the order matters, since the
-        total norm is summed in it; pass what you would pass to torch's function.
+        A convenience: torch's own ``clip_grad_norm_``, called from the loop or from a
+        framework (accelerate, the transformers Trainer, Lightning), is recorded the same
+        way; the shadow applies the same coefficient.
         """
         params = list(self.model.parameters() if parameters is None else parameters)
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # as torch computes it; not read here
-        self.recorder.clipped(coef.to(torch.float32))
-        return total
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def close(self, wait: bool = True) -> int:
         """Flush, wait for the cluster to commit the last iteration, detach.
