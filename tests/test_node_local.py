@@ -1,8 +1,10 @@
 """Node-local tiers in one process: a worker's files socket serves only checkpoint shard
 files under its own root, a checkpoint whose shards are on a disk this host cannot see
 loads through the worker holding them (and is refused when that copy is damaged or no
-worker holds it), retention's deletes reach the workers' disks, and a directory's disk id
-is the same for every worker using it. The cluster-wide cases (separate hosts, a lost
+worker holds it), a damaged copy is passed over for the next holder's (read here or through
+its worker) and the result is bit-identical, ``shadow verify`` tells a lost replica from a
+checkpoint that cannot be restored, retention's deletes reach the workers' disks, and a
+directory's disk id is the same for every worker using it. The cluster-wide cases (separate hosts, a lost
 host, a restarted cluster) are in test_multihost.py."""
 
 from __future__ import annotations
@@ -27,10 +29,23 @@ from tests.test_persist_units import LAYOUT, _write_checkpoint
 TUNING = Tuning.load().replace(fetch_timeout_s=5.0)
 
 
+def _file_server(root: str):
+    srv = FileServer(SocketFactory(zmq.Context.instance()), Binding("127.0.0.1", "127.0.0.1"), root)
+    srv.open()
+    return srv
+
+
 @pytest.fixture
 def server(tmp_path):
-    srv = FileServer(SocketFactory(zmq.Context.instance()), Binding("127.0.0.1", "127.0.0.1"), str(tmp_path / "disk"))
-    srv.open()
+    srv = _file_server(str(tmp_path / "disk"))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def other(tmp_path):
+    """A second worker's files socket, on a disk of its own (``replicas=2``)."""
+    srv = _file_server(str(tmp_path / "disk2"))
     yield srv
     srv.close()
 
@@ -63,6 +78,45 @@ def _flip(path: str, offset: int) -> None:
 def _through(src: ClusterTierSource, info: checkpoints.CheckpointInfo) -> checkpoints.CheckpointInfo:
     info.locate = lambda shard: src._locate(info, shard)
     return info
+
+
+def _replicated(tmp_path, server: FileServer, other: FileServer, dir0: str, dir1: str) -> checkpoints.CheckpointInfo:
+    """Iteration 5 with a copy of each shard on both disks (``replicas=2``); the manifest
+    names ``dir0`` and ``dir1`` as the two workers' directories (a path this host does not
+    see: its copy only through its worker)."""
+    info = _coordinator_copy(tmp_path, server, dir0)
+    shutil.copytree(f"{server.root}/j", f"{other.root}/j")
+    for s in info.manifest["shards"]:
+        s["holders"].append({"worker": 1, "disk": other.disk["id"], "dir": dir1, "host": "h2"})
+    return info
+
+
+def _workers(*servers: FileServer) -> list[dict]:
+    return [{"id": i, "files": srv.endpoint, "disk": srv.disk} for i, srv in enumerate(servers)]
+
+
+def _shard_file(srv: FileServer, shard: dict) -> str:
+    return f"{srv.root}/j/iteration-0000000005/{shard['file']}"
+
+
+def _param_byte(path: str) -> int:
+    """A file offset inside the shard's ``param`` tensor: a flip there reaches the model."""
+    from shadow.persist import shardfile
+
+    with open(path, "rb") as f:
+        data = f.read()
+    _, base, specs = shardfile.tensor_specs(data)
+    (lo, hi) = next((lo, hi) for name, _, lo, hi in specs if name == "param")
+    return base + (lo + hi) // 2
+
+
+def _assert_same(snap, want) -> None:
+    """Bit-identical: every flat array, the steps, the commit records, the extra state."""
+    assert set(snap.arrays) == set(want.arrays)
+    for f in want.arrays:
+        assert np.array_equal(snap.arrays[f].view(np.uint32), want.arrays[f].view(np.uint32)), f
+    assert np.array_equal(snap.steps, want.steps) and np.array_equal(snap.has_state, want.has_state)
+    assert snap.blobs == want.blobs and snap.extras.keys() == want.extras.keys()
 
 
 def test_a_checkpoint_on_a_disk_only_its_worker_sees_loads_through_it(tmp_path, server):
@@ -193,30 +247,95 @@ def test_a_client_that_stops_reading_holds_up_no_other(tmp_path, server):
         silent.close(linger=0)
 
 
-def test_a_damaged_copy_on_one_disk_is_passed_over_for_its_replicas(tmp_path, server):
+def test_a_damaged_copy_on_one_disk_is_passed_over_for_its_replicas(tmp_path, server, other):
     """replicas=2 on two disks, one copy of a shard damaged: the restore takes the other."""
-    info = _coordinator_copy(tmp_path, server, "/nonexistent/disk")
-    other = FileServer(
-        SocketFactory(zmq.Context.instance()), Binding("127.0.0.1", "127.0.0.1"), str(tmp_path / "disk2")
-    )
-    other.open()
-    try:
-        shutil.copytree(f"{server.root}/j", f"{other.root}/j")
-        shard = info.manifest["shards"][1]
-        _flip(f"{server.root}/j/iteration-0000000005/{shard['file']}", shard["bytes"] // 2)
-        for s in info.manifest["shards"]:
-            s["holders"].append({"worker": 1, "disk": other.disk["id"], "dir": "/nonexistent/disk2", "host": "h2"})
-        workers = [
-            {"id": 0, "files": server.endpoint, "disk": server.disk},
-            {"id": 1, "files": other.endpoint, "disk": other.disk},
-        ]
-        src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING)
-        snap = checkpoints.load(_through(src, info))
-        direct = checkpoints.load(checkpoints.list_checkpoints(other.root, job="j")[0])
-        assert all(np.array_equal(snap.arrays[f], direct.arrays[f]) for f in direct.arrays)
-        assert other.served == 1  # only the damaged shard came from the second disk
-    finally:
-        other.close()
+    info = _replicated(tmp_path, server, other, "/nonexistent/disk", "/nonexistent/disk2")
+    shard = info.manifest["shards"][1]
+    _flip(_shard_file(server, shard), shard["bytes"] // 2)
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", _workers(server, other), 1.0, TUNING)
+    snap = checkpoints.load(_through(src, info))
+    _assert_same(snap, checkpoints.load(checkpoints.list_checkpoints(other.root, job="j")[0]))
+    assert other.served == 1  # only the damaged shard came from the second disk
+
+
+def _damage(monkeypatch, path: str, how: str, shard: dict) -> None:
+    """Damage this host's read of the copy at ``path``: a bit flipped in its data, the file
+    cut short, a header that parses but names a field the intact copy does not hold, or a
+    read error from the disk (the file itself intact: its worker, reading it on its own
+    host, still can)."""
+    if how == "flip":
+        _flip(path, _param_byte(path))
+    elif how == "header":  # the same length (the header's padding is spaces): only the checksum tells
+        import struct
+
+        with open(path, "r+b") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            head = f.read(hlen)
+            renamed = head.replace(b'"exp_avg_sq":', b'"max_exp_avg_sq":', 1)
+            assert renamed != head and renamed.endswith(b"    ")
+            f.seek(8)
+            f.write(renamed[:-4])
+    elif how == "short":
+        with open(path, "r+b") as f:
+            f.truncate(shard["bytes"] // 2)
+    else:
+        from shadow.persist import shardfile
+
+        real = shardfile.read_into
+
+        def failing(p, target):
+            if p == path:
+                raise OSError(5, "Input/output error", p)
+            return real(p, target)
+
+        monkeypatch.setattr(shardfile, "read_into", failing)
+
+
+@pytest.mark.parametrize("how", ["flip", "short", "header", "unreadable"])
+@pytest.mark.parametrize("second", ["here", "through its worker"])
+def test_a_damaged_copy_read_here_is_passed_over_for_the_next_holders(
+    tmp_path, server, other, monkeypatch, caplog, how, second
+):
+    """Both disks' directories visible to the restoring process (or only the first's): disk
+    0's copy of shard 1 read here is damaged, so disk 1's copy is read -- here, or through
+    its worker -- and the snapshot is bit-identical to disk 1's, nothing of the bad copy
+    left in the flat arrays its read went into."""
+    dir1 = other.root if second == "here" else "/nonexistent/disk2"
+    info = _replicated(tmp_path, server, other, server.root, dir1)
+    want = checkpoints.load(checkpoints.list_checkpoints(other.root, job="j")[0])
+    shard = info.manifest["shards"][1]
+    _damage(monkeypatch, _shard_file(server, shard), how, shard)
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", _workers(server, other), 1.0, TUNING)
+    snap = checkpoints.load(_through(src, info))
+    _assert_same(snap, want)
+    served = (server.served, other.served)
+    if second == "here":
+        assert served == (0, 0)  # every shard read from the disks directly
+    elif how == "unreadable":
+        assert served == (1, 0)  # this host cannot read it, disk 0's worker can
+    else:
+        assert served == (0, 1)  # disk 0's own worker is not asked for the same bad file
+    assert f"passing over its copy on disk {server.disk['id']}" in caplog.text
+
+
+def test_every_copy_damaged_fails_naming_each(tmp_path, server, other):
+    """Disk 0's copy (read here) fails its checksum, disk 1's (through its worker) is short:
+    the load fails, naming both copies and why."""
+    info = _replicated(tmp_path, server, other, server.root, "/nonexistent/disk2")
+    shard = info.manifest["shards"][1]
+    _flip(_shard_file(server, shard), _param_byte(_shard_file(server, shard)))
+    with open(_shard_file(other, shard), "r+b") as f:
+        f.truncate(shard["bytes"] - 1)
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", _workers(server, other), 1.0, TUNING)
+    with pytest.raises(CheckpointError) as err:
+        checkpoints.load(_through(src, info))
+    msg = str(err.value)
+    assert "iteration 5 (local): shard 1: no intact copy" in msg, msg
+    assert f"disk {server.disk['id']} (worker 0, host elsewhere, read here from {_shard_file(server, shard)})" in msg
+    assert "fails its checksum" in msg
+    assert f"disk {other.disk['id']} (worker 1, " in msg and f"through worker 1 at {other.endpoint}" in msg
+    assert f"not a regular file of {shard['bytes']} bytes" in msg, msg
+    assert server.served == 0  # its worker would serve the same damaged file
 
 
 def test_verify_through_the_cluster_reads_every_copy(tmp_path, server):
@@ -233,6 +352,78 @@ def test_verify_through_the_cluster_reads_every_copy(tmp_path, server):
     assert len(problems) == 3, problems  # shard 0 damaged on disk 0; both shards missing on the lost disk
     assert sum(f"on disk {server.disk['id']}" in p and "shard 0" in p for p in problems) == 1
     assert sum(f"on disk {'d' * 32}" in p for p in problems) == 2
+    got = src.check_copies(info)
+    assert got.unrestorable == [0] and not got.restorable  # shard 0 has no intact copy left
+    assert sorted((c["shard"], c["disk"]) for c in got.lost) == [(0, server.disk["id"]), (0, "d" * 32), (1, "d" * 32)]
+
+
+def test_verify_tells_a_lost_replica_from_a_checkpoint_that_cannot_be_restored(
+    tmp_path, server, other, monkeypatch, capsys
+):
+    """``shadow verify`` through a cluster: every copy intact is OK (exit 0); a copy damaged
+    whose shard has another intact one is DEGRADED, still restorable (exit 0, ``ok`` false,
+    ``restorable`` true, the lost copy named); a shard with no intact copy is CORRUPT (exit 1)."""
+    import importlib
+    import json
+
+    import shadow.restore
+    from shadow.cli._commands import cmd_verify
+    from shadow.config import VerifyConfig
+    from shadow.restore.tier import TierSource
+
+    info = _replicated(tmp_path, server, other, "/nonexistent/disk", other.root)
+    checkpoints.write_manifest(info.root, "j", 5, info.manifest)  # the coordinator's copy names both holders
+    src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", _workers(server, other), 1.0, TUNING)
+    monkeypatch.setattr(src, "candidates", lambda job: TierSource.candidates(src, job))  # no coordinator here
+
+    class NoMemory:
+        def __init__(self, *args) -> None:
+            pass
+
+        def candidates(self, job):
+            return []
+
+    monkeypatch.setattr(shadow.restore, "MemorySource", NoMemory)
+    resolve = importlib.import_module("shadow.restore.resolve")  # the module (the package names a function so)
+    monkeypatch.setattr(resolve, "cluster_tiers", lambda *args: [src])
+
+    def verify(json_out: bool) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = cmd_verify(VerifyConfig(source="tcp://127.0.0.1:9", json=json_out, timeout=1.0))
+        return rc, capsys.readouterr().out
+
+    rc, out = verify(False)
+    assert rc == 0 and "j iteration 5 (local tier): OK (2 shards" in out, out
+    shard = info.manifest["shards"][1]
+    _flip(_shard_file(server, shard), _param_byte(_shard_file(server, shard)))
+    rc, out = verify(False)
+    assert rc == 0 and "j iteration 5 (local tier): DEGRADED: lost replica, still restorable (1 copy" in out, out
+    assert f"shard 1 on disk {server.disk['id']} (worker 0" in out and "fails its checksum" in out, out
+    rc, out = verify(True)
+    (r,) = json.loads(out)
+    assert rc == 0 and (r["ok"], r["status"], r["restorable"], r["unrestorable_shards"]) == (
+        False,
+        "degraded",
+        True,
+        [],
+    )
+    assert [(c["shard"], c["disk"], c["worker"]) for c in r["lost_copies"]] == [(1, server.disk["id"], 0)]
+    assert len(r["problems"]) == 1 and "fails its checksum" in r["problems"][0]
+
+    with open(_shard_file(other, shard), "r+b") as f:  # the other copy of shard 1 too: none is left
+        f.truncate(shard["bytes"] // 2)
+    rc, out = verify(False)
+    assert rc == 1 and "j iteration 5 (local tier): CORRUPT (2 shards" in out, out
+    assert "shard 1: no intact copy left: not restorable" in out and "short or damaged" in out, out
+    rc, out = verify(True)
+    (r,) = json.loads(out)
+    assert rc == 1 and (r["ok"], r["status"], r["restorable"], r["unrestorable_shards"]) == (
+        False,
+        "corrupt",
+        False,
+        [1],
+    )
+    assert len(r["lost_copies"]) == 2
 
 
 def test_the_coordinators_catalog_is_read_again_only_when_the_tier_changed(tmp_path, monkeypatch):

@@ -193,8 +193,74 @@ def cmd_ls(cfg: ListConfig) -> int:
     return 0
 
 
-def cmd_verify(cfg: VerifyConfig) -> int:
+def verify_checkpoint(c, source, deep: bool = False) -> dict[str, Any]:
+    """One checkpoint's ``shadow verify`` result. ``status``: ``ok`` (every copy of every
+    shard intact), ``degraded`` (some copies lost or damaged -- a lost replica -- but every
+    shard has an intact one: ``restorable``), ``corrupt`` (some shard has no intact copy, or
+    the shards do not tile the layout, or ``deep`` decoding fails). ``source`` a node-local
+    tier of a cluster (``check_copies``): each holder's copy read; else the checkpoint's one
+    copy of each shard. ``ok`` is what it always was: no problem found at all."""
     from shadow.persist import checkpoints
+
+    check = getattr(source, "check_copies", None)  # a node-local tier: each disk's copy
+    lost: list[dict] = []
+    unrestorable: list[int] = []
+    if check is not None:
+        got = check(c)
+        problems = got.layout + got.problems
+        lost, unrestorable, restorable = got.lost, got.unrestorable, got.restorable
+    else:
+        problems = checkpoints.verify(c)
+        restorable = not problems
+    if deep and restorable:
+        try:
+            checkpoints.load(c, check=True)
+        except Exception as exc:  # every way a decode can fail is a finding, not a crash
+            problems.append(f"decoding: {type(exc).__name__}: {exc}")
+            restorable = False
+    return {
+        "job": c.job,
+        "iteration": c.iteration,
+        "ok": not problems,
+        "status": "ok" if not problems else ("degraded" if restorable else "corrupt"),
+        "restorable": restorable,
+        "problems": problems,
+        "lost_copies": lost,
+        "unrestorable_shards": unrestorable,
+        "shards": len(c.manifest["shards"]),
+        "bytes": c.bytes,
+        "path": c.path,
+        "signature": _signature(c),
+        "tier": c.tier,
+    }
+
+
+def print_verify(results: list[dict], cluster: bool) -> None:
+    """``shadow verify``'s text: per checkpoint OK, DEGRADED (a lost replica, still
+    restorable), CORRUPT or UNREADABLE, then each problem."""
+    signed = {"verified": ", signature verified", "unchecked": ", signed (not checked: no key)"}
+    for r in results:
+        name = f"{r['job']} iteration {r['iteration']}" + (f" ({r['tier']} tier)" if cluster else "")
+        if r["shards"] is None:
+            print(f"{name}: UNREADABLE")
+        else:
+            size = f"{r['shards']} shards, {r['bytes'] / 2**20:.1f} MiB{signed.get(r['signature'], '')}"
+            if r["status"] == "degraded":
+                n = len(r["lost_copies"])
+                lost = f"{n} cop{'y' if n == 1 else 'ies'} lost or damaged" if n else "copies lost or damaged"
+                print(f"{name}: DEGRADED: lost replica, still restorable ({lost}; {size})")
+            else:
+                print(f"{name}: {'OK' if r['status'] == 'ok' else 'CORRUPT'} ({size})")
+        for i in r.get("unrestorable_shards") or []:
+            print(f"  shard {i}: no intact copy left: not restorable")
+        for p in r["problems"]:
+            print(f"  {p}")
+
+
+def cmd_verify(cfg: VerifyConfig) -> int:
+    """Exit 0 when every checkpoint verified is restorable: OK, or DEGRADED (copies lost or
+    damaged, every shard still has an intact one; the text and the JSON's ``status`` say
+    so); 1 when one is CORRUPT or UNREADABLE, or nothing was found."""
     from shadow.restore import MemorySource, TierSource
     from shadow.restore.resolve import cluster_tiers, is_endpoint
     from shadow.storage import source_tier
@@ -220,35 +286,18 @@ def cmd_verify(cfg: VerifyConfig) -> int:
         what = "complete checkpoint" + (f" of iteration {cfg.iteration}" if cfg.iteration is not None else "")
         print(f"shadow verify: no {what} under {cfg.source}", file=sys.stderr)
         return 1
-    results: list[dict[str, Any]] = []
-    for c in found:
-        copies = getattr(by_tier.get(c.tier), "verify_copies", None)  # a node-local tier: each disk's copy
-        problems = copies(c) if copies is not None else checkpoints.verify(c)
-        if cfg.deep and not problems:
-            try:
-                checkpoints.load(c, check=True)
-            except Exception as exc:  # every way a decode can fail is a finding, not a crash
-                problems.append(f"decoding: {type(exc).__name__}: {exc}")
-        results.append(
-            {
-                "job": c.job,
-                "iteration": c.iteration,
-                "ok": not problems,
-                "problems": problems,
-                "shards": len(c.manifest["shards"]),
-                "bytes": c.bytes,
-                "path": c.path,
-                "signature": _signature(c),
-                "tier": c.tier,
-            }
-        )
+    results = [verify_checkpoint(c, by_tier.get(c.tier), cfg.deep) for c in found]
     _note_unchecked("verify", found, key)
     results += [
         {
             "job": b["job"],
             "iteration": b["iteration"],
             "ok": False,
+            "status": "unreadable",
+            "restorable": False,
             "problems": [f"{b['path']}: {b['error']}"],
+            "lost_copies": [],
+            "unrestorable_shards": [],
             "shards": None,
             "bytes": None,
             "path": b["path"],
@@ -261,19 +310,8 @@ def cmd_verify(cfg: VerifyConfig) -> int:
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
-        for r in results:
-            name = f"{r['job']} iteration {r['iteration']}" + (f" ({r['tier']} tier)" if cluster else "")
-            if r["shards"] is None:
-                print(f"{name}: UNREADABLE")
-            else:
-                signed = {"verified": ", signature verified", "unchecked": ", signed (not checked: no key)"}
-                print(
-                    f"{name}: {'OK' if r['ok'] else 'CORRUPT'} ({r['shards']} "
-                    f"shards, {r['bytes'] / 2**20:.1f} MiB{signed.get(r['signature'], '')})"
-                )
-            for p in r["problems"]:
-                print(f"  {p}")
-    return 0 if all(r["ok"] for r in results) else 1
+        print_verify(results, cluster)
+    return 0 if all(r["restorable"] for r in results) else 1
 
 
 def cmd_keygen(cfg: KeygenConfig) -> int:

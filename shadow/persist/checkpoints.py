@@ -88,7 +88,7 @@ class CheckpointInfo:
     superseded: bool = False  # a later generation went on from an earlier iteration
     verified: bool = False  # its signature was checked with the manifest key (signing) and holds
     #: where each shard is read from, when not from ``storage``: ``locate(shard)`` returns a path this
-    #: host can read, or a :class:`ShardReader` (a node-local tier read through its workers)
+    #: host can read, or a :class:`ShardReader` (a node-local tier: every holder's copy, in turn)
     locate: Callable[[dict], str | ShardReader] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -186,9 +186,11 @@ def _shard_path(info: CheckpointInfo, shard: dict) -> str:
 
 
 class ShardReader(Protocol):
-    """A shard file read from elsewhere than the tier's storage (a worker's disk, through the
-    worker): ``read_into`` as :func:`shardfile.read_into` does for a path, ``read_all`` its
-    bytes; ``where`` names it in errors. Whatever fails is a :class:`CheckpointError`."""
+    """A shard file read from elsewhere than the tier's storage (the copies on the holders'
+    disks, read here or through their workers, the first intact one taken): ``read_into`` as
+    :func:`shardfile.read_into` does for a path, ``read_all`` its bytes; ``where`` names it in
+    errors. Whatever fails is a :class:`CheckpointError`. A copy passed over may have put
+    bytes into ``target``'s arrays; the one returned has put all of its own there."""
 
     where: str
 
@@ -366,6 +368,11 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
             if progress is not None:
                 done += m["shards"][jobs.index(job)]["bytes"]
                 progress(done, info.bytes)
+    # a shard's copy passed over for a damaged header may have made an array for a field no
+    # intact shard holds: nothing of it reaches the snapshot
+    delivered = {fld for job in jobs for name, fld in _FIELDS.items() if name in job.result()}
+    for fld in set(arrays) - delivered:
+        del arrays[fld]
     for shard, job in zip(m["shards"], jobs, strict=True):
         tensors = job.result()
         with _reading(unreadable(shard)):

@@ -4,15 +4,20 @@ The local tier may be node-local: each worker writes its shards to its own disk,
 coordinator keeps the manifests on its own. A restore client may see none of those disks.
 So the checkpoints are listed by asking the coordinator (``catalog``: each manifest's
 bytes, which the client parses and, with a manifest key, checks itself, exactly as it
-would read them from a directory), and each shard is read
+would read them from a directory), and each shard is read from the first of its copies
+that is intact, tried in turn:
 
 1. straight from a file this host can read: under the coordinator's directory (one host,
    or a shared mount) or under the directory the manifest says a holder wrote it to (the
-   client is on that worker's host);
-2. else from a live worker on a disk holding a copy (the manifest's ``holders``, matched by
+   client is on that worker's host), where the directory's disk mark is that holder's;
+2. then from a live worker on a disk holding a copy (the manifest's ``holders``, matched by
    disk id to the workers the coordinator lists), over that worker's files socket
-   (:mod:`shadow.worker.files`); the whole file is checked against the manifest's size and
-   checksum before anything in it is used.
+   (:mod:`shadow.worker.files`).
+
+Each copy is checked against the manifest's size and checksum as it is read; one that is
+short, unreadable, does not parse or fails its checksum is passed over (with a warning) for
+the next, whose read puts every byte of every tensor in place again, so nothing of the bad
+copy is left. The read fails only when every copy failed, naming each (:class:`CopiesFailed`).
 
 A coordinator that does not answer the catalog (an older one, or one that is unreachable
 now) leaves the tier read as a directory, as :class:`~shadow.restore.tier.TierSource` does."""
@@ -24,6 +29,9 @@ import logging
 import os
 import posixpath
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -31,14 +39,18 @@ import zmq
 
 from shadow.client import dealer, request
 from shadow.errors import CheckpointError, ShadowError
-from shadow.persist import checkpoints, shardfile
+from shadow.layout import Layout
+from shadow.persist import checkpoints, shardfile, shardguard
 from shadow.persist import disks as disks_mod
+from shadow.persist.manifests import _reading
 from shadow.restore.sources import COMPLETE, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.restore.tier import TierSource
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 HEAD_TIMEOUT_S = 10.0  # a worker asked for a file answers this fast, or is taken for gone
 
@@ -144,28 +156,58 @@ class ClusterTierSource(TierSource):
         )
         return out
 
-    def verify_copies(self, info: checkpoints.CheckpointInfo) -> list[str]:
+    def check_copies(self, info: checkpoints.CheckpointInfo) -> CopiesCheck:
         """Read every copy of every shard of ``info`` (each holder's, on its disk: directly
         where this host sees it, else through a live worker on it) and check it against the
-        manifest; returns the problems, one per copy that is missing, unreachable or damaged."""
-        problems = []
+        manifest: which copies are missing, unreachable or damaged, and which shards have no
+        intact copy left (then the checkpoint cannot be restored)."""
+        out = CopiesCheck()
+        where = f"iteration {info.iteration} ({self.name})"
+        try:
+            with _reading(f"{where}: unreadable layout"):
+                total = Layout.from_dict(info.manifest["layout"]).total
+                tiling = shardguard.tiling_problem(info.manifest["shards"], total)
+            if tiling:
+                out.layout.append(f"{where}: {tiling}")
+        except CheckpointError as exc:
+            out.layout.append(str(exc))
         for shard in info.manifest["shards"]:
             holders = [h for h in shard.get("holders", []) if isinstance(h, dict)] or [{}]
+            intact = 0
             for h in holders:
-                copy = f"iteration {info.iteration} ({self.name}): shard {shard['index']}" + (
+                copy = f"{where}: shard {shard['index']}" + (
                     f" on disk {h.get('disk')} (worker {h.get('worker')}, host {h.get('host')}, {h.get('dir')})"
                     if h
                     else ""
                 )
                 try:
-                    got = self._locate(info, {**shard, "holders": [h]} if h else shard)
-                    data = _read_path(got) if isinstance(got, str) else got.read_all()
-                except (ShadowError, OSError) as exc:
-                    problems.append(f"{copy}: {exc}")
+                    self._locate(info, {**shard, "holders": [h]} if h else shard).read_all()
+                    intact += 1
                     continue
-                if len(data) != shard["bytes"] or f"{xxhash.xxh3_64_intdigest(data):016x}" != shard["checksum"]:
-                    problems.append(f"{copy}: fails its size or checksum: the copy is corrupt")
-        return problems
+                except CopiesFailed as exc:
+                    why = "; ".join(f"{c.via}: {reason}" for c, reason in exc.tried)
+                except ShadowError as exc:
+                    why = str(exc).removeprefix(f"{where}: shard {shard['index']}: ")
+                out.problems.append(f"{copy}: {why}")
+                out.lost.append(
+                    {
+                        "shard": shard["index"],
+                        "disk": h.get("disk"),
+                        "worker": h.get("worker"),
+                        "host": h.get("host"),
+                        "dir": h.get("dir"),
+                        "problem": why,
+                    }
+                )
+            if not intact:
+                out.unrestorable.append(shard["index"])
+        return out
+
+    def verify_copies(self, info: checkpoints.CheckpointInfo) -> list[str]:
+        """The problems :meth:`check_copies` finds: one per copy that is missing, unreachable
+        or damaged (and one for a layout its shards do not tile)."""
+        got = self.check_copies(info)
+        return got.layout + got.problems
 
     def _catalog(self, job: str | None) -> dict:
         sock = dealer(zmq.Context.instance(), self.address, tuning=self.tuning)
@@ -176,20 +218,33 @@ class ClusterTierSource(TierSource):
         finally:
             sock.close(linger=0)
 
-    def _locate(self, info: checkpoints.CheckpointInfo, shard: dict) -> str | WorkerFile:
-        """Where shard ``shard`` of ``info`` is read from: a path this host sees, or the
-        workers holding a copy (checked by the caller)."""
+    def _locate(self, info: checkpoints.CheckpointInfo, shard: dict) -> ShardCopies:
+        """Every copy of shard ``shard`` of ``info`` this host can get, in the order a read
+        tries them: files this host sees itself, then the live workers on a holder's disk
+        (and those that have not said which disk they are on). None at all:
+        :class:`CheckpointError`."""
         rel = posixpath.join(info.job, posixpath.basename(info.path), shard["file"])
         holders = [h for h in shard.get("holders", []) if isinstance(h, dict)]
         disks = {h.get("disk") for h in holders if h.get("disk")}
+        by_disk = {h["disk"]: h for h in reversed(holders) if h.get("disk")}
+        where = f"iteration {info.iteration} ({self.name}): shard {shard['index']}"
+        copies: list[_Copy] = []
+        seen: set[str] = set()
         # a directory this host sees is read directly when it is a holder's disk (its mark says
         # so: the same path on another host may be another disk); a manifest naming no disk
         # (written before node-local tiers) is read where the coordinator's directory has it
-        for d in [self.root] + [h.get("dir") for h in holders] if self.direct else []:
-            if isinstance(d, str) and d and info.storage.os_path(d) is not None:
-                path = os.path.join(d, rel)
-                if (not disks or disk_id_of(d) in disks) and os.path.isfile(path) and os.access(path, os.R_OK):
-                    return path
+        for d in ([self.root] + [h.get("dir") for h in holders]) if self.direct else []:
+            if not (isinstance(d, str) and d and info.storage.os_path(d) is not None):
+                continue
+            path = os.path.join(d, rel)
+            mark = disk_id_of(d) if disks else ""
+            if (mark not in disks) if disks else not os.path.isfile(path):
+                continue
+            if os.path.realpath(path) in seen:  # the coordinator's directory is a holder's too
+                continue
+            seen.add(os.path.realpath(path))
+            h = by_disk.get(mark, {})
+            copies.append(_Copy(mark, h.get("worker"), h.get("host"), path=path))
 
         def disk_of(w: dict) -> str:
             return str(w["disk"].get("id") or "") if isinstance(w.get("disk"), dict) else ""
@@ -198,52 +253,145 @@ class ClusterTierSource(TierSource):
         serving = [w for w in self.workers if disk_of(w) in disks] + [w for w in self.workers if not disk_of(w)]
         if not disks:  # a manifest that does not say: any worker may hold it
             serving = list(self.workers)
-        where = f"iteration {info.iteration} ({self.name}): shard {shard['index']}"
-        if not serving:
+        for w in serving:
+            disk = disk_of(w)
+            host = w["disk"].get("host") if isinstance(w.get("disk"), dict) else None
+            copies.append(_Copy(disk, w.get("id"), host or by_disk.get(disk, {}).get("host"), endpoint=w["files"]))
+        if not copies:
             raise CheckpointError(f"{where}: no live worker holds it and this host does not see its disk")
-        return WorkerFile(serving, info.job, posixpath.basename(info.path), shard, self.tuning, where)
+        return ShardCopies(copies, info.job, posixpath.basename(info.path), shard, self.tuning, where)
 
 
-class WorkerFile:
-    """A shard file on the workers' disks (a :class:`~shadow.persist.checkpoints.ShardReader`),
-    read from the first of ``workers`` that serves it; every failure is a
-    :class:`CheckpointError` naming each worker tried."""
+@dataclass
+class CopiesCheck:
+    """What :meth:`ClusterTierSource.check_copies` found: ``problems``, one line per copy
+    lost (missing, unreachable or damaged), ``lost`` the same as records (shard, disk,
+    worker, host, dir, problem), ``unrestorable`` the shards with no intact copy, ``layout``
+    a layout the shards do not tile."""
 
-    def __init__(self, workers: list[dict], job: str, directory: str, shard: dict, tuning: Tuning, where: str):
-        self.workers, self.job, self.directory, self.shard, self.tuning = workers, job, directory, shard, tuning
-        self.where = f"{where}, on a worker's disk"
+    problems: list[str] = field(default_factory=list)
+    lost: list[dict] = field(default_factory=list)
+    unrestorable: list[int] = field(default_factory=list)
+    layout: list[str] = field(default_factory=list)
 
-    def read_into(self, target) -> tuple[dict, dict, int, int]:
-        """As :func:`shadow.persist.shardfile.read_into`: each chunk put in place as it arrives.
-        A copy that fails the manifest's checksum is passed over for the next worker's."""
+    @property
+    def restorable(self) -> bool:
+        """Every shard has an intact copy (some may still be lost: a degraded checkpoint)."""
+        return not self.unrestorable and not self.layout
 
-        def read(endpoint: str) -> tuple[dict, dict, int, int]:
-            got = stream_into(endpoint, self.job, self.directory, self.shard, target, self.tuning)
-            self._check(got[2])
-            return got
+
+@dataclass(frozen=True)
+class _Copy:
+    """One copy of a shard: read here from ``path``, or through the worker whose files
+    socket is ``endpoint``; ``disk``, ``worker``, ``host`` say whose it is."""
+
+    disk: str
+    worker: object
+    host: object
+    path: str = ""
+    endpoint: str = ""
+
+    @property
+    def via(self) -> str:
+        return f"read here from {self.path}" if self.path else f"through worker {self.worker} at {self.endpoint}"
+
+    def __str__(self) -> str:
+        whose = ", ".join(
+            [f"worker {self.worker}"] * (self.worker is not None)
+            + [f"host {self.host}"] * (self.host is not None)
+            + [self.via]
+        )
+        return f"disk {self.disk or '(unmarked)'} ({whose})"
+
+
+class CopiesFailed(CheckpointError):
+    """No copy of a shard could be read intact: ``tried`` says each copy and why."""
+
+    def __init__(self, where: str, tried: list[tuple[_Copy, str]]) -> None:
+        self.tried = tried
+        super().__init__(f"{where}: no intact copy: " + "; ".join(f"{c}: {why}" for c, why in tried))
+
+
+class _Bad(Exception):
+    """A copy read whole that is not the manifest's file."""
+
+
+# what a damaged copy raises on the way through a parser (or a worker, or the disk)
+_COPY_FAILURES = (ShadowError, _Bad, ValueError, OSError, EOFError, KeyError, TypeError, IndexError, struct.error)
+
+
+class ShardCopies:
+    """A shard's copies (a :class:`~shadow.persist.checkpoints.ShardReader`), read from the
+    first that is intact: files this host sees and workers' files sockets in one sequence.
+    A copy that is short, unreadable, does not parse or fails the manifest's checksum is
+    passed over for the next; each disk whose file was read here and found bad is not asked
+    for again through its worker (the same file). Every copy failing is a
+    :class:`CopiesFailed` naming each one tried and why."""
+
+    def __init__(self, copies: list[_Copy], job: str, directory: str, shard: dict, tuning: Tuning, where: str):
+        self.copies, self.job, self.directory, self.shard, self.tuning = copies, job, directory, shard, tuning
+        self.where = where
+
+    def read_into(self, target: Callable) -> tuple[dict, dict, int, int]:
+        """As :func:`shadow.persist.shardfile.read_into`: each tensor put in place by ``target``.
+        A copy passed over may have put some of its bytes there; the copy that is read
+        intact then puts every byte of every tensor there again (its checksum covers them)."""
+
+        def read(c: _Copy) -> tuple[tuple[dict, dict, int, int], int, int]:
+            if c.path:
+                self._size_here(c.path)
+                got = shardfile.read_into(c.path, target)
+            else:
+                got = stream_into(c.endpoint, self.job, self.directory, self.shard, target, self.tuning)
+            return got, got[3], got[2]
 
         return self._first(read)
 
     def read_all(self) -> bytes:
-        def read(endpoint: str) -> bytes:
-            data = read_file(endpoint, self.job, self.directory, self.shard, self.tuning)
-            self._check(xxhash.xxh3_64_intdigest(data))
-            return data
+        def read(c: _Copy) -> tuple[bytes, int, int]:
+            if c.path:
+                self._size_here(c.path)
+                data = _read_path(c.path)
+            else:
+                data = read_file(c.endpoint, self.job, self.directory, self.shard, self.tuning)
+            return data, len(data), xxhash.xxh3_64_intdigest(data)
 
         return self._first(read)
 
-    def _check(self, csum: int) -> None:
-        if f"{csum:016x}" != self.shard.get("checksum"):
-            raise ShadowError("its copy fails the manifest's checksum (damaged on that disk)")
+    def _size_here(self, path: str) -> None:
+        size = os.stat(path).st_size
+        if size != int(self.shard["bytes"]):
+            raise _Bad(f"is {size} bytes, the manifest says {self.shard['bytes']} (short or damaged)")
 
-    def _first(self, read):
-        errors = []
-        for w in self.workers:
+    def _first(self, read: Callable[[_Copy], tuple[_T, int, int]]) -> _T:
+        tried: list[tuple[_Copy, str]] = []
+        bad_disks: set[str] = set()  # disks whose file was read here and is not the manifest's
+        for c in self.copies:
+            if c.endpoint and c.disk and c.disk in bad_disks:
+                continue
             try:
-                return read(w["files"])
-            except ShadowError as exc:  # CheckpointError too: another copy may be whole
-                errors.append(f"worker {w.get('id')}: {exc}")
-        raise CheckpointError(f"{self.where}: " + "; ".join(errors))
+                got, size, csum = read(c)
+                if size != int(self.shard["bytes"]):
+                    raise _Bad(f"is {size} bytes, the manifest says {self.shard['bytes']} (short or damaged)")
+                if f"{csum:016x}" != self.shard.get("checksum"):
+                    raise _Bad("fails its checksum (damaged on that disk)")
+            except FileNotFoundError:
+                why, same_file = "its file is missing", True
+            except _Bad as exc:
+                why, same_file = str(exc), True
+            except OSError as exc:  # this host may not read it where its worker can
+                why, same_file = f"cannot be read here: {exc}", False
+            except _COPY_FAILURES as exc:
+                why, same_file = (str(exc) if isinstance(exc, ShadowError) else f"{type(exc).__name__}: {exc}"), True
+            else:
+                if tried:
+                    logger.info("%s: read from %s, the copies before it failed", self.where, c)
+                return got
+            logger.warning("%s: passing over its copy on %s: %s", self.where, c, why)
+            tried.append((c, why))
+            if c.path and same_file and c.disk:
+                bad_disks.add(c.disk)
+        raise CopiesFailed(self.where, tried)
 
 
 def _read_path(path: str) -> bytes:
