@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from shadow.choices import Compression, Dtype, Format, LogFormat, LogLevel, WeightFormat
 from shadow.config_security import KeygenConfig, SecurityConfig
+from shadow.jobs import job_name_problem
 from shadow.plan.config import PlanConfig
 from shadow.tuning import TuningConfig, check_section
 
@@ -352,6 +353,49 @@ class VerifyConfig:
         _check_timeout(self.timeout)
 
 
+@dataclass
+class JobsConfig:
+    """The jobs the cluster knows: the one it holds (status, epoch, world, committed iteration,
+    how many ranks are still heard from and when one was last heard, whether its trainers look
+    gone), an attach waiting for its ranks, and the jobs known only from the tiers' checkpoints.
+    A client or admin key on a cluster with CURVE keys."""
+
+    address: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
+    json: bool = False  #: print the jobs as JSON (also: --json)
+    timeout: float = 5.0  #: seconds to wait for the coordinator
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        _check_endpoint("address", self.address)
+        _check_timeout(self.timeout)
+
+
+@dataclass
+class DropConfig:
+    """Detach a job whose trainers are gone (crashed, killed, or a session never closed), so
+    that another job can attach without restarting the cluster and without overwrite=True.
+    Its checkpoints are kept: shadow memory serves its committed iteration until another job
+    attaches, and the tiers are not touched. Refused while its trainers are still heard from
+    (heartbeats within SHADOW_WORKER_LOST_S), unless force=true. Needs an admin key on a
+    cluster with CURVE keys."""
+
+    job: str = ""  #: the job to detach (required; `shadow jobs` lists them)
+    address: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
+    force: bool = False  #: detach it even while its trainers are heard from (they then train on unprotected)
+    json: bool = False  #: print the result as JSON (also: --json)
+    timeout: float = 5.0  #: seconds to wait for the coordinator
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def __post_init__(self) -> None:
+        if not self.job:
+            raise ValueError("job= is required: the name of the job to detach (`shadow jobs` lists them)")
+        problem = job_name_problem(self.job)
+        if problem is not None:
+            raise ValueError(problem)
+        _check_endpoint("address", self.address)
+        _check_timeout(self.timeout)
+
+
 CONFIGS: dict[str, type] = {
     "cluster": ClusterConfig,
     "coordinator": CoordinatorConfig,
@@ -361,6 +405,8 @@ CONFIGS: dict[str, type] = {
     "export": ExportConfig,
     "ls": ListConfig,
     "verify": VerifyConfig,
+    "jobs": JobsConfig,
+    "drop": DropConfig,
     "keygen": KeygenConfig,
     "plan": PlanConfig,
 }

@@ -24,8 +24,8 @@ class SecurityConfig:
     client_key: str = ""  #: this process's own secret key file (a worker's, trainer's, client's or admin's)
     allow_workers: str = ""  #: directory of the workers' public .key files
     allow_trainers: str = ""  #: directory of the trainers' public .key files
-    allow_clients: str = ""  #: directory of the read-only clients' public .key files (status, ls, restore, export)
-    allow_admins: str = ""  #: directory of the admins' public .key files
+    allow_clients: str = ""  #: directory of read-only clients' public .key files (status, ls, jobs, restore, export)
+    allow_admins: str = ""  #: directory of the admins' public .key files (what clients may, and drop)
     insecure: bool = False  #: run a cluster bound beyond loopback without keys (anyone who can reach it controls it)
     manifest_key: str = ""  #: file holding the key that signs manifests (persist.sign) and checks them
 

@@ -152,7 +152,7 @@ def render() -> str:
         "",
         "Each command's config is a typed dataclass in `shadow.config`, registered in Hydra's ConfigStore "
         "as `shadow_<command>`; YAML in `configs/` extends it (`--config-dir configs --config-name NAME`). "
-        "`--cfg job` prints the resolved config; `--json` (status, ls, verify) prints JSON.",
+        "`--cfg job` prints the resolved config; `--json` (status, ls, verify, jobs, drop, plan) prints JSON.",
         "",
     ]
     for name, cls in CONFIGS.items():

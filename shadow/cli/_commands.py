@@ -1,4 +1,5 @@
-"""The short commands: ``status``, ``restore``, ``export``, ``ls``, ``verify``, ``keygen``.
+"""The short commands: ``status``, ``restore``, ``export``, ``ls``, ``verify``, ``jobs``, ``drop``,
+``keygen``.
 Results go to stdout (a rich table, or JSON with ``--json``); problems to stderr."""
 
 from __future__ import annotations
@@ -9,7 +10,17 @@ import sys
 import time
 from typing import Any
 
-from shadow.config import ExportConfig, KeygenConfig, ListConfig, PlanConfig, RestoreConfig, StatusConfig, VerifyConfig
+from shadow.config import (
+    DropConfig,
+    ExportConfig,
+    JobsConfig,
+    KeygenConfig,
+    ListConfig,
+    PlanConfig,
+    RestoreConfig,
+    StatusConfig,
+    VerifyConfig,
+)
 
 
 def _print_json(obj) -> None:
@@ -47,6 +58,42 @@ def cmd_status(cfg: StatusConfig) -> int:
                 live.update(status_view(fetch(), cfg.address), refresh=True)
         except KeyboardInterrupt:
             pass
+    return 0
+
+
+def _ask(address: str, kind: str, timeout: float, expect: str, **fields: Any) -> dict:
+    """One request to the coordinator at ``address`` and its ``expect`` reply (an ``error``
+    reply, or no answer within ``timeout`` s, raises ``ShadowConnectionError``)."""
+    import zmq
+
+    from shadow.client import dealer, request
+    from shadow.wire import messages as M
+
+    sock = dealer(zmq.Context.instance(), address)
+    try:
+        return request(sock, address, M.encode(kind, **fields), timeout, (expect,))
+    finally:
+        sock.close(linger=0)
+
+
+def cmd_jobs(cfg: JobsConfig) -> int:
+    reply = _ask(cfg.address, "jobs", cfg.timeout, "jobs_reply")
+    if cfg.json:
+        _print_json({k: v for k, v in reply.items() if k not in ("t", "v")})
+        return 0
+    from shadow.cli._render import render_jobs
+
+    render_jobs(reply, cfg.address)
+    return 0
+
+
+def cmd_drop(cfg: DropConfig) -> int:
+    # a refusal (trainers still heard from, no such job, not an admin key) is an error naming its cause and fix
+    reply = _ask(cfg.address, "drop", cfg.timeout, "drop_reply", job=cfg.job, force=cfg.force)
+    if cfg.json:
+        _print_json({k: v for k, v in reply.items() if k not in ("t", "v")})
+    else:
+        print(reply["message"])
     return 0
 
 

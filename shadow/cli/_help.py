@@ -41,6 +41,16 @@ EXAMPLES = {
     ],
     "ls": ["shadow ls source=tcp://127.0.0.1:5555", "shadow ls source=/nvme/shadow --json"],
     "verify": ["shadow verify source=/nvme/shadow", "shadow verify source=s3://bucket/shadow iteration=1000 --json"],
+    "jobs": [
+        "shadow jobs address=tcp://127.0.0.1:5555",
+        "shadow jobs address=tcp://10.0.0.5:5555 --json | jq '.jobs[] | select(.held)'",
+    ],
+    "drop": [
+        "shadow drop job=gpt-small address=tcp://127.0.0.1:5555            (its trainers are gone)",
+        "shadow drop job=gpt-small address=tcp://10.0.0.5:5555 security.server_public=keys/server.key "
+        "security.client_key=keys/admins/admin.key_secret",
+        "shadow drop job=gpt-small address=tcp://127.0.0.1:5555 force=true (even while its trainers heartbeat)",
+    ],
     "keygen": ["shadow keygen dir=keys name=server", "shadow keygen dir=keys/clients name=trainer0"],
     "plan": [
         "shadow plan gpus=16384 gpu_mtbf_h=50678 params=405e9 iteration_s=6 restart_s=600",
@@ -57,11 +67,14 @@ SUMMARY = {
     "export": "write a checkpoint's model weights (safetensors or torch, optional bf16/fp16)",
     "ls": "list checkpoints in memory and in every tier",
     "verify": "re-read persisted checkpoints and check every checksum",
+    "jobs": "the jobs a cluster knows: the held one (status, trainers heard), attaching, in the tiers",
+    "drop": "detach a job whose trainers are gone, keeping its checkpoints, so another can attach",
     "keygen": "write a CURVE key pair (name.key, name.key_secret)",
     "plan": "lost GPU-hours/day per checkpointing strategy (analytic + simulated), shadow cluster size",
 }
 
-COMMON = """flags: --help, --json (status, ls, verify, plan), --cfg job (print the resolved config and exit),
+COMMON = """flags: --help, --json (status, ls, verify, jobs, drop, plan),
+       --cfg job (print the resolved config and exit),
        --config-dir DIR --config-name NAME (start from DIR/NAME.yaml, e.g. the repository's configs/)
 keys are Hydra overrides: key=value, nested with dots (persist.local.dir=/nvme), null for none."""
 

@@ -113,6 +113,48 @@ def render_checkpoints(rows: list[dict], source: str) -> None:
             console.print(f"[red]{r['state']}[/red] {escape(r['path'])}: {escape(r['error'])}", highlight=False)
 
 
+def render_jobs(reply: dict, address: str) -> None:
+    """``shadow jobs``: one row per job the cluster knows, the held one first, then what to
+    run for a held job whose trainers look gone."""
+    window = reply["window_s"]
+    t = Table(title=f"jobs of the shadow cluster {address}")
+    for col in ("job", "status", "epoch", "world", "committed", f"trainers (heard within {window:g} s)", "restorable"):
+        t.add_column(col, justify="right" if col in ("epoch", "world", "committed") else "left")
+    notes: list[str] = []
+    for j in reply["jobs"]:
+        status = j["status"] + (" (held)" if j["held"] else "") + (" (dropped)" if j["dropped"] else "")
+        if j["status"] == "attaching":
+            trainers = f"{j['ranks_heard']}/{j['world']} arrived"
+        elif j["ranks_heard"] is not None:
+            trainers = f"{j['ranks_heard']}/{j['world']} heard, last {_dur(j['last_heard_s'])} ago"
+            if j["trainers_gone"] and j["status"] != "detached":
+                trainers = f"[red]gone[/red]: {trainers}"
+        else:
+            trainers = "-"
+        where = ", ".join(f"{tier} {it}" for tier, it in j["restorable"].items() if it is not None) or "none"
+        t.add_row(escape(j["name"]), status, *(_cell(j[k]) for k in ("epoch", "world", "committed")), trainers, where)
+        if j["reason"]:
+            notes.append(f"{escape(j['name'])}: {escape(j['reason'])}")
+        if j["held"] and j["trainers_gone"] and j["status"] != "detached":
+            notes.append(
+                f"{escape(j['name'])}: its trainers look gone and it blocks any other job name; "
+                f"`shadow drop job={escape(j['name'])} address={address}` detaches it, keeping its checkpoints"
+            )
+    console = stdout_console()
+    if reply["jobs"]:
+        console.print(t)
+    else:
+        console.print(f"the shadow cluster {address} knows no job: nothing attached, no checkpoint in its tiers")
+    for n in notes:
+        console.print(n, highlight=False)
+    if reply.get("left_out"):
+        console.print(f"{reply['left_out']} more jobs known from the tiers were left out (the reply would not fit)")
+
+
+def _cell(v) -> str:
+    return "-" if v is None else str(v)
+
+
 def _ago(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -201,6 +243,11 @@ def status_view(st: dict, address: str) -> Group:
         audit = job.get("audit") or {}
         if audit.get("checked"):
             out.append(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")
+        if job.get("diverged") is not None:
+            out.append(
+                f"[red]DIVERGED[/red] after iteration {job['diverged']}: nothing newer is restorable until the job "
+                "resyncs"
+            )
     else:
         out.append("no job attached")
     if st.get("restorable"):

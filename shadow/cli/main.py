@@ -8,7 +8,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from shadow.cli._commands import cmd_export, cmd_keygen, cmd_ls, cmd_plan, cmd_restore, cmd_status, cmd_verify
+from shadow.cli._commands import (
+    cmd_drop,
+    cmd_export,
+    cmd_jobs,
+    cmd_keygen,
+    cmd_ls,
+    cmd_plan,
+    cmd_restore,
+    cmd_status,
+    cmd_verify,
+)
 from shadow.cli._compose import UsageError, compose, split, to_yaml
 from shadow.cli._help import command_help, usage
 from shadow.cli._services import cmd_cluster, cmd_coordinator, cmd_worker
@@ -22,10 +32,13 @@ COMMANDS: dict[str, Callable[[Any], int]] = {  # each takes its command's config
     "export": cmd_export,
     "ls": cmd_ls,
     "verify": cmd_verify,
+    "jobs": cmd_jobs,
+    "drop": cmd_drop,
     "keygen": cmd_keygen,
     "plan": cmd_plan,
 }
-CLIENTS = ("status", "restore", "export", "ls", "verify")  # commands that connect to a cluster as a CURVE client
+# commands that connect to a cluster as a CURVE client (drop: with an admin key)
+CLIENTS = ("status", "restore", "export", "ls", "verify", "jobs", "drop")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,6 +133,9 @@ class JobRec:
     cut_ceiling: int | None = None  # the cut stays at or below this while a replica copies from its peer
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded
+    created: float = field(default_factory=time.monotonic)  # when the coordinator started (or rebuilt) it
+    heard: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last trainer_hb
+    dropped: str = ""  # why ``shadow drop`` detached it, or "" (its trainers are told so if they come back)
     degraded_at: float = 0.0  # monotonic time of the last degrade
     audit: dict = field(
         default_factory=lambda: {
@@ -143,6 +146,15 @@ class JobRec:
             "last_mismatch": "",
         }
     )
+
+    def last_heard(self, rank: int) -> float:
+        """When rank ``rank`` was last heard from (monotonic): its last ``trainer_hb``, else
+        when the coordinator started the job (its attach, or a rebuild after a restart)."""
+        return self.heard.get(rank, self.created)
+
+    def ranks_heard(self, now: float, window_s: float) -> list[int]:
+        """The ranks heard from within the last ``window_s`` seconds."""
+        return [r for r in range(self.world) if now - self.last_heard(r) < window_s]
 
 
 def job_id_for(name: str) -> int:

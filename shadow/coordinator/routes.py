@@ -17,6 +17,8 @@ from dataclasses import dataclass
 WORKER = frozenset({"worker"})
 TRAINER = frozenset({"trainer"})
 READERS = frozenset({"trainer", "client", "admin"})  # a trainer restores from memory too
+OPERATORS = frozenset({"client", "admin"})  # shadow jobs: a person's view of the cluster
+ADMIN = frozenset({"admin"})  # what changes the cluster on a person's word (shadow drop)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ ROUTES: dict[str, Route] = {
     "status": Route("queries", "on_status", READERS),
     "restore_info": Route("queries", "on_restore_info", READERS),
     "catalog": Route("queries", "on_catalog", READERS),
+    # operators: the jobs the cluster knows (clients and admins), and detaching a crashed one (admins)
+    "jobs": Route("jobs", "on_jobs", OPERATORS),
+    "drop": Route("jobs", "on_drop", ADMIN),
 }
 
 #: periodic steps the loop runs after each poll, in order: (component, method)

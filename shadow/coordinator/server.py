@@ -10,8 +10,8 @@ The coordinator is composed of one :class:`~shadow.coordinator.state.ClusterStat
 in :data:`~shadow.coordinator.routes.ROUTES`: :class:`~shadow.coordinator.membership.Membership`,
 :class:`~shadow.coordinator.cut.Cut`, :class:`~shadow.coordinator.replicas.Replicas`,
 :class:`~shadow.coordinator.rebuild.Rebuild`, :class:`~shadow.coordinator.attach.Attach`,
-:class:`~shadow.coordinator.trainers.Trainers`, :class:`~shadow.coordinator.queries.Queries`
-and :class:`~shadow.coordinator.persistence.Persistence`.
+:class:`~shadow.coordinator.trainers.Trainers`, :class:`~shadow.coordinator.queries.Queries`,
+:class:`~shadow.coordinator.jobs.Jobs` and :class:`~shadow.coordinator.persistence.Persistence`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from shadow import security
 from shadow.config import PersistConfig
 from shadow.coordinator.attach import Attach
 from shadow.coordinator.cut import Cut
+from shadow.coordinator.jobs import Jobs
 from shadow.coordinator.membership import Membership
 from shadow.coordinator.outbox import Outbox, ZmqOutbox
 from shadow.coordinator.persistence import Persistence
@@ -91,6 +92,7 @@ class Coordinator:
         self.rebuild = Rebuild(st, out, self.cut, self.membership, persist)
         self.trainers = Trainers(st, out, self.cut, self.replicas)
         self.queries = Queries(st, out, persist, self.guard)
+        self.jobs = Jobs(st, out, persist)
         self.routes: dict[str, Callable[..., None]] = {
             t: getattr(getattr(self, r.component), r.handler) for t, r in ROUTES.items()
         }
@@ -169,7 +171,15 @@ class Coordinator:
             return
         if role is not None and role not in route.roles:
             article = "an" if role[0] in "aeiou" else "a"
-            self.refuse(envelope, role, "role", f"{article} {role} may not send {kind!r} messages")
+            allowed = sorted(route.roles)
+            dirs = " or ".join(f"security.allow_{r}s" for r in allowed)
+            self.refuse(
+                envelope,
+                role,
+                "role",
+                f"{article} {role} may not send {kind!r} messages: the cluster takes them from {', '.join(allowed)} "
+                f"keys only (connect with a key whose public half is in the cluster's {dirs})",
+            )
             return
         if route.worker_only and st.worker(envelope[0]) is None:
             st.rejected.add("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)

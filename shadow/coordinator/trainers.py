@@ -1,5 +1,6 @@
 """What the coordinator hears from trainer ranks besides attach/detach: heartbeats (how a
-restarted coordinator finds them; how lost messages are found), and ``lagging`` (policy skip)."""
+restarted coordinator finds them; how lost messages are found; whether a job's trainers are
+still there, :func:`heard_window_s`), and ``lagging`` (policy skip)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,19 @@ from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.records import JobStatus
 from shadow.coordinator.replicas import Replicas
 from shadow.coordinator.state import ClusterState
+from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
 
 Msg = dict[str, Any]
+
+
+def heard_window_s(tuning: Tuning) -> float:
+    """How recent a rank's last ``trainer_hb`` must be for the rank to count as still there:
+    ``SHADOW_WORKER_LOST_S``, the grace the lost-message check gives a rank's heartbeat (and
+    the silence after which a worker is lost). Ranks heartbeat every ``SHADOW_HEARTBEAT_S``."""
+    return tuning.worker_lost_s
 
 
 class Trainers:
@@ -35,7 +44,7 @@ class Trainers:
         job = self.state.job
         if job is None or job.status not in (JobStatus.RUNNING, JobStatus.BOOTSTRAPPING):
             return
-        grace = self.state.tuning.worker_lost_s
+        grace = heard_window_s(self.state.tuning)
         for rank, samples in job.sent.items():
             sample = None
             while len(samples) > 1 and now - samples[1][0] >= grace:
@@ -90,6 +99,10 @@ class Trainers:
             return
         if not 0 <= msg["rank"] < job.world:
             self.state.rejected.add("bad_rank")
+            return
+        job.heard[msg["rank"]] = time.monotonic()
+        if job.dropped:  # a rank of a dropped job came back: it stops streaming, and is never asked to resync
+            self.out.reply(env, "degraded", epoch=job.epoch, reason=job.dropped)
             return
         job.sent.setdefault(msg["rank"], deque(maxlen=256)).append((time.monotonic(), msg["seq"]))
         if job.trainers.get(msg["rank"]) == env[0]:

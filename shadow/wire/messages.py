@@ -79,6 +79,7 @@ LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _KiB, 1 << 21, 1 << 16)
 #: all others (:data:`SMALL`)                          64 KiB  16 KiB   4 KiB        4 Ki     256
 #: heartbeat, trainer_hb, attached (:data:`PER_RANK`)  1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
 #: forget (checkpoint directories)                    1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
+#: jobs_reply (a map per job the cluster knows)       1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
 #: attach, configure, rejoin, restore_info_reply       64 MiB  2 MiB    4 KiB        2 Mi     64 Ki
 #: catalog_reply (a manifest file per checkpoint)      256 MiB 64 KiB   64 MiB       64 Ki    4 Ki
 #: status_reply (the cluster view)                     64 MiB  64 KiB   4 KiB        1 Mi     64 Ki
@@ -98,6 +99,7 @@ _SIZED: dict[str, Limits] = {
     "rejoin": LAYOUT,  # its assignment carries the configure message it holds
     "restore_info_reply": LAYOUT,
     "forget": PER_RANK,
+    "jobs_reply": PER_RANK,  # the coordinator leaves out what would not fit (left_out)
     "catalog_reply": Limits(256 * _MiB, 64 * _KiB, 64 * _MiB, 1 << 16, 4096),
     "status_reply": Limits(64 * _MiB, 64 * _KiB, 4 * _KiB, 1 << 20, 1 << 16),
     "persisted": Limits(16 * _MiB + 64 * _KiB, 64 * _KiB, 16 * _MiB, 1 << 21, 4096),

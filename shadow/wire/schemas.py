@@ -115,11 +115,25 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "status": {},
     "restore_info": {"job": (str, type(None))},
     "catalog": {"tier": (str,), "job": (str, type(None))},  # a tier's manifests, as the coordinator keeps them
+    # clients and admins -> coordinator: the jobs the cluster knows (shadow jobs)
+    "jobs": {},
+    # admins -> coordinator: detach job ``job`` whose trainers are gone (``force``: even if they are heard from)
+    "drop": {"job": (str,), "force": (bool,)},
     # coordinator -> anyone
     "status_reply": {"status": (dict,)},
     "restore_info_reply": {"info": (dict,)},
     # checkpoints: [[directory (job/iteration-k), manifest.json's bytes, superseded], ...]; torn: directories
     "catalog_reply": {"root": (str,), "checkpoints": (list,), "torn": (list,)},
+    # jobs: one map per job (shadow.coordinator.jobs.jobs_view), the held job first
+    "jobs_reply": {"jobs": (list,), "window_s": (float, int)},
+    # the job detached, the epoch and committed iteration it keeps, whether it was forced, what happened
+    "drop_reply": {
+        "job": (str,),
+        "epoch": (int,),
+        "committed": (int, type(None)),
+        "forced": (bool,),
+        "message": (str,),
+    },
     "error": {"message": (str,), "code": (str,)},  # code: one of ERROR_CODES, for callers to act on
     # client -> worker serve socket
     "fetch": {"epoch": (int,), "iteration": (int,)},
@@ -167,6 +181,8 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "registered": {"local_dir": (str,)},
     # older checkpoints the catalog left out (its manifests would not fit)
     "catalog_reply": {"left_out": (int,)},
+    # jobs known only from the tiers that the reply left out (it would not fit)
+    "jobs_reply": {"left_out": (int,)},
 }
 
 #: The message types each kind of socket receives, for its ``ZMQ_MAXMSGSIZE``
@@ -193,6 +209,8 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "status",
         "restore_info",
         "catalog",
+        "jobs",
+        "drop",
     ),
     # a worker's DEALER to the coordinator
     "worker": ("registered", "reset", "reregister", "configure", "upload", "forget", "apply", "error"),
@@ -214,6 +232,8 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "status_reply",
         "restore_info_reply",
         "catalog_reply",
+        "jobs_reply",
+        "drop_reply",
         "error",
         "fetch_reply",
         "file_reply",
