@@ -327,3 +327,49 @@ def test_scheduler_that_cannot_be_recorded_is_refused_at_attach(world1):
         trainer_hooks.attach(DDP(model), opt, coordinator="tcp://127.0.0.1:1", scheduler=Weird(opt, lambda s: 1.0))
     with pytest.raises(TypeError, match="scheduler must be"):
         trainer_hooks.attach(DDP(model), opt, coordinator="tcp://127.0.0.1:1", scheduler=object())
+
+
+def test_a_divergence_is_final_until_the_trainers_resync(world1, tmp_path):
+    """An audit mismatch at iteration 4 (every worker flips a bit there) after a clean audit
+    at 2: memory serves nothing of the job, no checkpoint after 2 is restorable from the
+    tier, and the trainers' resync makes the shadow right again."""
+    from shadow.restore import resolve
+    from shadow.testing import LocalCluster, ServiceFaults
+
+    local = tmp_path / "tier"
+    bad = LocalCluster(
+        tmp_path,
+        args=(f"persist.local.dir={local}", "persist.local.every_n=1", "persist.local.keep=20"),
+        faults=ServiceFaults(corrupt_apply_at=4),
+    )
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=bad.address, scheduler=sched, job="dv", audit_every=2)
+        _train(session, ddp, opt, sched, 5)
+        st = bad.wait_status(lambda s: s["job"]["diverged"] is not None, what="the divergence")
+        assert st["job"]["diverged"] == 2 and st["restorable"]["memory"] is None
+        assert st["restorable"]["local"] is None or st["restorable"]["local"] <= 2
+        with pytest.raises(trainer_hooks.ShadowError):  # memory holds a wrong state: never served
+            resolve(bad.address, job="dv", iteration=st["job"]["committed"], attempts=1)
+        snap = resolve(str(local), job="dv")
+        assert snap.iteration <= 2
+        # the trainers resync (a new epoch from their state): restorable and right again
+        it = 5
+        while session.epoch == 1 or session.degraded is not None:  # the resync comes at an iteration boundary
+            assert it < 400, f"no resync after {it} iterations: {bad.status()['job']}"
+            it += 1
+            _train(session, ddp, opt, sched, 1, start=it - 1)
+            time.sleep(0.02)
+        _train(session, ddp, opt, sched, 2, start=it)
+        it += 2
+        session.close()
+        st = bad.status()
+        assert st["job"]["diverged"] is None and st["restorable"]["memory"] == it
+        model2, opt2, sched2 = build()
+        info = trainer_hooks.restore(model2, opt2, source=bad.address, scheduler=sched2, job="dv")
+        assert info.iteration == it and info.tier == "memory"
+        for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        bad.stop()

@@ -109,6 +109,14 @@ def test_the_recorder_waits_for_the_scheduler_and_scaler():
     rec.start(0, 1)
     k, sent = rec.advance()
     rec.record(k, sent, True, None, None, [], rank=1)
+    rec.stepped("scaler")
+    rec.stepped("scheduler")
+    assert calls == ["ready"]  # once per step until the loop shows otherwise
+    assert rec.take_pending().iteration == 1
+    calls.clear()
+    rec.window_closed()
+    k, sent = rec.advance()
+    rec.record(k, sent, True, None, None, [], rank=1)
     assert not rec.ready and rec.awaiting == {"scheduler", "scaler"}
     rec.stepped("scaler")
     assert calls == []

@@ -87,7 +87,8 @@ class Cut:
         writers = {x.id: st.shard_of(x) for x in live}
         if len(set(writers.values())) < st.nshards:  # some shard has no live copy: nothing complete to write
             writers = {}
-        persist = self.persist.local_due(cut, st.tokens.get(cut), writers)
+        # a diverged epoch is never persisted again (what it holds is not the trainer's state)
+        persist = job.diverged is None and self.persist.local_due(cut, st.tokens.get(cut), writers)
         if persist:
             job.writers = {}
             for wid, shard in writers.items():
@@ -161,6 +162,8 @@ class Cut:
         a["max_ulp"] = max(a["max_ulp"], msg["max_ulp"])
         if msg["ok"] and msg["detail"]:
             a["last_deviation"] = f"iteration {msg['iteration']}: {msg['detail']}"
+        if msg["ok"] and job.diverged is None:
+            job.verified = max(job.verified, msg["iteration"])
         if not msg["ok"]:
             a["mismatches"] += 1
             a["last_mismatch"] = f"iteration {msg['iteration']}: {msg['detail']}"
@@ -173,6 +176,30 @@ class Cut:
             self.out.to_trainers(
                 job, "audit", epoch=job.epoch, iteration=msg["iteration"], ok=False, detail=msg["detail"]
             )
+            self.diverge(job, max(job.verified, job.base), f"audit of iteration {msg['iteration']}: {msg['detail']}")
+
+    def diverge(self, job, verified: int, why: str) -> None:
+        """The shadow's state differs from the trainer's after iteration ``verified`` (the
+        newest audited bit-identical, else the epoch's base, which was copied from the
+        trainer). That is final for this epoch: memory stops serving the job, nothing after
+        ``verified`` is persisted, and every tier records a new generation from ``verified``
+        so no checkpoint of this epoch after it is ever restorable (``shadow ls`` lists them
+        superseded). The trainers resync: a new epoch copied from their state is right again."""
+        if job.diverged is not None:
+            return
+        job.diverged = verified
+        generation = max(job.generation, self.persist.generations.get(job.name, 0)) + 1
+        self.persist.supersede(job.name, generation, verified, diverged=True)
+        logger.error(
+            "job %s epoch %d: the shadow diverged from the trainer after iteration %d (%s); checkpoints after it "
+            "are superseded (generation %d) and memory serves none until the trainers resync",
+            job.name,
+            job.epoch,
+            verified,
+            why,
+            generation,
+        )
+        self.degrade(f"the shadow diverged from the trainer after iteration {verified} ({why})")
 
     def degrade(self, reason: str) -> None:
         """Freeze the checkpoint at the current cut: the trainers hear why, and a resync

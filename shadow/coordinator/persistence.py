@@ -103,14 +103,14 @@ class Persistence:
         """``(generation, newest complete iteration)`` of ``job`` across the tiers."""
         return self.generations.get(job, 0), self.newest(job)
 
-    def supersede(self, job: str, generation: int, base: int) -> None:
+    def supersede(self, job: str, generation: int, base: int, diverged: bool = False) -> None:
         """``job`` goes on from ``base`` as ``generation``: record it in every tier first, so
         no restore picks an abandoned checkpoint after ``base`` as the newest, even if the
         new generation never persists anything."""
         self.generations[job] = max(self.generations.get(job, 0), generation)
         for t in self.tiers.values():
             try:
-                checkpoints.write_generation(t.storage, job, generation, base)
+                checkpoints.write_generation(t.storage, job, generation, base, diverged)
             except Exception as exc:  # storage errors are reported, never fatal
                 t.last_error = f"recording generation {generation} of {job} (from iteration {base}): {exc}"
                 logger.error("tier %s: %s", t.name, t.last_error)
@@ -322,6 +322,21 @@ class Persistence:
         tier.count += 1
         tier.bytes += nbytes
         tier.last_error = ""
+        diverged = getattr(job, "diverged", None)  # a JobRec's (the last right iteration), once diverged
+        if diverged is not None and iteration > diverged:
+            # asked for before the divergence was found: its manifest is written, and listed as
+            # superseded (the generation record), but it is never the tier's newest nor uploaded
+            logger.warning(
+                "tier %s: iteration %d of job %s completed after the shadow diverged (after iteration %d); "
+                "it is superseded, never restorable",
+                tier.name,
+                iteration,
+                job.name,
+                diverged,
+            )
+            if deleted and tier.name == "local":
+                return [("forget", iteration, [posixpath.basename(d.rstrip("/")) for d in deleted])]
+            return []
         tier.complete[job.name] = max(tier.complete.get(job.name, -1), iteration)
         if (
             tier.last_complete is None

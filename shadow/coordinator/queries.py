@@ -92,7 +92,14 @@ class Queries:
             entries = cached[1]
         else:
             found = checkpoints.list_checkpoints(st, tier.name, job)
-            entries = [[_relative(st.base, c.path), json.dumps(c.manifest).encode(), c.superseded] for c in found]
+            entries = [
+                [
+                    _relative(st.base, c.path),
+                    json.dumps(c.manifest).encode(),
+                    "diverged" if c.diverged else c.superseded,
+                ]
+                for c in found
+            ]
             self._catalogs[key] = (stamp, entries)
         sent, total = [], 0
         for e in reversed(entries):  # the newest first, as a restore picks
@@ -187,6 +194,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
             "elements": Layout.from_dict(job.layout).total,
             "optim": job.optim,
             "audit": job.audit,
+            "diverged": job.diverged,
             "reason": job.reason if job.status == JobStatus.DEGRADED else "",
             "trainers": sorted(job.trainers),
             "resyncs": st.resyncs.get(job.name, 0),
@@ -246,6 +254,12 @@ def memory_error(st: ClusterState, job_name: str | None) -> str:
         )
     if job.cut < job.base:
         return f"job {job.name!r} has not finished its bootstrap; no checkpoint in memory yet"
+    if job.diverged is not None:
+        return (
+            f"job {job.name!r}: the shadow diverged from the trainer after iteration {job.diverged} (a divergence "
+            "audit failed); memory serves no checkpoint of it until the trainers resync (restore from a tier: "
+            f"iteration {job.diverged} or older)"
+        )
     if st.serving() is None:
         now = time.monotonic()
         lost = [w.id for w in st.workers if not st.healthy(w, now)]

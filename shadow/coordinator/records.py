@@ -130,6 +130,8 @@ class JobRec:
     generation: int = 0  # lineage: raised when an attach goes back behind what the cluster holds
     joining: dict[int, Join] = field(default_factory=dict)  # worker id -> its join in progress
     writers: dict = field(default_factory=dict)  # shard -> ids of the workers last asked to persist it
+    verified: int = -1  # the newest iteration a divergence audit found bit-identical to the trainer
+    diverged: int | None = None  # once a divergence is found: the last iteration known to be right
     cut_ceiling: int | None = None  # the cut stays at or below this while a replica copies from its peer
     sent: dict = field(default_factory=dict)  # rank -> deque of (time, messages sent per worker)
     reason: str = ""  # why the job is degraded

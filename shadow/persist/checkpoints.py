@@ -86,6 +86,7 @@ class CheckpointInfo:
     manifest: dict
     storage: Storage = field(repr=False, compare=False)
     superseded: bool = False  # a later generation went on from an earlier iteration
+    diverged: bool = False  # superseded because the shadow diverged from the trainer: never restorable
     verified: bool = False  # its signature was checked with the manifest key (signing) and holds
     #: where each shard is read from, when not from ``storage``: ``locate(shard)`` returns a path this
     #: host can read, or a :class:`ShardReader` (a node-local tier: every holder's copy, in turn)
@@ -161,10 +162,12 @@ def list_checkpoints(
                 CheckpointInfo(st.url, tier, posixpath.dirname(mpath), manifest, st, verified=sign_key is not None)
             )
     for name in {c.job for c in out}:
-        generations = read_generations(st, name)
+        diverged: dict[int, int] = {}
+        generations = read_generations(st, name, diverged)
         for c in out:
             if c.job == name:
                 c.superseded = superseded(c.generation, c.iteration, generations)
+                c.diverged = superseded(c.generation, c.iteration, diverged)
     # newest last: superseded ones first (the oldest), then by generation and iteration
     out.sort(key=lambda c: (not c.superseded, c.generation, c.iteration, c.manifest.get("created") or 0))
     return out

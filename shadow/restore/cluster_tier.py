@@ -43,7 +43,7 @@ from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile, shardguard
 from shadow.persist import disks as disks_mod
 from shadow.persist.manifests import _reading
-from shadow.restore.sources import COMPLETE, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
+from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.restore.tier import TierSource
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
@@ -122,6 +122,7 @@ class ClusterTierSource(TierSource):
             info = checkpoints.CheckpointInfo(
                 self.root, self.name, d, manifest, self.storage, bool(superseded), self.sign_key is not None
             )
+            info.diverged = superseded == DIVERGED
             info.locate = lambda shard, info=info: self._locate(info, shard)
             out.append(
                 Candidate(
@@ -129,7 +130,7 @@ class ClusterTierSource(TierSource):
                     info.iteration,
                     self.name,
                     d,
-                    SUPERSEDED if info.superseded else COMPLETE,
+                    DIVERGED if superseded == DIVERGED else SUPERSEDED if info.superseded else COMPLETE,
                     info.generation,
                     manifest.get("created"),
                     info.bytes,

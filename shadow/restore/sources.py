@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from shadow.snapshot import Snapshot
 
 COMPLETE, SUPERSEDED, INCOMPLETE, UNREADABLE = "complete", "superseded", "incomplete", "unreadable"
+DIVERGED = "diverged"  # superseded after the shadow diverged from the trainer: listed, never restorable
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import posixpath
 
 from shadow.persist import checkpoints
-from shadow.restore.sources import COMPLETE, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
+from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.snapshot import Snapshot
 from shadow.storage import Storage, storage_for
 
@@ -44,7 +44,7 @@ class TierSource:
                 c.iteration,
                 self.name,
                 c.path,
-                SUPERSEDED if c.superseded else COMPLETE,
+                DIVERGED if c.diverged else SUPERSEDED if c.superseded else COMPLETE,
                 c.generation,
                 c.manifest.get("created"),
                 c.bytes,

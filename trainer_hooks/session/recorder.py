@@ -85,7 +85,7 @@ class StepRecorder:
         # scheduler steps per optimizer step, learnt from the loop: the commit leaves after that
         # many (accelerate's wrapper steps the scheduler once per process per optimizer step)
         self.sched_count = 0  # scheduler steps since the last optimizer step
-        self.cadence: int | None = None  # as counted over the last whole window (None: not yet)
+        self.cadence = 1  # as counted over the last whole window (before one: once per step, the usual)
         self._window = False  # sched_count counts from an optimizer step
         self.early: int | None = None  # iteration whose commit left on a scheduler step, until the window closes
         self.on_stale: Callable[[int, str], None] | None = None  # that commit's scheduler state was stale
@@ -220,8 +220,9 @@ class StepRecorder:
         """The scheduler or scaler stepped: once all have, the pending commit leaves.
 
         The scheduler counts as stepped once it has stepped as often as it did per optimizer
-        step in the last whole window (a scheduler stepped every other iteration, or per
-        epoch, or not learnt yet: the commit leaves when the next forward or step begins).
+        step in the last whole window (once, until a window was counted; a scheduler stepped
+        every other iteration, or per epoch: the commit leaves when the next forward or step
+        begins).
         A scheduler that steps again after its commit left early made that commit's
         scheduler state stale: ``on_stale`` says so."""
         if what == "scheduler":
