@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import zmq
 
+from shadow.client import dealer, request
 from shadow.jobs import job_name_problem
 from shadow.testing import LocalCluster, free_port
+from shadow.wire import messages as M
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "tests" / "helpers" / "tiny_trainer.py"
@@ -96,9 +99,25 @@ class SharedCluster:
             )
 
         try:
-            c.wait_status(healthy, timeout=10, what="every worker ready, ok and heard from, no attach held")
+            st = c.wait_status(healthy, timeout=10, what="every worker ready, ok and heard from, no attach held")
         except Exception as exc:  # no status, or not healthy in time: either way, start a new one
             return f"{type(exc).__name__}: {str(exc)[:2000]}"
+        job = st.get("job")
+        if job and job["status"] != "detached":
+            # a test that failed before closing its session leaves its job held, and the cluster then
+            # refuses every other job name: drop it (its trainers are gone or, forced, stop streaming)
+            sock = dealer(zmq.Context.instance(), c.address)
+            try:
+                request(sock, c.address, M.encode("drop", job=job["name"], force=True), 10, ("drop_reply",))
+            except Exception as exc:
+                return f"it holds job {job['name']!r} ({job['status']}), and dropping it failed: {exc}"
+            finally:
+                sock.close(linger=0)
+            warnings.warn(
+                f"{self.last} left job {job['name']!r} {job['status']} on the shared cluster; dropped it",
+                SharedClusterRestarted,
+                stacklevel=3,
+            )
         return None
 
     def get(self, test: str) -> LocalCluster:

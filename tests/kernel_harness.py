@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from shadow.kernels import ReplayPlan, segments_for_range
-from trainer_hooks._optim import calibrate, replay_groups
+from trainer_hooks._optim import calibrate, cpu_sqrt_table, replay_groups
 
 
 def make_optimizer(cls, params, impl: str, **kw):
@@ -24,11 +24,13 @@ def run_pair(
     shards: int = 1,
     seed: int = 0,
     grad_scale: float | None = None,
+    sqrt_table: bool = True,
     **kw,
 ):
     """Returns ``(torch_tensors, shadow_tensors)`` dicts of name -> list per param.
     ``grad_scale``: the gradients are that many times larger and the fused step divides
-    them (as ``GradScaler.step`` runs a fused optimizer)."""
+    them (as ``GradScaler.step`` runs a fused optimizer). ``sqrt_table``: the single-tensor
+    and foreach replays take this CPU's square roots (False: IEEE's)."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
     opt = make_optimizer(cls, params, impl, **kw)
@@ -40,8 +42,11 @@ def run_pair(
     amsgrad = kw.get("amsgrad", False)
     mx = np.zeros(total if amsgrad else 0, np.float32)
     bounds = np.linspace(0, total, shards + 1).astype(int)
+    table = cpu_sqrt_table()[0] if sqrt_table and impl != "fused" else None
     plans = [
-        ReplayPlan(segments_for_range(offsets, sizes, [0] * len(sizes), lo, hi, impl, vec, tail), impl, 4096)
+        ReplayPlan(
+            segments_for_range(offsets, sizes, [0] * len(sizes), lo, hi, impl, vec, tail), impl, 4096, sqrt=table
+        )
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
     ]
     for k in range(1, steps + 1):

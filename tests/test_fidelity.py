@@ -36,6 +36,9 @@ FEATURES = {
     "disabled-grad-scaler-clip": ("--disabled-scaler", "--clip", "0.05", "--clip-via", "torch"),
     # a scheduler stepped twice per optimizer step (accelerate's AcceleratedScheduler); the inner one attached
     "scheduler-twice-per-step": ("--sched-steps", "2"),
+    # torch's default AdamW on CPU (single-tensor: MKL's square roots, measured at attach)
+    "adamw-default-impl-clip": ("--impl", "default", "--clip", "0.05", "--clip-via", "torch"),
+    "adam-foreach-amsgrad": ("--optim", "adam", "--impl", "foreach", "--amsgrad"),
 }
 
 

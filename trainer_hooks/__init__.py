@@ -43,6 +43,7 @@ def attach(
     comm_state: Any = None,
     audit_every: int = 0,
     audit_strict: bool = False,
+    exact: bool = True,
     tuning: Tuning | None = None,
 ) -> Session:
     """Stream every iteration of ``ddp_model``/``optimizer`` to the shadow cluster at
@@ -76,6 +77,11 @@ def attach(
         audit_every: every N steps compare a sample of parameters and moments with the
             shadow bit for bit (0: never).
         audit_strict: raise on an audit mismatch (at the next step) instead of logging it.
+        exact: refuse, at attach, an optimizer the shadow cannot replay bit for bit on this
+            machine (checked then: the trainer's own optimizer steps probes and the replay
+            must reproduce every bit). ``exact=False`` attaches anyway: the shadow's state
+            may then differ by a few ulp per step, the audit reports rather than fails, and
+            ``shadow status`` and every checkpoint's manifest say ``bit_exact: false``.
         tuning: the knobs of this rank's session (a :class:`shadow.tuning.Tuning`: ring size,
             lag, timeouts, ...). Default: :meth:`Tuning.load`, each field from its
             ``SHADOW_<NAME>`` environment variable, else its default.
@@ -98,6 +104,7 @@ def attach(
         comm_state=comm_state,
         audit_every=audit_every,
         audit_strict=audit_strict,
+        exact=exact,
         tuning=Tuning.load() if tuning is None else tuning,
     )
     return Session(ddp_model, optimizer, coordinator, options, iteration=iteration, overwrite=overwrite)

@@ -1,5 +1,6 @@
-"""Which CUDA replay rule reproduces the trainer's optimizer, measured at attach on the
-trainer's own device.
+"""Which replay rule reproduces the trainer's optimizer, measured at attach on the
+trainer's own device (CUDA's rules on a GPU; on the CPU, the one rule of its
+implementation, checked).
 
 The trainer's optimizer class, with its first param group's settings and its
 implementation (fused, foreach, single-tensor), steps probe tensors on the device:
@@ -7,10 +8,10 @@ several tensors in one optimizer, sizes that are and are not multiples of 4, a v
 an odd offset, the trainer's hyperparameters and a large lr * weight decay, and a step
 count in the thousands. The shadow's kernels replay the same steps on this CPU with each
 candidate rule; the first that reproduces every element of every state array is used.
-When none does, the closest is used, ``bit_exact`` is False and a warning gives the
-measured deviation. A new torch version or GPU thus selects or rejects a rule itself
-instead of drifting silently. A fused optimizer also takes one step under a GradScaler
-``grad_scale``. One synchronisation, at attach.
+When none does, the closest is used and ``bit_exact`` is False: attach refuses it unless
+``exact=False`` (:func:`trainer_hooks._optim.describe`). A new torch version, GPU or CPU
+thus selects or rejects a rule itself instead of drifting silently. A fused optimizer
+also takes one step under a GradScaler ``grad_scale``. One synchronisation, at attach.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 
 from shadow.kernels import ReplayPlan, powtab, segments_for_range
+from shadow.kernels.replay import TABLE_IMPLS
 from shadow.optim_groups import AdamGroup, SgdGroup
+from shadow.sqrttab import SqrtTable
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +149,13 @@ def _replay(
     decoupled: bool,
     widths: tuple[int, int],
     powers: powtab.PowTable,
+    sqrt: SqrtTable | None = None,
 ) -> list[list]:
     sizes = [len(x) for x in p0]
     offsets = list(np.cumsum([0] + sizes)[:-1])
     total = sum(sizes)
     segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, widths[0], widths[1])
-    plan = ReplayPlan(segs, impl, 4096, kind, powers)
+    plan = ReplayPlan(segs, impl, 4096, kind, powers, sqrt if impl in TABLE_IMPLS and kind == "adam" else None)
     p = np.concatenate([x.numpy() for x in p0]).astype(np.float32)
     m, v, mx = (np.zeros(total, np.float32) for _ in range(3))
     amsgrad = bool(settings.get("amsgrad", False))
@@ -200,10 +204,12 @@ def calibrate_device(
     impl: str,
     candidates: tuple[str, ...] | None = None,
     widths: tuple[int, int] = (16, 8),
+    sqrt: SqrtTable | None = None,
 ) -> Calibration:
     """The replay rule for ``optimizer`` (torch implementation ``impl``) on ``device``:
     the first of ``candidates`` (default: the CUDA rules for ``impl``) that reproduces it;
-    ``widths``: the CPU fused kernel's vector and tail widths, for CPU candidates."""
+    ``widths``: the CPU fused kernel's vector and tail widths, for CPU candidates;
+    ``sqrt``: the square root table of the CPU single-tensor and foreach candidates."""
     cls = type(optimizer)
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
         optimizer.param_groups[0].get("decoupled_weight_decay")
@@ -232,6 +238,7 @@ def calibrate_device(
                 candidates or CANDIDATES[impl],
                 widths,
                 powtab.PowTable(powers),
+                sqrt,
             )
             cal.powers = powers if cal.impl == "cuda_fused" else None
             return cal
@@ -240,13 +247,13 @@ def calibrate_device(
             torch.set_num_threads(threads)
 
 
-def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths, powers) -> Calibration:
+def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths, powers, sqrt) -> Calibration:
     tried: dict[str, int] = {}
     for cand in candidates:
         worst = 0
         for settings in probes:
             want = _run_device(cls, settings, device, p0, grads, kind)
-            got = _replay(cand, settings, p0, grads, kind, decoupled, widths, powers)
+            got = _replay(cand, settings, p0, grads, kind, decoupled, widths, powers, sqrt)
             for w_step, g_step in zip(want, got, strict=True):
                 for w, g in zip(w_step, g_step, strict=True):
                     worst = max(worst, _ulp(w, g))

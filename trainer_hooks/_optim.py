@@ -1,8 +1,11 @@
 """Which optimizer update the shadow must replay, read at attach time.
 
-For the fused CPU kernel the replay is bit-identical; which elements take the
-compiler's scalar remainder path depends on the CPU build, so :func:`calibrate`
-checks the numba kernel against torch on this machine and picks the widths that match.
+For the fused CPU kernel, which elements take the compiler's scalar remainder path
+depends on the CPU build, so :func:`calibrate` checks the numba kernel against torch on
+this machine and picks the widths that match. The single-tensor and foreach CPU paths
+take their square roots from MKL, measured here (:func:`cpu_sqrt_table`). Whatever the
+path, :func:`describe` then steps the trainer's own optimizer on probes and checks that
+the replay reproduces every bit, or refuses it (unless ``exact=False``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import warnings
 import numpy as np
 import torch
 
+from shadow import sqrttab
 from shadow.optim_groups import AdamGroup, SgdGroup
+from shadow.sqrttab import SqrtTable
 from shadow.wire import frames as F
 
 logger = logging.getLogger(__name__)
@@ -92,63 +97,80 @@ def wire_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [g.to_wire() for g in replay_groups(optimizer)]
 
 
-def describe(optimizer: torch.optim.Optimizer) -> dict:
-    """The replay descriptor sent at attach: kind, implementation, kernel widths."""
+def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
+    """The replay descriptor sent at attach: kind, implementation, kernel widths, and what
+    the replay needs of this machine (CUDA's powers, the CPU's square root table).
+
+    The replay is checked here against the trainer's own optimizer class, settings and
+    implementation, stepping probes on its device (:func:`trainer_hooks._calibrate.calibrate_device`).
+    When it is not bit-identical, ``exact`` refuses the optimizer (``UnsupportedOptimizerError``
+    naming the cause and the fixes); ``exact=False`` warns and goes on, ``bit_exact`` false."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         raise _unsupported(f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported")
     kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
     impls = set()
     for g in optimizer.param_groups:
         if g.get("capturable") or g.get("differentiable"):
-            raise _unsupported("capturable/differentiable Adam is not replayed")
+            raise _unsupported("capturable/differentiable optimizers are not replayed")
         impls.add(_impl(g, g["params"]))
     if len(impls) != 1:
         raise _unsupported(f"param groups use different implementations {sorted(impls)}")
     replay_groups(optimizer)  # validates hyperparameter types
     impl = impls.pop()
+    name = f"{type(optimizer).__name__} ({impl})"
     cuda = next((p.device for g in optimizer.param_groups for p in g["params"] if p.is_cuda), None)
-    powers = None
-    vec, tail, exact = calibrate() if (impl == "fused" or kind == "sgd") and cuda is None else (16, 8, False)
-    if cuda is not None:
-        from trainer_hooks._calibrate import calibrate_device
+    from trainer_hooks._calibrate import calibrate_device  # numba: loaded at attach, not at import
 
+    powers, table, note = None, None, ""
+    if cuda is not None:
+        vec, tail = 16, 8
         cal = calibrate_device(optimizer, cuda, kind, impl)
-        if not cal.bit_exact:
-            warnings.warn(
-                f"no replay rule reproduces this CUDA {type(optimizer).__name__} ({impl}) bit for bit on "
-                f"{torch.cuda.get_device_name(cuda)} with torch {torch.__version__}: the closest, {cal.impl}, "
-                f"deviates by up to {cal.max_ulp} ulp on the probes (tried: {cal.tried}); the shadow's state "
-                "will differ from the trainer's by that much per step, and the audit reports, not fails",
-                stacklevel=3,
+        where = f"CUDA {name} on {torch.cuda.get_device_name(cuda)} with torch {torch.__version__}"
+        impl, powers = cal.impl, cal.powers
+    else:
+        vec, tail, _ = calibrate() if impl == "fused" else (16, 8, True)
+        if kind == "adam" and impl != "fused":
+            table, note = cpu_sqrt_table()  # torch's sqrt here is MKL's, not IEEE's
+        cal = calibrate_device(optimizer, torch.device("cpu"), kind, impl, (impl,), (vec, tail), table)
+        where = f"CPU {name} with torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
+        if note:
+            where += f"; square roots: {note}"
+    if not cal.bit_exact:
+        cause = (
+            f"the shadow cannot replay this {where} bit for bit: the closest rule, {cal.impl}, deviates by up to "
+            f"{cal.max_ulp} ulp on the probes stepped at attach (tried: {cal.tried})"
+        )
+        if exact:
+            raise _unsupported(
+                f"{cause}. Use another implementation (fused=True, foreach=True or the default), or attach with "
+                "exact=False to accept a shadow that may differ by about that much per step (then shown in "
+                "shadow status and in every checkpoint's manifest)"
             )
-        impl, exact, powers = cal.impl, cal.bit_exact, cal.powers
-    elif kind == "sgd":
-        exact = True  # only multiplies and adds: every CPU path is reproduced exactly
-    elif impl != "fused":
-        warnings.warn(
-            f"the optimizer uses torch's {impl} Adam path, whose tensor.sqrt rounds through a vector math "
-            "library; the shadow replays it within 1 ulp per step but not bit-identically. "
-            "Construct the optimizer with fused=True for a bit-identical shadow (docs/kernels.md).",
-            stacklevel=3,
-        )
-    elif not exact:
-        warnings.warn(
-            "could not match torch's fused Adam bit for bit on this CPU build; the shadow's state "
-            "may deviate by an ulp in tensor tails (docs/kernels.md)",
-            stacklevel=3,
-        )
+        warnings.warn(f"{cause}; attached with exact=False: the audit reports deviations, not fails", stacklevel=3)
     out = {
         "kind": kind,
         "impl": impl,
         "vec_width": vec,
         "tail_width": tail,
-        "bit_exact": exact,
+        "bit_exact": cal.bit_exact,
         "amsgrad_any": any(bool(g.get("amsgrad", False)) for g in optimizer.param_groups),
         "momentum_any": any(g.get("momentum", 0) != 0 for g in optimizer.param_groups),
     }
     if powers is not None:
         out["pow"] = powers  # beta ** k as the trainer's device computes it (shadow/kernels/powtab.py)
+    if table is not None:
+        out["sqrt"] = table.to_wire()  # sqrt as this CPU's torch computes it (shadow/sqrttab.py)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_sqrt_table() -> tuple[SqrtTable | None, str]:
+    """How torch's CPU ``Tensor.sqrt`` rounds on this machine (:func:`shadow.sqrttab.measure`):
+    the table the replay of single-tensor and foreach Adam needs, None when it is IEEE's."""
+    with torch.no_grad():
+        table, note = sqrttab.measure(lambda a: torch.sqrt(torch.from_numpy(a)).numpy())
+    logger.debug("torch's CPU sqrt measured: %s", note)
+    return table, note
 
 
 _CANDIDATES = ((16, 8), (8, 8), (16, 16), (8, 4), (16, 4), (4, 4), (32, 8))

@@ -208,6 +208,9 @@ def _ls_row(c) -> dict:
         row["raw_bytes"] = c.raw_bytes
     if c.handle is not None:
         row["signature"] = _signature(c.handle)
+        optim = c.handle.manifest.get("optim")
+        if isinstance(optim, dict) and optim.get("bit_exact") is False:
+            row["bit_exact"] = False  # attached with exact=False: a replay within a few ulp, not bit for bit
     return row | {"state": c.state, "path": c.path}
 
 

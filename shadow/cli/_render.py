@@ -105,6 +105,8 @@ def render_checkpoints(rows: list[dict], source: str) -> None:
         if r.get("raw_bytes") and r["bytes"] and r["raw_bytes"] != r["bytes"]:
             size += f" (zstd, {r['raw_bytes'] / r['bytes']:.2f}x)"
         state = r["state"] + (f" (gen {r['generation']})" if r.get("generation") else "")
+        if r.get("bit_exact") is False:
+            state += " (not bit-exact: exact=False)"
         t.add_row(escape(r["job"]), str(r["iteration"]), r["tier"], when, size, state, escape(r["path"]))
     console = stdout_console()
     console.print(t)
@@ -240,6 +242,15 @@ def status_view(st: dict, address: str) -> Group:
         out.append(line)
         if job.get("reason"):
             out.append(f"[red]DEGRADED[/red]: {job['reason']}")
+        optim = job.get("optim") or {}
+        if optim.get("impl"):
+            replay = f"replay: {optim.get('kind', '?')} {optim['impl']}, " + (
+                "bit-exact (checked at attach)"
+                if optim.get("bit_exact", True)
+                else "[yellow]NOT bit-exact[/yellow] (attached with exact=False: restores may differ from the "
+                "trainer by a few ulp per step)"
+            )
+            out.append(replay)
         audit = job.get("audit") or {}
         if audit.get("checked"):
             out.append(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")

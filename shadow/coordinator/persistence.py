@@ -21,6 +21,7 @@ import posixpath
 import time
 from typing import Any
 
+from shadow import sqrttab
 from shadow.config import PersistConfig
 from shadow.coordinator.tiers import TierState, scan
 from shadow.persist import checkpoints, disks, failed, retention, signing
@@ -285,7 +286,7 @@ class Persistence:
             tier.name,
             job.layout,
             job.layout_hash,
-            job.optim,
+            sqrttab.public(job.optim),  # the replay's table is the workers', not the checkpoint's
             job.world,
             tokens,
             commit,

@@ -10,6 +10,7 @@ import posixpath
 import time
 from typing import Any
 
+from shadow import sqrttab
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import Health, JobStatus
@@ -192,7 +193,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
             "lag_iterations": max(0, seen - job.cut) if job.cut >= job.base else None,
             "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
             "elements": Layout.from_dict(job.layout).total,
-            "optim": job.optim,
+            "optim": sqrttab.public(job.optim),
             "audit": job.audit,
             "diverged": job.diverged,
             "reason": job.reason if job.status == JobStatus.DEGRADED else "",
@@ -288,7 +289,7 @@ def memory_info(st: ClusterState, job_name: str | None) -> dict[str, Any] | None
         "layout": job.layout,
         "layout_hash": job.layout_hash,
         "world": job.world,
-        "optim": job.optim,
+        "optim": sqrttab.public(job.optim),
         "workers": [
             {"id": w.id, "serve": w.serve, "start": job.ranges[w.id][0], "stop": job.ranges[w.id][1]} for w in serving
         ],

@@ -22,6 +22,10 @@ Floating-point model (measured against torch 2.13 on an AVX512 build; see
 Which elements take the tail rule is precomputed per segment (``tail_start``), so
 the kernel itself is branch-light and shared by every variant.
 
+torch's single-tensor and foreach CPU paths compute ``sqrt(v)`` with MKL's vector math
+library, which is not correctly rounded: ``RULE_CPU_TABLE`` is the CPU rule with the
+trainer's square root, measured at attach (:mod:`shadow.sqrttab`).
+
 CUDA's kernels round differently (measured on an H200 with torch 2.11,
 ``tests/data/cuda_optim.npz``); each rule has a kernel of its own (:data:`KERNELS`, the
 plan picks it from the implementation; ``I_RULE`` names it per segment):
@@ -43,7 +47,7 @@ import numpy as np
 from numba import carray, njit, prange
 
 from shadow.kernels import _cache  # first: it chooses the kernel cache directory before any @njit
-from shadow.kernels._fma import f32_at, fma32
+from shadow.kernels._fma import bits_f32, f32_at, f32_bits, fma32
 
 # Columns of the per-segment float32 scalar table.
 (F_W1, F_B2, F_C2, F_BC2S, F_EPS, F_NSTEP, F_DECAY, F_WD, F_CLIP, F_INV_SCALE, F_GRAD_SCALE, F_RGRAD_SCALE) = range(12)
@@ -65,8 +69,9 @@ N_FSCALARS = 12
     I_RECIP,
 ) = range(13)
 N_ISCALARS = 13
-# I_RULE values: whose rounding the segment reproduces
-RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH = 0, 1, 2
+# I_RULE values: whose rounding the segment reproduces (RULE_CPU_TABLE: torch's CPU
+# single-tensor and foreach paths, whose square root is MKL's: ``shadow.sqrttab``)
+RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH, RULE_CPU_TABLE = 0, 1, 2, 3
 
 # The element functions below are plain ``@njit``, not inlined by numba: LLVM inlines them
 # into each loop, which it then vectorises (``tools/inspect_kernels.py`` shows it).
@@ -122,9 +127,26 @@ def _moments(rule, g, p, m, v, lane, wd, l2, decoupled, tail, dec, w1, small, b2
 
 
 @njit(nogil=True, error_model="numpy")
-def _step(rule, p, m, vm, recip, nstep, bc2s, eps):
+def _table_sqrt(x, tab, emap):
+    """The trainer's square root of ``x``: IEEE ``sqrt``, stepped one ulp towards the exact
+    root where the table's bit for ``x`` says so (:class:`shadow.sqrttab.SqrtTable`:
+    ``tab`` its slots, ``emap`` the slot of each sign and exponent, -1 for none)."""
+    s = np.sqrt(x)
+    b = f32_bits(x)
+    slot = emap[b >> 23]
+    hit = slot >= 0
+    m = b & 0x7FFFFF
+    byte = tab[(np.int64(slot) << 20) | np.int64(m >> 3) if hit else 0]
+    flip = hit and ((byte >> (m & 7)) & 1) != 0
+    sb = f32_bits(s)
+    up = np.float64(x) > np.float64(s) * np.float64(s)
+    return bits_f32(sb + np.uint32(1) if up else sb - np.uint32(1)) if flip else s
+
+
+@njit(nogil=True, error_model="numpy")
+def _step(rule, p, m, vm, recip, nstep, bc2s, eps, tab, emap):
     """The parameter update from the new moments (``vm``: amsgrad's max, else ``v``)."""
-    root = np.sqrt(vm)
+    root = _table_sqrt(vm, tab, emap) if rule == RULE_CPU_TABLE else np.sqrt(vm)
     if rule == RULE_CUDA_FOREACH:  # the single-tensor path multiplies by 1 / bc2s (recip)
         return fma32(nstep, m / ((root * bc2s if recip else root / bc2s) + eps), p)
     return p + (nstep * m) / (root / bc2s + eps)
@@ -132,7 +154,24 @@ def _step(rule, p, m, vm, recip, nstep, bc2s, eps):
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _update_range(
-    rule, param, exp_avg, exp_avg_sq, max_sq, grad, goff, lo, hi, f, fl, tail, snap_p, snap_m, snap_v, snap_x
+    rule,
+    param,
+    exp_avg,
+    exp_avg_sq,
+    max_sq,
+    grad,
+    goff,
+    lo,
+    hi,
+    f,
+    fl,
+    tail,
+    snap_p,
+    snap_m,
+    snap_v,
+    snap_x,
+    sq_tab,
+    sq_map,
 ):
     """Local elements ``[lo, hi)``; their gradient is ``grad[goff:goff + hi - lo]``. With
     ``snap_p`` non-empty, the new values are also written to the ``snap_*`` arrays (the
@@ -182,7 +221,7 @@ def _update_range(
             if v > mx or np.isnan(v):
                 mx = v
             x_[i] = mx
-            p = _step(rule, p, m, mx, recip, nstep, bc2s, eps)
+            p = _step(rule, p, m, mx, recip, nstep, bc2s, eps, sq_tab, sq_map)
             p_[i] = p
             if snap:
                 sp_[i] = p
@@ -209,7 +248,7 @@ def _update_range(
                 b2,
                 c2,
             )
-            p = _step(rule, p, m, v, recip, nstep, bc2s, eps)
+            p = _step(rule, p, m, v, recip, nstep, bc2s, eps, sq_tab, sq_map)
             m_[i] = m
             v_[i] = v
             p_[i] = p
@@ -237,7 +276,7 @@ def _update_range(
             )
             m_[i] = m
             v_[i] = v
-            p_[i] = _step(rule, p, m, v, recip, nstep, bc2s, eps)
+            p_[i] = _step(rule, p, m, v, recip, nstep, bc2s, eps, sq_tab, sq_map)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
@@ -256,7 +295,23 @@ def _row(w, work, seg_f, seg_i, grad_addr, grad_len):
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _item(
-    rule, w, param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+    rule,
+    w,
+    param,
+    exp_avg,
+    exp_avg_sq,
+    max_sq,
+    grad_addr,
+    grad_len,
+    work,
+    seg_f,
+    seg_i,
+    snap_p,
+    snap_m,
+    snap_v,
+    snap_x,
+    sq_tab,
+    sq_map,
 ):
     """Work row ``w`` under ``rule`` (a constant)."""
     lo, hi, f, fl, grad, goff = _row(w, work, seg_f, seg_i, grad_addr, grad_len)
@@ -264,7 +319,7 @@ def _item(
         return
     # the fused CPU kernel's tail rule from I_TAIL_START on: one loop, run over the body
     # part and then the tail part (the rule a uniform choice in it)
-    mid = min(max(fl[I_TAIL_START], lo), hi) if rule == RULE_CPU else hi
+    mid = min(max(fl[I_TAIL_START], lo), hi) if rule == RULE_CPU else hi  # (the table rule has no tail)
     for half in range(2):
         a = lo if half == 0 else mid
         b = mid if half == 0 else hi
@@ -286,11 +341,27 @@ def _item(
                 snap_m,
                 snap_v,
                 snap_x,
+                sq_tab,
+                sq_map,
             )
 
 
 def _adam_apply(
-    param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+    param,
+    exp_avg,
+    exp_avg_sq,
+    max_sq,
+    grad_addr,
+    grad_len,
+    work,
+    seg_f,
+    seg_i,
+    snap_p,
+    snap_m,
+    snap_v,
+    snap_x,
+    sq_tab,
+    sq_map,
 ):
     """Apply one Adam/AdamW step in place over the work items, with torch's CPU rounding.
 
@@ -301,6 +372,8 @@ def _adam_apply(
     gradient; the caller keeps them alive); ``seg_f`` / ``seg_i`` are the per-segment scalar tables
     (columns ``F_*``/``I_*``). ``max_sq`` may be a length-0 array when no segment uses
     amsgrad; the ``snap_*`` arrays are length 0 unless this pass also fills a snapshot.
+    ``sq_tab``/``sq_map`` are the square root table of :data:`RULE_CPU_TABLE` (its kernel
+    only; the others are given placeholders).
     """
     for w in prange(work.shape[0]):
         _item(
@@ -319,11 +392,27 @@ def _adam_apply(
             snap_m,
             snap_v,
             snap_x,
+            sq_tab,
+            sq_map,
         )
 
 
 def _adam_apply_cuda_fused(
-    param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+    param,
+    exp_avg,
+    exp_avg_sq,
+    max_sq,
+    grad_addr,
+    grad_len,
+    work,
+    seg_f,
+    seg_i,
+    snap_p,
+    snap_m,
+    snap_v,
+    snap_x,
+    sq_tab,
+    sq_map,
 ):
     """:func:`_adam_apply` with the rounding of CUDA's fused Adam/AdamW."""
     for w in prange(work.shape[0]):
@@ -343,11 +432,68 @@ def _adam_apply_cuda_fused(
             snap_m,
             snap_v,
             snap_x,
+            sq_tab,
+            sq_map,
+        )
+
+
+def _adam_apply_cpu_table(
+    param,
+    exp_avg,
+    exp_avg_sq,
+    max_sq,
+    grad_addr,
+    grad_len,
+    work,
+    seg_f,
+    seg_i,
+    snap_p,
+    snap_m,
+    snap_v,
+    snap_x,
+    sq_tab,
+    sq_map,
+):
+    """:func:`_adam_apply` for torch's single-tensor and foreach CPU paths, whose square root
+    is the trainer's library's (``sq_tab``, ``sq_map``)."""
+    for w in prange(work.shape[0]):
+        _item(
+            RULE_CPU_TABLE,
+            w,
+            param,
+            exp_avg,
+            exp_avg_sq,
+            max_sq,
+            grad_addr,
+            grad_len,
+            work,
+            seg_f,
+            seg_i,
+            snap_p,
+            snap_m,
+            snap_v,
+            snap_x,
+            sq_tab,
+            sq_map,
         )
 
 
 def _adam_apply_cuda_foreach(
-    param, exp_avg, exp_avg_sq, max_sq, grad_addr, grad_len, work, seg_f, seg_i, snap_p, snap_m, snap_v, snap_x
+    param,
+    exp_avg,
+    exp_avg_sq,
+    max_sq,
+    grad_addr,
+    grad_len,
+    work,
+    seg_f,
+    seg_i,
+    snap_p,
+    snap_m,
+    snap_v,
+    snap_x,
+    sq_tab,
+    sq_map,
 ):
     """:func:`_adam_apply` with the rounding of CUDA's foreach and single-tensor Adam/AdamW."""
     for w in prange(work.shape[0]):
@@ -367,6 +513,8 @@ def _adam_apply_cuda_foreach(
             snap_m,
             snap_v,
             snap_x,
+            sq_tab,
+            sq_map,
         )
 
 
@@ -381,6 +529,9 @@ KERNELS = {
         (RULE_CPU, _adam_apply),
         (RULE_CUDA_FUSED, _adam_apply_cuda_fused),
         (RULE_CUDA_FOREACH, _adam_apply_cuda_foreach),
+        (RULE_CPU_TABLE, _adam_apply_cpu_table),
     )
 }
 adam_apply, adam_apply_serial = KERNELS[RULE_CPU]
+#: the square root table the rules other than RULE_CPU_TABLE are given (never read)
+NO_TABLE, NO_MAP = np.zeros(1, dtype=np.uint8), np.full(512, -1, dtype=np.int16)

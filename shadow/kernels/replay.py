@@ -18,6 +18,7 @@ from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.optim_groups import AdamGroup, SgdGroup
+from shadow.sqrttab import SqrtTable
 
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
@@ -31,6 +32,8 @@ RULES = {
     "cuda_single": _adam.RULE_CUDA_FOREACH,
 }
 KINDS = ("adam", "sgd")
+#: the implementations whose square root is the trainer's library's (a :class:`SqrtTable`)
+TABLE_IMPLS = ("single", "foreach")
 
 
 def tail_start(numel: int, impl: str, vec_width: int, tail_width: int) -> int:
@@ -237,15 +240,27 @@ class ReplayPlan:
     """Scalar tables for one worker range, refreshed per iteration from the commit."""
 
     def __init__(
-        self, segments: Sequence[Segment], impl: str, chunk: int, kind: str = "adam", powers: PowTable | None = None
+        self,
+        segments: Sequence[Segment],
+        impl: str,
+        chunk: int,
+        kind: str = "adam",
+        powers: PowTable | None = None,
+        sqrt: SqrtTable | None = None,
     ) -> None:
+        """``sqrt``: the trainer's square root (torch's single-tensor and foreach CPU Adam);
+        None: IEEE ``sqrt``."""
         if impl not in IMPLS:
             raise ValueError(f"unknown optimizer implementation {impl!r}; expected one of {IMPLS}")
         if kind not in KINDS:
             raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+        if sqrt is not None and (kind != "adam" or impl not in TABLE_IMPLS):
+            raise ValueError(f"a square root table replays Adam's {TABLE_IMPLS} paths only, not {kind} {impl!r}")
         self.segments = list(segments)
         self.impl, self.kind = impl, kind
         self.powers = powers or PowTable()
+        self.sqrt = sqrt
+        self.rule = _adam.RULE_CPU_TABLE if sqrt is not None else RULES[impl]
         self.work = work_items(self.segments, chunk)
         self.chunk = chunk
         self.seg_len = np.asarray([g.hi - g.lo for g in self.segments], dtype=np.int64)
@@ -257,7 +272,7 @@ class ReplayPlan:
         for s, seg in enumerate(self.segments):
             self.seg_i[s, tail_col] = seg.tail
             if kind == "adam":
-                self.seg_i[s, _adam.I_RULE] = RULES[impl]
+                self.seg_i[s, _adam.I_RULE] = self.rule
                 self.seg_i[s, _adam.I_PARAM_START] = seg.start
                 self.seg_i[s, _adam.I_RECIP] = int(impl == "cuda_single")
 
@@ -331,10 +346,12 @@ class ReplayPlan:
         addr, length = grad_parts(arrs)
         snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
         if mod is _adam:
-            fn = _adam.KERNELS[RULES[self.impl]][0 if threads else 1]
+            fn = _adam.KERNELS[self.rule][0 if threads else 1]
+            sq = (self.sqrt.slots, self.sqrt.emap) if self.sqrt is not None else (_adam.NO_TABLE, _adam.NO_MAP)
+            fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps, *sq)
         else:
             fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
-        fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps)
+            fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps)
         del arrs  # alive until the kernel returned
         return work
 
@@ -409,8 +426,9 @@ def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
     adam_group = AdamGroup(
         lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, decoupled=True
     )
-    for impl in ("fused", "cuda_fused", "cuda_foreach"):  # one kernel per rounding rule
-        plan = ReplayPlan(segs, impl, 16, "adam")
+    table = SqrtTable.build(np.zeros(2 * (1 << 20), dtype=np.uint8), [-1] + [(e - 127) & 1 for e in range(1, 255)])
+    for impl, sqrt in (("fused", None), ("cuda_fused", None), ("cuda_foreach", None), ("single", table)):
+        plan = ReplayPlan(segs, impl, 16, "adam", sqrt=sqrt)  # one kernel per rounding rule
         plan.prepare([adam_group], np.ones(1), set(), None)
         for t in threads:
             plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=t)

@@ -66,8 +66,9 @@ PER_RANK = Limits(1 * _MiB, 16 * _KiB, 4 * _KiB, 1 << 16, 4096)
 #: A model layout: one ``[name, shape, offset, numel, group, requires_grad]`` per parameter
 #: (30 to 100 bytes each: some 600 Ki parameters in 64 MiB, at most 2 Mi entries). A string
 #: costs about one byte of memory per byte received, so its limit only has to stay well
-#: below the total: long parameter names pass.
-LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _KiB, 1 << 21, 1 << 16)
+#: below the total: long parameter names pass. The one byte string is the replay's square
+#: root table (``optim["sqrt"]["bits"]``, :data:`shadow.sqrttab.MAX_WIRE_BYTES`).
+LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _MiB, 1 << 21, 1 << 16)
 
 #: Per-type limits; a type not named here gets :data:`SMALL`. ``persisted`` and
 #: ``fetch_reply`` carry commit records and grow with ``Tuning.max_commit_bytes``
@@ -80,7 +81,7 @@ LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _KiB, 1 << 21, 1 << 16)
 #: heartbeat, trainer_hb, attached (:data:`PER_RANK`)  1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
 #: forget (checkpoint directories)                    1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
 #: jobs_reply (a map per job the cluster knows)       1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
-#: attach, configure, rejoin, restore_info_reply       64 MiB  2 MiB    4 KiB        2 Mi     64 Ki
+#: attach, configure, rejoin, restore_info_reply       64 MiB  2 MiB    4 MiB        2 Mi     64 Ki
 #: catalog_reply (a manifest file per checkpoint)      256 MiB 64 KiB   64 MiB       64 Ki    4 Ki
 #: status_reply (the cluster view)                     64 MiB  64 KiB   4 KiB        1 Mi     64 Ki
 #: persisted (a commit record minus its step lists)    16 MiB  64 KiB   commit       2 Mi     4 Ki

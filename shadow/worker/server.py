@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from shadow import sqrttab
 from shadow.kernels import powtab
 from shadow.layout import Layout
 from shadow.transport import SocketFactory
@@ -364,6 +365,8 @@ class Worker:
         if not 1 <= msg["world"] <= 1 << 20:
             return f"world size {msg['world']} is out of bounds"
         pow_problem = powtab.check_entries(msg["optim"].get("pow"))
+        if pow_problem is None and "sqrt" in msg["optim"]:
+            pow_problem = sqrttab.check(msg["optim"]["sqrt"])
         if pow_problem is not None:
             return f"the replay descriptor is malformed: {pow_problem}"
         persist = msg["persist"]

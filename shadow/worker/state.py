@@ -14,6 +14,7 @@ from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
 from shadow.layout import Layout
 from shadow.optim_groups import AdamGroup, SgdGroup
+from shadow.sqrttab import SqrtTable
 from shadow.tuning import Tuning
 from shadow.wire.frames import Field, state_fields
 
@@ -57,7 +58,8 @@ class ShardState:
             int(optim["tail_width"]),
         )
         chunk = Tuning.load().kernel_chunk_elements if chunk is None else chunk
-        self.plan = ReplayPlan(segs, optim["impl"], chunk, kind, PowTable(optim.get("pow")))
+        sqrt = SqrtTable.from_wire(optim["sqrt"]) if "sqrt" in optim else None  # ValueError: malformed
+        self.plan = ReplayPlan(segs, optim["impl"], chunk, kind, PowTable(optim.get("pow")), sqrt)
         self.in_range = np.zeros(len(layout.params), dtype=bool)
         self.in_range[[s.param for s in segs]] = True
         #: elements of each parameter that fall in this range

@@ -101,7 +101,7 @@ def build(
     ``extras``: :class:`TinyExtras`, whose extra state is in no param group."""
     torch.manual_seed(seed)
     model = TinyExtras(unused) if extras else Tiny(unused)
-    kw = {"fused": True} if impl == "fused" else ({"foreach": True} if impl == "foreach" else {"foreach": False})
+    kw = {"fused": {"fused": True}, "foreach": {"foreach": True}, "default": {}}.get(impl, {"foreach": False})
     first = [p for n, p in model.named_parameters() if n.startswith(("fc", "emb", "side"))]
     groups = [
         {"params": first, "weight_decay": 0.05},
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--impl", default="fused")
+    ap.add_argument("--impl", default="fused", help="fused | foreach | single | default (torch's choice)")
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--amsgrad", action="store_true")
     ap.add_argument("--job", default="default")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import zmq
 from torch.nn.parallel import DistributedDataParallel
 
+from shadow import sqrttab
 from shadow.choices import Policy
 from shadow.client import LogWaiting, dealer, request
 from shadow.layout import bucket_runs, stripe_bounds
@@ -59,7 +60,7 @@ class Attachment:
         self.layout, self.params = build_layout(model, optimizer)
         self.device = device.device_of(self.layout, self.params)
         self.copier = CopyStream(self.device)  # bucket copies to the ring, off the autograd thread's way
-        self.optim_desc = _optim.describe(optimizer)
+        self.optim_desc = _optim.describe(optimizer, exact=options.exact)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.aliases = state_dict_aliases(model)
         self.base = base
@@ -113,7 +114,7 @@ class Attachment:
             world=self.world,
             layout_hash=self.layout.hash,
             layout=self.layout.to_dict() if self.rank == 0 else None,
-            optim=self.optim_desc,
+            optim=self.optim_desc if self.rank == 0 else sqrttab.public(self.optim_desc),  # one table is enough
             iteration=self.base,
             overwrite=bool(overwrite),
             restored=dataclasses.asdict(restored) if restored is not None else None,

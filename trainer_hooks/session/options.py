@@ -30,6 +30,7 @@ class AttachOptions:
     comm_state: Any = None
     audit_every: int = 0
     audit_strict: bool = False
+    exact: bool = True
     tuning: Tuning = field(default_factory=Tuning.load)
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class AttachOptions:
             raise ValueError(f"audit_every={self.audit_every!r} must be an integer >= 0 (0 = no audit)")
         object.__setattr__(self, "audit_every", every)
         object.__setattr__(self, "audit_strict", bool(self.audit_strict))
+        if not isinstance(self.exact, bool):
+            raise TypeError(f"exact must be True or False, got {self.exact!r}")
         if self.scaler is not None and not hasattr(self.scaler, "unscale_"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(self.scaler).__name__}")
         if self.scaler is not None and not _enabled(self.scaler):
