@@ -216,16 +216,33 @@ def main() -> None:
         metavar="MS",
         help="SIGKILL this process MS milliseconds after attach's bootstrap begins (never trains)",
     )
+    ap.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="nanoGPT's loop: each batch is drawn from torch's RNG, the next one fetched before the step; "
+        "resume restores with defer_rng and applies the RNG after the script's own first fetch",
+    )
+    ap.add_argument(
+        "--restore-before-pg",
+        action="store_true",
+        help="resume: restore into the bare model before init_process_group (the rank from $RANK)",
+    )
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     info_out = Info(args.info_out, rank) if args.info_out else None
     random.seed(1000 + rank)
     np.random.seed(2000 + rank)
     model, opt, sched = build(
         args.seed, args.impl, args.amsgrad, args.optim, args.sched, args.unused, args.steps, args.extras
     )
+    early = None
+    if args.mode == "resume" and args.restore_before_pg:  # Lightning builds DDP only inside fit()
+        import trainer_hooks
+
+        early = trainer_hooks.restore(model, opt, source=args.coordinator, scheduler=sched, job=args.job)
+    dist.init_process_group("gloo")
+    assert (rank, world) == (dist.get_rank(), dist.get_world_size())
     ddp = DDP(model, find_unused_parameters=args.unused)
     hook = None
     if args.compress:
@@ -269,14 +286,25 @@ def main() -> None:
         stepper = Repeating(sched)
     attached_sched = stepper if args.sched_wrap else sched
     start = 0
+    info = None
     if args.mode == "resume":
-        info = trainer_hooks.restore(
-            ddp, opt, source=args.coordinator, scheduler=attached_sched, scaler=scaler, job=args.job
+        info = early or trainer_hooks.restore(
+            ddp,
+            opt,
+            source=args.coordinator,
+            scheduler=attached_sched,
+            scaler=scaler,
+            job=args.job,
+            defer_rng=args.prefetch,
         )
         start = info.iteration
         if info_out is not None:
             info_out.update(restored=start, completed=start, tier=info.tier, extra_state=info.extra_state)
-        assert info.extra_state == {"it": start} or start == 0, info.extra_state
+        assert start == 0 or info.extra_state["it"] == start, info.extra_state
+    fetched = {"seed": int(torch.randint(0, 2**31 - 1, (1,)))} if args.prefetch else {}  # nanoGPT's first get_batch
+    if info is not None and args.prefetch:
+        fetched["seed"] = info.extra_state["next"]  # the batch fetched before the checkpointed step
+        info.apply_rng()  # only now: the script's own first fetch above drew from the RNG
     session = None
     it_box = {"it": start}
     kill_in_attach = args.coordinator and (args.kill_in_attach >= 0 or args.kill_in_bootstrap >= 0)
@@ -307,7 +335,7 @@ def main() -> None:
             coordinator=args.coordinator,
             scheduler=attached_sched,
             job=args.job,
-            extra_state=lambda: {"it": it_box["it"]},
+            extra_state=lambda: {"it": it_box["it"], **({"next": fetched["seed"]} if args.prefetch else {})},
             tokens=lambda: it_box["it"] * 48 * world,
             comm_hook=hook,
             scaler=scaler,
@@ -328,7 +356,7 @@ def main() -> None:
 
         def forward_backward(it=it):
             for micro in range(args.accum):
-                x, y = batch(args.seed, it * 7 + micro, rank)
+                x, y = batch(args.seed, fetched["seed"] if args.prefetch else it * 7 + micro, rank)
                 use_side = args.unused and it % 2 == 1
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None and scaler.is_enabled()):
                     if micro < args.accum - 1:
@@ -337,6 +365,8 @@ def main() -> None:
                             (scaler.scale(micro_loss) if scaler else micro_loss).backward()
                         continue
                     loss = nn.functional.cross_entropy(ddp(x, use_side), y) / args.accum
+                if args.prefetch:  # the next batch, fetched before backward and the step
+                    fetched["seed"] = int(torch.randint(0, 2**31 - 1, (1,)))
                 if scaler is not None and scaler.is_enabled():
                     # iterations 1 and 5 overflow (inf gradients): GradScaler skips those steps
                     blowup = 1e36 if it in (1, 5) else 1.0
