@@ -13,6 +13,11 @@ for this access pattern, write-allocate included), and a plain copy (8 bytes/ele
 which under-counts the write-allocate read, so copy GB/s is not a limit Adam can be held
 to). Also checked: the two updates are bit-identical (torch.equal).
 
+torch's default AdamW on CPU (single-tensor, ``foreach=False``) runs too, with the shadow's
+rule for it (IEEE sqrt corrected by the square root table measured from this torch,
+``shadow.sqrttab``): its figure is against that torch path in the same round, and it is
+checked bit-identical as well.
+
 The replay rules of CUDA's fused and foreach AdamW (``cuda_fused``, ``cuda_foreach``) run
 on the same data too: a worker replays a GPU trainer's step with them, so they must keep
 the same pace on the CPU. The figure per variant is the median over rounds of its time
@@ -40,6 +45,8 @@ GOALS = [
     Goal("replay, cuda_fused rule vs torch AdamW(fused)", "cuda_fused_vs_torch", 0.95, ">=", "x"),
     Goal("replay, cuda_foreach rule vs torch AdamW(fused)", "cuda_foreach_vs_torch", 0.95, ">=", "x"),
     Goal("replay bit-identical to torch", "bit_identical", True, "=="),
+    Goal("replay, single-tensor rule vs torch AdamW (single-tensor)", "single_vs_torch_single", 0.95, ">=", "x"),
+    Goal("single-tensor replay bit-identical to torch", "single_bit_identical", True, "=="),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -81,6 +88,7 @@ def run(args) -> dict:
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
     from shadow.optim_groups import AdamGroup
     from shadow.tuning import Tuning
+    from trainer_hooks._optim import cpu_sqrt_table
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
@@ -90,8 +98,11 @@ def run(args) -> dict:
     params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
     grads = [torch.randn(n, generator=g) * 1e-2 for n in sizes]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
+    params_1 = [torch.nn.Parameter(p.detach().clone()) for p in params]  # torch's default path on CPU
+    opt_1 = torch.optim.AdamW(params_1, lr=1e-3, weight_decay=0.1, foreach=False)
     # the shadow's flat copy of the same state
     flat_p = torch.cat([p.detach() for p in params]).numpy().copy()
+    flat_p1 = flat_p.copy()
     flat_g = torch.cat(grads).numpy()
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
     warm_up()
@@ -100,14 +111,18 @@ def run(args) -> dict:
     )
     steps = np.zeros(len(sizes))
     replays = {}
-    for impl in ("fused", "cuda_fused", "cuda_foreach"):
+    table, sqrt_note = cpu_sqrt_table()
+    for impl in ("fused", "cuda_fused", "cuda_foreach", "single"):
         segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, 16, 8)
         replays[impl] = (
-            ReplayPlan(segs, impl, Tuning.load().kernel_chunk_elements, "adam"),
-            flat_p if impl == "fused" else flat_p.copy(),
+            ReplayPlan(
+                segs, impl, Tuning.load().kernel_chunk_elements, "adam", sqrt=table if impl == "single" else None
+            ),
+            {"fused": flat_p, "single": flat_p1}.get(impl, flat_p.copy()),
             np.zeros(total, np.float32),
             np.zeros(total, np.float32),
         )
+    steps_1 = np.zeros(len(sizes))
 
     def torch_step():
         for p, gr in zip(params, grads, strict=True):
@@ -122,6 +137,17 @@ def run(args) -> dict:
             plan.apply(rp, rm, rv, np.zeros(0, np.float32), flat_g)
 
         return step
+
+    def torch_single_step():
+        for p, gr in zip(params_1, grads, strict=True):
+            p.grad = gr
+        opt_1.step()
+
+    def single_step():
+        steps_1[:] += 1
+        plan, rp, rm, rv = replays["single"]
+        plan.prepare([group], steps_1, set(), None)
+        plan.apply(rp, rm, rv, np.zeros(0, np.float32), flat_g)
 
     def shadow_step():
         steps[:] += 1  # the fused replay keeps pace with torch's own step count
@@ -166,6 +192,8 @@ def run(args) -> dict:
         "shadow": shadow_step,
         "cuda_fused": replay_step("cuda_fused"),
         "cuda_foreach": replay_step("cuda_foreach"),
+        "torch_single": torch_single_step,
+        "single": single_step,
         "copy": copy_step,
         "stream": stream_step,
     }
@@ -184,6 +212,11 @@ def run(args) -> dict:
         torch.equal(p.detach(), torch.from_numpy(flat_p[o : o + n]))
         for p, o, n in zip(params, offsets, sizes, strict=True)
     )
+    same_1 = all(
+        torch.equal(p.detach(), torch.from_numpy(flat_p1[o : o + n]))
+        for p, o, n in zip(params_1, offsets, sizes, strict=True)
+    )
+    single_ratio = statistics.median(t / r for t, r in zip(times["torch_single"], times["single"], strict=True))
     gbps = {k: (8 if k == "copy" else 28) * total / med[k] / 1e9 for k in fns}
     cpu = machine_info()
     rows = {
@@ -205,6 +238,12 @@ def run(args) -> dict:
         "copy_GBps": gbps["copy"],
         "stream_GBps": gbps["stream"],
         "bit_identical": bool(same),
+        "torch_single_s": med["torch_single"],
+        "single_s": med["single"],
+        "single_vs_torch_single": single_ratio,
+        "single_vs_torch": ratio["single"],
+        "single_bit_identical": bool(same_1),
+        "sqrt": sqrt_note,
     }
     rows["shadow_vs_stream_bw"] = gbps["shadow"] / gbps["stream"]
     print(
@@ -231,7 +270,17 @@ def run(args) -> dict:
         f"| parallel copy (8 B/elem) | {med['copy']:.4f} | {gbps['copy']:.2f} | | "
         f"{gbps['copy'] / gbps['stream']:.2f} | |"
     )
-    print(f"bit-identical to torch: {same}")
+    ts = "torch_single"
+    print(
+        f"| torch AdamW (single-tensor, torch's CPU default) | {med[ts]:.4f} | {gbps[ts]:.2f} | {ratio[ts]:.2f}x | "
+        f"{gbps[ts] / gbps['stream']:.2f} | |"
+    )
+    print(
+        f"| shadow replay, single-tensor rule (sqrt table) | {med['single']:.4f} | {gbps['single']:.2f} | "
+        f"{ratio['single']:.2f}x ({single_ratio:.2f}x torch single-tensor) | {gbps['single'] / gbps['stream']:.2f} | "
+        ">= 0.95x torch single-tensor |"
+    )
+    print(f"bit-identical to torch: fused {same}, single-tensor {same_1} (torch's sqrt here: {sqrt_note})")
     return rows
 
 

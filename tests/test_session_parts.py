@@ -195,6 +195,7 @@ def test_attach_names_every_argument():
         "comm_state",
         "audit_every",
         "audit_strict",
+        "exact",
         "tuning",
     ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(sig.parameters.values())[3:])

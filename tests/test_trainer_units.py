@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from trainer_hooks import UnsupportedOptimizerError, _codec, _rng
 from trainer_hooks._model import LayoutError, build_layout
-from trainer_hooks._optim import describe
+from trainer_hooks._optim import cpu_sqrt_table, describe
 from trainer_hooks.session.staging import RingFullError, StagingRing
 
 
@@ -107,12 +108,29 @@ def test_unsupported_optimizers_name_the_supported_ones(make):
         describe(make(_model().parameters()))
 
 
-def test_unfused_optimizer_warns_about_exactness():
-    with pytest.warns(UserWarning, match="fused=True"):
-        d = describe(torch.optim.AdamW(_model().parameters(), foreach=False))
-    assert d["impl"] == "single" and not d["bit_exact"]
+@pytest.mark.parametrize("flags", [{"foreach": False}, {"foreach": True}, {}], ids=["single", "foreach", "default"])
+def test_unfused_optimizer_is_replayed_exactly_with_this_cpu_s_square_roots(flags):
+    d = describe(torch.optim.AdamW(_model().parameters(), **flags))
+    assert d["impl"] in ("single", "foreach") and d["bit_exact"]
+    table, _ = cpu_sqrt_table()
+    assert ("sqrt" in d) == (table is not None)  # no table where torch's sqrt is IEEE's
     d = describe(torch.optim.AdamW(_model().parameters(), fused=True))
-    assert d["impl"] == "fused" and d["bit_exact"]
+    assert d["impl"] == "fused" and d["bit_exact"] and "sqrt" not in d
+
+
+def test_an_optimizer_the_replay_cannot_match_is_refused_unless_exact_false(monkeypatch):
+    from shadow.sqrttab import SLOT_BYTES, SqrtTable
+    from trainer_hooks import _optim
+
+    # a table that steps every square root: the replay can no longer match torch here
+    wrong = SqrtTable.build(np.full(2 * SLOT_BYTES, 0xFF, np.uint8), [-1] + [(e - 127) & 1 for e in range(1, 255)])
+    monkeypatch.setattr(_optim, "cpu_sqrt_table", lambda: (wrong, "a wrong table"))
+    with pytest.raises(UnsupportedOptimizerError, match=r"deviates by up to \d+ ulp.*exact=False") as caught:
+        describe(torch.optim.AdamW(_model().parameters(), foreach=False))
+    assert "CPU AdamW (single)" in str(caught.value) and "fused=True" in str(caught.value)
+    with pytest.warns(UserWarning, match="exact=False"):
+        d = describe(torch.optim.AdamW(_model().parameters(), foreach=False), exact=False)
+    assert d["impl"] == "single" and d["bit_exact"] is False
 
 
 def test_calibration_keeps_torch_thread_count():
