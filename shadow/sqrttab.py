@@ -26,6 +26,7 @@ bits out of status replies and manifests (:func:`public`).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ N_EXPONENTS = 255  # 0 (subnormals) .. 254; 255 (inf, nan) is always IEEE
 SAMPLE, EDGE = 16384, 4096  # per exponent: random mantissas, and the lowest and highest
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SqrtTable:
     """``slots``: uint8 ``[n * SLOT_BYTES]``, bit ``m`` of slot ``s`` set where the input with
     mantissa ``m`` rounds to the other neighbour; ``emap``: int16 ``[512]``, the slot of
@@ -57,6 +58,15 @@ class SqrtTable:
         emap[:N_EXPONENTS] = exponents
         slots = np.ascontiguousarray(slots, dtype=np.uint8).reshape(-1)
         return cls(slots, emap, _digest(exponents, slots))
+
+    @functools.cached_property
+    def words(self) -> np.ndarray:
+        """The slots as uint32 words (bit ``m & 31`` of word ``m >> 5``): what the kernel reads."""
+        return self.slots.view(np.uint32)
+
+    @functools.cached_property
+    def emap32(self) -> np.ndarray:
+        return self.emap.astype(np.int32)
 
     @property
     def nslots(self) -> int:

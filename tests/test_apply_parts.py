@@ -12,6 +12,7 @@ import pytest
 from shadow.kernels.replay import part_work, segments_for_range, untouched
 from shadow.layout import Layout
 from shadow.optim_groups import AdamGroup, SgdGroup
+from shadow.sqrttab import SLOT_BYTES, SqrtTable
 from shadow.wire.frames import Field
 from shadow.worker.state import ShardState
 
@@ -22,16 +23,25 @@ ADAM = AdamGroup(
 SGD = SgdGroup(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-4, nesterov=True, maximize=False)
 
 
-def make_state(kind: str, start: int, stop: int, amsgrad: bool = False) -> ShardState:
+def _table() -> SqrtTable:
+    """Any square root table will do here (random bits): the parts and the snapshot must
+    give what the contiguous apply gives, whatever the table says."""
+    bits = np.random.default_rng(7).integers(0, 256, 2 * SLOT_BYTES, dtype=np.uint8)
+    return SqrtTable.build(bits, [-1] + [(e - 127) & 1 for e in range(1, 255)])
+
+
+def make_state(kind: str, start: int, stop: int, amsgrad: bool = False, impl: str = "fused") -> ShardState:
     layout = Layout.build([(f"p{i}", (n,), 0, True) for i, n in enumerate(SIZES)], 1)
     optim = {
         "kind": kind,
-        "impl": "fused",
+        "impl": impl,
         "vec_width": 16,
         "tail_width": 8,
         "amsgrad_any": amsgrad,
         "momentum_any": kind == "sgd",
     }
+    if impl == "single":  # torch's single-tensor CPU path: the table rule, in blocks
+        optim["sqrt"] = _table().to_wire()
     st = ShardState(layout, start, stop, optim)
     rng = np.random.default_rng(0)
     for f in st.fields():
@@ -62,12 +72,21 @@ def split(grad: np.ndarray, cuts: list[int], order) -> list[tuple[int, np.ndarra
     return sorted(parts, key=lambda p: p[0])
 
 
-@pytest.mark.parametrize("kind,amsgrad", [("adam", False), ("adam", True), ("sgd", False)])
+@pytest.mark.parametrize(
+    "kind,amsgrad,impl",
+    [
+        ("adam", False, "fused"),
+        ("adam", True, "fused"),
+        ("sgd", False, "fused"),
+        ("adam", False, "single"),
+        ("adam", True, "single"),
+    ],
+)
 @pytest.mark.parametrize("skipped", [(), (1, 3)])
-def test_parts_and_folded_snapshot_equal_contiguous_apply(kind, amsgrad, skipped):
+def test_parts_and_folded_snapshot_equal_contiguous_apply(kind, amsgrad, impl, skipped):
     total = sum(SIZES)
     start, stop = 500, total - 100  # a range cutting the first and last parameters
-    ref, got = make_state(kind, start, stop, amsgrad), make_state(kind, start, stop, amsgrad)
+    ref, got = make_state(kind, start, stop, amsgrad, impl), make_state(kind, start, stop, amsgrad, impl)
     rng = np.random.default_rng(1)
     for it in range(3):
         grad = rng.standard_normal(ref.size).astype(np.float32)

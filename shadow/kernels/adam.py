@@ -126,27 +126,97 @@ def _moments(rule, g, p, m, v, lane, wd, l2, decoupled, tail, dec, w1, small, b2
     return p, m, (vt if tail else vb)
 
 
+TABLE_BLOCK = 1024  # elements per block of the table rule's three passes
+
+
 @njit(nogil=True, error_model="numpy")
-def _table_sqrt(x, tab, emap):
-    """The trainer's square root of ``x``: IEEE ``sqrt``, stepped one ulp towards the exact
-    root where the table's bit for ``x`` says so (:class:`shadow.sqrttab.SqrtTable`:
-    ``tab`` its slots, ``emap`` the slot of each sign and exponent, -1 for none)."""
-    s = np.sqrt(x)
+def _table_word(x, tab, emap):
+    """The uint32 word of the square root table (:class:`shadow.sqrttab.SqrtTable`: ``tab`` its
+    slots as words, ``emap`` the slot of each sign and exponent, -1 for none) that holds
+    ``x``'s bit (``m & 31`` of it), 0 where ``x`` takes IEEE's root."""
     b = f32_bits(x)
-    slot = emap[b >> 23]
-    hit = slot >= 0
-    m = b & 0x7FFFFF
-    byte = tab[(np.int64(slot) << 20) | np.int64(m >> 3) if hit else 0]
-    flip = hit and ((byte >> (m & 7)) & 1) != 0
-    sb = f32_bits(s)
-    up = np.float64(x) > np.float64(s) * np.float64(s)
-    return bits_f32(sb + np.uint32(1) if up else sb - np.uint32(1)) if flip else s
+    slot = emap[b >> np.uint32(23)]
+    m = b & np.uint32(0x7FFFFF)
+    i = (np.uint64(max(slot, 0)) << np.uint64(18)) | np.uint64(m >> np.uint32(5))
+    return tab[i] if slot >= 0 else np.uint32(0)
+
+
+@njit(nogil=True, error_model="numpy")
+def _table_sqrt(x, word):
+    """The trainer's square root of ``x``: IEEE ``sqrt``, stepped one ulp towards the exact
+    root where ``x``'s bit in ``word`` (:func:`_table_word`) is set. The direction is the sign
+    of ``x - s * s``, exact in one fused operation."""
+    s = np.sqrt(x)
+    bit = np.int32((word >> (f32_bits(x) & np.uint32(31))) & np.uint32(1))
+    step = bit if fma32(-s, s, x) > np.float32(0.0) else -bit
+    return bits_f32(np.uint32(np.int32(f32_bits(s)) + step))
+
+
+@njit(nogil=True, error_model="numpy")
+def _update_table(p_, m_, v_, x_, g_, inv, cl, div, gs, rgs, f, fl, sp_, sm_, sv_, sx_, tab, emap):
+    """:data:`RULE_CPU_TABLE` over one slice (the arrays are the slice's), in blocks of
+    :data:`TABLE_BLOCK` elements and three passes each, so that the table's random reads do
+    not keep the arithmetic from vectorising: the moments (and the decayed parameter, kept
+    in ``p_`` meanwhile), then the table's words for the new ``v`` (or amsgrad's max), then
+    the square roots and the update. ``x_``/``sx_``: amsgrad's arrays, length 0 without;
+    ``sp_``..: the snapshot's, length 0 without."""
+    one = np.float32(1.0)
+    wd, l2, decoupled = f[F_WD], fl[I_L2] != 0, fl[I_DECOUPLED] != 0
+    dec = f[F_DECAY] if decoupled else one
+    small = fl[I_LERP_SMALL] != 0
+    w1, b2, c2, bc2s, eps, nstep = f[F_W1], f[F_B2], f[F_C2], f[F_BC2S], f[F_EPS], f[F_NSTEP]
+    ams, snap = len(x_) > 0, len(sp_) > 0
+    words = np.empty(TABLE_BLOCK, dtype=np.uint32)
+    n = len(p_)
+    for lo in range(0, n, TABLE_BLOCK):
+        k = min(TABLE_BLOCK, n - lo)
+        bp, bm, bv, bg = p_[lo : lo + k], m_[lo : lo + k], v_[lo : lo + k], g_[lo : lo + k]
+        for i in range(k):
+            p, m, v = _moments(
+                RULE_CPU,
+                _grad(bg[i], inv, cl, div, gs, rgs),
+                bp[i],
+                bm[i],
+                bv[i],
+                0,
+                wd,
+                l2,
+                decoupled,
+                False,
+                dec,
+                w1,
+                small,
+                b2,
+                c2,
+            )
+            bp[i] = p
+            bm[i] = m
+            bv[i] = v
+        if ams:
+            bx = x_[lo : lo + k]
+            for i in range(k):
+                mx = bx[i]
+                v = bv[i]
+                if v > mx or np.isnan(v):
+                    mx = v
+                bx[i] = mx
+        root_of = x_[lo : lo + k] if ams else bv
+        for i in range(k):  # the random reads alone: many in flight at once
+            words[i] = _table_word(root_of[i], tab, emap)
+        for i in range(k):
+            bp[i] = bp[i] + (nstep * bm[i]) / (_table_sqrt(root_of[i], words[i]) / bc2s + eps)
+        if snap:
+            sp_[lo : lo + k] = bp
+            sm_[lo : lo + k] = bm
+            sv_[lo : lo + k] = bv
+            if ams:
+                sx_[lo : lo + k] = root_of
 
 
 @njit(nogil=True, error_model="numpy")
 def _step(rule, p, m, vm, recip, nstep, bc2s, eps, tab, emap):
     """The parameter update from the new moments (``vm``: amsgrad's max, else ``v``)."""
-    root = _table_sqrt(vm, tab, emap) if rule == RULE_CPU_TABLE else np.sqrt(vm)
+    root = np.sqrt(vm)
     if rule == RULE_CUDA_FOREACH:  # the single-tensor path multiplies by 1 / bc2s (recip)
         return fma32(nstep, m / ((root * bc2s if recip else root / bc2s) + eps), p)
     return p + (nstep * m) / (root / bc2s + eps)
@@ -316,6 +386,32 @@ def _item(
     """Work row ``w`` under ``rule`` (a constant)."""
     lo, hi, f, fl, grad, goff = _row(w, work, seg_f, seg_i, grad_addr, grad_len)
     if fl[I_ACTIVE] == 0:
+        return
+    if rule == RULE_CPU_TABLE:
+        one = np.float32(1.0)
+        inv = f[F_INV_SCALE] if fl[I_INV_SCALE] != 0 else one
+        inv = -inv if fl[I_MAXIMIZE] != 0 else inv
+        ams, snap = fl[I_AMSGRAD] != 0, len(snap_p) > 0
+        _update_table(
+            param[lo:hi],
+            exp_avg[lo:hi],
+            exp_avg_sq[lo:hi],
+            max_sq[lo:hi] if ams else max_sq[:0],
+            grad[goff : goff + hi - lo],
+            inv,
+            f[F_CLIP] if fl[I_CLIP] != 0 else one,
+            fl[I_GRAD_SCALE] != 0,
+            f[F_GRAD_SCALE],
+            f[F_RGRAD_SCALE],
+            f,
+            fl,
+            snap_p[lo:hi] if snap else snap_p,
+            snap_m[lo:hi] if snap else snap_m,
+            snap_v[lo:hi] if snap else snap_v,
+            snap_x[lo:hi] if snap and ams else snap_x[:0],
+            sq_tab,
+            sq_map,
+        )
         return
     # the fused CPU kernel's tail rule from I_TAIL_START on: one loop, run over the body
     # part and then the tail part (the rule a uniform choice in it)
@@ -534,4 +630,4 @@ KERNELS = {
 }
 adam_apply, adam_apply_serial = KERNELS[RULE_CPU]
 #: the square root table the rules other than RULE_CPU_TABLE are given (never read)
-NO_TABLE, NO_MAP = np.zeros(1, dtype=np.uint8), np.full(512, -1, dtype=np.int16)
+NO_TABLE, NO_MAP = np.zeros(1, dtype=np.uint32), np.full(512, -1, dtype=np.int32)

@@ -347,7 +347,7 @@ class ReplayPlan:
         snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
         if mod is _adam:
             fn = _adam.KERNELS[self.rule][0 if threads else 1]
-            sq = (self.sqrt.slots, self.sqrt.emap) if self.sqrt is not None else (_adam.NO_TABLE, _adam.NO_MAP)
+            sq = (self.sqrt.words, self.sqrt.emap32) if self.sqrt is not None else (_adam.NO_TABLE, _adam.NO_MAP)
             fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps, *sq)
         else:
             fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
