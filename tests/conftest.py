@@ -175,8 +175,15 @@ def job(request) -> str:
     return name
 
 
-def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, timeout: float = 180) -> list[int]:
-    """Run the tiny trainer on ``world`` gloo ranks; return their exit codes."""
+def run_ranks(
+    tmp: Path,
+    *args: str,
+    world: int = 2,
+    env: dict | None = None,
+    timeout: float = 180,
+    script: Path | None = None,
+) -> list[int]:
+    """Run the tiny trainer (or ``script``) on ``world`` gloo ranks; return their exit codes."""
     port = free_port()
     procs = []
     for r in range(world):
@@ -192,7 +199,7 @@ def run_ranks(tmp: Path, *args: str, world: int = 2, env: dict | None = None, ti
         log = open(tmp / f"rank{r}-{port}.log", "w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(TRAINER), *args], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+                [sys.executable, str(script or TRAINER), *args], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
             )
         )
     deadline = time.monotonic() + timeout

@@ -38,13 +38,11 @@ FEATURES = {
     "scheduler-twice-per-step": ("--sched-steps", "2"),
     # torch's default AdamW on CPU (single-tensor: MKL's square roots, measured at attach)
     "adamw-default-impl-clip": ("--impl", "default", "--clip", "0.05", "--clip-via", "torch"),
-    "adam-foreach-amsgrad": ("--optim", "adam", "--impl", "foreach", "--amsgrad"),
     # the scheduler's wrapper attached, stepping it twice per optimizer step
     "scheduler-wrapper-twice-per-step": ("--sched-steps", "2", "--sched-wrap"),
-    # nanoGPT: batches drawn from torch's RNG, the next fetched before the step; restore(defer_rng=True)
-    "prefetch-defer-rng": ("--prefetch",),
-    # restore into the bare model before init_process_group: each rank's state found from $RANK
-    "restore-before-process-group": ("--restore-before-pg",),
+    # nanoGPT: batches drawn from torch's RNG, the next fetched before the step; the resume restores
+    # (defer_rng=True) into the bare model before init_process_group, each rank's state found from $RANK
+    "prefetch-defer-rng-restore-before-pg": ("--prefetch", "--restore-before-pg"),
 }
 
 

@@ -240,7 +240,9 @@ def main() -> None:
     if args.mode == "resume" and args.restore_before_pg:  # Lightning builds DDP only inside fit()
         import trainer_hooks
 
-        early = trainer_hooks.restore(model, opt, source=args.coordinator, scheduler=sched, job=args.job)
+        early = trainer_hooks.restore(
+            model, opt, source=args.coordinator, scheduler=sched, job=args.job, defer_rng=args.prefetch
+        )
     dist.init_process_group("gloo")
     assert (rank, world) == (dist.get_rank(), dist.get_world_size())
     ddp = DDP(model, find_unused_parameters=args.unused)
@@ -453,6 +455,7 @@ def main() -> None:
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )
+    dist.barrier()  # every rank done with every collective (a compression hook's too) before teardown
     dist.destroy_process_group()
 
 
