@@ -79,12 +79,15 @@ class LogFormat(Choice):
 
 
 class Format(Choice):
-    """What ``shadow restore`` writes: a torch state-dict file, a DCP directory, or the
-    weights as safetensors."""
+    """What ``shadow restore`` writes: a torch state-dict file, a DCP directory, the
+    weights as safetensors, or a transformers ``Trainer`` checkpoint directory (for
+    ``trainer.train(resume_from_checkpoint=...)``; a run the shadow recorded through
+    ``trainer_hooks.integrations.hf``)."""
 
     torch = "torch"
     dcp = "dcp"
     safetensors = "safetensors"
+    hf_trainer = "hf_trainer"
 
 
 class WeightFormat(Choice):

@@ -224,7 +224,6 @@ def apply_snapshot(
             live.copy_(saved)
     if optimizer is not None and not weights_only:
         optimizer.load_state_dict(sd["optimizer"])
-        RESTORED[optimizer] = RestorePoint(snap.iteration, snap.job, snap.generation, snap.tier, snap.source)
         if scheduler is not None and sd["scheduler"] is not None:
             scheduler.load_state_dict(sd["scheduler"])
         if scaler is not None and sd["scaler"] is not None:
@@ -232,6 +231,10 @@ def apply_snapshot(
     extra = sd["extra_state_by_rank"][blob_rank] if blob_rank is not None else sd["extra_state"]
     restores_state = optimizer is not None and not weights_only
     rng = sd["rng"][blob_rank] if blob_rank is not None and restores_state else None
+    if optimizer is not None and not weights_only:
+        RESTORED[optimizer] = RestorePoint(
+            snap.iteration, snap.job, snap.generation, snap.tier, snap.source, rng, extra
+        )
     info = RestoreInfo(snap.iteration, extra, snap.job, snap.source, snap.tier, snap.world, rng)
     if rng is not None and not defer_rng:
         info.apply_rng()

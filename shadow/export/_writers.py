@@ -67,6 +67,8 @@ def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
         _via_tmp(out, lambda tmp: torch.save(sd, tmp))
         return out
     aliases = state.aliases(snap)
+    if fmt == "hf_trainer":
+        return _hf_trainer(torch, sd, aliases, snap, out)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
@@ -125,3 +127,73 @@ def export_weights(
         "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
         "aliases": aliases,
     }
+
+
+#: the extra state's entry trainer_hooks.integrations.hf records the Trainer's state in
+HF_KEY = "transformers"
+
+
+def _hf_trainer(torch, sd: dict, aliases: dict, snap: Snapshot, out: str) -> str:
+    """A transformers ``Trainer`` checkpoint directory at ``out`` (created; an existing one
+    must be empty): ``model.safetensors``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``
+    (with a GradScaler), ``trainer_state.json`` and every rank's ``rng_state_{r}.pth``
+    (``rng_state.pth`` for one rank), as the Trainer saves them; ``resume_from_checkpoint``
+    then skips the batches the run consumed and sets each rank's RNGs where they were."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    extra = sd["extra_state"]
+    rec = extra.get(HF_KEY) if isinstance(extra, dict) else None
+    if not isinstance(rec, dict) or not isinstance(rec.get("state"), str):
+        raise ValueError(
+            f"iteration {snap.iteration} of job {snap.job!r} was not recorded by trainer_hooks.integrations.hf "
+            "(its extra state holds no Trainer state); format=hf_trainer writes Trainer runs only: use "
+            "format=torch"
+        )
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"cannot write a Trainer checkpoint to {out}: it exists and is not an empty directory")
+    trainer_state = json.loads(rec["state"])
+    k = snap.iteration
+    trainer_state["global_step"] = k
+    per_epoch, steps_in_epoch, accum = rec["updates_per_epoch"], rec["steps_in_epoch"], rec["accumulation"]
+    if per_epoch and steps_in_epoch:  # the Trainer's own formula, after its step k
+        epoch, u = divmod(k, per_epoch)
+        done = min(u * accum, steps_in_epoch) if u else steps_in_epoch
+        trainer_state["epoch"] = (epoch if u else epoch - 1) + done / steps_in_epoch if k else 0.0
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        weights = {n: v.contiguous() for n, v in sd["model"].items() if n not in aliases}
+        save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        torch.save(sd["optimizer"], os.path.join(tmp, "optimizer.pt"))
+        if sd["scheduler"] is not None:
+            torch.save(sd["scheduler"], os.path.join(tmp, "scheduler.pt"))
+        if sd["scaler"] is not None:
+            torch.save(sd["scaler"], os.path.join(tmp, "scaler.pt"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
+            f.write(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n")
+        world = len(sd["rng"])
+        for r, rng in enumerate(sd["rng"]):
+            n = rng["numpy"]
+            hf = {
+                "python": rng["python"],
+                "numpy": (
+                    n["bit_generator"],
+                    n["key"].numpy().astype(np.uint32),
+                    n["pos"],
+                    n["has_gauss"],
+                    n["cached_gaussian"],
+                ),
+                "cpu": rng["torch"],
+            }
+            if "cuda" in rng:
+                hf["cuda"] = rng["cuda"]
+            torch.save(hf, os.path.join(tmp, f"rng_state_{r}.pth" if world > 1 else "rng_state.pth"))
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

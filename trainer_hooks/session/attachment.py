@@ -5,7 +5,6 @@ all of them and closes whatever it made if a later part fails; ``close`` release
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -117,7 +116,7 @@ class Attachment:
             optim=self.optim_desc if self.rank == 0 else sqrttab.public(self.optim_desc),  # one table is enough
             iteration=self.base,
             overwrite=bool(overwrite),
-            restored=dataclasses.asdict(restored) if restored is not None else None,
+            restored=restored.wire() if restored is not None else None,
         )
         try:
             reply = request(

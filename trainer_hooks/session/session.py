@@ -44,6 +44,7 @@ from trainer_hooks.session.hook import HookSlot
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
+from trainer_hooks.session.transfer import HostCopy
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,10 @@ class Session:
         """Open an attachment at iteration ``start`` and route the hooks to it."""
         restored = RESTORED.get(self.optimizer)
         point: RestorePoint | None = restored if restored is not None and restored.iteration == start else None
+        if carry is None and point is not None and point.rng is not None:
+            # the restored iteration's own RNG and extra state, whatever the loop drew since
+            # (restore(defer_rng=True) leaves the RNG alone until apply_rng)
+            carry = (point.rng, HostCopy(point.extra_state))
         self.attachment = Attachment.open(
             self.model,
             self.optimizer,
