@@ -57,3 +57,36 @@ def test_not_on_a_terminal_nothing_is_shown(capsys):
     with stage("writing", after_s=0.0):
         time.sleep(0.05)
     assert capsys.readouterr().err == ""
+
+
+def _text(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_status_and_ls_say_when_a_replay_is_not_bit_exact(capsys):
+    """attach(exact=False) is shown in shadow status (from the job's replay descriptor) and
+    shadow ls (from each manifest); a bit-exact replay says so too."""
+    job = {
+        "name": "j",
+        "epoch": 1,
+        "status": "running",
+        "world": 2,
+        "committed": 5,
+        "lag_iterations": 0,
+        "lag_s": 0.0,
+        "cut_time": time.time(),
+        "resyncs": 0,
+        "optim": {"kind": "adam", "impl": "single", "bit_exact": False, "sqrt": {"digest": "0" * 16}},
+    }
+    st = {"workers": [], "expected_workers": 0, "job": job}
+    assert "NOT bit-exact (attached with exact=False" in _text(_render.status_view(st, "tcp://x:1"))
+    job["optim"]["bit_exact"] = True
+    assert "replay: adam single, bit-exact (checked at attach)" in _text(_render.status_view(st, "tcp://x:1"))
+    row = {"job": "j", "iteration": 5, "tier": "local", "time": None, "bytes": 10, "state": "complete", "path": "p"}
+    _render.render_checkpoints([dict(row, bit_exact=False), dict(row, iteration=4)], "src")
+    out = capsys.readouterr().out
+    assert out.count("not bit-exact: exact=False") == 1

@@ -47,6 +47,7 @@ def _inputs(seed=0, n=400_000) -> np.ndarray:
     return np.concatenate([bits, edges]).view(np.float32)
 
 
+@pytest.mark.slow
 def test_the_table_reproduces_the_function_everywhere(table):
     x = _inputs()
     want = estimate_and_refine(x)
@@ -68,6 +69,7 @@ def _kernel_sqrt(x, words, emap):
     return out
 
 
+@pytest.mark.slow
 def test_the_kernel_reads_the_table_as_numpy_does(table):
     x = _inputs(1)
     assert np.array_equal(_kernel_sqrt(x, table.words, table.emap32).view(np.uint32), table.sqrt(x).view(np.uint32))
@@ -87,13 +89,25 @@ def test_ieee_and_inexpressible_functions_give_no_table():
     assert t is None and "more than one ulp" in note
 
 
+@pytest.mark.slow
 def test_too_many_exponents_of_their_own_give_no_table(monkeypatch):
     monkeypatch.setattr(sqrttab, "MAX_SLOTS", 4)
     t, note = sqrttab.measure(estimate_and_refine)
     assert t is None and "need tables of their own (at most 2)" in note
 
 
-def test_wire_round_trip_and_public(table):
+@pytest.fixture(scope="module")
+def built() -> sqrttab.SqrtTable:
+    """A table of random bits with one exponent of its own (no measuring: the wire tests only)."""
+    rng = np.random.default_rng(3)
+    slots = rng.integers(0, 256, 3 * sqrttab.SLOT_BYTES, dtype=np.uint8)
+    exponents = [-1] + [(e - 127) & 1 for e in range(1, 255)]
+    exponents[254] = 2
+    return sqrttab.SqrtTable.build(slots, exponents)
+
+
+def test_wire_round_trip_and_public(built):
+    table = built
     w = table.to_wire()
     back = sqrttab.SqrtTable.from_wire(w)
     assert back.digest == table.digest and np.array_equal(back.slots, table.slots)
@@ -122,7 +136,8 @@ def _bad(w: dict, **changes) -> dict:
     return {**w, **changes}
 
 
-def test_malformed_tables_from_the_network_are_refused(table):
+def test_malformed_tables_from_the_network_are_refused(built):
+    table = built
     w = table.to_wire()
     n = table.nslots
     cases = {
@@ -154,3 +169,58 @@ def test_malformed_tables_from_the_network_are_refused(table):
         with pytest.raises(ValueError, match=want) as caught:
             sqrttab.SqrtTable.from_wire(d)
         assert caught.value is not None, name
+
+
+@pytest.mark.slow
+def test_the_table_reaches_the_workers_not_status_or_manifests(world1, tmp_path):
+    """torch's default AdamW on CPU, persisted: the workers replay it with the table (the
+    checkpoint on disk restores bit for bit), while status replies and the manifest carry
+    only its digest."""
+    import json
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import trainer_hooks
+    from shadow.testing import LocalCluster, assert_same_state
+    from tests.conftest import train_step
+    from tests.helpers.tiny_trainer import build
+    from trainer_hooks._optim import cpu_sqrt_table
+
+    local = tmp_path / "local"
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=1"))
+    try:
+        model, _, sched = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # torch's default: single-tensor
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="sqrt")
+        assert session.attachment.optim_desc["impl"] == "single" and session.attachment.optim_desc["bit_exact"]
+        for it in range(1, 5):
+            train_step(ddp, opt, sched, it)
+        assert session.close() == 4
+        st = cluster.wait_status(
+            lambda st: (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 4, what="iteration 4 on disk"
+        )
+    finally:
+        cluster.stop()
+    table = cpu_sqrt_table()[0]
+    shown = st["job"]["optim"]
+    assert "bits" not in json.dumps(shown)
+    if table is not None:
+        assert shown["sqrt"] == {"digest": table.digest}
+    manifests = sorted(local.rglob("manifest.json"))
+    assert manifests, "no checkpoint on disk"
+    for path in manifests:
+        optim = json.loads(path.read_text())["optim"]
+        assert "bits" not in json.dumps(optim) and optim["bit_exact"] is True
+        if table is not None:
+            assert optim["sqrt"] == {"digest": table.digest}
+    fresh, _, _ = build(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    info = trainer_hooks.restore(fresh, fresh_opt, source=str(local), job="sqrt")
+    assert info.iteration == 4 and info.tier == "local"
+    assert_same_state(
+        {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()},
+        {"model": model.state_dict(), "optimizer": opt.state_dict()},
+    )
