@@ -80,14 +80,16 @@ class LogFormat(Choice):
 
 class Format(Choice):
     """What ``shadow restore`` writes: a torch state-dict file, a DCP directory, the
-    weights as safetensors, or a transformers ``Trainer`` checkpoint directory (for
-    ``trainer.train(resume_from_checkpoint=...)``; a run the shadow recorded through
-    ``trainer_hooks.integrations.hf``)."""
+    weights as safetensors, a transformers ``Trainer`` checkpoint directory (for
+    ``trainer.train(resume_from_checkpoint=...)``) or a Lightning checkpoint file (for
+    ``trainer.fit(..., ckpt_path=...)``), the last two of runs the shadow recorded through
+    ``trainer_hooks.integrations``."""
 
     torch = "torch"
     dcp = "dcp"
     safetensors = "safetensors"
     hf_trainer = "hf_trainer"
+    lightning = "lightning"
 
 
 class WeightFormat(Choice):

@@ -55,3 +55,16 @@ def test_hf_trainer_resumes_mid_epoch_bit_for_bit(shared_cluster, job, tmp_path)
         after = {s: v for s, v in a["losses"].items() if s > committed}
         assert after and {s: b["losses"][s] for s in after} == after  # the resumed run's own losses
         assert torch.equal(a["rng"], b["rng"])
+
+
+def test_lightning_resumes_mid_epoch_bit_for_bit(shared_cluster, job, tmp_path):
+    pytest.importorskip("lightning")
+    refs, outs, committed = _kill_and_resume(tmp_path, shared_cluster, job, HELPERS / "lightning_trainer.py", 9)
+    assert committed >= 6
+    for a, b in zip(refs, outs, strict=True):
+        assert a["global_step"] == b["global_step"] == 18  # 3 epochs of 6 optimizer steps
+        assert_same_state(b, a)
+        # the resumed run trained each remaining batch once, on the batch the uninterrupted run had there
+        assert len(b["losses"]) == len(a["losses"]) - 2 * committed
+        assert b["losses"] == {k: a["losses"][k] for k in b["losses"]}
+        assert torch.equal(a["rng"], b["rng"])

@@ -147,3 +147,31 @@ def test_deferred_rng_applies_once():
         info.apply_rng()
     with pytest.raises(ValueError, match="no RNG state"):
         RestoreInfo(7, None, "j", "src", "memory", 2, None).apply_rng()
+
+
+def test_a_hold_keeps_the_commit_until_released_with_the_extra_state_then():
+    """An integration's hold (Lightning's end of batch): the commit waits for it after the
+    scheduler stepped, and leaves carrying the extra state given at the release."""
+    p = _params(1)
+    opt = torch.optim.SGD(p, lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    ready = []
+    rec = StepRecorder(
+        opt,
+        AttachOptions(scheduler=sched, extra_state=lambda: {"at": "step"}),
+        on_ready=lambda: ready.append(rec.take_pending()),
+        on_skipped=lambda: None,
+    )
+    rec.holds.add("loop")
+    rec.start(0, 1)
+    k, sent = rec.advance()
+    rec.record(k, sent, False, None, None, p, 0)
+    rec.stepped("scheduler")
+    assert ready == [] and rec.awaiting == {"loop"}
+    rec.release("other", {"at": "nothing"})  # not a hold of this commit: ignored
+    assert ready == []
+    rec.release("loop", {"at": "batch end"})
+    assert [c.iteration for c in ready] == [1] and ready[0].extra.get() == {"at": "batch end"}
+    assert rec.last_record[1].get() == {"at": "batch end"}  # a resync right after records the same
+    rec.release("loop", {"at": "late"})  # nothing pending any more: nothing happens
+    assert len(ready) == 1

@@ -69,6 +69,8 @@ def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
     aliases = state.aliases(snap)
     if fmt == "hf_trainer":
         return _hf_trainer(torch, sd, aliases, snap, out)
+    if fmt == "lightning":
+        return _lightning(torch, sd, snap, out)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
@@ -131,6 +133,36 @@ def export_weights(
 
 #: the extra state's entry trainer_hooks.integrations.hf records the Trainer's state in
 HF_KEY = "transformers"
+#: the extra state's entry trainer_hooks.integrations.lightning records the loops' state in
+LIGHTNING_KEY = "lightning"
+
+
+def _lightning(torch, sd: dict, snap: Snapshot, out: str) -> str:
+    """A Lightning checkpoint file at ``out`` (what ``Trainer.fit(ckpt_path=...)`` loads):
+    the module's state dict, the optimizer's and the scheduler's, the precision plugin's
+    scaler and the loops' state as Lightning's own checkpoint of that batch holds them (taken
+    at the end of the batch, where Lightning saves)."""
+    extra = sd["extra_state"]
+    rec = extra.get(LIGHTNING_KEY) if isinstance(extra, dict) else None
+    if not isinstance(rec, dict) or not isinstance(rec.get("loops"), dict):
+        raise ValueError(
+            f"iteration {snap.iteration} of job {snap.job!r} was not recorded by trainer_hooks.integrations.lightning "
+            "(its extra state holds no loop state); format=lightning writes Lightning runs only: use format=torch"
+        )
+    ckpt = {
+        "epoch": rec["epoch"],
+        "global_step": snap.iteration,
+        "pytorch-lightning_version": rec["version"],
+        "state_dict": sd["model"],
+        "loops": rec["loops"],
+        "callbacks": {},
+        "optimizer_states": [sd["optimizer"]],
+        "lr_schedulers": [sd["scheduler"]] if sd["scheduler"] is not None else [],
+    }
+    if sd["scaler"] is not None and rec.get("precision"):
+        ckpt[rec["precision"]] = sd["scaler"]  # the precision plugin's own key: its scaler's state
+    _via_tmp(out, lambda tmp: torch.save(ckpt, tmp))
+    return out
 
 
 def _hf_trainer(torch, sd: dict, aliases: dict, snap: Snapshot, out: str) -> str:

@@ -89,6 +89,9 @@ class StepRecorder:
         self._window = False  # sched_count counts from an optimizer step
         self.early: int | None = None  # iteration whose commit left on a scheduler step, until the window closes
         self.on_stale: Callable[[int, str], None] | None = None  # that commit's scheduler state was stale
+        # what else every commit waits for, by name, until :meth:`release` (a framework's end of batch,
+        # where its own checkpoints are taken; the next forward lets it go at the latest)
+        self.holds: set[str] = set()
 
     def start(self, base: int, nworkers: int) -> None:
         """A new attachment at iteration ``base``: iteration ``base + 1`` is next."""
@@ -200,7 +203,7 @@ class StepRecorder:
         self.last_record = (rng, extra)  # a resync bootstrap right after k records these, not later draws
         late = HostCopy({"scalars": scalars, "audit": None if audit is None else audit[1]})
         self.pending = Commit(k, replay, rng, extra, sent, None if audit is None else audit[0], late, probes, refusal)
-        self.awaiting = set(self.options.observed)
+        self.awaiting = set(self.options.observed) | self.holds
         if self._window:
             self.cadence = self.sched_count
         self._window, self.sched_count, self.early = True, 0, None
@@ -242,6 +245,23 @@ class StepRecorder:
         if not self.awaiting:
             if "scheduler" in self.options.observed and self.pending is not None:
                 self.early = self.pending.iteration
+            self.on_ready()
+
+    def release(self, what: str, extra: Any = None) -> None:
+        """The hold ``what`` (one of :attr:`holds`) is over for the pending commit; with
+        ``extra``, the commit carries that extra state instead of what was recorded at the
+        step (the framework's loop state as it stands at the end of the batch)."""
+        if self.pending is None or what not in self.awaiting:
+            return
+        if extra is not None:
+            copy = HostCopy(extra)
+            self.pending.extra = copy
+            if self.last_record is not None:
+                self.last_record = (self.last_record[0], copy)
+        self.awaiting.discard(what)
+        if not self.awaiting:
+            if "scheduler" in self.options.observed:
+                self.early = self.pending.iteration  # a scheduler step from here on comes too late for it
             self.on_ready()
 
     def window_closed(self) -> None:
