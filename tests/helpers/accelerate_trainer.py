@@ -7,8 +7,8 @@
 A shuffled DataLoader (accelerate keeps its generator in step across processes), gradient
 accumulation with ``accelerator.accumulate``, ``accelerator.backward``,
 ``accelerator.clip_grad_norm_`` on sync steps, a prepared OneCycleLR (stepped by accelerate's
-wrapper once per process), dropout, and Python/numpy draws per batch. Saves each rank's final
-model, optimizer, scheduler, losses and RNG to ``DIR/rank{r}.pt``.
+wrapper once per process), bf16 autocast, dropout, and Python/numpy draws per batch. Saves
+each rank's final model, optimizer, scheduler, losses and RNG to ``DIR/rank{r}.pt``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")  # bf16 autocast
     set_seed(1234)  # the same model on every rank; accelerate keeps the loader's shuffle in step
     random.seed(100 + accelerator.process_index)
     np.random.seed(200 + accelerator.process_index)

@@ -6,7 +6,7 @@ torchrun's environment, optionally protected by the shadow
 
 A tiny GPT-2 built from a config (tied embeddings, dropout), a map-style dataset shuffled by
 the Trainer's sampler, gradient accumulation, ``max_grad_norm``, a linear schedule with
-warm-up, the Trainer's default optimizer. Saves each rank's final model, optimizer,
+warm-up, the Trainer's default optimizer, bf16 autocast. Saves each rank's final model, optimizer,
 scheduler, per-step losses and RNG to ``DIR/rank{r}.pt``.
 """
 
@@ -67,6 +67,7 @@ def main() -> int:
         save_strategy="no",
         report_to=[],
         use_cpu=True,
+        bf16=True,  # bf16 autocast on the CPU
         seed=11,
         disable_tqdm=True,
     )

@@ -5,7 +5,8 @@ torchrun's environment (``strategy="ddp"``), optionally protected by the shadow
     python tests/helpers/lightning_trainer.py --out DIR [--coordinator tcp://...] [--kill-at K] [--resume]
 
 A module with dropout, AdamW (torch's default on CPU) and a per-step OneCycleLR from
-``configure_optimizers``, ``gradient_clip_val``, ``accumulate_grad_batches=2``, a shuffled
+``configure_optimizers``, ``gradient_clip_val``, ``accumulate_grad_batches=2``, bf16 autocast
+(``precision="bf16-mixed"``), a shuffled
 DataLoader (Lightning puts a DistributedSampler in), three epochs. Saves each rank's final
 module, optimizer, scheduler, per-batch losses and RNG to ``DIR/rank{r}.pt``.
 """
@@ -89,6 +90,7 @@ def main() -> int:
         max_epochs=EPOCHS,
         gradient_clip_val=0.5,
         accumulate_grad_batches=2,
+        precision="bf16-mixed",  # bf16 autocast on the CPU
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
