@@ -14,10 +14,13 @@ whole range in two :class:`shadow.worker.state.ShardState` copies:
 * after (what the worker does now): each run is taken zero-copy (``recv(copy=False)``),
   checksummed on the frame, and the kernel reads the gradient from the frames where they
   lie (``ShardState.apply(parts)``); on a snapshot iteration the kernel also writes the new
-  values into the image (``ShardState.apply(parts, snap=...)``).
+  values into the image (``ShardState.apply(parts, snap=...)``);
+* keyed: the after path on a keyed cluster (``security.data=mac``): the sender tags the
+  header and every run with the rank's GMAC (``shadow.wire.tags``) instead of xxh3, and the
+  receiver checks them under the keys of the worker's configuration.
 
-Every iteration is sent twice, once for each path (alternating which goes first); both
-states must end bit-identical, and the folded snapshot must equal the state. Figures per
+Every iteration is sent three times, once for each path (the order rotating); the three
+states must end bit-identical, and the folded snapshots must equal each other. Figures per
 iteration (median): the worker's CPU seconds receiving (this process, zmq's I/O thread
 included; waiting is not counted), the apply wall time, and the total CPU seconds per
 iteration. Bytes moved per parameter count each pass over memory (the socket's write into
@@ -53,6 +56,7 @@ GOALS = [
     ),
     Goal("bytes moved / param, {key}", "paths.*.bytes_per_param", None),
     Goal("worker CPU-s / iteration / B params", "paths.after.cpu_s_per_iter_per_Bparams", None),
+    Goal("worker CPU / iteration, keyed (mac) / no keys", "keyed_vs_plain_cpu", 1.2, "<=", "x"),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -72,7 +76,10 @@ PASSES = {
         "snapshot copy": 24,
     },
     "after+snapshot": {"socket -> zmq buffer": 4, "checksum": 4, "kernel + snapshot stores": 40},
+    "keyed": {"socket -> zmq buffer": 4, "GMAC": 4, "kernel": 28},
+    "keyed+snapshot": {"socket -> zmq buffer": 4, "GMAC": 4, "kernel + snapshot stores": 40},
 }
+PATHS = ("before", "after", "keyed")
 
 
 def bucket_runs(sizes: list[int], cap: int = 25 << 20) -> list[list[tuple[int, int]]]:
@@ -94,11 +101,14 @@ def bucket_runs(sizes: list[int], cap: int = 25 << 20) -> list[list[tuple[int, i
     return buckets
 
 
-def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
+def sender_main(endpoint: str, total: int, buckets, iters: int, conn, data_key: bytes) -> None:
     import numpy as np
     import zmq
 
     from shadow.wire import frames as F
+    from shadow.wire import tags
+
+    keyed = tags.DataKey(tags.rank_key(data_key, 0))
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
@@ -110,14 +120,15 @@ def sender_main(endpoint: str, total: int, buckets, iters: int, conn) -> None:
         conn.recv()  # make the next gradient now (not while the receiver applies)
         grad = (rng.standard_normal(total, dtype=np.float32) * np.float32(1e-2)).astype(np.float32)
         conn.send(b"ready")
-        for _ in range(2):  # once for each path
-            conn.recv()  # the receiver is ready
+        for _ in range(len(PATHS)):  # once for each path
+            tagger = keyed if conn.recv() == b"keyed" else tags.PLAIN  # the receiver is ready
             for runs in buckets:
                 views = [grad[off : off + n] for off, n in runs]
-                table = tuple((off, n, F.checksum(v)) for (off, n), v in zip(runs, views, strict=True))
-                h = F.Header(F.Kind.GRAD, F.Field.GRAD, 1, 1, 0, 1, 7, it, seq, table)
+                nonce = tagger.nonce()
+                table = tuple((off, n, tagger.tag(nonce, j, views[j - 1])) for j, (off, n) in enumerate(runs, 1))
+                h = F.Header(F.Kind.GRAD, F.Field.GRAD, 1, 1, 0, 1, 7, it, seq, table, nonce)
                 seq += 1
-                sock.send_multipart([h.pack()] + [memoryview(v) for v in views], copy=False)
+                sock.send_multipart([h.pack(tagger)] + [memoryview(v) for v in views], copy=False)
     conn.recv()
     sock.close()
     ctx.term()
@@ -156,6 +167,7 @@ def run(args) -> dict:
     from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
     from shadow.tuning import Tuning
     from shadow.wire import frames as F
+    from shadow.wire import tags
     from shadow.worker.state import ShardState
 
     sizes = shapes(int(args.params))
@@ -180,7 +192,7 @@ def run(args) -> dict:
     states, persisters, imgs = {}, {}, {}
     rng = np.random.default_rng(1)
     init = rng.standard_normal(total, dtype=np.float32)
-    for path in ("before", "after"):
+    for path in PATHS:
         st = ShardState(layout, 0, total, optim)
         st.param[:] = init
         states[path] = st
@@ -191,25 +203,28 @@ def run(args) -> dict:
     tuning = Tuning.load()  # the knobs, as a worker would read them here
     pull = SocketFactory(ctx).pull(data_limit(tuning), tuning.data_rcvhwm_messages)  # the worker's data socket
     rx, rx_ctx = FrameReceiver(pull, tuning), Context(1, 1, 7, 1, 0, total)  # sender_main's job, epoch, layout, world
+    data_key = tags.new_key()  # the worker's configuration's, on a keyed cluster
+    keyed_ctx = Context(1, 1, 7, 1, 0, total, keys=tags.for_ranks(data_key, 1))
     endpoint = f"ipc://{tmp}/data"
     pull.bind(endpoint)
     parent, child = mp.get_context("spawn").Pipe()
     iters = 2 * args.iters
-    proc = mp.get_context("spawn").Process(target=sender_main, args=(endpoint, total, buckets, iters, child))
+    proc = mp.get_context("spawn").Process(target=sender_main, args=(endpoint, total, buckets, iters, child, data_key))
     proc.start()
 
     def receive(path: str) -> tuple[list, float]:
         """One iteration's messages; returns the parts (after) and the CPU seconds."""
         parts = []
-        parent.send(b"go")
+        parent.send(b"keyed" if path == "keyed" else b"plain")
+        ctx_ = keyed_ctx if path == "keyed" else rx_ctx
         cpu = 0.0
         for _ in range(len(buckets)):
             pull.poll()  # waiting is not work
             c0 = time.process_time()
-            # the worker's receiver: header, context, run table, each part's size and xxh3
+            # the worker's receiver: header, context, run table, each part's size and tag
             try:
-                h = rx.header(rx_ctx)
-                rx.check_runs(h, rx_ctx)
+                h = rx.header(ctx_)
+                rx.check_runs(h, ctx_)
                 if path == "before":
                     rx.runs_into(h, grad_buf, 0)
                 else:
@@ -241,7 +256,7 @@ def run(args) -> dict:
         parent.send(b"next")
         parent.recv()
         snapshot = it > args.iters
-        order = ("before", "after") if it % 2 else ("after", "before")
+        order = PATHS[it % 3 :] + PATHS[: it % 3]
         for path in order:
             parts, recv_cpu = receive(path)
             wall, cpu = apply(path, parts, snapshot)
@@ -258,8 +273,10 @@ def run(args) -> dict:
     proc.join(60)
     pull.close(0)
     ctx.term()
-    same = all(np.array_equal(states["before"].array(f), states["after"].array(f)) for f in states["after"].fields())
-    snap_ok = all(np.array_equal(imgs["after"][f], imgs["before"][f]) for f in imgs["after"])
+    same = all(
+        np.array_equal(states["before"].array(f), states[p].array(f)) for p in PATHS for f in states["after"].fields()
+    )
+    snap_ok = all(np.array_equal(imgs[p][f], imgs["before"][f]) for p in PATHS for f in imgs["after"])
     out = {
         "params": total,
         "threads": args.threads,
@@ -278,11 +295,11 @@ def run(args) -> dict:
     )
     print("| path | bytes/param | recv CPU s | apply s | CPU s / iteration | CPU s / iter / B params | speedup |")
     print("|---|---|---|---|---|---|---|")
-    for path in ("before", "after", "before+snapshot", "after+snapshot"):
+    for path in ("before", "after", "keyed", "before+snapshot", "after+snapshot", "keyed+snapshot"):
         r = rows[path]
         med = {k: statistics.median(v) for k, v in r.items()}
         cpu = med["recv_cpu"] + med["apply_cpu"]
-        base = rows[path.replace("after", "before")]
+        base = rows[path.replace("after", "before").replace("keyed", "before")]
         base_cpu = statistics.median(base["recv_cpu"]) + statistics.median(base["apply_cpu"])
         out["paths"][path] = {
             **med,
@@ -307,6 +324,13 @@ def run(args) -> dict:
         f"whole worker path (receive, checksum, apply from the frames): {whole / total * 1e9:.2f} CPU s / iter / "
         f"B params; the replay alone (contiguous gradient): {alone / total * 1e9:.2f}; ratio {whole / alone:.2f}x "
         f"(goal <= 1.25x); malloc on huge pages: {out['malloc_hugepages']}"
+    )
+    keyed = out["paths"]["keyed"]["cpu_s_per_iter"] / whole
+    out["keyed_vs_plain_cpu"] = keyed
+    out["keyed_vs_plain_recv_cpu"] = out["paths"]["keyed"]["recv_cpu"] / out["paths"]["after"]["recv_cpu"]
+    print(
+        f"keyed (security.data=mac: GMAC per run instead of xxh3): worker CPU per iteration {keyed:.2f}x "
+        f"no keys' (goal <= 1.2x); receiving alone {out['keyed_vs_plain_recv_cpu']:.2f}x"
     )
     print(f"states bit-identical: {same}; folded snapshot identical to the copied one: {snap_ok}")
     return out

@@ -23,7 +23,12 @@ Variants, measured in interleaved rounds (the figure is the median round):
   with ``runs_into``: each lands at its destination in a preallocated buffer (the path
   of the worker's STATE messages);
 * shadow zero-copy: as above, with ``runs_kept``: each part stays in its frame and is
-  checked there (the worker's path for GRAD messages, the one the replay kernel reads).
+  checked there (the worker's path for GRAD messages, the one the replay kernel reads);
+* keyed, ``security.data=mac``: the same two paths on the same socket in clear, each part
+  and the header tagged with the rank's GMAC (``shadow.wire.tags.DataKey``) instead of xxh3;
+* keyed, ``security.data=curve``: bare pyzmq and the shadow's zero-copy path (GMACs too) on
+  a CURVE socket: the trainer's key, the receiver's server pair and ZAP guard
+  (``shadow.security.Guard``), as a keyed cluster's data socket before ``mac`` existed.
 
 Messages: ``gpt-bucket`` is one 25 MB DDP bucket of a GPT-2-small block in DDP's reverse
 parameter order (10 runs: three 2-9 MB matrices, a 7 MB one, KB-sized biases and norms),
@@ -31,8 +36,11 @@ plus single-run messages of 64 KiB, 1 MiB and 16 MiB, and 256 runs of 4 KiB (per
 overhead). Destinations advance through a >= 64 MiB buffer on both sides, so
 small messages are not served from a hot cache. GB/s counts payload bytes (1e9) from the
 sender's first send to the receiver's report that the last message is validated. The run
-also measures, in-process, xxh3 and memcpy speed per part size, and each side's CPU
-seconds and minor page faults per GB (all threads, zmq's I/O thread included). Goal: shadow >= 0.8x bare.
+also measures, in-process, the speed per part size of xxh3, memcpy and the MACs a keyed
+data path could use (GMAC, Poly1305, HMAC-SHA256, keyed BLAKE2b, and keyed BLAKE3 where the
+``blake3`` package is installed), and each side's CPU seconds and minor page faults per GB
+(all threads, zmq's I/O thread included). Goals: shadow >= 0.8x bare; keyed (mac) >= 0.8x
+plain, both zero-copy.
 """
 
 from __future__ import annotations
@@ -57,23 +65,35 @@ from transport_receiver import (
     LAYOUT,
     RECV_TIMEOUT_S,
     RING_BYTES,
+    VARIANTS,
     _minflt,
     layout,
     receiver_main,
 )
 
+from shadow import security
 from shadow.transport import ZmqDataSender
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
+from shadow.wire import tags
 
 TUNING = Tuning.load()  # the knobs, as the services would read them here
 
 ROOT = Path(__file__).resolve().parents[1]
 
 KIB, MIB = 1 << 10, 1 << 20
-VARIANTS = ("bare", "shadow_into", "shadow_zc")
-
-GOALS = [Goal("{transport} {shape}: shadow (zero-copy) / bare pyzmq", "rows.*.zc_vs_bare", 0.8, ">=", "x")]
+GOALS = [
+    Goal("{transport} {shape}: shadow (zero-copy) / bare pyzmq", "rows.*.zc_vs_bare", 0.8, ">=", "x"),
+    Goal(
+        "{transport} {shape}: keyed mac / no keys (zero-copy)",
+        "rows.*.mac_vs_plain",
+        0.8,
+        ">=",
+        "x",
+        where={"shape": "gpt-bucket"},
+    ),
+    Goal("{transport} {shape}: keyed curve / no keys (zero-copy)", "rows.*.curve_vs_plain", None),
+]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
 ARGS_QUICK: list[str] = []
@@ -108,10 +128,13 @@ def message_shapes() -> dict[str, list[int]]:
 class Sender:
     """The trainer side: one PUSH socket per transport, a float32 staging ring per shape."""
 
-    def __init__(self, ctx, endpoint: str) -> None:
-
-        self.out = ZmqDataSender(ctx, [endpoint], TUNING.sndhwm_messages)  # as Sender.open_data
-        self.sock = self.out.socks[0]  # the bare baseline sends on the same socket, unframed
+    def __init__(self, ctx, endpoints: dict[str, str], keys: security.ClientKeys, data_key: bytes) -> None:
+        security.set_client(keys)  # the trainer's key, for its CURVE channel
+        # as Sender.open_data: channel 0 in clear (no keys, or mac), channel 1 CURVE
+        self.out = ZmqDataSender(
+            ctx, [endpoints["plain"], endpoints["curve"]], TUNING.sndhwm_messages, curve=[False, True]
+        )
+        self.keyed = tags.DataKey(tags.rank_key(data_key, 0))
         self.seq = 0
         self.iteration = 1
 
@@ -123,9 +146,11 @@ class Sender:
         self.msg_bytes = 4 * self.per
 
     def send(self, variant: str, n: int) -> None:
-
-        sock, ring, per, offs, slots = self.sock, self.ring, self.per, self.offs, self.slots
-        if variant == "bare":
+        sec, take = VARIANTS[variant]
+        channel = 1 if sec == "curve" else 0
+        tagger = tags.PLAIN if sec == "plain" else self.keyed
+        sock, ring, per, offs, slots = self.out.socks[channel], self.ring, self.per, self.offs, self.slots
+        if take == "bare":  # the same socket, unframed
             for i in range(n):
                 base = (i % slots) * per
                 sock.send_multipart([memoryview(ring[base + o : base + o + k]) for o, k in offs], copy=False)
@@ -137,19 +162,21 @@ class Sender:
             if t is not None and not t.done:  # the ring slot is still owned by zmq
                 t.wait()
             base = s * per
-            # as Sender._send_payload: views of the ring, xxh3 each, header with the run table
+            # as Sender._send_payload: views of the ring, each tagged, header with the run table
             runs = [(base + o, base + o, k) for o, k in offs]  # (src, dst, n)
             views = [ring[src : src + k] for src, _, k in runs]
-            table = [(dst, k, F.checksum(v)) for (_, dst, k), v in zip(runs, views, strict=True)]
+            nonce = tagger.nonce()
+            table = [(dst, k, tagger.tag(nonce, j, views[j - 1])) for j, (_, dst, k) in enumerate(runs, 1)]
             hdr = F.Header(
-                F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq, tuple(table)
-            ).pack()
+                F.Kind.GRAD, F.Field.GRAD, JOB, EPOCH, 0, 1, LAYOUT, self.iteration, self.seq, tuple(table), nonce
+            ).pack(tagger)
             self.seq += 1
-            trackers[s] = self.out.send(0, [hdr] + [memoryview(v) for v in views], track=True)
+            trackers[s] = self.out.send(channel, [hdr] + [memoryview(v) for v in views], track=True)
         self.iteration += 1
 
     def close(self) -> None:
         self.out.close()
+        security.set_client(None)
 
 
 # -- orchestration -------------------------------------------------------------------------
@@ -190,27 +217,56 @@ def measure(conn, sender: Sender, variant: str, n: int) -> dict:
     }
 
 
+def _candidates() -> dict:
+    """What a part's check could cost, each a function of a float32 view: the checksum of a
+    wire without keys, a memcpy, and the MACs weighed for a keyed one (one thread each)."""
+    import hashlib
+    import hmac
+
+    from cryptography.hazmat.primitives import poly1305
+
+    key = bytes(range(32))
+    gmac = tags.DataKey(key)
+    nonce = gmac.nonce()
+    out = {
+        "xxh3": F.checksum,
+        "gmac": lambda v: gmac.tag(nonce, 1, v),
+        "poly1305": lambda v: poly1305.Poly1305.generate_tag(key, v.data.cast("B")),
+        "hmac_sha256": lambda v: hmac.digest(key, v.data.cast("B"), "sha256"),
+        "blake2b": lambda v: hashlib.blake2b(v.data.cast("B"), key=key, digest_size=16).digest(),
+    }
+    try:
+        import blake3  # not a dependency: measured where it is installed
+
+        out["blake3"] = lambda v: blake3.blake3(v.data.cast("B"), key=key).digest(16)
+    except ImportError:
+        pass
+    return out
+
+
 def local_costs(quick: bool) -> dict:
-    """In-process cost per GB of xxh3_64 (F.checksum) and of a memcpy (np.copyto) by part size."""
+    """In-process GB/s by part size of a memcpy (np.copyto), xxh3_64 (F.checksum) and each
+    MAC a keyed data path could use (:func:`_candidates`), walking a 64 MiB buffer."""
     out = {}
     span = RING_BYTES // 4
     src = np.random.default_rng(1).standard_normal(span, dtype=np.float32)
     dst = np.empty_like(src)
     dst.fill(0.0)
     budget = 0.1 if quick else 0.25
+    cands = _candidates()
     for name, nbytes in (("64KiB", 64 * KIB), ("1MiB", MIB), ("16MiB", 16 * MIB)):
         k = nbytes // 4
         slots = span // k
         res = {}
-        for what in ("xxh3", "memcpy"):
+        for what in ("memcpy", *cands):
             reps, t = 0, 0.0
             t0 = time.perf_counter()
             while t < budget:  # walk the 64 MiB buffer, as the ring does
                 s = (reps % slots) * k
-                if what == "xxh3":
-                    F.checksum(src[s : s + k])
-                else:
+                if what == "memcpy":
                     np.copyto(dst[s : s + k], src[s : s + k])
+                else:
+                    cands[what](src[s : s + k])
                 reps += 1
                 t = time.perf_counter() - t0
             res[what + "_GBps"] = reps * nbytes / t / 1e9
@@ -241,6 +297,11 @@ def run(args) -> dict:
     info = machine_info()
     costs = local_costs(args.quick)
     tmp = tempfile.mkdtemp(prefix="shadow-bench-transport-")
+    keydir = Path(tmp) / "keys"  # a keyed cluster's: the server pair, a trainer's pair, its allow list
+    security.generate(keydir, "server")
+    security.generate(keydir / "trainers", "trainer")
+    trainer_keys = security.client_keys(keydir / "server.key", keydir / "trainers" / "trainer.key_secret")
+    data_key = tags.new_key()  # the coordinator's for this worker's configuration
     mpc = mp.get_context("spawn")
     parent, child = mpc.Pipe()
     proc = mpc.Process(target=receiver_main, args=(child,), name="bench-receiver", daemon=True)
@@ -250,27 +311,38 @@ def run(args) -> dict:
     rows = []
     try:
         for transport in transports:
-            ep = _ask(parent, {"op": "bind", "transport": transport, "path": os.path.join(tmp, "x")})["endpoint"]
-            sender = Sender(ctx, ep)
+            eps = _ask(
+                parent,
+                {
+                    "op": "bind",
+                    "transport": transport,
+                    "path": os.path.join(tmp, "x"),
+                    "server_key": str(keydir / "server.key_secret"),
+                    "allow_trainers": str(keydir / "trainers"),
+                    "data_key": data_key.hex(),
+                },
+            )["endpoints"]
+            sender = Sender(ctx, eps, trainer_keys, data_key)
             try:
                 for shape, sizes in shapes.items():
                     sender.use_shape(sizes)
                     _ask(parent, {"op": "shape", "sizes": sizes})
-                    # warm-up and calibration: every variant once, the message count from bare's rate
+                    # warm-up and calibration: every variant once, its message count from its own rate
                     n_warm = max(8, (2 * RING_BYTES) // sender.msg_bytes)
                     warm = {v: measure(parent, sender, v, n_warm) for v in VARIANTS}
-                    n = max(8, round(target_s * warm["bare"]["GBps"] * 1e9 / sender.msg_bytes))
+                    counts = {v: max(8, round(target_s * warm[v]["GBps"] * 1e9 / sender.msg_bytes)) for v in VARIANTS}
+                    names = list(VARIANTS)
                     per: dict[str, list[dict]] = {v: [] for v in VARIANTS}
                     for r in range(rounds):  # interleaved, rotating the order: drift hits all alike
-                        order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+                        order = names[r % len(names) :] + names[: r % len(names)]
                         for v in order:
-                            per[v].append(measure(parent, sender, v, n))
+                            per[v].append(measure(parent, sender, v, counts[v]))
                     row = {
                         "transport": transport,
                         "shape": shape,
                         "parts": len(sizes),
                         "bytes_per_msg": sender.msg_bytes,
-                        "messages": n,
+                        "messages": counts,
                         "rounds": rounds,
                     }
                     for v in VARIANTS:
@@ -280,10 +352,14 @@ def run(args) -> dict:
                             row[f"{v}_{k}"] = statistics.median(m[k] for m in per[v])
                     row["into_vs_bare"] = row["shadow_into_GBps"] / row["bare_GBps"]
                     row["zc_vs_bare"] = row["shadow_zc_GBps"] / row["bare_GBps"]
+                    row["mac_vs_plain"] = row["mac_zc_GBps"] / row["shadow_zc_GBps"]
+                    row["mac_into_vs_plain"] = row["mac_into_GBps"] / row["shadow_into_GBps"]
+                    row["curve_vs_plain"] = row["curve_zc_GBps"] / row["shadow_zc_GBps"]
                     rows.append(row)
                     print(
                         f"  {transport} {shape}: bare {row['bare_GBps']:.2f}  into {row['shadow_into_GBps']:.2f}  "
-                        f"zc {row['shadow_zc_GBps']:.2f} GB/s  ({n} msgs x {rounds} rounds)",
+                        f"zc {row['shadow_zc_GBps']:.2f}  mac zc {row['mac_zc_GBps']:.2f}  "
+                        f"curve zc {row['curve_zc_GBps']:.2f} GB/s  ({rounds} rounds)",
                         flush=True,
                     )
             finally:
@@ -327,6 +403,19 @@ def run(args) -> dict:
             f"{r['bare_GBps']:.2f} | {r['shadow_into_GBps']:.2f} | {r['into_vs_bare']:.2f}x | "
             f"{r['shadow_zc_GBps']:.2f} | {r['zc_vs_bare']:.2f}x | {ok} |"
         )
+    print("\nwith keys: security.data=mac (in clear, GMAC per part) and curve (CURVE-encrypted too), GB/s")
+    print(
+        "| transport | shape | no keys zc | mac zc | ratio (goal >= 0.8x) | no keys into | mac into | ratio | "
+        "curve bare | curve zc | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['transport']} | {r['shape']} | {r['shadow_zc_GBps']:.2f} | {r['mac_zc_GBps']:.2f} | "
+            f"{r['mac_vs_plain']:.2f}x | {r['shadow_into_GBps']:.2f} | {r['mac_into_GBps']:.2f} | "
+            f"{r['mac_into_vs_plain']:.2f}x | {r['curve_bare_GBps']:.2f} | {r['curve_zc_GBps']:.2f} | "
+            f"{r['curve_vs_plain']:.2f}x |"
+        )
     for title, fmt in (
         (
             "CPU seconds per GB of payload (whole process, zmq I/O thread included), sender / receiver",
@@ -338,18 +427,16 @@ def run(args) -> dict:
         ),
     ):
         print("\n" + title)
-        print("| transport | shape | bare | shadow recv_into | shadow zero-copy |")
-        print("|---|---|---|---|---|")
+        print("| transport | shape | " + " | ".join(VARIANTS) + " |")
+        print("|---|---|" + "---|" * len(VARIANTS))
         for r in rows:
             print(f"| {r['transport']} | {r['shape']} | " + " | ".join(fmt(r, v) for v in VARIANTS) + " |")
-    print("\nin-process cost by part size, walking a 64 MiB buffer: GB/s (s/GB)")
-    print("| part | xxh3_64 (F.checksum) | memcpy (np.copyto) |")
-    print("|---|---|---|")
+    print("\nin-process GB/s by part size, one thread, walking a 64 MiB buffer")
+    what = [k.removesuffix("_GBps") for k in next(iter(costs.values()))]
+    print("| part | " + " | ".join(what) + " |")
+    print("|---|" + "---|" * len(what))
     for name, c in costs.items():
-        print(
-            f"| {name} | {c['xxh3_GBps']:.1f} ({1 / c['xxh3_GBps']:.3f}) | "
-            f"{c['memcpy_GBps']:.1f} ({1 / c['memcpy_GBps']:.3f}) |"
-        )
+        print(f"| {name} | " + " | ".join(f"{c[w + '_GBps']:.2f}" for w in what) + " |")
     print(f"total {elapsed:.0f} s")
     return {
         "machine": info,
@@ -380,8 +467,10 @@ def plot(results: dict, path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 3.4))
     labels = [f"{r['transport']}\n{r['shape']}" for r in rows]
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["bare_GBps"] for r in rows], 0.4, label="bare pyzmq")
-    ax.bar([i + 0.2 for i in x], [r["shadow_zc_GBps"] for r in rows], 0.4, label="shadow (framed, checked)")
+    ax.bar([i - 0.3 for i in x], [r["bare_GBps"] for r in rows], 0.2, label="bare pyzmq")
+    ax.bar([i - 0.1 for i in x], [r["shadow_zc_GBps"] for r in rows], 0.2, label="shadow, no keys")
+    ax.bar([i + 0.1 for i in x], [r["mac_zc_GBps"] for r in rows], 0.2, label="shadow, keys: mac")
+    ax.bar([i + 0.3 for i in x], [r["curve_zc_GBps"] for r in rows], 0.2, label="shadow, keys: curve")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("GB/s")
     ax.set_title("Gradient transport, one sender -> one worker")

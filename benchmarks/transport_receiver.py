@@ -1,7 +1,10 @@
 """The worker side of the transport benchmark (run in its own process): gradient messages
 taken by the worker's own :class:`shadow.transport.FrameReceiver` on a socket from the
 worker's :class:`shadow.transport.SocketFactory` -- header and context checks, run table,
-payloads into a target buffer or kept zero-copy, xxh3 on every part -- and what it cost."""
+payloads into a target buffer or kept zero-copy, the tag of every part (xxh3 without keys,
+the rank's GMAC with them) -- and what it cost. Two sockets: one in clear (no keys, and a
+keyed cluster's ``security.data=mac``) and one CURVE server with a guard admitting the
+trainer key (``security.data=curve``)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,11 @@ import time
 import numpy as np
 import zmq
 
+from shadow import security
 from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
+from shadow.wire import tags
 
 TUNING = Tuning.load()  # the knobs, as the services would read them here
 
@@ -22,6 +27,16 @@ JOB, EPOCH, LAYOUT = 0x5EED, 7, 0xC0FFEE  # the header's context fields (checked
 RECV_TIMEOUT_S = 30.0
 MIB = 1 << 20
 RING_BYTES = 64 * MIB  # staging ring / gradient buffer, per side
+#: variant -> (security: plain, mac or curve; how the message is taken: bare, into or zc)
+VARIANTS = {
+    "bare": ("plain", "bare"),
+    "shadow_into": ("plain", "into"),
+    "shadow_zc": ("plain", "zc"),
+    "mac_into": ("mac", "into"),
+    "mac_zc": ("mac", "zc"),
+    "curve_bare": ("curve", "bare"),
+    "curve_zc": ("curve", "zc"),
+}
 
 
 def layout(sizes: list[int]) -> tuple[int, int, list[tuple[int, int]]]:
@@ -62,23 +77,34 @@ def take_grad_message(rx: FrameReceiver, ctx: Context, target, seq: int, zero_co
 
 
 def receiver_main(conn) -> None:
-    """The worker side: a PULL socket, driven by JSON commands on ``conn``."""
+    """The worker side: a PULL socket in clear and a CURVE one, driven by JSON commands on
+    ``conn``."""
     ctx = zmq.Context()
-    sock = None
+    socks: dict[str, zmq.Socket] = {}
+    guard = None
+    keys: tuple = ()
     target = np.zeros(0, np.float32)
     nparts = 0
     try:
         while True:
             cmd = json.loads(conn.recv_bytes())
             op = cmd["op"]
-            if op == "bind":  # as the worker's _open_data
-                sock = SocketFactory(ctx).pull(data_limit(TUNING), TUNING.data_rcvhwm_messages)
-                if cmd["transport"] == "tcp":
-                    ep = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
-                else:
-                    ep = f"ipc://{cmd['path']}"
-                    sock.bind(ep)
-                conn.send_bytes(json.dumps({"endpoint": ep}).encode())
+            if op == "bind":  # as the worker's DataPath.open, in clear and with CURVE
+                if guard is None:
+                    guard = security.Guard(cmd["server_key"], {"trainer": cmd["allow_trainers"]})
+                keys = tags.for_ranks(bytes.fromhex(cmd["data_key"]), 1)
+                eps = {}
+                for name, curve in (("plain", False), ("curve", True)):
+                    sock = SocketFactory(ctx, guard=guard).pull(
+                        data_limit(TUNING), TUNING.data_rcvhwm_messages, curve=curve
+                    )
+                    if cmd["transport"] == "tcp":
+                        ep = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+                    else:
+                        ep = f"ipc://{cmd['path']}-{name}"
+                        sock.bind(ep)
+                    socks[name], eps[name] = sock, ep
+                conn.send_bytes(json.dumps({"endpoints": eps}).encode())
             elif op == "shape":
                 slots, per, offs = layout(cmd["sizes"])
                 target = np.empty(slots * per, np.float32)  # the worker's gradient buffer
@@ -86,26 +112,34 @@ def receiver_main(conn) -> None:
                 nparts = len(offs)
                 conn.send_bytes(b'{"ok": true}')
             elif op == "run":
-                conn.send_bytes(json.dumps(_receive(sock, cmd, target, nparts)).encode())
+                sec = VARIANTS[cmd["variant"]][0]
+                sock = socks["curve" if sec == "curve" else "plain"]
+                got = _receive(sock, cmd, target, nparts, keys if sec != "plain" else ())
+                conn.send_bytes(json.dumps(got).encode())
             elif op == "unbind":
-                sock.close(linger=0)
-                sock = None
+                for sock in socks.values():
+                    sock.close(linger=0)
+                socks.clear()
                 conn.send_bytes(b'{"ok": true}')
             elif op == "exit":
                 break
     finally:
-        if sock is not None:
+        for sock in socks.values():
             sock.close(linger=0)
+        if guard is not None:
+            guard.stop()
         ctx.term()
 
 
-def _receive(sock, cmd: dict, target, nparts: int) -> dict:
+def _receive(sock, cmd: dict, target, nparts: int, keys: tuple) -> dict:
     """Take ``cmd['n']`` messages of one variant; the loop is the worker's: poll, then
-    drain up to 256 messages with NOBLOCK header receives."""
+    drain up to 256 messages with NOBLOCK header receives. ``keys``: the ranks' tags (a
+    keyed variant)."""
 
     variant, n, seq = cmd["variant"], cmd["n"], cmd["seq0"]
-    zero_copy = variant == "shadow_zc"
-    ctx = Context(JOB, EPOCH, LAYOUT, 1, 0, target.shape[0])
+    take = VARIANTS[variant][1]
+    zero_copy = take == "zc"
+    ctx = Context(JOB, EPOCH, LAYOUT, 1, 0, target.shape[0], keys=keys)
     rx = FrameReceiver(sock, TUNING)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -123,7 +157,7 @@ def _receive(sock, cmd: dict, target, nparts: int) -> dict:
         for _ in range(256):
             if got >= n:
                 break
-            if variant == "bare":
+            if take == "bare":
                 try:
                     parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:

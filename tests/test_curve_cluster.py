@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import LocalCluster, status
+from shadow.wire import frames as F
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
 
@@ -36,22 +37,41 @@ def role_keys(root) -> dict:
     return {"args": args, **keys}
 
 
-def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path):
+@pytest.mark.parametrize("mode", ["mac", "curve"])
+def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mode):
+    """With keys, in either data mode (``security.data``): gradient frames in clear under
+    per-rank MACs, or CURVE-encrypted as well."""
     keys = role_keys(tmp_path / "keys")
     security.generate(tmp_path / "other", "intruder")
     intruder = security.client_keys(tmp_path / "keys" / "server.key", tmp_path / "other" / "intruder.key_secret")
-    cluster = LocalCluster(tmp_path, args=keys["args"], keys=keys["admin"])
+    args = (
+        *keys["args"],
+        f"security.data={mode}",
+        f"persist.local.dir={tmp_path / 'local'}",
+        "persist.local.every_n=1",
+    )
+    cluster = LocalCluster(tmp_path, args=args, keys=keys["admin"])
     security.set_client(keys["trainer"])
     try:
         model, opt, sched = build()
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="curve")
+        states = {}
         for it in range(1, 5):
             train_step(ddp, opt, sched, it)
+            states[it] = [p.detach().clone() for p in model.parameters()]
+        ident = (session.job_id, session.epoch, session.layout.hash)
         assert session.close() == 4
+        assert {w["mode"] for w in cluster.status()["workers"]} == {mode}
         fresh, fopt, fsched = build(seed=3)
         assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == 4
         for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(a, b)
+        cluster.wait_status(lambda st: st["persist"]["local"]["count"] >= 3, what="iterations on the local tier")
+        older, oopt, osched = build(seed=6)
+        info = trainer_hooks.restore(older, oopt, source=cluster.address, scheduler=osched, iteration=3)
+        assert info.iteration == 3 and info.tier == "local"
+        for a, b in zip(states[3], older.parameters(), strict=True):
             assert torch.equal(a, b)
         security.set_client(keys["client"])  # a read-only client restores (memory fetches from the workers too)
         again, aopt, asched = build(seed=4)
@@ -66,23 +86,37 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path):
         with pytest.raises(TimeoutError):  # a valid CURVE key that is in no allow list
             status(cluster.address, timeout=1.0, keys=intruder)
         worker = cluster.status()["workers"][0]
-        push = zmq.Context.instance().socket(zmq.PUSH)  # a client's key at a worker's data socket (trainers only)
+        push = zmq.Context.instance().socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
-        keys["client"].apply(push)
-        push.connect(worker["data"])
-        push.send(b"not even a header", zmq.NOBLOCK)
+        if mode == "curve":  # a client's key at a worker's data socket (trainers only)
+            keys["client"].apply(push)
+            push.connect(worker["data"])
+            push.send(b"not even a header", zmq.NOBLOCK)
+            refusal = "auth_role_client"
+        else:  # anyone reaches the socket, but a frame the ranks' keys did not tag is dropped, unread
+            push.connect(worker["data"])
+            job_id, epoch, layout = ident
+            runs = ((0, 4, F.checksum(b"\0" * 16)),)
+            push.send_multipart(
+                [F.Header(F.Kind.GRAD, F.Field.GRAD, job_id, epoch, 0, 1, layout, 5, 0, runs).pack(), b"\0" * 16]
+            )
+            refusal = "bad_mac"
         deadline = time.monotonic() + 10
         while True:
             st = cluster.status()
             refused, w0 = st["security"]["refused"], st["workers"][0]["rejected"]
-            if refused.get("unknown_key") and w0.get("auth_role_client"):
+            if refused.get("unknown_key") and w0.get(refusal):
                 break
             assert time.monotonic() < deadline, (refused, w0)
             time.sleep(0.2)
         push.close(linger=0)
         assert st["security"]["curve"] and st["security"]["accepted"] >= 3
         assert st["security"]["refused_by_role"] == {"client/role": 1}
-        assert st["workers"][0]["frames_in"] == worker["frames_in"]  # nothing reached the worker's loop
+        if mode == "curve":
+            assert st["workers"][0]["frames_in"] == worker["frames_in"]  # nothing reached the worker's loop
+        else:
+            assert w0 == {**worker["rejected"], "bad_mac": 1}  # read, dropped, counted
+        assert st["job"]["committed"] == 4 and not st["workers"][0]["stale"]
     finally:
         security.set_client(None)
         cluster.stop()

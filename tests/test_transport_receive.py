@@ -4,6 +4,7 @@ reason, and the next message still starts on a frame boundary."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -12,6 +13,7 @@ import zmq
 
 from shadow.transport import Context, FrameReceiver, ZmqDataSender
 from shadow.wire import frames as F
+from shadow.wire import tags
 
 CTX = Context(job=0x5EED, epoch=3, layout=0xABC, world=1, lo=100, hi=1100, fields=frozenset({F.Field.PARAM}))
 _ids = itertools.count()
@@ -168,3 +170,56 @@ def test_a_dropped_channel_refuses_to_send_until_opened_again(pair):
     out.drop(0)
     with pytest.raises(ValueError, match="no channel to shadow worker 0"):
         out.send(0, [header()], track=False)
+
+
+WORKER_KEY = tags.new_key()
+KEYED = dataclasses.replace(CTX, world=2, keys=tags.for_ranks(WORKER_KEY, 2))
+
+
+def keyed_message(parts: dict[int, np.ndarray], rank: int = 1, key: bytes | None = None, **kw) -> list:
+    """What rank ``rank`` sends: every part under its MAC key for this worker (``key``: another)."""
+    t = tags.DataKey(key if key is not None else tags.rank_key(WORKER_KEY, rank))
+    nonce = t.nonce()
+    runs = [(dst, len(v), t.tag(nonce, i, v)) for i, (dst, v) in enumerate(parts.items(), 1)]
+    base = dict(job=CTX.job, epoch=CTX.epoch, rank=rank, world=2, layout=CTX.layout, iteration=1, seq=0)
+    base.update(kw)
+    h = F.Header(kind=F.Kind.GRAD, field=F.Field.GRAD, runs=tuple(runs), nonce=nonce, **base)
+    return [h.pack(t), *[v.tobytes() for v in parts.values()]]
+
+
+def test_a_keyed_receiver_takes_each_rank_s_frames_under_that_rank_s_key(pair):
+    out, rx = pair
+    a = np.arange(5, dtype=np.float32)
+    for rank in (0, 1):
+        out.send(0, keyed_message({100: a}, rank=rank), track=False)
+        h = take(rx, KEYED)
+        assert h.rank == rank
+        assert np.array_equal(rx.runs_kept(h, CTX.lo)[1][0][1], a)
+
+
+@pytest.mark.parametrize(
+    "forge, why",
+    [
+        # a payload byte changed on the way: the header checks out, the part does not
+        (lambda: (lambda m: [m[0], m[1][:-1] + b"\x01"])(keyed_message({100: np.ones(4, np.float32)})), "bad_mac"),
+        # rank 0 (or anyone with rank 0's key) sending as rank 1
+        (lambda: keyed_message({100: np.ones(4, np.float32)}, rank=1, key=tags.rank_key(WORKER_KEY, 0)), "bad_mac"),
+        # the right rank's key of an earlier configuration of this worker
+        (lambda: keyed_message({100: np.ones(4, np.float32)}, key=tags.rank_key(tags.new_key(), 1)), "bad_mac"),
+        # a sender without keys: plain checksums
+        (lambda: message({100: np.ones(4, np.float32)}, rank=1, world=2), "bad_mac"),
+    ],
+)
+def test_a_keyed_receiver_refuses_what_its_keys_did_not_tag(pair, forge, why):
+    out, rx = pair
+    out.send(0, forge(), track=False)
+    out.send(0, keyed_message({100: np.full(4, 3.0, np.float32)}), track=False)
+
+    def read():
+        h = take(rx, KEYED)
+        rx.check_runs(h, KEYED)
+        return rx.runs_kept(h, CTX.lo)
+
+    assert reason(read) == why
+    rx.discard_rest()
+    assert np.array_equal(read()[1][0][1], np.full(4, 3.0, np.float32))  # the next message is read whole

@@ -9,6 +9,7 @@ import pytest
 
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.wire import tags
 
 
 def header(**kw):
@@ -103,7 +104,60 @@ def test_header_checksum_catches_any_flipped_bit():
         flipped[byte] ^= 0x04
         with pytest.raises(F.FrameError) as ei:
             F.unpack_header(bytes(flipped), max_runs=1 << 20)
-        assert ei.value.reason in ("bad_header_checksum", "bad_kind", "bad_length", "too_many_runs"), byte
+        assert ei.value.reason in ("bad_header_checksum", "bad_kind", "bad_length", "too_many_runs", "bad_rank"), byte
+
+
+KEY = tags.rank_key(b"k" * 32, 1)
+
+
+def keyed_header(key: bytes = KEY, **kw) -> tuple[F.Header, tags.DataKey]:
+    t = tags.DataKey(key)
+    nonce = t.nonce()
+    payloads = [b"\1" * 400, b"\2" * 16]
+    runs = ((16, 100, t.tag(nonce, 1, payloads[0])), (200, 4, t.tag(nonce, 2, payloads[1])))
+    return header(runs=runs, nonce=nonce, **kw), t
+
+
+def test_keyed_header_roundtrip_and_its_parts_check_under_their_own_item():
+    h, t = keyed_header()
+    got = F.unpack_header(h.pack(t), max_runs=8, tags=lambda rank: t if rank == 1 else None)
+    assert got == h and got.nonce == h.nonce and h.nonce != tags.ZERO_NONCE
+    assert t.check(h.nonce, 1, b"\1" * 400, h.runs[0][2])
+    assert not t.check(h.nonce, 2, b"\1" * 400, h.runs[0][2])  # a part moved to another place in the table
+    assert not t.check(t.nonce(), 1, b"\1" * 400, h.runs[0][2])  # another message's nonce
+    assert not t.check(h.nonce, 1, b"\1" * 399 + b"\0", h.runs[0][2])
+
+
+def test_keyed_header_refuses_any_flipped_bit_another_key_and_a_checksum():
+    """On a keyed wire every bit after the version is under the MAC; a frame tagged with
+    another rank's key, or with a plain checksum (a sender without the key), fails it."""
+    h, t = keyed_header()
+    raw = bytearray(h.pack(t))
+    for byte in range(8, len(raw)):
+        flipped = bytearray(raw)
+        flipped[byte] ^= 0x04
+        with pytest.raises(F.FrameError) as ei:
+            F.unpack_header(bytes(flipped), max_runs=1 << 20, tags=t)
+        assert ei.value.reason in ("bad_mac", "bad_kind", "bad_length", "too_many_runs", "bad_rank"), byte
+    other = tags.DataKey(tags.rank_key(b"k" * 32, 0))  # rank 0's key for the same worker
+    for forged in (h.pack(other), header().pack()):
+        with pytest.raises(F.FrameError) as ei:
+            F.unpack_header(forged, max_runs=8, tags=t)
+        assert ei.value.reason == "bad_mac"
+    with pytest.raises(F.FrameError) as ei:  # a rank the receiver has no key for
+        F.unpack_header(h.pack(t), max_runs=8, tags=lambda rank: None)
+    assert ei.value.reason == "bad_rank"
+
+
+def test_data_keys_are_fresh_and_one_per_rank():
+    a, b = tags.new_key(), tags.new_key()
+    assert a != b and len(a) == tags.KEY_SIZE
+    assert tags.rank_key(a, 0) != tags.rank_key(a, 1) != tags.rank_key(b, 1)
+    per_rank = tags.for_ranks(a, 3)
+    assert len(per_rank) == 3 and all(t.keyed for t in per_rank)
+    assert tags.for_ranks(None, 3) == () and tags.for_key(None) is tags.PLAIN and not tags.PLAIN.keyed
+    with pytest.raises(ValueError, match="32 bytes"):
+        tags.DataKey(b"short")
 
 
 def test_error_replies_carry_a_code_from_a_fixed_set():

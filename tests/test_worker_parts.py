@@ -16,6 +16,7 @@ from shadow.layout import Layout
 from shadow.transport import FrameReceiver, SocketFactory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.worker.address import Binding
 from shadow.worker.apply import Apply
 from shadow.worker.assignment import Assignment
@@ -341,6 +342,58 @@ def test_the_data_path_refuses_before_configure_and_goes_stale_on_a_gap():
         assert state.rejected["gap"] == 1 and out.kinds() == ["stale"] and state.assignment.stale
         send(3, values)
         assert state.rejected["stale"] == 1 and out.kinds() == ["stale"]
+    finally:
+        push.close(linger=0)
+        data.close()
+
+
+def test_a_keyed_data_path_drops_what_the_ranks_keys_did_not_tag_and_stays_in_step():
+    """A keyed worker (security.data=mac): a copy with a flipped bit that arrives before the
+    real message, a replay, a frame under an earlier configuration's key, one under another
+    rank's key and one with a plain checksum are each dropped and counted; none of them
+    consumes a sequence number or lands a byte, and the real messages are all taken."""
+    ctx = zmq.Context.instance()
+    key, old_key = tags.new_key(), tags.new_key()
+    state, out = WorkerState(), RecordingOutbox()
+    data = DataPath(state, out, SocketFactory(ctx), LOCAL)
+    ep = f"inproc://data-{next(_ids)}"
+    data.sock = ctx.socket(zmq.PULL)
+    data.sock.bind(ep)
+    data.rx = FrameReceiver(data.sock)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(ep)
+    state.assignment = s = Assignment(configure(world=2, data_key=key))
+    half = LAYOUT.total // 2
+
+    def frames(rank: int, seq: int, values: np.ndarray, tagger=None, flip: bool = False) -> list[bytes]:
+        tagger = tagger or tags.DataKey(tags.rank_key(key, rank))
+        nonce = tagger.nonce()
+        runs = ((rank * half, len(values), tagger.tag(nonce, 1, values)),)
+        head = F.Header(F.Kind.STATE, F.Field.PARAM, 7, 2, rank, 2, s.layout_hash, BASE, seq, runs, nonce).pack(tagger)
+        payload = bytearray(values.tobytes())
+        payload[5] ^= 0x10 if flip else 0
+        return [head, bytes(payload)]
+
+    def deliver(msg: list[bytes]) -> None:
+        push.send_multipart(msg)
+        assert data.sock.poll(2000)
+        data.on_message(data.sock)
+
+    try:
+        mine = np.arange(half, dtype=np.float32) + 1
+        good = frames(1, 0, mine)
+        deliver(frames(1, 0, mine, flip=True))  # raced ahead of the real one
+        deliver(frames(1, 0, mine, tagger=tags.DataKey(tags.rank_key(old_key, 1))))  # an earlier configuration's key
+        deliver(frames(1, 0, mine, tagger=tags.DataKey(tags.rank_key(key, 0))))  # rank 0 posing as rank 1
+        deliver(frames(1, 0, mine, tagger=tags.PLAIN))  # no key at all
+        assert state.rejected == {"bad_mac": 4} and not s.stale and s.inbox.next_seq == [0, 0]
+        assert not s.state.param.any()  # nothing landed
+        deliver(good)
+        deliver(good)  # replayed
+        assert state.rejected == {"bad_mac": 4, "duplicate": 1} and s.inbox.next_seq == [0, 1]
+        deliver(frames(0, 0, -mine))
+        assert np.array_equal(s.state.param, np.concatenate([-mine, mine])) and not s.stale
+        assert out.kinds() == []  # nothing went stale
     finally:
         push.close(linger=0)
         data.close()

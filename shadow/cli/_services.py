@@ -118,6 +118,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         keys=security.client_from_config(cfg.security),
         tuning=tuning,
         local_dir=cfg.local_dir,
+        data_mode=cfg.security.data_mode(),
     )
     check_exposure(worker.bind_host, cfg.security, f"worker {cfg.worker_id}")
     metrics = None
@@ -136,11 +137,15 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)
     sec = cfg.security
-    curve = [  # the workers bind with the cluster's pair and admit the same roles; they connect with their own key
-        f"security.{k}={getattr(sec, k)}"
-        for k in ("server_key", "client_key", "allow_workers", "allow_trainers", "allow_clients", "allow_admins")
-        if getattr(sec, k)
-    ] + (["security.insecure=true"] if sec.insecure else [])
+    curve = (
+        [  # the workers bind with the cluster's pair and admit the same roles; they connect with their own key
+            f"security.{k}={getattr(sec, k)}"
+            for k in ("server_key", "client_key", "allow_workers", "allow_trainers", "allow_clients", "allow_admins")
+            if getattr(sec, k)
+        ]
+        + (["security.insecure=true"] if sec.insecure else [])
+        + [f"security.data={sec.data}"]
+    )
     stop = threading.Event()
 
     def shutdown(*_):

@@ -244,6 +244,7 @@ class Attach:
         st.tokens.clear()
         for w in st.workers:
             w.configured, w.prepared, w.stale, w.transit, w.out = -1, first["iteration"] - 1, "", "", False
+            st.new_data_key(w)
             self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, first["iteration"]))
         logger.info(
             "job %s epoch %d: configuring %d workers for %d params (%d elements)",

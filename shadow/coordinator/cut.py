@@ -46,10 +46,18 @@ class Cut:
                     "start": job.ranges[x.id][0],
                     "stop": job.ranges[x.id][1],
                     "shard": st.shard_of(x),
+                    "mode": x.data_mode,
                 }
                 for x in st.workers
             ]
-            self.out.to_trainers(job, "attached", epoch=job.epoch, job_id=job.job_id, workers=workers)
+            self.out.to_trainers(
+                job,
+                "attached",
+                each=lambda rank: st.data_keys(rank, st.workers),
+                epoch=job.epoch,
+                job_id=job.job_id,
+                workers=workers,
+            )
             logger.info("job %s epoch %d attached: %d ranks, %d workers", job.name, job.epoch, job.world, len(workers))
 
     def on_prepared(self, env: list[bytes], msg: Msg) -> None:

@@ -46,6 +46,16 @@ class Membership:
         """A worker (re)takes a slot: its own ``worker_id`` if it names one, else the first free.
         ``fresh``: it holds no state (a register, not a rejoin)."""
         st, now = self.state, time.monotonic()
+        mode = msg.get("data_mode", "curve" if st.keyed else "plain")
+        if mode not in (("mac", "curve") if st.keyed else ("plain",)):
+            self.out.reply(
+                env,
+                "error",
+                code="refused",
+                message=f"this worker's data socket is {mode!r} and the coordinator "
+                f"{'has keys: mac or curve' if st.keyed else 'has none: plain'}; give both the same security.* keys",
+            )
+            return None
         w = st.worker(env[0])
         slot = msg["worker_id"] if w is None else w.id
         taken = {x.id: x for x in st.workers}
@@ -97,6 +107,7 @@ class Membership:
             st.workers.sort(key=lambda x: x.id)
         w.memory = msg.get("memory", -1)
         w.files, w.disk = msg.get("files", ""), msg.get("disk")
+        w.data_mode = mode
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         local_dir = self.cut.persist.config.local.dir  # where the worker's shards are unless it has its own
         extra = {"local_dir": local_dir} if local_dir else {}

@@ -7,6 +7,7 @@ been sent (each message encoded and decoded, so it is checked against its schema
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
@@ -25,8 +26,11 @@ class Outbox(Protocol):
     def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
         """To registered worker ``w``."""
 
-    def to_trainers(self, job: JobRec, kind: str, **fields: Any) -> None:
-        """To every trainer rank of ``job`` the coordinator knows, in rank order."""
+    def to_trainers(
+        self, job: JobRec, kind: str, each: Callable[[int], dict[str, Any]] | None = None, **fields: Any
+    ) -> None:
+        """To every trainer rank of ``job`` the coordinator knows, in rank order; ``each(rank)``:
+        fields of that rank's message alone (its own keys)."""
 
     def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
         """Send to connection ``ident`` only if it is still connected; whether it was."""
@@ -47,9 +51,11 @@ class ZmqOutbox:
     def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
         self.reply([w.ident], kind, **fields)
 
-    def to_trainers(self, job: JobRec, kind: str, **fields: Any) -> None:
-        for _rank, ident in sorted(job.trainers.items()):
-            self.reply([ident], kind, **fields)
+    def to_trainers(
+        self, job: JobRec, kind: str, each: Callable[[int], dict[str, Any]] | None = None, **fields: Any
+    ) -> None:
+        for rank, ident in sorted(job.trainers.items()):
+            self.reply([ident], kind, **fields, **(each(rank) if each is not None else {}))
 
     def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
         if self.sock is None:
@@ -72,9 +78,11 @@ class RecordingOutbox:
     def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
         self.reply([w.ident], kind, **fields)
 
-    def to_trainers(self, job: JobRec, kind: str, **fields: Any) -> None:
-        for _rank, ident in sorted(job.trainers.items()):
-            self.reply([ident], kind, **fields)
+    def to_trainers(
+        self, job: JobRec, kind: str, each: Callable[[int], dict[str, Any]] | None = None, **fields: Any
+    ) -> None:
+        for rank, ident in sorted(job.trainers.items()):
+            self.reply([ident], kind, **fields, **(each(rank) if each is not None else {}))
 
     def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
         if ident in self.gone:

@@ -153,6 +153,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
                 "id": w.id,
                 "pid": w.pid,
                 "data": w.data,
+                "mode": w.data_mode,
                 "serve": w.serve,
                 "start": job.ranges[w.id][0] if job else None,
                 "stop": job.ranges[w.id][1] if job else None,

@@ -93,6 +93,8 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
     job.cut = max([held[w.id]["applied"] for w in ok] + [cfg["iteration"] - 1])
     for w in workers:
         w.configured = job.epoch if w.id in same else -1
+        key = held[w.id]["configure"].get("data_key") if w.id in same else None
+        w.data_key = key if isinstance(key, bytes) else None  # the ranks hold their keys of it
         w.prepared = held[w.id]["prepared"] if w in ok else job.cut
         w.applied = held[w.id]["applied"] if w in ok else -1
     job.status = JobStatus.RUNNING if job.cut >= job.base else JobStatus.BOOTSTRAPPING

@@ -91,6 +91,8 @@ class WorkerRec:
     memory: int = -1  # bytes it has free (its register, rejoin and heartbeats; -1: unknown)
     files: str = ""  # its files socket: the shard files of its local tier (its heartbeats)
     disk: dict | None = None  # {"id", "dir", "host"} of its local tier (its heartbeats; shadow.persist.disks)
+    data_mode: str = "plain"  # how its data socket takes frames: plain, mac or curve (its register)
+    data_key: bytes | None = None  # a keyed cluster: its current configuration's data key (shadow.wire.tags)
     _last_hb: float = 0.0
 
     def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:

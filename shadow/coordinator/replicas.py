@@ -33,6 +33,7 @@ from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobRec, JobStatus, Join, JoinStage, WorkerRec
 from shadow.coordinator.state import ClusterState, configure_fields
+from shadow.wire import tags
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,18 @@ class Replicas:
             self.state.shard_of(w),
             job.gen,
         )
-        self.out.to_trainers(job, "replica_in", epoch=job.epoch, worker=w.id, data=w.data, gen=job.gen)
+        self.state.new_data_key(w)  # the newcomer's configure carries it; frames to the old process no longer check out
+        key = w.data_key
+        self.out.to_trainers(
+            job,
+            "replica_in",
+            each=lambda rank: {} if key is None else {"key": tags.rank_key(key, rank)},
+            epoch=job.epoch,
+            worker=w.id,
+            data=w.data,
+            gen=job.gen,
+            mode=w.data_mode,
+        )
         self.cut.advance()  # the cut no longer waits for the old process in this slot
         return True
 

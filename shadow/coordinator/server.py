@@ -71,7 +71,7 @@ class Coordinator:
     ) -> None:
         self.bind = bind
         self.tuning = tuning if tuning is not None else Tuning.load()
-        self.state = ClusterState(expected=workers, replicas=replicas, tuning=self.tuning)
+        self.state = ClusterState(expected=workers, replicas=replicas, tuning=self.tuning, keyed=guard is not None)
         self.guard = guard  # shadow.security.Guard when CURVE is on
         self.persist = Persistence(persist, self.tuning, sign_key)
         self.socket_out: ZmqOutbox | None = None  # the socket's outbox, opened by run()

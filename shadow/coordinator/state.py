@@ -3,7 +3,8 @@
 Every component (:mod:`membership`, :mod:`cut`, :mod:`replicas`, :mod:`rebuild`,
 :mod:`attach`, :mod:`trainers`, :mod:`queries`) reads and changes this one object and
 nothing else of the coordinator's; what they send goes through an
-:class:`~shadow.coordinator.outbox.Outbox`. The methods here only read.
+:class:`~shadow.coordinator.outbox.Outbox`. The methods here only read, but for
+:meth:`ClusterState.new_data_key`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from shadow.config import check_shape
 from shadow.coordinator.records import Health, JobRec, JobStatus, WorkerRec
 from shadow.tuning import Tuning
+from shadow.wire import tags
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,18 @@ class ClusterState:
     retired: dict[str, Any] | None = None  # memory info of the previous epoch, while the new one bootstraps
     resyncs: dict[str, int] = field(default_factory=dict)  # job -> resyncs asked of its trainers
     starting: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> a worker still compiling
+    keyed: bool = False  # CURVE is on: every worker configuration gets a fresh data key
+
+    def new_data_key(self, w: WorkerRec) -> None:
+        """Draw worker ``w`` a fresh data key (keyed clusters) for its next configuration: what
+        any rank sent it under the last one no longer checks out."""
+        w.data_key = tags.new_key() if self.keyed else None
+
+    def data_keys(self, rank: int, workers: list[WorkerRec]) -> dict[str, Any]:
+        """The ``keys`` field of rank ``rank``'s ``attached`` (none on a wire without keys)."""
+        if not self.keyed:
+            return {}
+        return {"keys": [tags.rank_key(w.data_key, rank) if w.data_key else b"" for w in workers]}
 
     def from_rank(self, env: list[bytes], rank: int) -> bool:
         """Whether a message naming ``rank`` of the attached job comes from that rank's own
@@ -175,4 +189,5 @@ def configure_fields(
         "shard": st.shard_of(w),
         "shards": st.nshards,
         "peer": peer,
+        **({"data_key": w.data_key} if w.data_key is not None else {}),
     }

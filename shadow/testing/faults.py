@@ -248,13 +248,13 @@ class FaultyDataSender:
     def send(self, worker: int, frames: Sequence, track: bool):
         if self.net is None:
             return self.inner.send(worker, frames, track)
-        iteration = F.unpack_header(bytes(frames[0]), 1 << 20).iteration
+        iteration = F.header_iteration(bytes(frames[0]))
         return self.net.send(self.inner, worker, frames, track, iteration)
 
-    def open(self, worker: int, endpoint: str) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
         if self.net is not None:
             self.net.held.pop(worker, None)
-        self.inner.open(worker, endpoint)
+        self.inner.open(worker, endpoint, curve)
 
     def drop(self, worker: int) -> None:
         if self.net is not None:

@@ -2,12 +2,15 @@
 
 A data message is a header frame (``shadow.wire.frames``) followed by one payload part per
 run. :class:`FrameReceiver` owns the socket reads and every check that needs nothing but
-the message and the context it is received in (:class:`Context`): the header's checksum
+the message and the context it is received in (:class:`Context`): the header's tag
 and bounds, job/epoch/layout/world, each run inside the receiver's range and no larger than
-a sender ever makes, each part's size and xxh3. It does not know iterations, sequence
-numbers or commits: the worker applies that policy between :meth:`FrameReceiver.header` and
-the payload calls. The transport benchmark drives this same class, so what it measures is
-the worker's receive path.
+a sender ever makes, each part's size and tag. Tags are checksums on a wire without keys
+and MACs under the sending rank's key on a keyed one (``shadow.wire.tags``); on a keyed
+wire a header that fails its MAC is dropped before any other field is believed, and a
+message's parts are all checked (:meth:`FrameReceiver.parts`) before anything in it is
+taken. It does not know iterations, sequence numbers or commits: the worker applies that
+policy between :meth:`FrameReceiver.header` and the payload calls. The transport benchmark
+drives this same class, so what it measures is the worker's receive path.
 
 Every failed check raises :class:`shadow.wire.frames.FrameError`; the caller then calls
 :meth:`FrameReceiver.discard_rest` so the next message starts on a frame boundary.
@@ -22,6 +25,7 @@ import zmq
 
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
+from shadow.wire.tags import PLAIN, Tags
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class Context:
     """What a data message must match to be taken: the job and epoch being served, the
     layout hash and world size of that job, and the flat element range ``[lo, hi)`` this
     receiver holds (GRAD and STATE runs must lie inside it); ``fields``: the optimizer
-    fields a STATE message may carry."""
+    fields a STATE message may carry; ``keys``: each rank's :class:`~shadow.wire.tags.Tags`
+    on a keyed wire (empty: every rank's are :data:`~shadow.wire.tags.PLAIN`)."""
 
     job: int
     epoch: int
@@ -38,6 +43,13 @@ class Context:
     lo: int
     hi: int
     fields: frozenset[F.Field] = frozenset()
+    keys: tuple[Tags, ...] = ()
+
+    def tags_of(self, rank: int) -> Tags | None:
+        """What rank ``rank``'s frames are tagged with (None: no key for it)."""
+        if not self.keys:
+            return PLAIN
+        return self.keys[rank] if 0 <= rank < len(self.keys) else None
 
 
 class FrameReceiver:
@@ -51,6 +63,7 @@ class FrameReceiver:
         self.max_runs, self.max_commit_bytes = tuning.max_runs, tuning.max_commit_bytes
         self.frames_in = 0
         self.bytes_in = 0
+        self._tags: Tags = PLAIN  # the current message's sender's
 
     # -- the header --------------------------------------------------------------------------
     def header(self, ctx: Context | None) -> F.Header:
@@ -58,9 +71,12 @@ class FrameReceiver:
         check it against ``ctx`` (None: nothing is being served yet)."""
         raw = self.sock.recv(zmq.NOBLOCK)
         self.frames_in += 1
-        h = F.unpack_header(raw, self.max_runs)
         if ctx is None:
             raise F.FrameError("not_configured", "frame arrived before this worker was configured")
+        h = F.unpack_header(raw, self.max_runs, ctx.tags_of)
+        tags = ctx.tags_of(h.rank)
+        assert tags is not None  # unpack_header refused a rank without tags
+        self._tags = tags
         if h.epoch != ctx.epoch or h.job != ctx.job:
             raise F.FrameError(
                 "wrong_epoch", f"frame for job {h.job:#x} epoch {h.epoch}, serving {ctx.job:#x} epoch {ctx.epoch}"
@@ -103,57 +119,49 @@ class FrameReceiver:
                 raise F.FrameError("bad_kind", f"GRAD frame for field {h.field.name}")
 
     # -- the payload -----------------------------------------------------------------------
-    def runs_into(self, h: F.Header, target: np.ndarray, lo: int) -> int:
-        """Receive each run's part straight into ``target[dst - lo : dst - lo + nelem]``
-        and check its xxh3 there; returns the elements received. A failed part leaves
-        whatever it wrote in ``target``: the caller treats that range as lost."""
-        total = 0
-        for dst, nelem, csum in h.runs:
-            view = target[dst - lo : dst - lo + nelem]
-            self._more("message has fewer payload frames than runs")
-            got = self.sock.recv_into(view.data)
-            if got != nelem * 4:
-                raise F.FrameError("truncated_payload", f"payload is {got} bytes, run says {nelem * 4}")
-            self.bytes_in += got
-            self._check(view, csum, f"payload at flat {dst} (+{nelem}) from rank {h.rank} iteration {h.iteration}")
-            total += nelem
-        self.end()
-        return total
-
-    def runs_kept(self, h: F.Header, lo: int) -> tuple[int, list[tuple[int, np.ndarray]]]:
-        """Receive each run's part zero-copy (the message frame itself, viewed as float32)
-        and check its xxh3 there; returns ``(elements, [(dst - lo, view)])`` for a kernel
-        that reads the parts where they lie."""
-        total, parts = 0, []
-        for dst, nelem, csum in h.runs:
-            frame = self._part(nelem * 4)
-            view = np.frombuffer(frame.buffer, dtype=np.float32)
-            self._check(view, csum, f"payload at flat {dst} (+{nelem}) from rank {h.rank} iteration {h.iteration}")
-            parts.append((dst - lo, view))
-            total += nelem
-        self.end()
-        return total, parts
-
-    def chunks(self, h: F.Header) -> list[tuple[int, memoryview]]:
-        """An EXTRA message's chunks, zero-copy and checked: ``[(key, buffer)]``."""
+    def parts(self, h: F.Header) -> list[memoryview]:
+        """Every payload part of the message whose header :meth:`header` just read, zero-copy
+        (the frames' own buffers), each checked against its size and tag; the message must
+        end there. Nothing is taken before every part checks out."""
         out = []
-        for key, nbytes, csum in h.runs:
-            frame = self._part(nbytes)
-            self._check(frame.buffer, csum, f"extras chunk {key:#x} from rank {h.rank} iteration {h.iteration}")
-            out.append((key, frame.buffer))
+        for i, (dst, n, tag) in enumerate(h.runs, 1):
+            nbytes = n * 4 if h.kind in (F.Kind.GRAD, F.Kind.STATE) else n
+            buf = self._part(nbytes).buffer
+            if not self._tags.check(h.nonce, i, buf, tag):
+                what = f"part {i} (at {dst}, {nbytes} bytes) of rank {h.rank} seq {h.seq} iteration {h.iteration}"
+                if self._tags.keyed:
+                    raise F.FrameError("bad_mac", f"{what} fails its MAC")
+                raise F.FrameError("bad_checksum", f"{what} fails its checksum")
+            out.append(buf)
         self.end()
         return out
 
+    def runs_into(self, h: F.Header, target: np.ndarray, lo: int) -> int:
+        """Check every part (:meth:`parts`), then copy each run's into
+        ``target[dst - lo : dst - lo + nelem]``; returns the elements copied."""
+        total = 0
+        for (dst, nelem, _), buf in zip(h.runs, self.parts(h), strict=True):
+            target[dst - lo : dst - lo + nelem] = np.frombuffer(buf, dtype=np.float32)
+            total += nelem
+        return total
+
+    def runs_kept(self, h: F.Header, lo: int) -> tuple[int, list[tuple[int, np.ndarray]]]:
+        """Check every part (:meth:`parts`) and keep it where it lies (the message frame
+        itself, viewed as float32); returns ``(elements, [(dst - lo, view)])`` for a kernel
+        that reads the parts there."""
+        parts = self.parts(h)
+        views = [(run[0] - lo, np.frombuffer(buf, dtype=np.float32)) for run, buf in zip(h.runs, parts, strict=True)]
+        return sum(n for _, n, _ in h.runs), views
+
+    def chunks(self, h: F.Header) -> list[tuple[int, memoryview]]:
+        """An EXTRA message's chunks, zero-copy and checked: ``[(key, buffer)]``."""
+        return [(key, buf) for (key, _, _), buf in zip(h.runs, self.parts(h), strict=True)]
+
     def body(self, h: F.Header) -> bytes:
         """A COMMIT message's one body, checked against its run entry."""
-        _, nbytes, csum = h.runs[0]
-        self._more("commit without body")
-        body = self.sock.recv()
-        if len(body) != nbytes or F.checksum(body) != csum:
-            raise F.FrameError("bad_checksum", f"commit body of rank {h.rank} iteration {h.iteration}")
-        if self.sock.getsockopt(zmq.RCVMORE):
-            raise F.FrameError("extra_payload", "commit has more than one body frame")
-        return body
+        if not h.runs:
+            raise F.FrameError("bad_commit", "commit without body")
+        return bytes(self.parts(h)[0])
 
     def end(self) -> None:
         """The message must end here."""
@@ -177,8 +185,3 @@ class FrameReceiver:
             raise F.FrameError("truncated_payload", f"payload is {len(frame)} bytes, run says {nbytes}")
         self.bytes_in += nbytes
         return frame
-
-    @staticmethod
-    def _check(buf, csum: int, what: str) -> None:
-        if F.checksum(buf) != csum:
-            raise F.FrameError("bad_checksum", what)

@@ -32,9 +32,10 @@ class DataSender(Protocol):
         frames are copied and None is returned."""
         ...
 
-    def open(self, worker: int, endpoint: str) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
         """(Re)open the channel to ``worker`` at ``endpoint``; whatever was queued on the
-        old one is dropped."""
+        old one is dropped. ``curve``: whether the worker's data socket takes CURVE (None:
+        as the channel had it)."""
         ...
 
     def drop(self, worker: int) -> None:
@@ -47,11 +48,17 @@ class DataSender(Protocol):
 
 
 class ZmqDataSender:
-    """A PUSH socket per worker, each with the data path's send high-water mark."""
+    """A PUSH socket per worker, each with the data path's send high-water mark. ``curve``:
+    per worker, whether its data socket takes CURVE (this process's client keys, as every
+    keyed socket before) or connections in clear (a keyed cluster's ``mac`` mode, or no
+    keys); default: CURVE wherever this process has keys."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None
+    ) -> None:
         self.factory, self.hwm = SocketFactory(ctx), hwm
         self.socks: list[zmq.Socket | None] = [None] * len(endpoints)
+        self.curve = list(curve) if curve is not None else [True] * len(endpoints)
         try:
             for w, ep in enumerate(endpoints):
                 self.open(w, ep)
@@ -65,9 +72,14 @@ class ZmqDataSender:
             raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
         return sock.send_multipart(frames, copy=not track, track=track)
 
-    def open(self, worker: int, endpoint: str) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
         self.drop(worker)
-        self.socks[worker] = self.factory.push(endpoint, self.hwm)
+        if curve is not None:
+            self.curve[worker] = curve
+        if self.curve[worker]:
+            self.socks[worker] = self.factory.push(endpoint, self.hwm)
+        else:
+            self.socks[worker] = self.factory.push(endpoint, self.hwm, keys=None)
 
     def drop(self, worker: int) -> None:
         sock, self.socks[worker] = self.socks[worker], None

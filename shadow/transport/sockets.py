@@ -110,12 +110,15 @@ class SocketFactory:
             s.setsockopt(zmq.SNDHWM, int(sndhwm))
         return self._server(s, roles)
 
-    def pull(self, max_bytes: int, rcvhwm: int, roles: tuple[str, ...] = ("trainer",)) -> zmq.Socket:
+    def pull(
+        self, max_bytes: int, rcvhwm: int, roles: tuple[str, ...] = ("trainer",), curve: bool = True
+    ) -> zmq.Socket:
         """A server PULL (not bound yet) holding at most ``rcvhwm`` messages, admitting peers of
-        ``roles`` (with a guard): a worker's data socket, which takes trainers only."""
+        ``roles`` (with a guard and ``curve``): a worker's data socket, which takes trainers
+        only. ``curve=False``: in clear even with a guard (frames carry MACs instead)."""
         s = self._socket(zmq.PULL, max_bytes)
         s.setsockopt(zmq.RCVHWM, int(rcvhwm))
-        return self._server(s, roles)
+        return self._server(s, roles) if curve else s
 
     def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT, rcvhwm: int | None = None) -> zmq.Socket:
         """A client DEALER, connected to ``address`` when given; ``rcvhwm``: the messages it

@@ -5,9 +5,13 @@ A message on the data socket is a ZeroMQ multipart message::
     [header + run table] [payload 0] [payload 1] ...
 
 The header names the job, session epoch, layout hash, sending rank, iteration and a
-per-(rank, worker) sequence number, and ends with a 32-bit checksum of the header and
-run table (so a flipped bit in a destination offset cannot land valid data elsewhere).
-Each run entry is ``(dst, nelem, checksum)``:
+per-(rank, worker) sequence number, and ends with the message's nonce and a tag of
+the header and run table (so a flipped bit in a destination offset cannot land valid data
+elsewhere). Each run entry is ``(dst, nelem, tag)``, the tag being its payload part's.
+Tags are xxh3-64 on a wire without keys and 128-bit GMACs on a keyed one (``shadow.wire.tags``):
+the header's tag then authenticates the sender's rank, epoch and sequence number, and
+through the table every part.
+Run entries:
 ``nelem`` fp32 elements landing at flat element ``dst`` (GRAD and STATE frames) or, for
 a COMMIT, ``nelem`` bytes of msgpack body; for an EXTRA, ``nelem`` bytes of the chunk
 keyed ``dst`` (``trainer_hooks._extras``). Payloads are raw little-endian bytes, sent
@@ -20,13 +24,14 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-import xxhash
+from shadow.wire.tags import PLAIN, TAG_SIZE, ZERO_NONCE, Tags
 
 MAGIC = b"SHDW"
-VERSION = 2
+VERSION = 3
 
-_HEADER = struct.Struct("<4sHBBQIHHQQQII")
-_RUN = struct.Struct("<QQQ")
+_FIELDS = struct.Struct("<4sHBBQIHHQQQI12s")  # ... nruns, nonce; the tag follows
+_HEADER = struct.Struct(_FIELDS.format + "16s")
+_RUN = struct.Struct("<QQ16s")
 HEADER_SIZE = _HEADER.size
 RUN_SIZE = _RUN.size
 #: No payload frame is larger: a sender splits a longer run into consecutive runs of at
@@ -80,9 +85,11 @@ class Header:
     layout: int
     iteration: int
     seq: int
-    runs: tuple[tuple[int, int, int], ...]  # (dst, nelem, checksum)
+    runs: tuple[tuple[int, int, int], ...]  # (dst, nelem, tag of the part)
+    nonce: bytes = ZERO_NONCE  # the message's (``Tags.nonce``); its parts' tags were made with it
 
-    def pack(self) -> bytes:
+    def pack(self, tags: Tags = PLAIN) -> bytes:
+        """The header frame, tagged with ``tags`` (the ones its parts were tagged with)."""
         fields = (
             MAGIC,
             VERSION,
@@ -96,26 +103,31 @@ class Header:
             self.iteration,
             self.seq,
             len(self.runs),
+            self.nonce,
         )
-        table = b"".join(_RUN.pack(*r) for r in self.runs)
-        return _HEADER.pack(*fields, _header_sum(_HEADER.pack(*fields, 0), table)) + table
+        table = b"".join(_RUN.pack(d, n, _tag_bytes(t)) for d, n, t in self.runs)
+        head = _FIELDS.pack(*fields)
+        return head + _tag_bytes(tags.tag(self.nonce, 0, head + table)) + table
 
 
-def _header_sum(head: bytes | memoryview, table: bytes | memoryview) -> int:
-    return xxhash.xxh32_intdigest(table, seed=xxhash.xxh32_intdigest(head))
+def _tag_bytes(tag: int) -> bytes:
+    return tag.to_bytes(TAG_SIZE, "little")
 
 
 def checksum(buf) -> int:
-    """64-bit checksum of a payload (xxh3)."""
-    return xxhash.xxh3_64_intdigest(buf)
+    """64-bit checksum (xxh3) of a payload or a file: a run entry's tag on a wire without keys."""
+    return PLAIN.tag(ZERO_NONCE, 1, buf)
 
 
-def unpack_header(buf: bytes | memoryview, max_runs: int) -> Header:
-    """Parse and structurally validate a header frame (no context checks)."""
+def unpack_header(buf: bytes | memoryview, max_runs: int, tags=PLAIN) -> Header:
+    """Parse and validate a header frame (no context checks). ``tags``: the :class:`Tags`
+    its tag must check with, or a function of the sending rank giving them (None: that rank
+    has no key here). On a keyed wire nothing past the fixed fields is read before the tag
+    checks out."""
     n = len(buf)
     if n < HEADER_SIZE:
         raise FrameError("truncated", f"header frame is {n} bytes, need at least {HEADER_SIZE}")
-    magic, version, kind, field, job, epoch, rank, world, layout, it, seq, nruns, hsum = _HEADER.unpack_from(buf)
+    magic, version, kind, field, job, epoch, rank, world, layout, it, seq, nruns, nonce, htag = _HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise FrameError("bad_magic", f"magic {magic!r} is not {MAGIC!r}")
     if version != VERSION:
@@ -128,11 +140,29 @@ def unpack_header(buf: bytes | memoryview, max_runs: int) -> Header:
         raise FrameError("too_many_runs", f"{nruns} runs exceeds the limit of {max_runs}")
     if n != HEADER_SIZE + nruns * RUN_SIZE:
         raise FrameError("bad_length", f"header frame is {n} bytes for {nruns} runs")
-    mv = memoryview(buf)
-    zeroed = _HEADER.pack(magic, version, kind, field, job, epoch, rank, world, layout, it, seq, nruns, 0)
-    if _header_sum(zeroed, mv[HEADER_SIZE:]) != hsum:
-        raise FrameError("bad_header_checksum", "header or run table does not match its checksum")
     if world == 0 or rank >= world:
         raise FrameError("bad_rank", f"rank {rank} of world {world}")
-    runs = tuple(_RUN.unpack_from(buf, HEADER_SIZE + i * RUN_SIZE) for i in range(nruns))
-    return Header(kind_e, field_e, job, epoch, rank, world, layout, it, seq, runs)
+    mine = tags(rank) if callable(tags) else tags
+    if mine is None:
+        raise FrameError("bad_rank", f"no key for rank {rank} here")
+    mv = memoryview(buf)
+    signed = bytes(mv[: _FIELDS.size]) + bytes(mv[HEADER_SIZE:])
+    if not mine.check(nonce, 0, signed, int.from_bytes(htag, "little")):
+        if mine.keyed:
+            raise FrameError("bad_mac", f"header of rank {rank} seq {seq} fails its MAC (another key, or altered)")
+        raise FrameError("bad_header_checksum", "header or run table does not match its checksum")
+    runs = tuple(_unpack_run(buf, HEADER_SIZE + i * RUN_SIZE) for i in range(nruns))
+    return Header(kind_e, field_e, job, epoch, rank, world, layout, it, seq, runs, nonce)
+
+
+def header_iteration(buf: bytes | memoryview) -> int:
+    """The iteration a header frame names, read without any check (fault injection, which
+    sees its own frames); raises :class:`FrameError` if the frame is too short to say."""
+    if len(buf) < HEADER_SIZE:
+        raise FrameError("truncated", f"header frame is {len(buf)} bytes, need at least {HEADER_SIZE}")
+    return _FIELDS.unpack_from(buf)[9]
+
+
+def _unpack_run(buf, offset: int) -> tuple[int, int, int]:
+    dst, nelem, tag = _RUN.unpack_from(buf, offset)
+    return dst, nelem, int.from_bytes(tag, "little")

@@ -175,8 +175,16 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,), "disk": (dict,)},
     # a worker's files socket and the disk of its local tier (shadow.worker.files)
     "heartbeat": {"files": (str,), "disk": (dict, type(None))},
-    "register": {"files": (str,), "disk": (dict, type(None))},
-    "rejoin": {"files": (str,), "disk": (dict, type(None))},
+    # data_mode: how the worker's data socket takes frames: plain (no keys), mac or curve
+    "register": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,)},
+    "rejoin": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,)},
+    # a keyed cluster's data key for this configuration (shadow.wire.tags): each rank's MAC key
+    # for the worker derives from it
+    "configure": {"data_key": (bytes,)},
+    # a keyed cluster: this rank's MAC key for each worker, in worker order (each worker map
+    # names its data socket's "mode")
+    "attached": {"keys": (list,)},
+    "replica_in": {"key": (bytes,), "mode": (str,)},
     # the cluster's persist.local.dir, where a worker without its own local_dir keeps its shards
     "registered": {"local_dir": (str,)},
     # older checkpoints the catalog left out (its manifests would not fit)

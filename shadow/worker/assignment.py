@@ -11,6 +11,7 @@ from shadow.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.transport.receive import Context
 from shadow.tuning import Tuning
+from shadow.wire import tags
 from shadow.worker.inbox import Inbox
 from shadow.worker.state import ShardState
 
@@ -40,7 +41,8 @@ class Assignment:
             self.state.start,
             self.state.stop,
             frozenset(self.state.fields()),
-        )  # what a data message must match
+            tags.for_ranks(msg.get("data_key"), self.world),
+        )  # what a data message must match (with keys: each rank's MAC key of this configuration)
         self.exact = bool(msg["optim"].get("bit_exact", True))
         self.inbox = Inbox(
             self.state.size, self.world, tuning.worker_slots, self.state.expected_grad, self.state.fields()

@@ -35,8 +35,13 @@ class DataPath:
     socket is readable, :meth:`reopen` on a reset, :meth:`close`. The receiver (``rx``)
     and its counters outlive a reopen. Owned by the worker's main thread."""
 
-    def __init__(self, state: WorkerState, outbox: Outbox, sockets: SocketFactory, binding: Binding) -> None:
+    def __init__(
+        self, state: WorkerState, outbox: Outbox, sockets: SocketFactory, binding: Binding, curve: bool = True
+    ) -> None:
+        """``curve``: the data socket is a CURVE server (when ``sockets`` has a guard); else it
+        takes connections in clear and every frame is checked against its rank's MAC."""
         self.state, self.outbox, self.sockets, self.binding = state, outbox, sockets, binding
+        self.curve = curve
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
         self.rx: FrameReceiver | None = None  # reads the data socket; its counters outlive a reset's fresh socket
@@ -44,7 +49,9 @@ class DataPath:
     def open(self) -> str:
         """Bind a fresh data socket; returns the endpoint trainers push to."""
         # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-        self.sock = self.sockets.pull(data_limit(self.state.tuning), self.state.tuning.data_rcvhwm_messages)
+        self.sock = self.sockets.pull(
+            data_limit(self.state.tuning), self.state.tuning.data_rcvhwm_messages, curve=self.curve
+        )
         self.endpoint = self.binding.bind(self.sock)
         if self.rx is None:
             self.rx = FrameReceiver(self.sock, self.state.tuning)
@@ -127,6 +134,9 @@ class DataPath:
                 f"iteration {h.iteration} is beyond {horizon} (applied {s.applied}, {s.inbox.nslots} slots)",
             )
         rx.check_runs(h, s.context)  # before the sequence check: a malformed header consumes no sequence number
+        # a duplicate (a replay) is dropped before its parts are read; the sequence number is
+        # taken only once every part has checked out (each _take_* does), so a message forged
+        # or damaged on the way consumes none
         s.inbox.check_seq(h.rank, h.seq, self.state.tuning.seq_window_messages)
         if h.kind == F.Kind.COMMIT:
             self._take_commit(s, rx, h)
@@ -139,29 +149,34 @@ class DataPath:
 
     def _take_payload(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
         kind = F.Kind.STATE if h.kind == F.Kind.STATE else F.Kind.GRAD
+        total, parts = rx.runs_kept(h, s.state.start)  # every part checked, where it lies
+        s.inbox.advance(h.rank)
         slot = s.inbox.slot(h.iteration, kind)
         if slot.commits[h.rank] is not None:
             raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
-        if kind == F.Kind.STATE:  # straight into the state array
-            total = rx.runs_into(h, s.state.array(h.field), s.state.start)
+        if kind == F.Kind.STATE:  # into the state array
+            target = s.state.array(h.field)
+            for off, view in parts:
+                target[off : off + len(view)] = view
             slot.field_elems[int(h.field)] = slot.field_elems.get(int(h.field), 0) + total
         else:  # a gradient: keep the frames, the kernel reads them where they lie
-            total, parts = rx.runs_kept(h, s.state.start)
             slot.parts.extend(parts)
         slot.received[h.rank] += total
 
     def _take_extra(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
         """Chunks of model state outside the optimizer (``trainer_hooks._extras``), kept
         zero-copy by key; the worker's set takes them when their iteration is applied."""
+        chunks = rx.chunks(h)
+        s.inbox.advance(h.rank)
         slot = s.inbox.slot(h.iteration, F.Kind.STATE if h.iteration == s.base else F.Kind.GRAD)
         if slot.commits[h.rank] is not None:
             raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
-        chunks = rx.chunks(h)
         slot.extras.update(chunks)
         slot.extra_count[h.rank] += len(chunks)
 
     def _take_commit(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
         body = rx.body(h)
+        s.inbox.advance(h.rank)
         replay, blob = decode_commit(body, h, len(s.layout.params), s.layout.num_groups)
         kind = F.Kind.STATE if replay["bootstrap"] else F.Kind.GRAD
         if replay["bootstrap"] != (h.iteration == s.base):

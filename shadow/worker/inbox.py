@@ -44,11 +44,12 @@ class Inbox:
         self.state_fields = state_fields
 
     def check_seq(self, rank: int, seq: int, window: int) -> None:
-        """Accept the next sequence number of ``rank``. Behind it: a duplicate. Ahead by
-        at most ``window``: a gap (messages were lost; the replica is stale). Further
-        ahead: no message of this session could carry it, so it is dropped as out of
-        window and changes nothing (lost messages are still found by the per-rank sent
-        counts the trainers report to the coordinator)."""
+        """Whether ``seq`` is the next sequence number of ``rank`` (taken by :meth:`advance`
+        once the message checks out). Behind it: a duplicate. Ahead by at most ``window``:
+        a gap (messages were lost; the replica is stale). Further ahead: no message of this
+        session could carry it, so it is dropped as out of window and changes nothing (lost
+        messages are still found by the per-rank sent counts the trainers report to the
+        coordinator)."""
         want = self.next_seq[rank]
         if seq != want:
             if seq > want + window:
@@ -57,7 +58,10 @@ class Inbox:
                 )
             reason = "duplicate" if seq < want else "gap"
             raise FrameError(reason, f"rank {rank} sent sequence {seq}, expected {want}")
-        self.next_seq[rank] = want + 1
+
+    def advance(self, rank: int) -> None:
+        """Take ``rank``'s next sequence number (its message checked out whole)."""
+        self.next_seq[rank] += 1
 
     def slot(self, iteration: int, kind: Kind) -> Slot:
         s = self.slots.get(iteration)

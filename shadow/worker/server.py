@@ -73,8 +73,18 @@ class Worker:
         keys=None,
         tuning: Tuning | None = None,
         local_dir: str = "",
+        data_mode: str = "",
     ) -> None:
+        """``data_mode``: how the data socket takes frames (``SecurityConfig.data_mode``):
+        ``plain`` without a guard; with one, ``mac`` (default: a socket in clear, every frame
+        under its rank's MAC) or ``curve`` (a CURVE socket as well)."""
         self.coordinator = coordinator
+        self.data_mode = data_mode or ("mac" if guard is not None else "plain")
+        if (self.data_mode == "plain") != (guard is None):
+            raise ValueError(
+                f"data_mode={self.data_mode!r} {'needs' if guard is None else 'cannot go with'} keys "
+                "(security.server_key): plain without them, mac or curve with them"
+            )
         self.bind_host, self.host = bind_and_advertise(host, coordinator)
         self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
         self.ctx: zmq.Context = zmq.Context.instance()
@@ -82,7 +92,7 @@ class Worker:
         binding = Binding(self.bind_host, self.host)
         self.state = WorkerState(tuning=tuning if tuning is not None else Tuning.load(), worker_id=worker_id)
         self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
-        self.data = DataPath(self.state, self.outbox, self.sockets, binding)
+        self.data = DataPath(self.state, self.outbox, self.sockets, binding, curve=self.data_mode == "curve")
         self.fetches = FetchServer(self.state, self.sockets, binding)
         self.files = FileServer(self.sockets, binding, local_dir)
         self.apply = Apply(self.state, self.outbox, self.fetches)
@@ -206,6 +216,7 @@ class Worker:
             memory=free,
             files=self.files.endpoint,
             disk=self.files.disk,
+            data_mode=self.data_mode,
         )
 
     def _heartbeat(self) -> None:
@@ -295,6 +306,7 @@ class Worker:
             memory=memory.report(),
             files=self.files.endpoint,
             disk=self.files.disk,
+            data_mode=self.data_mode,
         )
 
     def _on_apply(self, msg: dict) -> None:
@@ -320,6 +332,12 @@ class Worker:
         st = self.state
         try:
             problem = self._configure_problem(msg, st.tuning)
+            if problem is None and (msg.get("data_key") is None) != (self.data_mode == "plain"):
+                problem = (
+                    f"configure {'without' if self.data_mode != 'plain' else 'with'} a data key, and this "
+                    f"worker's data socket is {self.data_mode}: the coordinator and the workers must both "
+                    "have keys (security.server_key) or neither"
+                )
             if problem is not None:
                 raise ValueError(problem)
             sess = Assignment(msg, st.tuning, self.files.override)

@@ -19,8 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 from shadow import sqrttab
 from shadow.choices import Policy
 from shadow.client import LogWaiting, dealer, request
+from shadow.errors import ShadowError
 from shadow.layout import bucket_runs, stripe_bounds
 from shadow.wire import messages as M
+from shadow.wire import tags
 from trainer_hooks import _optim
 from trainer_hooks._extras import ExtrasTracker
 from trainer_hooks._model import build_layout, state_dict_aliases
@@ -133,6 +135,7 @@ class Attachment:
             raise
         self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
         self.shards = [(w["start"], w["stop"]) for w in self.workers]
+        self.data_tags = data_tags(self.workers, reply.get("keys"))
 
     @property
     def recovery(self) -> RecoveryController:
@@ -163,6 +166,8 @@ class Attachment:
             layout_hash=self.layout.hash,
             events=self.recovery,
             tuning=self.options.tuning,
+            tags=self.data_tags,
+            curve=[w.get("mode") == "curve" for w in self.workers],
         )
         self.recovery.bind(self.sender, self.ring)
         self.sender.start()
@@ -353,3 +358,21 @@ class Attachment:
         out["bytes_out"] = self.sender.bytes_out if self.sender is not None else 0
         out["messages_out"] = self.sender.messages_out if self.sender is not None else 0
         return out
+
+
+def data_tags(workers: list[dict], keys: list | None) -> list[tags.Tags]:
+    """What this rank tags its frames to each worker with, from the ``attached`` reply: its
+    MAC key per worker on a keyed cluster, checksums on one without keys."""
+    keyed = [w.get("mode") in ("mac", "curve") for w in workers]
+    if not any(keyed):
+        return [tags.PLAIN] * len(workers)
+    if not isinstance(keys, list) or len(keys) != len(workers):
+        sent = len(keys) if isinstance(keys, list) else "no"
+        raise ShadowError(
+            f"the coordinator named {len(workers)} keyed workers but sent {sent} data keys; "
+            "coordinator and trainers must run the same shadow version"
+        )
+    for w, (k, on) in enumerate(zip(keys, keyed, strict=True)):
+        if on and not (isinstance(k, bytes) and len(k) == tags.KEY_SIZE):
+            raise ShadowError(f"the coordinator sent no valid data key for worker {w}; is it the same shadow version?")
+    return [tags.for_key(k) if on else tags.PLAIN for k, on in zip(keys, keyed, strict=True)]

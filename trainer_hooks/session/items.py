@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shadow.wire import frames as F
+from shadow.wire.tags import PLAIN, Tags
 from trainer_hooks.session.transfer import DONE
 
 
@@ -64,10 +65,14 @@ class NoticeItem:
 
 @dataclass
 class JoinItem:
-    """Start streaming to a (replacement) replica at ``endpoint`` from the next item on."""
+    """Start streaming to a (replacement) replica at ``endpoint`` from the next item on, its
+    frames tagged with ``tags`` (this rank's key of the newcomer's configuration); ``mode``:
+    its data socket's (``curve`` takes CURVE; None: as the old one's)."""
 
     worker: int
     endpoint: str
+    tags: Tags = PLAIN
+    mode: str | None = None
 
 
 @dataclass

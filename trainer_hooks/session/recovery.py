@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from shadow.errors import ShadowError
+from shadow.wire import tags
 from trainer_hooks.session.items import JoinItem, NoticeItem
 from trainer_hooks.session.sender import Sender
 from trainer_hooks.session.staging import StagingRing
@@ -200,7 +201,7 @@ class RecoveryController:
         sender = self._bound_sender()
         for g in sorted(x for x in self.joins if self.join_done < x <= gen):
             msg = self.joins.pop(g)
-            sender.q.put(JoinItem(msg["worker"], msg["data"]))
+            sender.q.put(JoinItem(msg["worker"], msg["data"], tags.for_key(msg.get("key")), msg.get("mode")))
             sender.q.put(
                 NoticeItem(
                     "replica_from",

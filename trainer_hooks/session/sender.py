@@ -32,6 +32,7 @@ from shadow.transport.send import DataSender, ZmqDataSender
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.wire.tags import PLAIN, Tags
 from trainer_hooks.session.items import (
     CommitItem,
     ExtraItem,
@@ -70,7 +71,12 @@ class Sender(threading.Thread):
         layout_hash: int,
         events: SenderEvents,
         tuning: Tuning,
+        tags: list[Tags] | None = None,
+        curve: list[bool] | None = None,
     ) -> None:
+        """``tags``: per worker, what this rank's frames to it are tagged with (its MAC key of
+        the worker's configuration on a keyed cluster; default: checksums); ``curve``: per
+        worker, whether its data socket takes CURVE (default: where this process has keys)."""
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
@@ -83,6 +89,8 @@ class Sender(threading.Thread):
         self.out: set[int] = set()  # replicas out of service: nothing is sent to them
         self.data: DataSender  # the channels to the workers: opened by run(), on this thread
         self.seq = [0] * len(endpoints)
+        self.tags: list[Tags] = list(tags) if tags is not None else [PLAIN] * len(endpoints)
+        self.curve = list(curve) if curve is not None else None
         self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
         self.bytes_out = 0
         self.messages_out = 0
@@ -140,7 +148,7 @@ class Sender(threading.Thread):
     def open_data(self, endpoints: list[str]) -> DataSender:
         """The channels to the workers, opened on this thread (fault injection overrides
         this to wrap them)."""
-        return ZmqDataSender(self.ctx, endpoints, self.tuning.sndhwm_messages)
+        return ZmqDataSender(self.ctx, endpoints, self.tuning.sndhwm_messages, self.curve)
 
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
@@ -183,8 +191,9 @@ class Sender(threading.Thread):
         elif isinstance(item, ExtraItem):
             self._send_extra(item)
         elif isinstance(item, JoinItem):
-            self.data.open(item.worker, item.endpoint)
+            self.data.open(item.worker, item.endpoint, None if item.mode is None else item.mode == "curve")
             self.endpoints[item.worker] = item.endpoint
+            self.tags[item.worker] = item.tags
             self.seq[item.worker] = 0
             self.out.discard(item.worker)
         elif isinstance(item, NoticeItem):
@@ -196,7 +205,13 @@ class Sender(threading.Thread):
                 time.sleep(0.001)
             item.done.set()
 
-    def _header(self, kind: F.Kind, field: F.Field, iteration: int, worker: int, runs) -> bytes:
+    def _tagged(self, worker: int, bufs) -> tuple[bytes, list[int]]:
+        """A new message's nonce and the tag of each of its parts (``bufs``) to ``worker``."""
+        tags = self.tags[worker]
+        nonce = tags.nonce()
+        return nonce, [tags.tag(nonce, i, b) for i, b in enumerate(bufs, 1)]
+
+    def _header(self, kind: F.Kind, field: F.Field, iteration: int, worker: int, runs, nonce: bytes) -> bytes:
         h = F.Header(
             kind,
             field,
@@ -208,9 +223,10 @@ class Sender(threading.Thread):
             iteration,
             self.seq[worker],
             tuple(runs),
+            nonce,
         )
         self.seq[worker] += 1
-        return h.pack()
+        return h.pack(self.tags[worker])
 
     @staticmethod
     def split_runs(runs, max_elems: int) -> list[tuple[int, int, int]]:
@@ -229,8 +245,9 @@ class Sender(threading.Thread):
                 continue
             runs = self.split_runs(runs, F.MAX_PART_BYTES // data.itemsize)
             views = [data[src : src + n] for src, _, n in runs]
-            table = [(dst, n, F.checksum(v)) for (_, dst, n), v in zip(runs, views, strict=True)]
-            frames: list[bytes | memoryview] = [self._header(kind, field, iteration, w, table)]
+            nonce, tags = self._tagged(w, views)
+            table = [(dst, n, t) for (_, dst, n), t in zip(runs, tags, strict=True)]
+            frames: list[bytes | memoryview] = [self._header(kind, field, iteration, w, table, nonce)]
             frames += [v.data for v in views]
             tracker = self._send(w, frames, True, iteration)
             if tracker is not None:
@@ -246,7 +263,8 @@ class Sender(threading.Thread):
         for w, body in enumerate(item.bodies):
             if w in self.out:
                 continue
-            hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), F.checksum(body))])
+            nonce, (tag,) = self._tagged(w, [body])
+            hdr = self._header(F.Kind.COMMIT, F.Field.GRAD, item.iteration, w, [(0, len(body), tag)], nonce)
             self._send(w, [hdr, body], False, item.iteration)
             self.messages_out += 1
 
@@ -254,8 +272,9 @@ class Sender(threading.Thread):
         w = item.worker
         if w in self.out:
             return
-        table = [(k, len(v), F.checksum(v)) for k, v in item.chunks]
-        frames = [self._header(F.Kind.EXTRA, F.Field.GRAD, item.iteration, w, table)]
+        nonce, tags = self._tagged(w, [v for _, v in item.chunks])
+        table = [(k, len(v), t) for (k, v), t in zip(item.chunks, tags, strict=True)]
+        frames = [self._header(F.Kind.EXTRA, F.Field.GRAD, item.iteration, w, table, nonce)]
         self._send(w, frames + [memoryview(v) for _, v in item.chunks], True, item.iteration)  # zero-copy
         self.bytes_out += sum(len(v) for _, v in item.chunks)
         self.messages_out += 1
