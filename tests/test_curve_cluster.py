@@ -15,26 +15,10 @@ from shadow import security
 from shadow.testing import LocalCluster, status
 from shadow.wire import frames as F
 from tests.conftest import train_step
+from tests.helpers.keys import role_keys
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
-
-
-def role_keys(root) -> dict:
-    """A cluster's keys as ``shadow keygen role=...`` lays them out, and its security arguments."""
-    security.generate(root, "server")
-    for role in ("worker", "trainer", "client", "admin"):
-        security.generate(root / f"{role}s", role)
-    args = (
-        f"security.server_key={root / 'server.key_secret'}",
-        f"security.client_key={root / 'workers' / 'worker.key_secret'}",
-        *(f"security.allow_{r}s={root / f'{r}s'}" for r in ("worker", "trainer", "client", "admin")),
-    )
-    keys = {
-        r: security.client_keys(root / "server.key", root / f"{r}s" / f"{r}.key_secret")
-        for r in ("trainer", "client", "admin")
-    }
-    return {"args": args, **keys}
 
 
 @pytest.mark.parametrize("mode", ["mac", "curve"])

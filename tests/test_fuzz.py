@@ -14,9 +14,11 @@ import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.testing import rss_bytes
+from shadow import security
+from shadow.testing import LocalCluster, rss_bytes
 from shadow.wire import frames as F
 from tests.conftest import capture_commits, train_step
+from tests.helpers.keys import role_keys
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -129,9 +131,12 @@ def _live_frames(rnd: random.Random, session, workers: list, seq: list, applied:
     """Frames that carry the live job, epoch and layout hash, each with at least one defect
     that the worker must find before it takes a sequence number: a sequence number behind
     or far ahead of the expected one, an iteration already applied or beyond the slots, a
-    run outside the range or larger than a part, a field that does not fit the kind."""
+    run outside the range or larger than a part, a field that does not fit the kind. Tagged
+    as the session tags its own (on a keyed cluster: with the rank's keys, as a rank that
+    turned against the cluster would)."""
     for _ in range(N_LIVE_FRAMES):
         w = rnd.randrange(len(workers))
+        tagger = session.sender.tags[w]
         lo, hi = workers[w]["start"], workers[w]["stop"]
         nxt = seq[w]
         defect = rnd.choice(["seq_far", "seq_behind", "iter_old", "iter_far", "run_out", "run_zero", "field"])
@@ -164,13 +169,14 @@ def _live_frames(rnd: random.Random, session, workers: list, seq: list, applied:
                 ]
             )
         payload = rnd.randbytes(4 * min(n, 8))
-        runs = ((dst, n, F.checksum(payload)),)
+        nonce = tagger.nonce()
+        runs = ((dst, n, tagger.tag(nonce, 1, payload)),)
         if kind == F.Kind.COMMIT and defect not in ("seq_far", "seq_behind", "iter_old", "iter_far"):
             runs = ((0, 10, 0), (0, 10, 0))  # a commit has exactly one run
         if kind == F.Kind.EXTRA and defect in ("run_out", "run_zero"):
             runs = ((1, 0, 0),)
-        h = F.Header(kind, field, session.job_id, session.epoch, 0, 1, session.layout.hash, it, s, runs)
-        yield w, [h.pack(), payload]
+        h = F.Header(kind, field, session.job_id, session.epoch, 0, 1, session.layout.hash, it, s, runs, nonce)
+        yield w, [h.pack(tagger), payload]
 
 
 def _bad_commit_bodies(rnd: random.Random, body: bytes, iteration: int, nparams: int):
@@ -249,17 +255,35 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
     or commit decoding. This one does: live epoch, job, layout hash and valid or near-valid
     sequence numbers for frames, malformed commits at the next valid sequence number, and
     every control message type with live values, to the coordinator and the serve socket."""
+    _fuzz_live_values(shared_cluster, job, monkeypatch)
+
+
+def test_fuzz_with_live_values_on_a_keyed_cluster_changes_nothing(world1, tmp_path, monkeypatch):
+    """The same against a keyed cluster (security.data=mac), each frame tagged with the rank's
+    own MAC keys (a rank gone rogue), plus copies of them with a flipped bit, which the
+    workers drop as bad_mac before reading anything else."""
+    keys = role_keys(tmp_path / "keys")
+    cluster = LocalCluster(tmp_path, args=keys["args"], keys=keys["admin"])
+    security.set_client(keys["trainer"])
+    try:
+        _fuzz_live_values(cluster, "keyed-fuzz", monkeypatch, keys=keys["trainer"])
+    finally:
+        security.set_client(None)
+        cluster.stop()
+
+
+def _fuzz_live_values(cluster, job: str, monkeypatch, keys=None) -> None:
     from shadow.tuning import Tuning
 
     commits = capture_commits(monkeypatch)
     model, opt, sched = build()
     ddp = DDP(model)
-    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
+    session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job=job)
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)
     assert session.close() == 3
     seq = list(session.sender.seq)  # after close: the last commit has been sent
-    before = shared_cluster.wait_caught_up(3)
+    before = cluster.wait_caught_up(3)
     workers = before["workers"]
     rss0 = {w["pid"]: rss_bytes(w["pid"]) for w in workers}
     rnd = random.Random(4321)
@@ -277,8 +301,11 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
     # malformed commits at the next valid sequence number: each takes it and is refused
     k, bodies = commits[-1]
     assert k == 3
+    forged = 0
     for w, body in enumerate(bodies):
+        tagger = session.sender.tags[w]
         for bad in _bad_commit_bodies(rnd, body, 4, len(session.layout.params)):
+            nonce = tagger.nonce()
             h = F.Header(
                 F.Kind.COMMIT,
                 F.Field.GRAD,
@@ -289,9 +316,18 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
                 session.layout.hash,
                 4,
                 seq[w],
-                ((0, len(bad), F.checksum(bad)),),
-            )
-            pushes[w].send_multipart([h.pack(), bad])
+                ((0, len(bad), tagger.tag(nonce, 1, bad)),),
+                nonce,
+            ).pack(tagger)
+            if tagger.keyed:  # first a copy with one flipped bit: dropped, no sequence number taken
+                flipped = bytearray(h)
+                # in a field only the MAC guards: job, epoch, layout, iteration, sequence, nonce, tags
+                at = rnd.choice([*range(8, 20), *range(24, 48), *range(52, len(h))])
+                flipped[at] ^= 1 << rnd.randrange(8)
+                pushes[w].send_multipart([bytes(flipped), bad])
+                sent[w] += 1
+                forged += 1
+            pushes[w].send_multipart([h, bad])
             seq[w] += 1
             sent[w] += 1
     for p in pushes:
@@ -319,9 +355,12 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
     }
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 5000)
-    dealer.connect(shared_cluster.address)
     serve = ctx.socket(zmq.DEALER)
     serve.setsockopt(zmq.LINGER, 5000)
+    if keys is not None:  # the rank's own key: the control plane stays CURVE
+        keys.apply(dealer)
+        keys.apply(serve)
+    dealer.connect(cluster.address)
     serve.connect(workers[0]["serve"])
     n_msgs = 0
     for kind, variant, raw in _near_valid_messages(rnd, live):
@@ -334,7 +373,7 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
         while s.poll(200):
             s.recv()  # error replies
         s.close()
-    after = shared_cluster.wait_status(
+    after = cluster.wait_status(
         lambda st: all(
             w1["frames_in"] - w0["frames_in"] >= n for w0, w1, n in zip(workers, st["workers"], sent, strict=True)
         ),
@@ -349,8 +388,13 @@ def test_fuzz_with_live_values_changes_nothing(world1, shared_cluster, job, monk
         assert sum(w1["rejected"].values()) - sum(w0["rejected"].values()) >= n  # each one counted
         assert w1["rejected"].get("bad_commit", 0) - w0["rejected"].get("bad_commit", 0) >= 20, w1["rejected"]
         assert rss_bytes(w0["pid"]) - rss0[w0["pid"]] < 64 << 20
+    dropped = sum(
+        w1["rejected"].get("bad_mac", 0) - w0["rejected"].get("bad_mac", 0)
+        for w0, w1 in zip(workers, after["workers"], strict=True)
+    )
+    assert dropped == forged and (forged > 0) == (keys is not None), (dropped, forged)
     assert sum(after["rejected"].values()) - sum(before["rejected"].values()) >= n_msgs * 0.9
     fresh, fopt, _ = build(seed=8)
-    assert trainer_hooks.restore(fresh, fopt, source=shared_cluster.address, job=job).iteration == 3
+    assert trainer_hooks.restore(fresh, fopt, source=cluster.address, job=job).iteration == 3
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
