@@ -1,6 +1,9 @@
 """Trainer overhead of checkpointing, side by side in one run: 2-rank gloo DDP training of
 the example GPT with no checkpointing, with the shadow attached (workers on this machine),
 with DCP async_save every iteration and every 50, and with torch.save every iteration.
+``shadow_mac`` and ``shadow_curve``: the shadow on a cluster with role keys
+(``security.data=mac``, the default with keys, and ``curve``), the ranks carrying the
+trainer key.
 
     python benchmarks/bench_overhead.py [--steps 20] [--rounds 1] [--n-layer 6] [--n-embd 512] [--json PATH]
 
@@ -26,12 +29,14 @@ from pathlib import Path
 from benchlib import Goal, bars, example_gpt, machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "python_hook")
+MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "shadow_mac", "shadow_curve", "python_hook")
+DEFAULT_MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "shadow_mac")
 
 GOALS = [
     Goal("step time, shadow / none", "vs_none.shadow", 1.05, "<=", "x"),
     Goal("shadow overhead / DCP async_save overhead", "overhead_vs_dcp_async", 0.2, "<="),
     Goal("step time, {key} / none", "vs_none.*", None, unit="x", where={"key": "!shadow"}),
+    Goal("step time, keyed {key} / no keys", "keyed_vs_plain.*", None, unit="x"),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -66,7 +71,7 @@ def rank_main(args) -> None:
             return fut.then(lambda f: f.value())
 
         ddp.register_comm_hook(None, hook)
-    if args.mode == "shadow":
+    if args.mode.startswith("shadow"):
         import trainer_hooks
 
         session = trainer_hooks.attach(ddp, opt, coordinator=args.coordinator, job="bench")
@@ -110,14 +115,20 @@ def rank_main(args) -> None:
     dist.destroy_process_group()
 
 
-def launch(mode: str, args, work: Path, coordinator: str = "") -> dict:
+def launch(mode: str, args, work: Path, coordinator: str = "", env_extra: dict | None = None) -> dict:
     out = work / mode
     out.mkdir(parents=True, exist_ok=True)
     port = str(29500 + os.getpid() % 1000 + MODES.index(mode))
     procs = []
     for r in range(2):
         env = dict(
-            os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT)
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            PYTHONPATH=str(ROOT),
+            **(env_extra or {}),
         )
         procs.append(
             subprocess.Popen(
@@ -156,7 +167,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--n-embd", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per mode (the figure is the median)")
     ap.add_argument("--json", default="")
-    ap.add_argument("--modes", default=",".join(MODES[:5]), help="comma-separated, of " + ",".join(MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated, of " + ",".join(MODES))
     ap.add_argument("--rank-mode", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
@@ -173,10 +184,12 @@ def run(args) -> dict:
     modes = [m for m in args.modes.split(",") if m]
     for rnd in range(args.rounds):  # interleaved rounds: drift on a noisy machine hits every mode alike
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
-            if mode == "shadow":
-                cluster = LocalCluster(work, workers=2)
+            if mode.startswith("shadow"):
+                keyed = mode != "shadow"
+                sec = _keys(work, mode.removeprefix("shadow_")) if keyed else {}
+                cluster = LocalCluster(work, workers=2, args=sec.get("args", ()), keys=sec.get("admin"))
                 try:
-                    res = launch(mode, args, work, cluster.address)
+                    res = launch(mode, args, work, cluster.address, sec.get("env"))
                 finally:
                     cluster.stop()
             else:
@@ -200,6 +213,13 @@ def run(args) -> dict:
     if "shadow" in results and "dcp_async" in results:
         sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
         print(f"shadow overhead / DCP async_save overhead: {sh / dc:.2f} (goal <= 0.2)" if dc > 0 else "")
+    keyed_vs_plain = {
+        m.removeprefix("shadow_"): results[m]["s_per_step"] / results["shadow"]["s_per_step"]
+        for m in ("shadow_mac", "shadow_curve")
+        if m in results and "shadow" in results
+    }
+    for k, x in keyed_vs_plain.items():
+        print(f"step time with keys, security.data={k} / without keys: {x:.2f}x")
     shutil.rmtree(work, ignore_errors=True)
     doc = {
         "params": params,
@@ -208,12 +228,38 @@ def run(args) -> dict:
         "results": results,
         "machine": machine_info(),
         "vs_none": {m: r["s_per_step"] / base for m, r in results.items() if m != "none" and "none" in results},
+        "keyed_vs_plain": keyed_vs_plain,
     }
     if "shadow" in results and "dcp_async" in results:
         sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
         if dc > 0:
             doc["overhead_vs_dcp_async"] = sh / dc
     return doc
+
+
+def _keys(work: Path, data: str) -> dict:
+    """A keyed cluster's role keys under ``work`` (made once): its arguments with
+    ``security.data=data``, the admin's client keys, and the trainer ranks' environment."""
+    from shadow import security
+
+    keys = work / "keys"
+    if not (keys / "server.key").exists():
+        security.generate(keys, "server")
+        for role in ("worker", "trainer", "admin"):
+            security.generate(keys / f"{role}s", role)
+    return {
+        "args": (
+            f"security.server_key={keys / 'server.key_secret'}",
+            f"security.client_key={keys / 'workers' / 'worker.key_secret'}",
+            *(f"security.allow_{r}s={keys / f'{r}s'}" for r in ("worker", "trainer", "admin")),
+            f"security.data={data}",
+        ),
+        "admin": security.client_keys(keys / "server.key", keys / "admins" / "admin.key_secret"),
+        "env": {
+            security.ENV_SERVER_KEY: str(keys / "server.key"),
+            security.ENV_CLIENT_KEY: str(keys / "trainers" / "trainer.key_secret"),
+        },
+    }
 
 
 def plot(results: dict, path) -> bool:

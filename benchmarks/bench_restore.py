@@ -29,6 +29,15 @@ model and optimizer hold the state:
   shadow remote (S3)  trainer_hooks.restore(model, opt, source="s3://bucket/...")
   DCP load, S3    as DCP load, with storage_reader=FsspecReader("s3://bucket/...")
 
+Keyed rows (without --no-keyed): a second cluster with role keys (``security.data=mac``,
+its own local tier), trained the same way by a trainer carrying the trainer key; the
+restorer switches to that key for these rows only:
+
+  shadow memory, keyed            trainer_hooks.restore(model, opt, source=<the keyed cluster>)
+  shadow local, via workers, keyed  its local tier, every shard through the worker holding it
+
+"keyed / no keys" compares each with the same row of the cluster without keys.
+
 One warm-up round (reported as "first call", not in the median), then --repeat rounds;
 the paths run interleaved, the order rotated each round; the figure is the median. After
 every restore the model and optimizer state dicts are compared with the trained state
@@ -76,6 +85,8 @@ GOALS = [
     Goal("restore {path} / DCP load, S3", "rows.*.vs_dcp_load", 1.0, "<=", "x", where={"path": "shadow remote*"}),
     Goal("every restore bit-identical to the trained state", "bit_identical", True, "=="),
     Goal("restore {path}, median seconds", "rows.*.median_s", None, unit="s"),
+    Goal("restore shadow memory, keyed (mac) / no keys", "keyed_memory_vs_plain", 1.2, "<=", "x"),
+    Goal("restore shadow local via workers, keyed / no keys", "keyed_via_workers_vs_plain", None, unit="x"),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -106,6 +117,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip the object-store rows (a SeaweedFS S3 server on loopback: `weed` and s3fs, the test extra)",
     )
+    ap.add_argument(
+        "--no-keyed",
+        dest="keyed",
+        action="store_false",
+        help="skip the rows of a keyed cluster (role keys, security.data=mac)",
+    )
     ap.add_argument("--dir", default=None, help="where the temp dir goes (the disk measured); default $TMPDIR")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     ap.add_argument("--json", default="")
@@ -113,7 +130,38 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--work", default="", help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     ap.add_argument("--s3-url", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--keyed-coordinator", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--keys", default="", help=argparse.SUPPRESS)
     return ap
+
+
+def _keyed_cluster(services: Services, work: Path, steps: int, common: list[str]) -> str:
+    """A second cluster, with role keys (security.data=mac), trained as the first one; its
+    address (the restorer gets the keys directory)."""
+    from shadow import security
+
+    keys = work / "keys"
+    security.generate(keys, "server")
+    for role in ("worker", "trainer", "admin"):
+        security.generate(keys / f"{role}s", role)
+    args = [
+        f"security.server_key={keys / 'server.key_secret'}",
+        f"security.client_key={keys / 'workers' / 'worker.key_secret'}",
+        *(f"security.allow_{r}s={keys / f'{r}s'}" for r in ("worker", "trainer", "admin")),
+        "security.data=mac",
+    ]
+    admin = security.client_keys(keys / "server.key", keys / "admins" / "admin.key_secret")
+    address = services.start_cluster(free_port(), steps, args, local=work / "keyed" / "local", keys=admin)
+    env = {
+        security.ENV_SERVER_KEY: str(keys / "server.key"),
+        security.ENV_CLIENT_KEY: str(keys / "trainers" / "trainer.key_secret"),
+    }
+    (work / "keyed").mkdir(exist_ok=True)
+    argv = [*common, "--coordinator", address, "--work", str(work / "keyed")]
+    services.run("train", argv, timeout=900, env_extra=env)
+    wait_persisted(address, steps, keys=admin)
+    print(f"keyed shadow cluster at {address} (role keys, security.data=mac), trained the same", flush=True)
+    return address
 
 
 def _sizes(args) -> None:
@@ -173,13 +221,17 @@ def run(args) -> dict:
         services.run("train", common + ["--coordinator", address], timeout=900)
         train = json.loads((work / "train.json").read_text())
         st = wait_persisted(address, args.steps, tiers=tiers)
+        keyed = []
+        if args.keyed:
+            keyed_at = _keyed_cluster(services, work, args.steps, common)
+            keyed = ["--keyed-coordinator", keyed_at, "--keys", str(work / "keys")]
         print(
             f"trained GPT {train['params'] / 1e6:.1f}M params for {args.steps} iterations "
             f"({train['s_per_step']:.2f} s/step with the shadow); iteration {args.steps} in memory and on the "
             f"local tier ({st['persist']['local']['last_complete']['bytes'] / 1e6:.0f} MB)",
             flush=True,
         )
-        services.run("restore", common + ["--coordinator", address], timeout=1800)
+        services.run("restore", common + ["--coordinator", address] + keyed, timeout=1800)
         res = json.loads((work / "restore.json").read_text())
     finally:
         services.stop()
@@ -190,6 +242,9 @@ def run(args) -> dict:
 
     gb = res["state_bytes"] / 1e9
     med = {p: statistics.median(v) for p, v in res["times_s"].items()}
+    keyed_vs_plain = {
+        p.removesuffix(", keyed"): s / med[p.removesuffix(", keyed")] for p, s in med.items() if p.endswith(", keyed")
+    }
     base = {
         "warm": med["DCP load"],
         "evicted": med.get("DCP load, evicted", med["DCP load"]),
@@ -234,6 +289,8 @@ def run(args) -> dict:
         "DCP's fsspec reader); < 1 is faster. "
         "Warm rows read from the page cache; 'shadow memory' reads what the workers send over ZeroMQ."
     )
+    for p, x in keyed_vs_plain.items():
+        print(f"keyed (role keys, security.data=mac) / no keys, {p}: {x:.2f}x")
     print("\nwhere the time goes (median s):")
     for name in ("DCP load", "torch.load", "shadow local, via workers"):
         if not res["parts_s"].get(name):
@@ -267,6 +324,9 @@ def run(args) -> dict:
         "train": train,
         "repeat": args.repeat,
         "rows": rows,
+        "keyed_vs_plain": keyed_vs_plain,
+        "keyed_memory_vs_plain": keyed_vs_plain.get("shadow memory"),
+        "keyed_via_workers_vs_plain": keyed_vs_plain.get("shadow local, via workers"),
         "times_s": res["times_s"],
         "parts_s": res["parts_s"],
         "shadow_breakdown_s": res["breakdown_s"],

@@ -22,13 +22,18 @@ class Services:
     def __init__(self, work: Path, script: str) -> None:
         self.work, self.script = work, script
         self.procs: list[subprocess.Popen] = []
-        self.worker_pids: list[int] = []
+        self.worker_pids: list[int] = []  # of every cluster started
         self.cluster: subprocess.Popen | None = None
         self.logs: list = []
 
-    def start_cluster(self, port: int, steps: int, extra: list[str] | None = None) -> str:
+    def start_cluster(
+        self, port: int, steps: int, extra: list[str] | None = None, local: Path | None = None, keys=None
+    ) -> str:
+        """A ``shadow cluster`` of 2 workers on ``port``, its local tier in ``local`` (default
+        ``work/local``); ``keys``: the admin's :class:`~shadow.security.ClientKeys` to ask a
+        keyed cluster (its ``security.*`` in ``extra``) whether it is up."""
         address = f"tcp://127.0.0.1:{port}"
-        log = open(self.work / "cluster.log", "w")  # noqa: SIM115 (closed in stop())
+        log = open(self.work / f"cluster-{port}.log", "w")  # noqa: SIM115 (closed in stop())
         self.logs.append(log)
         self.cluster = subprocess.Popen(
             [
@@ -40,7 +45,7 @@ class Services:
                 f"port={port}",
                 "host=127.0.0.1",
                 "threads_per_worker=1",
-                f"persist.local.dir={self.work / 'local'}",
+                f"persist.local.dir={local or self.work / 'local'}",
                 f"persist.local.every_n={steps}",
                 "persist.local.keep=1",
                 *(extra or []),
@@ -55,19 +60,21 @@ class Services:
         deadline = time.monotonic() + 90
         while True:
             try:
-                st = status(address, 1.0)
+                st = status(address, 1.0, keys=keys)
                 if sum(1 for w in st["workers"] if w.get("ready")) == 2:
-                    self.worker_pids = [w["pid"] for w in st["workers"]]
+                    self.worker_pids += [w["pid"] for w in st["workers"]]
                     return address
             except TimeoutError:
                 pass
             if self.cluster.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"shadow cluster did not start:\n{(self.work / 'cluster.log').read_text()[-3000:]}")
+                tail = (self.work / f"cluster-{port}.log").read_text()[-3000:]
+                raise RuntimeError(f"shadow cluster did not start:\n{tail}")
             time.sleep(0.2)
 
-    def run(self, role: str, argv: list[str], timeout: float) -> None:
+    def run(self, role: str, argv: list[str], timeout: float, env_extra: dict | None = None) -> None:
         log = self.work / f"{role}.log"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", ""), TORCH_CPP_LOG_LEVEL="ERROR")
+        env.update(env_extra or {})
         if not env["OMP_NUM_THREADS"]:
             del env["OMP_NUM_THREADS"]
         if os.path.exists("/sys/class/net/lo"):
@@ -127,11 +134,13 @@ class Services:
             f.close()
 
 
-def wait_persisted(address: str, steps: int, limit: float = 120, tiers: tuple[str, ...] = ("local",)) -> dict:
+def wait_persisted(
+    address: str, steps: int, limit: float = 120, tiers: tuple[str, ...] = ("local",), keys=None
+) -> dict:
     """The cluster's status once iteration ``steps`` is committed and complete on ``tiers``."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        st = status(address, 5.0)
+        st = status(address, 5.0, keys=keys)
         done = [((st.get("persist") or {}).get(t) or {}).get("last_complete") for t in tiers]
         if st.get("job") and st["job"]["committed"] == steps and all(lc and lc["iteration"] == steps for lc in done):
             return st

@@ -29,6 +29,8 @@ PATHS = (
     "torch.load, evicted",
     "shadow remote (S3)",
     "DCP load, S3",
+    "shadow memory, keyed",
+    "shadow local, via workers, keyed",
 )
 
 # --------------------------------------------------------------------------- shared
@@ -136,14 +138,29 @@ def restore_main(args) -> None:
 
         return run
 
-    def via_workers(model, opt, parts):
+    def keyed(fn):
+        """``fn`` as a trainer of the keyed cluster: with the trainer key, for this call only."""
+        from shadow import security
+
+        keys = security.client_keys(Path(args.keys) / "server.key", Path(args.keys) / "trainers" / "trainer.key_secret")
+
+        def run(model, opt, parts):
+            security.set_client(keys)
+            try:
+                fn(model, opt, parts)
+            finally:
+                security.set_client(None)
+
+        return run
+
+    def via_workers(model, opt, parts, coordinator: str = args.coordinator):
         """The cluster's local tier as a client that sees none of the workers' disks reads it:
         listed by the coordinator, every shard sent by the worker holding it."""
         from shadow.restore.memory import MemorySource
         from shadow.restore.resolve import pick
 
         t0 = time.perf_counter()
-        src = MemorySource(args.coordinator, 30.0)
+        src = MemorySource(coordinator, 30.0)
         src.candidates(JOB)
         (tier,) = [t for t in src.tiers() if t.name == "local"]
         tier.direct = False
@@ -196,7 +213,19 @@ def restore_main(args) -> None:
         "shadow remote (S3)": (shadow(args.s3_url + "/shadow", "remote"), None),
         "DCP load, S3": (dcp_load_s3, None),
     }
-    paths = [p for p in PATHS if (args.evict or "evicted" not in p) and (args.s3_url or "S3" not in p)]
+    if args.keyed_coordinator:
+        runs["shadow memory, keyed"] = (keyed(shadow(args.keyed_coordinator, "memory")), None)
+        runs["shadow local, via workers, keyed"] = (
+            keyed(lambda m, o, p: via_workers(m, o, p, args.keyed_coordinator)),
+            None,
+        )
+    paths = [
+        p
+        for p in PATHS
+        if (args.evict or "evicted" not in p)
+        and (args.s3_url or "S3" not in p)
+        and (args.keyed_coordinator or "keyed" not in p)
+    ]
     times: dict[str, list[float]] = {p: [] for p in paths}
     first: dict[str, float] = {}
     parts_all: dict[str, list[dict]] = {p: [] for p in paths}

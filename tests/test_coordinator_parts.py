@@ -4,10 +4,12 @@ encoded messages, and what it sends is read back from a recording outbox."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
+from shadow.config import LocalTierConfig, PersistConfig
 from shadow.coordinator.outbox import RecordingOutbox
 from shadow.coordinator.queries import status_view
 from shadow.coordinator.rebuild import rebuild_job
@@ -15,6 +17,7 @@ from shadow.coordinator.records import JobStatus, JoinStage, WorkerRec
 from shadow.coordinator.routes import ROUTES
 from shadow.coordinator.server import Coordinator
 from shadow.layout import Layout, shard_bounds
+from shadow.tuning import Tuning
 from shadow.wire import messages as M
 
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}
@@ -26,9 +29,11 @@ class Sim:
     """A coordinator, its outbox, and helpers that speak for workers (``w<i>``) and trainer
     ranks (``t<r>``)."""
 
-    def __init__(self, workers: int = 2, replicas: int = 1) -> None:
+    def __init__(self, workers: int = 2, replicas: int = 1, persist=None, tuning=None) -> None:
         self.out = RecordingOutbox()
-        self.coord = Coordinator("tcp://127.0.0.1:1", workers=workers, replicas=replicas, outbox=self.out)
+        self.coord = Coordinator(
+            "tcp://127.0.0.1:1", workers=workers, replicas=replicas, outbox=self.out, persist=persist, tuning=tuning
+        )
         self.state = self.coord.state
 
     def send(self, ident: bytes, kind: str, **fields) -> None:
@@ -270,3 +275,43 @@ def test_status_view_only_reads():
 def test_cluster_shape_is_checked(workers, replicas):
     with pytest.raises(ValueError, match="worker"):
         Coordinator("tcp://127.0.0.1:1", workers=workers, replicas=replicas, outbox=RecordingOutbox())
+
+
+def test_a_skipped_last_checkpoint_is_asked_for_again_once_nothing_newer_comes(tmp_path):
+    """Every image busy when the last cut of a run was due: the workers skip it (not a
+    failure) and no next cut comes to be due instead; the coordinator asks again for that
+    very cut, which the workers still hold, rather than leaving the tier behind memory."""
+    tuning = dataclasses.replace(Tuning.load(), heartbeat_s=0.0)
+    sim = Sim(persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=1)), tuning=tuning)
+    sim.running()
+    for i in range(2):
+        sim.prepared(b"w%d" % i, 1)
+    assert [sim.out.last("apply", b"w%d" % i)["persist"] for i in range(2)] == [True, True]
+    sim.coord.cut.retry_persist()
+    assert sim.out.kinds().count("apply") == 2  # nothing skipped yet: nothing asked again
+    for i, (start, stop) in enumerate(BOUNDS):
+        sim.send(
+            b"w%d" % i,
+            "persisted",
+            epoch=sim.state.epoch,
+            iteration=1,
+            tier="local",
+            shard=i,
+            ok=False,
+            error="skipped: earlier checkpoint writes are still running",
+            file="",
+            start=start,
+            stop=stop,
+            bytes=0,
+            checksum="",
+            seconds=0.0,
+            commit=None,
+            blob_ranks=[],
+            skipped=True,
+        )
+    sim.out.clear()
+    sim.coord.cut.retry_persist()
+    assert [sim.out.last("apply", b"w%d" % i) for i in range(2)] == [{"epoch": 1, "iteration": 1, "persist": True}] * 2
+    sim.out.clear()
+    sim.coord.cut.retry_persist()  # asked, in flight: not again
+    assert sim.out.kinds() == []

@@ -115,6 +115,10 @@ def test_frozen_layer_and_buffers_in_every_format(tmp_path):
         model.load_state_dict(torch.load(tmp_path / "old.pt", weights_only=True)["model"], strict=True)
         _same(model.state_dict(), live[POKE - 1])
         model, opt, sched = _fresh()
+        cluster.wait_status(  # the tier may lag the trainers (or have skipped it once, then asked again)
+            lambda st: (st["persist"]["local"]["last_complete"] or {}).get("iteration", -1) >= STEPS,
+            what=f"iteration {STEPS} on the local tier",
+        )
         trainer_hooks.restore(model, opt, source=str(local), scheduler=sched, iteration=STEPS, rank=0)
         _same(model.state_dict(), final)
     finally:

@@ -70,16 +70,24 @@ class Cut:
             st.tokens[msg["iteration"]] = msg["tokens"]
         self.advance()
 
+    def _live(self) -> list:
+        """The workers the cut waits for: every one, or with replicas the healthy ones."""
+        st, now = self.state, time.monotonic()
+        if st.replicas == 1:
+            return st.workers
+        return [x for x in st.workers if not x.out and not x.transit and st.alive(x, now)]
+
+    def _writers(self, live: list) -> dict[int, int]:
+        """Every live replica of a shard writes its own copy, to its own disk (node-local
+        tiers): worker id -> shard; none when some shard has no live copy."""
+        writers = {x.id: self.state.shard_of(x) for x in live}
+        return writers if len(set(writers.values())) == self.state.nshards else {}
+
     def advance(self) -> None:
         """The cut: the newest iteration every healthy worker has prepared (and, while a
         replica copies from its peer, no further than the copied iteration)."""
         st, job = self.state, self.state.job
-        now = time.monotonic()
-        live = (
-            [x for x in st.workers if not x.out and not x.transit and st.alive(x, now)]
-            if st.replicas > 1
-            else st.workers
-        )
+        live = self._live()
         if job is None or not live:
             return
         cut = min(x.prepared for x in live)
@@ -91,10 +99,7 @@ class Cut:
         st.retired = None  # the new epoch holds its base: restores read it, not the previous epoch's
         if job.status == JobStatus.BOOTSTRAPPING:
             job.status = JobStatus.RUNNING
-        # every live replica of a shard writes its own copy, to its own disk (node-local tiers)
-        writers = {x.id: st.shard_of(x) for x in live}
-        if len(set(writers.values())) < st.nshards:  # some shard has no live copy: nothing complete to write
-            writers = {}
+        writers = self._writers(live)
         # a diverged epoch is never persisted again (what it holds is not the trainer's state)
         persist = job.diverged is None and self.persist.local_due(cut, st.tokens.get(cut), writers)
         if persist:
@@ -107,6 +112,25 @@ class Cut:
         self.out.to_trainers(job, "progress", epoch=job.epoch, applied=cut)
         for it in [i for i in st.tokens if i < cut]:
             del st.tokens[it]
+
+    def retry_persist(self) -> None:
+        """(Periodic.) The local tier's request for the cut was skipped (its images were all
+        still being written) and no newer cut has come to be due instead, as after a run's
+        last iteration: ask the writers again for that cut, which they still hold."""
+        st, job = self.state, self.state.job
+        if job is None or job.diverged is not None or job.status not in (JobStatus.RUNNING, JobStatus.DETACHED):
+            return
+        live = self._live()
+        writers = self._writers(live)
+        if not self.persist.retry_skipped(job.cut, writers, st.tuning.heartbeat_s):
+            return
+        job.writers = {}
+        for wid, shard in writers.items():
+            job.writers.setdefault(shard, set()).add(wid)
+        logger.info("tier local: asking again for the checkpoint of iteration %d (skipped, nothing newer)", job.cut)
+        for x in live:
+            if x.id in writers:
+                self.out.to_worker(x, "apply", epoch=job.epoch, iteration=job.cut, persist=True)
 
     def on_persisted(self, env: list[bytes], msg: Msg) -> None:
         st, job = self.state, self.state.job

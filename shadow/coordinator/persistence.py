@@ -8,7 +8,9 @@ its schedule has elapsed since the last remote copy; the next local checkpoint t
 completes then goes up (the newest complete one), and local retention keeps it until
 the copy is done. A checkpoint a worker skipped (all its images still being written)
 is not a failure: it is counted, logged as one summed warning per
-``SHADOW_PERSIST_SKIP_LOG_S``, and the next cut is due again.
+``SHADOW_PERSIST_SKIP_LOG_S``, and the next cut is due again; when no next cut comes (the
+last iteration of a run, or a pause) the skipped cut itself is asked again
+(:meth:`Persistence.retry_skipped`), so the newest state reaches the tier.
 
 Everything it writes on a local file system (manifests, generation records, directories)
 gets ``persist.mode``'s permissions (0600 files, 0700 directories by default); with
@@ -137,6 +139,23 @@ class Persistence:
         t.in_flight[iteration] = {}
         t.asked[iteration] = None if writers is None else dict(writers)
         t.requested[iteration] = time.monotonic()
+        return True
+
+    def retry_skipped(self, cut: int, writers: dict[int, int], wait_s: float) -> bool:
+        """Whether to ask the local tier for the cut ``cut`` again: its last request was
+        skipped at least ``wait_s`` seconds ago (every image was still being written), no
+        newer one was made and nothing is in flight; if so it is recorded as asked, as
+        :meth:`local_due` does (``writers`` as there)."""
+        t = self.tiers.get("local")
+        if t is None or t.held or not writers or t.in_flight or t.last_skip[0] != cut or t.last[0] >= cut:
+            return False
+        if time.monotonic() - t.last_skip[1] < wait_s:
+            return False
+        t.last_skip = (-1, 0.0)
+        t.last = (cut, time.time(), t.last[2])
+        t.in_flight[cut] = {}
+        t.asked[cut] = dict(writers)
+        t.requested[cut] = time.monotonic()
         return True
 
     def file_for(self, tier: str, shard: int, nshards: int) -> str | None:

@@ -64,4 +64,5 @@ PERIODIC: tuple[tuple[str, str], ...] = (
     ("attach", "expire_attaches"),
     ("membership", "check_workers"),
     ("trainers", "check_transit"),
+    ("cut", "retry_persist"),
 )

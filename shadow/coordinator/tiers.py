@@ -35,6 +35,7 @@ class TierState:
     bytes: int = 0
     failures: int = 0
     skipped: int = 0  # requests a worker skipped (not failures)
+    last_skip: tuple = (-1, 0.0)  # (iteration, monotonic time) of the newest request skipped
     failing: int = 0  # failures in a row (a full disk, say); after two, retries follow the schedule
     requested: dict = field(default_factory=dict)  # iteration in flight -> monotonic time of the request
     newest: tuple | None = None  # (iteration, tokens, {shard: report}) of the newest complete one this run
@@ -71,6 +72,7 @@ class TierState:
         """A checkpoint request a worker skipped (every image still being written): counted,
         and logged with the others in one warning at most every ``log_s`` seconds."""
         self.skipped += 1
+        self.last_skip = (iteration, time.monotonic())
         s = self.skip_log
         s["lo"] = iteration if not s["count"] else min(s["lo"], iteration)
         s["hi"] = max(s["hi"], iteration) if s["count"] else iteration
