@@ -312,7 +312,8 @@ def test_a_peer_copy_that_is_late_or_malformed_makes_the_assignment_stale():
 
 
 # -- DataPath ---------------------------------------------------------------------------------
-def test_the_data_path_refuses_before_configure_and_goes_stale_on_a_gap():
+def data_path() -> tuple[WorkerState, RecordingOutbox, DataPath, zmq.Socket]:
+    """A worker's data path on an inproc PULL socket, and a PUSH socket connected to it."""
     ctx = zmq.Context.instance()
     state, out = WorkerState(), RecordingOutbox()
     data = DataPath(state, out, SocketFactory(ctx), LOCAL)
@@ -322,6 +323,11 @@ def test_the_data_path_refuses_before_configure_and_goes_stale_on_a_gap():
     data.rx = FrameReceiver(data.sock)
     push = ctx.socket(zmq.PUSH)
     push.connect(ep)
+    return state, out, data, push
+
+
+def test_the_data_path_refuses_before_configure_and_goes_stale_on_a_gap():
+    state, out, data, push = data_path()
 
     def send(seq: int, values: np.ndarray) -> None:
         s = Assignment(configure())  # for the header's identity only
@@ -352,16 +358,8 @@ def test_a_keyed_data_path_drops_what_the_ranks_keys_did_not_tag_and_stays_in_st
     real message, a replay, a frame under an earlier configuration's key, one under another
     rank's key and one with a plain checksum are each dropped and counted; none of them
     consumes a sequence number or lands a byte, and the real messages are all taken."""
-    ctx = zmq.Context.instance()
     key, old_key = tags.new_key(), tags.new_key()
-    state, out = WorkerState(), RecordingOutbox()
-    data = DataPath(state, out, SocketFactory(ctx), LOCAL)
-    ep = f"inproc://data-{next(_ids)}"
-    data.sock = ctx.socket(zmq.PULL)
-    data.sock.bind(ep)
-    data.rx = FrameReceiver(data.sock)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(ep)
+    state, out, data, push = data_path()
     state.assignment = s = Assignment(configure(world=2, data_key=key))
     half = LAYOUT.total // 2
 
