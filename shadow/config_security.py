@@ -19,7 +19,8 @@ class SecurityConfig:
     directories, each key with that role; every process that connects (a worker, a trainer,
     a client such as ``shadow status``/``restore``/``ls``, an admin) carries its own pair
     (``client_key``) and the cluster's public key (``server_public``; a worker, which holds
-    the server pair, needs none)."""
+    the server pair, needs none). ``data``: how a keyed worker's data socket takes gradient
+    frames (docs/operations.md, "The gradient stream")."""
 
     server_key: str = ""  #: the cluster's secret key file (server.key_secret), for coordinator and workers
     server_public: str = ""  #: the cluster's public key file (server.key), for everything that connects
@@ -30,10 +31,7 @@ class SecurityConfig:
     allow_admins: str = ""  #: directory of the admins' public .key files (what clients may, and drop)
     insecure: bool = False  #: run a cluster bound beyond loopback without keys (anyone who can reach it controls it)
     manifest_key: str = ""  #: file holding the key that signs manifests (persist.sign) and checks them
-    #: with keys, how gradient frames travel: ``mac`` (in clear, each part under a per-epoch MAC:
-    #: authenticity at near line rate) or ``curve`` (CURVE-encrypted as well: confidentiality, at
-    #: about a tenth of the rate); without keys a checksum guards them (a worker setting)
-    data: str = "mac"
+    data: str = "mac"  #: with keys, gradient frames: mac (in clear, per-rank MACs) or curve (encrypted too, slower)
 
     def allow(self) -> dict[str, str]:
         """Role -> its allow directory (the roles given one)."""

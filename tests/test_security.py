@@ -283,6 +283,10 @@ def test_security_config_validation():
     assert parse(ClusterConfig, both).security.allow() == {"worker": "w"}
     cfg = parse(StatusConfig, ["security.server_public=s.key", "security.client_key=c.key_secret"])
     assert cfg.security.enabled and not StatusConfig().security.enabled
+    with pytest.raises(UsageError, match="security.data='aes' is not one of .*mac.*curve"):
+        parse(ClusterConfig, ["security.data=aes"])
+    assert parse(ClusterConfig, [*both, "security.data=curve"]).security.data_mode() == "curve"
+    assert parse(ClusterConfig, both).security.data_mode() == "mac" and SecurityConfig().data_mode() == "plain"
 
 
 def test_key_file_errors_say_what_to_do(keys, tmp_path):
