@@ -22,7 +22,7 @@ import zmq
 
 from shadow.client import dealer, request
 from shadow.jobs import job_name_problem
-from shadow.testing import LocalCluster, free_port
+from shadow.testing import LocalCluster
 from shadow.wire import messages as M
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,8 +183,14 @@ def run_ranks(
     timeout: float = 180,
     script: Path | None = None,
 ) -> list[int]:
-    """Run the tiny trainer (or ``script``) on ``world`` gloo ranks; return their exit codes."""
-    port = free_port()
+    """Run the tiny trainer (or ``script``) on ``world`` gloo ranks; return their exit codes.
+
+    The rendezvous store is hosted here, as torchrun's agent hosts it: bound to a port the
+    kernel picks before any rank starts, so no other process can take the port between its
+    choice and its use (a rank 0 that failed to bind would leave the others connected to a
+    stranger, waiting until the timeout)."""
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = []
     for r in range(world):
         e = dict(
@@ -193,6 +199,7 @@ def run_ranks(
             WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
             PYTHONPATH=str(ROOT),
             **(env or {}),
         )
@@ -211,6 +218,7 @@ def run_ranks(
             for q in procs:
                 q.kill()
             raise AssertionError(f"trainer ranks hung; logs in {tmp}") from None
+    del store
     return codes
 
 

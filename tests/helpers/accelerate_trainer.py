@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from kill import kill_self
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,7 +86,7 @@ def main() -> int:
             if accelerator.sync_gradients:
                 steps += 1
                 if steps == args.kill_at:
-                    os.kill(os.getpid(), 9)
+                    kill_self(run.session if run is not None else None, steps)
     if run is not None:
         run.close()
     os.makedirs(args.out, exist_ok=True)

@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch
+from kill import kill_self
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 
@@ -33,12 +34,12 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class KillAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, run) -> None:
+        self.step, self.run = step, run
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            os.kill(os.getpid(), 9)
+            kill_self(self.run.session if self.run is not None else None, self.step)
         return control
 
 
@@ -73,6 +74,7 @@ def main() -> int:
     )
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens())
     resume = None
+    run = None
     if args.coordinator:
         from trainer_hooks.integrations.hf import protect
 
@@ -81,7 +83,7 @@ def main() -> int:
             resume = run.resume_checkpoint(os.path.join(args.out, "resume"))
             assert resume is not None, "nothing to resume from"
     if args.kill_at:
-        trainer.add_callback(KillAt(args.kill_at))
+        trainer.add_callback(KillAt(args.kill_at, run))
     trainer.train(resume_from_checkpoint=resume)
     rank = trainer.args.process_index
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}

@@ -24,6 +24,7 @@ os.environ.setdefault("GROUP_RANK", "0")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from kill import kill_self  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -49,12 +50,12 @@ class Tiny(pl.LightningModule):
 
 
 class KillAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, shadow) -> None:
+        self.step, self.shadow = step, shadow
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), 9)
+            kill_self(self.shadow.session if self.shadow is not None else None, self.step)
 
 
 def main() -> int:
@@ -73,6 +74,7 @@ def main() -> int:
     module = Tiny()
     callbacks: list = []
     ckpt_path = None
+    shadow = None
     if args.coordinator:
         from trainer_hooks.integrations.lightning import ShadowCallback
 
@@ -82,7 +84,7 @@ def main() -> int:
             ckpt_path = shadow.resume_checkpoint(os.path.join(args.out, "resume"))
             assert ckpt_path is not None, "nothing to resume from"
     if args.kill_at:
-        callbacks.append(KillAt(args.kill_at))
+        callbacks.append(KillAt(args.kill_at, shadow))
     trainer = pl.Trainer(
         strategy="ddp",
         accelerator="cpu",

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from kill import kill_self
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -436,7 +437,7 @@ def main() -> None:
         if info_out is not None:
             info_out.update(completed=it)
         if it == args.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self(session, it)
     if session is not None:
         session.close()
     os.makedirs(args.out, exist_ok=True)
