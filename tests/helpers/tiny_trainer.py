@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from kill import kill_self
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -437,6 +436,8 @@ def main() -> None:
         if info_out is not None:
             info_out.update(completed=it)
         if it == args.kill_at:
+            from kill import kill_self  # run as a script: tests/helpers is on sys.path
+
             kill_self(session, it)
     if session is not None:
         session.close()
