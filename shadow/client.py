@@ -96,14 +96,22 @@ def request(
 
 
 def dealer(
-    ctx: zmq.Context, address: str, keys=None, tuning: Tuning = DEFAULT, rcvhwm: int | None = None
+    ctx: zmq.Context,
+    address: str,
+    keys=None,
+    tuning: Tuning = DEFAULT,
+    rcvhwm: int | None = None,
+    curve: bool = True,
 ) -> zmq.Socket:
     """A DEALER connected to ``address``, receiving what a service answers within
     ``tuning``'s limits; a CURVE client when ``keys`` (default: this process's keys,
-    :func:`shadow.security.current_client`) are set. ``rcvhwm``: see
-    :meth:`shadow.transport.SocketFactory.dealer`."""
+    :func:`shadow.security.current_client`) are set, unless ``curve`` is False (a worker's
+    serve socket in mac mode). ``rcvhwm``: see :meth:`shadow.transport.SocketFactory.dealer`."""
     from shadow.transport import SocketFactory, fetch_limit
 
     check_address(address)
-    factory = SocketFactory(ctx) if keys is None else SocketFactory(ctx, keys=keys)
+    if not curve:
+        factory = SocketFactory(ctx, keys=None)
+    else:
+        factory = SocketFactory(ctx) if keys is None else SocketFactory(ctx, keys=keys)
     return factory.dealer(address, fetch_limit(tuning), rcvhwm=rcvhwm)

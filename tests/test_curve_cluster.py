@@ -12,8 +12,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow import security
+from shadow.client import dealer
+from shadow.restore.memory import restore_info
 from shadow.testing import LocalCluster, status
 from shadow.wire import frames as F
+from shadow.wire import messages as M
 from tests.conftest import train_step
 from tests.helpers.keys import role_keys
 from tests.helpers.tiny_trainer import build
@@ -101,6 +104,27 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
         else:
             assert w0 == {**worker["rejected"], "bad_mac": 1}  # read, dropped, counted
         assert st["job"]["committed"] == 4 and not st["workers"][0]["stale"]
+        if mode == "mac":  # the serve sockets are in clear too: a fetch needs a ticket from the coordinator
+            mem = restore_info(cluster.address, None, 10.0)["memory"]  # as the read-only client
+            assert all(isinstance(w["ticket"], bytes) and len(w["key"]) == 32 for w in mem["workers"])
+            assert (
+                restore_info(cluster.address, None, 10.0)["memory"]["workers"][0]["ticket"]
+                != mem["workers"][0]["ticket"]
+            )
+            stranger = dealer(zmq.Context.instance(), worker["serve"], curve=False)
+            try:
+                stranger.send(M.encode("fetch", epoch=mem["epoch"], iteration=4))
+                assert stranger.poll(30_000), "the worker did not answer a fetch without a ticket"
+                reply = M.decode(stranger.recv())
+                assert reply["t"] == "error" and "no valid ticket" in reply["message"], reply
+                forged = {"ticket": bytes(16), "mac": bytes(32)}
+                stranger.send(M.encode("fetch", epoch=mem["epoch"], iteration=4, **forged))
+                assert stranger.poll(30_000) and "no valid ticket" in M.decode(stranger.recv())["message"]
+            finally:
+                stranger.close(linger=0)
+            cluster.wait_status(  # the worker's counters come with its heartbeats
+                lambda st: st["workers"][0]["rejected"].get("serve_bad_ticket") == 2, what="two fetches refused"
+            )
     finally:
         security.set_client(None)
         cluster.stop()

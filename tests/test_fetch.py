@@ -4,6 +4,7 @@ into place; a chunk that fails its checksum or is short is refused with a clear 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from shadow.restore.memory import fetch_memory
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.wire.frames import Field
 
 OPTIM = {"kind": "adam", "amsgrad_any": False}
@@ -224,3 +226,198 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
         proc.wait()
         router.close(0)
         ctx.term()
+
+
+# -- mac mode: the worker's own reply code, under a ticket's key ------------------------
+
+
+class _Capture:
+    """Stands in for a serve socket: keeps the parts FetchServer._send_state sends."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def send(self, data, flags=0, copy=True, track=False):
+        if flags & zmq.SNDMORE:  # the client's identity
+            return None
+        self.parts.append(bytes(data))
+        return SimpleNamespace(done=True)
+
+
+def _server(keys: dict):
+    """A FetchServer in mac mode whose current (and retired) configuration has these serve keys."""
+    from shadow.transport import SocketFactory
+    from shadow.worker.address import Binding
+    from shadow.worker.fetches import FetchServer
+    from shadow.worker.worker_state import WorkerState
+
+    state = WorkerState()
+    state.assignment = SimpleNamespace(serve_key=keys.get("current"))
+    state.retired = SimpleNamespace(serve_key=keys["retired"]) if "retired" in keys else None
+    return FetchServer(state, SocketFactory(zmq.Context.instance(), keys=None), Binding("127.0.0.1", "127.0.0.1"), True)
+
+
+def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=None):
+    """A serve socket answering one fetch with the worker's own reply code (FetchServer), after
+    checking the fetch's ticket; ``damage(parts)`` alters the parts on the way; ``sign_with``:
+    tag the reply under another key than the ticket's."""
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    server = _server({"current": serve_key})
+    seen: dict = {}
+
+    def run():
+        ident, raw = sock.recv_multipart()
+        msg = M.decode(raw)
+        key = seen["key"] = server.ticket_key(msg)
+        shard = SimpleNamespace(
+            fields=lambda: F.state_fields(OPTIM),
+            array=lambda f: values[f][lo:hi],
+            in_range=np.array([lo == 0] + [False] * (len(SHAPES) - 1)),
+            steps=np.array([5.0] + [0.0] * (len(SHAPES) - 1)),
+            has_state=np.array([True] * len(SHAPES)),
+            start=lo,
+            stop=hi,
+        )
+        session = SimpleNamespace(
+            state=shard, extras={7: b"extra bytes"}, epoch=msg["epoch"], applied=msg["iteration"], commit=None
+        )
+        session.blobs = {0 if lo == 0 else 1: b"blob"}
+        server.sock = _Capture()
+        server.state.tuning = server.state.tuning.replace(fetch_chunk_bytes=chunk)
+        if key is None:
+            sock.send_multipart([ident, M.encode("error", code="busy", message="busy: no valid ticket")])
+            return
+        server._send_state(ident, session, "test", sign_with or key)
+        parts = server.sock.parts
+        if damage:
+            damage(parts)
+        for part in parts:
+            sock.send_multipart([ident, part])
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return sock, t, f"tcp://127.0.0.1:{port}", seen
+
+
+def run_keyed_fetch(damage=None, sign_with=None, ticket_for=None):
+    """Two workers in mac mode; the second's reply passes through ``damage``. ``ticket_for``:
+    the serve key the reader's ticket is made for (default: the worker's own)."""
+    total, split, chunk = 50_000, 20_480, 4096 * 4
+    rng = np.random.default_rng(1)
+    values = {f: rng.standard_normal(total).astype(np.float32) for f in F.state_fields(OPTIM)}
+    ctx = zmq.Context()
+    socks = []
+    try:
+        workers = []
+        for i, (lo, hi) in enumerate([(0, split), (split, total)]):
+            serve_key = tags.serve_key(tags.new_key())
+            sock, t, ep, seen = served_worker(
+                ctx, lo, hi, values, chunk, serve_key, damage if i == 1 else None, sign_with if i == 1 else None
+            )
+            socks.append((sock, t, seen))
+            ticket = tags.new_ticket()
+            key = tags.ticket_key(ticket_for if ticket_for is not None and i == 1 else serve_key, ticket)
+            workers.append({"id": i, "serve": ep, "start": lo, "stop": hi, "ticket": ticket, "key": key})
+        info = {
+            "job": "j",
+            "epoch": 1,
+            "iteration": 7,
+            "layout": LAYOUT.to_dict(),
+            "layout_hash": LAYOUT.hash,
+            "optim": OPTIM,
+            "world": 2,
+            "workers": workers,
+        }
+        snap = fetch_memory(info, "tcp://test", tuning=Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk))
+        for (_, _, seen), w in zip(socks, workers, strict=True):
+            assert seen["key"] == w["key"]  # the worker derived the reader's key from its ticket
+        return snap, values
+    finally:
+        for sock, t, _ in socks:
+            t.join(5)
+            sock.close(0)
+        ctx.term()
+
+
+def test_mac_mode_fetch_lands_every_byte():
+    snap, values = run_keyed_fetch()
+    for f, want in values.items():
+        assert np.array_equal(snap.arrays[f], want)
+    assert snap.steps[0] == 5.0 and sorted(snap.blobs) == [0, 1] and snap.extras == {7: b"extra bytes"}
+
+
+def _flip_chunk(parts):
+    b = bytearray(parts[3])
+    b[100] ^= 1
+    parts[3] = bytes(b)
+
+
+def _swap_chunks(parts):  # two chunks trade places, each still with its own tag
+    parts[2], parts[3] = parts[3], parts[2]
+
+
+def _alter_head(parts):  # a checksum in the head changed, the head's tag left as it was
+    outer = M.decode(parts[0])
+    inner = M.decode(outer["head"])
+    inner["sums"][0] = bytes(16)
+    del inner["t"], inner["v"]
+    outer["head"] = M.encode("fetch_reply", **inner)
+    parts[0] = M.encode("fetch_reply_mac", salt=outer["salt"], tag=outer["tag"], head=outer["head"])
+
+
+def _alter_extra(parts):
+    parts[-1] = b"other bytes"
+
+
+def _unkeyed_head(parts):  # the MAC'd head swapped for the plain reply inside it
+    parts[0] = M.decode(parts[0])["head"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (_flip_chunk, "fail their MAC"),
+        (_swap_chunks, "fail their MAC"),
+        (_alter_head, "head fails its MAC"),
+        (_alter_extra, "damaged extras chunk"),
+        (_unkeyed_head, "without a MAC"),
+    ],
+    ids=["flipped-bit", "swapped-chunks", "altered-head", "altered-extras", "plain-reply"],
+)
+def test_mac_mode_refuses_an_altered_reply(damage, match):
+    with pytest.raises(ShadowError, match=match):
+        run_keyed_fetch(damage)
+
+
+def test_mac_mode_refuses_a_reply_under_another_key():
+    with pytest.raises(ShadowError, match="head fails its MAC"):
+        run_keyed_fetch(sign_with=tags.ticket_key(tags.serve_key(tags.new_key()), tags.new_ticket()))
+
+
+def test_mac_mode_fetch_with_a_ticket_of_another_worker_is_refused():
+    from shadow.restore.memory import MovedOn
+
+    with pytest.raises(MovedOn, match="no valid ticket"):
+        run_keyed_fetch(ticket_for=tags.serve_key(tags.new_key()))
+
+
+def test_a_worker_takes_tickets_of_its_current_and_retired_configurations_only():
+    current, retired = tags.serve_key(tags.new_key()), tags.serve_key(tags.new_key())
+    server = _server({"current": current, "retired": retired})
+
+    def fetch(serve_key, epoch=1, iteration=7, mac_for=(1, 7), ticket=None):
+        ticket = ticket if ticket is not None else tags.new_ticket()
+        key = tags.ticket_key(serve_key, ticket)
+        return {"epoch": epoch, "iteration": iteration, "ticket": ticket, "mac": tags.fetch_mac(key, *mac_for)}, key
+
+    msg, key = fetch(current)
+    assert server.ticket_key(msg) == key
+    msg, key = fetch(retired)
+    assert server.ticket_key(msg) == key
+    assert server.ticket_key(fetch(tags.serve_key(tags.new_key()))[0]) is None  # another worker's, or forged
+    assert server.ticket_key(fetch(current, iteration=8)[0]) is None  # the MAC covers what is asked for
+    assert server.ticket_key(fetch(current, ticket=b"short")[0]) is None
+    assert server.ticket_key({"epoch": 1, "iteration": 7}) is None  # no ticket at all
+    server.state.retired = None
+    assert server.ticket_key(fetch(retired)[0]) is None

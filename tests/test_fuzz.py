@@ -225,7 +225,7 @@ def _schema_value(types, rnd: random.Random, live: dict, name: str):
     if name in live and isinstance(live[name], types):
         return live[name]
     t = types[0]
-    return {int: 0, float: 0.5, str: "fuzz", bool: True, dict: {}, list: [], type(None): None}[t]
+    return {int: 0, float: 0.5, str: "fuzz", bool: True, dict: {}, list: [], bytes: b"", type(None): None}[t]
 
 
 def _near_valid_messages(rnd: random.Random, live: dict):

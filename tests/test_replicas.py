@@ -12,8 +12,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow import security
 from shadow.testing import LocalCluster
 from tests.conftest import train_step
+from tests.helpers.keys import role_keys
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -42,14 +44,26 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int, s
     return it
 
 
-def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
+@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "mac"])
+def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed):
+    """Keyed (security.data=mac), the replacement copies from its peer's serve socket in clear
+    with a ticket the coordinator handed it, the reply under the ticket's MAC."""
     ckpt = tmp_path / "ckpt"
+    keys = role_keys(tmp_path / "keys") if keyed else None
     cluster = LocalCluster(
         tmp_path,
         workers=4,
-        args=("replicas=2", f"persist.local.dir={ckpt}", "persist.local.every_n=4"),
+        args=(
+            "replicas=2",
+            f"persist.local.dir={ckpt}",
+            "persist.local.every_n=4",
+            *((*keys["args"], "security.data=mac") if keys else ()),
+        ),
         env={"SHADOW_WORKER_LOST_S": "1.5"},
+        keys=keys["admin"] if keys else None,
     )
+    if keys:
+        security.set_client(keys["trainer"])
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -85,7 +99,10 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path):
         assert info.tier == "local" and info.iteration >= 4
         for a, b in zip(snaps[info.iteration], disk.parameters(), strict=True):
             assert torch.equal(a, b)
+        if keys:
+            assert {w["mode"] for w in cluster.status()["workers"]} == {"mac"}
     finally:
+        security.set_client(None)
         cluster.stop()
 
 

@@ -49,7 +49,9 @@ def _message(kind: str, live: dict) -> bytes:
             fields[name] = live[name]
         else:
             t = types[0]
-            fields[name] = {int: 0, float: 0.5, str: "x", bool: True, dict: {}, list: [], type(None): None}[t]
+            fields[name] = {int: 0, float: 0.5, str: "x", bool: True, dict: {}, list: [], bytes: b"", type(None): None}[
+                t
+            ]
     return M.encode(kind, **fields)
 
 
@@ -279,6 +281,7 @@ def test_forged_well_formed_messages_from_every_role_take_nothing(seed, tmp_path
                     bool: rnd.random() < 0.5,
                     dict: {},
                     list: rnd.choice([[], [0], [0, 1]]),
+                    bytes: rnd.choice([b"", bytes(16), b"x" * 33]),
                     type(None): None,
                 }[t]
         if kind == "attach":

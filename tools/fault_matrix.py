@@ -70,7 +70,7 @@ def trainer_kill(t: Trial) -> dict:
     """SIGKILL both ranks right after iteration k (and a short sleep); resume to the end."""
     k = t.rng.randint(2, t.steps - 1)
     with LocalCluster(t.tmp) as c:
-        codes = t.run("train", "--kill-at", str(k), "--step-sleep", "0.05", coordinator=c)
+        codes = t.run("train", "--kill-at", str(k), "--kill-at-once", "--step-sleep", "0.05", coordinator=c)
         done = min(t.info("train", r).get("completed", 0) for r in range(RANKS))
         if codes != [-9] * RANKS:
             return result(False, True, None, None, f"kill at {k}: training exited {codes}: {t.error('train')}")
@@ -117,7 +117,7 @@ def trainer_kill_bootstrap(t: Trial) -> dict:
     # tiny model's bootstrap commits 2-5 ms after the handshake, so some land just after it)
     delay = t.rng.choice([0.0, round(t.rng.uniform(0.1, 10.0), 1)])
     with LocalCluster(t.tmp) as c:
-        codes = t.run("train", "--kill-at", str(j), "--step-sleep", "0.05", coordinator=c)
+        codes = t.run("train", "--kill-at", str(j), "--kill-at-once", "--step-sleep", "0.05", coordinator=c)
         if codes != [-9] * RANKS:
             return result(False, True, None, None, f"kill at {j}: training exited {codes}: {t.error('train')}")
         st = settled(c)

@@ -39,6 +39,12 @@ class Queries:
         """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
         st = self.state
         memory = memory_info(st, msg["job"])
+        if memory is not None:  # mac mode: a ticket of this reader's own for each worker
+            by_id = {w.id: w for w in st.workers}
+            memory = dict(memory)
+            memory["workers"] = [
+                {**e, **(by_id[e["id"]].fetch_ticket() if e["id"] in by_id else {})} for e in memory["workers"]
+            ]
         storage = self.persist.storage()
         now = time.monotonic()
         for tier in storage:

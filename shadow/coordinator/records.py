@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shadow.wire import tags
+
 
 class JobStatus(str, Enum):
     """Where the attached job is: ``configuring`` (workers told the new epoch's ranges),
@@ -94,6 +96,14 @@ class WorkerRec:
     data_mode: str = "plain"  # how its data socket takes frames: plain, mac or curve (its register)
     data_key: bytes | None = None  # a keyed cluster: its current configuration's data key (shadow.wire.tags)
     _last_hb: float = 0.0
+
+    def fetch_ticket(self) -> dict:
+        """What a fetch from this worker's serve socket needs in mac mode, for one reader:
+        a fresh ticket and its key (handed out over CURVE only); ``{}`` otherwise."""
+        if self.data_mode != "mac" or self.data_key is None:
+            return {}
+        ticket = tags.new_ticket()
+        return {"ticket": ticket, "key": tags.ticket_key(tags.serve_key(self.data_key), ticket)}
 
     def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:
         """Fold one heartbeat's counters into the recent rates (exponential average, ~4 beats)."""

@@ -145,11 +145,8 @@ class Replicas:
         j.at = m - 1
         self._release_cut_ceiling(job)
         peer = peers[0]
-        self.out.to_worker(
-            w,
-            "configure",
-            **configure_fields(self.state, w, self.persist, m - 1, peer={"id": peer.id, "serve": peer.serve}),
-        )
+        source = {"id": peer.id, "serve": peer.serve, **peer.fetch_ticket()}  # mac mode: a ticket for its serve socket
+        self.out.to_worker(w, "configure", **configure_fields(self.state, w, self.persist, m - 1, peer=source))
         logger.info("worker %d: copying iteration %d from worker %d; ranks stream from %d", w.id, m - 1, peer.id, m)
 
     def on_copied(self, env: list[bytes], msg: Msg) -> None:

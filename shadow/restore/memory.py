@@ -21,6 +21,7 @@ from shadow.snapshot import Snapshot
 from shadow.transport import fetch
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.wire.frames import Field, state_fields
 
 if TYPE_CHECKING:
@@ -208,10 +209,18 @@ def _fetch_shard(
     lo, hi = w.get("start"), w.get("stop")
     if not isinstance(lo, int) or not isinstance(hi, int) or not 0 <= lo <= hi <= total:
         raise ShadowError(f"the restore info gives {who} no range within the layout (start {lo!r}, stop {hi!r})")
+    # mac mode: the coordinator handed out a ticket for this worker (over CURVE); the worker's
+    # serve socket is in clear and its reply comes under the ticket's MAC
+    ticket, key = w.get("ticket"), w.get("key")
+    if not (isinstance(ticket, bytes) and isinstance(key, bytes)):
+        ticket = key = None
     # at most FETCH_BUFFER_BYTES of chunks wait in zmq's buffers before it stops reading the connection
-    sock = dealer(ctx, w["serve"], tuning=tuning, rcvhwm=max(2, FETCH_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes)))
+    rcvhwm = max(2, FETCH_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes))
+    sock = dealer(ctx, w["serve"], tuning=tuning, rcvhwm=rcvhwm, curve=key is None)
     try:
-        sock.send(M.encode("fetch", epoch=info["epoch"], iteration=info["iteration"]))
+        epoch, iteration = info["epoch"], info["iteration"]
+        auth = {"ticket": ticket, "mac": tags.fetch_mac(key, epoch, iteration)} if key is not None else {}
+        sock.send(M.encode("fetch", epoch=epoch, iteration=iteration, **auth))
         reader = fetch.ReplyReader(
             epoch=None,
             iteration=info["iteration"],
@@ -221,6 +230,7 @@ def _fetch_shard(
             who=who,
             target=lambda fld: t if not isinstance(t := targets[fld], np.ndarray) else fetch.as_bytes(t[lo:hi]),
             commit_bytes=tuning.max_commit_bytes,
+            key=key,
         )
         parts = fetch.SocketParts(sock, zmq.NOBLOCK)
         limit = tuning.fetch_timeout_s

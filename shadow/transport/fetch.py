@@ -3,7 +3,9 @@ replica's peer copy (into its own range) alike.
 
 A reply is a stream of zmq messages on one connection: a head (msgpack), then, for each
 array the head names, its bytes of the range in chunks of ``chunk`` bytes, each with its
-xxh3 in ``sums``; then the extras chunks (the model state outside the optimizer). Each part
+xxh3 in ``sums``; then the extras chunks (the model state outside the optimizer). In mac
+mode the head comes inside a ``fetch_reply_mac`` under a MAC of the fetch's ticket, and
+``sums`` hold GMAC tags (:mod:`shadow.wire.tags`). Each part
 is its own message, so a reader takes chunks as they arrive, while the rest are still on
 the wire, and holds at most its socket's ``RCVHWM`` chunks in zmq's buffers rather than the
 whole shard (a multipart message is delivered only once complete). A reader reading the
@@ -24,6 +26,7 @@ import zmq
 
 from shadow.tuning import DEFAULT
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.wire.frames import Field, checksum
 
 
@@ -110,7 +113,8 @@ class ReplyReader:
     """One ``fetch_reply``, read part by part (:meth:`feed`) into ``target(field)`` (a byte
     view of the range ``[start, stop)`` of that array, or a :class:`Scatter`); the head is
     checked against what was asked for (``epoch`` None: any), each chunk against its size
-    and checksum as it lands (a scattered chunk before it is put in place).
+    and checksum as it lands (a scattered chunk before it is put in place). ``key``: the
+    key of the ticket the fetch carried (mac mode): the reply must then come under its MAC.
 
     After the last part: ``head`` (the decoded head), ``extras`` (key -> bytes), ``done``.
     ``received``: the array bytes in place so far; ``total``: all of them (0 before the head).
@@ -127,9 +131,11 @@ class ReplyReader:
         who: str,
         target: Callable[[Field], memoryview | Scatter],
         commit_bytes: int = DEFAULT.max_commit_bytes,
+        key: bytes | None = None,
     ) -> None:
         self.epoch, self.iteration, self.start, self.stop, self.fields = epoch, iteration, start, stop, fields
-        self.who, self.target, self.commit_bytes = who, target, commit_bytes
+        self.who, self.target, self.commit_bytes, self.key = who, target, commit_bytes, key
+        self._mac: tags.ReplyKey | None = None  # the reply's MAC key, once its head checked out
         self.head: dict | None = None
         self.extras: dict[int, bytes] = {}
         self.received = self.total = 0
@@ -162,7 +168,7 @@ class ReplyReader:
     def _decode_head(self, parts) -> dict:
         """The reply's head, checked against what was asked for."""
         who, iteration, epoch = self.who, self.iteration, self.epoch
-        head = M.decode(parts.head(), self.commit_bytes)
+        head = self._open_head(parts.head())
         if head["t"] == "error":
             code = head["code"] if head["code"] in ("moved_on", "busy") else "error"
             raise FetchError(code, f"{who}: {head['message']}")
@@ -187,6 +193,37 @@ class ReplyReader:
             )
         return head
 
+    def _open_head(self, raw) -> dict:
+        """The head message; in mac mode the ``fetch_reply`` inside a checked
+        ``fetch_reply_mac`` (an ``error`` passes as it is: it installs nothing)."""
+        head = M.decode(raw, self.commit_bytes)
+        if self.key is None:
+            if head["t"] == "fetch_reply_mac":
+                raise FetchError("mismatch", f"{self.who} answered under a MAC a fetch without a ticket")
+            return head
+        if head["t"] == "fetch_reply":
+            raise FetchError("mismatch", f"{self.who} answered without a MAC a fetch whose ticket asks for one")
+        if head["t"] != "fetch_reply_mac":
+            return head
+        if len(head["salt"]) != tags.SALT_SIZE:
+            raise FetchError("malformed", f"{self.who} sent a reply salt of {len(head['salt'])} bytes")
+        mac = tags.ReplyKey(self.key, head["salt"])
+        if not mac.check(0, head["head"], head["tag"]):
+            raise FetchError(
+                "damaged", f"{self.who}: the reply's head fails its MAC (altered on the way, or not from the worker)"
+            )
+        inner = M.decode(head["head"], self.commit_bytes)
+        if inner["t"] != "fetch_reply":
+            raise FetchError("malformed", f"{self.who} sent {inner['t']} inside its MAC'd reply")
+        self._mac = mac
+        return inner
+
+    def _ok(self, item: int, buf, tag) -> bool:
+        """Whether ``tag`` vouches for ``buf``, item ``item`` of the reply (1: the first chunk)."""
+        if self._mac is not None:
+            return self._mac.check(item, buf, tag)
+        return checksum(buf) == tag
+
     def _take_head(self, parts) -> None:
         head = self._decode_head(parts)
         chunk, nbytes = head["chunk"], (self.stop - self.start) * 4
@@ -201,7 +238,13 @@ class ReplyReader:
                 "malformed", f"{self.who} sent {len(head['sums'])} checksums for {len(self._chunks)} chunks"
             )
         for entry in head.get("extras", []):
-            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and type(entry[0]) is int
+                and type(entry[1]) is int
+                and type(entry[2]) is (int if self._mac is None else bytes)
+            ):
                 raise FetchError("malformed", f"{self.who} sent a malformed extras entry {entry!r:.80}")
         self.total = sum(n for *_, n in self._chunks)
         self.head = head
@@ -215,9 +258,11 @@ class ReplyReader:
             raise FetchError(
                 "malformed", f"{self.who} sent a {got}-byte chunk of {fld.name} at byte {off}, expected {n}"
             )
-        if checksum(view) != self.head["sums"][self._next]:
+        if not self._ok(1 + self._next, view, self.head["sums"][self._next]):
             raise FetchError(
-                "damaged", f"{self.who}: {fld.name} bytes {off}..{off + n} of its shard fail their checksum"
+                "damaged",
+                f"{self.who}: {fld.name} bytes {off}..{off + n} of its shard fail their "
+                + ("MAC" if self._mac is not None else "checksum"),
             )
         if not isinstance(where, memoryview):
             where.put(self.start * 4 + off, view)
@@ -228,7 +273,7 @@ class ReplyReader:
         assert self.head is not None
         key, nbytes, csum = self.head["extras"][self._next - len(self._chunks)]
         raw = parts.take()
-        if len(raw) != nbytes or checksum(raw) != csum:
+        if len(raw) != nbytes or not self._ok(1 + self._next, raw, csum):
             raise FetchError("malformed", f"{self.who} sent a short or damaged extras chunk {key:#x}")
         self.extras[key] = raw
         self._next += 1

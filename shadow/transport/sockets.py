@@ -94,6 +94,7 @@ class SocketFactory:
         roles: tuple[str, ...] = ROLES,
         sndhwm: int | None = None,
         send_timeout_s: float | None = None,
+        curve: bool = True,
     ) -> zmq.Socket:
         """A server ROUTER (not bound yet) admitting peers of ``roles`` (with a guard): the
         coordinator's, a worker's serve and files sockets. A reply to a peer that has gone is
@@ -101,14 +102,15 @@ class SocketFactory:
         peer (0: no limit; default zmq's 1000). With ``send_timeout_s``, a send to a peer with
         ``sndhwm`` queued waits for it that long, then raises ``zmq.Again``, and one to a peer
         that has gone raises ``EHOSTUNREACH`` (``ROUTER_MANDATORY`` on): the files socket, whose
-        thread may block."""
+        thread may block. ``curve=False``: in clear even with a guard (a serve socket in mac
+        mode, whose requests carry tickets instead)."""
         s = self._socket(zmq.ROUTER, max_bytes)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1 if send_timeout_s is not None else 0)
         if send_timeout_s is not None:
             s.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         if sndhwm is not None:
             s.setsockopt(zmq.SNDHWM, int(sndhwm))
-        return self._server(s, roles)
+        return self._server(s, roles) if curve else s
 
     def pull(
         self, max_bytes: int, rcvhwm: int, roles: tuple[str, ...] = ("trainer",), curve: bool = True

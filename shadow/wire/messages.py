@@ -118,6 +118,9 @@ def limits(kind: str, commit_bytes: int = DEFAULT.max_commit_bytes) -> Limits:
     """The limits of message type ``kind`` (``KeyError`` for an unknown type); the types that
     carry commit records grow with ``commit_bytes`` (``Tuning.max_commit_bytes``)."""
     lim = LIMITS[kind]
+    if kind == "fetch_reply_mac":  # a fetch_reply, encoded, with a salt and a tag beside it
+        outer = limits("fetch_reply", commit_bytes).bytes
+        return Limits(outer, 64, outer - 4 * _KiB, 16, 16)
     if kind in _COMMIT_CARRIERS:
         commit = int(commit_bytes)
         lim = lim._replace(bytes=max(lim.bytes, commit + 64 * _KiB), bin=max(lim.bin, commit))

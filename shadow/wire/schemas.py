@@ -156,6 +156,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "chunk": (int,),
         "sums": (list,),
     },
+    # worker -> client in mac mode (shadow.wire.tags): a fetch_reply, encoded, in ``head``,
+    # whose ``sums`` and extras entries hold 16-byte GMAC tags; ``tag``: the head's own,
+    # under the key of the fetch's ticket and ``salt``
+    "fetch_reply_mac": {"salt": (bytes,), "tag": (bytes,), "head": (bytes,)},
 }
 
 # what an "error" reply's ``code`` says, so that a caller acts on it without reading the text:
@@ -170,6 +174,9 @@ ERROR_CODES = ("malformed", "refused", "busy", "moved_on", "wrong_epoch", "timeo
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     # chunks of the model state outside the optimizer: [[key, nbytes, xxh3], ...]
     "fetch_reply": {"extras": (list,)},
+    # mac mode: the ticket the coordinator handed out for this worker, and the request's MAC
+    # under its key (shadow.wire.tags.fetch_mac)
+    "fetch": {"ticket": (bytes,), "mac": (bytes,)},
     # shadow.persist.writer.Persister.report: bytes before compression, the codec, and a
     # request skipped because every image was still being written (not a failure)
     "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,), "disk": (dict,)},
@@ -244,6 +251,7 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "drop_reply",
         "error",
         "fetch_reply",
+        "fetch_reply_mac",
         "file_reply",
     ),
 }

@@ -136,3 +136,62 @@ def for_ranks(worker_key: bytes | None, world: int) -> tuple[Tags, ...]:
     if worker_key is None:
         return ()
     return tuple(DataKey(rank_key(worker_key, r)) for r in range(world))
+
+
+# -- fetch replies in mac mode ----------------------------------------------------------
+# A keyed cluster in mac mode serves shards over a socket in clear too. What authorises a
+# fetch is a ticket: the coordinator, asked over CURVE by a peer of a reading role, draws a
+# random ticket per worker and hands it out with its key, HMAC(serve key, ticket), where
+# the serve key derives from the worker key of the worker's configuration; the worker
+# derives the same key from the ticket. The request carries the ticket and an HMAC of what
+# it asks for under the ticket's key; the reply a fresh random salt, and each item (0: the
+# head, then the chunks, then the extras) a GMAC under HMAC(ticket key, salt), nonce = the
+# item's index. A fresh salt per reply keeps nonces unique however often a ticket is used.
+
+TICKET_SIZE = 16
+SALT_SIZE = 16
+
+
+def serve_key(worker_key: bytes) -> bytes:
+    """The key a worker's tickets derive from, for the configuration holding ``worker_key``."""
+    return hmac.digest(worker_key, b"shadow serve v1", hashlib.sha256)
+
+
+def new_ticket() -> bytes:
+    return os.urandom(TICKET_SIZE)
+
+
+def ticket_key(serve: bytes, ticket: bytes) -> bytes:
+    """The key that goes with ``ticket`` at the worker whose serve key is ``serve``."""
+    return hmac.digest(serve, b"shadow ticket v1 " + ticket, hashlib.sha256)
+
+
+def fetch_mac(key: bytes, epoch: int, iteration: int) -> bytes:
+    """A fetch request's MAC under its ticket's key (what it asks for, nothing else)."""
+    return hmac.digest(key, b"shadow fetch v1 %d %d" % (epoch, iteration), hashlib.sha256)
+
+
+def fetch_mac_ok(key: bytes, epoch: int, iteration: int, mac: bytes) -> bool:
+    return hmac.compare_digest(fetch_mac(key, epoch, iteration), mac)
+
+
+class ReplyKey:
+    """GMAC over the items of one fetch reply: under HMAC(ticket key, ``salt``), item ``i``
+    under nonce ``i``."""
+
+    def __init__(self, key: bytes, salt: bytes) -> None:
+        if len(salt) != SALT_SIZE:
+            raise ValueError(f"a reply salt is {SALT_SIZE} bytes, got {len(salt)}")
+        self._aes = AESGCM(hmac.digest(key, b"shadow reply v1 " + salt, hashlib.sha256))
+
+    def tag(self, item: int, buf) -> bytes:
+        return self._aes.encrypt(item.to_bytes(NONCE_SIZE, "little"), b"", _flat(buf))
+
+    def check(self, item: int, buf, tag) -> bool:
+        if not isinstance(tag, bytes) or len(tag) != TAG_SIZE:
+            return False
+        try:
+            self._aes.decrypt(item.to_bytes(NONCE_SIZE, "little"), tag, _flat(buf))
+        except InvalidTag:
+            return False
+        return True

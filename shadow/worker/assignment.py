@@ -43,6 +43,8 @@ class Assignment:
             frozenset(self.state.fields()),
             tags.for_ranks(msg.get("data_key"), self.world),
         )  # what a data message must match (with keys: each rank's MAC key of this configuration)
+        # what the fetch tickets of this configuration derive from (a keyed cluster; None without keys)
+        self.serve_key = tags.serve_key(msg["data_key"]) if msg.get("data_key") else None
         self.exact = bool(msg["optim"].get("bit_exact", True))
         self.inbox = Inbox(
             self.state.size, self.world, tuning.worker_slots, self.state.expected_grad, self.state.fields()

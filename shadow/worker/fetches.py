@@ -8,11 +8,18 @@ an ``error`` starting "busy:" and counted (``serve_busy`` / ``serve_full``). An 
 waits for a shard being sent from the live state only while its client reads it: a reply
 with no part handed to the kernel for ``SERVE_STALL_S`` is dropped and counted
 (``serve_dropped``); that client stays busy until zmq lets go of the reply, so one that
-never reads costs one such wait, not one per apply."""
+never reads costs one such wait, not one per apply.
+
+In mac mode (a keyed cluster with ``security.data=mac``) the serve socket is in clear, as
+the data socket is: a fetch must carry a ticket of this worker's configuration and its MAC
+(:mod:`shadow.wire.tags`), and the reply is a ``fetch_reply_mac`` whose head and chunks
+carry GMAC tags instead of checksums. A fetch without a valid ticket is answered "busy"
+(ask the coordinator again) and counted (``serve_bad_ticket``)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,6 +29,7 @@ import zmq
 from shadow.transport import SocketFactory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.worker.address import Binding
 from shadow.worker.worker_state import WorkerState
 
@@ -68,8 +76,9 @@ class FetchServer:
     iteration moves, :meth:`wait_for_readers` before it does, :meth:`expire` every heartbeat
     period; :meth:`close`. Owned by the worker's main thread."""
 
-    def __init__(self, state: WorkerState, sockets: SocketFactory, binding: Binding) -> None:
-        self.state, self.sockets, self.binding = state, sockets, binding
+    def __init__(self, state: WorkerState, sockets: SocketFactory, binding: Binding, tickets: bool = False) -> None:
+        """``tickets``: mac mode (a socket in clear; every fetch needs a ticket)."""
+        self.state, self.sockets, self.binding, self.tickets = state, sockets, binding, tickets
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
         self.pending: list[tuple[bytes, dict, float]] = []
@@ -78,7 +87,7 @@ class FetchServer:
     def open(self) -> str:
         """Bind the serve socket; returns the endpoint restore clients and peers connect to."""
         # a reply's parts are separate messages, references to the live arrays: never drop one
-        self.sock = self.sockets.router(M.socket_limit("serve"), sndhwm=0)
+        self.sock = self.sockets.router(M.socket_limit("serve"), sndhwm=0, curve=not self.tickets)
         self.endpoint = self.binding.bind(self.sock)
         return self.endpoint
 
@@ -106,6 +115,24 @@ class FetchServer:
             self.state.rejected["serve_" + exc.reason] += 1
             sock.send_multipart([ident, M.encode("error", code="malformed", message=str(exc))])
             return
+        if self.tickets:
+            key = self.ticket_key(msg)
+            if key is None:
+                self.state.rejected["serve_bad_ticket"] += 1
+                sock.send_multipart(
+                    [
+                        ident,
+                        M.encode(
+                            "error",
+                            code="busy",
+                            message="busy: this fetch carries no valid ticket of this worker's configuration "
+                            "(none, forged, or from before the worker was configured again): ask the "
+                            "coordinator for the restore info again",
+                        ),
+                    ]
+                )
+                return
+            msg["key"] = key
         refused = self.refuse(ident)
         if refused is not None:
             reason, text = refused
@@ -115,6 +142,20 @@ class FetchServer:
         msg["client"] = _client(ident, raw)
         self.pending.append((ident, msg, time.monotonic() + self.state.tuning.fetch_timeout_s))
         self.answer()
+
+    def ticket_key(self, msg: dict) -> bytes | None:
+        """The key of the fetch's ticket if the ticket is one of the current or the retired
+        configuration's and the fetch's MAC checks under it; else None."""
+        ticket, mac = msg.get("ticket"), msg.get("mac")
+        if not isinstance(ticket, bytes) or len(ticket) != tags.TICKET_SIZE or not isinstance(mac, bytes):
+            return None
+        for s in (self.state.assignment, self.state.retired):
+            if s is None or s.serve_key is None:
+                continue
+            key = tags.ticket_key(s.serve_key, ticket)
+            if tags.fetch_mac_ok(key, msg["epoch"], msg["iteration"], mac):
+                return key
+        return None
 
     def refuse(self, ident: bytes) -> tuple[str, str] | None:
         """``(reason, message)`` if a fetch from ``ident`` is over a cap, else None."""
@@ -153,7 +194,7 @@ class FetchServer:
             if s is None or msg["epoch"] != s.epoch:
                 self._error(ident, "wrong_epoch", f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
             elif s.applied == want or (want < 0 and s.applied >= 0):
-                self._send_state(ident, s, msg.get("client") or ident.hex())
+                self._send_state(ident, s, msg.get("client") or ident.hex(), msg.get("key"))
             elif s.applied > want:
                 self._error(
                     ident, "moved_on", f"worker has moved on to iteration {s.applied}; fetch {want} again later"
@@ -176,10 +217,11 @@ class FetchServer:
     def _error(self, ident: bytes, code: str, text: str) -> None:
         self._sock().send_multipart([ident, M.encode("error", code=code, message=text)])
 
-    def _send_state(self, ident: bytes, s, client: str = "") -> None:
-        """Send session ``s``'s shard: a head (with each chunk's xxh3), then each field in
-        chunks of at most ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part a
-        message of its own, tracked. The next apply waits (:meth:`wait_for_readers`) while zmq sends them; a
+    def _send_state(self, ident: bytes, s, client: str = "", key: bytes | None = None) -> None:
+        """Send session ``s``'s shard: a head (with each chunk's xxh3, or with a ticket's
+        ``key`` its GMAC tag, the head tagged too), then each field in chunks of at most
+        ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part a message of its
+        own, tracked. The next apply waits (:meth:`wait_for_readers`) while zmq sends them; a
         client still reading after that gets chunks that fail their sums and fetches again,
         so it never installs a torn shard."""
         st = s.state
@@ -191,6 +233,14 @@ class FetchServer:
             raw = st.array(f).view(np.uint8)
             views += [raw[i : i + chunk] for i in range(0, len(raw), chunk)]
         extras = sorted(s.extras.items())  # chunks of the model state outside the optimizer, after the arrays
+        if key is not None:
+            salt = os.urandom(tags.SALT_SIZE)
+            rk = tags.ReplyKey(key, salt)
+            sums: list = [rk.tag(1 + i, v) for i, v in enumerate(views)]
+            ex_sums: list = [rk.tag(1 + len(views) + j, b) for j, (_, b) in enumerate(extras)]
+        else:
+            sums = [F.checksum(v) for v in views]
+            ex_sums = [F.checksum(b) for _, b in extras]
         head = M.encode(
             "fetch_reply",
             epoch=s.epoch,
@@ -203,9 +253,11 @@ class FetchServer:
             commits=[[int(r), b] for r, b in sorted(s.blobs.items())],
             replay=s.commit,
             chunk=chunk,
-            sums=[F.checksum(v) for v in views],
-            extras=[[k, len(b), F.checksum(b)] for k, b in extras],
+            sums=sums,
+            extras=[[k, len(b), c] for (k, b), c in zip(extras, ex_sums, strict=True)],
         )
+        if key is not None:
+            head = M.encode("fetch_reply_mac", salt=salt, tag=rk.tag(0, head), head=head)
         parts = [head] + [memoryview(v) for v in views] + [b for _, b in extras]
         sock = self._sock()
         # each part its own message, so that the client takes chunks as they arrive (zmq hands

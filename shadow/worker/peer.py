@@ -14,6 +14,7 @@ import zmq
 from shadow.transport import SocketFactory, fetch, fetch_limit
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.worker.outbox import Outbox
 from shadow.worker.worker_state import WorkerState, go_stale
 
@@ -43,8 +44,16 @@ class PeerFetch:
     def start(cls, sockets: SocketFactory, peer: dict, session, tuning: Tuning) -> PeerFetch:
         st = session.state
         rcvhwm = max(2, PEER_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes))
-        sock = sockets.dealer(peer["serve"], fetch_limit(tuning), rcvhwm=rcvhwm)
-        sock.send(M.encode("fetch", epoch=session.epoch, iteration=session.base))
+        ticket, key = peer.get("ticket"), peer.get("key")
+        if not (isinstance(ticket, bytes) and isinstance(key, bytes)):
+            ticket = key = None
+        if key is not None:  # mac mode: the peer's serve socket is in clear
+            sock = sockets.dealer(peer["serve"], fetch_limit(tuning), keys=None, rcvhwm=rcvhwm)
+            mac = tags.fetch_mac(key, session.epoch, session.base)
+            sock.send(M.encode("fetch", epoch=session.epoch, iteration=session.base, ticket=ticket, mac=mac))
+        else:
+            sock = sockets.dealer(peer["serve"], fetch_limit(tuning), rcvhwm=rcvhwm)
+            sock.send(M.encode("fetch", epoch=session.epoch, iteration=session.base))
         reader = fetch.ReplyReader(
             epoch=session.epoch,
             iteration=session.base,
@@ -54,6 +63,7 @@ class PeerFetch:
             who="peer",
             target=lambda fld: fetch.as_bytes(st.array(fld)),
             commit_bytes=tuning.max_commit_bytes,
+            key=key,
         )
         now = time.monotonic()
         return cls(int(peer["id"]), peer["serve"], session.base, sock, now + tuning.fetch_timeout_s, now, reader)

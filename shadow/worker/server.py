@@ -77,7 +77,8 @@ class Worker:
     ) -> None:
         """``data_mode``: how the data socket takes frames (``SecurityConfig.data_mode``):
         ``plain`` without a guard; with one, ``mac`` (default: a socket in clear, every frame
-        under its rank's MAC) or ``curve`` (a CURVE socket as well)."""
+        under its rank's MAC; the serve socket in clear too, every fetch with a ticket and every
+        reply under its MAC) or ``curve`` (CURVE sockets as well)."""
         self.coordinator = coordinator
         self.data_mode = data_mode or ("mac" if guard is not None else "plain")
         if (self.data_mode == "plain") != (guard is None):
@@ -93,7 +94,7 @@ class Worker:
         self.state = WorkerState(tuning=tuning if tuning is not None else Tuning.load(), worker_id=worker_id)
         self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
         self.data = DataPath(self.state, self.outbox, self.sockets, binding, curve=self.data_mode == "curve")
-        self.fetches = FetchServer(self.state, self.sockets, binding)
+        self.fetches = FetchServer(self.state, self.sockets, binding, tickets=self.data_mode == "mac")
         self.files = FileServer(self.sockets, binding, local_dir)
         self.apply = Apply(self.state, self.outbox, self.fetches)
         self.peer = PeerCopy(self.state, self.outbox, self.sockets)

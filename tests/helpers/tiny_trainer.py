@@ -169,6 +169,11 @@ def main() -> None:
     ap.add_argument("--coordinator", default="")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-at", type=int, default=0)
+    ap.add_argument(
+        "--kill-at-once",
+        action="store_true",
+        help="SIGKILL at --kill-at without first waiting for the shadow to commit the iteration before",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--impl", default="fused", help="fused | foreach | single | default (torch's choice)")
@@ -438,7 +443,7 @@ def main() -> None:
         if it == args.kill_at:
             from kill import kill_self  # run as a script: tests/helpers is on sys.path
 
-            kill_self(session, it)
+            kill_self(None if args.kill_at_once else session, it)
     if session is not None:
         session.close()
     os.makedirs(args.out, exist_ok=True)
