@@ -39,7 +39,7 @@ restorer switches to that key for these rows only:
 "keyed / no keys" compares each with the same row of the cluster without keys.
 
 One warm-up round (reported as "first call", not in the median), then --repeat rounds;
-the paths run interleaved, the order rotated each round; the figure is the median. After
+the paths run interleaved, in a seeded random order each round; the figure is the median. After
 every restore the model and optimizer state dicts are compared with the trained state
 (torch.equal on every tensor, == on param_groups); a mismatch is printed loudly and the
 script exits 1. Separate, untimed-in-the-table rounds split the shadow paths into fetch
