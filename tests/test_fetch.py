@@ -68,29 +68,40 @@ SHAPES = [("a", (7,)), ("empty", (0,)), ("b", (123, 45)), ("c", (1,)), ("d", (50
 LAYOUT = Layout.build([(name, shape, 0, True) for name, shape in SHAPES], 1)
 
 
+def memory_info(workers: list, layout: Layout) -> dict:
+    """A coordinator's memory info for iteration 7 of epoch 1 held by ``workers``."""
+    return {
+        "job": "j",
+        "epoch": 1,
+        "iteration": 7,
+        "layout": layout.to_dict(),
+        "layout_hash": layout.hash,
+        "optim": OPTIM,
+        "world": 2,
+        "workers": workers,
+    }
+
+
+CHUNK = 4096 * 4  # several chunks per field
+SHARDS = [(0, 20_480), (20_480, LAYOUT.total)]
+
+
+def state_values(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {f: rng.standard_normal(LAYOUT.total).astype(np.float32) for f in F.state_fields(OPTIM)}
+
+
 def run_fetch(damage=None, multipart=False, sink=None, layout=LAYOUT):
-    total, split, chunk = 50_000, 20_480, 4096 * 4  # several chunks per field
-    rng = np.random.default_rng(0)
-    values = {f: rng.standard_normal(total).astype(np.float32) for f in F.state_fields(OPTIM)}
+    chunk, values = CHUNK, state_values(0)
     ctx = zmq.Context()
     socks = []
     try:
         workers = []
-        for i, (lo, hi) in enumerate([(0, split), (split, total)]):
+        for i, (lo, hi) in enumerate(SHARDS):
             sock, t, ep = fake_worker(ctx, lo, hi, values, chunk, damage if i == 1 else None, multipart)
             socks.append((sock, t))
             workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
-        info = {
-            "job": "j",
-            "epoch": 1,
-            "iteration": 7,
-            "layout": layout.to_dict(),
-            "layout_hash": layout.hash,
-            "optim": OPTIM,
-            "world": 2,
-            "workers": workers,
-        }
-        snap = fetch_memory(info, "tcp://test", tuning=Tuning(fetch_timeout_s=10.0), sink=sink)
+        snap = fetch_memory(memory_info(workers, layout), "tcp://test", tuning=Tuning(fetch_timeout_s=10.0), sink=sink)
         return snap, values
     finally:
         for sock, t in socks:
@@ -303,14 +314,12 @@ def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=
 def run_keyed_fetch(damage=None, sign_with=None, ticket_for=None):
     """Two workers in mac mode; the second's reply passes through ``damage``. ``ticket_for``:
     the serve key the reader's ticket is made for (default: the worker's own)."""
-    total, split, chunk = 50_000, 20_480, 4096 * 4
-    rng = np.random.default_rng(1)
-    values = {f: rng.standard_normal(total).astype(np.float32) for f in F.state_fields(OPTIM)}
+    chunk, values = CHUNK, state_values(1)
     ctx = zmq.Context()
     socks = []
     try:
         workers = []
-        for i, (lo, hi) in enumerate([(0, split), (split, total)]):
+        for i, (lo, hi) in enumerate(SHARDS):
             serve_key = tags.serve_key(tags.new_key())
             sock, t, ep, seen = served_worker(
                 ctx, lo, hi, values, chunk, serve_key, damage if i == 1 else None, sign_with if i == 1 else None
@@ -319,17 +328,8 @@ def run_keyed_fetch(damage=None, sign_with=None, ticket_for=None):
             ticket = tags.new_ticket()
             key = tags.ticket_key(ticket_for if ticket_for is not None and i == 1 else serve_key, ticket)
             workers.append({"id": i, "serve": ep, "start": lo, "stop": hi, "ticket": ticket, "key": key})
-        info = {
-            "job": "j",
-            "epoch": 1,
-            "iteration": 7,
-            "layout": LAYOUT.to_dict(),
-            "layout_hash": LAYOUT.hash,
-            "optim": OPTIM,
-            "world": 2,
-            "workers": workers,
-        }
-        snap = fetch_memory(info, "tcp://test", tuning=Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk))
+        tuning = Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk)
+        snap = fetch_memory(memory_info(workers, LAYOUT), "tcp://test", tuning=tuning)
         for (_, _, seen), w in zip(socks, workers, strict=True):
             assert seen["key"] == w["key"]  # the worker derived the reader's key from its ticket
         return snap, values
