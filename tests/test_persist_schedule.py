@@ -238,6 +238,44 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
         assert p.close()
 
 
+def test_a_cut_skipped_in_its_apply_pass_is_written_when_asked_again(tmp_path, monkeypatch):
+    """The apply pass of the cut found every image busy (begin() reported it skipped); the
+    coordinator asks again once nothing newer comes (Cut.retry_persist): that request is
+    written and reported, not taken for the skip already reported."""
+    persist = {"local": dict(TIER, every_n=1, dir=str(tmp_path / "local"))}
+    release = threading.Event()
+    write = shardfile.ShardImage.write
+
+    def slow_write(img, path, **modes):
+        if "iteration-0000000001" in path:
+            assert release.wait(20)
+        return write(img, path, **modes)
+
+    monkeypatch.setattr(shardfile.ShardImage, "write", slow_write)
+    tuning = Tuning.load(persist_buffers=1)
+    p = ShardPersister(PersistConfig.from_dict(persist), "j", 0, 1, _state(0, LAYOUT.total), tuning=tuning)
+    reports: list = []
+
+    def wait_for(pred) -> None:
+        deadline = time.monotonic() + 20
+        while not pred():
+            assert time.monotonic() < deadline, reports
+            reports.extend(p.results())
+            time.sleep(0.002)
+
+    try:
+        p.snapshot(1, 1, 1, {0: b"rec"}, None)  # the only image, its write held
+        assert p.begin(2, 1, 1, {0: b"rec"}) is None  # the apply pass of cut 2: skipped, reported
+        wait_for(lambda: any(r["iteration"] == 2 and r["skipped"] for r in reports))
+        release.set()
+        wait_for(lambda: any(r["iteration"] == 1 and r["ok"] for r in reports))
+        p.snapshot(2, 1, 1, {0: b"rec"}, None)  # asked again
+        wait_for(lambda: any(r["iteration"] == 2 and r["ok"] for r in reports))
+    finally:
+        release.set()
+        assert p.close()
+
+
 def _rss() -> int:
     """Resident bytes of this process, after handing freed heap memory back to the system
     (so that what the allocator caches does not count as held)."""

@@ -94,7 +94,6 @@ class ShardPersister:
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()  # writes (and the warm-up) in flight
         self._closed = False
-        self._skipped_at: int | None = None  # the iteration begin() last reported skipped
         self._warming = False  # the warm-up holds an image for a moment
         self._uploader = Uploader(self, self._results) if self.remote else None
         if count:
@@ -117,9 +116,8 @@ class ShardPersister:
         commit: dict | None,
         extras: dict | None = None,
     ) -> None:
-        """Copy the range as of ``iteration`` into an image and start writing it."""
-        if self._skipped_at == iteration:  # begin() already reported this one skipped
-            return
+        """Copy the range as of ``iteration`` into an image and start writing it (or report
+        it skipped, as :meth:`begin` does)."""
         img = self.begin(iteration, epoch, world, blobs, extras)
         if img is None:
             return
@@ -136,7 +134,6 @@ class ShardPersister:
         :meth:`finish`, or :meth:`abandon`."""
         img = self._take()
         if img is None:
-            self._skipped_at = iteration
             self._results.put(self.report(iteration, epoch, "local", False, SKIPPED, skipped=True))
             return None
         st = self.state

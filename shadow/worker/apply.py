@@ -40,6 +40,7 @@ class Apply:
         if s is None or epoch != s.epoch:
             return
         folded = None
+        tried = False  # the apply pass asked the persister for an image of the cut (reported if none)
         if self.fetches.replies and (s.applied + 1 if s.applied >= 0 else s.base) <= iteration:
             self.fetches.wait_for_readers()
         while True:
@@ -57,6 +58,7 @@ class Apply:
             else:
                 persister = s.persister if persist and k == iteration else None  # snapshots the cut in this pass
                 img = persister.begin(k, s.epoch, s.world, slot.blobs, extras) if persister is not None else None
+                tried = persister is not None
                 t0 = time.perf_counter()
                 try:
                     filled = s.state.apply(
@@ -86,7 +88,7 @@ class Apply:
                 if not s.exact and not result["ok"]:  # a GPU trainer: report the deviation, do not fail
                     result.update(ok=True, detail="deviation (not bit-exact by design): " + result["detail"])
                 self.outbox.to_coord("audited", epoch=s.epoch, iteration=k, **result)
-        if persist:
+        if persist and not (tried and folded is None):  # else: begin() reported the cut skipped
             self._persist(iteration, folded)
         self.fetches.answer()
 
