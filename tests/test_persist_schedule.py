@@ -163,6 +163,37 @@ def test_skips_are_one_summed_warning_and_a_metric(tmp_path, clock, caplog):
     assert got["shadow_persist_skipped"] == [(("local",), 6)] and got["shadow_persist_failures"] == [(("local",), 0)]
 
 
+def test_the_newest_cut_skipped_is_asked_again_when_an_older_skip_settles_after_it(tmp_path, clock):
+    """Cuts 3 and 4 in flight at once: shard 0 skips 4 at once (its image is busy with 3) and
+    shard 1 writes it, so 4 settles first; 3 settles (skipped by shard 1) after it. The cut
+    is 4: it is the one asked again, and a new epoch's lower cuts are asked again as well."""
+    local = str(tmp_path / "local")
+    pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=1, dir=local)}))
+    pers.reset(0)
+    writers = {0: 0, 1: 1}
+    for it in (1, 2):
+        assert pers.local_due(it, None, writers)
+        for shard in (0, 1):
+            pers.on_report(JOB, {**_report(local, "local", it, shard), "worker": shard}, 2)
+    assert pers.local_due(3, None, writers) and pers.local_due(4, None, writers)
+    pers.on_report(JOB, {**_report(local, "local", 4, 0, ok=False, skipped=True), "worker": 0}, 2)
+    pers.on_report(JOB, {**_report(local, "local", 4, 1), "worker": 1}, 2)
+    pers.on_report(JOB, {**_report(local, "local", 3, 0), "worker": 0}, 2)
+    pers.on_report(JOB, {**_report(local, "local", 3, 1, ok=False, skipped=True), "worker": 1}, 2)
+    t = pers.tiers["local"]
+    assert t.skipped == 2 and not t.in_flight and t.complete == {"j": 2}
+    clock.now += 5.0
+    assert pers.retry_skipped(4, writers, 1.0)
+    assert sorted(t.in_flight) == [4]
+    # a new epoch from an earlier base: its skipped cut is asked again too
+    pers.reset(2)
+    assert pers.local_due(3, None, writers)
+    pers.on_report(JOB, {**_report(local, "local", 3, 0, ok=False, skipped=True), "worker": 0}, 2)
+    pers.on_report(JOB, {**_report(local, "local", 3, 1), "worker": 1}, 2)
+    clock.now += 5.0
+    assert pers.retry_skipped(3, writers, 1.0)
+
+
 def _state(lo: int, hi: int, layout: Layout = LAYOUT) -> ShardState:
     st = ShardState(layout, lo, hi, OPTIM)
     rng = np.random.default_rng(lo)

@@ -127,6 +127,7 @@ class Persistence:
             t.asked.clear()
             t.requested.clear()
             t.newest = None
+            t.last_skip = (-1, 0.0)
 
     def local_due(self, iteration: int, tokens: int | None, writers: dict[int, int] | None = None) -> bool:
         """Whether the local tier takes the cut ``iteration``; if so, it waits for a report

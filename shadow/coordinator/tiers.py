@@ -72,7 +72,8 @@ class TierState:
         """A checkpoint request a worker skipped (every image still being written): counted,
         and logged with the others in one warning at most every ``log_s`` seconds."""
         self.skipped += 1
-        self.last_skip = (iteration, time.monotonic())
+        if iteration >= self.last_skip[0]:  # two in flight may settle out of order: the newest counts
+            self.last_skip = (iteration, time.monotonic())
         s = self.skip_log
         s["lo"] = iteration if not s["count"] else min(s["lo"], iteration)
         s["hi"] = max(s["hi"], iteration) if s["count"] else iteration
