@@ -13,6 +13,7 @@ from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.records import JobStatus, WorkerRec
 from shadow.coordinator.replicas import Replicas
 from shadow.coordinator.state import ClusterState
+from shadow.wire import tags
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class Membership:
         w.memory = msg.get("memory", -1)
         w.files, w.disk = msg.get("files", ""), msg.get("disk")
         w.data_mode = mode
+        key = msg.get("files_key")
+        w.files_key = key if mode == "mac" and isinstance(key, bytes) and len(key) == tags.KEY_SIZE else None
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         local_dir = self.cut.persist.config.local.dir  # where the worker's shards are unless it has its own
         extra = {"local_dir": local_dir} if local_dir else {}

@@ -49,8 +49,10 @@ class Queries:
         now = time.monotonic()
         for tier in storage:
             if tier["tier"] == "local":  # the workers that serve their disks' shard files
-                tier["workers"] = [
-                    {"id": w.id, "files": w.files, "disk": w.disk} for w in st.workers if w.files and st.alive(w, now)
+                tier["workers"] = [  # mac mode: with a ticket of this reader's own for each
+                    {"id": w.id, "files": w.files, "disk": w.disk, **w.files_ticket()}
+                    for w in st.workers
+                    if w.files and st.alive(w, now)
                 ]
         self.out.reply(
             env,

@@ -95,6 +95,7 @@ class WorkerRec:
     disk: dict | None = None  # {"id", "dir", "host"} of its local tier (its heartbeats; shadow.persist.disks)
     data_mode: str = "plain"  # how its data socket takes frames: plain, mac or curve (its register)
     data_key: bytes | None = None  # a keyed cluster: its current configuration's data key (shadow.wire.tags)
+    files_key: bytes | None = None  # mac mode: what tickets for its files socket derive from (its register)
     _last_hb: float = 0.0
 
     def fetch_ticket(self) -> dict:
@@ -104,6 +105,14 @@ class WorkerRec:
             return {}
         ticket = tags.new_ticket()
         return {"ticket": ticket, "key": tags.ticket_key(tags.serve_key(self.data_key), ticket)}
+
+    def files_ticket(self) -> dict:
+        """What a read from this worker's files socket needs in mac mode, for one reader: a
+        fresh ticket and its key (handed out over CURVE only); ``{}`` otherwise."""
+        if self.data_mode != "mac" or self.files_key is None:
+            return {}
+        ticket = tags.new_ticket()
+        return {"ticket": ticket, "key": tags.ticket_key(self.files_key, ticket)}
 
     def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:
         """Fold one heartbeat's counters into the recent rates (exponential average, ~4 beats)."""

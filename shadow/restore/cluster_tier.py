@@ -47,6 +47,7 @@ from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, U
 from shadow.restore.tier import TierSource
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
+from shadow.wire import tags
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,18 @@ class ClusterTierSource(TierSource):
         for w in serving:
             disk = disk_of(w)
             host = w["disk"].get("host") if isinstance(w.get("disk"), dict) else None
-            copies.append(_Copy(disk, w.get("id"), host or by_disk.get(disk, {}).get("host"), endpoint=w["files"]))
+            ticket, key = w.get("ticket"), w.get("key")
+            ok = isinstance(ticket, bytes) and isinstance(key, bytes)
+            copies.append(
+                _Copy(
+                    disk,
+                    w.get("id"),
+                    host or by_disk.get(disk, {}).get("host"),
+                    endpoint=w["files"],
+                    ticket=ticket if ok else None,
+                    key=key if ok else None,
+                )
+            )
         if not copies:
             raise CheckpointError(f"{where}: no live worker holds it and this host does not see its disk")
         return ShardCopies(copies, info.job, posixpath.basename(info.path), shard, self.tuning, where)
@@ -291,6 +303,12 @@ class _Copy:
     host: object
     path: str = ""
     endpoint: str = ""
+    ticket: bytes | None = None  # mac mode: the coordinator's ticket for that worker's files socket
+    key: bytes | None = None  # and its key
+
+    @property
+    def auth(self) -> tuple[bytes, bytes] | None:
+        return (self.ticket, self.key) if self.ticket is not None and self.key is not None else None
 
     @property
     def via(self) -> str:
@@ -343,7 +361,7 @@ class ShardCopies:
                 self._size_here(c.path)
                 got = shardfile.read_into(c.path, target)
             else:
-                got = stream_into(c.endpoint, self.job, self.directory, self.shard, target, self.tuning)
+                got = stream_into(c.endpoint, self.job, self.directory, self.shard, target, self.tuning, c.auth)
             return got, got[3], got[2]
 
         return self._first(read)
@@ -354,7 +372,7 @@ class ShardCopies:
                 self._size_here(c.path)
                 data = _read_path(c.path)
             else:
-                data = read_file(c.endpoint, self.job, self.directory, self.shard, self.tuning)
+                data = read_file(c.endpoint, self.job, self.directory, self.shard, self.tuning, c.auth)
             return data, len(data), xxhash.xxh3_64_intdigest(data)
 
         return self._first(read)
@@ -409,14 +427,27 @@ def disk_id_of(root: str) -> str:
         return ""
 
 
-def _request(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning) -> zmq.Socket:
+Auth = tuple[bytes, bytes] | None  # mac mode: (ticket, its key) for the worker's files socket
+
+
+def _request(
+    endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning, auth: Auth = None
+) -> tuple[zmq.Socket, tags.ReplyKey | None]:
     """Ask the worker at ``endpoint`` for the file; returns the socket once its head says it
     comes (an error reply, a head for another size, or none within :data:`HEAD_TIMEOUT_S`:
-    ``ShadowError``)."""
+    ``ShadowError``), and with ``auth`` (mac mode: a socket in clear) what the chunks'
+    tags must check under."""
     nbytes = int(shard["bytes"])
-    sock = dealer(zmq.Context.instance(), endpoint, tuning=tuning, rcvhwm=8)
+    fields: dict = {}
+    if auth is not None:
+        ticket, key = auth
+        nonce = os.urandom(tags.SALT_SIZE)
+        mac = tags.file_mac(key, job, directory, shard["file"], nbytes, nonce)
+        fields = {"ticket": ticket, "nonce": nonce, "mac": mac}
+    sock = dealer(zmq.Context.instance(), endpoint, tuning=tuning, rcvhwm=8, curve=auth is None)
+    reply = None
     try:
-        sock.send(M.encode("read_file", job=job, dir=directory, file=shard["file"], bytes=nbytes))
+        sock.send(M.encode("read_file", job=job, dir=directory, file=shard["file"], bytes=nbytes, **fields))
         head_s = min(HEAD_TIMEOUT_S, tuning.fetch_timeout_s)
         if not sock.poll(int(head_s * 1000)):
             raise ShadowError(f"no answer from {endpoint} within {head_s:.0f} s")
@@ -425,64 +456,93 @@ def _request(endpoint: str, job: str, directory: str, shard: dict, tuning: Tunin
             raise ShadowError(head["message"])
         if head["t"] != "file_reply" or head["bytes"] != nbytes or head["chunk"] <= 0:
             raise ShadowError(f"{endpoint} answered {head['t']!r} for {nbytes} bytes: not the file asked for")
+        if (auth is None) != ("salt" not in head):
+            raise ShadowError(
+                f"{endpoint} answered {'without' if auth else 'under'} a MAC a read "
+                f"{'whose ticket asks for one' if auth else 'without a ticket'}"
+            )
+        if auth is not None:
+            try:
+                reply = tags.file_reply_key(auth[1], fields["mac"], head["salt"])
+            except ValueError as exc:
+                raise ShadowError(f"{endpoint}: {exc}") from None
     except M.MessageError as exc:
         sock.close(linger=0)
         raise ShadowError(f"{endpoint} sent a malformed reply: {exc}") from None
     except BaseException:
         sock.close(linger=0)
         raise
-    return sock
+    return sock, reply
 
 
-def _chunks(sock: zmq.Socket, endpoint: str, nbytes: int, tuning: Tuning):
+def _chunks(sock: zmq.Socket, endpoint: str, nbytes: int, tuning: Tuning, reply: tags.ReplyKey | None = None):
     """The file's chunks as they arrive (buffers valid until the next one), ``nbytes`` in
-    all; a worker silent for ``tuning.fetch_timeout_s`` or sending too much: ``ShadowError``."""
-    wait, done = int(tuning.fetch_timeout_s * 1000), 0
+    all; a worker silent for ``tuning.fetch_timeout_s`` or sending too much: ``ShadowError``.
+    With ``reply`` (mac mode) each chunk comes as its tag and its bytes, and one whose tag
+    does not check (altered, moved, or not from that worker) is a ``ShadowError`` before its
+    bytes are used."""
+    wait, done, index = int(tuning.fetch_timeout_s * 1000), 0, 0
     while done < nbytes:
         if not sock.poll(wait):
             raise ShadowError(
                 f"{endpoint} sent {done} of {nbytes} bytes, then nothing for {tuning.fetch_timeout_s:.0f} s"
             )
-        buf = sock.recv(copy=False).buffer
+        index += 1
+        if reply is None:
+            buf = sock.recv(copy=False).buffer
+        else:
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) != 2:
+                raise ShadowError(f"{endpoint}: chunk {index} of the file is {len(frames)} frames, not a tag and bytes")
+            buf = frames[1].buffer
+            if not reply.check(index, buf, frames[0].bytes):
+                raise ShadowError(
+                    f"{endpoint}: chunk {index} of the file fails its MAC (altered on the way, or not from that worker)"
+                )
         if len(buf) == 0 or done + len(buf) > nbytes:
             raise ShadowError(f"{endpoint} sent more than the {nbytes} bytes of the file")
         yield done, buf
         done += len(buf)
 
 
-def read_file(endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning = DEFAULT) -> bytes:
+def read_file(
+    endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning = DEFAULT, auth: Auth = None
+) -> bytes:
     """Shard file ``shard["file"]`` of checkpoint directory ``directory`` of ``job`` from the
     worker whose files socket is ``endpoint``: its ``shard["bytes"]`` bytes (unchecked: the
     caller compares them with the manifest). A worker silent for ``tuning.fetch_timeout_s``
     fails it; so does an error reply (no such file there, not a shard file) and one that
     does not answer within :data:`HEAD_TIMEOUT_S` (a live worker answers at once, whatever
-    else it is sending: its host may be gone while the coordinator still lists it)."""
+    else it is sending: its host may be gone while the coordinator still lists it). ``auth``:
+    mac mode's ticket and key for that worker (the coordinator's restore info)."""
     nbytes = int(shard["bytes"])
-    sock = _request(endpoint, job, directory, shard, tuning)
+    sock, reply = _request(endpoint, job, directory, shard, tuning, auth)
     try:
         out = bytearray(nbytes)
-        for pos, buf in _chunks(sock, endpoint, nbytes, tuning):
+        for pos, buf in _chunks(sock, endpoint, nbytes, tuning, reply):
             out[pos : pos + len(buf)] = buf
         return bytes(out)
     finally:
         sock.close(linger=0)
 
 
-def stream_into(endpoint: str, job: str, directory: str, shard: dict, target, tuning: Tuning = DEFAULT):
+def stream_into(
+    endpoint: str, job: str, directory: str, shard: dict, target, tuning: Tuning = DEFAULT, auth: Auth = None
+):
     """As :func:`read_file`, a plain shard file put straight into place as it arrives:
     ``target(name, dtype, count)`` says where each tensor goes (None: a fresh array), as for
     :func:`shadow.persist.shardfile.read_into`, whose ``(metadata, tensors, xxh3 of the whole
     file, size)`` it returns. Nothing is checked against the manifest here; a header that does
     not parse is a ``ShadowError``."""
     nbytes = int(shard["bytes"])
-    sock = _request(endpoint, job, directory, shard, tuning)
+    sock, reply = _request(endpoint, job, directory, shard, tuning, auth)
     h = xxhash.xxh3_64()
     head = bytearray()  # the file's first bytes, until its header is whole
     places: list[tuple[int, int, np.ndarray]] = []  # (file lo, file hi, where), in file order
     tensors: dict[str, np.ndarray] = {}
     meta: dict | None = None  # once the header is parsed
     try:
-        for pos, buf in _chunks(sock, endpoint, nbytes, tuning):
+        for pos, buf in _chunks(sock, endpoint, nbytes, tuning, reply):
             h.update(buf)
             if meta is None:
                 head += buf

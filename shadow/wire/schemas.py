@@ -177,14 +177,20 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     # mac mode: the ticket the coordinator handed out for this worker, and the request's MAC
     # under its key (shadow.wire.tags.fetch_mac)
     "fetch": {"ticket": (bytes,), "mac": (bytes,)},
+    # mac mode: a ticket for the worker's files socket, the client's fresh nonce and the
+    # request's MAC (shadow.wire.tags.file_mac); the reply's salt, each chunk then coming
+    # as two frames, its GMAC tag and its bytes
+    "read_file": {"ticket": (bytes,), "nonce": (bytes,), "mac": (bytes,)},
+    "file_reply": {"salt": (bytes,)},
     # shadow.persist.writer.Persister.report: bytes before compression, the codec, and a
     # request skipped because every image was still being written (not a failure)
     "persisted": {"raw_bytes": (int,), "compress": (str,), "skipped": (bool,), "disk": (dict,)},
     # a worker's files socket and the disk of its local tier (shadow.worker.files)
     "heartbeat": {"files": (str,), "disk": (dict, type(None))},
     # data_mode: how the worker's data socket takes frames: plain (no keys), mac or curve
-    "register": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,)},
-    "rejoin": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,)},
+    # files_key (mac mode): what the tickets for its files socket derive from (drawn at its start)
+    "register": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,), "files_key": (bytes,)},
+    "rejoin": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,), "files_key": (bytes,)},
     # a keyed cluster's data key for this configuration (shadow.wire.tags): each rank's MAC key
     # for the worker derives from it
     "configure": {"data_key": (bytes,)},

@@ -32,6 +32,7 @@ import hmac
 import os
 from typing import Protocol
 
+import msgpack
 import xxhash
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -195,3 +196,30 @@ class ReplyKey:
         except InvalidTag:
             return False
         return True
+
+
+# -- files-socket replies in mac mode ---------------------------------------------------
+# A worker's files socket is in clear in mac mode too. Its tickets derive from a key the
+# worker draws when it starts (:func:`new_key`) and tells the coordinator in its register
+# (over CURVE), not from a configuration's key: a worker serves its disk's shard files
+# before any job is configured (a restore after the whole cluster restarted). A
+# ``read_file`` carries the ticket, a fresh random nonce of the client's and a MAC of what
+# it asks for (:func:`file_mac`); the reply a fresh salt of the worker's, and each chunk a
+# GMAC under a key bound to the request's MAC and the salt (:func:`file_reply_key`),
+# nonce = the chunk's index (from 1): a chunk cannot be moved, and a reply answers no
+# other request.
+
+
+def file_mac(key: bytes, job: str, directory: str, name: str, nbytes: int, nonce: bytes) -> bytes:
+    """A ``read_file`` request's MAC under its ticket's key."""
+    what = msgpack.packb([job, directory, name, nbytes, nonce], use_bin_type=True)
+    return hmac.digest(key, b"shadow file v1 " + what, hashlib.sha256)
+
+
+def file_mac_ok(key: bytes, job: str, directory: str, name: str, nbytes: int, nonce: bytes, mac: bytes) -> bool:
+    return hmac.compare_digest(file_mac(key, job, directory, name, nbytes, nonce), mac)
+
+
+def file_reply_key(key: bytes, request_mac: bytes, salt: bytes) -> ReplyKey:
+    """What tags the chunks of the reply to the request whose MAC is ``request_mac``."""
+    return ReplyKey(hmac.digest(key, b"shadow file reply v1 " + request_mac, hashlib.sha256), salt)

@@ -14,6 +14,15 @@ a checkpoint has are served: a valid job name, a checkpoint directory's name, a 
 file's name, a regular file of the size the client expects (its manifest's), under this
 worker's root.
 
+In mac mode (a keyed cluster, ``security.data=mac``) the socket is in clear, like the data
+and serve sockets: a ``read_file`` must carry a ticket the coordinator handed out (over
+CURVE) for this worker's :attr:`FileServer.key`, which the worker draws when it starts and
+tells the coordinator in its register, and the request's MAC under the ticket's key; each
+chunk then comes as two frames, its GMAC tag and its bytes, under a key bound to the
+request and to a fresh salt in the head (:func:`shadow.wire.tags.file_reply_key`). A read
+without a valid ticket is refused and counted (``files_bad_ticket``). With ``curve`` the
+socket is a CURVE server admitting the reading roles, as without ``mac``.
+
 Threads: the worker's main thread calls :meth:`FileServer.open`, :meth:`learn`,
 :meth:`forget`, :attr:`disk` and :meth:`close`; one ``shadow-files`` thread owns the socket
 and does the disk accesses after start-up (serving, the disk's id, deletes); :meth:`open`
@@ -31,6 +40,7 @@ import shutil
 import stat
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import zmq
@@ -40,6 +50,7 @@ from shadow.persist import disks
 from shadow.persist.checkpoints import dir_key
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
+from shadow.wire import tags
 from shadow.worker.address import Binding
 
 logger = logging.getLogger(__name__)
@@ -61,6 +72,9 @@ class _Transfer:
     progress: float  # monotonic time a chunk last went out
     done: int = 0
     waiting: bool = False  # its client's queue was full at the last try
+    reply: tags.ReplyKey | None = None  # mac mode: what tags its chunks
+    index: int = 0  # chunks sent
+    ready: list | None = None  # the next chunk's frames, read (and tagged) but not sent yet
 
 
 def file_problem(job: object, directory: object, name: object) -> str | None:
@@ -78,8 +92,19 @@ def file_problem(job: object, directory: object, name: object) -> str | None:
 class FileServer:
     """The files socket and the thread behind it (see the module's text)."""
 
-    def __init__(self, sockets: SocketFactory, binding: Binding, local_dir: str = "") -> None:
+    def __init__(
+        self,
+        sockets: SocketFactory,
+        binding: Binding,
+        local_dir: str = "",
+        keyed: bool = False,
+        rejected: Counter | None = None,
+    ) -> None:
+        """``keyed``: mac mode (a socket in clear; every read needs a ticket for :attr:`key`);
+        ``rejected``: where refused reads are counted, by reason (the worker's counters)."""
         self.sockets, self.binding = sockets, binding
+        self.key = tags.new_key() if keyed else None  # what this worker's files tickets derive from
+        self.rejected: Counter = rejected if rejected is not None else Counter()
         self.override = os.path.abspath(local_dir) if local_dir else ""
         self._roots = (self.override, "")  # (this worker's own, the cluster's)
         self.modes: tuple[int, int] | None = None  # (file_mode, dir_mode) for the disk's mark, once a configure says
@@ -98,7 +123,9 @@ class FileServer:
 
     def open(self) -> str:
         """Bind the files socket and start the thread; returns the endpoint to advertise."""
-        sock = self.sockets.router(M.socket_limit("files"), READERS, sndhwm=4, send_timeout_s=1.0)
+        sock = self.sockets.router(
+            M.socket_limit("files"), READERS, sndhwm=4, send_timeout_s=1.0, curve=self.key is None
+        )
         self.endpoint = self.binding.bind(sock)
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="shadow-files", daemon=True)
         self._thread.start()
@@ -200,6 +227,7 @@ class FileServer:
         transfer returned (sent a chunk at a time, in turn with the others)."""
         if len(parts) != 2:
             self.refused += 1
+            self.rejected["files_malformed"] += 1
             return None
         ident = parts[0]
         try:
@@ -207,8 +235,22 @@ class FileServer:
             if msg["t"] != "read_file":
                 raise M.MessageError("unexpected", f"files socket got {msg['t']!r}")
         except M.MessageError as exc:
+            self.rejected["files_" + exc.reason] += 1
             self._error(sock, ident, "malformed", str(exc))
             return None
+        reply = None
+        if self.key is not None:
+            reply = self._ticket(msg)
+            if reply is None:
+                self.rejected["files_bad_ticket"] += 1
+                self._error(
+                    sock,
+                    ident,
+                    "refused",
+                    "this read carries no valid ticket of this worker (none, forged, or from before it "
+                    "restarted): ask the coordinator for the restore info again",
+                )
+                return None
         problem = file_problem(msg["job"], msg["dir"], msg["file"])
         root = self.root
         if problem is None and not root:
@@ -229,15 +271,35 @@ class FileServer:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != msg["bytes"]:
                 raise ValueError(f"{path} is not a regular file of {msg['bytes']} bytes on this worker")
+            salt = {"salt": reply[1]} if reply is not None else {}
             sock.send_multipart(
-                [ident, M.encode("file_reply", bytes=info.st_size, chunk=FILE_CHUNK_BYTES)], zmq.NOBLOCK
+                [ident, M.encode("file_reply", bytes=info.st_size, chunk=FILE_CHUNK_BYTES, **salt)], zmq.NOBLOCK
             )
         except (ValueError, OSError, zmq.ZMQError) as exc:
             os.close(fd)
             if isinstance(exc, ValueError):
                 self._error(sock, ident, "refused", str(exc))
             return None
-        return _Transfer(ident, fd, info.st_size, path, time.monotonic())
+        return _Transfer(ident, fd, info.st_size, path, time.monotonic(), reply=reply[0] if reply else None)
+
+    def _ticket(self, msg: dict) -> tuple[tags.ReplyKey, bytes] | None:
+        """Mac mode: what tags the reply to ``msg`` and the salt that goes in its head, if
+        the request carries a ticket of this worker and its MAC checks; else None."""
+        ticket, nonce, mac = msg.get("ticket"), msg.get("nonce"), msg.get("mac")
+        if not (
+            isinstance(ticket, bytes)
+            and len(ticket) == tags.TICKET_SIZE
+            and isinstance(nonce, bytes)
+            and len(nonce) == tags.SALT_SIZE
+            and isinstance(mac, bytes)
+        ):
+            return None
+        assert self.key is not None
+        key = tags.ticket_key(self.key, ticket)
+        if not tags.file_mac_ok(key, msg["job"], msg["dir"], msg["file"], msg["bytes"], nonce, mac):
+            return None
+        salt = os.urandom(tags.SALT_SIZE)
+        return tags.file_reply_key(key, mac, salt), salt
 
     def _advance(self, sock: zmq.Socket, t: _Transfer) -> bool:
         """Send the next chunk of ``t`` if its client's queue has room; True once it is done
@@ -245,10 +307,12 @@ class FileServer:
         could not be read: the client then times out and its restore goes on elsewhere)."""
         now = time.monotonic()
         try:
-            data = os.pread(t.fd, min(FILE_CHUNK_BYTES, t.size - t.done), t.done)
-            if not data:
-                raise OSError(f"{t.path} ended at {t.done} of {t.size} bytes")
-            sock.send_multipart([t.ident, data], zmq.NOBLOCK, copy=False)
+            if t.ready is None:  # read (and tag) once, however long its client takes to have room
+                data = os.pread(t.fd, min(FILE_CHUNK_BYTES, t.size - t.done), t.done)
+                if not data:
+                    raise OSError(f"{t.path} ended at {t.done} of {t.size} bytes")
+                t.ready = [t.ident, data] if t.reply is None else [t.ident, t.reply.tag(t.index + 1, data), data]
+            sock.send_multipart(t.ready, zmq.NOBLOCK, copy=False)
         except zmq.Again:  # its queue is full
             t.waiting = True
             if now - t.progress > SEND_TIMEOUT_S:
@@ -261,7 +325,8 @@ class FileServer:
         except OSError as exc:
             logger.error("reading %s for a restore failed: %s", t.path, exc)
             return True
-        t.done += len(data)
+        t.done += len(t.ready[-1])
+        t.index, t.ready = t.index + 1, None
         t.progress, t.waiting = now, False
         if t.done < t.size:
             return False

@@ -95,7 +95,9 @@ class Worker:
         self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
         self.data = DataPath(self.state, self.outbox, self.sockets, binding, curve=self.data_mode == "curve")
         self.fetches = FetchServer(self.state, self.sockets, binding, tickets=self.data_mode == "mac")
-        self.files = FileServer(self.sockets, binding, local_dir)
+        self.files = FileServer(
+            self.sockets, binding, local_dir, keyed=self.data_mode == "mac", rejected=self.state.rejected
+        )
         self.apply = Apply(self.state, self.outbox, self.fetches)
         self.peer = PeerCopy(self.state, self.outbox, self.sockets)
 
@@ -218,7 +220,12 @@ class Worker:
             files=self.files.endpoint,
             disk=self.files.disk,
             data_mode=self.data_mode,
+            **self._files_key(),
         )
+
+    def _files_key(self) -> dict:
+        """What the tickets for the files socket derive from, for the register (mac mode)."""
+        return {"files_key": self.files.key} if self.files.key is not None else {}
 
     def _heartbeat(self) -> None:
         st = self.state
@@ -308,6 +315,7 @@ class Worker:
             files=self.files.endpoint,
             disk=self.files.disk,
             data_mode=self.data_mode,
+            **self._files_key(),
         )
 
     def _on_apply(self, msg: dict) -> None:
