@@ -39,8 +39,10 @@ sender's first send to the receiver's report that the last message is validated.
 also measures, in-process, the speed per part size of xxh3, memcpy and the MACs a keyed
 data path could use (GMAC, Poly1305, HMAC-SHA256, keyed BLAKE2b, and keyed BLAKE3 where the
 ``blake3`` package is installed), and each side's CPU seconds and minor page faults per GB
-(all threads, zmq's I/O thread included). Goals: shadow >= 0.8x bare; keyed (mac) >= 0.8x
-plain, both zero-copy.
+(all threads, zmq's I/O thread included); and a worker's files socket (a restore reading
+the node-local tier through a worker), in process, without keys, ``mac`` and ``curve``.
+Goals: shadow >= 0.8x bare; keyed (mac) >= 0.8x plain, both zero-copy and on the files
+socket.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ GOALS = [
         where={"shape": "gpt-bucket"},
     ),
     Goal("{transport} {shape}: keyed curve / no keys (zero-copy)", "rows.*.curve_vs_plain", None),
+    Goal("files socket: keyed mac / no keys", "files.mac_vs_plain", 0.8, ">=", "x"),
+    Goal("files socket: keyed curve / no keys", "files.curve_vs_plain", None),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -274,6 +278,83 @@ def local_costs(quick: bool) -> dict:
     return out
 
 
+def files_socket(keydir: Path, tmp: str, quick: bool, rounds: int) -> dict:
+    """GB/s of one shard file read through a worker's files socket (``FileServer``, on its
+    own thread in this process; the client is ``shadow.restore.cluster_tier.read_file``):
+    without keys, in ``mac`` mode (in clear, a ticket, a GMAC per chunk) and in ``curve``
+    mode (a CURVE server admitting a client key), in interleaved rounds, each round in a
+    seeded random order; the file sits in the page cache."""
+    import random
+
+    from shadow.restore.cluster_tier import read_file
+    from shadow.transport import SocketFactory
+    from shadow.worker.address import Binding
+    from shadow.worker.files import FileServer
+
+    nbytes = (64 if quick else 192) * MIB
+    job = "bench"
+    root = os.path.join(tmp, "files")
+    d = os.path.join(root, job, "iteration-0000000001")
+    os.makedirs(d)
+    name = "shard-00000-of-00001.safetensors"
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(np.random.default_rng(2).bytes(nbytes))
+    security.generate(keydir / "clients", "client")
+    reader = security.client_keys(keydir / "server.key", keydir / "clients" / "client.key_secret")
+    ctx = zmq.Context()
+    guard = security.Guard(keydir / "server.key_secret", {"client": keydir / "clients"})
+    guard.start(ctx)
+    binding = Binding("127.0.0.1", "127.0.0.1")
+    servers = {
+        "plain": FileServer(SocketFactory(ctx), binding, root),
+        "mac": FileServer(SocketFactory(ctx), binding, root, keyed=True),
+        "curve": FileServer(SocketFactory(ctx, guard=guard), binding, root),
+    }
+    tuning = TUNING.replace(fetch_timeout_s=60.0)
+    shard = {"file": name, "bytes": nbytes}
+    times: dict[str, list[float]] = {v: [] for v in servers}
+    try:
+        for srv in servers.values():
+            srv.open()
+
+        def once(v: str) -> float:
+            srv, auth = servers[v], None
+            if srv.key is not None:  # what the coordinator hands a reader (WorkerRec.files_ticket)
+                ticket = tags.new_ticket()
+                auth = (ticket, tags.ticket_key(srv.key, ticket))
+            if v == "curve":
+                security.set_client(reader)
+            try:
+                t0 = time.perf_counter()
+                data = read_file(srv.endpoint, job, "iteration-0000000001", shard, tuning, auth)
+                dt = time.perf_counter() - t0
+            finally:
+                security.set_client(None)
+            assert len(data) == nbytes
+            return dt
+
+        order = random.Random(7)
+        for v in servers:  # warm-up: connections, the page cache
+            once(v)
+        for _ in range(rounds):
+            names = list(servers)
+            order.shuffle(names)
+            for v in names:
+                times[v].append(once(v))
+    finally:
+        for srv in servers.values():
+            srv.close()
+        guard.stop()
+        ctx.term()
+    out: dict = {"bytes": nbytes, "rounds": rounds}
+    for v, ts in times.items():
+        out[v + "_GBps"] = nbytes / statistics.median(ts) / 1e9
+        out[v + "_s_rounds"] = ts
+    out["mac_vs_plain"] = out["mac_GBps"] / out["plain_GBps"]
+    out["curve_vs_plain"] = out["curve_GBps"] / out["plain_GBps"]
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short measurements (whole run < 60 s)")
@@ -376,7 +457,8 @@ def run(args) -> dict:
             proc.join(5)
         parent.close()
         ctx.term()
-        shutil.rmtree(tmp, ignore_errors=True)
+    files = files_socket(keydir, tmp, args.quick, max(rounds, 5))
+    shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.perf_counter() - started
 
     print(
@@ -437,6 +519,16 @@ def run(args) -> dict:
     print("|---|" + "---|" * len(what))
     for name, c in costs.items():
         print(f"| {name} | " + " | ".join(f"{c[w + '_GBps']:.2f}" for w in what) + " |")
+    print(
+        f"\na worker's files socket, one {files['bytes'] >> 20} MiB shard file (page cache) read by a restore "
+        f"client in this process, median of {files['rounds']} rounds, GB/s"
+    )
+    print("| no keys | mac | ratio (goal >= 0.8x) | curve | ratio |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| {files['plain_GBps']:.2f} | {files['mac_GBps']:.2f} | {files['mac_vs_plain']:.2f}x | "
+        f"{files['curve_GBps']:.2f} | {files['curve_vs_plain']:.2f}x |"
+    )
     print(f"total {elapsed:.0f} s")
     return {
         "machine": info,
@@ -451,6 +543,7 @@ def run(args) -> dict:
         "shapes": shapes,
         "rows": rows,
         "local_costs": costs,
+        "files": files,
         "goal": "shadow >= 0.8x bare",
         "elapsed_s": elapsed,
     }

@@ -283,6 +283,67 @@ def test_a_failed_export_leaves_no_temp_file(tmp_path, monkeypatch, fmt):
         _export.export_weights(snap, str(tmp_path / "no" / "w.st"), fmt)
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_export_follows_no_link_left_at_its_temporary_or_final_name(tmp_path, monkeypatch, fmt):
+    """Another account plants ``out.tmp`` (the old temporary name) and ``out`` itself as
+    links to a file of the exporting user's: the export writes neither through them."""
+    from shadow import export as _export
+    from shadow.export import state
+
+    monkeypatch.setattr(state, "state_dicts", lambda snap: {"model": {"w": torch.ones(3)}})
+    monkeypatch.setattr(state, "aliases", lambda snap: {})
+    snap = SimpleNamespace(job="j", iteration=1, blobs={0: b""}, extras={})
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the user's own file")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = shared / "ckpt.pt"
+    (shared / "ckpt.pt.tmp").symlink_to(victim)
+    _export.export(snap, str(out), fmt)
+    assert victim.read_bytes() == b"the user's own file" and not out.is_symlink()
+    out.unlink()
+    out.symlink_to(victim)  # a link at the final name is replaced, not written through
+    _export.export_weights(snap, str(out), fmt)
+    assert victim.read_bytes() == b"the user's own file" and not out.is_symlink() and out.stat().st_size > 0
+    assert sorted(os.listdir(shared)) == ["ckpt.pt", "ckpt.pt.tmp"]  # no temporary file left
+
+
+def test_a_directory_export_goes_into_a_private_directory_first(tmp_path, monkeypatch):
+    """format=dcp fills a fresh directory no one else can enter, then renames it to out=;
+    a link, a file or a non-empty directory at out= is refused, saying so."""
+    from shadow import export as _export
+    from shadow.export import state
+
+    sd = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {}, "param_groups": []}}
+    monkeypatch.setattr(state, "state_dicts", lambda snap: sd)
+    monkeypatch.setattr(state, "aliases", lambda snap: {})
+    snap = SimpleNamespace(job="j", iteration=1, layout=SimpleNamespace(params=[SimpleNamespace(name="w")]))
+    seen = []
+    import torch.distributed.checkpoint as dcp
+
+    save = dcp.save
+
+    def spy(state_dict, checkpoint_id, **kw):
+        seen.append(os.stat(checkpoint_id).st_mode & 0o777)
+        return save(state_dict, checkpoint_id=checkpoint_id, **kw)
+
+    monkeypatch.setattr(dcp, "save", spy)
+    out = tmp_path / "dcp"
+    _export.export(snap, str(out), "dcp")
+    assert seen == [0o700] and (out / "shadow.json").is_file() and (out / ".metadata").is_file()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~mask  # then as any directory the user makes
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    for taken in (out, link):
+        with pytest.raises(FileExistsError, match="not an empty directory"):
+            _export.export(snap, str(taken), "dcp")
+    assert os.listdir(victim) == [] and sorted(os.listdir(tmp_path)) == ["dcp", "link", "victim"]
+
+
 # ---- tables on a pipe -------------------------------------------------------------------------
 
 

@@ -55,6 +55,12 @@ def _auth(srv: FileServer) -> tuple[bytes, bytes]:
     return ticket, tags.ticket_key(srv.key, ticket)
 
 
+def _ticket(srv: FileServer) -> dict:
+    """``_auth`` as the restore info's worker entry carries it."""
+    ticket, key = _auth(srv)
+    return {"ticket": ticket, "key": key}
+
+
 def _shard(srv: FileServer, i: int = 1) -> dict:
     (info,) = checkpoints.list_checkpoints(srv.root, job="j")
     return info.manifest["shards"][i]
@@ -250,8 +256,8 @@ def test_a_copy_altered_on_the_way_is_passed_over_and_the_restore_is_exact(tmp_p
     direct = checkpoints.load(checkpoints.list_checkpoints(keyed.root, job="j")[0])
     bad = middle("flip")
     workers = [
-        {"id": 0, "files": bad.endpoint, "disk": keyed.disk, **dict(zip(("ticket", "key"), _auth(keyed)))},
-        {"id": 0, "files": keyed.endpoint, "disk": keyed.disk, **dict(zip(("ticket", "key"), _auth(keyed)))},
+        {"id": 0, "files": bad.endpoint, "disk": keyed.disk, **_ticket(keyed)},
+        {"id": 0, "files": keyed.endpoint, "disk": keyed.disk, **_ticket(keyed)},
     ]
     src = ClusterTierSource("local", info.root, "tcp://127.0.0.1:9", workers, 1.0, TUNING, direct=False)
     snap = checkpoints.load(_through(src, info))

@@ -76,3 +76,58 @@ def test_parallel_kernel_is_not_loaded_from_the_serial_ones_cache(tmp_path):
     assert second["threads"] == [0, 1], f"the parallel kernel ran on threads {second['threads']}"
     again = _run(tmp_path, "parallel")  # and it is cached under its own entry
     assert again == {"threads": [0, 1], "compiled": 0}
+
+
+def _configure_in(tmp_path: Path, plant) -> tuple[str, str]:
+    """The kernel cache directory a fresh process picks when its cache home cannot be
+    created (``XDG_CACHE_HOME`` is a file) and its temporary directory holds what ``plant``
+    put at the per-user fallback's path; and what it logged."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(parents=True)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    fallback = tmp / f"shadow-numba-{os.getuid()}"
+    plant(fallback)
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "SHADOW_CACHE_DIR")}
+    env.update(XDG_CACHE_HOME=str(blocker), TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
+    code = "import logging; logging.basicConfig(); from shadow.kernels import _cache; print(_cache.configure())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip(), out.stderr
+
+
+def _is_private(path: str) -> bool:
+    info = os.lstat(path)
+    return os.path.isdir(path) and not os.path.islink(path) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
+def test_the_fallback_cache_is_created_private(tmp_path):
+    got, _ = _configure_in(tmp_path, lambda p: None)
+    assert got == str(tmp_path / "tmp" / f"shadow-numba-{os.getuid()}") and _is_private(got)
+
+
+def test_a_fallback_cache_another_account_planted_is_not_used(tmp_path):
+    """numba loads the index files it finds in its cache directory (pickles): a directory
+    another account made, or may write to, or a link to one, is never the cache."""
+
+    def theirs(p: Path) -> None:
+        p.mkdir(mode=0o755)
+        (p / "planted.nbi").write_bytes(b"not from this user")
+        if os.getuid() == 0:
+            os.chown(p, 65534, 65534)
+        else:  # not root: a directory of ours that others may write to stands for it
+            p.chmod(0o777)
+
+    def open_to_all(p: Path) -> None:
+        p.mkdir()
+        p.chmod(0o777)
+
+    def link(p: Path) -> None:
+        (p.parent / "elsewhere").mkdir(mode=0o700)
+        p.symlink_to(p.parent / "elsewhere")
+
+    for i, plant in enumerate((theirs, open_to_all, link)):
+        got, log = _configure_in(tmp_path / str(i), plant)
+        planted = tmp_path / str(i) / "tmp" / f"shadow-numba-{os.getuid()}"
+        assert got != str(planted) and not got.startswith(str(planted) + "/"), plant.__name__
+        assert _is_private(got) and "cannot be used either" in log, (plant.__name__, log)

@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
+from typing import BinaryIO
 
 from shadow.choices import Dtype, Format, WeightFormat
 from shadow.export._torch import require_torch
@@ -41,17 +43,52 @@ def check_out(out: str) -> None:
         )
 
 
-def _via_tmp(out: str, write: Callable[[str], object]) -> None:
-    """``write(tmp)``, then rename ``tmp`` onto ``out``: ``out`` is whole or untouched, and
-    the temporary file is removed on any failure."""
-    tmp = out + ".tmp"
+def _umask_mode(base: int) -> int:
+    """``base`` (0o666 for a file, 0o777 for a directory) under this process's umask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
+
+
+def _via_tmp(out: str, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a fresh temporary file beside ``out`` (created exclusively, never
+    through a link someone left at a predictable name), then renamed onto ``out``: ``out``
+    is whole or untouched (a link at ``out`` is replaced, not followed), and the temporary
+    file is removed on any failure."""
+    parent, base = os.path.split(os.path.abspath(out))
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{base}.", suffix=".tmp")
     try:
-        write(tmp)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fchmod(f.fileno(), _umask_mode(0o666))
         os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _into_dir(out: str, what: str, write: Callable[[str], object]) -> str:
+    """``write(tmp)`` into a fresh private directory beside ``out`` (no one else can enter
+    it while it fills), then renamed onto ``out``, which must be missing or an empty
+    directory; the temporary directory is removed on any failure."""
+    if os.path.lexists(out) and (os.path.islink(out) or not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(
+            f"cannot write {what} to {out}: it exists and is not an empty directory; remove it or choose another out="
+        )
+    parent, base = os.path.split(os.path.abspath(out.rstrip("/") or out))
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{base}.", suffix=".tmp")
+    try:
+        write(tmp)
+        os.chmod(tmp, _umask_mode(0o777))
+        if os.path.isdir(out) and not os.path.islink(out):
+            os.rmdir(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
@@ -64,7 +101,7 @@ def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
 
     sd = state.state_dicts(snap)
     if fmt == "torch":
-        _via_tmp(out, lambda tmp: torch.save(sd, tmp))
+        _via_tmp(out, lambda f: torch.save(sd, f))
         return out
     aliases = state.aliases(snap)
     if fmt == "hf_trainer":
@@ -72,26 +109,23 @@ def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
     if fmt == "lightning":
         return _lightning(torch, sd, snap, out)
     if fmt == "safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         weights = {k: v.contiguous() for k, v in sd["model"].items() if k not in aliases}
         meta = {"job": snap.job, "iteration": str(snap.iteration), "aliases": json.dumps(aliases)}
-        _via_tmp(out, lambda tmp: save_file(weights, tmp, metadata=meta))
+        _via_tmp(out, lambda f: f.write(save(weights, metadata=meta)))
         return out
     import torch.distributed.checkpoint as dcp
 
     names = [p.name for p in snap.layout.params]
     tensors = {"model": dict(sd["model"]), "optimizer": _fqn_optimizer(sd, names)}
-    created = not os.path.exists(out)
-    try:
-        dcp.save(tensors, checkpoint_id=out, no_dist=True)
-        with open(os.path.join(out, "shadow.json"), "w") as f:
+
+    def write(tmp: str) -> None:
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=True)
+        with open(os.path.join(tmp, "shadow.json"), "w") as f:
             json.dump({"job": snap.job, "iteration": snap.iteration, "scheduler_in": "torch format only"}, f)
-    except BaseException:
-        if created:  # a half-written directory is not a checkpoint
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    return out
+
+    return _into_dir(out, "a DCP checkpoint", write)
 
 
 def export_weights(
@@ -115,15 +149,15 @@ def export_weights(
     cast = getattr(torch, dtype.value)
     weights = {k: (v.to(cast) if v.is_floating_point() else v).contiguous() for k, v in sd.items() if k not in aliases}
     if fmt == "safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         meta = {"job": snap.job, "iteration": str(snap.iteration), "dtype": dtype.value, "aliases": json.dumps(aliases)}
-        _via_tmp(out, lambda tmp: save_file(weights, tmp, metadata=meta))
+        _via_tmp(out, lambda f: f.write(save(weights, metadata=meta)))
     else:
         full = dict(weights)
         for alias, name in aliases.items():
             full[alias] = full[name]  # torch.save keeps the tie
-        _via_tmp(out, lambda tmp: torch.save(full, tmp))
+        _via_tmp(out, lambda f: torch.save(full, f))
     return {
         "tensors": len(weights),
         "bytes": sum(v.numel() * v.element_size() for v in weights.values()),
@@ -161,7 +195,7 @@ def _lightning(torch, sd: dict, snap: Snapshot, out: str) -> str:
     }
     if sd["scaler"] is not None and rec.get("precision"):
         ckpt[rec["precision"]] = sd["scaler"]  # the precision plugin's own key: its scaler's state
-    _via_tmp(out, lambda tmp: torch.save(ckpt, tmp))
+    _via_tmp(out, lambda f: torch.save(ckpt, f))
     return out
 
 
@@ -182,8 +216,6 @@ def _hf_trainer(torch, sd: dict, aliases: dict, snap: Snapshot, out: str) -> str
             "(its extra state holds no Trainer state); format=hf_trainer writes Trainer runs only: use "
             "format=torch"
         )
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise FileExistsError(f"cannot write a Trainer checkpoint to {out}: it exists and is not an empty directory")
     trainer_state = json.loads(rec["state"])
     k = snap.iteration
     trainer_state["global_step"] = k
@@ -192,10 +224,8 @@ def _hf_trainer(torch, sd: dict, aliases: dict, snap: Snapshot, out: str) -> str
         epoch, u = divmod(k, per_epoch)
         done = min(u * accum, steps_in_epoch) if u else steps_in_epoch
         trainer_state["epoch"] = (epoch if u else epoch - 1) + done / steps_in_epoch if k else 0.0
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+
+    def write(tmp: str) -> None:
         weights = {n: v.contiguous() for n, v in sd["model"].items() if n not in aliases}
         save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         torch.save(sd["optimizer"], os.path.join(tmp, "optimizer.pt"))
@@ -222,10 +252,5 @@ def _hf_trainer(torch, sd: dict, aliases: dict, snap: Snapshot, out: str) -> str
             if "cuda" in rng:
                 hf["cuda"] = rng["cuda"]
             torch.save(hf, os.path.join(tmp, f"rng_state_{r}.pth" if world > 1 else "rng_state.pth"))
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return _into_dir(out, "a Trainer checkpoint", write)

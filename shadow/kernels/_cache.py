@@ -8,7 +8,11 @@ directory instead:
 * ``NUMBA_CACHE_DIR``, when set, wins (numba's own setting);
 * else ``SHADOW_CACHE_DIR``/numba;
 * else ``$XDG_CACHE_HOME/shadow/numba`` (``~/.cache/shadow/numba``);
-* a directory that cannot be written falls back to a per-user temporary directory.
+* a directory that cannot be written, or is not private to this user (another account owns
+  it or may write to it: numba loads what it finds there, and its index files are pickles),
+  falls back to a per-user temporary directory, created 0700 and checked the same way;
+  when even that one is not private (another account made it first), to a fresh private
+  directory of this process's own (the kernels then compile again in every process).
 
 The directory is chosen when the kernel modules are first imported (numba binds a
 kernel's cache when it is decorated), so :func:`configure` runs at that import.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import tempfile
 import types
 from collections.abc import Callable, Iterator
@@ -30,14 +35,41 @@ logger = logging.getLogger(__name__)
 _chosen: str | None = None
 
 
-def _writable(path: str) -> bool:
+def _private(path: str) -> str:
+    """Why ``path`` may not hold this user's kernel cache ("" if it may): it is created
+    (0700) when missing, and must then be a directory, not a link, owned by this user and
+    writable by no one else."""
     try:
-        os.makedirs(path, exist_ok=True)
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"cannot create it ({exc})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory (a link or a file)"
+    if info.st_uid != os.getuid():
+        return f"it belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"others may write to it (mode {stat.S_IMODE(info.st_mode):o})"
+    return ""
+
+
+def _writable(path: str) -> str:
+    """Why ``path`` cannot hold this user's kernel cache ("" if it can)."""
+    problem = _private(path)
+    if problem:
+        return problem
+    try:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
             pass
-        return True
-    except OSError:
-        return False
+    except OSError as exc:
+        return f"cannot write to it ({exc})"
+    return ""
 
 
 def default_dir() -> str:
@@ -62,15 +94,27 @@ def configure() -> str:
     if _chosen is not None:
         return _chosen
     path = default_dir()
-    if not _writable(path):
+    problem = _writable(path)
+    if problem:
         fallback = os.path.join(tempfile.gettempdir(), f"shadow-numba-{os.getuid()}")
         logger.warning(
-            "kernel cache directory %s is not writable; using %s (set SHADOW_CACHE_DIR to choose another)",
+            "kernel cache directory %s cannot be used: %s; using %s (set SHADOW_CACHE_DIR to choose another)",
             path,
+            problem,
             fallback,
         )
         path = fallback
-        os.makedirs(path, exist_ok=True)
+        problem = _writable(path)
+        if problem:
+            path = tempfile.mkdtemp(prefix=f"shadow-numba-{os.getuid()}-")
+            logger.warning(
+                "the fallback kernel cache directory %s cannot be used either: %s; using %s, this "
+                "process's own (the kernels compile again in every process until SHADOW_CACHE_DIR "
+                "names a private directory)",
+                fallback,
+                problem,
+                path,
+            )
     config.CACHE_DIR = path  # type: ignore[attr-defined]  # numba sets its config attributes at run time
     _chosen = path
     return path
@@ -107,7 +151,7 @@ def compile_lock() -> Iterator[None]:
 
     path = os.path.join(cache_dir(), ".compile.lock")
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600)
     except OSError as exc:  # no lock then: each process compiles on its own, as numba would
         logger.warning("cannot open the kernel cache lock %s (%s); compiling without it", path, exc)
         yield
