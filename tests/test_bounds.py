@@ -141,6 +141,38 @@ def test_containers_beyond_the_type_limits_are_rejected():
     assert _reason(msgpack.packb({"t": "alive", "v": 1, "epoch": msgpack.ExtType(1, b"x")})) == "too_large"
 
 
+def test_a_body_of_empty_containers_builds_no_more_than_its_longest_array():
+    """One byte per empty array: a body under its type's byte limit, every array under the
+    length limit, could still build millions of objects; the count of arrays and maps in
+    all is capped at the type's array limit."""
+    cap = M.limits("heartbeat").array
+    over = msgpack.packb({"t": "heartbeat", "v": 1, "seq": [[[]] * 2 for _ in range(cap // 2)]})
+    assert len(over) < M.limits("heartbeat").bytes
+    with pytest.raises(M.MessageError, match="max_containers") as err:
+        M.decode(over)
+    assert err.value.reason == "too_large"
+    under = msgpack.packb({"t": "heartbeat", "v": 1, "seq": [[[]] * 2 for _ in range(cap // 4)]})
+    assert _reason(under) != "too_large"  # decoded, then refused by its schema
+
+
+def test_a_commit_body_of_empty_containers_is_a_bad_commit_before_it_grows():
+    """A COMMIT frame's body (a width bomb at the expected sequence number) is decoded
+    within what a commit of the layout holds."""
+    from shadow.worker.commit import decode_commit
+
+    header = F.Header(F.Kind.COMMIT, F.Field.GRAD, 1, 1, 0, 1, 0, 4, 0, ())
+    replay = {"iteration": 4, "rank": 0, "sent": 0, "skipped": [], "groups": [], "clip": None, "bootstrap": False}
+    for bomb in ({"pad": [[] for _ in range(1 << 16)]}, {"pad": [[[]] * 1000 for _ in range(1000)]}):
+        body = msgpack.packb({"replay": replay, "blob": None, **bomb}, use_bin_type=True)
+        with pytest.raises(F.FrameError, match="too large for its layout") as err:
+            decode_commit(body, header, 3, 0)
+        assert err.value.reason == "bad_commit"
+    with pytest.raises(F.FrameError, match="not a map"):
+        decode_commit(msgpack.packb([1, 2]), header, 3, 0)
+    replay, blob = decode_commit(msgpack.packb({"replay": replay, "blob": b"x"}, use_bin_type=True), header, 3, 0)
+    assert replay["iteration"] == 4 and blob == b"x"
+
+
 def test_a_message_must_begin_with_its_type_then_its_version():
     assert _reason(msgpack.packb({"v": 1, "t": "status"})) == "bad_order"
     assert _reason(msgpack.packb({"t": "status", "x": 1, "v": 1})) == "bad_order"

@@ -7,7 +7,9 @@ writes the type first, then the version). Decoding never executes anything (no p
    key is ``"t"`` (a short string) and whose second is ``"v"``;
 2. the message must fit its type's :class:`Limits` (:data:`LIMITS`): total bytes, then
    msgpack's ``max_str_len``/``max_bin_len``/``max_array_len``/``max_map_len`` (and no
-   ext types) while the body is decoded, with the garbage collector paused;
+   ext types) while the body is decoded, with the garbage collector paused, and at most
+   as many arrays and maps in all as its longest array may hold (:func:`unpack_bounded`:
+   a body of empty containers, one byte each, cannot build millions of objects);
 3. each field's type is checked against :data:`SCHEMAS`; a field that is neither in the
    schema nor in :data:`OPTIONAL` is rejected (``unknown_field``).
 
@@ -41,6 +43,7 @@ __all__ = [
     "limits",
     "peek_type",
     "socket_limit",
+    "unpack_bounded",
     "validate",
 ]
 
@@ -204,10 +207,45 @@ def decode(raw: bytes | memoryview, commit_bytes: int = DEFAULT.max_commit_bytes
     lim = limits(kind, commit_bytes)
     if len(raw) > lim.bytes:
         raise MessageError("too_large", f"{kind} message of {len(raw)} bytes exceeds its limit of {lim.bytes}")
+    try:
+        msg = unpack_bounded(raw, lim)
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):  # msgpack: "N exceeds max_array_len(M)"
+            raise MessageError("too_large", f"{kind} message: {str(exc)[:200]}") from None
+        raise MessageError("undecodable", f"not a msgpack message ({type(exc).__name__})") from None
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError("undecodable", f"not a msgpack message ({type(exc).__name__})") from None
+    if not isinstance(msg, dict) or msg.get("t") != kind:  # e.g. a second "t" key
+        raise MessageError("bad_order", f"message peeked as {kind!r} decodes otherwise")
+    validate(msg)
+    return msg
+
+
+class _Containers:
+    """Counts the arrays and maps a decode builds; past ``cap`` the decode stops."""
+
+    __slots__ = ("cap", "n")
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.n = cap, 0
+
+    def __call__(self, obj: Any) -> Any:
+        self.n += 1
+        if self.n > self.cap:
+            raise ValueError(f"{self.n} arrays and maps exceeds max_containers({self.cap})")
+        return obj
+
+
+def unpack_bounded(raw: bytes | memoryview, lim: Limits, containers: int | None = None) -> Any:
+    """msgpack ``raw`` within ``lim`` (no ext types), with at most ``containers`` arrays and
+    maps in all (default: ``lim.array``), the garbage collector paused while it decodes.
+    Over a limit: ``ValueError`` whose text holds "exceeds max_"; other damage raises what
+    msgpack raises."""
+    count = _Containers(lim.array if containers is None else containers)
     paused = gc.isenabled()  # a body of many small containers decodes several times faster without collections
     gc.disable()
     try:
-        msg = msgpack.unpackb(
+        return msgpack.unpackb(
             raw,
             raw=False,
             strict_map_key=False,
@@ -216,20 +254,12 @@ def decode(raw: bytes | memoryview, commit_bytes: int = DEFAULT.max_commit_bytes
             max_array_len=lim.array,
             max_map_len=lim.map,
             max_ext_len=0,
+            list_hook=count,
+            object_hook=count,
         )
-    except ValueError as exc:
-        if "exceeds max_" in str(exc):  # msgpack: "N exceeds max_array_len(M)"
-            raise MessageError("too_large", f"{kind} message: {str(exc)[:200]}") from None
-        raise MessageError("undecodable", f"not a msgpack message ({type(exc).__name__})") from None
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise MessageError("undecodable", f"not a msgpack message ({type(exc).__name__})") from None
     finally:
         if paused:
             gc.enable()
-    if not isinstance(msg, dict) or msg.get("t") != kind:  # e.g. a second "t" key
-        raise MessageError("bad_order", f"message peeked as {kind!r} decodes otherwise")
-    validate(msg)
-    return msg
 
 
 def validate(msg: Any) -> None:

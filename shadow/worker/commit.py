@@ -3,11 +3,11 @@ ranks, and the divergence audit's comparison. The opaque blob is never decoded h
 
 from __future__ import annotations
 
-import msgpack
 import numpy as np
 
 from shadow.optim_groups import group_from_wire
 from shadow.wire import frames as F
+from shadow.wire import messages as M
 from shadow.worker.state import ShardState
 
 
@@ -105,10 +105,20 @@ def _check_group(g) -> None:
 
 def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:
     """Decode and check the replay part of a commit; the blob stays opaque."""
+    # bounded by what a commit of this layout holds: per-parameter lists, one map per group
+    # (with a few short lists), an audit sample, the blob as one byte string
+    longest = max(nparams, ngroups, MAX_AUDIT_POSITIONS) + 16
+    lim = M.Limits(len(body), 4096, len(body), longest, 256)
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        msg = M.unpack_bounded(body, lim, containers=8 * ngroups + 64)
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):
+            raise F.FrameError("bad_commit", f"commit body too large for its layout: {str(exc)[:160]}") from None
+        raise F.FrameError("bad_commit", "commit body is not msgpack") from None
     except Exception:
         raise F.FrameError("bad_commit", "commit body is not msgpack") from None
+    if not isinstance(msg, dict):
+        raise F.FrameError("bad_commit", "commit body is not a map")
     try:
         replay, blob = msg["replay"], msg.get("blob")
         if replay["iteration"] != h.iteration or replay["rank"] != h.rank:
