@@ -100,6 +100,26 @@ def test_each_message_type_is_taken_from_its_roles_only(kind, role):
     assert refused == {f"{role}/role": 1}
 
 
+def test_a_refused_role_costs_no_decode(monkeypatch):
+    """Row 2 (issue 38): a client key's 64 MiB ``attach`` of empty arrays was decoded whole
+    (4.9 GB, 41.7 s) before its role was refused. The type is read from the first bytes and
+    the role refused before the body is decoded."""
+    sim = Sim()
+    sim.running()
+    decoded = []
+    real = M.decode
+    head = msgpack.packb({"t": "attach", "v": M.VERSION})
+    body = b"\xde\x00\x03" + head[1:] + b"\xa6layout" + b"\xdd\x00\x10\x00\x00" + b"\x90" * (1 << 20)
+    # (the test's outbox decodes the replies: only decodes of the attack's body count)
+    monkeypatch.setattr(M, "decode", lambda raw, *a, **k: (raw is body and decoded.append(raw)) or real(raw, *a, **k))
+    before = _view(sim)
+    sim.coord.on_message([b"peer", body], "client")
+    assert decoded == [] and sim.state.refused == {("client", "role"): 1}
+    assert "a client may not send 'attach'" in sim.out.last("error")["message"] and _view(sim) == before
+    sim.coord.on_message([b"t0", body], "trainer")  # its role may: then it is decoded (and refused by its schema)
+    assert len(decoded) == 1 and sim.state.rejected["missing_field"] == 1
+
+
 def test_the_route_table_names_who_sends_what():
     worker = {"starting", "register", "rejoin", "heartbeat", "prepared", "persisted", "stale", "configured"}
     worker |= {"copied", "audited"}

@@ -148,22 +148,27 @@ class Coordinator:
         logger.warning("refused a message (%s from %s): %s", reason, role or "an unauthenticated peer", message)
         self.out.reply(envelope, "error", code="refused", message=message)
 
+    def _malformed(self, envelope: list[bytes], exc: M.MessageError) -> None:
+        self.state.rejected.add(exc.reason)
+        logger.warning("rejected control message: %s", exc)
+        self.out.reply(envelope, "error", code="malformed", message=f"rejected: {exc}")
+
     def on_message(self, parts: list[bytes], role: str | None = None) -> None:
-        """Decode, check and route one message from the ROUTER (envelope frames, then the
-        body), sent by a peer of ``role`` (None: no authentication, any role)."""
+        """Check and route one message from the ROUTER (envelope frames, then the body),
+        sent by a peer of ``role`` (None: no authentication, any role). The type is read
+        from the body's first bytes and checked against the sender's role (and a worker's
+        identity) before the body is decoded: a refused peer costs the bytes it sent, not
+        the objects its body would build."""
         st = self.state
         if len(parts) < 2:
             st.rejected.add("malformed")
             return
         envelope, raw = parts[:-1], parts[-1]
         try:
-            msg = M.decode(raw, self.tuning.max_commit_bytes)
+            kind = M.peek_type(raw)
         except M.MessageError as exc:
-            st.rejected.add(exc.reason)
-            logger.warning("rejected control message: %s", exc)
-            self.out.reply(envelope, "error", code="malformed", message=f"rejected: {exc}")
+            self._malformed(envelope, exc)
             return
-        kind = msg["t"]
         route, handler = ROUTES.get(kind), self.routes.get(kind)
         if route is None or handler is None:
             st.rejected.add("unexpected")
@@ -183,6 +188,11 @@ class Coordinator:
             return
         if route.worker_only and st.worker(envelope[0]) is None:
             st.rejected.add("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)
+            return
+        try:
+            msg = M.decode(raw, self.tuning.max_commit_bytes)
+        except M.MessageError as exc:
+            self._malformed(envelope, exc)
             return
         st.sender_role = role
         try:
