@@ -107,10 +107,11 @@ class PersistConfig:
                 bits = int(self.mode, 8)
             except ValueError:
                 bits = -1
-            if not 0 <= bits <= 0o777 or bits & 0o600 != 0o600:
+            if not 0 <= bits <= 0o777 or bits & 0o600 != 0o600 or bits & 0o117:
                 raise ValueError(
-                    f"persist.mode={self.mode!r} is not a file mode the owner can read and write; give an octal "
-                    "string such as 0600 (the default: the owner only) or 0640 (and its group)"
+                    f"persist.mode={self.mode!r} is not a checkpoint file mode: the owner must read and write, "
+                    "its group may read (and write), no one else may do anything, nothing is executable; give an "
+                    "octal string such as 0600 (the default: the owner only) or 0640 (and its group)"
                 )
         if self.remote.enabled and not self.local.enabled:
             raise ValueError("persist.remote.url needs persist.local.dir: the remote tier is copied from the local one")

@@ -63,7 +63,16 @@ def generate(directory: str | os.PathLike, name: str, overwrite: bool = False) -
                     f"{path} already exists; pick another name= or pass overwrite=true "
                     "(clients and allow lists holding the old key stop working)"
                 )
-    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.exists():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)  # whatever the umask: the keys directory is the owner's alone
+    elif directory.stat().st_mode & 0o022:
+        logger.warning(
+            "%s may be written by other accounts (mode %o): one of them could replace a key; make it 0700",
+            directory,
+            directory.stat().st_mode & 0o777,
+        )
     # the pair is written into a private (0700) scratch directory so the secret is never readable by others
     scratch = tempfile.mkdtemp(prefix=f".{name}-", dir=directory)
     try:

@@ -283,6 +283,23 @@ def test_a_failed_export_leaves_no_temp_file(tmp_path, monkeypatch, fmt):
         _export.export_weights(snap, str(tmp_path / "no" / "w.st"), fmt)
 
 
+def test_an_empty_or_unwritable_out_is_a_clear_error(tmp_path, monkeypatch):
+    """Row 17 (issue 38): ``out=`` empty and ``out=/proc/x.pt`` ended in raw tracebacks."""
+    from shadow import export as _export
+    from shadow.export import state
+
+    _write_checkpoint(str(tmp_path / "ckpt"), "j", 1, LAYOUT)
+    for cmd in ("restore", "export"):
+        res = shadow(cmd, f"source={tmp_path / 'ckpt'}", "out=")
+        assert res.returncode == 1 and "out= is empty" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    monkeypatch.setattr(state, "state_dicts", lambda snap: {"model": {"w": torch.ones(3)}})
+    monkeypatch.setattr(state, "aliases", lambda snap: {})
+    snap = SimpleNamespace(job="j", iteration=1, blobs={0: b""}, extras={})
+    for fmt in ("torch", "safetensors"):
+        with pytest.raises(OSError):  # what the CLI reports as "shadow restore: <why>", exit 1
+            _export.export(snap, "/proc/x.pt", fmt)
+
+
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_an_export_follows_no_link_left_at_its_temporary_or_final_name(tmp_path, monkeypatch, fmt):
     """Another account plants ``out.tmp`` (the old temporary name) and ``out`` itself as

@@ -229,3 +229,21 @@ def test_verify_and_restore_read_private_checkpoints_as_the_same_user(tmp_path, 
     assert cmd_verify(VerifyConfig(source=local)) == 0
     assert "j iteration 1: OK" in capsys.readouterr().out
     assert find_checkpoint(local, "local")[1].iteration == 1
+
+
+@pytest.mark.parametrize("mode", ["0666", "0644", "0700", "0604", "0610", "0400", "1777", "rw"])
+def test_a_mode_that_lets_others_in_or_executes_is_refused(mode):
+    """Row 17 (issue 38): ``persist.mode=0666`` was accepted although the docs forbid
+    other accounts' bits."""
+    with pytest.raises(ValueError, match="not a checkpoint file mode"):
+        PersistConfig.from_dict({"mode": mode})
+    for ok in ("0600", "0640", "0660", "600"):
+        assert PersistConfig.from_dict({"mode": ok}).file_mode in (0o600, 0o640, 0o660)
+
+
+def test_a_checkpoint_directory_name_is_matched_whole():
+    """Row 17 (issue 38): the name's pattern accepted a trailing newline."""
+    assert checkpoints.dir_key("iteration-0000000005") == (0, 5)
+    assert checkpoints.dir_key("iteration-0000000005-gen2/") == (2, 5)
+    for bad in ("iteration-0000000005\n", "iteration-5x", "xiteration-5", "iteration-0000000005-gen2\n"):
+        assert checkpoints.dir_key(bad) is None, bad

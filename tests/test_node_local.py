@@ -9,6 +9,7 @@ host, a restarted cluster) are in test_multihost.py."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -197,6 +198,35 @@ def test_a_link_in_a_workers_tier_is_not_followed(tmp_path, server):
     shutil.move(str(tmp_path / "link"), f"{d}/{name}")
     with pytest.raises(ShadowError, match="cannot read"):
         read_file(server.endpoint, "j", "iteration-0000000005", {"file": name, "bytes": 64}, TUNING)
+
+
+def test_a_linked_job_or_checkpoint_directory_is_neither_served_nor_deleted_through(tmp_path, server):
+    """Row 17 (issue 38): a link in place of a job's or a checkpoint's directory led the
+    files socket (and retention's deletes) out of the worker's tier."""
+    elsewhere = tmp_path / "elsewhere"
+    _write_checkpoint(str(elsewhere), "j", 5, LAYOUT)
+    (info,) = checkpoints.list_checkpoints(str(elsewhere), job="j")
+    shard = info.manifest["shards"][0]
+    os.makedirs(server.root, exist_ok=True)
+    os.symlink(elsewhere / "j", f"{server.root}/j")  # the job's directory is a link
+    with pytest.raises(ShadowError, match="cannot read"):
+        read_file(server.endpoint, "j", "iteration-0000000005", shard, TUNING)
+    os.unlink(f"{server.root}/j")
+    os.makedirs(f"{server.root}/j")
+    os.symlink(elsewhere / "j" / "iteration-0000000005", f"{server.root}/j/iteration-0000000005")
+    with pytest.raises(ShadowError, match="cannot read"):
+        read_file(server.endpoint, "j", "iteration-0000000005", shard, TUNING)
+    os.unlink(f"{server.root}/j/iteration-0000000005")
+    os.rmdir(f"{server.root}/j")
+    os.symlink(elsewhere / "j", f"{server.root}/j")
+    _write_checkpoint(server.root, "k", 6, LAYOUT)
+    server.forget("j", ["iteration-0000000005"])
+    server.forget("k", ["iteration-0000000006"])  # deleted after the first was carried out (one queue)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"{server.root}/k/iteration-0000000006"):
+        assert time.monotonic() < deadline, "the files thread deleted nothing"
+        time.sleep(0.05)
+    assert (elsewhere / "j" / "iteration-0000000005").is_dir()
 
 
 def test_forget_deletes_checkpoint_directories_only(tmp_path, server):

@@ -78,6 +78,21 @@ def secured(keys):
     sec.close()
 
 
+def test_a_keys_directory_keygen_creates_is_private_whatever_the_umask(tmp_path, caplog):
+    """Row 17 (issue 38): under umask 022 ``shadow keygen`` left ``keys/`` 0755."""
+    old = os.umask(0o022)
+    try:
+        S.generate(tmp_path / "deep" / "keys", "server")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "deep" / "keys").st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    S.generate(shared, "trainer")  # an existing directory others may write to: said, not changed
+    assert "may be written by other accounts" in caplog.text and stat.S_IMODE(shared.stat().st_mode) == 0o777
+
+
 def test_keygen_cli_writes_a_private_pair_and_refuses_to_overwrite(tmp_path):
     def keygen(*args):
         return subprocess.run(

@@ -35,6 +35,8 @@ def _fqn_optimizer(sd: dict, names: list[str]) -> dict:
 def check_out(out: str) -> None:
     """Refuse an ``out`` whose parent directory does not exist, before any work is done
     (the write would otherwise fail only at the end, after reading the whole checkpoint)."""
+    if not isinstance(out, str) or not out.strip():
+        raise ValueError("out= is empty: name the file (or directory) to write, e.g. out=ckpt.pt")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise FileNotFoundError(

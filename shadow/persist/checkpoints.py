@@ -63,12 +63,12 @@ def checkpoint_dir(root: str, job: str, iteration: int, generation: int = 0) -> 
     return posixpath.join(root, job, dir_name(iteration, generation))
 
 
-_DIR = re.compile(r"iteration-(\d+)(?:-gen(\d+))?$")
+_DIR = re.compile(r"iteration-(\d+)(?:-gen(\d+))?")
 
 
 def dir_key(path: str) -> tuple[int, int] | None:
     """``(generation, iteration)`` of a checkpoint directory's name, None if it is not one."""
-    m = _DIR.match(posixpath.basename(path.rstrip("/")))
+    m = _DIR.fullmatch(posixpath.basename(path.rstrip("/")))  # (no trailing newline either)
     return (int(m.group(2) or 0), int(m.group(1))) if m else None
 
 

@@ -89,6 +89,22 @@ def file_problem(job: object, directory: object, name: object) -> str | None:
     return None
 
 
+def _open_under(root: str, names: tuple[str, ...]) -> int:
+    """Open ``root/names[0]/.../names[-1]`` for reading, one component at a time, following
+    no link on the way (a linked job or checkpoint directory, or a linked file, is
+    ``OSError``): only what lies under ``root`` itself is served."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        for name in names[:-1]:
+            nxt = os.open(name, flags | getattr(os, "O_DIRECTORY", 0), dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(names[-1], flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 class FileServer:
     """The files socket and the thread behind it (see the module's text)."""
 
@@ -206,6 +222,9 @@ class FileServer:
             if not root or file_problem(job, name, "shard-00000-of-00001.safetensors") is not None:
                 continue
             path = os.path.join(root, job, name)
+            if os.path.realpath(path) != os.path.join(os.path.realpath(root), job, name):
+                logger.warning("did not delete %s: a link leads out of this worker's tier", path)
+                continue
             try:
                 shutil.rmtree(path)
             except FileNotFoundError:
@@ -260,7 +279,7 @@ class FileServer:
             return None
         path = os.path.join(root, msg["job"], msg["dir"], msg["file"])
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = _open_under(root, (msg["job"], msg["dir"], msg["file"]))
         except FileNotFoundError:
             self._error(sock, ident, "refused", f"no such file on this worker's disk: {path}")
             return None
