@@ -251,6 +251,38 @@ def test_paused_lagging_detach_and_votes_come_from_the_ranks_own_connection():
     assert job.status == JobStatus.DEGRADED
 
 
+def test_a_heartbeat_rebinds_a_rank_only_with_its_token():
+    """Row 7 (issue 38): a ``trainer_hb`` naming rank 0 from another connection took the
+    rank's connection (then a ``paused`` there degraded the job, and the attacker was sent
+    the rank's progress and resyncs). Only the token the rank got in its ``attached``
+    rebinds it: a rank reconnecting, or a coordinator rebuilt from its workers."""
+    sim = Sim()
+    for i in range(2):
+        sim.register(i)
+    sim.attach()
+    sim.configured(b"w0", b"w1")
+    job = sim.state.job
+    assert job is not None
+    token = sim.out.last("attached", b"t0")["token"]
+    assert token == job.rank_token(0) and len(token) == 16
+    assert sim.out.last("configure", b"w0")["rank_secret"] == job.secret  # a rebuilt job knows the tokens
+    for i in range(2):
+        sim.prepared(b"w%d" % i, 0)
+    sim.out.clear()
+    hb = {"epoch": job.epoch, "rank": 0, "world": job.world, "job_id": job.job_id, "seq": []}
+    before = _view(sim)
+    for forged in ({}, {"token": b"x" * 16}, {"token": token[:8]}):
+        sim.send(b"spoof", "trainer_hb", **hb, **forged)
+    sim.send(b"spoof", "paused", epoch=job.epoch, rank=0, reason="spoofed")
+    assert _view(sim) == before and job.status == JobStatus.RUNNING and job.trainers[0] == b"t0"
+    assert sim.state.refused == {("peer", "not_the_rank"): 4}
+    assert not {"progress", "degraded", "resync"} & set(sim.out.kinds(b"spoof"))
+    sim.send(b"t0", "trainer_hb", **hb)  # the rank's own connection needs none
+    assert job.trainers[0] == b"t0" and sim.state.refused == {("peer", "not_the_rank"): 4}
+    sim.send(b"t0-again", "trainer_hb", **hb, token=token)  # the rank, reconnected
+    assert job.trainers[0] == b"t0-again"
+
+
 def test_exposure_beyond_loopback_needs_keys_or_insecure(caplog):
     from shadow.cli._services import check_exposure
     from shadow.config import SecurityConfig

@@ -53,7 +53,7 @@ class Cut:
             self.out.to_trainers(
                 job,
                 "attached",
-                each=lambda rank: st.data_keys(rank, st.workers),
+                each=lambda rank: {**st.data_keys(rank, st.workers), "token": job.rank_token(rank)},
                 epoch=job.epoch,
                 job_id=job.job_id,
                 workers=workers,

@@ -89,6 +89,9 @@ def rebuild_job(workers: list[WorkerRec], nshards: int) -> tuple[JobRec | None, 
         {},
     )
     job.generation = int(cfg["persist"].get("generation", 0))
+    secret = cfg.get("rank_secret")
+    if isinstance(secret, bytes) and len(secret) == 32:  # the ranks' tokens stay what they were given
+        job.secret = secret
     ok = [w for w in workers if w.id in same and w.id not in stale]
     job.cut = max([held[w.id]["applied"] for w in ok] + [cfg["iteration"] - 1])
     for w in workers:

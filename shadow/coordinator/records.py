@@ -4,6 +4,8 @@ rebuilt from the workers after a coordinator restart: see :mod:`rebuild`)."""
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -160,6 +162,9 @@ class JobRec:
     heard: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last trainer_hb
     dropped: str = ""  # why ``shadow drop`` detached it, or "" (its trainers are told so if they come back)
     degraded_at: float = 0.0  # monotonic time of the last degrade
+    # what each rank's token derives from (rank_token): drawn per job, kept by the workers in
+    # their configure, so a rebuilt job still knows its ranks
+    secret: bytes = field(default_factory=lambda: os.urandom(32))
     audit: dict = field(
         default_factory=lambda: {
             "checked": 0,
@@ -169,6 +174,15 @@ class JobRec:
             "last_mismatch": "",
         }
     )
+
+    def rank_token(self, rank: int) -> bytes:
+        """What proves a connection is rank ``rank`` of this epoch: given to the rank alone in
+        its ``attached`` (over its own connection), carried in its heartbeats, and asked for
+        before a rank's messages are taken from another connection."""
+        return hmac.digest(self.secret, b"shadow rank v1 %d %d" % (self.epoch, rank), hashlib.sha256)[:16]
+
+    def rank_token_ok(self, rank: int, token: object) -> bool:
+        return isinstance(token, bytes) and hmac.compare_digest(token, self.rank_token(rank))
 
     def last_heard(self, rank: int) -> float:
         """When rank ``rank`` was last heard from (monotonic): its last ``trainer_hb``, else

@@ -190,4 +190,5 @@ def configure_fields(
         "shards": st.nshards,
         "peer": peer,
         **({"data_key": w.data_key} if w.data_key is not None else {}),
+        "rank_secret": job.secret,
     }

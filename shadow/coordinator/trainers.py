@@ -100,6 +100,11 @@ class Trainers:
         if not 0 <= msg["rank"] < job.world:
             self.state.rejected.add("bad_rank")
             return
+        if job.trainers.get(msg["rank"]) != env[0] and not job.rank_token_ok(msg["rank"], msg.get("token")):
+            # a connection that is not the rank's: only the rank's token (from its attached) rebinds it
+            self.state.refuse(self.state.sender_role, "not_the_rank")
+            logger.warning("refused a heartbeat naming rank %d from another connection without its token", msg["rank"])
+            return
         job.heard[msg["rank"]] = time.monotonic()
         if job.dropped:  # a rank of a dropped job came back: it stops streaming, and is never asked to resync
             self.out.reply(env, "degraded", epoch=job.epoch, reason=job.dropped)

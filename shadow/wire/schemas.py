@@ -193,10 +193,12 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "rejoin": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,), "files_key": (bytes,)},
     # a keyed cluster's data key for this configuration (shadow.wire.tags): each rank's MAC key
     # for the worker derives from it
-    "configure": {"data_key": (bytes,)},
+    "configure": {"data_key": (bytes,), "rank_secret": (bytes,)},
     # a keyed cluster: this rank's MAC key for each worker, in worker order (each worker map
     # names its data socket's "mode")
-    "attached": {"keys": (list,)},
+    "attached": {"keys": (list,), "token": (bytes,)},
+    # the token of the rank's attached: a heartbeat from another connection must carry it
+    "trainer_hb": {"token": (bytes,)},
     "replica_in": {"key": (bytes,), "mode": (str,)},
     # the cluster's persist.local.dir, where a worker without its own local_dir keeps its shards
     "registered": {"local_dir": (str,)},

@@ -136,6 +136,8 @@ class Attachment:
         self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
         self.shards = [(w["start"], w["stop"]) for w in self.workers]
         self.data_tags = data_tags(self.workers, reply.get("keys"))
+        token = reply.get("token")
+        self.token = token if isinstance(token, bytes) else None  # proves this rank to a restarted coordinator
 
     @property
     def recovery(self) -> RecoveryController:
@@ -168,6 +170,7 @@ class Attachment:
             tuning=self.options.tuning,
             tags=self.data_tags,
             curve=[w.get("mode") == "curve" for w in self.workers],
+            token=self.token,
         )
         self.recovery.bind(self.sender, self.ring)
         self.sender.start()

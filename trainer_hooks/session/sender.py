@@ -73,10 +73,13 @@ class Sender(threading.Thread):
         tuning: Tuning,
         tags: list[Tags] | None = None,
         curve: list[bool] | None = None,
+        token: bytes | None = None,
     ) -> None:
         """``tags``: per worker, what this rank's frames to it are tagged with (its MAC key of
         the worker's configuration on a keyed cluster; default: checksums); ``curve``: per
-        worker, whether its data socket takes CURVE (default: where this process has keys)."""
+        worker, whether its data socket takes CURVE (default: where this process has keys);
+        ``token``: this rank's, from its ``attached`` (its heartbeats carry it, so that a
+        restarted coordinator takes this connection for the rank)."""
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
@@ -96,6 +99,7 @@ class Sender(threading.Thread):
         self.messages_out = 0
         self.probed: dict[int, dict] = {}  # iteration -> {(param, element): value staged}
         self.refused: int | None = None  # a refused commit: nothing of this iteration or later leaves
+        self.token = token
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> None:
@@ -132,6 +136,7 @@ class Sender(threading.Thread):
                         world=self.world,
                         job_id=self.job_id,
                         seq=list(self.seq),
+                        **({"token": self.token} if self.token else {}),
                     )
                     if self.paused is not None and not self.lost:  # until the coordinator asks for the resync
                         self._notify("paused", epoch=self.epoch, rank=self.rank, reason=self.paused)
