@@ -283,6 +283,22 @@ def test_a_heartbeat_rebinds_a_rank_only_with_its_token():
     assert job.trainers[0] == b"t0-again"
 
 
+def test_a_flood_of_starting_messages_keeps_a_bounded_table():
+    """Row 15 (issue 38): 200k ``starting`` in 6 s, and ``shadow status`` hung for over a
+    minute rendering them."""
+    from shadow.coordinator.membership import starting_cap
+
+    sim = Sim()
+    sim.register(0)
+    for pid in range(20_000):
+        sim.send(b"flood", "starting", worker_id=1, pid=pid + 100, seconds=0.0)
+    cap = starting_cap(sim.state.expected)
+    assert len(sim.state.starting) == cap and sim.state.rejected["starting_evicted"] == 20_000 - cap
+    assert len(status_view(sim.state, sim.coord.persist)["workers"]) <= 1 + cap
+    sim.send(b"w1", "starting", worker_id=1, pid=7, seconds=1.0)  # the real one, arriving last, is kept
+    assert 7 in sim.state.starting
+
+
 def test_exposure_beyond_loopback_needs_keys_or_insecure(caplog):
     from shadow.cli._services import check_exposure
     from shadow.config import SecurityConfig

@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 Msg = dict[str, Any]
 
 
+def starting_cap(expected: int) -> int:
+    """How many worker processes still compiling the coordinator keeps track of: a
+    cluster's workers starting twice over (restarts while the first ones compile)."""
+    return max(8, 2 * expected)
+
+
 class Membership:
     """Handlers ``starting``, ``register``, ``heartbeat`` and ``stale`` (workers), and the
     periodic :meth:`check_workers`."""
@@ -28,8 +34,14 @@ class Membership:
         self.state, self.out, self.cut, self.replicas, self.attach = state, out, cut, replicas, attach
 
     def on_starting(self, env: list[bytes], msg: Msg) -> None:
-        """A worker process is up and compiling its kernels; it registers when they are ready."""
-        self.state.starting[msg["pid"]] = {
+        """A worker process is up and compiling its kernels; it registers when they are ready.
+        At most :func:`starting_cap` are kept (the least recently heard goes first): a flood
+        of them costs a bounded table, and a status a bounded list."""
+        starting = self.state.starting
+        if msg["pid"] not in starting and len(starting) >= starting_cap(self.state.expected):
+            del starting[min(starting, key=lambda pid: starting[pid]["last_seen"])]
+            self.state.rejected.add("starting_evicted")
+        starting[msg["pid"]] = {
             "worker_id": msg["worker_id"],
             "pid": msg["pid"],
             "seconds": msg["seconds"],
