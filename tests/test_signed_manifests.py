@@ -197,6 +197,50 @@ def test_an_altered_manifest_is_refused_by_verify_and_skipped_by_restore(
     assert len(marked) == 1 and "tampered" in marked[0]["error"]
 
 
+def _forge_generation(root: str, generation: int, base: int, job: str = "j") -> str:
+    """A generation record as someone who can write the tier but has no key would plant it."""
+    path = os.path.join(root, job, checkpoints.GENERATION.format(generation))
+    record = {"format": "shadow-generation/1", "job": job, "generation": generation, "base": base, "created": 0.0}
+    with open(path, "w") as f:
+        json.dump(record, f)
+    return path
+
+
+def test_a_forged_generation_record_cannot_roll_a_signed_tier_back(tmp_path, key_file, capsys, monkeypatch):
+    """Row 14 (issue 38): an unsigned ``generation-000099.json {base 2}`` made a restore
+    holding the key return 2, ``ls`` show 4, 6 and 8 superseded and ``verify`` exit 0.
+    Generation records are signed like manifests; with the key a forged one is ignored,
+    and verify reports it."""
+    from shadow.cli._commands import cmd_verify
+
+    root = str(tmp_path / "ckpt")
+    _signed_checkpoints(root, (2, 4, 6))
+    real = str(tmp_path / "real")
+    _signed_checkpoints(real, (2, 4))
+    checkpoints.write_generation(real, "j", 1, 2, sign_key=KEY)  # as the coordinator writes one: honoured
+    assert [c.superseded for c in checkpoints.list_checkpoints(real, "local", "j", sign_key=KEY)] == [True, False]
+    forged = _forge_generation(root, 99, 2)
+    skipped: list = []
+    listed = checkpoints.list_checkpoints(root, "local", "j", skipped, KEY)
+    assert [c.iteration for c in listed if not c.superseded] == [2, 4, 6]
+    assert [p for p, _ in skipped] == [forged] and "not signed" in skipped[0][1]
+    assert find_checkpoint(root, "local", sign_key=KEY)[1].iteration == 6
+    monkeypatch.setenv(signing.ENV, key_file)
+    assert cmd_verify(VerifyConfig(source=root, json=True)) == 1
+    results = json.loads(capsys.readouterr().out)
+    bad = [r for r in results if not r["ok"]]
+    assert len(bad) == 1 and bad[0]["job"] == "j" and "generation-000099.json" in bad[0]["path"]
+    # without the key the record is taken as written (what signing is for); every checkpoint
+    # then being superseded is said as such, not as damage
+    assert find_checkpoint(root, "local")[1].iteration == 2
+    _forge_generation(root, 100, -1)
+    with pytest.raises(CheckpointError, match="every one found .* is superseded by a generation record"):
+        find_checkpoint(root, "local")
+    # the coordinator, with the key, counts no forged generation either
+    pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=1, dir=root), "sign": True}), sign_key=KEY)
+    assert pers.generations["j"] == 0
+
+
 def test_checksums_catch_corruption_not_tampering_signatures_catch_both(tmp_path, key_file, monkeypatch):
     """An attacker replaces a shard and writes its checksum into the manifest: without a
     key the restore takes the forged data (documented); with the key it is refused."""

@@ -57,7 +57,7 @@ class Persistence:
         self.tiers: dict[str, TierState] = {t.name: TierState(t) for t in tiers_for(self.config)}  # nearest first
         self.generations: dict[str, int] = {}  # job -> newest generation seen in any tier
         for t in self.tiers.values():
-            scan(t, self.generations)
+            scan(t, self.generations, sign_key=self.sign_key)
 
     def wire(self, generation: int) -> dict[str, Any]:
         """The tiers as a ``configure`` message carries them to the workers (which rebuild
@@ -71,7 +71,7 @@ class Persistence:
         problems = []
         for t in self.tiers.values():
             if t.scan_error:
-                scan(t, self.generations)
+                scan(t, self.generations, sign_key=self.sign_key)
             if t.scan_error:
                 why = t.scan_error.removeprefix(f"cannot list {t.root}: ")
                 problems.append(f"cannot read tier {t.name} ({t.root}): {why}")
@@ -113,12 +113,12 @@ class Persistence:
         self.generations[job] = max(self.generations.get(job, 0), generation)
         for t in self.tiers.values():
             try:
-                checkpoints.write_generation(t.storage, job, generation, base, diverged)
+                checkpoints.write_generation(t.storage, job, generation, base, diverged, self.sign_key)
             except Exception as exc:  # storage errors are reported, never fatal
                 t.last_error = f"recording generation {generation} of {job} (from iteration {base}): {exc}"
                 logger.error("tier %s: %s", t.name, t.last_error)
                 continue
-            scan(t, self.generations, job)
+            scan(t, self.generations, job, self.sign_key)
 
     def reset(self, base: int) -> None:
         for t in self.tiers.values():

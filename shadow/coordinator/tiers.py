@@ -122,16 +122,16 @@ def _probe(root: str | Storage) -> None:
             st.ls(entry["name"])
 
 
-def scan(tier: TierState, generations: dict[str, int], job: str | None = None) -> None:
+def scan(tier: TierState, generations: dict[str, int], job: str | None = None, sign_key: bytes | None = None) -> None:
     """Fill ``tier`` from what it holds (of ``job``, or of every job: then the tier's root is
     probed first), and raise ``generations`` (job -> newest generation) to what it records.
     A listing that fails leaves ``tier.last_error`` (and, for every job, ``scan_error``)."""
     try:
         if job is None:
             _probe(tier.storage)  # a listing of an unreadable root is empty, not an error
-        found = checkpoints.list_checkpoints(tier.storage, tier.name, job)
+        found = checkpoints.list_checkpoints(tier.storage, tier.name, job, sign_key=sign_key)
         for name in {c.job for c in found} | ({job} if job else set()):
-            marks = checkpoints.read_generations(tier.storage, name)
+            marks = checkpoints.read_generations(tier.storage, name, sign_key=sign_key)
             generations[name] = max([generations.get(name, 0), *marks] + [c.generation for c in found if c.job == name])
     except Exception as exc:  # an unreachable tier must not stop the coordinator
         tier.last_error = f"cannot list {tier.root}: {type(exc).__name__}: {exc}"

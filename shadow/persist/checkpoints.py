@@ -163,7 +163,7 @@ def list_checkpoints(
             )
     for name in {c.job for c in out}:
         diverged: dict[int, int] = {}
-        generations = read_generations(st, name, diverged)
+        generations = read_generations(st, name, diverged, sign_key, skipped)
         for c in out:
             if c.job == name:
                 c.superseded = superseded(c.generation, c.iteration, generations)

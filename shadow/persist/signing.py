@@ -78,11 +78,15 @@ def env_key() -> bytes | None:
     return load_key(path) if path else None
 
 
-def canonical(manifest: dict) -> bytes:
+GENERATION_TAG = b"shadow-generation-signature/1\n"  # a generation record's (shadow.persist.generations)
+
+
+def canonical(manifest: dict, tag: bytes = _TAG) -> bytes:
     """The bytes a signature covers: every field of ``manifest`` but :data:`FIELD`, as sorted,
-    compact JSON (a manifest read back from its file gives the same bytes)."""
+    compact JSON (a manifest read back from its file gives the same bytes), after ``tag``
+    (what kind of record it is: a manifest's signature signs no generation record)."""
     body = {k: v for k, v in manifest.items() if k != FIELD}
-    return _TAG + json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return tag + json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _checked(key: bytes) -> bytes:
@@ -91,31 +95,32 @@ def _checked(key: bytes) -> bytes:
     return key
 
 
-def sign(manifest: dict, key: bytes) -> str:
+def sign(manifest: dict, key: bytes, tag: bytes = _TAG) -> str:
     """The signature of ``manifest`` (``hmac-sha256:<hex>``), to be stored as its :data:`FIELD`."""
-    return f"{ALG}:" + hmac.new(_checked(key), canonical(manifest), hashlib.sha256).hexdigest()
+    return f"{ALG}:" + hmac.new(_checked(key), canonical(manifest, tag), hashlib.sha256).hexdigest()
 
 
-def signed(manifest: dict, key: bytes) -> dict:
+def signed(manifest: dict, key: bytes, tag: bytes = _TAG) -> dict:
     """``manifest`` with its signature (a copy)."""
-    return {**manifest, FIELD: sign(manifest, key)}
+    return {**manifest, FIELD: sign(manifest, key, tag)}
 
 
 def _what(manifest: dict) -> str:
     return f"the manifest of job {manifest.get('job')!r} iteration {manifest.get('iteration')!r}"
 
 
-def check(manifest: dict, key: bytes) -> None:
-    """Raise :class:`SignatureError` unless ``manifest`` carries a valid signature by ``key``."""
-    want = sign(manifest, key)
+def check(manifest: dict, key: bytes, tag: bytes = _TAG, what: str = "") -> None:
+    """Raise :class:`SignatureError` unless ``manifest`` carries a valid signature by ``key``
+    (``what`` names the record in the error; default: a manifest's job and iteration)."""
+    want = sign(manifest, key, tag)
     got = manifest.get(FIELD)
+    what = what or _what(manifest)
     if got is None:
         raise SignatureError(
-            f"{_what(manifest)} is not signed, but a manifest key was given: it may have been tampered with "
+            f"{what} is not signed, but a manifest key was given: it may have been tampered with "
             "(or was written before persist.sign was on)"
         )
     if not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
         raise SignatureError(
-            f"{_what(manifest)} fails its signature check: it may have been tampered with "
-            "(or was signed with another key)"
+            f"{what} fails its signature check: it may have been tampered with (or was signed with another key)"
         )

@@ -111,6 +111,13 @@ def pick(
                 exc,
             )
             errors.append(str(exc))
+    if not errors:  # every one found was superseded or diverged: a generation record says so
+        states = sorted({c.state for c in found})
+        raise CheckpointError(
+            f"no restorable checkpoint under {root}: every one found ({len(found)}) is {' or '.join(states)} "
+            "by a generation record of its job (a later run went on from an older iteration); `shadow ls` "
+            "lists them, and `shadow restore iteration=N` takes a superseded one explicitly"
+        )
     raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
 
 

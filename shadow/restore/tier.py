@@ -59,7 +59,8 @@ class TierSource:
         for mpath, reason in skipped:
             d = posixpath.dirname(mpath)
             key = checkpoints.dir_key(d)
-            job_dir = posixpath.basename(posixpath.dirname(d))
+            # a manifest's job is its directory's parent; a generation record's, its directory
+            job_dir = posixpath.basename(posixpath.dirname(d) if key else d)
             out.append(Candidate(job_dir, key[1] if key else None, self.name, mpath, UNREADABLE, None, error=reason))
         return out
 
