@@ -6,6 +6,7 @@ attaches to each message) with a recording outbox: no processes."""
 
 from __future__ import annotations
 
+import glob
 import logging
 
 import msgpack
@@ -297,6 +298,51 @@ def test_a_flood_of_starting_messages_keeps_a_bounded_table():
     assert len(status_view(sim.state, sim.coord.persist)["workers"]) <= 1 + cap
     sim.send(b"w1", "starting", worker_id=1, pid=7, seconds=1.0)  # the real one, arriving last, is kept
     assert 7 in sim.state.starting
+
+
+def test_a_restored_claim_goes_back_only_to_what_the_coordinator_finds(tmp_path):
+    """Row 9 (issue 38): an ``attach`` at iteration 4 claiming a restore from the local tier,
+    after the job reached 20, wrote a generation record {base 4}: restores then returned 4.
+    The claim is checked here: the tier must hold a complete checkpoint of 4 (memory: the
+    iteration it holds)."""
+    from tests.test_coordinator_parts import LAYOUT as SIM_LAYOUT
+    from tests.test_coordinator_parts import OPTIM
+    from tests.test_persist_units import _write_checkpoint
+
+    sim = _with_tier(tmp_path)
+    for it in range(1, 21):
+        sim.prepared(b"w0", it)
+        sim.prepared(b"w1", it)
+    job = sim.state.job
+    assert job is not None and job.cut == 20
+    for it in (18, 19, 20):
+        _write_checkpoint(str(tmp_path), "job", it, SIM_LAYOUT)
+
+    def claim(tier: str, source: str) -> None:
+        sim.send(
+            b"evil",
+            "attach",
+            job="job",
+            rank=0,
+            world=1,
+            layout_hash=SIM_LAYOUT.hash,
+            layout=SIM_LAYOUT.to_dict(),
+            optim=OPTIM,
+            iteration=4,
+            overwrite=False,
+            restored={"iteration": 4, "job": "job", "generation": job.generation, "tier": tier, "source": source},
+        )
+
+    for tier, source in (("local", f"{tmp_path}/job/iteration-0000000004"), ("memory", "tcp://x"), ("nope", "/")):
+        sim.out.clear()
+        claim(tier, source)
+        assert "restore first" in sim.out.last("error", b"evil")["message"], tier
+    assert sim.state.rejected["restored_unchecked"] == 3
+    assert job.generation == 0 and not glob.glob(f"{tmp_path}/job/generation-*.json") and sim.state.job is job
+    _write_checkpoint(str(tmp_path), "job", 4, SIM_LAYOUT)  # a checkpoint of 4 the tier does hold: it may go back
+    sim.out.clear()
+    claim("local", f"{tmp_path}/job/iteration-0000000004")
+    assert "error" not in sim.out.kinds(b"evil") and glob.glob(f"{tmp_path}/job/generation-000001.json")
 
 
 def test_exposure_beyond_loopback_needs_keys_or_insecure(caplog):

@@ -16,6 +16,7 @@ from shadow.coordinator.records import JobRec, JobStatus, job_id_for
 from shadow.coordinator.state import ClusterState, configure_fields
 from shadow.jobs import job_name_problem
 from shadow.layout import Layout, shard_bounds
+from shadow.persist import checkpoints
 from shadow.storage.url import local_path
 from shadow.wire import messages as M
 from shadow.worker.memory import human, nfields, session_bytes
@@ -204,7 +205,7 @@ class Attach:
         if held > base:
             # going back behind what the cluster holds: asked for (overwrite), or the ranks restored
             # that very iteration from this cluster (e.g. a restore fell back past a damaged one)
-            vouched = self._restored_here(name, base, generation, [m.get("restored") for m in msgs])
+            vouched = self._restored_here(name, base, generation, [m.get("restored") for m in msgs], old)
             if not first["overwrite"] and not vouched:
                 return fail(
                     f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
@@ -284,19 +285,50 @@ class Attach:
             )
         return None
 
-    def _restored_here(self, name: str, base: int, generation: int, records: list) -> bool:
-        """Whether every rank restored iteration ``base`` of job ``name`` from this cluster:
-        from its memory (the current generation), or from a checkpoint under one of its tiers."""
-        roots = [local_path(s["root"]).rstrip("/") + "/" for s in self.persist.storage()]
+    def _restored_here(self, name: str, base: int, generation: int, records: list, old: JobRec | None) -> bool:
+        """Whether every rank's claim to have restored iteration ``base`` of job ``name`` from
+        this cluster checks out here, not only by what it says: from its memory, only what
+        the memory holds (the current generation at ``base``); from a tier, only a checkpoint
+        of ``base`` that this coordinator finds complete, and neither superseded nor diverged,
+        in the tier the claim names, read with the manifest key where it signs. A claim that
+        does not check out is refused and counted (``restored_unchecked``)."""
+        held_in_memory = old.cut if old is not None and old.name == name else None
+        checked: dict[str, bool] = {}
         for r in records:
             if not isinstance(r, dict) or r.get("job") != name or r.get("iteration") != base:
                 return False
-            if r.get("tier") == "memory":
-                if r.get("generation") != generation:
-                    return False
-            elif not any(str(r.get("source", "")).startswith(root) for root in roots):
+            tier = str(r.get("tier"))
+            if tier == "memory":
+                ok = r.get("generation") == generation and held_in_memory == base
+            else:
+                if tier not in checked:
+                    checked[tier] = self._tier_holds(tier, str(r.get("source", "")), name, base)
+                ok = checked[tier]
+            if not ok:
+                self.state.rejected.add("restored_unchecked")
+                logger.warning(
+                    "an attach of job %s claims a restore of iteration %d from %s that this coordinator cannot "
+                    "check (its %s holds no such complete checkpoint)",
+                    name,
+                    base,
+                    tier,
+                    tier,
+                )
                 return False
         return True
+
+    def _tier_holds(self, tier: str, source: str, name: str, base: int) -> bool:
+        """Whether tier ``tier`` (whose root ``source`` must be under) holds a complete checkpoint
+        of ``name`` at ``base`` that a restore may take (read here, signatures checked)."""
+        t = self.persist.tiers.get(tier)
+        if t is None or not source.startswith(local_path(t.root).rstrip("/") + "/"):
+            return False
+        try:
+            found = checkpoints.list_checkpoints(t.storage, t.name, name, sign_key=self.persist.sign_key)
+        except Exception as exc:  # an unreadable tier vouches for nothing
+            logger.warning("tier %s: cannot check a restore claim: %s: %s", t.name, type(exc).__name__, exc)
+            return False
+        return any(c.iteration == base and not c.superseded and not c.diverged for c in found)
 
     def on_detach(self, env: list[bytes], msg: Msg) -> None:
         job = self.state.job
