@@ -63,6 +63,9 @@ class Tuning:
     data_rcvhwm_messages: int = _knob(1000, "DATA_RCVHWM", "messages queued per sender on a worker's data socket")
     heartbeat_s: float = _knob(0.5, "HEARTBEAT_S", "worker -> coordinator heartbeat period")
     worker_lost_s: float = _knob(5.0, "WORKER_LOST_S", "the coordinator marks a silent worker lost after this long")
+    slot_grace_s: float = _knob(
+        120.0, "SLOT_GRACE_S", "a dead worker's slot is kept this long for a register with its slot token"
+    )
     attach_pending_jobs: int = _knob(16, "ATTACH_PENDING_JOBS", "job names with an attach waiting for its ranks")
     attach_pending_ranks: int = _knob(65536, "ATTACH_PENDING_RANKS", "rank attaches waiting (all jobs)")
     attach_pending_bytes: int = _knob(64 << 20, "ATTACH_PENDING_BYTES", "bytes of the attach messages held waiting")

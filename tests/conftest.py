@@ -47,6 +47,15 @@ def capture_commits(monkeypatch) -> list:
 CLUSTER_FIXTURES = ("cluster", "shared_cluster")
 
 
+def pytest_configure(config):
+    """The services the tests start keep their per-user state (slot tokens) in a directory of
+    this run's own, not in the user's ``~/.local/state``."""
+    if "XDG_STATE_HOME" not in os.environ or not os.environ["XDG_STATE_HOME"].startswith("/tmp/shadow-tests-"):
+        import tempfile
+
+        os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="shadow-tests-state-")
+
+
 def pytest_collection_modifyitems(items):
     """A test that uses a cluster through the ``cluster`` or ``shared_cluster`` fixture is
     ``slow`` (the fast lane, ``-m "not slow"``, starts no services)."""

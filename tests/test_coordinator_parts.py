@@ -40,6 +40,8 @@ class Sim:
         self.coord.on_message([ident, M.encode(kind, **fields)])
 
     def register(self, i: int, ident: bytes | None = None, pid: int | None = None) -> None:
+        """Worker ``i`` registers (again: with the slot token it kept, as a restarted one does)."""
+        held = [w.slot_token for w in self.state.workers if w.id == i and w.slot_token is not None]
         self.send(
             ident or b"w%d" % i,
             "register",
@@ -48,6 +50,7 @@ class Sim:
             pid=pid or 100 + i,
             worker_id=i,
             memory=-1,
+            **({"slot_token": held[0]} if held else {}),
         )
 
     def attach(self, world: int = 1, iteration: int = 0) -> None:
@@ -172,7 +175,8 @@ def test_a_restarted_replica_joins_from_its_peer():
     assert sim.state.workers[1].ident == b"w1" and sim.out.kinds(b"t0") == []
     sim.out.gone.add(b"w1")  # the process in slot 1 died: its connection is closed
     sim.register(1, ident=b"w1-new", pid=999)  # its restart takes the slot back
-    assert sim.out.last("registered", b"w1-new") == {"worker_id": 1, "awaiting_copy": True}
+    registered = sim.out.last("registered", b"w1-new")
+    assert registered == {"worker_id": 1, "awaiting_copy": True, "slot_token": registered["slot_token"]}
     assert sim.out.kinds(b"t0") == ["replica_out", "replica_in"]
     gen = sim.out.last("replica_in", b"t0")["gen"]
     join = sim.state.job.joining[1]

@@ -160,11 +160,46 @@ def test_a_register_cannot_take_a_live_connected_slot():
     assert sim.state.refused == {("peer", "slot_taken"): 5}
     job = sim.state.job
     assert job is not None and job.status == JobStatus.RUNNING  # nothing degraded either
-    w0.lost = True  # once the holder is lost (or its connection gone), a restart takes the slot back
+    w0.lost = True  # once the holder is lost (or its connection gone), its restart takes the slot back
     sim.send(
-        b"w0b", "register", data="tcp://127.0.0.1:7100", serve="tcp://127.0.0.1:8100", pid=7, worker_id=0, memory=-1
+        b"w0b",
+        "register",
+        data="tcp://127.0.0.1:7100",
+        serve="tcp://127.0.0.1:8100",
+        pid=7,
+        worker_id=0,
+        memory=-1,
+        slot_token=w0.slot_token,
     )
     assert sim.out.last("registered", b"w0b")["worker_id"] == 0 and sim.state.workers[0].ident == b"w0b"
+
+
+def test_a_dead_workers_slot_is_kept_for_its_restarted_process():
+    """Row 8 (issue 38): SIGKILL worker 0, then ``register`` every 20 ms: the attacker took
+    slot 0 within 0.03 s and kept it, and its restarted process was refused. The slot is
+    kept for a register with the slot's token (its first ``registered`` gave it) for
+    ``tuning.slot_grace_s``; after that a worker without it may take the slot."""
+    sim = Sim()
+    sim.running()
+    w0 = sim.state.workers[0]
+    token = w0.slot_token
+    assert isinstance(token, bytes) and len(token) == 16 and token != sim.state.workers[1].slot_token
+    sim.out.gone.add(b"w0")  # SIGKILLed: its connection is gone
+    reg = {"data": "tcp://6.6.6.6:1", "serve": "tcp://6.6.6.6:2", "pid": 666, "worker_id": 0, "memory": -1}
+    for forged in ({}, {"slot_token": b"x" * 16}, {"slot_token": token[:8]}):
+        sim.send(b"squatter", "register", **reg, **forged)
+        assert sim.out.last("error", b"squatter")["code"] == "busy"
+        assert "kept for its restarted worker" in sim.out.last("error", b"squatter")["message"]
+    assert sim.state.workers[0].ident == b"w0" and sim.state.refused == {("peer", "slot_reserved"): 3}
+    sim.send(b"w0-restarted", "register", **{**reg, "pid": 7}, slot_token=token)
+    assert sim.out.last("registered", b"w0-restarted")["slot_token"] == token
+    assert sim.state.workers[0].ident == b"w0-restarted"
+    # once the grace period is over, a worker without the token (another host's, a new disk) gets it
+    sim.out.gone.add(b"w0-restarted")
+    sim.state.workers[0].last_seen -= sim.state.tuning.slot_grace_s + 1
+    sim.send(b"replacement", "register", **{**reg, "pid": 8})
+    fresh = sim.out.last("registered", b"replacement")["slot_token"]
+    assert sim.state.workers[0].ident == b"replacement" and fresh != token
 
 
 def test_another_job_replaces_the_attached_one_only_with_overwrite():

@@ -395,3 +395,29 @@ def test_a_keyed_data_path_drops_what_the_ranks_keys_did_not_tag_and_stays_in_st
     finally:
         push.close(linger=0)
         data.close()
+
+
+def test_a_workers_slot_token_is_kept_privately_for_its_restart(tmp_path, monkeypatch):
+    """The token a worker's first ``registered`` gave is kept 0600 in this user's private
+    state directory, per coordinator and slot, for its restarted process; a link planted in
+    its place is not read."""
+    import os
+    import stat as stat_mod
+
+    from shadow.worker import slot
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    token = bytes(range(16))
+    assert slot.load("tcp://127.0.0.1:5555", 0) is None
+    slot.save("tcp://127.0.0.1:5555", 0, token)
+    assert slot.load("tcp://127.0.0.1:5555", 0) == token
+    assert slot.load("tcp://127.0.0.1:5556", 0) is None and slot.load("tcp://127.0.0.1:5555", 1) is None
+    (path,) = (tmp_path / "state" / "shadow" / "slots").iterdir()
+    assert stat_mod.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat_mod.S_IMODE((tmp_path / "state" / "shadow").stat().st_mode) == 0o700
+    path.unlink()
+    elsewhere = tmp_path / "planted"
+    elsewhere.write_bytes(b"p" * 16)
+    os.symlink(elsewhere, path)
+    assert slot.load("tcp://127.0.0.1:5555", 0) is None
+    assert slot.load("tcp://127.0.0.1:5555", -1) is None  # no slot named: nothing to keep

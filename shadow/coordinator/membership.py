@@ -3,7 +3,9 @@ restart), heartbeats, and workers lost or reporting stale state."""
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import time
 from typing import Any
 
@@ -93,6 +95,23 @@ class Membership:
                     "a worker takes a slot back once its previous process is gone",
                 )
                 return None
+            left = self._reserved_for(held, msg, now)
+            if held.ident != env[0] and left > 0:
+                st.refuse(st.sender_role, "slot_reserved")
+                logger.warning(
+                    "refused a register for slot %d (pid %d) without its token: kept for its own worker %.0f s more",
+                    slot,
+                    msg["pid"],
+                    left,
+                )
+                self.out.reply(
+                    env,
+                    "error",
+                    code="busy",
+                    message=f"worker slot {slot} is kept for its restarted worker (which brings the slot's token) "
+                    f"for {left:.0f} s more (tuning.slot_grace_s); a worker of another host or account takes it after",
+                )
+                return None
             w = held
             logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
             w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
@@ -121,15 +140,27 @@ class Membership:
         w.memory = msg.get("memory", -1)
         w.files, w.disk = msg.get("files", ""), msg.get("disk")
         w.data_mode = mode
+        token = msg.get("slot_token")
+        if not (isinstance(token, bytes) and len(token) == 16 and (w.slot_token is None or w.slot_token == token)):
+            token = os.urandom(16)  # a new slot, or one taken over after its grace period: a token of its own
+        w.slot_token = token
         key = msg.get("files_key")
         w.files_key = key if mode == "mac" and isinstance(key, bytes) and len(key) == tags.KEY_SIZE else None
         logger.info("worker %d registered (pid %d, data %s)", w.id, w.pid, w.data)
         local_dir = self.cut.persist.config.local.dir  # where the worker's shards are unless it has its own
         extra = {"local_dir": local_dir} if local_dir else {}
-        self.out.reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy, **extra)
+        self.out.reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy, slot_token=token, **extra)
         if len(st.ready_workers(now)) == st.expected:
             logger.info("all %d workers ready", st.expected)
         return w
+
+    def _reserved_for(self, held: WorkerRec, msg: Msg, now: float) -> float:
+        """Seconds slot ``held`` stays kept from a register that lacks its token (0: it may be
+        taken): a dead worker's slot waits ``tuning.slot_grace_s`` after it was last heard."""
+        token = msg.get("slot_token")
+        if held.slot_token is None or (isinstance(token, bytes) and hmac.compare_digest(token, held.slot_token)):
+            return 0.0
+        return max(0.0, self.state.tuning.slot_grace_s - (now - held.last_seen))
 
     def _holder_connected(self, held: WorkerRec, pid: int) -> bool:
         """Whether the process holding a slot is still connected: asked by sending it a notice

@@ -98,6 +98,7 @@ class WorkerRec:
     data_mode: str = "plain"  # how its data socket takes frames: plain, mac or curve (its register)
     data_key: bytes | None = None  # a keyed cluster: its current configuration's data key (shadow.wire.tags)
     files_key: bytes | None = None  # mac mode: what tickets for its files socket derive from (its register)
+    slot_token: bytes | None = None  # what a restarted process of this slot proves itself with (shadow.worker.slot)
     _last_hb: float = 0.0
 
     def fetch_ticket(self) -> dict:

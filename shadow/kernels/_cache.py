@@ -25,43 +25,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
 import tempfile
 import types
 from collections.abc import Callable, Iterator
+
+from shadow.private import private_problem
 
 logger = logging.getLogger(__name__)
 
 _chosen: str | None = None
 
 
-def _private(path: str) -> str:
-    """Why ``path`` may not hold this user's kernel cache ("" if it may): it is created
-    (0700) when missing, and must then be a directory, not a link, owned by this user and
-    writable by no one else."""
-    try:
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        info = os.lstat(path)
-    except OSError as exc:
-        return f"cannot create it ({exc})"
-    if not stat.S_ISDIR(info.st_mode):
-        return "it is not a directory (a link or a file)"
-    if info.st_uid != os.getuid():
-        return f"it belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
-    if info.st_mode & 0o022:
-        return f"others may write to it (mode {stat.S_IMODE(info.st_mode):o})"
-    return ""
-
-
 def _writable(path: str) -> str:
     """Why ``path`` cannot hold this user's kernel cache ("" if it can)."""
-    problem = _private(path)
+    problem = private_problem(path)
     if problem:
         return problem
     try:

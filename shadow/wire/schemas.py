@@ -189,8 +189,21 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "heartbeat": {"files": (str,), "disk": (dict, type(None))},
     # data_mode: how the worker's data socket takes frames: plain (no keys), mac or curve
     # files_key (mac mode): what the tickets for its files socket derive from (drawn at its start)
-    "register": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,), "files_key": (bytes,)},
-    "rejoin": {"files": (str,), "disk": (dict, type(None)), "data_mode": (str,), "files_key": (bytes,)},
+    # slot_token: the token of the slot it names (shadow.worker.slot), from that slot's registered
+    "register": {
+        "files": (str,),
+        "disk": (dict, type(None)),
+        "data_mode": (str,),
+        "files_key": (bytes,),
+        "slot_token": (bytes,),
+    },
+    "rejoin": {
+        "files": (str,),
+        "disk": (dict, type(None)),
+        "data_mode": (str,),
+        "files_key": (bytes,),
+        "slot_token": (bytes,),
+    },
     # a keyed cluster's data key for this configuration (shadow.wire.tags): each rank's MAC key
     # for the worker derives from it
     "configure": {"data_key": (bytes,), "rank_secret": (bytes,)},
@@ -201,7 +214,7 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "trainer_hb": {"token": (bytes,)},
     "replica_in": {"key": (bytes,), "mode": (str,)},
     # the cluster's persist.local.dir, where a worker without its own local_dir keeps its shards
-    "registered": {"local_dir": (str,)},
+    "registered": {"local_dir": (str,), "slot_token": (bytes,)},
     # older checkpoints the catalog left out (its manifests would not fit)
     "catalog_reply": {"left_out": (int,)},
     # jobs known only from the tiers that the reply left out (it would not fit)

@@ -31,7 +31,7 @@ from shadow.layout import Layout
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
-from shadow.worker import memory
+from shadow.worker import memory, slot
 from shadow.worker.address import Binding, bind_and_advertise
 from shadow.worker.apply import Apply
 from shadow.worker.assignment import Assignment
@@ -220,12 +220,17 @@ class Worker:
             files=self.files.endpoint,
             disk=self.files.disk,
             data_mode=self.data_mode,
-            **self._files_key(),
+            **self._register_extras(),
         )
 
-    def _files_key(self) -> dict:
-        """What the tickets for the files socket derive from, for the register (mac mode)."""
-        return {"files_key": self.files.key} if self.files.key is not None else {}
+    def _register_extras(self) -> dict:
+        """What the tickets for the files socket derive from (mac mode), and the token of the
+        slot this worker names, kept from an earlier process (shadow.worker.slot)."""
+        out: dict = {"files_key": self.files.key} if self.files.key is not None else {}
+        token = slot.load(self.coordinator, self.state.worker_id)
+        if token is not None:
+            out["slot_token"] = token
+        return out
 
     def _heartbeat(self) -> None:
         st = self.state
@@ -273,6 +278,8 @@ class Worker:
     def _on_registered(self, msg: dict) -> None:
         st = self.state
         st.worker_id, st.awaiting_copy = msg["worker_id"], msg["awaiting_copy"]
+        if isinstance(msg.get("slot_token"), bytes):
+            slot.save(self.coordinator, st.worker_id, msg["slot_token"])
         self.files.learn(msg.get("local_dir", ""))
         logger.info(
             "registered as worker %d%s",
@@ -315,7 +322,7 @@ class Worker:
             files=self.files.endpoint,
             disk=self.files.disk,
             data_mode=self.data_mode,
-            **self._files_key(),
+            **self._register_extras(),
         )
 
     def _on_apply(self, msg: dict) -> None:
