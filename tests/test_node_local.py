@@ -240,6 +240,16 @@ def test_forget_deletes_checkpoint_directories_only(tmp_path, server):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert sorted(p.name for p in (tmp_path / "disk" / "j").iterdir()) == ["iteration-0000000006", "notes"]
+    # a directory named as a checkpoint's that holds anything else is not one (row 11, issue 38)
+    other = tmp_path / "disk" / "j" / "iteration-0000000008"
+    other.mkdir()
+    (other / "thesis.tex").write_text("not a checkpoint")
+    _write_checkpoint(server.root, "j", 9, LAYOUT)
+    server.forget("j", ["iteration-0000000008", "iteration-0000000009"])
+    while (tmp_path / "disk" / "j" / "iteration-0000000009").exists():
+        assert time.monotonic() < deadline + 30
+        time.sleep(0.05)
+    assert (other / "thesis.tex").read_text() == "not a checkpoint"
 
 
 def test_a_directory_has_one_disk_id(tmp_path, caplog):

@@ -46,6 +46,7 @@ def restored_state(source: str, **kw) -> tuple[dict, object]:
     import trainer_hooks
 
     model, opt, sched = build(seed=123)
+    kw.setdefault("rank", 0)  # a 2-rank checkpoint, read by this one process: rank 0's part unless told
     info = trainer_hooks.restore(model, opt, source=source, scheduler=sched, **kw)
     return {
         "model": model.state_dict(),

@@ -59,6 +59,22 @@ FILE_CHUNK_BYTES = 8 << 20  # one message of a file reply
 SEND_TIMEOUT_S = 30.0  # a client that reads nothing this long is dropped
 READERS = ("trainer", "client", "admin")  # the roles that may read checkpoint files (restores)
 _SHARD = re.compile(r"shard-\d{5}-of-\d{5}(\.safetensors|\.shard\.zst)")
+# what a checkpoint directory holds: its shards, its manifest, and their temporary files
+_CHECKPOINT_FILE = re.compile(r"(shard-\d{5}-of-\d{5}(\.safetensors|\.shard\.zst)|manifest\.json)(\.[\w-]+\.tmp)?")
+
+
+def _not_a_checkpoint(path: str) -> str:
+    """Why the directory ``path`` is not one a checkpoint write made ("" if it is): it may
+    hold only regular files named as a checkpoint's. Retention deletes nothing else, so a
+    ``forget`` (or a ``local_dir`` it was told) cannot make a worker delete other data."""
+    try:
+        with os.scandir(path) as entries:
+            for e in entries:
+                if not e.is_file(follow_symlinks=False) or not _CHECKPOINT_FILE.fullmatch(e.name):
+                    return f"it holds {e.name!r}, which no checkpoint write makes"
+    except OSError as exc:
+        return f"cannot list it ({exc})"
+    return ""
 
 
 @dataclass
@@ -224,6 +240,10 @@ class FileServer:
             path = os.path.join(root, job, name)
             if os.path.realpath(path) != os.path.join(os.path.realpath(root), job, name):
                 logger.warning("did not delete %s: a link leads out of this worker's tier", path)
+                continue
+            why = _not_a_checkpoint(path) if os.path.isdir(path) else ""
+            if why:
+                logger.warning("did not delete %s: %s", path, why)
                 continue
             try:
                 shutil.rmtree(path)
