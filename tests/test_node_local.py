@@ -287,6 +287,40 @@ def test_a_client_that_stops_reading_holds_up_no_other(tmp_path, server):
         silent.close(linger=0)
 
 
+def test_readers_that_never_read_cost_a_bounded_number_of_transfers(tmp_path, server, monkeypatch):
+    """Row 3 (issue 38): 151 connections that asked for a file and read nothing grew a
+    worker by 2 GB and kept a real restore waiting. At most ``MAX_TRANSFERS`` files go out at
+    once, one per connection; the rest are told "busy" and counted, and a real read asks
+    again until a silent reader is dropped."""
+    from shadow.client import dealer
+    from shadow.worker import files as files_mod
+
+    monkeypatch.setattr(files_mod, "SEND_TIMEOUT_S", 1.0)
+    _write_checkpoint(server.root, "j", 5, LAYOUT)
+    (info,) = checkpoints.list_checkpoints(server.root, job="j")
+    shard = info.manifest["shards"][1]
+    big = f"{server.root}/j/iteration-0000000005/{shard['file']}"
+    with open(big, "ab") as f:  # many chunks: a silent reader's queue fills and its transfer stays
+        f.write(b"\0" * (32 << 20))
+    shard = {**shard, "bytes": shard["bytes"] + (32 << 20)}
+    request = M.encode("read_file", job="j", dir="iteration-0000000005", file=shard["file"], bytes=shard["bytes"])
+    silent = [dealer(zmq.Context.instance(), server.endpoint, rcvhwm=1) for _ in range(files_mod.MAX_TRANSFERS + 3)]
+    try:
+        heads = []
+        for s in silent:
+            s.send(request)
+            assert s.poll(10_000)
+            heads.append(M.decode(s.recv()))
+        kinds = [h["t"] if h["t"] != "error" else h["code"] for h in heads]
+        assert kinds == ["file_reply"] * files_mod.MAX_TRANSFERS + ["busy"] * 3, kinds
+        assert server.rejected["files_busy"] == 3
+        data = read_file(server.endpoint, "j", "iteration-0000000005", shard, TUNING)  # waits its turn
+        assert len(data) == shard["bytes"]
+    finally:
+        for s in silent:
+            s.close(linger=0)
+
+
 def test_a_damaged_copy_on_one_disk_is_passed_over_for_its_replicas(tmp_path, server, other):
     """replicas=2 on two disks, one copy of a shard damaged: the restore takes the other."""
     info = _replicated(tmp_path, server, other, "/nonexistent/disk", "/nonexistent/disk2")

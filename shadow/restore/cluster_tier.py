@@ -29,6 +29,7 @@ import logging
 import os
 import posixpath
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -430,13 +431,33 @@ def disk_id_of(root: str) -> str:
 Auth = tuple[bytes, bytes] | None  # mac mode: (ticket, its key) for the worker's files socket
 
 
+class _Busy(ShadowError):
+    """The worker sends as many files as it will at once: ask again."""
+
+
 def _request(
     endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning, auth: Auth = None
 ) -> tuple[zmq.Socket, tags.ReplyKey | None]:
     """Ask the worker at ``endpoint`` for the file; returns the socket once its head says it
     comes (an error reply, a head for another size, or none within :data:`HEAD_TIMEOUT_S`:
     ``ShadowError``), and with ``auth`` (mac mode: a socket in clear) what the chunks'
-    tags must check under."""
+    tags must check under. A worker busy with other reads is asked again, a little later
+    each time, for up to ``tuning.fetch_timeout_s``."""
+    deadline = time.monotonic() + tuning.fetch_timeout_s
+    wait = 0.05
+    while True:
+        try:
+            return _request_once(endpoint, job, directory, shard, tuning, auth)
+        except _Busy as exc:
+            if time.monotonic() + wait > deadline:
+                raise ShadowError(f"{endpoint} stayed busy for {tuning.fetch_timeout_s:.0f} s: {exc}") from None
+            time.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+
+def _request_once(
+    endpoint: str, job: str, directory: str, shard: dict, tuning: Tuning, auth: Auth
+) -> tuple[zmq.Socket, tags.ReplyKey | None]:
     nbytes = int(shard["bytes"])
     fields: dict = {}
     if auth is not None:
@@ -453,7 +474,7 @@ def _request(
             raise ShadowError(f"no answer from {endpoint} within {head_s:.0f} s")
         head = M.decode(sock.recv())
         if head["t"] == "error":
-            raise ShadowError(head["message"])
+            raise (_Busy if head["code"] == "busy" else ShadowError)(head["message"])
         if head["t"] != "file_reply" or head["bytes"] != nbytes or head["chunk"] <= 0:
             raise ShadowError(f"{endpoint} answered {head['t']!r} for {nbytes} bytes: not the file asked for")
         if (auth is None) != ("salt" not in head):

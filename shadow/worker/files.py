@@ -8,8 +8,11 @@ files (``read_file`` on this socket, a ROUTER of its own on a thread of its own,
 reads never hold up the apply path). Each reply is a ``file_reply`` head, sent at once,
 then the file in ``FILE_CHUNK_BYTES`` messages; the files being sent (every rank of a
 restarting job may ask for the same shard) go a chunk each in turn, each as its client's
-queue (``SNDHWM`` 4) has room, and one whose client reads nothing for ``SEND_TIMEOUT_S``
-is dropped. The client checks the whole file against the manifest's checksum. Only files
+queue (``SNDHWM`` 2) has room, and one whose client reads nothing for ``SEND_TIMEOUT_S``
+is dropped. At most ``MAX_TRANSFERS`` files are sent at once, one per connection; a read
+beyond that is answered "busy" (the client asks again), so what readers cost the worker is
+bounded (about ``MAX_TRANSFERS`` x 3 chunks) however many connect or stop reading. The
+client checks the whole file against the manifest's checksum. Only files
 a checkpoint has are served: a valid job name, a checkpoint directory's name, a shard
 file's name, a regular file of the size the client expects (its manifest's), under this
 worker's root.
@@ -55,8 +58,9 @@ from shadow.worker.address import Binding
 
 logger = logging.getLogger(__name__)
 
-FILE_CHUNK_BYTES = 8 << 20  # one message of a file reply
-SEND_TIMEOUT_S = 30.0  # a client that reads nothing this long is dropped
+FILE_CHUNK_BYTES = 4 << 20  # one message of a file reply
+SEND_TIMEOUT_S = 10.0  # a client that reads nothing this long is dropped
+MAX_TRANSFERS = 4  # files sent at once (one per connection)
 READERS = ("trainer", "client", "admin")  # the roles that may read checkpoint files (restores)
 _SHARD = re.compile(r"shard-\d{5}-of-\d{5}(\.safetensors|\.shard\.zst)")
 # what a checkpoint directory holds: its shards, its manifest, and their temporary files
@@ -156,7 +160,7 @@ class FileServer:
     def open(self) -> str:
         """Bind the files socket and start the thread; returns the endpoint to advertise."""
         sock = self.sockets.router(
-            M.socket_limit("files"), READERS, sndhwm=4, send_timeout_s=1.0, curve=self.key is None
+            M.socket_limit("files"), READERS, sndhwm=2, send_timeout_s=1.0, curve=self.key is None
         )
         self.endpoint = self.binding.bind(sock)
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="shadow-files", daemon=True)
@@ -197,7 +201,7 @@ class FileServer:
                     except zmq.Again:
                         parts = []
                     try:
-                        t = self._serve(sock, parts) if parts else None
+                        t = self._serve(sock, parts, sending) if parts else None
                     except Exception:  # a bug meeting an input: logged, the thread goes on
                         logger.exception("serving a file failed; the files socket carries on")
                         t = None
@@ -261,9 +265,9 @@ class FileServer:
         except zmq.ZMQError:
             pass
 
-    def _serve(self, sock: zmq.Socket, parts: list[bytes]) -> _Transfer | None:
+    def _serve(self, sock: zmq.Socket, parts: list[bytes], sending: list[_Transfer]) -> _Transfer | None:
         """One request: refused at once, or the file opened, its head sent and its
-        transfer returned (sent a chunk at a time, in turn with the others)."""
+        transfer returned (sent a chunk at a time, in turn with the others in ``sending``)."""
         if len(parts) != 2:
             self.refused += 1
             self.rejected["files_malformed"] += 1
@@ -290,6 +294,15 @@ class FileServer:
                     "restarted): ask the coordinator for the restore info again",
                 )
                 return None
+        if len(sending) >= MAX_TRANSFERS or any(t.ident == ident for t in sending):
+            self.rejected["files_busy"] += 1
+            self._error(
+                sock,
+                ident,
+                "busy",
+                f"busy: this worker sends {MAX_TRANSFERS} files at once, one per connection; ask again shortly",
+            )
+            return None
         problem = file_problem(msg["job"], msg["dir"], msg["file"])
         root = self.root
         if problem is None and not root:
