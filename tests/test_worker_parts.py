@@ -421,3 +421,28 @@ def test_a_workers_slot_token_is_kept_privately_for_its_restart(tmp_path, monkey
     os.symlink(elsewhere, path)
     assert slot.load("tcp://127.0.0.1:5555", 0) is None
     assert slot.load("tcp://127.0.0.1:5555", -1) is None  # no slot named: nothing to keep
+
+
+def test_replies_dropped_unread_count_toward_the_serve_cap():
+    """Row 5 (issue 38): never-reading fetch clients, a new connection each time, grew a
+    worker from 277 to 1640 MB: a reply an apply dropped unread no longer freed its place
+    while zmq still held it. It counts toward SERVE_MAX_FETCHES until zmq lets go."""
+    import zmq
+
+    from shadow.transport import SocketFactory
+    from shadow.tuning import Tuning
+    from shadow.worker.address import Binding
+    from shadow.worker.fetches import FetchServer, Reply
+    from shadow.worker.worker_state import WorkerState
+
+    class Held:  # a part zmq has not sent (its client reads nothing)
+        done = False
+
+    state = WorkerState(tuning=Tuning().replace(serve_max_fetches=2), worker_id=0)
+    server = FetchServer(state, SocketFactory(zmq.Context.instance()), Binding("127.0.0.1", "127.0.0.1"))
+    for i in range(2):
+        server.replies[b"c%d" % i] = Reply("c", None, [Held()], 0.0, dropped=True)
+    refused = server.refuse(b"new")
+    assert refused is not None and refused[0] == "serve_full"
+    server.replies.clear()  # zmq let go (the clients left): room again
+    assert server.refuse(b"new") is None

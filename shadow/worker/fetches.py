@@ -3,7 +3,8 @@ once the wanted iteration is applied, from the current epoch or, while a re-atta
 bootstraps, the retired one. Imports no torch.
 
 Bounds: a client (a connection, i.e. a ROUTER identity) has one fetch pending or being
-sent at a time, and a worker ``SERVE_MAX_FETCHES`` in all; more are answered at once with
+sent at a time, and a worker ``SERVE_MAX_FETCHES`` in all (replies dropped unread that zmq
+still holds included: what never-reading clients hold stays bounded); more are answered at once with
 an ``error`` starting "busy:" and counted (``serve_busy`` / ``serve_full``). An apply
 waits for a shard being sent from the live state only while its client reads it: a reply
 with no part handed to the kernel for ``SERVE_STALL_S`` is dropped and counted
@@ -171,7 +172,7 @@ class FetchServer:
         if any(p[0] == ident for p in self.pending):
             return "serve_busy", "busy: one fetch at a time per client; its previous fetch is still waiting"
         cap = self.state.tuning.serve_max_fetches
-        live = len(self.pending) + sum(1 for r in self.replies.values() if not r.dropped)
+        live = len(self.pending) + len(self.replies)  # a reply dropped unread still holds its parts
         if live >= cap:
             return "serve_full", (
                 f"busy: this worker is serving {live} fetches, its limit (SERVE_MAX_FETCHES); fetch again later"
