@@ -380,6 +380,29 @@ def test_a_restored_claim_goes_back_only_to_what_the_coordinator_finds(tmp_path)
     assert "error" not in sim.out.kinds(b"evil") and glob.glob(f"{tmp_path}/job/generation-000001.json")
 
 
+def test_catalog_requests_share_one_reply_while_the_tier_is_unchanged(tmp_path, monkeypatch):
+    """Row 4 (issue 38): 40 catalog requests that were never read cost the coordinator about
+    37 MB each (1.5 GB), built on its loop thread. The encoded reply is built once per
+    version of the tier and the same bytes go (zero-copy) to every requester."""
+    from tests.test_coordinator_parts import LAYOUT as SIM_LAYOUT
+    from tests.test_persist_units import _write_checkpoint
+
+    sim = _with_tier(tmp_path)
+    for it in (3, 4):
+        _write_checkpoint(str(tmp_path), "job", it, SIM_LAYOUT)
+    sent: list[bytes] = []
+    real = sim.out.reply_encoded
+    monkeypatch.setattr(sim.out, "reply_encoded", lambda env, raw: sent.append(raw) or real(env, raw))
+    for _ in range(40):
+        sim.send(b"reader", "catalog", tier="local", job="job")
+    assert len(sent) == 40 and all(raw is sent[0] for raw in sent)  # one buffer, however many wait
+    assert [e[0] for e in sim.out.last("catalog_reply")["checkpoints"]][-1].endswith("iteration-0000000004")
+    _write_checkpoint(str(tmp_path), "job", 5, SIM_LAYOUT)  # the tier changed: a new reply
+    sim.send(b"reader", "catalog", tier="local", job="job")
+    assert sent[-1] is not sent[0]
+    assert [e[0] for e in sim.out.last("catalog_reply")["checkpoints"]][-1].endswith("iteration-0000000005")
+
+
 def test_exposure_beyond_loopback_needs_keys_or_insecure(caplog):
     from shadow.cli._services import check_exposure
     from shadow.config import SecurityConfig

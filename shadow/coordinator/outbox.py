@@ -23,6 +23,10 @@ class Outbox(Protocol):
     def reply(self, envelope: list[bytes], kind: str, **fields: Any) -> None:
         """To the peer whose ROUTER envelope is ``envelope`` (the sender of a message)."""
 
+    def reply_encoded(self, envelope: list[bytes], raw: bytes) -> None:
+        """As :meth:`reply`, a message already encoded (:func:`shadow.wire.messages.encode`):
+        the same bytes may go to many peers, held once however many wait to read them."""
+
     def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
         """To registered worker ``w``."""
 
@@ -48,6 +52,11 @@ class ZmqOutbox:
             raise RuntimeError("the coordinator sends nothing before run() opens its socket")
         self.sock.send_multipart(envelope + [M.encode(kind, **fields)])
 
+    def reply_encoded(self, envelope: list[bytes], raw: bytes) -> None:
+        if self.sock is None:
+            raise RuntimeError("the coordinator sends nothing before run() opens its socket")
+        self.sock.send_multipart(envelope + [raw], copy=False)  # zero-copy: every queue holds the one buffer
+
     def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
         self.reply([w.ident], kind, **fields)
 
@@ -72,8 +81,11 @@ class RecordingOutbox:
         self.gone: set[bytes] = set()  # connections :meth:`still_there` finds closed
 
     def reply(self, envelope: list[bytes], kind: str, **fields: Any) -> None:
-        msg = M.decode(M.encode(kind, **fields))
-        self.sent.append((envelope[0], kind, {k: v for k, v in msg.items() if k not in ("t", "v")}))
+        self.reply_encoded(envelope, M.encode(kind, **fields))
+
+    def reply_encoded(self, envelope: list[bytes], raw: bytes) -> None:
+        msg = M.decode(raw)
+        self.sent.append((envelope[0], msg["t"], {k: v for k, v in msg.items() if k not in ("t", "v")}))
 
     def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
         self.reply([w.ident], kind, **fields)

@@ -17,6 +17,7 @@ from shadow.coordinator.records import Health, JobStatus
 from shadow.coordinator.state import ClusterState
 from shadow.layout import Layout
 from shadow.persist import checkpoints, fsglob
+from shadow.wire import messages as M
 
 Msg = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class Queries:
     def __init__(self, state: ClusterState, out: Outbox, persist: Persistence, guard: Any = None) -> None:
         self.state, self.out, self.persist, self.guard = state, out, persist, guard
         self._catalogs: dict[tuple, tuple[list, list]] = {}  # (tier, job) -> (what it was read from, entries)
+        self._replies: dict[tuple, tuple[Any, tuple, bytes]] = {}  # (tier, job) -> (version, (torn, left out), reply)
 
     def on_status(self, env: list[bytes], msg: Msg) -> None:
         self.out.reply(env, "status_reply", status=status_view(self.state, self.persist, self.guard))
@@ -73,18 +75,31 @@ class Queries:
             self.out.reply(env, "error", code="refused", message=f"this cluster has no {msg['tier']!r} tier")
             return
         try:
-            entries, torn, left_out = self._catalog(tier, msg["job"])
+            raw = self._catalog_reply(tier, msg["job"])
         except Exception as exc:  # an unreadable tier is an answer, not a crash
             self.out.reply(env, "error", code="internal", message=f"cannot list tier {tier.name}: {exc}")
             return
-        self.out.reply(
-            env,
+        self.out.reply_encoded(env, raw)
+
+    def _catalog_reply(self, tier, job: str | None) -> bytes:
+        """The encoded ``catalog_reply``, built once per version of the tier: every request
+        for an unchanged tier gets the same bytes (held once by zmq, however many clients
+        have yet to read them)."""
+        entries, torn, left_out = self._catalog(tier, job)
+        key = (tier.name, job)
+        version = self._catalogs.get(key)  # the same object while the tier's manifests are unchanged
+        cached = self._replies.get(key)
+        if cached is not None and cached[0] is version and cached[1] == (torn, left_out):
+            return cached[2]
+        raw = M.encode(
             "catalog_reply",
             root=tier.root,
             checkpoints=entries,
             torn=torn,
             **({"left_out": left_out} if left_out else {}),
         )
+        self._replies[key] = (version, (torn, left_out), raw)
+        return raw
 
     def _catalog(self, tier, job: str | None) -> tuple[list, list, int]:
         """``(entries, torn, left out)`` of ``tier`` for ``job``, newest entries first, within
