@@ -168,3 +168,53 @@ def test_example_trainer_config_composes_from_yaml():
         [sys.executable, script, "shadow.policy=drop"], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert res.returncode != 0 and "shadow.policy='drop' is not one of" in res.stderr
+
+
+def _squatter(replies: list[bytes]):
+    """A ROUTER on a free loopback port that answers each request with the next of
+    ``replies`` (what a process squatting a coordinator's port could send)."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        it = iter(replies)
+        while not stop.is_set():
+            if sock.poll(50):
+                ident, _ = sock.recv_multipart()
+                raw = next(it, None)
+                if raw is not None:
+                    sock.send_multipart([ident, raw])
+        sock.close(linger=0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"tcp://127.0.0.1:{port}", stop
+
+
+def test_a_hostile_status_reply_is_a_clear_error_not_a_traceback_or_a_blowup():
+    """Row 16 (issue 38): a 64 MiB ``status_reply`` from a port squatter cost ``shadow
+    status`` 4.7 GB and 53 s, then a KeyError traceback. Its containers are capped while it
+    decodes, and a status this build cannot read is said to be one."""
+    import msgpack
+
+    from shadow.wire import messages as M
+
+    bomb = msgpack.packb({"t": "status_reply", "v": M.VERSION, "status": {"w": [[{}] * 60 for _ in range(60_000)]}})
+    assert len(bomb) < M.limits("status_reply").bytes
+    odd = M.encode("status_reply", status={"workers": "none", "job": 3})
+    address, stop = _squatter([bomb, odd])
+    try:
+        res = shadow("status", f"address={address}", "timeout=20")
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert "max_containers" in res.stderr or "too_large" in res.stderr, res.stderr
+        res = shadow("status", f"address={address}", "timeout=20")
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert "answered a status this build cannot read" in res.stderr, res.stderr
+    finally:
+        stop.set()

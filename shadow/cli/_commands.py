@@ -21,6 +21,7 @@ from shadow.config import (
     StatusConfig,
     VerifyConfig,
 )
+from shadow.errors import ShadowError
 
 
 def _print_json(obj) -> None:
@@ -47,18 +48,31 @@ def cmd_status(cfg: StatusConfig) -> int:
     from shadow.cli._render import render_status, status_view, stdout_console
 
     if not cfg.watch:
-        render_status(st, cfg.address)
+        _unreadable_status(render_status, st, cfg.address)
         return 0
     from rich.live import Live
 
-    with Live(status_view(st, cfg.address), auto_refresh=False, console=stdout_console()) as live:
+    with Live(_unreadable_status(status_view, st, cfg.address), auto_refresh=False, console=stdout_console()) as live:
         try:
             while True:
                 time.sleep(cfg.watch)
-                live.update(status_view(fetch(), cfg.address), refresh=True)
+                live.update(_unreadable_status(status_view, fetch(), cfg.address), refresh=True)
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _unreadable_status(render: Any, st: dict, address: str) -> Any:
+    """``render(st, address)``; a status this build cannot read (a field missing or of
+    another type: not a coordinator of this version, or not a coordinator) is a
+    ``ShadowError`` saying so, not a traceback."""
+    try:
+        return render(st, address)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise ShadowError(
+            f"{address} answered a status this build cannot read ({type(exc).__name__}: {str(exc)[:200]}); "
+            "is it a shadow coordinator of the same version? (`shadow status json=true` prints what it sent)"
+        ) from None
 
 
 def _ask(address: str, kind: str, timeout: float, expect: str, **fields: Any) -> dict:
