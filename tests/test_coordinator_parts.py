@@ -53,10 +53,11 @@ class Sim:
             **({"slot_token": held[0]} if held else {}),
         )
 
-    def attach(self, world: int = 1, iteration: int = 0) -> None:
+    def attach(self, world: int = 1, iteration: int = 0, ident: bytes = b"t", restored: dict | None = None) -> None:
+        """Each of ``world`` ranks attaches (from ``<ident><rank>``), saying it ``restored``."""
         for r in range(world):
             self.send(
-                b"t%d" % r,
+                ident + b"%d" % r,
                 "attach",
                 job="job",
                 rank=r,
@@ -66,7 +67,7 @@ class Sim:
                 optim=OPTIM,
                 iteration=iteration,
                 overwrite=False,
-                restored=None,
+                restored=restored,
             )
 
     def configured(self, *idents: bytes) -> None:

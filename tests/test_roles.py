@@ -341,7 +341,6 @@ def test_a_restored_claim_goes_back_only_to_what_the_coordinator_finds(tmp_path)
     The claim is checked here: the tier must hold a complete checkpoint of 4 (memory: the
     iteration it holds)."""
     from tests.test_coordinator_parts import LAYOUT as SIM_LAYOUT
-    from tests.test_coordinator_parts import OPTIM
     from tests.test_persist_units import _write_checkpoint
 
     sim = _with_tier(tmp_path)
@@ -354,30 +353,19 @@ def test_a_restored_claim_goes_back_only_to_what_the_coordinator_finds(tmp_path)
         _write_checkpoint(str(tmp_path), "job", it, SIM_LAYOUT)
 
     def claim(tier: str, source: str) -> None:
-        sim.send(
-            b"evil",
-            "attach",
-            job="job",
-            rank=0,
-            world=1,
-            layout_hash=SIM_LAYOUT.hash,
-            layout=SIM_LAYOUT.to_dict(),
-            optim=OPTIM,
-            iteration=4,
-            overwrite=False,
-            restored={"iteration": 4, "job": "job", "generation": job.generation, "tier": tier, "source": source},
-        )
+        restored = {"iteration": 4, "job": "job", "generation": job.generation, "tier": tier, "source": source}
+        sim.attach(iteration=4, ident=b"evil", restored=restored)
 
     for tier, source in (("local", f"{tmp_path}/job/iteration-0000000004"), ("memory", "tcp://x"), ("nope", "/")):
         sim.out.clear()
         claim(tier, source)
-        assert "restore first" in sim.out.last("error", b"evil")["message"], tier
+        assert "restore first" in sim.out.last("error", b"evil0")["message"], tier
     assert sim.state.rejected["restored_unchecked"] == 3
     assert job.generation == 0 and not glob.glob(f"{tmp_path}/job/generation-*.json") and sim.state.job is job
     _write_checkpoint(str(tmp_path), "job", 4, SIM_LAYOUT)  # a checkpoint of 4 the tier does hold: it may go back
     sim.out.clear()
     claim("local", f"{tmp_path}/job/iteration-0000000004")
-    assert "error" not in sim.out.kinds(b"evil") and glob.glob(f"{tmp_path}/job/generation-000001.json")
+    assert "error" not in sim.out.kinds(b"evil0") and glob.glob(f"{tmp_path}/job/generation-000001.json")
 
 
 def test_catalog_requests_share_one_reply_while_the_tier_is_unchanged(tmp_path, monkeypatch):
