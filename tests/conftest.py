@@ -48,12 +48,32 @@ CLUSTER_FIXTURES = ("cluster", "shared_cluster")
 
 
 def pytest_configure(config):
-    """The services the tests start keep their per-user state (slot tokens) in a directory of
-    this run's own, not in the user's ``~/.local/state``."""
-    if "XDG_STATE_HOME" not in os.environ or not os.environ["XDG_STATE_HOME"].startswith("/tmp/shadow-tests-"):
-        import tempfile
+    """The services the tests start keep their per-user state (slot tokens) and their key set
+    (shadow.keyset) in directories of this run's own, not in the user's ``~/.local/state`` and
+    ``~/.config``."""
+    import tempfile
 
-        os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="shadow-tests-state-")
+    for var, prefix in (("XDG_STATE_HOME", "shadow-tests-state-"), ("XDG_CONFIG_HOME", "shadow-tests-config-")):
+        if not os.environ.get(var, "").startswith(os.path.join(tempfile.gettempdir(), prefix)):
+            os.environ[var] = tempfile.mkdtemp(prefix=prefix)
+
+
+@pytest.fixture(autouse=True)
+def _client_keys_per_test():
+    """Each test starts with this process's default client keys (this run's key set, as a
+    trainer): a test, or a CLI command run in-process, that set others does not leak them."""
+    from shadow import security
+
+    yield
+    security.reset_client()
+    security.set_role("trainer")
+
+
+@pytest.fixture
+def keyless(monkeypatch):
+    """Clients of this test connect without keys (``SHADOW_INSECURE=1``): for a test of
+    in-process services built without a guard (fake workers, a bare Coordinator)."""
+    monkeypatch.setenv("SHADOW_INSECURE", "1")
 
 
 def pytest_collection_modifyitems(items):

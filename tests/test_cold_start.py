@@ -45,7 +45,7 @@ def _attach_msg(world: int = 1, rank: int = 0) -> bytes:
 
 
 @pytest.fixture
-def coordinator():
+def coordinator(keyless):
     port = free_port()
     coord = Coordinator(f"tcp://127.0.0.1:{port}", workers=1)
     th = threading.Thread(target=coord.run, daemon=True)

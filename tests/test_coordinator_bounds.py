@@ -55,7 +55,7 @@ def _attach(job: str, layout: Layout, rank: int = 0, world: int = 1) -> bytes:
     )
 
 
-def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on():
+def test_handler_and_periodic_failures_are_counted_and_the_loop_goes_on(keyless):
     address = f"tcp://127.0.0.1:{free_port()}"
     coord = Coordinator(address, workers=1)
     calls = {"status": 0}

@@ -19,6 +19,8 @@ from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.wire.frames import Field
 
+pytestmark = pytest.mark.usefixtures("keyless")  # in-process services built without a guard
+
 OPTIM = {"kind": "adam", "amsgrad_any": False}
 
 

@@ -207,7 +207,7 @@ def _raw_read(srv: FileServer, **fields) -> dict:
         sock.close(linger=0)
 
 
-def test_a_read_without_a_valid_ticket_is_refused_and_counted(keyed, tmp_path):
+def test_a_read_without_a_valid_ticket_is_refused_and_counted(keyed, tmp_path, keyless):
     shard = _shard(keyed)
     ticket, key = _auth(keyed)
     nonce = tags.new_ticket()

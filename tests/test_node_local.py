@@ -27,6 +27,8 @@ from shadow.worker.address import Binding
 from shadow.worker.files import FileServer
 from tests.test_persist_units import LAYOUT, _write_checkpoint
 
+pytestmark = pytest.mark.usefixtures("keyless")  # in-process services built without a guard
+
 TUNING = Tuning.load().replace(fetch_timeout_s=5.0)
 
 

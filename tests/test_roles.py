@@ -391,22 +391,29 @@ def test_catalog_requests_share_one_reply_while_the_tier_is_unchanged(tmp_path, 
     assert [e[0] for e in sim.out.last("catalog_reply")["checkpoints"]][-1].endswith("iteration-0000000005")
 
 
-def test_exposure_beyond_loopback_needs_keys_or_insecure(caplog):
-    from shadow.cli._services import check_exposure
+def test_a_service_without_keys_takes_this_users_key_set_on_loopback_only(caplog):
+    from shadow import keyset
+    from shadow.cli._services import secure
     from shadow.config import SecurityConfig
     from shadow.security import SecurityError
 
-    caplog.set_level(logging.WARNING, logger="shadow.cli")
-    check_exposure("127.0.0.1", SecurityConfig(), "cluster")
-    assert "unauthenticated: any local user can control this cluster" in caplog.text
+    caplog.set_level(logging.INFO, logger="shadow.cli")
+    on_loopback = secure(SecurityConfig(), "127.0.0.1", "cluster")
+    mine = keyset.ensure()
+    assert on_loopback.server_key == str(mine.secret("server")) and on_loopback.data_mode() == "mac"
+    assert on_loopback.allow() == {r: str(mine.public(r)) for r in ("worker", "trainer", "client", "admin")}
+    assert "keyed with this user's key set" in caplog.text
     with pytest.raises(SecurityError, match="refusing to bind 10.1.2.3 without keys.*security.insecure=true"):
-        check_exposure("10.1.2.3", SecurityConfig(), "coordinator")
+        secure(SecurityConfig(), "10.1.2.3", "coordinator")
     caplog.clear()
-    check_exposure("10.1.2.3", SecurityConfig(insecure=True), "coordinator")
-    assert "INSECURE: bound to 10.1.2.3 without keys" in caplog.text
+    assert not secure(SecurityConfig(insecure=True), "127.0.0.1", "cluster").enabled
+    assert "INSECURE: bound to 127.0.0.1 without keys (security.insecure=true): any local account" in caplog.text
+    caplog.clear()
+    assert not secure(SecurityConfig(insecure=True), "10.1.2.3", "coordinator").enabled
+    assert "INSECURE: bound to 10.1.2.3 without keys (security.insecure=true): anyone who can reach it" in caplog.text
     caplog.clear()
     keyed = SecurityConfig(server_key="k.key_secret", allow_trainers="t")
-    check_exposure("10.1.2.3", keyed, "coordinator")
+    assert secure(keyed, "10.1.2.3", "coordinator") is keyed
     assert caplog.text == ""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -20,40 +21,41 @@ WORKER_ENTRY = "shadow"
 logger = logging.getLogger("shadow.cli")
 
 
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+def secure(security, host: str, who: str):
+    """The ``security`` a service bound to ``host`` runs with. Keys given: those. None given,
+    on loopback: this user's key set (:mod:`shadow.keyset`, made on first start), so that no
+    other local account and no process squatting a port can take part. Beyond loopback
+    without keys: refused. Keyless only with ``security.insecure=true``, warned at every start."""
+    from shadow import keyset
+    from shadow.security import SecurityError
 
-
-def check_exposure(host: str, security, who: str) -> None:
-    """Who can control a service bound to ``host``: without keys, on loopback, any local user
-    (said at every start); beyond loopback, anyone who can reach it, which is refused unless
-    ``security.insecure=true`` (then warned at every start)."""
     if security.server_key:
-        return
-    if _loopback(host):
-        logger.warning(
-            "%s: unauthenticated: any local user can control this cluster (bound to %s without keys; "
-            "make role keys with `shadow keygen role=...` and set security.server_key and security.allow_*)",
-            who,
-            host,
+        return security
+    if security.enabled:
+        raise SecurityError(
+            f"{who}: security.client_key without security.server_key: a service binds with the cluster's "
+            "pair; set security.server_key and the allow lists, or neither (this user's key set on loopback)"
         )
-        return
     if not security.insecure:
-        from shadow.security import SecurityError
-
+        if keyset.loopback(host):
+            keys = keyset.ensure()
+            logger.info("%s: keyed with this user's key set in %s (no other account can connect)", who, keys.dir)
+            return dataclasses.replace(security, **keys.server_fields())
         raise SecurityError(
             f"{who}: refusing to bind {host} without keys: anyone who can reach it could stop the cluster, "
             "replace a job or plant a checkpoint. Make keys (`shadow keygen role=server`, role=worker, "
             "role=trainer, role=client, role=admin) and set security.server_key and security.allow_workers/"
             "allow_trainers/allow_clients/allow_admins (workers also security.client_key), or bind to "
-            "127.0.0.1, or accept the risk with security.insecure=true"
+            "127.0.0.1 (this user's key set is then used), or accept the risk with security.insecure=true"
         )
     logger.warning(
-        "%s: INSECURE: bound to %s without keys (security.insecure=true): anyone who can reach it controls "
-        "this cluster and can read its checkpoints",
+        "%s: INSECURE: bound to %s without keys (security.insecure=true): %s can control this cluster "
+        "and read its checkpoints",
         who,
         host,
+        "any local account" if keyset.loopback(host) else "anyone who can reach it",
     )
+    return security
 
 
 def _coordinator(cfg: CoordinatorConfig):
@@ -97,7 +99,7 @@ def _run(service, metrics) -> int:
 
 def cmd_coordinator(cfg: CoordinatorConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "coordinator")
-    check_exposure(cfg.host, cfg.security, "coordinator")
+    cfg.security = secure(cfg.security, cfg.host, "coordinator")
     coord = _coordinator(cfg)
     return _run(coord, _coordinator_metrics(cfg, coord))
 
@@ -106,10 +108,12 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     if cfg.threads:
         os.environ["NUMBA_NUM_THREADS"] = str(cfg.threads)
     from shadow import security
+    from shadow.worker.address import bind_and_advertise
     from shadow.worker.server import Worker
 
     tuning = cfg.tuning.resolve()
     setup_logs(cfg.log_level, cfg.log_format, "worker")
+    cfg.security = secure(cfg.security, bind_and_advertise(cfg.host, cfg.coordinator)[0], f"worker {cfg.worker_id}")
     worker = Worker(
         cfg.coordinator,
         host=cfg.host,
@@ -120,7 +124,6 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         local_dir=cfg.local_dir,
         data_mode=cfg.security.data_mode(),
     )
-    check_exposure(worker.bind_host, cfg.security, f"worker {cfg.worker_id}")
     metrics = None
     if cfg.metrics_port:
         from shadow.metrics import WORKER, serve
@@ -132,7 +135,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
 
 def cmd_cluster(cfg: ClusterConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "cluster")
-    check_exposure(cfg.host, cfg.security, "cluster")
+    cfg.security = secure(cfg.security, cfg.host, "cluster")
     address = f"tcp://{cfg.host}:{cfg.port}"
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)

@@ -39,6 +39,7 @@ COMMANDS: dict[str, Callable[[Any], int]] = {  # each takes its command's config
 }
 # commands that connect to a cluster as a CURVE client (drop: with an admin key)
 CLIENTS = ("status", "restore", "export", "ls", "verify", "jobs", "drop")
+ADMIN_COMMANDS = ("drop",)  # the clients that connect with the admin pair of this user's key set
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +72,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         sec = getattr(cfg, "security", None)
-        if name in CLIENTS and sec is not None and sec.enabled:
+        if name in CLIENTS and sec is not None:
             from shadow import security
 
-            security.set_client(security.client_from_config(sec))
+            if sec.enabled:
+                security.set_client(security.client_from_config(sec))
+            elif sec.insecure:
+                security.set_client(None)  # a keyless cluster's client
+            else:  # this user's key set, found (or made) when the command first connects
+                security.set_role("admin" if name in ADMIN_COMMANDS else "client")
         return COMMANDS[name](cfg)
     except (ShadowError, OSError, ValueError) as exc:
         print(f"shadow {name}: {exc}", file=sys.stderr)

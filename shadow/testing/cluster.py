@@ -25,10 +25,14 @@ from shadow.transport import SocketFactory, fetch_limit
 from shadow.wire import messages as M
 
 
-def status(address: str, timeout: float = 5.0, keys=None) -> dict:
+CURRENT = object()  #: keys: this process's (shadow.security.current_client: this user's key set by default)
+
+
+def status(address: str, timeout: float = 5.0, keys=CURRENT) -> dict:
     """The coordinator's status at ``address``: one bounded request (``keys``: the
-    :class:`shadow.security.ClientKeys` of a CURVE client). Raises TimeoutError."""
-    s = SocketFactory(keys=keys).dealer(address, fetch_limit())
+    :class:`shadow.security.ClientKeys` of a CURVE client, None for a keyless cluster; by
+    default this process's). Raises TimeoutError."""
+    s = (SocketFactory() if keys is CURRENT else SocketFactory(keys=keys)).dealer(address, fetch_limit())
     try:
         s.send(M.encode("status"))
         if not s.poll(int(timeout * 1000)):
@@ -59,7 +63,9 @@ class LocalCluster:
     """``shadow cluster`` with ``workers`` workers of one numba thread each, on a free port
     (or ``port``), logging to ``<tmp>/cluster-<port>.log``. ``args`` are extra config
     overrides (``persist.local.dir=...``), ``env`` extra environment (``SHADOW_*`` knobs),
-    ``faults`` the :class:`~shadow.testing.faults.ServiceFaults` its services carry.
+    ``faults`` the :class:`~shadow.testing.faults.ServiceFaults` its services carry, ``keys``
+    the client keys it is asked with (default: this process's, which for a cluster without
+    keys of its own is this user's key set; none with ``security.insecure=true``).
     Raises RuntimeError, with the log's last error line, when it does not start within
     ``start_timeout`` s. Use it as a context manager, or call :meth:`stop`."""
 
@@ -70,12 +76,13 @@ class LocalCluster:
         args: tuple[str, ...] = (),
         env: dict | None = None,
         port: int | None = None,
-        keys=None,
+        keys=CURRENT,
         threads_per_worker: int = 1,
         start_timeout: float = 60.0,
         faults: ServiceFaults | None = None,
     ) -> None:
-        self.keys = keys
+        insecure = "security.insecure=true" in args
+        self.keys = None if insecure and keys is CURRENT else keys  # a keyless cluster answers keyless clients
         self.port = port or free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.workers = workers

@@ -1,0 +1,163 @@
+"""This user's own key set: what keeps other local accounts and port squatters out of a
+cluster started without keys of its own.
+
+A cluster bound to loopback with no ``security.server_key`` runs with CURVE all the same,
+with the pairs in this user's key directory (:func:`directory`: ``$XDG_CONFIG_HOME/shadow/keys``,
+else ``~/.config/shadow/keys``): one server pair and one pair per role (worker, trainer,
+client, admin), each role's public key its allow list. The first shadow process of the user
+that needs it creates the whole set at once (built in a private scratch directory, renamed
+into place; a process that loses the race takes the winner's), and every later one (the
+cluster's workers, trainer ranks, ``shadow status``) finds it without configuration. Another
+account cannot read the secrets (0700 directory, 0600 files, checked at every load and
+refused otherwise), so it cannot connect; a process squatting the coordinator's port
+without the server's secret cannot complete a handshake, so no client takes its answers.
+
+Keyless stays possible only when asked for: ``security.insecure=true`` on a command,
+``SHADOW_INSECURE=1`` for a trainer or another library client."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq.auth
+
+from shadow.choices import ROLES
+from shadow.private import private_problem
+from shadow.security import ClientKeys, SecurityError, load_public, load_secret
+
+logger = logging.getLogger(__name__)
+
+ENV_INSECURE = "SHADOW_INSECURE"  #: "1": a library client (a trainer) connects without keys
+PAIRS = ("server", *ROLES)  #: the pairs of a key set, each NAME.key and NAME.key_secret
+_checked: dict[str, KeySet] = {}  # directory -> its key set, once checked in this process
+
+
+def insecure_from_env() -> bool:
+    """Whether ``SHADOW_INSECURE`` asks this process to connect without keys."""
+    value = os.environ.get(ENV_INSECURE, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise SecurityError(f"{ENV_INSECURE}={value!r} is not 1 or 0; set {ENV_INSECURE}=1 only to reach a keyless cluster")
+
+
+def directory() -> Path:
+    """Where this user's key set lives: ``$XDG_CONFIG_HOME/shadow/keys``, else ``~/.config/shadow/keys``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "shadow" / "keys"
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """The pairs in one key directory (see the module's docstring)."""
+
+    dir: Path
+
+    def secret(self, name: str) -> Path:
+        return self.dir / f"{name}.key_secret"
+
+    def public(self, name: str) -> Path:
+        return self.dir / f"{name}.key"
+
+    def client(self, role: str) -> ClientKeys:
+        """The keys a process of ``role`` connects with."""
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {ROLES}")
+        return ClientKeys(load_public(self.public("server")), *load_secret(self.secret(role)))
+
+    def server_fields(self) -> dict[str, str]:
+        """``security.*`` of a service of this set: the server pair, each role's public key as
+        its allow list, and the worker pair (a worker connects to its coordinator with it)."""
+        return {
+            "server_key": str(self.secret("server")),
+            "client_key": str(self.secret("worker")),
+            **{f"allow_{r}s": str(self.public(r)) for r in ROLES},
+        }
+
+
+def _problem(path: Path) -> str:
+    """Why ``path`` is not a usable key set of this user ("" if it is)."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"cannot read it ({exc})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory (a link or a file)"
+    if info.st_uid != os.getuid():
+        return f"it belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
+    if info.st_mode & 0o077:
+        return f"other accounts may use it (mode {stat.S_IMODE(info.st_mode):o}, not 700)"
+    for name in PAIRS:
+        for file, mask in ((path / f"{name}.key_secret", 0o077), (path / f"{name}.key", 0o022)):
+            try:
+                f = os.lstat(file)
+            except FileNotFoundError:
+                return f"{file.name} is missing"
+            except OSError as exc:
+                return f"cannot read {file.name} ({exc})"
+            if not stat.S_ISREG(f.st_mode):
+                return f"{file.name} is not a plain file (a link?)"
+            if f.st_uid != os.getuid():
+                return f"{file.name} belongs to uid {f.st_uid}, not to this user"
+            if f.st_mode & mask:
+                return f"{file.name} may be used by other accounts (mode {stat.S_IMODE(f.st_mode):o})"
+    return ""
+
+
+def _create(path: Path) -> None:
+    """Make the whole set in a private scratch directory beside ``path``, then rename it into
+    place; when another process made it first, keep theirs."""
+    parent = str(path.parent)
+    problem = private_problem(parent)
+    if problem:
+        raise SecurityError(
+            f"cannot make this user's key set under {parent}: {problem}. Fix that directory (mode 700, owned by "
+            "you), point XDG_CONFIG_HOME elsewhere, or give the cluster keys (`shadow keygen`, security.server_key)"
+        )
+    scratch = tempfile.mkdtemp(prefix=".keys-", dir=parent)  # 0700
+    try:
+        for name in PAIRS:
+            _, secret = zmq.auth.create_certificates(scratch, name)
+            os.chmod(secret, 0o600)
+        try:
+            os.rename(scratch, path)
+        except OSError:
+            if not path.exists():
+                raise
+            return  # another process of this user made it first: use theirs
+        logger.info("made this user's shadow key set in %s (server pair and one pair per role)", path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def ensure(path: str | os.PathLike | None = None) -> KeySet:
+    """This user's key set (at ``path``, default :func:`directory`), made when missing and
+    checked: raises :class:`SecurityError` naming the problem and the fix when another account
+    could read or replace it."""
+    where = Path(path) if path is not None else directory()
+    known = _checked.get(str(where))
+    if known is not None and where.is_dir():
+        return known
+    if not os.path.lexists(where):
+        _create(where)
+    problem = _problem(where)
+    if problem:
+        raise SecurityError(
+            f"this user's shadow key set {where} cannot be used: {problem}. Remove it (`rm -r {where}`) and the "
+            "next start makes a new one (restart the cluster and its trainers then), or give keys explicitly "
+            "(security.server_key and security.allow_*; trainers SHADOW_CURVE_SERVER_KEY/SHADOW_CURVE_CLIENT_KEY)"
+        )
+    _checked[str(where)] = KeySet(where)
+    return _checked[str(where)]
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (an interface name or address) is this machine's loopback."""
+    return host in ("localhost", "::1") or host.startswith("127.")
