@@ -12,7 +12,9 @@ DATA_MODES = ("mac", "curve")
 
 @dataclass
 class SecurityConfig:
-    """ZeroMQ CURVE authentication and encryption, and who may do what (all empty = off).
+    """ZeroMQ CURVE authentication and encryption, and who may do what. All empty: on
+    loopback, this user's key set (:mod:`shadow.keyset`, made on first start), so no other
+    local account can connect; beyond loopback, refused. Keyless only with ``insecure``.
 
     Make keys with ``shadow keygen role=...``. The coordinator and the workers bind with the
     cluster's pair (``server_key``) and admit the public keys in the ``allow_<role>s``
@@ -29,7 +31,7 @@ class SecurityConfig:
     allow_trainers: str = ""  #: directory of the trainers' public .key files
     allow_clients: str = ""  #: directory of read-only clients' public .key files (status, ls, jobs, restore, export)
     allow_admins: str = ""  #: directory of the admins' public .key files (what clients may, and drop)
-    insecure: bool = False  #: run a cluster bound beyond loopback without keys (anyone who can reach it controls it)
+    insecure: bool = False  #: no keys at all: a service anyone who reaches it controls, or a client of one (default: this user's key set on loopback)
     manifest_key: str = ""  #: file holding the key that signs manifests (persist.sign) and checks them
     data: str = "mac"  #: with keys, gradient frames: mac (in clear, per-rank MACs) or curve (encrypted too, slower)
 

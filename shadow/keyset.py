@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 ENV_INSECURE = "SHADOW_INSECURE"  #: "1": a library client (a trainer) connects without keys
 PAIRS = ("server", *ROLES)  #: the pairs of a key set, each NAME.key and NAME.key_secret
-_checked: dict[str, KeySet] = {}  # directory -> its key set, once checked in this process
 
 
 def insecure_from_env() -> bool:
@@ -142,9 +141,6 @@ def ensure(path: str | os.PathLike | None = None) -> KeySet:
     checked: raises :class:`SecurityError` naming the problem and the fix when another account
     could read or replace it."""
     where = Path(path) if path is not None else directory()
-    known = _checked.get(str(where))
-    if known is not None and where.is_dir():
-        return known
     if not os.path.lexists(where):
         _create(where)
     problem = _problem(where)
@@ -154,8 +150,7 @@ def ensure(path: str | os.PathLike | None = None) -> KeySet:
             "next start makes a new one (restart the cluster and its trainers then), or give keys explicitly "
             "(security.server_key and security.allow_*; trainers SHADOW_CURVE_SERVER_KEY/SHADOW_CURVE_CLIENT_KEY)"
         )
-    _checked[str(where)] = KeySet(where)
-    return _checked[str(where)]
+    return KeySet(where)
 
 
 def loopback(host: str) -> bool:

@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
@@ -20,6 +19,7 @@ from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.server import Coordinator
 from shadow.layout import Layout
 from shadow.testing import LocalCluster, free_port, pid_alive, rss_bytes, status
+from shadow.transport import SocketFactory, fetch_limit
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from tests.conftest import train_step
@@ -29,10 +29,9 @@ OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}
 
 
 def _dealer(address: str):
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(address)
-    return s
+    """A trainer's connection: this user's key set (as a default cluster admits), or none in a
+    ``keyless`` test."""
+    return SocketFactory().dealer(address, fetch_limit())
 
 
 def _recv(sock, timeout: float = 10.0) -> dict:

@@ -162,5 +162,5 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
                 lambda st: st["workers"][0]["rejected"].get("serve_bad_ticket") == 2, what="two fetches refused"
             )
     finally:
-        security.set_client(None)
+        security.reset_client()
         cluster.stop()

@@ -210,11 +210,13 @@ def test_a_trainer_of_a_dropped_job_that_comes_back_corrupts_nothing():
 
 
 def _jobs_of(address: str, keys=None, timeout: float = 5.0) -> dict:
-    """The coordinator's ``jobs_reply`` at ``address``: one bounded request."""
+    """The coordinator's ``jobs_reply`` at ``address``: one bounded request, as a client
+    (``keys``, default this user's client pair, as ``shadow jobs`` asks a default cluster)."""
+    from shadow import keyset
     from shadow.transport import SocketFactory, fetch_limit
     from shadow.wire import messages as M
 
-    s = SocketFactory(keys=keys).dealer(address, fetch_limit())
+    s = SocketFactory(keys=keys or keyset.ensure().client("client")).dealer(address, fetch_limit())
     try:
         s.send(M.encode("jobs"))
         if not s.poll(int(timeout * 1000)):
@@ -363,5 +365,5 @@ def test_drop_on_a_keyed_cluster_takes_an_admin_key_not_a_client_key(world1, tmp
         session.close()
         assert cluster.status()["job"]["committed"] == 3
     finally:
-        security.set_client(None)
+        security.reset_client()
         cluster.stop()

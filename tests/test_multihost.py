@@ -107,7 +107,7 @@ def _train_and_restore(address: str, job: str, keys: Keys) -> None:
         for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
             assert torch.equal(a, b)
     finally:
-        security.set_client(None)
+        security.reset_client()
     st = status(address, timeout=5.0, keys=keys.client("client"))
     assert st["security"]["curve"] and st["security"]["accepted"] >= 3
     with pytest.raises(TimeoutError):  # a plain socket: the CURVE handshake fails
@@ -299,7 +299,7 @@ def _restore_as_trainer(address: str, keys: Keys, iteration: int | None = None):
         info = trainer_hooks.restore(fresh, fopt, source=address, scheduler=fsched, job="nodes", iteration=iteration)
         return info, fresh
     finally:
-        security.set_client(None)
+        security.reset_client()
 
 
 def test_node_local_disks(world1, tmp_path):
@@ -375,7 +375,7 @@ def test_node_local_disks(world1, tmp_path):
                     snaps[it] = [p.detach().clone() for p in model.parameters()]
                 assert session.close() == 7
             finally:
-                security.set_client(None)
+                security.reset_client()
             deadline = time.monotonic() + 30
             while not sorted(coord_dir.glob("nodes/iteration-*/manifest.json")):
                 assert time.monotonic() < deadline, log_path.read_text()[-4000:]

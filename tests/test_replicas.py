@@ -102,7 +102,7 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed):
         if keys:
             assert {w["mode"] for w in cluster.status()["workers"]} == {"mac"}
     finally:
-        security.set_client(None)
+        security.reset_client()
         cluster.stop()
 
 

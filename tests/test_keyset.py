@@ -1,0 +1,298 @@
+"""This user's key set (shadow.keyset): made once, whole and private; refused whenever another
+account could read or replace it; what every client of this user connects with by default;
+and what a process squatting a port, or another local account, cannot get past."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import zmq
+import zmq.auth
+
+from shadow import keyset, security
+from shadow.client import dealer, request
+from shadow.errors import ShadowConnectionError
+from shadow.security import SecurityError
+from shadow.wire import messages as M
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A user whose key set does not exist yet."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv("SHADOW_INSECURE", raising=False)
+    return keyset.directory()
+
+
+def test_the_set_is_made_once_whole_and_private(fresh):
+    assert not fresh.exists()
+    made = keyset.ensure()
+    assert made.dir == fresh and os.stat(fresh).st_mode & 0o777 == 0o700
+    for name in keyset.PAIRS:
+        assert os.stat(made.secret(name)).st_mode & 0o777 == 0o600
+        assert made.public(name).is_file()
+    assert sorted(os.listdir(fresh.parent)) == ["keys"]  # no scratch directory left behind
+    server = made.client("trainer").server_public
+    assert keyset.ensure().client("client").server_public == server  # found again, not made again
+    pairs = {made.client(r).public for r in ("worker", "trainer", "client", "admin")}
+    assert len(pairs) == 4 and server not in pairs  # one pair per role, none of them the server's
+
+
+def test_processes_racing_to_make_it_all_take_the_same_set(fresh):
+    code = "from shadow import keyset; print(keyset.ensure().client('trainer').server_public.decode())"
+    env = dict(os.environ)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
+    assert keyset.ensure().client("admin").server_public.decode() == outs[0][0].strip()
+    assert sorted(os.listdir(fresh.parent)) == ["keys"]
+
+
+def _tamper(case: str, made: keyset.KeySet, tmp_path) -> None:
+    if case == "directory others may read":
+        os.chmod(made.dir, 0o750)
+    elif case == "secret others may read":
+        os.chmod(made.secret("trainer"), 0o640)
+    elif case == "public key others may replace":
+        os.chmod(made.public("server"), 0o666)
+    elif case == "secret replaced by a link":
+        elsewhere = tmp_path / "elsewhere"
+        _, secret = zmq.auth.create_certificates(str(elsewhere.parent), "elsewhere")
+        os.unlink(made.secret("client"))
+        os.symlink(secret, made.secret("client"))
+    elif case == "directory replaced by a link":
+        os.rename(made.dir, made.dir.with_name("real"))
+        os.symlink(made.dir.with_name("real"), made.dir)
+    elif case == "a pair missing":
+        os.unlink(made.secret("admin"))
+    elif case == "owned by another account":
+        os.chown(made.dir, 65534, 65534)
+
+
+CASES = {
+    "directory others may read": "other accounts may use it (mode 750, not 700)",
+    "secret others may read": "trainer.key_secret may be used by other accounts (mode 640)",
+    "public key others may replace": "server.key may be used by other accounts (mode 666)",
+    "secret replaced by a link": "client.key_secret is not a plain file",
+    "directory replaced by a link": "it is not a directory",
+    "a pair missing": "admin.key_secret is missing",
+    "owned by another account": "belongs to uid 65534",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_set_another_account_could_read_or_replace_is_refused(fresh, tmp_path, case):
+    if case == "owned by another account" and os.getuid() != 0:
+        pytest.skip("only root can give a directory to another account")
+    made = keyset.ensure()
+    _tamper(case, made, tmp_path)
+    with pytest.raises(SecurityError) as err:
+        keyset.ensure()
+    assert CASES[case] in str(err.value) and f"rm -r {fresh}" in str(err.value)
+    with pytest.raises(SecurityError):  # and so is every client that would connect with it
+        security.current_client()
+
+
+def test_a_client_connects_with_its_roles_pair_unless_told_otherwise(fresh, tmp_path, monkeypatch):
+    made = keyset.ensure()
+    assert security.current_client() == made.client("trainer")  # a library client is a trainer
+    security.set_role("client")
+    assert security.current_client() == made.client("client")
+    monkeypatch.setenv("SHADOW_INSECURE", "1")
+    assert security.current_client() is None  # keyless only when asked for
+    monkeypatch.setenv("SHADOW_INSECURE", "perhaps")
+    with pytest.raises(SecurityError, match="SHADOW_INSECURE='perhaps' is not 1 or 0"):
+        security.current_client()
+    monkeypatch.delenv("SHADOW_INSECURE")
+    public, secret = security.generate(tmp_path / "own", "mine")
+    monkeypatch.setenv(security.ENV_SERVER_KEY, str(public))
+    monkeypatch.setenv(security.ENV_CLIENT_KEY, str(secret))
+    assert security.current_client().public == security.load_public(public)  # keys given win
+    security.set_client(None)
+    assert security.current_client() is None
+
+
+def _squatter(curve: bool):
+    """A ROUTER on a free loopback port answering every request with a made-up status, as a
+    process that took a stopped coordinator's port would; ``curve``: with a server pair of
+    its own (it cannot have the user's). Returns (address, requests it read, stop)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        public, secret = zmq.curve_keypair()
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    heard: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                ident, raw = sock.recv_multipart()
+                heard.append(raw)
+                sock.send_multipart([ident, M.encode("status_reply", status={"workers": []})])
+        sock.close(0)
+        ctx.term()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"tcp://127.0.0.1:{port}", heard, lambda: (stop.set(), t.join(5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve with its own pair"])
+def test_a_port_squatter_gets_no_word_in(fresh, curve):
+    """Row 10 of issue 38: a squatter answered restore_info and fetch and got a trainer's
+    weights. Every client of this user holds the server's public key, so a process without
+    the server's secret completes no handshake: it reads nothing, and nothing it says is taken."""
+    address, heard, stop = _squatter(curve)
+    try:
+        ctx = zmq.Context()
+        sock = dealer(ctx, address)
+        with pytest.raises(ShadowConnectionError, match="no shadow coordinator answered"):
+            request(sock, address, M.encode("status"), 2.0, ("status_reply",))
+        sock.close(0)
+        ctx.term()
+        res = subprocess.run(
+            [sys.executable, "-m", "shadow", "restore", f"source={address}", "timeout=3", f"out={fresh.parent}/x.pt"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr
+        assert heard == []  # not one message got through to it
+        assert not (fresh.parent / "x.pt").exists()
+    finally:
+        stop()
+
+
+CHILD = r"""
+import json, os, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+os.environ["XDG_CONFIG_HOME"] = sys.argv[2]
+import zmq
+from shadow import keyset, security
+from shadow.client import dealer, request
+from shadow.errors import ShadowError
+from shadow.wire import messages as M
+seen = {}
+try:
+    open(sys.argv[3], "rb").read()
+    seen["read_secret"] = "read"
+except OSError as exc:
+    seen["read_secret"] = type(exc).__name__
+mine = keyset.ensure()  # the other account's own set
+ctx = zmq.Context()
+for name, keys in (("own_set", mine.client("trainer")), ("no_keys", None)):
+    sock = dealer(ctx, sys.argv[1], keys=keys) if keys else dealer(ctx, sys.argv[1], curve=False)
+    try:
+        request(sock, sys.argv[1], M.encode("status"), 2.0, ("status_reply",))
+        seen[name] = "answered"
+    except ShadowError as exc:
+        seen[name] = str(exc)[:60]
+    sock.close(0)
+os.write(1, json.dumps(seen).encode())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0, reason="switching to another account takes root")
+def test_another_local_account_can_neither_read_the_set_nor_connect(monkeypatch):
+    """Row 12 of issue 38: another account (uid 65534) restored a default cluster's parameters.
+    Now it cannot read this user's keys, and with keys of its own or none it is not answered.
+    Both homes lie where any account may walk (0755 under /tmp): only the key set's own modes
+    keep the other account out."""
+    import shutil
+    import tempfile
+
+    homes = tempfile.mkdtemp(prefix="shadow-accounts-")
+    try:
+        os.chmod(homes, 0o755)
+        mine, theirs = os.path.join(homes, "mine"), os.path.join(homes, "theirs")
+        os.mkdir(mine, 0o755)
+        os.mkdir(theirs, 0o755)
+        os.chown(theirs, 65534, 65534)
+        monkeypatch.setenv("XDG_CONFIG_HOME", mine)
+        made = keyset.ensure()
+        address, heard, stop = _served(made)
+        try:
+            res = _as_other_account(CHILD, address, theirs, str(made.secret("client")))
+        finally:
+            stop()
+    finally:
+        shutil.rmtree(homes, ignore_errors=True)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout)
+    assert seen["read_secret"] == "PermissionError"
+    assert seen["own_set"].startswith("no shadow coordinator answered") and seen["no_keys"].startswith(
+        "no shadow coordinator answered"
+    )
+    assert heard == []
+
+
+def _served(made: keyset.KeySet):
+    """A server of this user's set answering status, as a default coordinator does."""
+    ctx = zmq.Context()
+    guard = security.Guard(made.secret("server"), {r: made.public(r) for r in ("worker", "trainer", "client", "admin")})
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    guard.server(sock)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    heard: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                ident, raw = sock.recv_multipart()
+                heard.append(raw)
+                sock.send_multipart([ident, M.encode("status_reply", status={"workers": []})])
+        sock.close(0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+
+    def halt() -> None:
+        stop.set()
+        t.join(5)
+        guard.stop()
+        ctx.term()
+
+    # this user is answered
+    mine = dealer(ctx, f"tcp://127.0.0.1:{port}", keys=made.client("client"))
+    assert request(mine, "served", M.encode("status"), 30.0, ("status_reply",))["t"] == "status_reply"
+    mine.close(0)
+    heard.clear()
+    return f"tcp://127.0.0.1:{port}", heard, halt
+
+
+def _as_other_account(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child that becomes uid 65534 before it reads anything of this user's:
+    the interpreter is this one, forked (another account may not be able to start it from here)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        os.dup2(write, 1)
+        try:
+            sys.argv = ["child", *args]
+            exec(compile(code, "child", "exec"), {"__name__": "__child__"})
+            sys.stdout.flush()
+        except BaseException as exc:
+            os.write(write, json.dumps({"error": repr(exc)}).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    return subprocess.CompletedProcess(["child"], os.waitstatus_to_exitcode(status), out, "")
