@@ -1,9 +1,11 @@
 """Trainer overhead of checkpointing, side by side in one run: 2-rank gloo DDP training of
 the example GPT with no checkpointing, with the shadow attached (workers on this machine),
 with DCP async_save every iteration and every 50, and with torch.save every iteration.
-``shadow_mac`` and ``shadow_curve``: the shadow on a cluster with role keys
-(``security.data=mac``, the default with keys, and ``curve``), the ranks carrying the
-trainer key.
+``shadow`` is the default cluster: keyed with this user's key set (``security.data=mac``),
+the ranks finding it themselves. ``shadow_insecure``: without any keys
+(``security.insecure=true``, ranks ``SHADOW_INSECURE=1``), the baseline of the keyed modes.
+``shadow_mac`` and ``shadow_curve``: a cluster with role keys of its own (``security.data=mac``
+and ``curve``), the ranks carrying the trainer key.
 
     python benchmarks/bench_overhead.py [--steps 20] [--rounds 1] [--n-layer 6] [--n-embd 512] [--json PATH]
 
@@ -29,14 +31,24 @@ from pathlib import Path
 from benchlib import Goal, bars, example_gpt, machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "shadow_mac", "shadow_curve", "python_hook")
-DEFAULT_MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "shadow_mac")
+MODES = (
+    "none",
+    "shadow",
+    "dcp_async",
+    "torch_save",
+    "dcp_async_50",
+    "shadow_mac",
+    "shadow_curve",
+    "python_hook",
+    "shadow_insecure",
+)
+DEFAULT_MODES = ("none", "shadow", "dcp_async", "torch_save", "dcp_async_50", "shadow_insecure")
 
 GOALS = [
     Goal("step time, shadow / none", "vs_none.shadow", 1.05, "<=", "x"),
     Goal("shadow overhead / DCP async_save overhead", "overhead_vs_dcp_async", 0.2, "<="),
     Goal("step time, {key} / none", "vs_none.*", None, unit="x", where={"key": "!shadow"}),
-    Goal("step time, keyed {key} / no keys", "keyed_vs_plain.*", None, unit="x"),
+    Goal("step time, {key} (keyed) / shadow_insecure (no keys)", "keyed_vs_plain.*", None, unit="x"),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -185,11 +197,18 @@ def run(args) -> dict:
     for rnd in range(args.rounds):  # interleaved rounds: drift on a noisy machine hits every mode alike
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
             if mode.startswith("shadow"):
-                keyed = mode != "shadow"
-                sec = _keys(work, mode.removeprefix("shadow_")) if keyed else {}
-                cluster = LocalCluster(work, workers=2, args=sec.get("args", ()), keys=sec.get("admin"))
+                if mode == "shadow":  # the default: this user's key set, found by every process
+                    cluster = LocalCluster(work, workers=2)
+                    env = None
+                elif mode == "shadow_insecure":
+                    cluster = LocalCluster(work, workers=2, args=("security.insecure=true",))
+                    env = {"SHADOW_INSECURE": "1"}
+                else:
+                    sec = _keys(work, mode.removeprefix("shadow_"))
+                    cluster = LocalCluster(work, workers=2, args=sec["args"], keys=sec["admin"])
+                    env = sec["env"]
                 try:
-                    res = launch(mode, args, work, cluster.address, sec.get("env"))
+                    res = launch(mode, args, work, cluster.address, env)
                 finally:
                     cluster.stop()
             else:
@@ -214,12 +233,12 @@ def run(args) -> dict:
         sh, dc = results["shadow"]["s_per_step"] - base, results["dcp_async"]["s_per_step"] - base
         print(f"shadow overhead / DCP async_save overhead: {sh / dc:.2f} (goal <= 0.2)" if dc > 0 else "")
     keyed_vs_plain = {
-        m.removeprefix("shadow_"): results[m]["s_per_step"] / results["shadow"]["s_per_step"]
-        for m in ("shadow_mac", "shadow_curve")
-        if m in results and "shadow" in results
+        m: results[m]["s_per_step"] / results["shadow_insecure"]["s_per_step"]
+        for m in ("shadow", "shadow_mac", "shadow_curve")
+        if m in results and "shadow_insecure" in results
     }
     for k, x in keyed_vs_plain.items():
-        print(f"step time with keys, security.data={k} / without keys: {x:.2f}x")
+        print(f"step time, {k} (keyed) / shadow_insecure (no keys): {x:.2f}x")
     shutil.rmtree(work, ignore_errors=True)
     doc = {
         "params": params,

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from shadow.testing import free_port, state_differences, status  # noqa: F401 (free_port: for bench_restore)
+from shadow.testing.cluster import CURRENT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,11 +28,12 @@ class Services:
         self.logs: list = []
 
     def start_cluster(
-        self, port: int, steps: int, extra: list[str] | None = None, local: Path | None = None, keys=None
+        self, port: int, steps: int, extra: list[str] | None = None, local: Path | None = None, keys=CURRENT
     ) -> str:
         """A ``shadow cluster`` of 2 workers on ``port``, its local tier in ``local`` (default
         ``work/local``); ``keys``: the admin's :class:`~shadow.security.ClientKeys` to ask a
-        keyed cluster (its ``security.*`` in ``extra``) whether it is up."""
+        cluster with keys of its own (its ``security.*`` in ``extra``) whether it is up
+        (default: this process's, this user's key set for a default cluster)."""
         address = f"tcp://127.0.0.1:{port}"
         log = open(self.work / f"cluster-{port}.log", "w")  # noqa: SIM115 (closed in stop())
         self.logs.append(log)
@@ -135,7 +137,7 @@ class Services:
 
 
 def wait_persisted(
-    address: str, steps: int, limit: float = 120, tiers: tuple[str, ...] = ("local",), keys=None
+    address: str, steps: int, limit: float = 120, tiers: tuple[str, ...] = ("local",), keys=CURRENT
 ) -> dict:
     """The cluster's status once iteration ``steps`` is committed and complete on ``tiers``."""
     deadline = time.monotonic() + limit

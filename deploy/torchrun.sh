@@ -44,7 +44,9 @@
 #   SHADOW_CURVE_SERVER_KEY  the cluster's public key file (server.key), with
 #   SHADOW_CURVE_CLIENT_KEY  this trainer's secret key file (trainer.key_secret, from `shadow
 #                            keygen role=trainer`): set both when the cluster runs with
-#                            security.server_key= (CURVE; required beyond loopback); unset = off
+#                            security.server_key= (CURVE; required beyond loopback); unset: on
+#                            the cluster's own host, this user's key set (~/.config/shadow/keys)
+#   SHADOW_INSECURE          1: no keys at all (a cluster run with security.insecure=true)
 #   SHADOW_RESUME            auto (default): resume when the shadow holds a complete checkpoint
 #                            (`shadow ls`), start fresh otherwise; always; never
 #   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt); when set,
@@ -165,8 +167,9 @@ else
   launch+=(--standalone)
 fi
 
-curve=off
+curve="this user's key set"
 if [[ -n "${SHADOW_CURVE_CLIENT_KEY:-}" ]]; then curve=on; fi
+if [[ "${SHADOW_INSECURE:-}" == 1 ]]; then curve=off; fi
 metrics=off
 if [[ -n "${SHADOW_METRICS_PORT:-}" ]]; then metrics="$SHADOW_METRICS_HOST:$SHADOW_METRICS_PORT+LOCAL_RANK"; fi
 log "$NPROC_PER_NODE ranks, node $NODE_RANK of $NNODES, shadow $SHADOW_COORDINATOR," \

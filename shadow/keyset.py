@@ -48,9 +48,24 @@ def insecure_from_env() -> bool:
 
 
 def directory() -> Path:
-    """Where this user's key set lives: ``$XDG_CONFIG_HOME/shadow/keys``, else ``~/.config/shadow/keys``."""
+    """Where this user's key set lives: ``$XDG_CONFIG_HOME/shadow/keys`` (else
+    ``~/.config/shadow/keys``); where that directory's parent cannot be made private (a home
+    that cannot be written), ``shadow-keys-<uid>/keys`` under the temporary directory, which
+    is refused, not taken, when another account made it first."""
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "shadow" / "keys"
+    home = Path(base) / "shadow"
+    if not private_problem(str(home)):
+        return home / "keys"
+    fallback = Path(tempfile.gettempdir()) / f"shadow-keys-{os.getuid()}"
+    problem = private_problem(str(fallback))
+    if problem:
+        raise SecurityError(
+            f"no private place for this user's key set: {home} cannot be used ({private_problem(str(home))}) "
+            f"nor {fallback} ({problem}). Point XDG_CONFIG_HOME at a directory of yours, or give the cluster "
+            "keys (`shadow keygen`, security.server_key)"
+        )
+    logger.warning("%s cannot be used (%s); this user's key set lives in %s", home, private_problem(str(home)), fallback)
+    return fallback / "keys"
 
 
 @dataclass(frozen=True)

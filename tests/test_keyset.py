@@ -296,3 +296,20 @@ def _as_other_account(code: str, *args: str) -> subprocess.CompletedProcess:
         out = f.read()
     _, status = os.waitpid(pid, 0)
     return subprocess.CompletedProcess(["child"], os.waitstatus_to_exitcode(status), out, "")
+
+
+def test_a_home_that_cannot_be_written_falls_back_to_a_private_temporary_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "config").write_text("a file where a directory should be")  # nothing can be made under it
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(ro / "config"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    made = keyset.ensure()
+    assert made.dir == tmp_path / "tmp" / f"shadow-keys-{os.getuid()}" / "keys"
+    assert os.stat(made.dir.parent).st_mode & 0o777 == 0o700
+    os.chmod(made.dir.parent, 0o777)  # as if another account had made it first, open to all
+    with pytest.raises(SecurityError, match="no private place for this user's key set.*others may write to it"):
+        keyset.ensure()

@@ -31,6 +31,10 @@ def _push(endpoint: str, frames: list) -> None:
 
 
 def _commit_frame(session, worker: int, iteration: int, seq: int, body: bytes) -> list:
+    """A COMMIT frame tagged as the rank tags its own (a default cluster's data socket takes
+    frames under the rank's MAC keys only: this is a rank gone rogue)."""
+    tagger = session.sender.tags[worker]
+    nonce = tagger.nonce()
     h = F.Header(
         F.Kind.COMMIT,
         F.Field.GRAD,
@@ -41,9 +45,10 @@ def _commit_frame(session, worker: int, iteration: int, seq: int, body: bytes) -
         session.layout.hash,
         iteration,
         seq,
-        ((0, len(body), F.checksum(body)),),
+        ((0, len(body), tagger.tag(nonce, 1, body)),),
+        nonce,
     )
-    return [h.pack(), body]
+    return [h.pack(tagger), body]
 
 
 def _worker_rejected(cluster, worker: int, reason: str, at_least: int = 1, limit: float = 10.0) -> dict:
@@ -111,7 +116,9 @@ def test_frames_far_ahead_do_not_make_a_healthy_replica_stale(world1, shared_clu
     epoch = st["job"]["epoch"]
     w = st["workers"][0]
     payload = torch.zeros(4).numpy()
+    tagger = session.sender.tags[0]  # tagged as the rank tags its own: a rank gone rogue
     for seq, iteration in ((2**40, 4), (2**40 + 1, 5), (session.sender.seq[0] + 10**6, 4), (0, 2**40)):
+        nonce = tagger.nonce()
         h = F.Header(
             F.Kind.GRAD,
             F.Field.GRAD,
@@ -122,9 +129,10 @@ def test_frames_far_ahead_do_not_make_a_healthy_replica_stale(world1, shared_clu
             session.layout.hash,
             iteration,
             seq,
-            ((w["start"], 4, F.checksum(payload)),),
+            ((w["start"], 4, tagger.tag(nonce, 1, payload.tobytes())),),
+            nonce,
         )
-        _push(w["data"], [h.pack(), payload.tobytes()])
+        _push(w["data"], [h.pack(tagger), payload.tobytes()])
     far = w["rejected"].get("out_of_window", 0)  # the counters are the worker's, since it started
     w1 = _worker_rejected(shared_cluster, 0, "out_of_window", at_least=far + 4)
     assert w1["rejected"].get("out_of_window", 0) - far >= 4, w1

@@ -44,12 +44,15 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int, s
     return it
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["plain", "mac"])
-def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed):
+@pytest.mark.parametrize("keyed", [False, True], ids=["insecure", "mac"])
+def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed, monkeypatch):
     """Keyed (security.data=mac), the replacement copies from its peer's serve socket in clear
-    with a ticket the coordinator handed it, the reply under the ticket's MAC."""
+    with a ticket the coordinator handed it, the reply under the ticket's MAC; without keys
+    (``security.insecure=true``) under checksums."""
     ckpt = tmp_path / "ckpt"
     keys = role_keys(tmp_path / "keys") if keyed else None
+    if not keyed:
+        monkeypatch.setenv("SHADOW_INSECURE", "1")
     cluster = LocalCluster(
         tmp_path,
         workers=4,
@@ -57,7 +60,7 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed):
             "replicas=2",
             f"persist.local.dir={ckpt}",
             "persist.local.every_n=4",
-            *((*keys["args"], "security.data=mac") if keys else ()),
+            *((*keys["args"], "security.data=mac") if keys else ("security.insecure=true",)),
         ),
         env={"SHADOW_WORKER_LOST_S": "1.5"},
         keys=keys["admin"] if keys else None,

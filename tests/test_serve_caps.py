@@ -74,11 +74,19 @@ def dealer(ctx, endpoint: str) -> zmq.Socket:
     return s
 
 
-def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path):
+def _insecure(monkeypatch) -> tuple[str, ...]:
+    """These clients fetch as a keyless cluster's do (no ticket): the caps are the serve
+    socket's own, before and apart from any key (a keyed cluster's fetches need a ticket
+    from the coordinator first: test_fetch, test_curve_cluster)."""
+    monkeypatch.setenv("SHADOW_INSECURE", "1")
+    return ("security.insecure=true",)
+
+
+def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path, monkeypatch):
     """20 clients fetch and never read: each costs at most one SERVE_STALL_S wait, not one
     per apply; a client that reads is waited for (never applied over while it reads, never
     dropped) and gets consistent shards all along."""
-    c = LocalCluster(tmp_path, workers=1)
+    c = LocalCluster(tmp_path, workers=1, args=_insecure(monkeypatch))
     ctx = zmq.Context()
     stop, done = threading.Event(), threading.Event()
     try:
@@ -157,8 +165,8 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path):
         c.stop()
 
 
-def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path):
-    c = LocalCluster(tmp_path, workers=1, env={"SHADOW_SERVE_MAX_FETCHES": "3"})
+def test_one_fetch_per_client_and_a_cap_in_all(world1, tmp_path, monkeypatch):
+    c = LocalCluster(tmp_path, workers=1, env={"SHADOW_SERVE_MAX_FETCHES": "3"}, args=_insecure(monkeypatch))
     ctx = zmq.Context()
     try:
         model, opt = big_build()

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 WORKER = frozenset({"worker"})
 TRAINER = frozenset({"trainer"})
-READERS = frozenset({"trainer", "client", "admin"})  # a trainer restores from memory too
-OPERATORS = frozenset({"client", "admin"})  # shadow jobs: a person's view of the cluster
+READERS = frozenset({"trainer", "client", "admin"})  # a trainer restores (and asks for its job) too
 ADMIN = frozenset({"admin"})  # what changes the cluster on a person's word (shadow drop)
 
 
@@ -53,8 +52,9 @@ ROUTES: dict[str, Route] = {
     "status": Route("queries", "on_status", READERS),
     "restore_info": Route("queries", "on_restore_info", READERS),
     "catalog": Route("queries", "on_catalog", READERS),
-    # operators: the jobs the cluster knows (clients and admins), and detaching a crashed one (admins)
-    "jobs": Route("jobs", "on_jobs", OPERATORS),
+    # the jobs the cluster knows (readers: a resuming trainer asks whether its job is there), and
+    # detaching a crashed one (admins)
+    "jobs": Route("jobs", "on_jobs", READERS),
     "drop": Route("jobs", "on_drop", ADMIN),
 }
 
