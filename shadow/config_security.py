@@ -31,7 +31,7 @@ class SecurityConfig:
     allow_trainers: str = ""  #: directory of the trainers' public .key files
     allow_clients: str = ""  #: directory of read-only clients' public .key files (status, ls, jobs, restore, export)
     allow_admins: str = ""  #: directory of the admins' public .key files (what clients may, and drop)
-    insecure: bool = False  #: no keys at all: a service anyone who reaches it controls, or a client of one (default: this user's key set on loopback)
+    insecure: bool = False  #: no keys at all: a service anyone reaching it controls, or a client of one
     manifest_key: str = ""  #: file holding the key that signs manifests (persist.sign) and checks them
     data: str = "mac"  #: with keys, gradient frames: mac (in clear, per-rank MACs) or curve (encrypted too, slower)
 

@@ -64,7 +64,9 @@ def directory() -> Path:
             f"nor {fallback} ({problem}). Point XDG_CONFIG_HOME at a directory of yours, or give the cluster "
             "keys (`shadow keygen`, security.server_key)"
         )
-    logger.warning("%s cannot be used (%s); this user's key set lives in %s", home, private_problem(str(home)), fallback)
+    logger.warning(
+        "%s cannot be used (%s); this user's key set lives in %s", home, private_problem(str(home)), fallback
+    )
     return fallback / "keys"
 
 

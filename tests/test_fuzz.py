@@ -112,6 +112,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, shared_cluster, job):
     w = after["workers"][0]
     assert w["frames_in"] - worker["frames_in"] == N_FRAMES
     assert sum(w["rejected"].values()) - sum(worker["rejected"].values()) == N_FRAMES  # each counted
+
     # the coordinator counted its rejections: malformed, or of a type a trainer may not send
     def refused(st):
         return sum(st["rejected"].values()) + sum(st["security"]["refused_by_role"].values())

@@ -47,7 +47,9 @@ def test_processes_racing_to_make_it_all_take_the_same_set(fresh):
     code = "from shadow import keyset; print(keyset.ensure().client('trainer').server_public.decode())"
     env = dict(os.environ)
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(4)
     ]
     outs = [p.communicate(timeout=120) for p in procs]

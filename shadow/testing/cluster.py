@@ -24,7 +24,6 @@ from shadow.testing.wait import wait_until
 from shadow.transport import SocketFactory, fetch_limit
 from shadow.wire import messages as M
 
-
 CURRENT = object()  #: keys: this process's (shadow.security.current_client: this user's key set by default)
 
 
