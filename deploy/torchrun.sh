@@ -46,7 +46,7 @@
 #                            keygen role=trainer`): set both when the cluster runs with
 #                            security.server_key= (CURVE; required beyond loopback); unset: on
 #                            the cluster's own host, this user's key set (~/.config/shadow/keys)
-#   SHADOW_INSECURE          1: no keys at all (a cluster run with security.insecure=true)
+#   SHADOW_INSECURE          1: no keys at all (a cluster that runs without any)
 #   SHADOW_RESUME            auto (default): resume when the shadow holds a complete checkpoint
 #                            (`shadow ls`), start fresh otherwise; always; never
 #   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt); when set,
