@@ -4,8 +4,9 @@ A message type missing here is refused (``unexpected``); ``shutdown`` is among t
 coordinator stops on a signal to its own process, never on a message. ``roles``: the roles
 (:data:`shadow.choices.ROLES`) whose keys may send it; on a cluster with CURVE keys anything
 else is refused and counted by role and reason (status ``refused_by_role``, metric
-``shadow_refused_messages``). Without keys every peer may send anything (the cluster then
-binds to loopback only, and says so at start). ``worker_only``: accepted only from a
+``shadow_refused_messages``); a cluster started without keys of its own has this user's key
+set, so this holds by default. Only without any keys (``security.insecure=true``, warned at
+every start) may every peer send anything. ``worker_only``: accepted only from a
 registered worker's connection (from anyone else it is counted as ``not_a_worker`` and
 dropped). ``sized``: the handler is also given the message's size on the wire.
 """
