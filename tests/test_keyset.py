@@ -315,3 +315,26 @@ def test_a_home_that_cannot_be_written_falls_back_to_a_private_temporary_directo
     os.chmod(made.dir.parent, 0o777)  # as if another account had made it first, open to all
     with pytest.raises(SecurityError, match="no private place for this user's key set.*others may write to it"):
         keyset.ensure()
+
+
+def test_a_default_cluster_is_keyed_and_counts_a_client_without_keys(shared_cluster):
+    """`shadow cluster` with no keys given: CURVE with this user's key set; a client without
+    keys gets no answer and is counted as a failed handshake."""
+    from shadow.testing import wait_until
+
+    st = shared_cluster.status()  # this process's keys: this run's key set
+    assert st["security"]["curve"] is True
+    before = st["security"]["refused"].get("handshake_mechanism", 0)
+    ctx = zmq.Context()
+    sock = dealer(ctx, shared_cluster.address, curve=False)
+    try:
+        with pytest.raises(ShadowConnectionError, match="no shadow coordinator answered"):
+            request(sock, shared_cluster.address, M.encode("status"), 2.0, ("status_reply",))
+    finally:
+        sock.close(0)
+        ctx.term()
+    wait_until(
+        lambda: shared_cluster.status()["security"]["refused"].get("handshake_mechanism", 0) > before,
+        30,
+        "the coordinator counting the keyless client's handshake",
+    )
