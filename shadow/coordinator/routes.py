@@ -1,5 +1,9 @@
 """Which component handles each control message the coordinator accepts, and from whom: :data:`ROUTES`.
 
+Each route holds its handler itself (the component's method, unbound; mypy and
+go-to-definition follow it), bound to the coordinator's instance of that component when the
+coordinator starts, as the worker's ``ROUTES`` holds ``Worker`` methods.
+
 A message type missing here is refused (``unexpected``); ``shutdown`` is among them: the
 coordinator stops on a signal to its own process, never on a message. ``roles``: the roles
 (:data:`shadow.choices.ROLES`) whose keys may send it; on a cluster with CURVE keys anything
@@ -13,7 +17,18 @@ dropped). ``sized``: the handler is also given the message's size on the wire.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import MethodType
+
+from shadow.coordinator.attach import Attach
+from shadow.coordinator.cut import Cut
+from shadow.coordinator.jobs import Jobs
+from shadow.coordinator.membership import Membership
+from shadow.coordinator.queries import Queries
+from shadow.coordinator.rebuild import Rebuild
+from shadow.coordinator.replicas import Replicas
+from shadow.coordinator.trainers import Trainers
 
 WORKER = frozenset({"worker"})
 TRAINER = frozenset({"trainer"})
@@ -23,47 +38,51 @@ ADMIN = frozenset({"admin"})  # what changes the cluster on a person's word (sha
 
 @dataclass(frozen=True)
 class Route:
-    component: str  # attribute of the Coordinator holding the handler
-    handler: str  # its method: handler(envelope, msg) (+ size=bytes when sized)
+    component: type  # the component class whose instance handles it (one per Coordinator)
+    handler: Callable[..., None]  # its method, unbound: handler(component, envelope, msg) (+ size=bytes when sized)
     roles: frozenset[str]
     worker_only: bool = False
     sized: bool = False
 
+    def bind(self, components: dict[type, object]) -> Callable[..., None]:
+        """The handler bound to this coordinator's instance of :attr:`component`."""
+        return MethodType(self.handler, components[self.component])
+
 
 ROUTES: dict[str, Route] = {
     # workers
-    "starting": Route("membership", "on_starting", WORKER),
-    "register": Route("membership", "on_register", WORKER),
-    "rejoin": Route("rebuild", "on_rejoin", WORKER),
-    "heartbeat": Route("membership", "on_heartbeat", WORKER),
-    "stale": Route("membership", "on_stale", WORKER, worker_only=True),
-    "configured": Route("cut", "on_configured", WORKER, worker_only=True),
-    "prepared": Route("cut", "on_prepared", WORKER, worker_only=True),
-    "persisted": Route("cut", "on_persisted", WORKER, worker_only=True),
-    "audited": Route("cut", "on_audited", WORKER, worker_only=True),
-    "copied": Route("replicas", "on_copied", WORKER, worker_only=True),
+    "starting": Route(Membership, Membership.on_starting, WORKER),
+    "register": Route(Membership, Membership.on_register, WORKER),
+    "rejoin": Route(Rebuild, Rebuild.on_rejoin, WORKER),
+    "heartbeat": Route(Membership, Membership.on_heartbeat, WORKER),
+    "stale": Route(Membership, Membership.on_stale, WORKER, worker_only=True),
+    "configured": Route(Cut, Cut.on_configured, WORKER, worker_only=True),
+    "prepared": Route(Cut, Cut.on_prepared, WORKER, worker_only=True),
+    "persisted": Route(Cut, Cut.on_persisted, WORKER, worker_only=True),
+    "audited": Route(Cut, Cut.on_audited, WORKER, worker_only=True),
+    "copied": Route(Replicas, Replicas.on_copied, WORKER, worker_only=True),
     # trainers
-    "attach": Route("attach", "on_attach", TRAINER, sized=True),
-    "detach": Route("attach", "on_detach", TRAINER),
-    "trainer_hb": Route("trainers", "on_trainer_hb", TRAINER),
-    "paused": Route("trainers", "on_paused", TRAINER),
-    "lagging": Route("trainers", "on_lagging", TRAINER),
-    "replica_from": Route("replicas", "on_replica_from", TRAINER),
+    "attach": Route(Attach, Attach.on_attach, TRAINER, sized=True),
+    "detach": Route(Attach, Attach.on_detach, TRAINER),
+    "trainer_hb": Route(Trainers, Trainers.on_trainer_hb, TRAINER),
+    "paused": Route(Trainers, Trainers.on_paused, TRAINER),
+    "lagging": Route(Trainers, Trainers.on_lagging, TRAINER),
+    "replica_from": Route(Replicas, Replicas.on_replica_from, TRAINER),
     # readers: trainers restoring, clients (status, ls, restore, export), admins
-    "status": Route("queries", "on_status", READERS),
-    "restore_info": Route("queries", "on_restore_info", READERS),
-    "catalog": Route("queries", "on_catalog", READERS),
+    "status": Route(Queries, Queries.on_status, READERS),
+    "restore_info": Route(Queries, Queries.on_restore_info, READERS),
+    "catalog": Route(Queries, Queries.on_catalog, READERS),
     # the jobs the cluster knows (readers: a resuming trainer asks whether its job is there), and
     # detaching a crashed one (admins)
-    "jobs": Route("jobs", "on_jobs", READERS),
-    "drop": Route("jobs", "on_drop", ADMIN),
+    "jobs": Route(Jobs, Jobs.on_jobs, READERS),
+    "drop": Route(Jobs, Jobs.on_drop, ADMIN),
 }
 
-#: periodic steps the loop runs after each poll, in order: (component, method)
-PERIODIC: tuple[tuple[str, str], ...] = (
-    ("attach", "start_attaches"),
-    ("attach", "expire_attaches"),
-    ("membership", "check_workers"),
-    ("trainers", "check_transit"),
-    ("cut", "retry_persist"),
+#: periodic steps the loop runs after each poll, in order: (component class, its method, unbound)
+PERIODIC: tuple[tuple[type, Callable[..., None]], ...] = (
+    (Attach, Attach.start_attaches),
+    (Attach, Attach.expire_attaches),
+    (Membership, Membership.check_workers),
+    (Trainers, Trainers.check_transit),
+    (Cut, Cut.retry_persist),
 )

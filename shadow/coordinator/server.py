@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from types import MethodType
 from typing import Any
 
 import zmq
@@ -93,11 +94,22 @@ class Coordinator:
         self.trainers = Trainers(st, out, self.cut, self.replicas)
         self.queries = Queries(st, out, persist, self.guard)
         self.jobs = Jobs(st, out, persist)
-        self.routes: dict[str, Callable[..., None]] = {
-            t: getattr(getattr(self, r.component), r.handler) for t, r in ROUTES.items()
+        components: dict[type, object] = {
+            type(c): c
+            for c in (
+                self.cut,
+                self.replicas,
+                self.attach,
+                self.membership,
+                self.rebuild,
+                self.trainers,
+                self.queries,
+                self.jobs,
+            )
         }
+        self.routes: dict[str, Callable[..., None]] = {t: r.bind(components) for t, r in ROUTES.items()}
         self.periodic: dict[str, Callable[[], None]] = {
-            method: getattr(getattr(self, component), method) for component, method in PERIODIC
+            method.__name__: MethodType(method, components[component]) for component, method in PERIODIC
         }
 
     def run(self) -> None:
