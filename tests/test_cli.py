@@ -213,7 +213,7 @@ def test_a_hostile_status_reply_is_a_clear_error_not_a_traceback_or_a_blowup():
     odd = M.encode("status_reply", status={"workers": "none", "job": 3})
     address, stop = _squatter([bomb, odd])
     try:
-        res = shadow("status", f"address={address}", "timeout=3")
+        res = shadow("status", f"address={address}", "timeout=1")
         assert res.returncode == 1 and "no shadow coordinator answered" in res.stderr, res.stderr
         res = shadow("status", f"address={address}", "timeout=20", "security.insecure=true")
         assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
