@@ -28,7 +28,7 @@ from pathlib import Path
 import zmq.auth
 
 from shadow.choices import ROLES
-from shadow.private import private_problem
+from shadow.private import dir_problem, private_problem
 from shadow.security import ClientKeys, SecurityError, load_public, load_secret
 
 logger = logging.getLogger(__name__)
@@ -101,15 +101,11 @@ class KeySet:
 def _problem(path: Path) -> str:
     """Why ``path`` is not a usable key set of this user ("" if it is)."""
     try:
-        info = os.lstat(path)
+        problem = dir_problem(os.lstat(path), 0o077)
     except OSError as exc:
         return f"cannot read it ({exc})"
-    if not stat.S_ISDIR(info.st_mode):
-        return "it is not a directory (a link or a file)"
-    if info.st_uid != os.getuid():
-        return f"it belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
-    if info.st_mode & 0o077:
-        return f"other accounts may use it (mode {stat.S_IMODE(info.st_mode):o}, not 700)"
+    if problem:
+        return problem
     for name in PAIRS:
         for file, mask in ((path / f"{name}.key_secret", 0o077), (path / f"{name}.key", 0o022)):
             try:

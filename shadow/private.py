@@ -28,12 +28,20 @@ def private_problem(path: str) -> str:
         info = os.lstat(path)
     except OSError as exc:
         return f"cannot create it ({exc})"
+    return dir_problem(info, 0o022)
+
+
+def dir_problem(info: os.stat_result, others: int) -> str:
+    """Why a directory with ``info`` (from ``lstat``) is not this user's alone ("" if it is):
+    not a directory (a link or a file), another owner, or any of the mode bits ``others``
+    (0o022: others may write to it; 0o077: others may use it at all)."""
     if not stat.S_ISDIR(info.st_mode):
         return "it is not a directory (a link or a file)"
     if info.st_uid != os.getuid():
         return f"it belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
-    if info.st_mode & 0o022:
-        return f"others may write to it (mode {stat.S_IMODE(info.st_mode):o})"
+    if info.st_mode & others:
+        who = "may write to it" if others == 0o022 else "may use it"
+        return f"others {who} (mode {stat.S_IMODE(info.st_mode):o})"
     return ""
 
 

@@ -81,7 +81,7 @@ def _tamper(case: str, made: keyset.KeySet, tmp_path) -> None:
 
 
 CASES = {
-    "directory others may read": "other accounts may use it (mode 750, not 700)",
+    "directory others may read": "others may use it (mode 750)",
     "secret others may read": "trainer.key_secret may be used by other accounts (mode 640)",
     "public key others may replace": "server.key may be used by other accounts (mode 666)",
     "secret replaced by a link": "client.key_secret is not a plain file",
@@ -123,6 +123,25 @@ def test_a_client_connects_with_its_roles_pair_unless_told_otherwise(fresh, tmp_
     assert security.current_client() is None
 
 
+def _answer_status(sock: zmq.Socket):
+    """Answer every request on ``sock`` with a made-up status, on a thread; returns (the
+    requests it read, stop), stop closing the socket."""
+    heard: list[bytes] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                ident, raw = sock.recv_multipart()
+                heard.append(raw)
+                sock.send_multipart([ident, M.encode("status_reply", status={"workers": []})])
+        sock.close(0)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return heard, lambda: (stop.set(), t.join(5))
+
+
 def _squatter(curve: bool):
     """A ROUTER on a free loopback port answering every request with a made-up status, as a
     process that took a stopped coordinator's port would; ``curve``: with a server pair of
@@ -134,21 +153,8 @@ def _squatter(curve: bool):
         public, secret = zmq.curve_keypair()
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    heard: list[bytes] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            if sock.poll(50):
-                ident, raw = sock.recv_multipart()
-                heard.append(raw)
-                sock.send_multipart([ident, M.encode("status_reply", status={"workers": []})])
-        sock.close(0)
-        ctx.term()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    return f"tcp://127.0.0.1:{port}", heard, lambda: (stop.set(), t.join(5))
+    heard, halt = _answer_status(sock)
+    return f"tcp://127.0.0.1:{port}", heard, lambda: (halt(), ctx.term())
 
 
 @pytest.mark.slow
@@ -250,23 +256,10 @@ def _served(made: keyset.KeySet):
     sock.setsockopt(zmq.LINGER, 0)
     guard.server(sock)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
-    heard: list[bytes] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            if sock.poll(50):
-                ident, raw = sock.recv_multipart()
-                heard.append(raw)
-                sock.send_multipart([ident, M.encode("status_reply", status={"workers": []})])
-        sock.close(0)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
+    heard, stop = _answer_status(sock)
 
     def halt() -> None:
-        stop.set()
-        t.join(5)
+        stop()
         guard.stop()
         ctx.term()
 
