@@ -310,14 +310,11 @@ def test_a_home_that_cannot_be_written_falls_back_to_a_private_temporary_directo
         keyset.ensure()
 
 
-def test_a_default_cluster_is_keyed_and_counts_a_client_without_keys(shared_cluster):
+def test_a_default_cluster_is_keyed_and_answers_no_client_without_keys(shared_cluster):
     """`shadow cluster` with no keys given: CURVE with this user's key set; a client without
-    keys gets no answer and is counted as a failed handshake."""
-    from shadow.testing import wait_until
-
+    keys gets no answer (test_security counts such handshakes at a guard)."""
     st = shared_cluster.status()  # this process's keys: this run's key set
     assert st["security"]["curve"] is True
-    before = st["security"]["refused"].get("handshake_mechanism", 0)
     ctx = zmq.Context()
     sock = dealer(ctx, shared_cluster.address, curve=False)
     try:
@@ -326,8 +323,4 @@ def test_a_default_cluster_is_keyed_and_counts_a_client_without_keys(shared_clus
     finally:
         sock.close(0)
         ctx.term()
-    wait_until(
-        lambda: shared_cluster.status()["security"]["refused"].get("handshake_mechanism", 0) > before,
-        30,
-        "the coordinator counting the keyless client's handshake",
-    )
+    assert shared_cluster.status()["security"]["curve"] is True  # and it answers this user still
