@@ -6,7 +6,7 @@ and folding the persistence snapshot into the apply pass.
 A sender process streams one AdamW gradient of --params fp32 elements per iteration, as
 DDP buckets of GPT-sized runs framed exactly like the trainer's sender (xxh3 per run,
 ``F.Header`` run table), over ipc to this process, which plays one worker holding the
-whole range in two :class:`shadow.worker.state.ShardState` copies:
+whole range in two :class:`shadow.worker.shard.ShardState` copies:
 
 * before: each run ``recv_into`` its place in a contiguous gradient buffer and checksummed
   there, then the replay kernel reads that buffer; a snapshot iteration then copies the
@@ -168,7 +168,7 @@ def run(args) -> dict:
     from shadow.tuning import Tuning
     from shadow.wire import frames as F
     from shadow.wire import tags
-    from shadow.worker.state import ShardState
+    from shadow.worker.shard import ShardState
 
     sizes = shapes(int(args.params))
     total = sum(sizes)

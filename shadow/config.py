@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from shadow.choices import Compression, Dtype, Format, LogFormat, LogLevel, WeightFormat
 from shadow.config_security import KeygenConfig, SecurityConfig
 from shadow.jobs import job_name_problem
-from shadow.plan.config import PlanConfig
+from shadow.planner.config import PlanConfig
 from shadow.tuning import TuningConfig, check_section
 
 

@@ -14,7 +14,7 @@ from shadow.layout import Layout
 from shadow.optim_groups import AdamGroup, SgdGroup
 from shadow.sqrttab import SLOT_BYTES, SqrtTable
 from shadow.wire.frames import Field
-from shadow.worker.state import ShardState
+from shadow.worker.shard import ShardState
 
 SIZES = [1000, 37, 4096 + 5, 3, 2500]
 ADAM = AdamGroup(

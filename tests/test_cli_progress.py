@@ -83,9 +83,9 @@ def test_status_and_ls_say_when_a_replay_is_not_bit_exact(capsys):
         "optim": {"kind": "adam", "impl": "single", "bit_exact": False, "sqrt": {"digest": "0" * 16}},
     }
     st = {"workers": [], "expected_workers": 0, "job": job}
-    assert "NOT bit-exact (attached with exact=False" in _text(_render.status_view(st, "tcp://x:1"))
+    assert "NOT bit-exact (attached with exact=False" in _text(_render.status_panel(st, "tcp://x:1"))
     job["optim"]["bit_exact"] = True
-    assert "replay: adam single, bit-exact (checked at attach)" in _text(_render.status_view(st, "tcp://x:1"))
+    assert "replay: adam single, bit-exact (checked at attach)" in _text(_render.status_panel(st, "tcp://x:1"))
     row = {"job": "j", "iteration": 5, "tier": "local", "time": None, "bytes": 10, "state": "complete", "path": "p"}
     _render.render_checkpoints([dict(row, bit_exact=False), dict(row, iteration=4)], "src")
     out = capsys.readouterr().out

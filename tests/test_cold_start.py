@@ -186,7 +186,7 @@ def test_status_table_shows_starting_workers(coordinator):
     """The rendered table counts ready workers and shows a starting one as such."""
     from rich.console import Console
 
-    from shadow.cli._render import status_view
+    from shadow.cli._render import status_panel
 
     coord, address = coordinator
     ctx = zmq.Context.instance()
@@ -196,6 +196,6 @@ def test_status_table_shows_starting_workers(coordinator):
     finally:
         worker.close(linger=0)
     console = Console(record=True, width=300)
-    console.print(status_view(st, address))
+    console.print(status_panel(st, address))
     text = console.export_text()
     assert "0/1 workers ready" in text and "starting (compiling kernels, 3 s)" in text and "None" not in text

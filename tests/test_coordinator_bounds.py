@@ -216,7 +216,7 @@ def test_a_tier_that_cannot_be_scanned_is_held_not_taken_for_empty(world1, tmp_p
 def test_scan_failure_of_a_job_directory_is_not_an_empty_tier(tmp_path, monkeypatch):
     """Persistence alone: any listing error at start-up is kept, reported, and retried."""
     (tmp_path / "job").mkdir()
-    from shadow.coordinator import tiers
+    from shadow.coordinator import catalog as tiers
 
     real = tiers._probe
     monkeypatch.setattr(tiers, "_probe", lambda root: (_ for _ in ()).throw(PermissionError(13, "denied")))

@@ -194,7 +194,7 @@ def test_worker_holds_apply_only_while_a_shard_is_in_flight():
     from shadow.transport import SocketFactory
     from shadow.worker.address import Binding
     from shadow.worker.fetches import FetchServer, Reply
-    from shadow.worker.worker_state import WorkerState
+    from shadow.worker.state import WorkerState
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -262,7 +262,7 @@ def _server(keys: dict):
     from shadow.transport import SocketFactory
     from shadow.worker.address import Binding
     from shadow.worker.fetches import FetchServer
-    from shadow.worker.worker_state import WorkerState
+    from shadow.worker.state import WorkerState
 
     state = WorkerState()
     state.assignment = SimpleNamespace(serve_key=keys.get("current"))

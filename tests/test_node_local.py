@@ -509,9 +509,9 @@ def test_the_coordinators_catalog_is_read_again_only_when_the_tier_changed(tmp_p
     saying how many older ones it left out."""
     from shadow.config import PersistConfig
     from shadow.coordinator import queries
+    from shadow.coordinator.cluster import ClusterState
     from shadow.coordinator.outbox import RecordingOutbox
     from shadow.coordinator.persistence import Persistence
-    from shadow.coordinator.state import ClusterState
 
     root = tmp_path / "manifests"
     tier = {"every_n": 1, "keep": 0, "dir": str(root)}

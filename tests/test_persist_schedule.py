@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from shadow.config import PersistConfig
+from shadow.coordinator import catalog as tiers_mod
 from shadow.coordinator import persistence as persistence_mod
-from shadow.coordinator import tiers as tiers_mod
 from shadow.coordinator.persistence import Persistence
 from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile
@@ -25,7 +25,7 @@ from shadow.persist.upload import Uploader
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
 from shadow.tuning import Tuning
-from shadow.worker.state import ShardState
+from shadow.worker.shard import ShardState
 
 LAYOUT = Layout.build([("a", (3000,), 0, True), ("b", (700,), 0, True)], 1)
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8}
@@ -157,7 +157,7 @@ def test_skips_are_one_summed_warning_and_a_metric(tmp_path, clock, caplog):
     _local(pers, local, 7)  # the next complete checkpoint sums up the rest
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "5 checkpoint requests skipped (iterations 2-6; 6 in all)" in warnings[1]
-    from shadow.coordinator.state import ClusterState
+    from shadow.coordinator.cluster import ClusterState
 
     got = samples(ClusterState(expected=1), pers)
     assert got["shadow_persist_skipped"] == [(("local",), 6)] and got["shadow_persist_failures"] == [(("local",), 0)]

@@ -14,7 +14,7 @@ from itertools import pairwise
 import pytest
 
 from shadow.cli._compose import UsageError, compose, split
-from shadow.plan import (
+from shadow.planner import (
     PlanConfig,
     ShadowPlanConfig,
     Strategy,
@@ -25,9 +25,9 @@ from shadow.plan import (
     strategies,
     young,
 )
-from shadow.plan.config import LLAMA3_GPU_MTBF_H
-from shadow.plan.model import breakdown, useful_fraction
-from shadow.plan.sizing import BenchmarkMissing
+from shadow.planner.config import LLAMA3_GPU_MTBF_H
+from shadow.planner.model import breakdown, useful_fraction
+from shadow.planner.sizing import BenchmarkMissing
 from tests.conftest import ROOT
 
 H = 3600.0
@@ -198,8 +198,8 @@ def test_the_shadow_overhead_defaults_to_the_measured_gpu_figure(tmp_path):
     """``shadow.overhead=-1`` (the default): ``gpu.json`` from bench_gpu.py when the bench
     folder has one (fused AdamW at the largest accumulation), else the figure on record; a
     given value is used as it is."""
-    from shadow.plan.model import shadow_overhead
-    from shadow.plan.sizing import RECORDED_GPU_OVERHEAD
+    from shadow.planner.model import shadow_overhead
+    from shadow.planner.sizing import RECORDED_GPU_OVERHEAD
 
     bench = tmp_path / "bench"
     bench.mkdir()
@@ -222,8 +222,8 @@ def test_the_shadow_overhead_defaults_to_the_measured_gpu_figure(tmp_path):
 def test_storage_side_of_the_plan():
     """Bytes per tier, the bandwidth a cadence needs, upload and restore times, and which
     tier a restore reads after each failure, from the inputs alone."""
-    from shadow.plan.config import StoragePlanConfig
-    from shadow.plan.storage import storage
+    from shadow.planner.config import StoragePlanConfig
+    from shadow.planner.storage import storage
 
     sh = ShadowPlanConfig(replicas=2, nic_GBps_per_host=10.0, overhead=0.0)
     st = StoragePlanConfig(

@@ -22,7 +22,7 @@ from shadow.testing import (
 )
 from shadow.testing import faults as F
 from shadow.testing.wait import WaitTimeout
-from shadow.worker import state
+from shadow.worker import shard
 
 
 def test_wait_until_returns_the_value_and_names_what_timed_out():
@@ -46,16 +46,16 @@ def test_service_faults_travel_by_environment_and_refuse_a_bad_value():
 
 
 def test_fault_wrappers_are_put_back():
-    real = (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all)
+    real = (shard.ShardState.apply, writer.ShardPersister._write, shardfile._write_all)
     with F.injected(ServiceFaults(corrupt_apply_at=1, persist_die_at=2, persist_full="/nonexistent")):
-        assert (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all) != real
+        assert (shard.ShardState.apply, writer.ShardPersister._write, shardfile._write_all) != real
         assert all(
             a is not b
             for a, b in zip(
-                real, (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all), strict=True
+                real, (shard.ShardState.apply, writer.ShardPersister._write, shardfile._write_all), strict=True
             )
         )
-    assert (state.ShardState.apply, writer.ShardPersister._write, shardfile._write_all) == real
+    assert (shard.ShardState.apply, writer.ShardPersister._write, shardfile._write_all) == real
 
 
 def test_the_full_disk_wrapper_fails_only_while_its_file_exists(tmp_path):

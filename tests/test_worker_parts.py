@@ -25,7 +25,7 @@ from shadow.worker.fetches import FetchServer, Reply
 from shadow.worker.outbox import RecordingOutbox
 from shadow.worker.peer import PeerCopy
 from shadow.worker.server import ROUTES, Worker
-from shadow.worker.worker_state import WorkerState
+from shadow.worker.state import WorkerState
 
 LAYOUT = Layout.build([("w", (8,), 0, True), ("b", (4,), 0, True)], 1)
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8}

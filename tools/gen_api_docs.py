@@ -112,16 +112,16 @@ def render() -> str:
     lines += _section_functions(trainer_hooks, public)
     lines += ["## Reading checkpoints: `shadow.restore`", ""]
     lines += _section_functions(shadow.restore, list(shadow.restore.__all__))
-    import shadow.plan
+    import shadow.planner
 
     lines += [
-        "## Planning: `shadow.plan`",
+        "## Planning: `shadow.planner`",
         "",
         "What `shadow plan` computes, as a library; the model and its assumptions: [planning.md](planning.md).",
         "",
     ]
     lines += _section_functions(
-        shadow.plan,
+        shadow.planner,
         [
             "plan",
             "analyse",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from shadow.cli._compose import compose, split
-from shadow.plan import (
+from shadow.planner import (
     PlanConfig,
     analyse,
     break_even_overhead,
@@ -28,8 +28,8 @@ from shadow.plan import (
     size,
     strategies,
 )
-from shadow.plan.config import LLAMA3_GPU_MTBF_H
-from shadow.plan.model import breakdown
+from shadow.planner.config import LLAMA3_GPU_MTBF_H
+from shadow.planner.model import breakdown
 
 ROOT = Path(__file__).resolve().parents[1]
 

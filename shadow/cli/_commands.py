@@ -45,18 +45,18 @@ def cmd_status(cfg: StatusConfig) -> int:
     if cfg.json:
         _print_json(st)
         return 0
-    from shadow.cli._render import render_status, status_view, stdout_console
+    from shadow.cli._render import render_status, status_panel, stdout_console
 
     if not cfg.watch:
         _unreadable_status(render_status, st, cfg.address)
         return 0
     from rich.live import Live
 
-    with Live(_unreadable_status(status_view, st, cfg.address), auto_refresh=False, console=stdout_console()) as live:
+    with Live(_unreadable_status(status_panel, st, cfg.address), auto_refresh=False, console=stdout_console()) as live:
         try:
             while True:
                 time.sleep(cfg.watch)
-                live.update(_unreadable_status(status_view, fetch(), cfg.address), refresh=True)
+                live.update(_unreadable_status(status_panel, fetch(), cfg.address), refresh=True)
         except KeyboardInterrupt:
             pass
     return 0
@@ -401,7 +401,7 @@ def cmd_keygen(cfg: KeygenConfig) -> int:
 
 
 def cmd_plan(cfg: PlanConfig) -> int:
-    from shadow.plan import plan
+    from shadow.planner import plan
 
     result = plan(cfg)
     if cfg.json:

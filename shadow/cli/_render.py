@@ -170,10 +170,10 @@ def _rate(bps: float | None) -> str:
 
 def render_status(st: dict, address: str) -> None:
     """The cluster at a glance: one row per worker, then the job, tiers and security."""
-    stdout_console().print(status_view(st, address))
+    stdout_console().print(status_panel(st, address))
 
 
-def status_view(st: dict, address: str) -> Group:
+def status_panel(st: dict, address: str) -> Group:
     """What :func:`render_status` prints, as one renderable (``shadow status watch=``
     redraws it in place)."""
     out: list = []

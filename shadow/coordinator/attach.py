@@ -9,11 +9,11 @@ import logging
 import time
 from typing import Any
 
+from shadow.coordinator.cluster import ClusterState, configure_fields
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.queries import memory_info
 from shadow.coordinator.records import JobRec, JobStatus, job_id_for
-from shadow.coordinator.state import ClusterState, configure_fields
 from shadow.jobs import job_name_problem
 from shadow.layout import Layout, shard_bounds
 from shadow.persist import checkpoints

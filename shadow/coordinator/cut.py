@@ -13,10 +13,10 @@ import logging
 import time
 from typing import Any
 
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobStatus
-from shadow.coordinator.state import ClusterState
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import msgpack
 
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.queries import memory_info
 from shadow.coordinator.records import JobRec, JobStatus
-from shadow.coordinator.state import ClusterState
 from shadow.coordinator.trainers import heard_window_s
 from shadow.jobs import job_name_problem
 

@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 from shadow.coordinator.attach import Attach
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.records import JobStatus, WorkerRec
 from shadow.coordinator.replicas import Replicas
-from shadow.coordinator.state import ClusterState
 from shadow.wire import tags
 
 logger = logging.getLogger(__name__)

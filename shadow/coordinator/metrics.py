@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import Health, JobStatus
-from shadow.coordinator.state import ClusterState
 from shadow.metrics import Samples
 
 #: the health states of registered workers, as the metric ``shadow_workers`` labels them

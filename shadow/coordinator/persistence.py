@@ -1,6 +1,6 @@
 """The coordinator's side of persistence: when each tier is due, collecting the workers'
 shard reports, committing a checkpoint by writing its manifest, retention, and the
-catalog of complete checkpoints per tier (kept in :mod:`~shadow.coordinator.tiers`'s
+catalog of complete checkpoints per tier (kept in :mod:`~shadow.coordinator.catalog`'s
 ``TierState``, filled from storage by its ``scan``).
 
 The local tier is due by its own schedule at each new cut. The remote tier is due once
@@ -25,7 +25,7 @@ from typing import Any
 
 from shadow import sqrttab
 from shadow.config import PersistConfig
-from shadow.coordinator.tiers import TierState, scan
+from shadow.coordinator.catalog import TierState, scan
 from shadow.persist import checkpoints, disks, failed, retention, signing
 from shadow.storage.tier import tiers_for
 from shadow.tuning import Tuning

@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 from shadow import sqrttab
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import Health, JobStatus
-from shadow.coordinator.state import ClusterState
 from shadow.layout import Layout
 from shadow.persist import checkpoints, fsglob
 from shadow.wire import messages as M

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.membership import Membership
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobRec, JobStatus, WorkerRec
-from shadow.coordinator.state import ClusterState
 from shadow.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 

@@ -28,11 +28,11 @@ import logging
 import time
 from typing import Any
 
+from shadow.coordinator.cluster import ClusterState, configure_fields
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobRec, JobStatus, Join, JoinStage, WorkerRec
-from shadow.coordinator.state import ClusterState, configure_fields
 from shadow.wire import tags
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ The cut rule: iteration k is declared applied only when every worker has reporte
 PREPARED(k); then every worker is told to apply through k and every trainer rank
 learns the new cut (its flow-control credit).
 
-The coordinator is composed of one :class:`~shadow.coordinator.state.ClusterState`, an
+The coordinator is composed of one :class:`~shadow.coordinator.cluster.ClusterState`, an
 :class:`~shadow.coordinator.outbox.Outbox`, and components that handle the messages named
 in :data:`~shadow.coordinator.routes.ROUTES`: :class:`~shadow.coordinator.membership.Membership`,
 :class:`~shadow.coordinator.cut.Cut`, :class:`~shadow.coordinator.replicas.Replicas`,
@@ -26,6 +26,7 @@ import zmq
 from shadow import security
 from shadow.config import PersistConfig
 from shadow.coordinator.attach import Attach
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.jobs import Jobs
 from shadow.coordinator.membership import Membership
@@ -35,7 +36,6 @@ from shadow.coordinator.queries import Queries, status_view
 from shadow.coordinator.rebuild import Rebuild
 from shadow.coordinator.replicas import Replicas
 from shadow.coordinator.routes import PERIODIC, ROUTES
-from shadow.coordinator.state import ClusterState
 from shadow.coordinator.trainers import Trainers
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning

@@ -9,11 +9,11 @@ import time
 from collections import deque
 from typing import Any
 
+from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.records import JobStatus
 from shadow.coordinator.replicas import Replicas
-from shadow.coordinator.state import ClusterState
 from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)

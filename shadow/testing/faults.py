@@ -86,11 +86,11 @@ def _replace(owner: Any, name: str, wrapper: Any) -> None:
 def install(faults: ServiceFaults) -> None:
     """Wrap the code these faults live in (replacing any faults installed before)."""
     from shadow.persist import shardfile, writer
-    from shadow.worker import state
+    from shadow.worker import shard
 
     uninstall()
     if faults.corrupt_apply_at is not None:
-        real_apply = state.ShardState.apply
+        real_apply = shard.ShardState.apply
 
         def apply(self, parts, commit, snap=None):
             done = real_apply(self, parts, commit, snap)
@@ -101,7 +101,7 @@ def install(faults: ServiceFaults) -> None:
                 self.param.view(np.uint32)[:] ^= 1
             return done
 
-        _replace(state.ShardState, "apply", apply)
+        _replace(shard.ShardState, "apply", apply)
     if faults.persist_die_at is not None:
         real_write = writer.ShardPersister._write
 

@@ -13,7 +13,7 @@ from shadow.wire import frames as F
 from shadow.worker.commit import audit_shard
 from shadow.worker.fetches import FetchServer
 from shadow.worker.outbox import Outbox
-from shadow.worker.worker_state import WorkerState, go_stale
+from shadow.worker.state import WorkerState, go_stale
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from shadow.transport.receive import Context
 from shadow.tuning import Tuning
 from shadow.wire import tags
 from shadow.worker.inbox import Inbox
-from shadow.worker.state import ShardState
+from shadow.worker.shard import ShardState
 
 
 class Assignment:

@@ -8,7 +8,7 @@ import numpy as np
 from shadow.optim_groups import group_from_wire
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from shadow.worker.state import ShardState
+from shadow.worker.shard import ShardState
 
 
 def audit_shard(state: ShardState, audit: dict) -> dict:

@@ -16,7 +16,7 @@ from shadow.wire import frames as F
 from shadow.worker.address import Binding
 from shadow.worker.commit import decode_commit, same
 from shadow.worker.outbox import Outbox
-from shadow.worker.worker_state import WorkerState, go_stale
+from shadow.worker.state import WorkerState, go_stale
 
 if TYPE_CHECKING:
     from shadow.worker.assignment import Assignment

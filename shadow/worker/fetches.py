@@ -32,7 +32,7 @@ from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.worker.address import Binding
-from shadow.worker.worker_state import WorkerState
+from shadow.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
 

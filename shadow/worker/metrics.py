@@ -10,7 +10,7 @@ from shadow.metrics import Samples
 
 def samples(worker) -> Samples:
     """The :data:`shadow.metrics.WORKER` samples of ``worker`` (a
-    :class:`~shadow.worker.server.Worker`): its :class:`~shadow.worker.worker_state.WorkerState`
+    :class:`~shadow.worker.server.Worker`): its :class:`~shadow.worker.state.WorkerState`
     and its data path's receive counters, read without a lock from the HTTP thread."""
     w, data = worker.state, worker.data
     s = w.assignment

@@ -16,7 +16,7 @@ from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.worker.outbox import Outbox
-from shadow.worker.worker_state import WorkerState, go_stale
+from shadow.worker.state import WorkerState, go_stale
 
 logger = logging.getLogger(__name__)
 

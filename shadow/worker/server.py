@@ -41,7 +41,7 @@ from shadow.worker.files import FileServer
 from shadow.worker.outbox import ZmqOutbox
 from shadow.worker.peer import PeerCopy
 from shadow.worker.startup import compile_kernels
-from shadow.worker.worker_state import WorkerState, go_stale
+from shadow.worker.state import WorkerState, go_stale
 
 logger = logging.getLogger(__name__)
 

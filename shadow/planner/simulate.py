@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shadow.plan.model import Strategy
+from shadow.planner.model import Strategy
 
 
 @dataclass

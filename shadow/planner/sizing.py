@@ -13,7 +13,7 @@ import json
 import math
 import os
 
-from shadow.plan.config import OPTIMIZERS, PlanConfig
+from shadow.planner.config import OPTIMIZERS, PlanConfig
 
 GB = 1e9
 

@@ -1,11 +1,11 @@
 """Planning past one machine: expected lost GPU-hours under each checkpointing strategy
 (analytic and simulated) and the size of the shadow cluster a job needs."""
 
-from shadow.plan.config import AsyncConfig, PlanConfig, ShadowPlanConfig, SyncConfig
-from shadow.plan.model import STRATEGIES, Strategy, analyse, break_even_overhead, daly, strategies, young
-from shadow.plan.report import plan
-from shadow.plan.simulate import simulate, simulate_many
-from shadow.plan.sizing import BenchmarkMissing, size
+from shadow.planner.config import AsyncConfig, PlanConfig, ShadowPlanConfig, SyncConfig
+from shadow.planner.model import STRATEGIES, Strategy, analyse, break_even_overhead, daly, strategies, young
+from shadow.planner.report import plan
+from shadow.planner.simulate import simulate, simulate_many
+from shadow.planner.sizing import BenchmarkMissing, size
 
 __all__ = [
     "AsyncConfig",

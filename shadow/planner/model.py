@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from shadow.plan.config import PlanConfig
-from shadow.plan.sizing import measured_overhead
+from shadow.planner.config import PlanConfig
+from shadow.planner.sizing import measured_overhead
 
 GB = 1e9
 STRATEGIES = ("sync", "async", "shadow")

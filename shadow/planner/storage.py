@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shadow.plan.config import PlanConfig
-from shadow.plan.sizing import GB, measured_ratio
+from shadow.planner.config import PlanConfig
+from shadow.planner.sizing import GB, measured_ratio
 
 
 def _tier(every_n: int, nbytes: float, hosts_or_store_GBps: float, iteration_s: float, keep: int) -> dict:
@@ -35,7 +35,7 @@ def _tier(every_n: int, nbytes: float, hosts_or_store_GBps: float, iteration_s: 
 
 def storage(cfg: PlanConfig, sizing: dict) -> dict[str, Any]:
     """The storage figures of ``cfg`` on the shadow cluster ``sizing`` describes
-    (:func:`shadow.plan.sizing.size`)."""
+    (:func:`shadow.planner.sizing.size`)."""
     st, sh = cfg.storage, cfg.shadow
     state, hosts, it = cfg.state_bytes, sizing["hosts"], cfg.iteration_s
     nic = hosts * sh.nic_GBps_per_host  # the shadow hosts' aggregate network, GB/s

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from shadow.plan.config import PlanConfig
-from shadow.plan.model import analyse, break_even_overhead, shadow_overhead, strategies
-from shadow.plan.simulate import simulate_many
-from shadow.plan.sizing import size
-from shadow.plan.storage import storage
+from shadow.planner.config import PlanConfig
+from shadow.planner.model import analyse, break_even_overhead, shadow_overhead, strategies
+from shadow.planner.simulate import simulate_many
+from shadow.planner.sizing import size
+from shadow.planner.storage import storage
 
 
 def plan(cfg: PlanConfig, simulate: bool = True) -> dict:

@@ -55,7 +55,7 @@ class ShadowPlanConfig:
     """Per-iteration checkpointing through a shadow cluster."""
 
     #: step-time overhead on the trainers (fraction); -1 = the measured GPU figure: <bench_dir>/gpu.json
-    #: (benchmarks/bench_gpu.py), else the last one on record (shadow.plan.sizing.RECORDED_GPU_OVERHEAD)
+    #: (benchmarks/bench_gpu.py), else the last one on record (shadow.planner.sizing.RECORDED_GPU_OVERHEAD)
     overhead: float = -1.0
     lag_iterations: int = 1  #: iterations the shadow's committed state trails the trainers
     restore_GBps: float = (
