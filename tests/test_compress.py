@@ -256,7 +256,7 @@ def _wait(p: ShardPersister, timeout: float = 10.0) -> dict:
         got = p.results()
         if got:
             assert len(got) == 1
-            return got[0]
+            return got[0].fields()
         time.sleep(0.01)
     raise TimeoutError(f"no persistence report within {timeout} s")
 

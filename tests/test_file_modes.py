@@ -21,6 +21,7 @@ from shadow.restore import find_checkpoint
 from shadow.storage import LocalStorage, storage_for, tiers_for
 from shadow.storage.local import replacing
 from shadow.tuning import Tuning
+from shadow.wire.commit import UploadCopies
 from tests.test_persist_schedule import JOB, RANGES, TIER, _state
 
 
@@ -66,11 +67,11 @@ def write_checkpoints(persist: dict, iterations, sign_key: bytes | None = None) 
                 assert time.monotonic() < deadline, {n: t.last_error for n, t in pers.tiers.items()}
                 for p in ps:
                     for rep in p.results():
-                        for kind, i, per_shard in pers.on_report(JOB, rep, 2):
-                            if kind != "upload":
+                        for f in pers.on_report(JOB, rep, 2):
+                            if not isinstance(f, UploadCopies):
                                 continue
-                            for shard, r in per_shard.items():
-                                ps[shard].upload(i, 1, r["bytes"], r["checksum"])
+                            for shard, r in f.copies.items():
+                                ps[shard].upload(f.iteration, 1, r.bytes, r.checksum)
                 time.sleep(0.002)
             assert all(t.last_error == "" for t in pers.tiers.values()), [t.last_error for t in pers.tiers.values()]
     finally:

@@ -25,6 +25,7 @@ from shadow.persist.upload import Uploader
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
 from shadow.tuning import Tuning
+from shadow.wire.commit import ForgetDirs, Persisted, UploadCopies
 from shadow.worker.shard import ShardState
 
 LAYOUT = Layout.build([("a", (3000,), 0, True), ("b", (700,), 0, True)], 1)
@@ -57,12 +58,12 @@ def clock(monkeypatch):
     return c
 
 
-def _report(root: str, tier: str, iteration: int, shard: int, ok: bool = True, skipped: bool = False) -> dict:
+def _report(root: str, tier: str, iteration: int, shard: int, ok: bool = True, skipped: bool = False) -> Persisted:
     """A worker's ``persisted`` report; an OK one with its directory on ``root``."""
     if ok:
         os.makedirs(checkpoints.checkpoint_dir(root, "j", iteration), exist_ok=True)
     lo, hi = RANGES[shard]
-    return {
+    msg = {
         "epoch": 1,
         "iteration": iteration,
         "tier": tier,
@@ -81,6 +82,7 @@ def _report(root: str, tier: str, iteration: int, shard: int, ok: bool = True, s
         "blob_ranks": [0] if shard == 0 else [],
         "skipped": skipped,
     }
+    return Persisted.from_msg(msg, worker=shard)
 
 
 def _local(pers: Persistence, root: str, iteration: int, skip: bool = False) -> list:
@@ -102,8 +104,8 @@ def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, c
     asked, forgot = [], []
     for it in range(1, 11):  # complete at 1, 2, 9, 10; skipped at 3-8 (every image still being written)
         follow = _local(pers, local, it, skip=3 <= it <= 8)
-        asked += [(kind, i) for kind, i, _ in follow if kind != "forget"]
-        forgot += [what for kind, _, what in follow if kind == "forget"]
+        asked += [("upload", f.iteration) for f in follow if isinstance(f, UploadCopies)]
+        forgot += [f.dirs for f in follow if isinstance(f, ForgetDirs)]
     assert asked == [("upload", 9)]  # due since 0 by 9, not at a multiple of 4; 10 is 1 after the copy of 9
     # shard 1's copies of the skipped checkpoints go from its worker's disk, and so does what retention drops
     assert forgot[:6] == [[f"iteration-{it:010d}"] for it in range(3, 9)]
@@ -124,14 +126,16 @@ def test_remote_copies_the_newest_complete_local_checkpoint_once_due(tmp_path, c
     pers.reset(19)
     assert pers.local_due(20, None) and pers.local_due(21, None)
     clock.now += 5
+    # (retention of the first run's)
     follow = [pers.on_report(JOB, _report(local, "local", 21, s), 2) for s in (0, 1)]
-    assert [[f for f in out if f[0] != "forget"] for out in follow] == [[], []]  # (retention of the first run's)
+    assert [[f for f in out if not isinstance(f, ForgetDirs)] for out in follow] == [
+        [],
+        [],
+    ]  # (retention of the first run's)
     clock.now += 6
     assert pers.on_report(JOB, _report(local, "local", 20, 0), 2) == []
-    ((kind, iteration, per_shard),) = [
-        f for f in pers.on_report(JOB, _report(local, "local", 20, 1), 2) if f[0] != "forget"
-    ]
-    assert (kind, iteration, sorted(per_shard)) == ("upload", 21, [0, 1])
+    (up,) = [f for f in pers.on_report(JOB, _report(local, "local", 20, 1), 2) if not isinstance(f, ForgetDirs)]
+    assert isinstance(up, UploadCopies) and (up.iteration, sorted(up.copies)) == (21, [0, 1])
     # a real failure is still one
     assert pers.local_due(22, None)
     pers.on_report(JOB, _report(local, "local", 22, 0, ok=False), 2)
@@ -174,12 +178,12 @@ def test_the_newest_cut_skipped_is_asked_again_when_an_older_skip_settles_after_
     for it in (1, 2):
         assert pers.local_due(it, None, writers)
         for shard in (0, 1):
-            pers.on_report(JOB, {**_report(local, "local", it, shard), "worker": shard}, 2)
+            pers.on_report(JOB, _report(local, "local", it, shard), 2)
     assert pers.local_due(3, None, writers) and pers.local_due(4, None, writers)
-    pers.on_report(JOB, {**_report(local, "local", 4, 0, ok=False, skipped=True), "worker": 0}, 2)
-    pers.on_report(JOB, {**_report(local, "local", 4, 1), "worker": 1}, 2)
-    pers.on_report(JOB, {**_report(local, "local", 3, 0), "worker": 0}, 2)
-    pers.on_report(JOB, {**_report(local, "local", 3, 1, ok=False, skipped=True), "worker": 1}, 2)
+    pers.on_report(JOB, _report(local, "local", 4, 0, ok=False, skipped=True), 2)
+    pers.on_report(JOB, _report(local, "local", 4, 1), 2)
+    pers.on_report(JOB, _report(local, "local", 3, 0), 2)
+    pers.on_report(JOB, _report(local, "local", 3, 1, ok=False, skipped=True), 2)
     t = pers.tiers["local"]
     assert t.skipped == 2 and not t.in_flight and t.complete == {"j": 2}
     clock.now += 5.0
@@ -188,8 +192,8 @@ def test_the_newest_cut_skipped_is_asked_again_when_an_older_skip_settles_after_
     # a new epoch from an earlier base: its skipped cut is asked again too
     pers.reset(2)
     assert pers.local_due(3, None, writers)
-    pers.on_report(JOB, {**_report(local, "local", 3, 0, ok=False, skipped=True), "worker": 0}, 2)
-    pers.on_report(JOB, {**_report(local, "local", 3, 1), "worker": 1}, 2)
+    pers.on_report(JOB, _report(local, "local", 3, 0, ok=False, skipped=True), 2)
+    pers.on_report(JOB, _report(local, "local", 3, 1), 2)
     clock.now += 5.0
     assert pers.retry_skipped(3, writers, 1.0)
 
@@ -238,13 +242,13 @@ def test_a_skipping_local_tier_still_feeds_the_remote_tier(tmp_path, monkeypatch
             assert time.monotonic() < deadline, (lt.in_flight, rt.in_flight, reports)
             for p in ps:
                 for r in p.results():
-                    reports.append(r)
-                    for kind, it, per_shard in pers.on_report(JOB, r, 2):
-                        if kind != "upload":
+                    reports.append(r.fields())
+                    for f in pers.on_report(JOB, r, 2):
+                        if not isinstance(f, UploadCopies):
                             continue
-                        uploads.append(it)
-                        for shard, rep in per_shard.items():
-                            ps[shard].upload(it, 1, rep["bytes"], rep["checksum"])
+                        uploads.append(f.iteration)
+                        for shard, rep in f.copies.items():
+                            ps[shard].upload(f.iteration, 1, rep.bytes, rep.checksum)
             time.sleep(0.002)
 
     for it in range(1, 13):
@@ -291,7 +295,7 @@ def test_a_cut_skipped_in_its_apply_pass_is_written_when_asked_again(tmp_path, m
         deadline = time.monotonic() + 20
         while not pred():
             assert time.monotonic() < deadline, reports
-            reports.extend(p.results())
+            reports.extend(r.fields() for r in p.results())
             time.sleep(0.002)
 
     try:

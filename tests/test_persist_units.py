@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import fsspec
 import numpy as np
@@ -14,6 +15,7 @@ from shadow.layout import Layout
 from shadow.persist import checkpoints, retention, shardfile
 from shadow.restore import find_checkpoint
 from shadow.storage import Schedule
+from shadow.wire.commit import ForgetDirs, Persisted
 from shadow.wire.frames import Field, checksum
 
 
@@ -164,28 +166,25 @@ def _coordinator(tmp_path, keep: int):
     return pers, job, tmp_path / "manifests"
 
 
-def _copy_report(it: int, worker: int, checksum: str = "00") -> dict:
+def _copy_report(it: int, worker: int, checksum: str = "00") -> Persisted:
     """Worker ``worker``'s report of its copy of the only shard at iteration ``it``, on its own disk."""
-    return {
-        "tier": "local",
-        "iteration": it,
-        "shard": 0,
-        "ok": True,
-        "error": "",
-        "file": "shard-00000-of-00001.safetensors",
-        "start": 0,
-        "stop": LAYOUT.total,
-        "bytes": 100,
-        "checksum": checksum,
-        "raw_bytes": 100,
-        "compress": "none",
-        "seconds": 0.1,
-        "commit": None,
-        "blob_ranks": [0],
-        "epoch": 1,
-        "worker": worker,
-        "disk": {"id": f"{worker:032x}", "dir": f"/disk{worker}", "host": f"h{worker}"},
-    }
+    return Persisted(
+        tier="local",
+        iteration=it,
+        shard=0,
+        ok=True,
+        file="shard-00000-of-00001.safetensors",
+        start=0,
+        stop=LAYOUT.total,
+        bytes=100,
+        checksum=checksum,
+        raw_bytes=100,
+        seconds=0.1,
+        blob_ranks=[0],
+        epoch=1,
+        worker=worker,
+        disk={"id": f"{worker:032x}", "dir": f"/disk{worker}", "host": f"h{worker}"},
+    )
 
 
 def test_a_node_local_tier_commits_on_the_coordinators_own_disk(tmp_path):
@@ -213,7 +212,7 @@ def test_a_node_local_tier_commits_on_the_coordinators_own_disk(tmp_path):
     pers.on_report(job, report(2, 0), nshards=1)
     follow = pers.on_report(job, report(2, 1, checksum="01"), nshards=1)
     assert tier.count == 1 and tier.failures == 1 and "replicas of shard 0 wrote different files" in tier.last_error
-    assert follow == [("forget", 2, ["iteration-0000000002"])]  # the workers delete their copies
+    assert follow == [ForgetDirs(2, ["iteration-0000000002"])]  # the workers delete their copies
     assert [c.iteration for c in checkpoints.list_checkpoints(str(root), job="j")] == [1]
 
 
@@ -228,12 +227,12 @@ def test_a_writer_lost_mid_checkpoint(tmp_path):
     tier = pers.tiers["local"]
     assert pers.local_due(1, None, {0: 0, 1: 0})
     assert pers.writer_lost(job, 1, 1) == [] and tier.in_flight == {1: {}}
-    pers.on_report(job, dict(rep, iteration=1, worker=0), 1)
+    pers.on_report(job, replace(rep, iteration=1, worker=0), 1)
     (info,) = checkpoints.list_checkpoints(str(root), job="j")
     assert [h["worker"] for h in info.manifest["shards"][0]["holders"]] == [0] and tier.count == 1
 
     assert pers.local_due(2, None, {0: 0, 1: 0})
-    pers.on_report(job, dict(rep, iteration=2, worker=1), 1)  # one copy is in
+    pers.on_report(job, replace(rep, iteration=2, worker=1), 1)  # one copy is in
     follow = pers.writer_lost(job, 0, 1)  # the other replica goes: its copy still stands
     assert tier.count == 2 and tier.in_flight == {} and follow == []
 

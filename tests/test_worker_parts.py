@@ -173,13 +173,13 @@ def apply_part() -> tuple[Apply, WorkerState, RecordingOutbox]:
 
 def test_apply_of_an_iteration_not_prepared_here_makes_the_assignment_stale_once():
     apply, state, out = apply_part()
-    apply.upto(1, BASE)  # another epoch's cut: not this assignment's
+    apply.through(1, BASE)  # another epoch's cut: not this assignment's
     assert out.sent == []
-    apply.upto(2, BASE)
+    apply.through(2, BASE)
     assert out.kinds() == ["stale"]
     assert out.last("stale") == {"epoch": 2, "reason": f"asked to apply iteration {BASE} that is not prepared here"}
     assert state.assignment.stale and state.assignment.applied == -1
-    apply.upto(2, BASE)
+    apply.through(2, BASE)
     assert out.kinds() == ["stale"]  # said once; the coordinator resyncs
 
 
@@ -188,10 +188,10 @@ def test_apply_installs_the_base_then_replays_up_to_the_cut():
     s = state.assignment
     bootstrapped(s)
     skipped_step(s, BASE + 1)
-    apply.upto(2, BASE + 1, persist=True)  # no local tier here: nothing to snapshot
+    apply.through(2, BASE + 1, persist=True)  # no local tier here: nothing to snapshot
     assert s.applied == BASE + 1 and s.inbox.slots == {} and out.sent == []
     assert list(s.state.steps) == [3.0] * len(LAYOUT.params) and state.replayed == 1
-    apply.upto(2, BASE + 2)
+    apply.through(2, BASE + 2)
     assert out.last("stale")["reason"] == f"asked to apply iteration {BASE + 2} that is not prepared here"
 
 
@@ -263,7 +263,7 @@ def test_a_fetch_waits_for_its_iteration_then_gets_the_shard(served):
     assert exchange(srv, client, M.encode("fetch", epoch=2, iteration=BASE)) == []
     assert len(srv.pending) == 1
     bootstrapped(s)
-    Apply(state, RecordingOutbox(), srv).upto(2, BASE)  # answers the waiting fetch
+    Apply(state, RecordingOutbox(), srv).through(2, BASE)  # answers the waiting fetch
     assert client.poll(2000)
     head = M.decode(client.recv())  # each part a message of its own
     assert not client.getsockopt(zmq.RCVMORE)

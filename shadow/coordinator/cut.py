@@ -17,6 +17,7 @@ from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobStatus
+from shadow.wire.commit import ApplyCut, FollowUp, Forget, Persisted, Prepared, Upload, UploadCopies
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ class Cut:
         w = st.worker(env[0])
         if w is None or job is None or msg["epoch"] != job.epoch:
             return
-        w.prepared = max(w.prepared, msg["iteration"])
-        if msg["tokens"] is not None:
-            st.tokens[msg["iteration"]] = msg["tokens"]
+        p = Prepared(msg["epoch"], msg["iteration"], msg["tokens"])
+        w.prepared = max(w.prepared, p.iteration)
+        if p.tokens is not None:
+            st.tokens[p.iteration] = p.tokens
         self.advance()
 
     def _live(self) -> list:
@@ -108,7 +110,7 @@ class Cut:
                 job.writers.setdefault(shard, set()).add(wid)
         for x in live:
             # a writer snapshots the cut in the apply pass itself
-            self.out.to_worker(x, "apply", epoch=job.epoch, iteration=cut, persist=persist and x.id in writers)
+            self._send(x, ApplyCut(job.epoch, cut, persist=persist and x.id in writers))
         self.out.to_trainers(job, "progress", epoch=job.epoch, applied=cut)
         for it in [i for i in st.tokens if i < cut]:
             del st.tokens[it]
@@ -130,7 +132,7 @@ class Cut:
         logger.info("tier local: asking again for the checkpoint of iteration %d (skipped, nothing newer)", job.cut)
         for x in live:
             if x.id in writers:
-                self.out.to_worker(x, "apply", epoch=job.epoch, iteration=job.cut, persist=True)
+                self._send(x, ApplyCut(job.epoch, job.cut, persist=True))
 
     def on_persisted(self, env: list[bytes], msg: Msg) -> None:
         st, job = self.state, self.state.job
@@ -144,29 +146,30 @@ class Cut:
             return
         w = st.worker(env[0])
         assert w is not None  # _not_its_shard found it
-        self._follow_up(job, self.persist.on_report(job, {**msg, "worker": w.id}, st.nshards))
+        self.send(job, self.persist.on_report(job, Persisted.from_msg(msg, w.id), st.nshards))
 
     def writer_lost(self, w) -> None:
         """Worker ``w`` is lost: the checkpoint copies it was writing will not come."""
         job = self.state.job
         if job is not None:
-            self._follow_up(job, self.persist.writer_lost(job, w.id, self.state.nshards))
+            self.send(job, self.persist.writer_lost(job, w.id, self.state.nshards))
 
-    def _follow_up(self, job, follows: list) -> None:
-        """Send what persistence asks for next: uploads to the remote tier, and deletes from
-        every worker's disk."""
+    def send(self, job, follows: list[FollowUp]) -> None:
+        """Send what settling a checkpoint asks for next: each copy's writer uploads it to
+        the remote tier; every worker deletes the directories retention dropped."""
         st = self.state
-        for kind, iteration, what in follows:
-            if kind == "upload":  # what: shard -> the report of the copy to upload
-                for r in what.values():
-                    x = next((y for y in st.workers if y.id == r["worker"]), None)
+        for f in follows:
+            if isinstance(f, UploadCopies):
+                for r in f.copies.values():
+                    x = next((y for y in st.workers if y.id == r.worker), None)
                     if x is not None:
-                        self.out.to_worker(
-                            x, "upload", epoch=job.epoch, iteration=iteration, bytes=r["bytes"], checksum=r["checksum"]
-                        )
-            elif kind == "forget":  # what: checkpoint directories retention dropped, gone from every disk
+                        self._send(x, Upload(job.epoch, f.iteration, r.bytes, r.checksum))
+            else:
                 for x in st.workers:
-                    self.out.to_worker(x, "forget", job=job.name, dirs=list(what))
+                    self._send(x, Forget(job.name, list(f.dirs)))
+
+    def _send(self, w, message: ApplyCut | Upload | Forget) -> None:
+        self.out.to_worker(w, message.kind, **message.fields())
 
     def _not_its_shard(self, env: list[bytes], msg: Msg) -> str:
         """Why a ``persisted`` report cannot be taken from this connection ("" when it can):

@@ -18,6 +18,7 @@ gets ``persist.mode``'s permissions (0600 files, 0700 directories by default); w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 import time
@@ -29,6 +30,7 @@ from shadow.coordinator.catalog import TierState, scan
 from shadow.persist import checkpoints, disks, failed, retention, signing
 from shadow.storage.tier import tiers_for
 from shadow.tuning import Tuning
+from shadow.wire.commit import FollowUp, ForgetDirs, Persisted, UploadCopies
 
 logger = logging.getLogger(__name__)
 
@@ -164,26 +166,27 @@ class Persistence:
         t = self.tiers.get(tier)
         return None if t is None else checkpoints.shard_name(shard, nshards, t.tier.codec.compress)
 
-    def on_report(self, job, rep: dict, nshards: int) -> list[tuple[str, int, Any]]:
-        """Record one worker's report (``rep["worker"]``: its id); returns follow-up requests
-        ``(kind, iteration, what)``: ``upload`` (shard -> the report of the copy to upload)
-        and ``forget`` (local checkpoint directories to delete from every worker's disk)."""
-        tier = self.tiers.get(rep["tier"])
-        if tier is None or rep["iteration"] not in tier.in_flight:
+    def on_report(self, job, rep: Persisted, nshards: int) -> list[FollowUp]:
+        """Record one shard copy's report (``rep.worker``: the writer's id); once every copy
+        asked for is in, settle the checkpoint (:meth:`_settle`). Returns what to send next."""
+        tier = self.tiers.get(rep.tier)
+        if tier is None or rep.iteration not in tier.in_flight:
             return []
-        asked = tier.asked.get(rep["iteration"])  # None: a report per shard, from any writer
-        who = rep.get("worker", rep["shard"]) if asked is not None else rep["shard"]
+        if rep.worker < 0:  # a report that does not name its writer: the shard's one writer
+            rep = dataclasses.replace(rep, worker=rep.shard)
+        asked = tier.asked.get(rep.iteration)  # None: a report per shard, from any writer
+        who = rep.worker if asked is not None else rep.shard
         if asked is not None and who not in asked:
             return []
-        tier.in_flight[rep["iteration"]][who] = {**rep, "worker": rep.get("worker", rep["shard"])}
-        return self._settle(tier, job, rep["iteration"], nshards)
+        tier.in_flight[rep.iteration][who] = rep
+        return self._settle(tier, job, rep.iteration, nshards)
 
-    def writer_lost(self, job, worker: int, nshards: int) -> list[tuple[str, int, Any]]:
+    def writer_lost(self, job, worker: int, nshards: int) -> list[FollowUp]:
         """Worker ``worker`` is lost: the copies it was asked to write will not come. A
         checkpoint in flight whose shard has another copy asked goes on without it (and
         completes once the others are in); one whose shard no one else writes fails. Returns
-        the follow-up requests, as :meth:`on_report` does."""
-        follow: list[tuple[str, int, Any]] = []
+        what to send next, as :meth:`on_report` does."""
+        follow: list[FollowUp] = []
         for tier in self.tiers.values():
             for it in list(tier.asked):
                 asked = tier.asked[it]
@@ -194,17 +197,20 @@ class Persistence:
                     del asked[worker]  # the other replicas' copies stand for it
                 else:
                     error = f"worker {worker}, the last writer of this shard, was lost"
-                    tier.in_flight[it][worker] = dict(iteration=it, shard=shard, worker=worker, ok=False, error=error)
+                    tier.in_flight[it][worker] = Persisted(
+                        epoch=job.epoch, iteration=it, tier=tier.name, shard=shard, ok=False, error=error, worker=worker
+                    )
                 logger.warning(
                     "tier %s: checkpoint of iteration %d: worker %d was lost while writing", tier.name, it, worker
                 )
                 follow += self._settle(tier, job, it, nshards)
         return follow
 
-    def _settle(self, tier: TierState, job, iteration: int, nshards: int) -> list[tuple[str, int, Any]]:
+    def _settle(self, tier: TierState, job, iteration: int, nshards: int) -> list[FollowUp]:
         """Once every report asked for is in: commit the checkpoint of ``iteration``, or
-        count its failure (or skip) and drop what was written of it."""
-        got = tier.in_flight[iteration]
+        count its failure (or skip) and drop what was written of it. A finished remote copy
+        lets local retention drop what it held for it."""
+        got: dict[int, Persisted] = tier.in_flight[iteration]
         asked = tier.asked.get(iteration)
         if len(got) < (nshards if asked is None else len(asked)):
             return []
@@ -212,38 +218,39 @@ class Persistence:
         tier.asked.pop(iteration, None)
         tier.requested.pop(iteration, None)
         problem = _copies_differ(got.values())
-        failed = [r for r in got.values() if not r["ok"]] or (
-            [{"iteration": iteration, "shard": -1, "ok": False, "error": problem}] if problem else []
-        )
-        if failed:
-            errors = [r for r in failed if not r.get("skipped")]
-            if errors:
-                tier.failing += 1
-            if not errors or tier.failing < 2:
-                tier.last = tier.last_ok  # due again at the next cut
-            # else failing again (a full disk): the next try follows the tier's schedule, not every cut
-            if errors:
-                tier.last_error = "; ".join(
-                    f"iteration {r['iteration']} shard {r['shard']}: {r['error']}" for r in errors
-                )
-                logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, iteration, tier.last_error)
-                tier.failures += 1
-            else:
-                tier.skip(iteration, failed[0]["error"], self.tuning.persist_skip_log_s)
-            self._discard(tier, job, iteration)
-            follow: list[tuple[str, int, Any]] = []
-            if tier.name == "local" and any(r["ok"] for r in got.values()):  # the copies made, on their disks
-                follow.append(("forget", iteration, [checkpoints.dir_name(iteration, job.generation)]))
+        if problem or not all(r.ok for r in got.values()):
+            follow = self._not_taken(tier, job, iteration, got, problem)
         else:
             follow = self._commit(tier, job, iteration, got)
         if tier.name == "remote" and "local" in self.tiers:  # a copy ended: what local retention held may go
             try:
-                gone = self._retain(self.tiers["local"], job.name)
-                if gone:
-                    follow.append(("forget", iteration, [posixpath.basename(d.rstrip("/")) for d in gone]))
+                follow += _forget(iteration, self._retain(self.tiers["local"], job.name))
             except Exception as exc:  # storage errors are reported, never fatal
                 logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
         return follow
+
+    def _not_taken(self, tier: TierState, job, iteration: int, got: dict[int, Persisted], problem: str):
+        """A checkpoint some copy of which failed (or was skipped, or the replicas' copies
+        differ): counted, due again, and what was written of it deleted."""
+        bad = [r for r in got.values() if not r.ok]
+        errors = [f"iteration {r.iteration} shard {r.shard}: {r.error}" for r in bad if not r.skipped]
+        if not bad:  # every copy was written, but the replicas' copies differ
+            errors = [f"iteration {iteration} shard -1: {problem}"]
+        if errors:
+            tier.failing += 1
+        if not errors or tier.failing < 2:
+            tier.last = tier.last_ok  # due again at the next cut
+        # else failing again (a full disk): the next try follows the tier's schedule, not every cut
+        if errors:
+            tier.last_error = "; ".join(errors)
+            logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, iteration, tier.last_error)
+            tier.failures += 1
+        else:
+            tier.skip(iteration, bad[0].error, self.tuning.persist_skip_log_s)
+        self._discard(tier, job, iteration)
+        if tier.name == "local" and any(r.ok for r in got.values()):  # the copies made, on their disks
+            return [ForgetDirs(iteration, [checkpoints.dir_name(iteration, job.generation)])]
+        return []
 
     def _discard(self, tier: TierState, job, iteration: int) -> None:
         """A checkpoint that failed never gets a manifest: delete the shards the other
@@ -275,29 +282,13 @@ class Persistence:
             keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
         return retention.retain(tier.storage, job_name, keep, busy=tier.in_flight)
 
-    def _commit(self, tier: TierState, job, iteration: int, got: dict) -> list:
-        local = tier.name == "local"
-        copies: dict[int, list[dict]] = {}  # shard -> its copies' reports, by worker id
+    def _commit(self, tier: TierState, job, iteration: int, got: dict[int, Persisted]) -> list[FollowUp]:
+        """Every copy of ``iteration`` is in and sound: write its manifest (the commit), run
+        retention, record it in the catalog and say what follows (the remote copy, deletes)."""
+        copies: dict[int, list[Persisted]] = {}  # shard -> its copies' reports, by worker id
         for wid in sorted(got):
-            copies.setdefault(got[wid]["shard"], []).append(got[wid])
-        shards = [
-            {
-                "index": r["shard"],
-                "start": r["start"],
-                "stop": r["stop"],
-                "file": r["file"],
-                "bytes": r["bytes"],
-                "checksum": r["checksum"],
-                "blob_ranks": r["blob_ranks"],
-                "raw_bytes": r.get("raw_bytes", r["bytes"]),
-                "compress": r.get("compress", "none"),
-                # where its copies are: a local tier's on the writers' disks (the remote tier is one store)
-                **({"holders": [disks.holder(c["worker"], c.get("disk")) for c in copies[index]]} if local else {}),
-            }
-            for index in sorted(copies)
-            for r in copies[index][:1]
-        ]
-        commit = next((r["commit"] for r in got.values() if r["commit"] is not None), None)
+            copies.setdefault(got[wid].shard, []).append(got[wid])
+        commit = next((r.commit for r in got.values() if r.commit is not None), None)
         tokens = commit.get("tokens") if commit else None
         manifest = checkpoints.new_manifest(
             job.name,
@@ -310,7 +301,7 @@ class Persistence:
             job.world,
             tokens,
             commit,
-            shards,
+            _manifest_shards(copies, holders=tier.name == "local"),
             job.generation,
         )
         try:
@@ -331,15 +322,22 @@ class Persistence:
                 tier.last = tier.last_ok
             tier.failures += 1
             self._discard(tier, job, iteration)  # never one whose manifest did get written
-            return (
-                [("forget", iteration, [checkpoints.dir_name(iteration, job.generation)])]
-                if tier.name == "local"
-                else []
-            )
+            if tier.name == "local":
+                return [ForgetDirs(iteration, [checkpoints.dir_name(iteration, job.generation)])]
+            return []
+        follow = _forget(iteration, deleted) if tier.name == "local" else []
+        if self._completed(tier, job, iteration, manifest, got, copies, deleted) and tier.name == "local":
+            follow += self._remote_due(job)
+        return follow
+
+    def _completed(self, tier: TierState, job, iteration, manifest, got, copies, deleted) -> bool:
+        """Record a written manifest in the tier's figures and catalog; False when it came
+        after the shadow diverged (written, listed superseded, never the newest)."""
+        tokens = manifest["tokens"]
         if iteration >= tier.last_ok[0]:  # an older checkpoint can complete after a newer one
             tier.last_ok = (iteration, time.time(), tokens)
         tier.failing = 0
-        nbytes = sum(s["bytes"] for s in shards)
+        nbytes = sum(s["bytes"] for s in manifest["shards"])
         tier.count += 1
         tier.bytes += nbytes
         tier.last_error = ""
@@ -355,21 +353,16 @@ class Persistence:
                 job.name,
                 diverged,
             )
-            if deleted and tier.name == "local":
-                return [("forget", iteration, [posixpath.basename(d.rstrip("/")) for d in deleted])]
-            return []
+            return False
         tier.complete[job.name] = max(tier.complete.get(job.name, -1), iteration)
-        if (
-            tier.last_complete is None
-            or tier.last_complete["iteration"] <= iteration
-            or tier.last_complete["job"] != job.name
-        ):
+        last = tier.last_complete
+        if last is None or last["iteration"] <= iteration or last["job"] != job.name:
             tier.last_complete = {
                 "job": job.name,
                 "iteration": iteration,
                 "time": manifest["created"],
                 "bytes": nbytes,
-                "seconds": max(r["seconds"] for r in got.values()),
+                "seconds": max(r.seconds for r in got.values()),
             }
         logger.info(
             "tier %s: checkpoint of %s iteration %d complete (%d bytes, %d shards)%s",
@@ -377,22 +370,16 @@ class Persistence:
             job.name,
             iteration,
             nbytes,
-            len(shards),
+            len(manifest["shards"]),
             f"; retention removed {len(deleted)}" if deleted else "",
         )
         tier.log_skips(self.tuning.persist_skip_log_s)
         if tier.newest is None or tier.newest[0] < iteration:
-            tier.newest = (
-                iteration,
-                tokens,
-                {index: c[0] for index, c in copies.items()},
-            )  # one copy per shard goes up
-        follow: list[tuple[str, int, Any]] = []
-        if deleted and tier.name == "local":
-            follow.append(("forget", iteration, [posixpath.basename(d.rstrip("/")) for d in deleted]))
-        return follow + (self._remote_due(job) if tier.name == "local" else [])
+            # one copy per shard goes up
+            tier.newest = (iteration, tokens, {index: c[0] for index, c in copies.items()})
+        return True
 
-    def _remote_due(self, job) -> list:
+    def _remote_due(self, job) -> list[FollowUp]:
         """When the remote schedule has elapsed since the last remote copy: copy the newest
         complete local checkpoint (unless it is there or on its way already)."""
         remote, local = self.tiers.get("remote"), self.tiers["local"]
@@ -407,9 +394,37 @@ class Persistence:
             return []
         remote.last = (iteration, time.time(), tokens)
         remote.in_flight[iteration] = {}
-        remote.asked[iteration] = {r.get("worker", shard): shard for shard, r in got.items()}
+        remote.asked[iteration] = {r.worker: shard for shard, r in got.items()}
         remote.requested[iteration] = time.monotonic()
-        return [("upload", iteration, dict(got))]
+        return [UploadCopies(iteration, dict(got))]
+
+
+def _manifest_shards(copies: dict[int, list[Persisted]], holders: bool) -> list[dict[str, Any]]:
+    """The manifest's shard entries, from the first copy of each shard; ``holders``: where
+    its copies are (a local tier's are on the writers' disks; the remote tier is one store)."""
+    return [
+        {
+            "index": r.shard,
+            "start": r.start,
+            "stop": r.stop,
+            "file": r.file,
+            "bytes": r.bytes,
+            "checksum": r.checksum,
+            "blob_ranks": r.blob_ranks,
+            "raw_bytes": r.raw_bytes,
+            "compress": r.compress,
+            **({"holders": [disks.holder(c.worker, c.disk) for c in copies[index]]} if holders else {}),
+        }
+        for index in sorted(copies)
+        for r in copies[index][:1]
+    ]
+
+
+def _forget(iteration: int, deleted: list[str]) -> list[FollowUp]:
+    """Retention deleted checkpoint directories ``deleted`` (paths): the workers delete them too."""
+    if not deleted:
+        return []
+    return [ForgetDirs(iteration, [posixpath.basename(d.rstrip("/")) for d in deleted])]
 
 
 def _copies_differ(reports) -> str:
@@ -417,8 +432,8 @@ def _copies_differ(reports) -> str:
     can): replicas apply the same iterations bit for bit, so their files must be equal."""
     by_shard: dict[int, set] = {}
     for r in reports:
-        if r["ok"]:
-            by_shard.setdefault(r["shard"], set()).add((r["bytes"], r["checksum"]))
+        if r.ok:
+            by_shard.setdefault(r.shard, set()).add((r.bytes, r.checksum))
     for shard, kinds in sorted(by_shard.items()):
         if len(kinds) > 1:
             return f"the replicas of shard {shard} wrote different files ({sorted(kinds)}): their states differ"

@@ -21,13 +21,12 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from shadow.errors import CheckpointError  # CheckpointError: raised here, and named here too
 from shadow.layout import Layout
-from shadow.persist import fsglob, shardfile, shardguard, signing, zshard
+from shadow.persist import fsglob, shardfile, shardguard, shardio, signing, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
 from shadow.persist.manifests import (  # noqa: F401 (named here too)
     FORMAT,
@@ -36,9 +35,10 @@ from shadow.persist.manifests import (  # noqa: F401 (named here too)
     new_manifest,
     read_manifest,
 )
+from shadow.persist.shardio import ShardSource, StorageFile
 from shadow.snapshot import Snapshot
 from shadow.storage import Storage, storage_for
-from shadow.wire.frames import Field, checksum
+from shadow.wire.frames import Field
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,15 @@ class CheckpointInfo:
     superseded: bool = False  # a later generation went on from an earlier iteration
     diverged: bool = False  # superseded because the shadow diverged from the trainer: never restorable
     verified: bool = False  # its signature was checked with the manifest key (signing) and holds
-    #: where each shard is read from, when not from ``storage``: ``locate(shard)`` returns a path this
-    #: host can read, or a :class:`ShardReader` (a node-local tier: every holder's copy, in turn)
-    locate: Callable[[dict], str | ShardReader] | None = field(default=None, repr=False, compare=False)
+    #: where each shard is read from, when not from ``storage``: ``locate(shard)`` returns its
+    #: :class:`~shadow.persist.shardio.ShardSource` (a node-local tier: every holder's copy, in turn)
+    locate: Callable[[dict], ShardSource] | None = field(default=None, repr=False, compare=False)
+
+    def source(self, shard: dict) -> ShardSource:
+        """Where shard ``shard`` (its manifest entry) is read from."""
+        if self.locate is not None:
+            return self.locate(shard)
+        return StorageFile(self.storage, self.path, shard["file"], shard["bytes"])
 
     @property
     def job(self) -> str:
@@ -180,67 +186,6 @@ def list_torn(root: str | Storage, job: str | None = None) -> list[str]:
     return sorted(d for d in dirs if not st.exists(posixpath.join(d, MANIFEST)))
 
 
-def _shard_path(info: CheckpointInfo, shard: dict) -> str:
-    """The shard's file once :mod:`shardguard` vouches for it (regular, inside, right size)."""
-    try:
-        return info.storage.shard_file(info.path, shard["file"], shard["bytes"])
-    except ValueError as exc:
-        raise CheckpointError(f"iteration {info.iteration} ({info.tier}): shard {shard['index']}: {exc}") from None
-
-
-class ShardReader(Protocol):
-    """A shard file read from elsewhere than the tier's storage (the copies on the holders'
-    disks, read here or through their workers, the first intact one taken): ``read_into`` as
-    :func:`shardfile.read_into` does for a path, ``read_all`` its bytes; ``where`` names it in
-    errors. Whatever fails is a :class:`CheckpointError`. A copy passed over may have put
-    bytes into ``target``'s arrays; the one returned has put all of its own there."""
-
-    where: str
-
-    def read_into(self, target: Callable) -> tuple[dict, dict, int, int]: ...
-
-    def read_all(self) -> bytes: ...
-
-
-def _read_shard(info: CheckpointInfo, shard: dict, check: bool, located: str | ShardReader | None = None) -> bytes:
-    """A shard file's bytes, checked against the manifest: from the tier's storage, or
-    from where ``located`` says (a path this host sees, or a reader of a worker's copy)."""
-    path = posixpath.join(info.path, shard["file"])
-    if located is not None and not isinstance(located, str):
-        return _checked(info, shard, located.read_all(), check, located.where)
-    try:
-        if located is not None:
-            path = located
-            with open(path, "rb") as f:
-                data = f.read()
-        else:
-            path = _shard_path(info, shard)
-            data = info.storage.cat(path, start=0, end=shard["bytes"])
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} is missing"
-        ) from None
-    except OSError as exc:  # unreadable (permissions, I/O error)
-        raise CheckpointError(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} file {path} cannot be read: {exc}"
-        ) from None
-    return _checked(info, shard, data, check, path)
-
-
-def _checked(info: CheckpointInfo, shard: dict, data: bytes, check: bool, where: str) -> bytes:
-    if len(data) != shard["bytes"]:
-        raise CheckpointError(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({where}) is "
-            f"{len(data)} bytes, manifest says {shard['bytes']}"
-        )
-    if check and f"{checksum(data):016x}" != shard["checksum"]:
-        raise CheckpointError(
-            f"iteration {info.iteration} ({info.tier}): shard {shard['index']} ({where}) fails "
-            "its checksum: the file is corrupt"
-        )
-    return data
-
-
 def verify(info: CheckpointInfo) -> list[str]:
     """Re-read every shard and check size and checksum; returns the problems found."""
     problems = []
@@ -255,18 +200,16 @@ def verify(info: CheckpointInfo) -> list[str]:
     for shard in info.manifest["shards"]:
         try:
             with _reading(f"{where}: shard {shard['index']} ({posixpath.join(info.path, shard['file'])})"):
-                _read_shard(info, shard, True, info.locate(shard) if info.locate is not None else None)
+                shardio.read_checked(info.source(shard), shard, True, f"{where}: shard {shard['index']}")
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
 
 
 def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict, total: int) -> dict:
-    """One shard's tensors; the big arrays land directly in ``arrays`` (local files) or
-    are copied there (other storage, and files a worker served)."""
+    """One shard's tensors; the big arrays land in ``arrays``, the rest are returned."""
     lo, hi = shard["start"], shard["stop"]
     where = f"iteration {info.iteration} ({info.tier}): shard {shard['index']}"
-    path = posixpath.join(info.path, shard["file"])
 
     def target(name, dtype, count):
         fld = _FIELDS.get(name)
@@ -276,46 +219,7 @@ def _shard_tensors(info: CheckpointInfo, shard: dict, check: bool, arrays: dict,
             raise CheckpointError(f"{where}: {name} has {count} elements, the range needs {hi - lo}")
         return _flat(arrays, fld, total)[lo:hi]
 
-    located = info.locate(shard) if info.locate is not None else None
-    if located is not None and not isinstance(located, str) and not zshard.is_compressed(shard["file"]):
-        # a worker's copy, streamed: each chunk put in place as it arrives, the file's xxh3 kept on the way
-        meta, tensors, csum, size = located.read_into(target)
-        if size != shard["bytes"]:
-            raise CheckpointError(f"{where} ({located.where}) is {size} bytes, manifest says {shard['bytes']}")
-        if check and f"{csum:016x}" != shard["checksum"]:
-            raise CheckpointError(f"{where} ({located.where}) fails its checksum: the file is corrupt")
-    elif zshard.is_compressed(shard["file"]):  # every block is checked against its checksum as it decodes
-        data = _read_shard(info, shard, check, located)
-        try:
-            meta, tensors = zshard.decode(data, target, where=f"{where} ({path})")
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
-    elif isinstance(located, str) or (located is None and info.storage.os_path(info.path) is not None):
-        try:  # a file system this host sees: parallel reads into place
-            path = located if isinstance(located, str) else _shard_path(info, shard)
-            meta, tensors, csum, size = shardfile.read_into(path, target)
-        except FileNotFoundError:
-            raise CheckpointError(f"{where} file {path} is missing") from None
-        except (ValueError, OSError) as exc:
-            raise CheckpointError(f"{where} ({path}): {exc}") from None
-        if size != shard["bytes"]:
-            raise CheckpointError(f"{where} ({path}) is {size} bytes, manifest says {shard['bytes']}")
-        if check and f"{csum:016x}" != shard["checksum"]:
-            raise CheckpointError(f"{where} ({path}) fails its checksum: the file is corrupt")
-    else:
-        data = _read_shard(info, shard, check, located)
-        try:
-            meta, tensors = shardfile.parse(data)
-        except ValueError as exc:
-            raise CheckpointError(f"{where} ({path}): {exc}") from None
-        for name, fld in _FIELDS.items():
-            if name in tensors:
-                if len(tensors[name]) != hi - lo:
-                    raise CheckpointError(f"{where}: {name} has the wrong size")
-                _flat(arrays, fld, total)[lo:hi] = tensors[name]
-    if (int(meta["start"]), int(meta["stop"]), int(meta["iteration"])) != (lo, hi, info.iteration):
-        raise CheckpointError(f"{where} holds another range or iteration")
-    return tensors
+    return shardio.read_shard(info.source(shard), shard, info.iteration, target, check, where)[1]
 
 
 _ALLOC = threading.Lock()  # shards read in parallel share the flat arrays: each made once

@@ -36,6 +36,7 @@ from shadow.persist import checkpoints, disks, failed, shardfile, zshard
 from shadow.persist.upload import Uploader
 from shadow.storage import Codec, LocalStorage
 from shadow.tuning import Tuning
+from shadow.wire.commit import Persisted
 
 if TYPE_CHECKING:
     from shadow.config import PersistConfig
@@ -347,29 +348,25 @@ class ShardPersister:
         if self._uploader is not None:
             self._uploader.request(iteration, epoch, nbytes, checksum)
 
-    def report(self, iteration: int, epoch: int, tier: str, ok: bool, error: str, **kw) -> dict:
-        return {
-            "epoch": epoch,
-            "iteration": iteration,
-            "tier": tier,
-            "shard": self.shard,
-            "ok": ok,
-            "error": error,
-            "file": kw.get("file", self.file_name()),
-            "start": self.state.start,
-            "stop": self.state.stop,
-            "bytes": kw.get("bytes", 0),
-            "checksum": kw.get("checksum", ""),
-            "raw_bytes": kw.get("raw_bytes", 0),
-            "compress": (self.local_codec if tier == "local" else self.remote_codec).compress,
-            "seconds": kw.get("seconds", 0.0),
-            "commit": kw.get("commit"),
-            "blob_ranks": kw.get("blob_ranks", []),
-            "skipped": kw.get("skipped", False),
-            **({"disk": self.disk} if self.disk is not None else {}),
-        }
+    def report(self, iteration: int, epoch: int, tier: str, ok: bool, error: str, **kw) -> Persisted:
+        """The ``persisted`` report of this shard's copy of ``iteration`` on ``tier`` (``kw``:
+        the other fields of :class:`~shadow.wire.commit.Persisted`)."""
+        return Persisted(
+            epoch=epoch,
+            iteration=iteration,
+            tier=tier,
+            shard=self.shard,
+            ok=ok,
+            error=error,
+            file=kw.pop("file", self.file_name()),
+            start=self.state.start,
+            stop=self.state.stop,
+            compress=(self.local_codec if tier == "local" else self.remote_codec).compress,
+            disk=self.disk,
+            **kw,
+        )
 
-    def results(self) -> list[dict]:
+    def results(self) -> list[Persisted]:
         out = []
         while True:
             try:

@@ -341,7 +341,7 @@ _COPY_FAILURES = (ShadowError, _Bad, ValueError, OSError, EOFError, KeyError, Ty
 
 
 class ShardCopies:
-    """A shard's copies (a :class:`~shadow.persist.checkpoints.ShardReader`), read from the
+    """A shard's copies (a :class:`~shadow.persist.shardio.ShardSource`), read from the
     first that is intact: files this host sees and workers' files sockets in one sequence.
     A copy that is short, unreadable, does not parse or fails the manifest's checksum is
     passed over for the next; each disk whose file was read here and found bad is not asked

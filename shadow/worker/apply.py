@@ -31,7 +31,7 @@ class Apply:
     def __init__(self, state: WorkerState, outbox: Outbox, fetches: FetchServer) -> None:
         self.state, self.outbox, self.fetches = state, outbox, fetches
 
-    def upto(self, epoch: int, iteration: int, persist: bool = False) -> None:
+    def through(self, epoch: int, iteration: int, persist: bool = False) -> None:
         """Apply every prepared iteration up to the cut ``iteration``; with ``persist``,
         snapshot the cut for the local tier -- in the apply pass itself when the cut is a
         gradient iteration applied now (the kernel writes the new values to the image
@@ -99,10 +99,8 @@ class Apply:
         if s is None or s.persister is None:
             return
         if s.applied != iteration:
-            self.outbox.to_coord(
-                "persisted",
-                **s.persister.report(iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}"),
-            )
+            rep = s.persister.report(iteration, s.epoch, "local", False, f"worker is at iteration {s.applied}")
+            self.outbox.to_coord(rep.kind, **rep.fields())
             return
         commit = {k: v for k, v in s.commit.items() if k not in ("steps", "has_state", "sent")} if s.commit else None
         if folded is None:
@@ -120,14 +118,14 @@ class Apply:
         if s is None or s.persister is None:
             return
         for rep in s.persister.results():
-            tally = self.state.persisted.setdefault(rep["tier"], [0.0, 0, 0, 0])
-            if rep["ok"]:
-                tally[0] += rep["seconds"]
+            tally = self.state.persisted.setdefault(rep.tier, [0.0, 0, 0, 0])
+            if rep.ok:
+                tally[0] += rep.seconds
                 tally[1] += 1
-                tally[2] += rep["bytes"]
-            elif not rep.get("skipped"):  # a skip is not a failure
+                tally[2] += rep.bytes
+            elif not rep.skipped:  # a skip is not a failure
                 tally[3] += 1
-            self.outbox.to_coord("persisted", **rep)
+            self.outbox.to_coord(rep.kind, **rep.fields())
 
     def _stale(self, reason: str) -> None:
         go_stale(self.state, self.outbox, reason)

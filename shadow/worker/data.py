@@ -13,6 +13,7 @@ import zmq
 from shadow.transport import SocketFactory, data_limit
 from shadow.transport.receive import FrameReceiver
 from shadow.wire import frames as F
+from shadow.wire.commit import Prepared
 from shadow.worker.address import Binding
 from shadow.worker.commit import decode_commit, same
 from shadow.worker.outbox import Outbox
@@ -208,4 +209,5 @@ class DataPath:
         if k - 1 > s.prepared:
             s.prepared = k - 1
             c = s.inbox.slots[s.prepared].commits[0]
-            self.outbox.to_coord("prepared", epoch=s.epoch, iteration=s.prepared, tokens=c.get("tokens"))
+            ready = Prepared(s.epoch, s.prepared, c.get("tokens"))
+            self.outbox.to_coord(ready.kind, **ready.fields())

@@ -31,6 +31,7 @@ from shadow.layout import Layout
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
+from shadow.wire.commit import ApplyCut
 from shadow.worker import memory, slot
 from shadow.worker.address import Binding, bind_and_advertise
 from shadow.worker.apply import Apply
@@ -326,7 +327,8 @@ class Worker:
         )
 
     def _on_apply(self, msg: dict) -> None:
-        self.apply.upto(msg["epoch"], msg["iteration"], msg["persist"])
+        cut = ApplyCut(msg["epoch"], msg["iteration"], msg["persist"])
+        self.apply.through(cut.epoch, cut.iteration, cut.persist)
 
     def _on_upload(self, msg: dict) -> None:
         s = self.state.assignment
