@@ -15,6 +15,7 @@ import torch.distributed as dist
 from shadow.errors import LayoutMismatchError
 from shadow.export.extras import recorded
 from shadow.export.state import state_dicts
+from shadow.layout import Layout
 from shadow.snapshot import Snapshot
 from shadow.tuning import Tuning
 from trainer_hooks import _extras, _rng
@@ -135,12 +136,14 @@ def restore(
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
 
-    sink = None
+    sink, built = None, None
     if optimizer is not None:
-        try:  # a model on the CPU gets its parameters straight from the workers (memory only)
-            sink = ModelParams.of(*build_layout(model, optimizer))
+        try:  # built once: the sink and apply_snapshot's match check share it
+            built = build_layout(model, optimizer)
         except LayoutError:
-            sink = None  # apply_snapshot says what does not match
+            built = None  # apply_snapshot says what does not match
+        if built is not None:  # a model on the CPU gets its parameters straight from the workers (memory only)
+            sink = ModelParams.of(*built)
     try:
         snap = resolve(
             source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key, sink=sink
@@ -154,6 +157,7 @@ def restore(
             weights_only=weights_only,
             rank=rank,
             defer_rng=defer_rng,
+            built=built,
         )
     except Exception:
         if sink is not None and sink.written:
@@ -175,14 +179,17 @@ def apply_snapshot(
     weights_only: bool = False,
     rank: int | None = None,
     defer_rng: bool = False,
+    built: tuple[Layout, list[torch.Tensor]] | None = None,
 ) -> RestoreInfo:
     """Load a :class:`shadow.restore.Snapshot` (from :func:`shadow.restore.resolve`) into
     ``model``/``optimizer``/``scheduler``/``scaler`` and this rank's RNG states; what
-    :func:`restore` does once it has found the checkpoint."""
+    :func:`restore` does once it has found the checkpoint. ``built``: the model and
+    optimizer's ``(layout, params)`` when the caller has built them already (they are
+    then not built again)."""
     rank = process_rank(rank, snap.world)
     if optimizer is not None:
         try:
-            layout, params = build_layout(model, optimizer)
+            layout, params = built if built is not None else build_layout(model, optimizer)
         except LayoutError as exc:
             raise LayoutMismatchError(f"cannot restore: {exc}; nothing was changed") from None
         if layout.hash != snap.layout.hash:

@@ -36,7 +36,7 @@ from shadow.persist.manifests import (  # noqa: F401 (named here too)
     read_manifest,
 )
 from shadow.persist.shardio import ShardSource, StorageFile
-from shadow.snapshot import Snapshot
+from shadow.snapshot import Assembly, Snapshot
 from shadow.storage import Storage, storage_for
 from shadow.wire.frames import Field
 
@@ -233,6 +233,7 @@ def _flat(arrays: dict, fld: Field, total: int) -> np.ndarray:
         return arrays[fld]
 
 
+_RANK = "commit.rank"  # a shard file's commit record of one rank: commit.rank<r>
 LOAD_THREADS = 8  # shards read at once (a local shard's reads are parallel within it too)
 
 
@@ -249,11 +250,8 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     if tiling:  # checked before a byte is read: never hand out memory no shard wrote
         raise CheckpointError(f"iteration {info.iteration} ({info.path}): {tiling}")
     arrays: dict[Field, np.ndarray] = {}
-    steps = np.zeros(len(layout.params), dtype=np.float64)
-    has_state = np.zeros(len(layout.params), dtype=bool)
-    blobs: dict[int, bytes] = {}
-    extras: dict[int, np.ndarray] = {}  # chunks of model state outside the optimizer, by key
-    covered = done = 0
+    parts = Assembly(layout, m["world"], CheckpointError)
+    done = 0
 
     def unreadable(shard: dict) -> str:
         where = posixpath.join(info.path, shard["file"])
@@ -283,33 +281,16 @@ def load(info: CheckpointInfo, check: bool = True, progress=None) -> Snapshot:
     for shard, job in zip(m["shards"], jobs, strict=True):
         tensors = job.result()
         with _reading(unreadable(shard)):
-            lo = shard["start"]
-            for i, s, h in zip(tensors["param_index"], tensors["steps"], tensors["has_state"], strict=True):
-                if layout.params[int(i)].offset >= lo:
-                    steps[int(i)] = s
-                    has_state[int(i)] = bool(h)
-            for name, t in tensors.items():
-                if name.startswith("commit.rank"):
-                    blobs[int(name[len("commit.rank") :])] = t.tobytes()
-                elif name.startswith("extra."):
-                    extras[int(name[len("extra.") :])] = t
-        covered += shard["stop"] - lo
-    if covered != total:
-        raise CheckpointError(f"iteration {info.iteration}: shards cover {covered} of {total} elements")
-    missing = sorted(set(range(m["world"])) - set(blobs))
-    if missing:
-        raise CheckpointError(f"iteration {info.iteration}: commit records of ranks {missing} are missing")
-    return Snapshot(
-        m["job"],
-        m["iteration"],
-        layout,
-        m["optim"],
-        m["world"],
-        arrays,
-        steps,
-        has_state,
-        blobs,
-        source=info.path,
-        tier=info.tier,
-        extras=extras,
-    )
+            parts.add(
+                shard["start"],
+                shard["stop"],
+                zip(tensors["param_index"], tensors["steps"], strict=True),
+                zip(tensors["param_index"], tensors["has_state"], strict=True),
+                [
+                    (int(n[len("commit.rank") :]), t.tobytes())
+                    for n, t in tensors.items()
+                    if n.startswith("commit.rank")
+                ],
+                {int(n[len("extra.") :]): t for n, t in tensors.items() if n.startswith("extra.")},
+            )
+    return parts.snapshot(m["job"], m["iteration"], m["optim"], arrays, info.path, tier=info.tier)

@@ -17,7 +17,7 @@ from shadow.client import dealer, request
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
 from shadow.restore.sources import Candidate
-from shadow.snapshot import Snapshot
+from shadow.snapshot import Assembly, Snapshot
 from shadow.transport import fetch
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
@@ -144,31 +144,16 @@ def fetch_memory(
     finally:
         stop.set()
         ctx.destroy(linger=0)  # closes every socket
-    steps = np.zeros(len(layout.params), dtype=np.float64)
-    has_state = np.zeros(len(layout.params), dtype=bool)
-    blobs: dict[int, bytes] = {}
-    extras: dict[int, bytes] = {}
-    covered = 0
+    parts = Assembly(layout, info["world"], ShadowError)
     for w, reader in readers:
-        covered += _merge(reader, w, layout, steps, has_state, blobs, extras)
-    if covered != total:
-        raise ShadowError(f"workers cover {covered} of {total} elements")
-    missing = sorted(set(range(info["world"])) - set(blobs))
-    if missing:
-        raise ShadowError(f"commit records of ranks {missing} are missing from the cluster")
-    return Snapshot(
+        _merge(reader, w, layout, parts)
+    return parts.snapshot(
         info["job"],
         info["iteration"],
-        layout,
         info["optim"],
-        info["world"],
         arrays,
-        steps,
-        has_state,
-        blobs,
-        source=address,
+        address,
         generation=int(info.get("generation", 0)),
-        extras=extras,
         placed=sink.tensors if placed and sink is not None else (),
     )
 
@@ -261,26 +246,17 @@ def _fetch_shard(
 FETCH_BUFFER_BYTES = 64 << 20  # per worker: what zmq may hold of a reply before the reader takes it
 
 
-def _merge(reader, w: dict, layout: Layout, steps, has_state, blobs, extras) -> int:
-    """A complete reply's steps, state flags, commit records and extras into the snapshot's;
-    the number of elements it covers."""
+def _merge(reader, w: dict, layout: Layout, parts: Assembly) -> None:
+    """A complete reply's range, steps, state flags, commit records and extras, checked,
+    into the snapshot's :class:`~shadow.snapshot.Assembly`."""
     head, who = reader.head, f"worker {w.get('id')}"
-    lo, hi = head["start"], head["stop"]
     nparams = len(layout.params)
     try:
         pairs = fetch.param_indices(head["steps"], nparams, who, "a step")
         flags = fetch.param_indices(head["has_state"], nparams, who, "state flags")
     except fetch.FetchError as exc:
         raise ShadowError(str(exc)) from None
-    extras.update(reader.extras)
-    for i, s in pairs:
-        if layout.params[i].offset >= lo:  # the shard holding a param's first element owns its step
-            steps[i] = s
-    for i in flags:
-        if layout.params[i].offset >= lo:
-            has_state[i] = True
     for entry in head["commits"]:
         if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and isinstance(entry[1], bytes)):
             raise ShadowError(f"{who} sent a malformed commit record entry {entry!r:.80}")
-        blobs[entry[0]] = entry[1]
-    return hi - lo
+    parts.add(head["start"], head["stop"], pairs, [(i, True) for i in flags], head["commits"], reader.extras)

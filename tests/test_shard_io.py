@@ -1,0 +1,145 @@
+"""Shard I/O in two levels and the typed commit messages: every source and encoding of a
+shard goes through one checked read, and the commit protocol's messages keep the wire
+format they replaced."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from shadow.config import PersistConfig
+from shadow.errors import CheckpointError, ShadowError
+from shadow.layout import Layout
+from shadow.persist import checkpoints, shardio
+from shadow.persist.writer import ShardPersister
+from shadow.snapshot import Assembly
+from shadow.storage import storage_for
+from shadow.testing.wait import wait_until
+from shadow.tuning import Tuning
+from shadow.wire import messages as M
+from shadow.wire.commit import ApplyCut, Forget, Persisted, Prepared, Upload
+from shadow.worker.shard import ShardState
+
+LAYOUT = Layout.build([("a", (3000,), 0, True), ("b", (700,), 0, True)], 1)
+OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 16, "tail_width": 8}
+
+
+def _write_checkpoint(tmp_path, compress: str):
+    """A one-shard checkpoint written by the persister, on a local directory."""
+    root = str(tmp_path / compress)
+    state = ShardState(LAYOUT, 0, LAYOUT.total, OPTIM)
+    rng = np.random.default_rng(0)
+    for f in state.fields():
+        state.array(f)[:] = rng.standard_normal(state.size).astype(np.float32)
+    p = ShardPersister(
+        PersistConfig.from_dict({"local": {"dir": root, "compress": compress}}),
+        "j",
+        0,
+        1,
+        state,
+        tuning=Tuning.load(persist_buffers=1),
+    )
+    try:
+        p.snapshot(3, 1, 1, {0: b"rec"}, None)
+        got = wait_until(p.results, timeout=60, what="the persister's report", period=0.02)
+        (rep,) = got
+    finally:
+        p.close()
+    assert rep.ok, rep.error
+    return root, rep, LAYOUT
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_every_source_reads_the_same_checked_shard(tmp_path, compress):
+    root, rep, layout = _write_checkpoint(tmp_path, compress)
+    directory = checkpoints.checkpoint_dir(root, "j", 3)
+    shard = {
+        "index": 0,
+        "start": 0,
+        "stop": layout.total,
+        "file": rep.file,
+        "bytes": rep.bytes,
+        "checksum": rep.checksum,
+    }
+
+    def read(source):
+        out: dict = {}
+
+        def target(name, dtype, count):
+            if name in ("param", "exp_avg", "exp_avg_sq"):
+                out[name] = np.empty(count, dtype)
+                return out[name]
+            return None
+
+        meta, tensors = shardio.read_shard(source, shard, 3, target, True, "shard 0")
+        assert int(meta["iteration"]) == 3
+        return {k: v.copy() for k, v in out.items()}
+
+    local = read(shardio.StorageFile(storage_for(root), directory, rep.file, rep.bytes))
+    # the same bytes behind an fsspec store that is not the local file system
+    mem = storage_for(f"memory://shard-io-{compress}-{os.getpid()}")
+    mem.makedirs(mem.join("j", "iteration-0000000003"))
+    with open(os.path.join(directory, rep.file), "rb") as f:
+        mem.write_atomic(mem.join("j", "iteration-0000000003", rep.file), f.read())
+    remote = read(shardio.StorageFile(mem, mem.join("j", "iteration-0000000003"), rep.file, rep.bytes))
+    assert local.keys() == remote.keys() == {"param", "exp_avg", "exp_avg_sq"}
+    for k in local:
+        assert np.array_equal(local[k], remote[k])
+
+    # wrong size, wrong checksum, wrong iteration: each refused, naming the shard
+    with pytest.raises(CheckpointError, match="bytes"):
+        shardio.read_checked(
+            shardio.StorageFile(mem, mem.join("j", "iteration-0000000003"), rep.file, rep.bytes),
+            {**shard, "bytes": rep.bytes + 1},
+            True,
+            "shard 0",
+        )
+    with pytest.raises(CheckpointError, match="checksum|corrupt"):
+        read_bad = shardio.StorageFile(mem, mem.join("j", "iteration-0000000003"), rep.file, rep.bytes)
+        shardio.read_shard(read_bad, {**shard, "checksum": "0" * 16}, 3, lambda *a: None, True, "shard 0")
+    with pytest.raises(CheckpointError, match="another range or iteration"):
+        shardio.read_shard(
+            shardio.StorageFile(mem, mem.join("j", "iteration-0000000003"), rep.file, rep.bytes),
+            shard,
+            4,
+            lambda *a: None,
+            True,
+            "shard 0",
+        )
+    missing = shardio.StorageFile(storage_for(root), directory, "shard-00009-of-00010.safetensors", 10)
+    with pytest.raises(CheckpointError, match="missing"):
+        shardio.read_checked(missing, {**shard, "bytes": 10}, True, "shard 9")
+
+
+def test_an_assembly_refuses_gaps_and_missing_ranks():
+    layout = Layout.build([("a", (6,), 0, True), ("b", (4,), 0, True)], 1)
+    arrays = {}
+    parts = Assembly(layout, 2, CheckpointError)
+    parts.add(0, 6, [(0, 5.0)], [(0, True)], [(0, b"r0")], {})
+    with pytest.raises(CheckpointError, match="cover 6 of 10"):
+        parts.snapshot("j", 1, {}, arrays, "here")
+    parts.add(6, 10, [(1, 5.0), (0, 9.0)], [(1, True)], [], {})  # param 0's step is the first shard's
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] are missing"):
+        parts.snapshot("j", 1, {}, arrays, "here")
+    parts.add(10, 10, [], [], [(1, b"r1")], {})
+    snap = parts.snapshot("j", 1, {}, arrays, "here", tier="local")
+    assert list(snap.steps) == [5.0, 5.0] and snap.has_state.all() and snap.blobs == {0: b"r0", 1: b"r1"}
+    assert snap.tier == "local"
+    with pytest.raises(ShadowError):
+        Assembly(layout, 1, ShadowError).snapshot("j", 1, {}, arrays, "here")
+
+
+def test_the_commit_messages_keep_the_wire_format():
+    rep = Persisted(epoch=2, iteration=7, tier="local", shard=1, ok=True, file="f", bytes=10, checksum="ab", worker=3)
+    wire = M.decode(M.encode(rep.kind, **rep.fields()))  # checked against the persisted schema
+    assert "worker" not in wire and "disk" not in wire  # the writer is known from the connection
+    back = Persisted.from_msg(wire, worker=3)
+    assert back == rep
+    for m in (Prepared(2, 7, None), ApplyCut(2, 7, True), Upload(2, 7, 10, "ab"), Forget("j", ["iteration-7"])):
+        got = M.decode(M.encode(m.kind, **m.fields()))
+        assert {k: v for k, v in got.items() if k not in ("t", "v")} == m.fields()
+    # an older worker's report without raw_bytes counts its stored bytes
+    old = {k: v for k, v in wire.items() if k != "raw_bytes"}
+    assert Persisted.from_msg(old, 0).raw_bytes == 10
