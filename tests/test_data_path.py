@@ -214,7 +214,7 @@ def test_gradients_as_bucket_views_are_staged_before_the_loop_writes_them(world1
     session = trainer_hooks.attach(
         ddp, opt, coordinator=shared_cluster.address, scheduler=sched, scaler=scaler, job=job
     )
-    assert session._views
+    assert session.attachment.target.views
     for it in range(1, 6):
         _step(ddp, opt, sched, scaler, session, it)
     assert session.close() == 5 and session.stats()["shadow_errors"] == 0 and session.latch.error is None

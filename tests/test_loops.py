@@ -58,23 +58,19 @@ def test_clip_from_any_import_is_recorded_with_torch_s_coefficient():
 
 
 def test_session_clip_takes_whole_model_refuses_part_and_twice():
-    from trainer_hooks.session.session import Session
-
+    """What a session's attachment hands its recorder for every clip torch reports."""
     params = _params()
-    rec = StepRecorder(torch.optim.SGD(params, lr=0.1), AttachOptions(), on_ready=lambda: None, on_skipped=lambda: None)
-    att = type("Att", (), {"params": params})()
-    s = object.__new__(Session)
-    s.closed, s.attachment, s.recorder = False, att, rec
+    rec = StepRecorder(torch.optim.SGD(params, lr=0.1), AttachOptions())
     coef = torch.tensor(0.25)
-    s._clipped({id(p) for p in params} | {12345}, coef)  # a superset (a param outside the optimizer): fine
+    rec.clipped_params({id(p) for p in params} | {12345}, coef, params)  # a superset (outside the optimizer): fine
     assert rec.clip is coef and rec.refusal is None
-    s._clipped({id(params[0])}, coef)  # part of them: one coefficient cannot replay it
+    rec.clipped_params({id(params[0])}, coef, params)  # part of them: one coefficient cannot replay it
     assert rec.refusal is not None and "1 of the 3" in rec.refusal
     rec.refusal, rec.clip = None, coef
-    s._clipped({id(p) for p in params}, coef)  # a second clip in the iteration
+    rec.clipped_params({id(p) for p in params}, coef, params)  # a second clip in the iteration
     assert rec.refusal is not None and "twice" in rec.refusal
     rec.refusal = None
-    s._clipped({999}, coef)  # another model's parameters: not ours
+    rec.clipped_params({999}, coef, params)  # another model's parameters: not ours
     assert rec.refusal is None
 
 
@@ -90,17 +86,19 @@ def test_scheduler_cadence_is_learnt():
     opt = torch.optim.SGD(p, lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
     ready, stale = [], []
-    rec = StepRecorder(
-        opt, AttachOptions(scheduler=sched), on_ready=lambda: ready.append(rec.take_pending()), on_skipped=lambda: None
-    )
-    rec.on_stale = lambda k, why: stale.append(k)
+    rec = StepRecorder(opt, AttachOptions(scheduler=sched))
     rec.start(0, 1)
 
-    def step(times: int) -> None:
+    def step(times: int) -> None:  # as the attachment drives it: it acts on what the recorder returns
         k, sent = rec.advance()
         rec.record(k, sent, False, None, None, p, 0)
         for _ in range(times):
-            rec.stepped("scheduler")
+            late = rec.stepped("scheduler")
+            if late is not None:
+                stale.append(late.iteration)
+            commit = rec.take_ready()
+            if commit is not None:
+                ready.append(commit)
 
     step(2)  # first iteration: once per step is assumed; the second step makes that commit's state stale
     assert [c.iteration for c in ready] == [1] and stale == [1]
@@ -155,23 +153,18 @@ def test_a_hold_keeps_the_commit_until_released_with_the_extra_state_then():
     p = _params(1)
     opt = torch.optim.SGD(p, lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
-    ready = []
-    rec = StepRecorder(
-        opt,
-        AttachOptions(scheduler=sched, extra_state=lambda: {"at": "step"}),
-        on_ready=lambda: ready.append(rec.take_pending()),
-        on_skipped=lambda: None,
-    )
+    rec = StepRecorder(opt, AttachOptions(scheduler=sched, extra_state=lambda: {"at": "step"}))
     rec.holds.add("loop")
     rec.start(0, 1)
     k, sent = rec.advance()
     rec.record(k, sent, False, None, None, p, 0)
     rec.stepped("scheduler")
-    assert ready == [] and rec.awaiting == {"loop"}
+    assert rec.take_ready() is None and rec.awaiting == {"loop"}
     rec.release("other", {"at": "nothing"})  # not a hold of this commit: ignored
-    assert ready == []
+    assert rec.take_ready() is None
     rec.release("loop", {"at": "batch end"})
-    assert [c.iteration for c in ready] == [1] and ready[0].extra.get() == {"at": "batch end"}
+    ready = rec.take_ready()
+    assert ready.iteration == 1 and ready.extra.get() == {"at": "batch end"}
     assert rec.last_record[1].get() == {"at": "batch end"}  # a resync right after records the same
     rec.release("loop", {"at": "late"})  # nothing pending any more: nothing happens
-    assert len(ready) == 1
+    assert rec.take_ready() is None and rec.take_pending() is None

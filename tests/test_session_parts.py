@@ -1,10 +1,13 @@
-"""The trainer side by part: the step recorder alone (no sockets), the attach options, the
-explicit ``attach`` signature, the hook slot (one per DDP model, plain reduction when no
-session is attached), what ``close`` releases, and what a failed ``Attachment.open`` or
-resync leaves behind (nothing)."""
+"""The trainer side by part: the step recorder alone (no sockets, no callbacks), an
+attachment's pipeline driven without a session or sockets (its sender made by the factory
+it is given), fault injection as a sender factory (nothing patched), the attach options,
+the explicit ``attach`` signature, the hook slot (one per DDP model, plain reduction when
+no session is attached), what ``close`` releases, and what a failed ``Attachment.open``
+or resync leaves behind (nothing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import inspect
 import re
@@ -32,14 +35,7 @@ from trainer_hooks.session.recorder import StepRecorder
 
 def _recorder(**options):
     model, opt, sched = build()
-    calls = []
-    rec = StepRecorder(
-        opt,
-        AttachOptions(**options),
-        on_ready=lambda: calls.append("ready"),
-        on_skipped=lambda: calls.append("skipped"),
-    )
-    return model, opt, rec, calls
+    return model, opt, StepRecorder(opt, AttachOptions(**options))
 
 
 _EARLIER: set[threading.Thread] = set()  # sender threads a failed test elsewhere left running
@@ -60,7 +56,7 @@ def _note_earlier_senders():
 
 
 def test_the_recorder_tracks_an_iteration_without_sockets():
-    model, opt, rec, calls = _recorder(extra_state=lambda: {"pos": torch.tensor([11])}, tokens=lambda: 480)
+    model, opt, rec = _recorder(extra_state=lambda: {"pos": torch.tensor([11])}, tokens=lambda: 480)
     layout, params = build_layout(model, opt)
     rec.start(5, 2)
     with rec.lock:
@@ -88,8 +84,8 @@ def test_the_recorder_tracks_an_iteration_without_sockets():
     extra = commit.extra.get()
     assert torch.equal(extra["pos"], torch.tensor([11])) and rec.last_record == (commit.rng, commit.extra)
     assert rec.clip is None and rec.inv_scale is None and rec.probes is None  # they belong to one iteration
-    assert rec.ready and rec.take_pending() is commit and rec.take_pending() is None
-    assert calls == []  # nothing to wait for: the session sends it at once, not the recorder
+    # nothing to wait for: the caller takes it at once (the recorder calls nothing back)
+    assert rec.ready and rec.take_ready() is commit and rec.take_ready() is None and rec.take_pending() is None
     # a fused optimizer under GradScaler skips on the device: found_inf decides, read by the sender
     rec.advance()
     skipped = rec.record(7, [0, 0], False, torch.tensor(8.0), torch.tensor(1.0), params, rank=0)
@@ -99,31 +95,154 @@ def test_the_recorder_tracks_an_iteration_without_sockets():
 def test_the_recorder_waits_for_the_scheduler_and_scaler():
     _, opt, sched = build()
     scaler = torch.amp.GradScaler("cpu")
-    calls = []
-    rec = StepRecorder(
-        opt,
-        AttachOptions(scheduler=sched, scaler=scaler),
-        on_ready=lambda: calls.append("ready"),
-        on_skipped=lambda: calls.append("skipped"),
-    )
+    rec = StepRecorder(opt, AttachOptions(scheduler=sched, scaler=scaler))
+    assert list(inspect.signature(StepRecorder).parameters) == ["optimizer", "options"]  # nothing to call back
     rec.start(0, 1)
     k, sent = rec.advance()
-    rec.record(k, sent, True, None, None, [], rank=1)
-    rec.stepped("scaler")
-    rec.stepped("scheduler")
-    assert calls == ["ready"]  # once per step until the loop shows otherwise
-    assert rec.take_pending().iteration == 1
-    calls.clear()
+    first = rec.record(k, sent, True, None, None, [], rank=1)
+    assert rec.take_ready() is None and rec.pending is first  # it waits, pending
+    assert rec.stepped("scaler") is None and rec.take_ready() is None
+    assert rec.stepped("scheduler") is None  # once per step until the loop shows otherwise
+    assert rec.take_ready() is first and rec.pending is None
     rec.window_closed()
     k, sent = rec.advance()
-    rec.record(k, sent, True, None, None, [], rank=1)
+    second = rec.record(k, sent, True, None, None, [], rank=1)
     assert not rec.ready and rec.awaiting == {"scheduler", "scaler"}
     rec.stepped("scaler")
-    assert calls == []
+    assert rec.take_ready() is None
     rec.stepped("scheduler")
-    assert calls == ["ready"] and rec.ready
-    rec.skipped_step()
-    assert calls == ["ready", "skipped"]
+    assert rec.ready and rec.take_ready() is second
+    # the scheduler steps once more after that commit left: the recorder says so, nothing else
+    late = rec.stepped("scheduler")
+    assert late.iteration == 2 and "stepped 2 times after optimizer step 2" in late.why
+    assert rec.take_ready() is None
+
+
+class _Socket:
+    """A connection to the coordinator that keeps what is sent on it."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.closed = False
+
+    def send(self, data, flags=0) -> None:
+        self.sent.append(bytes(data))
+
+    def close(self, linger=None) -> None:
+        self.closed = True
+
+
+def _drain(q) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
+def test_an_attachment_runs_the_pipeline_with_the_sender_it_is_given(world1):
+    """No session, no sockets: the attachment is built with a handshake answer and a sender
+    factory, its bucket handler stages what DDP reduces, and its step drives the recorder
+    and queues the commit the recorder hands back once the scheduler has stepped."""
+    import msgpack
+
+    from shadow.wire import messages as M
+    from trainer_hooks.session.handshake import Handshake
+    from trainer_hooks.session.items import CommitItem, GradItem
+    from trainer_hooks.session.recovery import ErrorLatch
+    from trainer_hooks.session.sender import Sender
+    from trainer_hooks.session.target import Target
+
+    model, opt, sched = build()
+    ddp = DDP(model)
+    target = Target.of(ddp, opt, exact=True)
+    total = target.layout.total
+    reply = {"epoch": 3, "job_id": 7, "workers": [{"start": 0, "stop": total, "data": "tcp://127.0.0.1:9"}]}
+    answer = Handshake.from_reply("tcp://127.0.0.1:8", 0, reply)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        answer.epoch = 4  # the answer is fixed for the epoch
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(Sender(*args, **kwargs))  # never started: its queue is what the test reads
+        return made[-1]
+
+    options = AttachOptions(scheduler=sched)
+    rec, dealer = StepRecorder(opt, options), _Socket()
+    att = Attachment(target, answer, options, ErrorLatch(), rec, dealer, sender_factory=factory)
+    rec.start(0, len(answer.shards))
+    assert made == [att.sender] and att.sender.endpoints == ["tcp://127.0.0.1:9"] and att.sender.epoch == 3
+    assert "sender_class" not in vars(Attachment)
+    slot = HookSlot.of(ddp)
+    slot.bind(att.on_bucket, None, None)
+    try:
+        torch.manual_seed(1)
+        x, y = torch.randint(0, 37, (4, 6)), torch.randint(0, 37, (4,))
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        att.before_step()
+        att.read_probes()
+        opt.step()
+        att.after_step(False)
+    finally:
+        slot.unbind(att.on_bucket)
+    grads = _drain(att.sender.q)
+    assert grads and all(isinstance(i, GradItem) and i.iteration == 1 for i in grads)
+    assert rec.pending is not None and rec.pending.iteration == 1  # waits for the scheduler
+    sched.step()
+    att.stepped("scheduler")
+    (item,) = _drain(att.sender.q)
+    assert isinstance(item, CommitItem) and item.iteration == 1 and rec.pending is None
+    ring = att.ring.array
+    probed = {(pidx, elem): ring[g.ring_off + pos] for g in grads for pos, pidx, elem in g.probes}
+    _, (body,) = item.make(probed)  # what the sender thread does: the probed gradients check out
+    replay = msgpack.unpackb(body, raw=False)["replay"]
+    assert replay["iteration"] == 1 and replay["sent"] == sum(g.nelem for g in grads) and not replay["skip_step"]
+    att.close(wait=False)
+    assert dealer.closed and M.decode(dealer.sent[-1])["t"] == "detach" and att.ring is None
+
+
+def test_fault_injection_is_a_sender_factory_and_patches_nothing():
+    """``testing.faults`` hands sessions a factory of faulty senders (through a context
+    variable a session reads when built); no class attribute changes, and the faulty
+    sender's data channels are the ones it was given, wrapped."""
+    from shadow.tuning import Tuning
+    from trainer_hooks import testing
+    from trainer_hooks.session.items import NoEvents
+    from trainer_hooks.session.sender import SENDER_FACTORY, Sender
+
+    before = dict(vars(Attachment)), dict(vars(Sender))
+    assert SENDER_FACTORY.get() is Sender
+    opened = []
+
+    def channels(ctx, endpoints, hwm, curve):
+        opened.append((list(endpoints), hwm))
+        return object()
+
+    with testing.faults(net="drop=1.0,seed=5") as factory:
+        assert SENDER_FACTORY.get() is factory
+        s = factory(
+            None,
+            None,
+            ["tcp://127.0.0.1:9"],
+            None,
+            job_id=7,
+            epoch=3,
+            rank=0,
+            world=1,
+            layout_hash=9,
+            events=NoEvents(),
+            tuning=Tuning(),
+            channels=channels,
+        )
+        assert isinstance(s, testing.FaultySender) and s.net is not None and s.die_at is None
+        data = s.open_data(["tcp://127.0.0.1:9"])
+        assert isinstance(data, testing.FaultyDataSender) and data.net is s.net and len(opened) == 1
+        s.net = None  # switched off on a live sender
+        assert data.net is None
+    assert SENDER_FACTORY.get() is Sender
+    assert (dict(vars(Attachment)), dict(vars(Sender))) == before
+    with pytest.raises(ValueError, match="unknown fault 'jam'"):
+        testing.sender_factory(net="jam=1")
+    assert testing.sender_factory(die_at="4:2").keywords == {"net_spec": None, "die_at": (4, 2)}
 
 
 @pytest.mark.parametrize(

@@ -195,7 +195,8 @@ def test_the_table_reaches_the_workers_not_status_or_manifests(world1, tmp_path)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="sqrt")
-        assert session.attachment.optim_desc["impl"] == "single" and session.attachment.optim_desc["bit_exact"]
+        desc = session.attachment.target.optim_desc
+        assert desc["impl"] == "single" and desc["bit_exact"]
         for it in range(1, 5):
             train_step(ddp, opt, sched, it)
         assert session.close() == 4

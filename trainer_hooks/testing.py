@@ -3,8 +3,12 @@ fault matrix, and anyone who wants to see the shadow survive): nothing here is i
 by the production modules, and nothing in them checks for faults.
 
 :func:`inject` (or :func:`inject_from_env`, which reads ``SHADOW_FAULT_NET`` and
-``SHADOW_FAULT_DIE_AT``) makes every attachment opened afterwards in this process send
-through a :class:`FaultySender`; :func:`faults` does the same for a ``with`` block.
+``SHADOW_FAULT_DIE_AT``) makes every session attached afterwards in this thread (and its
+resyncs) send through a :class:`FaultySender`; :func:`faults` does the same for the
+sessions attached inside a ``with`` block. Neither patches anything: the faulty sender
+reaches a session as its sender factory, through the context variable
+:data:`~trainer_hooks.session.sender.SENDER_FACTORY` a session reads when it is built, or
+passed directly (``Session(..., sender_factory=testing.sender_factory(net=...))``).
 
 ``net="drop=0.02,dup=0.02,reorder=0.02,truncate=0.02,bitflip=0.02,seed=7,until=30"``
 makes each data message (GRAD, STATE or COMMIT, to one worker) of iterations in
@@ -27,20 +31,31 @@ once k's commit is out. With n at least the iteration's message count nothing is
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
 from collections.abc import Iterator
 
+import zmq
+
 from shadow.testing.faults import FaultyDataSender, NetFaults, parse
 from shadow.transport.send import DataSender
-from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.items import CommitItem
-from trainer_hooks.session.sender import Sender
+from trainer_hooks.session.sender import SENDER_FACTORY, Sender, SenderFactory, zmq_channels
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FaultyDataSender", "FaultySender", "NetFaults", "faults", "inject", "inject_from_env", "parse_die_at"]
+__all__ = [
+    "FaultyDataSender",
+    "FaultySender",
+    "NetFaults",
+    "faults",
+    "inject",
+    "inject_from_env",
+    "parse_die_at",
+    "sender_factory",
+]
 
 
 def parse_die_at(spec: str | None) -> tuple[int, int] | None:
@@ -55,17 +70,22 @@ def parse_die_at(spec: str | None) -> tuple[int, int] | None:
 
 
 class FaultySender(Sender):
-    """A :class:`Sender` whose messages pass through the configured faults (class
-    attributes, set by :func:`inject`); ``net`` may also be set or cleared on a live one."""
+    """A :class:`Sender` whose messages pass through the faults it is built with
+    (``net_spec``, ``die_at``): its data channels are wrapped in a
+    :class:`FaultyDataSender` (passed to :class:`Sender` as its ``channels``); ``net`` may
+    also be set or cleared on a live one."""
 
-    net_spec: str | None = None
-    die_at: tuple[int, int] | None = None
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._net: NetFaults | None = parse(self.net_spec, self.rank)
+    def __init__(self, *args, net_spec: str | None = None, die_at: tuple[int, int] | None = None, **kwargs) -> None:
+        inner = kwargs.pop("channels", zmq_channels)
+        super().__init__(*args, channels=functools.partial(self._open_faulty, inner), **kwargs)
+        self.die_at = die_at
+        self._net: NetFaults | None = parse(net_spec, self.rank)
         self._faulty: FaultyDataSender | None = None
         self._die_sent = 0
+
+    def _open_faulty(self, inner, ctx: zmq.Context, endpoints: list[str], hwm: int, curve) -> DataSender:
+        self._faulty = FaultyDataSender(inner(ctx, endpoints, hwm, curve), self._net)
+        return self._faulty
 
     @property
     def net(self) -> NetFaults | None:
@@ -76,10 +96,6 @@ class FaultySender(Sender):
         self._net = value
         if self._faulty is not None:
             self._faulty.net = value
-
-    def open_data(self, endpoints: list[str]) -> DataSender:
-        self._faulty = FaultyDataSender(super().open_data(endpoints), self._net)
-        return self._faulty
 
     def _send(self, w: int, frames: list, track: bool, iteration: int):
         if self.die_at is not None and iteration == self.die_at[0]:
@@ -97,14 +113,21 @@ class FaultySender(Sender):
             os._exit(137)
 
 
-def inject(net: str | None = None, die_at: str | None = None) -> type[Sender]:
-    """Every attachment opened from now on in this process sends through a
-    :class:`FaultySender` with these faults; returns the class it installed."""
-    cls = type("FaultySender", (FaultySender,), {"net_spec": net or None, "die_at": parse_die_at(die_at)})
+def sender_factory(net: str | None = None, die_at: str | None = None) -> SenderFactory:
+    """A sender factory (for ``Session(sender_factory=...)``) making :class:`FaultySender`
+    with these faults; a malformed spec fails here, not in a sender thread."""
     if net:
-        parse(net, 0)  # a malformed spec fails here, not in a sender thread
-    Attachment.sender_class = cls
-    return cls
+        parse(net, 0)
+    return functools.partial(FaultySender, net_spec=net or None, die_at=parse_die_at(die_at))
+
+
+def inject(net: str | None = None, die_at: str | None = None) -> SenderFactory:
+    """Every session attached from now on in this thread (and every resync of it) sends
+    through a :class:`FaultySender` with these faults; returns the factory it installed
+    (in :data:`~trainer_hooks.session.sender.SENDER_FACTORY`)."""
+    factory = sender_factory(net, die_at)
+    SENDER_FACTORY.set(factory)
+    return factory
 
 
 def inject_from_env() -> bool:
@@ -117,10 +140,12 @@ def inject_from_env() -> bool:
 
 
 @contextlib.contextmanager
-def faults(net: str | None = None, die_at: str | None = None) -> Iterator[type[Sender]]:
-    """:func:`inject` for the attachments opened inside the block."""
-    before = Attachment.sender_class
+def faults(net: str | None = None, die_at: str | None = None) -> Iterator[SenderFactory]:
+    """:func:`inject` for the sessions attached inside the block (their resyncs after it
+    keep the faults: a session reads its sender factory once, when it is built)."""
+    factory = sender_factory(net, die_at)
+    token = SENDER_FACTORY.set(factory)
     try:
-        yield inject(net, die_at)
+        yield factory
     finally:
-        Attachment.sender_class = before
+        SENDER_FACTORY.reset(token)

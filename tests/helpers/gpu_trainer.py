@@ -85,7 +85,8 @@ def main() -> None:
             deadline = time.monotonic() + 60
             while session.committed < it and time.monotonic() < deadline:
                 time.sleep(0.01)
-            torch.save(dict(state(model, opt, sched, scaler, it), optim=session.attachment.optim_desc), out / "live.pt")
+            desc = session.attachment.target.optim_desc
+            torch.save(dict(state(model, opt, sched, scaler, it), optim=desc), out / "live.pt")
             os.kill(os.getpid(), signal.SIGKILL)
     assert session.close() == steps
     torch.save(dict(state(model, opt, sched, scaler, steps), restored=start), out / "final.pt")

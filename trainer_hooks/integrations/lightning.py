@@ -191,7 +191,7 @@ class ShadowCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._consumed = batch_idx + 1
         if self.session is not None and not self.session.closed:
-            self.session.recorder.release(HOLD, self._extra())
+            self.session._release(HOLD, self._extra())  # the commit leaves with the batch's state
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.session is not None:

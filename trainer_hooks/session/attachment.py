@@ -1,7 +1,15 @@
-"""One epoch of a session: the handshake's answer (epoch, workers, shards), the layout it
-was made for, the staging ring, the sender thread and the recovery state. ``open`` makes
-all of them and closes whatever it made if a later part fails; ``close`` releases them
-(the ring too: a closed session holds no staging memory)."""
+"""One epoch of a session: the running pipeline from DDP's reduced buckets to the sender.
+
+An :class:`Attachment` is made for one :class:`~trainer_hooks.session.target.Target` (the
+model and optimizer as laid out) and one :class:`~trainer_hooks.session.handshake.Handshake`
+(the coordinator's answer), both frozen; it owns what runs: the recovery state, the
+staging ring, the copy stream, the bucket plans, the sender thread (made by the sender
+factory it is given) and the session's :class:`StepRecorder`, which it drives and whose
+commits it queues. ``open`` makes all of them and closes whatever it made if a later part
+fails; ``close`` releases them (the ring too: a closed session holds no staging memory).
+
+Per step, everything flows one way: the session's hooks call the attachment, the
+attachment asks the recorder and acts on what it returns; the recorder calls nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import functools
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,67 +25,88 @@ import torch.distributed as dist
 import zmq
 from torch.nn.parallel import DistributedDataParallel
 
-from shadow import sqrttab
 from shadow.choices import Policy
-from shadow.client import LogWaiting, dealer, request
-from shadow.errors import ShadowError
-from shadow.layout import bucket_runs, stripe_bounds
-from shadow.wire import messages as M
-from shadow.wire import tags
-from trainer_hooks import _optim
+from shadow.errors import ShadowUsageError
 from trainer_hooks._extras import ExtrasTracker
-from trainer_hooks._model import build_layout, state_dict_aliases
 from trainer_hooks._restored import RestorePoint
-from trainer_hooks.session import audit, bootstrap, buckets, device
+from trainer_hooks.session import audit, bootstrap, buckets, checks, device, handshake
 from trainer_hooks.session import commit as commit_parts
+from trainer_hooks.session.handshake import Handshake
 from trainer_hooks.session.items import CommitItem, FlushItem, GradItem
 from trainer_hooks.session.options import AttachOptions
-from trainer_hooks.session.recorder import Commit, StepRecorder
+from trainer_hooks.session.recorder import Commit, Stale, StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
-from trainer_hooks.session.sender import Sender
+from trainer_hooks.session.sender import Sender, SenderFactory
 from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
+from trainer_hooks.session.target import Target
 from trainer_hooks.session.transfer import CopyStream
 
 logger = logging.getLogger(__name__)
 
 
-class Attachment:
-    """What one attach made. Built by :meth:`open`, ended by :meth:`close`."""
+def _ring_figures(ring: StagingRing) -> dict[str, float]:
+    return {"blocked_s": ring.blocked_s, "occupancy": ring.occupancy, "high_water": ring.high_water / ring.capacity}
 
-    #: the sender thread's class; ``trainer_hooks.testing`` swaps in a fault-injecting one
-    sender_class: type[Sender] = Sender
+
+@dataclass
+class Figures:
+    """What an attachment counts (kept after ``close``)."""
+
+    hook_s: float = 0.0  # time the hook spent staging, on the thread that runs DDP's callbacks
+    buckets: int = 0  # buckets the hook staged (or tried to)
+    blocked_s: float = 0.0  # waits for the cluster's cut (policy block)
+    ring: dict[str, float] = field(default_factory=lambda: {"blocked_s": 0.0, "occupancy": 0.0, "high_water": 0.0})
+
+
+class Attachment:
+    """The running pipeline of one epoch. Built by :meth:`open`, ended by :meth:`close`."""
 
     def __init__(
         self,
-        model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
-        coordinator: str,
+        target: Target,
+        answer: Handshake,
         options: AttachOptions,
-        base: int,
+        latch: ErrorLatch,
+        recorder: StepRecorder,
+        dealer: zmq.Socket,
+        *,
+        sender_factory: SenderFactory = Sender,
     ) -> None:
-        """The layout and descriptors; no sockets yet (see :meth:`open`)."""
-        self.model, self.optimizer, self.coordinator, self.options = model, optimizer, coordinator, options
-        self.pg = model.process_group
-        self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
-        self.layout, self.params = build_layout(model, optimizer)
-        self.device = device.device_of(self.layout, self.params)
-        self.copier = CopyStream(self.device)  # bucket copies to the ring, off the autograd thread's way
-        self.optim_desc = _optim.describe(optimizer, exact=options.exact)
-        self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.aliases = state_dict_aliases(model)
-        self.base = base
-        self.plans: dict[tuple, buckets.BucketPlan] = {}
+        """The pipeline for ``answer`` over the connection ``dealer`` (given to the sender):
+        recovery state, staging ring and a sender made by ``sender_factory`` (called as
+        :class:`Sender` is), not started yet (:meth:`open` starts it)."""
+        self.target, self.handshake, self.options, self.latch = target, answer, options, latch
+        self.recorder = recorder  # the session's: handed from one attachment to the next
+        self.dealer = dealer  # to the coordinator: the sender's while it runs
+        self.recovery = RecoveryController(
+            latch, target.rank, answer.epoch, options.audit_strict, options.tuning.connect_timeout_s
+        )
+        nbuckets_slack = 16 * 256
+        cap = options.tuning.ring_iterations * (target.layout.total // target.world + nbuckets_slack)
+        self.ring: StagingRing | None = StagingRing(cap, pin=target.device.type == "cuda")  # None once released
+        self.sender: Sender = sender_factory(
+            zmq.Context.instance(),
+            dealer,
+            answer.endpoints,
+            self.ring,
+            job_id=answer.job_id,
+            epoch=answer.epoch,
+            rank=target.rank,
+            world=target.world,
+            layout_hash=target.layout.hash,
+            events=self.recovery,
+            tuning=options.tuning,
+            tags=list(answer.data_tags),
+            curve=answer.curve,
+            token=answer.token,
+        )
+        self.recovery.bind(self.sender, self.ring)
+        self.copier = CopyStream(target.device)  # bucket copies to the ring, off the autograd thread's way
+        self.planner = buckets.Planner(target.layout, target.index, target.rank, target.world, answer.shards)
         self.extras: ExtrasTracker | None = None
-        self.last_emitted = base
-        self.hook_s = 0.0  # time the hook spent staging, on the thread that runs DDP's callbacks
-        self.buckets = 0  # buckets the hook staged (or tried to)
-        self.blocked_s = 0.0
+        self.last_emitted = answer.base
         self.closed = False
-        self.dealer: zmq.Socket | None = None  # to the coordinator: the handshake's, then the sender's
-        self.ring: StagingRing | None = None  # None again once released (close)
-        self.sender: Sender | None = None
-        self._recovery: RecoveryController | None = None
-        self.ring_figures = {"blocked_s": 0.0, "occupancy": 0.0, "high_water": 0.0}
+        self.counts = Figures()
 
     @classmethod
     def open(
@@ -86,130 +116,80 @@ class Attachment:
         coordinator: str,
         options: AttachOptions,
         latch: ErrorLatch,
+        recorder: StepRecorder,
         *,
         iteration: int,
         overwrite: bool = False,
         restored: RestorePoint | None = None,
         carry: tuple | None = None,
+        sender_factory: SenderFactory = Sender,
     ) -> Attachment:
         """Handshake (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), ring, sender, bootstrap of
         iteration ``iteration`` (``carry``: the ``(rng, extra)`` recorded with it when
-        re-attaching mid-run). If any part fails, what was opened is closed."""
-        att = cls(model, optimizer, coordinator, options, iteration)
-        att._handshake(overwrite, restored)
+        re-attaching mid-run); then ``recorder`` starts counting from there. If any part
+        fails, what was opened is closed."""
+        target = Target.of(model, optimizer, options.exact)
+        dealer, answer = handshake.attach(target, coordinator, options, iteration, overwrite, restored)
         try:
-            att._start(latch)
+            att = cls(target, answer, options, latch, recorder, dealer, sender_factory=sender_factory)
+        except BaseException:
+            handshake.detach(dealer, answer, target.rank)
+            raise
+        try:
+            att.sender.start()
             bootstrap.bootstrap(att, carry)
         except BaseException:
             att.close(wait=False)
             raise
+        recorder.start(iteration, len(answer.shards))
         return att
 
-    def _handshake(self, overwrite: bool, restored: RestorePoint | None) -> None:
-        self.ctx: zmq.Context = zmq.Context.instance()
-        self.dealer = dealer(self.ctx, self.coordinator)
-        payload = M.encode(
-            "attach",
-            job=self.options.job,
-            rank=self.rank,
-            world=self.world,
-            layout_hash=self.layout.hash,
-            layout=self.layout.to_dict() if self.rank == 0 else None,
-            optim=self.optim_desc if self.rank == 0 else sqrttab.public(self.optim_desc),  # one table is enough
-            iteration=self.base,
-            overwrite=bool(overwrite),
-            restored=restored.wire() if restored is not None else None,
-        )
-        try:
-            reply = request(
-                self.dealer,
-                self.coordinator,
-                payload,
-                self.options.tuning.connect_timeout_s,
-                ("attached",),
-                interim=LogWaiting(f"rank {self.rank}", self.coordinator),
-            )
-        except BaseException:
-            self.dealer.close(linger=0)
-            self.dealer, self.closed = None, True
-            raise
-        self.epoch, self.job_id, self.workers = reply["epoch"], reply["job_id"], reply["workers"]
-        self.shards = [(w["start"], w["stop"]) for w in self.workers]
-        self.data_tags = data_tags(self.workers, reply.get("keys"))
-        token = reply.get("token")
-        self.token = token if isinstance(token, bytes) else None  # proves this rank to a restarted coordinator
+    # -- step 1: the comm hook (the hook slot routes every bucket here) ----------------------------
+    def on_bucket(self, fut: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
+        """``fut`` reduces ``bucket``: vote beside the last bucket, stage once reduced."""
+        if self.closed:
+            return fut
+        if device.capturing():  # never raise inside DDP: the next step raises it
+            self.latch.set(ShadowUsageError(device.CAPTURE_ERROR))
+            return fut
+        if bucket.is_last():
+            fut = self.recovery.vote(fut, bucket.buffer().device, self.recorder.next, self.target.pg)
+        return fut.then(functools.partial(self._after_reduce, bucket))
 
-    @property
-    def recovery(self) -> RecoveryController:
-        """This epoch's view of the cluster (committed cut, degraded, resyncs, joins); there
-        once :meth:`open` has started the attachment."""
-        if self._recovery is None:
-            raise RuntimeError("the attachment has not been started (Attachment.open starts it)")
-        return self._recovery
+    def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()
+        if self.latch.error is None and self.recovery.degraded is None:
+            t0 = time.perf_counter()
+            try:
+                self.stage(bucket, reduced)
+                if self.target.views:  # the gradients are the bucket: DDP's finish waits (on the device) for the copy
+                    self.fence()
+            except ShadowUsageError as exc:  # never raise into DDP: the next step raises it
+                self.latch.set(exc)
+            except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
+                self.recovery.on_error(exc)
+            self.counts.hook_s += time.perf_counter() - t0
+            self.counts.buckets += 1
+        return reduced
 
-    def _start(self, latch: ErrorLatch) -> None:
-        if self.dealer is None:
-            raise RuntimeError("the attachment has no connection to the coordinator (the handshake comes first)")
-        self._recovery = RecoveryController(
-            latch, self.rank, self.epoch, self.options.audit_strict, self.options.tuning.connect_timeout_s
-        )
-        nbuckets_slack = 16 * 256
-        cap = self.options.tuning.ring_iterations * (self.layout.total // self.world + nbuckets_slack)
-        self.ring = StagingRing(cap, pin=self.device.type == "cuda")
-        self.sender = self.sender_class(
-            self.ctx,
-            self.dealer,
-            [w["data"] for w in self.workers],
-            self.ring,
-            job_id=self.job_id,
-            epoch=self.epoch,
-            rank=self.rank,
-            world=self.world,
-            layout_hash=self.layout.hash,
-            events=self.recovery,
-            tuning=self.options.tuning,
-            tags=self.data_tags,
-            curve=[w.get("mode") == "curve" for w in self.workers],
-            token=self.token,
-        )
-        self.recovery.bind(self.sender, self.ring)
-        self.sender.start()
-
-    # -- the comm hook ---------------------------------------------------------------------------
-    def _plan(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> buckets.BucketPlan:
-        params = bucket.parameters()
-        key = (bucket.index(), reduced.numel(), tuple(id(p) for p in params))
-        plan = self.plans.get(key)
-        if plan is None:
-            base = reduced.data_ptr()
-            slots = []
-            for p, g in zip(params, bucket.gradients(), strict=True):
-                i = self.index.get(id(p))
-                if i is not None:
-                    slots.append(((g.data_ptr() - base) // 4, self.layout.params[i].offset, p.numel(), i))
-            stripe = stripe_bounds(reduced.numel(), self.world)[self.rank]
-            per_worker = bucket_runs([s[:3] for s in slots], stripe, self.shards)
-            runs = [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
-            plan = buckets.BucketPlan(
-                stripe, runs, [sum(n for _, _, n in rs) for rs in runs], buckets.probes(slots, stripe)
-            )
-            self.plans[key] = plan
-        return plan
-
-    def stage(self, bucket: dist.GradBucket, reduced: torch.Tensor, recorder: StepRecorder) -> None:
+    def stage(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
         """Copy this rank's stripe of a reduced bucket into the ring and queue it. The
         copy is queued on the copy stream (after the all-reduce) and never waited for
-        here: the sender waits for its event. The recorder's lock covers bookkeeping
-        only; the wait for ring space (policy block) and the copy run outside it."""
-        with recorder.lock:
-            k = recorder.bucket(bucket.index())
-            plan = self._plan(bucket, reduced)
-        lo, hi = plan.stripe
-        if hi <= lo or not any(plan.counts):
-            return
-        ring, sender = self.ring, self.sender
-        if ring is None or sender is None:
-            raise RuntimeError("a bucket reached an attachment that is not running (not started, or closed)")
+        here: the sender waits for its event. The recorder's lock is taken once, for the
+        bookkeeping (which iteration, the bucket's plan, what it stages); the wait for ring
+        space (policy block) and the copy run outside it."""
+        rec = self.recorder
+        with rec.lock:
+            k = rec.bucket(bucket.index())
+            plan = self.planner.plan(bucket, reduced)
+            lo, hi = plan.stripe
+            if hi <= lo or not any(plan.counts):
+                return
+            probes = plan.pick(k)
+            rec.staged(plan.counts, [(pidx, elem) for _, pidx, elem in probes])
+        ring = self.ring
+        if ring is None:
+            raise RuntimeError("a bucket reached an attachment that is not running (its ring is released)")
         block = self.options.policy is Policy.block
         try:
             off = ring.alloc(hi - lo, self.options.tuning.block_timeout_s if block else 0.0)
@@ -222,32 +202,140 @@ class Attachment:
                 self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
             return
         ready = self.copier.copy(ring.tensor[off : off + hi - lo], reduced[lo:hi])
-        probes = []
-        if plan.probes:
-            n = len(plan.probes)
-            for j in range(min(buckets.SAMPLES_PER_BUCKET, n)):
-                pos, pidx, elem = plan.probes[(k * 7 + j * 13) % n]
-                probes.append((pos - lo, pidx, elem))
-        with recorder.lock:
-            recorder.staged(plan.counts, [(pidx, elem) for _, pidx, elem in probes])
-        sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
+        self.sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
 
     def fence(self) -> None:
         """The current stream waits (on the device) for every bucket copy queued so far:
         before anything may write to DDP's bucket buffers again."""
         self.copier.fence()
 
-    # -- the step ----------------------------------------------------------------------------------
+    # -- step 2: what the loop does to the gradients, and the step ---------------------------------------
+    def clipped(self, scaled: set[int], coef: torch.Tensor) -> None:
+        """torch clipped the gradients of the parameters ``scaled`` (ids) by ``coef``."""
+        self.recorder.clipped_params(scaled, coef, self.target.params)
+
+    def before_step(self) -> None:
+        """The step begins: the previous commit leaves if it has not yet, and the optimizer
+        must still hold the laid-out parameters."""
+        self.recorder.window_closed()
+        self.flush()
+        checks.check_layout(self.target.optimizer, self.target.layout, self.target.params)
+
+    def read_probes(self) -> None:
+        """The gradients as the step will use them, probed (compared by the sender with
+        what was staged)."""
+        self.recorder.read_probes(self.target.params)
+
+    def after_step(self, skip: bool, grad_scale: Any = None, found_inf: Any = None) -> None:
+        """Iteration k is done (``skip``: GradScaler skipped the optimizer): record its
+        commit (sent once the scheduler and scaler have stepped), then wait while this rank
+        is too far ahead of the cluster (policy block); raise what the latch holds."""
+        rec, rank, every = self.recorder, self.target.rank, self.options.audit_every
+        k, sent = rec.advance()
+        sampled = self.audit(k) if every and k % every == 0 and not skip and rank == 0 else None
+        rec.record(k, sent, skip, grad_scale, found_inf, self.target.params, rank, sampled)
+        self._emit(rec.take_ready())
+        self.throttle(k)
+        self.latch.raise_if_set(rank)
+
+    # -- the scheduler and scaler (trainer_hooks.session.observe reports here) ----------------------------
+    @property
+    def next(self) -> int:
+        """The iteration in progress."""
+        return self.recorder.next
+
+    def unscaled(self, inv_scale: Any) -> None:
+        self.recorder.unscaled(inv_scale)
+
+    def skipped_step(self) -> None:
+        """The scaler stepped and the optimizer did not (inf/nan gradients): iteration k
+        happened (its gradients were reduced and sent) but changes nothing."""
+        self.after_step(True)
+
+    def stepped(self, what: str) -> None:
+        """The scheduler or scaler stepped: the pending commit leaves once all have."""
+        stale = self.recorder.stepped(what)
+        if stale is not None:
+            self._stale_schedule(stale)
+        self._emit(self.recorder.take_ready())
+
+    def release(self, what: str, extra: Any = None) -> None:
+        """The hold ``what`` is over (with ``extra``: the extra state the commit carries)."""
+        self.recorder.release(what, extra)
+        self._emit(self.recorder.take_ready())
+
+    def _stale_schedule(self, stale: Stale) -> None:
+        """The scheduler stepped more often than learnt after commit ``k`` left: until the
+        commit of ``k + 1`` lands, a restore of ``k`` gets the scheduler one step behind."""
+        self.latch.shadow_errors += 1
+        logger.error(
+            "rank %d: %s; a restore of iteration %d until iteration %d is committed gets that scheduler state "
+            "(step the scheduler the same number of times per optimizer step)",
+            self.target.rank,
+            stale.why,
+            stale.iteration,
+            stale.iteration + 1,
+        )
+
+    # -- step 3: the next forward --------------------------------------------------------------------------
+    def before_forward(self) -> bool:
+        """The next forward begins: the previous commit leaves, the bucket copies are
+        fenced, and the votes are read. True: every rank resyncs at this boundary (the
+        session re-attaches); replica joins are started here."""
+        self.recorder.window_closed()
+        self.flush()
+        if self.closed:
+            return False
+        self.fence()
+        k = self.recorder.next - 1
+        action = self.recovery.boundary(k)
+        if action == "resync":
+            return True
+        if isinstance(action, int):  # a replica generation
+            self.recovery.start_joins(action, self.recorder.next)
+        return False
+
+    # -- commits ----------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Queue the recorded commit, if any, whatever it still waits for."""
+        self._emit(self.recorder.take_pending())
+
+    def _emit(self, commit: Commit | None) -> None:
+        """Queue ``commit`` (dropped while degraded or once closed: nothing is streamed)."""
+        if commit is None or self.closed or self.recovery.degraded is not None:
+            return
+        self.queue_commit(commit)
+
+    def queue_commit(self, commit: Commit) -> None:
+        """Queue the commit of ``commit.iteration``: rank 0's state and the model state
+        outside the optimizer that changed are copied now (non-blocking); the sender
+        builds the frames per worker (the blob only to the replicas of this rank's shard),
+        after the EXTRA chunks (:mod:`trainer_hooks.session.commit`)."""
+        state, extras = commit_parts.capture(self, commit)
+        self.sender.q.put(
+            CommitItem(commit.iteration, None, functools.partial(commit_parts.build, self, commit, state, extras))
+        )
+        self.last_emitted = commit.iteration
+
+    def capture_extras(self, everything: bool):
+        """Rank 0: copy the model state outside the optimizer that changed (all of it at
+        a bootstrap, which starts a new epoch); sent with the commit."""
+        if everything or self.extras is None:
+            t = self.target
+            self.extras = ExtrasTracker(t.model, t.params, list(self.handshake.workers), self.options.tuning)
+        return self.extras.capture(everything=everything)
+
     def audit(self, k: int) -> tuple:
         """``(plan, gathered values)`` of the divergence audit after step ``k``."""
-        return audit.sample(self.layout, self.params, self.optimizer, self.optim_desc, self.shards, k)
+        t = self.target
+        return audit.sample(t.layout, t.params, t.optimizer, t.optim_desc, list(self.handshake.shards), k)
 
-    def throttle(self, k: int, latch: ErrorLatch) -> None:
+    def throttle(self, k: int) -> None:
         """Policy block: wait while this rank is more than ``SHADOW_MAX_LAG`` iterations
         ahead of the cluster (bounded); policy skip: fall behind instead of waiting."""
         lag = self.options.tuning.max_lag_iterations
-        floor = self.base - 1  # the bootstrap (iteration base) is in flight like any iteration
-        rec = self.recovery
+        floor = self.handshake.base - 1  # the bootstrap (iteration base) is in flight like any iteration
+        rec, latch = self.recovery, self.latch
         if k - max(rec.committed, floor) <= lag or rec.degraded is not None:
             return
         if self.options.policy is Policy.skip:
@@ -264,54 +352,28 @@ class Attachment:
                 lambda: k - max(rec.committed, floor) <= lag or latch.error is not None or rec.degraded is not None,
                 limit,
             )
-        self.blocked_s += time.monotonic() - t0
+        self.counts.blocked_s += time.monotonic() - t0
         if not ok:
             rec.on_error(
                 f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
                 f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {rec.committed}); check "
-                f"`shadow status address={self.coordinator}`"
+                f"`shadow status address={self.handshake.coordinator}`"
             )
 
-    def queue_commit(self, commit: Commit) -> None:
-        """Queue the commit of ``commit.iteration``: rank 0's state and the model state
-        outside the optimizer that changed are copied now (non-blocking); the sender
-        builds the frames per worker (the blob only to the replicas of this rank's shard),
-        after the EXTRA chunks (:mod:`trainer_hooks.session.commit`)."""
-        sender = self.sender
-        if sender is None:
-            raise RuntimeError("a commit reached an attachment that was never started")
-        state, extras = commit_parts.capture(self, commit)
-        sender.q.put(
-            CommitItem(commit.iteration, None, functools.partial(commit_parts.build, self, commit, state, extras))
-        )
-        self.last_emitted = commit.iteration
-
-    def capture_extras(self, everything: bool):
-        """Rank 0: copy the model state outside the optimizer that changed (all of it at
-        a bootstrap, which starts a new epoch); sent with the commit."""
-        if everything or self.extras is None:
-            self.extras = ExtrasTracker(self.model, self.params, self.workers, self.options.tuning)
-        return self.extras.capture(everything=everything)
-
     # -- the end -------------------------------------------------------------------------------------
-    def close(self, wait: bool = True, latch: ErrorLatch | None = None) -> None:
+    def close(self, wait: bool = True) -> None:
         """With ``wait``: flush, then wait (``SHADOW_CLOSE_TIMEOUT_S``) for the cluster to
         commit the last iteration queued. Then stop the sender, detach, release the ring."""
         if self.closed:
             return
-        rec, sender = self._recovery, self.sender
-        if wait and rec is not None and sender is not None and (latch is None or latch.error is None):
+        rec, sender, latch = self.recovery, self.sender, self.latch
+        if wait and sender.ident is not None and latch.error is None:
             done = threading.Event()
             sender.q.put(FlushItem(done))
             done.wait(self.options.tuning.close_timeout_s)
-            cond = latch.cond if latch is not None else threading.Condition()
-            with cond:
-                cond.wait_for(
-                    lambda: (
-                        rec.committed >= self.last_emitted
-                        or rec.degraded is not None
-                        or (latch is not None and latch.error is not None)
-                    ),
+            with latch.cond:
+                latch.cond.wait_for(
+                    lambda: rec.committed >= self.last_emitted or rec.degraded is not None or latch.error is not None,
                     self.options.tuning.close_timeout_s,
                 )
             if rec.committed < self.last_emitted:
@@ -319,63 +381,28 @@ class Attachment:
                     "closing with iteration %d not yet committed (cluster at %d)", self.last_emitted, rec.committed
                 )
         self.closed = True
-        if self.sender is not None and self.sender.ident is not None:
-            self.sender.stop()
-            self.sender.join(timeout=10)
-        if self.dealer is not None:
-            try:
-                self.dealer.send(M.encode("detach", epoch=self.epoch, rank=self.rank), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self.dealer.close(linger=500)
+        if sender.ident is not None:
+            sender.stop()
+            sender.join(timeout=10)
+        handshake.detach(self.dealer, self.handshake, self.target.rank)
         self._release_ring()
 
     def _release_ring(self) -> None:
         ring = self.ring
-        if ring is None or (self.sender is not None and self.sender.is_alive()):
+        if ring is None or self.sender.is_alive():
             return  # a sender that did not stop may still read it
-        self.ring_figures = {
-            "blocked_s": ring.blocked_s,
-            "occupancy": ring.occupancy,
-            "high_water": ring.high_water / ring.capacity,
-        }
-        self.ring = None
-        if self._recovery is not None:
-            self._recovery.ring = None
-        if self.sender is not None:
-            self.sender.ring = None
+        self.counts.ring = _ring_figures(ring)
+        self.ring = self.recovery.ring = self.sender.ring = None
 
     def figures(self) -> dict[str, Any]:
-        """Ring and sender figures (kept once the ring is released)."""
-        ring = self.ring
-        out = (
-            dict(self.ring_figures)
-            if ring is None
-            else {
-                "blocked_s": ring.blocked_s,
-                "occupancy": ring.occupancy,
-                "high_water": ring.high_water / ring.capacity,
-            }
+        """What this attachment counted: hook time and buckets, waits, ring figures (kept
+        once the ring is released), bytes and messages sent."""
+        out = dict(self.counts.ring if self.ring is None else _ring_figures(self.ring))
+        out["blocked_s"] += self.counts.blocked_s
+        out.update(
+            hook_s=self.counts.hook_s,
+            buckets=self.counts.buckets,
+            bytes_out=self.sender.bytes_out,
+            messages_out=self.sender.messages_out,
         )
-        out["blocked_s"] += self.blocked_s
-        out["bytes_out"] = self.sender.bytes_out if self.sender is not None else 0
-        out["messages_out"] = self.sender.messages_out if self.sender is not None else 0
         return out
-
-
-def data_tags(workers: list[dict], keys: list | None) -> list[tags.Tags]:
-    """What this rank tags its frames to each worker with, from the ``attached`` reply: its
-    MAC key per worker on a keyed cluster, checksums on one without keys."""
-    keyed = [w.get("mode") in ("mac", "curve") for w in workers]
-    if not any(keyed):
-        return [tags.PLAIN] * len(workers)
-    if not isinstance(keys, list) or len(keys) != len(workers):
-        sent = len(keys) if isinstance(keys, list) else "no"
-        raise ShadowError(
-            f"the coordinator named {len(workers)} keyed workers but sent {sent} data keys; "
-            "coordinator and trainers must run the same shadow version"
-        )
-    for w, (k, on) in enumerate(zip(keys, keyed, strict=True)):
-        if on and not (isinstance(k, bytes) and len(k) == tags.KEY_SIZE):
-            raise ShadowError(f"the coordinator sent no valid data key for worker {w}; is it the same shadow version?")
-    return [tags.for_key(k) if on else tags.PLAIN for k, on in zip(keys, keyed, strict=True)]

@@ -15,20 +15,21 @@ from trainer_hooks.session.transfer import HostCopy
 
 
 def bootstrap(att, carry: tuple | None) -> None:
-    """Queue iteration ``att.base``: STATE frames of this rank's stripe, then its commit.
-    ``carry`` is the ``(rng, extra)`` the last commit recorded when re-attaching mid-run
-    (resync, ``add_param_group``); without it, what the training loop holds now."""
-    lo, hi = stripe_bounds(att.layout.total, att.world)[att.rank]
-    opt_state = att.optimizer.state
-    sgd = att.optim_desc["kind"] == "sgd"
-    fields = F.state_fields(att.optim_desc)
-    key = _optim.STATE_KEYS[att.optim_desc["kind"]]
-    runs = split(att.shards, lo, hi)
-    sent = [0] * len(att.shards)
+    """Queue iteration ``att.handshake.base``: STATE frames of this rank's stripe, then its
+    commit. ``carry`` is the ``(rng, extra)`` the last commit recorded when re-attaching
+    mid-run (resync, ``add_param_group``); without it, what the training loop holds now."""
+    t, base, shards = att.target, att.handshake.base, list(att.handshake.shards)
+    lo, hi = stripe_bounds(t.layout.total, t.world)[t.rank]
+    opt_state = t.optimizer.state
+    sgd = t.optim_desc["kind"] == "sgd"
+    fields = F.state_fields(t.optim_desc)
+    key = _optim.STATE_KEYS[t.optim_desc["kind"]]
+    runs = split(shards, lo, hi)
+    sent = [0] * len(shards)
     if hi > lo:
         for field in fields:
             data = np.zeros(hi - lo, dtype=np.float32)
-            for spec, p in zip(att.layout.params, att.params, strict=True):
+            for spec, p in zip(t.layout.params, t.params, strict=True):
                 cut = intersect((spec.offset, spec.offset + spec.numel), (lo, hi))
                 if cut is None:
                     continue
@@ -37,18 +38,18 @@ def bootstrap(att, carry: tuple | None) -> None:
                     continue
                 flat = src.detach().reshape(-1)[cut[0] - spec.offset : cut[1] - spec.offset]
                 data[cut[0] - lo : cut[1] - lo] = flat.to("cpu", torch.float32).numpy()
-            att.sender.q.put(StateItem(att.base, field, data, runs))
+            att.sender.q.put(StateItem(base, field, data, runs))
             for w, r in enumerate(runs):
                 sent[w] += sum(n for _, _, n in r)
     steps, has_state = [], []
-    for p in att.params:
+    for p in t.params:
         st = opt_state.get(p, {})
         steps.append(float(st["step"]) if "step" in st else 0.0)
         has_state.append(st.get("momentum_buffer") is not None if sgd else "step" in st)
     replay = {
-        "iteration": att.base,
-        "rank": att.rank,
-        "groups": _optim.wire_groups(att.optimizer),
+        "iteration": base,
+        "rank": t.rank,
+        "groups": _optim.wire_groups(t.optimizer),
         "skipped": [],
         "clip": None,
         "bootstrap": True,
@@ -60,7 +61,7 @@ def bootstrap(att, carry: tuple | None) -> None:
     else:
         extra_state = att.options.extra_state
         rng, extra = _rng.capture(), HostCopy(extra_state() if extra_state is not None else None)
-    att.queue_commit(Commit(att.base, replay, rng, extra, sent))
+    att.queue_commit(Commit(base, replay, rng, extra, sent))
 
 
 def split(shards: list, lo: int, hi: int) -> list[list[tuple[int, int, int]]]:

@@ -27,12 +27,12 @@ from trainer_hooks.session.transfer import HostCopy
 
 def capture(att, commit: Commit) -> tuple[HostCopy | None, Any]:
     """Training thread: ``(rank 0's state, pending extras)`` of ``commit``, copying."""
-    if att.rank != 0:
+    if att.target.rank != 0:
         return None, None
     sched, scaler = att.options.scheduler, att.options.scaler
     state = HostCopy(
         {
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in att.optimizer.param_groups],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in att.target.optimizer.param_groups],
             "scheduler": sched.state_dict() if sched is not None else None,
             "scaler": transfer.scaler_state(scaler),
         }
@@ -71,24 +71,24 @@ def _resolve(commit: Commit, probed: dict, layout) -> dict:
 
 def build(att, commit: Commit, state: HostCopy | None, extras: Any, probed: dict) -> tuple[list, list]:
     """Sender thread: ``(EXTRA items to send first, commit body per worker)``."""
-    k = commit.iteration
-    replay = _resolve(commit, probed, att.layout)
+    k, target, workers = commit.iteration, att.target, att.handshake.workers
+    replay = _resolve(commit, probed, target.layout)
     audits = replay.pop("audit_values", None)
     extra = commit.extra.get() if isinstance(commit.extra, HostCopy) else commit.extra
-    blob_obj: dict = {"rank": att.rank, "world": att.world, "rng": commit.rng, "extra_state": extra}
+    blob_obj: dict = {"rank": target.rank, "world": target.world, "rng": commit.rng, "extra_state": extra}
     if state is not None:
         blob_obj.update(state.get())
-        blob_obj["aliases"] = att.aliases
+        blob_obj["aliases"] = target.aliases
     try:
         blob = _codec.pack(blob_obj)
     except _codec.EncodeError as exc:
         err = ShadowError(f"cannot record iteration {k}: {exc} (check what extra_state returns)")
         raise Refused(str(err)) from err
     items, counts = extras.finish(k) if extras is not None else ([], None)
-    nshards = max(w.get("shard", i) for i, w in enumerate(att.workers)) + 1
+    nshards = max(w.get("shard", i) for i, w in enumerate(workers)) + 1
     bodies = []
-    for w in range(len(att.shards)):
-        owner = att.workers[w].get("shard", w) == att.rank % nshards  # every replica of that shard
+    for w in range(len(att.handshake.shards)):
+        owner = workers[w].get("shard", w) == target.rank % nshards  # every replica of that shard
         rec = dict(replay, sent=commit.sent[w])
         if counts is not None and counts[w]:
             rec["extras"] = counts[w]  # EXTRA chunks sent ahead of this commit

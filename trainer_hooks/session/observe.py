@@ -1,24 +1,42 @@
 """Watching the scheduler and GradScaler step without touching their state: their class is
-swapped for a subclass that tells the owning session's :class:`StepRecorder` (``OWNERS``)
+swapped for a subclass that tells the owning attachment (``OWNERS``, an :class:`Owner`)
 when they step."""
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 from shadow.errors import ShadowError
 from trainer_hooks import _codec
 
-OWNERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+class Owner(Protocol):
+    """What the observed scheduler and GradScaler report to (the current attachment)."""
+
+    @property
+    def next(self) -> int:
+        """The iteration in progress (it moves on when the optimizer steps)."""
+
+    def unscaled(self, inv_scale: Any) -> None:
+        """The GradScaler unscaled the gradients by ``inv_scale`` (a tensor, not read)."""
+
+    def skipped_step(self) -> None:
+        """The GradScaler stepped and the optimizer did not (inf/nan gradients)."""
+
+    def stepped(self, what: str) -> None:
+        """``"scheduler"`` or ``"scaler"`` stepped."""
+
+
+OWNERS: weakref.WeakKeyDictionary[Any, Owner] = weakref.WeakKeyDictionary()
 
 
 @functools.cache
 def observed(cls: type) -> type:
     """A subclass of a scheduler or GradScaler class that tells the owning session when
     it steps (swapped in with ``__class__``: the object's ``state_dict`` stays untouched);
-    it reports to the recorder in ``OWNERS``."""
+    it reports to its owner in ``OWNERS``."""
     methods = _scaler_methods(cls) if hasattr(cls, "unscale_") else _scheduler_methods(cls)
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, **methods})
 
@@ -28,25 +46,25 @@ def _scaler_methods(cls: type) -> dict[str, Any]:
 
     def unscale_(self, optimizer):
         out = cls.unscale_(self, optimizer)  # torch's own checks first (a disabled scaler returns at once)
-        recorder = OWNERS.get(self)
+        owner = OWNERS.get(self)
         scale = getattr(self, "_scale", None)
-        if recorder is not None and getattr(self, "_enabled", True) and scale is not None:
-            recorder.unscaled(scale.double().reciprocal().float())  # read later, by the sender
+        if owner is not None and getattr(self, "_enabled", True) and scale is not None:
+            owner.unscaled(scale.double().reciprocal().float())  # read later, by the sender
         return out
 
     def step(self, optimizer, *args, **kwargs):
-        recorder = OWNERS.get(self)
-        before = recorder.next if recorder is not None else None
+        owner = OWNERS.get(self)
+        before = owner.next if owner is not None else None
         out = cls.step(self, optimizer, *args, **kwargs)
-        if recorder is not None and recorder.next == before:
-            recorder.skipped_step()  # inf/nan: the optimizer did not step at all
+        if owner is not None and owner.next == before:
+            owner.skipped_step()  # inf/nan: the optimizer did not step at all
         return out
 
     def update(self, *args, **kwargs):
         out = cls.update(self, *args, **kwargs)
-        recorder = OWNERS.get(self)
-        if recorder is not None:
-            recorder.stepped("scaler")
+        owner = OWNERS.get(self)
+        if owner is not None:
+            owner.stepped("scaler")
         return out
 
     return {"unscale_": unscale_, "step": step, "update": update}
@@ -57,20 +75,20 @@ def _scheduler_methods(cls: type) -> dict[str, Any]:
 
     def step(self, *args, **kwargs):
         out = cls.step(self, *args, **kwargs)
-        recorder = OWNERS.get(self)
-        if recorder is not None:
-            recorder.stepped("scheduler")
+        owner = OWNERS.get(self)
+        if owner is not None:
+            owner.stepped("scheduler")
         return out
 
     return {"step": step}
 
 
-def watch(obj: Any, recorder: Any) -> type:
-    """Swap ``obj``'s class for its observed subclass, reporting to ``recorder``;
+def watch(obj: Any, owner: Owner) -> type:
+    """Swap ``obj``'s class for its observed subclass, reporting to ``owner``;
     returns the original class for :func:`unwatch`."""
     cls: type = type(obj)  # annotated: mypy does not take type[Any] for Hashable (the cache key)
     obj.__class__ = observed(cls)
-    OWNERS[obj] = recorder
+    OWNERS[obj] = owner
     return cls
 
 

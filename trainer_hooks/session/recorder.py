@@ -3,7 +3,8 @@ staged for it (elements per worker, buckets seen, gradient probes), the transfor
 applied (clip coefficient, GradScaler unscale, a skipped step), and, at the step, the
 commit record of iteration k: what the workers need to replay it (hyperparameters as
 used, skipped params, clip and scaler factors) and what a restore needs besides the
-arrays (RNG, extra state). No sockets: the session sends what it records.
+arrays (RNG, extra state). No sockets and no callbacks: the attachment drives it and
+sends what it returns (:meth:`StepRecorder.take_ready`, :meth:`StepRecorder.take_pending`).
 
 Nothing here waits for the device: the clip coefficient, the GradScaler's factors and
 ``found_inf``, the probed gradients and the audit samples stay tensors, copied to the
@@ -13,7 +14,6 @@ sender thread when it builds the commit."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,15 @@ class Commit:
     refusal: str | None = None  # why this iteration cannot be replayed (the sender refuses it)
 
 
+@dataclass(frozen=True)
+class Stale:
+    """The scheduler stepped again after the commit of ``iteration`` left: the scheduler
+    state recorded with it missed that step (``why`` says how)."""
+
+    iteration: int
+    why: str
+
+
 def _scalar(x: Any) -> Any:
     """A recorded factor for a :class:`HostCopy`: a tensor is read as a float32 number."""
     if x is None or not isinstance(x, torch.Tensor):
@@ -56,20 +65,14 @@ class StepRecorder:
 
     The comm hook's thread and the training thread both touch the per-iteration fields:
     the hook holds :attr:`lock` while it stages a bucket (:meth:`bucket`, :meth:`staged`).
-    ``on_ready``: the pending commit may leave (the scheduler and scaler have stepped);
-    ``on_skipped``: GradScaler skipped ``optimizer.step()`` (inf/nan gradients).
+    It calls nothing back: a commit recorded at the step waits as :attr:`pending` until
+    the scheduler and scaler have stepped (:meth:`stepped`) and every hold is released
+    (:meth:`release`); the caller then takes it (:meth:`take_ready`), or takes it anyway
+    at the next forward, step or close (:meth:`take_pending`).
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        options: AttachOptions,
-        *,
-        on_ready: Callable[[], None],
-        on_skipped: Callable[[], None],
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, options: AttachOptions) -> None:
         self.optimizer, self.options = optimizer, options
-        self.on_ready, self.on_skipped = on_ready, on_skipped
         self.lock = threading.Lock()
         self.next = 1  # the iteration in progress
         self.sent: list[int] = []  # elements staged per worker in this iteration
@@ -88,7 +91,6 @@ class StepRecorder:
         self.cadence = 1  # as counted over the last whole window (before one: once per step, the usual)
         self._window = False  # sched_count counts from an optimizer step
         self.early: int | None = None  # iteration whose commit left on a scheduler step, until the window closes
-        self.on_stale: Callable[[int, str], None] | None = None  # that commit's scheduler state was stale
         # what else every commit waits for, by name, until :meth:`release` (a framework's end of batch,
         # where its own checkpoints are taken; the next forward lets it go at the latest)
         self.holds: set[str] = set()
@@ -116,8 +118,10 @@ class StepRecorder:
         return self.next
 
     def staged(self, counts: list[int], samples: list) -> None:
-        """A bucket's stripe was staged: ``counts`` elements per worker, gradient probes
-        ``(param index, element)``."""
+        """A bucket's stripe is staged (in the same hold of the lock as :meth:`bucket`):
+        ``counts`` elements per worker, gradient probes ``(param index, element)``. Should
+        the staging then fail, the attachment stops streaming (degraded) and no commit of
+        this iteration leaves, so nothing counted here is sent."""
         for w, c in enumerate(counts):
             self.sent[w] += c
         self.samples.extend(samples)
@@ -133,6 +137,24 @@ class StepRecorder:
                 "coefficient per iteration: clip once, after the last backward"
             )
         self.clip = coef
+
+    def clipped_params(self, scaled: set[int], coef: Any, params: list) -> None:
+        """torch clipped the gradients of the parameters ``scaled`` (ids) by ``coef``
+        (:mod:`trainer_hooks.session.clipping`); ``params``: the laid-out parameters. A clip
+        of every one of them that has a gradient is recorded, one of some of them refuses
+        the iteration, one of none of them (another model's) is not this recorder's."""
+        with_grad = [p for p in params if p.grad is not None]
+        hit = sum(id(p) in scaled for p in with_grad)
+        if hit == 0:
+            return  # another model's parameters
+        if hit != len(with_grad):
+            self.refuse(
+                f"clip_grad_norm_ scaled {hit} of the {len(with_grad)} attached parameters that have gradients in "
+                f"iteration {self.next}; the shadow replays one clip coefficient for all of them: clip "
+                "model.parameters() (or the optimizer's parameters) in one call"
+            )
+            return
+        self.clipped(coef)
 
     def refuse(self, why: str) -> None:
         """Iteration ``next`` cannot be replayed: its commit is refused (nothing of it is
@@ -214,43 +236,51 @@ class StepRecorder:
         """The pending commit may leave: the scheduler and scaler (if any) have stepped."""
         return not self.awaiting
 
+    def take_ready(self) -> Commit | None:
+        """The pending commit, taken, once it may leave (:attr:`ready`); None while it waits
+        (it stays pending) or when none is pending."""
+        return self.take_pending() if self.ready else None
+
     def take_pending(self) -> Commit | None:
+        """The pending commit, taken whatever it still waits for (the next forward, step or
+        close lets it go); None when none is pending."""
         pending, self.pending = self.pending, None
         return pending
 
     # -- the observers (trainer_hooks.session.observe) ----------------------------------------------
-    def stepped(self, what: str) -> None:
-        """The scheduler or scaler stepped: once all have, the pending commit leaves.
+    def stepped(self, what: str) -> Stale | None:
+        """The scheduler or scaler stepped: once all have, the pending commit may leave
+        (:meth:`take_ready`).
 
         The scheduler counts as stepped once it has stepped as often as it did per optimizer
         step in the last whole window (once, until a window was counted; a scheduler stepped
         every other iteration, or per epoch: the commit leaves when the next forward or step
         begins).
         A scheduler that steps again after its commit left early made that commit's
-        scheduler state stale: ``on_stale`` says so."""
+        scheduler state stale: the :class:`Stale` returned says so (else None)."""
         if what == "scheduler":
             self.sched_count += 1
             if self.pending is None:
-                if self.early is not None and self.on_stale is not None:
+                if self.early is not None:
                     k, self.early = self.early, None
-                    self.on_stale(
+                    return Stale(
                         k,
                         f"the scheduler stepped {self.sched_count} times after optimizer step {k} (it had stepped "
                         f"{self.cadence} times per step): the state recorded with iteration {k} missed the last",
                     )
-                return
+                return None
             if not self.cadence or self.sched_count < self.cadence:
-                return
+                return None
         self.awaiting.discard(what)
-        if not self.awaiting:
-            if "scheduler" in self.options.observed and self.pending is not None:
-                self.early = self.pending.iteration
-            self.on_ready()
+        if not self.awaiting and "scheduler" in self.options.observed and self.pending is not None:
+            self.early = self.pending.iteration
+        return None
 
     def release(self, what: str, extra: Any = None) -> None:
-        """The hold ``what`` (one of :attr:`holds`) is over for the pending commit; with
-        ``extra``, the commit carries that extra state instead of what was recorded at the
-        step (the framework's loop state as it stands at the end of the batch)."""
+        """The hold ``what`` (one of :attr:`holds`) is over for the pending commit (once
+        nothing else holds it, it may leave: :meth:`take_ready`); with ``extra``, the
+        commit carries that extra state instead of what was recorded at the step (the
+        framework's loop state as it stands at the end of the batch)."""
         if self.pending is None or what not in self.awaiting:
             return
         if extra is not None:
@@ -259,16 +289,10 @@ class StepRecorder:
             if self.last_record is not None:
                 self.last_record = (self.last_record[0], copy)
         self.awaiting.discard(what)
-        if not self.awaiting:
-            if "scheduler" in self.options.observed:
-                self.early = self.pending.iteration  # a scheduler step from here on comes too late for it
-            self.on_ready()
+        if not self.awaiting and "scheduler" in self.options.observed:
+            self.early = self.pending.iteration  # a scheduler step from here on comes too late for it
 
     def window_closed(self) -> None:
         """The next forward or step began: a scheduler step from now on belongs to the next
         iteration's state."""
         self.early = None
-
-    def skipped_step(self) -> None:
-        """The scaler stepped and the optimizer did not: iteration ``next`` was skipped."""
-        self.on_skipped()

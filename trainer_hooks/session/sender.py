@@ -12,17 +12,23 @@ What it hears and what goes wrong reaches the session through one :class:`Sender
 object (the session's ``RecoveryController``).
 
 Messages leave through a :class:`shadow.transport.send.DataSender` (one ordered channel
-per worker), opened by :meth:`Sender.open_data`. Fault injection wraps from the outside
-(``trainer_hooks.testing``): a ``FaultyDataSender`` around the channels, and a sender
-subclass overriding :meth:`Sender._send` and :meth:`Sender._send_commit` to die mid-step.
+per worker), opened on the sender's thread by the ``channels`` function it is given
+(:func:`zmq_channels` unless told otherwise). An attachment makes its sender with the
+sender factory it is given (:class:`Sender` unless told otherwise; a session passes the
+one it was built with, by default :data:`SENDER_FACTORY`'s in the context that built it).
+Fault injection wraps from the outside through these two (``trainer_hooks.testing``): a
+``FaultyDataSender`` around the channels, and a sender subclass overriding
+:meth:`Sender._send` and :meth:`Sender._send_commit` to die mid-step.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -46,6 +52,14 @@ from trainer_hooks.session.items import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: opens the channels to the workers: ``(context, endpoints, send high-water mark, curve per worker)``
+Channels = Callable[[zmq.Context, list[str], int, list[bool] | None], DataSender]
+
+
+def zmq_channels(ctx: zmq.Context, endpoints: list[str], hwm: int, curve: list[bool] | None) -> DataSender:
+    """One ZeroMQ PUSH socket per worker (CURVE where ``curve`` says so)."""
+    return ZmqDataSender(ctx, endpoints, hwm, curve)
 
 
 class Sender(threading.Thread):
@@ -74,12 +88,14 @@ class Sender(threading.Thread):
         tags: list[Tags] | None = None,
         curve: list[bool] | None = None,
         token: bytes | None = None,
+        channels: Channels = zmq_channels,
     ) -> None:
         """``tags``: per worker, what this rank's frames to it are tagged with (its MAC key of
         the worker's configuration on a keyed cluster; default: checksums); ``curve``: per
         worker, whether its data socket takes CURVE (default: where this process has keys);
         ``token``: this rank's, from its ``attached`` (its heartbeats carry it, so that a
-        restarted coordinator takes this connection for the rank)."""
+        restarted coordinator takes this connection for the rank); ``channels``: opens the
+        data channels (on this thread, when it runs)."""
         super().__init__(name=f"shadow-sender-r{rank}", daemon=True)
         self.q: queue.Queue = queue.Queue()
         self.ctx, self.dealer, self.endpoints, self.ring = ctx, dealer, endpoints, ring
@@ -100,6 +116,7 @@ class Sender(threading.Thread):
         self.probed: dict[int, dict] = {}  # iteration -> {(param, element): value staged}
         self.refused: int | None = None  # a refused commit: nothing of this iteration or later leaves
         self.token = token
+        self.channels = channels
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self) -> None:
@@ -151,9 +168,8 @@ class Sender(threading.Thread):
         self.q.put("stop")
 
     def open_data(self, endpoints: list[str]) -> DataSender:
-        """The channels to the workers, opened on this thread (fault injection overrides
-        this to wrap them)."""
-        return ZmqDataSender(self.ctx, endpoints, self.tuning.sndhwm_messages, self.curve)
+        """The channels to the workers, opened on this thread by :attr:`channels`."""
+        return self.channels(self.ctx, endpoints, self.tuning.sndhwm_messages, self.curve)
 
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
@@ -330,3 +346,11 @@ class Sender(threading.Thread):
                 self.events.on_degraded(msg["reason"])
             elif msg["t"] == "error":  # never raised into training: the session degrades and counts it
                 self.events.on_error(ShadowError(f"shadow coordinator: {msg['message']}"))
+
+
+#: makes an attachment's sender, called as :class:`Sender` is (a subclass, or a function)
+SenderFactory = Callable[..., Sender]
+
+#: the sender factory of the sessions built in this context when none is passed to them
+#: (``trainer_hooks.testing`` sets a fault-injecting one, and resets it)
+SENDER_FACTORY: contextvars.ContextVar[SenderFactory] = contextvars.ContextVar("shadow_sender_factory", default=Sender)

@@ -6,21 +6,25 @@ Call order (what runs where):
    (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), bootstrap state streamed to the workers
    (:meth:`Attachment.open`).
 1. backward: the model's hook slot all-reduces each bucket exactly as DDP's default does,
-   then the session's bucket handler queues the copy of this rank's stripe into the
+   then the attachment's bucket handler queues the copy of this rank's stripe into the
    staging ring (on CUDA: non-blocking, on a copy stream, after the all-reduce) and queues
    the slot for the sender, which waits for the copy. It never blocks on the network or
    the device; it waits for ring space at most ``SHADOW_BLOCK_TIMEOUT_S``.
-2. ``optimizer.step()``: the pre-step hook raises any latched error and copies the probed
-   gradients (non-blocking); the post-step hook has the :class:`StepRecorder` record the
-   commit (hyperparameters as used, skipped params; clip coefficient, GradScaler factors
-   and ``found_inf`` copied non-blocking; RNG, extra state), which leaves once the
-   scheduler has stepped; the sender reads what was copied, checks the probed gradients
-   and frames it. Then the step waits while this rank is more than ``SHADOW_MAX_LAG``
-   iterations ahead of the cluster (policy block).
+2. ``optimizer.step()``: the pre-step hook raises any latched error and has the
+   attachment copy the probed gradients (non-blocking); the post-step hook has the
+   attachment record the commit with its :class:`StepRecorder` (hyperparameters as used,
+   skipped params; clip coefficient, GradScaler factors and ``found_inf`` copied
+   non-blocking; RNG, extra state), which leaves once the scheduler has stepped; the
+   sender reads what was copied, checks the probed gradients and frames it. Then the step
+   waits while this rank is more than ``SHADOW_MAX_LAG`` iterations ahead of the cluster
+   (policy block).
 3. ``close``: flush, wait for the last commit (``SHADOW_CLOSE_TIMEOUT_S``), detach.
 
-A resync or :meth:`Session.add_param_group` closes the current attachment and opens a
-new one at the same iteration boundary; the session, its hooks and its recorder stay.
+The session holds the options, the error latch, the hooks, the step recorder and the
+current attachment; every hook hands its event to the attachment, which runs the
+pipeline and drives the recorder (which calls nothing back). A resync or
+:meth:`Session.add_param_group` closes the current attachment and opens a new one at the
+same iteration boundary, handing it the same recorder; the session and its hooks stay.
 """
 
 from __future__ import annotations
@@ -38,15 +42,34 @@ from torch.nn.parallel import DistributedDataParallel
 from shadow.errors import ShadowUsageError
 from trainer_hooks import _metrics
 from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks.session import checks, clipping, device, observe
+from trainer_hooks.session import clipping, device, observe
 from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.hook import HookSlot
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
+from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
 from trainer_hooks.session.transfer import HostCopy
 
 logger = logging.getLogger(__name__)
+
+
+def _checked(ddp_model: Any, options: AttachOptions | None, option_values: dict[str, Any]) -> AttachOptions:
+    """The session's options (given, or built from keywords), and its model checked."""
+    if options is not None and option_values:
+        raise TypeError(
+            f"pass the options either as an AttachOptions or as keywords, not both "
+            f"(got options= and {sorted(option_values)})"
+        )
+    options = AttachOptions(**option_values) if options is None else options
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
+            f"reduced gradient buckets); got {type(ddp_model).__name__}"
+        )
+    if not isinstance(options, AttachOptions):
+        raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
+    return options
 
 
 class Session:
@@ -61,23 +84,15 @@ class Session:
         *,
         iteration: int | None = None,
         overwrite: bool = False,
+        sender_factory: SenderFactory | None = None,
         **option_values: Any,
     ) -> None:
         """Prefer :func:`trainer_hooks.attach`. ``options``, or the same values as keywords
-        (``scheduler=``, ``job=``, ...: the fields of :class:`AttachOptions`)."""
-        if options is not None and option_values:
-            raise TypeError(
-                f"pass the options either as an AttachOptions or as keywords, not both "
-                f"(got options= and {sorted(option_values)})"
-            )
-        options = AttachOptions(**option_values) if options is None else options
-        if not isinstance(ddp_model, DistributedDataParallel):
-            raise TypeError(
-                "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
-                f"reduced gradient buckets); got {type(ddp_model).__name__}"
-            )
-        if not isinstance(options, AttachOptions):
-            raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
+        (``scheduler=``, ``job=``, ...: the fields of :class:`AttachOptions`).
+        ``sender_factory``: makes each attachment's sender thread (default: the one
+        :data:`~trainer_hooks.session.sender.SENDER_FACTORY` holds in this context, read
+        now and kept for every re-attach)."""
+        options = _checked(ddp_model, options, option_values)
         self.model, self.optimizer, self.coordinator, self.options = ddp_model, optimizer, coordinator, options
         self.pg = ddp_model.process_group
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
@@ -86,8 +101,9 @@ class Session:
         if start < 0:
             raise ValueError(f"iteration must be >= 0, got {start}")
         self.latch = ErrorLatch()
-        self.recorder = StepRecorder(optimizer, options, on_ready=self._emit_pending, on_skipped=self._skipped_step)
-        self.recorder.on_stale = self._stale_schedule
+        # the step recorder lives as long as the session: each attachment drives it for its epoch
+        self.recorder = StepRecorder(optimizer, options)
+        self._sender_factory = SENDER_FACTORY.get() if sender_factory is None else sender_factory
         self.attachment: Attachment | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
@@ -99,7 +115,6 @@ class Session:
             "messages_out": 0,
         }  # figures of closed attachments
         self._first_base = start
-        self._views = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
         self._slot = HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self, options.tuning.metrics_port)
@@ -109,35 +124,37 @@ class Session:
             self.rank,
             coordinator,
             options.job,
-            att.epoch,
+            att.handshake.epoch,
             start,
-            att.optim_desc["impl"],
-            att.layout.total,
-            len(att.shards),
+            att.target.optim_desc["impl"],
+            att.target.layout.total,
+            len(att.handshake.shards),
         )
 
     # -- attachments ----------------------------------------------------------------------------
     def _attach(self, start: int, overwrite: bool, carry: tuple | None) -> None:
-        """Open an attachment at iteration ``start`` and route the hooks to it."""
+        """Open an attachment at iteration ``start`` (handing it the recorder) and route the
+        hooks to it."""
         restored = RESTORED.get(self.optimizer)
         point: RestorePoint | None = restored if restored is not None and restored.iteration == start else None
         if carry is None and point is not None and point.rng is not None:
             # the restored iteration's own RNG and extra state, whatever the loop drew since
             # (restore(defer_rng=True) leaves the RNG alone until apply_rng)
             carry = (point.rng, HostCopy(point.extra_state))
-        self.attachment = Attachment.open(
+        att = self.attachment = Attachment.open(
             self.model,
             self.optimizer,
             self.coordinator,
             self.options,
             self.latch,
+            self.recorder,
             iteration=start,
             overwrite=overwrite,
             restored=point,
             carry=carry,
+            sender_factory=self._sender_factory,
         )
         self.latch.error = None
-        self.recorder.start(start, len(self.attachment.shards))
         self.closed = False
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_step),
@@ -147,8 +164,8 @@ class Session:
             # The forward also fences the bucket copies: the next backward rewrites the buckets
             self.model.register_forward_pre_hook(lambda *_: self._before_forward()),
         ]
-        self._watched = [(obj, observe.watch(obj, self.recorder)) for obj in self.options.observed.values()]
-        self._slot.bind(self._on_bucket, self.options.comm_hook, self.options.comm_state)
+        self._watched = [(obj, observe.watch(obj, att)) for obj in self.options.observed.values()]
+        self._slot.bind(att.on_bucket, self.options.comm_hook, self.options.comm_state)
         clipping.register(self)
 
     @property
@@ -161,20 +178,18 @@ class Session:
 
     def _detach(self, wait: bool) -> None:
         """Close the current attachment and unhook (the slot goes back to reducing only)."""
-        self._emit_pending()
         att = self._att
-        att.close(wait=wait, latch=self.latch)
+        att.flush()
+        att.close(wait=wait)
         for key, value in att.figures().items():
             if key in self._past:
                 self._past[key] += value
-        self._past["hook_s"] += att.hook_s
-        self._past["buckets"] += att.buckets
         self.closed = True
         for h in self._handles:
             h.remove()
         for obj, cls in self._watched:
             observe.unwatch(obj, cls)
-        self._slot.unbind(self._on_bucket)
+        self._slot.unbind(att.on_bucket)
         clipping.unregister(self)
 
     def _resync(self) -> None:
@@ -209,50 +224,19 @@ class Session:
         self.optimizer.add_param_group(group)
         self._attach(self.iteration, overwrite=True, carry=self.recorder.last_record)
 
-    # -- step 1: the comm hook (called by the hook slot) ------------------------------------------
-    def _on_bucket(self, fut: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
-        """``fut`` reduces ``bucket``: vote beside the last bucket, stage once reduced."""
-        att = self.attachment
-        if self.closed or att is None:
-            return fut
-        if device.capturing():  # never raise inside DDP: the next step raises it
-            self.latch.set(ShadowUsageError(device.CAPTURE_ERROR))
-            return fut
-        if bucket.is_last():
-            fut = att.recovery.vote(fut, bucket.buffer().device, self.recorder.next, self.pg)
-        return fut.then(functools.partial(self._after_reduce, att, bucket))
-
-    def _after_reduce(self, att: Attachment, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
-        reduced = fut.value()
-        if self.latch.error is None and att.recovery.degraded is None:
-            t0 = time.perf_counter()
-            try:
-                att.stage(bucket, reduced, self.recorder)
-                if self._views:  # the gradients are the bucket: DDP's finish waits (on the device) for the copy
-                    att.fence()
-            except ShadowUsageError as exc:  # never raise into DDP: the next step raises it
-                self.latch.set(exc)
-            except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
-                att.recovery.on_error(exc)
-            att.hook_s += time.perf_counter() - t0
-            att.buckets += 1
-        return reduced
-
-    # -- step 2: optimizer hooks ------------------------------------------------------------------------
+    # -- the hooks: each hands its event to the current attachment -----------------------------------
     def _pre_step(self, optimizer, args, kwargs) -> tuple | None:
         if self.closed:
             return None
         if device.capturing():
             raise ShadowUsageError(device.CAPTURE_ERROR)
         self.latch.raise_if_set(self.rank)
-        self.recorder.window_closed()
-        self._emit_pending()
         att = self._att
-        checks.check_layout(self.optimizer, att.layout, att.params)
+        att.before_step()
         # torch passes the step's own arguments: (optimizer, closure?) and keywords
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            self.recorder.read_probes(att.params)  # compared by the sender with what was staged
+            att.read_probes()  # compared by the sender with what was staged
             return None
         # optimizer.step(closure) (Lightning, LBFGS-style loops): forward, backward and any
         # clipping run inside the step; the gradients are probed once the closure returns
@@ -264,84 +248,32 @@ class Session:
     def _run_closure(self, closure):
         loss = closure()
         if not self.closed:
-            self.recorder.read_probes(self._att.params)
+            self._att.read_probes()
         return loss
 
     def _clipped(self, scaled: set[int], coef: torch.Tensor) -> None:
         """torch clipped the gradients of the parameters ``scaled`` (ids) by ``coef``
-        (:mod:`trainer_hooks.session.clipping`): record it if they are this session's."""
+        (:mod:`trainer_hooks.session.clipping`): recorded if they are this session's."""
         if self.closed or self.attachment is None:
             return
-        with_grad = [p for p in self._att.params if p.grad is not None]
-        hit = sum(id(p) in scaled for p in with_grad)
-        if hit == 0:
-            return  # another model's parameters
-        if hit != len(with_grad):
-            self.recorder.refuse(
-                f"clip_grad_norm_ scaled {hit} of the {len(with_grad)} attached parameters that have gradients in "
-                f"iteration {self.recorder.next}; the shadow replays one clip coefficient for all of them: clip "
-                "model.parameters() (or the optimizer's parameters) in one call"
-            )
-            return
-        self.recorder.clipped(coef)
+        self.attachment.clipped(scaled, coef)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         if self.closed:
             return
-        k, sent = self.recorder.advance()
         # a fused optimizer under GradScaler skips on the device: found_inf is read by the sender
-        grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
-        self._record(k, sent, False, grad_scale, found_inf)
-
-    def _skipped_step(self) -> None:
-        """GradScaler found inf/nan and did not call the optimizer: iteration k happened
-        (gradients were reduced and sent) but changes nothing (the recorder reports it)."""
-        k, sent = self.recorder.advance()
-        self._record(k, sent, True, None, None)
-
-    def _record(self, k: int, sent: list, skip: bool, grad_scale: Any, found_inf: Any) -> None:
-        att, every = self._att, self.options.audit_every
-        audit = att.audit(k) if every and k % every == 0 and not skip and self.rank == 0 else None
-        self.recorder.record(k, sent, skip, grad_scale, found_inf, att.params, self.rank, audit)
-        if self.recorder.ready:
-            self._emit_pending()
-        att.throttle(k, self.latch)
-        self.latch.raise_if_set(self.rank)
-
-    def _stale_schedule(self, k: int, why: str) -> None:
-        """The scheduler stepped more often than learnt after commit ``k`` left: until the
-        commit of ``k + 1`` lands, a restore of ``k`` gets the scheduler one step behind."""
-        self.latch.shadow_errors += 1
-        logger.error(
-            "rank %d: %s; a restore of iteration %d until iteration %d is committed gets that scheduler state "
-            "(step the scheduler the same number of times per optimizer step)",
-            self.rank,
-            why,
-            k,
-            k + 1,
-        )
-
-    def _emit_pending(self) -> None:
-        """Queue the recorded commit, if any (dropped while degraded: nothing is streamed)."""
-        commit = self.recorder.take_pending()
-        att = self.attachment
-        if commit is None or att is None or att.closed or att.recovery.degraded is not None:
-            return
-        att.queue_commit(commit)
+        self._att.after_step(False, getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None))
 
     def _before_forward(self) -> None:
-        self.recorder.window_closed()
-        self._emit_pending()
-        if self.closed:
-            return
-        att = self._att
-        att.fence()
-        k = self.recorder.next - 1
-        action = att.recovery.boundary(k)
-        if action == "resync":
+        if self._att.before_forward():  # every rank resyncs at this boundary
             self._resync()
-        elif isinstance(action, int):  # a replica generation
-            att.recovery.start_joins(action, self.recorder.next)
+
+    def _release(self, hold: str, extra_state: Any = None) -> None:
+        """An integration's hold ``hold`` (one of ``recorder.holds``) is over for the
+        pending commit, which leaves once nothing else holds it; with ``extra_state``, it
+        carries that extra state instead of what was recorded at the step."""
+        if not self.closed:
+            self._att.release(hold, extra_state)
 
     # -- public ---------------------------------------------------------------------------------------------
     def clip_grad_norm_(
@@ -401,22 +333,22 @@ class Session:
     @property
     def epoch(self) -> int:
         """The cluster's epoch for this job (a new one at every resync or re-attach)."""
-        return self._att.epoch
+        return self._att.handshake.epoch
 
     @property
     def job_id(self) -> int:
         """The cluster's id for this job (in every data frame header)."""
-        return self._att.job_id
+        return self._att.handshake.job_id
 
     @property
     def layout(self):
         """The flat layout of the optimizer's parameters the cluster holds."""
-        return self._att.layout
+        return self._att.target.layout
 
     @property
     def base(self) -> int:
         """The iteration the current attachment started at."""
-        return self._att.base
+        return self._att.handshake.base
 
     @property
     def sender(self):
@@ -440,7 +372,7 @@ class Session:
         def total(key: str, current: float) -> float:
             return self._past[key] + (current if live else 0)
 
-        hook_s, buckets = total("hook_s", att.hook_s), total("buckets", att.buckets)
+        hook_s, buckets = total("hook_s", fig["hook_s"]), total("buckets", fig["buckets"])
         return {
             "hook_s": hook_s,
             "buckets": buckets,

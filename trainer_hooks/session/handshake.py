@@ -1,0 +1,128 @@
+"""The attach handshake and its answer: what the coordinator granted one epoch (the epoch,
+the job's id, the workers with their ranges and data sockets, this rank's data keys and
+token). The answer is a frozen :class:`Handshake`, apart from the running pipeline that
+uses it (:class:`~trainer_hooks.session.attachment.Attachment`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import zmq
+
+from shadow import sqrttab
+from shadow.client import LogWaiting, dealer, request
+from shadow.errors import ShadowError
+from shadow.wire import messages as M
+from shadow.wire import tags
+from trainer_hooks._restored import RestorePoint
+from trainer_hooks.session.options import AttachOptions
+from trainer_hooks.session.target import Target
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """The coordinator's ``attached`` answer for iteration ``base``: fixed for the epoch."""
+
+    coordinator: str  # the address it answered at
+    base: int  # the iteration attached at (bootstrapped from this rank's state)
+    epoch: int
+    job_id: int  # in every data frame header
+    workers: tuple[dict, ...]  # per worker: start, stop, data endpoint, mode, shard
+    shards: tuple[tuple[int, int], ...]  # per worker: the flat range it holds
+    data_tags: tuple[tags.Tags, ...]  # per worker: what this rank tags its frames to it with
+    token: bytes | None  # proves this rank to a restarted coordinator
+
+    @classmethod
+    def from_reply(cls, coordinator: str, base: int, reply: dict) -> Handshake:
+        """The answer in ``reply`` (an ``attached`` message); a keyed cluster's missing or
+        malformed data keys are a :class:`ShadowError`."""
+        workers = tuple(reply["workers"])
+        token = reply.get("token")
+        return cls(
+            coordinator=coordinator,
+            base=base,
+            epoch=reply["epoch"],
+            job_id=reply["job_id"],
+            workers=workers,
+            shards=tuple((w["start"], w["stop"]) for w in workers),
+            data_tags=tuple(data_tags(list(workers), reply.get("keys"))),
+            token=token if isinstance(token, bytes) else None,
+        )
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Each worker's data socket."""
+        return [w["data"] for w in self.workers]
+
+    @property
+    def curve(self) -> list[bool]:
+        """Per worker: whether its data socket takes CURVE."""
+        return [w.get("mode") == "curve" for w in self.workers]
+
+
+def attach(
+    target: Target,
+    coordinator: str,
+    options: AttachOptions,
+    base: int,
+    overwrite: bool,
+    restored: RestorePoint | None,
+) -> tuple[zmq.Socket, Handshake]:
+    """Ask ``coordinator`` to attach ``target`` at iteration ``base`` (bounded by
+    ``SHADOW_CONNECT_TIMEOUT_S``): the connection (a DEALER, for the sender from now on)
+    and the answer. If the request or its answer fails, the connection is closed."""
+    sock = dealer(zmq.Context.instance(), coordinator)
+    rank0 = target.rank == 0
+    payload = M.encode(
+        "attach",
+        job=options.job,
+        rank=target.rank,
+        world=target.world,
+        layout_hash=target.layout.hash,
+        layout=target.layout.to_dict() if rank0 else None,
+        optim=target.optim_desc if rank0 else sqrttab.public(target.optim_desc),  # one table is enough
+        iteration=base,
+        overwrite=bool(overwrite),
+        restored=restored.wire() if restored is not None else None,
+    )
+    try:
+        reply = request(
+            sock,
+            coordinator,
+            payload,
+            options.tuning.connect_timeout_s,
+            ("attached",),
+            interim=LogWaiting(f"rank {target.rank}", coordinator),
+        )
+        return sock, Handshake.from_reply(coordinator, base, reply)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+
+
+def detach(sock: zmq.Socket, handshake: Handshake, rank: int) -> None:
+    """Tell the coordinator this rank leaves ``handshake``'s epoch (best effort), and close
+    the connection (what was queued on it gets half a second)."""
+    try:
+        sock.send(M.encode("detach", epoch=handshake.epoch, rank=rank), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+    sock.close(linger=500)
+
+
+def data_tags(workers: list[dict], keys: list | None) -> list[tags.Tags]:
+    """What this rank tags its frames to each worker with, from the ``attached`` reply: its
+    MAC key per worker on a keyed cluster, checksums on one without keys."""
+    keyed = [w.get("mode") in ("mac", "curve") for w in workers]
+    if not any(keyed):
+        return [tags.PLAIN] * len(workers)
+    if not isinstance(keys, list) or len(keys) != len(workers):
+        sent = len(keys) if isinstance(keys, list) else "no"
+        raise ShadowError(
+            f"the coordinator named {len(workers)} keyed workers but sent {sent} data keys; "
+            "coordinator and trainers must run the same shadow version"
+        )
+    for w, (k, on) in enumerate(zip(keys, keyed, strict=True)):
+        if on and not (isinstance(k, bytes) and len(k) == tags.KEY_SIZE):
+            raise ShadowError(f"the coordinator sent no valid data key for worker {w}; is it the same shadow version?")
+    return [tags.for_key(k) if on else tags.PLAIN for k, on in zip(keys, keyed, strict=True)]
