@@ -2,9 +2,13 @@
 
 * ``session``    -- :class:`Session`: the public handle (options, error latch, hooks);
 * ``options``    -- :class:`AttachOptions`: every option of ``attach``, validated;
-* ``attachment`` -- :class:`Attachment`: one epoch (handshake, ring, sender, bootstrap);
+* ``attachment`` -- :class:`Attachment`: one epoch's running pipeline (ring, sender,
+  bucket handler, the step's commits); it drives the recorder;
+* ``handshake``, ``target`` -- :class:`Handshake` (the coordinator's attach answer) and
+  :class:`Target` (the model and optimizer as laid out): frozen, one per epoch;
 * ``hook``       -- the one DDP comm hook per model, and the slot it reads;
-* ``recorder``   -- :class:`StepRecorder`: per-step bookkeeping -> commit records;
+* ``recorder``   -- :class:`StepRecorder`: per-step bookkeeping -> commit records (it
+  returns them; it calls nothing back);
 * ``recovery``   -- :class:`RecoveryController`: degraded mode, votes, joins (the sender's events);
 * ``staging``, ``sender`` -- the staging ring and the sender thread;
 * ``items``      -- what the session puts on the sender's queue, and :class:`SenderEvents`.
@@ -21,6 +25,8 @@ _EXPORTS = {
     "Session": "session",
     "AttachOptions": "options",
     "Attachment": "attachment",
+    "Handshake": "handshake",
+    "Target": "target",
     "StepRecorder": "recorder",
     "RecoveryController": "recovery",
     "ErrorLatch": "recovery",

@@ -1,9 +1,9 @@
 """One DDP communication hook per model, registered once (DDP takes one hook, for good).
 
 The hook is a plain function; its state is the model's :class:`HookSlot`, which holds the
-user's own hook (if any) and a weak reference to the attached session's bucket handler. It reduces the
-bucket exactly as DDP would (the user's hook, or DDP's built-in all-reduce: sum, divided
-by the world size) and hands the result to the session. With no session attached it is
+user's own hook (if any) and a weak reference to the current attachment's bucket handler. It reduces
+the bucket exactly as DDP would (the user's hook, or DDP's built-in all-reduce: sum, divided
+by the world size) and hands the result to the attachment. With no session attached it is
 only that reduction, so a closed or dropped session leaves nothing behind: DDP does not
 keep its staging ring alive."""
 
@@ -52,7 +52,7 @@ class HookSlot:
         self._route = weakref.WeakMethod(route)
 
     def unbind(self, route: Callable) -> None:
-        """``route``'s session is done: reduce only (the user's hook, if any, stays in use)."""
+        """``route``'s attachment is done: reduce only (the user's hook, if any, stays in use)."""
         if self.route == route:
             self._route = None
 
