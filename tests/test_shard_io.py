@@ -4,7 +4,9 @@ format they replaced."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import posixpath
 
 import numpy as np
 import pytest
@@ -12,10 +14,10 @@ import pytest
 from shadow.config import PersistConfig
 from shadow.errors import CheckpointError, ShadowError
 from shadow.layout import Layout
-from shadow.persist import checkpoints, shardio
+from shadow.persist import checkpoints, retention, shardio
 from shadow.persist.writer import ShardPersister
 from shadow.snapshot import Assembly
-from shadow.storage import storage_for
+from shadow.storage import Storage, storage_for
 from shadow.testing.wait import wait_until
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
@@ -48,12 +50,12 @@ def _write_checkpoint(tmp_path, compress: str):
     finally:
         p.close()
     assert rep.ok, rep.error
-    return root, rep, LAYOUT
+    return root, rep, LAYOUT, state
 
 
 @pytest.mark.parametrize("compress", ["none", "zstd"])
 def test_every_source_reads_the_same_checked_shard(tmp_path, compress):
-    root, rep, layout = _write_checkpoint(tmp_path, compress)
+    root, rep, layout, _ = _write_checkpoint(tmp_path, compress)
     directory = checkpoints.checkpoint_dir(root, "j", 3)
     shard = {
         "index": 0,
@@ -143,3 +145,68 @@ def test_the_commit_messages_keep_the_wire_format():
     # an older worker's report without raw_bytes counts its stored bytes
     old = {k: v for k, v in wire.items() if k != "raw_bytes"}
     assert Persisted.from_msg(old, 0).raw_bytes == 10
+
+
+class _Keys(Storage):
+    """A back end of the five operations only: keys in a dict, directories implied."""
+
+    def __init__(self) -> None:
+        self.url, self.base, self.keys = "keys://", "/k", {}
+
+    def read_into(self, path, out, offset=0):
+        data = self.keys[path][offset : offset + len(out)]
+        out[: len(data)] = data
+        return len(data)
+
+    def write_atomic(self, path, data, parents=False):
+        self.keys[path] = bytes(data)
+
+    def list(self, pattern):
+        names = (
+            set(self.keys)
+            | {posixpath.dirname(k) for k in self.keys}
+            | {posixpath.dirname(posixpath.dirname(k)) for k in self.keys}
+        )
+        return sorted(n for n in names if fnmatch.fnmatchcase(n, pattern) and n.count("/") == pattern.count("/"))
+
+    def rm(self, path, recursive=True):
+        gone = [k for k in self.keys if k == path or (recursive and k.startswith(path.rstrip("/") + "/"))]
+        if not gone:
+            raise FileNotFoundError(path)
+        for k in gone:
+            del self.keys[k]
+
+    def info(self, path):
+        if path in self.keys:
+            return {"name": path, "type": "file", "size": len(self.keys[path])}
+        if any(k.startswith(path.rstrip("/") + "/") for k in self.keys):
+            return {"name": path, "type": "directory", "size": 0}
+        raise FileNotFoundError(path)
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_a_back_end_of_the_five_operations_holds_whole_checkpoints(tmp_path, compress):
+    """Listing, loading (bit for bit), verifying and retention all run on the five
+    operations of the storage interface alone."""
+    root, rep, layout, state = _write_checkpoint(tmp_path, compress)
+    keys = _Keys()
+    for it in (3, 5):
+        src = checkpoints.checkpoint_dir(root, "j", 3)
+        with open(os.path.join(src, rep.file), "rb") as f:
+            keys.write_atomic(keys.join("j", checkpoints.dir_name(it), rep.file), f.read())
+        shard = {"index": 0, "start": 0, "stop": layout.total, "file": rep.file, "bytes": rep.bytes}
+        shard.update(checksum=rep.checksum, blob_ranks=[0], raw_bytes=rep.raw_bytes, compress=compress)
+        m = checkpoints.new_manifest("j", 3, 1, "local", layout.to_dict(), layout.hash, {}, 1, None, None, [shard])
+        m["iteration"] = it
+        checkpoints.write_manifest(keys, "j", it, m)
+    found = checkpoints.list_checkpoints(keys, "local", "j")
+    assert [c.iteration for c in found] == [3, 5]
+    assert checkpoints.verify(found[0]) == []  # iteration 3: the file says 3
+    snap = checkpoints.load(found[0])
+    assert snap.arrays.keys() == set(state.fields())
+    for f, arr in snap.arrays.items():
+        assert np.array_equal(arr, state.array(f))
+    with pytest.raises(CheckpointError, match="another range or iteration"):
+        checkpoints.load(found[1])  # a manifest of 5 over a file of 3 is refused
+    assert len(retention.retain(keys, "j", 1)) == 1
+    assert [c.iteration for c in checkpoints.list_checkpoints(keys, "local", "j")] == [5]

@@ -44,8 +44,10 @@ from shadow.layout import Layout
 from shadow.persist import checkpoints, shardfile, shardguard
 from shadow.persist import disks as disks_mod
 from shadow.persist.manifests import _reading
+from shadow.persist.shardio import StorageFile
 from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.restore.tier import TierSource
+from shadow.storage import storage_for
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
 from shadow.wire import tags
@@ -360,7 +362,7 @@ class ShardCopies:
         def read(c: _Copy) -> tuple[tuple[dict, dict, int, int], int, int]:
             if c.path:
                 self._size_here(c.path)
-                got = shardfile.read_into(c.path, target)
+                got = self._here(c.path).read_into(target)
             else:
                 got = stream_into(c.endpoint, self.job, self.directory, self.shard, target, self.tuning, c.auth)
             return got, got[3], got[2]
@@ -371,12 +373,17 @@ class ShardCopies:
         def read(c: _Copy) -> tuple[bytes, int, int]:
             if c.path:
                 self._size_here(c.path)
-                data = _read_path(c.path)
+                data = self._here(c.path).read_all()
             else:
                 data = read_file(c.endpoint, self.job, self.directory, self.shard, self.tuning, c.auth)
             return data, len(data), xxhash.xxh3_64_intdigest(data)
 
         return self._first(read)
+
+    def _here(self, path: str) -> StorageFile:
+        """The copy at ``path`` on this host, as a source the storage layer vouches for."""
+        d = os.path.dirname(path)
+        return StorageFile(storage_for(d), d, os.path.basename(path), int(self.shard["bytes"]))
 
     def _size_here(self, path: str) -> None:
         size = os.stat(path).st_size
@@ -412,11 +419,6 @@ class ShardCopies:
             if c.path and same_file and c.disk:
                 bad_disks.add(c.disk)
         raise CopiesFailed(self.where, tried)
-
-
-def _read_path(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def disk_id_of(root: str) -> str:

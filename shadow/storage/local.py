@@ -6,7 +6,6 @@ says otherwise), whatever the umask."""
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import os
 import shutil
@@ -19,7 +18,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from shadow.storage import modes
-from shadow.storage.base import Image, Storage
+from shadow.storage.base import Image
+from shadow.storage.remote import FsspecStorage
 
 
 def fsync_dir(path: str) -> None:
@@ -58,21 +58,36 @@ def replacing(
     fsync_dir(d)
 
 
-class LocalStorage(Storage):
+def open_under(root: str, names: tuple[str, ...]) -> int:
+    """Open ``root/names[0]/.../names[-1]`` for reading (a file descriptor), one component
+    at a time, following no link on the way (a linked job or checkpoint directory, or a
+    linked file, is ``OSError``): only what lies under ``root`` itself (a worker's files
+    socket serves its disk's shard files this way)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        for name in names[:-1]:
+            nxt = os.open(name, flags | getattr(os, "O_DIRECTORY", 0), dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(names[-1], flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage(FsspecStorage):
     """A directory on this host (``url``: a path or a ``file://`` URL). What it creates
     gets permissions ``file_mode`` (files) and ``dir_mode`` (directories), whatever the
     umask (:mod:`shadow.storage.modes`); reading needs neither."""
+
+    local = True
 
     def __init__(self, url: str, file_mode: int = modes.FILE_MODE, dir_mode: int = modes.DIR_MODE) -> None:
         self.url = url
         self.file_mode, self.dir_mode = file_mode, dir_mode
         fs, self.base = fsspec.core.url_to_fs(url)  # an absolute POSIX path, as fsspec names it
         assert isinstance(fs, LocalFileSystem), url
-        self._fs = fs
-
-    @property
-    def local(self) -> bool:
-        return True
+        self.fs, self.keys_only = fs, False
 
     def write_atomic(self, path: str, data: bytes, parents: bool = False) -> None:
         # a full disk: no partial file left behind (replacing removes it)
@@ -89,26 +104,8 @@ class LocalStorage(Storage):
             f.seek(offset)
             return f.readinto(out) or 0
 
-    def cat(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self._fs.cat_file(path, start=start, end=end)
-
-    def list(self, pattern: str) -> list[str]:
-        return self._fs.glob(pattern)
-
-    def exists(self, path: str) -> bool:
-        return self._fs.exists(path)
-
-    def isdir(self, path: str) -> bool:
-        return self._fs.isdir(path)
-
-    def info(self, path: str) -> dict:
-        return self._fs.info(path)
-
-    def ls(self, path: str) -> builtins.list[dict]:
-        return self._fs.ls(path, detail=True)
-
     def rm(self, path: str, recursive: bool = True) -> None:
-        self._fs.rm(path, recursive=recursive)  # the local rm takes paths as they are
+        self.fs.rm(path, recursive=recursive)  # the local rm takes paths as they are
 
     def put_file(self, src: str, path: str) -> None:
         with replacing(path, self.file_mode, self.dir_mode) as tmp, open(src, "rb") as f, open(tmp, "wb") as out:

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from shadow.storage.base import Image, Storage
+from shadow.storage.base import Storage
 
 _MAGIC = re.compile(r"[*?[]")
 #: object stores: no directories, only keys; making one would create a missing bucket instead
@@ -46,19 +46,11 @@ class FsspecStorage(Storage):
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,)
         self.keys_only = bool(set(protocols) & _NO_DIRECTORIES)
 
-    @property
-    def local(self) -> bool:
-        return False
-
     def write_atomic(self, path: str, data: bytes, parents: bool = False) -> None:
         if parents:
             self.makedirs(posixpath.dirname(path))
         self.fs.pipe_file(path + ".tmp", data)
         self.move(path + ".tmp", path)
-
-    def write_image(self, path: str, image: Image) -> int:
-        self.write_atomic(path, bytes(image.buf[: image.size]))
-        return image.size
 
     def read_into(self, path: str, out: memoryview, offset: int = 0) -> int:
         with self.fs.open(path, "rb") as f:
@@ -66,6 +58,8 @@ class FsspecStorage(Storage):
             data = f.read(len(out))
         out[: len(data)] = data
         return len(data)
+
+    # the rest of the fsspec file system's own calls, one call each where the defaults make several
 
     def cat(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         return self.fs.cat_file(path, start=start, end=end)
@@ -104,12 +98,3 @@ class FsspecStorage(Storage):
             self.fs.rm_file(src)
         else:
             self.fs.mv(src, dst)
-
-    def shard_file(self, directory: str, name: str, size: int) -> str:
-        path = posixpath.join(directory, name)
-        info = self.fs.info(path)
-        if info.get("type") != "file":
-            raise ValueError(f"{path} is not a regular file (a {info.get('type')})")
-        if info.get("size") is not None and info["size"] != size:
-            raise ValueError(f"{path} is {info['size']} bytes, manifest says {size}")
-        return path

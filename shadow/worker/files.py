@@ -51,6 +51,7 @@ import zmq
 from shadow.jobs import job_name_problem
 from shadow.persist import disks
 from shadow.persist.checkpoints import dir_key
+from shadow.storage.local import open_under
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 from shadow.wire import tags
@@ -107,22 +108,6 @@ def file_problem(job: object, directory: object, name: object) -> str | None:
     if not isinstance(name, str) or not _SHARD.fullmatch(name):
         return f"{name!r:.80} is not a shard file's name"
     return None
-
-
-def _open_under(root: str, names: tuple[str, ...]) -> int:
-    """Open ``root/names[0]/.../names[-1]`` for reading, one component at a time, following
-    no link on the way (a linked job or checkpoint directory, or a linked file, is
-    ``OSError``): only what lies under ``root`` itself is served."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        for name in names[:-1]:
-            nxt = os.open(name, flags | getattr(os, "O_DIRECTORY", 0), dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        return os.open(names[-1], flags, dir_fd=fd)
-    finally:
-        os.close(fd)
 
 
 class FileServer:
@@ -312,7 +297,7 @@ class FileServer:
             return None
         path = os.path.join(root, msg["job"], msg["dir"], msg["file"])
         try:
-            fd = _open_under(root, (msg["job"], msg["dir"], msg["file"]))
+            fd = open_under(root, (msg["job"], msg["dir"], msg["file"]))
         except FileNotFoundError:
             self._error(sock, ident, "refused", f"no such file on this worker's disk: {path}")
             return None
