@@ -206,7 +206,7 @@ def test_a_lost_replica_is_taken_out_and_the_shard_goes_on():
     w1 = sim.state.workers[1]
     w1.last_seen -= 60  # silent for a minute
     sim.coord.tick()
-    assert w1.lost and w1.out and sim.out.last("replica_out", b"t0") == {"epoch": 1, "worker": 1}
+    assert w1.lost and w1.out_of_service and sim.out.last("replica_out", b"t0") == {"epoch": 1, "worker": 1}
     job = sim.state.job
     assert job is not None and job.status == JobStatus.RUNNING
     sim.prepared(b"w0", 1)

@@ -76,7 +76,7 @@ def _view(sim: Sim) -> tuple:
     """What an unauthorised message must not change."""
     job = sim.state.job
     assert job is not None
-    workers = tuple((w.id, w.ident, w.serve, w.data, w.lost, w.out) for w in sim.state.workers)
+    workers = tuple((w.id, w.ident, w.serve, w.data, w.lost, w.out_of_service) for w in sim.state.workers)
     return job.name, job.epoch, job.status, job.cut, dict(job.trainers), set(job.detached), workers
 
 

@@ -244,7 +244,13 @@ class Attach:
         self.persist.reset(first["iteration"])
         st.tokens.clear()
         for w in st.workers:
-            w.configured, w.prepared, w.stale, w.transit, w.out = -1, first["iteration"] - 1, "", "", False
+            w.configured, w.prepared, w.stale, w.undelivered, w.out_of_service = (
+                -1,
+                first["iteration"] - 1,
+                "",
+                "",
+                False,
+            )
             st.new_data_key(w)
             self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, first["iteration"]))
         logger.info(

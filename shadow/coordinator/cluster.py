@@ -129,8 +129,8 @@ class ClusterState:
         return (
             self.alive(w, now)
             and not w.stale
-            and not w.transit
-            and not w.out
+            and not w.undelivered
+            and not w.out_of_service
             and job is not None
             and w.configured == job.epoch
         )
@@ -149,9 +149,9 @@ class ClusterState:
             return Health.LOST
         if self.job is not None and w.id in self.job.joining:
             return Health.JOINING
-        if w.stale or w.transit:
+        if w.stale or w.undelivered:
             return Health.STALE
-        return Health.OUT if w.out else Health.OK
+        return Health.OUT if w.out_of_service else Health.OK
 
     def pending_view(self) -> dict[str, int]:
         """What the held attaches take: job names, ranks, bytes of their messages."""

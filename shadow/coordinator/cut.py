@@ -77,7 +77,7 @@ class Cut:
         st, now = self.state, time.monotonic()
         if st.replicas == 1:
             return st.workers
-        return [x for x in st.workers if not x.out and not x.transit and st.alive(x, now)]
+        return [x for x in st.workers if not x.out_of_service and not x.undelivered and st.alive(x, now)]
 
     def _writers(self, live: list) -> dict[int, int]:
         """Every live replica of a shard writes its own copy, to its own disk (node-local

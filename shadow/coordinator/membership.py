@@ -115,12 +115,12 @@ class Membership:
             w = held
             logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
             w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
-            w.lost, w.stale, w.transit, w.configured = False, "restarted", "", -1
-            w.prepared, w.applied, w.seen, w.seq, w.joined_at = -1, -1, -1, [], now
+            w.lost, w.stale, w.undelivered, w.configured = False, "restarted", "", -1
+            w.prepared, w.applied, w.received, w.seq, w.joined_at = -1, -1, -1, [], now
             self.replicas.cancel_join(w)
             awaiting_copy = self.replicas.start_join(w)
             if not awaiting_copy:
-                w.out = False
+                w.out_of_service = False
                 self.cut.degrade(f"worker {slot} restarted")
         elif w is None:
             if slot < 0:
@@ -179,7 +179,7 @@ class Membership:
         if msg["seq"] != w.seq:  # frames taken (not merely received: rejected ones do not count)
             w.busy_at = w.last_seen
         w.seq = msg["seq"]
-        w.epoch, w.applied, w.seen, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
+        w.epoch, w.applied, w.received, w.stale = msg["epoch"], msg["applied"], msg["seen"], msg["stale"]
         w.observe(w.last_seen, msg["bytes_in"], msg["replay_s"], msg["replayed"])
         w.rejected, w.frames_in, w.bytes_in = msg["rejected"], msg["frames_in"], msg["bytes_in"]
         w.memory = msg.get("memory", -1)
@@ -215,5 +215,5 @@ class Membership:
         if job is not None and msg["epoch"] == job.epoch and job.status != JobStatus.DEGRADED:
             if w.id in job.joining:  # the peer copy failed
                 self.replicas.cancel_join(w)
-                w.out = False
+                w.out_of_service = False
             self.replicas.down(w, f"worker {w.id} is stale ({msg['reason']})")

@@ -39,7 +39,7 @@ def samples(st: ClusterState, persist: Persistence, guard: Any = None) -> Sample
     }
     if job is not None:
         committed = job.cut >= job.base
-        seen = max((w.seen for w in workers), default=-1)
+        seen = max((w.received for w in workers), default=-1)
         out["shadow_job_degraded"] = [((job.name,), 1 if job.status == JobStatus.DEGRADED else 0)]
         out["shadow_job_epoch"] = [((job.name,), job.epoch)]
         if committed:

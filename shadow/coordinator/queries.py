@@ -157,7 +157,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
     """What ``shadow status`` shows: workers (and processes still starting), the job, the
     tiers, what is restorable. Reads only; ``guard`` is the CURVE guard, if any."""
     now, job = time.monotonic(), st.job
-    seen = max((w.seen for w in st.workers), default=-1)
+    seen = max((w.received for w in st.workers), default=-1)
     out: dict[str, Any] = {
         "expected_workers": st.expected,
         "replicas": st.replicas,
@@ -182,10 +182,10 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
                 "stop": job.ranges[w.id][1] if job else None,
                 "applied": w.applied,
                 "prepared": w.prepared,
-                "seen": w.seen,
+                "seen": w.received,
                 "shard": st.shard_of(w),
                 "health": st.health(w, now).value,
-                "stale": w.stale or w.transit,
+                "stale": w.stale or w.undelivered,
                 "rejected": w.rejected,
                 "frames_in": w.frames_in,
                 "bytes_in": w.bytes_in,

@@ -76,7 +76,7 @@ class WorkerRec:
     configured: int = -1
     prepared: int = -1
     applied: int = -1
-    seen: int = -1
+    received: int = -1
     stale: str = ""
     rejected: dict = field(default_factory=dict)
     frames_in: int = 0
@@ -85,9 +85,9 @@ class WorkerRec:
     assignment: dict | None = None  # what a rejoining worker holds (coordinator restart)
     seq: list = field(default_factory=list)  # data messages received per rank (its heartbeat)
     busy_at: float = 0.0  # last time its taken-frame counts (seq) moved
-    transit: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
+    undelivered: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
     joined_at: float = 0.0  # when its current data stream began (trainer counts before it do not apply)
-    out: bool = False  # a replica taken out of service (the shard goes on on its peer)
+    out_of_service: bool = False  # a replica taken out of service (the shard goes on on its peer)
     replay_s: float = 0.0  # seconds it spent applying iterations (its heartbeat)
     replayed: int = 0  # iterations it applied
     rate_in: float = 0.0  # bytes/s received, over the last few heartbeats

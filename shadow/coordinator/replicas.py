@@ -50,13 +50,13 @@ class Replicas:
     def down(self, w: WorkerRec, reason: str) -> None:
         """Take ``w`` out of service if every shard keeps a healthy replica; else degrade."""
         job = self.state.job
-        if job is None or job.status != JobStatus.RUNNING or self.state.replicas == 1 or w.out:
-            if not w.out:
+        if job is None or job.status != JobStatus.RUNNING or self.state.replicas == 1 or w.out_of_service:
+            if not w.out_of_service:
                 self.cut.degrade(reason)
             return
-        w.out = True
+        w.out_of_service = True
         if self.state.serving() is None:
-            w.out = False
+            w.out_of_service = False
             self.cut.degrade(reason)
             return
         self.cancel_join(w)
@@ -76,7 +76,7 @@ class Replicas:
         job = self.state.job
         if job is None or self.state.replicas == 1 or job.status != JobStatus.RUNNING:
             return False
-        w.out = True
+        w.out_of_service = True
         if self.state.serving() is None:
             return False
         job.gen += 1
@@ -155,7 +155,7 @@ class Replicas:
             return
         job.joining.pop(w.id)
         self._release_cut_ceiling(job)
-        w.out, w.stale, w.transit, w.configured = False, "", "", job.epoch
+        w.out_of_service, w.stale, w.undelivered, w.configured = False, "", "", job.epoch
         w.seq, w.joined_at = [], time.monotonic()
         w.prepared = max(w.prepared, msg["iteration"])
         w.applied = msg["iteration"]

@@ -57,8 +57,8 @@ class Trainers:
             for w in self.state.workers:
                 if (
                     w.epoch != job.epoch
-                    or w.transit
-                    or w.out
+                    or w.undelivered
+                    or w.out_of_service
                     or w.busy_at >= t
                     or w.joined_at >= t
                     or w.id >= len(sent)
@@ -66,12 +66,12 @@ class Trainers:
                 ):
                     continue
                 if w.seq[rank] < sent[w.id]:
-                    w.transit = (
+                    w.undelivered = (
                         f"{sent[w.id] - w.seq[rank]} data messages from rank {rank} never arrived "
                         f"(received {w.seq[rank]} of {sent[w.id]})"
                     )
-                    logger.error("worker %d: %s", w.id, w.transit)
-                    self.replicas.down(w, f"worker {w.id}: {w.transit}")
+                    logger.error("worker %d: %s", w.id, w.undelivered)
+                    self.replicas.down(w, f"worker {w.id}: {w.undelivered}")
                     return
 
     def on_trainer_hb(self, env: list[bytes], msg: Msg) -> None:
