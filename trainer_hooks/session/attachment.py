@@ -8,8 +8,9 @@ factory it is given) and the session's :class:`StepRecorder`, which it drives an
 commits it queues. ``open`` makes all of them and closes whatever it made if a later part
 fails; ``close`` releases them (the ring too: a closed session holds no staging memory).
 
-Per step, everything flows one way: the session's hooks call the attachment, the
-attachment asks the recorder and acts on what it returns; the recorder calls nothing."""
+Per step, everything flows one way: the hook slot, the session's step and forward hooks
+and the scheduler/scaler observers call the attachment, the attachment asks the recorder
+and acts on what it returns; the recorder calls nothing."""
 
 from __future__ import annotations
 
