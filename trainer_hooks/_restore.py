@@ -230,7 +230,7 @@ def apply_snapshot(
         for live, saved in extras:  # parameters in no param group (frozen) and persistent buffers
             live.copy_(saved)
     if optimizer is not None and not weights_only:
-        optimizer.load_state_dict(sd["optimizer"])
+        optimizer.load_state_dict(_into_live(optimizer, params, sd["optimizer"]))
         if scheduler is not None and sd["scheduler"] is not None:
             scheduler.load_state_dict(sd["scheduler"])
         if scaler is not None and sd["scaler"] is not None:
@@ -247,3 +247,35 @@ def apply_snapshot(
         info.apply_rng()
     logger.info("restored iteration %d of job %s from %s (%s)", snap.iteration, snap.job, snap.source, snap.tier)
     return info
+
+
+def _into_live(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], saved: dict) -> dict:
+    """``saved`` (the optimizer's state dict over the snapshot's flat arrays) with each
+    tensor the optimizer already holds for that parameter and key, as ``load_state_dict``
+    would make it (same shape, dtype and device), filled from the snapshot in place and put
+    in its stead: ``load_state_dict`` then keeps the live tensor (``Tensor.to`` returns it
+    as it is), so a restore into a trained optimizer allocates nothing and copies once. A
+    tensor with no such live match stays the snapshot's view, made the parameter's dtype and
+    device by ``load_state_dict`` as before."""
+    flags = {}
+    for g in saved["param_groups"]:
+        for i in g["params"]:
+            flags[i] = bool(g.get("fused") or g.get("capturable"))
+    state: dict[int, dict] = {}
+    with torch.no_grad():
+        for i, entry in saved["state"].items():
+            p, live = params[i], optimizer.state.get(params[i], {})
+            out = dict(entry)
+            for key, value in entry.items():
+                cur = live.get(key)
+                if not (isinstance(cur, torch.Tensor) and isinstance(value, torch.Tensor)):
+                    continue
+                if key == "step":  # load_state_dict keeps it a float32 tensor, on the parameter's device if fused
+                    want = (torch.float32, p.device if flags.get(i) else value.device)
+                else:
+                    want = (p.dtype if p.is_floating_point() else value.dtype, p.device)
+                if cur.shape == value.shape and (cur.dtype, cur.device) == want and cur is not value:
+                    cur.copy_(value)
+                    out[key] = cur
+            state[i] = out
+    return {**saved, "state": state}
