@@ -152,6 +152,9 @@ class Attach:
                 self.out.reply([ident], "error", code="timeout", message=text)
 
     def _start_job(self, name: str, ranks: dict) -> None:
+        """Every rank of job ``name`` has asked to attach: check what they agree on, the
+        workers' memory, the tiers and the job's lineage, then configure a new epoch. Nothing
+        about the current job changes before every check has passed."""
         msgs = [m for _, m in (ranks[r] for r in sorted(ranks))]
         idents = {r: ranks[r][0] for r in ranks}
         first = msgs[0]
@@ -161,22 +164,9 @@ class Attach:
             for ident in idents.values():
                 self.out.reply([ident], "error", code="refused", message=text)
 
-        if any(
-            m["world"] != first["world"]
-            or m["layout_hash"] != first["layout_hash"]
-            or m["iteration"] != first["iteration"]
-            for m in msgs
-        ):
-            return fail("ranks disagree on world size, layout or start iteration")
-        if first["layout"] is None:
-            return fail("rank 0 did not send the layout")
-        try:
-            layout = Layout.from_dict(first["layout"])
-        except ValueError as exc:
-            return fail(str(exc))
-        if layout.hash != first["layout_hash"]:
-            return fail("layout does not match its hash")
-        # nothing about the current job changes before every check has passed
+        layout = self._agreed_layout(msgs)
+        if isinstance(layout, str):
+            return fail(layout)
         problem = self._memory_problem(name, layout, first["optim"])
         if problem is not None:
             self.state.rejected.add("attach_memory")
@@ -198,35 +188,75 @@ class Attach:
                 f"attach job {name!r} with overwrite=True to replace it (its in-memory checkpoint is dropped), "
                 "or close that job's session first"
             )
+        generation = self._generation(name, msgs, old)
+        if isinstance(generation, str):
+            return fail(generation)
+        self._new_epoch(name, first, layout, idents, generation, old)
+
+    @staticmethod
+    def _agreed_layout(msgs: list[dict]) -> Layout | str:
+        """The layout every rank's ``attach`` agrees on, or why there is none."""
+        first = msgs[0]
+        if any(
+            m["world"] != first["world"]
+            or m["layout_hash"] != first["layout_hash"]
+            or m["iteration"] != first["iteration"]
+            for m in msgs
+        ):
+            return "ranks disagree on world size, layout or start iteration"
+        if first["layout"] is None:
+            return "rank 0 did not send the layout"
+        try:
+            layout = Layout.from_dict(first["layout"])
+        except ValueError as exc:
+            return str(exc)
+        if layout.hash != first["layout_hash"]:
+            return "layout does not match its hash"
+        return layout
+
+    def _generation(self, name: str, msgs: list[dict], old: JobRec | None) -> int | str:
+        """The generation job ``name`` goes on as from the ranks' start iteration (a new one,
+        recorded in every tier, when that goes back behind what the cluster holds), or why it
+        may not go back."""
+        first = msgs[0]
         generation, held = self.persist.lineage(name)
         if old is not None and old.name == name:
             generation, held = max(generation, old.generation), max(held, old.cut)
         base = first["iteration"]
-        if held > base:
-            # going back behind what the cluster holds: asked for (overwrite), or the ranks restored
-            # that very iteration from this cluster (e.g. a restore fell back past a damaged one)
-            vouched = self._restored_here(name, base, generation, [m.get("restored") for m in msgs], old)
-            if not first["overwrite"] and not vouched:
-                return fail(
-                    f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
-                    f"{base}; restore first (trainer_hooks.restore) or attach with overwrite=True"
-                )
-            generation += 1  # what is newer than the base is superseded, in memory and in every tier
-            self.persist.supersede(name, generation, base)
-            logger.warning(
-                "job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded (generation %d)",
-                name,
-                base,
-                "restored from this cluster" if vouched else "overwrite",
-                held,
-                generation,
+        if held <= base:
+            return generation
+        # going back behind what the cluster holds: asked for (overwrite), or the ranks restored
+        # that very iteration from this cluster (e.g. a restore fell back past a damaged one)
+        vouched = self._restored_here(name, base, generation, [m.get("restored") for m in msgs], old)
+        if not first["overwrite"] and not vouched:
+            return (
+                f"the cluster holds job {name!r} at iteration {held}, newer than this trainer's iteration "
+                f"{base}; restore first (trainer_hooks.restore) or attach with overwrite=True"
             )
+        generation += 1  # what is newer than the base is superseded, in memory and in every tier
+        self.persist.supersede(name, generation, base)
+        logger.warning(
+            "job %s goes on from iteration %d (%s); checkpoints after it, up to %d, are superseded (generation %d)",
+            name,
+            base,
+            "restored from this cluster" if vouched else "overwrite",
+            held,
+            generation,
+        )
+        return generation
+
+    def _new_epoch(
+        self, name: str, first: dict, layout: Layout, idents: dict, generation: int, old: JobRec | None
+    ) -> None:
+        """The job's new epoch: its record, the tiers reset to its base, and every worker
+        configured for its range with a fresh data key."""
         # until the new epoch holds its base, restores read the old epoch's last cut
         st = self.state
         st.retired = memory_info(st, old.name) if old is not None else None
         st.epoch += 1
         bounds = shard_bounds(layout.total, st.nshards)
         ranges = [bounds[i % st.nshards] for i in range(len(st.workers))]
+        base = first["iteration"]
         job = st.job = JobRec(
             name,
             job_id_for(name),
@@ -235,24 +265,19 @@ class Attach:
             first["layout_hash"],
             first["world"],
             first["optim"],
-            first["iteration"],
+            base,
             ranges,
             idents,
         )
-        job.cut = first["iteration"] - 1
+        job.cut = base - 1
         job.generation = generation
-        self.persist.reset(first["iteration"])
+        self.persist.reset(base)
         st.tokens.clear()
         for w in st.workers:
-            w.configured, w.prepared, w.stale, w.undelivered, w.out_of_service = (
-                -1,
-                first["iteration"] - 1,
-                "",
-                "",
-                False,
-            )
+            w.configured, w.prepared, w.stale = -1, base - 1, ""
+            w.undelivered, w.out_of_service = "", False
             st.new_data_key(w)
-            self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, first["iteration"]))
+            self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, base))
         logger.info(
             "job %s epoch %d: configuring %d workers for %d params (%d elements)",
             name,

@@ -76,67 +76,17 @@ class Membership:
         taken = {x.id: x for x in st.workers}
         awaiting_copy = False
         if slot in taken and (w is None or fresh):
-            # a restarted (or reset) worker takes its slot back: it has no state
-            held = taken[slot]
-            if held.ident != env[0] and not held.lost and self._holder_connected(held, msg["pid"]):
-                st.refuse(st.sender_role, "slot_taken")
-                logger.warning(
-                    "refused a register for slot %d (pid %d): worker %d (pid %d) is alive and still connected",
-                    slot,
-                    msg["pid"],
-                    held.id,
-                    held.pid,
-                )
-                self.out.reply(
-                    env,
-                    "error",
-                    code="busy",
-                    message=f"worker slot {slot} is held by a live, connected worker (pid {held.pid}); "
-                    "a worker takes a slot back once its previous process is gone",
-                )
+            w = self._take_back(env, msg, taken[slot], now)
+            if w is None:
                 return None
-            left = self._reserved_for(held, msg, now)
-            if held.ident != env[0] and left > 0:
-                st.refuse(st.sender_role, "slot_reserved")
-                logger.warning(
-                    "refused a register for slot %d (pid %d) without its token: kept for its own worker %.0f s more",
-                    slot,
-                    msg["pid"],
-                    left,
-                )
-                self.out.reply(
-                    env,
-                    "error",
-                    code="busy",
-                    message=f"worker slot {slot} is kept for its restarted worker (which brings the slot's token) "
-                    f"for {left:.0f} s more (tuning.slot_grace_s); a worker of another host or account takes it after",
-                )
-                return None
-            w = held
-            logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
-            w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
-            w.lost, w.stale, w.undelivered, w.configured = False, "restarted", "", -1
-            w.prepared, w.applied, w.received, w.seq, w.joined_at = -1, -1, -1, [], now
-            self.replicas.cancel_join(w)
             awaiting_copy = self.replicas.start_join(w)
             if not awaiting_copy:
                 w.out_of_service = False
                 self.cut.degrade(f"worker {slot} restarted")
         elif w is None:
-            if slot < 0:
-                slot = next((i for i in range(st.expected) if i not in taken), -1)
-            if not 0 <= slot < st.expected:
-                self.out.reply(
-                    env,
-                    "error",
-                    code="refused",
-                    message=f"cluster already has its {st.expected} workers "
-                    f"(or worker_id={msg['worker_id']} is out of range)",
-                )
+            w = self._new_slot(env, msg, slot, taken, now)
+            if w is None:
                 return None
-            w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
-            st.workers.append(w)
-            st.workers.sort(key=lambda x: x.id)
         w.memory = msg.get("memory", -1)
         w.files, w.disk = msg.get("files", ""), msg.get("disk")
         w.data_mode = mode
@@ -152,6 +102,73 @@ class Membership:
         self.out.reply(env, "registered", worker_id=w.id, awaiting_copy=awaiting_copy, slot_token=token, **extra)
         if len(st.ready_workers(now)) == st.expected:
             logger.info("all %d workers ready", st.expected)
+        return w
+
+    def _take_back(self, env: list[bytes], msg: Msg, held: WorkerRec, now: float) -> WorkerRec | None:
+        """A restarted (or reset) worker takes slot ``held`` back, holding no state; None
+        (refused, answered) while its previous process is alive and connected, or while the
+        slot is kept for its own worker's token."""
+        st, slot = self.state, held.id
+        if held.ident != env[0] and not held.lost and self._holder_connected(held, msg["pid"]):
+            st.refuse(st.sender_role, "slot_taken")
+            logger.warning(
+                "refused a register for slot %d (pid %d): worker %d (pid %d) is alive and still connected",
+                slot,
+                msg["pid"],
+                held.id,
+                held.pid,
+            )
+            self.out.reply(
+                env,
+                "error",
+                code="busy",
+                message=f"worker slot {slot} is held by a live, connected worker (pid {held.pid}); "
+                "a worker takes a slot back once its previous process is gone",
+            )
+            return None
+        left = self._reserved_for(held, msg, now)
+        if held.ident != env[0] and left > 0:
+            st.refuse(st.sender_role, "slot_reserved")
+            logger.warning(
+                "refused a register for slot %d (pid %d) without its token: kept for its own worker %.0f s more",
+                slot,
+                msg["pid"],
+                left,
+            )
+            self.out.reply(
+                env,
+                "error",
+                code="busy",
+                message=f"worker slot {slot} is kept for its restarted worker (which brings the slot's token) "
+                f"for {left:.0f} s more (tuning.slot_grace_s); a worker of another host or account takes it after",
+            )
+            return None
+        w = held
+        logger.warning("worker %d re-registered (pid %d -> %d, data %s)", slot, w.pid, msg["pid"], msg["data"])
+        w.ident, w.data, w.serve, w.pid, w.last_seen = env[0], msg["data"], msg["serve"], msg["pid"], now
+        w.lost, w.stale, w.undelivered, w.configured = False, "restarted", "", -1
+        w.prepared, w.applied, w.received, w.seq, w.joined_at = -1, -1, -1, [], now
+        self.replicas.cancel_join(w)
+        return w
+
+    def _new_slot(self, env: list[bytes], msg: Msg, slot: int, taken: dict, now: float) -> WorkerRec | None:
+        """A new worker takes slot ``slot`` (negative: the first free); None (refused,
+        answered) when the cluster has all its workers or the slot is out of range."""
+        st = self.state
+        if slot < 0:
+            slot = next((i for i in range(st.expected) if i not in taken), -1)
+        if not 0 <= slot < st.expected:
+            self.out.reply(
+                env,
+                "error",
+                code="refused",
+                message=f"cluster already has its {st.expected} workers "
+                f"(or worker_id={msg['worker_id']} is out of range)",
+            )
+            return None
+        w = WorkerRec(env[0], slot, msg["data"], msg["serve"], msg["pid"], now)
+        st.workers.append(w)
+        st.workers.sort(key=lambda x: x.id)
         return w
 
     def _reserved_for(self, held: WorkerRec, msg: Msg, now: float) -> float:
