@@ -175,44 +175,48 @@ def render_status(st: dict, address: str) -> None:
 
 def status_panel(st: dict, address: str) -> Group:
     """What :func:`render_status` prints, as one renderable (``shadow status watch=``
-    redraws it in place)."""
-    out: list = []
-    job = st.get("job")
+    redraws it in place): the workers' table, then the job, the tiers and security."""
+    return Group(_workers_table(st, address), *_job_lines(st.get("job")), *_cluster_lines(st))
+
+
+_WORKER_COLUMNS = (
+    "worker",
+    "shard",
+    "range",
+    "applied",
+    "lag (it)",
+    "health",
+    "MiB/s in",
+    "replay ms/it",
+    "frames in",
+    "rejected",
+    "pid",
+    "data address",
+)
+_HEALTH_STYLE = {
+    "ok": "green",
+    "lost": "red",
+    "stale": "yellow",
+    "joining": "cyan",
+    "out": "magenta",
+    "starting": "cyan",
+}
+
+
+def _workers_table(st: dict, address: str) -> Table:
     ready = sum(1 for w in st["workers"] if w.get("ready", True))
     t = Table(
         title=f"shadow cluster {address}: {ready}/{st['expected_workers']} workers ready, "
         f"{st.get('shards', '?')} shards x {st.get('replicas', 1)}"
     )
-    cols = (
-        "worker",
-        "shard",
-        "range",
-        "applied",
-        "lag (it)",
-        "health",
-        "MiB/s in",
-        "replay ms/it",
-        "frames in",
-        "rejected",
-        "pid",
-        "data address",
-    )
-    for col in cols:
+    for col in _WORKER_COLUMNS:
         t.add_column(col, justify="right" if col not in ("health", "range", "data address") else "left")
-    committed = job.get("committed") if job else None
     for w in st["workers"]:
         rng = f"[{w['start']}, {w['stop']})" if w["start"] is not None else "-"
         health = w["health"] + (f" ({w['stale']})" if w["stale"] else "")
         if w["health"] == "starting" and w.get("starting_s") is not None:
             health += f" (compiling kernels, {w['starting_s']:.0f} s)"
-        style = {
-            "ok": "green",
-            "lost": "red",
-            "stale": "yellow",
-            "joining": "cyan",
-            "out": "magenta",
-            "starting": "cyan",
-        }.get(w["health"])
+        style = _HEALTH_STYLE.get(w["health"])
         lag = str(max(0, w["seen"] - w["applied"])) if w["applied"] >= 0 else "-"
         per = w.get("replay_s_per_iteration")
         shard = w.get("shard", w["id"])
@@ -230,37 +234,45 @@ def status_panel(st: dict, address: str) -> Group:
             str(w["pid"]),
             w.get("data") or "-",
         )
-    out.append(t)
-    if job:
-        line = (
-            f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
-            f"committed iteration {committed if committed is not None else '- (bootstrapping)'}"
-        )
-        if committed is not None:
-            line += f", lag {job['lag_iterations']} it / {job['lag_s']:.2f} s, reached {_ago(job.get('cut_time'))}"
-        line += f", resyncs {job.get('resyncs', 0)}"
-        out.append(line)
-        if job.get("reason"):
-            out.append(f"[red]DEGRADED[/red]: {job['reason']}")
-        optim = job.get("optim") or {}
-        if optim.get("impl"):
-            replay = f"replay: {optim.get('kind', '?')} {optim['impl']}, " + (
+    return t
+
+
+def _job_lines(job: dict | None) -> list[str]:
+    if not job:
+        return ["no job attached"]
+    committed = job.get("committed")
+    line = (
+        f"job {job['name']} epoch {job['epoch']}: [bold]{job['status']}[/bold], world {job['world']}, "
+        f"committed iteration {committed if committed is not None else '- (bootstrapping)'}"
+    )
+    if committed is not None:
+        line += f", lag {job['lag_iterations']} it / {job['lag_s']:.2f} s, reached {_ago(job.get('cut_time'))}"
+    out = [line + f", resyncs {job.get('resyncs', 0)}"]
+    if job.get("reason"):
+        out.append(f"[red]DEGRADED[/red]: {job['reason']}")
+    optim = job.get("optim") or {}
+    if optim.get("impl"):
+        out.append(
+            f"replay: {optim.get('kind', '?')} {optim['impl']}, "
+            + (
                 "bit-exact (checked at attach)"
                 if optim.get("bit_exact", True)
                 else "[yellow]NOT bit-exact[/yellow] (attached with exact=False: restores may differ from the "
                 "trainer by a few ulp per step)"
             )
-            out.append(replay)
-        audit = job.get("audit") or {}
-        if audit.get("checked"):
-            out.append(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")
-        if job.get("diverged") is not None:
-            out.append(
-                f"[red]DIVERGED[/red] after iteration {job['diverged']}: nothing newer is restorable until the job "
-                "resyncs"
-            )
-    else:
-        out.append("no job attached")
+        )
+    audit = job.get("audit") or {}
+    if audit.get("checked"):
+        out.append(f"audit: {audit['checked']} checked, {audit['mismatches']} mismatches")
+    if job.get("diverged") is not None:
+        out.append(
+            f"[red]DIVERGED[/red] after iteration {job['diverged']}: nothing newer is restorable until the job resyncs"
+        )
+    return out
+
+
+def _cluster_lines(st: dict) -> list[str]:
+    out = []
     if st.get("restorable"):
         where = ", ".join(f"{k} iteration {v}" for k, v in st["restorable"].items() if v is not None)
         out.append(f"newest restorable checkpoint: {where or 'none'}")
@@ -285,7 +297,7 @@ def status_panel(st: dict, address: str) -> Group:
         out.append(f"CURVE on: {sec['accepted']} clients admitted, refused {sec['refused'] or 'none'}")
     if st.get("rejected"):
         out.append(f"coordinator refused messages: {st['rejected']}")
-    return Group(*out)
+    return out
 
 
 def _dur(s: float) -> str:
