@@ -157,7 +157,6 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
     """What ``shadow status`` shows: workers (and processes still starting), the job, the
     tiers, what is restorable. Reads only; ``guard`` is the CURVE guard, if any."""
     now, job = time.monotonic(), st.job
-    seen = max((w.received for w in st.workers), default=-1)
     out: dict[str, Any] = {
         "expected_workers": st.expected,
         "replicas": st.replicas,
@@ -171,35 +170,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
             "refused": dict(guard.refused) if guard else {},
             "refused_by_role": {f"{role}/{reason}": n for (role, reason), n in dict(st.refused).items()},
         },
-        "workers": [
-            {
-                "id": w.id,
-                "pid": w.pid,
-                "data": w.data,
-                "mode": w.data_mode,
-                "serve": w.serve,
-                "start": job.ranges[w.id][0] if job else None,
-                "stop": job.ranges[w.id][1] if job else None,
-                "applied": w.applied,
-                "prepared": w.prepared,
-                "seen": w.received,
-                "shard": st.shard_of(w),
-                "health": st.health(w, now).value,
-                "stale": w.stale or w.undelivered,
-                "rejected": w.rejected,
-                "frames_in": w.frames_in,
-                "bytes_in": w.bytes_in,
-                "bytes_per_s": round(w.rate_in, 1),
-                "replay_s": round(w.replay_s, 6),
-                "replayed": w.replayed,
-                "replay_s_per_iteration": None if w.replay_per_it is None else round(w.replay_per_it, 6),
-                "last_seen_s": round(now - w.last_seen, 3),
-                "ready": st.alive(w, now),
-                "memory": w.memory if w.memory >= 0 else None,
-            }
-            for w in st.workers
-        ]
-        + _starting_view(st),
+        "workers": [_worker_view(st, w, now) for w in st.workers] + _starting_view(st),
         "job": None,
         "persist": {
             name: {**t.status(), "scan_error": t.scan_error}  # scan_error: attaches are refused
@@ -207,30 +178,65 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
         },
     }
     if job is not None:
-        out["job"] = {
-            "name": job.name,
-            "epoch": job.epoch,
-            "status": job.status.value,
-            "world": job.world,
-            "committed": job.cut if job.cut >= job.base else None,
-            "base": job.base,
-            "lag_iterations": max(0, seen - job.cut) if job.cut >= job.base else None,
-            "lag_s": round(time.time() - job.cut_time, 3) if job.cut >= job.base and seen > job.cut else 0.0,
-            "elements": Layout.from_dict(job.layout).total,
-            "optim": sqrttab.public(job.optim),
-            "audit": job.audit,
-            "diverged": job.diverged,
-            "reason": job.reason if job.status == JobStatus.DEGRADED else "",
-            "trainers": sorted(job.trainers),
-            "resyncs": st.resyncs.get(job.name, 0),
-            "cut_time": job.cut_time if job.cut >= job.base else None,
-        }
+        out["job"] = _job_view(st, job)
         memory = memory_info(st, job.name)
         out["restorable"] = {
             "memory": memory["iteration"] if memory else None,
             **{name: t.complete.get(job.name) for name, t in persist.tiers.items()},
         }
     return out
+
+
+def _worker_view(st: ClusterState, w, now: float) -> dict[str, Any]:
+    job = st.job
+    return {
+        "id": w.id,
+        "pid": w.pid,
+        "data": w.data,
+        "mode": w.data_mode,
+        "serve": w.serve,
+        "start": job.ranges[w.id][0] if job else None,
+        "stop": job.ranges[w.id][1] if job else None,
+        "applied": w.applied,
+        "prepared": w.prepared,
+        "seen": w.received,
+        "shard": st.shard_of(w),
+        "health": st.health(w, now).value,
+        "stale": w.stale or w.undelivered,
+        "rejected": w.rejected,
+        "frames_in": w.frames_in,
+        "bytes_in": w.bytes_in,
+        "bytes_per_s": round(w.rate_in, 1),
+        "replay_s": round(w.replay_s, 6),
+        "replayed": w.replayed,
+        "replay_s_per_iteration": None if w.replay_per_it is None else round(w.replay_per_it, 6),
+        "last_seen_s": round(now - w.last_seen, 3),
+        "ready": st.alive(w, now),
+        "memory": w.memory if w.memory >= 0 else None,
+    }
+
+
+def _job_view(st: ClusterState, job) -> dict[str, Any]:
+    received = max((w.received for w in st.workers), default=-1)
+    held = job.cut >= job.base  # the epoch holds its base: a committed iteration
+    return {
+        "name": job.name,
+        "epoch": job.epoch,
+        "status": job.status.value,
+        "world": job.world,
+        "committed": job.cut if held else None,
+        "base": job.base,
+        "lag_iterations": max(0, received - job.cut) if held else None,
+        "lag_s": round(time.time() - job.cut_time, 3) if held and received > job.cut else 0.0,
+        "elements": Layout.from_dict(job.layout).total,
+        "optim": sqrttab.public(job.optim),
+        "audit": job.audit,
+        "diverged": job.diverged,
+        "reason": job.reason if job.status == JobStatus.DEGRADED else "",
+        "trainers": sorted(job.trainers),
+        "resyncs": st.resyncs.get(job.name, 0),
+        "cut_time": job.cut_time if held else None,
+    }
 
 
 def _starting_view(st: ClusterState) -> list[dict[str, Any]]:
