@@ -101,47 +101,7 @@ class ClusterTierSource(TierSource):
                 self.name,
                 reply["left_out"],
             )
-        out: list[Candidate] = []
-        for entry in reply["checkpoints"]:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
-                continue
-            rel, raw, superseded = entry
-            d = posixpath.join(self.root, rel)
-            mpath = posixpath.join(d, checkpoints.MANIFEST)
-            skipped: list[tuple[str, str]] = []
-            manifest = (
-                checkpoints.read_manifest(functools.partial(bytes, raw), mpath, self.sign_key, skipped)
-                if isinstance(raw, bytes) and posixpath.normpath(rel) == rel and not rel.startswith("..")
-                else None
-            )
-            if manifest is None:
-                reason = skipped[0][1] if skipped else "the coordinator sent no manifest for it"
-                key = checkpoints.dir_key(d)
-                out.append(
-                    Candidate(
-                        rel.split("/")[0], key[1] if key else None, self.name, mpath, UNREADABLE, None, error=reason
-                    )
-                )
-                continue
-            info = checkpoints.CheckpointInfo(
-                self.root, self.name, d, manifest, self.storage, bool(superseded), self.sign_key is not None
-            )
-            info.diverged = superseded == DIVERGED
-            info.locate = lambda shard, info=info: self._locate(info, shard)
-            out.append(
-                Candidate(
-                    info.job,
-                    info.iteration,
-                    self.name,
-                    d,
-                    DIVERGED if superseded == DIVERGED else SUPERSEDED if info.superseded else COMPLETE,
-                    info.generation,
-                    manifest.get("created"),
-                    info.bytes,
-                    info.raw_bytes,
-                    handle=info,
-                )
-            )
+        out = [c for c in map(self._candidate, reply["checkpoints"]) if c is not None]
         for rel in reply["torn"]:
             if isinstance(rel, str):
                 key = checkpoints.dir_key(rel)
@@ -160,6 +120,45 @@ class ClusterTierSource(TierSource):
             key=lambda c: (c.state != SUPERSEDED, c.generation or 0, c.iteration if c.iteration is not None else -1)
         )
         return out
+
+    def _candidate(self, entry: object) -> Candidate | None:
+        """One ``[directory, manifest bytes, superseded]`` entry of the coordinator's catalog
+        as a candidate, its manifest read (and its signature checked) here; an entry of
+        another shape is no candidate."""
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            return None
+        rel, raw, superseded = entry
+        d = posixpath.join(self.root, rel)
+        mpath = posixpath.join(d, checkpoints.MANIFEST)
+        skipped: list[tuple[str, str]] = []
+        manifest = (
+            checkpoints.read_manifest(functools.partial(bytes, raw), mpath, self.sign_key, skipped)
+            if isinstance(raw, bytes) and posixpath.normpath(rel) == rel and not rel.startswith("..")
+            else None
+        )
+        if manifest is None:
+            reason = skipped[0][1] if skipped else "the coordinator sent no manifest for it"
+            key = checkpoints.dir_key(d)
+            return Candidate(
+                rel.split("/")[0], key[1] if key else None, self.name, mpath, UNREADABLE, None, error=reason
+            )
+        info = checkpoints.CheckpointInfo(
+            self.root, self.name, d, manifest, self.storage, bool(superseded), self.sign_key is not None
+        )
+        info.diverged = superseded == DIVERGED
+        info.locate = lambda shard, info=info: self._locate(info, shard)
+        return Candidate(
+            info.job,
+            info.iteration,
+            self.name,
+            d,
+            DIVERGED if superseded == DIVERGED else SUPERSEDED if info.superseded else COMPLETE,
+            info.generation,
+            manifest.get("created"),
+            info.bytes,
+            info.raw_bytes,
+            handle=info,
+        )
 
     def check_copies(self, info: checkpoints.CheckpointInfo) -> CopiesCheck:
         """Read every copy of every shard of ``info`` (each holder's, on its disk: directly
