@@ -76,11 +76,17 @@ def keyless(monkeypatch):
     monkeypatch.setenv("SHADOW_INSECURE", "1")
 
 
+SLOW_DIR = Path(__file__).resolve().parent / "slow"
+
+
 def pytest_collection_modifyitems(items):
-    """A test that uses a cluster through the ``cluster`` or ``shared_cluster`` fixture is
-    ``slow`` (the fast lane, ``-m "not slow"``, starts no services)."""
+    """A test under ``tests/slow/`` (the multi-process runs), or one that uses a cluster
+    through the ``cluster`` or ``shared_cluster`` fixture, is ``slow`` (the fast lane,
+    ``-m "not slow"``, starts no services)."""
     for item in items:
-        if any(f in getattr(item, "fixturenames", ()) for f in CLUSTER_FIXTURES):
+        if item.path.resolve().is_relative_to(SLOW_DIR) or any(
+            f in getattr(item, "fixturenames", ()) for f in CLUSTER_FIXTURES
+        ):
             item.add_marker(pytest.mark.slow)
 
 

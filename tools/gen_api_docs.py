@@ -1,6 +1,6 @@
 """Write docs/api.md, the Python API and configuration reference, from the code itself:
 signatures and docstrings of the public names, every CLI key with its default and help,
-every metric, every tuning knob. `tests/test_docs.py` fails when docs/api.md is stale.
+every metric, every tuning knob. `tests/repo/test_docs.py` fails when docs/api.md is stale.
 
     python tools/gen_api_docs.py            # rewrite docs/api.md
     python tools/gen_api_docs.py --check    # exit 1 if it would change

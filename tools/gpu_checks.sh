@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 if [ -n "${CAPTURE:-}" ]; then
     timeout 180 python3 "$CAPTURE" "$out/cuda_more.npz" 2>&1 | tee "$out/capture.log"
 fi
-timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/slow/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
 read -r -a bench_args <<< "${BENCH_ARGS:-}"  # e.g. BENCH_ARGS="--accum 8 --modes none,shadow"
 timeout "${BENCH_TIMEOUT:-480}" python3 benchmarks/bench_gpu.py --json "$out/gpu.json" "${bench_args[@]}" 2>&1 \
     | tee "$out/bench.log"

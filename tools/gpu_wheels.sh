@@ -7,7 +7,7 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   python3 benchmarks/bench_gpu.py --json docs/bench/gpu.json
-#   python3 -m pytest -q -m gpu tests/test_gpu.py
+#   python3 -m pytest -q -m gpu tests/slow/test_gpu.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

@@ -3,7 +3,7 @@ cluster, one tier per shard encoding, and the trainer's state at the checkpointe
 
     python tools/make_format_fixture.py [--out tests/data/format]
 
-``tests/test_format_fixture.py`` restores them, so a change that leaves old checkpoints
+``tests/persist/test_format_fixture.py`` restores them, so a change that leaves old checkpoints
 unreadable, or reads them into another state, fails. Run this only when the on-disk format
 changes on purpose (and keep the old fixture beside the new one while old checkpoints must
 still restore). Writes ``OUT/<encoding>/<job>/iteration-*`` (the job's directory as the

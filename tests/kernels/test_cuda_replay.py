@@ -14,7 +14,7 @@ import torch
 from shadow.kernels import ReplayPlan, segments_for_range
 from shadow.optim_groups import AdamGroup, SgdGroup
 
-DATA = np.load(Path(__file__).parent / "data" / "cuda_optim.npz")
+DATA = np.load(Path(__file__).resolve().parents[1] / "data" / "cuda_optim.npz")
 N = DATA["p0"].shape[0]
 ADAM = {  # config -> (impl, lr, betas, eps, weight decay, decoupled)
     "adamw_fused": ("cuda_fused", 3e-4, (0.9, 0.95), 1e-8, 0.1, True),

@@ -18,9 +18,9 @@ import xxhash
 from shadow.persist import checkpoints, zshard
 from shadow.restore import find_checkpoint
 from shadow.wire.frames import checksum
-from tests.test_checkpoints_closed import _bounded
-from tests.test_checkpoints_robust import shadow
-from tests.test_persist_units import LAYOUT, _write_checkpoint
+from tests.persist.test_checkpoints_closed import _bounded
+from tests.persist.test_checkpoints_robust import shadow
+from tests.persist.test_persist_units import LAYOUT, _write_checkpoint
 
 SIX = "iteration-0000000006"
 

@@ -5,7 +5,7 @@ worker holds it), a damaged copy is passed over for the next holder's (read here
 its worker) and the result is bit-identical, ``shadow verify`` tells a lost replica from a
 checkpoint that cannot be restored, retention's deletes reach the workers' disks, and a
 directory's disk id is the same for every worker using it. The cluster-wide cases (separate hosts, a lost
-host, a restarted cluster) are in test_multihost.py."""
+host, a restarted cluster) are in slow/test_multihost.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.worker.address import Binding
 from shadow.worker.files import FileServer
-from tests.test_persist_units import LAYOUT, _write_checkpoint
+from tests.persist.test_persist_units import LAYOUT, _write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("keyless")  # in-process services built without a guard
 

@@ -17,7 +17,7 @@ import torch
 from shadow.persist import checkpoints, retention
 from shadow.restore import find_checkpoint
 from tests.conftest import ROOT
-from tests.test_persist_units import LAYOUT, _write_checkpoint
+from tests.persist.test_persist_units import LAYOUT, _write_checkpoint
 
 
 def shadow(*args: str) -> subprocess.CompletedProcess:

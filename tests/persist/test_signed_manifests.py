@@ -18,9 +18,9 @@ from shadow.errors import CheckpointError
 from shadow.persist import checkpoints, shardfile, signing
 from shadow.restore import find_checkpoint, resolve
 from shadow.wire.frames import Field, checksum
-from tests.test_file_modes import write_checkpoints
-from tests.test_persist_schedule import TIER
-from tests.test_persist_units import LAYOUT, _write_checkpoint
+from tests.persist.test_file_modes import write_checkpoints
+from tests.persist.test_persist_schedule import TIER
+from tests.persist.test_persist_units import LAYOUT, _write_checkpoint
 
 KEY = bytes(range(32))
 OTHER = bytes(range(1, 33))
@@ -303,7 +303,7 @@ def test_restore_command_takes_the_key_from_its_config(tmp_path, key_file, capsy
 
 def test_the_commands_take_the_key_from_config_or_environment(tmp_path, key_file, monkeypatch):
     """``shadow ls security.manifest_key=...`` and ``SHADOW_MANIFEST_KEY=... shadow verify``."""
-    from tests.test_checkpoints_robust import shadow
+    from tests.persist.test_checkpoints_robust import shadow
 
     root = str(tmp_path / "ckpt")
     _signed_checkpoints(root)

@@ -19,7 +19,7 @@ import trainer_hooks
 from shadow.persist import checkpoints
 from tests.helpers.tiny_trainer import build
 
-FIXTURE = Path(__file__).resolve().parent / "data" / "format"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "format"
 ENCODINGS = ("none", "zstd")
 
 

@@ -31,7 +31,7 @@ import yaml
 
 from shadow.metrics import catalog
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "shadow-dashboard.json"
 K8S = DEPLOY / "k8s"

@@ -18,7 +18,7 @@ from shadow.coordinator.records import JobStatus
 from shadow.coordinator.routes import ROUTES
 from shadow.persist.checkpoints import shard_name
 from shadow.wire import messages as M
-from tests.test_coordinator_parts import BOUNDS, LAYOUT, Sim
+from tests.coordinator.test_coordinator_parts import BOUNDS, LAYOUT, Sim
 
 
 def _live(sim: Sim) -> dict:
@@ -340,8 +340,8 @@ def test_a_restored_claim_goes_back_only_to_what_the_coordinator_finds(tmp_path)
     after the job reached 20, wrote a generation record {base 4}: restores then returned 4.
     The claim is checked here: the tier must hold a complete checkpoint of 4 (memory: the
     iteration it holds)."""
-    from tests.test_coordinator_parts import LAYOUT as SIM_LAYOUT
-    from tests.test_persist_units import _write_checkpoint
+    from tests.coordinator.test_coordinator_parts import LAYOUT as SIM_LAYOUT
+    from tests.persist.test_persist_units import _write_checkpoint
 
     sim = _with_tier(tmp_path)
     for it in range(1, 21):
@@ -372,8 +372,8 @@ def test_catalog_requests_share_one_reply_while_the_tier_is_unchanged(tmp_path, 
     """Row 4 (issue 38): 40 catalog requests that were never read cost the coordinator about
     37 MB each (1.5 GB), built on its loop thread. The encoded reply is built once per
     version of the tier and the same bytes go (zero-copy) to every requester."""
-    from tests.test_coordinator_parts import LAYOUT as SIM_LAYOUT
-    from tests.test_persist_units import _write_checkpoint
+    from tests.coordinator.test_coordinator_parts import LAYOUT as SIM_LAYOUT
+    from tests.persist.test_persist_units import _write_checkpoint
 
     sim = _with_tier(tmp_path)
     for it in (3, 4):

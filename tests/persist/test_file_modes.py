@@ -22,7 +22,7 @@ from shadow.storage import LocalStorage, storage_for, tiers_for
 from shadow.storage.local import replacing
 from shadow.tuning import Tuning
 from shadow.wire.commit import UploadCopies
-from tests.test_persist_schedule import JOB, RANGES, TIER, _state
+from tests.persist.test_persist_schedule import JOB, RANGES, TIER, _state
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def test_local_storage_creates_with_its_modes(tmp_path, umask):
 
 
 def test_the_writers_default_to_private_and_replacing_fixes_what_the_body_did(tmp_path, umask):
-    from tests.test_persist_units import _image
+    from tests.persist.test_persist_units import _image
 
     img = _image(0, 100, 1, 0)
     path = tmp_path / "a" / "b" / "s.safetensors"

@@ -25,7 +25,7 @@ from shadow.testing import LocalCluster, ServiceFaults, free_port_run
 from shadow.testing.faults import injected
 from tests.conftest import train_step
 from tests.helpers.tiny_trainer import build
-from tests.test_ops import scrape, value
+from tests.slow.test_ops import scrape, value
 
 pytestmark = pytest.mark.slow
 JOB = "full"
@@ -205,7 +205,7 @@ def test_a_full_disk_is_reported_and_training_goes_on(world1, tmp_path, disk):
 def test_a_failed_shard_write_leaves_no_partial_file_and_says_what_to_do(tmp_path, monkeypatch):
     """The plain writer on a disk that fills half way: ENOSPC, no ``.tmp`` left, and the
     report text names the tier, the path, the free space and the retention setting."""
-    from tests.test_persist_units import _image
+    from tests.persist.test_persist_units import _image
 
     flag = tmp_path / "full"
     flag.touch()
@@ -227,7 +227,7 @@ def test_the_coordinator_removes_a_failed_checkpoint_and_backs_off(tmp_path):
     checkpoint never is); after two failures in a row the tier retries on its schedule,
     not at every cut; a success resets that."""
     from shadow.coordinator.persistence import Persistence
-    from tests.test_persist_schedule import JOB, TIER, _report
+    from tests.persist.test_persist_schedule import JOB, TIER, _report
 
     root = str(tmp_path / "local")
     pers = Persistence(PersistConfig.from_dict({"local": dict(TIER, every_n=4, dir=root)}))

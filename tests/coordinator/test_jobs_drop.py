@@ -18,7 +18,7 @@ import pytest
 from shadow.coordinator.jobs import jobs_view
 from shadow.coordinator.records import JobStatus
 from shadow.coordinator.trainers import heard_window_s
-from tests.test_coordinator_parts import LAYOUT, OPTIM, Sim
+from tests.coordinator.test_coordinator_parts import LAYOUT, OPTIM, Sim
 
 
 def _attach(sim: Sim, name: str, ident: bytes = b"n0", overwrite: bool = False, world: int = 1, rank: int = 0) -> None:
@@ -159,7 +159,7 @@ def test_drop_refusals_name_the_cause():
 
 
 def test_jobs_known_only_from_the_tiers_are_listed_and_cannot_be_dropped(tmp_path):
-    from tests.test_roles import _with_tier
+    from tests.security.test_roles import _with_tier
 
     sim = _with_tier(tmp_path)
     tier = sim.coord.persist.tiers["local"]
@@ -318,7 +318,7 @@ def test_drop_on_a_keyed_cluster_takes_an_admin_key_not_a_client_key(world1, tmp
     from tests.conftest import train_step
     from tests.helpers.cli import shadow_cli
     from tests.helpers.tiny_trainer import build
-    from tests.test_curve_cluster import role_keys
+    from tests.slow.test_curve_cluster import role_keys
 
     root = tmp_path / "keys"
     keys = role_keys(root)

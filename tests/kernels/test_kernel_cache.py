@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shadow.kernels import _cache
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MODULE = textwrap.dedent("""
     import numba

@@ -154,7 +154,7 @@ def test_the_exporters_without_torch_raise_a_shadow_error(no_torch, tmp_path):
 
 
 def test_ls_and_verify_run_without_torch(no_torch, tmp_path):
-    from tests.test_persist_units import LAYOUT, _write_checkpoint
+    from tests.persist.test_persist_units import LAYOUT, _write_checkpoint
 
     root = str(tmp_path / "ckpt")
     _write_checkpoint(root, "j", 3, LAYOUT)

@@ -13,7 +13,7 @@ import pytest
 
 from shadow.persist import checkpoints
 from shadow.restore import find_checkpoint
-from tests.test_persist_units import LAYOUT, _image, _write_checkpoint
+from tests.persist.test_persist_units import LAYOUT, _image, _write_checkpoint
 
 
 def _setup(tmp_path) -> tuple[str, str]:

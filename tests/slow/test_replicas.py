@@ -115,7 +115,7 @@ def test_damaged_replicas_reset_and_recopy_under_network_faults(tmp_path):
     both copies of a shard are damaged does the job fall back to a resync. Training and the
     final restore are exact."""
     from tests.conftest import rank_logs, run_ranks
-    from tests.test_integration import assert_same_state
+    from tests.slow.test_integration import assert_same_state
 
     steps = 40
     ref = tmp_path / "ref"

@@ -105,7 +105,7 @@ def test_no_module_reads_a_knob_from_the_environment_but_tuning():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     assert not (root / "shadow" / "knobs.py").exists()
     names = "|".join(re.escape(v) for v in ENV)
     read = re.compile(rf"(?:environ(?:\.get)?|getenv)\(\s*[\"'](?:{names})[\"']|environ\[\s*[\"'](?:{names})[\"']")

@@ -14,7 +14,7 @@ import torch
 from shadow.testing import LocalCluster, ServiceFaults
 from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
-from tests.test_integration import assert_same_state
+from tests.slow.test_integration import assert_same_state
 
 pytestmark = pytest.mark.slow
 STEPS = 12

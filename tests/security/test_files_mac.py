@@ -5,7 +5,7 @@ A man in the middle that flips a bit, moves a chunk, strips the tags, changes th
 replays an earlier reply is caught before the bytes are used; a read without a valid ticket
 is refused and counted; a restore whose one copy was altered on the way takes the next copy
 and is bit-identical. The cluster-wide case (a keyed cluster restoring through the worker
-holding its local tier) is in test_curve_cluster.py."""
+holding its local tier) is in slow/test_curve_cluster.py."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from shadow.wire import tags
 from shadow.worker import files as files_mod
 from shadow.worker.address import Binding
 from shadow.worker.files import FileServer
-from tests.test_node_local import TUNING, _coordinator_copy, _through
-from tests.test_persist_units import LAYOUT, _write_checkpoint
+from tests.persist.test_persist_units import LAYOUT, _write_checkpoint
+from tests.restore.test_node_local import TUNING, _coordinator_copy, _through
 
 DIR = "iteration-0000000005"
 
