@@ -139,16 +139,6 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     address = f"tcp://{cfg.host}:{cfg.port}"
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)
-    sec = cfg.security
-    curve = (
-        [  # the workers bind with the cluster's pair and admit the same roles; they connect with their own key
-            f"security.{k}={getattr(sec, k)}"
-            for k in ("server_key", "client_key", "allow_workers", "allow_trainers", "allow_clients", "allow_admins")
-            if getattr(sec, k)
-        ]
-        + (["security.insecure=true"] if sec.insecure else [])
-        + [f"security.data={sec.data}"]
-    )
     stop = threading.Event()
 
     def shutdown(*_):
@@ -159,65 +149,97 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     signal.signal(signal.SIGINT, shutdown)
     thread = threading.Thread(target=coord.run, name="coordinator", daemon=True)
     thread.start()
+    workers = _Workers(cfg, address, coord.tuning)
+    try:
+        while not stop.is_set() and thread.is_alive():
+            workers.restart_exited(stop)
+            time.sleep(0.2)
+    finally:
+        coord.stop()
+        workers.stop()
+        thread.join(timeout=5)
+        if metrics is not None:
+            metrics.close()
+    return 0
 
-    from shadow.worker import malloc
 
-    env = {**malloc.environ(), **coord.tuning.environ()}  # the workers run with the cluster's tuning
+class _Workers:
+    """The cluster's worker processes: started with the cluster's tuning, keys and roles,
+    and each restarted when it exits, up to ``max_restarts`` times."""
 
-    def spawn(slot: int) -> subprocess.Popen:
+    def __init__(self, cfg: ClusterConfig, address: str, tuning) -> None:
+        from shadow.worker import malloc
+
+        self.cfg, self.address = cfg, address
+        self.env = {**malloc.environ(), **tuning.environ()}  # the workers run with the cluster's tuning
+        sec = cfg.security
+        # the workers bind with the cluster's pair and admit the same roles; they connect with their own key
+        self.security = (
+            [
+                f"security.{k}={getattr(sec, k)}"
+                for k in (
+                    "server_key",
+                    "client_key",
+                    "allow_workers",
+                    "allow_trainers",
+                    "allow_clients",
+                    "allow_admins",
+                )
+                if getattr(sec, k)
+            ]
+            + (["security.insecure=true"] if sec.insecure else [])
+            + [f"security.data={sec.data}"]
+        )
+        self.procs = [self._spawn(i) for i in range(cfg.workers)]
+        self.restarts = [0] * cfg.workers
+        logger.info(
+            "shadow cluster at %s: %d workers (pids %s), %d numba threads each",
+            address,
+            cfg.workers,
+            [p.pid for p in self.procs],
+            cfg.threads(),
+        )
+
+    def _spawn(self, slot: int) -> subprocess.Popen:
+        cfg = self.cfg
         return subprocess.Popen(
-            env=env,
+            env=self.env,
             args=[
                 sys.executable,
                 "-m",
                 WORKER_ENTRY,
                 "worker",
-                f"coordinator={address}",
+                f"coordinator={self.address}",
                 f"host={cfg.host}",
                 f"threads={cfg.threads()}",
                 f"log_level={cfg.log_level}",
                 f"log_format={cfg.log_format}",
                 f"worker_id={slot}",
                 f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}",
-                *curve,
+                *self.security,
             ],
         )
 
-    procs = [spawn(i) for i in range(cfg.workers)]
-    restarts = [0] * cfg.workers
-    logger.info(
-        "shadow cluster at %s: %d workers (pids %s), %d numba threads each",
-        address,
-        cfg.workers,
-        [p.pid for p in procs],
-        cfg.threads(),
-    )
-    try:
-        while not stop.is_set() and thread.is_alive():
-            for slot, p in enumerate(procs):
-                if p.poll() is None or stop.is_set() or restarts[slot] >= cfg.max_restarts:
-                    continue
-                restarts[slot] += 1
-                logger.error(
-                    "worker %d (pid %d) exited with status %s; restarting it (%d/%d)",
-                    slot,
-                    p.pid,
-                    p.returncode,
-                    restarts[slot],
-                    cfg.max_restarts,
-                )
-                procs[slot] = spawn(slot)
-            time.sleep(0.2)
-    finally:
-        coord.stop()
-        for p in procs:
+    def restart_exited(self, stop: threading.Event) -> None:
+        for slot, p in enumerate(self.procs):
+            if p.poll() is None or stop.is_set() or self.restarts[slot] >= self.cfg.max_restarts:
+                continue
+            self.restarts[slot] += 1
+            logger.error(
+                "worker %d (pid %d) exited with status %s; restarting it (%d/%d)",
+                slot,
+                p.pid,
+                p.returncode,
+                self.restarts[slot],
+                self.cfg.max_restarts,
+            )
+            self.procs[slot] = self._spawn(slot)
+
+    def stop(self) -> None:
+        for p in self.procs:
             p.terminate()
-        for p in procs:
+        for p in self.procs:
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
-        thread.join(timeout=5)
-        if metrics is not None:
-            metrics.close()
-    return 0
