@@ -187,28 +187,7 @@ def apply_snapshot(
     optimizer's ``(layout, params)`` when the caller has built them already (they are
     then not built again)."""
     rank = process_rank(rank, snap.world)
-    if optimizer is not None:
-        try:
-            layout, params = built if built is not None else build_layout(model, optimizer)
-        except LayoutError as exc:
-            raise LayoutMismatchError(f"cannot restore: {exc}; nothing was changed") from None
-        if layout.hash != snap.layout.hash:
-            raise LayoutMismatchError(
-                f"the checkpoint of job {snap.job!r} at iteration {snap.iteration} "
-                "does not match this model/optimizer: "
-                f"{layout.describe_mismatch(snap.layout)}; nothing was changed"
-            )
-    else:
-        named = dict(unwrap(model).named_parameters())
-        params = []
-        for spec in snap.layout.params:
-            p = named.get(spec.name)
-            if p is None or tuple(p.shape) != spec.shape:
-                raise LayoutMismatchError(
-                    f"the checkpoint's parameter {spec.name!r} {list(spec.shape)} has no match in this model; "
-                    "nothing was changed"
-                )
-            params.append(p)
+    params = _live_params(snap, model, optimizer, built)
     sd = state_dicts(snap)
     try:
         extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras))  # checked before any change
@@ -247,6 +226,39 @@ def apply_snapshot(
         info.apply_rng()
     logger.info("restored iteration %d of job %s from %s (%s)", snap.iteration, snap.job, snap.source, snap.tier)
     return info
+
+
+def _live_params(
+    snap: Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    built: tuple[Layout, list[torch.Tensor]] | None,
+) -> list[torch.Tensor]:
+    """The live parameters the snapshot's go into, in its layout's order, once the model
+    (and optimizer) match it; :class:`LayoutMismatchError` (nothing changed) otherwise."""
+    if optimizer is not None:
+        try:
+            layout, params = built if built is not None else build_layout(model, optimizer)
+        except LayoutError as exc:
+            raise LayoutMismatchError(f"cannot restore: {exc}; nothing was changed") from None
+        if layout.hash != snap.layout.hash:
+            raise LayoutMismatchError(
+                f"the checkpoint of job {snap.job!r} at iteration {snap.iteration} "
+                "does not match this model/optimizer: "
+                f"{layout.describe_mismatch(snap.layout)}; nothing was changed"
+            )
+        return params
+    named = dict(unwrap(model).named_parameters())
+    params = []
+    for spec in snap.layout.params:
+        p = named.get(spec.name)
+        if p is None or tuple(p.shape) != spec.shape:
+            raise LayoutMismatchError(
+                f"the checkpoint's parameter {spec.name!r} {list(spec.shape)} has no match in this model; "
+                "nothing was changed"
+            )
+        params.append(p)
+    return params
 
 
 def _into_live(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], saved: dict) -> dict:
