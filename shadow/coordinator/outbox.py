@@ -40,7 +40,23 @@ class Outbox(Protocol):
         """Send to connection ``ident`` only if it is still connected; whether it was."""
 
 
-class ZmqOutbox:
+class _Addressed:
+    """:meth:`Outbox.to_worker` and :meth:`Outbox.to_trainers`, by way of ``reply``."""
+
+    def reply(self, envelope: list[bytes], kind: str, **fields: Any) -> None:
+        raise NotImplementedError
+
+    def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
+        self.reply([w.ident], kind, **fields)
+
+    def to_trainers(
+        self, job: JobRec, kind: str, each: Callable[[int], dict[str, Any]] | None = None, **fields: Any
+    ) -> None:
+        for rank, ident in sorted(job.trainers.items()):
+            self.reply([ident], kind, **fields, **(each(rank) if each is not None else {}))
+
+
+class ZmqOutbox(_Addressed):
     """The :class:`Outbox` on the coordinator's ROUTER socket (set by the coordinator's loop
     once it has bound it)."""
 
@@ -57,22 +73,13 @@ class ZmqOutbox:
             raise RuntimeError("the coordinator sends nothing before run() opens its socket")
         self.sock.send_multipart(envelope + [raw], copy=False)  # zero-copy: every queue holds the one buffer
 
-    def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
-        self.reply([w.ident], kind, **fields)
-
-    def to_trainers(
-        self, job: JobRec, kind: str, each: Callable[[int], dict[str, Any]] | None = None, **fields: Any
-    ) -> None:
-        for rank, ident in sorted(job.trainers.items()):
-            self.reply([ident], kind, **fields, **(each(rank) if each is not None else {}))
-
     def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
         if self.sock is None:
             raise RuntimeError("the coordinator sends nothing before run() opens its socket")
         return send_if_connected(self.sock, [ident, M.encode(kind, **fields)])
 
 
-class RecordingOutbox:
+class RecordingOutbox(_Addressed):
     """An :class:`Outbox` that keeps ``(ident, kind, fields)`` for each message instead of
     sending it; each is encoded and decoded on the way, as on the wire."""
 
@@ -86,15 +93,6 @@ class RecordingOutbox:
     def reply_encoded(self, envelope: list[bytes], raw: bytes) -> None:
         msg = M.decode(raw)
         self.sent.append((envelope[0], msg["t"], {k: v for k, v in msg.items() if k not in ("t", "v")}))
-
-    def to_worker(self, w: WorkerRec, kind: str, **fields: Any) -> None:
-        self.reply([w.ident], kind, **fields)
-
-    def to_trainers(
-        self, job: JobRec, kind: str, each: Callable[[int], dict[str, Any]] | None = None, **fields: Any
-    ) -> None:
-        for rank, ident in sorted(job.trainers.items()):
-            self.reply([ident], kind, **fields, **(each(rank) if each is not None else {}))
 
     def still_there(self, ident: bytes, kind: str, **fields: Any) -> bool:
         if ident in self.gone:
