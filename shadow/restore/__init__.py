@@ -14,7 +14,7 @@ from shadow.restore.sources import Candidate, RestoreSource
 from shadow.snapshot import Snapshot
 
 if TYPE_CHECKING:
-    from shadow.restore.tier import TierSource
+    from shadow.restore.storage_source import TierSource
 
 __all__ = [
     "Candidate",
@@ -36,7 +36,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "TierSource":
-        from shadow.restore.tier import TierSource
+        from shadow.restore.storage_source import TierSource
 
         return TierSource
     raise AttributeError(f"module 'shadow.restore' has no attribute {name!r}")

@@ -25,7 +25,7 @@ from shadow.wire import tags
 from shadow.wire.frames import Field, state_fields
 
 if TYPE_CHECKING:
-    from shadow.restore.tier import TierSource
+    from shadow.restore.storage_source import TierSource
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,9 @@ class MemorySource:
     def tiers(self) -> list[TierSource]:
         """The cluster's persisted tiers, nearest first, as its last answer named them: the
         local one through the coordinator and its workers (its disks may be node-local:
-        :class:`~shadow.restore.cluster_tier.ClusterTierSource`), the others as they are."""
-        from shadow.restore.cluster_tier import ClusterTierSource  # the tiers' readers load only when read
-        from shadow.restore.tier import TierSource
+        :class:`~shadow.restore.node_local.ClusterTierSource`), the others as they are."""
+        from shadow.restore.node_local import ClusterTierSource  # the tiers' readers load only when read
+        from shadow.restore.storage_source import TierSource
 
         return [
             ClusterTierSource(st["tier"], st["root"], self.address, st["workers"], self.timeout, self.tuning)

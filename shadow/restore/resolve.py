@@ -23,7 +23,7 @@ from shadow.tuning import Tuning
 
 if TYPE_CHECKING:  # a tier's readers and codecs load only when a tier is read
     from shadow.persist.checkpoints import CheckpointInfo
-    from shadow.restore.tier import TierSource
+    from shadow.restore.storage_source import TierSource
     from shadow.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def open_source(
     if is_endpoint(source):
         tuning = Tuning.load() if tuning is None else tuning
         return MemorySource(source, tuning.connect_timeout_s if timeout is None else timeout, tuning)
-    from shadow.restore.tier import TierSource
+    from shadow.restore.storage_source import TierSource
     from shadow.storage.url import source_tier
 
     return TierSource(source_tier(source), source, sign_key=sign_key)
@@ -132,7 +132,7 @@ def find_checkpoint(
 ) -> tuple[CheckpointInfo, Snapshot]:
     """:func:`pick` from the tier at ``root``: the checkpoint's catalog entry and its snapshot.
     ``sign_key``: the manifest key to check signatures with (None: not checked)."""
-    from shadow.restore.tier import TierSource
+    from shadow.restore.storage_source import TierSource
 
     c, snap = pick(TierSource(tier, root, check, sign_key), job, iteration, progress)
     return c.handle, snap

@@ -1,7 +1,7 @@
 """Where a restore can come from: the :class:`RestoreSource` protocol and the checkpoints
 it offers (:class:`Candidate`). A live cluster's memory is
 :class:`~shadow.restore.memory.MemorySource`, a persisted tier
-:class:`~shadow.restore.tier.TierSource`."""
+:class:`~shadow.restore.storage_source.TierSource`."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import zmq
 
 from shadow.errors import CheckpointError, ShadowError
 from shadow.persist import checkpoints, disks
-from shadow.restore.cluster_tier import ClusterTierSource, read_file
+from shadow.restore.node_local import ClusterTierSource, read_file
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
@@ -446,7 +446,7 @@ def test_verify_tells_a_lost_replica_from_a_checkpoint_that_cannot_be_restored(
     import shadow.restore
     from shadow.cli._commands import cmd_verify
     from shadow.config import VerifyConfig
-    from shadow.restore.tier import TierSource
+    from shadow.restore.storage_source import TierSource
 
     info = _replicated(tmp_path, server, other, "/nonexistent/disk", other.root)
     checkpoints.write_manifest(info.root, "j", 5, info.manifest)  # the coordinator's copy names both holders

@@ -18,7 +18,7 @@ import zmq
 
 from shadow.errors import ShadowError
 from shadow.persist import checkpoints
-from shadow.restore.cluster_tier import ClusterTierSource, read_file
+from shadow.restore.node_local import ClusterTierSource, read_file
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 from shadow.wire import tags

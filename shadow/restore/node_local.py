@@ -20,7 +20,7 @@ the next, whose read puts every byte of every tensor in place again, so nothing 
 copy is left. The read fails only when every copy failed, naming each (:class:`CopiesFailed`).
 
 A coordinator that does not answer the catalog (an older one, or one that is unreachable
-now) leaves the tier read as a directory, as :class:`~shadow.restore.tier.TierSource` does."""
+now) leaves the tier read as a directory, as :class:`~shadow.restore.storage_source.TierSource` does."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from shadow.persist import disks as disks_mod
 from shadow.persist.manifests import _reading
 from shadow.persist.shardio import StorageFile
 from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
-from shadow.restore.tier import TierSource
+from shadow.restore.storage_source import TierSource
 from shadow.storage import storage_for
 from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import messages as M
