@@ -177,3 +177,24 @@ def test_a_cluster_runs_and_answers_status_without_torch(no_torch, tmp_path):
         assert [w["ready"] for w in st["workers"]] == [True]
         res = shadow_cli("ls", f"source={c.address}", "--json", env=no_torch, timeout=60)
         assert res.returncode == 0 and json.loads(res.stdout) == [], res.stderr
+
+
+# each integration imports its own framework and no other integration's (hf may use accelerate's,
+# which its extra installs); what they share is in integrations/_resume.py, which imports none
+_FRAMEWORKS = {"accelerate": set(), "hf": {"accelerate"}, "lightning": set()}
+
+
+@pytest.mark.parametrize("name", sorted(_FRAMEWORKS))
+def test_an_integration_imports_no_other_integration(name):
+    import ast
+    from pathlib import Path
+
+    import trainer_hooks.integrations as pkg
+
+    src = Path(pkg.__file__).with_name(f"{name}.py").read_text()
+    imported = {
+        n.module.split(".")[2]
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("trainer_hooks.integrations.")
+    }
+    assert imported - {"_resume"} <= _FRAMEWORKS[name], imported

@@ -33,12 +33,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
@@ -46,6 +43,7 @@ import trainer_hooks
 from shadow.errors import ShadowError, ShadowUsageError
 from shadow.export._writers import HF_KEY
 from trainer_hooks._restored import RESTORED, RestorePoint
+from trainer_hooks.integrations._resume import write_resume
 from trainer_hooks.integrations.accelerate import inner_optimizer
 
 logger = logging.getLogger(__name__)
@@ -78,24 +76,10 @@ class ShadowedTrainer(TrainerCallback):
         ``resume_from_checkpoint`` (under ``directory``, default a new temporary directory of
         this rank's); None when the cluster knows no such job, in memory or in its tiers (a
         fresh run). A job it knows but cannot restore is an error, never a fresh start."""
-        from shadow.export import export
-        from shadow.export.state import state_dicts
-        from shadow.restore import resolve
-
-        if not _job_known(self.coordinator, self.job, timeout):
-            logger.info("the cluster at %s holds no checkpoint of job %s: a fresh run", self.coordinator, self.job)
+        written = write_resume(self.coordinator, self.job, timeout, directory, "hf_trainer", "checkpoint-{iteration}")
+        if written is None:
             return None
-        snap = resolve(self.coordinator, job=self.job, timeout=timeout)
-        base = directory or tempfile.mkdtemp(prefix=f"shadow-{self.job}-")
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        out = os.path.join(base, f"rank{rank}", f"checkpoint-{snap.iteration}")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        export(snap, out, "hf_trainer")
-        sd = state_dicts(snap)
-        rng = sd["rng"][rank] if rank < len(sd["rng"]) else None
-        extra = sd["extra_state_by_rank"][rank] if rank < len(sd["extra_state_by_rank"]) else sd["extra_state"]
-        self._resumed = RestorePoint(snap.iteration, snap.job, snap.generation, snap.tier, snap.source, rng, extra)
-        logger.info("job %s iteration %d written for the Trainer to resume from: %s", self.job, snap.iteration, out)
+        out, self._resumed = written
         return out
 
     # -- the Trainer's events --------------------------------------------------------------------------
@@ -153,21 +137,6 @@ class ShadowedTrainer(TrainerCallback):
         if self._user_extra is not None:
             out["user"] = self._user_extra()
         return out
-
-
-def _job_known(coordinator: str, job: str, timeout: float) -> bool:
-    """Whether the cluster holds job ``job``: in memory, or complete checkpoints in its tiers."""
-    import zmq
-
-    from shadow.client import dealer, request
-    from shadow.wire import messages as M
-
-    sock = dealer(zmq.Context.instance(), coordinator)
-    try:
-        reply = request(sock, coordinator, M.encode("jobs"), timeout, ("jobs_reply",))
-    finally:
-        sock.close(linger=0)
-    return any(isinstance(j, dict) and j.get("name") == job for j in reply["jobs"]) or bool(reply.get("left_out"))
 
 
 def protect(trainer: Any, coordinator: str, *, job: str = "default", **attach_kwargs: Any) -> ShadowedTrainer:

@@ -33,13 +33,10 @@ one scheduler step behind until the next iteration commits (logged).
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import trainer_hooks
@@ -47,7 +44,7 @@ from shadow.errors import ShadowError, ShadowUsageError
 from shadow.export._writers import LIGHTNING_KEY
 from trainer_hooks._restore import RestoreInfo
 from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks.integrations.hf import _job_known
+from trainer_hooks.integrations._resume import write_resume
 
 logger = logging.getLogger(__name__)
 
@@ -117,26 +114,14 @@ class ShadowCallback(pl.Callback):
         ``trainer.fit(..., ckpt_path=...)`` (under ``directory``, default a new temporary
         directory of this rank's); None when the cluster knows no such job (a fresh run). A
         job it knows but cannot restore is an error, never a fresh start."""
-        from shadow.export import export
-        from shadow.export.state import state_dicts
-        from shadow.restore import resolve
-
-        if not _job_known(self.coordinator, self.job, timeout):
-            logger.info("the cluster at %s holds no checkpoint of job %s: a fresh run", self.coordinator, self.job)
+        written = write_resume(
+            self.coordinator, self.job, timeout, directory, "lightning", "iteration-{iteration}.ckpt"
+        )
+        if written is None:
             return None
-        snap = resolve(self.coordinator, job=self.job, timeout=timeout)
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        base = directory or tempfile.mkdtemp(prefix=f"shadow-{self.job}-")
-        out = os.path.join(base, f"rank{rank}", f"iteration-{snap.iteration}.ckpt")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        export(snap, out, "lightning")
-        sd = state_dicts(snap)
-        rng = sd["rng"][rank] if rank < len(sd["rng"]) else None
-        extra = sd["extra_state_by_rank"][rank] if rank < len(sd["extra_state_by_rank"]) else sd["extra_state"]
-        point = RestorePoint(snap.iteration, snap.job, snap.generation, snap.tier, snap.source, rng, extra)
-        self._resumed = (point, int(extra[LIGHTNING_KEY]["batches"]))
-        self.extra_state = extra.get("user")
-        logger.info("job %s iteration %d written for Lightning to resume from: %s", self.job, snap.iteration, out)
+        out, point = written
+        self._resumed = (point, int(point.extra_state[LIGHTNING_KEY]["batches"]))
+        self.extra_state = point.extra_state.get("user")
         return out
 
     # -- Lightning's events ----------------------------------------------------------------------------
