@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import zmq
 
@@ -287,13 +286,3 @@ def world1(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def train_step(ddp, opt, sched, it: int) -> None:
-    """One iteration of the tiny model on batch ``it``."""
-    g = torch.Generator().manual_seed(it)
-    x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
-    torch.nn.functional.cross_entropy(ddp(x), y).backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad()

@@ -33,7 +33,7 @@ def _train(address: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import trainer_hooks
-    from tests.conftest import train_step
+    from tests.helpers.loop import train_step
     from tests.helpers.tiny_trainer import build
 
     model, opt, sched = build()

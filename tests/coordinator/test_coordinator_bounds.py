@@ -22,7 +22,7 @@ from shadow.testing import LocalCluster, free_port, pid_alive, rss_bytes, status
 from shadow.transport import SocketFactory, fetch_limit
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
-from tests.conftest import train_step
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}

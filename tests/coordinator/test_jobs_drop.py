@@ -236,8 +236,9 @@ def test_a_crashed_job_is_dropped_and_another_job_attaches_without_a_restart(wor
 
     import trainer_hooks
     from shadow.testing import LocalCluster, wait_until
-    from tests.conftest import rank_logs, run_ranks, train_step
+    from tests.conftest import rank_logs, run_ranks
     from tests.helpers.cli import shadow_cli
+    from tests.helpers.loop import train_step
     from tests.helpers.tiny_trainer import build
 
     tier = tmp_path / "tier"
@@ -315,8 +316,8 @@ def test_drop_on_a_keyed_cluster_takes_an_admin_key_not_a_client_key(world1, tmp
     import trainer_hooks
     from shadow import security
     from shadow.testing import LocalCluster, wait_until
-    from tests.conftest import train_step
     from tests.helpers.cli import shadow_cli
+    from tests.helpers.loop import train_step
     from tests.helpers.tiny_trainer import build
     from tests.slow.test_curve_cluster import role_keys
 

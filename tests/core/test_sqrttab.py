@@ -183,7 +183,7 @@ def test_the_table_reaches_the_workers_not_status_or_manifests(world1, tmp_path)
 
     import trainer_hooks
     from shadow.testing import LocalCluster, assert_same_state
-    from tests.conftest import train_step
+    from tests.helpers.loop import train_step
     from tests.helpers.tiny_trainer import build
     from trainer_hooks._optim import cpu_sqrt_table
 

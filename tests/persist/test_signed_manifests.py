@@ -333,7 +333,8 @@ def test_a_live_cluster_signs_and_restores_check_it(world1, tmp_path, key_file):
 
     import trainer_hooks
     from shadow.testing import LocalCluster
-    from tests.conftest import ROOT, train_step
+    from tests.conftest import ROOT
+    from tests.helpers.loop import train_step
     from tests.helpers.tiny_trainer import build
 
     local = tmp_path / "local"

@@ -12,15 +12,10 @@ import trainer_hooks
 from shadow.testing import free_port
 from shadow.testing.wait import wait_until
 from shadow.tuning import Tuning
-from tests.conftest import train_step
+from tests.helpers.loop import train
 from tests.helpers.tiny_trainer import Tiny, build
 
 pytestmark = pytest.mark.slow
-
-
-def _train(session, ddp, opt, sched, steps, start=0):
-    for it in range(start + 1, start + steps + 1):
-        train_step(ddp, opt, sched, it)
 
 
 def test_unreachable_coordinator_fails_fast(world1):
@@ -40,7 +35,7 @@ def test_a_restore_in_place_says_what_it_changed_when_the_rest_does_not_match(wo
     model, opt, sched = build(extras=True)
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
-    _train(session, ddp, opt, sched, 3)
+    train(ddp, opt, sched, 3)
     assert session.close() == 3
     other, oopt, _ = build(seed=9, extras=True)
     other.table = torch.zeros(7)  # a buffer of another size: outside the layout, found once the data is in
@@ -70,7 +65,7 @@ def test_restore_guards_and_overwrite_protection(world1, shared_cluster, job):
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
-    _train(session, ddp, opt, sched, 4)
+    train(ddp, opt, sched, 4)
     assert session.close() == 4
 
     # a fresh run at iteration 0 must not silently replace the checkpoint
@@ -93,7 +88,7 @@ def test_restore_guards_and_overwrite_protection(world1, shared_cluster, job):
     ddp2 = DDP(m2)
     session = trainer_hooks.attach(ddp2, o2, coordinator=shared_cluster.address, scheduler=s2, job=job)
     assert session.iteration == 4
-    _train(session, ddp2, o2, s2, 2, start=4)
+    train(ddp2, o2, s2, 2, start=4)
     assert session.close() == 6
     st = shared_cluster.status()
     assert st["job"]["name"] == job and st["job"]["committed"] == 6
@@ -103,7 +98,7 @@ def test_weights_only_restore(world1, shared_cluster, job):
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
-    _train(session, ddp, opt, sched, 3)
+    train(ddp, opt, sched, 3)
     session.close()
     fresh = Tiny()
     info = trainer_hooks.restore(fresh, source=shared_cluster.address, weights_only=True, job=job)
@@ -123,7 +118,7 @@ def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, shared_clus
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
-    _train(session, ddp, opt, sched, 3)
+    train(ddp, opt, sched, 3)
     session.close()
     st = shared_cluster.wait_caught_up(3)
     worker = st["workers"][0]
@@ -192,14 +187,14 @@ def test_training_survives_a_lost_worker_that_does_not_come_back(world1, tmp_pat
         session = trainer_hooks.attach(
             ddp, opt, coordinator=cluster.address, scheduler=sched, job="lossy", tuning=Tuning(block_timeout_s=60.0)
         )
-        _train(session, ddp, opt, sched, 2)
+        train(ddp, opt, sched, 2)
         deadline = time.monotonic() + 30
         while (cluster.status()["job"]["committed"] or -1) < 2:  # the checkpoint to be frozen
             assert time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(cluster.status()["workers"][1]["pid"], signal.SIGKILL)
         t0 = time.monotonic()
-        _train(session, ddp, opt, sched, 12, start=2)
+        train(ddp, opt, sched, 12, start=2)
         assert time.monotonic() - t0 < 30
         assert session.degraded is not None and "worker 1 lost" in session.degraded
         session.close()
@@ -225,7 +220,7 @@ def test_gradients_changed_behind_the_shadows_back_are_refused(world1, shared_cl
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     try:
-        _train(session, ddp, opt, sched, 2)  # fine so far
+        train(ddp, opt, sched, 2)  # fine so far
         g = torch.Generator().manual_seed(3)
         x, y = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4,), generator=g)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -305,7 +300,7 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, shared
     session = trainer_hooks.attach(
         ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job, audit_every=2, audit_strict=True
     )
-    _train(session, ddp, opt, sched, 6)
+    train(ddp, opt, sched, 6)
     session.close()
     audit = shared_cluster.wait_status(
         lambda st: st["job"]["audit"]["last_iteration"] == 6, what="the audit of iteration 6"
@@ -321,7 +316,7 @@ def test_divergence_audit_passes_then_catches_a_corrupted_replica(world1, shared
             ddp2, opt, coordinator=bad.address, scheduler=sched, job="audited", audit_every=2, audit_strict=True
         )
         with pytest.raises(trainer_hooks.ShadowError, match=r"divergence audit failed at iteration 4: param of '"):
-            _train(session, ddp2, opt, sched, 12)
+            train(ddp2, opt, sched, 12)
         bad.wait_status(lambda st: st["job"]["audit"]["mismatches"] >= 1, what="the audit's mismatch")
         session.close(wait=False)
     finally:
@@ -358,7 +353,7 @@ def test_a_divergence_is_final_until_the_trainers_resync(world1, tmp_path):
         model, opt, sched = build()
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=bad.address, scheduler=sched, job="dv", audit_every=2)
-        _train(session, ddp, opt, sched, 5)
+        train(ddp, opt, sched, 5)
         st = bad.wait_status(lambda s: s["job"]["diverged"] is not None, what="the divergence")
         assert st["job"]["diverged"] == 2 and st["restorable"]["memory"] is None
         assert st["restorable"]["local"] is None or st["restorable"]["local"] <= 2
@@ -370,11 +365,9 @@ def test_a_divergence_is_final_until_the_trainers_resync(world1, tmp_path):
         it = 5
         while session.epoch == 1 or session.degraded is not None:  # the resync comes at an iteration boundary
             assert it < 400, f"no resync after {it} iterations: {bad.status()['job']}"
-            it += 1
-            _train(session, ddp, opt, sched, 1, start=it - 1)
+            it = train(ddp, opt, sched, 1, start=it)
             time.sleep(0.02)
-        _train(session, ddp, opt, sched, 2, start=it)
-        it += 2
+        it = train(ddp, opt, sched, 2, start=it)
         session.close()
         st = bad.status()
         assert st["job"]["diverged"] is None and st["restorable"]["memory"] == it

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import assert_same_state, free_port, live_state, status
-from tests.conftest import ROOT, train_step
+from tests.conftest import ROOT
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

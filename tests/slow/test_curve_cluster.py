@@ -19,8 +19,8 @@ from shadow.restore.resolve import pick
 from shadow.testing import LocalCluster, status
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from tests.conftest import train_step
 from tests.helpers.keys import role_keys
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

@@ -12,29 +12,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import LocalCluster
-from tests.conftest import train_step
+from tests.helpers.loop import resynced, train
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
 
-
-def _steps(ddp, opt, sched, it: int, n: int) -> int:
-    """Train iterations it+1 .. it+n; returns the last."""
-    for _ in range(n):
-        it += 1
-        train_step(ddp, opt, sched, it)
-    return it
-
-
-def _train_until_resync(session, ddp, opt, sched, it: int, epoch: int, limit: float = 60) -> int:
-    """Training goes on while the cluster heals; returns the iteration at which the ranks
-    had re-attached (a new epoch)."""
-    deadline = time.monotonic() + limit
-    while session.epoch == epoch:
-        assert time.monotonic() < deadline, "the cluster never asked for a resync"
-        it = _steps(ddp, opt, sched, it, 1)
-        time.sleep(0.05)
-    return it
+NO_RESYNC = "the cluster never asked for a resync"
 
 
 def _assert_restores(cluster, model, it: int) -> None:
@@ -52,12 +35,12 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="heal")
         first_epoch = session.epoch
-        it = _steps(ddp, opt, sched, 0, 3)
+        it = train(ddp, opt, sched, 3)
         victim = cluster.status()["workers"][1]["pid"]
         os.kill(victim, signal.SIGKILL)
-        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
+        it = train(ddp, opt, sched, start=it, until=resynced(session, first_epoch), what=NO_RESYNC, pause_s=0.05)
         assert session.degraded is None and session.iteration == it
-        it = _steps(ddp, opt, sched, it, 3)
+        it = train(ddp, opt, sched, 3, start=it)
         assert session.close() == it
         st = cluster.wait_caught_up(it)
         assert st["workers"][1]["pid"] != victim and all(w["health"] == "ok" for w in st["workers"])
@@ -124,18 +107,18 @@ def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path):
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="frozen")
         first_epoch = session.epoch
-        it = _steps(ddp, opt, sched, 0, 2)
+        it = train(ddp, opt, sched, 2)
         victim = cluster.status()["workers"][0]["pid"]
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
         # lag exceeds SHADOW_MAX_LAG: block until the worker is declared lost
-        it = _steps(ddp, opt, sched, it, 8)
+        it = train(ddp, opt, sched, 8, start=it)
         waited = time.monotonic() - t0
         assert session.degraded is not None and "lost" in session.degraded
         assert 1.0 < session.stats()["blocked_s"] < 20 and waited < 30
         os.kill(victim, signal.SIGCONT)
-        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
-        it = _steps(ddp, opt, sched, it, 2)
+        it = train(ddp, opt, sched, start=it, until=resynced(session, first_epoch), what=NO_RESYNC, pause_s=0.05)
+        it = train(ddp, opt, sched, 2, start=it)
         assert session.close() == it
         assert cluster.wait_caught_up(it)["workers"][0]["pid"] == victim  # the same process, resynced
         _assert_restores(cluster, model, it)
@@ -159,7 +142,7 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
             ddp, opt, coordinator=cluster.address, scheduler=sched, job="skippy", policy="skip"
         )
         first_epoch = session.epoch
-        it = _steps(ddp, opt, sched, 0, 2)
+        it = train(ddp, opt, sched, 2)
         deadline = time.monotonic() + 20
         while cluster.status()["job"]["committed"] != it:
             assert time.monotonic() < deadline
@@ -167,7 +150,7 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
         victim = cluster.status()["workers"][0]["pid"]
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
-        it = _steps(ddp, opt, sched, it, 8)
+        it = train(ddp, opt, sched, 8, start=it)
         waited = time.monotonic() - t0
         assert session.degraded is not None and "policy skip" in session.degraded
         assert session.stats()["blocked_s"] < 0.5 and waited < 1.5  # lost detection takes 2 s: never waited for
@@ -177,9 +160,9 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
             time.sleep(0.05)
         assert "policy skip" in st["job"]["reason"] and st["job"]["committed"] == 2
         os.kill(victim, signal.SIGCONT)
-        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch)
+        it = train(ddp, opt, sched, start=it, until=resynced(session, first_epoch), what=NO_RESYNC, pause_s=0.05)
         assert session.degraded is None
-        it = _steps(ddp, opt, sched, it, 2)
+        it = train(ddp, opt, sched, 2, start=it)
         assert session.close() == it
         _assert_restores(cluster, model, it)
     finally:
@@ -258,13 +241,13 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
         with testing.faults():  # no faults yet: the sender lets them be switched on below
             session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="tail")
         first_epoch = session.epoch
-        it = _steps(ddp, opt, sched, 0, 3)
+        it = train(ddp, opt, sched, 3)
         deadline = time.monotonic() + 20
         while cluster.status()["job"]["committed"] != 3:  # iteration 3 left before the drops begin
             assert time.monotonic() < deadline
             time.sleep(0.05)
         session.sender.net = testing.NetFaults({"drop": 1.0}, 0)
-        it = _steps(ddp, opt, sched, it, 1)
+        it = train(ddp, opt, sched, 1, start=it)
         t0 = time.monotonic()
         while session.degraded is None:
             assert time.monotonic() - t0 < 20, "lost messages were never noticed"
@@ -274,8 +257,10 @@ def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path
         st = cluster.status()
         assert st["job"]["committed"] == 3 and any("never arrived" in w["stale"] for w in st["workers"])
         session.sender.net = None
-        it = _train_until_resync(session, ddp, opt, sched, it, first_epoch, 30)
-        it = _steps(ddp, opt, sched, it, 1)
+        it = train(
+            ddp, opt, sched, start=it, until=resynced(session, first_epoch), limit_s=30, what=NO_RESYNC, pause_s=0.05
+        )
+        it = train(ddp, opt, sched, 1, start=it)
         assert session.close() == it
         _assert_restores(cluster, model, it)
     finally:

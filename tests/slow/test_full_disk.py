@@ -23,7 +23,7 @@ from shadow.config import PersistConfig
 from shadow.persist import checkpoints, failed
 from shadow.testing import LocalCluster, ServiceFaults, free_port_run
 from shadow.testing.faults import injected
-from tests.conftest import train_step
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 from tests.slow.test_ops import scrape, value
 

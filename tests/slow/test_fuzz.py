@@ -17,8 +17,9 @@ import trainer_hooks
 from shadow import security
 from shadow.testing import LocalCluster, rss_bytes
 from shadow.wire import frames as F
-from tests.conftest import capture_commits, train_step
+from tests.conftest import capture_commits
 from tests.helpers.keys import role_keys
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

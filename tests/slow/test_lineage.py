@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow.persist import checkpoints
 from shadow.testing import LocalCluster, assert_same_state, live_state
-from tests.conftest import train_step
+from tests.helpers.loop import train
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
@@ -24,11 +24,10 @@ def _args(local) -> tuple[str, ...]:
     return (f"persist.local.dir={local}", "persist.local.every_n=1", "persist.local.keep=0")
 
 
-def _train(ddp, opt, sched, its, cluster: LocalCluster) -> None:
-    """Train, and wait for each iteration's checkpoint (so none is skipped for a busy disk)."""
-    for it in its:
-        train_step(ddp, opt, sched, it)
-        _wait_persisted(cluster, it)
+def _persisted(cluster: LocalCluster):
+    """For :func:`train`'s ``after``: wait for each iteration's checkpoint (so none is skipped
+    for a busy disk)."""
+    return lambda it: _wait_persisted(cluster, it)
 
 
 def _wait_persisted(cluster: LocalCluster, iteration: int) -> None:
@@ -64,7 +63,7 @@ def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
         model, opt, sched = build()
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fb")
-        _train(ddp, opt, sched, range(1, 7), cluster)
+        train(ddp, opt, sched, 6, after=_persisted(cluster))
         session.close(wait=False)
     finally:
         cluster.kill_all()
@@ -79,7 +78,7 @@ def test_resume_after_a_restore_that_fell_back(world1, tmp_path):
         # no overwrite=True: this rank restored iteration 5 from this cluster's own tier
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="fb")
         assert session.base == 5
-        _train(ddp, opt, sched, range(6, 9), cluster)
+        train(ddp, opt, sched, 3, start=5, after=_persisted(cluster))
         assert session.close() == 8
         st = cluster.status()
         assert st["restorable"]["local"] == 8
@@ -101,7 +100,7 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
         model, opt, sched = build()
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ow")
-        _train(ddp, opt, sched, range(1, 13), cluster)
+        train(ddp, opt, sched, 12, after=_persisted(cluster))
         assert session.close() == 12
 
         # go back to 8 and train on: 9..12 of the first run are abandoned
@@ -110,7 +109,7 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
         assert info.iteration == 8
         ddp = DDP(model)
         session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="ow", overwrite=True)
-        _train(ddp, opt, sched, range(9, 11), cluster)
+        train(ddp, opt, sched, 2, start=8, after=_persisted(cluster))
         assert session.close() == 10
         assert cluster.status()["restorable"]["local"] == 10
     finally:
@@ -130,7 +129,7 @@ def test_overwrite_supersedes_the_abandoned_iterations(world1, tmp_path):
         _same(model, opt, again, aopt)
         ddp = DDP(again)
         session = trainer_hooks.attach(ddp, aopt, coordinator=cluster.address, scheduler=asched, job="ow")
-        _train(ddp, aopt, asched, range(11, 13), cluster)
+        train(ddp, aopt, asched, 2, start=10, after=_persisted(cluster))
         assert session.close() == 12
     finally:
         cluster.kill_all()

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow.testing import pid_alive
 from shadow.wire import frames as F
-from tests.conftest import capture_commits, train_step
+from tests.conftest import capture_commits
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import free_port, status
-from tests.conftest import ROOT, train_step
+from tests.conftest import ROOT
 from tests.helpers.cli import shadow_cli
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import assert_same_state, live_state
-from tests.conftest import train_step
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 from trainer_hooks.session.items import NoticeItem
 

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import LocalCluster
-from tests.conftest import train_step
 from tests.helpers.cli import shadow_cli
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

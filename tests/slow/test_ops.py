@@ -22,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow.metrics import COORDINATOR, TRAINER, WORKER
 from shadow.testing import LocalCluster, free_port, free_port_run
-from tests.conftest import ROOT, train_step
+from tests.conftest import ROOT
 from tests.helpers.cli import shadow_cli as shadow
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

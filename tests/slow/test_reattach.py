@@ -60,7 +60,7 @@ def test_previous_epoch_serves_restores_while_a_reattach_bootstraps(world1, shar
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
-    from tests.conftest import train_step
+    from tests.helpers.loop import train_step
 
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)

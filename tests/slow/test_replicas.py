@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import LocalCluster
-from tests.conftest import train_step
 from tests.helpers.keys import role_keys
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow

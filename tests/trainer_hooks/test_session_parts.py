@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.errors import ShadowUsageError
-from tests.conftest import ROOT, train_step
+from tests.conftest import ROOT
+from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 from trainer_hooks._model import build_layout
 from trainer_hooks.session import bootstrap
