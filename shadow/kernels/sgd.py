@@ -6,7 +6,7 @@ Per element, in torch's order: the gradient transforms of :mod:`shadow.kernels.a
 ``buf = g`` on a parameter's first step, else ``buf = fma(g, 1 - dampening, buf * m)``
 ("body" rule) or, in the fused kernel's scalar tail, ``buf = fma(buf, m, g * (1 - dampening))``;
 Nesterov ``g = fma(buf, m, g)`` else ``g = buf``; finally ``p = fma(g, -lr, p)``.
-Measured against torch 2.13 (``tests/test_kernels.py``).
+Measured against torch 2.13 (``tests/kernels/test_kernels.py``).
 """
 
 from __future__ import annotations
