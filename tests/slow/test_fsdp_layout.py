@@ -1,0 +1,66 @@
+"""Issue 40's first step: where each parameter's shard lies in an FSDP2 group's reduce
+output, computed from public API (trainer_hooks._fsdp.fsdp_spans), equals what FSDP hands
+the all-reduce hook and then puts in ``p.grad``: FSDP on 2 ranks and HSDP on 4 (2x2), with
+uneven shards (13 rows on 2 ranks: 7 + 6 and a row of padding)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from shadow.testing.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _run(rank: int, world: int, port: int, hsdp: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer_hooks._fsdp import fsdp_groups, fsdp_spans
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2) if hsdp else (world,), mesh_dim_names=("r", "s") if hsdp else ("s",))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(5, 13), torch.nn.ReLU(), torch.nn.Linear(13, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)
+        )
+        for i in (0, 2):
+            fully_shard(model[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root manages the last layer's parameters
+        groups, spans = fsdp_groups(model), fsdp_spans(model)
+        assert [name for name, _, _ in groups] == ["", "0", "2"], [name for name, _, _ in groups]
+        captured: dict[int, torch.Tensor] = {}
+        for gi, (_, module, _) in enumerate(groups):
+            module.set_all_reduce_hook(lambda buf, gi=gi: captured.__setitem__(gi, buf.detach().clone()))
+        torch.manual_seed(100 + rank)
+        model(torch.randn(4, 5)).square().sum().backward()
+        named = dict(model.named_parameters())
+        for gi, group in enumerate(spans):
+            buf = captured[gi]
+            assert buf.numel() == sum(s.padded for s in group), (gi, buf.numel(), group)
+            for s in group:
+                p = named[s.fqn]
+                local = p.grad.to_local().reshape(-1)
+                assert s.numel == local.numel(), s
+                assert torch.equal(buf[s.offset : s.offset + s.numel], local), s
+                full = p.full_tensor().reshape(-1)  # a collective: every rank calls it in the same order
+                assert torch.equal(full[s.global_offset : s.global_offset + s.numel], p.to_local().reshape(-1)), s
+        uneven = next(s for s in spans[1] if s.fqn == "0.weight")
+        shards = 2
+        mine = uneven.global_offset // 5 // 7
+        assert (uneven.padded, uneven.numel) == (7 * 5, (7 if mine < shards - 1 else 6) * 5), uneven
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp-2", "hsdp-2x2"])
+def test_the_shard_spans_are_where_fsdp_puts_each_gradient(hsdp):
+    world = 4 if hsdp else 2
+    mp.spawn(_run, args=(world, free_port(), hsdp), nprocs=world, join=True)
