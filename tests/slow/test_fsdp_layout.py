@@ -66,9 +66,12 @@ def test_the_shard_spans_are_where_fsdp_puts_each_gradient(hsdp):
     mp.spawn(_run, args=(world, free_port(), hsdp), nprocs=world, join=True)
 
 
-def _replay(rank: int, world: int, port: int, impl: str) -> None:
+def _replay(rank: int, world: int, port: int, impl: str, mode: str = "") -> None:
     """Three AdamW steps of an FSDP model, and the shadow's replay of each on this rank's
-    shard, fed the spans of the reduce outputs the hook saw: equal every step."""
+    shard, fed the spans of the reduce outputs the hook saw, turned into the gradient in
+    FSDP's order and dtypes (post-divide in the reduce dtype, cast, micro-batch sums in the
+    parameter dtype): equal every step. ``mode``: ``sum`` (sum reduction, FSDP divides
+    after the hook), ``bf16`` (bf16 compute and reduction), ``accum`` (two micro-batches)."""
     import numpy as np
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -83,17 +86,38 @@ def _replay(rank: int, world: int, port: int, impl: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(5, 13), torch.nn.ReLU(), torch.nn.Linear(13, 3))
+        kw = {}
+        if mode == "bf16":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         for i in (0, 2):
-            fully_shard(model[i], mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(model[i], mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
+        if mode == "sum":
+            for _, module, _ in fsdp_groups(model):
+                module.set_force_sum_reduction_for_comms(True)
         flag = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}[impl]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05, **flag)
         groups = fsdp_groups(model)
         where = {s.fqn: s for group in fsdp_spans(model) for s in group}
-        captured: dict[int, torch.Tensor] = {}
+        captured: dict[int, list[torch.Tensor]] = {}
         for gi, (_, module, _) in enumerate(groups):
-            module.set_all_reduce_hook(lambda buf, gi=gi: captured.__setitem__(gi, buf.detach().clone()))
+            module.set_all_reduce_hook(lambda buf, gi=gi: captured.setdefault(gi, []).append(buf.detach().clone()))
         named = list(model.named_parameters())
+        post = float(world) if mode == "sum" else None  # what FSDP divides by after the hook
+
+        def grad(span) -> torch.Tensor:
+            acc = None
+            for buf in captured[span.group]:  # one per micro-batch, in order
+                g = buf[span.offset : span.offset + span.numel].clone()
+                if post is not None:
+                    g.div_(post)  # in the reduce dtype
+                g = g.to(torch.float32)
+                acc = g if acc is None else acc.add_(g)
+            assert acc is not None
+            return acc
+
         sizes = [where[n].numel for n, _ in named]
         offsets = np.cumsum([0] + sizes)[:-1]
         flat = np.concatenate([p.to_local().detach().reshape(-1).numpy() for _, p in named]).astype(np.float32)
@@ -105,12 +129,15 @@ def _replay(rank: int, world: int, port: int, impl: str) -> None:
         )
         for k in range(1, 4):
             opt.zero_grad()
-            torch.manual_seed(1000 * k + rank)
-            model(torch.randn(4, 5)).square().sum().backward()
+            captured.clear()
+            for mb in range(2 if mode == "accum" else 1):
+                torch.manual_seed(1000 * k + 10 * mb + rank)
+                model(torch.randn(4, 5)).square().sum().backward()
             opt.step()
-            gflat = np.concatenate(
-                [captured[where[n].group][where[n].offset : where[n].offset + where[n].numel].numpy() for n, _ in named]
-            ).astype(np.float32)
+            bufs = [b for group in captured.values() for b in group]
+            assert len(bufs) == len(groups) * (2 if mode == "accum" else 1), len(bufs)  # the hook, per micro-batch
+            assert {b.dtype for b in bufs} == {torch.bfloat16 if mode == "bf16" else torch.float32}
+            gflat = np.concatenate([grad(where[n]).numpy() for n, _ in named])
             plan.prepare(replay_groups(opt), np.full(len(sizes), float(k)), set(), None)
             plan.apply(flat, m, v, mx, gflat)
             for (n, p), o, size in zip(named, offsets, sizes, strict=True):
@@ -124,6 +151,9 @@ def _replay(rank: int, world: int, port: int, impl: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused", "single"])
-def test_the_shadows_replay_of_each_shard_equals_fsdp_adamw(impl):
-    mp.spawn(_replay, args=(2, free_port(), impl), nprocs=2, join=True)
+@pytest.mark.parametrize(
+    "impl,mode",
+    [("foreach", ""), ("fused", ""), ("single", ""), ("foreach", "sum"), ("fused", "accum"), ("fused", "bf16")],
+)
+def test_the_shadows_replay_of_each_shard_equals_fsdp_adamw(impl, mode):
+    mp.spawn(_replay, args=(2, free_port(), impl, mode), nprocs=2, join=True)
