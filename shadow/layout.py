@@ -142,6 +142,27 @@ def stripe_bounds(length: int, nranks: int) -> list[tuple[int, int]]:
     return shard_bounds(length, nranks)
 
 
+def dim0_pieces(layout: Layout, shards: int) -> list[tuple[int, int, int]]:
+    """The tensors an optimizer steps when every parameter of ``layout`` is split on dim 0
+    over ``shards`` ranks as FSDP2 splits it (``ceil(rows / shards)`` rows each; the last
+    ranks' pieces shorter or empty): ``(flat offset, elements, parameter index)`` of each
+    non-empty piece, by parameter then rank. A replay over these pieces takes each rank's
+    per-tensor view (the fused kernel's tails follow each piece's size). A scalar is one
+    piece on the first rank."""
+    if shards < 1:
+        raise ValueError(f"need at least one shard, got {shards}")
+    out = []
+    for i, spec in enumerate(layout.params):
+        rows = spec.shape[0] if spec.shape else 1
+        row = spec.numel // rows if rows else 0
+        per = -(-rows // shards)
+        for r in range(shards):
+            lo, hi = min(rows, r * per), min(rows, (r + 1) * per)
+            if hi > lo and row:
+                out.append((spec.offset + lo * row, (hi - lo) * row, i))
+    return out
+
+
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None
