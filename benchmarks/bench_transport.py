@@ -280,13 +280,13 @@ def local_costs(quick: bool) -> dict:
 
 def files_socket(keydir: Path, tmp: str, quick: bool, rounds: int) -> dict:
     """GB/s of one shard file read through a worker's files socket (``FileServer``, on its
-    own thread in this process; the client is ``shadow.restore.node_local.read_file``):
+    own thread in this process; the client is ``shadow.restore.files_client.read_file``):
     without keys, in ``mac`` mode (in clear, a ticket, a GMAC per chunk) and in ``curve``
     mode (a CURVE server admitting a client key), in interleaved rounds, each round in a
     seeded random order; the file sits in the page cache."""
     import random
 
-    from shadow.restore.node_local import read_file
+    from shadow.restore.files_client import read_file
     from shadow.transport import SocketFactory
     from shadow.worker.address import Binding
     from shadow.worker.files import FileServer

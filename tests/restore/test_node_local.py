@@ -19,7 +19,8 @@ import zmq
 
 from shadow.errors import CheckpointError, ShadowError
 from shadow.persist import checkpoints, disks
-from shadow.restore.node_local import ClusterTierSource, read_file
+from shadow.restore.files_client import read_file
+from shadow.restore.node_local import ClusterTierSource
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning
 from shadow.wire import messages as M

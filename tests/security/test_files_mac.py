@@ -18,7 +18,8 @@ import zmq
 
 from shadow.errors import ShadowError
 from shadow.persist import checkpoints
-from shadow.restore.node_local import ClusterTierSource, read_file
+from shadow.restore.files_client import read_file
+from shadow.restore.node_local import ClusterTierSource
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 from shadow.wire import tags
