@@ -299,6 +299,8 @@ def test_writer_to_catalog_per_tier(tmp_path, local, remote):
         p.upload(7, 1, r["bytes"], r["checksum"])
     uploads = [_wait(p) for p in ps]
     assert all(r["ok"] and r["tier"] == "remote" for r in uploads), uploads
+    for p in ps:  # their threads end here, not whenever they are collected
+        assert p.close()
     _commit(remote_root, "remote", uploads, 7)
     suffix = {"zstd": zshard.SUFFIX, "none": ".safetensors"}
     for root, tier, reps, codec in ((local_root, "local", reports, local), (remote_root, "remote", uploads, remote)):

@@ -323,8 +323,14 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _persister_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(("shadow-upload", "shadow-persist"))]
+def _persister_threads(before: frozenset = frozenset()) -> list[str]:
+    """The persisters' threads alive now but for those in ``before`` (other tests' persisters
+    not yet collected)."""
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("shadow-upload", "shadow-persist")) and t not in before
+    ]
 
 
 def test_replaced_sessions_release_their_persisters(tmp_path):
@@ -338,6 +344,7 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
         "local": dict(TIER, every_n=1, dir=str(tmp_path / "local")),
         "remote": dict(TIER, every_n=1, url=f"memory://leak-{os.getpid()}"),
     }
+    before = frozenset(threading.enumerate())
     w = Worker("tcp://127.0.0.1:1")
     sent = []
     w.outbox.to_coord = lambda kind, **fields: sent.append(kind)
@@ -369,14 +376,14 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.002)
         s.applied = 1  # the next configure retires it (served to restores meanwhile)
-        assert _persister_threads().count("shadow-upload") == 1, _persister_threads()
+        assert _persister_threads(before).count("shadow-upload") == 1, _persister_threads(before)
         rss.append(_rss())
     grew = rss[-1] - rss[1]
     assert grew < 20 << 20, f"RSS grew {grew / 2**20:.0f} MiB over 8 resyncs: {[r >> 20 for r in rss]} MiB"
     w._close()  # the worker stops
     deadline = time.monotonic() + 5
-    while _persister_threads():
-        assert time.monotonic() < deadline, _persister_threads()
+    while _persister_threads(before):
+        assert time.monotonic() < deadline, _persister_threads(before)
         time.sleep(0.01)
     assert sent.count("configured") == 10
 
