@@ -21,6 +21,8 @@ ALIGN_ELEMS = 1024
 MAX_ELEMENTS = 1 << 48
 MAX_DIMS = 64
 MAX_GROUPS = 1 << 16
+#: Bound on the ranks an FSDP2 parameter is split over (``replay_tensors``).
+MAX_DIM0_SHARDS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,25 @@ def dim0_pieces(layout: Layout, shards: int) -> list[tuple[int, int, int]]:
         rows = spec.shape[0] if spec.shape else 1
         row = spec.numel // rows if rows else 0
         per = -(-rows // shards)
-        for r in range(shards):
-            lo, hi = min(rows, r * per), min(rows, (r + 1) * per)
+        for r in range(-(-rows // per) if per else 0):  # the ranks that hold rows
+            lo, hi = r * per, min(rows, (r + 1) * per)
             if hi > lo and row:
                 out.append((spec.offset + lo * row, (hi - lo) * row, i))
     return out
+
+
+def replay_tensors(layout: Layout, optim: dict) -> list[tuple[int, int, int]]:
+    """The tensors the optimizer described by ``optim`` steps, as ``(flat offset,
+    elements, parameter index)``: each parameter whole, or under FSDP2
+    (``optim["dim0_shards"]`` > 1) every rank's dim-0 piece of it (:func:`dim0_pieces`:
+    each rank's optimizer sees its local shard as the tensor, and the fused kernel's tail
+    follows that size)."""
+    shards = optim.get("dim0_shards", 1)
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_DIM0_SHARDS:
+        raise ValueError(f"dim0_shards must be an integer in [1, {MAX_DIM0_SHARDS}], got {shards!r}")
+    if shards > 1:
+        return dim0_pieces(layout, shards)
+    return [(p.offset, p.numel, i) for i, p in enumerate(layout.params)]
 
 
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:

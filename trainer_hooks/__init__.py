@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from shadow.choices import Policy
 from shadow.errors import (
@@ -27,7 +26,7 @@ from trainer_hooks.session.session import Session
 
 
 def attach(
-    ddp_model: DistributedDataParallel,
+    ddp_model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     coordinator: str,
     *,
@@ -52,7 +51,10 @@ def attach(
 
     Args:
         ddp_model: the ``DistributedDataParallel``-wrapped model (the shadow takes DDP's
-            reduced gradient buckets through a communication hook it registers once).
+            reduced gradient buckets through a communication hook it registers once), or
+            an FSDP2 model (``fully_shard`` applied to its root, with or without an HSDP
+            mesh: each rank streams its own rows of the gradients as the step reads them;
+            docs/fsdp.md).
         optimizer: the model's optimizer (``torch.optim.Adam``/``AdamW``/``SGD``).
         coordinator: the cluster's address, ``tcp://host:port``.
         scheduler: an LR scheduler (any ``torch.optim.lr_scheduler``); its state is

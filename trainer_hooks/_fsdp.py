@@ -1,5 +1,7 @@
-"""Where each parameter's shard lies in an FSDP2 group's reduce output (issue 40's first
-step; ``attach`` does not take FSDP2 models yet: docs/fsdp.md).
+"""FSDP2 and HSDP models: where this rank's shard of each laid-out parameter lies in the
+flat space (:class:`LocalShards`, what ``attach`` streams and bootstraps from and what a
+restore copies into), and where each parameter's shard lies in an FSDP group's reduce
+output (:func:`fsdp_spans`). docs/fsdp.md has the design.
 
 ``FSDPModule.set_all_reduce_hook`` hands a rank one flat buffer per FSDP group and
 backward: the group's parameters in order, each a dim-0 padded chunk of
@@ -11,10 +13,125 @@ out rather than read from FSDP's private state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shadow.errors import ShadowUsageError
+from shadow.layout import Layout, bucket_runs, stripe_bounds
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """``model`` is sharded with FSDP2 (``fully_shard``, with or without an HSDP mesh)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local tensor; a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class LocalShards:
+    """This rank's rows of every laid-out parameter under FSDP2 (``shards`` ranks split
+    each parameter on dim 0, ``ceil(rows / shards)`` rows each) or HSDP (``replicas``
+    copies of that split; this rank is copy ``replica``).
+
+    ``slots[i]`` is parameter ``i``'s local part as ``(offset in the concatenation of the
+    local parts, flat offset of its first element, elements)``: the rows are contiguous in
+    the flat space. Under HSDP every replica holds the same shard: each streams its own
+    :meth:`stripe` of the concatenation, so every element leaves one rank."""
+
+    shards: int
+    replicas: int
+    replica: int
+    slots: tuple[tuple[int, int, int], ...]
+    total: int
+
+    def stripe(self) -> tuple[int, int]:
+        """The part ``[lo, hi)`` of the concatenation this rank streams."""
+        return stripe_bounds(self.total, self.replicas)[self.replica]
+
+    def runs(self, present: Sequence[bool], workers: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+        """Per worker, the runs ``(src relative to the stripe, flat dst, n)`` of the stripe,
+        over the parameters ``present`` marks (those with a gradient)."""
+        stripe = self.stripe()
+        slots = [s for s, keep in zip(self.slots, present, strict=True) if keep and s[2]]
+        per_worker = bucket_runs(slots, stripe, workers)
+        return [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
+
+    def pieces(self, lo: int, hi: int):
+        """``(param index, start in the local part, start in [lo, hi), n)`` of every local
+        part that meets ``[lo, hi)`` of the concatenation."""
+        for i, (off, _, n) in enumerate(self.slots):
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                yield i, a - off, a - lo, b - a
+
+
+def _mesh_split(name: str, p: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(shards, this rank's shard, replicas, this rank's replica)`` of a DTensor
+    parameter placed as FSDP2 places it: ``(Shard(0),)``, or HSDP's ``(Replicate(),
+    Shard(0))``."""
+    if not isinstance(p, DTensor):
+        raise ShadowUsageError(
+            f"parameter {name!r} is not sharded (a plain tensor in an FSDP2 model): fully_shard the module "
+            "that holds it, or the root module, so every parameter is a DTensor"
+        )
+    mesh, places = p.device_mesh, p.placements
+    shard_dims = [d for d, pl in enumerate(places) if isinstance(pl, Shard)]
+    others = [d for d, pl in enumerate(places) if not isinstance(pl, Shard)]
+    if (
+        len(shard_dims) != 1
+        or places[shard_dims[0]] != Shard(0)
+        or any(not isinstance(places[d], Replicate) for d in others)
+        or len(others) > 1
+    ):
+        raise ShadowUsageError(
+            f"parameter {name!r} is placed {places}; the shadow follows FSDP2's dim-0 sharding, "
+            "(Shard(0),), and HSDP's (Replicate(), Shard(0))"
+        )
+    sd = shard_dims[0]
+    if not others:
+        return mesh.size(sd), mesh.get_local_rank(sd), 1, 0
+    rd = others[0]
+    return mesh.size(sd), mesh.get_local_rank(sd), mesh.size(rd), mesh.get_local_rank(rd)
+
+
+def local_shards(layout: Layout, params: Sequence[torch.Tensor]) -> LocalShards:
+    """Where this rank's rows of each parameter of ``layout`` lie (``params``: the
+    optimizer's DTensor parameters in layout order). Every parameter must be split the
+    same way (one mesh shape); anything else is a :class:`ShadowUsageError` naming it."""
+    split = None
+    slots, at = [], 0
+    for spec, p in zip(layout.params, params, strict=True):
+        mine = _mesh_split(spec.name, p)
+        if split is None:
+            split = mine
+        elif (mine[0], mine[2]) != (split[0], split[2]):
+            raise ShadowUsageError(
+                f"parameter {spec.name!r} is split over {mine[0]} ranks with {mine[2]} replicas, the first "
+                f"over {split[0]} with {split[2]}; the shadow needs one mesh for the whole model"
+            )
+        shards, rank = mine[0], mine[1]
+        rows = spec.shape[0] if spec.shape else 1
+        row = spec.numel // rows if rows else 0
+        per = -(-rows // shards)
+        lo, hi = min(rows, rank * per), min(rows, (rank + 1) * per)
+        n = (hi - lo) * row
+        if local(p).numel() != n:
+            raise ShadowUsageError(
+                f"parameter {spec.name!r}: this rank holds {local(p).numel()} elements, FSDP2's dim-0 split "
+                f"over {shards} ranks gives it {n}"
+            )
+        slots.append((at, spec.offset + lo * row, n))
+        at += n
+    assert split is not None  # a layout has parameters
+    return LocalShards(split[0], split[2], split[3], tuple(slots), at)
 
 
 @dataclass(frozen=True)

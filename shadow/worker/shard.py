@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import ModuleType
 
@@ -12,7 +13,7 @@ from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
-from shadow.layout import Layout
+from shadow.layout import Layout, replay_tensors
 from shadow.optim_groups import AdamGroup, SgdGroup
 from shadow.sqrttab import SqrtTable
 from shadow.tuning import Tuning
@@ -47,16 +48,20 @@ class ShardState:
         self.max_exp_avg_sq = np.zeros(n if self.amsgrad else 0, dtype=np.float32)
         self.steps = np.zeros(len(layout.params), dtype=np.float64)
         self.has_state = np.zeros(len(layout.params), dtype=bool)
-        segs = segments_for_range(
-            [p.offset for p in layout.params],
-            [p.numel for p in layout.params],
-            [p.group for p in layout.params],
-            start,
-            stop,
-            optim["impl"],
-            int(optim["vec_width"]),
-            int(optim["tail_width"]),
-        )
+        tensors = replay_tensors(layout, optim)  # per parameter, or per FSDP2 rank's piece of one
+        segs = [
+            dataclasses.replace(s, param=tensors[s.param][2])
+            for s in segments_for_range(
+                [off for off, _, _ in tensors],
+                [n for _, n, _ in tensors],
+                [layout.params[i].group for _, _, i in tensors],
+                start,
+                stop,
+                optim["impl"],
+                int(optim["vec_width"]),
+                int(optim["tail_width"]),
+            )
+        ]
         chunk = Tuning.load().kernel_chunk_elements if chunk is None else chunk
         sqrt = SqrtTable.from_wire(optim["sqrt"]) if "sqrt" in optim else None  # ValueError: malformed
         self.plan = ReplayPlan(segs, optim["impl"], chunk, kind, PowTable(optim.get("pow")), sqrt)

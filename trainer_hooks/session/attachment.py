@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import zmq
-from torch.nn.parallel import DistributedDataParallel
 
 from shadow.choices import Policy
 from shadow.errors import ShadowUsageError
+from trainer_hooks import _fsdp
 from trainer_hooks._extras import ExtrasTracker
 from trainer_hooks._restored import RestorePoint
 from trainer_hooks.session import audit, bootstrap, buckets, checks, device, handshake
@@ -40,7 +40,7 @@ from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
 from trainer_hooks.session.sender import Sender, SenderFactory
 from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
 from trainer_hooks.session.target import Target
-from trainer_hooks.session.transfer import CopyStream
+from trainer_hooks.session.transfer import DONE, CopyStream
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ class Attachment:
             latch, target.rank, answer.epoch, options.audit_strict, options.tuning.connect_timeout_s
         )
         nbuckets_slack = 16 * 256
-        cap = options.tuning.ring_iterations * (target.layout.total // target.world + nbuckets_slack)
+        shards = target.fsdp
+        per_step = target.layout.total // target.world if shards is None else -(-shards.total // shards.replicas)
+        cap = options.tuning.ring_iterations * (per_step + nbuckets_slack)
         self.ring: StagingRing | None = StagingRing(cap, pin=target.device.type == "cuda")  # None once released
         self.sender: Sender = sender_factory(
             zmq.Context.instance(),
@@ -104,6 +106,8 @@ class Attachment:
         self.recovery.bind(self.sender, self.ring)
         self.copier = CopyStream(target.device)  # bucket copies to the ring, off the autograd thread's way
         self.planner = buckets.Planner(target.layout, target.index, target.rank, target.world, answer.shards)
+        self._shard_runs: dict[tuple, list] = {}  # FSDP2: runs per set of parameters with a gradient
+        self.vote_group: Any = None  # FSDP2: the group the votes are all-reduced in (the session's)
         self.extras: ExtrasTracker | None = None
         self.last_emitted = answer.base
         self.closed = False
@@ -112,7 +116,7 @@ class Attachment:
     @classmethod
     def open(
         cls,
-        model: DistributedDataParallel,
+        model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         coordinator: str,
         options: AttachOptions,
@@ -124,15 +128,18 @@ class Attachment:
         restored: RestorePoint | None = None,
         carry: tuple | None = None,
         sender_factory: SenderFactory = Sender,
+        vote_group: Any = None,
     ) -> Attachment:
         """Handshake (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), ring, sender, bootstrap of
         iteration ``iteration`` (``carry``: the ``(rng, extra)`` recorded with it when
         re-attaching mid-run); then ``recorder`` starts counting from there. If any part
-        fails, what was opened is closed."""
+        fails, what was opened is closed. ``vote_group``: the process group an FSDP2
+        model's votes are all-reduced in (DDP's ride along its last bucket, in its group)."""
         target = Target.of(model, optimizer, options.exact)
         dealer, answer = handshake.attach(target, coordinator, options, iteration, overwrite, restored)
         try:
             att = cls(target, answer, options, latch, recorder, dealer, sender_factory=sender_factory)
+            att.vote_group = vote_group
         except BaseException:
             handshake.detach(dealer, answer, target.rank)
             raise
@@ -188,20 +195,11 @@ class Attachment:
                 return
             probes = plan.pick(k)
             rec.staged(plan.counts, [(pidx, elem) for _, pidx, elem in probes])
-        ring = self.ring
-        if ring is None:
-            raise RuntimeError("a bucket reached an attachment that is not running (its ring is released)")
-        block = self.options.policy is Policy.block
-        try:
-            off = ring.alloc(hi - lo, self.options.tuning.block_timeout_s if block else 0.0)
-        except RingInterrupted:
-            return  # degraded while waiting: nothing more is streamed until a resync
-        except RingFullError as exc:
-            if block:
-                self.recovery.on_error(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
-            else:
-                self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
+        off = self._ring_slot(k, hi - lo)
+        if off is None:
             return
+        ring = self.ring
+        assert ring is not None  # _ring_slot had one
         ready = self.copier.copy(ring.tensor[off : off + hi - lo], reduced[lo:hi])
         self.sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
 
@@ -210,10 +208,74 @@ class Attachment:
         before anything may write to DDP's bucket buffers again."""
         self.copier.fence()
 
+    def stage_shards(self) -> None:
+        """FSDP2/HSDP: the gradients are final (the step is about to read them: clipped,
+        unscaled and summed over micro-batches as the loop and FSDP left them). Vote
+        (:meth:`RecoveryController.vote_now`), then copy this rank's stripe of its rows into
+        the ring and queue it, as :meth:`stage` does a bucket's."""
+        t, rec = self.target, self.recorder
+        shards = t.fsdp
+        assert shards is not None
+        if self.latch.error is not None or self.recovery.degraded is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.recovery.vote_now(t.device, rec.next, self.vote_group)
+            grads = [p.grad for p in t.params]
+            present = tuple(g is not None for g in grads)
+            runs = self._shard_runs.get(present)
+            if runs is None:
+                runs = self._shard_runs[present] = shards.runs(present, self.handshake.shards)
+            with rec.lock:
+                k = rec.bucket(0)
+                counts = [sum(n for _, _, n in rs) for rs in runs]
+                rec.staged(counts, [])
+            lo, hi = shards.stripe()
+            if hi <= lo or not any(counts):
+                return
+            off = self._ring_slot(k, hi - lo)
+            if off is None:
+                return
+            ring = self.ring
+            assert ring is not None  # _ring_slot had one
+            ready = DONE
+            for i, src, dst, n in shards.pieces(lo, hi):
+                if grads[i] is not None:
+                    g = _fsdp.local(grads[i]).detach().reshape(-1)
+                    ready = self.copier.copy(ring.tensor[off + dst : off + dst + n], g[src : src + n])
+            self.sender.q.put(GradItem(k, off, hi - lo, runs, ready, []))
+        except ShadowUsageError as exc:
+            self.latch.set(exc)
+        except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
+            self.recovery.on_error(exc)
+        finally:
+            self.counts.hook_s += time.perf_counter() - t0
+            self.counts.buckets += 1
+
+    def _ring_slot(self, k: int, n: int) -> int | None:
+        """Ring space for ``n`` elements of iteration ``k`` (policy block: waits for it,
+        bounded); None when there is none and the session stopped streaming or fell behind."""
+        ring = self.ring
+        if ring is None:
+            raise RuntimeError("gradients reached an attachment that is not running (its ring is released)")
+        block = self.options.policy is Policy.block
+        try:
+            return ring.alloc(n, self.options.tuning.block_timeout_s if block else 0.0)
+        except RingInterrupted:
+            return None  # degraded while waiting: nothing more is streamed until a resync
+        except RingFullError as exc:
+            if block:
+                self.recovery.on_error(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
+            else:
+                self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
+            return None
+
     # -- step 2: what the loop does to the gradients, and the step ---------------------------------------
     def clipped(self, scaled: set[int], coef: torch.Tensor) -> None:
-        """torch clipped the gradients of the parameters ``scaled`` (ids) by ``coef``."""
-        self.recorder.clipped_params(scaled, coef, self.target.params)
+        """torch clipped the gradients of the parameters ``scaled`` (ids) by ``coef``
+        (FSDP2: nothing to record, the gradients are staged as the step reads them)."""
+        if self.target.fsdp is None:
+            self.recorder.clipped_params(scaled, coef, self.target.params)
 
     def before_step(self) -> None:
         """The step begins: the previous commit leaves if it has not yet, and the optimizer
@@ -224,8 +286,11 @@ class Attachment:
 
     def read_probes(self) -> None:
         """The gradients as the step will use them, probed (compared by the sender with
-        what was staged)."""
-        self.recorder.read_probes(self.target.params)
+        what was staged); FSDP2: staged (:meth:`stage_shards`)."""
+        if self.target.fsdp is not None:
+            self.stage_shards()
+        else:
+            self.recorder.read_probes(self.target.params)
 
     def after_step(self, skip: bool, grad_scale: Any = None, found_inf: Any = None) -> None:
         """Iteration k is done (``skip``: GradScaler skipped the optimizer): record its
@@ -233,7 +298,8 @@ class Attachment:
         is too far ahead of the cluster (policy block); raise what the latch holds."""
         rec, rank, every = self.recorder, self.target.rank, self.options.audit_every
         k, sent = rec.advance()
-        sampled = self.audit(k) if every and k % every == 0 and not skip and rank == 0 else None
+        audits = every and self.target.fsdp is None  # FSDP2: rank 0 holds its own rows only
+        sampled = self.audit(k) if audits and k % every == 0 and not skip and rank == 0 else None
         rec.record(k, sent, skip, grad_scale, found_inf, self.target.params, rank, sampled)
         self._emit(rec.take_ready())
         self.throttle(k)
@@ -246,7 +312,8 @@ class Attachment:
         return self.recorder.next
 
     def unscaled(self, inv_scale: Any) -> None:
-        self.recorder.unscaled(inv_scale)
+        if self.target.fsdp is None:  # FSDP2: the gradients are staged unscaled
+            self.recorder.unscaled(inv_scale)
 
     def skipped_step(self) -> None:
         """The scaler stepped and the optimizer did not (inf/nan gradients): iteration k

@@ -47,6 +47,18 @@ class ErrorLatch:
             raise cls(f"shadow checkpointing failed on rank {rank}: {err}") from err
 
 
+class _Vote:
+    """A vote all-reduced without a future to chain on: read (waiting for the collective,
+    an iteration after it was issued) like a :class:`HostCopy`."""
+
+    def __init__(self, work, buf: torch.Tensor) -> None:
+        self.work, self.buf = work, buf
+
+    def get(self) -> torch.Tensor:
+        self.work.wait()
+        return HostCopy(self.buf).get()
+
+
 class RecoveryController:
     """One attachment's view of the cluster (committed cut, degraded, asked resyncs and
     replica joins) and the votes on them. It is the sender's :class:`SenderEvents`."""
@@ -60,7 +72,7 @@ class RecoveryController:
         self.degraded: str | None = None  # why this attachment stopped streaming
         self.resync_requested = False  # the coordinator asked (this rank heard it)
         self.resync_at: int | None = None  # every rank agreed: resync after this iteration
-        self.votes: list[tuple[int, HostCopy]] = []  # (iteration, the reduced vote on its way to the host)
+        self.votes: list[tuple[int, HostCopy | _Vote]] = []  # (iteration, the reduced vote on its way to the host)
         self.joins: dict[int, dict] = {}  # generation -> replica_in message
         self.join_done = 0  # newest generation this rank streams to
         self.join_at: tuple[int, int] | None = None  # (after iteration, up to generation)
@@ -171,6 +183,15 @@ class RecoveryController:
             return bucket_fut.value()
 
         return torch.futures.collect_all([fut, vote]).then(done)
+
+    def vote_now(self, device: torch.device, k: int, group) -> None:
+        """The same vote for iteration ``k`` with nothing to ride along (FSDP2: taken when
+        the gradients are final, before the step); every rank takes it at the same point."""
+        buf = torch.tensor([1 if self.resync_requested else 0, max(self.joins, default=0)], dtype=torch.int32)
+        if buf.device != device:
+            buf = buf.pin_memory().to(device, non_blocking=True)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self.votes.append((k, _Vote(work, buf)))
 
     def _read_votes(self, k: int) -> None:
         """Read the votes taken before iteration ``k`` (their copies landed an iteration ago)."""

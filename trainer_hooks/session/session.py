@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shadow.errors import ShadowUsageError
-from trainer_hooks import _metrics
+from trainer_hooks import _fsdp, _metrics
 from trainer_hooks._restored import RESTORED, RestorePoint
 from trainer_hooks.session import clipping, device, observe
 from trainer_hooks.session.attachment import Attachment
@@ -62,13 +62,19 @@ def _checked(ddp_model: Any, options: AttachOptions | None, option_values: dict[
             f"(got options= and {sorted(option_values)})"
         )
     options = AttachOptions(**option_values) if options is None else options
-    if not isinstance(ddp_model, DistributedDataParallel):
+    if not isinstance(ddp_model, DistributedDataParallel) and not _fsdp.is_fsdp(ddp_model):
         raise TypeError(
             "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
-            f"reduced gradient buckets); got {type(ddp_model).__name__}"
+            "reduced gradient buckets) or an FSDP2 model (fully_shard applied to its root); got "
+            f"{type(ddp_model).__name__}"
         )
     if not isinstance(options, AttachOptions):
         raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
+    if options.comm_hook is not None and not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            "comm_hook= is a DDP communication hook; an FSDP2 model reduces with its own collectives "
+            "(set its mixed precision with fully_shard(mp_policy=...)): leave comm_hook unset"
+        )
     return options
 
 
@@ -94,8 +100,11 @@ class Session:
         now and kept for every re-attach)."""
         options = _checked(ddp_model, options, option_values)
         self.model, self.optimizer, self.coordinator, self.options = ddp_model, optimizer, coordinator, options
-        self.pg = ddp_model.process_group
+        fsdp = not isinstance(ddp_model, DistributedDataParallel)
+        self.pg = None if fsdp else ddp_model.process_group  # FSDP2: every rank of the job
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
+        # FSDP2: the votes get a group of their own (DDP's ride along its last bucket)
+        self._vote_group = dist.new_group() if fsdp else None
         restored = RESTORED.get(optimizer)
         start = (restored.iteration if restored else 0) if iteration is None else int(iteration)
         if start < 0:
@@ -115,7 +124,7 @@ class Session:
             "messages_out": 0,
         }  # figures of closed attachments
         self._first_base = start
-        self._slot = HookSlot.of(ddp_model)
+        self._slot = None if fsdp else HookSlot.of(ddp_model)
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self, options.tuning.metrics_port)
         att = self._att
@@ -153,6 +162,7 @@ class Session:
             restored=point,
             carry=carry,
             sender_factory=self._sender_factory,
+            vote_group=self._vote_group,
         )
         self.latch.error = None
         self.closed = False
@@ -165,7 +175,8 @@ class Session:
             self.model.register_forward_pre_hook(lambda *_: self._before_forward()),
         ]
         self._watched = [(obj, observe.watch(obj, att)) for obj in self.options.observed.values()]
-        self._slot.bind(att.on_bucket, self.options.comm_hook, self.options.comm_state)
+        if self._slot is not None:
+            self._slot.bind(att.on_bucket, self.options.comm_hook, self.options.comm_state)
         clipping.register(self)
 
     @property
@@ -189,7 +200,8 @@ class Session:
             h.remove()
         for obj, cls in self._watched:
             observe.unwatch(obj, cls)
-        self._slot.unbind(att.on_bucket)
+        if self._slot is not None:
+            self._slot.unbind(att.on_bucket)
         clipping.unregister(self)
 
     def _resync(self) -> None:
