@@ -73,6 +73,41 @@ class LocalShards:
                 yield i, a - off, a - lo, b - a
 
 
+class Rows:
+    """This rank's rows of full tensors laid out as ``layout`` (a restore into an FSDP2
+    model of any mesh: every rank takes its rows of the checkpoint's full tensors)."""
+
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], shards: LocalShards) -> None:
+        self.layout, self.params, self.shards = layout, list(params), shards
+
+    @classmethod
+    def of(cls, layout: Layout, params: Sequence[torch.Tensor]) -> Rows | None:
+        """None unless ``params`` are DTensors (FSDP2); :class:`ShadowUsageError` when they
+        are not placed as FSDP2 places them."""
+        if not any(isinstance(p, DTensor) for p in params):
+            return None
+        return cls(layout, params, local_shards(layout, params))
+
+    def take(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s rows of ``full`` (a tensor of its global shape), shaped as its
+        local tensor."""
+        spec, (_, flat, n) = self.layout.params[i], self.shards.slots[i]
+        start = flat - spec.offset
+        return full.reshape(-1)[start : start + n].view(local(self.params[i]).shape)
+
+    def place(self, i: int, full: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        """``full`` as a DTensor placed as parameter ``i`` is, holding this rank's rows:
+        ``live`` (a DTensor of that placement) filled in place when it is one, else a new one."""
+        p, part = self.params[i], self.take(i, full)
+        if isinstance(live, DTensor) and live.placements == p.placements and live.shape == p.shape:
+            mine = local(live)
+            if mine.shape == part.shape:
+                mine.copy_(part)
+                return live
+        mine = part.to(device=local(p).device, dtype=local(p).dtype, copy=True)
+        return DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
 def _mesh_split(name: str, p: torch.Tensor) -> tuple[int, int, int, int]:
     """``(shards, this rank's shard, replicas, this rank's replica)`` of a DTensor
     parameter placed as FSDP2 places it: ``(Shard(0),)``, or HSDP's ``(Replicate(),

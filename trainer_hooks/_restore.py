@@ -18,7 +18,7 @@ from shadow.export.state import state_dicts
 from shadow.layout import Layout
 from shadow.snapshot import Snapshot
 from shadow.tuning import Tuning
-from trainer_hooks import _extras, _rng
+from trainer_hooks import _extras, _fsdp, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
 from trainer_hooks._restored import RESTORED, RestorePoint
 from trainer_hooks._sink import ModelParams
@@ -201,15 +201,18 @@ def apply_snapshot(
     blob_rank = rank if rank in range(len(sd["rng"])) else None
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
+    rows = _fsdp.Rows.of(snap.layout, params)  # FSDP2: this rank's rows of each tensor; else None
     with torch.no_grad():
-        for spec, p in zip(snap.layout.params, params, strict=True):
+        for i, (spec, p) in enumerate(zip(snap.layout.params, params, strict=True)):
             saved = sd["model"][spec.name]
-            if saved is not p:  # a parameter received in place is there already
+            if rows is not None:
+                _fsdp.local(p).copy_(rows.take(i, saved))
+            elif saved is not p:  # a parameter received in place is there already
                 p.copy_(saved)
         for live, saved in extras:  # parameters in no param group (frozen) and persistent buffers
             live.copy_(saved)
     if optimizer is not None and not weights_only:
-        optimizer.load_state_dict(_into_live(optimizer, params, sd["optimizer"]))
+        optimizer.load_state_dict(_into_live(optimizer, params, sd["optimizer"], rows))
         if scheduler is not None and sd["scheduler"] is not None:
             scheduler.load_state_dict(sd["scheduler"])
         if scaler is not None and sd["scaler"] is not None:
@@ -261,14 +264,18 @@ def _live_params(
     return params
 
 
-def _into_live(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], saved: dict) -> dict:
+def _into_live(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], saved: dict, rows: _fsdp.Rows | None = None
+) -> dict:
     """``saved`` (the optimizer's state dict over the snapshot's flat arrays) with each
     tensor the optimizer already holds for that parameter and key, as ``load_state_dict``
     would make it (same shape, dtype and device), filled from the snapshot in place and put
     in its stead: ``load_state_dict`` then keeps the live tensor (``Tensor.to`` returns it
     as it is), so a restore into a trained optimizer allocates nothing and copies once. A
     tensor with no such live match stays the snapshot's view, made the parameter's dtype and
-    device by ``load_state_dict`` as before."""
+    device by ``load_state_dict`` as before. ``rows``: the parameters are FSDP2's DTensors;
+    each per-element tensor becomes one placed as its parameter is, holding this rank's rows
+    (into the live one's local tensor when there is one)."""
     flags = {}
     for g in saved["param_groups"]:
         for i in g["params"]:
@@ -280,6 +287,9 @@ def _into_live(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], sav
             out = dict(entry)
             for key, value in entry.items():
                 cur = live.get(key)
+                if rows is not None and isinstance(value, torch.Tensor) and key != "step":
+                    out[key] = rows.place(i, value, cur)
+                    continue
                 if not (isinstance(cur, torch.Tensor) and isinstance(value, torch.Tensor)):
                     continue
                 if key == "step":  # load_state_dict keeps it a float32 tensor, on the parameter's device if fused

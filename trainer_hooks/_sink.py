@@ -31,8 +31,16 @@ class ModelParams:
 
     @classmethod
     def of(cls, layout: Layout, params: list[torch.Tensor]) -> ModelParams | None:
-        """A sink for ``params``, or None if any is not a contiguous fp32 CPU tensor."""
-        ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params)
+        """A sink for ``params``, or None if any is not a contiguous fp32 CPU tensor (a
+        sharded one, FSDP2's DTensor, holds only its rank's rows: it takes them from the
+        flat arrays)."""
+        ok = all(
+            type(p) in (torch.Tensor, torch.nn.Parameter)
+            and p.device.type == "cpu"
+            and p.dtype == torch.float32
+            and p.is_contiguous()
+            for p in params
+        )
         return cls(layout, params) if ok and params else None
 
     def staging(self, nbytes: int) -> memoryview:
