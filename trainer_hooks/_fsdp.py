@@ -73,6 +73,21 @@ class LocalShards:
                 yield i, a - off, a - lo, b - a
 
 
+def check_outside_optimizer(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> None:
+    """Sharded tensors the optimizer does not hold (a frozen parameter of an FSDP2 model)
+    would travel as the model state outside the optimizer, which is rank 0's and whole:
+    refused, naming them, with the fix."""
+    held = {id(p) for p in params}
+    names = [n for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, DTensor) and id(t) not in held]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ShadowUsageError(
+            f"the FSDP2 model has sharded tensors the optimizer does not hold ({shown}); the shadow keeps sharded "
+            "state through the optimizer only: add them to the optimizer in a param group of their own (a "
+            "parameter without a gradient is never stepped)"
+        )
+
+
 class Rows:
     """This rank's rows of full tensors laid out as ``layout`` (a restore into an FSDP2
     model of any mesh: every rank takes its rows of the checkpoint's full tensors)."""

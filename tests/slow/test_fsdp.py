@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -235,3 +236,80 @@ def test_fsdp_killed_restored_resumed_and_resharded(tmp_path, impl):
         assert resharded["iteration"] == STEPS
         _equal(resharded["restored"], end, "restored onto 4 ranks")
         _equal(resharded["dcp"], end, "the DCP export loaded into a 4-rank model")
+
+
+def _hsdp(rank: int, world: int, port: int, address: str, out: str) -> None:
+    """HSDP on a 2x2 mesh with bf16 compute and reduction, the fused AdamW, two micro-batches
+    and a clip: the full state after every step, and what rank 0 sent."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import trainer_hooks
+
+    mesh = _init(rank, world, port, (2, 2))
+    m = _model(mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    opt = _optimizer(m, "fused")
+    sched = _sched(opt)
+    session = trainer_hooks.attach(m, opt, address, job="fsdp", scheduler=sched)
+    for it in range(1, 5):
+        _step(m, opt, sched, it, rank)
+        full = _full(m, opt)
+        if rank == 0:
+            torch.save(full, f"{out}.{it}")
+    committed = session.close()
+    if rank == 0:
+        torch.save({"committed": committed, "stats": session.stats()}, f"{out}.end")
+    dist.destroy_process_group()
+
+
+def test_hsdp_with_bf16_reduction_equals_the_full_state(tmp_path):
+    out = str(tmp_path / "state")
+    with LocalCluster(tmp_path, workers=2) as cl:
+        _spawn(_hsdp, 4, free_port(), cl.address, out)
+        end = torch.load(f"{out}.end")
+        assert end["committed"] == 4, end
+        last, shadow = _snapshot_state(cl.address)
+        assert last == 4
+        _equal(shadow, torch.load(f"{out}.4"), "the shadow's HSDP state")
+    # rank 0 is one of two replicas of the first shard (74 of the 124 elements): it streams half
+    # of those rows per step and bootstrap field
+    stats = end["stats"]
+    assert stats["bytes_out"] < 4 * 74 * (4 + 3), stats
+
+
+def _through_a_worker_crash(rank: int, world: int, port: int, address: str, out: str) -> None:
+    """Rank 0 SIGKILLs shadow worker 1 at step 3; the ranks train on until they have resynced
+    (they vote, so they re-attach at the same iteration) and three steps more."""
+    import trainer_hooks
+    from shadow.testing import status
+
+    mesh = _init(rank, world, port, (world,))
+    m = _model(mesh)
+    opt = _optimizer(m, "foreach")
+    sched = _sched(opt)
+    session = trainer_hooks.attach(m, opt, address, job="fsdp", scheduler=sched)
+    first, it, resynced_at = session.epoch, 0, None
+    while resynced_at is None or it < resynced_at + 3:
+        it += 1
+        assert it < 400, f"rank {rank}: no resync after {it} steps ({session.degraded})"
+        _step(m, opt, sched, it, rank)
+        if it == 3 and rank == 0:
+            os.kill(status(address)["workers"][1]["pid"], signal.SIGKILL)
+        if resynced_at is None and session.epoch != first:
+            resynced_at = it
+        time.sleep(0.05)
+    committed = session.close()
+    full = _full(m, opt)
+    if rank == 0:
+        torch.save({"committed": committed, "iteration": it, "state": full}, out)
+    dist.destroy_process_group()
+
+
+def test_fsdp_trains_through_a_worker_crash_and_resyncs(tmp_path):
+    out = str(tmp_path / "state")
+    with LocalCluster(tmp_path, workers=2, env={"SHADOW_WORKER_LOST_S": "1.5"}) as cl:
+        _spawn(_through_a_worker_crash, 2, free_port(), cl.address, out)
+        end = torch.load(out)
+        assert end["committed"] == end["iteration"], end["committed"]
+        last, shadow = _snapshot_state(cl.address)
+        assert last == end["iteration"]
+        _equal(shadow, end["state"], "the shadow's state after the resync")

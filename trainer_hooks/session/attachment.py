@@ -216,11 +216,14 @@ class Attachment:
         t, rec = self.target, self.recorder
         shards = t.fsdp
         assert shards is not None
+        if self.closed:
+            return
+        # every rank votes at every step, degraded or not: how a degraded session learns to resync
+        self.recovery.vote_now(t.device, rec.next, self.vote_group)
         if self.latch.error is not None or self.recovery.degraded is not None:
             return
         t0 = time.perf_counter()
         try:
-            self.recovery.vote_now(t.device, rec.next, self.vote_group)
             grads = [p.grad for p in t.params]
             present = tuple(g is not None for g in grads)
             runs = self._shard_runs.get(present)

@@ -172,7 +172,8 @@ class Session:
             # the commit of iteration k leaves once the scheduler has stepped; if it steps at
             # another cadence, at the latest when the next forward (or step, or close) begins.
             # The forward also fences the bucket copies: the next backward rewrites the buckets
-            self.model.register_forward_pre_hook(lambda *_: self._before_forward()),
+            # first among the forward's hooks: FSDP2's own unshards the parameters
+            self.model.register_forward_pre_hook(lambda *_: self._before_forward(), prepend=True),
         ]
         self._watched = [(obj, observe.watch(obj, att)) for obj in self.options.observed.values()]
         if self._slot is not None:

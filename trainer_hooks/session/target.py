@@ -48,6 +48,7 @@ class Target:
         else:  # an FSDP2 root (Session checked it): each rank streams its own rows
             pg = None
             shards = _fsdp.local_shards(layout, params)
+            _fsdp.check_outside_optimizer(model, params)
             desc = dict(desc, dim0_shards=shards.shards)  # the optimizer steps each rank's rows as a tensor
         return cls(
             model=model,
