@@ -2,7 +2,9 @@
 real cluster: the shadow's state equals the uninterrupted run's with ``torch.equal`` after
 every committed iteration; ranks killed with SIGKILL come back at the committed iteration
 bit for bit, resume, and end where an uninterrupted run ends; a restore onto another mesh
-(2 ranks to 4) and a DCP export loaded into a 4-rank FSDP2 model equal the full state.
+(2 ranks to 4) and a DCP export loaded into a 4-rank FSDP2 model equal the full state; HSDP
+(2x2) with bf16 reduction; a shadow worker killed mid-run (the ranks vote and resync); and,
+on a GPU (marked ``gpu``), the same through NCCL and the fused CUDA AdamW.
 
 Uneven shards throughout: 13 rows on 2 ranks are 7 + 6, on 4 ranks 4 + 4 + 4 + 1; 3 rows on
 4 ranks leave the last rank nothing; a one-row bias lives on the first rank only."""
@@ -45,11 +47,16 @@ def _optimizer(m, impl: str):
     return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
 
 
-def _step(m, opt, sched, it: int, rank: int, micro: int = 2, clip: float | None = 0.5) -> None:
-    """Iteration ``it``: ``micro`` micro-batches (FSDP reduces each), a clip, the step."""
+def _step(
+    m, opt, sched, it: int, rank: int, micro: int = 2, clip: float | None = 0.5, device: str = "cpu", sync_each=True
+) -> None:
+    """Iteration ``it``: ``micro`` micro-batches (FSDP reduces each, or with ``sync_each``
+    False only the last: ``set_requires_gradient_sync``), a clip, the step."""
     for j in range(micro):
+        if not sync_each:
+            m.set_requires_gradient_sync(j == micro - 1)
         g = torch.Generator().manual_seed(1000 * it + 10 * rank + j)
-        m(torch.randn(4, 5, generator=g)).square().mean().backward()
+        m(torch.randn(4, 5, generator=g).to(device)).square().mean().backward()
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
     opt.step()
@@ -61,9 +68,9 @@ def _full(m, opt) -> dict:
     """The full parameters and optimizer state by name (collectives: every rank calls it)."""
     out = {}
     for n, p in m.named_parameters():
-        out[n] = p.full_tensor().clone()
+        out[n] = p.full_tensor().cpu()
         for k, v in opt.state.get(p, {}).items():
-            out[f"{n}/{k}"] = v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+            out[f"{n}/{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
     return out
 
 
@@ -239,19 +246,23 @@ def test_fsdp_killed_restored_resumed_and_resharded(tmp_path, impl):
 
 
 def _hsdp(rank: int, world: int, port: int, address: str, out: str) -> None:
-    """HSDP on a 2x2 mesh with bf16 compute and reduction, the fused AdamW, two micro-batches
-    and a clip: the full state after every step, and what rank 0 sent."""
+    """HSDP on a 2x2 mesh with bf16 compute and reduction in sum mode (FSDP divides after
+    the reduction), the fused AdamW, parameters kept unsharded after the forward, two
+    micro-batches (the first without gradient sync) and a clip: the full state after every
+    step, and what rank 0 sent."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import trainer_hooks
 
     mesh = _init(rank, world, port, (2, 2))
     m = _model(mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    m.set_force_sum_reduction_for_comms(True)
+    m.set_reshard_after_forward(False)
     opt = _optimizer(m, "fused")
     sched = _sched(opt)
     session = trainer_hooks.attach(m, opt, address, job="fsdp", scheduler=sched)
     for it in range(1, 5):
-        _step(m, opt, sched, it, rank)
+        _step(m, opt, sched, it, rank, sync_each=False)
         full = _full(m, opt)
         if rank == 0:
             torch.save(full, f"{out}.{it}")
@@ -313,3 +324,48 @@ def test_fsdp_trains_through_a_worker_crash_and_resyncs(tmp_path):
         last, shadow = _snapshot_state(cl.address)
         assert last == end["iteration"]
         _equal(shadow, end["state"], "the shadow's state after the resync")
+
+
+def _on_cuda(rank: int, world: int, port: int, address: str, out: str) -> None:
+    """FSDP2 on a GPU (NCCL): bf16 compute, the fused CUDA AdamW, two micro-batches, a clip."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import trainer_hooks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    mesh = init_device_mesh("cuda", (world,))
+    m = _model(mesh, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    opt = _optimizer(m, "fused")
+    sched = _sched(opt)
+    session = trainer_hooks.attach(m, opt, address, job="fsdp", scheduler=sched)
+    for it in range(1, 7):
+        _step(m, opt, sched, it, rank, device="cuda")
+    committed = session.close()
+    full = _full(m, opt)
+    desc = session.attachment.target.optim_desc if session.attachment is not None else {}
+    if rank == 0:
+        torch.save({"committed": committed, "state": full, "optim": desc}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp_on_cuda_equals_the_device_state(tmp_path):
+    from shadow.testing import ulp_report
+
+    out = str(tmp_path / "state")
+    with LocalCluster(tmp_path, workers=2) as cl:
+        _spawn(_on_cuda, 1, free_port(), cl.address, out)
+        end = torch.load(out)
+        assert end["committed"] == 6, end["committed"]
+        last, shadow = _snapshot_state(cl.address)
+        assert last == 6
+    assert end["optim"]["impl"] == "cuda_fused" and end["optim"]["dim0_shards"] == 1, end["optim"]
+    worst = max(ulp_report(shadow[k], v)["max_ulp"] for k, v in end["state"].items())
+    if end["optim"]["bit_exact"]:
+        assert worst == 0, f"calibrated bit-exact, yet the shadow is {worst} ulp from the device state"
+    else:
+        assert worst <= 64, f"the shadow is {worst} ulp from the device state"

@@ -300,6 +300,10 @@ class Attachment:
         commit (sent once the scheduler and scaler have stepped), then wait while this rank
         is too far ahead of the cluster (policy block); raise what the latch holds."""
         rec, rank, every = self.recorder, self.target.rank, self.options.audit_every
+        if self.target.fsdp is not None:
+            # FSDP2: the gradients were staged at the step; nothing after it (zero_grad without
+            # set_to_none, the next backward) may write them before the copies ran (on the device)
+            self.fence()
         k, sent = rec.advance()
         audits = every and self.target.fsdp is None  # FSDP2: rank 0 holds its own rows only
         sampled = self.audit(k) if audits and k % every == 0 and not skip and rank == 0 else None
