@@ -114,6 +114,7 @@ class Rows:
         """``full`` as a DTensor placed as parameter ``i`` is, holding this rank's rows:
         ``live`` (a DTensor of that placement) filled in place when it is one, else a new one."""
         p, part = self.params[i], self.take(i, full)
+        assert isinstance(p, DTensor)  # Rows.of: FSDP2 parameters (local_shards checked each)
         if isinstance(live, DTensor) and live.placements == p.placements and live.shape == p.shape:
             mine = local(live)
             if mine.shape == part.shape:

@@ -83,7 +83,7 @@ class Session:
 
     def __init__(
         self,
-        ddp_model: DistributedDataParallel,
+        ddp_model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         coordinator: str,
         options: AttachOptions | None = None,
@@ -101,7 +101,8 @@ class Session:
         options = _checked(ddp_model, options, option_values)
         self.model, self.optimizer, self.coordinator, self.options = ddp_model, optimizer, coordinator, options
         fsdp = not isinstance(ddp_model, DistributedDataParallel)
-        self.pg = None if fsdp else ddp_model.process_group  # FSDP2: every rank of the job
+        # FSDP2: the default group, every rank of the job
+        self.pg: Any = ddp_model.process_group if isinstance(ddp_model, DistributedDataParallel) else None
         self.rank, self.world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
         # FSDP2: the votes get a group of their own (DDP's ride along its last bucket)
         self._vote_group = dist.new_group() if fsdp else None
@@ -124,7 +125,7 @@ class Session:
             "messages_out": 0,
         }  # figures of closed attachments
         self._first_base = start
-        self._slot = None if fsdp else HookSlot.of(ddp_model)
+        self._slot = HookSlot.of(ddp_model) if isinstance(ddp_model, DistributedDataParallel) else None
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self, options.tuning.metrics_port)
         att = self._att

@@ -36,7 +36,7 @@ class Target:
     fsdp: _fsdp.LocalShards | None = None  # FSDP2/HSDP: this rank's rows of each parameter
 
     @classmethod
-    def of(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, exact: bool) -> Target:
+    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, exact: bool) -> Target:
         """Lay out ``optimizer``'s parameters, find their device and describe the optimizer
         for the replay (``exact``: refuse one the replay cannot match bit for bit)."""
         layout, params = build_layout(model, optimizer)
