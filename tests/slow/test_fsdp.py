@@ -83,6 +83,13 @@ def _init(rank: int, world: int, port: int, shape: tuple[int, ...]):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
+def _done() -> None:
+    """Leave the process group once every rank is through its collectives (gloo aborts a
+    rank whose peer tears its pairs down under a collective still running)."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _sched(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
 
@@ -117,7 +124,7 @@ def _uninterrupted(rank: int, world: int, port: int, out: str, impl: str) -> Non
     full = _full(m, opt)
     if rank == 0:
         torch.save(full, out)
-    dist.destroy_process_group()
+    _done()
 
 
 def _resumed(rank: int, world: int, port: int, address: str, out: str, impl: str) -> None:
@@ -140,7 +147,7 @@ def _resumed(rank: int, world: int, port: int, address: str, out: str, impl: str
     full = _full(m, opt)
     if rank == 0:
         torch.save({"committed": committed, "state": full, "stats": session.stats()}, f"{out}.resumed")
-    dist.destroy_process_group()
+    _done()
 
 
 def _resharded(rank: int, world: int, port: int, address: str, out: str, dcp_dir: str, impl: str) -> None:
@@ -165,7 +172,7 @@ def _resharded(rank: int, world: int, port: int, address: str, out: str, dcp_dir
     loaded = _full(m2, opt2)
     if rank == 0:
         torch.save({"iteration": info.iteration, "restored": restored, "dcp": loaded}, out)
-    dist.destroy_process_group()
+    _done()
 
 
 def _spawn(fn, world: int, *args, killed: bool = False) -> None:
@@ -269,7 +276,7 @@ def _hsdp(rank: int, world: int, port: int, address: str, out: str) -> None:
     committed = session.close()
     if rank == 0:
         torch.save({"committed": committed, "stats": session.stats()}, f"{out}.end")
-    dist.destroy_process_group()
+    _done()
 
 
 def test_hsdp_with_bf16_reduction_equals_the_full_state(tmp_path):
@@ -312,7 +319,7 @@ def _through_a_worker_crash(rank: int, world: int, port: int, address: str, out:
     full = _full(m, opt)
     if rank == 0:
         torch.save({"committed": committed, "iteration": it, "state": full}, out)
-    dist.destroy_process_group()
+    _done()
 
 
 def test_fsdp_trains_through_a_worker_crash_and_resyncs(tmp_path):
@@ -348,7 +355,7 @@ def _on_cuda(rank: int, world: int, port: int, address: str, out: str) -> None:
     desc = session.attachment.target.optim_desc if session.attachment is not None else {}
     if rank == 0:
         torch.save({"committed": committed, "state": full, "optim": desc}, out)
-    dist.destroy_process_group()
+    _done()
 
 
 @pytest.mark.gpu

@@ -56,6 +56,7 @@ def _run(rank: int, world: int, port: int, hsdp: bool) -> None:
         shards = 2
         mine = uneven.global_offset // 5 // 7
         assert (uneven.padded, uneven.numel) == (7 * 5, (7 if mine < shards - 1 else 6) * 5), uneven
+        dist.barrier()  # every rank through its collectives before any tears the group down
     finally:
         dist.destroy_process_group()
 
@@ -147,6 +148,7 @@ def _replay(rank: int, world: int, port: int, impl: str, mode: str = "") -> None
                     want = theirs[key].to_local().detach().reshape(-1)
                     got = torch.from_numpy(arr[o : o + size].copy())
                     assert torch.equal(want, got), (impl, k, n, key, rank)
+        dist.barrier()  # every rank through its collectives before any tears the group down
     finally:
         dist.destroy_process_group()
 
@@ -226,6 +228,7 @@ def _global_replay(rank: int, world: int, port: int, impl: str) -> None:
                     full = t.full_tensor().detach().reshape(-1)  # collective: every rank, same order
                     got = torch.from_numpy(arr[spec.offset : spec.offset + spec.numel].copy())
                     assert torch.equal(full, got), (impl, k, n, key, rank)
+        dist.barrier()  # every rank through its collectives before any tears the group down
     finally:
         dist.destroy_process_group()
 

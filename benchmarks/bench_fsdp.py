@@ -1,0 +1,173 @@
+"""FSDP2 and HSDP against DDP, attached to the shadow: bytes streamed per iteration per rank,
+and the step time with the shadow against without it, in the same run.
+
+    python benchmarks/bench_fsdp.py [--world 2] [--hsdp] [--width 512] [--layers 6]
+                                   [--steps 12] [--warmup 4] [--json PATH]
+
+Each mode trains the same MLP (``--layers`` square layers of ``--width`` plus a 13-row
+head: uneven shards) with AdamW (foreach) on CPU with gloo, ``--world`` ranks, two
+micro-batches and a clip per step, in fresh processes: ``ddp`` (DDP, ``no_sync`` on the
+first micro-batch), ``fsdp`` (``fully_shard`` on each layer and the root), and with
+``--hsdp`` also ``hsdp`` (a 2 x world/2 mesh). Each runs unattached (``none``) and attached
+to a 2-worker cluster (``shadow``). Reported per mode: the median step time of rank 0 after
+``--warmup`` steps, the bytes each rank sent per iteration once the bootstrap was through
+(the mean over the ranks, and the largest), and their ratios to DDP's.
+
+Goal (issue 40): bytes per iteration per rank under FSDP2/HSDP <= DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shadow.testing import LocalCluster, free_port  # noqa: E402
+
+
+def _model(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    mods.append(torch.nn.Linear(width, 13))
+    return torch.nn.Sequential(*mods)
+
+
+def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mode = args["mode"]
+    m = _model(args["width"], args["layers"])
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model: torch.nn.Module = DDP(m)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, world // 2) if mode == "hsdp" else (world,))
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    session = None
+    if address is not None:
+        import trainer_hooks
+
+        session = trainer_hooks.attach(model, opt, address, job=f"bench-{mode}")
+    times, bytes0 = [], 0
+    for it in range(args["warmup"] + args["steps"]):
+        if it == args["warmup"] and session is not None:
+            while session.committed < args["warmup"] and session.degraded is None:
+                time.sleep(0.01)  # the bootstrap and the warm-up are through: count from here
+            bytes0 = session.stats()["bytes_out"]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for j in range(2):
+            g = torch.Generator().manual_seed(1000 * it + 10 * rank + j)
+            x = torch.randn(32, args["width"], generator=g)
+            if mode == "ddp" and j == 0:
+                with model.no_sync():  # type: ignore[operator]
+                    model(x).square().mean().backward()
+            else:
+                if mode != "ddp":
+                    model.set_requires_gradient_sync(j == 1)  # type: ignore[operator]
+                model(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if it >= args["warmup"]:
+            times.append(time.perf_counter() - t0)
+    sent = 0.0
+    if session is not None:
+        session.close()
+        sent = (session.stats()["bytes_out"] - bytes0) / args["steps"]
+    got: list = [None] * world
+    dist.all_gather_object(got, {"sent": sent, "step_s": statistics.median(times)})
+    if rank == 0:
+        Path(out).write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def run(mode: str, shadow: bool, args: argparse.Namespace, tmp: Path, address: str) -> dict:
+    out = tmp / f"{mode}-{shadow}.json"
+    conf = {"mode": mode, "width": args.width, "layers": args.layers, "steps": args.steps, "warmup": args.warmup}
+    mp.start_processes(
+        _rank,
+        args=(args.world, free_port(), conf, address if shadow else None, str(out)),
+        nprocs=args.world,
+        join=True,
+        start_method="spawn",
+    )
+    ranks = json.loads(out.read_text())
+    return {
+        "step_s": ranks[0]["step_s"],
+        "bytes_per_iter_mean": statistics.mean(r["sent"] for r in ranks),
+        "bytes_per_iter_max": max(r["sent"] for r in ranks),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--hsdp", action="store_true", help="also HSDP on a 2 x world/2 mesh (world >= 4, even)")
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    modes = ["ddp", "fsdp"] + (["hsdp"] if args.hsdp else [])
+    params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
+    results: dict = {"params": params, "world": args.world, "cpu": _cpu(), "modes": {}}
+    with tempfile.TemporaryDirectory() as d, LocalCluster(Path(d), workers=2) as cl:
+        for mode in modes:
+            none, shadow = run(mode, False, args, Path(d), cl.address), run(mode, True, args, Path(d), cl.address)
+            results["modes"][mode] = {
+                "step_s_none": none["step_s"],
+                "step_s_shadow": shadow["step_s"],
+                "shadow_over_none": shadow["step_s"] / none["step_s"],
+                "bytes_per_iter_per_rank": shadow["bytes_per_iter_mean"],
+                "bytes_per_iter_max_rank": shadow["bytes_per_iter_max"],
+            }
+    ddp = results["modes"]["ddp"]["bytes_per_iter_per_rank"]
+    print(f"{params} parameters ({4 * params / args.world:.0f} fp32 bytes per rank), {args.world} ranks, {_cpu()}")
+    print(f"{'mode':6} {'none s':>9} {'shadow s':>9} {'ratio':>6} {'B/iter/rank':>12} {'max rank':>10} {'vs DDP':>7}")
+    for mode, r in results["modes"].items():
+        r["bytes_vs_ddp"] = r["bytes_per_iter_per_rank"] / ddp if ddp else float("nan")
+        print(
+            f"{mode:6} {r['step_s_none']:9.4f} {r['step_s_shadow']:9.4f} {r['shadow_over_none']:6.3f} "
+            f"{r['bytes_per_iter_per_rank']:12.0f} {r['bytes_per_iter_max_rank']:10.0f} {r['bytes_vs_ddp']:7.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()
