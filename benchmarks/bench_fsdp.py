@@ -59,7 +59,8 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (2, world // 2) if mode == "hsdp" else (world,))
+        shape, names = ((2, world // 2), ("replicate", "shard")) if mode == "hsdp" else ((world,), ("shard",))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         for layer in m:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -101,6 +102,7 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
     dist.all_gather_object(got, {"sent": sent, "step_s": statistics.median(times)})
     if rank == 0:
         Path(out).write_text(json.dumps(got))
+    dist.barrier()
     dist.destroy_process_group()
 
 
