@@ -55,6 +55,7 @@ REGISTRY = [
     "bench_compress",
     "bench_persist",
     "bench_replicas",
+    "bench_fsdp",
     "bench_gpu",
 ]
 

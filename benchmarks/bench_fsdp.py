@@ -30,10 +30,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from benchlib import Goal, bars
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shadow.testing import LocalCluster, free_port
 
-from shadow.testing import LocalCluster, free_port  # noqa: E402
+GOALS = [
+    Goal("{key}: bytes per iteration per rank / DDP's", "modes.*.bytes_vs_ddp", 1.0, "<=", unit="x"),
+    Goal("{key}: step time with the shadow / without (CPU, shared cores)", "modes.*.shadow_over_none", None, unit="x"),
+]
+
+# bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
+ARGS_QUICK = ["--steps", "8"]
+ARGS_FULL = ["--world", "4", "--hsdp"]
+ARGS_SMOKE = ["--steps", "2", "--warmup", "1", "--width", "32", "--layers", "2"]
 
 
 def _model(width: int, layers: int) -> torch.nn.Module:
@@ -106,7 +115,7 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
     dist.destroy_process_group()
 
 
-def run(mode: str, shadow: bool, args: argparse.Namespace, tmp: Path, address: str) -> dict:
+def _measure(mode: str, shadow: bool, args: argparse.Namespace, tmp: Path, address: str) -> dict:
     out = tmp / f"{mode}-{shadow}.json"
     conf = {"mode": mode, "width": args.width, "layers": args.layers, "steps": args.steps, "warmup": args.warmup}
     mp.start_processes(
@@ -124,7 +133,7 @@ def run(mode: str, shadow: bool, args: argparse.Namespace, tmp: Path, address: s
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--hsdp", action="store_true", help="also HSDP on a 2 x world/2 mesh (world >= 4, even)")
@@ -132,14 +141,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    ap.add_argument("--json", default="")
+    return ap
+
+
+def run(args) -> dict:
+    """Every mode without and with the shadow, the table printed; the JSON document."""
     modes = ["ddp", "fsdp"] + (["hsdp"] if args.hsdp else [])
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     results: dict = {"params": params, "world": args.world, "cpu": _cpu(), "modes": {}}
     with tempfile.TemporaryDirectory() as d, LocalCluster(Path(d), workers=2) as cl:
         for mode in modes:
-            none, shadow = run(mode, False, args, Path(d), cl.address), run(mode, True, args, Path(d), cl.address)
+            none = _measure(mode, False, args, Path(d), cl.address)
+            shadow = _measure(mode, True, args, Path(d), cl.address)
             results["modes"][mode] = {
                 "step_s_none": none["step_s"],
                 "step_s_shadow": shadow["step_s"],
@@ -156,8 +170,27 @@ def main() -> None:
             f"{mode:6} {r['step_s_none']:9.4f} {r['step_s_shadow']:9.4f} {r['shadow_over_none']:6.3f} "
             f"{r['bytes_per_iter_per_rank']:12.0f} {r['bytes_per_iter_max_rank']:10.0f} {r['bytes_vs_ddp']:7.3f}"
         )
+    return results
+
+
+def plot(results: dict, path) -> bool:
+    """Bytes per iteration per rank of each mode."""
+    modes = results["modes"]
+    return bars(
+        path,
+        list(modes),
+        [r["bytes_per_iter_per_rank"] / 1e6 for r in modes.values()],
+        f"Bytes streamed per iteration per rank, {results['params'] / 1e6:.2f}M params, {results['world']} ranks",
+        "MB / iteration / rank",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    doc = run(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
 
 
 def _cpu() -> str:
@@ -172,4 +205,4 @@ def _cpu() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

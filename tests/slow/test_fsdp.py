@@ -2,7 +2,8 @@
 real cluster: the shadow's state equals the uninterrupted run's with ``torch.equal`` after
 every committed iteration; ranks killed with SIGKILL come back at the committed iteration
 bit for bit, resume, and end where an uninterrupted run ends; a restore onto another mesh
-(2 ranks to 4) and a DCP export loaded into a 4-rank FSDP2 model equal the full state; HSDP
+(2 ranks to 4) and a DCP export loaded into a 4-rank FSDP2 model equal the full state, and
+the run trains on, attached, on 4 ranks; HSDP
 (2x2) with bf16 reduction; a shadow worker killed mid-run (the ranks vote and resync); and,
 on a GPU (marked ``gpu``), the same through NCCL and the fused CUDA AdamW.
 
@@ -170,8 +171,16 @@ def _resharded(rank: int, world: int, port: int, address: str, out: str, dcp_dir
     dcp.load(state, checkpoint_id=dcp_dir)
     set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     loaded = _full(m2, opt2)
+    # and training goes on from there on 4 ranks, attached: the cluster takes the new split
+    session = trainer_hooks.attach(m, opt, address, job="fsdp")
+    for it in range(info.iteration + 1, info.iteration + 3):
+        _step(m, opt, _sched(opt), it, rank)
+    committed = session.close()
+    on = _full(m, opt)
     if rank == 0:
-        torch.save({"iteration": info.iteration, "restored": restored, "dcp": loaded}, out)
+        torch.save(
+            {"iteration": info.iteration, "restored": restored, "dcp": loaded, "committed": committed, "on": on}, out
+        )
     _done()
 
 
@@ -250,6 +259,10 @@ def test_fsdp_killed_restored_resumed_and_resharded(tmp_path, impl):
         assert resharded["iteration"] == STEPS
         _equal(resharded["restored"], end, "restored onto 4 ranks")
         _equal(resharded["dcp"], end, "the DCP export loaded into a 4-rank model")
+        assert resharded["committed"] == STEPS + 2
+        last, shadow = _snapshot_state(cl.address)
+        assert last == STEPS + 2
+        _equal(shadow, resharded["on"], "the shadow of the run resumed on 4 ranks")
 
 
 def _hsdp(rank: int, world: int, port: int, address: str, out: str) -> None:
