@@ -60,6 +60,25 @@ def test_the_copy_stream_orders_after_the_current_stream_and_the_sender_waits():
     assert torch.equal(snap.get()["s"], torch.tensor(5.0))
 
 
+def test_copy_all_orders_every_copy_after_the_current_stream():
+    from trainer_hooks.session.transfer import CopyStream
+
+    copier = CopyStream(torch.device("cuda"))
+    srcs = [torch.zeros(n, device="cuda") for n in (1 << 22, 3, 1 << 20)]
+    host = torch.empty(sum(s.numel() for s in srcs), pin_memory=True)
+    for value in (1.0, 2.0):
+        torch.cuda._sleep(10_000_000)  # the current stream is busy...
+        for s in srcs:
+            s.fill_(value)  # ...then writes: every copy must see this value
+        pairs, at = [], 0
+        for s in srcs:
+            pairs.append((host[at : at + s.numel()], s))
+            at += s.numel()
+        copier.copy_all(pairs).synchronize()
+        assert torch.equal(host, torch.full_like(host, value))
+        copier.fence()
+
+
 def test_attach_kill_restore_on_cuda(tmp_path):
     cluster = LocalCluster(tmp_path, workers=2)
     try:

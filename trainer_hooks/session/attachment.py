@@ -40,7 +40,7 @@ from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
 from trainer_hooks.session.sender import Sender, SenderFactory
 from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
 from trainer_hooks.session.target import Target
-from trainer_hooks.session.transfer import DONE, CopyStream
+from trainer_hooks.session.transfer import CopyStream
 
 logger = logging.getLogger(__name__)
 
@@ -241,11 +241,13 @@ class Attachment:
                 return
             ring = self.ring
             assert ring is not None  # _ring_slot had one
-            ready = DONE
+            pairs = []
             for i, src, dst, n in shards.pieces(lo, hi):
-                if grads[i] is not None:
-                    g = _fsdp.local(grads[i]).detach().reshape(-1)
-                    ready = self.copier.copy(ring.tensor[off + dst : off + dst + n], g[src : src + n])
+                g = grads[i]
+                if g is not None:
+                    flat = _fsdp.local(g).detach().reshape(-1)
+                    pairs.append((ring.tensor[off + dst : off + dst + n], flat[src : src + n]))
+            ready = self.copier.copy_all(pairs)
             self.sender.q.put(GradItem(k, off, hi - lo, runs, ready, []))
         except ShadowUsageError as exc:
             self.latch.set(exc)

@@ -67,6 +67,25 @@ class CopyStream:
         self.last = ev
         return ev
 
+    def copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        """``dst.copy_(src)`` for every pair, as :meth:`copy` does one: ordered once after
+        the current stream, one event for all of them (an FSDP2 rank's gradients, one
+        tensor per parameter)."""
+        stream = self.stream
+        if stream is None or not pairs or pairs[0][1].device.type != "cuda":
+            for dst, src in pairs:
+                dst.copy_(src)
+            return DONE
+        stream.wait_stream(torch.cuda.current_stream(pairs[0][1].device))
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            ev = _record(stream)
+        for _, src in pairs:
+            src.record_stream(stream)
+        self.last = ev
+        return ev
+
     def fence(self) -> None:
         if self.cuda and not isinstance(self.last, _Done):  # DONE: nothing copied yet
             torch.cuda.current_stream(self.device).wait_event(self.last)
