@@ -37,6 +37,8 @@ class Snapshot:
     # the live tensors a restore received the parameters into (layout order; see
     # shadow.restore.ParamSink), instead of arrays[Field.PARAM]; empty: they are in arrays
     placed: tuple = ()
+    # the flat element ranges the arrays hold (a fetch of one FSDP2 rank's rows); None: all
+    ranges: tuple | None = None
 
 
 class Assembly:

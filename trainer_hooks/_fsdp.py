@@ -103,6 +103,18 @@ class Rows:
             return None
         return cls(layout, params, local_shards(layout, params))
 
+    def within(self, ranges: Sequence[tuple[int, int]]) -> bool:
+        """Every one of this rank's rows lies inside ``ranges`` (what a fetch read)."""
+        import bisect
+
+        starts = [a for a, _ in ranges]
+        for _, flat, n in self.shards.slots:
+            if n:
+                j = bisect.bisect_right(starts, flat) - 1
+                if j < 0 or not ranges[j][0] <= flat < flat + n <= ranges[j][1]:
+                    return False
+        return True
+
     def take(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """Parameter ``i``'s rows of ``full`` (a tensor of its global shape), shaped as its
         local tensor."""
@@ -122,6 +134,28 @@ class Rows:
                 return live
         mine = part.to(device=local(p).device, dtype=local(p).dtype, copy=True)
         return DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def rows_ranges(layout: Layout, params: Sequence[torch.Tensor]) -> tuple[int, list[tuple[int, int]]] | None:
+    """``(layout hash, the flat ranges of this rank's rows)`` of FSDP2 ``params`` (what a
+    restore fetches: a fetch from memory reads those only when the checkpoint has this
+    layout); None for plain tensors, or parameters not placed as FSDP2 places them (the
+    restore then reads everything and says what does not match)."""
+    if not any(isinstance(p, DTensor) for p in params):
+        return None
+    try:
+        shards = local_shards(layout, params)
+    except ShadowUsageError:
+        return None
+    out: list[tuple[int, int]] = []
+    for _, flat, n in shards.slots:
+        if not n:
+            continue
+        if out and out[-1][1] == flat:
+            out[-1] = (out[-1][0], flat + n)
+        else:
+            out.append((flat, flat + n))
+    return layout.hash, out
 
 
 def _mesh_split(name: str, p: torch.Tensor) -> tuple[int, int, int, int]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shadow.errors import LayoutMismatchError
+from shadow.errors import LayoutMismatchError, ShadowError
 from shadow.export.extras import recorded
 from shadow.export.state import state_dicts
 from shadow.layout import Layout
@@ -136,7 +136,7 @@ def restore(
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
 
-    sink, built = None, None
+    sink, built, ranges = None, None, None
     if optimizer is not None:
         try:  # built once: the sink and apply_snapshot's match check share it
             built = build_layout(model, optimizer)
@@ -144,9 +144,17 @@ def restore(
             built = None  # apply_snapshot says what does not match
         if built is not None:  # a model on the CPU gets its parameters straight from the workers (memory only)
             sink = ModelParams.of(*built)
+            ranges = _fsdp.rows_ranges(*built)  # FSDP2: a fetch from memory reads this rank's rows only
     try:
         snap = resolve(
-            source, job=job, iteration=iteration, timeout=timeout, tuning=tuning, sign_key=sign_key, sink=sink
+            source,
+            job=job,
+            iteration=iteration,
+            timeout=timeout,
+            tuning=tuning,
+            sign_key=sign_key,
+            sink=sink,
+            ranges=ranges,
         )
         return apply_snapshot(
             snap,
@@ -202,6 +210,11 @@ def apply_snapshot(
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
     rows = _fsdp.Rows.of(snap.layout, params)  # FSDP2: this rank's rows of each tensor; else None
+    if snap.ranges is not None and (rows is None or not rows.within(snap.ranges)):
+        raise ShadowError(
+            "the checkpoint was fetched for another rank's rows than this model holds; nothing was changed "
+            "(restore again with this model and optimizer)"
+        )
     with torch.no_grad():
         for i, (spec, p) in enumerate(zip(snap.layout.params, params, strict=True)):
             saved = sd["model"][spec.name]

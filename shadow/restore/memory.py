@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
@@ -79,8 +81,8 @@ class MemorySource:
         self.problem = ""
         return [Candidate(mem["job"], mem["iteration"], "memory", self.address, generation=None, handle=mem)]
 
-    def load(self, candidate: Candidate, progress=None, sink: ParamSink | None = None) -> Snapshot:
-        return fetch_memory(candidate.handle, self.address, progress, self.tuning, sink)
+    def load(self, candidate: Candidate, progress=None, sink: ParamSink | None = None, ranges=None) -> Snapshot:
+        return fetch_memory(candidate.handle, self.address, progress, self.tuning, sink, ranges)
 
     def tiers(self) -> list[TierSource]:
         """The cluster's persisted tiers, nearest first, as its last answer named them: the
@@ -109,7 +111,12 @@ class ParamSink(Protocol):
 
 
 def fetch_memory(
-    info: dict, address: str, progress=None, tuning: Tuning = DEFAULT, sink: ParamSink | None = None
+    info: dict,
+    address: str,
+    progress=None,
+    tuning: Tuning = DEFAULT,
+    sink: ParamSink | None = None,
+    ranges: tuple[int, Sequence[tuple[int, int]]] | None = None,
 ) -> Snapshot:
     """Read the iteration described by a coordinator's memory info from every worker.
 
@@ -119,23 +126,48 @@ def fetch_memory(
     and its checksum checked there, while the later chunks are still on the wire; a worker
     silent for ``tuning.fetch_timeout_s`` fails the fetch. With a ``sink`` whose layout the
     checkpoint has, the parameters go straight into its tensors (no flat parameter array);
-    if the fetch then fails, they hold part of it."""
+    if the fetch then fails, they hold part of it.
+
+    ``ranges``: ``(layout hash, flat element ranges)``: when the checkpoint has that layout,
+    only those ranges are fetched (an FSDP2 rank's rows; sorted, not overlapping): each
+    worker sends its part of them, the flat arrays are mapped but only those ranges are
+    ever written (memory for the rest is never committed), and the snapshot says so
+    (:attr:`Snapshot.ranges`): nothing outside them may be read. Another layout: all of it
+    is fetched (the caller then finds the mismatch)."""
     layout = Layout.from_dict(info["layout"])
     if layout.hash != info["layout_hash"]:
         raise ShadowError("coordinator sent a layout that does not match its hash")
     total = layout.total
     fields = state_fields(info["optim"])
-    placed = sink is not None and sink.layout_hash == layout.hash
+    try:
+        wanted = (
+            fetch.check_ranges([list(r) for r in ranges[1]], 0, total)
+            if ranges is not None and ranges[0] == layout.hash
+            else None
+        )
+    except ValueError as exc:
+        raise ShadowError(f"cannot fetch those ranges of the checkpoint: {exc}") from None
+    if wanted is not None:
+        logger.info(
+            "fetching %d ranges (%d of %d elements) of iteration %s",
+            len(wanted),
+            sum(b - a for a, b in wanted),
+            total,
+            info.get("iteration"),
+        )
+    placed = wanted is None and sink is not None and sink.layout_hash == layout.hash
     targets: dict = {Field.PARAM: sink.scatter} if placed and sink is not None else {}
-    arrays = {fld: np.empty(total, dtype=np.float32) for fld in fields if fld not in targets}
+    alloc = _lazy if wanted is not None else (lambda n: np.empty(n, dtype=np.float32))
+    arrays = {fld: alloc(total) for fld in fields if fld not in targets}
     workers = list(info["workers"])
     ctx = zmq.Context(io_threads=max(1, min(4, len(workers))))
-    tracker = _Progress(progress, total * 4 * len(fields))
+    nbytes = total * 4 if wanted is None else sum(b - a for a, b in wanted) * 4
+    tracker = _Progress(progress, nbytes * len(fields))
     stop = threading.Event()  # one shard failed: the others stop reading
     try:
         with ThreadPoolExecutor(max(1, min(FETCH_THREADS, len(workers))), thread_name_prefix="shadow-fetch") as pool:
             jobs = [
-                pool.submit(_fetch_shard, ctx, w, info, total, fields, arrays | targets, tuning, tracker, stop)
+                pool.submit(_fetch_shard, ctx, w, info, total, fields, arrays | targets, tuning, tracker, stop, wanted)
                 for w in workers
             ]
             futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
@@ -155,7 +187,17 @@ def fetch_memory(
         address,
         generation=int(info.get("generation", 0)),
         placed=sink.tensors if placed and sink is not None else (),
+        ranges=None if wanted is None else tuple((a, b) for a, b in wanted),
     )
+
+
+def _lazy(n: int) -> np.ndarray:
+    """``n`` float32 elements of private anonymous memory, committed only where written
+    (a fetch of some ranges maps the whole flat array and fills those)."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | getattr(mmap, "MAP_NORESERVE", 0)
+    if n == 0:
+        return np.zeros(0, dtype=np.float32)
+    return np.frombuffer(mmap.mmap(-1, n * 4, flags=flags), dtype=np.float32)
 
 
 FETCH_THREADS = 8  # threads reading workers' replies at once (each waits on its own socket)
@@ -186,14 +228,17 @@ def _fetch_shard(
     tuning: Tuning,
     tracker: _Progress,
     stop: threading.Event,
+    wanted: list | None = None,
 ):
-    """Ask worker ``w`` for its shard and read the reply into ``targets`` (field -> flat
-    array or :class:`~shadow.transport.fetch.Scatter`) as it arrives; the reader, complete
-    (None if ``stop`` was set first). Runs in a fetch thread, on a socket of its own."""
+    """Ask worker ``w`` for its shard (``wanted``: only its part of these flat ranges) and
+    read the reply into ``targets`` (field -> flat array or
+    :class:`~shadow.transport.fetch.Scatter`) as it arrives; the reader, complete (None if
+    ``stop`` was set first). Runs in a fetch thread, on a socket of its own."""
     who = f"worker {w.get('id')}"
     lo, hi = w.get("start"), w.get("stop")
     if not isinstance(lo, int) or not isinstance(hi, int) or not 0 <= lo <= hi <= total:
         raise ShadowError(f"the restore info gives {who} no range within the layout (start {lo!r}, stop {hi!r})")
+    mine = None if wanted is None else [(max(a, lo), min(b, hi)) for a, b in wanted if max(a, lo) < min(b, hi)]
     # mac mode: the coordinator handed out a ticket for this worker (over CURVE); the worker's
     # serve socket is in clear and its reply comes under the ticket's MAC
     ticket, key = w.get("ticket"), w.get("key")
@@ -205,7 +250,8 @@ def _fetch_shard(
     try:
         epoch, iteration = info["epoch"], info["iteration"]
         auth = {"ticket": ticket, "mac": tags.fetch_mac(key, epoch, iteration)} if key is not None else {}
-        sock.send(M.encode("fetch", epoch=epoch, iteration=iteration, **auth))
+        asked: dict = dict(auth) if mine is None else dict(auth, ranges=mine)
+        sock.send(M.encode("fetch", epoch=epoch, iteration=iteration, **asked))
         reader = fetch.ReplyReader(
             epoch=None,
             iteration=info["iteration"],
@@ -216,6 +262,7 @@ def _fetch_shard(
             target=lambda fld: t if not isinstance(t := targets[fld], np.ndarray) else fetch.as_bytes(t[lo:hi]),
             commit_bytes=tuning.max_commit_bytes,
             key=key,
+            ranges=mine,
         )
         parts = fetch.SocketParts(sock, zmq.NOBLOCK)
         limit = tuning.fetch_timeout_s

@@ -148,6 +148,7 @@ def resolve(
     tuning: Tuning | None = None,
     sign_key: bytes | None = None,
     sink: ParamSink | None = None,
+    ranges=None,
 ) -> Snapshot:
     """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
 
@@ -158,7 +159,9 @@ def resolve(
     manifest: its connection is what CURVE (``security``) protects. ``sink``: live
     parameters a fetch from memory receives the parameters into, when the cluster holds
     their layout (see :class:`ParamSink`); a tier is always read into flat arrays, so a
-    damaged file, found only by its whole-file checksum, never reaches the model."""
+    damaged file, found only by its whole-file checksum, never reaches the model.
+    ``ranges``: flat element ranges a fetch from memory reads only (an FSDP2 rank's rows:
+    the snapshot then holds those, :attr:`Snapshot.ranges`); a tier is read whole."""
     key = sign_key
     if key is None and os.environ.get(KEY_ENV):
         from shadow.persist import signing
@@ -178,7 +181,7 @@ def resolve(
             errors.append(f"memory: holds iteration {mem.iteration}, not {iteration}")
             break
         try:
-            return src.load(mem, progress, sink)
+            return src.load(mem, progress, sink, ranges)
         except MovedOn as exc:  # training is live and moved on: take the newer cut
             logger.info("restore raced a live cluster (%s); retrying", exc)
             time.sleep(0.05 * (attempt + 1))

@@ -116,6 +116,10 @@ class ReplyReader:
     and checksum as it lands (a scattered chunk before it is put in place). ``key``: the
     key of the ticket the fetch carried (mac mode): the reply must then come under its MAC.
 
+    ``ranges``: the element ranges of ``[start, stop)`` the fetch asked for (a restore of
+    one rank's rows: ``fetch`` with ``ranges``); only those land in ``target``, at their
+    place in the range, and the reply must name the same ranges.
+
     After the last part: ``head`` (the decoded head), ``extras`` (key -> bytes), ``done``.
     ``received``: the array bytes in place so far; ``total``: all of them (0 before the head).
     """
@@ -132,8 +136,11 @@ class ReplyReader:
         target: Callable[[Field], memoryview | Scatter],
         commit_bytes: int = DEFAULT.max_commit_bytes,
         key: bytes | None = None,
+        ranges: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.epoch, self.iteration, self.start, self.stop, self.fields = epoch, iteration, start, stop, fields
+        # the element ranges of [start, stop) asked for (None: all of it), as the reply must echo them
+        self.ranges = None if ranges is None else [[int(a), int(b)] for a, b in ranges]
         self.who, self.target, self.commit_bytes, self.key = who, target, commit_bytes, key
         self._mac: tags.ReplyKey | None = None  # the reply's MAC key, once its head checked out
         self.head: dict | None = None
@@ -186,6 +193,8 @@ class ReplyReader:
             raise FetchError(
                 "mismatch", f"{who} holds [{head['start']}, {head['stop']}), not [{self.start}, {self.stop})"
             )
+        if head.get("ranges") != self.ranges:
+            raise FetchError("mismatch", f"{who} sent ranges {head.get('ranges')!r:.80}, not {self.ranges!r:.80}")
         chunk = head["chunk"]
         if head["arrays"] != self.fields or chunk <= 0 or chunk % 4:
             raise FetchError(
@@ -226,13 +235,15 @@ class ReplyReader:
 
     def _take_head(self, parts) -> None:
         head = self._decode_head(parts)
-        chunk, nbytes = head["chunk"], (self.stop - self.start) * 4
+        chunk = head["chunk"]
+        spans = self.ranges if self.ranges is not None else [[self.start, self.stop]]
         for f in head["arrays"]:
             fld = Field(f)
             where = self.target(fld)
-            for off in range(0, nbytes, chunk):
-                n = min(chunk, nbytes - off)
-                self._chunks.append((fld, where[off : off + n] if isinstance(where, memoryview) else where, off, n))
+            for a, b in spans:
+                for off in range((a - self.start) * 4, (b - self.start) * 4, chunk):
+                    n = min(chunk, (b - self.start) * 4 - off)
+                    self._chunks.append((fld, where[off : off + n] if isinstance(where, memoryview) else where, off, n))
         if len(head["sums"]) != len(self._chunks):
             raise FetchError(
                 "malformed", f"{self.who} sent {len(head['sums'])} checksums for {len(self._chunks)} chunks"
@@ -286,6 +297,28 @@ def read_reply(parts, reader: ReplyReader) -> ReplyReader:
         pass
     reader.finish(parts)
     return reader
+
+
+#: Bound on the element ranges one fetch may ask for (a rank's rows: one per parameter).
+MAX_FETCH_RANGES = 1 << 16
+
+
+def check_ranges(ranges, start: int, stop: int) -> list[list[int]]:
+    """The element ranges a fetch asks of a shard ``[start, stop)``, checked: at most
+    :data:`MAX_FETCH_RANGES` ``[a, b]`` pairs of integers, ``start <= a < b <= stop``, in
+    order and not overlapping. ``ValueError`` names the first problem."""
+    if not isinstance(ranges, list) or len(ranges) > MAX_FETCH_RANGES:
+        raise ValueError(f"ranges must be a list of at most {MAX_FETCH_RANGES} [start, stop] pairs")
+    out, at = [], start
+    for r in ranges:
+        if not (isinstance(r, (list, tuple)) and len(r) == 2 and all(type(x) is int for x in r)):
+            raise ValueError(f"range {r!r:.40} is not a [start, stop] pair of integers")
+        a, b = r
+        if not at <= a < b <= stop:
+            raise ValueError(f"range [{a}, {b}) is empty, out of order, overlapping or outside [{start}, {stop})")
+        out.append([a, b])
+        at = b
+    return out
 
 
 def param_indices(pairs, nparams: int, who: str, what: str) -> list:

@@ -172,11 +172,13 @@ ERROR_CODES = ("malformed", "refused", "busy", "moved_on", "wrong_epoch", "timeo
 
 # type -> {field: accepted python types}: fields a sender may leave out (checked when present)
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
-    # chunks of the model state outside the optimizer: [[key, nbytes, xxh3], ...]
-    "fetch_reply": {"extras": (list,)},
+    # chunks of the model state outside the optimizer: [[key, nbytes, xxh3], ...]; the element
+    # ranges of the shard it carries when the fetch asked for some
+    "fetch_reply": {"extras": (list,), "ranges": (list,)},
     # mac mode: the ticket the coordinator handed out for this worker, and the request's MAC
-    # under its key (shadow.wire.tags.fetch_mac)
-    "fetch": {"ticket": (bytes,), "mac": (bytes,)},
+    # under its key (shadow.wire.tags.fetch_mac); any mode: ranges, [[start, stop], ...] of
+    # the worker's shard to send (shadow.transport.fetch.check_ranges), instead of all of it
+    "fetch": {"ticket": (bytes,), "mac": (bytes,), "ranges": (list,)},
     # mac mode: a ticket for the worker's files socket, the client's fresh nonce and the
     # request's MAC (shadow.wire.tags.file_mac); the reply's salt, each chunk then coming
     # as two frames, its GMAC tag and its bytes

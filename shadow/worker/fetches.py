@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from shadow.transport import SocketFactory
+from shadow.transport import SocketFactory, fetch
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.wire import tags
@@ -195,7 +195,15 @@ class FetchServer:
             if s is None or msg["epoch"] != s.epoch:
                 self._error(ident, "wrong_epoch", f"worker serves epoch {s.epoch if s else None}, not {msg['epoch']}")
             elif s.applied == want or (want < 0 and s.applied >= 0):
-                self._send_state(ident, s, msg.get("client") or ident.hex(), msg.get("key"))
+                try:
+                    ranges = msg.get("ranges")
+                    if ranges is not None:
+                        ranges = fetch.check_ranges(ranges, s.state.start, s.state.stop)
+                except ValueError as exc:
+                    self.state.rejected["serve_malformed"] += 1
+                    self._error(ident, "malformed", f"fetch ranges: {exc}")
+                    continue
+                self._send_state(ident, s, msg.get("client") or ident.hex(), msg.get("key"), ranges)
             elif s.applied > want:
                 self._error(
                     ident, "moved_on", f"worker has moved on to iteration {s.applied}; fetch {want} again later"
@@ -218,8 +226,11 @@ class FetchServer:
     def _error(self, ident: bytes, code: str, text: str) -> None:
         self._sock().send_multipart([ident, M.encode("error", code=code, message=text)])
 
-    def _send_state(self, ident: bytes, s, client: str = "", key: bytes | None = None) -> None:
-        """Send session ``s``'s shard: a head (with each chunk's xxh3, or with a ticket's
+    def _send_state(
+        self, ident: bytes, s, client: str = "", key: bytes | None = None, ranges: list | None = None
+    ) -> None:
+        """Send session ``s``'s shard (``ranges``: only those element ranges of it, checked
+        by the caller, echoed in the head): a head (with each chunk's xxh3, or with a ticket's
         ``key`` its GMAC tag, the head tagged too), then each field in chunks of at most
         ``FETCH_CHUNK_BYTES``, zero-copy from the live arrays, each part a message of its
         own, tracked. The next apply waits (:meth:`wait_for_readers`) while zmq sends them; a
@@ -230,9 +241,11 @@ class FetchServer:
         idx = np.flatnonzero(st.in_range)
         chunk = self.state.tuning.fetch_chunk_bytes // 4 * 4
         views = []
+        spans = [(0, st.stop - st.start)] if ranges is None else [(a - st.start, b - st.start) for a, b in ranges]
         for f in fields:
             raw = st.array(f).view(np.uint8)
-            views += [raw[i : i + chunk] for i in range(0, len(raw), chunk)]
+            for a, b in spans:
+                views += [raw[i : min(i + chunk, b * 4)] for i in range(a * 4, b * 4, chunk)]
         extras = sorted(s.extras.items())  # chunks of the model state outside the optimizer, after the arrays
         if key is not None:
             salt = os.urandom(tags.SALT_SIZE)
@@ -256,6 +269,7 @@ class FetchServer:
             chunk=chunk,
             sums=sums,
             extras=[[k, len(b), c] for (k, b), c in zip(extras, ex_sums, strict=True)],
+            **({} if ranges is None else {"ranges": ranges}),
         )
         if key is not None:
             head = M.encode("fetch_reply_mac", salt=salt, tag=rk.tag(0, head), head=head)

@@ -423,3 +423,147 @@ def test_a_worker_takes_tickets_of_its_current_and_retired_configurations_only()
     assert server.ticket_key({"epoch": 1, "iteration": 7}) is None  # no ticket at all
     server.state.retired = None
     assert server.ticket_key(fetch(retired)[0]) is None
+
+
+def ranged_worker(ctx, lo, hi, values, chunk):
+    """A serve socket answering one fetch with the worker's own reply code for the ranges it
+    asks (FetchServer._send_state after check_ranges, as FetchServer.answer does)."""
+    from shadow.transport import fetch
+
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    server = _server({"current": None})
+    seen: dict = {}
+
+    def run():
+        ident, raw = sock.recv_multipart()
+        msg = M.decode(raw)
+        seen["ranges"] = ranges = msg.get("ranges")
+        if ranges is not None:
+            ranges = fetch.check_ranges(ranges, lo, hi)
+        shard = SimpleNamespace(
+            fields=lambda: F.state_fields(OPTIM),
+            array=lambda f: values[f][lo:hi],
+            in_range=np.array([lo == 0] + [False] * (len(SHAPES) - 1)),
+            steps=np.array([5.0] + [0.0] * (len(SHAPES) - 1)),
+            has_state=np.array([True] * len(SHAPES)),
+            start=lo,
+            stop=hi,
+        )
+        session = SimpleNamespace(state=shard, extras={}, epoch=msg["epoch"], applied=msg["iteration"], commit=None)
+        session.blobs = {0 if lo == 0 else 1: b"blob"}
+        server.sock = _Capture()
+        server.state.tuning = server.state.tuning.replace(fetch_chunk_bytes=chunk)
+        server._send_state(ident, session, "test", None, ranges)
+        for part in server.sock.parts:
+            sock.send_multipart([ident, part])
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return sock, t, f"tcp://127.0.0.1:{port}", seen
+
+
+def test_a_fetch_of_some_ranges_reads_those_only():
+    """An FSDP2 rank's restore: the ranges straddle chunks and both shards; each worker is
+    asked for its part of them only, and only those bytes arrive and land in place."""
+    values, chunk = state_values(2), 4096
+    wanted = [(5, 9), (20_000, 21_000), (30_000, 30_001)]
+    ctx = zmq.Context()
+    socks, done = [], []
+    try:
+        workers = []
+        for i, (lo, hi) in enumerate(SHARDS):
+            sock, t, ep, seen = ranged_worker(ctx, lo, hi, values, chunk)
+            socks.append((sock, t, seen))
+            workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
+        snap = fetch_memory(
+            memory_info(workers, LAYOUT),
+            "tcp://test",
+            progress=lambda got, total: done.append((got, total)),
+            tuning=Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk),
+            ranges=(LAYOUT.hash, wanted),
+        )
+    finally:
+        for sock, t, _ in socks:
+            t.join(5)
+            sock.close(0)
+        ctx.term()
+    assert [s["ranges"] for _, _, s in socks] == [[[5, 9], [20_000, 20_480]], [[20_480, 21_000], [30_000, 30_001]]]
+    assert snap.ranges == tuple(wanted)
+    for f, want in values.items():
+        for a, b in wanted:
+            assert np.array_equal(snap.arrays[f][a:b], want[a:b])
+    nbytes = sum(b - a for a, b in wanted) * 4 * len(values)
+    assert done[-1] == (nbytes, nbytes)  # nothing else was read
+    assert snap.steps[0] == 5.0 and sorted(snap.blobs) == [0, 1]
+
+
+def test_ranges_of_another_layout_fetch_everything():
+    values, chunk = state_values(3), 4096
+    ctx = zmq.Context()
+    socks = []
+    try:
+        workers = []
+        for i, (lo, hi) in enumerate(SHARDS):
+            sock, t, ep, seen = ranged_worker(ctx, lo, hi, values, chunk)
+            socks.append((sock, t, seen))
+            workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
+        snap = fetch_memory(
+            memory_info(workers, LAYOUT),
+            "tcp://test",
+            tuning=Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk),
+            ranges=(LAYOUT.hash ^ 1, [(0, 3)]),
+        )
+    finally:
+        for sock, t, _ in socks:
+            t.join(5)
+            sock.close(0)
+        ctx.term()
+    assert snap.ranges is None and all(s["ranges"] is None for _, _, s in socks)
+    for f, want in values.items():
+        assert np.array_equal(snap.arrays[f], want)
+
+
+def test_a_reply_that_ignores_the_ranges_is_refused():
+    with pytest.raises(ShadowError, match="sent ranges None"):
+        values, ctx = state_values(4), zmq.Context()
+        socks = []
+        try:
+            workers = []
+            for i, (lo, hi) in enumerate(SHARDS):  # fake workers send their whole shard
+                sock, t, ep = fake_worker(ctx, lo, hi, values, CHUNK)
+                socks.append((sock, t))
+                workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
+            fetch_memory(
+                memory_info(workers, LAYOUT),
+                "tcp://test",
+                tuning=Tuning(fetch_timeout_s=10.0),
+                ranges=(LAYOUT.hash, [(0, 3)]),
+            )
+        finally:
+            for sock, t in socks:
+                t.join(5)
+                sock.close(0)
+            ctx.term()
+
+
+@pytest.mark.parametrize(
+    "ranges, problem",
+    [
+        ("0-3", "a list"),
+        ([[0, 3, 4]], "pair of integers"),
+        ([[0, 3.0]], "pair of integers"),
+        ([[3, 3]], "empty"),
+        ([[4, 9], [0, 3]], "out of order"),
+        ([[0, 5], [4, 9]], "overlapping"),
+        ([[-1, 3]], "outside"),
+        ([[0, 1 << 40]], "outside"),
+        ([[i, i + 1] for i in range((1 << 16) + 1)], "at most"),
+    ],
+)
+def test_a_worker_checks_the_ranges_it_is_asked_for(ranges, problem):
+    from shadow.transport import fetch
+
+    with pytest.raises(ValueError, match=problem):
+        fetch.check_ranges(ranges, 0, 1 << 20)
+    assert fetch.check_ranges([[0, 3], [3, 9]], 0, 9) == [[0, 3], [3, 9]]

@@ -10,7 +10,7 @@ import torch
 
 from shadow.errors import ShadowUsageError
 from shadow.layout import Layout
-from trainer_hooks._fsdp import LocalShards, Rows, check_outside_optimizer, local_shards
+from trainer_hooks._fsdp import LocalShards, Rows, check_outside_optimizer, local_shards, rows_ranges
 
 
 def test_replicas_split_their_shard_and_runs_skip_what_has_no_gradient():
@@ -74,6 +74,10 @@ def test_a_restore_places_full_tensors_as_the_live_dtensors(world1):
     layout, params = build_layout(m, opt)
     rows = Rows.of(layout, params)
     assert rows is not None and rows.shards.shards == 1
+    # one rank holds every row: a restore fetches one range, the whole flat space
+    assert rows_ranges(layout, params) == (layout.hash, [(0, layout.total)])
+    assert rows.within([(0, layout.total)]) and not rows.within([(0, layout.total - 1)])
+    assert rows_ranges(layout, [torch.zeros(p.shape) for p in params]) is None
     full = torch.arange(15, dtype=torch.float32).reshape(5, 3)
     placed = rows.place(0, full, None)
     assert isinstance(placed, DTensor) and placed.placements == params[0].placements
