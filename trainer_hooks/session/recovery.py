@@ -48,15 +48,15 @@ class ErrorLatch:
 
 
 class _Vote:
-    """A vote all-reduced without a future to chain on: read (waiting for the collective,
-    an iteration after it was issued) like a :class:`HostCopy`."""
+    """A vote all-reduced on its own (FSDP2): its future copies the result to the host
+    once the collective is done (nothing waits for it then); read like a
+    :class:`HostCopy`, an iteration later."""
 
-    def __init__(self, work, buf: torch.Tensor) -> None:
-        self.work, self.buf = work, buf
+    def __init__(self, fut: torch.futures.Future) -> None:
+        self.fut = fut.then(lambda f: HostCopy(f.value()[0]))
 
     def get(self) -> torch.Tensor:
-        self.work.wait()
-        return HostCopy(self.buf).get()
+        return self.fut.wait().get()
 
 
 class RecoveryController:
@@ -191,7 +191,7 @@ class RecoveryController:
         if buf.device != device:
             buf = buf.pin_memory().to(device, non_blocking=True)
         work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self.votes.append((k, _Vote(work, buf)))
+        self.votes.append((k, _Vote(work.get_future())))
 
     def _read_votes(self, k: int) -> None:
         """Read the votes taken before iteration ``k`` (their copies landed an iteration ago)."""
