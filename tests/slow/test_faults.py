@@ -57,7 +57,7 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
         cluster.stop()
 
 
-def test_two_ranks_keep_training_through_a_worker_crash(tmp_path):
+def test_two_ranks_keep_training_through_a_worker_crash(world1, tmp_path):
     from shadow.testing import assert_same_state
     from tests.conftest import rank_logs, run_ranks
 
@@ -173,59 +173,74 @@ def test_frozen_worker_under_policy_skip_never_blocks_training(world1, tmp_path)
         cluster.stop()
 
 
-def test_network_faults_are_detected_and_healed(tmp_path):
+def test_network_faults_are_detected_and_healed(world1, tmp_path):
     """Dropped, duplicated, reordered, truncated and bit-flipped data messages (injected on
     both ranks for iterations < 30): every one is caught by sequence numbers or checksums
-    and counted, the damaged replica resyncs, training is untouched, the final restore exact."""
+    and counted, the damaged replica resyncs, training is untouched, the final restore exact.
+
+    How many faults a rank draws depends on how many messages it sends while it streams
+    (a damaged replica takes the rank out of streaming until the resync), so on a loaded
+    machine a run may see fewer than every kind: it is run again with the next seed (at
+    most three runs), and the checks apply to the run that saw them all."""
     from shadow.testing import assert_same_state
     from tests.conftest import rank_logs, run_ranks
 
     steps = 40
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), "--steps", str(steps)) == [0, 0], rank_logs(tmp_path)
-    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2"})
-    try:
-        out = tmp_path / "out"
-        env = {"SHADOW_FAULT_NET": "drop=0.03,dup=0.04,reorder=0.03,truncate=0.03,bitflip=0.04,seed=3,until=30,cover=1"}
-        assert run_ranks(
-            tmp_path,
-            "--coordinator",
-            cluster.address,
-            "--out",
-            str(out),
-            "--steps",
-            str(steps),
-            "--step-sleep",
-            "0.05",
-            env=env,
-        ) == [0, 0], rank_logs(tmp_path)
-        st = cluster.wait_caught_up(steps)
-        assert st["job"]["committed"] == steps and st["job"]["status"] in ("running", "detached")
-        rejected = {}
-        for w in st["workers"]:
-            for reason, n in w["rejected"].items():
-                rejected[reason] = rejected.get(reason, 0) + n
-        logs = "".join(p.read_text() for p in tmp_path.glob("rank*.log"))
-        injected = {k: logs.count(f"fault injection: {k} ") for k in ("drop", "dup", "reorder", "truncate", "bitflip")}
-        assert all(injected.values()), injected  # every kind happened at least once with this seed
-        # every damaged, duplicated or out-of-order frame is rejected: by its own check, or as
-        # "stale"/"wrong_epoch" when an earlier fault already took the replica out (timing)
-        assert rejected.get("gap", 0) > 0 and rejected.get("duplicate", 0) + rejected.get("stale", 0) > 0
-        assert sum(rejected.values()) >= sum(injected.values()) - injected["drop"]
-        assert st["job"]["epoch"] >= 2  # the damaged replicas were resynced
-        for r in range(2):
+    seen = []
+    for seed in (3, 4, 5):
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        cluster = LocalCluster(run, env={"SHADOW_WORKER_LOST_S": "2"})
+        try:
+            out = run / "out"
+            faults = f"drop=0.03,dup=0.04,reorder=0.03,truncate=0.03,bitflip=0.04,seed={seed},until=30,cover=1"
+            assert run_ranks(
+                run,
+                "--coordinator",
+                cluster.address,
+                "--out",
+                str(out),
+                "--steps",
+                str(steps),
+                "--step-sleep",
+                "0.05",
+                env={"SHADOW_FAULT_NET": faults},
+            ) == [0, 0], rank_logs(run)
+            st = cluster.wait_caught_up(steps)
+            assert st["job"]["committed"] == steps and st["job"]["status"] in ("running", "detached")
+            for r in range(2):  # whatever faults it saw, training was untouched
+                assert_same_state(
+                    torch.load(out / f"rank{r}.pt", weights_only=True),
+                    torch.load(ref / f"rank{r}.pt", weights_only=True),
+                )
+            logs = "".join(p.read_text() for p in run.glob("rank*.log"))
+            kinds = ("drop", "dup", "reorder", "truncate", "bitflip")
+            injected = {k: logs.count(f"fault injection: {k} ") for k in kinds}
+            seen.append(injected)
+            if not all(injected.values()):
+                continue  # not every kind happened in this run: the next seed
+            rejected: dict = {}
+            for w in st["workers"]:
+                for reason, n in w["rejected"].items():
+                    rejected[reason] = rejected.get(reason, 0) + n
+            # every damaged, duplicated or out-of-order frame is rejected: by its own check, or as
+            # "stale"/"wrong_epoch" when an earlier fault already took the replica out (timing)
+            assert rejected.get("gap", 0) > 0 and rejected.get("duplicate", 0) + rejected.get("stale", 0) > 0
+            assert sum(rejected.values()) >= sum(injected.values()) - injected["drop"]
+            assert st["job"]["epoch"] >= 2  # the damaged replicas were resynced
+            fresh, fopt, fsched = build(seed=9)
+            info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
+            assert info.iteration == steps
             assert_same_state(
-                torch.load(out / f"rank{r}.pt", weights_only=True), torch.load(ref / f"rank{r}.pt", weights_only=True)
+                {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "scheduler": fsched.state_dict()},
+                torch.load(ref / "rank0.pt", weights_only=True),
             )
-        fresh, fopt, fsched = build(seed=9)
-        info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched)
-        assert info.iteration == steps
-        assert_same_state(
-            {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "scheduler": fsched.state_dict()},
-            torch.load(ref / "rank0.pt", weights_only=True),
-        )
-    finally:
-        cluster.stop()
+            return
+        finally:
+            cluster.stop()
+    raise AssertionError(f"no run saw every kind of fault (injected per run: {seen})")
 
 
 def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path):
