@@ -463,11 +463,10 @@ def ranged_worker(ctx, lo, hi, values, chunk):
     return sock, t, f"tcp://127.0.0.1:{port}", seen
 
 
-def test_a_fetch_of_some_ranges_reads_those_only():
-    """An FSDP2 rank's restore: the ranges straddle chunks and both shards; each worker is
-    asked for its part of them only, and only those bytes arrive and land in place."""
-    values, chunk = state_values(2), 4096
-    wanted = [(5, 9), (20_000, 21_000), (30_000, 30_001)]
+def run_ranged_fetch(seed: int, ranges) -> tuple:
+    """Two workers answering with their own reply code (:func:`ranged_worker`), fetched
+    with ``ranges``; ``(snapshot, values, the ranges each worker was asked for, progress)``."""
+    values, chunk = state_values(seed), 4096
     ctx = zmq.Context()
     socks, done = [], []
     try:
@@ -481,14 +480,22 @@ def test_a_fetch_of_some_ranges_reads_those_only():
             "tcp://test",
             progress=lambda got, total: done.append((got, total)),
             tuning=Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk),
-            ranges=(LAYOUT.hash, wanted),
+            ranges=ranges,
         )
     finally:
         for sock, t, _ in socks:
             t.join(5)
             sock.close(0)
         ctx.term()
-    assert [s["ranges"] for _, _, s in socks] == [[[5, 9], [20_000, 20_480]], [[20_480, 21_000], [30_000, 30_001]]]
+    return snap, values, [s["ranges"] for _, _, s in socks], done
+
+
+def test_a_fetch_of_some_ranges_reads_those_only():
+    """An FSDP2 rank's restore: the ranges straddle chunks and both shards; each worker is
+    asked for its part of them only, and only those bytes arrive and land in place."""
+    wanted = [(5, 9), (20_000, 21_000), (30_000, 30_001)]
+    snap, values, asked, done = run_ranged_fetch(2, (LAYOUT.hash, wanted))
+    assert asked == [[[5, 9], [20_000, 20_480]], [[20_480, 21_000], [30_000, 30_001]]]
     assert snap.ranges == tuple(wanted)
     for f, want in values.items():
         for a, b in wanted:
@@ -499,27 +506,8 @@ def test_a_fetch_of_some_ranges_reads_those_only():
 
 
 def test_ranges_of_another_layout_fetch_everything():
-    values, chunk = state_values(3), 4096
-    ctx = zmq.Context()
-    socks = []
-    try:
-        workers = []
-        for i, (lo, hi) in enumerate(SHARDS):
-            sock, t, ep, seen = ranged_worker(ctx, lo, hi, values, chunk)
-            socks.append((sock, t, seen))
-            workers.append({"id": i, "serve": ep, "start": lo, "stop": hi})
-        snap = fetch_memory(
-            memory_info(workers, LAYOUT),
-            "tcp://test",
-            tuning=Tuning(fetch_timeout_s=10.0, fetch_chunk_bytes=chunk),
-            ranges=(LAYOUT.hash ^ 1, [(0, 3)]),
-        )
-    finally:
-        for sock, t, _ in socks:
-            t.join(5)
-            sock.close(0)
-        ctx.term()
-    assert snap.ranges is None and all(s["ranges"] is None for _, _, s in socks)
+    snap, values, asked, _ = run_ranged_fetch(3, (LAYOUT.hash ^ 1, [(0, 3)]))
+    assert snap.ranges is None and asked == [None, None]
     for f, want in values.items():
         assert np.array_equal(snap.arrays[f], want)
 
