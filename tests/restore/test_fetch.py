@@ -270,6 +270,23 @@ def _server(keys: dict):
     return FetchServer(state, SocketFactory(zmq.Context.instance(), keys=None), Binding("127.0.0.1", "127.0.0.1"), True)
 
 
+def _held(values, lo, hi, msg: dict, extras: dict) -> SimpleNamespace:
+    """What a worker's FetchServer sends from: the session holding shard ``[lo, hi)`` of
+    ``values`` at the fetch's epoch and iteration, with ``extras`` chunks."""
+    shard = SimpleNamespace(
+        fields=lambda: F.state_fields(OPTIM),
+        array=lambda f: values[f][lo:hi],
+        in_range=np.array([lo == 0] + [False] * (len(SHAPES) - 1)),
+        steps=np.array([5.0] + [0.0] * (len(SHAPES) - 1)),
+        has_state=np.array([True] * len(SHAPES)),
+        start=lo,
+        stop=hi,
+    )
+    session = SimpleNamespace(state=shard, extras=extras, epoch=msg["epoch"], applied=msg["iteration"], commit=None)
+    session.blobs = {0 if lo == 0 else 1: b"blob"}
+    return session
+
+
 def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=None):
     """A serve socket answering one fetch with the worker's own reply code (FetchServer), after
     checking the fetch's ticket; ``damage(parts)`` alters the parts on the way; ``sign_with``:
@@ -283,19 +300,7 @@ def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=
         ident, raw = sock.recv_multipart()
         msg = M.decode(raw)
         key = seen["key"] = server.ticket_key(msg)
-        shard = SimpleNamespace(
-            fields=lambda: F.state_fields(OPTIM),
-            array=lambda f: values[f][lo:hi],
-            in_range=np.array([lo == 0] + [False] * (len(SHAPES) - 1)),
-            steps=np.array([5.0] + [0.0] * (len(SHAPES) - 1)),
-            has_state=np.array([True] * len(SHAPES)),
-            start=lo,
-            stop=hi,
-        )
-        session = SimpleNamespace(
-            state=shard, extras={7: b"extra bytes"}, epoch=msg["epoch"], applied=msg["iteration"], commit=None
-        )
-        session.blobs = {0 if lo == 0 else 1: b"blob"}
+        session = _held(values, lo, hi, msg, {7: b"extra bytes"})
         server.sock = _Capture()
         server.state.tuning = server.state.tuning.replace(fetch_chunk_bytes=chunk)
         if key is None:
@@ -441,17 +446,7 @@ def ranged_worker(ctx, lo, hi, values, chunk):
         seen["ranges"] = ranges = msg.get("ranges")
         if ranges is not None:
             ranges = fetch.check_ranges(ranges, lo, hi)
-        shard = SimpleNamespace(
-            fields=lambda: F.state_fields(OPTIM),
-            array=lambda f: values[f][lo:hi],
-            in_range=np.array([lo == 0] + [False] * (len(SHAPES) - 1)),
-            steps=np.array([5.0] + [0.0] * (len(SHAPES) - 1)),
-            has_state=np.array([True] * len(SHAPES)),
-            start=lo,
-            stop=hi,
-        )
-        session = SimpleNamespace(state=shard, extras={}, epoch=msg["epoch"], applied=msg["iteration"], commit=None)
-        session.blobs = {0 if lo == 0 else 1: b"blob"}
+        session = _held(values, lo, hi, msg, {})
         server.sock = _Capture()
         server.state.tuning = server.state.tuning.replace(fetch_chunk_bytes=chunk)
         server._send_state(ident, session, "test", None, ranges)
