@@ -169,6 +169,32 @@ def check_shape(workers: int, replicas: int) -> None:
         )
 
 
+DATA_TRANSPORTS = ("zmq", "ucx")
+
+
+@dataclass
+class TransportConfig:
+    """How gradients travel from the trainers to the workers (the control plane is ZeroMQ)."""
+
+    #: zmq (the default) or ucx (RDMA fabrics through UCX; needs the extra shadow-checkpoint[ucx])
+    data: str = "zmq"
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA_TRANSPORTS:
+            raise ValueError(
+                f"transport.data={self.data!r} is not one of {DATA_TRANSPORTS}: zmq (ZeroMQ over TCP, the "
+                "default) or ucx (UCX: InfiniBand, RoCE, EFA or TCP; pip install 'shadow-checkpoint[ucx]')"
+            )
+
+    def check(self, security: SecurityConfig) -> None:
+        """UCX carries no CURVE: a keyed cluster streams over UCX with per-rank MACs."""
+        if self.data == "ucx" and security.server_key and security.data == "curve":
+            raise ValueError(
+                "transport.data=ucx cannot go with security.data=curve: UCX carries no CURVE encryption. "
+                "Use security.data=mac (every frame under its rank's MAC) or transport.data=zmq"
+            )
+
+
 @dataclass
 class CoordinatorConfig:
     """The coordinator alone (workers join by its address)."""
@@ -204,9 +230,11 @@ class ClusterConfig(CoordinatorConfig):
 
     threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
     max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.transport.check(self.security)
         if self.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
         self.security.check_workers_key("shadow cluster")
@@ -238,9 +266,11 @@ class WorkerConfig:
     local_dir: str = ""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.tuning.Tuning)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         _check_endpoint("coordinator", self.coordinator)
+        self.transport.check(self.security)
         check_section(self.tuning)
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = all cores)")

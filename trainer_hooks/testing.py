@@ -42,7 +42,7 @@ import zmq
 from shadow.testing.faults import FaultyDataSender, NetFaults, parse
 from shadow.transport.send import DataSender
 from trainer_hooks.session.items import CommitItem
-from trainer_hooks.session.sender import SENDER_FACTORY, Sender, SenderFactory, zmq_channels
+from trainer_hooks.session.sender import SENDER_FACTORY, Sender, SenderFactory, data_channels
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class FaultySender(Sender):
     also be set or cleared on a live one."""
 
     def __init__(self, *args, net_spec: str | None = None, die_at: tuple[int, int] | None = None, **kwargs) -> None:
-        inner = kwargs.pop("channels", zmq_channels)
+        inner = kwargs.pop("channels", data_channels)
         super().__init__(*args, channels=functools.partial(self._open_faulty, inner), **kwargs)
         self.die_at = die_at
         self._net: NetFaults | None = parse(net_spec, self.rank)

@@ -114,6 +114,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     tuning = cfg.tuning.resolve()
     setup_logs(cfg.log_level, cfg.log_format, "worker")
     cfg.security = secure(cfg.security, bind_and_advertise(cfg.host, cfg.coordinator)[0], f"worker {cfg.worker_id}")
+    cfg.transport.check(cfg.security)
     worker = Worker(
         cfg.coordinator,
         host=cfg.host,
@@ -123,6 +124,7 @@ def cmd_worker(cfg: WorkerConfig) -> int:
         tuning=tuning,
         local_dir=cfg.local_dir,
         data_mode=cfg.security.data_mode(),
+        transport=cfg.transport.data,
     )
     metrics = None
     if cfg.metrics_port:
@@ -136,6 +138,11 @@ def cmd_worker(cfg: WorkerConfig) -> int:
 def cmd_cluster(cfg: ClusterConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "cluster")
     cfg.security = secure(cfg.security, cfg.host, "cluster")
+    cfg.transport.check(cfg.security)
+    if cfg.transport.data == "ucx":
+        from shadow.transport import ucx
+
+        ucx.lib()  # not installed: say so before any worker starts
     address = f"tcp://{cfg.host}:{cfg.port}"
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)
@@ -216,6 +223,7 @@ class _Workers:
                 f"log_format={cfg.log_format}",
                 f"worker_id={slot}",
                 f"metrics_port={cfg.metrics_port + 1 + slot if cfg.metrics_port else 0}",
+                f"transport.data={cfg.transport.data}",
                 *self.security,
             ],
         )

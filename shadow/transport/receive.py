@@ -14,11 +14,14 @@ drives this same class, so what it measures is the worker's receive path.
 
 Every failed check raises :class:`shadow.wire.frames.FrameError`; the caller then calls
 :meth:`FrameReceiver.discard_rest` so the next message starts on a frame boundary.
-Owned by the thread that owns the socket."""
+Frames come from a :class:`FrameSource`: a ZeroMQ PULL socket (:class:`ZmqFrames`) or a
+UCX data channel (``shadow.transport.ucx.UcxDataSocket``). Owned by the thread that owns
+the source."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import zmq
@@ -52,14 +55,47 @@ class Context:
         return self.keys[rank] if 0 <= rank < len(self.keys) else None
 
 
+class FrameSource(Protocol):
+    """Where a receiver reads messages, frame by frame."""
+
+    def recv_first(self) -> bytes:
+        """The next message's first frame (non-blocking; ``zmq.Again`` if none)."""
+        ...
+
+    def more(self) -> bool:
+        """Whether the current message has another frame."""
+        ...
+
+    def recv_next(self) -> memoryview:
+        """The current message's next frame, zero-copy."""
+        ...
+
+
+class ZmqFrames:
+    """A ZeroMQ PULL socket as a :class:`FrameSource`."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def recv_first(self) -> bytes:
+        return self.sock.recv(zmq.NOBLOCK)
+
+    def more(self) -> bool:
+        return bool(self.sock.getsockopt(zmq.RCVMORE))
+
+    def recv_next(self) -> memoryview:
+        return self.sock.recv(copy=False).buffer
+
+
 class FrameReceiver:
-    """Reads and checks data messages from ``sock`` (a PULL socket).
+    """Reads and checks data messages from ``src`` (a :class:`FrameSource`; a ZeroMQ socket
+    is wrapped in :class:`ZmqFrames`).
 
     Counters: ``frames_in`` (messages whose header was read) and ``bytes_in`` (payload
     bytes received)."""
 
-    def __init__(self, sock: zmq.Socket, tuning: Tuning = DEFAULT) -> None:
-        self.sock = sock
+    def __init__(self, src: FrameSource | zmq.Socket, tuning: Tuning = DEFAULT) -> None:
+        self.src: FrameSource = ZmqFrames(src) if isinstance(src, zmq.Socket) else src
         self.max_runs, self.max_commit_bytes = tuning.max_runs, tuning.max_commit_bytes
         self.frames_in = 0
         self.bytes_in = 0
@@ -69,7 +105,7 @@ class FrameReceiver:
     def header(self, ctx: Context | None) -> F.Header:
         """Read the next message's header frame (non-blocking; ``zmq.Again`` if none) and
         check it against ``ctx`` (None: nothing is being served yet)."""
-        raw = self.sock.recv(zmq.NOBLOCK)
+        raw = self.src.recv_first()
         self.frames_in += 1
         if ctx is None:
             raise F.FrameError("not_configured", "frame arrived before this worker was configured")
@@ -126,7 +162,7 @@ class FrameReceiver:
         out = []
         for i, (dst, n, tag) in enumerate(h.runs, 1):
             nbytes = n * 4 if h.kind in (F.Kind.GRAD, F.Kind.STATE) else n
-            buf = self._part(nbytes).buffer
+            buf = self._part(nbytes)
             if not self._tags.check(h.nonce, i, buf, tag):
                 what = f"part {i} (at {dst}, {nbytes} bytes) of rank {h.rank} seq {h.seq} iteration {h.iteration}"
                 if self._tags.keyed:
@@ -165,22 +201,22 @@ class FrameReceiver:
 
     def end(self) -> None:
         """The message must end here."""
-        if self.sock.getsockopt(zmq.RCVMORE):
+        if self.src.more():
             raise F.FrameError("extra_payload", "message has more payload frames than runs")
 
     def discard_rest(self) -> None:
         """Drop what is left of the current message (after a failed check)."""
-        while self.sock.getsockopt(zmq.RCVMORE):
-            self.sock.recv()
+        while self.src.more():
+            self.src.recv_next()
 
     # -- parts -------------------------------------------------------------------------------
     def _more(self, why: str) -> None:
-        if not self.sock.getsockopt(zmq.RCVMORE):
+        if not self.src.more():
             raise F.FrameError("truncated_payload", why)
 
-    def _part(self, nbytes: int) -> zmq.Frame:
+    def _part(self, nbytes: int) -> memoryview:
         self._more("message has fewer payload frames than runs")
-        frame = self.sock.recv(copy=False)
+        frame = self.src.recv_next()
         if len(frame) != nbytes:
             raise F.FrameError("truncated_payload", f"payload is {len(frame)} bytes, run says {nbytes}")
         self.bytes_in += nbytes

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from shadow.transport import SocketFactory, data_limit
-from shadow.transport.receive import FrameReceiver
+from shadow.transport.receive import FrameReceiver, FrameSource, ZmqFrames
 from shadow.wire import frames as F
 from shadow.wire.commit import Prepared
 from shadow.worker.address import Binding
@@ -20,54 +20,92 @@ from shadow.worker.outbox import Outbox
 from shadow.worker.state import WorkerState, go_stale
 
 if TYPE_CHECKING:
+    from shadow.transport.ucx import UcxDataSocket
     from shadow.worker.assignment import Assignment
 
 logger = logging.getLogger(__name__)
 
 
 class DataPath:
-    """The data socket (a PULL) and the assignment's policy (stale, iteration window,
-    sequence numbers, commits) around :class:`shadow.transport.receive.FrameReceiver`, which
-    reads and checks each message: payloads go straight into their inbox slots, and each
-    iteration that becomes complete is reported ``prepared`` through ``outbox``.
+    """The data channel (a ZeroMQ PULL socket, or a UCX listener with ``transport="ucx"``)
+    and the assignment's policy (stale, iteration window, sequence numbers, commits) around
+    :class:`shadow.transport.receive.FrameReceiver`, which reads and checks each message:
+    payloads go straight into their inbox slots, and each iteration that becomes complete is
+    reported ``prepared`` through ``outbox``.
 
     Reads and writes ``state.assignment``; counts refusals in ``state.rejected``. Call
-    order: :meth:`open` (binds; the endpoint to advertise), :meth:`on_message` when the
-    socket is readable, :meth:`reopen` on a reset, :meth:`close`. The receiver (``rx``)
-    and its counters outlive a reopen. Owned by the worker's main thread."""
+    order: :meth:`open` (binds; the endpoint to advertise), :meth:`pump` every turn of the
+    loop, :meth:`on_message` when :attr:`pollable` is readable or :meth:`pump` says messages
+    wait, :meth:`reopen` on a reset, :meth:`close`. The receiver (``rx``) and its counters
+    outlive a reopen. Owned by the worker's main thread."""
 
     def __init__(
-        self, state: WorkerState, outbox: Outbox, sockets: SocketFactory, binding: Binding, curve: bool = True
+        self,
+        state: WorkerState,
+        outbox: Outbox,
+        sockets: SocketFactory,
+        binding: Binding,
+        curve: bool = True,
+        transport: str = "zmq",
     ) -> None:
         """``curve``: the data socket is a CURVE server (when ``sockets`` has a guard); else it
-        takes connections in clear and every frame is checked against its rank's MAC."""
+        takes connections in clear and every frame is checked against its rank's MAC.
+        ``transport``: ``zmq`` or ``ucx`` (in clear: never with ``curve``)."""
         self.state, self.outbox, self.sockets, self.binding = state, outbox, sockets, binding
-        self.curve = curve
+        self.curve, self.transport = curve, transport
+        if transport == "ucx" and curve and sockets.guard is not None:
+            raise ValueError("a UCX data channel carries no CURVE: use the mac data mode")
         self.sock: zmq.Socket | None = None
+        self.ucx: UcxDataSocket | None = None  # the UCX data channel (transport="ucx")
+        self.source: FrameSource | None = None  # what the receiver reads
         self.endpoint = ""
-        self.rx: FrameReceiver | None = None  # reads the data socket; its counters outlive a reset's fresh socket
+        self.rx: FrameReceiver | None = None  # reads the data channel; its counters outlive a reset's fresh one
 
     def open(self) -> str:
-        """Bind a fresh data socket; returns the endpoint trainers push to."""
-        # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-        self.sock = self.sockets.pull(
-            data_limit(self.state.tuning), self.state.tuning.data_rcvhwm_messages, curve=self.curve
-        )
-        self.endpoint = self.binding.bind(self.sock)
-        if self.rx is None:
-            self.rx = FrameReceiver(self.sock, self.state.tuning)
+        """Bind a fresh data channel; returns the endpoint trainers stream to."""
+        tuning = self.state.tuning
+        if self.transport == "ucx":
+            from shadow.transport import ucx
+
+            channel = ucx.UcxDataSocket(
+                data_limit(tuning), tuning.max_runs + 1, tuning.data_rcvhwm_messages, self.state.rejected
+            )
+            self.ucx, source = channel, channel
+            self.endpoint = ucx.endpoint(self.binding.host, channel.port)
         else:
-            self.rx.sock = self.sock
+            # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
+            self.sock = self.sockets.pull(data_limit(tuning), tuning.data_rcvhwm_messages, curve=self.curve)
+            self.endpoint = self.binding.bind(self.sock)
+            source = ZmqFrames(self.sock)
+        self.source = source
+        if self.rx is None:
+            self.rx = FrameReceiver(source, tuning)
+        else:
+            self.rx.src = source
         return self.endpoint
 
+    @property
+    def pollable(self):
+        """What the worker's poller waits on: the data socket, or UCX's event descriptor."""
+        return self.ucx.fd if self.ucx is not None else self.sock
+
+    def pump(self) -> bool:
+        """Move the data channel along without blocking (UCX: progress; ZeroMQ does its own);
+        True when whole messages already wait to be read."""
+        return self.ucx.pump() if self.ucx is not None else False
+
     def reopen(self) -> str:
-        """Drop every queued frame: close the socket and bind a fresh one (a reset)."""
+        """Drop every queued frame: close the channel and bind a fresh one (a reset)."""
         self.close()
         return self.open()
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close(linger=0)
+            self.sock = None
+        if self.ucx is not None:
+            self.ucx.close()
+            self.ucx = None
 
     @property
     def frames_in(self) -> int:
@@ -79,8 +117,8 @@ class DataPath:
         """Payload bytes received on the data socket."""
         return self.rx.bytes_in if self.rx is not None else 0
 
-    def on_message(self, sock: zmq.Socket) -> None:
-        """One message off the data socket (``zmq.Again`` if none): taken into the
+    def on_message(self, source: FrameSource) -> None:
+        """One message off the data channel (``zmq.Again`` if none): taken into the
         assignment, or refused and counted (some refusals make the assignment stale)."""
         rx = self.rx
         assert rx is not None  # opened with the data socket that called

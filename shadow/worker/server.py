@@ -75,17 +75,24 @@ class Worker:
         tuning: Tuning | None = None,
         local_dir: str = "",
         data_mode: str = "",
+        transport: str = "zmq",
     ) -> None:
         """``data_mode``: how the data socket takes frames (``SecurityConfig.data_mode``):
         ``plain`` without a guard; with one, ``mac`` (default: a socket in clear, every frame
         under its rank's MAC; the serve socket in clear too, every fetch with a ticket and every
-        reply under its MAC) or ``curve`` (CURVE sockets as well)."""
+        reply under its MAC) or ``curve`` (CURVE sockets as well). ``transport``: what the
+        trainers stream over (``transport.data``): ``zmq`` or ``ucx`` (not with ``curve``)."""
         self.coordinator = coordinator
         self.data_mode = data_mode or ("mac" if guard is not None else "plain")
         if (self.data_mode == "plain") != (guard is None):
             raise ValueError(
                 f"data_mode={self.data_mode!r} {'needs' if guard is None else 'cannot go with'} keys "
                 "(security.server_key): plain without them, mac or curve with them"
+            )
+        if transport not in ("zmq", "ucx") or (transport == "ucx" and self.data_mode == "curve"):
+            raise ValueError(
+                f"transport={transport!r} with data_mode={self.data_mode!r}: zmq, or ucx with plain or mac "
+                "(UCX carries no CURVE)"
             )
         self.bind_host, self.host = bind_and_advertise(host, coordinator)
         self.guard, self.keys = guard, keys  # CURVE: server sockets checked by guard, keys to the coordinator
@@ -94,7 +101,9 @@ class Worker:
         binding = Binding(self.bind_host, self.host)
         self.state = WorkerState(tuning=tuning if tuning is not None else Tuning.load(), worker_id=worker_id)
         self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
-        self.data = DataPath(self.state, self.outbox, self.sockets, binding, curve=self.data_mode == "curve")
+        self.data = DataPath(
+            self.state, self.outbox, self.sockets, binding, curve=self.data_mode == "curve", transport=transport
+        )
         self.fetches = FetchServer(self.state, self.sockets, binding, tickets=self.data_mode == "mac")
         self.files = FileServer(
             self.sockets, binding, local_dir, keyed=self.data_mode == "mac", rejected=self.state.rejected
@@ -135,17 +144,22 @@ class Worker:
                 poller = zmq.Poller()
                 for s in (ctrl, self.fetches.sock):
                     poller.register(s, zmq.POLLIN)
+                # a joining replica leaves the trainers' frames queued until it has state
+                reading = self.peer.sock is None and not st.awaiting_copy
                 if self.peer.sock is not None:
                     poller.register(self.peer.sock, zmq.POLLIN)
-                elif not st.awaiting_copy:  # a joining replica leaves the trainers' frames queued until it has state
-                    poller.register(self.data.sock, zmq.POLLIN)
+                elif reading:
+                    poller.register(self.data.pollable, zmq.POLLIN)
+                if self.data.pump() and reading:  # UCX: whole messages already wait
+                    wait = 0.0
                 events = dict(poller.poll(timeout=int(wait * 1000)))
                 if ctrl in events:
                     self._drain(ctrl, self._on_ctrl, "ctrl")
                 if self.peer.sock is not None and self.peer.sock in events:
                     self.peer.on_reply()
-                if self.data.sock in events:
-                    self._drain(self.data.sock, self.data.on_message, "data", limit=256)
+                ready = self.data.pump()
+                if reading and (self.data.pollable in events or ready):
+                    self._drain(self.data.source, self.data.on_message, "data", limit=256)
                 if self.fetches.sock in events:
                     self._drain(self.fetches.sock, self.fetches.on_message, "serve")
                 now = time.monotonic()
@@ -203,8 +217,12 @@ class Worker:
         session is no longer trusted: stale until the coordinator resyncs it."""
         self.state.rejected[f"{where}_error_{type(exc).__name__}"] += 1
         logger.exception("the %s handler failed; the worker carries on", where)
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv()
+        if isinstance(sock, zmq.Socket):
+            while sock.getsockopt(zmq.RCVMORE):
+                sock.recv()
+        else:  # a data channel's frame source
+            while sock.more():
+                sock.recv_next()
         if sock is self.outbox.sock:
             go_stale(
                 self.state, self.outbox, f"a control message could not be carried out ({type(exc).__name__}: {exc})"

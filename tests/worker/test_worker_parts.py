@@ -159,7 +159,7 @@ def test_reset_drops_the_assignment_and_registers_with_a_fresh_data_socket():
         assert out.kinds() == ["configured", "register"]
         reg = out.last("register")
         assert reg["data"] == w.data.endpoint != first and reg["serve"] == w.fetches.endpoint
-        assert w.data.rx is rx and rx.sock is w.data.sock  # the counters outlive the socket
+        assert w.data.rx is rx and rx.src.sock is w.data.sock  # the counters outlive the socket
     finally:
         w._close()
 

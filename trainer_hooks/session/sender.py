@@ -3,7 +3,7 @@
 Work arrives on a queue in order (gradient slots, bootstrap state, commits). The sender
 waits for each gradient slot's device-to-host copy (its event: the training thread never
 does), computes checksums, frames it, sends payloads zero-copy from the staging ring,
-frees ring slots when ZeroMQ is done with them, and listens to the coordinator for the
+frees ring slots when the transport is done with them, and listens to the coordinator for the
 committed cut (the flow-control credit). A commit arrives unbuilt (:class:`CommitItem`
 ``make``): the sender resolves what the step copied non-blocking (scalars, probes,
 audit samples, rank 0's state) and builds its frames; a commit whose check fails is
@@ -13,7 +13,7 @@ object (the session's ``RecoveryController``).
 
 Messages leave through a :class:`shadow.transport.send.DataSender` (one ordered channel
 per worker), opened on the sender's thread by the ``channels`` function it is given
-(:func:`zmq_channels` unless told otherwise). An attachment makes its sender with the
+(:func:`data_channels` unless told otherwise). An attachment makes its sender with the
 sender factory it is given (:class:`Sender` unless told otherwise; a session passes the
 one it was built with, by default :data:`SENDER_FACTORY`'s in the context that built it).
 Fault injection wraps from the outside through these two (``trainer_hooks.testing``): a
@@ -34,7 +34,8 @@ import numpy as np
 import zmq
 
 from shadow.errors import ShadowError
-from shadow.transport.send import DataSender, ZmqDataSender
+from shadow.transport.send import Channels as TransportChannels
+from shadow.transport.send import DataSender
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
@@ -57,9 +58,10 @@ logger = logging.getLogger(__name__)
 Channels = Callable[[zmq.Context, list[str], int, list[bool] | None], DataSender]
 
 
-def zmq_channels(ctx: zmq.Context, endpoints: list[str], hwm: int, curve: list[bool] | None) -> DataSender:
-    """One ZeroMQ PUSH socket per worker (CURVE where ``curve`` says so)."""
-    return ZmqDataSender(ctx, endpoints, hwm, curve)
+def data_channels(ctx: zmq.Context, endpoints: list[str], hwm: int, curve: list[bool] | None) -> DataSender:
+    """A channel per worker over the transport its endpoint names: a ZeroMQ PUSH socket
+    (CURVE where ``curve`` says so) for ``tcp://``, UCX for ``ucx://``."""
+    return TransportChannels(ctx, endpoints, hwm, curve)
 
 
 class Sender(threading.Thread):
@@ -88,7 +90,7 @@ class Sender(threading.Thread):
         tags: list[Tags] | None = None,
         curve: list[bool] | None = None,
         token: bytes | None = None,
-        channels: Channels = zmq_channels,
+        channels: Channels = data_channels,
     ) -> None:
         """``tags``: per worker, what this rank's frames to it are tagged with (its MAC key of
         the worker's configuration on a keyed cluster; default: checksums); ``curve``: per
@@ -110,7 +112,7 @@ class Sender(threading.Thread):
         self.seq = [0] * len(endpoints)
         self.tags: list[Tags] = list(tags) if tags is not None else [PLAIN] * len(endpoints)
         self.curve = list(curve) if curve is not None else None
-        self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting zmq
+        self.pending: list[tuple[int, int, list]] = []  # ring (off, n, trackers) awaiting the transport
         self.bytes_out = 0
         self.messages_out = 0
         self.probed: dict[int, dict] = {}  # iteration -> {(param, element): value staged}

@@ -1,0 +1,507 @@
+"""The data path over UCX (``transport.data=ucx``), for RDMA fabrics (InfiniBand, RoCE, EFA)
+and, in tests and on hosts without them, TCP. Needs the optional extra
+``shadow-checkpoint[ucx]`` (UCX for Python, ``ucxx``); ZeroMQ stays the default data path
+and the only control plane.
+
+One UCX connection per trainer rank and worker, opened to the worker's listener
+(``ucx://host:port``, advertised in its register like a ZeroMQ endpoint). Each carries an
+ordered stream of data messages, the same messages as over ZeroMQ (``shadow.wire.frames``:
+a header frame, then one part per run, tagged with checksums or, on a keyed cluster's
+``mac`` data path, MACs under the rank's key). On the stream a message is:
+
+* a preamble (:data:`PREAMBLE`: magic, frame count, total bytes) and the frames' sizes,
+  8 bytes each, sent together from one small buffer;
+* the frames, each sent zero-copy from where the trainer holds it (the pinned staging ring
+  for gradients) and received into one fresh buffer per message, where the worker's
+  kernels read the parts (the ZeroMQ path keeps its frames the same way).
+
+What reaches a worker is checked before it is believed, as on ZeroMQ:
+:class:`UcxDataSocket` refuses a preamble that is not ours, a frame count or size beyond
+what a sender ever makes, and a connection that queues more messages than the data path's
+receive high-water mark (it closes that connection: UCX streams have no receive-side flow
+control, so a connection that outruns the worker is not read into memory without bound;
+a trainer's credit keeps a real one far below it). Every frame then goes through
+:class:`~shadow.transport.receive.FrameReceiver` (tags or MACs, bounds, epoch, layout).
+UCX carries no CURVE: a keyed cluster streams over UCX in ``mac`` mode only.
+
+A dead peer ends its connection with an error (UCX's peer error handling is on): the
+trainer's sends to it complete and free their buffers, later messages to that worker are
+dropped while it reconnects (at most once a second), and the worker's gap check makes the
+replica stale until the coordinator resyncs it, as when a ZeroMQ connection drops.
+
+Settings: UCX's own environment (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) applies as
+documented by UCX; the TCP transport's segment size defaults to 1 MiB here
+(:data:`DEFAULTS`; UCX's 64 KiB moves large frames at about a third of ZeroMQ's rate),
+unless the environment sets it.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import zmq
+
+from shadow.errors import ShadowError
+
+logger = logging.getLogger(__name__)
+
+SCHEME = "ucx"
+MAGIC = b"SHU1"
+#: magic, frame count, total bytes of the frames
+PREAMBLE = struct.Struct("<4sIQ")
+SIZE = struct.Struct("<Q")
+#: UCX settings this data path changes from UCX's defaults, unless ``UCX_<name>`` is set
+DEFAULTS = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
+#: connections a worker holds at once (a trainer rank has one); more are closed at once
+MAX_CONNECTIONS = 4096
+#: how often a trainer tries again to reach a worker whose connection failed
+RECONNECT_S = 1.0
+
+INSTALL = "pip install 'shadow-checkpoint[ucx]' (UCX for Python, ucxx)"
+
+
+def lib() -> Any:
+    """UCX for Python's core module, or a :class:`ShadowError` saying how to install it."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets a variable this UCX no longer reads
+    try:
+        from ucxx._lib import libucxx
+    except ImportError as exc:
+        raise ShadowError(
+            f"transport.data=ucx needs UCX for Python, which is not installed ({exc}): {INSTALL}"
+        ) from None
+    return libucxx
+
+
+def available() -> bool:
+    """Whether UCX for Python can be imported here."""
+    try:
+        lib()
+    except ShadowError:
+        return False
+    return True
+
+
+def _array(buf) -> Any:
+    from ucxx._lib.arr import Array
+
+    return Array(buf)
+
+
+def endpoint(host: str, port: int) -> str:
+    """A worker's UCX data endpoint as it is advertised."""
+    return f"{SCHEME}://{host}:{port}"
+
+
+def parse(ep: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``ucx://host:port`` endpoint; ValueError naming it otherwise."""
+    parts = urlsplit(ep)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != SCHEME or not parts.hostname or not port:
+        raise ValueError(f"{ep!r} is not a UCX data endpoint (ucx://host:port)")
+    return parts.hostname, port
+
+
+def is_ucx(ep: str) -> bool:
+    return ep.startswith(SCHEME + "://")
+
+
+def _context(L: Any) -> Any:
+    config = {k: v for k, v in DEFAULTS.items() if "UCX_" + k not in os.environ}
+    return L.UCXContext(config_dict=config, feature_flags=(L.Feature.STREAM, L.Feature.WAKEUP))
+
+
+def _as_bytes(frame) -> np.ndarray:
+    """A frame's bytes as a flat uint8 array over the same memory."""
+    return np.frombuffer(frame, dtype=np.uint8) if len(memoryview(frame)) else np.empty(0, np.uint8)
+
+
+def _close_endpoint(ep: Any, blocking: bool = False) -> None:
+    """Close a UCX endpoint unless UCX already closed it (a peer that went away): closing
+    one twice crashes UCX for Python. ``blocking``: progress until the close is carried out
+    (up to 10 x 10 ms), so that the peer hears of it even if this worker is never
+    progressed again."""
+    try:
+        if ep.alive:
+            if blocking:
+                ep.close_blocking(period=10_000_000, max_attempts=10)
+            else:
+                ep.close()
+    except Exception:
+        logger.debug("closing a UCX endpoint", exc_info=True)
+
+
+# -- the trainer's end -------------------------------------------------------------------------
+class _Sent:
+    """One message's send requests and the buffers they read: ``done`` once UCX reads none
+    of them any more (sent, or failed and given up)."""
+
+    __slots__ = ("reqs", "bufs")
+
+    def __init__(self, reqs: list, bufs: list) -> None:
+        self.reqs, self.bufs = reqs, bufs
+
+    @property
+    def done(self) -> bool:
+        return all(r.completed for r in self.reqs)
+
+
+class _Dropped:
+    """A message that was never handed to UCX (its channel is broken)."""
+
+    done = True
+
+
+_DROPPED = _Dropped()
+
+
+class _Channel:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.ep: Any = None
+        self.out: collections.deque[_Sent] = collections.deque()
+        self.broken: str | None = None
+        self.retry_at = 0.0
+        self.dropped = 0
+
+
+class UcxDataSender:
+    """A :class:`~shadow.transport.send.DataSender` over UCX: one connection per worker,
+    driven by UCX's progress thread (it sleeps on UCX's event file descriptor). ``hwm``:
+    messages in flight per worker before :meth:`send` waits (as a ZeroMQ send blocks at its
+    high-water mark); a connection that fails frees what it held at once. ``endpoints``:
+    ``ucx://host:port`` per worker, or "" for a worker not reached over UCX."""
+
+    def __init__(self, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None) -> None:
+        if curve is not None and any(c for c, ep in zip(curve, endpoints, strict=False) if ep):
+            raise ValueError(
+                "a worker's data socket takes CURVE, which UCX does not carry: stream over UCX with "
+                "security.data=mac (frames under MACs) or keep transport.data=zmq"
+            )
+        self.L = lib()
+        self.hwm = max(1, hwm)
+        self.ctx = _context(self.L)
+        self.worker = self.L.UCXWorker(self.ctx)
+        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
+        self.chans: list[_Channel | None] = [None] * len(endpoints)
+        self._lock = threading.Lock()  # close callbacks run on UCX's progress thread
+        try:
+            for w, ep in enumerate(endpoints):
+                if ep:
+                    self.open(w, ep)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- DataSender ------------------------------------------------------------------------------
+    def send(self, worker: int, frames: Sequence, track: bool) -> Any:
+        ch = self.chans[worker] if 0 <= worker < len(self.chans) else None
+        if ch is None:
+            raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
+        self._reap(ch)
+        while len(ch.out) >= self.hwm and ch.broken is None:
+            time.sleep(0.0002)
+            self._reap(ch)
+        if ch.broken is not None and not self._reconnect(worker, ch):
+            ch.dropped += 1
+            return _DROPPED if track else None
+        bufs = [_as_bytes(f) if track else np.frombuffer(bytes(f), dtype=np.uint8) for f in frames]
+        head = bytearray(PREAMBLE.pack(MAGIC, len(bufs), sum(b.nbytes for b in bufs)))
+        for b in bufs:
+            head += SIZE.pack(b.nbytes)
+        pre = np.frombuffer(bytes(head), dtype=np.uint8)
+        reqs = [ch.ep.stream_send(_array(pre))]
+        reqs += [ch.ep.stream_send(_array(b)) for b in bufs if b.nbytes]
+        sent = _Sent(reqs, [pre, *bufs])
+        ch.out.append(sent)
+        return sent if track else None
+
+    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
+        if curve:
+            raise ValueError(f"shadow worker {worker} takes CURVE on its data socket, which UCX does not carry")
+        parse(endpoint)
+        self.drop(worker)
+        ch = _Channel(endpoint)
+        self.chans[worker] = ch
+        self._connect(worker, ch)
+
+    def drop(self, worker: int) -> None:
+        ch, self.chans[worker] = self.chans[worker], None
+        if ch is not None:
+            self._close_ep(ch)
+
+    def close(self) -> None:
+        for w in range(len(self.chans)):
+            self.drop(w)
+        try:
+            self.worker.stop_progress_thread()
+        except Exception:  # already stopped, or never started
+            logger.debug("stopping UCX's progress thread", exc_info=True)
+
+    # -- connections -----------------------------------------------------------------------------
+    def _connect(self, worker: int, ch: _Channel) -> None:
+        host, port = parse(ch.endpoint)
+        ch.broken, ch.retry_at = None, time.monotonic() + RECONNECT_S
+        try:
+            ep = self.L.UCXEndpoint.create(self.worker, host, port, True)
+        except Exception as exc:  # UCX refuses the address at once (most failures come later, as errors)
+            ch.broken = f"cannot connect to {ch.endpoint}: {exc}"
+            logger.warning("shadow worker %d: %s", worker, ch.broken)
+            return
+        ep.set_close_callback(self._on_closed, cb_args=(ch, ep))
+        ch.ep = ep
+
+    def _on_closed(self, ch: _Channel, ep: Any, *args: Any) -> None:
+        with self._lock:
+            if ch.ep is ep and ch.broken is None:
+                ch.broken = f"the UCX connection to {ch.endpoint} closed"
+
+    def _reconnect(self, worker: int, ch: _Channel) -> bool:
+        """Try again to reach a worker whose connection failed, at most every RECONNECT_S."""
+        if time.monotonic() < ch.retry_at:
+            return False
+        logger.warning("shadow worker %d: %s; connecting again", worker, ch.broken)
+        self._close_ep(ch)
+        self._connect(worker, ch)
+        return ch.broken is None
+
+    def _reap(self, ch: _Channel) -> None:
+        while ch.out and ch.out[0].done:
+            sent = ch.out.popleft()
+            for r in sent.reqs:
+                try:
+                    r.check_error()
+                except Exception as exc:
+                    if ch.broken is None:
+                        ch.broken = f"a send to {ch.endpoint} failed: {exc}"
+                    break
+
+    def _close_ep(self, ch: _Channel) -> None:
+        ep, ch.ep = ch.ep, None
+        if ep is not None:
+            try:
+                ep.remove_close_callback()
+            except Exception:
+                logger.debug("a UCX endpoint's close callback", exc_info=True)
+            _close_endpoint(ep)
+        # whatever was in flight is cancelled: wait until UCX has let go of its buffers
+        deadline = time.monotonic() + 5.0
+        while ch.out and time.monotonic() < deadline:
+            if ch.out[0].done:
+                ch.out.popleft()
+            else:
+                time.sleep(0.0005)
+        if ch.out:
+            logger.warning("%d UCX sends to %s did not finish after their connection closed", len(ch.out), ch.endpoint)
+            ch.out.clear()
+
+
+# -- the worker's end --------------------------------------------------------------------------
+class _Conn:
+    """One accepted connection: its endpoint, the receive in flight and the state it is in."""
+
+    PRE, SIZES, BODY = range(3)
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.state = _Conn.PRE
+        self.buf: np.ndarray = np.empty(PREAMBLE.size, np.uint8)
+        self.req: Any = None
+        self.nframes = 0
+        self.total = 0
+        self.sizes: list[int] = []
+        self.queue: collections.deque[list[memoryview]] = collections.deque()
+        self.dead = False
+
+
+class UcxDataSocket:
+    """A worker's data channel over UCX: a listener on ``port`` (0: any free port) of every
+    interface, each accepted connection read message by message into fresh buffers, whole
+    messages queued per connection and handed out in turn, frame by frame, to a
+    :class:`~shadow.transport.receive.FrameReceiver` (:meth:`recv_first`, :meth:`more`,
+    :meth:`recv_next`; "nothing queued" is ``zmq.Again``, as on a ZeroMQ socket).
+
+    Progress is the caller's: :meth:`pump` (non-blocking) before and after waiting on
+    :attr:`fd` (UCX's event file descriptor, readable when there is work). ``limit``: the
+    largest frame taken; ``max_frames``: the most frames in a message; ``rcvhwm``: whole
+    messages queued per connection before that connection is closed; ``rejected``: where
+    refusals are counted by reason. Owned by one thread."""
+
+    def __init__(
+        self, limit: int, max_frames: int, rcvhwm: int, rejected: collections.Counter | None = None, port: int = 0
+    ) -> None:
+        self.L = lib()
+        self.limit, self.max_frames, self.rcvhwm = limit, max_frames, max(1, rcvhwm)
+        self.rejected = rejected if rejected is not None else collections.Counter()
+        self.ctx = _context(self.L)
+        self.worker = self.L.UCXWorker(self.ctx)
+        self.worker.init_blocking_progress_mode()
+        self.conns: list[_Conn] = []
+        self._accepted: list[Any] = []
+        self.listener = self.L.UCXListener.create(self.worker, port, self._on_connect)
+        self.port: int = self.listener.port
+        self.fd: int = self.worker.epoll_file_descriptor
+        self._cur: list[memoryview] | None = None  # the message being read
+        self._pos = 0
+        self._turn = 0
+        self.closed = False
+
+    # -- progress --------------------------------------------------------------------------------
+    def _on_connect(self, conn_request: Any, *args: Any) -> None:
+        try:
+            ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:
+            self.rejected["ucx_accept_failed"] += 1
+            logger.warning("a UCX connection could not be accepted: %s", exc)
+            return
+        self._accepted.append(ep)
+
+    def pump(self) -> bool:
+        """Progress UCX and every connection without blocking, then arm the event file
+        descriptor; True when whole messages wait to be read."""
+        if self.closed:
+            return False
+        assert self.worker is not None
+        while True:
+            while self.worker.progress_once():
+                pass
+            self._advance()
+            if self.worker.arm():
+                break
+        return self.pending()
+
+    def pending(self) -> bool:
+        return self.more() or any(c.queue for c in self.conns)
+
+    def _advance(self) -> None:
+        while self._accepted:
+            ep = self._accepted.pop()
+            if len(self.conns) >= MAX_CONNECTIONS:
+                self.rejected["ucx_too_many_connections"] += 1
+                logger.warning("refused a UCX connection: %d are open (MAX_CONNECTIONS)", len(self.conns))
+                self._close(ep)
+                continue
+            conn = _Conn(ep)
+            self.conns.append(conn)
+            self._post(conn)
+        for conn in self.conns:
+            while not conn.dead and conn.req is not None and conn.req.completed:
+                self._step(conn)
+        if any(c.dead for c in self.conns):
+            self.conns = [c for c in self.conns if not c.dead or c.queue]
+
+    def _post(self, conn: _Conn) -> None:
+        try:
+            conn.req = conn.ep.stream_recv(_array(conn.buf))
+        except Exception as exc:
+            self._drop(conn, "ucx_recv_failed", f"a receive could not be posted: {exc}")
+
+    def _step(self, conn: _Conn) -> None:
+        """The receive in flight on ``conn`` completed: check what it brought, post the next."""
+        try:
+            conn.req.check_error()
+        except Exception as exc:  # the peer went away (or the connection was closed here)
+            self._drop(conn, None, f"closed: {exc}")
+            return
+        if conn.state == _Conn.PRE:
+            magic, n, total = PREAMBLE.unpack(conn.buf.tobytes())
+            if magic != MAGIC:
+                return self._drop(conn, "ucx_bad_preamble", "a message that does not start with shadow's preamble")
+            if not 1 <= n <= self.max_frames or not 0 < total <= n * self.limit:
+                return self._drop(conn, "ucx_bad_preamble", f"a message of {n} frames, {total} bytes")
+            conn.nframes, conn.total, conn.state = n, total, _Conn.SIZES
+            conn.buf = np.empty(n * SIZE.size, np.uint8)
+        elif conn.state == _Conn.SIZES:
+            conn.sizes = [s for (s,) in SIZE.iter_unpack(conn.buf.tobytes())]
+            if any(s > self.limit for s in conn.sizes) or sum(conn.sizes) != conn.total or conn.sizes[0] == 0:
+                return self._drop(
+                    conn, "ucx_bad_preamble", f"frame sizes {conn.sizes[:8]} do not add up or exceed {self.limit}"
+                )
+            conn.state = _Conn.BODY
+            conn.buf = np.empty(conn.total, np.uint8)
+        else:
+            body, frames, off = memoryview(conn.buf.data), [], 0
+            for s in conn.sizes:
+                frames.append(body[off : off + s])
+                off += s
+            conn.queue.append(frames)
+            if len(conn.queue) > self.rcvhwm:
+                return self._drop(
+                    conn, "ucx_overflow", f"more than {self.rcvhwm} messages queued (SHADOW_DATA_RCVHWM)", keep=False
+                )
+            conn.state = _Conn.PRE
+            conn.buf = np.empty(PREAMBLE.size, np.uint8)
+        self._post(conn)
+
+    def _drop(self, conn: _Conn, reason: str | None, why: str, keep: bool = True) -> None:
+        """Close ``conn``; what it queued whole is still read unless ``keep`` is False."""
+        if reason is not None:
+            self.rejected[reason] += 1
+            logger.warning("closed a UCX data connection: %s", why)
+        else:
+            logger.debug("a UCX data connection %s", why)
+        conn.dead, conn.req = True, None
+        if not keep:
+            conn.queue.clear()
+        self._close(conn.ep)
+
+    def _close(self, ep: Any) -> None:
+        _close_endpoint(ep)
+
+    # -- frames ----------------------------------------------------------------------------------
+    def recv_first(self) -> bytes:
+        """The next message's first frame (its header); ``zmq.Again`` if none is queued. The
+        rest of the previous message, if unread, is dropped first."""
+        self._cur = None
+        live = self.conns
+        for i in range(len(live)):
+            conn = live[(self._turn + i) % len(live)]
+            if conn.queue:
+                self._turn = (self._turn + i + 1) % max(1, len(live))
+                self._cur, self._pos = conn.queue.popleft(), 1
+                return bytes(self._cur[0])
+        raise zmq.Again()
+
+    def more(self) -> bool:
+        return self._cur is not None and self._pos < len(self._cur)
+
+    def recv_next(self) -> memoryview:
+        """The current message's next frame, zero-copy (a view of its receive buffer)."""
+        assert self._cur is not None and self._pos < len(self._cur)
+        frame = self._cur[self._pos]
+        self._pos += 1
+        if self._pos == len(self._cur):
+            self._cur = None
+        return frame
+
+    def close(self) -> None:
+        """Close every connection and the listener; what was queued is dropped."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            conn.queue.clear()
+            _close_endpoint(conn.ep, blocking=True)
+        for ep in self._accepted:
+            _close_endpoint(ep, blocking=True)
+        self.conns, self._accepted, self._cur = [], [], None
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # let UCX carry the closes out before its worker goes
+            if not self.worker.progress_once():
+                break
+        # and let it go now, not at some later collection: its sockets close with it, so every
+        # sender still connected sees its connection fail
+        self.listener = self.worker = self.ctx = None
+        gc.collect()

@@ -1,0 +1,200 @@
+"""The UCX data path's own behaviour (the checks it shares with ZeroMQ run over both in
+test_transport_receive.py): what it refuses before any frame is read, a dead or vanished
+peer on either end, the per-worker choice of transport, and the settings around it."""
+
+from __future__ import annotations
+
+import collections
+import select
+import struct
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from shadow.config import ClusterConfig, TransportConfig, WorkerConfig
+from shadow.config_security import SecurityConfig
+from shadow.transport import ucx
+from shadow.transport.send import Channels
+
+pytestmark = pytest.mark.skipif(not ucx.available(), reason=f"UCX for Python is not installed: {ucx.INSTALL}")
+
+
+def pump_until(sock: ucx.UcxDataSocket, cond, what: str, timeout: float = 30) -> None:
+    """Progress ``sock`` as the worker's loop does until ``cond()``; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {timeout} s (rejected {dict(sock.rejected)})")
+        sock.pump()
+        select.select([sock.fd], [], [], 0.02)
+
+
+def read_all(sock: ucx.UcxDataSocket) -> list[list[bytes]]:
+    out = []
+    while True:
+        try:
+            first = sock.recv_first()
+        except zmq.Again:
+            return out
+        msg = [first]
+        while sock.more():
+            msg.append(bytes(sock.recv_next()))
+        out.append(msg)
+
+
+@pytest.fixture
+def sock():
+    s = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=4, rejected=collections.Counter())
+    yield s
+    s.close()
+
+
+def sender(sock: ucx.UcxDataSocket, hwm: int = 100) -> ucx.UcxDataSender:
+    return ucx.UcxDataSender([ucx.endpoint("127.0.0.1", sock.port)], hwm)
+
+
+def raw(out: ucx.UcxDataSender, data: bytes):
+    """Bytes on the connection as they are, bypassing the framing (what a stranger may send)."""
+    ch = out.chans[0]
+    assert ch is not None and ch.ep is not None
+    buf = np.frombuffer(data, dtype=np.uint8).copy()
+    return buf, ch.ep.stream_send(ucx._array(buf))
+
+
+def test_messages_arrive_whole_in_order_and_zero_copy_from_the_sender(sock):
+    out = sender(sock)
+    big = np.arange(200_000, dtype=np.float32)
+    trackers = [out.send(0, [b"h%d" % i, big.data, b"", b"tail"], True) for i in range(3)]
+    got: list = []
+    pump_until(sock, lambda: got.extend(read_all(sock)) or len(got) == 3, "three messages")
+    assert [m[0] for m in got] == [b"h0", b"h1", b"h2"]
+    for m in got:
+        assert np.array_equal(np.frombuffer(m[1], np.float32), big) and m[2:] == [b"", b"tail"]
+    deadline = time.monotonic() + 30
+    while not all(t.done for t in trackers) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert all(t.done for t in trackers)
+    out.close()
+
+
+@pytest.mark.parametrize(
+    "junk, what",
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", "not our preamble"),
+        (ucx.PREAMBLE.pack(ucx.MAGIC, 9, 10), "more frames than a sender makes"),
+        (ucx.PREAMBLE.pack(ucx.MAGIC, 1, (1 << 20) + 1), "a frame over the limit"),
+        (ucx.PREAMBLE.pack(ucx.MAGIC, 0, 0), "no frames"),
+        (ucx.PREAMBLE.pack(ucx.MAGIC, 2, 10) + struct.pack("<QQ", 4, 5), "sizes that do not add up"),
+    ],
+)
+def test_a_stream_that_is_not_ours_is_closed_and_counted_and_others_go_on(sock, junk, what):
+    stranger, honest = sender(sock), sender(sock)
+    keep = raw(stranger, junk)
+    pump_until(sock, lambda: sock.rejected["ucx_bad_preamble"] == 1, f"a refused stream ({what})")
+    honest.send(0, [b"header", b"part"], False)
+    got: list = []
+    pump_until(sock, lambda: got.extend(read_all(sock)) or got, "the honest sender's message")
+    assert got == [[b"header", b"part"]]
+    del keep
+    stranger.close()
+    honest.close()
+
+
+def test_a_connection_that_outruns_its_queue_is_closed(sock):
+    out = sender(sock)
+    for i in range(sock.rcvhwm + 1):  # never read: one more than the queue holds
+        out.send(0, [b"m%d" % i], False)
+    pump_until(sock, lambda: sock.rejected["ucx_overflow"] == 1, "the overflow")
+    assert not sock.pending()  # what it queued is dropped with it
+    out.close()
+
+
+def test_a_vanished_worker_never_blocks_the_sender():
+    s = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)
+    out = sender(s, hwm=2)
+    out.send(0, [b"first"], False)
+    pump_until(s, lambda: s.pending(), "the first message")
+    s.close()  # the worker's end goes away with nothing read
+    payload = np.ones(1 << 16, np.float32)
+    t0 = time.monotonic()
+    trackers = [out.send(0, [b"h", payload.data], True) for _ in range(20)]  # 10x the high-water mark
+    deadline = time.monotonic() + 60
+    while not all(t.done for t in trackers) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all(t.done for t in trackers), "sends to a closed worker still hold their buffers"
+    assert time.monotonic() - t0 < 60
+    ch = out.chans[0]
+    assert ch is not None and ch.broken is not None and ch.dropped > 0
+    out.close()
+
+
+def test_a_worker_back_at_a_new_endpoint_is_reached_after_open(sock):
+    gone = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)
+    out = sender(gone)
+    gone.close()
+    out.open(0, ucx.endpoint("127.0.0.1", sock.port))  # the coordinator's replica_in / a re-registration
+    out.send(0, [b"again"], False)
+    got: list = []
+    pump_until(sock, lambda: got.extend(read_all(sock)) or got, "a message on the new channel")
+    assert got == [[b"again"]]
+    out.close()
+
+
+def test_channels_take_each_worker_over_the_transport_its_endpoint_names(sock):
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    ch = Channels(ctx, [f"tcp://127.0.0.1:{port}", ucx.endpoint("127.0.0.1", sock.port)], hwm=10, curve=[False, False])
+    try:
+        ch.send(0, [b"to zmq"], False)
+        ch.send(1, [b"to ucx"], False)
+        assert pull.poll(30_000) and pull.recv_multipart() == [b"to zmq"]
+        got: list = []
+        pump_until(sock, lambda: got.extend(read_all(sock)) or got, "the UCX worker's message")
+        assert got == [[b"to ucx"]]
+        # a worker that comes back over the other transport
+        ch.open(1, f"tcp://127.0.0.1:{port}", False)
+        ch.send(1, [b"now zmq"], False)
+        assert pull.poll(30_000) and pull.recv_multipart() == [b"now zmq"]
+        with pytest.raises(ValueError, match="CURVE"):
+            ch.open(0, ucx.endpoint("127.0.0.1", sock.port), True)
+    finally:
+        ch.close()
+        pull.close(linger=0)
+
+
+def test_endpoints_are_parsed_strictly():
+    assert ucx.parse("ucx://10.0.0.5:4000") == ("10.0.0.5", 4000)
+    for bad in ("tcp://10.0.0.5:4000", "ucx://10.0.0.5", "ucx://:4000", "ucx://h:99999"):
+        with pytest.raises(ValueError, match="not a UCX data endpoint"):
+            ucx.parse(bad)
+
+
+def test_settings_name_the_transport_and_refuse_curve_over_ucx(tmp_path):
+    with pytest.raises(ValueError, match="transport.data='rdma' is not one of"):
+        TransportConfig(data="rdma")
+    key = tmp_path / "server.key_secret"
+    keyed = SecurityConfig(server_key=str(key), allow_workers=str(tmp_path), data="curve")
+    with pytest.raises(ValueError, match="cannot go with security.data=curve"):
+        ClusterConfig(transport=TransportConfig(data="ucx"), security=keyed)
+    with pytest.raises(ValueError, match="cannot go with security.data=curve"):
+        WorkerConfig(transport=TransportConfig(data="ucx"), security=keyed)
+    ClusterConfig(transport=TransportConfig(data="ucx"))  # in mac mode, or keyless: fine
+
+
+def test_a_missing_ucx_names_the_extra_to_install(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ucxx(name, *a, **kw):
+        if name.startswith("ucxx"):
+            raise ImportError("No module named 'ucxx'")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_ucxx)
+    with pytest.raises(Exception, match=r"shadow-checkpoint\[ucx\]"):
+        ucx.lib()
+    assert not ucx.available()
