@@ -41,8 +41,11 @@ data path could use (GMAC, Poly1305, HMAC-SHA256, keyed BLAKE2b, and keyed BLAKE
 ``blake3`` package is installed), and each side's CPU seconds and minor page faults per GB
 (all threads, zmq's I/O thread included); and a worker's files socket (a restore reading
 the node-local tier through a worker), in process, without keys, ``mac`` and ``curve``.
+It then measures the UCX data path (``transport.data=ucx``) against ZeroMQ per connection,
+both over TCP on loopback, the shadow's zero-copy path with checksums and with MACs
+(``transport_ucx``; skipped with ``--no-ucx`` or where UCX for Python is not installed).
 Goals: shadow >= 0.8x bare; keyed (mac) >= 0.8x plain, both zero-copy and on the files
-socket.
+socket; UCX >= 0.9x ZeroMQ on a 25 MB bucket.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import transport_ucx
 import zmq
 from benchlib import Goal, bars, machine_info, pyplot, save
 from transport_receiver import (
@@ -97,6 +101,18 @@ GOALS = [
     Goal("{transport} {shape}: keyed curve / no keys (zero-copy)", "rows.*.curve_vs_plain", None),
     Goal("files socket: keyed mac / no keys", "files.mac_vs_plain", 0.8, ">=", "x"),
     Goal("files socket: keyed curve / no keys", "files.curve_vs_plain", None),
+    Goal(
+        "ucx {shape}: UCX / ZeroMQ over tcp (zero-copy)",
+        "ucx.rows.*.ucx_vs_zmq",
+        0.9,
+        ">=",
+        "x",
+        where={"shape": "gpt-bucket"},
+    ),
+    Goal(
+        "ucx {shape}: UCX / ZeroMQ over tcp (zero-copy)", "ucx.rows.*.ucx_vs_zmq", None, where={"shape": "!gpt-bucket"}
+    ),
+    Goal("ucx {shape}: UCX mac / ZeroMQ mac over tcp", "ucx.rows.*.ucx_mac_vs_zmq_mac", None),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -363,6 +379,7 @@ def parser() -> argparse.ArgumentParser:
         "--seconds", type=float, default=0.0, help="target seconds per measurement (default 1.0, --quick 0.25)"
     )
     ap.add_argument("--transports", default="tcp,ipc")
+    ap.add_argument("--no-ucx", action="store_true", help="leave out the UCX data path's rows")
     ap.add_argument("--json", default="")
     return ap
 
@@ -459,6 +476,12 @@ def run(args) -> dict:
         ctx.term()
     files = files_socket(keydir, tmp, args.quick, max(rounds, 5))
     shutil.rmtree(tmp, ignore_errors=True)
+    ucx_shapes = {k: shapes[k] for k in ("gpt-bucket", "1MiB x1")}
+    ucx = (
+        {"available": False, "why": "--no-ucx", "rows": []}
+        if args.no_ucx
+        else transport_ucx.measure(ucx_shapes, rounds, target_s)
+    )
     elapsed = time.perf_counter() - started
 
     print(
@@ -529,6 +552,20 @@ def run(args) -> dict:
         f"| {files['plain_GBps']:.2f} | {files['mac_GBps']:.2f} | {files['mac_vs_plain']:.2f}x | "
         f"{files['curve_GBps']:.2f} | {files['curve_vs_plain']:.2f}x |"
     )
+    if ucx["rows"]:
+        print(
+            f"\nthe UCX data path (UCX {ucx['ucx_version']}, UCX_TLS={os.environ.get('UCX_TLS', 'all')}) against "
+            "ZeroMQ tcp, one connection each, shadow zero-copy path, GB/s"
+        )
+        print("| shape | zmq | ucx | ratio (goal >= 0.9x) | zmq mac | ucx mac | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for r in ucx["rows"]:
+            print(
+                f"| {r['shape']} | {r['zmq_plain_GBps']:.2f} | {r['ucx_plain_GBps']:.2f} | {r['ucx_vs_zmq']:.2f}x | "
+                f"{r['zmq_mac_GBps']:.2f} | {r['ucx_mac_GBps']:.2f} | {r['ucx_mac_vs_zmq_mac']:.2f}x |"
+            )
+    else:
+        print(f"\nthe UCX data path: not measured ({ucx['why']})")
     print(f"total {elapsed:.0f} s")
     return {
         "machine": info,
@@ -544,6 +581,7 @@ def run(args) -> dict:
         "rows": rows,
         "local_costs": costs,
         "files": files,
+        "ucx": ucx,
         "goal": "shadow >= 0.8x bare",
         "elapsed_s": elapsed,
     }

@@ -43,7 +43,7 @@ def capture_commits(monkeypatch) -> list:
     return seen
 
 
-CLUSTER_FIXTURES = ("cluster", "shared_cluster")
+CLUSTER_FIXTURES = ("cluster", "shared_cluster", "transport_cluster")
 
 
 def pytest_configure(config):
@@ -111,8 +111,8 @@ class SharedCluster:
     :class:`SharedClusterRestarted` warning naming that test (``-W
     error::tests.conftest.SharedClusterRestarted`` makes it an error)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, args: tuple[str, ...] = ()) -> None:
+        self.tmp, self.args = tmp, args
         self.cluster: LocalCluster | None = None
         self.last = ""  # the node id of the test that used it last
         self.released = 0.0  # wall time when that test ended
@@ -164,7 +164,7 @@ class SharedCluster:
             )
             self.stop()
         if self.cluster is None:
-            self.cluster = LocalCluster(self.tmp)
+            self.cluster = LocalCluster(self.tmp, args=self.args)
         self.last = test
         return self.cluster
 
@@ -194,6 +194,50 @@ def shared_cluster(_shared_clusters, request) -> Iterator[LocalCluster]:
     restarts a service, nor changes its settings (use ``cluster`` or a ``LocalCluster``)."""
     yield _shared_clusters.get(request.node.nodeid)
     _shared_clusters.released = time.time()
+
+
+def _ucx_available() -> bool:
+    from shadow.transport import ucx
+
+    return ucx.available()
+
+
+#: the data paths a test parametrised with ``transport`` runs over (UCX over TCP on loopback)
+TRANSPORTS = [
+    "zmq",
+    pytest.param(
+        "ucx",
+        marks=pytest.mark.skipif(
+            not _ucx_available(), reason="UCX for Python is not installed: pip install 'shadow-checkpoint[ucx]'"
+        ),
+    ),
+]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> tuple[str, ...]:
+    """The cluster arguments of each data path a test runs over: ``transport.data=zmq``, then
+    ``transport.data=ucx`` (``LocalCluster(..., args=transport)``)."""
+    return (f"transport.data={request.param}",)
+
+
+@pytest.fixture(scope="session")
+def _shared_ucx_clusters(tmp_path_factory):
+    shared = SharedCluster(tmp_path_factory.mktemp("shared-ucx-cluster"), args=("transport.data=ucx",))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport_cluster(request) -> Iterator[LocalCluster]:
+    """The shared cluster (see ``shared_cluster``) of each data path in turn: ZeroMQ's, then
+    one streaming over UCX (TCP on loopback), shared the same way by the tests that use it."""
+    name = "_shared_clusters" if request.param == "zmq" else "_shared_ucx_clusters"
+    shared = request.getfixturevalue(name)
+    yield shared.get(request.node.nodeid)
+    shared.released = time.time()
 
 
 _JOB_NUMBERS = itertools.count(1)

@@ -25,9 +25,13 @@ a trainer's credit keeps a real one far below it). Every frame then goes through
 UCX carries no CURVE: a keyed cluster streams over UCX in ``mac`` mode only.
 
 A dead peer ends its connection with an error (UCX's peer error handling is on): the
-trainer's sends to it complete and free their buffers, later messages to that worker are
-dropped while it reconnects (at most once a second), and the worker's gap check makes the
-replica stale until the coordinator resyncs it, as when a ZeroMQ connection drops.
+trainer's sends to it complete and free their buffers, and later messages to that worker
+are dropped until the channel is opened again (:meth:`UcxDataSender.open`: a resync's new
+sender, or a ``replica_in``); the coordinator finds the messages missing and resyncs, as
+when a ZeroMQ connection drops. The trainer does not reconnect on its own: a worker that
+comes back listens on a new port, which only the coordinator knows. No UCX callback runs
+Python on UCX's progress thread: it would wait for the GIL while holding the UCX worker's
+lock, which a send on the sender thread waits for.
 
 Settings: UCX's own environment (``UCX_TLS``, ``UCX_NET_DEVICES``, ...) applies as
 documented by UCX; the TCP transport's segment size defaults to 1 MiB here
@@ -42,7 +46,6 @@ import gc
 import logging
 import os
 import struct
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -64,8 +67,6 @@ SIZE = struct.Struct("<Q")
 DEFAULTS = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 #: connections a worker holds at once (a trainer rank has one); more are closed at once
 MAX_CONNECTIONS = 4096
-#: how often a trainer tries again to reach a worker whose connection failed
-RECONNECT_S = 1.0
 
 INSTALL = "pip install 'shadow-checkpoint[ucx]' (UCX for Python, ucxx)"
 
@@ -173,7 +174,6 @@ class _Channel:
         self.ep: Any = None
         self.out: collections.deque[_Sent] = collections.deque()
         self.broken: str | None = None
-        self.retry_at = 0.0
         self.dropped = 0
 
 
@@ -196,7 +196,6 @@ class UcxDataSender:
         self.worker = self.L.UCXWorker(self.ctx)
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
-        self._lock = threading.Lock()  # close callbacks run on UCX's progress thread
         try:
             for w, ep in enumerate(endpoints):
                 if ep:
@@ -211,10 +210,16 @@ class UcxDataSender:
         if ch is None:
             raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
         self._reap(ch)
+        self._check_alive(ch)
         while len(ch.out) >= self.hwm and ch.broken is None:
             time.sleep(0.0002)
             self._reap(ch)
-        if ch.broken is not None and not self._reconnect(worker, ch):
+            self._check_alive(ch)
+        if ch.broken is not None:  # until open() gives this worker a channel again (a resync, a replica_in)
+            if not ch.dropped:
+                logger.warning(
+                    "shadow worker %d: %s; its messages are dropped until it is reached again", worker, ch.broken
+                )
             ch.dropped += 1
             return _DROPPED if track else None
         bufs = [_as_bytes(f) if track else np.frombuffer(bytes(f), dtype=np.uint8) for f in frames]
@@ -253,29 +258,20 @@ class UcxDataSender:
     # -- connections -----------------------------------------------------------------------------
     def _connect(self, worker: int, ch: _Channel) -> None:
         host, port = parse(ch.endpoint)
-        ch.broken, ch.retry_at = None, time.monotonic() + RECONNECT_S
+        ch.broken = None
         try:
             ep = self.L.UCXEndpoint.create(self.worker, host, port, True)
         except Exception as exc:  # UCX refuses the address at once (most failures come later, as errors)
             ch.broken = f"cannot connect to {ch.endpoint}: {exc}"
             logger.warning("shadow worker %d: %s", worker, ch.broken)
             return
-        ep.set_close_callback(self._on_closed, cb_args=(ch, ep))
+        # no close callback: UCX would call it on its progress thread, which then waits for the GIL
+        # while holding the worker's lock, and a send on this thread waits for that lock
         ch.ep = ep
 
-    def _on_closed(self, ch: _Channel, ep: Any, *args: Any) -> None:
-        with self._lock:
-            if ch.ep is ep and ch.broken is None:
-                ch.broken = f"the UCX connection to {ch.endpoint} closed"
-
-    def _reconnect(self, worker: int, ch: _Channel) -> bool:
-        """Try again to reach a worker whose connection failed, at most every RECONNECT_S."""
-        if time.monotonic() < ch.retry_at:
-            return False
-        logger.warning("shadow worker %d: %s; connecting again", worker, ch.broken)
-        self._close_ep(ch)
-        self._connect(worker, ch)
-        return ch.broken is None
+    def _check_alive(self, ch: _Channel) -> None:
+        if ch.broken is None and (ch.ep is None or not ch.ep.alive):
+            ch.broken = f"the UCX connection to {ch.endpoint} closed"
 
     def _reap(self, ch: _Channel) -> None:
         while ch.out and ch.out[0].done:
@@ -291,10 +287,6 @@ class UcxDataSender:
     def _close_ep(self, ch: _Channel) -> None:
         ep, ch.ep = ch.ep, None
         if ep is not None:
-            try:
-                ep.remove_close_callback()
-            except Exception:
-                logger.debug("a UCX endpoint's close callback", exc_info=True)
             _close_endpoint(ep)
         # whatever was in flight is cancelled: wait until UCX has let go of its buffers
         deadline = time.monotonic() + 5.0

@@ -64,6 +64,7 @@ class DataPath:
     def open(self) -> str:
         """Bind a fresh data channel; returns the endpoint trainers stream to."""
         tuning = self.state.tuning
+        source: FrameSource
         if self.transport == "ucx":
             from shadow.transport import ucx
 

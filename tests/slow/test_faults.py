@@ -28,8 +28,8 @@ def _assert_restores(cluster, model, it: int) -> None:
         assert torch.equal(a, b)
 
 
-def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
-    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
+def test_killed_worker_is_restarted_and_resynced(world1, tmp_path, transport):
+    cluster = LocalCluster(tmp_path, args=transport, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)
@@ -57,14 +57,14 @@ def test_killed_worker_is_restarted_and_resynced(world1, tmp_path):
         cluster.stop()
 
 
-def test_two_ranks_keep_training_through_a_worker_crash(world1, tmp_path):
+def test_two_ranks_keep_training_through_a_worker_crash(world1, tmp_path, transport):
     from shadow.testing import assert_same_state
     from tests.conftest import rank_logs, run_ranks
 
     steps = 40
     ref = tmp_path / "ref"
     assert run_ranks(tmp_path, "--out", str(ref), "--steps", str(steps)) == [0, 0], rank_logs(tmp_path)
-    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "1.5"})
+    cluster = LocalCluster(tmp_path, args=transport, env={"SHADOW_WORKER_LOST_S": "1.5"})
     try:
         out = tmp_path / "out"
         assert run_ranks(
@@ -97,11 +97,11 @@ def test_two_ranks_keep_training_through_a_worker_crash(world1, tmp_path):
         cluster.stop()
 
 
-def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path):
+def test_frozen_worker_blocks_training_briefly_then_heals(world1, tmp_path, transport):
     """SIGSTOP a worker (policy block): the trainer waits at most until the coordinator
     declares the worker lost (the wait is measured), then trains on degraded; after SIGCONT
     the cluster resyncs and the final restore is exact."""
-    cluster = LocalCluster(tmp_path, env={"SHADOW_WORKER_LOST_S": "2.0"})
+    cluster = LocalCluster(tmp_path, args=transport, env={"SHADOW_WORKER_LOST_S": "2.0"})
     try:
         model, opt, sched = build()
         ddp = DDP(model)

@@ -27,10 +27,19 @@ def reference(tmp_path_factory):
     return [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def test_attached_run_matches_plain_run_and_restores_exactly(shared_cluster, job, reference, tmp_path):
+def test_attached_run_matches_plain_run_and_restores_exactly(transport_cluster, job, reference, tmp_path):
     out = tmp_path / "out"
     assert run_ranks(
-        tmp_path, "--coordinator", shared_cluster.address, "--out", str(out), "--steps", str(STEPS), *CLIP, "--job", job
+        tmp_path,
+        "--coordinator",
+        transport_cluster.address,
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        *CLIP,
+        "--job",
+        job,
     ) == [
         0,
         0,
@@ -41,7 +50,7 @@ def test_attached_run_matches_plain_run_and_restores_exactly(shared_cluster, job
         assert_same_state(trained[r], reference[r])
         assert trained[r]["losses"] == reference[r]["losses"]
         assert trained[r]["committed"] == STEPS
-    st = shared_cluster.status()
+    st = transport_cluster.status()
     assert (
         st["job"]["name"] == job and st["job"]["committed"] == STEPS and all(w["health"] == "ok" for w in st["workers"])
     )
@@ -51,7 +60,7 @@ def test_attached_run_matches_plain_run_and_restores_exactly(shared_cluster, job
     import trainer_hooks
 
     model, opt, sched = build(seed=99)
-    info = trainer_hooks.restore(model, opt, source=shared_cluster.address, scheduler=sched, job=job, rank=1)
+    info = trainer_hooks.restore(model, opt, source=transport_cluster.address, scheduler=sched, job=job, rank=1)
     assert info.iteration == STEPS and info.extra_state == {"it": STEPS} and info.tier == "memory"
     assert_same_state(
         {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, trained[0]
@@ -66,7 +75,7 @@ def test_attached_run_matches_plain_run_and_restores_exactly(shared_cluster, job
             "-m",
             "shadow",
             "restore",
-            f"source={shared_cluster.address}",
+            f"source={transport_cluster.address}",
             f"job={job}",
             f"out={ckpt}",
             "format=torch",
@@ -135,13 +144,13 @@ def test_sigkill_restore_resume_is_bit_identical(shared_cluster, job, reference,
         assert torch.equal(resumed["rng"], reference[r]["rng"])
 
 
-def test_trainer_dying_mid_send_leaves_previous_iteration(shared_cluster, job, reference, tmp_path):
+def test_trainer_dying_mid_send_leaves_previous_iteration(transport_cluster, job, reference, tmp_path):
     k = 6
     # iteration 6 sends one message normally, then the rest (commit included) only to worker 0, then dies
     codes = run_ranks(
         tmp_path,
         "--coordinator",
-        shared_cluster.address,
+        transport_cluster.address,
         "--out",
         str(tmp_path / "dead"),
         "--steps",
@@ -152,11 +161,11 @@ def test_trainer_dying_mid_send_leaves_previous_iteration(shared_cluster, job, r
         env={"SHADOW_FAULT_DIE_AT": f"{k}:1"},
     )
     assert 137 in codes, rank_logs(tmp_path)
-    st = shared_cluster.wait_status(
+    st = transport_cluster.wait_status(
         lambda st: (
             st["workers"][0]["prepared"] == k
             and all(w["applied"] == k - 1 for w in st["workers"])
-            and shared_cluster.heard_after_cut(st)
+            and transport_cluster.heard_after_cut(st)
         ),
         what=f"worker 0 holding all of {k}",
     )
@@ -169,7 +178,7 @@ def test_trainer_dying_mid_send_leaves_previous_iteration(shared_cluster, job, r
         "--mode",
         "resume",
         "--coordinator",
-        shared_cluster.address,
+        transport_cluster.address,
         "--out",
         str(out),
         "--steps",

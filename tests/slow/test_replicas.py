@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import LocalCluster
+from tests.conftest import TRANSPORTS
 from tests.helpers.keys import role_keys
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
@@ -44,11 +45,16 @@ def _kill_and_heal(cluster, session, ddp, opt, sched, it: int, victim_id: int, s
     return it
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["insecure", "mac"])
-def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed, monkeypatch):
+@pytest.mark.parametrize(
+    "keyed, data",
+    [(False, "zmq"), (True, "zmq"), pytest.param(True, "ucx", marks=TRANSPORTS[1].marks)],
+    ids=["insecure", "mac", "mac-ucx"],
+)
+def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed, data, monkeypatch):
     """Keyed (security.data=mac), the replacement copies from its peer's serve socket in clear
     with a ticket the coordinator handed it, the reply under the ticket's MAC; without keys
-    (``security.insecure=true``) under checksums."""
+    (``security.insecure=true``) under checksums. ``mac-ucx``: the trainers stream to the
+    replicas over UCX, every frame under its rank's MAC, and reach the replacement there."""
     ckpt = tmp_path / "ckpt"
     keys = role_keys(tmp_path / "keys") if keyed else None
     if not keyed:
@@ -60,6 +66,7 @@ def test_lost_replica_is_recopied_from_its_peer(world1, tmp_path, keyed, monkeyp
             "replicas=2",
             f"persist.local.dir={ckpt}",
             "persist.local.every_n=4",
+            f"transport.data={data}",
             *((*keys["args"], "security.data=mac") if keys else ("security.insecure=true",)),
         ),
         env={"SHADOW_WORKER_LOST_S": "1.5"},
