@@ -53,6 +53,13 @@ from shadow.testing import LocalCluster, status
 from shadow.tuning import Tuning
 
 TUNING = Tuning.load()  # the knobs, as the services would read them here
+#: what every trial's cluster is started with beyond its scenario's own (``--transport``)
+CLUSTER_ARGS: list[str] = []
+
+
+def cluster(tmp: Path, args: tuple[str, ...] = (), **kw) -> LocalCluster:
+    """A trial's cluster: its scenario's arguments after :data:`CLUSTER_ARGS`."""
+    return LocalCluster(tmp, args=(*CLUSTER_ARGS, *args), **kw)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +76,7 @@ def scenario(fn: Callable[[Trial], dict]) -> Callable[[Trial], dict]:
 def trainer_kill(t: Trial) -> dict:
     """SIGKILL both ranks right after iteration k (and a short sleep); resume to the end."""
     k = t.rng.randint(2, t.steps - 1)
-    with LocalCluster(t.tmp) as c:
+    with cluster(t.tmp) as c:
         codes = t.run("train", "--kill-at", str(k), "--kill-at-once", "--step-sleep", "0.05", coordinator=c)
         done = min(t.info("train", r).get("completed", 0) for r in range(RANKS))
         if codes != [-9] * RANKS:
@@ -86,7 +93,7 @@ def trainer_kill_mid_iteration(t: Trial) -> dict:
     """SHADOW_FAULT_DIE_AT=k:n: iteration k sends n data messages, the rest to worker 0 only,
     then the ranks die; the cluster must hold exactly k-1."""
     k, n = t.rng.randint(2, t.steps - 2), t.rng.randint(0, 3)
-    with LocalCluster(t.tmp) as c:
+    with cluster(t.tmp) as c:
         codes = t.run("train", "--step-sleep", "0.05", coordinator=c, env={"SHADOW_FAULT_DIE_AT": f"{k}:{n}"})
         local = min(t.info("train", r).get("completed", 0) for r in range(RANKS))
         if 137 not in codes:
@@ -116,7 +123,7 @@ def trainer_kill_bootstrap(t: Trial) -> dict:
     # about half the trials die at once after the handshake, the others up to 10 ms later (the
     # tiny model's bootstrap commits 2-5 ms after the handshake, so some land just after it)
     delay = t.rng.choice([0.0, round(t.rng.uniform(0.1, 10.0), 1)])
-    with LocalCluster(t.tmp) as c:
+    with cluster(t.tmp) as c:
         codes = t.run("train", "--kill-at", str(j), "--kill-at-once", "--step-sleep", "0.05", coordinator=c)
         if codes != [-9] * RANKS:
             return result(False, True, None, None, f"kill at {j}: training exited {codes}: {t.error('train')}")
@@ -150,7 +157,7 @@ def worker_kill(t: Trial) -> dict:
     cluster restart and resync the worker, and the final restore be exact."""
     k = t.rng.randint(3, 6)
     sleep = max(0.1, 6.0 / (t.steps - k))  # time after the kill for the restart (1-4 s) + resync
-    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
+    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
         codes = t.run("train", "--kill-worker-at", str(k), "--step-sleep", f"{sleep:.3f}", coordinator=c)
         t_kill = t.info("train").get("worker_killed_t")
         det, what = w.detection(t_kill)
@@ -161,7 +168,7 @@ def _stop_worker(t: Trial, policy: str) -> dict:
     """SIGSTOP worker 0 once the cut reaches a seeded iteration, SIGCONT a few seconds later."""
     stop_at, stop_s = t.rng.randint(3, 6), round(t.rng.uniform(2.5, 3.5), 2)
     sleep = max(0.1, (stop_s + 4.0) / (t.steps - stop_at))
-    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
+    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c, Watch(c.address) as w:
         procs = t.start("train", "--step-sleep", f"{sleep:.3f}", "--policy", policy, coordinator=c)
         victim, t_stop = None, None
         try:
@@ -208,7 +215,7 @@ def worker_stop_skip(t: Trial) -> dict:
 def _restart_coordinator(t: Trial, outage_s: float, env: dict | None, k: int, step_s: float) -> dict:
     """SIGKILL the coordinator once the cut reaches iteration ``k``, start a new one on the
     same port ``outage_s`` later."""
-    with LocalCluster(t.tmp) as c:
+    with cluster(t.tmp) as c:
         procs = t.start("train", "--step-sleep", f"{step_s}", coordinator=c, env=env)
         new = None
         try:
@@ -281,7 +288,7 @@ def cluster_loss(t: Trial) -> dict:
     # loaded cores: processes, kernels from the cache, registration) and the resync (the
     # coordinator's ask, the vote, the bootstrap) for the end to be checkpointed
     step_s = max(0.3, (outage_s + 8.0) / (t.steps - k))
-    with LocalCluster(t.tmp) as c:
+    with cluster(t.tmp) as c:
         procs = t.start("train", "--step-sleep", f"{step_s:.3f}", coordinator=c, env=env)
         back = None
         try:
@@ -322,7 +329,7 @@ def network_faults(t: Trial) -> dict:
     five iterations): every fault is caught, the damaged replica resyncs, nothing is wrong."""
     spec = ",".join(f"{k}=0.02" for k in ("drop", "dup", "reorder", "truncate", "bitflip"))
     spec += f",seed={t.rng.randint(0, 1 << 20)},until={t.steps - 5}"
-    with LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c:
+    with cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}) as c:
         codes = t.run("train", "--step-sleep", "0.1", coordinator=c, env={"SHADOW_FAULT_NET": spec})
         logs = "".join((t.tmp / f"train-rank{r}.log").read_text(errors="replace") for r in range(RANKS))
         injected = logs.count("fault injection: ")
@@ -340,7 +347,7 @@ def replica_kill(t: Trial) -> dict:
     k = t.rng.randint(3, 6)
     sleep = max(0.1, 6.0 / (t.steps - k))
     with (
-        LocalCluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}, workers=4, args=("replicas=2",)) as c,
+        cluster(t.tmp, env={"SHADOW_WORKER_LOST_S": LOST_S}, workers=4, args=("replicas=2",)) as c,
         Watch(c.address) as w,
     ):
         codes = t.run("train", "--kill-worker-at", str(k), "--step-sleep", f"{sleep:.3f}", coordinator=c)
@@ -391,6 +398,7 @@ def main(
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default="", help="write every trial and the summary here")
     ap.add_argument("--workdir", default="", help="logs and states of every trial (default: a new temp dir)")
+    ap.add_argument("--transport", choices=("zmq", "ucx"), default="zmq", help="the data path (transport.data)")
     ap.add_argument(
         "--strict",
         action="store_true",
@@ -398,6 +406,7 @@ def main(
         help="exit 1 if any restore was not exact or lost more iterations than allowed",
     )
     args = ap.parse_args(argv)
+    CLUSTER_ARGS[:] = [f"transport.data={args.transport}"]
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

@@ -1,6 +1,6 @@
 """Smoke test of the fault-matrix runner: a trainer killed after an iteration and inside a
 re-attach bootstrap, a worker kill, and a coordinator away longer than the ranks wait for
-it: all exact, nothing lost."""
+it: all exact, nothing lost; over each data path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(300)
-def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
+def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path, transport):
     out = tmp_path / "matrix.json"
     res = subprocess.run(
         [
@@ -32,6 +32,8 @@ def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
             str(out),
             "--workdir",
             str(tmp_path / "work"),
+            "--transport",
+            transport[0].removeprefix("transport.data="),
         ],
         capture_output=True,
         text=True,
