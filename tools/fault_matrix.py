@@ -61,6 +61,7 @@ def cluster(tmp: Path, args: tuple[str, ...] = (), **kw) -> LocalCluster:
     """A trial's cluster: its scenario's arguments after :data:`CLUSTER_ARGS`."""
     return LocalCluster(tmp, args=(*CLUSTER_ARGS, *args), **kw)
 
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCENARIOS: dict[str, Callable[[Trial], dict]] = {}
