@@ -480,7 +480,7 @@ def run(args) -> dict:
     ucx = (
         {"available": False, "why": "--no-ucx", "rows": []}
         if args.no_ucx
-        else transport_ucx.measure(ucx_shapes, rounds, target_s)
+        else transport_ucx.measure(ucx_shapes, max(rounds, 5) if not args.quick else rounds, target_s)
     )
     elapsed = time.perf_counter() - started
 
@@ -554,7 +554,7 @@ def run(args) -> dict:
     )
     if ucx["rows"]:
         print(
-            f"\nthe UCX data path (UCX {ucx['ucx_version']}, UCX_TLS={os.environ.get('UCX_TLS', 'all')}) against "
+            f"\nthe UCX data path (UCX {ucx['ucx_version']}, UCX_TLS={ucx['ucx_tls']}) against "
             "ZeroMQ tcp, one connection each, shadow zero-copy path, GB/s"
         )
         print("| shape | zmq | ucx | ratio (goal >= 0.9x) | zmq mac | ucx mac | ratio |")

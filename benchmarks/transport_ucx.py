@@ -2,7 +2,7 @@
 
 One trainer (this process) and one worker (a "spawn" process), each transport on its
 production classes: the trainer's ``ZmqDataSender`` (PUSH, tcp) and ``UcxDataSender``
-(UCX, error handling on, ``UCX_TLS`` as the environment says: TCP on a host without RDMA),
+(UCX, error handling on, ``UCX_TLS=tcp`` unless the environment sets it),
 the worker's PULL socket from ``SocketFactory`` and ``UcxDataSocket``, both read through
 the worker's own ``FrameReceiver`` (header, run table, each part checked where it lies:
 ``runs_kept``), with checksums (no keys) or GMACs (``security.data=mac``). Messages are
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import select
 import statistics
 import time
@@ -142,6 +143,8 @@ def measure(shapes: dict[str, list[int]], rounds: int, target_s: float) -> dict:
     """Per shape, GB/s of each transport x (no keys, mac), and UCX / ZeroMQ ratios."""
     if not ucx.available():
         return {"available": False, "why": f"UCX for Python is not installed: {ucx.INSTALL}", "rows": []}
+    # TCP against TCP unless told otherwise: on one host UCX would pick shared memory
+    os.environ.setdefault("UCX_TLS", "tcp")  # the receiver process inherits it
     data_key = tags.new_key()
     mpc = mp.get_context("spawn")
     rows = []
@@ -179,4 +182,5 @@ def measure(shapes: dict[str, list[int]], rounds: int, target_s: float) -> dict:
             f"zmq mac {row['zmq_mac_GBps']:.2f}  ucx mac {row['ucx_mac_GBps']:.2f} GB/s",
             flush=True,
         )
-    return {"available": True, "ucx_version": ".".join(map(str, ucx.lib().get_ucx_version())), "rows": rows}
+    version = ".".join(map(str, ucx.lib().get_ucx_version()))
+    return {"available": True, "ucx_version": version, "ucx_tls": os.environ["UCX_TLS"], "rows": rows}

@@ -115,6 +115,10 @@ def cmd_worker(cfg: WorkerConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "worker")
     cfg.security = secure(cfg.security, bind_and_advertise(cfg.host, cfg.coordinator)[0], f"worker {cfg.worker_id}")
     cfg.transport.check(cfg.security)
+    if cfg.transport.data == "ucx":
+        from shadow.transport import ucx
+
+        ucx.lib()  # not installed: say so now, not when the data channel opens
     worker = Worker(
         cfg.coordinator,
         host=cfg.host,

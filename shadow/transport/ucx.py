@@ -304,7 +304,7 @@ class UcxDataSender:
 class _Conn:
     """One accepted connection: its endpoint, the receive in flight and the state it is in."""
 
-    PRE, SIZES, BODY = range(3)
+    PRE, BODY = range(2)
 
     def __init__(self, ep: Any) -> None:
         self.ep = ep
@@ -313,7 +313,6 @@ class _Conn:
         self.req: Any = None
         self.nframes = 0
         self.total = 0
-        self.sizes: list[int] = []
         self.queue: collections.deque[list[memoryview]] = collections.deque()
         self.dead = False
 
@@ -413,19 +412,20 @@ class UcxDataSocket:
                 return self._drop(conn, "ucx_bad_preamble", "a message that does not start with shadow's preamble")
             if not 1 <= n <= self.max_frames or not 0 < total <= n * self.limit:
                 return self._drop(conn, "ucx_bad_preamble", f"a message of {n} frames, {total} bytes")
-            conn.nframes, conn.total, conn.state = n, total, _Conn.SIZES
-            conn.buf = np.empty(n * SIZE.size, np.uint8)
-        elif conn.state == _Conn.SIZES:
-            conn.sizes = [s for (s,) in SIZE.iter_unpack(conn.buf.tobytes())]
-            if any(s > self.limit for s in conn.sizes) or sum(conn.sizes) != conn.total or conn.sizes[0] == 0:
-                return self._drop(
-                    conn, "ucx_bad_preamble", f"frame sizes {conn.sizes[:8]} do not add up or exceed {self.limit}"
-                )
-            conn.state = _Conn.BODY
-            conn.buf = np.empty(conn.total, np.uint8)
+            try:  # the frame sizes, then the frames, in one receive
+                buf = np.empty(n * SIZE.size + total, np.uint8)
+            except MemoryError:
+                return self._drop(conn, "ucx_no_memory", f"no memory for a message of {total} bytes")
+            conn.nframes, conn.total, conn.state, conn.buf = n, total, _Conn.BODY, buf
         else:
-            body, frames, off = memoryview(conn.buf.data), [], 0
-            for s in conn.sizes:
+            table = conn.nframes * SIZE.size
+            sizes = [s for (s,) in SIZE.iter_unpack(conn.buf[:table].tobytes())]
+            if any(s > self.limit for s in sizes) or sum(sizes) != conn.total or sizes[0] == 0:
+                return self._drop(
+                    conn, "ucx_bad_preamble", f"frame sizes {sizes[:8]} do not add up or exceed {self.limit}"
+                )
+            body, frames, off = memoryview(conn.buf.data), [], table
+            for s in sizes:
                 frames.append(body[off : off + s])
                 off += s
             conn.queue.append(frames)

@@ -86,7 +86,8 @@ def test_messages_arrive_whole_in_order_and_zero_copy_from_the_sender(sock):
         (ucx.PREAMBLE.pack(ucx.MAGIC, 9, 10), "more frames than a sender makes"),
         (ucx.PREAMBLE.pack(ucx.MAGIC, 1, (1 << 20) + 1), "a frame over the limit"),
         (ucx.PREAMBLE.pack(ucx.MAGIC, 0, 0), "no frames"),
-        (ucx.PREAMBLE.pack(ucx.MAGIC, 2, 10) + struct.pack("<QQ", 4, 5), "sizes that do not add up"),
+        (ucx.PREAMBLE.pack(ucx.MAGIC, 2, 10) + struct.pack("<QQ", 4, 5) + bytes(10), "sizes that do not add up"),
+        (ucx.PREAMBLE.pack(ucx.MAGIC, 1, 10) + struct.pack("<Q", 10 << 20) + bytes(10), "a size over the limit"),
     ],
 )
 def test_a_stream_that_is_not_ours_is_closed_and_counted_and_others_go_on(sock, junk, what):
