@@ -147,16 +147,18 @@ def _close_endpoint(ep: Any, blocking: bool = False) -> None:
 # -- the trainer's end -------------------------------------------------------------------------
 class _Sent:
     """One message's send requests and the buffers they read: ``done`` once UCX reads none
-    of them any more (sent, or failed and given up)."""
+    of them any more: sent, failed, or their connection is gone (UCX may leave a request
+    on a failed connection incomplete; it reads nothing more from it, and the buffers stay
+    referenced here in any case)."""
 
-    __slots__ = ("reqs", "bufs")
+    __slots__ = ("reqs", "bufs", "ep")
 
-    def __init__(self, reqs: list, bufs: list) -> None:
-        self.reqs, self.bufs = reqs, bufs
+    def __init__(self, reqs: list, bufs: list, ep: Any) -> None:
+        self.reqs, self.bufs, self.ep = reqs, bufs, ep
 
     @property
     def done(self) -> bool:
-        return all(r.completed for r in self.reqs)
+        return all(r.completed for r in self.reqs) or not self.ep.alive
 
 
 class _Dropped:
@@ -210,11 +212,9 @@ class UcxDataSender:
         if ch is None:
             raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
         self._reap(ch)
-        self._check_alive(ch)
         while len(ch.out) >= self.hwm and ch.broken is None:
             time.sleep(0.0002)
             self._reap(ch)
-            self._check_alive(ch)
         if ch.broken is not None:  # until open() gives this worker a channel again (a resync, a replica_in)
             if not ch.dropped:
                 logger.warning(
@@ -229,7 +229,7 @@ class UcxDataSender:
         pre = np.frombuffer(bytes(head), dtype=np.uint8)
         reqs = [ch.ep.stream_send(_array(pre))]
         reqs += [ch.ep.stream_send(_array(b)) for b in bufs if b.nbytes]
-        sent = _Sent(reqs, [pre, *bufs])
+        sent = _Sent(reqs, [pre, *bufs], ch.ep)
         ch.out.append(sent)
         return sent if track else None
 
@@ -277,12 +277,15 @@ class UcxDataSender:
         while ch.out and ch.out[0].done:
             sent = ch.out.popleft()
             for r in sent.reqs:
+                if not r.completed:  # its connection is gone
+                    break
                 try:
                     r.check_error()
                 except Exception as exc:
                     if ch.broken is None:
                         ch.broken = f"a send to {ch.endpoint} failed: {exc}"
                     break
+        self._check_alive(ch)
 
     def _close_ep(self, ch: _Channel) -> None:
         ep, ch.ep = ch.ep, None
@@ -344,6 +347,7 @@ class UcxDataSocket:
         self.listener = self.L.UCXListener.create(self.worker, port, self._on_connect)
         self.port: int = self.listener.port
         self.fd: int = self.worker.epoll_file_descriptor
+        self._orphans: list[tuple[Any, np.ndarray]] = []  # receives of dropped connections UCX still holds
         self._cur: list[memoryview] | None = None  # the message being read
         self._pos = 0
         self._turn = 0
@@ -387,9 +391,18 @@ class UcxDataSocket:
             conn = _Conn(ep)
             self.conns.append(conn)
             self._post(conn)
+        if self._orphans:
+            self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]
         for conn in self.conns:
+            if not conn.dead and not conn.ep.alive and (conn.req is None or not conn.req.completed):
+                self._drop(conn, None, "closed by its peer")
+                continue
             while not conn.dead and conn.req is not None and conn.req.completed:
-                self._step(conn)
+                try:
+                    self._step(conn)
+                except Exception as exc:  # a bug meeting an input: that connection goes, the worker stays
+                    logger.exception("a UCX data connection could not be read")
+                    self._drop(conn, f"ucx_error_{type(exc).__name__}", f"{type(exc).__name__}: {exc}")
         if any(c.dead for c in self.conns):
             self.conns = [c for c in self.conns if not c.dead or c.queue]
 
@@ -444,6 +457,10 @@ class UcxDataSocket:
             logger.warning("closed a UCX data connection: %s", why)
         else:
             logger.debug("a UCX data connection %s", why)
+        if conn.req is not None and not conn.req.completed:
+            # UCX may not complete a receive whose connection failed: its buffer stays
+            # referenced until it does, or until this channel closes
+            self._orphans.append((conn.req, conn.buf))
         conn.dead, conn.req = True, None
         if not keep:
             conn.queue.clear()
@@ -489,6 +506,7 @@ class UcxDataSocket:
         for ep in self._accepted:
             _close_endpoint(ep, blocking=True)
         self.conns, self._accepted, self._cur = [], [], None
+        orphans, self._orphans = self._orphans, []
         deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:  # let UCX carry the closes out before its worker goes
             if not self.worker.progress_once():
@@ -497,3 +515,4 @@ class UcxDataSocket:
         # sender still connected sees its connection fail
         self.listener = self.worker = self.ctx = None
         gc.collect()
+        del orphans  # UCX's worker is gone: nothing writes into them any more

@@ -199,3 +199,82 @@ def test_a_missing_ucx_names_the_extra_to_install(monkeypatch):
     with pytest.raises(Exception, match=r"shadow-checkpoint\[ucx\]"):
         ucx.lib()
     assert not ucx.available()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_streams_from_strangers_never_stop_the_worker_s_channel(sock, seed):
+    """Random bytes, and random preambles with random tables after them, on several
+    connections at once: each is refused or its messages handed on whole as frames (never
+    more frames than the preamble said), and an honest sender beside them gets through."""
+    rng = np.random.default_rng(seed)
+    strangers, keep = [sender(sock) for _ in range(3)], []
+    for out in strangers:
+        for _ in range(4):
+            if rng.random() < 0.5:
+                junk = rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8).tobytes()
+            else:
+                n = int(rng.integers(0, 12))
+                sizes = [int(x) for x in rng.integers(0, 40, n)]
+                total = sum(sizes) + int(rng.integers(-2, 3)) * int(rng.random() < 0.3)
+                junk = ucx.PREAMBLE.pack(ucx.MAGIC, n, max(total, 0)) + b"".join(struct.pack("<Q", x) for x in sizes)
+                junk += bytes(max(total, 0))
+            keep.append(raw(out, junk))
+    honest = sender(sock)
+    honest.send(0, [b"honest", b"part"], False)
+    got: list = []
+
+    def honest_arrived() -> bool:
+        got.extend(read_all(sock))
+        return [b"honest", b"part"] in got
+
+    pump_until(sock, honest_arrived, "the honest sender's message among strangers")
+    assert all(1 <= len(m) <= 11 for m in got)
+    del keep
+    for out in [*strangers, honest]:
+        out.close()
+
+
+SENDER_SCRIPT = """
+import sys, time, numpy as np
+from shadow.transport import ucx
+out = ucx.UcxDataSender([sys.argv[1]], 100)
+big = np.ones(1 << 18, np.float32)
+for i in range(1_000_000):
+    out.send(0, [b"dying", big.data], False)
+    if i == 3:
+        print("sent", flush=True)
+    time.sleep(0.001)
+"""
+
+
+def test_a_trainer_killed_mid_stream_leaves_the_channel_serving_others():
+    import subprocess
+    import sys
+
+    sock = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=1_000_000)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER_SCRIPT, ucx.endpoint("127.0.0.1", sock.port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "sent"
+        pump_until(sock, lambda: len(sock.conns) == 1 and sock.pending(), "the dying sender's first messages")
+        proc.kill()
+        proc.wait(30)
+
+        def gone() -> bool:
+            read_all(sock)  # what arrived whole is read; the half message dies with its sender
+            return not sock.conns
+
+        pump_until(sock, gone, "the killed sender's connection closed")
+        out = sender(sock)
+        out.send(0, [b"after"], False)
+        got: list = []
+        pump_until(sock, lambda: got.extend(read_all(sock)) or got, "a message after the kill")
+        assert got == [[b"after"]]
+        out.close()
+    finally:
+        proc.kill()
+        sock.close()
