@@ -50,6 +50,18 @@ class DataSender(Protocol):
         ...
 
 
+def open_each(sender: DataSender, endpoints: Sequence[str]) -> None:
+    """Open ``sender``'s channel to every worker that has an endpoint (not ""); if one
+    fails, close every channel and raise."""
+    try:
+        for w, ep in enumerate(endpoints):
+            if ep:
+                sender.open(w, ep)
+    except BaseException:
+        sender.close()
+        raise
+
+
 class ZmqDataSender:
     """A PUSH socket per worker, each with the data path's send high-water mark. ``curve``:
     per worker, whether its data socket takes CURVE (this process's client keys, as every
@@ -63,13 +75,7 @@ class ZmqDataSender:
         self.factory, self.hwm = SocketFactory(ctx), hwm
         self.socks: list[zmq.Socket | None] = [None] * len(endpoints)
         self.curve = list(curve) if curve is not None else [True] * len(endpoints)
-        try:
-            for w, ep in enumerate(endpoints):
-                if ep:
-                    self.open(w, ep)
-        except BaseException:
-            self.close()
-            raise
+        open_each(self, endpoints)
 
     def send(self, worker: int, frames: Sequence, track: bool) -> Tracker | None:
         sock = self.socks[worker]

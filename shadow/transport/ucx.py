@@ -55,6 +55,7 @@ import numpy as np
 import zmq
 
 from shadow.errors import ShadowError
+from shadow.transport.send import open_each
 
 logger = logging.getLogger(__name__)
 
@@ -198,13 +199,7 @@ class UcxDataSender:
         self.worker = self.L.UCXWorker(self.ctx)
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
-        try:
-            for w, ep in enumerate(endpoints):
-                if ep:
-                    self.open(w, ep)
-        except BaseException:
-            self.close()
-            raise
+        open_each(self, endpoints)
 
     # -- DataSender ------------------------------------------------------------------------------
     def send(self, worker: int, frames: Sequence, track: bool) -> Any:
