@@ -85,12 +85,14 @@ def lib() -> Any:
 
 
 def available() -> bool:
-    """Whether UCX for Python can be imported here."""
+    """Whether UCX for Python is installed here (found, not loaded: loading it sets UCX's
+    environment and maps its libraries into this process)."""
+    import importlib.util
+
     try:
-        lib()
-    except ShadowError:
+        return importlib.util.find_spec("ucxx") is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def _array(buf) -> Any:

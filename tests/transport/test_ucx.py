@@ -198,6 +198,9 @@ def test_a_missing_ucx_names_the_extra_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ucxx)
     with pytest.raises(Exception, match=r"shadow-checkpoint\[ucx\]"):
         ucx.lib()
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert not ucx.available()
 
 
