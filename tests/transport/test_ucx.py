@@ -98,9 +98,9 @@ def test_a_stream_that_is_not_ours_is_closed_and_counted_and_others_go_on(sock, 
     got: list = []
     pump_until(sock, lambda: got.extend(read_all(sock)) or got, "the honest sender's message")
     assert got == [[b"header", b"part"]]
-    del keep
-    stranger.close()
+    stranger.close()  # first: UCX may still hold the raw bytes until its connection is closed
     honest.close()
+    del keep
 
 
 def test_a_connection_that_outruns_its_queue_is_closed(sock):
@@ -232,9 +232,9 @@ def test_random_streams_from_strangers_never_stop_the_worker_s_channel(sock, see
 
     pump_until(sock, honest_arrived, "the honest sender's message among strangers")
     assert all(1 <= len(m) <= 11 for m in got)
-    del keep
     for out in [*strangers, honest]:
-        out.close()
+        out.close()  # first: UCX may still hold the raw bytes until its connection is closed
+    del keep
 
 
 SENDER_SCRIPT = """
