@@ -205,8 +205,14 @@ class UcxDataSender:
         self.L = lib()
         self.hwm = max(1, hwm)
         self.ctx = _context(self.L)
-        self.worker = self.L.UCXWorker(self.ctx)
-        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=100)
+        # requests are handed to the progress thread, which submits them (delayed submission):
+        # calling into UCX from this thread while that one progresses the same worker is a race.
+        # It sleeps on UCX's event descriptor for at most 1 ms: waiting for events alone, or
+        # 100 ms at a time, stalled a fresh connection's stream for seconds (a connection to
+        # a restarted worker delivered 0 or 1 of 9 messages); 1 ms costs an idle thread ~1000
+        # wake-ups a second, and a polling thread would take a core
+        self.worker = self.L.UCXWorker(self.ctx, enable_delayed_submission=True)
+        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
         self._orphans: list[_Sent] = []  # sends of closed connections UCX has not let go of yet
         open_each(self, endpoints)
@@ -400,6 +406,7 @@ class UcxDataSocket:
                 continue
             conn = _Conn(ep)
             self.conns.append(conn)
+            logger.debug("accepted a UCX data connection (%d open)", len(self.conns))
             self._post(conn)
         if self._orphans:
             self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]
