@@ -42,7 +42,6 @@ unless the environment sets it.
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import os
 import struct
@@ -319,6 +318,20 @@ class UcxDataSender:
         ch.out.clear()
 
 
+#: UCX objects of closed data channels, kept so that their destructors never run
+_RETIRED: list = []
+
+
+def _retire(*objs: Any) -> None:
+    """Keep ``objs`` alive until the process ends, past interpreter shutdown too."""
+    import ctypes
+
+    for obj in objs:
+        if obj is not None:
+            _RETIRED.append(obj)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 # -- the worker's end --------------------------------------------------------------------------
 class _Conn:
     """One accepted connection: its endpoint, the receive in flight and the state it is in."""
@@ -528,8 +541,8 @@ class UcxDataSocket:
         while time.monotonic() < deadline:  # let UCX carry the closes out before its worker goes
             if not self.worker.progress_once():
                 break
-        # and let it go now, not at some later collection: its sockets close with it, so every
-        # sender still connected sees its connection fail
+        # the connections are closed (their peers have heard); UCX's listener, worker and
+        # context are kept for the life of the process, never destroyed: destroying them
+        # crashed a test process (UCX for Python, in the listener's or worker's destructor)
+        _retire(self.listener, self.worker, self.ctx, orphans)
         self.listener = self.worker = self.ctx = None
-        gc.collect()
-        del orphans  # UCX's worker is gone: nothing writes into them any more
