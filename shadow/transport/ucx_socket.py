@@ -1,0 +1,247 @@
+"""The worker's end of the UCX data path (``shadow.transport.ucx``): a listener whose
+connections are read message by message and handed, frame by frame, to the worker's
+:class:`~shadow.transport.receive.FrameReceiver`. The framing on the stream, the checks
+and the fault behaviour are described in ``shadow.transport.ucx``."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from shadow.transport.ucx import MAGIC, MAX_CONNECTIONS, PREAMBLE, SIZE, _array, _close_endpoint, _context, lib
+
+logger = logging.getLogger("shadow.transport.ucx")
+
+
+#: UCX objects of closed data channels, kept so that their destructors never run
+_RETIRED: list = []
+
+
+def _retire(*objs: Any) -> None:
+    """Keep ``objs`` alive until the process ends, past interpreter shutdown too."""
+    import ctypes
+
+    for obj in objs:
+        if obj is not None:
+            _RETIRED.append(obj)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+class _Conn:
+    """One accepted connection: its endpoint, the receive in flight and the state it is in."""
+
+    PRE, BODY = range(2)
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.state = _Conn.PRE
+        self.buf: np.ndarray = np.empty(PREAMBLE.size, np.uint8)
+        self.req: Any = None
+        self.nframes = 0
+        self.total = 0
+        self.queue: collections.deque[list[memoryview]] = collections.deque()
+        self.dead = False
+
+
+class UcxDataSocket:
+    """A worker's data channel over UCX: a listener on ``port`` (0: any free port) of every
+    interface, each accepted connection read message by message into fresh buffers, whole
+    messages queued per connection and handed out in turn, frame by frame, to a
+    :class:`~shadow.transport.receive.FrameReceiver` (:meth:`recv_first`, :meth:`more`,
+    :meth:`recv_next`; "nothing queued" is ``zmq.Again``, as on a ZeroMQ socket).
+
+    Progress is the caller's: :meth:`pump` (non-blocking) before and after waiting on
+    :attr:`fd` (UCX's event file descriptor, readable when there is work). ``limit``: the
+    largest frame taken; ``max_frames``: the most frames in a message; ``rcvhwm``: whole
+    messages queued per connection before that connection is closed; ``rejected``: where
+    refusals are counted by reason. Owned by one thread."""
+
+    def __init__(
+        self, limit: int, max_frames: int, rcvhwm: int, rejected: collections.Counter | None = None, port: int = 0
+    ) -> None:
+        self.L = lib()
+        self.limit, self.max_frames, self.rcvhwm = limit, max_frames, max(1, rcvhwm)
+        self.rejected = rejected if rejected is not None else collections.Counter()
+        self.ctx = _context(self.L)
+        self.worker = self.L.UCXWorker(self.ctx)
+        self.worker.init_blocking_progress_mode()
+        self.conns: list[_Conn] = []
+        self._accepted: list[Any] = []
+        self.listener = self.L.UCXListener.create(self.worker, port, self._on_connect)
+        self.port: int = self.listener.port
+        self.fd: int = self.worker.epoll_file_descriptor
+        self._orphans: list[tuple[Any, np.ndarray]] = []  # receives of dropped connections UCX still holds
+        self._cur: list[memoryview] | None = None  # the message being read
+        self._pos = 0
+        self._turn = 0
+        self.closed = False
+
+    # -- progress --------------------------------------------------------------------------------
+    def _on_connect(self, conn_request: Any, *args: Any) -> None:
+        try:
+            ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:
+            self.rejected["ucx_accept_failed"] += 1
+            logger.warning("a UCX connection could not be accepted: %s", exc)
+            return
+        self._accepted.append(ep)
+
+    def pump(self) -> bool:
+        """Progress UCX and every connection without blocking, then arm the event file
+        descriptor; True when whole messages wait to be read."""
+        if self.closed:
+            return False
+        assert self.worker is not None
+        while True:
+            while self.worker.progress_once():
+                pass
+            self._advance()
+            if self.worker.arm():
+                break
+        return self.pending()
+
+    def pending(self) -> bool:
+        return self.more() or any(c.queue for c in self.conns)
+
+    def _advance(self) -> None:
+        while self._accepted:
+            ep = self._accepted.pop()
+            if len(self.conns) >= MAX_CONNECTIONS:
+                self.rejected["ucx_too_many_connections"] += 1
+                logger.warning("refused a UCX connection: %d are open (MAX_CONNECTIONS)", len(self.conns))
+                self._close(ep)
+                continue
+            conn = _Conn(ep)
+            self.conns.append(conn)
+            logger.debug("accepted a UCX data connection (%d open)", len(self.conns))
+            self._post(conn)
+        if self._orphans:
+            self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]
+        for conn in self.conns:
+            if not conn.dead and not conn.ep.alive and (conn.req is None or not conn.req.completed):
+                self._drop(conn, None, "closed by its peer")
+                continue
+            while not conn.dead and conn.req is not None and conn.req.completed:
+                try:
+                    self._step(conn)
+                except Exception as exc:  # a bug meeting an input: that connection goes, the worker stays
+                    logger.exception("a UCX data connection could not be read")
+                    self._drop(conn, f"ucx_error_{type(exc).__name__}", f"{type(exc).__name__}: {exc}")
+        if any(c.dead for c in self.conns):
+            self.conns = [c for c in self.conns if not c.dead or c.queue]
+
+    def _post(self, conn: _Conn) -> None:
+        try:
+            conn.req = conn.ep.stream_recv(_array(conn.buf))
+        except Exception as exc:
+            self._drop(conn, "ucx_recv_failed", f"a receive could not be posted: {exc}")
+
+    def _step(self, conn: _Conn) -> None:
+        """The receive in flight on ``conn`` completed: check what it brought, post the next."""
+        try:
+            conn.req.check_error()
+        except Exception as exc:  # the peer went away (or the connection was closed here)
+            self._drop(conn, None, f"closed: {exc}")
+            return
+        if conn.state == _Conn.PRE:
+            magic, n, total = PREAMBLE.unpack(conn.buf.tobytes())
+            if magic != MAGIC:
+                return self._drop(conn, "ucx_bad_preamble", "a message that does not start with shadow's preamble")
+            if not 1 <= n <= self.max_frames or not 0 < total <= n * self.limit:
+                return self._drop(conn, "ucx_bad_preamble", f"a message of {n} frames, {total} bytes")
+            try:  # the frame sizes, then the frames, in one receive
+                buf = np.empty(n * SIZE.size + total, np.uint8)
+            except MemoryError:
+                return self._drop(conn, "ucx_no_memory", f"no memory for a message of {total} bytes")
+            conn.nframes, conn.total, conn.state, conn.buf = n, total, _Conn.BODY, buf
+        else:
+            table = conn.nframes * SIZE.size
+            sizes = [s for (s,) in SIZE.iter_unpack(conn.buf[:table].tobytes())]
+            if any(s > self.limit for s in sizes) or sum(sizes) != conn.total or sizes[0] == 0:
+                return self._drop(
+                    conn, "ucx_bad_preamble", f"frame sizes {sizes[:8]} do not add up or exceed {self.limit}"
+                )
+            body, frames, off = memoryview(conn.buf.data), [], table
+            for s in sizes:
+                frames.append(body[off : off + s])
+                off += s
+            conn.queue.append(frames)
+            if len(conn.queue) > self.rcvhwm:
+                return self._drop(
+                    conn, "ucx_overflow", f"more than {self.rcvhwm} messages queued (SHADOW_DATA_RCVHWM)", keep=False
+                )
+            conn.state = _Conn.PRE
+            conn.buf = np.empty(PREAMBLE.size, np.uint8)
+        self._post(conn)
+
+    def _drop(self, conn: _Conn, reason: str | None, why: str, keep: bool = True) -> None:
+        """Close ``conn``; what it queued whole is still read unless ``keep`` is False."""
+        if reason is not None:
+            self.rejected[reason] += 1
+            logger.warning("closed a UCX data connection: %s", why)
+        else:
+            logger.debug("a UCX data connection %s", why)
+        if conn.req is not None and not conn.req.completed:
+            # UCX may not complete a receive whose connection failed: its buffer stays
+            # referenced until it does, or until this channel closes
+            self._orphans.append((conn.req, conn.buf))
+        conn.dead, conn.req = True, None
+        if not keep:
+            conn.queue.clear()
+        self._close(conn.ep)
+
+    def _close(self, ep: Any) -> None:
+        _close_endpoint(ep)
+
+    # -- frames ----------------------------------------------------------------------------------
+    def recv_first(self) -> bytes:
+        """The next message's first frame (its header); ``zmq.Again`` if none is queued. The
+        rest of the previous message, if unread, is dropped first."""
+        self._cur = None
+        live = self.conns
+        for i in range(len(live)):
+            conn = live[(self._turn + i) % len(live)]
+            if conn.queue:
+                self._turn = (self._turn + i + 1) % max(1, len(live))
+                self._cur, self._pos = conn.queue.popleft(), 1
+                return bytes(self._cur[0])
+        raise zmq.Again()
+
+    def more(self) -> bool:
+        return self._cur is not None and self._pos < len(self._cur)
+
+    def recv_next(self) -> memoryview:
+        """The current message's next frame, zero-copy (a view of its receive buffer)."""
+        assert self._cur is not None and self._pos < len(self._cur)
+        frame = self._cur[self._pos]
+        self._pos += 1
+        if self._pos == len(self._cur):
+            self._cur = None
+        return frame
+
+    def close(self) -> None:
+        """Close every connection and the listener; what was queued is dropped."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            conn.queue.clear()
+            _close_endpoint(conn.ep, blocking=True)
+        for ep in self._accepted:
+            _close_endpoint(ep, blocking=True)
+        self.conns, self._accepted, self._cur = [], [], None
+        orphans, self._orphans = self._orphans, []
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # let UCX carry the closes out before its worker goes
+            if not self.worker.progress_once():
+                break
+        # the connections are closed (their peers have heard); UCX's listener, worker and
+        # context are kept for the life of the process, never destroyed: destroying them
+        # crashed a test process (UCX for Python, in the listener's or worker's destructor)
+        _retire(self.listener, self.worker, self.ctx, orphans)
+        self.listener = self.worker = self.ctx = None
