@@ -261,5 +261,8 @@ class FaultyDataSender:
             self.net.held.pop(worker, None)
         self.inner.drop(worker)
 
+    def poll(self) -> None:
+        self.inner.poll()
+
     def close(self) -> None:
         self.inner.close()

@@ -45,6 +45,12 @@ class DataSender(Protocol):
         """Close the channel to ``worker`` and drop what is queued on it."""
         ...
 
+    def poll(self) -> None:
+        """Move along, without waiting, what waits on this side (UCX: messages queued
+        until a new connection's worker is ready); the sender thread calls it between
+        messages, and any tracker's ``done`` does too."""
+        ...
+
     def close(self) -> None:
         """Close every channel, dropping what is queued."""
         ...
@@ -96,6 +102,9 @@ class ZmqDataSender:
         sock, self.socks[worker] = self.socks[worker], None
         if sock is not None:
             sock.close(linger=0)
+
+    def poll(self) -> None:
+        """Nothing waits here: ZeroMQ's I/O threads move every queued message."""
 
     def close(self) -> None:
         for w in range(len(self.socks)):
@@ -153,6 +162,10 @@ class Channels:
         self.zmq.drop(worker)
         if self.ucx is not None:
             self.ucx.drop(worker)
+
+    def poll(self) -> None:
+        if self.ucx is not None:
+            self.ucx.poll()
 
     def close(self) -> None:
         self.zmq.close()

@@ -4,10 +4,12 @@ and, in tests and on hosts without them, TCP. Needs the optional extra
 and the only control plane.
 
 One UCX connection per trainer rank and worker, opened to the worker's listener
-(``ucx://host:port``, advertised in its register like a ZeroMQ endpoint). Each carries an
-ordered stream of data messages, the same messages as over ZeroMQ (``shadow.wire.frames``:
-a header frame, then one part per run, tagged with checksums or, on a keyed cluster's
-``mac`` data path, MACs under the rank's key). On the stream a message is:
+(``ucx://host:port``, advertised in its register like a ZeroMQ endpoint). The worker opens
+each connection with :data:`READY`, and the trainer writes nothing to it before (see
+:class:`UcxDataSender`). Each connection then carries an ordered stream of data messages,
+the same messages as over ZeroMQ (``shadow.wire.frames``: a header frame, then one part per
+run, tagged with checksums or, on a keyed cluster's ``mac`` data path, MACs under the
+rank's key). On the stream a message is:
 
 * a preamble (:data:`PREAMBLE`: magic, frame count, total bytes) and the frames' sizes,
   8 bytes each, sent together from one small buffer;
@@ -66,6 +68,12 @@ SIZE = struct.Struct("<Q")
 DEFAULTS = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 #: connections a worker holds at once (a trainer rank has one); more are closed at once
 MAX_CONNECTIONS = 4096
+#: what a worker sends first on each connection it accepts; a trainer sends nothing before
+READY = b"SHUR"
+#: seconds a trainer waits for a new connection's READY before it connects again
+READY_TIMEOUT_S = 5.0
+#: connections a trainer makes to a worker before it gives up on it (until ``open()``)
+CONNECT_ATTEMPTS = 3
 
 INSTALL = "pip install 'shadow-checkpoint[ucx]' (UCX for Python, ucxx)"
 
@@ -145,20 +153,40 @@ def _close_endpoint(ep: Any, blocking: bool = False) -> None:
         logger.debug("closing a UCX endpoint", exc_info=True)
 
 
+#: UCX objects of closed data channels, kept so that their destructors never run
+_RETIRED: list = []
+
+
+def _retire(*objs: Any) -> None:
+    """Keep ``objs`` alive until the process ends, past interpreter shutdown too (a closed
+    worker's data channel: destroying its UCX listener or worker crashed the process)."""
+    import ctypes
+
+    for obj in objs:
+        if obj is not None:
+            _RETIRED.append(obj)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 # -- the trainer's end -------------------------------------------------------------------------
 class _Sent:
     """One message's send requests and the buffers they read: ``done`` once UCX reads none
     of them any more: sent, failed, or their connection is gone (UCX may leave a request
     on a failed connection incomplete; it reads nothing more from it, and the buffers stay
-    referenced here in any case)."""
+    referenced here in any case). A message waiting for its connection's READY has no
+    requests yet (``ep`` is None): it is done once it is given up (``owner`` is None)."""
 
-    __slots__ = ("reqs", "bufs", "ep")
+    __slots__ = ("reqs", "bufs", "ep", "owner")
 
-    def __init__(self, reqs: list, bufs: list, ep: Any) -> None:
-        self.reqs, self.bufs, self.ep = reqs, bufs, ep
+    def __init__(self, reqs: list, bufs: list, ep: Any, owner: UcxDataSender | None = None) -> None:
+        self.reqs, self.bufs, self.ep, self.owner = reqs, bufs, ep, owner
 
     @property
     def done(self) -> bool:
+        if self.ep is None and self.owner is not None:
+            self.owner._advance_connecting()  # may hand it to UCX
+        if self.ep is None:
+            return self.owner is None
         return self.finished or not self.ep.alive
 
     @property
@@ -182,9 +210,14 @@ class _Channel:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.ep: Any = None
-        self.out: collections.deque[_Sent] = collections.deque()
+        self.out: collections.deque[_Sent] = collections.deque()  # in order; unsent ones last
         self.broken: str | None = None
         self.dropped = 0
+        # the worker's READY on the current connection: its receive, since when, which attempt
+        self.ready = False
+        self.hello: _Sent | None = None
+        self.since = 0.0
+        self.attempts = 0
 
 
 class UcxDataSender:
@@ -192,7 +225,15 @@ class UcxDataSender:
     driven by UCX's progress thread (it sleeps on UCX's event file descriptor). ``hwm``:
     messages in flight per worker before :meth:`send` waits (as a ZeroMQ send blocks at its
     high-water mark); a connection that fails frees what it held at once. ``endpoints``:
-    ``ucx://host:port`` per worker, or "" for a worker not reached over UCX."""
+    ``ucx://host:port`` per worker, or "" for a worker not reached over UCX.
+
+    Nothing is written to a connection before the worker's READY arrives on it: messages
+    sent before wait here (up to ``hwm``) and go, in order, once it does. UCX over TCP lost
+    the stream of a connection written to while the worker's end was still being set up
+    (its first bytes arrived, the rest never did, with every send reported complete), and
+    a listener that is not a shadow worker never says READY. A connection that fails or
+    stays silent for :data:`READY_TIMEOUT_S` before READY is made again, up to
+    :data:`CONNECT_ATTEMPTS` times; then the channel is broken until :meth:`open`."""
 
     def __init__(self, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None) -> None:
         if curve is not None and any(c for c, ep in zip(curve, endpoints, strict=False) if ep):
@@ -205,13 +246,12 @@ class UcxDataSender:
         self.ctx = _context(self.L)
         # requests are handed to the progress thread, which submits them (delayed submission):
         # calling into UCX from this thread while that one progresses the same worker is a race.
-        # It sleeps on UCX's event descriptor for at most 1 ms: waiting for events alone, or
-        # 100 ms at a time, stalled a fresh connection's stream for seconds (a connection to
-        # a restarted worker delivered 0 or 1 of 9 messages); 1 ms costs an idle thread ~1000
-        # wake-ups a second, and a polling thread would take a core
+        # It sleeps on UCX's event descriptor for at most 1 ms: an idle thread wakes ~1000
+        # times a second, where a polling thread would take a core
         self.worker = self.L.UCXWorker(self.ctx, enable_delayed_submission=True)
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
+        self._connecting: dict[int, _Channel] = {}  # channels awaiting their worker's READY
         self._orphans: list[_Sent] = []  # sends of closed connections UCX has not let go of yet
         open_each(self, endpoints)
 
@@ -220,9 +260,11 @@ class UcxDataSender:
         ch = self.chans[worker] if 0 <= worker < len(self.chans) else None
         if ch is None:
             raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
+        self._advance_connecting()
         self._reap(ch)
         while len(ch.out) >= self.hwm and ch.broken is None:
             time.sleep(0.0002)
+            self._advance_connecting()
             self._reap(ch)
         if ch.broken is not None:  # until open() gives this worker a channel again (a resync, a replica_in)
             if not ch.dropped:
@@ -235,11 +277,10 @@ class UcxDataSender:
         head = bytearray(PREAMBLE.pack(MAGIC, len(bufs), sum(b.nbytes for b in bufs)))
         for b in bufs:
             head += SIZE.pack(b.nbytes)
-        pre = np.frombuffer(bytes(head), dtype=np.uint8)
-        reqs = [ch.ep.stream_send(_array(pre))]
-        reqs += [ch.ep.stream_send(_array(b)) for b in bufs if b.nbytes]
-        sent = _Sent(reqs, [pre, *bufs], ch.ep)
+        sent = _Sent([], [np.frombuffer(bytes(head), dtype=np.uint8), *bufs], None, self)
         ch.out.append(sent)
+        if ch.ready:
+            self._submit(ch, sent)
         return sent if track else None
 
     def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
@@ -253,8 +294,13 @@ class UcxDataSender:
 
     def drop(self, worker: int) -> None:
         ch, self.chans[worker] = self.chans[worker], None
+        self._connecting.pop(worker, None)
         if ch is not None:
             self._close_ep(ch)
+            self._give_up_unsent(ch)
+
+    def poll(self) -> None:
+        self._advance_connecting()
 
     def close(self) -> None:
         for w in range(len(self.chans)):
@@ -274,26 +320,88 @@ class UcxDataSender:
 
     # -- connections -----------------------------------------------------------------------------
     def _connect(self, worker: int, ch: _Channel) -> None:
+        """Make ``ch``'s next connection and post the receive of the worker's READY."""
         host, port = parse(ch.endpoint)
-        ch.broken = None
+        ch.broken, ch.ready, ch.attempts = None, False, ch.attempts + 1
         try:
             ep = self.L.UCXEndpoint.create(self.worker, host, port, True)
         except Exception as exc:  # UCX refuses the address at once (most failures come later, as errors)
-            ch.broken = f"cannot connect to {ch.endpoint}: {exc}"
-            logger.warning("shadow worker %d: %s", worker, ch.broken)
+            self._break(worker, ch, f"cannot connect to {ch.endpoint}: {exc}")
             return
         # no close callback: UCX would call it on its progress thread, which then waits for the GIL
         # while holding the worker's lock, and a send on this thread waits for that lock
         ch.ep = ep
+        buf = np.zeros(len(READY), np.uint8)
+        ch.hello = _Sent([ep.stream_recv(_array(buf))], [buf], ep)
+        ch.since = time.monotonic()
+        self._connecting[worker] = ch
 
-    def _check_alive(self, ch: _Channel) -> None:
-        if ch.broken is None and (ch.ep is None or not ch.ep.alive):
-            ch.broken = f"the UCX connection to {ch.endpoint} closed"
+    def _advance_connecting(self) -> None:
+        """Move every connection awaiting its READY along, without waiting."""
+        for worker, ch in list(self._connecting.items()):
+            self._check_ready(worker, ch)
+
+    def _check_ready(self, worker: int, ch: _Channel) -> None:
+        hello = ch.hello
+        assert hello is not None and ch.ep is not None
+        why = None
+        if hello.finished:
+            try:
+                hello.reqs[0].check_error()
+            except Exception as exc:
+                why = f"the connection failed before the worker answered ({exc})"
+            else:
+                if hello.bufs[0].tobytes() != READY:
+                    why = "the listener answered with something other than a shadow worker's READY"
+        elif not ch.ep.alive:
+            why = "the connection failed before the worker answered"
+        elif time.monotonic() - ch.since > READY_TIMEOUT_S:
+            why = f"no answer within {READY_TIMEOUT_S:g} s"
+        else:
+            return  # still waiting
+        del self._connecting[worker]
+        if why is None:
+            ch.ready, ch.hello, ch.attempts = True, None, 0
+            for sent in ch.out:
+                self._submit(ch, sent)
+            return
+        ep, ch.ep, ch.hello = ch.ep, None, None
+        _close_endpoint(ep)
+        if not hello.finished:
+            self._orphans.append(hello)
+        if ch.attempts >= CONNECT_ATTEMPTS:
+            self._break(worker, ch, f"no working UCX connection to {ch.endpoint} after {ch.attempts} attempts: {why}")
+            return
+        logger.info("shadow worker %d: connecting to %s again: %s", worker, ch.endpoint, why)
+        self._connect(worker, ch)
+
+    def _submit(self, ch: _Channel, sent: _Sent) -> None:
+        """Hand a message to UCX on ``ch``'s ready connection: the preamble and sizes, then
+        each frame from where it lies."""
+        reqs = [ch.ep.stream_send(_array(b)) for b in sent.bufs if b.nbytes]
+        sent.reqs, sent.ep, sent.owner = reqs, ch.ep, None
+
+    def _break(self, worker: int, ch: _Channel, why: str) -> None:
+        ch.broken = why
+        n = self._give_up_unsent(ch)
+        if n:  # the first of the messages dropped from now on is counted and logged here
+            ch.dropped += n
+            logger.warning("shadow worker %d: %s; its messages are dropped until it is reached again", worker, why)
+
+    @staticmethod
+    def _give_up_unsent(ch: _Channel) -> int:
+        """Messages still waiting for a READY are done (never handed to UCX); how many."""
+        unsent = [sent for sent in ch.out if sent.ep is None]
+        for sent in unsent:
+            sent.owner = None
+        if unsent:
+            ch.out = collections.deque(sent for sent in ch.out if sent.ep is not None)
+        return len(unsent)
 
     def _reap(self, ch: _Channel) -> None:
         if self._orphans:
             self._orphans = [sent for sent in self._orphans if not sent.finished]
-        while ch.out and ch.out[0].done:
+        while ch.out and ch.out[0].ep is not None and ch.out[0].done:
             sent = ch.out.popleft()
             if not sent.finished:  # its connection is gone; UCX may still hold the buffers
                 self._orphans.append(sent)
@@ -306,15 +414,18 @@ class UcxDataSender:
                     if ch.broken is None:
                         ch.broken = f"a send to {ch.endpoint} failed: {exc}"
                     break
-        self._check_alive(ch)
+        if ch.ready and ch.broken is None and not ch.ep.alive:
+            ch.broken = f"the UCX connection to {ch.endpoint} closed"
 
     def _close_ep(self, ch: _Channel) -> None:
         ep, ch.ep = ch.ep, None
         if ep is not None:
             _close_endpoint(ep)
         # whatever was in flight is cancelled; what UCX has not let go of is kept until it does
-        self._orphans.extend(sent for sent in ch.out if not sent.finished)
-        ch.out.clear()
+        held = [sent for sent in (*ch.out, ch.hello) if sent is not None and sent.ep is not None]
+        self._orphans.extend(sent for sent in held if not sent.finished)
+        ch.out = collections.deque(sent for sent in ch.out if sent.ep is None)
+        ch.hello, ch.ready = None, False
 
 
 from shadow.transport.ucx_socket import UcxDataSocket  # noqa: E402  (the worker's end; it imports this module)

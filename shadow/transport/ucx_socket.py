@@ -13,23 +13,20 @@ from typing import Any
 import numpy as np
 import zmq
 
-from shadow.transport.ucx import MAGIC, MAX_CONNECTIONS, PREAMBLE, SIZE, _array, _close_endpoint, _context, lib
+from shadow.transport.ucx import (
+    MAGIC,
+    MAX_CONNECTIONS,
+    PREAMBLE,
+    READY,
+    SIZE,
+    _array,
+    _close_endpoint,
+    _context,
+    _retire,
+    lib,
+)
 
 logger = logging.getLogger("shadow.transport.ucx")
-
-
-#: UCX objects of closed data channels, kept so that their destructors never run
-_RETIRED: list = []
-
-
-def _retire(*objs: Any) -> None:
-    """Keep ``objs`` alive until the process ends, past interpreter shutdown too."""
-    import ctypes
-
-    for obj in objs:
-        if obj is not None:
-            _RETIRED.append(obj)
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 class _Conn:
@@ -46,6 +43,7 @@ class _Conn:
         self.total = 0
         self.queue: collections.deque[list[memoryview]] = collections.deque()
         self.dead = False
+        self.ready: tuple[Any, np.ndarray] | None = None  # the READY sent, and its buffer
 
 
 class UcxDataSocket:
@@ -75,7 +73,7 @@ class UcxDataSocket:
         self.listener = self.L.UCXListener.create(self.worker, port, self._on_connect)
         self.port: int = self.listener.port
         self.fd: int = self.worker.epoll_file_descriptor
-        self._orphans: list[tuple[Any, np.ndarray]] = []  # receives of dropped connections UCX still holds
+        self._orphans: list[tuple[Any, np.ndarray]] = []  # receives and sends of dropped connections UCX still holds
         self._cur: list[memoryview] | None = None  # the message being read
         self._pos = 0
         self._turn = 0
@@ -120,6 +118,12 @@ class UcxDataSocket:
             self.conns.append(conn)
             logger.debug("accepted a UCX data connection (%d open)", len(self.conns))
             self._post(conn)
+            if not conn.dead:  # the trainer sends nothing before this
+                buf = np.frombuffer(READY, np.uint8).copy()
+                try:
+                    conn.ready = (conn.ep.stream_send(_array(buf)), buf)
+                except Exception as exc:
+                    self._drop(conn, "ucx_send_failed", f"READY could not be sent: {exc}")
         if self._orphans:
             self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]
         for conn in self.conns:
@@ -190,6 +194,8 @@ class UcxDataSocket:
             # UCX may not complete a receive whose connection failed: its buffer stays
             # referenced until it does, or until this channel closes
             self._orphans.append((conn.req, conn.buf))
+        if conn.ready is not None and not conn.ready[0].completed:
+            self._orphans.append(conn.ready)
         conn.dead, conn.req = True, None
         if not keep:
             conn.queue.clear()
@@ -232,6 +238,8 @@ class UcxDataSocket:
         for conn in self.conns:
             conn.queue.clear()
             _close_endpoint(conn.ep, blocking=True)
+            if conn.ready is not None and not conn.ready[0].completed:
+                self._orphans.append(conn.ready)
         for ep in self._accepted:
             _close_endpoint(ep, blocking=True)
         self.conns, self._accepted, self._cur = [], [], None

@@ -1,8 +1,8 @@
 """Smoke test of the fault-matrix runner: a trainer killed after an iteration and inside a
 re-attach bootstrap, a worker kill, and a coordinator away longer than the ranks wait for
-it: all exact, nothing lost. Over ZeroMQ only: over UCX its worker kill still fails in
-about one trial in four (a rank's stream to the restarted worker stalls; docs/ucx.md), so
-`tools/fault_matrix.py --transport ucx` is run by hand until that is fixed."""
+it: all exact, nothing lost. Over UCX, the trainer kills only: UCX over TCP still loses a
+fresh connection's stream in about one worker-kill trial in twenty, and a 16-step trial
+ends before the resync that follows completes (docs/ucx.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(300)
-def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
+def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path, transport):
+    data = transport[0].removeprefix("transport.data=")
+    scenarios = ["trainer_kill", "trainer_kill_bootstrap"]
+    if data == "zmq":
+        scenarios += ["worker_kill", "coordinator_outage"]
     out = tmp_path / "matrix.json"
     res = subprocess.run(
         [
@@ -29,11 +33,13 @@ def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
             "--steps",
             "16",
             "--scenarios",
-            "trainer_kill,trainer_kill_bootstrap,worker_kill,coordinator_outage",
+            ",".join(scenarios),
             "--json",
             str(out),
             "--workdir",
             str(tmp_path / "work"),
+            "--transport",
+            data,
         ],
         capture_output=True,
         text=True,
@@ -43,9 +49,10 @@ def test_fault_matrix_trainer_and_worker_kill_are_exact(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(out.read_text())
-    for name in ("trainer_kill", "trainer_kill_bootstrap", "worker_kill", "coordinator_outage"):
+    for name in scenarios:
         summary = report["scenarios"][name]["summary"]
         detail = [t["detail"] for t in report["scenarios"][name]["trials"]]
         assert summary["exact"] == summary["trials"] == 1, (name, detail)
         assert summary["training_failures"] == 0 and summary["lost_unexpected"] == 0, (name, detail)
-    assert report["scenarios"]["worker_kill"]["trials"][0]["detection_s"] is not None
+    if "worker_kill" in scenarios:
+        assert report["scenarios"]["worker_kill"]["trials"][0]["detection_s"] is not None

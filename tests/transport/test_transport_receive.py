@@ -32,6 +32,13 @@ def pair(request):
     if request.param == "ucx":
         sock = ucx.UcxDataSocket(limit=1 << 20, max_frames=64, rcvhwm=100)
         out = ucx.UcxDataSender([ucx.endpoint("127.0.0.1", sock.port)], hwm=100)
+        ch = out.chans[0]
+        deadline = time.monotonic() + 30
+        while ch is not None and not ch.ready and time.monotonic() < deadline:  # the worker's READY
+            sock.pump()
+            out.poll()
+            select.select([sock.fd], [], [], 0.01)
+        assert ch is not None and ch.ready, f"no READY from the worker's end ({ch and ch.broken})"
         yield out, FrameReceiver(sock)
         out.close()
         sock.close()

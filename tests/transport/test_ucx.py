@@ -16,19 +16,32 @@ import zmq
 from shadow.config import ClusterConfig, TransportConfig, WorkerConfig
 from shadow.config_security import SecurityConfig
 from shadow.transport import ucx
-from shadow.transport.send import Channels
+from shadow.transport.send import Channels, DataSender
 
 pytestmark = pytest.mark.skipif(not ucx.available(), reason=f"UCX for Python is not installed: {ucx.INSTALL}")
 
 
+#: this test's senders, polled as a trainer's sender thread polls its own
+_SENDERS: list[DataSender] = []
+
+
 def pump_until(sock: ucx.UcxDataSocket, cond, what: str, timeout: float = 30) -> None:
-    """Progress ``sock`` as the worker's loop does until ``cond()``; fail naming ``what``."""
+    """Progress ``sock`` as the worker's loop does, and the senders as their threads do,
+    until ``cond()``; fail naming ``what``."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not after {timeout} s (rejected {dict(sock.rejected)})")
         sock.pump()
+        for out in _SENDERS:
+            out.poll()
         select.select([sock.fd], [], [], 0.02)
+
+
+@pytest.fixture(autouse=True)
+def _forget_senders():
+    yield
+    _SENDERS.clear()
 
 
 def read_all(sock: ucx.UcxDataSocket) -> list[list[bytes]]:
@@ -52,7 +65,9 @@ def sock():
 
 
 def sender(sock: ucx.UcxDataSocket, hwm: int = 100) -> ucx.UcxDataSender:
-    return ucx.UcxDataSender([ucx.endpoint("127.0.0.1", sock.port)], hwm)
+    out = ucx.UcxDataSender([ucx.endpoint("127.0.0.1", sock.port)], hwm)
+    _SENDERS.append(out)
+    return out
 
 
 def raw(out: ucx.UcxDataSender, data: bytes):
@@ -112,6 +127,68 @@ def test_a_connection_that_outruns_its_queue_is_closed(sock):
     out.close()
 
 
+def test_a_sender_writes_nothing_before_the_worker_says_ready(sock):
+    out = sender(sock)
+    out.send(0, [b"early", b"part"], False)  # the worker's end has not run yet
+    ch = out.chans[0]
+    assert ch is not None and not ch.ready and len(ch.out) == 1 and ch.out[0].ep is None  # held here
+    got: list = []
+    pump_until(sock, lambda: got.extend(read_all(sock)) or got, "the held message")
+    assert got == [[b"early", b"part"]] and ch.ready
+    out.close()
+
+
+def test_trainers_connecting_at_once_all_get_through(sock):
+    outs = [sender(sock) for _ in range(6)]  # six ranks reaching a fresh worker together
+    for i, out in enumerate(outs):
+        out.send(0, [b"rank%d" % i, b"part"], False)
+    seen: list = []
+
+    def taken() -> bool:
+        seen.extend(read_all(sock))
+        return len(seen) == len(outs)
+
+    pump_until(sock, taken, "one message from each of six trainers")
+    assert sorted(m[0] for m in seen) == [b"rank%d" % i for i in range(6)]
+    for out in outs:
+        out.close()
+
+
+def test_a_listener_that_never_says_ready_is_given_up_without_blocking_the_sender(monkeypatch):
+    monkeypatch.setattr(ucx, "READY_TIMEOUT_S", 0.3)
+    silent = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)  # never progressed: it says nothing
+    out = sender(silent, hwm=4)
+    payload = np.ones(1024, np.float32)
+    t0 = time.monotonic()
+    trackers = [out.send(0, [b"h", payload.data], True) for _ in range(12)]  # 3x the high-water mark
+    assert all(t.done for t in trackers)  # the four held ones are given up, the rest dropped
+    ch = out.chans[0]
+    assert ch is not None and ch.broken is not None and f"after {ucx.CONNECT_ATTEMPTS} attempts" in ch.broken
+    assert ch.dropped == 12 and not ch.out
+    assert time.monotonic() - t0 < 30
+    out.close()
+    silent.close()
+
+
+def test_a_listener_that_answers_something_else_gets_nothing(monkeypatch):
+    from shadow.transport import ucx_socket
+
+    monkeypatch.setattr(ucx_socket, "READY", b"HTTP")  # not a shadow worker
+    other = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)
+    try:
+        out = sender(other)
+        out.send(0, [b"gradients"], False)
+        ch = out.chans[0]
+        assert ch is not None
+        pump_until(other, lambda: ch.broken is not None, "the channel given up")
+        assert "something other than a shadow worker's READY" in ch.broken and ch.dropped == 1
+        other.pump()
+        assert not other.pending() and not other.rejected  # not a byte of the message reached it
+        out.close()
+    finally:
+        other.close()
+
+
 def test_a_vanished_worker_never_blocks_the_sender():
     s = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)
     out = sender(s, hwm=2)
@@ -148,6 +225,7 @@ def test_channels_take_each_worker_over_the_transport_its_endpoint_names(sock):
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     ch = Channels(ctx, [f"tcp://127.0.0.1:{port}", ucx.endpoint("127.0.0.1", sock.port)], hwm=10, curve=[False, False])
+    _SENDERS.append(ch)
     try:
         ch.send(0, [b"to zmq"], False)
         ch.send(1, [b"to ucx"], False)

@@ -276,6 +276,9 @@ class _RecordingDataSender:
     def send(self, worker, frames, track):
         self.sent[worker].append([bytes(f) for f in frames])
 
+    def poll(self):
+        pass
+
 
 def _sender(nworkers: int) -> Sender:
     s = Sender(

@@ -313,6 +313,7 @@ class Sender(threading.Thread):
             pass
 
     def _reap(self) -> None:
+        self.data.poll()
         while self.pending and all(t.done for t in self.pending[0][2]):
             off, n, _ = self.pending.pop(0)
             self.ring.release(off, n)
