@@ -72,6 +72,12 @@ MAX_CONNECTIONS = 4096
 READY = b"SHUR"
 #: seconds a trainer waits for a new connection's READY before it connects again
 READY_TIMEOUT_S = 5.0
+#: the magic of the probe a trainer sends once it has READY: a message like a data message,
+#: which the worker answers with ACK instead of handing it on
+PROBE = b"SHUP"
+ACK = b"SHUA"
+#: seconds a trainer waits for its probe's ACK before it connects again
+ACK_TIMEOUT_S = 2.0
 #: connections a trainer makes to a worker before it gives up on it (until ``open()``)
 CONNECT_ATTEMPTS = 3
 
@@ -213,9 +219,12 @@ class _Channel:
         self.out: collections.deque[_Sent] = collections.deque()  # in order; unsent ones last
         self.broken: str | None = None
         self.dropped = 0
-        # the worker's READY on the current connection: its receive, since when, which attempt
+        # the worker's READY, then ACK, on the current connection: the receive of the one
+        # awaited, which, since when, which attempt; the probe sent between
         self.ready = False
         self.hello: _Sent | None = None
+        self.expect = READY
+        self.probe: _Sent | None = None
         self.since = 0.0
         self.attempts = 0
 
@@ -227,13 +236,15 @@ class UcxDataSender:
     high-water mark); a connection that fails frees what it held at once. ``endpoints``:
     ``ucx://host:port`` per worker, or "" for a worker not reached over UCX.
 
-    Nothing is written to a connection before the worker's READY arrives on it: messages
-    sent before wait here (up to ``hwm``) and go, in order, once it does. UCX over TCP lost
-    the stream of a connection written to while the worker's end was still being set up
-    (its first bytes arrived, the rest never did, with every send reported complete), and
-    a listener that is not a shadow worker never says READY. A connection that fails or
-    stays silent for :data:`READY_TIMEOUT_S` before READY is made again, up to
-    :data:`CONNECT_ATTEMPTS` times; then the channel is broken until :meth:`open`."""
+    A new connection carries no data message before it has been tried both ways: the
+    worker's READY arrives, then the trainer sends a probe (a message sent as a data
+    message is) and the worker's ACK of it arrives. Messages sent before wait here (up to
+    ``hwm``) and go, in order, once it has. UCX over TCP lost the stream of a connection
+    that had just been set up (its first bytes arrived, the rest never did, with every send
+    reported complete), and a listener that is not a shadow worker never says READY. A
+    connection that fails, or does not answer within :data:`READY_TIMEOUT_S` (READY) or
+    :data:`ACK_TIMEOUT_S` (ACK), is made again, up to :data:`CONNECT_ATTEMPTS` times; then
+    the channel is broken until :meth:`open`."""
 
     def __init__(self, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None) -> None:
         if curve is not None and any(c for c, ep in zip(curve, endpoints, strict=False) if ep):
@@ -309,7 +320,7 @@ class UcxDataSender:
             self.worker.stop_progress_thread()
         except Exception:  # already stopped, or never started
             logger.debug("stopping UCX's progress thread", exc_info=True)
-        deadline = time.monotonic() + 1.0  # cancelled sends complete as UCX carries out the closes
+        deadline = time.monotonic() + 0.25  # cancelled sends complete as UCX carries out the closes
         while self._orphans and time.monotonic() < deadline:
             self.worker.progress_once()
             self._orphans = [sent for sent in self._orphans if not sent.finished]
@@ -322,7 +333,7 @@ class UcxDataSender:
     def _connect(self, worker: int, ch: _Channel) -> None:
         """Make ``ch``'s next connection and post the receive of the worker's READY."""
         host, port = parse(ch.endpoint)
-        ch.broken, ch.ready, ch.attempts = None, False, ch.attempts + 1
+        ch.broken, ch.ready, ch.attempts, ch.expect = None, False, ch.attempts + 1, READY
         try:
             ep = self.L.UCXEndpoint.create(self.worker, host, port, True)
         except Exception as exc:  # UCX refuses the address at once (most failures come later, as errors)
@@ -345,35 +356,51 @@ class UcxDataSender:
         hello = ch.hello
         assert hello is not None and ch.ep is not None
         why = None
+        what = "READY" if ch.expect == READY else "ACK of its probe"
+        timeout = READY_TIMEOUT_S if ch.expect == READY else ACK_TIMEOUT_S
         if hello.finished:
             try:
                 hello.reqs[0].check_error()
             except Exception as exc:
-                why = f"the connection failed before the worker answered ({exc})"
+                why = f"the connection failed before the worker's {what} ({exc})"
             else:
-                if hello.bufs[0].tobytes() != READY:
-                    why = "the listener answered with something other than a shadow worker's READY"
+                if hello.bufs[0].tobytes() != ch.expect:
+                    why = f"the listener answered with something other than a shadow worker's {what}"
         elif not ch.ep.alive:
-            why = "the connection failed before the worker answered"
-        elif time.monotonic() - ch.since > READY_TIMEOUT_S:
-            why = f"no answer within {READY_TIMEOUT_S:g} s"
+            why = f"the connection failed before the worker's {what}"
+        elif time.monotonic() - ch.since > timeout:
+            why = f"no {what} within {timeout:g} s"
         else:
             return  # still waiting
+        if why is None and ch.expect == READY:
+            self._send_probe(ch)
+            return
         del self._connecting[worker]
         if why is None:
-            ch.ready, ch.hello, ch.attempts = True, None, 0
+            ch.ready, ch.hello, ch.probe, ch.attempts = True, None, None, 0
             for sent in ch.out:
                 self._submit(ch, sent)
             return
         ep, ch.ep, ch.hello = ch.ep, None, None
         _close_endpoint(ep)
-        if not hello.finished:
-            self._orphans.append(hello)
+        self._orphans.extend(s for s in (hello, ch.probe) if s is not None and not s.finished)
+        ch.probe = None
         if ch.attempts >= CONNECT_ATTEMPTS:
             self._break(worker, ch, f"no working UCX connection to {ch.endpoint} after {ch.attempts} attempts: {why}")
             return
-        logger.info("shadow worker %d: connecting to %s again: %s", worker, ch.endpoint, why)
+        logger.warning("shadow worker %d: connecting to %s again: %s", worker, ch.endpoint, why)
         self._connect(worker, ch)
+
+    def _send_probe(self, ch: _Channel) -> None:
+        """READY came: send the probe, as a data message is sent, and await its ACK."""
+        frames = [np.zeros(64, np.uint8), np.zeros(4096, np.uint8)]
+        head = PREAMBLE.pack(PROBE, len(frames), sum(f.nbytes for f in frames))
+        head += b"".join(SIZE.pack(f.nbytes) for f in frames)
+        probe = _Sent([], [np.frombuffer(head, np.uint8), *frames], None)
+        self._submit(ch, probe)
+        buf = np.zeros(len(ACK), np.uint8)
+        ch.hello = _Sent([ch.ep.stream_recv(_array(buf))], [buf], ch.ep)
+        ch.probe, ch.expect, ch.since = probe, ACK, time.monotonic()
 
     def _submit(self, ch: _Channel, sent: _Sent) -> None:
         """Hand a message to UCX on ``ch``'s ready connection: the preamble and sizes, then
@@ -422,10 +449,10 @@ class UcxDataSender:
         if ep is not None:
             _close_endpoint(ep)
         # whatever was in flight is cancelled; what UCX has not let go of is kept until it does
-        held = [sent for sent in (*ch.out, ch.hello) if sent is not None and sent.ep is not None]
+        held = [sent for sent in (*ch.out, ch.hello, ch.probe) if sent is not None and sent.ep is not None]
         self._orphans.extend(sent for sent in held if not sent.finished)
         ch.out = collections.deque(sent for sent in ch.out if sent.ep is None)
-        ch.hello, ch.ready = None, False
+        ch.hello, ch.probe, ch.ready = None, None, False
 
 
 from shadow.transport.ucx_socket import UcxDataSocket  # noqa: E402  (the worker's end; it imports this module)

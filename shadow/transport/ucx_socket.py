@@ -14,9 +14,11 @@ import numpy as np
 import zmq
 
 from shadow.transport.ucx import (
+    ACK,
     MAGIC,
     MAX_CONNECTIONS,
     PREAMBLE,
+    PROBE,
     READY,
     SIZE,
     _array,
@@ -44,6 +46,8 @@ class _Conn:
         self.queue: collections.deque[list[memoryview]] = collections.deque()
         self.dead = False
         self.ready: tuple[Any, np.ndarray] | None = None  # the READY sent, and its buffer
+        self.probe = False  # the message being read is a probe, answered with ACK
+        self.acks: list[tuple[Any, np.ndarray]] = []  # ACKs UCX may still read
 
 
 class UcxDataSocket:
@@ -154,7 +158,8 @@ class UcxDataSocket:
             return
         if conn.state == _Conn.PRE:
             magic, n, total = PREAMBLE.unpack(conn.buf.tobytes())
-            if magic != MAGIC:
+            conn.probe = magic == PROBE
+            if magic != MAGIC and not conn.probe:
                 return self._drop(conn, "ucx_bad_preamble", "a message that does not start with shadow's preamble")
             if not 1 <= n <= self.max_frames or not 0 < total <= n * self.limit:
                 return self._drop(conn, "ucx_bad_preamble", f"a message of {n} frames, {total} bytes")
@@ -174,8 +179,13 @@ class UcxDataSocket:
             for s in sizes:
                 frames.append(body[off : off + s])
                 off += s
-            conn.queue.append(frames)
-            if len(conn.queue) > self.rcvhwm:
+            if conn.probe:  # a trainer trying its new connection: answer, hand nothing on
+                conn.acks = [a for a in conn.acks if not a[0].completed]
+                ack = np.frombuffer(ACK, np.uint8).copy()
+                conn.acks.append((conn.ep.stream_send(_array(ack)), ack))
+            else:
+                conn.queue.append(frames)
+            if len(conn.queue) + len(conn.acks) > self.rcvhwm:
                 return self._drop(
                     conn, "ucx_overflow", f"more than {self.rcvhwm} messages queued (SHADOW_DATA_RCVHWM)", keep=False
                 )
@@ -196,6 +206,7 @@ class UcxDataSocket:
             self._orphans.append((conn.req, conn.buf))
         if conn.ready is not None and not conn.ready[0].completed:
             self._orphans.append(conn.ready)
+        self._orphans.extend(a for a in conn.acks if not a[0].completed)
         conn.dead, conn.req = True, None
         if not keep:
             conn.queue.clear()
@@ -240,6 +251,7 @@ class UcxDataSocket:
             _close_endpoint(conn.ep, blocking=True)
             if conn.ready is not None and not conn.ready[0].completed:
                 self._orphans.append(conn.ready)
+            self._orphans.extend(a for a in conn.acks if not a[0].completed)
         for ep in self._accepted:
             _close_endpoint(ep, blocking=True)
         self.conns, self._accepted, self._cur = [], [], None

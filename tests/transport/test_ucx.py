@@ -138,6 +138,35 @@ def test_a_sender_writes_nothing_before_the_worker_says_ready(sock):
     out.close()
 
 
+def test_a_new_connection_is_tried_both_ways_before_it_carries_data(sock):
+    out = sender(sock)
+    out.send(0, [b"data"], False)
+    ch = out.chans[0]
+    assert ch is not None
+    got: list = []
+    pump_until(sock, lambda: ch.expect == ucx.ACK, "the worker's READY, and the probe sent")
+    assert not ch.ready and ch.out[0].ep is None  # still held while the probe is out
+    pump_until(sock, lambda: got.extend(read_all(sock)) or got, "the held message")
+    assert got == [[b"data"]] and ch.ready  # the probe was answered, never handed on
+    assert not sock.rejected
+    out.close()
+
+
+def test_a_probe_that_never_gets_its_ack_makes_the_connection_again(sock, monkeypatch):
+    from shadow.transport import ucx_socket
+
+    monkeypatch.setattr(ucx, "ACK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ucx_socket, "ACK", b"NOPE")  # a worker whose answers to the probe go wrong
+    out = sender(sock)
+    out.send(0, [b"data"], False)
+    ch = out.chans[0]
+    assert ch is not None
+    pump_until(sock, lambda: ch.broken is not None, "the channel given up")
+    assert f"after {ucx.CONNECT_ATTEMPTS} attempts" in ch.broken and "ACK of its probe" in ch.broken
+    assert not read_all(sock) and ch.dropped == 1  # the data message never went out
+    out.close()
+
+
 def test_trainers_connecting_at_once_all_get_through(sock):
     outs = [sender(sock) for _ in range(6)]  # six ranks reaching a fresh worker together
     for i, out in enumerate(outs):
