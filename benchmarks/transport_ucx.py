@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import select
 import statistics
 import time
 
@@ -60,7 +59,7 @@ def _receiver(conn, data_key: bytes, total: int) -> None:
                     pull.poll(50)
                 else:
                     if not usock.pump():
-                        select.select([usock.fd], [], [], 0.05)
+                        usock.wait(0.05)
                         usock.pump()
                 while got < n:
                     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import select
 import time
 from typing import Any
 
@@ -106,6 +107,16 @@ class UcxDataSocket:
             if self.worker.arm():
                 break
         return self.pending()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until UCX's event file descriptor is readable or ``timeout`` seconds pass
+        (call :meth:`pump` first); whether it is. ``poll``, not ``select``: a process with
+        many descriptors open has this one above ``select``'s limit of 1024."""
+        if self.closed:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
 
     def pending(self) -> bool:
         return self.more() or any(c.queue for c in self.conns)

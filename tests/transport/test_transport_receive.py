@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import select
 import time
 
 import numpy as np
@@ -37,7 +36,7 @@ def pair(request):
         while ch is not None and not ch.ready and time.monotonic() < deadline:  # the worker's READY
             sock.pump()
             out.poll()
-            select.select([sock.fd], [], [], 0.01)
+            sock.wait(0.01)
         assert ch is not None and ch.ready, f"no READY from the worker's end ({ch and ch.broken})"
         yield out, FrameReceiver(sock)
         out.close()
@@ -63,7 +62,7 @@ def arrived(rx: FrameReceiver, timeout: float = 30) -> bool:
     while not sock.pump():
         if time.monotonic() > deadline:
             return False
-        select.select([sock.fd], [], [], 0.05)
+        sock.wait(0.05)
     return True
 
 

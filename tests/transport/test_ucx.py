@@ -5,7 +5,6 @@ peer on either end, the per-worker choice of transport, and the settings around 
 from __future__ import annotations
 
 import collections
-import select
 import struct
 import time
 
@@ -35,7 +34,7 @@ def pump_until(sock: ucx.UcxDataSocket, cond, what: str, timeout: float = 30) ->
         sock.pump()
         for out in _SENDERS:
             out.poll()
-        select.select([sock.fd], [], [], 0.02)
+        sock.wait(0.02)
 
 
 @pytest.fixture(autouse=True)
