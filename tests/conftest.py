@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -279,6 +280,7 @@ def run_ranks(
             MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="True",
             PYTHONPATH=str(ROOT),
+            PYTHONFAULTHANDLER="1",  # a hung rank's stacks, on the SIGABRT that stops it
             **(env or {}),
         )
         log = open(tmp / f"rank{r}-{port}.log", "w")
@@ -293,11 +295,25 @@ def run_ranks(
         try:
             codes.append(p.wait(timeout=max(1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"trainer ranks hung; logs in {tmp}") from None
+            raise AssertionError(_hung(tmp, procs, timeout)) from None
     del store
     return codes
+
+
+def _hung(tmp: Path, procs: list[subprocess.Popen], timeout: float) -> str:
+    """Stop ranks that outlived ``timeout``, each first asked (SIGABRT, PYTHONFAULTHANDLER=1)
+    to write every thread's stack into its log; say how each rank ended, and show the logs."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGABRT)
+    for p in running:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    ended = ", ".join(f"rank {r}: {'hung' if p in running else f'exit {p.returncode}'}" for r, p in enumerate(procs))
+    return f"trainer ranks still running after {timeout:.0f} s ({ended}); logs in {tmp}\n{rank_logs(tmp)}"
 
 
 def rank_logs(tmp: Path) -> str:
