@@ -45,147 +45,57 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from shadow.errors import ShadowError
 from shadow.transport.send import open_each
+from shadow.transport.ucx_base import (
+    ACK,
+    ACK_TIMEOUT_S,
+    CONNECT_ATTEMPTS,
+    DEFAULTS,
+    INSTALL,
+    MAGIC,
+    MAX_CONNECTIONS,
+    PREAMBLE,
+    PROBE,
+    READY,
+    READY_TIMEOUT_S,
+    SCHEME,
+    SIZE,
+    Held,
+    Pending,
+    _array,
+    _as_bytes,
+    _close_endpoint,
+    _context,
+    available,
+    endpoint,
+    is_ucx,
+    lib,
+    parse,
+)
+from shadow.transport.ucx_socket import UcxDataSocket
 
 logger = logging.getLogger(__name__)
 
-SCHEME = "ucx"
-MAGIC = b"SHU1"
-#: magic, frame count, total bytes of the frames
-PREAMBLE = struct.Struct("<4sIQ")
-SIZE = struct.Struct("<Q")
-#: UCX settings this data path changes from UCX's defaults, unless ``UCX_<name>`` is set
-DEFAULTS = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
-#: connections a worker holds at once (a trainer rank has one); more are closed at once
-MAX_CONNECTIONS = 4096
-#: what a worker sends first on each connection it accepts; a trainer sends nothing before
-READY = b"SHUR"
-#: seconds a trainer waits for a new connection's READY before it connects again
-READY_TIMEOUT_S = 5.0
-#: the magic of the probe a trainer sends once it has READY: a message like a data message,
-#: which the worker answers with ACK instead of handing it on
-PROBE = b"SHUP"
-ACK = b"SHUA"
-#: seconds a trainer waits for its probe's ACK before it connects again
-ACK_TIMEOUT_S = 2.0
-#: connections a trainer makes to a worker before it gives up on it (until ``open()``)
-CONNECT_ATTEMPTS = 3
-
-INSTALL = "pip install 'shadow-checkpoint[ucx]' (UCX for Python, ucxx)"
-
-
-def lib() -> Any:
-    """UCX for Python's core module, or a :class:`ShadowError` saying how to install it."""
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets a variable this UCX no longer reads
-    try:
-        from ucxx._lib import libucxx
-    except ImportError as exc:
-        raise ShadowError(
-            f"transport.data=ucx needs UCX for Python, which is not installed ({exc}): {INSTALL}"
-        ) from None
-    return libucxx
-
-
-def available() -> bool:
-    """Whether UCX for Python is installed here (found, not loaded: loading it sets UCX's
-    environment and maps its libraries into this process)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("ucxx") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _array(buf) -> Any:
-    from ucxx._lib.arr import Array
-
-    return Array(buf)
-
-
-def endpoint(host: str, port: int) -> str:
-    """A worker's UCX data endpoint as it is advertised."""
-    return f"{SCHEME}://{host}:{port}"
-
-
-def parse(ep: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``ucx://host:port`` endpoint; ValueError naming it otherwise."""
-    parts = urlsplit(ep)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != SCHEME or not parts.hostname or not port:
-        raise ValueError(f"{ep!r} is not a UCX data endpoint (ucx://host:port)")
-    return parts.hostname, port
-
-
-def is_ucx(ep: str) -> bool:
-    return ep.startswith(SCHEME + "://")
-
-
-def _context(L: Any) -> Any:
-    config = {k: v for k, v in DEFAULTS.items() if "UCX_" + k not in os.environ}
-    return L.UCXContext(config_dict=config, feature_flags=(L.Feature.STREAM, L.Feature.WAKEUP))
-
-
-def _as_bytes(frame) -> np.ndarray:
-    """A frame's bytes as a flat uint8 array over the same memory."""
-    return np.frombuffer(frame, dtype=np.uint8) if len(memoryview(frame)) else np.empty(0, np.uint8)
-
-
-def _close_endpoint(ep: Any, blocking: bool = False) -> None:
-    """Close a UCX endpoint unless UCX already closed it (a peer that went away): closing
-    one twice crashes UCX for Python. ``blocking``: progress until the close is carried out
-    (up to 10 x 10 ms), so that the peer hears of it even if this worker is never
-    progressed again."""
-    try:
-        if ep.alive:
-            if blocking:
-                ep.close_blocking(period=10_000_000, max_attempts=10)
-            else:
-                ep.close()
-    except Exception:
-        logger.debug("closing a UCX endpoint", exc_info=True)
-
-
-#: UCX objects of closed data channels, kept so that their destructors never run
-_RETIRED: list = []
-
-
-def _retire(*objs: Any) -> None:
-    """Keep ``objs`` alive until the process ends, past interpreter shutdown too (a closed
-    worker's data channel: destroying its UCX listener or worker crashed the process)."""
-    import ctypes
-
-    for obj in objs:
-        if obj is not None:
-            _RETIRED.append(obj)
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
 
 # -- the trainer's end -------------------------------------------------------------------------
-class _Sent:
+class _Sent(Pending):
     """One message's send requests and the buffers they read: ``done`` once UCX reads none
     of them any more: sent, failed, or their connection is gone (UCX may leave a request
     on a failed connection incomplete; it reads nothing more from it, and the buffers stay
     referenced here in any case). A message waiting for its connection's READY has no
     requests yet (``ep`` is None): it is done once it is given up (``owner`` is None)."""
 
-    __slots__ = ("reqs", "bufs", "ep", "owner")
+    __slots__ = ("ep", "owner")
 
     def __init__(self, reqs: list, bufs: list, ep: Any, owner: UcxDataSender | None = None) -> None:
-        self.reqs, self.bufs, self.ep, self.owner = reqs, bufs, ep, owner
+        super().__init__(reqs, bufs)
+        self.ep, self.owner = ep, owner
 
     @property
     def done(self) -> bool:
@@ -194,11 +104,6 @@ class _Sent:
         if self.ep is None:
             return self.owner is None
         return self.finished or not self.ep.alive
-
-    @property
-    def finished(self) -> bool:
-        """UCX completed every request (it holds none of the buffers any more)."""
-        return all(r.completed for r in self.reqs)
 
 
 class _Dropped:
@@ -263,7 +168,7 @@ class UcxDataSender:
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
         self._connecting: dict[int, _Channel] = {}  # channels awaiting their worker's READY
-        self._orphans: list[_Sent] = []  # sends of closed connections UCX has not let go of yet
+        self._held = Held()  # sends of closed connections UCX has not let go of yet
         open_each(self, endpoints)
 
     # -- DataSender ------------------------------------------------------------------------------
@@ -320,14 +225,10 @@ class UcxDataSender:
             self.worker.stop_progress_thread()
         except Exception:  # already stopped, or never started
             logger.debug("stopping UCX's progress thread", exc_info=True)
-        deadline = time.monotonic() + 0.25  # cancelled sends complete as UCX carries out the closes
-        while self._orphans and time.monotonic() < deadline:
-            self.worker.progress_once()
-            self._orphans = [sent for sent in self._orphans if not sent.finished]
-        if self._orphans:  # held for good: UCX may still read them
-            _LEAKED.extend(self._orphans)
-            logger.warning("%d UCX sends never completed after their connections closed", len(self._orphans))
-            self._orphans = []
+        left = self._held.settle(self.worker, 0.25)
+        if left:  # held for good: UCX may still read them
+            _LEAKED.extend(left)
+            logger.warning("%d UCX sends never completed after their connections closed", len(left))
 
     # -- connections -----------------------------------------------------------------------------
     def _connect(self, worker: int, ch: _Channel) -> None:
@@ -377,13 +278,14 @@ class UcxDataSender:
             return
         del self._connecting[worker]
         if why is None:
+            self._held.add(ch.probe)  # acknowledged, but UCX may not have completed its send yet
             ch.ready, ch.hello, ch.probe, ch.attempts = True, None, None, 0
             for sent in ch.out:
                 self._submit(ch, sent)
             return
         ep, ch.ep, ch.hello = ch.ep, None, None
         _close_endpoint(ep)
-        self._orphans.extend(s for s in (hello, ch.probe) if s is not None and not s.finished)
+        self._held.add(hello, ch.probe)
         ch.probe = None
         if ch.attempts >= CONNECT_ATTEMPTS:
             self._break(worker, ch, f"no working UCX connection to {ch.endpoint} after {ch.attempts} attempts: {why}")
@@ -426,12 +328,11 @@ class UcxDataSender:
         return len(unsent)
 
     def _reap(self, ch: _Channel) -> None:
-        if self._orphans:
-            self._orphans = [sent for sent in self._orphans if not sent.finished]
+        self._held.prune()
         while ch.out and ch.out[0].ep is not None and ch.out[0].done:
             sent = ch.out.popleft()
             if not sent.finished:  # its connection is gone; UCX may still hold the buffers
-                self._orphans.append(sent)
+                self._held.add(sent)
             for r in sent.reqs:
                 if not r.completed:
                     break
@@ -450,11 +351,28 @@ class UcxDataSender:
             _close_endpoint(ep)
         # whatever was in flight is cancelled; what UCX has not let go of is kept until it does
         held = [sent for sent in (*ch.out, ch.hello, ch.probe) if sent is not None and sent.ep is not None]
-        self._orphans.extend(sent for sent in held if not sent.finished)
+        self._held.add(*held)
         ch.out = collections.deque(sent for sent in ch.out if sent.ep is None)
         ch.hello, ch.probe, ch.ready = None, None, False
 
 
-from shadow.transport.ucx_socket import UcxDataSocket  # noqa: E402  (the worker's end; it imports this module)
-
-__all__ = ["UcxDataSender", "UcxDataSocket", "available", "endpoint", "is_ucx", "lib", "parse"]
+__all__ = [
+    "ACK",
+    "CONNECT_ATTEMPTS",
+    "DEFAULTS",
+    "INSTALL",
+    "MAGIC",
+    "MAX_CONNECTIONS",
+    "PREAMBLE",
+    "PROBE",
+    "READY",
+    "SCHEME",
+    "SIZE",
+    "UcxDataSender",
+    "UcxDataSocket",
+    "available",
+    "endpoint",
+    "is_ucx",
+    "lib",
+    "parse",
+]

@@ -8,13 +8,12 @@ from __future__ import annotations
 import collections
 import logging
 import select
-import time
 from typing import Any
 
 import numpy as np
 import zmq
 
-from shadow.transport.ucx import (
+from shadow.transport.ucx_base import (
     ACK,
     MAGIC,
     MAX_CONNECTIONS,
@@ -22,6 +21,8 @@ from shadow.transport.ucx import (
     PROBE,
     READY,
     SIZE,
+    Held,
+    Pending,
     _array,
     _close_endpoint,
     _context,
@@ -46,9 +47,14 @@ class _Conn:
         self.total = 0
         self.queue: collections.deque[list[memoryview]] = collections.deque()
         self.dead = False
-        self.ready: tuple[Any, np.ndarray] | None = None  # the READY sent, and its buffer
+        self.ready: Pending | None = None  # the READY sent
         self.probe = False  # the message being read is a probe, answered with ACK
-        self.acks: list[tuple[Any, np.ndarray]] = []  # ACKs UCX may still read
+        self.acks: list[Pending] = []  # ACKs UCX may still read
+
+    def in_flight(self) -> list[Pending]:
+        """What UCX may still read or write for this connection: the receive posted, READY, ACKs."""
+        recv = Pending([self.req], [self.buf]) if self.req is not None else None
+        return [p for p in (recv, self.ready, *self.acks) if p is not None]
 
 
 class UcxDataSocket:
@@ -78,7 +84,7 @@ class UcxDataSocket:
         self.listener = self.L.UCXListener.create(self.worker, port, self._on_connect)
         self.port: int = self.listener.port
         self.fd: int = self.worker.epoll_file_descriptor
-        self._orphans: list[tuple[Any, np.ndarray]] = []  # receives and sends of dropped connections UCX still holds
+        self._held = Held()  # receives and sends of dropped connections UCX still holds
         self._cur: list[memoryview] | None = None  # the message being read
         self._pos = 0
         self._turn = 0
@@ -136,11 +142,10 @@ class UcxDataSocket:
             if not conn.dead:  # the trainer sends nothing before this
                 buf = np.frombuffer(READY, np.uint8).copy()
                 try:
-                    conn.ready = (conn.ep.stream_send(_array(buf)), buf)
+                    conn.ready = Pending([conn.ep.stream_send(_array(buf))], [buf])
                 except Exception as exc:
                     self._drop(conn, "ucx_send_failed", f"READY could not be sent: {exc}")
-        if self._orphans:
-            self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]
+        self._held.prune()
         for conn in self.conns:
             if not conn.dead and not conn.ep.alive and (conn.req is None or not conn.req.completed):
                 self._drop(conn, None, "closed by its peer")
@@ -191,9 +196,9 @@ class UcxDataSocket:
                 frames.append(body[off : off + s])
                 off += s
             if conn.probe:  # a trainer trying its new connection: answer, hand nothing on
-                conn.acks = [a for a in conn.acks if not a[0].completed]
+                conn.acks = [a for a in conn.acks if not a.finished]
                 ack = np.frombuffer(ACK, np.uint8).copy()
-                conn.acks.append((conn.ep.stream_send(_array(ack)), ack))
+                conn.acks.append(Pending([conn.ep.stream_send(_array(ack))], [ack]))
             else:
                 conn.queue.append(frames)
             if len(conn.queue) + len(conn.acks) > self.rcvhwm:
@@ -211,13 +216,9 @@ class UcxDataSocket:
             logger.warning("closed a UCX data connection: %s", why)
         else:
             logger.debug("a UCX data connection %s", why)
-        if conn.req is not None and not conn.req.completed:
-            # UCX may not complete a receive whose connection failed: its buffer stays
-            # referenced until it does, or until this channel closes
-            self._orphans.append((conn.req, conn.buf))
-        if conn.ready is not None and not conn.ready[0].completed:
-            self._orphans.append(conn.ready)
-        self._orphans.extend(a for a in conn.acks if not a[0].completed)
+        # UCX may not complete a receive whose connection failed: its buffer stays
+        # referenced until it does, or until this channel closes
+        self._held.add(*conn.in_flight())
         conn.dead, conn.req = True, None
         if not keep:
             conn.queue.clear()
@@ -260,19 +261,14 @@ class UcxDataSocket:
         for conn in self.conns:
             conn.queue.clear()
             _close_endpoint(conn.ep, blocking=True)
-            if conn.ready is not None and not conn.ready[0].completed:
-                self._orphans.append(conn.ready)
-            self._orphans.extend(a for a in conn.acks if not a[0].completed)
+            self._held.add(*conn.in_flight())
         for ep in self._accepted:
             _close_endpoint(ep, blocking=True)
         self.conns, self._accepted, self._cur = [], [], None
-        orphans, self._orphans = self._orphans, []
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:  # let UCX carry the closes out before its worker goes
-            if not self.worker.progress_once():
-                break
-        # the connections are closed (their peers have heard); UCX's listener, worker and
-        # context are kept for the life of the process, never destroyed: destroying them
-        # crashed a test process (UCX for Python, in the listener's or worker's destructor)
-        _retire(self.listener, self.worker, self.ctx, orphans)
+        # let UCX carry the closes out before its worker goes; the connections are closed
+        # (their peers have heard). UCX's listener, worker and context are kept for the life
+        # of the process, never destroyed: destroying them crashed a test process (UCX for
+        # Python, in the listener's or worker's destructor)
+        left = self._held.settle(self.worker, 0.5)
+        _retire(self.listener, self.worker, self.ctx, left)
         self.listener = self.worker = self.ctx = None
