@@ -81,7 +81,7 @@ class UcxDataSocket:
         self.worker.init_blocking_progress_mode()
         self.conns: list[_Conn] = []
         self._accepted: list[Any] = []
-        self.listener = self.L.UCXListener.create(self.worker, port, self._on_connect)
+        self.listener = self._listen(port)
         self.port: int = self.listener.port
         self.fd: int = self.worker.epoll_file_descriptor
         self._held = Held()  # receives and sends of dropped connections UCX still holds
@@ -91,12 +91,23 @@ class UcxDataSocket:
         self.closed = False
 
     # -- progress --------------------------------------------------------------------------------
-    def _on_connect(self, conn_request: Any, *args: Any) -> None:
+    def _listen(self, port: int) -> Any:
+        """A listener on ``port`` whose connections come to :meth:`_on_connect` with it."""
+        box: list = []
+        listener = self.L.UCXListener.create(self.worker, port, lambda req, *_: self._on_connect(box[0], req))
+        box.append(listener)  # before any callback: those run when the owner progresses the worker
+        return listener
+
+    def _on_connect(self, listener: Any, conn_request: Any) -> None:
         try:
-            ep = self.listener.create_endpoint_from_conn_request(conn_request, True)
+            ep = listener.create_endpoint_from_conn_request(conn_request, True)
         except Exception as exc:
             self.rejected["ucx_accept_failed"] += 1
             logger.warning("a UCX connection could not be accepted: %s", exc)
+            return
+        if listener is not self.listener:  # a listener retired by a reset: its port is no longer ours
+            logger.debug("closed a UCX connection to a port this worker left (%d)", listener.port)
+            _close_endpoint(ep)
             return
         self._accepted.append(ep)
 
@@ -253,18 +264,24 @@ class UcxDataSocket:
             self._cur = None
         return frame
 
+    def reset(self) -> int:
+        """Close every connection, dropping what was queued, and listen on a new port (a
+        worker's reset: no message sent before it is read after it); the new port. The UCX
+        worker and context stay: a reset retires one listener, whose later connections are
+        closed as they come."""
+        assert not self.closed
+        self._close_connections()
+        old, self.listener = self.listener, self._listen(0)
+        self.port = self.listener.port
+        _retire(old)
+        return self.port
+
     def close(self) -> None:
         """Close every connection and the listener; what was queued is dropped."""
         if self.closed:
             return
         self.closed = True
-        for conn in self.conns:
-            conn.queue.clear()
-            _close_endpoint(conn.ep, blocking=True)
-            self._held.add(*conn.in_flight())
-        for ep in self._accepted:
-            _close_endpoint(ep, blocking=True)
-        self.conns, self._accepted, self._cur = [], [], None
+        self._close_connections()
         # let UCX carry the closes out before its worker goes; the connections are closed
         # (their peers have heard). UCX's listener, worker and context are kept for the life
         # of the process, never destroyed: destroying them crashed a test process (UCX for
@@ -272,3 +289,12 @@ class UcxDataSocket:
         left = self._held.settle(self.worker, 0.5)
         _retire(self.listener, self.worker, self.ctx, left)
         self.listener = self.worker = self.ctx = None
+
+    def _close_connections(self) -> None:
+        for conn in self.conns:
+            conn.queue.clear()
+            _close_endpoint(conn.ep, blocking=True)
+            self._held.add(*conn.in_flight())
+        for ep in self._accepted:
+            _close_endpoint(ep, blocking=True)
+        self.conns, self._accepted, self._cur = [], [], None

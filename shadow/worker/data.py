@@ -96,7 +96,13 @@ class DataPath:
         return self.ucx.pump() if self.ucx is not None else False
 
     def reopen(self) -> str:
-        """Drop every queued frame: close the channel and bind a fresh one (a reset)."""
+        """Drop every queued frame: close the channel and bind a fresh one (a reset). UCX
+        keeps its worker and listens on a new port (a UCX worker is never destroyed)."""
+        if self.ucx is not None:
+            from shadow.transport import ucx
+
+            self.endpoint = ucx.endpoint(self.binding.host, self.ucx.reset())
+            return self.endpoint
         self.close()
         return self.open()
 

@@ -166,6 +166,31 @@ def test_a_probe_that_never_gets_its_ack_makes_the_connection_again(sock, monkey
     out.close()
 
 
+def test_a_reset_drops_what_was_queued_and_listens_on_a_new_port(sock, monkeypatch):
+    monkeypatch.setattr(ucx, "READY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ucx, "ACK_TIMEOUT_S", 0.5)
+    before = sender(sock)
+    before.send(0, [b"old", b"part"], False)
+    pump_until(sock, sock.pending, "a message queued before the reset")
+    old_port, worker = sock.port, sock.worker
+    assert sock.reset() != old_port and sock.worker is worker  # the same UCX worker, a new listener
+    assert not sock.pending() and not read_all(sock)  # nothing from before is read after it
+    stale = ucx.UcxDataSender([ucx.endpoint("127.0.0.1", old_port)], 8)  # a trainer that missed the reset
+    _SENDERS.append(stale)
+    stale.send(0, [b"stale"], False)
+    after = sender(sock)
+    after.send(0, [b"new", b"part"], False)
+    got: list = []
+    ch = stale.chans[0]
+    assert ch is not None
+    pump_until(
+        sock, lambda: got.extend(read_all(sock)) or (got and ch.broken is not None), "new message, stale given up"
+    )
+    assert got == [[b"new", b"part"]] and f"after {ucx.CONNECT_ATTEMPTS} attempts" in ch.broken
+    for out in (before, stale, after):
+        out.close()
+
+
 def test_trainers_connecting_at_once_all_get_through(sock):
     outs = [sender(sock) for _ in range(6)]  # six ranks reaching a fresh worker together
     for i, out in enumerate(outs):
