@@ -271,6 +271,7 @@ def run_ranks(
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     port = store.port
     procs = []
+    logs = [tmp / f"rank{r}-{port}.log" for r in range(world)]
     for r in range(world):
         e = dict(
             os.environ,
@@ -283,7 +284,8 @@ def run_ranks(
             PYTHONFAULTHANDLER="1",  # a hung rank's stacks, on the SIGABRT that stops it
             **(env or {}),
         )
-        log = open(tmp / f"rank{r}-{port}.log", "w")
+        # appending (O_APPEND): the stacks _hung adds are not overwritten by the rank's own writes
+        log = open(logs[r], "a")
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(script or TRAINER), *args], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
@@ -295,16 +297,19 @@ def run_ranks(
         try:
             codes.append(p.wait(timeout=max(1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            raise AssertionError(_hung(tmp, procs, timeout)) from None
+            raise AssertionError(_hung(tmp, procs, timeout, logs)) from None
     del store
     return codes
 
 
-def _hung(tmp: Path, procs: list[subprocess.Popen], timeout: float) -> str:
-    """Stop ranks that outlived ``timeout``, each first asked (SIGABRT, PYTHONFAULTHANDLER=1)
-    to write every thread's stack into its log; say how each rank ended, and show the logs."""
+def _hung(tmp: Path, procs: list[subprocess.Popen], timeout: float, logs: list[Path]) -> str:
+    """Stop ranks that outlived ``timeout``; first write into each one's log its threads' native
+    stacks (py-spy, gdb: whichever is installed) and, on the SIGABRT that stops it
+    (PYTHONFAULTHANDLER=1), every Python thread's stack. Say how each rank ended, and show the logs."""
     running = [p for p in procs if p.poll() is None]
     for p in running:
+        with open(logs[procs.index(p)], "a") as log:
+            _native_stacks(p.pid, log)
         p.send_signal(signal.SIGABRT)
     for p in running:
         try:
@@ -313,11 +318,31 @@ def _hung(tmp: Path, procs: list[subprocess.Popen], timeout: float) -> str:
             p.kill()
             p.wait()
     ended = ", ".join(f"rank {r}: {'hung' if p in running else f'exit {p.returncode}'}" for r, p in enumerate(procs))
-    return f"trainer ranks still running after {timeout:.0f} s ({ended}); logs in {tmp}\n{rank_logs(tmp)}"
+    return f"trainer ranks still running after {timeout:.0f} s ({ended}); logs in {tmp}\n{rank_logs(tmp, 20000)}"
 
 
-def rank_logs(tmp: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("rank*.log")))
+def _native_stacks(pid: int, log) -> None:
+    """Append ``pid``'s thread stacks, C frames included, to ``log`` with each tool there is."""
+    import shutil
+
+    tools = {
+        "py-spy": ["py-spy", "dump", "--native", "--pid", str(pid)],
+        "gdb": ["gdb", "-p", str(pid), "-batch", "-nx", "-iex", "set auto-load off", "-ex", "thread apply all bt"],
+    }
+    for name, cmd in tools.items():
+        if shutil.which(cmd[0]) is None:
+            continue
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            text = out.stdout + out.stderr
+        except (subprocess.TimeoutExpired, OSError) as e:
+            text = f"{name} failed: {e}"
+        log.write(f"\n=== {name} stacks of pid {pid}\n{text}\n")
+        log.flush()
+
+
+def rank_logs(tmp: Path, tail: int = 3000) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-tail:]}" for p in sorted(tmp.glob("rank*.log")))
 
 
 @pytest.fixture(scope="module")
