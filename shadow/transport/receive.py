@@ -71,6 +71,14 @@ class FrameSource(Protocol):
         ...
 
 
+def _vouch(src: FrameSource) -> None:
+    """Tell ``src`` that the current message's header passed its checks (its tag or MAC,
+    job, epoch, layout), where ``src`` keeps track of its peers (``vouch()``)."""
+    vouch = getattr(src, "vouch", None)
+    if vouch is not None:
+        vouch()
+
+
 class ZmqFrames:
     """A ZeroMQ PULL socket as a :class:`FrameSource`."""
 
@@ -121,6 +129,7 @@ class FrameReceiver:
             raise F.FrameError("wrong_layout", f"layout {h.layout:#x} is not {ctx.layout:#x}")
         if h.world != ctx.world:
             raise F.FrameError("bad_rank", f"world {h.world} is not {ctx.world}")
+        _vouch(self.src)
         return h
 
     def check_runs(self, h: F.Header, ctx: Context) -> None:

@@ -50,6 +50,7 @@ class _Conn:
         self.ready: Pending | None = None  # the READY sent
         self.probe = False  # the message being read is a probe, answered with ACK
         self.acks: list[Pending] = []  # ACKs UCX may still read
+        self.proven = False  # a message from it has passed the receiver's checks (vouch)
 
     def in_flight(self) -> list[Pending]:
         """What UCX may still read or write for this connection: the receive posted, READY, ACKs."""
@@ -68,13 +69,28 @@ class UcxDataSocket:
     :attr:`fd` (UCX's event file descriptor, readable when there is work). ``limit``: the
     largest frame taken; ``max_frames``: the most frames in a message; ``rcvhwm``: whole
     messages queued per connection before that connection is closed; ``rejected``: where
-    refusals are counted by reason. Owned by one thread."""
+    refusals are counted by reason. Owned by one thread.
+
+    ``max_connections``: connections held at once. When a new one would pass it, the oldest
+    connection that has not yet been *proven* is closed to make room (``ucx_evicted``),
+    and what it queued is still read. A connection is proven once a message of its own has
+    passed the receiver's checks (:meth:`vouch`): with keys, only a key holder proves one.
+    Connections that open and never send what a key holder sends can therefore not crowd
+    out a trainer. Only when every connection is proven is the new one refused
+    (``ucx_too_many_connections``)."""
 
     def __init__(
-        self, limit: int, max_frames: int, rcvhwm: int, rejected: collections.Counter | None = None, port: int = 0
+        self,
+        limit: int,
+        max_frames: int,
+        rcvhwm: int,
+        rejected: collections.Counter | None = None,
+        port: int = 0,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.L = lib()
         self.limit, self.max_frames, self.rcvhwm = limit, max_frames, max(1, rcvhwm)
+        self.max_connections = max(1, max_connections)
         self.rejected = rejected if rejected is not None else collections.Counter()
         self.ctx = _context(self.L)
         self.worker = self.L.UCXWorker(self.ctx)
@@ -86,6 +102,7 @@ class UcxDataSocket:
         self.fd: int = self.worker.epoll_file_descriptor
         self._held = Held()  # receives and sends of dropped connections UCX still holds
         self._cur: list[memoryview] | None = None  # the message being read
+        self._cur_conn: _Conn | None = None  # the connection it came from
         self._pos = 0
         self._turn = 0
         self.closed = False
@@ -140,10 +157,12 @@ class UcxDataSocket:
 
     def _advance(self) -> None:
         while self._accepted:
-            ep = self._accepted.pop()
-            if len(self.conns) >= MAX_CONNECTIONS:
+            ep = self._accepted.pop(0)
+            if not self._room():
                 self.rejected["ucx_too_many_connections"] += 1
-                logger.warning("refused a UCX connection: %d are open (MAX_CONNECTIONS)", len(self.conns))
+                logger.warning(
+                    "refused a UCX connection: %d are open and proven (max_connections)", self.max_connections
+                )
                 self._close(ep)
                 continue
             conn = _Conn(ep)
@@ -169,6 +188,18 @@ class UcxDataSocket:
                     self._drop(conn, f"ucx_error_{type(exc).__name__}", f"{type(exc).__name__}: {exc}")
         if any(c.dead for c in self.conns):
             self.conns = [c for c in self.conns if not c.dead or c.queue]
+
+    def _room(self) -> bool:
+        """Whether a new connection can be held, closing the oldest unproven one if that
+        makes room."""
+        live = [c for c in self.conns if not c.dead]
+        if len(live) < self.max_connections:
+            return True
+        victim = next((c for c in live if not c.proven), None)
+        if victim is None:
+            return False
+        self._drop(victim, "ucx_evicted", f"{len(live)} connections are open: the oldest unproven one makes room")
+        return True
 
     def _post(self, conn: _Conn) -> None:
         try:
@@ -242,15 +273,21 @@ class UcxDataSocket:
     def recv_first(self) -> bytes:
         """The next message's first frame (its header); ``zmq.Again`` if none is queued. The
         rest of the previous message, if unread, is dropped first."""
-        self._cur = None
+        self._cur = self._cur_conn = None
         live = self.conns
         for i in range(len(live)):
             conn = live[(self._turn + i) % len(live)]
             if conn.queue:
                 self._turn = (self._turn + i + 1) % max(1, len(live))
-                self._cur, self._pos = conn.queue.popleft(), 1
+                self._cur, self._pos, self._cur_conn = conn.queue.popleft(), 1, conn
                 return bytes(self._cur[0])
         raise zmq.Again()
+
+    def vouch(self) -> None:
+        """The current message's header passed the receiver's checks: its connection is
+        proven, and is never closed to make room for another."""
+        if self._cur_conn is not None:
+            self._cur_conn.proven = True
 
     def more(self) -> bool:
         return self._cur is not None and self._pos < len(self._cur)
@@ -297,4 +334,4 @@ class UcxDataSocket:
             self._held.add(*conn.in_flight())
         for ep in self._accepted:
             _close_endpoint(ep, blocking=True)
-        self.conns, self._accepted, self._cur = [], [], None
+        self.conns, self._accepted, self._cur, self._cur_conn = [], [], None, None

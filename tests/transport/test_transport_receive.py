@@ -263,3 +263,23 @@ def test_a_keyed_receiver_refuses_what_its_keys_did_not_tag(pair, forge, why):
     assert reason(read) == why
     rx.discard_rest()
     assert np.array_equal(read()[1][0][1], np.full(4, 3.0, np.float32))  # the next message is read whole
+
+
+@NEEDS_UCX
+@pytest.mark.parametrize("pair", ["ucx"], indirect=True)
+def test_only_a_message_that_checks_out_proves_its_ucx_connection(pair):
+    """A UCX worker keeps proven connections when it is full of connections: a header
+    under the wrong key, or for another epoch, proves nothing; one under the rank's key does."""
+    out, rx = pair
+    sock = rx.src
+    assert isinstance(sock, ucx.UcxDataSocket)
+    a = np.ones(4, np.float32)
+    out.send(0, keyed_message({100: a}, rank=1, key=tags.rank_key(WORKER_KEY, 0)), track=False)
+    out.send(0, keyed_message({100: a}, epoch=CTX.epoch + 1), track=False)
+    out.send(0, keyed_message({100: a}), track=False)
+    for why in ("bad_mac", "wrong_epoch"):
+        assert reason(lambda: take(rx, KEYED)) == why
+        rx.discard_rest()
+        assert not sock.conns[0].proven
+    h = take(rx, KEYED)
+    assert h.rank == 1 and sock.conns[0].proven

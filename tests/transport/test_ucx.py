@@ -207,6 +207,54 @@ def test_trainers_connecting_at_once_all_get_through(sock):
         out.close()
 
 
+def live(sock: ucx.UcxDataSocket) -> int:
+    return sum(not c.dead for c in sock.conns)
+
+
+def test_connections_that_prove_nothing_cannot_crowd_out_a_trainer():
+    """At its cap, the worker closes the oldest connection no checked message has come
+    from, never one that has sent one; only when every one has is a new one refused."""
+    sock = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=4, rejected=collections.Counter(), max_connections=3)
+    try:
+        strangers = []
+        for i in range(3):  # connections that never send what a key holder sends
+            strangers.append(sender(sock))
+            strangers[-1].send(0, [b"stranger%d" % i], False)  # connected and read: never vouched for
+            pump_until(sock, lambda i=i: live(sock) == i + 1 and sock.pending(), f"stranger {i} connected")
+            assert [m[0] for m in read_all(sock)] == [b"stranger%d" % i]
+        trainer = sender(sock)
+        trainer.send(0, [b"trainer", b"part"], False)
+        pump_until(sock, sock.pending, "the trainer's message, at the cap")
+        assert sock.rejected["ucx_evicted"] == 1 and not sock.rejected["ucx_too_many_connections"]
+        assert sock.recv_first() == b"trainer" and bytes(sock.recv_next()) == b"part"
+        sock.vouch()  # the receiver's checks passed: this connection is proven
+        for i, out in enumerate(strangers):
+            out.send(0, [b"again%d" % i], False)
+        got: list = []
+        pump_until(sock, lambda: got.extend(read_all(sock)) or len(got) == 2, "the two strangers still held")
+        assert sorted(m[0] for m in got) == [b"again1", b"again2"]  # the oldest one made room
+        for i in range(4):  # more strangers than the cap: each takes an unproven one's place
+            strangers.append(sender(sock))
+            strangers[-1].send(0, [b"late%d" % i], False)
+            got = []  # each in turn, so that none is taken out before its handshake is done
+            pump_until(sock, lambda i=i, got=got: got.extend(read_all(sock)) or [b"late%d" % i] in got, f"late {i}")
+        assert sock.rejected["ucx_evicted"] == 5
+        trainer.send(0, [b"trainer again"], False)
+        got: list = []
+        pump_until(sock, lambda: got.extend(read_all(sock)) or [b"trainer again"] in got, "the proven trainer")
+        assert live(sock) == 3 and not sock.rejected["ucx_too_many_connections"]
+        for c in sock.conns:  # every connection proven: a new one is refused
+            c.proven = True
+        refused = sender(sock)
+        refused.send(0, [b"refused"], False)
+        pump_until(sock, lambda: sock.rejected["ucx_too_many_connections"] >= 1, "a connection over the cap")
+        assert live(sock) == 3
+        for out in [*strangers, trainer, refused]:
+            out.close()
+    finally:
+        sock.close()
+
+
 def test_a_listener_that_never_says_ready_is_given_up_without_blocking_the_sender(monkeypatch):
     monkeypatch.setattr(ucx, "READY_TIMEOUT_S", 0.3)
     silent = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)  # never progressed: it says nothing
