@@ -73,7 +73,7 @@ class UcxDataSocket:
 
     ``max_connections``: connections held at once. When a new one would pass it, the oldest
     connection that has not yet been *proven* is closed to make room (``ucx_evicted``),
-    and what it queued is still read. A connection is proven once a message of its own has
+    and what it queued is dropped. A connection is proven once a message of its own has
     passed the receiver's checks (:meth:`vouch`): with keys, only a key holder proves one.
     Connections that open and never send what a key holder sends can therefore not crowd
     out a trainer. Only when every connection is proven is the new one refused
@@ -198,7 +198,11 @@ class UcxDataSocket:
         victim = next((c for c in live if not c.proven), None)
         if victim is None:
             return False
-        self._drop(victim, "ucx_evicted", f"{len(live)} connections are open: the oldest unproven one makes room")
+        # what it queued goes too: a trainer whose connection this was lost the messages
+        # after them anyway (a resync), and a stranger's queue is not kept for it
+        self._drop(
+            victim, "ucx_evicted", f"{len(live)} connections are open: the oldest unproven one makes room", keep=False
+        )
         return True
 
     def _post(self, conn: _Conn) -> None:
