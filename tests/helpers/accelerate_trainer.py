@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from end import end_process_group, end_rank
 from kill import kill_self
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -105,7 +106,8 @@ def main() -> int:
     )
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return 0
+    end_process_group()  # a no-op where end_training destroyed it
+    end_rank()
 
 
 if __name__ == "__main__":

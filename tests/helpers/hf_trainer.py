@@ -17,6 +17,7 @@ import os
 import sys
 
 import torch
+from end import end_process_group, end_rank
 from kill import kill_self
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -99,7 +100,8 @@ def main() -> int:
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )
-    return 0
+    end_process_group()  # the Trainer leaves its process group up
+    end_rank()
 
 
 if __name__ == "__main__":

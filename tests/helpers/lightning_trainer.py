@@ -24,6 +24,7 @@ os.environ.setdefault("GROUP_RANK", "0")
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from end import end_process_group, end_rank  # noqa: E402
 from kill import kill_self  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -112,7 +113,8 @@ def main() -> int:
         },
         os.path.join(args.out, f"rank{trainer.global_rank}.pt"),
     )
-    return 0
+    end_process_group()  # Lightning's teardown leaves its process group up
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -464,29 +464,9 @@ def main() -> None:
     )
     dist.barrier()  # every rank done with every collective (a compression hook's too) before teardown
     dist.destroy_process_group()
+    from end import end_rank  # run as a script: tests/helpers is on sys.path
+
     end_rank()
-
-
-def end_rank(grace: float = 60.0) -> None:
-    """End this rank once its state is saved: every thread the run started must end within
-    ``grace`` seconds (a thread left running by the shadow would keep a user's script alive, and
-    fails the run here), then the process exits without the interpreter's teardown.
-
-    That teardown is not what these runs check, and it hung twice in CI in runs without the
-    shadow: after the final barrier, rank 1's main thread was past main(), freeing its locals (the
-    DDP module and with it the gloo process group), while another thread, with no Python frame,
-    waited; rank 0 had exited."""
-    deadline = time.monotonic() + grace
-    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    for t in others:
-        t.join(max(0.0, deadline - time.monotonic()))
-    alive = [t.name for t in others if t.is_alive()]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if alive:
-        print(f"threads still running {grace:.0f} s after the run ended: {alive}", file=sys.stderr, flush=True)
-        os._exit(3)
-    os._exit(0)
 
 
 if __name__ == "__main__":
