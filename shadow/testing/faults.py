@@ -19,7 +19,8 @@ Faults on the wire: :class:`FaultyDataSender` wraps a trainer's
 :class:`shadow.transport.send.DataSender` and passes each message through
 :class:`NetFaults` (drop, dup, reorder, truncate, bitflip; :func:`parse` reads the
 ``net=`` spec). :mod:`trainer_hooks.testing` installs it in a trainer, with a sender that
-dies half-way through an iteration."""
+dies half-way through an iteration. :func:`sever` closes a trainer's UCX connection to a
+worker that lives, as UCX over TCP closed one under load."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import errno
 import logging
 import os
 import random
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -266,3 +268,26 @@ class FaultyDataSender:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def sever(out: Any, worker: int, timeout: float = 10.0) -> bool:
+    """Close the ready UCX connection that ``out`` (a :class:`FaultyDataSender`, a
+    :class:`~shadow.transport.send.Channels` or a :class:`~shadow.transport.ucx.UcxDataSender`)
+    holds to ``worker``, as UCX closes one on its own while the worker lives, and wait until
+    UCX has carried the close out (up to ``timeout`` seconds); False where there is no such
+    connection. Call it on the thread that sends through ``out``."""
+    from shadow.transport import ucx
+
+    out = getattr(out, "inner", out)
+    if not isinstance(out, ucx.UcxDataSender):
+        out = getattr(out, "ucx", None)
+    ch = out.chans[worker] if isinstance(out, ucx.UcxDataSender) and 0 <= worker < len(out.chans) else None
+    if ch is None or not ch.ready or ch.ep is None or not ch.ep.alive:
+        return False
+    ep = ch.ep
+    ucx._close_endpoint(ep)
+    deadline = time.monotonic() + timeout
+    while ep.alive and time.monotonic() < deadline:  # UCX's progress thread carries it out
+        time.sleep(0.001)
+    logger.warning("fault injection: the UCX connection to worker %d closed under the sender", worker)
+    return True

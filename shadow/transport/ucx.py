@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,8 @@ from shadow.transport.send import open_each
 from shadow.transport.ucx_base import (
     ACK,
     ACK_TIMEOUT_S,
+    ACKED,
+    ACKED_MAGIC,
     CONNECT_ATTEMPTS,
     DEFAULTS,
     INSTALL,
@@ -64,8 +67,10 @@ from shadow.transport.ucx_base import (
     PROBE,
     READY,
     READY_TIMEOUT_S,
+    RECONNECTS,
     SCHEME,
     SIZE,
+    TOKEN_BYTES,
     Held,
     Pending,
     _array,
@@ -85,25 +90,23 @@ logger = logging.getLogger(__name__)
 
 # -- the trainer's end -------------------------------------------------------------------------
 class _Sent(Pending):
-    """One message's send requests and the buffers they read: ``done`` once UCX reads none
-    of them any more: sent, failed, or their connection is gone (UCX may leave a request
-    on a failed connection incomplete; it reads nothing more from it, and the buffers stay
-    referenced here in any case). A message waiting for its connection's READY has no
-    requests yet (``ep`` is None): it is done once it is given up (``owner`` is None)."""
+    """One message: its buffers and the send requests of its latest submission. ``done``
+    once its worker has acknowledged it (it reached the worker whole) or it was given up
+    (its channel broke or was dropped); its buffers are not read for it after that, except
+    by UCX on a connection that is gone (they stay referenced until UCX lets go).
+    ``ep``: the connection it was last handed to (None: not yet)."""
 
-    __slots__ = ("ep", "owner")
+    __slots__ = ("ep", "owner", "settled")
 
     def __init__(self, reqs: list, bufs: list, ep: Any, owner: UcxDataSender | None = None) -> None:
         super().__init__(reqs, bufs)
-        self.ep, self.owner = ep, owner
+        self.ep, self.owner, self.settled = ep, owner, False
 
     @property
     def done(self) -> bool:
-        if self.ep is None and self.owner is not None:
-            self.owner._advance_connecting()  # may hand it to UCX
-        if self.ep is None:
-            return self.owner is None
-        return self.finished or not self.ep.alive
+        if not self.settled and self.owner is not None:
+            self.owner.poll()  # reads acknowledgements, moves connections along
+        return self.settled
 
 
 class _Dropped:
@@ -120,8 +123,10 @@ _LEAKED: list = []
 class _Channel:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
+        self.token = os.urandom(TOKEN_BYTES)  # names this channel to the worker across its connections
         self.ep: Any = None
-        self.out: collections.deque[_Sent] = collections.deque()  # in order; unsent ones last
+        #: unacknowledged messages in order: those handed to the current connection first
+        self.out: collections.deque[_Sent] = collections.deque()
         self.broken: str | None = None
         self.dropped = 0
         # the worker's READY, then ACK, on the current connection: the receive of the one
@@ -131,25 +136,41 @@ class _Channel:
         self.expect = READY
         self.probe: _Sent | None = None
         self.since = 0.0
-        self.attempts = 0
+        self.attempts = 0  # connections made in a row that failed before their handshake
+        self.lost = 0  # ready connections lost in a row, no message acknowledged between
+        # once ready: the receive of the worker's next acknowledgement; messages handed to
+        # the connection and acknowledged on it
+        self.acks: _Sent | None = None
+        self.submitted = 0
+        self.acked = 0
+        self.resent = 0  # messages handed to a new connection again
 
 
 class UcxDataSender:
     """A :class:`~shadow.transport.send.DataSender` over UCX: one connection per worker,
     driven by UCX's progress thread (it sleeps on UCX's event file descriptor). ``hwm``:
-    messages in flight per worker before :meth:`send` waits (as a ZeroMQ send blocks at its
-    high-water mark); a connection that fails frees what it held at once. ``endpoints``:
-    ``ucx://host:port`` per worker, or "" for a worker not reached over UCX.
+    unacknowledged messages per worker before :meth:`send` waits (as a ZeroMQ send blocks
+    at its high-water mark). ``endpoints``: ``ucx://host:port`` per worker, or "" for a
+    worker not reached over UCX.
 
     A new connection carries no data message before it has been tried both ways: the
     worker's READY arrives, then the trainer sends a probe (a message sent as a data
-    message is) and the worker's ACK of it arrives. Messages sent before wait here (up to
-    ``hwm``) and go, in order, once it has. UCX over TCP lost the stream of a connection
-    that had just been set up (its first bytes arrived, the rest never did, with every send
-    reported complete), and a listener that is not a shadow worker never says READY. A
-    connection that fails, or does not answer within :data:`READY_TIMEOUT_S` (READY) or
-    :data:`ACK_TIMEOUT_S` (ACK), is made again, up to :data:`CONNECT_ATTEMPTS` times; then
-    the channel is broken until :meth:`open`."""
+    message is, carrying the channel's token) and the worker's ACK of it arrives. Messages
+    sent before wait here (up to ``hwm``) and go, in order, once it has. UCX over TCP lost
+    the stream of a connection that had just been set up (its first bytes arrived, the rest
+    never did, with every send reported complete), and a listener that is not a shadow
+    worker never says READY. A connection that fails, or does not answer within
+    :data:`READY_TIMEOUT_S` (READY) or :data:`ACK_TIMEOUT_S` (ACK), is made again.
+
+    Delivery is acknowledged: the worker says how many messages reached it whole on the
+    connection, and a message is done (its ring slots free) only then. A ready connection
+    that closes (its worker may live: UCX over TCP closed one under load with no fault) is
+    made again, and what it had not acknowledged is sent again, in order; the worker reads
+    what the old connection brought first and drops what arrives twice. After
+    :data:`CONNECT_ATTEMPTS` connections in a row that fail before their handshake is done
+    (a dead or reset worker refuses them), or :data:`RECONNECTS` ready ones lost in a row
+    with no message acknowledged between, the channel is broken: its messages are given up
+    and later ones dropped until :meth:`open`."""
 
     def __init__(self, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None) -> None:
         if curve is not None and any(c for c, ep in zip(curve, endpoints, strict=False) if ep):
@@ -159,6 +180,9 @@ class UcxDataSender:
             )
         self.L = lib()
         self.hwm = max(1, hwm)
+        #: whether a ready connection that is lost is made again (a peer standing for one
+        #: that never does, in tests, turns it off)
+        self.reconnect = True
         self.ctx = _context(self.L)
         # requests are handed to the progress thread, which submits them (delayed submission):
         # calling into UCX from this thread while that one progresses the same worker is a race.
@@ -167,7 +191,7 @@ class UcxDataSender:
         self.worker = self.L.UCXWorker(self.ctx, enable_delayed_submission=True)
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
-        self._connecting: dict[int, _Channel] = {}  # channels awaiting their worker's READY
+        self._connecting: dict[int, _Channel] = {}  # channels awaiting their worker's READY or ACK
         self._held = Held()  # sends of closed connections UCX has not let go of yet
         open_each(self, endpoints)
 
@@ -177,11 +201,11 @@ class UcxDataSender:
         if ch is None:
             raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
         self._advance_connecting()
-        self._reap(ch)
+        self._reap(worker, ch)
         while len(ch.out) >= self.hwm and ch.broken is None:
             time.sleep(0.0002)
             self._advance_connecting()
-            self._reap(ch)
+            self._reap(worker, ch)
         if ch.broken is not None:  # until open() gives this worker a channel again (a resync, a replica_in)
             if not ch.dropped:
                 logger.warning(
@@ -212,11 +236,14 @@ class UcxDataSender:
         ch, self.chans[worker] = self.chans[worker], None
         self._connecting.pop(worker, None)
         if ch is not None:
-            self._close_ep(ch)
-            self._give_up_unsent(ch)
+            self._close_connection(ch)
+            self._give_up(ch)
 
     def poll(self) -> None:
         self._advance_connecting()
+        for worker, ch in enumerate(self.chans):
+            if ch is not None and ch.ready:
+                self._reap(worker, ch)
 
     def close(self) -> None:
         for w in range(len(self.chans)):
@@ -235,6 +262,7 @@ class UcxDataSender:
         """Make ``ch``'s next connection and post the receive of the worker's READY."""
         host, port = parse(ch.endpoint)
         ch.broken, ch.ready, ch.attempts, ch.expect = None, False, ch.attempts + 1, READY
+        ch.submitted = ch.acked = 0
         try:
             ep = self.L.UCXEndpoint.create(self.worker, host, port, True)
         except Exception as exc:  # UCX refuses the address at once (most failures come later, as errors)
@@ -249,7 +277,7 @@ class UcxDataSender:
         self._connecting[worker] = ch
 
     def _advance_connecting(self) -> None:
-        """Move every connection awaiting its READY along, without waiting."""
+        """Move every connection awaiting its READY or ACK along, without waiting."""
         for worker, ch in list(self._connecting.items()):
             self._check_ready(worker, ch)
 
@@ -280,80 +308,125 @@ class UcxDataSender:
         if why is None:
             self._held.add(ch.probe)  # acknowledged, but UCX may not have completed its send yet
             ch.ready, ch.hello, ch.probe, ch.attempts = True, None, None, 0
+            ch.acks = self._post_ack(ch)
             for sent in ch.out:
+                if sent.ep is not None:
+                    ch.resent += 1
                 self._submit(ch, sent)
             return
-        ep, ch.ep, ch.hello = ch.ep, None, None
-        _close_endpoint(ep)
-        self._held.add(hello, ch.probe)
-        ch.probe = None
-        if ch.attempts >= CONNECT_ATTEMPTS:
+        self._close_connection(ch)
+        self._retry(worker, ch, why)
+
+    def _retry(self, worker: int, ch: _Channel, why: str) -> None:
+        """``ch``'s connection failed: make it again, or break the channel (see the class)."""
+        if ch.attempts >= CONNECT_ATTEMPTS or not self.reconnect:
             self._break(worker, ch, f"no working UCX connection to {ch.endpoint} after {ch.attempts} attempts: {why}")
             return
-        logger.warning("shadow worker %d: connecting to %s again: %s", worker, ch.endpoint, why)
+        if ch.lost > RECONNECTS:
+            self._break(
+                worker, ch, f"{ch.lost} UCX connections to {ch.endpoint} in a row lost with nothing acknowledged: {why}"
+            )
+            return
+        logger.warning(
+            "shadow worker %d: connecting to %s again (%d messages to send again): %s",
+            worker,
+            ch.endpoint,
+            len(ch.out),
+            why,
+        )
         self._connect(worker, ch)
 
     def _send_probe(self, ch: _Channel) -> None:
         """READY came: send the probe, as a data message is sent, and await its ACK."""
         frames = [np.zeros(64, np.uint8), np.zeros(4096, np.uint8)]
+        frames[0][:TOKEN_BYTES] = np.frombuffer(ch.token, np.uint8)
         head = PREAMBLE.pack(PROBE, len(frames), sum(f.nbytes for f in frames))
         head += b"".join(SIZE.pack(f.nbytes) for f in frames)
         probe = _Sent([], [np.frombuffer(head, np.uint8), *frames], None)
-        self._submit(ch, probe)
+        self._submit(ch, probe, data=False)
         buf = np.zeros(len(ACK), np.uint8)
         ch.hello = _Sent([ch.ep.stream_recv(_array(buf))], [buf], ch.ep)
         ch.probe, ch.expect, ch.since = probe, ACK, time.monotonic()
 
-    def _submit(self, ch: _Channel, sent: _Sent) -> None:
+    def _post_ack(self, ch: _Channel) -> _Sent:
+        buf = np.zeros(ACKED.size, np.uint8)
+        return _Sent([ch.ep.stream_recv(_array(buf))], [buf], ch.ep)
+
+    def _submit(self, ch: _Channel, sent: _Sent, data: bool = True) -> None:
         """Hand a message to UCX on ``ch``'s ready connection: the preamble and sizes, then
         each frame from where it lies."""
-        reqs = [ch.ep.stream_send(_array(b)) for b in sent.bufs if b.nbytes]
-        sent.reqs, sent.ep, sent.owner = reqs, ch.ep, None
+        if sent.reqs:  # handed to a connection that is gone: UCX may hold those requests still
+            self._held.add(Pending(sent.reqs, sent.bufs))
+        sent.reqs = [ch.ep.stream_send(_array(b)) for b in sent.bufs if b.nbytes]
+        sent.ep = ch.ep
+        if data:
+            ch.submitted += 1
+
+    def _reap(self, worker: int, ch: _Channel) -> None:
+        """Take the worker's acknowledgements on ``ch``'s ready connection (those messages
+        are done); a connection that failed is made again."""
+        self._held.prune()
+        if not ch.ready or ch.broken is not None:
+            return
+        why = None
+        acks = ch.acks
+        assert acks is not None
+        while acks.finished:
+            try:
+                acks.reqs[0].check_error()
+            except Exception as exc:
+                why = f"the UCX connection to {ch.endpoint} failed ({exc})"
+                break
+            magic, n = ACKED.unpack(acks.bufs[0].tobytes())
+            if magic != ACKED_MAGIC or not ch.acked <= n <= ch.submitted:
+                why = f"{ch.endpoint} acknowledged {n} of {ch.submitted} messages ({magic!r})"
+                break
+            for _ in range(n - ch.acked):
+                sent = ch.out.popleft()
+                sent.settled, sent.owner = True, None
+            if n > ch.acked:
+                ch.lost = 0  # this connection carried messages through
+            ch.acked = n
+            ch.acks = acks = self._post_ack(ch)
+        if why is None and not ch.ep.alive:
+            why = f"the UCX connection to {ch.endpoint} closed"
+        if why is None and ch.out and ch.out[0].finished:
+            try:
+                for r in ch.out[0].reqs:
+                    r.check_error()
+            except Exception as exc:
+                why = f"a send to {ch.endpoint} failed: {exc}"
+        if why is not None:
+            ch.lost += 1
+            self._close_connection(ch)
+            self._retry(worker, ch, why)
 
     def _break(self, worker: int, ch: _Channel, why: str) -> None:
         ch.broken = why
-        n = self._give_up_unsent(ch)
+        n = self._give_up(ch)
         if n:  # the first of the messages dropped from now on is counted and logged here
             ch.dropped += n
             logger.warning("shadow worker %d: %s; its messages are dropped until it is reached again", worker, why)
 
-    @staticmethod
-    def _give_up_unsent(ch: _Channel) -> int:
-        """Messages still waiting for a READY are done (never handed to UCX); how many."""
-        unsent = [sent for sent in ch.out if sent.ep is None]
-        for sent in unsent:
-            sent.owner = None
-        if unsent:
-            ch.out = collections.deque(sent for sent in ch.out if sent.ep is not None)
-        return len(unsent)
-
-    def _reap(self, ch: _Channel) -> None:
-        self._held.prune()
-        while ch.out and ch.out[0].ep is not None and ch.out[0].done:
-            sent = ch.out.popleft()
-            if not sent.finished:  # its connection is gone; UCX may still hold the buffers
+    def _give_up(self, ch: _Channel) -> int:
+        """Every message of ``ch`` is done, never to be sent (again); how many there were."""
+        for sent in ch.out:
+            sent.settled, sent.owner = True, None
+            if sent.reqs:
                 self._held.add(sent)
-            for r in sent.reqs:
-                if not r.completed:
-                    break
-                try:
-                    r.check_error()
-                except Exception as exc:
-                    if ch.broken is None:
-                        ch.broken = f"a send to {ch.endpoint} failed: {exc}"
-                    break
-        if ch.ready and ch.broken is None and not ch.ep.alive:
-            ch.broken = f"the UCX connection to {ch.endpoint} closed"
+        n = len(ch.out)
+        ch.out.clear()
+        return n
 
-    def _close_ep(self, ch: _Channel) -> None:
+    def _close_connection(self, ch: _Channel) -> None:
+        """Close ``ch``'s connection; what UCX may still read or write for it is held until
+        it lets go. Its messages stay, to be sent again or given up."""
         ep, ch.ep = ch.ep, None
         if ep is not None:
             _close_endpoint(ep)
-        # whatever was in flight is cancelled; what UCX has not let go of is kept until it does
-        held = [sent for sent in (*ch.out, ch.hello, ch.probe) if sent is not None and sent.ep is not None]
-        self._held.add(*held)
-        ch.out = collections.deque(sent for sent in ch.out if sent.ep is None)
-        ch.hello, ch.probe, ch.ready = None, None, False
+        self._held.add(ch.hello, ch.probe, ch.acks)
+        ch.hello = ch.probe = ch.acks = None
+        ch.ready = False
 
 
 __all__ = [
@@ -366,6 +439,7 @@ __all__ = [
     "PREAMBLE",
     "PROBE",
     "READY",
+    "RECONNECTS",
     "SCHEME",
     "SIZE",
     "UcxDataSender",

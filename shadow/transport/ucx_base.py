@@ -36,8 +36,19 @@ PROBE = b"SHUP"
 ACK = b"SHUA"
 #: seconds a trainer waits for its probe's ACK before it connects again
 ACK_TIMEOUT_S = 2.0
-#: connections a trainer makes to a worker before it gives up on it (until ``open()``)
+#: after the probe's ACK, what a worker sends on a connection: how many data messages have
+#: reached it whole on that connection (magic, count); the trainer keeps a message until then
+ACKED_MAGIC = b"SHUK"
+ACKED = struct.Struct("<4sQ")
+#: the probe's first frame starts with the trainer's channel token (random, one per channel
+#: it opens): a worker that sees a token again reads what the old connection brought first
+TOKEN_BYTES = 16
+#: connections in a row a trainer makes to a worker that fail before their handshake is
+#: done, before it gives up on it (until ``open()``)
 CONNECT_ATTEMPTS = 3
+#: ready connections in a row a trainer makes again, with no message acknowledged between,
+#: before it gives up on the worker (a connection that keeps failing once it is up)
+RECONNECTS = 4
 
 INSTALL = "pip install 'shadow-checkpoint[ucx]' (UCX for Python, ucxx)"
 
@@ -102,17 +113,18 @@ def _as_bytes(frame) -> np.ndarray:
     return np.frombuffer(frame, dtype=np.uint8) if len(memoryview(frame)) else np.empty(0, np.uint8)
 
 
-def _close_endpoint(ep: Any, blocking: bool = False) -> None:
-    """Close a UCX endpoint unless UCX already closed it (a peer that went away): closing
-    one twice crashes UCX for Python. ``blocking``: progress until the close is carried out
-    (up to 10 x 10 ms), so that the peer hears of it even if this worker is never
-    progressed again."""
+def _close_endpoint(ep: Any) -> None:
+    """Close a UCX endpoint unless UCX already closed it or is closing it, and wait (up to
+    10 x 10 ms) until the close is carried out, so that the peer hears of it even if this
+    worker is never progressed again.
+
+    Always the blocking close: UCX for Python's non-blocking one crashes the process (a null
+    request) on an endpoint already closing, and ``alive`` still says True then (a close
+    under way, or an error callback running on the progress thread). The blocking one
+    returns at once on such an endpoint."""
     try:
         if ep.alive:
-            if blocking:
-                ep.close_blocking(period=10_000_000, max_attempts=10)
-            else:
-                ep.close()
+            ep.close_blocking(period=10_000_000, max_attempts=10)
     except Exception:
         logger.debug("closing a UCX endpoint", exc_info=True)
 

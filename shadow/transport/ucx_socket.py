@@ -15,12 +15,15 @@ import zmq
 
 from shadow.transport.ucx_base import (
     ACK,
+    ACKED,
+    ACKED_MAGIC,
     MAGIC,
     MAX_CONNECTIONS,
     PREAMBLE,
     PROBE,
     READY,
     SIZE,
+    TOKEN_BYTES,
     Held,
     Pending,
     _array,
@@ -49,8 +52,12 @@ class _Conn:
         self.dead = False
         self.ready: Pending | None = None  # the READY sent
         self.probe = False  # the message being read is a probe, answered with ACK
-        self.acks: list[Pending] = []  # ACKs UCX may still read
+        self.acks: list[Pending] = []  # ACKs and acknowledgements UCX may still read
         self.proven = False  # a message from it has passed the receiver's checks (vouch)
+        self.token: bytes | None = None  # its trainer's channel token, from the probe
+        self.before: _Conn | None = None  # the same channel's lost connection, read first
+        self.whole = 0  # data messages read whole from it
+        self.told = 0  # ... as its peer was last told
 
     def in_flight(self) -> list[Pending]:
         """What UCX may still read or write for this connection: the receive posted, READY, ACKs."""
@@ -186,6 +193,8 @@ class UcxDataSocket:
                 except Exception as exc:  # a bug meeting an input: that connection goes, the worker stays
                     logger.exception("a UCX data connection could not be read")
                     self._drop(conn, f"ucx_error_{type(exc).__name__}", f"{type(exc).__name__}: {exc}")
+            if not conn.dead and conn.whole != conn.told:
+                self._acknowledge(conn)
         if any(c.dead for c in self.conns):
             self.conns = [c for c in self.conns if not c.dead or c.queue]
 
@@ -242,11 +251,13 @@ class UcxDataSocket:
                 frames.append(body[off : off + s])
                 off += s
             if conn.probe:  # a trainer trying its new connection: answer, hand nothing on
+                self._adopt(conn, bytes(frames[0][:TOKEN_BYTES]))
                 conn.acks = [a for a in conn.acks if not a.finished]
                 ack = np.frombuffer(ACK, np.uint8).copy()
                 conn.acks.append(Pending([conn.ep.stream_send(_array(ack))], [ack]))
             else:
                 conn.queue.append(frames)
+                conn.whole += 1
             if len(conn.queue) + len(conn.acks) > self.rcvhwm:
                 return self._drop(
                     conn, "ucx_overflow", f"more than {self.rcvhwm} messages queued (SHADOW_DATA_RCVHWM)", keep=False
@@ -254,6 +265,34 @@ class UcxDataSocket:
             conn.state = _Conn.PRE
             conn.buf = np.empty(PREAMBLE.size, np.uint8)
         self._post(conn)
+
+    def _adopt(self, conn: _Conn, token: bytes) -> None:
+        """``conn``'s probe carries its trainer's channel token. A connection of the same
+        channel seen before was lost (the trainer made this one to send again what it had
+        not seen acknowledged): it is closed, and what it queued whole is read before
+        anything of ``conn`` (:meth:`recv_first`). Messages that arrive twice that way are
+        dropped by their sequence numbers."""
+        if len(token) != TOKEN_BYTES or not any(token):
+            return
+        for old in self.conns:
+            if old is conn or old.token != token:
+                continue
+            old.token, conn.before = None, old
+            if not old.dead:
+                self._drop(old, None, "replaced by a new connection of its trainer's channel")
+        conn.token = token
+
+    def _acknowledge(self, conn: _Conn) -> None:
+        """Tell ``conn``'s trainer how many data messages have reached this worker whole on it
+        (once per progress round, not per message)."""
+        conn.acks = [a for a in conn.acks if not a.finished]
+        buf = np.frombuffer(ACKED.pack(ACKED_MAGIC, conn.whole), np.uint8).copy()
+        try:
+            conn.acks.append(Pending([conn.ep.stream_send(_array(buf))], [buf]))
+        except Exception as exc:
+            self._drop(conn, "ucx_send_failed", f"an acknowledgement could not be sent: {exc}")
+            return
+        conn.told = conn.whole
 
     def _drop(self, conn: _Conn, reason: str | None, why: str, keep: bool = True) -> None:
         """Close ``conn``; what it queued whole is still read unless ``keep`` is False."""
@@ -281,6 +320,10 @@ class UcxDataSocket:
         live = self.conns
         for i in range(len(live)):
             conn = live[(self._turn + i) % len(live)]
+            if conn.before is not None:  # its channel's lost connection is read first
+                if conn.before.queue:
+                    continue
+                conn.before = None
             if conn.queue:
                 self._turn = (self._turn + i + 1) % max(1, len(live))
                 self._cur, self._pos, self._cur_conn = conn.queue.popleft(), 1, conn
@@ -334,8 +377,8 @@ class UcxDataSocket:
     def _close_connections(self) -> None:
         for conn in self.conns:
             conn.queue.clear()
-            _close_endpoint(conn.ep, blocking=True)
+            _close_endpoint(conn.ep)
             self._held.add(*conn.in_flight())
         for ep in self._accepted:
-            _close_endpoint(ep, blocking=True)
+            _close_endpoint(ep)
         self.conns, self._accepted, self._cur, self._cur_conn = [], [], None, None

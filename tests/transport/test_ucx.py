@@ -14,6 +14,7 @@ import zmq
 
 from shadow.config import ClusterConfig, TransportConfig, WorkerConfig
 from shadow.config_security import SecurityConfig
+from shadow.testing.faults import sever
 from shadow.transport import ucx
 from shadow.transport.send import Channels, DataSender
 
@@ -151,6 +152,61 @@ def test_a_new_connection_is_tried_both_ways_before_it_carries_data(sock):
     out.close()
 
 
+def unacknowledged(monkeypatch) -> None:
+    """Workers read messages whole from now on but acknowledge none (until monkeypatch.undo)."""
+    from shadow.transport import ucx_socket
+
+    monkeypatch.setattr(ucx_socket.UcxDataSocket, "_acknowledge", lambda self, conn: None)
+
+
+def test_a_connection_lost_while_its_worker_lives_is_made_again_and_loses_nothing(monkeypatch):
+    sock = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=16, rejected=collections.Counter())
+    try:
+        _lost_and_made_again(sock, monkeypatch)
+    finally:
+        sock.close()
+
+
+def _lost_and_made_again(sock: ucx.UcxDataSocket, monkeypatch) -> None:
+    out = sender(sock)
+    payload = np.arange(1000, dtype=np.float32)
+    unacknowledged(monkeypatch)
+    trackers = [out.send(0, [b"m%d" % i, payload.data], True) for i in range(3)]
+    pump_until(sock, lambda: sum(len(c.queue) for c in sock.conns) == 3, "three messages whole at the worker")
+    ch = out.chans[0]
+    assert ch is not None and len(ch.out) == 3 and not any(t.done for t in trackers)  # kept until acknowledged
+    monkeypatch.undo()
+    assert sever(out, 0)  # the connection closes under the trainer; the worker lives
+    trackers.append(out.send(0, [b"m3", payload.data], True))
+    got: list = []
+    pump_until(
+        sock,
+        lambda: got.extend(read_all(sock)) or (len(got) == 7 and all(t.done for t in trackers)),
+        "the old connection's messages, the three sent again and a new one, all acknowledged",
+    )
+    # what the old connection brought is read first, then what was sent again (the worker's
+    # receiver drops the second copies by sequence number), then the rest
+    assert [m[0] for m in got] == [b"m0", b"m1", b"m2", b"m0", b"m1", b"m2", b"m3"]
+    assert all(np.array_equal(np.frombuffer(m[1], np.float32), payload) for m in got)
+    assert ch.resent == 3 and ch.broken is None and not ch.out and not sock.rejected
+    out.close()
+
+
+def test_a_connection_lost_again_and_again_with_nothing_acknowledged_breaks_the_channel(sock, monkeypatch):
+    out = sender(sock)
+    unacknowledged(monkeypatch)
+    out.send(0, [b"never acknowledged"], False)
+    ch = out.chans[0]
+    assert ch is not None
+    for lost in range(ucx.RECONNECTS + 1):
+        pump_until(sock, lambda: ch.ready, f"connection {lost + 1} ready")
+        assert sever(out, 0)
+        out.poll()
+    assert ch.broken is not None and "in a row lost with nothing acknowledged" in ch.broken
+    assert ch.dropped == 1 and not ch.out
+    out.close()
+
+
 def test_a_probe_that_never_gets_its_ack_makes_the_connection_again(sock, monkeypatch):
     from shadow.transport import ucx_socket
 
@@ -211,6 +267,13 @@ def live(sock: ucx.UcxDataSocket) -> int:
     return sum(not c.dead for c in sock.conns)
 
 
+def stranger(sock: ucx.UcxDataSocket) -> ucx.UcxDataSender:
+    """A sender that, unlike a trainer, does not connect again once its connection is closed."""
+    out = sender(sock)
+    out.reconnect = False
+    return out
+
+
 def test_connections_that_prove_nothing_cannot_crowd_out_a_trainer():
     """At its cap, the worker closes the oldest connection no checked message has come
     from, never one that has sent one; only when every one has is a new one refused."""
@@ -218,7 +281,7 @@ def test_connections_that_prove_nothing_cannot_crowd_out_a_trainer():
     try:
         strangers = []
         for i in range(3):  # connections that never send what a key holder sends
-            strangers.append(sender(sock))
+            strangers.append(stranger(sock))
             strangers[-1].send(0, [b"stranger%d" % i], False)  # connected and read: never vouched for
             pump_until(sock, lambda i=i: live(sock) == i + 1 and sock.pending(), f"stranger {i} connected")
             assert [m[0] for m in read_all(sock)] == [b"stranger%d" % i]
@@ -234,7 +297,7 @@ def test_connections_that_prove_nothing_cannot_crowd_out_a_trainer():
         pump_until(sock, lambda: got.extend(read_all(sock)) or len(got) == 2, "the two strangers still held")
         assert sorted(m[0] for m in got) == [b"again1", b"again2"]  # the oldest one made room
         for i in range(4):  # more strangers than the cap: each takes an unproven one's place
-            strangers.append(sender(sock))
+            strangers.append(stranger(sock))
             strangers[-1].send(0, [b"late%d" % i], False)
             got = []  # each in turn, so that none is taken out before its handshake is done
             pump_until(sock, lambda i=i, got=got: got.extend(read_all(sock)) or [b"late%d" % i] in got, f"late {i}")
