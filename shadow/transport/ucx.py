@@ -144,6 +144,7 @@ class _Channel:
         self.submitted = 0
         self.acked = 0
         self.resent = 0  # messages handed to a new connection again
+        self.failure: str | None = None  # why a call on the current connection failed
 
 
 class UcxDataSender:
@@ -263,6 +264,7 @@ class UcxDataSender:
         host, port = parse(ch.endpoint)
         ch.broken, ch.ready, ch.attempts, ch.expect = None, False, ch.attempts + 1, READY
         ch.submitted = ch.acked = 0
+        ch.failure = None
         try:
             ep = self.L.UCXEndpoint.create(self.worker, host, port, True)
         except Exception as exc:  # UCX refuses the address at once (most failures come later, as errors)
@@ -272,7 +274,12 @@ class UcxDataSender:
         # while holding the worker's lock, and a send on this thread waits for that lock
         ch.ep = ep
         buf = np.zeros(len(READY), np.uint8)
-        ch.hello = _Sent([ep.stream_recv(_array(buf))], [buf], ep)
+        try:
+            ch.hello = _Sent([ep.stream_recv(_array(buf))], [buf], ep)
+        except Exception as exc:  # the connection failed at once
+            self._close_connection(ch)
+            self._retry(worker, ch, f"the connection failed before the worker's READY ({exc})")
+            return
         ch.since = time.monotonic()
         self._connecting[worker] = ch
 
@@ -302,13 +309,19 @@ class UcxDataSender:
         else:
             return  # still waiting
         if why is None and ch.expect == READY:
-            self._send_probe(ch)
-            return
+            try:
+                self._send_probe(ch)
+                return
+            except Exception as exc:  # the connection failed since READY
+                why = f"the connection failed after the worker's READY ({exc})"
         del self._connecting[worker]
         if why is None:
             self._held.add(ch.probe)  # acknowledged, but UCX may not have completed its send yet
             ch.ready, ch.hello, ch.probe, ch.attempts = True, None, None, 0
-            ch.acks = self._post_ack(ch)
+            try:
+                ch.acks = self._post_ack(ch)
+            except Exception as exc:  # _reap finds it and connects again
+                ch.failure = f"the UCX connection to {ch.endpoint} failed ({exc})"
             for sent in ch.out:
                 if sent.ep is not None:
                     ch.resent += 1
@@ -344,6 +357,8 @@ class UcxDataSender:
         head += b"".join(SIZE.pack(f.nbytes) for f in frames)
         probe = _Sent([], [np.frombuffer(head, np.uint8), *frames], None)
         self._submit(ch, probe, data=False)
+        if ch.failure is not None:
+            raise ConnectionError(ch.failure)
         buf = np.zeros(len(ACK), np.uint8)
         ch.hello = _Sent([ch.ep.stream_recv(_array(buf))], [buf], ch.ep)
         ch.probe, ch.expect, ch.since = probe, ACK, time.monotonic()
@@ -357,10 +372,17 @@ class UcxDataSender:
         each frame from where it lies."""
         if sent.reqs:  # handed to a connection that is gone: UCX may hold those requests still
             self._held.add(Pending(sent.reqs, sent.bufs))
-        sent.reqs = [ch.ep.stream_send(_array(b)) for b in sent.bufs if b.nbytes]
-        sent.ep = ch.ep
+        sent.reqs, sent.ep = [], ch.ep
         if data:
             ch.submitted += 1
+        if ch.failure is not None:  # the connection is gone: it goes again on the next one
+            return
+        try:
+            for b in sent.bufs:
+                if b.nbytes:
+                    sent.reqs.append(ch.ep.stream_send(_array(b)))
+        except Exception as exc:  # UCX closed the connection under us (a failure, or its peer)
+            ch.failure = f"a send to {ch.endpoint} could not be posted: {exc}"
 
     def _reap(self, worker: int, ch: _Channel) -> None:
         """Take the worker's acknowledgements on ``ch``'s ready connection (those messages
@@ -368,10 +390,9 @@ class UcxDataSender:
         self._held.prune()
         if not ch.ready or ch.broken is not None:
             return
-        why = None
+        why = ch.failure
         acks = ch.acks
-        assert acks is not None
-        while acks.finished:
+        while why is None and acks is not None and acks.finished:
             try:
                 acks.reqs[0].check_error()
             except Exception as exc:
@@ -387,7 +408,12 @@ class UcxDataSender:
             if n > ch.acked:
                 ch.lost = 0  # this connection carried messages through
             ch.acked = n
-            ch.acks = acks = self._post_ack(ch)
+            if not ch.ep.alive:
+                break
+            try:
+                ch.acks = acks = self._post_ack(ch)
+            except Exception as exc:  # closed under us since
+                why = f"the UCX connection to {ch.endpoint} failed ({exc})"
         if why is None and not ch.ep.alive:
             why = f"the UCX connection to {ch.endpoint} closed"
         if why is None and ch.out and ch.out[0].finished:

@@ -254,7 +254,10 @@ class UcxDataSocket:
                 self._adopt(conn, bytes(frames[0][:TOKEN_BYTES]))
                 conn.acks = [a for a in conn.acks if not a.finished]
                 ack = np.frombuffer(ACK, np.uint8).copy()
-                conn.acks.append(Pending([conn.ep.stream_send(_array(ack))], [ack]))
+                try:
+                    conn.acks.append(Pending([conn.ep.stream_send(_array(ack))], [ack]))
+                except Exception as exc:  # closed by its peer meanwhile
+                    return self._drop(conn, None, f"closed before its probe was answered ({exc})")
             else:
                 conn.queue.append(frames)
                 conn.whole += 1

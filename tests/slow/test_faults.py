@@ -243,6 +243,54 @@ def test_network_faults_are_detected_and_healed(world1, tmp_path):
     raise AssertionError(f"no run saw every kind of fault (injected per run: {seen})")
 
 
+def test_a_ucx_connection_lost_while_its_worker_lives_loses_nothing(world1, tmp_path):
+    """The trainer's UCX connection to each worker closes under it, twice, right after it
+    sent a message (as UCX over TCP closed one under load with no fault): the connection is
+    made again, what the worker had not acknowledged goes again, and the run goes on in the
+    same epoch, with no resync, to a restore that is exact."""
+    from shadow.testing.faults import NetFaults, sever
+    from shadow.transport import ucx
+    from trainer_hooks import testing
+
+    if not ucx.available():
+        pytest.skip(f"UCX for Python is not installed: {ucx.INSTALL}")
+
+    class SeverAt(NetFaults):
+        """Every message goes; after the first one of each listed iteration to each worker,
+        that worker's connection closes under the sender."""
+
+        def __init__(self, iterations: set[int]) -> None:
+            super().__init__({}, 0)
+            self.at, self.cut = iterations, set()
+
+        def send(self, out, worker, frames, track, iteration):
+            tracker = out.send(worker, frames, track)
+            if iteration in self.at and (iteration, worker) not in self.cut and sever(out, worker):
+                self.cut.add((iteration, worker))
+            return tracker
+
+    cluster = LocalCluster(tmp_path, args=("transport.data=ucx",))
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        with testing.faults():  # no faults yet: the sender lets them be set below
+            session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="sever")
+        epoch = session.epoch
+        it = train(ddp, opt, sched, 2)
+        cuts = SeverAt({4, 6})
+        session.sender.net = cuts
+        it = train(ddp, opt, sched, 6, start=it)
+        assert session.close() == it
+        workers = len(cluster.status()["workers"])
+        assert len(cuts.cut) == 2 * workers  # every worker's connection, twice
+        st = cluster.wait_caught_up(it)
+        assert session.degraded is None and session.epoch == epoch  # nothing was lost: no resync
+        assert st["job"]["committed"] == it and st["job"]["epoch"] == epoch
+        _assert_restores(cluster, model, it)
+    finally:
+        cluster.stop()
+
+
 def test_lost_tail_messages_are_detected_without_a_sequence_gap(world1, tmp_path):
     """Every message of one iteration vanishes and the trainer then sends nothing (no later
     frame reveals a gap): the coordinator compares what the rank says it sent with what the
