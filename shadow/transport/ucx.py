@@ -26,11 +26,16 @@ a trainer's credit keeps a real one far below it). Every frame then goes through
 :class:`~shadow.transport.receive.FrameReceiver` (tags or MACs, bounds, epoch, layout).
 UCX carries no CURVE: a keyed cluster streams over UCX in ``mac`` mode only.
 
-A dead peer ends its connection with an error (UCX's peer error handling is on): the
-trainer's sends to it complete and free their buffers, and later messages to that worker
-are dropped until the channel is opened again (:meth:`UcxDataSender.open`: a resync's new
-sender, or a ``replica_in``); the coordinator finds the messages missing and resyncs, as
-when a ZeroMQ connection drops. The trainer does not reconnect on its own: a worker that
+Delivery is acknowledged: the worker tells each connection how many messages reached it
+whole (:data:`ACKED`), and the trainer keeps a message, and its ring slots, until then. A
+ready connection that is lost while its worker lives (UCX over TCP closed some under load,
+with no fault) is made again and its unacknowledged messages sent again, in order; the
+probe names the channel with a token, so the worker reads the lost connection's queue
+first, and drops what arrives twice by sequence number. A dead worker refuses the new
+connections (UCX's peer error handling is on): after a few, the channel is broken, its
+messages given up and later ones dropped until it is opened again
+(:meth:`UcxDataSender.open`: a resync's new sender, or a ``replica_in``); the coordinator
+finds the messages missing and resyncs, as when a ZeroMQ connection drops. A worker that
 comes back listens on a new port, which only the coordinator knows. No UCX callback runs
 Python on UCX's progress thread: it would wait for the GIL while holding the UCX worker's
 lock, which a send on the sender thread waits for.
@@ -457,6 +462,8 @@ class UcxDataSender:
 
 __all__ = [
     "ACK",
+    "ACKED",
+    "ACKED_MAGIC",
     "CONNECT_ATTEMPTS",
     "DEFAULTS",
     "INSTALL",
@@ -468,6 +475,7 @@ __all__ = [
     "RECONNECTS",
     "SCHEME",
     "SIZE",
+    "TOKEN_BYTES",
     "UcxDataSender",
     "UcxDataSocket",
     "available",
