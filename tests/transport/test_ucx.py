@@ -70,6 +70,17 @@ def sender(sock: ucx.UcxDataSocket, hwm: int = 100) -> ucx.UcxDataSender:
     return out
 
 
+def live(sock: ucx.UcxDataSocket) -> int:
+    return sum(not c.dead for c in sock.conns)
+
+
+def stranger(sock: ucx.UcxDataSocket) -> ucx.UcxDataSender:
+    """A sender that, unlike a trainer, does not connect again once its connection is closed."""
+    out = sender(sock)
+    out.reconnect = False
+    return out
+
+
 def raw(out: ucx.UcxDataSender, data: bytes):
     """Bytes on the connection as they are, bypassing the framing (what a stranger may send)."""
     ch = out.chans[0]
@@ -192,6 +203,29 @@ def _lost_and_made_again(sock: ucx.UcxDataSocket, monkeypatch) -> None:
     out.close()
 
 
+def test_a_connection_naming_a_channel_seen_before_takes_its_place_behind_its_queue(sock, monkeypatch):
+    """The worker has not seen the old connection fail: the new one's probe, with the same
+    token, closes it, and what it queued whole is still read first."""
+    first = stranger(sock)  # it would otherwise connect again, with the same token, in turn
+    unacknowledged(monkeypatch)
+    first.send(0, [b"m0"], False)
+    first.send(0, [b"m1"], False)
+    pump_until(sock, lambda: sum(len(c.queue) for c in sock.conns) == 2, "two messages whole at the worker")
+    monkeypatch.undo()
+    second = sender(sock)
+    ch1, ch2 = first.chans[0], second.chans[0]
+    assert ch1 is not None and ch2 is not None and not ch2.ready  # its probe has not gone yet
+    ch2.token = ch1.token
+    second.send(0, [b"m2"], False)
+    got: list = []
+    pump_until(sock, lambda: got.extend(read_all(sock)) or len(got) == 3, "both connections' messages")
+    assert [m[0] for m in got] == [b"m0", b"m1", b"m2"]
+    pump_until(sock, lambda: ch1.broken is not None, "the old connection closed by the worker")
+    assert live(sock) == 1 and not sock.rejected
+    first.close()
+    second.close()
+
+
 def test_a_connection_lost_again_and_again_with_nothing_acknowledged_breaks_the_channel(sock, monkeypatch):
     out = sender(sock)
     unacknowledged(monkeypatch)
@@ -261,17 +295,6 @@ def test_trainers_connecting_at_once_all_get_through(sock):
     assert sorted(m[0] for m in seen) == [b"rank%d" % i for i in range(6)]
     for out in outs:
         out.close()
-
-
-def live(sock: ucx.UcxDataSocket) -> int:
-    return sum(not c.dead for c in sock.conns)
-
-
-def stranger(sock: ucx.UcxDataSocket) -> ucx.UcxDataSender:
-    """A sender that, unlike a trainer, does not connect again once its connection is closed."""
-    out = sender(sock)
-    out.reconnect = False
-    return out
 
 
 def test_connections_that_prove_nothing_cannot_crowd_out_a_trainer():
