@@ -101,16 +101,16 @@ class _Sent(Pending):
     by UCX on a connection that is gone (they stay referenced until UCX lets go).
     ``ep``: the connection it was last handed to (None: not yet)."""
 
-    __slots__ = ("ep", "owner", "settled")
+    __slots__ = ("ep", "owner", "worker", "settled")
 
-    def __init__(self, reqs: list, bufs: list, ep: Any, owner: UcxDataSender | None = None) -> None:
+    def __init__(self, reqs: list, bufs: list, ep: Any, owner: UcxDataSender | None = None, worker: int = -1) -> None:
         super().__init__(reqs, bufs)
-        self.ep, self.owner, self.settled = ep, owner, False
+        self.ep, self.owner, self.worker, self.settled = ep, owner, worker, False
 
     @property
     def done(self) -> bool:
         if not self.settled and self.owner is not None:
-            self.owner.poll()  # reads acknowledgements, moves connections along
+            self.owner._poll_one(self.worker)  # reads its acknowledgements, moves its connection along
         return self.settled
 
 
@@ -223,7 +223,7 @@ class UcxDataSender:
         head = bytearray(PREAMBLE.pack(MAGIC, len(bufs), sum(b.nbytes for b in bufs)))
         for b in bufs:
             head += SIZE.pack(b.nbytes)
-        sent = _Sent([], [np.frombuffer(bytes(head), dtype=np.uint8), *bufs], None, self)
+        sent = _Sent([], [np.frombuffer(bytes(head), dtype=np.uint8), *bufs], None, self, worker)
         ch.out.append(sent)
         if ch.ready:
             self._submit(ch, sent)
@@ -250,6 +250,15 @@ class UcxDataSender:
         for worker, ch in enumerate(self.chans):
             if ch is not None and ch.ready:
                 self._reap(worker, ch)
+
+    def _poll_one(self, worker: int) -> None:
+        ch = self.chans[worker]
+        if ch is None:
+            return
+        if worker in self._connecting:
+            self._check_ready(worker, ch)
+        elif ch.ready:
+            self._reap(worker, ch)
 
     def close(self) -> None:
         for w in range(len(self.chans)):
