@@ -2,8 +2,12 @@
 
 That teardown is not what these runs check, and torch's part of it has failed in CI in runs
 without the shadow: a hang while rank 1 freed the DDP module and with it the gloo process group
-(rank 0 had exited), and an abort ("terminate called without an active exception") of a
-transformers Trainer rank whose process group was never destroyed."""
+(rank 0 had exited), and aborts ("terminate called without an active exception") of a
+transformers Trainer rank whose process group was never destroyed and of an FSDP rank
+spawned by torch.multiprocessing whose group was destroyed.
+
+A rank spawned by ``torch.multiprocessing`` may end this way too: its exit code 0 is what
+``mp.spawn`` waits for, and a failure still raises before it, with its traceback."""
 
 from __future__ import annotations
 

@@ -86,9 +86,13 @@ def _init(rank: int, world: int, port: int, shape: tuple[int, ...]):
 
 def _done() -> None:
     """Leave the process group once every rank is through its collectives (gloo aborts a
-    rank whose peer tears its pairs down under a collective still running)."""
+    rank whose peer tears its pairs down under a collective still running), then end the
+    rank without the interpreter's teardown (tests.helpers.end)."""
+    from tests.helpers.end import end_rank
+
     dist.barrier()
     dist.destroy_process_group()
+    end_rank()
 
 
 def _sched(opt):
