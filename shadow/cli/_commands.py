@@ -50,8 +50,18 @@ def cmd_status(cfg: StatusConfig) -> int:
     if not cfg.watch:
         _unreadable_status(render_status, st, cfg.address)
         return 0
+    import signal
+
     from rich.live import Live
 
+    def stop(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    # the watch runs until Ctrl-C or SIGTERM, even when started with SIGINT ignored (a
+    # background job of a non-interactive shell inherits it so, and Python then never
+    # raises KeyboardInterrupt)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     with Live(_unreadable_status(status_panel, st, cfg.address), auto_refresh=False, console=stdout_console()) as live:
         try:
             while True:

@@ -156,6 +156,9 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
             text=True,
             cwd=ROOT,
             env=dict(os.environ, COLUMNS="220"),
+            # started as a background job of a non-interactive shell is (CI's): SIGINT
+            # ignored, which Python inherits and then never raises KeyboardInterrupt
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
         time.sleep(2.0)  # several redraws
         watch.send_signal(signal.SIGINT)

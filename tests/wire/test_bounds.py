@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import socket
 import struct
-import time
 
 import msgpack
 import numpy as np
@@ -57,9 +56,7 @@ def test_an_oversized_status_is_refused_by_its_size_without_decoding(monkeypatch
         raise AssertionError("the body was decoded")
 
     monkeypatch.setattr(M.msgpack, "unpackb", no_decode)
-    t0 = time.perf_counter()
-    assert _reason(raw) == "too_large"
-    assert time.perf_counter() - t0 < 0.05
+    assert _reason(raw) == "too_large"  # refused by its length alone: the body is never decoded
     assert len(raw) > M.limits("status").bytes
 
 
@@ -339,21 +336,30 @@ def live(tmp_path_factory):
 
 
 @pytest.mark.slow
+def _recv_within(s, what: str, timeout_s: float = 60.0) -> bytes:
+    """The next message on ``s``; a coordinator that sends none within ``timeout_s`` (a
+    liveness bound, not a speed one) fails naming what was awaited."""
+    assert s.poll(int(timeout_s * 1000)), f"no reply within {timeout_s} s: {what}"
+    return s.recv()
+
+
 def test_a_status_full_of_empty_arrays_does_not_stall_the_coordinator(live):
     """Row 3: a status carrying 12 MB of empty msgpack arrays: +390 MB and 5.9 s silent."""
     before = live.status()["rejected"].get("too_large", 0)
     rss0 = rss_bytes(live.proc.pid)
     s = SocketFactory().dealer(live.address, fetch_limit())  # this user's key set, as every client of it
     try:
-        t0 = time.monotonic()
+        # what it did, not how fast (a wall-clock bound fails on a slower machine): the
+        # oversized status is refused by its length, never decoded
+        # (test_an_oversized_status_is_refused_by_its_size_without_decoding), and the
+        # status sent behind it is answered
         s.send(_empty_arrays("status", 12_000_000))
         s.send(M.encode("status"))
-        assert s.poll(10_000)
-        first = M.decode(s.recv())
+        first = M.decode(_recv_within(s, "the refusal of the oversized status"))
         assert first["t"] == "error" and first["code"] == "malformed" and "too_large" in first["message"], first
-        assert s.poll(10_000)
-        assert M.decode(s.recv())["t"] == "status_reply"
-        assert time.monotonic() - t0 < 1.0
+        second = M.decode(_recv_within(s, "the answer to the status sent behind it"))
+        assert second["t"] == "status_reply", second
+        assert second["status"]["rejected"]["too_large"] == before + 1
     finally:
         s.close(linger=0)
     grown = rss_bytes(live.proc.pid) - rss0
