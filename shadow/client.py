@@ -35,6 +35,9 @@ class LogWaiting:
         now = time.monotonic()
         if now >= self.next:
             self.next = now + self.EVERY_S
+            if msg.get("reason"):
+                logger.warning("%s: attach held for %.0f s: %s", self.who, now - self.t0, msg["reason"])
+                return
             logger.info(
                 "%s: waiting for %d of %d workers of the shadow cluster at %s (%d ready, %d starting: "
                 "compiling their kernels) for %.0f s",
@@ -71,6 +74,11 @@ def request(
                 interim(last)
             continue
         if left <= 0:
+            if last is not None and last.get("reason"):
+                raise ShadowConnectionError(
+                    f"shadow coordinator at {address} held this request for {timeout:.0f} s "
+                    f"(SHADOW_CONNECT_TIMEOUT_S): {last['reason']}"
+                )
             if last is not None:
                 raise ShadowConnectionError(
                     f"shadow coordinator at {address}: {last['ready']} of {last['expected']} workers were ready "

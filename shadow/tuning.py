@@ -42,6 +42,9 @@ class Tuning:
     coordinator_lost_s: float = _knob(
         10.0, "COORDINATOR_LOST_S", "a trainer hearing nothing from the coordinator this long trains unprotected"
     )
+    unprotected_warn_iterations: int = _knob(
+        100, "UNPROTECTED_WARN_ITERATIONS", "a rank training without new checkpoints warns again every this many steps"
+    )
     metrics_port: int = _knob(
         0, "METRICS_PORT", "trainer /metrics on this port + LOCAL_RANK (0 = off; host: SHADOW_METRICS_HOST)"
     )

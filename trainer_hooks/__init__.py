@@ -21,6 +21,7 @@ from shadow.tuning import Tuning
 from trainer_hooks._metrics import serve_metrics
 from trainer_hooks._optim import UnsupportedOptimizerError
 from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore
+from trainer_hooks._restore import resume as _resume
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.session import Session
 
@@ -44,6 +45,8 @@ def attach(
     audit_strict: bool = False,
     exact: bool = True,
     tuning: Tuning | None = None,
+    resume: bool | str = False,
+    resize: bool = False,
 ) -> Session:
     """Stream every iteration of ``ddp_model``/``optimizer`` to the shadow cluster at
     ``coordinator``. Call on every rank, before the first backward; returns the rank's
@@ -87,6 +90,18 @@ def attach(
         tuning: the knobs of this rank's session (a :class:`shadow.tuning.Tuning`: ring size,
             lag, timeouts, ...). Default: :meth:`Tuning.load`, each field from its
             ``SHADOW_<NAME>`` environment variable, else its default.
+        resume: restore first, from the cluster at ``coordinator``, then attach at the
+            restored iteration. ``"auto"``: when the cluster holds a checkpoint of ``job``
+            (in memory or a tier), else start fresh, so that the same command line serves
+            the first launch and every relaunch (torchrun ``--max-restarts``, a requeue);
+            ``True``: always (no checkpoint is an error); ``False`` (default): never (call
+            :func:`restore` yourself). What was restored is ``session.restored`` (a
+            :class:`RestoreInfo`, ``None`` on a fresh start): go on from
+            ``session.restored.iteration`` with its ``extra_state``. The RNG states are
+            set here: a loop that draws before its first step after a restore (a prefetched
+            batch) calls :func:`restore` with ``defer_rng=True`` itself instead.
+        resize: with ``resume``: a checkpoint taken with another number of ranks is
+            restored anyway (see :func:`restore`); otherwise it is refused on every rank.
 
     A failure of the shadow (a lost worker or coordinator, an error it reports, a stall
     past ``tuning.block_timeout_s``) never stops training: the rank trains on unprotected
@@ -95,6 +110,14 @@ def attach(
     twice without ``no_sync``) or asked for (``audit_strict``) is raised, at the next
     ``optimizer.step()``, never from inside DDP.
     """
+    if resume not in (False, True, "auto"):
+        raise ValueError(f"resume={resume!r}: use 'auto' (restore when the cluster holds the job), True or False")
+    restored = None
+    if resume:
+        restore_from = _resume if resume == "auto" else restore
+        restored = restore_from(
+            ddp_model, optimizer, coordinator, scheduler=scheduler, scaler=scaler, job=job, resize=resize
+        )
     options = AttachOptions(
         scheduler=scheduler,
         scaler=scaler,
@@ -109,8 +132,12 @@ def attach(
         exact=exact,
         tuning=Tuning.load() if tuning is None else tuning,
     )
-    return Session(ddp_model, optimizer, coordinator, options, iteration=iteration, overwrite=overwrite)
+    session = Session(ddp_model, optimizer, coordinator, options, iteration=iteration, overwrite=overwrite)
+    session.restored = restored
+    return session
 
+
+resume = _resume
 
 __all__ = [
     "AttachOptions",
@@ -128,6 +155,7 @@ __all__ = [
     "export",
     "export_weights",
     "restore",
+    "resume",
     "serve_metrics",
     "state_dicts",
 ]

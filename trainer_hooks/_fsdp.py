@@ -30,6 +30,11 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def is_sharded(params: Sequence[torch.Tensor]) -> bool:
+    """``params`` are FSDP2's (DTensors): each rank holds its rows, on any mesh."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local tensor; a plain tensor itself)."""
     return t.to_local() if isinstance(t, DTensor) else t

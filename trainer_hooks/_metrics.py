@@ -38,6 +38,7 @@ def _samples() -> Samples:
         "shadow_trainer_bytes_sent": [(rank, st["bytes_out"])],
         "shadow_trainer_messages_sent": [(rank, st["messages_out"])],
         "shadow_trainer_degraded": [(rank, 1 if st["degraded"] else 0)],
+        "shadow_trainer_unprotected_steps": [(rank, st["unprotected_steps"])],
     }
 
 

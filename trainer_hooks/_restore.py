@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shadow.errors import LayoutMismatchError, ShadowError
+from shadow.errors import LayoutMismatchError, ShadowError, ShadowUsageError
 from shadow.export.extras import recorded
 from shadow.export.state import state_dicts
 from shadow.layout import Layout
@@ -90,6 +90,61 @@ def process_rank(rank: int | None, world: int) -> int:
     )
 
 
+def current_world() -> int | None:
+    """The number of ranks this process trains with: the default process group's size if
+    one is initialised, else ``$WORLD_SIZE`` (torchrun and every launcher set it), else
+    None (a single process outside any launcher: an evaluation or a conversion script)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    env = os.environ.get("WORLD_SIZE")
+    if env is None:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"WORLD_SIZE={env!r} in the environment is not a world size (an integer >= 1)")
+    return value
+
+
+def check_world(saved: int, job: str, iteration: int, resize: bool, resharded: bool = False) -> int | None:
+    """This run's world size once a checkpoint taken with ``saved`` ranks may be restored
+    into it. Another size is refused (:class:`ShadowUsageError`, naming both; nothing
+    changed) unless ``resize``: the data order and each rank's RNG and extra state belong
+    to the ranks that took it, so the run would not be the one checkpointed. Every rank
+    refuses alike (the sizes are the same on all of them). ``resharded``: an FSDP2 model,
+    whose restore onto another mesh takes each rank's rows and is allowed as it is.
+    None: the world is not known (no process group, no ``$WORLD_SIZE``)."""
+    world = current_world()
+    if world is None or world == saved or resharded:
+        return world
+    if not resize:
+        raise ShadowUsageError(
+            f"the checkpoint of job {job!r} at iteration {iteration} was taken with {saved} rank"
+            f"{'s' if saved != 1 else ''}, and this run has {world}: resumed so, the data order and each "
+            "rank's RNG and extra state would not be the checkpointed run's; relaunch with "
+            f"{saved} ranks, or pass resize=True to restore the model, optimizer and scheduler onto {world} "
+            "ranks anyway; nothing was changed"
+        )
+    kept = min(saved, world)
+    logger.warning(
+        "job %s iteration %d: restoring a %d-rank checkpoint onto %d ranks (resize=True): the model, optimizer "
+        "and scheduler are restored; ranks 0-%d get their own RNG and extra state back%s",
+        job,
+        iteration,
+        saved,
+        world,
+        kept - 1,
+        (
+            f", ranks {saved}-{world - 1} keep their RNG as it is and get the job-wide extra state"
+            if world > saved
+            else f"; the RNG and extra state of ranks {world}-{saved - 1} are dropped"
+        ),
+    )
+    return world
+
+
 def restore(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -105,6 +160,7 @@ def restore(
     tuning: Tuning | None = None,
     sign_key: bytes | None = None,
     defer_rng: bool = False,
+    resize: bool = False,
 ) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
@@ -129,6 +185,12 @@ def restore(
     alone and return their states in ``info.rng``; call ``info.apply_rng()`` once the loop
     has drawn what it draws before the point of the checkpoint (a prefetched batch, a new
     DataLoader iterator).
+
+    ``resize``: a checkpoint taken with another number of ranks than this run has (the
+    process group's size, else ``$WORLD_SIZE``) is refused on every rank, naming both,
+    unless ``resize=True``: the model, optimizer and scheduler are then restored, the ranks
+    the checkpoint had get their RNG and extra state back, and the others keep theirs (a
+    warning says which). An FSDP2 model restores onto any mesh as it is.
     """
     if source is None:
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
@@ -144,6 +206,8 @@ def restore(
             built = None  # apply_snapshot says what does not match
         if built is not None:  # a model on the CPU gets its parameters straight from the workers (memory only)
             sink = ModelParams.of(*built)
+            if sink is not None and not resize:
+                sink.world = current_world()  # a checkpoint of another world is refused before any change
             ranges = _fsdp.rows_ranges(*built)  # FSDP2: a fetch from memory reads this rank's rows only
     try:
         snap = resolve(
@@ -166,6 +230,7 @@ def restore(
             rank=rank,
             defer_rng=defer_rng,
             built=built,
+            resize=resize,
         )
     except Exception:
         if sink is not None and sink.written:
@@ -175,6 +240,34 @@ def restore(
                 "restore again before training on"
             )
         raise
+
+
+def resume(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    source: str,
+    *,
+    job: str | None = None,
+    timeout: float | None = None,
+    tuning: Tuning | None = None,
+    sign_key: bytes | None = None,
+    **restore_kwargs: Any,
+) -> RestoreInfo | None:
+    """:func:`restore` when ``source`` holds a checkpoint of job ``job``; None, changing
+    nothing, when it holds none (a fresh start). One command line then serves a run's first
+    launch and every relaunch (torchrun ``--max-restarts``, a Slurm requeue, a pod
+    restart). Only a job the source does not know starts fresh (for a cluster: neither its
+    memory nor any tier holds a checkpoint of it); one it holds but cannot restore raises,
+    never starting over silently. ``restore_kwargs``: :func:`restore`'s (``scheduler``,
+    ``scaler``, ``resize``, ``defer_rng``, ...)."""
+    from shadow.restore import holds_job
+
+    if not holds_job(source, job, timeout, tuning, sign_key):
+        logger.info("%s holds no checkpoint of job %s: a fresh start", source, job if job is not None else "(any)")
+        return None
+    return restore(
+        model, optimizer, source, job=job, timeout=timeout, tuning=tuning, sign_key=sign_key, **restore_kwargs
+    )
 
 
 def apply_snapshot(
@@ -188,14 +281,17 @@ def apply_snapshot(
     rank: int | None = None,
     defer_rng: bool = False,
     built: tuple[Layout, list[torch.Tensor]] | None = None,
+    resize: bool = False,
 ) -> RestoreInfo:
     """Load a :class:`shadow.restore.Snapshot` (from :func:`shadow.restore.resolve`) into
     ``model``/``optimizer``/``scheduler``/``scaler`` and this rank's RNG states; what
     :func:`restore` does once it has found the checkpoint. ``built``: the model and
     optimizer's ``(layout, params)`` when the caller has built them already (they are
-    then not built again)."""
+    then not built again). ``resize``: as :func:`restore`'s."""
     rank = process_rank(rank, snap.world)
     params = _live_params(snap, model, optimizer, built)
+    if not weights_only and optimizer is not None:  # the model's weights alone go onto any world
+        check_world(snap.world, snap.job, snap.iteration, resize, resharded=_fsdp.is_sharded(params))
     sd = state_dicts(snap)
     try:
         extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras))  # checked before any change

@@ -28,6 +28,7 @@ class ModelParams:
         self.scatter: Scatter = self  # the fetch's Scatter
         self.local = threading.local()  # each fetch thread's staging buffer
         self.written = False  # a chunk has been put into the parameters
+        self.world: int | None = None  # a checkpoint of another world is not put in place (ParamSink)
 
     @classmethod
     def of(cls, layout: Layout, params: list[torch.Tensor]) -> ModelParams | None:

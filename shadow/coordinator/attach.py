@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 Msg = dict[str, Any]
 
+#: a ``detach`` of this epoch withdraws the sender's held attach (trainer_hooks' handshake)
+WITHDRAW = -1
+
 
 class Attach:
     """Handlers ``attach`` and ``detach`` (trainers); attaches held while their ranks
@@ -111,6 +114,23 @@ class Attach:
             p = self.state.pending[name]
             world = next(iter(p["ranks"].values()))[1]["world"]
             if ready >= self.state.expected and len(p["ranks"]) >= world:
+                owned = self._live_owner(name, p["ranks"])
+                p["owned"] = owned
+                if owned is not None:  # held until the live run's ranks fall silent, or the deadline
+                    now = time.monotonic()
+                    if now >= p.get("owner_told", 0.0):
+                        p["owner_told"] = now + 5.0
+                        logger.warning("attach of job %s held: %s", name, owned)
+                        for ident, _ in p["ranks"].values():
+                            self.out.reply(
+                                [ident],
+                                "waiting",
+                                ready=ready,
+                                expected=self.state.expected,
+                                starting=len(self.state.starting),
+                                reason=owned,
+                            )
+                    continue
                 del self.state.pending[name]
                 try:
                     self._start_job(name, p["ranks"])
@@ -136,7 +156,12 @@ class Attach:
             p = self.state.pending.pop(name)
             world = next(iter(p["ranks"].values()))[1]["world"]
             ready = len(self.state.ready_workers(now))
-            if len(p["ranks"]) < world:
+            if p.get("owned"):
+                text = (
+                    f"attach of job {name!r} refused after {now - p['since']:.0f} s (SHADOW_CONNECT_TIMEOUT_S): "
+                    f"{p['owned']}"
+                )
+            elif len(p["ranks"]) < world:
                 text = (
                     f"attach of job {name!r} timed out: {len(p['ranks'])} of {world} ranks arrived "
                     f"(ranks {sorted(p['ranks'])}); every rank must call attach"
@@ -150,6 +175,51 @@ class Attach:
             logger.error("attach of job %s failed: %s", name, text)
             for ident, _ in p["ranks"].values():
                 self.out.reply([ident], "error", code="timeout", message=text)
+
+    def _live_owner(self, name: str, ranks: dict) -> str | None:
+        """Why the attach of job ``name`` (every rank's message in ``ranks``) may not start
+        yet: the job the cluster holds still has an owner, a run whose ranks heartbeat
+        within :func:`~shadow.coordinator.trainers.heard_window_s`. No launch takes over a
+        live owner, whatever ``overwrite`` says; None once its ranks are silent (they are
+        then taken over), and at once for the owner's own ranks re-attaching (a resync: they
+        prove it with their rank tokens) or for the next round of the same elastic launch
+        (torchrun's restarts, a Slurm requeue: the same run, a later restart round, whose
+        launcher ended the round before)."""
+        from shadow.coordinator.trainers import heard_window_s
+
+        old = self.state.job
+        if old is None or old.status == JobStatus.DETACHED:
+            return None
+        now, window = time.monotonic(), heard_window_s(self.state.tuning)
+        alive = old.ranks_heard(now, window)
+        if not alive:
+            return None
+        msgs = {r: m for r, (_, m) in ranks.items()}
+        if old.name != name and not msgs[min(msgs)]["overwrite"]:
+            return None  # refused at once by _start_job: another job only replaces this one with overwrite
+        if old.name == name and all(_proves_owner(old, r, m.get("owner")) for r, m in msgs.items()):
+            return None
+        launch = _launch(msgs[min(msgs)].get("launch"))
+        if old.name == name and old.launch is not None and _next_round(old.launch, launch):
+            logger.warning(
+                "job %s: restart round %s of launch %s takes over from round %d (epoch %d, generation %d)",
+                name,
+                launch["restart"] if launch else "?",
+                launch["run"][:200] if launch else "?",
+                old.launch["restart"],
+                old.epoch,
+                old.generation,
+            )
+            return None
+        latest = now - max(old.last_heard(r) for r in alive)
+        return (
+            f"job {old.name!r} (epoch {old.epoch}, generation {old.generation}, committed iteration "
+            f"{old.cut if old.cut >= old.base else 'none yet'}) is owned by a live run: "
+            f"{len(alive)} of its {old.world} ranks sent a heartbeat within the last {window:g} s "
+            f"(SHADOW_WORKER_LOST_S), the latest {latest:.1f} s ago. A launch never takes over a live job "
+            "(overwrite=True neither): this attach waits until they are silent for that long and then takes "
+            "over; stop the other run, or detach it on purpose with `shadow drop job=" + old.name + " force=true`"
+        )
 
     def _start_job(self, name: str, ranks: dict) -> None:
         """Every rank of job ``name`` has asked to attach: check what they agree on, the
@@ -191,7 +261,26 @@ class Attach:
         generation = self._generation(name, msgs, old)
         if isinstance(generation, str):
             return fail(generation)
-        self._new_epoch(name, first, layout, idents, generation, old)
+        took_over = self._takeover(name, msgs, old)
+        self._new_epoch(name, first, layout, idents, generation, old, took_over)
+
+    def _takeover(self, name: str, msgs: list[dict], old: JobRec | None) -> str:
+        """What the new ranks of job ``name`` are told when they take over a job whose
+        previous run did not detach (its ranks crashed or were killed): the old epoch and
+        generation, and how long its ranks have been silent; "" otherwise (a new job, the
+        old one detached, or its own ranks re-attaching)."""
+        if old is None or old.status == JobStatus.DETACHED:
+            return ""
+        if old.name == name and all(_proves_owner(old, r, m.get("owner")) for r, m in enumerate(msgs)):
+            return ""
+        silent = time.monotonic() - max((old.last_heard(r) for r in range(old.world)), default=old.created)
+        text = (
+            f"took over job {old.name!r} from its previous run (epoch {old.epoch}, generation {old.generation}, "
+            f"committed iteration {old.cut if old.cut >= old.base else 'none'}), whose ranks were last heard "
+            f"{silent:.1f} s ago and never detached"
+        )
+        logger.warning("job %s: %s", name, text)
+        return text
 
     @staticmethod
     def _agreed_layout(msgs: list[dict]) -> Layout | str:
@@ -246,7 +335,14 @@ class Attach:
         return generation
 
     def _new_epoch(
-        self, name: str, first: dict, layout: Layout, idents: dict, generation: int, old: JobRec | None
+        self,
+        name: str,
+        first: dict,
+        layout: Layout,
+        idents: dict,
+        generation: int,
+        old: JobRec | None,
+        took_over: str = "",
     ) -> None:
         """The job's new epoch: its record, the tiers reset to its base, and every worker
         configured for its range with a fresh data key."""
@@ -271,6 +367,8 @@ class Attach:
         )
         job.cut = base - 1
         job.generation = generation
+        job.launch = _launch(first.get("launch"))
+        job.took_over = took_over
         self.persist.reset(base)
         st.tokens.clear()
         for w in st.workers:
@@ -362,6 +460,16 @@ class Attach:
         return any(c.iteration == base and not c.superseded and not c.diverged for c in found)
 
     def on_detach(self, env: list[bytes], msg: Msg) -> None:
+        if msg["epoch"] == WITHDRAW:  # a rank gave up waiting: its held attach goes (from its connection only)
+            for name, p in list(self.state.pending.items()):
+                held = p["ranks"].get(msg["rank"])
+                if held is not None and held[0] == env[0]:
+                    del p["ranks"][msg["rank"]]
+                    p["held"] -= p["bytes"].pop(msg["rank"], 0)
+                    logger.info("attach of job %s rank %d withdrawn by the rank", name, msg["rank"])
+                    if not p["ranks"]:
+                        del self.state.pending[name]
+            return
         job = self.state.job
         if job is not None and msg["epoch"] == job.epoch and self.state.from_rank(env, msg["rank"]):
             job.detached.add(msg["rank"])
@@ -374,3 +482,36 @@ def _host(endpoint: str) -> str:
     """The host of a worker's ``tcp://host:port`` data endpoint (workers on one host
     share its memory)."""
     return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+def _proves_owner(job: JobRec, rank: int, owner: object) -> bool:
+    """``owner`` (an attach's) proves its sender is rank ``rank`` of ``job``'s epoch: the
+    epoch and the rank token its ``attached`` gave it."""
+    return (
+        isinstance(owner, dict)
+        and owner.get("epoch") == job.epoch
+        and 0 <= rank < job.world
+        and job.rank_token_ok(rank, owner.get("token"))
+    )
+
+
+def _launch(value: object) -> dict | None:
+    """An attach's ``launch`` (``{"run": str, "restart": int}``), or None when absent or
+    not of that form."""
+    if (
+        isinstance(value, dict)
+        and isinstance(value.get("run"), str)
+        and 0 < len(value["run"]) <= 256
+        and isinstance(value.get("restart"), int)
+        and not isinstance(value["restart"], bool)
+        and value["restart"] >= 0
+    ):
+        return {"run": value["run"], "restart": value["restart"]}
+    return None
+
+
+def _next_round(held: dict | None, launch: object) -> bool:
+    """``launch`` is a later restart round of the launch that attached ``held``: its
+    launcher ended the earlier round's ranks before starting these."""
+    new = _launch(launch)
+    return held is not None and new is not None and new["run"] == held["run"] and new["restart"] > held["restart"]

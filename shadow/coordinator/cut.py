@@ -58,6 +58,7 @@ class Cut:
                 epoch=job.epoch,
                 job_id=job.job_id,
                 workers=workers,
+                **({"took_over": job.took_over} if job.took_over else {}),
             )
             logger.info("job %s epoch %d attached: %d ranks, %d workers", job.name, job.epoch, job.world, len(workers))
 

@@ -163,6 +163,8 @@ class JobRec:
     heard: dict[int, float] = field(default_factory=dict)  # rank -> monotonic time of its last trainer_hb
     dropped: str = ""  # why ``shadow drop`` detached it, or "" (its trainers are told so if they come back)
     degraded_at: float = 0.0  # monotonic time of the last degrade
+    launch: dict | None = None  # the launcher's run and restart round the ranks attached in ({"run", "restart"})
+    took_over: str = ""  # what the ranks were told when this epoch took over a run that never detached
     # what each rank's token derives from (rank_token): drawn per job, kept by the workers in
     # their configure, so a rebuilt job still knows its ranks
     secret: bytes = field(default_factory=lambda: os.urandom(32))

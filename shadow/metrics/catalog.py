@@ -159,6 +159,12 @@ TRAINER = (
     _m("shadow_trainer_bytes_sent", "counter", "Bytes this rank sent to the shadow cluster.", "rank"),
     _m("shadow_trainer_messages_sent", "counter", "Messages this rank sent to the shadow cluster.", "rank"),
     _m("shadow_trainer_degraded", "gauge", "1 while this rank is not streaming because the job is degraded.", "rank"),
+    _m(
+        "shadow_trainer_unprotected_steps",
+        "gauge",
+        "Steps in a row this rank trained without new checkpoints (0 while protected).",
+        "rank",
+    ),
 )
 
 ALL = {m.name: m for m in COORDINATOR + WORKER + TRAINER}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shadow.restore.memory import MemorySource, MovedOn, ParamSink, fetch_memory, restore_info
-from shadow.restore.resolve import find_checkpoint, is_endpoint, open_source, pick, resolve
+from shadow.restore.resolve import find_checkpoint, holds_job, is_endpoint, open_source, pick, resolve
 from shadow.restore.sources import Candidate, RestoreSource
 from shadow.snapshot import Snapshot
 
@@ -26,6 +26,7 @@ __all__ = [
     "TierSource",
     "fetch_memory",
     "find_checkpoint",
+    "holds_job",
     "is_endpoint",
     "open_source",
     "pick",

@@ -103,11 +103,15 @@ class ParamSink(Protocol):
     """The live parameters a restore receives ``Field.PARAM`` into, when its checkpoint has
     their layout (``layout_hash``): ``scatter`` puts each checked chunk in place (see
     :class:`shadow.transport.fetch.Scatter`); ``tensors``, layout order, end up in
-    :attr:`Snapshot.placed`. ``trainer_hooks.restore`` makes one for a model on the CPU."""
+    :attr:`Snapshot.placed`; ``world``: the ranks of the job the checkpoint must have been
+    taken with for the parameters to go in before the caller's checks (None: any; another
+    world is fetched into flat arrays, so a refusal changes nothing).
+    ``trainer_hooks.restore`` makes one for a model on the CPU."""
 
     layout_hash: int
     scatter: fetch.Scatter
     tensors: tuple
+    world: int | None
 
 
 def fetch_memory(
@@ -155,7 +159,9 @@ def fetch_memory(
             total,
             info.get("iteration"),
         )
-    placed = wanted is None and sink is not None and sink.layout_hash == layout.hash
+    placed = (
+        wanted is None and sink is not None and sink.layout_hash == layout.hash and sink.world in (None, info["world"])
+    )
     targets: dict = {Field.PARAM: sink.scatter} if placed and sink is not None else {}
     alloc = _lazy if wanted is not None else (lambda n: np.empty(n, dtype=np.float32))
     arrays = {fld: alloc(total) for fld in fields if fld not in targets}

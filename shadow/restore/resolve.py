@@ -138,6 +138,40 @@ def find_checkpoint(
     return c.handle, snap
 
 
+def holds_job(
+    source: str,
+    job: str | None = None,
+    timeout: float | None = None,
+    tuning: Tuning | None = None,
+    sign_key: bytes | None = None,
+) -> bool:
+    """Whether ``source`` holds a checkpoint of job ``job`` (any job when None) to resume
+    from: for a live cluster, its memory or a tier as the coordinator knows them (``shadow
+    jobs``; a reply that left jobs out counts as holding it); for a directory or URL, any
+    checkpoint listed there, readable or not. A fresh start is decided only on False: a job
+    held but not restorable must fail its restore, never start over silently."""
+    if is_endpoint(source):
+        import zmq
+
+        from shadow.client import dealer, request
+        from shadow.wire import messages as M
+
+        tuning = Tuning.load() if tuning is None else tuning
+        wait = tuning.connect_timeout_s if timeout is None else timeout
+        sock = dealer(zmq.Context.instance(), source)
+        try:
+            reply = request(sock, source, M.encode("jobs"), wait, ("jobs_reply",))
+        finally:
+            sock.close(linger=0)
+        rows = [r for r in reply["jobs"] if isinstance(r, dict) and job in (None, r.get("name"))]
+        stored = any(
+            isinstance(r.get("restorable"), dict) and any(v is not None for v in r["restorable"].values()) for r in rows
+        )
+        return stored or bool(reply.get("left_out"))
+    src = open_source(source, timeout, tuning, sign_key)
+    return any(c.state != INCOMPLETE for c in src.candidates(job))
+
+
 def resolve(
     source: str,
     job: str | None = None,

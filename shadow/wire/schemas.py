@@ -210,8 +210,15 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     # for the worker derives from it
     "configure": {"data_key": (bytes,), "rank_secret": (bytes,)},
     # a keyed cluster: this rank's MAC key for each worker, in worker order (each worker map
-    # names its data socket's "mode")
-    "attached": {"keys": (list,), "token": (bytes,)},
+    # names its data socket's "mode"); took_over: this epoch took over a run that never
+    # detached (its epoch and generation)
+    "attached": {"keys": (list,), "token": (bytes,), "took_over": (str,)},
+    # "owner": a rank re-attaching its own live job (a resync): the epoch it leaves and its
+    # token of that epoch; "launch": the launcher's run and restart round (an elastic
+    # launcher's next round takes over its own run's job at once)
+    "attach": {"owner": (dict,), "launch": (dict,)},
+    # why an attach is held besides workers starting (a live run owns the job)
+    "waiting": {"reason": (str,)},
     # the token of the rank's attached: a heartbeat from another connection must carry it
     "trainer_hb": {"token": (bytes,)},
     "replica_in": {"key": (bytes,), "mode": (str,)},

@@ -19,6 +19,7 @@ from shadow.coordinator.routes import ROUTES
 from shadow.persist.checkpoints import shard_name
 from shadow.wire import messages as M
 from tests.coordinator.test_coordinator_parts import BOUNDS, LAYOUT, Sim
+from tests.coordinator.test_jobs_drop import _silent
 
 
 def _live(sim: Sim) -> dict:
@@ -225,7 +226,12 @@ def test_another_job_replaces_the_attached_one_only_with_overwrite():
     attach("other", overwrite=False)
     assert "with overwrite=True to replace it" in sim.out.last("error", b"intruder")["message"]
     assert sim.state.job.name == "job" and sim.state.refused == {("trainer", "replace_without_overwrite"): 1}
-    attach("other", overwrite=True)
+    attach("other", overwrite=True)  # while the job's rank still heartbeats: held, whatever the flag
+    held = sim.out.last("waiting", b"intruder")
+    assert "owned by a live run" in held["reason"] and "overwrite=True neither" in held["reason"]
+    assert sim.state.job.name == "job" and "other" in sim.state.pending
+    _silent(sim)  # its rank is gone (crashed): the held attach takes over
+    sim.coord.attach.start_attaches()
     assert sim.state.job.name == "other" and sim.out.kinds(b"w0")[-1] == "configure"  # replaced, as asked
 
 
@@ -349,6 +355,7 @@ def test_a_restored_claim_goes_back_only_to_what_the_coordinator_finds(tmp_path)
         sim.prepared(b"w1", it)
     job = sim.state.job
     assert job is not None and job.cut == 20
+    _silent(sim)  # its trainer crashed: no live run owns the job any more
     for it in (18, 19, 20):
         _write_checkpoint(str(tmp_path), "job", it, SIM_LAYOUT)
 

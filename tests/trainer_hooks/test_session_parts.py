@@ -317,6 +317,8 @@ def test_attach_names_every_argument():
         "audit_strict",
         "exact",
         "tuning",
+        "resume",
+        "resize",
     ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(sig.parameters.values())[3:])
     doc = trainer_hooks.attach.__doc__

@@ -93,6 +93,10 @@ class ShadowedRun:
         resume: put model, optimizer, scheduler, scaler, RNGs and the loader's position back
             at the cluster's newest checkpoint of ``job`` first (:attr:`epoch` is then the
             epoch to go on with, and :meth:`batches` skips what it had consumed).
+            ``"auto"``: when the cluster holds a checkpoint of ``job``, else start fresh
+            (one command line for the first launch and every relaunch); ``True``: always.
+        resize: with ``resume``: restore a checkpoint taken with another number of ranks
+            anyway (:func:`trainer_hooks.restore`); otherwise it is refused on every rank.
         extra_state: the loop's own state to keep with each iteration (as
             :func:`trainer_hooks.attach`'s); after a resume, :attr:`extra_state` holds it.
         **attach_kwargs: the rest of :func:`trainer_hooks.attach`'s options (``policy``,
@@ -109,7 +113,8 @@ class ShadowedRun:
         *,
         scheduler: Any = None,
         job: str = "default",
-        resume: bool = False,
+        resume: bool | str = False,
+        resize: bool = False,
         extra_state: Callable[[], Any] | None = None,
         **attach_kwargs: Any,
     ) -> None:
@@ -129,16 +134,24 @@ class ShadowedRun:
         self._user_extra = extra_state
         self._epoch_start: torch.Tensor | None = None  # the generator's state as the epoch began
         self._resume: tuple[dict, RestoreInfo] | None = None
-        if resume:
-            info = trainer_hooks.restore(
+        if resume not in (False, True, "auto"):
+            raise ValueError(f"resume={resume!r}: use 'auto' (restore when the cluster holds the job), True or False")
+        restore_from = trainer_hooks.resume if resume == "auto" else trainer_hooks.restore
+        info = (
+            restore_from(
                 model,
                 self.optimizer,
-                source=coordinator,
+                coordinator,
                 scheduler=self.scheduler,
                 scaler=accelerator.scaler,
                 job=job,
                 defer_rng=True,
+                resize=resize,
             )
+            if resume
+            else None
+        )
+        if info is not None:
             pos = info.extra_state.get(KEY) if isinstance(info.extra_state, dict) else None
             if not isinstance(pos, dict):
                 raise ShadowUsageError(

@@ -71,12 +71,18 @@ class ShadowedTrainer(TrainerCallback):
         self._resumed: RestorePoint | None = None  # what resume_checkpoint wrote, for the attach
 
     # -- resume ----------------------------------------------------------------------------------------
-    def resume_checkpoint(self, directory: str | None = None, *, timeout: float = 60.0) -> str | None:
+    def resume_checkpoint(
+        self, directory: str | None = None, *, timeout: float = 60.0, resize: bool = False
+    ) -> str | None:
         """The newest checkpoint of the job, written as a Trainer checkpoint directory for
         ``resume_from_checkpoint`` (under ``directory``, default a new temporary directory of
         this rank's); None when the cluster knows no such job, in memory or in its tiers (a
-        fresh run). A job it knows but cannot restore is an error, never a fresh start."""
-        written = write_resume(self.coordinator, self.job, timeout, directory, "hf_trainer", "checkpoint-{iteration}")
+        fresh run). A job it knows but cannot restore is an error, never a fresh start; a
+        checkpoint taken with another number of ranks is refused on every rank unless
+        ``resize=True`` (:func:`trainer_hooks.restore`)."""
+        written = write_resume(
+            self.coordinator, self.job, timeout, directory, "hf_trainer", "checkpoint-{iteration}", resize
+        )
         if written is None:
             return None
         out, self._resumed = written

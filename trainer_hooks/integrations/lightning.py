@@ -109,13 +109,15 @@ class ShadowCallback(pl.Callback):
         self._resumed: tuple[RestorePoint, int] | None = None  # the checkpoint written, batches consumed
 
     # -- resume ----------------------------------------------------------------------------------------
-    def resume_checkpoint(self, directory: str | None = None, *, timeout: float = 60.0) -> str | None:
+    def resume_checkpoint(
+        self, directory: str | None = None, *, timeout: float = 60.0, resize: bool = False
+    ) -> str | None:
         """The newest checkpoint of the job as a Lightning checkpoint file for
         ``trainer.fit(..., ckpt_path=...)`` (under ``directory``, default a new temporary
         directory of this rank's); None when the cluster knows no such job (a fresh run). A
         job it knows but cannot restore is an error, never a fresh start."""
         written = write_resume(
-            self.coordinator, self.job, timeout, directory, "lightning", "iteration-{iteration}.ckpt"
+            self.coordinator, self.job, timeout, directory, "lightning", "iteration-{iteration}.ckpt", resize
         )
         if written is None:
             return None

@@ -129,14 +129,17 @@ class Attachment:
         carry: tuple | None = None,
         sender_factory: SenderFactory = Sender,
         vote_group: Any = None,
+        owner: tuple[int, bytes] | None = None,
     ) -> Attachment:
         """Handshake (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), ring, sender, bootstrap of
         iteration ``iteration`` (``carry``: the ``(rng, extra)`` recorded with it when
         re-attaching mid-run); then ``recorder`` starts counting from there. If any part
         fails, what was opened is closed. ``vote_group``: the process group an FSDP2
-        model's votes are all-reduced in (DDP's ride along its last bucket, in its group)."""
+        model's votes are all-reduced in (DDP's ride along its last bucket, in its group).
+        ``owner``: the epoch a re-attach leaves and this rank's token of it (see
+        :func:`~trainer_hooks.session.handshake.attach`)."""
         target = Target.of(model, optimizer, options.exact)
-        dealer, answer = handshake.attach(target, coordinator, options, iteration, overwrite, restored)
+        dealer, answer = handshake.attach(target, coordinator, options, iteration, overwrite, restored, owner)
         try:
             att = cls(target, answer, options, latch, recorder, dealer, sender_factory=sender_factory)
             att.vote_group = vote_group

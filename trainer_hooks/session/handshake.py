@@ -5,6 +5,9 @@ uses it (:class:`~trainer_hooks.session.attachment.Attachment`)."""
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import zmq
@@ -17,6 +20,11 @@ from shadow.wire import tags
 from trainer_hooks._restored import RestorePoint
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.target import Target
+
+logger = logging.getLogger(__name__)
+
+#: the epoch of a ``detach`` that withdraws a held attach (no epoch was granted yet)
+WITHDRAW = -1
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,32 @@ class Handshake:
         return [w.get("mode") == "curve" for w in self.workers]
 
 
+def launch_round(environ: Mapping[str, str] | None = None) -> dict | None:
+    """The launcher's run and restart round this process was started in, from the
+    environment: torchrun's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``,
+    else Slurm's ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeue), else
+    ``SHADOW_LAUNCH_ID`` and ``SHADOW_LAUNCH_RESTART`` (any other launcher); None when none
+    names a run (torchrun's default ``none`` does not). A later round of the same run takes
+    over the job its earlier round held at once: the launcher ended that round's ranks."""
+    env = os.environ if environ is None else environ
+    for run_var, restart_var in (
+        ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
+        ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
+        ("SHADOW_LAUNCH_ID", "SHADOW_LAUNCH_RESTART"),
+    ):
+        run = env.get(run_var, "")
+        if not run or run == "none" or len(run) > 256:
+            continue
+        try:
+            restart = int(env.get(restart_var) or 0)
+        except ValueError:
+            restart = -1
+        if restart < 0:
+            continue
+        return {"run": f"{run_var}={run}", "restart": restart}
+    return None
+
+
 def attach(
     target: Target,
     coordinator: str,
@@ -67,12 +101,21 @@ def attach(
     base: int,
     overwrite: bool,
     restored: RestorePoint | None,
+    owner: tuple[int, bytes] | None = None,
 ) -> tuple[zmq.Socket, Handshake]:
     """Ask ``coordinator`` to attach ``target`` at iteration ``base`` (bounded by
     ``SHADOW_CONNECT_TIMEOUT_S``): the connection (a DEALER, for the sender from now on)
-    and the answer. If the request or its answer fails, the connection is closed."""
+    and the answer. ``owner``: the epoch this rank leaves and its token of it (a resync: a
+    job's own ranks re-attach it at once, while any other launch waits for them to fall
+    silent). If the request or its answer fails, the connection is closed."""
     sock = dealer(zmq.Context.instance(), coordinator)
     rank0 = target.rank == 0
+    launch = launch_round()
+    extra: dict = {}
+    if owner is not None:
+        extra["owner"] = {"epoch": owner[0], "token": owner[1]}
+    if launch is not None:
+        extra["launch"] = launch
     payload = M.encode(
         "attach",
         job=options.job,
@@ -84,6 +127,7 @@ def attach(
         iteration=base,
         overwrite=bool(overwrite),
         restored=restored.wire() if restored is not None else None,
+        **extra,
     )
     try:
         reply = request(
@@ -94,9 +138,15 @@ def attach(
             ("attached",),
             interim=LogWaiting(f"rank {target.rank}", coordinator),
         )
+        if isinstance(reply.get("took_over"), str):
+            logger.warning("rank %d: %s", target.rank, reply["took_over"])
         return sock, Handshake.from_reply(coordinator, base, reply)
     except BaseException:
-        sock.close(linger=0)
+        try:  # withdraw the attach the coordinator may still hold (a live owner, workers starting)
+            sock.send(M.encode("detach", epoch=WITHDRAW, rank=target.rank), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        sock.close(linger=200)
         raise
 
 

@@ -33,7 +33,7 @@ import functools
 import logging
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
 from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
 from trainer_hooks.session.transfer import HostCopy
+
+if TYPE_CHECKING:
+    from trainer_hooks._restore import RestoreInfo
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,8 @@ class Session:
         self.recorder = StepRecorder(optimizer, options)
         self._sender_factory = SENDER_FACTORY.get() if sender_factory is None else sender_factory
         self.attachment: Attachment | None = None
+        #: what ``attach(resume=...)`` restored before attaching (None: a fresh start, or no resume asked)
+        self.restored: RestoreInfo | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
         self._past = {
@@ -125,6 +130,9 @@ class Session:
             "messages_out": 0,
         }  # figures of closed attachments
         self._first_base = start
+        self._unprotected = 0  # steps in a row taken while not streaming (0 while protected)
+        self._unprotected_total = 0  # all such steps since attach
+        self._unprotected_since = -1  # the iteration the current unprotected stretch began after
         self._slot = HookSlot.of(ddp_model) if isinstance(ddp_model, DistributedDataParallel) else None
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self, options.tuning.metrics_port)
@@ -147,6 +155,8 @@ class Session:
         hooks to it."""
         restored = RESTORED.get(self.optimizer)
         point: RestorePoint | None = restored if restored is not None and restored.iteration == start else None
+        prev = self.attachment  # a re-attach proves it is the job's owner with the epoch it leaves
+        owner = (prev.handshake.epoch, prev.handshake.token) if prev is not None and prev.handshake.token else None
         if carry is None and point is not None and point.rng is not None:
             # the restored iteration's own RNG and extra state, whatever the loop drew since
             # (restore(defer_rng=True) leaves the RNG alone until apply_rng)
@@ -164,6 +174,7 @@ class Session:
             carry=carry,
             sender_factory=self._sender_factory,
             vote_group=self._vote_group,
+            owner=owner,
         )
         self.latch.error = None
         self.closed = False
@@ -216,6 +227,8 @@ class Session:
             self._attach(k, overwrite=True, carry=self.recorder.last_record)
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
+            # no attachment, no hooks: the steps from here on are still counted and warned about
+            self._handles = [self.optimizer.register_step_post_hook(lambda *_: self._count_unprotected())]
             logger.error(
                 "rank %d: %s; training continues without the shadow (attach again to resume checkpointing)",
                 self.rank,
@@ -277,6 +290,32 @@ class Session:
             return
         # a fused optimizer under GradScaler skips on the device: found_inf is read by the sender
         self._att.after_step(False, getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None))
+        self._count_unprotected()
+
+    def _count_unprotected(self) -> None:
+        """A step taken while this rank streams nothing (degraded, or a failed resync): counted
+        (``stats()["unprotected_steps"]``, the metric ``shadow_trainer_unprotected_steps``)
+        and warned about again every ``tuning.unprotected_warn_iterations`` steps, never just
+        once: a run that lost its protection keeps saying so until it has it back."""
+        why = self.degraded
+        if why is None:
+            self._unprotected = 0
+            return
+        if self._unprotected == 0:
+            self._unprotected_since = self.iteration
+        self._unprotected += 1
+        self._unprotected_total += 1
+        every = self.options.tuning.unprotected_warn_iterations
+        if every and self._unprotected % every == 0:
+            logger.warning(
+                "rank %d: still training WITHOUT new checkpoints: %d steps since iteration %d (the newest "
+                "checkpoint is iteration %d); %s",
+                self.rank,
+                self._unprotected,
+                self._unprotected_since,
+                self.committed,
+                why,
+            )
 
     def _before_forward(self) -> None:
         if self._att.before_forward():  # every rank resyncs at this boundary
@@ -315,6 +354,10 @@ class Session:
         """
         if not self.closed:
             self._detach(wait)
+        elif self._failed is not None:  # the failed resync's step counter
+            for h in self._handles:
+                h.remove()
+            self._handles = []
         return self.committed
 
     @property
@@ -379,7 +422,9 @@ class Session:
         hook spent staging), ``buckets`` and ``hook_s_per_bucket``, ``steps``,
         ``blocked_s`` (waits for the cluster or for ring space), ring occupancy and high
         water (the current ring), bytes and messages sent, ``applied``, ``iteration``,
-        ``degraded``, ``shadow_errors``."""
+        ``degraded`` (why this rank streams nothing now, or None), ``unprotected_steps``
+        (steps in a row taken so: 0 while protected), ``unprotected_steps_total``,
+        ``shadow_errors``."""
         att = self._att
         fig, live = att.figures(), not att.closed  # a closed attachment's figures are in _past
 
@@ -396,6 +441,8 @@ class Session:
             "ring_occupancy": fig["occupancy"],
             "ring_high_water": fig["high_water"],
             "degraded": self.degraded,
+            "unprotected_steps": self._unprotected,
+            "unprotected_steps_total": self._unprotected_total,
             "bytes_out": total("bytes_out", fig["bytes_out"]),
             "messages_out": total("messages_out", fig["messages_out"]),
             "committed": self.committed,
