@@ -232,7 +232,20 @@ def main() -> None:
         action="store_true",
         help="resume: restore into the bare model before init_process_group (the rank from $RANK)",
     )
+    ap.add_argument("--resize", action="store_true", help="resume: restore onto another world size (resize=True)")
+    ap.add_argument(
+        "--kill-in-round",
+        default="",
+        help="under torchrun --max-restarts: ROUND:IT:RANKS,... SIGKILL these ranks ('all' or r+r) at "
+        "iteration IT of restart round ROUND (TORCHELASTIC_RESTART_COUNT)",
+    )
     args = ap.parse_args()
+    if args.kill_in_round:  # this round's kill, if any, becomes --kill-at on the ranks it names
+        round_now = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        for spec in args.kill_in_round.split(","):
+            r, at, who = spec.split(":")
+            if int(r) == round_now and (who == "all" or str(os.environ["RANK"]) in who.split("+")):
+                args.kill_at = int(at)
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     info_out = Info(args.info_out, rank) if args.info_out else None
@@ -294,8 +307,9 @@ def main() -> None:
     attached_sched = stepper if args.sched_wrap else sched
     start = 0
     info = None
-    if args.mode == "resume":
-        info = early or trainer_hooks.restore(
+    if args.mode in ("resume", "auto"):  # auto: one command line for the first launch and every relaunch
+        restore_from = trainer_hooks.resume if args.mode == "auto" else trainer_hooks.restore
+        info = early or restore_from(
             ddp,
             opt,
             source=args.coordinator,
@@ -303,7 +317,9 @@ def main() -> None:
             scaler=scaler,
             job=args.job,
             defer_rng=args.prefetch,
+            resize=args.resize,
         )
+    if info is not None:
         start = info.iteration
         if info_out is not None:
             info_out.update(restored=start, completed=start, tier=info.tier, extra_state=info.extra_state)
@@ -459,6 +475,8 @@ def main() -> None:
             "scaler": scaler.state_dict() if scaler is not None else None,
             "epochs": session.epoch if session is not None else None,
             "committed": session.committed if session is not None else None,
+            "stats": session.stats() if session is not None else None,
+            "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )

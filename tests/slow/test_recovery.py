@@ -1,0 +1,215 @@
+"""Recovery without a person (issue 52): the same command line serves the first launch and
+every relaunch, torchrun's elastic restarts bring a killed job back by itself, a second
+launch never takes over a live job, and a changed world size is refused on every rank.
+
+Each run is the tiny trainer (tests/helpers/tiny_trainer.py) on gloo ranks, against a
+cluster of its own; the final states are compared with ``torch.equal`` against an
+uninterrupted run without the shadow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shadow.testing import LocalCluster, assert_same_state
+from tests.conftest import ROOT, TRAINER, rank_logs, run_ranks
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+CLIP = ("--clip", "0.05")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, without any shadow attached."""
+    tmp = tmp_path_factory.mktemp("reference")
+    assert run_ranks(tmp, "--out", str(tmp / "out"), "--steps", str(STEPS), *CLIP) == [0, 0], rank_logs(tmp)
+    return [torch.load(tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _log(tmp: Path, rank: int) -> str:
+    return "".join(p.read_text() for p in sorted(tmp.glob(f"rank{rank}-*.log")))
+
+
+def _torchrun(tmp: Path, *args: str, restarts: int = 0) -> tuple[int, str]:
+    """The tiny trainer under ``torchrun --standalone`` on 2 ranks with ``restarts`` elastic
+    restarts: its exit code, and its log with each rank's of every round."""
+    log = tmp / "torchrun.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.2",
+        f"--log-dir={tmp / 'ranks'}",
+        "--redirects=3",
+        str(TRAINER),
+        *args,
+    ]
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(), check=False)
+    ranks = "".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted((tmp / "ranks").rglob("*.log")))
+    return proc.returncode, log.read_text()[-10000:] + ranks
+
+
+def test_torchrun_elastic_restarts_bring_a_twice_killed_job_back_by_itself(tmp_path, job):
+    """torchrun --max-restarts with resume='auto': round 0 loses rank 1 at iteration 5,
+    round 1 loses every rank of the node at iteration 9; round 2 finishes. Nobody relaunches
+    anything, and the final state is the uninterrupted run's (the same launcher, no
+    shadow, no failure), bit for bit."""
+    ref_tmp, run_tmp = tmp_path / "reference", tmp_path / "run"
+    ref_tmp.mkdir()
+    run_tmp.mkdir()
+    code, text = _torchrun(ref_tmp, "--out", str(ref_tmp / "out"), "--steps", str(STEPS), *CLIP)
+    assert code == 0, text
+    reference = [torch.load(ref_tmp / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    cluster = LocalCluster(tmp_path, workers=2)
+    out = run_tmp / "out"
+    try:
+        code, text = _torchrun(
+            run_tmp,
+            "--mode",
+            "auto",
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(out),
+            "--steps",
+            str(STEPS),
+            *CLIP,
+            "--job",
+            job,
+            "--kill-in-round",
+            "0:5:1,1:9:all",
+            restarts=4,  # a round that fails to rendezvous (gloo under load) costs one more
+        )
+        assert code == 0, text
+        finals = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+        for r in range(2):
+            assert finals[r]["round"] >= 2, finals[r]["round"]  # two failures at least: restarted, by nobody
+            assert 5 <= finals[r]["start"] <= 9, finals[r]["start"]  # resumed from what round 1 left
+            assert_same_state(finals[r], reference[r])
+            assert torch.equal(finals[r]["rng"], reference[r]["rng"])
+            assert finals[r]["losses"] == reference[r]["losses"][finals[r]["start"] :]
+            assert finals[r]["committed"] == STEPS and finals[r]["stats"]["unprotected_steps_total"] == 0
+        # each later round took over the job at once (the same launch's next round), not after the timeout
+        events = cluster.log.read_text()
+        assert "restart round 1 of launch TORCHELASTIC_RUN_ID=" in events, events[-5000:]
+        assert "restart round 2 of launch TORCHELASTIC_RUN_ID=" in events, events[-5000:]
+    finally:
+        cluster.stop()
+
+
+def _env() -> dict:
+    import os
+
+    # torchrun's rendezvous store shared with the ranks' process group hands a restarted
+    # round the previous round's gloo addresses now and then (pytorch/pytorch#135712):
+    # deploy/torchrun.sh sets this too
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONFAULTHANDLER="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+
+
+def test_a_second_launch_is_refused_while_the_first_trains_and_the_first_stays_protected(tmp_path, job):
+    cluster = LocalCluster(tmp_path, workers=2)
+    first_tmp, second_tmp = tmp_path / "first", tmp_path / "second"
+    first_tmp.mkdir()
+    second_tmp.mkdir()
+    steps = 40
+    result: dict = {}
+
+    def first() -> None:
+        result["codes"] = run_ranks(
+            first_tmp,
+            "--mode",
+            "auto",
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(first_tmp / "out"),
+            "--steps",
+            str(steps),
+            "--step-sleep",
+            "0.25",
+            "--job",
+            job,
+            timeout=400,
+        )
+
+    try:
+        t = threading.Thread(target=first)
+        t.start()
+        cluster.wait_status(
+            lambda st: ((st.get("job") or {}).get("committed") or 0) >= 3, 300, "the first run's iteration 3"
+        )
+        # the same command line again (a double submission, a requeue race): it restores the
+        # live job's iteration, and its attach is held, then refused, naming the live owner
+        codes = run_ranks(
+            second_tmp,
+            "--mode",
+            "auto",
+            "--coordinator",
+            cluster.address,
+            "--out",
+            str(second_tmp / "out"),
+            "--steps",
+            str(steps),
+            "--job",
+            job,
+            env={"SHADOW_CONNECT_TIMEOUT_S": "6"},
+        )
+        assert all(c != 0 for c in codes), (codes, rank_logs(second_tmp))
+        for r in range(2):
+            text = _log(second_tmp, r)
+            assert "is owned by a live run" in text and "overwrite=True neither" in text, text[-3000:]
+        t.join(timeout=400)
+        assert result.get("codes") == [0, 0], rank_logs(first_tmp)
+        for r in range(2):
+            final = torch.load(first_tmp / "out" / f"rank{r}.pt", weights_only=True)
+            assert final["committed"] == steps and final["epochs"] == 1  # never replaced, never resynced
+            assert final["stats"]["degraded"] is None and final["stats"]["unprotected_steps_total"] == 0
+            assert "degraded" not in _log(first_tmp, r)
+        time.sleep(1.0)  # the withdrawn attach must not start once the first run detached
+        st = cluster.status()
+        assert st["job"]["name"] == job and st["job"]["committed"] == steps and st["job"]["epoch"] == 1
+    finally:
+        cluster.stop()
+
+
+def test_a_changed_world_size_is_refused_on_every_rank_unless_asked(tmp_path, job):
+    cluster = LocalCluster(tmp_path, workers=2)
+    try:
+        trained = tmp_path / "trained"
+        trained.mkdir()
+        common = ("--coordinator", cluster.address, "--steps", "10", "--job", job)
+        assert run_ranks(trained, *common, "--out", str(trained / "out"), "--kill-at", "6") == [-9, -9], rank_logs(
+            trained
+        )
+        held = cluster.wait_quiet()["job"]["committed"]
+        for world in (1, 3):
+            tmp = tmp_path / f"world{world}"
+            tmp.mkdir()
+            codes = run_ranks(tmp, "--mode", "auto", *common, "--out", str(tmp / "out"), world=world)
+            assert all(c != 0 for c in codes), (world, codes, rank_logs(tmp))
+            for r in range(world):  # every rank refuses, naming both sizes
+                text = _log(tmp, r)
+                assert f"was taken with 2 ranks, and this run has {world}" in text, (world, r, text[-3000:])
+                assert "resize=True" in text
+            assert cluster.status()["job"]["committed"] == held  # nothing changed
+        tmp = tmp_path / "resized"
+        tmp.mkdir()
+        assert run_ranks(tmp, "--mode", "auto", "--resize", *common, "--out", str(tmp / "out"), world=1) == [0], (
+            rank_logs(tmp)
+        )
+        final = torch.load(tmp / "out" / "rank0.pt", weights_only=True)
+        assert final["start"] == held and final["committed"] == 10
+        assert "restoring a 2-rank checkpoint onto 1 ranks (resize=True)" in _log(tmp, 0)
+    finally:
+        cluster.stop()
