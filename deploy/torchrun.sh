@@ -24,16 +24,28 @@
 #         SHADOW_METRICS_HOST=auto SHADOW_COORDINATOR=tcp://10.0.0.5:5555 deploy/torchrun.sh steps=1000
 #
 # Arguments after the script name go to the training script, after the two this script
-# adds: TRAIN_COORDINATOR_ARG followed by the address, and TRAIN_RESUME_ARG when resuming.
-# The default training script is examples/train_gpt.py (the example GPT, key=value
-# arguments; it trains on CPU with gloo). For your own trainer set TRAIN_SCRIPT and the two
-# argument forms, e.g. for argparse: TRAIN_COORDINATOR_ARG=--coordinator= TRAIN_RESUME_ARG=--resume
+# adds: TRAIN_COORDINATOR_ARG followed by the address, and TRAIN_RESUME_ARG followed by
+# auto, true or false (SHADOW_RESUME). The default training script is
+# examples/train_gpt.py (the example GPT, key=value arguments; it trains on CPU with
+# gloo). For your own trainer set TRAIN_SCRIPT and the two argument forms, e.g. for
+# argparse: TRAIN_COORDINATOR_ARG=--coordinator= TRAIN_RESUME_ARG=--resume= ; the trainer
+# hands the value to trainer_hooks.attach(resume=...) (or calls trainer_hooks.resume).
+#
+# Failures recover by themselves: torchrun restarts every rank of the job up to
+# TRAIN_MAX_RESTARTS times after any rank fails, and each restarted rank, told
+# resume=auto, restores the newest checkpoint the shadow holds before attaching (a fresh
+# start when it holds none). Several nodes rendezvous with torchrun's c10d rendezvous, so
+# a failure on one node restarts the ranks of every node.
 #
 # Environment:
 #   SHADOW_COORDINATOR       coordinator address, tcp://HOST:PORT (required)
 #   NPROC_PER_NODE           ranks on this node (default: the GPUs nvidia-smi lists, else 1)
 #   NNODES, NODE_RANK        nodes in the job and this node's index (default 1, 0)
-#   MASTER_ADDR, MASTER_PORT torch.distributed rendezvous on node 0 (default 127.0.0.1, 29500)
+#   MASTER_ADDR, MASTER_PORT the rendezvous endpoint on node 0 (default 127.0.0.1, 29500)
+#   SHADOW_RUN_ID            the rendezvous id every node of one job shares (default: the
+#                            Slurm job id, else the job name, else "shadow-job")
+#   TRAIN_MAX_RESTARTS      elastic restarts after a failure (default 3; 0: a failure ends
+#                            the job, as plain torchrun)
 #   SHADOW_METRICS_PORT      each rank serves Prometheus metrics on this + LOCAL_RANK
 #                            (default 9500: ranks 0-7 use 9500-9507; "" = no metrics)
 #   SHADOW_METRICS_HOST      the address those endpoints bind: default 127.0.0.1 (this host
@@ -47,21 +59,20 @@
 #                            security.server_key= (CURVE; required beyond loopback); unset: on
 #                            the cluster's own host, this user's key set (~/.config/shadow/keys)
 #   SHADOW_INSECURE          1: no keys at all (a cluster that runs without any)
-#   SHADOW_RESUME            auto (default): resume when the shadow holds a complete checkpoint
-#                            (`shadow ls`), start fresh otherwise; always; never
-#   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt); when set,
-#                            SHADOW_RESUME=auto only counts that job's checkpoints
+#   SHADOW_RESUME            auto (default): every rank, at every launch and restart, resumes
+#                            when the shadow holds a checkpoint of its job and starts fresh
+#                            otherwise; always (true: no checkpoint is an error); never (false)
+#   SHADOW_JOB               the job name the trainer attaches as (train_gpt.py: gpt): the
+#                            job this script reports on before it starts
 #   TRAIN_SCRIPT             default: examples/train_gpt.py next to this deploy/ folder
 #   TRAIN_COORDINATOR_ARG    default "coordinator=" (the address is appended to it)
-#   TRAIN_RESUME_ARG         default "resume=true"
+#   TRAIN_RESUME_ARG         default "resume=" (auto, true or false is appended to it)
 #   TORCHRUN                 default torchrun
 #
-# SHADOW_RESUME=auto lets a failed job simply be started again with the same command:
-# each rank then restores itself from the coordinator (memory first, then the persistence
-# tiers) before attaching. Every node must reach the same decision, so rerun all nodes
-# only after every rank of the failed run has exited. Use SHADOW_RESUME=never for a new
-# run on a cluster that still holds an older one (a fresh run that would overwrite newer
-# checkpoints of the same job is refused by the cluster).
+# A second launch of a job whose ranks are still alive is never let in: its attach waits
+# until the live ranks have been silent for SHADOW_WORKER_LOST_S, and fails naming them
+# (docs/operations.md, Recovery). A new run over a job the shadow still holds: a new
+# SHADOW_JOB, or SHADOW_RESUME=never with the trainer's overwrite.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -72,9 +83,10 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 SHADOW_RESUME="${SHADOW_RESUME:-auto}"
+TRAIN_MAX_RESTARTS="${TRAIN_MAX_RESTARTS:-3}"
 TRAIN_SCRIPT="${TRAIN_SCRIPT:-$here/../examples/train_gpt.py}"
 TRAIN_COORDINATOR_ARG="${TRAIN_COORDINATOR_ARG-coordinator=}"
-TRAIN_RESUME_ARG="${TRAIN_RESUME_ARG-resume=true}"
+TRAIN_RESUME_ARG="${TRAIN_RESUME_ARG-resume=}"
 TORCHRUN="${TORCHRUN:-torchrun}"
 
 log() { echo "[torchrun.sh $HOSTNAME node $NODE_RANK] $*" >&2; }
@@ -131,8 +143,9 @@ else
   unset SHADOW_METRICS_PORT
 fi
 
-# Does the shadow hold a complete checkpoint (memory or a persistence tier)? `shadow ls`
-# reaches the coordinator with the CURVE keys above when they are set.
+# Is the cluster reachable, and does it hold a checkpoint (memory or a persistence tier)?
+# Asked once here, for the log and to fail early; each rank decides again for itself at
+# every (re)start. `shadow ls` reaches the coordinator with the CURVE keys above when set.
 has_checkpoint() {
   local listing
   local only=()
@@ -145,24 +158,30 @@ has_checkpoint() {
     <<<"$listing"
 }
 
-resume=()
 case "$SHADOW_RESUME" in
-  always) resume=("$TRAIN_RESUME_ARG") ;;
-  never) ;;
-  auto)
-    if has_checkpoint; then
-      resume=("$TRAIN_RESUME_ARG")
-      log "the shadow holds a checkpoint: resuming from it"
-    else
-      log "the shadow holds no checkpoint: starting fresh"
-    fi
-    ;;
+  always | true) resume=true ;;
+  never | false) resume=false ;;
+  auto) resume=auto ;;
   *) log "SHADOW_RESUME=$SHADOW_RESUME: use auto, always or never"; exit 2 ;;
 esac
+if ! [[ "$TRAIN_MAX_RESTARTS" =~ ^[0-9]+$ ]]; then
+  log "TRAIN_MAX_RESTARTS=$TRAIN_MAX_RESTARTS is not a count (0 or more)"
+  exit 2
+fi
+if has_checkpoint; then
+  log "the shadow holds a checkpoint$([[ -n "${SHADOW_JOB:-}" ]] && echo " of job $SHADOW_JOB"): resume=$resume"
+else
+  log "the shadow holds no checkpoint$([[ -n "${SHADOW_JOB:-}" ]] && echo " of job $SHADOW_JOB"): resume=$resume"
+fi
 
-launch=(--nproc-per-node="$NPROC_PER_NODE" --max-restarts=0)
+# torchrun's rendezvous store shared with the ranks' process group can hand a restarted
+# round the previous round's addresses (pytorch/pytorch#135712): keep them apart
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+launch=(--nproc-per-node="$NPROC_PER_NODE" --max-restarts="$TRAIN_MAX_RESTARTS")
 if (( NNODES > 1 )); then
-  launch+=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
+  run_id="${SHADOW_RUN_ID:-${SLURM_JOB_ID:-${SHADOW_JOB:-shadow-job}}}"
+  launch+=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=c10d
+           --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$run_id")
 else
   launch+=(--standalone)
 fi
@@ -173,5 +192,6 @@ if [[ "${SHADOW_INSECURE:-}" == 1 ]]; then curve=off; fi
 metrics=off
 if [[ -n "${SHADOW_METRICS_PORT:-}" ]]; then metrics="$SHADOW_METRICS_HOST:$SHADOW_METRICS_PORT+LOCAL_RANK"; fi
 log "$NPROC_PER_NODE ranks, node $NODE_RANK of $NNODES, shadow $SHADOW_COORDINATOR," \
-    "metrics $metrics, CURVE $curve"
-exec "$TORCHRUN" "${launch[@]}" "$TRAIN_SCRIPT" "$TRAIN_COORDINATOR_ARG$SHADOW_COORDINATOR" "${resume[@]}" "$@"
+    "metrics $metrics, CURVE $curve, up to $TRAIN_MAX_RESTARTS restarts"
+exec "$TORCHRUN" "${launch[@]}" "$TRAIN_SCRIPT" "$TRAIN_COORDINATOR_ARG$SHADOW_COORDINATOR" \
+  "$TRAIN_RESUME_ARG$resume" "$@"

@@ -1,8 +1,8 @@
 """Train the example GPT with DDP (gloo) under torchrun, attached to a shadow cluster.
 
-    torchrun --nproc_per_node=2 examples/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200
-    # after a crash:
-    torchrun --nproc_per_node=2 examples/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200 resume=true
+    torchrun --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py coordinator=tcp://127.0.0.1:5555 steps=200
+    # the same command after a crash, and torchrun's own restarts: resume=auto (the default)
+    # restores what the shadow holds of the job, and starts fresh when it holds nothing
     # from the YAML config (configs/train_gpt.yaml), with overrides; print it with --cfg job:
     torchrun --nproc_per_node=2 examples/train_gpt.py --config-name train_gpt model.n_layer=6
 
@@ -73,7 +73,9 @@ class TrainConfig:
 
     coordinator: str = ""  #: shadow coordinator address; empty = train without the shadow
     steps: int = 200  #: last iteration to train
-    resume: bool = False  #: restore from the shadow (newest complete checkpoint) first
+    #: restore from the shadow first: auto (when it holds a checkpoint of the job, else a
+    #: fresh start: the same command line for the first launch and every restart), true, false
+    resume: str = "auto"
     out: str = ""  #: directory for losses.jsonl and final.pt (rank 0)
     batch: int = 8  #: sequences per rank and step
     seed: int = 0
@@ -84,7 +86,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch < 1:
             raise ValueError(f"steps={self.steps} and batch={self.batch} must be >= 1")
-        if self.resume and not self.coordinator:
+        self.resume = str(self.resume).lower()
+        if self.resume not in ("auto", "true", "false"):
+            raise ValueError(f"resume={self.resume!r}: use auto, true or false")
+        if self.resume == "true" and not self.coordinator:
             raise ValueError("resume=true needs coordinator=tcp://HOST:PORT (where to restore from)")
 
 
@@ -144,11 +149,18 @@ def main() -> int:
     import trainer_hooks
 
     start = 0
-    if args.resume:
-        info = trainer_hooks.restore(ddp, opt, source=args.coordinator, scheduler=sched, job=args.shadow.job)
-        start = info.iteration
+    if args.coordinator and args.resume != "false":
+        restore_from = trainer_hooks.resume if args.resume == "auto" else trainer_hooks.restore
+        info = restore_from(ddp, opt, source=args.coordinator, scheduler=sched, job=args.shadow.job)
+        if info is not None:
+            start = info.iteration
         if rank == 0:
-            print(f"[rank 0] restored iteration {start} from {info.source} ({info.tier})", flush=True)
+            print(
+                f"[rank 0] restored iteration {start} from {info.source} ({info.tier})"
+                if info is not None
+                else f"[rank 0] the shadow holds no checkpoint of job {args.shadow.job}: a fresh start",
+                flush=True,
+            )
     state = {"iteration": start}
     session = None
     if args.coordinator:

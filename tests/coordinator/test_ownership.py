@@ -146,8 +146,20 @@ def test_launch_round_reads_the_launchers_environment():
     assert launch_round({"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "x"}) is None
     assert launch_round({"SHADOW_LAUNCH_ID": "k8s-uid", "SHADOW_LAUNCH_RESTART": "3"}) == {
         "run": "SHADOW_LAUNCH_ID=k8s-uid",
-        "restart": 3,
+        "restart": 3 * 10**8,
     }
+    # torchrun under Slurm: a requeue's first round comes after the last round before it
+    before = launch_round({"SLURM_JOB_ID": "77", "TORCHELASTIC_RUN_ID": "77", "TORCHELASTIC_RESTART_COUNT": "3"})
+    after = launch_round(
+        {
+            "SLURM_JOB_ID": "77",
+            "SLURM_RESTART_COUNT": "1",
+            "TORCHELASTIC_RUN_ID": "77",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+        }
+    )
+    assert before is not None and after is not None and before["run"] == after["run"]
+    assert after["restart"] > before["restart"]
 
 
 def test_a_rank_that_gives_up_withdraws_its_held_attach():

@@ -571,27 +571,53 @@ def _torchrun_sh(env: dict, **extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_torchrun_sh_resumes_only_from_a_complete_checkpoint(stubs):
+def test_torchrun_sh_restarts_and_resumes_by_itself(stubs):
+    """torchrun restarts the ranks after a failure (--max-restarts), and every rank is told
+    resume=auto: the same command line for the first launch and every restart."""
     tmp, env = stubs
     addr = "tcp://10.0.0.5:5555"
     (tmp / "ls.json").write_text(json.dumps([{"job": "gpt", "iteration": 9, "tier": "local", "state": "incomplete"}]))
     r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, SHADOW_JOB="gpt")
     assert r.returncode == 0, r.stderr
     argv = r.stdout.split()
-    assert argv[-2:] == [f"coordinator={addr}", "steps=7"] and "resume=true" not in argv
-    assert "--standalone" in argv and "--nproc-per-node=1" in argv
+    assert argv[-3:] == [f"coordinator={addr}", "resume=auto", "steps=7"]
+    assert {"--standalone", "--nproc-per-node=1", "--max-restarts=3"} <= set(argv)
     assert f"shadow ls source={addr} job=gpt --json" in (tmp / "calls.log").read_text()
+    assert "holds no checkpoint of job gpt: resume=auto" in r.stderr
 
     (tmp / "ls.json").write_text(json.dumps([{"job": "gpt", "iteration": 9, "tier": "memory", "state": "complete"}]))
-    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, NNODES="2", NODE_RANK="1", MASTER_ADDR="gpu0", NPROC_PER_NODE="4")
+    r = _torchrun_sh(
+        env,
+        SHADOW_COORDINATOR=addr,
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="gpu0",
+        NPROC_PER_NODE="4",
+        SLURM_JOB_ID="4242",
+        TRAIN_MAX_RESTARTS="5",
+    )
     assert r.returncode == 0, r.stderr
     argv = r.stdout.split()
-    assert argv[-3:] == [f"coordinator={addr}", "resume=true", "steps=7"]
-    assert {"--nnodes=2", "--node-rank=1", "--master-addr=gpu0", "--nproc-per-node=4"} <= set(argv)
-    assert "--standalone" not in argv
+    assert argv[-3:] == [f"coordinator={addr}", "resume=auto", "steps=7"]
+    assert {"--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--max-restarts=5"} <= set(argv)
+    # several nodes: the c10d rendezvous, so that a failure on one node restarts every node's ranks
+    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=gpu0:29500", "--rdzv-id=4242"} <= set(argv)
+    assert "--standalone" not in argv and "holds a checkpoint: resume=auto" in r.stderr
 
-    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, SHADOW_RESUME="never")
-    assert r.returncode == 0 and "resume=true" not in r.stdout.split()
+    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, SHADOW_RESUME="never", TRAIN_MAX_RESTARTS="0")
+    assert r.returncode == 0 and "resume=false" in r.stdout.split() and "--max-restarts=0" in r.stdout.split()
+    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, SHADOW_RESUME="always", TRAIN_RESUME_ARG="--resume=")
+    assert r.returncode == 0 and "--resume=true" in r.stdout.split()
+    r = _torchrun_sh(env, SHADOW_COORDINATOR=addr, TRAIN_MAX_RESTARTS="lots")
+    assert r.returncode == 2 and "TRAIN_MAX_RESTARTS=lots" in r.stderr
+
+
+def test_torchrun_sh_keeps_a_restarted_rounds_rendezvous_apart(stubs):
+    tmp, env = stubs
+    (tmp / "ls.json").write_text("[]")
+    _stub(tmp / "bin", "torchrun", 'echo "share=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE"\n')
+    r = _torchrun_sh(env, SHADOW_COORDINATOR="tcp://h:1")
+    assert r.returncode == 0 and r.stdout.strip() == "share=1", (r.stdout, r.stderr)
 
 
 def test_torchrun_sh_refuses_bad_settings(stubs):

@@ -71,27 +71,31 @@ class Handshake:
 def launch_round(environ: Mapping[str, str] | None = None) -> dict | None:
     """The launcher's run and restart round this process was started in, from the
     environment: torchrun's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``,
-    else Slurm's ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeue), else
-    ``SHADOW_LAUNCH_ID`` and ``SHADOW_LAUNCH_RESTART`` (any other launcher); None when none
-    names a run (torchrun's default ``none`` does not). A later round of the same run takes
-    over the job its earlier round held at once: the launcher ended that round's ranks."""
+    Slurm's ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeue), or
+    ``SHADOW_LAUNCH_ID`` and ``SHADOW_LAUNCH_RESTART`` (any other launcher). torchrun under
+    Slurm counts both: a requeue's rounds come after every round of the run before it.
+    None when nothing names a run (torchrun's default run id ``none`` does not). A later
+    round of the same run takes over the job its earlier round held at once: the launcher
+    ended that round's ranks first."""
     env = os.environ if environ is None else environ
-    for run_var, restart_var in (
-        ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
-        ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
-        ("SHADOW_LAUNCH_ID", "SHADOW_LAUNCH_RESTART"),
+    runs, restart = [], 0
+    for run_var, restart_var, weight in (
+        ("SHADOW_LAUNCH_ID", "SHADOW_LAUNCH_RESTART", 10**8),
+        ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", 10**4),
+        ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", 1),
     ):
         run = env.get(run_var, "")
-        if not run or run == "none" or len(run) > 256:
+        if not run or run == "none" or len(run) > 200:
             continue
         try:
-            restart = int(env.get(restart_var) or 0)
+            count = int(env.get(restart_var) or 0)
         except ValueError:
-            restart = -1
-        if restart < 0:
-            continue
-        return {"run": f"{run_var}={run}", "restart": restart}
-    return None
+            return None  # a round that cannot be told: never taken as a later one
+        if not 0 <= count < 10**4:
+            return None
+        runs.append(f"{run_var}={run}")
+        restart += count * weight
+    return {"run": ",".join(runs), "restart": restart} if runs else None
 
 
 def attach(
