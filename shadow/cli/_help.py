@@ -9,6 +9,7 @@ import inspect
 import re
 import typing
 
+from shadow.choices import Choice, Format
 from shadow.config import CONFIGS
 
 EXAMPLES = {
@@ -34,6 +35,7 @@ EXAMPLES = {
     "restore": [
         "shadow restore source=tcp://127.0.0.1:5555 out=ckpt.pt format=torch",
         "shadow restore source=/nvme/shadow out=ckpt_dcp format=dcp iteration=400",
+        "shadow restore source=/nvme/shadow out=out/checkpoint-400 format=hf_trainer iteration=400",
     ],
     "export": [
         "shadow export source=tcp://127.0.0.1:5555 out=model.safetensors dtype=bfloat16",
@@ -63,7 +65,7 @@ SUMMARY = {
     "coordinator": "the coordinator alone (workers join by its address)",
     "worker": "one worker joining a coordinator",
     "status": "workers, ranges, committed iteration, lag, rates, tiers (--json for scripts)",
-    "restore": "write a whole checkpoint out (torch, dcp, safetensors)",
+    "restore": f"write a whole checkpoint out ({', '.join(Format.values())})",
     "export": "write a checkpoint's model weights (safetensors or torch, optional bf16/fp16)",
     "ls": "list checkpoints in memory and in every tier",
     "verify": "re-read persisted checkpoints and check every checksum",
@@ -120,8 +122,22 @@ def keys(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         else:
             raise TypeError(f"{cls.__name__}.{f.name} has no default")
         shown = "null" if default is None else (str(default).lower() if isinstance(default, bool) else str(default))
-        out.append((prefix + f.name, shown, _comments(cls).get(f.name, "") or f.metadata.get("help", "")))
+        text = _comments(cls).get(f.name, "") or f.metadata.get("help", "")
+        if isinstance(sub, type) and issubclass(sub, Choice):
+            text = with_choices(text, sub)
+        out.append((prefix + f.name, shown, text))
     return out
+
+
+def with_choices(text: str, choice: type[Choice]) -> str:
+    """``text`` (a key's help) naming every value ``choice`` accepts: the ones it does not
+    name are added, so that the help follows the enum the key is parsed with."""
+    missing = [v for v in choice.values() if not re.search(rf"(?<![\w-]){re.escape(v)}(?![\w-])", text)]
+    if not missing:
+        return text
+    if not text:
+        return "one of " + ", ".join(missing)
+    return f"{text}; also {', '.join(missing)}"
 
 
 def command_help(name: str) -> str:

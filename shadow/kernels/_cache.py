@@ -16,8 +16,12 @@ directory instead:
 
 The directory is chosen when the kernel modules are first imported (numba binds a
 kernel's cache when it is decorated), so :func:`configure` runs at that import.
-:func:`compile_lock` serialises the first compilation between the worker processes of
-one host: one compiles, the others then load its result from the cache.
+:func:`compile_lock` serialises the first compilation between the processes of one host
+(workers, trainer ranks calibrating at attach): one compiles, the others then load its result
+from the cache. The wait for it is bounded (:data:`COMPILE_LOCK_WAIT_S`): a process that
+holds it longer (hung, stopped, or a forked child that inherited it) delays the others by
+that much, never without end; they then go on without it, loading what the cache holds and
+writing nothing to it (see :func:`compile_lock`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import tempfile
+import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 
@@ -34,6 +41,24 @@ from shadow.private import private_problem
 logger = logging.getLogger(__name__)
 
 _chosen: str | None = None
+
+#: the longest a process waits for another one's :func:`compile_lock` (seconds) before it
+#: goes on without it. Well under ``Tuning.connect_timeout_s`` (60 s): the other ranks of a
+#: job wait that long at the coordinator for a rank still calibrating at attach, and this
+#: wait plus the compilation that follows it must fit in it. A module constant, not a
+#: Tuning knob: the lock is taken below ``trainer_hooks.attach``'s options (in the
+#: optimizer's description) and at a worker's start alike.
+COMPILE_LOCK_WAIT_S = 20.0
+#: a worker's wait (:mod:`shadow.worker.startup`): longer, as a cold compilation of every
+#: replay kernel takes ~20 s on an idle machine and more on a loaded one, and a starting
+#: worker keeps the coordinator told meanwhile; bounded all the same
+WORKER_COMPILE_LOCK_WAIT_S = 120.0
+
+_POLL_S = (0.01, 0.25)  # the non-blocking tries' first and longest pause
+_stuck: set[str] = set()  # lock files this process gave up waiting for: tried once from then on
+_unlocked = 0  # blocks of this process running without the lock (cache writes are off meanwhile)
+_unlocked_guard = threading.Lock()
+_saved_save: Callable | None = None
 
 
 def _writable(path: str) -> str:
@@ -121,23 +146,131 @@ def cache_dir() -> str:
 
 
 @contextlib.contextmanager
-def compile_lock() -> Iterator[None]:
+def compile_lock(wait_s: float | None = None) -> Iterator[None]:
     """Hold the host-wide lock on the kernel cache while compiling (or loading) the kernels:
-    the first process compiles and fills the cache, the next ones load from it."""
-    import fcntl
+    the first process compiles and fills the cache, the next ones load from it.
 
+    The lock is polled (non-blocking ``flock``) for at most ``wait_s`` seconds (default
+    :data:`COMPILE_LOCK_WAIT_S`, a trainer rank's), logging who waits, for whom and how long. Past that, and
+    when the lock file cannot be opened, the block runs without the lock, with numba's
+    cache writes off in this process (:func:`_cache_read_only`): numba writes each cache
+    file atomically, but a kernel's index and data files are two files it rewrites
+    read-modify-write, so two processes compiling one kernel for different signatures at
+    once can leave an index naming the other's data. Loading stays safe (the one writer
+    left is the lock's holder); the kernels this process compiles are kept in memory only.
+    A process that gave up on a lock tries it once, without waiting, from then on."""
     path = os.path.join(cache_dir(), ".compile.lock")
     try:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except OSError as exc:  # no lock then: each process compiles on its own, as numba would
+    except OSError as exc:  # no lock then: each process compiles on its own, writing no cache
         logger.warning("cannot open the kernel cache lock %s (%s); compiling without it", path, exc)
-        yield
+        with _cache_read_only():
+            yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        if _acquire(fd, path, COMPILE_LOCK_WAIT_S if wait_s is None else wait_s):
+            _stuck.discard(path)
+            _mark_holder(fd)
+            yield
+            return
+        with _cache_read_only():
+            yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _acquire(fd: int, path: str, wait_s: float) -> bool:
+    """Whether ``fd`` got the lock on ``path`` within ``wait_s`` seconds (one try only when
+    this process gave up on it before)."""
+    import fcntl
+
+    t0 = time.monotonic()
+    pause = _POLL_S[0]
+    logged = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # a file system without flock: as if the lock file could not be opened
+            logger.warning("cannot lock the kernel cache lock %s (%s); compiling without it", path, exc)
+            return False
+        else:
+            if logged:
+                logger.info(
+                    "pid %d got the kernel cache lock %s after %.1f s", os.getpid(), path, time.monotonic() - t0
+                )
+            return True
+        waited = time.monotonic() - t0
+        if path in _stuck or waited >= wait_s:
+            logger.warning(
+                "pid %d %s the kernel cache lock %s, held by %s; going on without it: the kernels are "
+                "loaded from the cache or compiled here, and nothing is written to the cache",
+                os.getpid(),
+                "still cannot take" if path in _stuck else f"waited {waited:.1f} s for",
+                path,
+                _holder(fd),
+            )
+            _stuck.add(path)
+            return False
+        if not logged:
+            logger.info(
+                "pid %d waits for the kernel cache lock %s, held by %s (compiling the kernels), for %.0f s at most",
+                os.getpid(),
+                path,
+                _holder(fd),
+                wait_s,
+            )
+            logged = True
+        time.sleep(min(pause, max(wait_s - waited, 0.0)))
+        pause = min(pause * 2, _POLL_S[1])
+
+
+def _mark_holder(fd: int) -> None:
+    """Write who holds the lock into its file, for the processes waiting for it to name."""
+    me = f"pid {os.getpid()} ({' '.join(sys.argv)[:200] or sys.executable})"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, me.encode("utf-8", "replace"), 0)
+    except OSError:
+        pass
+
+
+def _holder(fd: int) -> str:
+    """Who the lock file says holds it (best effort)."""
+    try:
+        said = os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        said = ""
+    return said.splitlines()[0][:300] if said else "another process"
+
+
+@contextlib.contextmanager
+def _cache_read_only() -> Iterator[None]:
+    """numba writes no kernel to its cache in this process meanwhile (it still loads): see
+    :func:`compile_lock`. Nested and concurrent blocks count; the last one out restores it."""
+    global _unlocked, _saved_save
+    from numba.core import caching
+
+    cls = getattr(caching, "IndexDataCacheFile", None)
+    with _unlocked_guard:
+        if _unlocked == 0 and cls is not None and hasattr(cls, "save"):
+            _saved_save = cls.save
+            cls.save = _skip_save
+        _unlocked += 1
+    try:
+        yield
+    finally:
+        with _unlocked_guard:
+            _unlocked -= 1
+            if _unlocked == 0 and _saved_save is not None and cls is not None:
+                cls.save = _saved_save
+                _saved_save = None
+
+
+def _skip_save(self: object, key: object, data: object) -> None:
+    """numba's cache-file save while this process runs without the compile lock: nothing."""
+    logger.debug("kernel not written to the cache (compiled without the compile lock)")
 
 
 configure()

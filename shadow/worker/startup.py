@@ -1,6 +1,7 @@
 """A worker's start-up: its replay kernels are compiled (or loaded from the cache) on a
-background thread, one process per host at a time (:func:`shadow.kernels._cache.compile_lock`),
-while the worker tells the coordinator it is starting."""
+background thread, one process per host at a time (:func:`shadow.kernels._cache.compile_lock`,
+waited for :data:`~shadow.kernels._cache.WORKER_COMPILE_LOCK_WAIT_S` at most), while the
+worker tells the coordinator it is starting."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def compile_kernels(tick: Callable[[float], bool], period: float) -> bool:
 
     def run() -> None:
         try:
-            with _cache.compile_lock():
+            with _cache.compile_lock(_cache.WORKER_COMPILE_LOCK_WAIT_S):
                 compiled.append(warm_up())
         except BaseException as exc:  # raised on the worker's own thread below
             failed.append(exc)

@@ -47,6 +47,7 @@ the epoch's position by skipping, which is only as exact as their own iteration 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,12 +81,72 @@ def _generator(loader: Any) -> torch.Generator | None:
     return gen if isinstance(gen, torch.Generator) else None
 
 
+_WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # torchrun, MPI launchers
+
+
+def _launched_world() -> int | None:
+    """How many processes this one was started among: the initialised process group's
+    size, else what a launcher's environment says (torchrun's ``WORLD_SIZE``, MPI's); 0
+    when a launcher's ``RANK``/``LOCAL_RANK`` is there without a size; None when this
+    process was started on its own."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    for var in _WORLD_VARS:
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return 0 if "RANK" in os.environ or "LOCAL_RANK" in os.environ else None
+
+
+def _not_ddp(accelerator: Any, model: Any) -> str:
+    """Why a model accelerate prepared that is not DDP cannot be shadowed, and what to do:
+    on a host without a GPU, accelerate joins the processes a launcher started only when
+    told to use the CPU (``Accelerator(cpu=True)``); without it each of them trains alone,
+    its model not wrapped, although torchrun (or ``accelerate launch``) already started
+    them and even initialised the process group."""
+    head = (
+        f"the model accelerate prepared is a {type(model).__name__}, not DistributedDataParallel: the shadow "
+        "takes the gradients DDP reduces"
+    )
+    world = _launched_world()
+    processes = int(getattr(accelerator, "num_processes", 1) or 1)
+    kind = str(getattr(accelerator, "distributed_type", "unknown")).rsplit(".", 1)[-1]
+    if processes > 1:
+        return (
+            f"{head}; accelerate runs these {processes} processes as {kind}, which ShadowedRun does not take: "
+            "prepare the model with accelerate's plain data parallelism (no FSDP, DeepSpeed or Megatron-LM plugin)"
+        )
+    if world is None:
+        return f"{head}, so run accelerate with 2 or more processes (accelerate launch --num_processes 2, or torchrun)"
+    if world == 1:
+        return (
+            f"{head}, and the launcher started this process alone (world size 1): start 2 or more "
+            "(torchrun --nproc-per-node 2, or accelerate launch --num_processes 2)"
+        )
+    among = f"among {world} processes" if world > 1 else "by a launcher"
+    device = getattr(accelerator, "device", None)
+    if getattr(device, "type", "cpu") == "cpu" and not torch.cuda.is_available():
+        return (
+            f"{head}. This process was started {among} (torchrun or accelerate launch), but accelerate runs it "
+            f"as a single process (distributed_type {kind}): on a host without a GPU, accelerate joins them only "
+            "when told to use the CPU: Accelerator(cpu=True) (or ACCELERATE_USE_CPU=1 in the environment, or "
+            "accelerate launch --cpu)"
+        )
+    return (
+        f"{head}. This process was started {among}, but accelerate runs it as a single process "
+        f"(distributed_type {kind}, device {device}): check the launch against accelerate's configuration "
+        "(`accelerate env`)"
+    )
+
+
 class ShadowedRun:
     """An accelerate training run attached to the shadow cluster at ``coordinator``.
 
     Args:
         accelerator: the ``Accelerator`` (a multi-process run: ``accelerate launch`` or
-            ``torchrun``, so that the model is DDP).
+            ``torchrun``, so that the model is DDP; on a host without a GPU, made with
+            ``cpu=True``, without which accelerate runs each process alone).
         model, optimizer, dataloader: as ``accelerator.prepare`` returned them.
         coordinator: the cluster's address, ``tcp://host:port``.
         scheduler: the prepared scheduler, if any.
@@ -119,11 +180,7 @@ class ShadowedRun:
         **attach_kwargs: Any,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
-            raise ShadowUsageError(
-                f"the model accelerate prepared is a {type(model).__name__}, not DistributedDataParallel: the "
-                "shadow takes the gradients DDP reduces, so run accelerate with 2 or more processes "
-                "(accelerate launch --num_processes 2, or torchrun)"
-            )
+            raise ShadowUsageError(_not_ddp(accelerator, model))
         self.accelerator, self.model, self.loader = accelerator, model, dataloader
         self.optimizer = inner_optimizer(optimizer)
         self.scheduler = scheduler.scheduler if isinstance(scheduler, AcceleratedScheduler) else scheduler
