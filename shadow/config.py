@@ -27,6 +27,18 @@ def _check_endpoint(key: str, value: str) -> None:
         raise ValueError(f"{key}={value!r} is not a ZeroMQ endpoint; use e.g. tcp://127.0.0.1:5555")
 
 
+DEFAULT_TIER_EVERY_S = 60.0  #: the default local tier's schedule (PersistConfig.durable)
+
+
+def default_tier_dir(port: int) -> str:
+    """Where a cluster on ``port`` keeps its checkpoints when no tier is configured: this
+    user's data directory (``$XDG_DATA_HOME``, else ``~/.local/share``), ``shadow/cluster-<port>``;
+    one directory per port, so that two clusters of one user never share a tree, and the
+    same cluster restarted finds its own."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "shadow", f"cluster-{port}")
+
+
 @dataclass
 class TierConfig:
     """When a persistence tier takes a checkpoint (any due schedule triggers) and how many
@@ -98,10 +110,14 @@ class PersistConfig:
     #: plus search where read is allowed ("0750"). Empty: 0600 files, 0700 directories
     mode: str = ""
     sign: bool = False  #: sign each manifest (HMAC-SHA256) with the key in security.manifest_key
+    # a restarted cluster resumes its jobs from this tier (with_default_tier, default_tier_dir)
+    durable: bool = True  #: no tier set: a local one in the user's data dir, every 60 s, keep 3; false = memory only
 
     def __post_init__(self) -> None:
         if not isinstance(self.sign, bool):
             raise ValueError(f"persist.sign={self.sign!r} must be true or false")
+        if not isinstance(self.durable, bool):
+            raise ValueError(f"persist.durable={self.durable!r} must be true (the default local tier) or false")
         if self.mode:
             try:
                 bits = int(self.mode, 8)
@@ -117,6 +133,19 @@ class PersistConfig:
             raise ValueError("persist.remote.url needs persist.local.dir: the remote tier is copied from the local one")
         if "://" in self.local.dir and not self.local.dir.startswith("file://"):
             raise ValueError(f"persist.local.dir={self.local.dir!r} must be a local directory")
+
+    def with_default_tier(self, port: int) -> str:
+        """Durable by default: with no local tier configured and ``durable`` on, the local
+        tier becomes :func:`default_tier_dir` for the cluster at ``port``, on a time
+        schedule (every 60 s unless a local schedule was given; keeping ``keep``). Returns
+        the directory chosen, or "" when the config is left as it is."""
+        if self.local.enabled or not self.durable:
+            return ""
+        local = self.local
+        if (local.every_n, local.every_s, local.every_tokens) == (TierConfig.every_n, 0.0, 0):
+            local.every_n, local.every_s = 0, DEFAULT_TIER_EVERY_S  # a time schedule, whatever the step time
+        local.dir = default_tier_dir(port)
+        return local.dir
 
     @property
     def file_mode(self) -> int:
@@ -143,6 +172,7 @@ class PersistConfig:
                 RemoteTierConfig(**d.get("remote", {})),
                 mode=d.get("mode", ""),
                 sign=d.get("sign", False),
+                durable=d.get("durable", True),
             )
         except TypeError as exc:  # an unknown field
             raise ValueError(f"persist: {exc}; the tier fields are those of {LocalTierConfig.__name__}") from None
@@ -315,8 +345,8 @@ class RestoreConfig:
     """Write a whole checkpoint (model, optimizer, scheduler, RNG, extra state) out."""
 
     source: str = "tcp://127.0.0.1:5555"  #: coordinator address, checkpoint directory or fsspec URL
-    out: str = "checkpoint.pt"  #: file (torch, safetensors) or directory (dcp) to write
-    format: Format = Format.torch  #: torch (torch.load-able), dcp (torch.distributed.checkpoint), safetensors (weights)
+    out: str = "checkpoint.pt"  #: file (torch, safetensors, lightning) or directory (dcp, hf_trainer) to write
+    format: Format = Format.torch  #: torch (torch.load-able), dcp, safetensors (weights), hf_trainer, lightning
     job: str | None = None  #: the job to restore (default: the only or newest one)
     iteration: int | None = None  #: a specific iteration (default: newest complete)
     timeout: float = 30.0  #: seconds to wait for the coordinator and workers

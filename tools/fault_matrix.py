@@ -231,7 +231,7 @@ def _restart_coordinator(t: Trial, outage_s: float, env: dict | None, k: int, st
             t0 = time.time()
             log = open(t.tmp / "coordinator2.log", "w")
             new = subprocess.Popen(
-                [sys.executable, "-m", "shadow", "coordinator", "workers=2", f"port={c.port}"],
+                [sys.executable, "-m", "shadow", "coordinator", "workers=2", f"port={c.port}", "persist.durable=false"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
@@ -303,7 +303,16 @@ def cluster_loss(t: Trial) -> dict:
             t0 = time.time()
             log = open(t.tmp / "cluster2.log", "w")
             c.proc = subprocess.Popen(
-                [sys.executable, "-m", "shadow", "cluster", "workers=2", f"port={c.port}", "threads_per_worker=1"],
+                [
+                    sys.executable,
+                    "-m",
+                    "shadow",
+                    "cluster",
+                    "workers=2",
+                    f"port={c.port}",
+                    "threads_per_worker=1",
+                    "persist.durable=false",
+                ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,

@@ -276,6 +276,11 @@ def _cluster_lines(st: dict) -> list[str]:
     if st.get("restorable"):
         where = ", ".join(f"{k} iteration {v}" for k, v in st["restorable"].items() if v is not None)
         out.append(f"newest restorable checkpoint: {where or 'none'}")
+    if not st.get("persist"):
+        out.append(
+            "no persistence tier: checkpoints are in memory only, and a restarted cluster has none "
+            "(persist.durable=true or persist.local.dir= keeps them on disk)"
+        )
     for name, tier in (st.get("persist") or {}).items():
         last = tier["last_complete"]
         text = (

@@ -63,6 +63,17 @@ def _coordinator(cfg: CoordinatorConfig):
     from shadow.coordinator.server import Coordinator
     from shadow.persist import signing
 
+    tier = cfg.persist.with_default_tier(cfg.port)
+    if tier:
+        logger.warning(
+            "no persistence tier configured: checkpoints are kept in %s every %g s (keeping %d), so that a "
+            "restarted cluster resumes its jobs from disk; persist.local.dir= sets another place, "
+            "persist.durable=false keeps them in memory only",
+            tier,
+            cfg.persist.local.every_s,
+            cfg.persist.local.keep,
+        )
+
     return Coordinator(
         f"tcp://{cfg.host}:{cfg.port}",
         cfg.workers,

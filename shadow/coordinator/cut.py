@@ -119,18 +119,24 @@ class Cut:
     def retry_persist(self) -> None:
         """(Periodic.) The local tier's request for the cut was skipped (its images were all
         still being written) and no newer cut has come to be due instead, as after a run's
-        last iteration: ask the writers again for that cut, which they still hold."""
+        last iteration; or the tier's time schedule came due after the cut with no newer cut
+        to take it (the trainers stopped or died): ask the writers for that cut, which they
+        still hold."""
         st, job = self.state, self.state.job
         if job is None or job.diverged is not None or job.status not in (JobStatus.RUNNING, JobStatus.DETACHED):
             return
         live = self._live()
         writers = self._writers(live)
-        if not self.persist.retry_skipped(job.cut, writers, st.tuning.heartbeat_s):
+        if self.persist.retry_skipped(job.cut, writers, st.tuning.heartbeat_s):
+            why = "skipped, nothing newer"
+        elif job.cut >= job.base and self.persist.time_due(job.cut, writers):
+            why = "its time schedule came due with no newer iteration"
+        else:
             return
         job.writers = {}
         for wid, shard in writers.items():
             job.writers.setdefault(shard, set()).add(wid)
-        logger.info("tier local: asking again for the checkpoint of iteration %d (skipped, nothing newer)", job.cut)
+        logger.info("tier local: asking for the checkpoint of iteration %d (%s)", job.cut, why)
         for x in live:
             if x.id in writers:
                 self._send(x, ApplyCut(job.epoch, job.cut, persist=True))

@@ -161,6 +161,24 @@ class Persistence:
         t.requested[cut] = time.monotonic()
         return True
 
+    def time_due(self, cut: int, writers: dict[int, int]) -> bool:
+        """Whether to ask the local tier for the cut ``cut`` because its time schedule
+        (``every_s``) came due after the cut was committed, with no newer cut to take it
+        (the trainers stopped, crashed, or step slower than the schedule): without this the
+        newest iteration of a run that died would never reach the disk. Recorded as asked,
+        as :meth:`local_due` does (``writers`` as there)."""
+        t = self.tiers.get("local")
+        if t is None or t.held or not writers or t.in_flight or t.last[0] >= cut:
+            return False
+        every = t.tier.schedule.every_s
+        if not every or time.time() - t.last[1] < every:
+            return False
+        t.last = (cut, time.time(), t.last[2])
+        t.in_flight[cut] = {}
+        t.asked[cut] = dict(writers)
+        t.requested[cut] = time.monotonic()
+        return True
+
     def file_for(self, tier: str, shard: int, nshards: int) -> str | None:
         """The file name tier ``tier`` gives shard ``shard`` of ``nshards`` (None: no such tier)."""
         t = self.tiers.get(tier)

@@ -58,6 +58,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+#: a test cluster keeps what its test configures: no default tier unless asked (durable=True)
+_MEMORY_ONLY = ("persist.durable=false",)
+
+
 class LocalCluster:
     """``shadow cluster`` with ``workers`` workers of one numba thread each, on a free port
     (or ``port``), logging to ``<tmp>/cluster-<port>.log``. ``args`` are extra config
@@ -65,6 +69,9 @@ class LocalCluster:
     ``faults`` the :class:`~shadow.testing.faults.ServiceFaults` its services carry, ``keys``
     the client keys it is asked with (default: this process's, which for a cluster without
     keys of its own is this user's key set; none with ``security.insecure=true``).
+    ``durable``: keep the default local tier a ``shadow cluster`` without persistence
+    settings keeps (``persist.durable``; under ``<tmp>/data``); off by default here, so
+    that a test's cluster holds what the test configures.
     Raises RuntimeError, with the log's last error line, when it does not start within
     ``start_timeout`` s. Use it as a context manager, or call :meth:`stop`."""
 
@@ -79,6 +86,7 @@ class LocalCluster:
         threads_per_worker: int = 1,
         start_timeout: float = 60.0,
         faults: ServiceFaults | None = None,
+        durable: bool = False,
     ) -> None:
         insecure = "security.insecure=true" in args
         self.keys = None if insecure and keys is CURRENT else keys  # a keyless cluster answers keyless clients
@@ -99,11 +107,18 @@ class LocalCluster:
                     f"workers={workers}",
                     f"port={self.port}",
                     f"threads_per_worker={threads_per_worker}",
+                    *(() if durable or any(a.startswith("persist.durable=") for a in args) else _MEMORY_ONLY),
                     *args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=dict(os.environ, **(env or {}), **(faults.env() if faults else {})),
+                # the default tier (persist.durable) goes under tmp, never this user's data directory
+                env=dict(
+                    os.environ,
+                    XDG_DATA_HOME=str(Path(tmp) / "data"),
+                    **(env or {}),
+                    **(faults.env() if faults else {}),
+                ),
             )
         try:
             wait_until(self._started, start_timeout, f"{workers} ready workers at {self.address}", period=0.2)

@@ -73,6 +73,8 @@ class Keys:
 
 def _spawn(cmd: list[str], log) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHADOW_CURVE_")}
+    if "coordinator" in cmd and not any(a.startswith("persist.") for a in cmd):
+        cmd = [*cmd, "persist.durable=false"]  # these clusters hold what the test configures: memory only
     return subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(env, SHADOW_WORKER_LOST_S="3")
     )

@@ -213,3 +213,42 @@ def test_a_changed_world_size_is_refused_on_every_rank_unless_asked(tmp_path, jo
         assert "restoring a 2-rank checkpoint onto 1 ranks (resize=True)" in _log(tmp, 0)
     finally:
         cluster.stop()
+
+
+def test_a_default_cluster_keeps_its_checkpoints_on_disk_and_resumes_after_a_restart(tmp_path, job):
+    """Durable by default: a cluster started with no persistence settings writes a local
+    tier in the user's data directory (here under tmp, XDG_DATA_HOME) and says where; the
+    whole cluster restarted, the same command line resumes the job from that tier."""
+    data = tmp_path / "data"
+    schedule = ("persist.local.every_s=1",)  # the default tier's place, a test-sized schedule
+    cluster = LocalCluster(tmp_path, workers=2, durable=True, args=schedule)
+    port = cluster.port
+    first = tmp_path / "first"
+    first.mkdir()
+    try:
+        common = ("--coordinator", cluster.address, "--job", job, "--steps", "12")
+        codes = run_ranks(first, "--mode", "auto", *common, "--out", str(first / "out"), "--kill-at", "8")
+        assert codes == [-9, -9], rank_logs(first)
+        st = cluster.wait_status(
+            lambda s: (s.get("restorable") or {}).get("local") is not None, 120, "a local checkpoint"
+        )
+        root = st["persist"]["local"]["root"]
+        assert root == str(data / "shadow" / f"cluster-{port}"), root
+        on_disk = st["restorable"]["local"]
+        text = cluster.log.read_text()
+        assert "no persistence tier configured: checkpoints are kept in " + root in text
+        assert "persist.durable=false" in text
+    finally:
+        cluster.kill_all()
+    cluster = LocalCluster(tmp_path, workers=2, durable=True, args=schedule, port=port)
+    again = tmp_path / "again"
+    again.mkdir()
+    try:
+        assert cluster.status()["persist"]["local"]["root"] == root
+        codes = run_ranks(again, "--mode", "auto", *common, "--out", str(again / "out"))
+        assert codes == [0, 0], rank_logs(again)
+        for r in range(2):
+            final = torch.load(again / "out" / f"rank{r}.pt", weights_only=True)
+            assert final["start"] == on_disk and final["committed"] == 12
+    finally:
+        cluster.stop()
