@@ -65,13 +65,19 @@ def _coordinator(cfg: CoordinatorConfig):
 
     tier = cfg.persist.with_default_tier(cfg.port)
     if tier:
+        local = cfg.persist.local
+        every = [
+            f"every {n}{unit}"
+            for n, unit in ((local.every_n, " iterations"), (local.every_s, " s"), (local.every_tokens, " tokens"))
+            if n
+        ]
         logger.warning(
-            "no persistence tier configured: checkpoints are kept in %s every %g s (keeping %d), so that a "
-            "restarted cluster resumes its jobs from disk; persist.local.dir= sets another place, "
-            "persist.durable=false keeps them in memory only",
+            "no persistence tier configured: checkpoints are kept in %s %s (keeping %s), so that a restarted "
+            "cluster resumes its jobs from disk; persist.local.dir= sets another place, persist.durable=false "
+            "keeps them in memory only",
             tier,
-            cfg.persist.local.every_s,
-            cfg.persist.local.keep,
+            " or ".join(every),
+            local.keep or "all",
         )
 
     return Coordinator(
