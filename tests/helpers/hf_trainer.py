@@ -7,7 +7,9 @@ torchrun's environment, optionally protected by the shadow
 A tiny GPT-2 built from a config (tied embeddings, dropout), a map-style dataset shuffled by
 the Trainer's sampler, gradient accumulation, ``max_grad_norm``, a linear schedule with
 warm-up, the Trainer's default optimizer, bf16 autocast. Saves each rank's final model, optimizer,
-scheduler, per-step losses and RNG to ``DIR/rank{r}.pt``.
+scheduler, per-step losses, ``log_history`` (but its last entry, the run's summary) and RNG to
+``DIR/rank{r}.pt``. ``--resume-tmp``: the shadow writes the checkpoint to resume from to a
+temporary directory (``$TMPDIR``) instead of ``DIR/resume``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> int:
     ap.add_argument("--job", default="hf")
     ap.add_argument("--kill-at", type=int, default=0, help="SIGKILL after this optimizer step")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-tmp", action="store_true", help="resume from a checkpoint in a temporary directory")
     args = ap.parse_args()
 
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
@@ -81,13 +84,15 @@ def main() -> int:
 
         run = protect(trainer, args.coordinator, job=args.job)
         if args.resume:
-            resume = run.resume_checkpoint(os.path.join(args.out, "resume"))
+            resume = run.resume_checkpoint(None if args.resume_tmp else os.path.join(args.out, "resume"))
             assert resume is not None, "nothing to resume from"
     if args.kill_at:
         trainer.add_callback(KillAt(args.kill_at, run))
     trainer.train(resume_from_checkpoint=resume)
     rank = trainer.args.process_index
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
+    history = trainer.state.log_history
+    assert history and "train_runtime" in history[-1], history[-1:]  # the summary train() logs last
     os.makedirs(args.out, exist_ok=True)
     torch.save(
         {
@@ -97,6 +102,7 @@ def main() -> int:
             "losses": losses,
             "rng": torch.get_rng_state(),
             "global_step": trainer.state.global_step,
+            "log_history": history[:-1],
         },
         os.path.join(args.out, f"rank{rank}.pt"),
     )

@@ -14,18 +14,23 @@ Two lines around the Trainer's own ``train()``; nothing else of the script chang
   replayed (``max_grad_norm`` keeps working); with ``max_grad_norm=0`` its norm-only call is a
   clip by 1.0, replayed as such.
 * Each iteration records the Trainer's state (``TrainerState``, and what places the step in
-  its epoch) with the model and optimizer.
+  its epoch) with the model and optimizer, as it stands once the step is logged: its commit
+  waits for the step's log entry (``on_log``) when the step logs, else for ``on_step_end``.
+  ``log_history`` is kept whole up to ``log_entries`` entries (default 1000), then its newest
+  ``log_entries``.
 * :meth:`ShadowedTrainer.resume_checkpoint` asks the cluster for the newest checkpoint of the
   job and writes it as the Trainer's own checkpoint directory (the same as ``shadow restore
   format=hf_trainer``): weights, ``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json``
-  and every rank's RNG. ``resume_from_checkpoint`` then does what the Trainer does with its
-  own checkpoints: loads them, skips the batches the run consumed and sets each rank's RNGs
-  after the first batches are fetched. Every rank writes its own copy (in a directory of its
-  own), so no directory has to be shared between hosts.
+  (``log_history`` up to the checkpointed step's entry) and every rank's RNG.
+  ``resume_from_checkpoint`` then does what the Trainer does with its own checkpoints: loads
+  them, skips the batches the run consumed and sets each rank's RNGs after the first batches
+  are fetched. Every process writes its own copy (in a directory of its own), so no directory
+  has to be shared between hosts; a temporary one is removed once the Trainer has loaded it.
 
-Limits: the log entry of the checkpointed step itself is not in ``trainer_state.json``'s
-``log_history`` (it is logged after the step is recorded); DeepSpeed and FSDP runs are not
-DDP and are refused.
+Limits: an evaluation's entry of the checkpointed step itself is not in ``log_history`` (the
+commit does not wait for evaluations); with ``logging_steps`` > 1 the first entry after the
+resume averages the loss over the steps since the resume (as after the Trainer's own
+checkpoint); DeepSpeed and FSDP runs are not DDP and are refused.
 """
 
 from __future__ import annotations
@@ -42,16 +47,20 @@ from transformers import TrainerCallback
 import trainer_hooks
 from shadow.errors import ShadowError, ShadowUsageError
 from shadow.export._writers import HF_KEY
-from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks.integrations._resume import write_resume
+from trainer_hooks._restored import RESTORED
+from trainer_hooks.integrations._resume import Resumed, write_resume
 from trainer_hooks.integrations.accelerate import inner_optimizer
 
 logger = logging.getLogger(__name__)
 
+HOLD = "transformers"  # the name the commits wait under until the step is logged
+LOG_ENTRIES = 1000  # the newest log_history entries each iteration keeps (default)
+
 
 class ShadowedTrainer(TrainerCallback):
     """The callback :func:`protect` adds to a ``Trainer``. Its :attr:`session` is the
-    rank's :class:`trainer_hooks.Session` once ``train()`` has begun."""
+    rank's :class:`trainer_hooks.Session` once ``train()`` has begun. ``log_entries``: the
+    newest ``log_history`` entries each iteration keeps (None: all)."""
 
     def __init__(
         self,
@@ -60,15 +69,23 @@ class ShadowedTrainer(TrainerCallback):
         *,
         job: str = "default",
         extra_state: Callable[[], Any] | None = None,
+        log_entries: int | None = LOG_ENTRIES,
         **attach_kwargs: Any,
     ) -> None:
+        bad = isinstance(log_entries, bool) or not isinstance(log_entries, int) or log_entries < 0
+        if log_entries is not None and bad:
+            raise ValueError(f"log_entries must be an integer >= 0 or None, got {log_entries!r}")
         self.trainer, self.coordinator, self.job = trainer, coordinator, job
         self.attach_kwargs = attach_kwargs
+        self.log_entries = log_entries
         self.session: trainer_hooks.Session | None = None
         self._user_extra = extra_state
-        self._state_json = ""  # the Trainer's state as the last completed step left it
+        self._state_json = ""  # the Trainer's state as the last logged (or completed) step left it
+        self._dropped = 0  # log_history entries left out of _state_json (the oldest)
+        self._dropped_before = 0  # ... of them, those the checkpoint resumed from had left out already
+        self._holding = False  # the step's commit waits for its log entry
         self._shape = {"updates_per_epoch": 0, "steps_in_epoch": 0, "accumulation": 1}
-        self._resumed: RestorePoint | None = None  # what resume_checkpoint wrote, for the attach
+        self._resumed: Resumed | None = None  # what resume_checkpoint wrote, for the attach
 
     # -- resume ----------------------------------------------------------------------------------------
     def resume_checkpoint(
@@ -79,14 +96,16 @@ class ShadowedTrainer(TrainerCallback):
         this rank's); None when the cluster knows no such job, in memory or in its tiers (a
         fresh run). A job it knows but cannot restore is an error, never a fresh start; a
         checkpoint taken with another number of ranks is refused on every rank unless
-        ``resize=True`` (:func:`trainer_hooks.restore`)."""
+        ``resize=True`` (:func:`trainer_hooks.restore`). A temporary directory is removed once
+        the Trainer has loaded the checkpoint (its first step, after the RNGs); one given as
+        ``directory`` is kept."""
         written = write_resume(
             self.coordinator, self.job, timeout, directory, "hf_trainer", "checkpoint-{iteration}", resize
         )
         if written is None:
             return None
-        out, self._resumed = written
-        return out
+        self._resumed = written
+        return written.path
 
     # -- the Trainer's events --------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -107,12 +126,24 @@ class ShadowedTrainer(TrainerCallback):
             "steps_in_epoch": steps,
             "accumulation": accum,
         }
-        self._state_json = json.dumps(dataclasses.asdict(state))
         start = int(state.global_step)
-        if self._resumed is not None and self._resumed.iteration == start:
+        point = self._resumed.point(int(args.process_index)) if self._resumed is not None else None
+        if point is not None and point.iteration == start:
             # the bootstrap of iteration `start` records its RNG and extra state as checkpointed: the
             # Trainer sets the RNGs only once it has fetched the resumed epoch's first batches
-            RESTORED[optimizer] = self._resumed
+            RESTORED[optimizer] = point
+            rec = point.extra_state.get(HF_KEY) if isinstance(point.extra_state, dict) else None
+            self._dropped_before = int(rec.get("log_dropped", 0)) if isinstance(rec, dict) else 0
+            if self._dropped_before:
+                logger.warning(
+                    "job %s resumed at step %d: log_history lacks its %d oldest entries (each iteration keeps the "
+                    "newest %s: protect(..., log_entries=))",
+                    self.job,
+                    start,
+                    self._dropped_before,
+                    self.log_entries,
+                )
+        self._state_json = self._record(state)
         self.session = trainer_hooks.attach(
             model,
             optimizer,
@@ -124,13 +155,36 @@ class ShadowedTrainer(TrainerCallback):
             extra_state=self._extra,
             **self.attach_kwargs,
         )
+        self.session.recorder.holds.add(HOLD)
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._release()  # the step before logged nothing after all
+        if self._resumed is not None:
+            self._resumed.remove()  # the Trainer has loaded the checkpoint, its RNGs included
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._state_json = json.dumps(dataclasses.asdict(state))  # what the next step's record carries
+        self._state_json = self._record(state)  # the step's commit carries the state after it
+        self._holding = True
+        if not control.should_log:
+            self._release()
+        return control  # else it waits for the step's log entry (on_log)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._holding:
+            self._state_json = self._record(state)
+            self._release()
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._release()
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._release()
+        if self._resumed is not None:
+            self._resumed.remove()
         if self.session is not None:
             try:
                 self.session.close()
@@ -138,17 +192,41 @@ class ShadowedTrainer(TrainerCallback):
                 logger.error("closing the shadow session failed: %s", exc)
         return control
 
+    def _release(self) -> None:
+        """The pending commit may leave, with the state as recorded last."""
+        if not self._holding:
+            return
+        self._holding = False
+        if self.session is not None and not self.session.closed:
+            self.session._release(HOLD, self._extra())
+
+    def _record(self, state: Any) -> str:
+        """``state`` as JSON, its ``log_history`` cut to the newest :attr:`log_entries`."""
+        history = state.log_history
+        keep = history if self.log_entries is None else history[max(0, len(history) - self.log_entries) :]
+        self._dropped = self._dropped_before + len(history) - len(keep)
+        state.log_history = []  # not copied whole by asdict: it grows with the run
+        try:
+            out = dataclasses.asdict(state)
+        finally:
+            state.log_history = history
+        out["log_history"] = keep
+        return json.dumps(out)
+
     def _extra(self) -> dict:
-        out: dict = {HF_KEY: {"state": self._state_json, **self._shape}}
+        out: dict = {HF_KEY: {"state": self._state_json, "log_dropped": self._dropped, **self._shape}}
         if self._user_extra is not None:
             out["user"] = self._user_extra()
         return out
 
 
-def protect(trainer: Any, coordinator: str, *, job: str = "default", **attach_kwargs: Any) -> ShadowedTrainer:
+def protect(
+    trainer: Any, coordinator: str, *, job: str = "default", log_entries: int | None = LOG_ENTRIES, **attach_kwargs: Any
+) -> ShadowedTrainer:
     """Attach ``trainer``'s training to the shadow cluster at ``coordinator`` when its
-    ``train()`` begins (every rank calls this). ``attach_kwargs``: the rest of
+    ``train()`` begins (every rank calls this). ``log_entries``: the newest ``log_history``
+    entries each iteration keeps (None: all). ``attach_kwargs``: the rest of
     :func:`trainer_hooks.attach`'s options (``policy``, ``audit_every``, ``exact``, ...)."""
-    cb = ShadowedTrainer(trainer, coordinator, job=job, **attach_kwargs)
+    cb = ShadowedTrainer(trainer, coordinator, job=job, log_entries=log_entries, **attach_kwargs)
     trainer.add_callback(cb)
     return cb

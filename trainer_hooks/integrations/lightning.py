@@ -20,10 +20,15 @@ One callback and the ``ckpt_path`` Lightning already takes::
   yielded and the precision plugin's name.
 * :meth:`ShadowCallback.resume_checkpoint` writes the cluster's newest checkpoint of the job
   as a Lightning checkpoint file (the same as ``shadow restore format=lightning``), one per
-  rank. Lightning restores the module, optimizer, scheduler, scaler and loops from it. The
-  callback does the rest: Lightning does not resume a plain DataLoader mid-epoch, so the
-  train loader skips the batches the epoch had consumed, and it puts back each rank's RNGs
-  (Lightning saves none) once the resumed epoch's first batch is fetched.
+  process. Lightning restores the module, optimizer, scheduler, scaler and loops from it. The
+  callback does the rest once ``fit()`` has set the process group up and the rank is known
+  (Lightning's own launcher starts the other ranks inside ``fit()``, with no ``$RANK``):
+  Lightning does not resume a plain DataLoader mid-epoch, so the train loader skips the
+  batches the epoch had consumed, and it puts back the rank's own RNGs (Lightning saves none)
+  once the resumed epoch's first batch is fetched. A checkpoint of an epoch's last batch
+  resumes with the next epoch, whole (as Lightning's own checkpoint of that batch does), its
+  RNGs put back before the epoch's iterator is built. A temporary directory the checkpoint was
+  written to is removed once Lightning has loaded it.
 
 Limits: one optimizer and at most one scheduler; one train loader; manual optimization is
 not supported; a scheduler stepped per epoch leaves the checkpoint of an epoch's last batch
@@ -44,7 +49,7 @@ from shadow.errors import ShadowError, ShadowUsageError
 from shadow.export._writers import LIGHTNING_KEY
 from trainer_hooks._restore import RestoreInfo
 from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks.integrations._resume import write_resume
+from trainer_hooks.integrations._resume import Resumed, known_rank, write_resume
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +59,14 @@ HOLD = "lightning"  # the name the commits wait under until the end of the batch
 class _Positioned:
     """The train DataLoader; after a resume, its first epoch skips the batches the
     checkpoint had consumed (Lightning's counters go on from there, but it does not resume a
-    plain DataLoader) and puts the RNGs back once the first remaining batch is fetched.
+    plain DataLoader) and puts the RNGs back once the first remaining batch is fetched: the
+    draws of building the iterator (its base seed) belong to the epoch's start, before the
+    checkpoint. ``rng_first``: the checkpoint ended the epoch before, so the resumed epoch is
+    a new one, whole, and its iterator draws after the checkpoint: the RNGs go back first.
     Everything else is the loader's (``sampler``, ``len``)."""
 
-    def __init__(self, loader: Any, skip: int = 0, info: RestoreInfo | None = None) -> None:
-        self._loader, self._skip, self._info = loader, skip, info
+    def __init__(self, loader: Any, skip: int = 0, info: RestoreInfo | None = None, rng_first: bool = False) -> None:
+        self._loader, self._skip, self._info, self._rng_first = loader, skip, info, rng_first
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
@@ -67,6 +75,9 @@ class _Positioned:
         return len(self._loader)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._rng_first:
+            self._rng_first = False
+            self.apply_rng()
         it = iter(self._loader)
         skip, self._skip = self._skip, 0
         for _ in range(skip):
@@ -86,6 +97,12 @@ class _Positioned:
 _END = object()
 
 
+def _user(point: RestorePoint) -> Any:
+    """The loop's own extra state in a checkpoint's extra state (None: none was kept)."""
+    extra = point.extra_state
+    return extra.get("user") if isinstance(extra, dict) else None
+
+
 class ShadowCallback(pl.Callback):
     """Protect a Lightning ``fit()`` with the shadow cluster at ``coordinator`` (add it to the
     ``Trainer``'s callbacks on every rank). ``extra_state``: the loop's own state to keep
@@ -102,11 +119,14 @@ class ShadowCallback(pl.Callback):
     ) -> None:
         self.coordinator, self.job, self.attach_kwargs = coordinator, job, attach_kwargs
         self.session: trainer_hooks.Session | None = None
-        self.extra_state: Any = None  #: after resume_checkpoint: what extra_state returned then
+        #: after a resume, what extra_state returned then on this rank: from resume_checkpoint on
+        #: where the rank is known then ($RANK), else from the callback's setup in fit()
+        self.extra_state: Any = None
         self._user_extra = extra_state
         self._trainer: pl.Trainer | None = None
         self._consumed = 0  # batches of the epoch in progress trained on (Lightning's next batch_idx)
-        self._resumed: tuple[RestorePoint, int] | None = None  # the checkpoint written, batches consumed
+        self._resumed: Resumed | None = None  # the checkpoint resume_checkpoint wrote
+        self._point: RestorePoint | None = None  # this rank's part of it, once the rank is known
 
     # -- resume ----------------------------------------------------------------------------------------
     def resume_checkpoint(
@@ -114,19 +134,46 @@ class ShadowCallback(pl.Callback):
     ) -> str | None:
         """The newest checkpoint of the job as a Lightning checkpoint file for
         ``trainer.fit(..., ckpt_path=...)`` (under ``directory``, default a new temporary
-        directory of this rank's); None when the cluster knows no such job (a fresh run). A
-        job it knows but cannot restore is an error, never a fresh start."""
+        directory of this process's, removed once Lightning has loaded it); None when the
+        cluster knows no such job (a fresh run). A job it knows but cannot restore is an
+        error, never a fresh start.
+
+        The file is the same for every rank. Each rank's own RNG and extra state are chosen
+        inside ``fit()``, once the process group is up: Lightning's own launcher
+        (``Trainer(devices=n)`` run as ``python train.py``) calls this before it has started
+        the other ranks, and none of them has ``$RANK``."""
         written = write_resume(
             self.coordinator, self.job, timeout, directory, "lightning", "iteration-{iteration}.ckpt", resize
         )
         if written is None:
             return None
-        out, point = written
-        self._resumed = (point, int(point.extra_state[LIGHTNING_KEY]["batches"]))
-        self.extra_state = point.extra_state.get("user")
-        return out
+        self._resumed, self._point = written, None
+        rank = known_rank()
+        if rank is not None:
+            self.extra_state = _user(written.point(rank))
+        else:
+            logger.info(
+                "the rank of this process is not known yet (no $RANK, no process group): its extra state and RNG "
+                "are chosen in fit(), once Lightning has set the process group up"
+            )
+        return written.path
+
+    def _rank_point(self, trainer: pl.Trainer) -> RestorePoint | None:
+        """This rank's part of the checkpoint resume_checkpoint wrote (None: nothing was)."""
+        if self._resumed is not None and self._point is None:
+            self._point = self._resumed.point(int(trainer.global_rank))
+            self.extra_state = _user(self._point)
+        return self._point
+
+    def _remove_written(self) -> None:
+        if self._resumed is not None:
+            self._resumed.remove()
 
     # -- Lightning's events ----------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._rank_point(trainer)  # the process group is up: the rank is known
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):
@@ -147,14 +194,22 @@ class ShadowCallback(pl.Callback):
         optimizer = trainer.optimizers[0]
         scheduler = trainer.lr_scheduler_configs[0].scheduler if trainer.lr_scheduler_configs else None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        skip, info = 0, None
+        skip, info, rng_first = 0, None, False
         start = int(trainer.global_step)
-        if self._resumed is not None and self._resumed[0].iteration == start:
-            point, skip = self._resumed
+        point = self._rank_point(trainer)
+        self._remove_written()  # Lightning has loaded the checkpoint (before this hook)
+        if point is not None and point.iteration == start:
+            rec = point.extra_state[LIGHTNING_KEY]
+            if int(trainer.current_epoch) > int(rec["epoch"]):
+                # the checkpoint was the epoch's last batch: Lightning goes on with the next epoch, whole (as
+                # from its own checkpoint of that batch), and that epoch's iterator draws after the checkpoint
+                rng_first = True
+            else:
+                skip = int(rec["batches"])
             RESTORED[optimizer] = point  # the bootstrap records the checkpoint's own RNG and extra state
             info = RestoreInfo(point.iteration, point.extra_state, point.job, point.source, point.tier, 0, point.rng)
         self._trainer, self._consumed = trainer, skip
-        loaders.flattened = [_Positioned(loaders.flattened[0], skip, info)]
+        loaders.flattened = [_Positioned(loaders.flattened[0], skip, info, rng_first)]
         if info is not None and trainer.fit_loop._data_fetcher is not None:
             # Lightning built the resumed epoch's iterator before this hook (setup_data): build it again,
             # over the loader that skips what the checkpoint consumed
@@ -186,6 +241,12 @@ class ShadowCallback(pl.Callback):
                 self.session.close()
             except ShadowError as exc:  # never into the Trainer: the last iteration may be unprotected
                 logger.error("closing the shadow session failed: %s", exc)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_written()  # a fit() that ended before on_train_start (e.g. nothing left to train)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_written()
 
     def _extra(self) -> dict:
         trainer = self._trainer
