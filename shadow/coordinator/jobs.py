@@ -143,6 +143,7 @@ def _row(name: str, status: str, restorable: dict[str, Any], **fields: Any) -> d
         "epoch": None,
         "world": None,
         "committed": None,
+        "base": None,  # the iteration the held job's current epoch began at
         "generation": None,
         "ranks_heard": None,  # ranks heard from within window_s (attaching: ranks arrived)
         "last_heard_s": None,  # seconds since the newest heartbeat of any rank
@@ -167,6 +168,7 @@ def _held_row(st: ClusterState, persist: Persistence, job: JobRec, now: float) -
         epoch=job.epoch,
         world=job.world,
         committed=job.cut if job.cut >= job.base else None,
+        base=job.base,
         generation=job.generation,
         ranks_heard=len(heard),
         last_heard_s=round(now - latest, 3),

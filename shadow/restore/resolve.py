@@ -163,13 +163,26 @@ def holds_job(
             reply = request(sock, source, M.encode("jobs"), wait, ("jobs_reply",))
         finally:
             sock.close(linger=0)
-        rows = [r for r in reply["jobs"] if isinstance(r, dict) and job in (None, r.get("name"))]
-        stored = any(
-            isinstance(r.get("restorable"), dict) and any(v is not None for v in r["restorable"].values()) for r in rows
-        )
-        return stored or bool(reply.get("left_out"))
+        return jobs_hold(reply["jobs"], job, bool(reply.get("left_out")))
     src = open_source(source, timeout, tuning, sign_key)
     return any(c.state != INCOMPLETE for c in src.candidates(job))
+
+
+def jobs_hold(rows: list, job: str | None, left_out: bool = False) -> bool:
+    """Whether the rows of a ``jobs_reply`` hold job ``job`` (any: None) to resume from: a
+    checkpoint in memory or a tier, or a held job that went past its start (it committed an
+    iteration, or its epoch began after one: a re-attach whose bootstrap did not finish, whose
+    restore must fail saying why rather than start over). A job held from iteration 0 that
+    never committed one (its ranks died in their first iteration) has nothing to resume."""
+    for r in rows:
+        if not isinstance(r, dict) or job not in (None, r.get("name")):
+            continue
+        restorable = r.get("restorable")
+        if isinstance(restorable, dict) and any(v is not None for v in restorable.values()):
+            return True
+        if r.get("held") and (r.get("committed") is not None or (r.get("base") or 0) > 0):
+            return True
+    return left_out
 
 
 def resolve(

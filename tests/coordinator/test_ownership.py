@@ -179,3 +179,30 @@ def test_a_rank_that_gives_up_withdraws_its_held_attach():
     sim.send(b"t0", "detach", epoch=1, rank=0)  # the first run ends
     sim.coord.attach.start_attaches()
     assert sim.state.epoch == 1 and sim.state.job is not None and sim.state.job.status == JobStatus.DETACHED
+
+
+def test_resume_auto_starts_fresh_only_for_a_job_with_nothing_to_resume():
+    """``jobs_hold`` (what ``resume='auto'`` decides on): a checkpoint anywhere, or a held job
+    past its start, is resumed (a restore that cannot be done then fails saying why); a job
+    held from iteration 0 that never committed one starts fresh."""
+    from shadow.restore.resolve import jobs_hold
+
+    sim = Sim()
+    for i in range(2):
+        sim.register(i)
+    sim.attach()  # held, bootstrapping from iteration 0: nothing committed yet
+    sim.send(b"op", "jobs")
+    rows = sim.out.last("jobs_reply", b"op")["jobs"]
+    assert rows[0]["base"] == 0 and rows[0]["committed"] is None
+    assert not jobs_hold(rows, "job") and not jobs_hold(rows, None)
+    sim.configured(b"w0", b"w1")
+    sim.prepared(b"w0", 0)
+    sim.prepared(b"w1", 0)
+    sim.send(b"op", "jobs")
+    rows = sim.out.last("jobs_reply", b"op")["jobs"]
+    assert jobs_hold(rows, "job") and not jobs_hold(rows, "other")
+    # a re-attach at 54 whose bootstrap did not finish, nothing restorable: held, never fresh
+    resync = [{**rows[0], "committed": None, "base": 54, "restorable": {"memory": None}}]
+    assert jobs_hold(resync, "job")
+    assert jobs_hold([{"name": "gone", "held": False, "restorable": {"local": 8}}], "gone")
+    assert jobs_hold([], "job", left_out=True) and not jobs_hold([], "job")
