@@ -21,8 +21,9 @@ default sizes (each module's ``ARGS_QUICK``) keep the whole set around 10 minute
 defaults); ``--only`` writes ``REPORT-partial.md`` (the JSON of the benchmarks it runs is
 replaced; ``REPORT.md`` stays the last full set's). ``--smoke`` runs ``ARGS_SMOKE``: toy
 sizes that only show every benchmark, goal and plot still work (a few minutes in all;
-its report goes to a temp dir unless ``--out`` says otherwise). The exit status is 1 when a benchmark
-failed to produce its figures, not when a goal is missed.
+its report goes to a temp dir unless ``--out`` says otherwise; CI runs it, ``.ci/run``). The exit
+status is 1 when a benchmark failed (exited non-zero, e.g. a restore that is not bit-identical,
+or wrote no figures), not when a goal is missed.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     data, tables, commands, seconds = {}, {}, {}, {}
     verdicts: dict[str, list[Verdict]] = {}
     skipped: dict[str, str] = {}
+    exited: dict[str, int] = {}  # benchmarks that exited non-zero (they failed, figures or not)
     for name in names:
         mod = mods[name]
         if getattr(mod, "NEEDS_CUDA", False) and not has_cuda:
@@ -138,13 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         shown_extra = ["--apply-json", os.path.relpath(out / "apply.json", ROOT)] if extra else []
         commands[name] = "python benchmarks/" + " ".join([script, *bench_args, *shown_extra, "--json", shown])
         print(f"== {name}: {commands[name]}", flush=True)
+        (out / f"{name}.json").unlink(missing_ok=True)  # a failed run must not pass with the last run's figures
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         seconds[name] = time.monotonic() - t0
         tables[name] = proc.stdout
         print(proc.stdout, flush=True)
         if proc.returncode != 0:
+            exited[name] = proc.returncode
             print(proc.stderr[-4000:], file=sys.stderr)
+            print(f"{name}: exited with status {proc.returncode}", file=sys.stderr)
             tables[name] += f"\n(exit status {proc.returncode})\n"
         try:
             data[name] = json.loads((out / f"{name}.json").read_text())
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in verdicts:
             lines.append(f"| {name} | (failed) | | | MISS |")
             continue
+        if name in exited:
+            lines.append(f"| {name} | (failed: exit status {exited[name]}) | | | MISS |")
         for v in verdicts[name]:
             lines.append(f"| {name} | {v.name} | {fmt(v.value, v.goal.unit)} | {v.goal.goal} | {v.status} |")
     for name in names:
@@ -189,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     report = out / ("REPORT-partial.md" if args.only else "REPORT.md")  # a subset never replaces the full report
     report.write_text("\n".join(lines) + "\n")
     every = [v for vs in verdicts.values() for v in vs if v.status]
+    failed = [n for n in names if n in exited or (n not in data and n not in skipped)]
     print(
         f"goals: {sum(v.status == 'PASS' for v in every)} PASS, {sum(v.status == 'MISS' for v in every)} MISS, "
         f"{sum(v.status == 'n/a' for v in every)} not measured; failed: "
-        f"{', '.join(n for n in names if n not in data and n not in skipped) or 'none'}"
+        f"{', '.join(failed) or 'none'}"
     )
     print(f"report: {report} ({time.monotonic() - started:.0f} s)")
-    return 0 if all(n in data or n in skipped for n in names) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchlib import Goal, bars
+from benchlib import Goal, bars, destroy_process_group
 
 from shadow.testing import LocalCluster, free_port
 
@@ -112,7 +112,8 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
     if rank == 0:
         Path(out).write_text(json.dumps(got))
     dist.barrier()
-    dist.destroy_process_group()
+    del model, session  # (DDP) before the group goes, or this rank may never exit: see destroy_process_group
+    destroy_process_group()
 
 
 def _measure(mode: str, shadow: bool, args: argparse.Namespace, tmp: Path, address: str) -> dict:

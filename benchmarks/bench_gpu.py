@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import Goal, bars, machine_info
+from benchlib import Goal, bars, destroy_process_group, machine_info
 
 from shadow.testing import free_port
 
@@ -196,7 +196,8 @@ def rank_main(args) -> None:
         result.update(restore_and_fidelity(args, model, opt, device, total, job))
     print(json.dumps(result), flush=True)
     (work / "result.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    del ddp, session  # before the group goes, or this rank may never exit: see destroy_process_group
+    destroy_process_group()
 
 
 def restore_and_fidelity(args, model, opt, device, iteration: int, job: str) -> dict:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import Goal, bars, example_gpt, machine_info
+from benchlib import Goal, bars, destroy_process_group, example_gpt, machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = (
@@ -93,7 +93,7 @@ def rank_main(args) -> None:
     # they never interleave with DDP's all-reduces on the default one
     ckpt_pg = dist.new_group(backend="gloo") if args.mode.startswith("dcp") else None
 
-    def checkpoint(it: int) -> None:
+    def checkpoint(it: int, ddp) -> None:
         nonlocal fut
         if args.mode in ("dcp_async", "dcp_async_50") and (args.mode == "dcp_async" or it % 50 == 0):
             if fut is not None:
@@ -114,7 +114,7 @@ def rank_main(args) -> None:
         ddp(x, y).backward()
         opt.step()
         opt.zero_grad()
-        checkpoint(it)
+        checkpoint(it, ddp)
     if fut is not None:
         fut.result()
     dist.barrier()
@@ -124,7 +124,8 @@ def rank_main(args) -> None:
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         (out / "result.json").write_text(json.dumps({"mode": args.mode, "s_per_step": per_step, "params": n}))
-    dist.destroy_process_group()
+    del ddp, session  # before the group goes, or this rank may never exit: see destroy_process_group
+    destroy_process_group()
 
 
 def launch(mode: str, args, work: Path, coordinator: str = "", env_extra: dict | None = None) -> dict:

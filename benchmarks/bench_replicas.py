@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from benchlib import Goal, bars, example_gpt
+from benchlib import Goal, bars, destroy_process_group, example_gpt
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
@@ -154,7 +154,8 @@ def run(args) -> dict:
             f"| {r['workers']} | {r['replicas']} | {r['s_per_step'] * 1e3:.1f} | {r['s_per_step'] / plain:.2f}x | "
             f"{r['bytes_per_step'] / 1e6:.1f} | {heal} | {'yes' if r['reattached'] else 'no'} | {copy} |"
         )
-    dist.destroy_process_group()
+    del ddp  # before the group goes, or this process may never exit: see destroy_process_group
+    destroy_process_group()
     return {"params": params, "plain_s_per_step": plain, "runs": rows, "machine": f"{os.cpu_count()} cores"}
 
 

@@ -273,3 +273,23 @@ def example_gpt():
     """``GPT, CharData, GPTConfig, corpus`` of ``examples/gpt.py``."""
     m = example("gpt")
     return m.GPT, m.CharData, m.GPTConfig, m.corpus
+
+
+def destroy_process_group() -> None:
+    """``torch.distributed.destroy_process_group()`` for a process that has already dropped
+    its DDP modules (``del ddp``, and any trainer_hooks session attached to one).
+
+    A DDP module's C++ ``Reducer`` holds the process group, and its Python wrapper is freed
+    with the GIL held. A DDP module that outlives the group's registration (freed when the
+    function holding it returns, after this call) is the group's last owner:
+    ``ProcessGroupGloo``'s destructor then joins gloo's worker threads with the GIL held,
+    while one of them may still be releasing the last collective's work, whose captured
+    thread-local state needs the GIL; the process never exits (a rank of bench_overhead hung
+    in about 1 run in 10; pytorch/pytorch#56297). Dropped before, the group's last owner is
+    its Python handle, whose destructor releases the GIL while it joins."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # a DDP module caught in a reference cycle goes now, while the group is registered
+    dist.destroy_process_group()

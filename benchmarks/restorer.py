@@ -6,6 +6,7 @@ See bench_restore.py for what is measured and how."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 from benchcluster import compare, dir_bytes, evict
-from benchlib import example_gpt
+from benchlib import destroy_process_group, example_gpt
 
 JOB = "bench_restore"
 LR, WD = 1e-3, 0.1
@@ -35,6 +36,28 @@ PATHS = (
 )
 
 # --------------------------------------------------------------------------- shared
+
+
+@contextlib.contextmanager
+def _client_keys(keys):
+    """This process's client sockets use ``keys`` (a keyed cluster's trainer key) inside the
+    block, and the process's default keys again after it; ``keys`` None: the default
+    throughout (the cluster without keys of its own runs with this user's key set, so its
+    clients need that pair, as the trainer that attached to it had).
+
+    Not ``security.set_client(None)`` afterwards: that means *no keys* (a client of a
+    ``security.insecure=true`` cluster), which the default cluster refuses at the CURVE
+    handshake; its coordinator then never answers (a restore waits out its timeout)."""
+    from shadow import security
+
+    if keys is None:
+        yield
+        return
+    security.set_client(keys)
+    try:
+        yield
+    finally:
+        security.reset_client()
 
 
 def _setup_torch(work: Path, threads: int):
@@ -98,7 +121,8 @@ def train_main(args) -> None:
         dcp.save({"model": msd, "optim": osd}, storage_writer=FsspecWriter(args.s3_url + "/dcp"))
         out["dcp_save_s3_s"] = time.perf_counter() - t0
     (work / "train.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    del ddp, session  # before the group goes, or the trainer may never exit: see destroy_process_group
+    destroy_process_group()
 
 
 # --------------------------------------------------------------------------- restorer
@@ -148,14 +172,10 @@ def restore_main(args) -> None:
 
     def keyed(fn):
         """``fn`` as a trainer of the keyed cluster: with the trainer key, for this call only."""
-        from shadow import security
 
         def run(model, opt, parts):
-            security.set_client(keyed_keys)
-            try:
+            with _client_keys(keyed_keys):
                 fn(model, opt, parts)
-            finally:
-                security.set_client(None)
 
         return run
 
@@ -281,15 +301,10 @@ def restore_main(args) -> None:
             t0 = time.perf_counter()
             sink = ModelParams.of(*build_layout(model, opt))  # as trainer_hooks.restore: from memory, in place
             if name.startswith("shadow memory"):
-                from shadow import security
-
-                security.set_client(keyed_keys if name.endswith("keyed") else None)
-                try:
+                with _client_keys(keyed_keys if name.endswith("keyed") else None):
                     info = restore_info(source, JOB, 10.0)
                     t1 = time.perf_counter()
                     snap = fetch_memory(info["memory"], source, sink=sink)
-                finally:
-                    security.set_client(None)
                 t2 = time.perf_counter()
                 b.update({"coordinator restore_info": t1 - t0, "worker fetch": t2 - t1})
             else:
