@@ -11,7 +11,8 @@ trainer overhead (bench_overhead), replay vs torch fused and the bandwidth basel
 (bench_replay), the worker's apply path (bench_apply), transport vs bare pyzmq
 (bench_transport), restore vs DCP load (bench_restore), scaling and sizing
 (bench_scaling), compression of persisted shards (bench_compress), shard writes vs raw
-O_DIRECT and torch.save (bench_persist), replicas' cost and heal (bench_replicas), and the
+O_DIRECT and torch.save (bench_persist), replicas' cost and heal (bench_replicas), what a
+failure costs from the kill to training again against DCP and torch.save (bench_recovery), and the
 GPU set (bench_gpu, skipped where torch sees no CUDA device). After each it prints every
 figure of the benchmark's ``GOALS`` with its goal and PASS / MISS; at the end
 ``<out>/REPORT.md`` (all of them, the printed tables, the commands) and, when matplotlib
@@ -56,6 +57,7 @@ REGISTRY = [
     "bench_compress",
     "bench_persist",
     "bench_replicas",
+    "bench_recovery",
     "bench_fsdp",
     "bench_gpu",
 ]

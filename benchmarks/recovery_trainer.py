@@ -107,7 +107,10 @@ def main() -> int:
         session.close()
     emit("done")
     dist.barrier()
-    dist.destroy_process_group()
+    from benchlib import destroy_process_group
+
+    del ddp, session  # the group's last owner must not be DDP's reducer (benchlib.destroy_process_group)
+    destroy_process_group()
     events.close()
     os._exit(0)  # no interpreter teardown with the session's threads gone and the group destroyed
 
