@@ -8,7 +8,12 @@ A shuffled DataLoader (accelerate keeps its generator in step across processes),
 accumulation with ``accelerator.accumulate``, ``accelerator.backward``,
 ``accelerator.clip_grad_norm_`` on sync steps, a prepared OneCycleLR (stepped by accelerate's
 wrapper once per process), bf16 autocast, dropout, and Python/numpy draws per batch. Saves
-each rank's final model, optimizer, scheduler, losses and RNG to ``DIR/rank{r}.pt``.
+each rank's final model, optimizer, scheduler, losses, RNG and the batches it trained in each
+epoch to ``DIR/rank{r}.pt``.
+
+``--kill-committed``: SIGKILL only once the cluster has committed step K itself (a crash
+between that commit and the next one). ``--resume-auto``: ``ShadowedRun(resume="auto")``
+with ``--resume``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import os
 import random
 import sys
+import time
 
 import numpy as np
 import torch
@@ -36,6 +42,8 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--kill-at", type=int, default=0, help="SIGKILL after this optimizer step")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--kill-committed", action="store_true", help="SIGKILL once step K itself is committed")
+    ap.add_argument("--resume-auto", action="store_true", help='with --resume: resume="auto"')
     args = ap.parse_args()
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")  # bf16 autocast
@@ -66,14 +74,17 @@ def main() -> int:
             args.coordinator,
             scheduler=scheduler,
             job=args.job,
-            resume=args.resume,
+            resume=("auto" if args.resume_auto else True) if args.resume else False,
         )
         first_epoch = run.epoch
     start = first_epoch * len(loader) + (run.batches_done if run is not None else 0)  # micro-batches done
     losses, draws, steps = [], [], 0
+    epochs: dict[int, int] = {}  # the batches this process trained in each epoch it went through
     for epoch in range(first_epoch, args.epochs):
         batches = run.batches(epoch) if run is not None else loader
+        epochs[epoch] = 0
         for x, y in batches:
+            epochs[epoch] += 1
             with accelerator.accumulate(model):
                 draws.append(random.random() + float(np.random.rand()))  # the loop's own RNG use
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -87,7 +98,12 @@ def main() -> int:
             if accelerator.sync_gradients:
                 steps += 1
                 if steps == args.kill_at:
-                    kill_self(run.session if run is not None else None, steps)
+                    session = run.session if run is not None else None
+                    if args.kill_committed and session is not None:
+                        deadline = time.monotonic() + 120
+                        while session.committed < steps and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                    kill_self(session, steps)
     if run is not None:
         run.close()
     os.makedirs(args.out, exist_ok=True)
@@ -100,6 +116,7 @@ def main() -> int:
             "losses": losses,
             "draws": draws,
             "start": start,
+            "epochs": epochs,
             "rng": torch.get_rng_state(),
         },
         os.path.join(args.out, f"rank{accelerator.process_index}.pt"),

@@ -8,8 +8,11 @@ A tiny GPT-2 built from a config (tied embeddings, dropout), a map-style dataset
 the Trainer's sampler, gradient accumulation, ``max_grad_norm``, a linear schedule with
 warm-up, the Trainer's default optimizer, bf16 autocast. Saves each rank's final model, optimizer,
 scheduler, per-step losses, ``log_history`` (but its last entry, the run's summary) and RNG to
-``DIR/rank{r}.pt``. ``--resume-tmp``: the shadow writes the checkpoint to resume from to a
-temporary directory (``$TMPDIR``) instead of ``DIR/resume``.
+``DIR/rank{r}.pt``, with its final ``global_step`` and ``epoch`` and the epochs it began.
+``--resume-tmp``: the shadow writes the checkpoint to resume from to a temporary directory
+(``$TMPDIR``) instead of ``DIR/resume``. ``--kill-committed``: SIGKILL only once the cluster
+has committed step K itself, after its log entry (a crash between that commit and the next
+one). ``--hf-ckpt-at K``: the Trainer's own checkpoints every K steps, to ``DIR/trainer``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 from end import end_process_group, end_rank
@@ -37,12 +41,34 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class KillAt(TrainerCallback):
-    def __init__(self, step: int, run) -> None:
-        self.step, self.run = step, run
+    def __init__(self, step: int, run, committed: bool = False) -> None:
+        self.step, self.run, self.committed = step, run, committed
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
+        if state.global_step == self.step and not self.committed:
             kill_self(self.run.session if self.run is not None else None, self.step)
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # the step's commit waits for its log entry: once it is logged, wait for the commit itself
+        if state.global_step == self.step and self.committed:
+            session = self.run.session if self.run is not None else None
+            if session is not None:
+                deadline = time.monotonic() + 120
+                while session.committed < self.step and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            kill_self(session, self.step)
+        return control
+
+
+class Epochs(TrainerCallback):
+    """The epochs ``train()`` began in this process."""
+
+    def __init__(self) -> None:
+        self.began: list[int] = []
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.began.append(int(state.epoch or 0))
         return control
 
 
@@ -54,6 +80,8 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=0, help="SIGKILL after this optimizer step")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--resume-tmp", action="store_true", help="resume from a checkpoint in a temporary directory")
+    ap.add_argument("--kill-committed", action="store_true", help="SIGKILL once step K itself is committed")
+    ap.add_argument("--hf-ckpt-at", type=int, default=0, help="the Trainer's own checkpoints every K steps")
     args = ap.parse_args()
 
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
@@ -69,7 +97,8 @@ def main() -> int:
         lr_scheduler_type="linear",
         max_grad_norm=0.5,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.hf_ckpt_at else "no",
+        save_steps=args.hf_ckpt_at or 500,
         report_to=[],
         use_cpu=True,
         bf16=True,  # bf16 autocast on the CPU
@@ -87,7 +116,9 @@ def main() -> int:
             resume = run.resume_checkpoint(None if args.resume_tmp else os.path.join(args.out, "resume"))
             assert resume is not None, "nothing to resume from"
     if args.kill_at:
-        trainer.add_callback(KillAt(args.kill_at, run))
+        trainer.add_callback(KillAt(args.kill_at, run, args.kill_committed))
+    epochs = Epochs()
+    trainer.add_callback(epochs)
     trainer.train(resume_from_checkpoint=resume)
     rank = trainer.args.process_index
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
@@ -102,6 +133,8 @@ def main() -> int:
             "losses": losses,
             "rng": torch.get_rng_state(),
             "global_step": trainer.state.global_step,
+            "epoch": trainer.state.epoch,
+            "epochs": epochs.began,
             "log_history": history[:-1],
         },
         os.path.join(args.out, f"rank{rank}.pt"),

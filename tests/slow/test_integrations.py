@@ -7,6 +7,7 @@ is skipped where it is not installed."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -120,6 +121,30 @@ def test_accelerate_resumes_mid_epoch_bit_for_bit(shared_cluster, job, tmp_path)
         assert torch.equal(a["rng"], b["rng"])
 
 
+def test_accelerate_resumes_after_an_epochs_last_step_with_the_next_epoch(shared_cluster, job, tmp_path):
+    """Killed right after the commit of epoch 0's last optimizer step (step 6 of 3 epochs of 6),
+    resumed with ``resume="auto"``: epoch 0 yields nothing more, epochs 1 and 2 are trained whole."""
+    pytest.importorskip("accelerate")
+    refs, outs, committed = _kill_and_resume(
+        tmp_path,
+        shared_cluster,
+        job,
+        HELPERS / "accelerate_trainer.py",
+        6,
+        dead=("--kill-committed",),
+        resumed=("--resume-auto",),
+    )
+    assert committed == 6
+    for a, b in zip(refs, outs, strict=True):
+        assert a["epochs"] == {0: 12, 1: 12, 2: 12}  # 12 micro-batches, 6 optimizer steps, each epoch
+        assert b["start"] == 12  # epoch 0 done, whole
+        assert b["epochs"] == {0: 0, 1: 12, 2: 12}  # no batch of epoch 0 again, no epoch skipped
+        assert_same_state(b, a)
+        assert b["losses"] == a["losses"][12:]
+        assert b["draws"] == a["draws"][12:]
+        assert torch.equal(a["rng"], b["rng"])
+
+
 def test_hf_trainer_resumes_mid_epoch_bit_for_bit(shared_cluster, job, tmp_path):
     pytest.importorskip("transformers")
     tmp = tmp_path / "tmp"  # the resumed ranks' $TMPDIR: the checkpoint they resume from is written there
@@ -144,6 +169,48 @@ def test_hf_trainer_resumes_mid_epoch_bit_for_bit(shared_cluster, job, tmp_path)
         assert [e["step"] for e in a["log_history"]] == list(range(1, 19))
         assert b["log_history"] == a["log_history"]
     assert _no_resume_dirs(tmp, job) == []  # each rank removed the checkpoint it had written, once loaded
+
+
+def test_hf_trainer_resumes_after_an_epochs_last_step_with_the_next_epoch(shared_cluster, job, tmp_path):
+    """Killed right after the commit of epoch 0's last optimizer step (step 6 of 3 epochs of 6),
+    once its log entry is in: the Trainer goes on with epoch 1, whole, as from its own
+    checkpoint of that step."""
+    pytest.importorskip("transformers")
+    refs, outs, committed = _kill_and_resume(
+        tmp_path,
+        shared_cluster,
+        job,
+        HELPERS / "hf_trainer.py",
+        6,
+        ref=("--hf-ckpt-at", "6"),
+        dead=("--kill-committed",),
+    )
+    assert committed == 6
+    for a, b in zip(refs, outs, strict=True):
+        assert a["global_step"] == b["global_step"] == 18  # 3 epochs of 6 optimizer steps
+        assert a["epoch"] == b["epoch"] == 3
+        assert a["epochs"] == [0, 1, 2]
+        assert b["epochs"] == [1, 2]  # epoch 0 not again, epoch 1 not skipped
+        assert_same_state(b, a)
+        assert sorted(b["losses"]) == list(range(1, 19))
+        after = {s: v for s, v in a["losses"].items() if s > committed}
+        assert len(after) == 12 and {s: b["losses"][s] for s in after} == after  # the resumed run's own
+        assert torch.equal(a["rng"], b["rng"])
+        assert [e["step"] for e in a["log_history"]] == list(range(1, 19))
+        assert b["log_history"] == a["log_history"]
+    # the checkpoint the shadow wrote says what the Trainer's own checkpoint of that step says
+    own_dir = tmp_path / "ref" / "trainer" / "checkpoint-6"
+    own = json.loads((own_dir / "trainer_state.json").read_text())
+    for r in range(2):
+        ours_dir = tmp_path / "resumed" / "resume" / f"rank{r}" / "checkpoint-6"
+        ours = json.loads((ours_dir / "trainer_state.json").read_text())
+        assert (ours["global_step"], ours["epoch"]) == (own["global_step"], own["epoch"]) == (6, 1.0)
+        assert ours["log_history"] == own["log_history"]
+        for k in ("max_steps", "num_train_epochs", "logging_steps", "train_batch_size"):
+            assert ours[k] == own[k], k
+        theirs = torch.load(own_dir / f"rng_state_{r}.pth", weights_only=False)
+        mine = torch.load(ours_dir / f"rng_state_{r}.pth", weights_only=False)
+        assert torch.equal(mine["cpu"], theirs["cpu"])
 
 
 def test_lightning_resumes_mid_epoch_bit_for_bit(shared_cluster, job, tmp_path):
