@@ -197,6 +197,9 @@ class Attach:
         msgs = {r: m for r, (_, m) in ranks.items()}
         if old.name != name and not msgs[min(msgs)]["overwrite"]:
             return None  # refused at once by _start_job: another job only replaces this one with overwrite
+        layout = self._agreed_layout([msgs[r] for r in sorted(msgs)])
+        if isinstance(layout, str) or self._memory_problem(name, layout, msgs[min(msgs)]["optim"]) is not None:
+            return None  # refused at once by _start_job, whoever owns the job (nothing changes)
         if old.name == name and all(_proves_owner(old, r, m.get("owner")) for r, m in msgs.items()):
             return None
         launch = _launch(msgs[min(msgs)].get("launch"))
