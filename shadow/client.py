@@ -30,8 +30,10 @@ class LogWaiting:
 
     def __init__(self, who: str, address: str) -> None:
         self.who, self.address, self.t0, self.next = who, address, time.monotonic(), 0.0
+        self.heard = False  # a ``waiting`` came: the coordinator holds the request
 
     def __call__(self, msg: dict) -> None:
+        self.heard = True
         now = time.monotonic()
         if now >= self.next:
             self.next = now + self.EVERY_S

@@ -118,6 +118,7 @@ def attach(
         restored = restore_from(
             ddp_model, optimizer, coordinator, scheduler=scheduler, scaler=scaler, job=job, resize=resize
         )
+    _check_resumed_world(ddp_model, optimizer, iteration, resize)
     options = AttachOptions(
         scheduler=scheduler,
         scaler=scaler,
@@ -138,6 +139,33 @@ def attach(
 
 
 resume = _resume
+
+
+def _check_resumed_world(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, iteration: Any, resize: bool
+) -> None:
+    """Refuse, on every rank, to go on from a restore of a checkpoint taken with another
+    number of ranks than this DDP run has, unless ``resize`` (here or at the restore)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer_hooks._restored import RESTORED
+
+    point = RESTORED.get(optimizer)
+    if point is None or point.resized or resize or not isinstance(model, DistributedDataParallel):
+        return
+    if iteration is not None and int(iteration) != point.iteration:
+        return  # not going on from that restore
+    import torch.distributed as dist
+
+    world = dist.get_world_size(model.process_group)
+    if point.world and point.world != world:
+        raise ShadowUsageError(
+            f"the checkpoint of job {point.job!r} at iteration {point.iteration} was taken with {point.world} "
+            f"rank{'s' if point.world != 1 else ''}, and this run has {world}: trained on so, the data order and "
+            f"each rank's RNG and extra state would not be the checkpointed run's; relaunch with {point.world} "
+            "ranks, or pass resize=True (to restore or to attach) to go on anyway; nothing was attached"
+        )
+
 
 __all__ = [
     "AttachOptions",

@@ -160,7 +160,7 @@ def restore(
     tuning: Tuning | None = None,
     sign_key: bytes | None = None,
     defer_rng: bool = False,
-    resize: bool = False,
+    resize: bool | None = None,
 ) -> RestoreInfo:
     """Put ``model`` (DDP-wrapped or not), ``optimizer``, ``scheduler`` and this rank's
     RNG states back at the newest complete checkpoint (or ``iteration``).
@@ -187,10 +187,14 @@ def restore(
     DataLoader iterator).
 
     ``resize``: a checkpoint taken with another number of ranks than this run has (the
-    process group's size, else ``$WORLD_SIZE``) is refused on every rank, naming both,
-    unless ``resize=True``: the model, optimizer and scheduler are then restored, the ranks
-    the checkpoint had get their RNG and extra state back, and the others keep theirs (a
-    warning says which). An FSDP2 model restores onto any mesh as it is.
+    process group's size, else ``$WORLD_SIZE``). Default (None): restored (a process that
+    inspects a checkpoint, a conversion), but :func:`attach` then refuses to train on from
+    it, on every rank, naming both sizes: resumed so, the data order and each rank's RNG and
+    extra state would not be the checkpointed run's. ``False``: refused here already
+    (:func:`resume` does so). ``True``: restored for training on: the model, optimizer and
+    scheduler, the ranks the checkpoint had get their RNG and extra state back, the others
+    keep theirs (a warning says which), and attach goes on. An FSDP2 model restores onto any
+    mesh as it is.
     """
     if source is None:
         raise ValueError("restore() needs source=, e.g. the coordinator address tcp://127.0.0.1:5555")
@@ -206,7 +210,7 @@ def restore(
             built = None  # apply_snapshot says what does not match
         if built is not None:  # a model on the CPU gets its parameters straight from the workers (memory only)
             sink = ModelParams.of(*built)
-            if sink is not None and not resize:
+            if sink is not None and resize is False:
                 sink.world = current_world()  # a checkpoint of another world is refused before any change
             ranges = _fsdp.rows_ranges(*built)  # FSDP2: a fetch from memory reads this rank's rows only
     try:
@@ -262,6 +266,7 @@ def resume(
     ``scaler``, ``resize``, ``defer_rng``, ...)."""
     from shadow.restore import holds_job
 
+    restore_kwargs.setdefault("resize", False)  # a resume: another world size is refused unless asked for
     if not holds_job(source, job, timeout, tuning, sign_key):
         logger.info("%s holds no checkpoint of job %s: a fresh start", source, job if job is not None else "(any)")
         return None
@@ -281,7 +286,7 @@ def apply_snapshot(
     rank: int | None = None,
     defer_rng: bool = False,
     built: tuple[Layout, list[torch.Tensor]] | None = None,
-    resize: bool = False,
+    resize: bool | None = None,
 ) -> RestoreInfo:
     """Load a :class:`shadow.restore.Snapshot` (from :func:`shadow.restore.resolve`) into
     ``model``/``optimizer``/``scheduler``/``scaler`` and this rank's RNG states; what
@@ -290,7 +295,7 @@ def apply_snapshot(
     then not built again). ``resize``: as :func:`restore`'s."""
     rank = process_rank(rank, snap.world)
     params = _live_params(snap, model, optimizer, built)
-    if not weights_only and optimizer is not None:  # the model's weights alone go onto any world
+    if resize is not None and not weights_only and optimizer is not None:  # weights alone go onto any world
         check_world(snap.world, snap.job, snap.iteration, resize, resharded=_fsdp.is_sharded(params))
     sd = state_dicts(snap)
     try:
@@ -331,7 +336,15 @@ def apply_snapshot(
     rng = sd["rng"][blob_rank] if blob_rank is not None and restores_state else None
     if optimizer is not None and not weights_only:
         RESTORED[optimizer] = RestorePoint(
-            snap.iteration, snap.job, snap.generation, snap.tier, snap.source, rng, extra
+            snap.iteration,
+            snap.job,
+            snap.generation,
+            snap.tier,
+            snap.source,
+            rng,
+            extra,
+            world=snap.world,
+            resized=bool(resize) or _fsdp.is_sharded(params),
         )
     info = RestoreInfo(snap.iteration, extra, snap.job, snap.source, snap.tier, snap.world, rng)
     if rng is not None and not defer_rng:

@@ -26,6 +26,8 @@ class RestorePoint:
     source: str
     rng: dict | None = field(default=None, compare=False, repr=False)
     extra_state: Any = field(default=None, compare=False, repr=False)
+    world: int = 0  #: the ranks the checkpoint was taken with (0: not known)
+    resized: bool = False  #: restored onto another world size on purpose (``resize=True``)
 
     def wire(self) -> dict:
         """What an attach tells the coordinator of it (``restored``)."""

@@ -133,24 +133,19 @@ def attach(
         restored=restored.wire() if restored is not None else None,
         **extra,
     )
+    waiting = LogWaiting(f"rank {target.rank}", coordinator)
     try:
-        reply = request(
-            sock,
-            coordinator,
-            payload,
-            options.tuning.connect_timeout_s,
-            ("attached",),
-            interim=LogWaiting(f"rank {target.rank}", coordinator),
-        )
+        reply = request(sock, coordinator, payload, options.tuning.connect_timeout_s, ("attached",), interim=waiting)
         if isinstance(reply.get("took_over"), str):
             logger.warning("rank %d: %s", target.rank, reply["took_over"])
         return sock, Handshake.from_reply(coordinator, base, reply)
     except BaseException:
-        try:  # withdraw the attach the coordinator may still hold (a live owner, workers starting)
-            sock.send(M.encode("detach", epoch=WITHDRAW, rank=target.rank), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        sock.close(linger=200)
+        if waiting.heard:  # the coordinator said it holds the attach (a live owner, workers starting): withdraw it
+            try:
+                sock.send(M.encode("detach", epoch=WITHDRAW, rank=target.rank), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        sock.close(linger=200 if waiting.heard else 0)
         raise
 
 
