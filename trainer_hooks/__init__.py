@@ -150,7 +150,7 @@ def _check_resumed_world(
 
     from trainer_hooks._restored import RESTORED
 
-    point = RESTORED.get(optimizer)
+    point = RESTORED.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
     if point is None or point.resized or resize or not isinstance(model, DistributedDataParallel):
         return
     if iteration is not None and int(iteration) != point.iteration:
