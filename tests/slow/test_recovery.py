@@ -122,7 +122,10 @@ def test_a_second_launch_is_refused_while_the_first_trains_and_the_first_stays_p
     first_tmp, second_tmp = tmp_path / "first", tmp_path / "second"
     first_tmp.mkdir()
     second_tmp.mkdir()
-    steps = 40
+    # the first run steps every 2 s for 40 s: the second launch's restore from its live memory
+    # (retried when a new cut lands during the fetch) succeeds, and the first run is still
+    # training when the second gives up
+    steps = 20
     result: dict = {}
 
     def first() -> None:
@@ -137,7 +140,7 @@ def test_a_second_launch_is_refused_while_the_first_trains_and_the_first_stays_p
             "--steps",
             str(steps),
             "--step-sleep",
-            "0.25",
+            "2.0",
             "--job",
             job,
             timeout=400,
