@@ -265,7 +265,8 @@ class Attach:
         if isinstance(generation, str):
             return fail(generation)
         took_over = self._takeover(name, msgs, old)
-        self._new_epoch(name, first, layout, idents, generation, old, took_over)
+        keep = _keepable(name, msgs, generation, old)
+        self._new_epoch(name, first, layout, idents, generation, old, took_over, keep)
 
     def _takeover(self, name: str, msgs: list[dict], old: JobRec | None) -> str:
         """What the new ranks of job ``name`` are told when they take over a job whose
@@ -346,9 +347,11 @@ class Attach:
         generation: int,
         old: JobRec | None,
         took_over: str = "",
+        keep: int | None = None,
     ) -> None:
         """The job's new epoch: its record, the tiers reset to its base, and every worker
-        configured for its range with a fresh data key."""
+        configured for its range with a fresh data key (``keep``: offered to keep that
+        epoch's state as the base, see :func:`_keepable`)."""
         # until the new epoch holds its base, restores read the old epoch's last cut
         st = self.state
         st.retired = memory_info(st, old.name) if old is not None else None
@@ -372,13 +375,15 @@ class Attach:
         job.generation = generation
         job.launch = _launch(first.get("launch"))
         job.took_over = took_over
+        same_ranges = old is not None and [tuple(r) for r in ranges] == [tuple(r) for r in old.ranges]
+        job.keep = keep if same_ranges else None  # each worker keeps its own range
         self.persist.reset(base)
         st.tokens.clear()
         for w in st.workers:
-            w.configured, w.prepared, w.stale = -1, base - 1, ""
+            w.configured, w.prepared, w.stale, w.kept = -1, base - 1, "", False
             w.undelivered, w.out_of_service = "", False
             st.new_data_key(w)
-            self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, base))
+            self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, base, keep=job.keep))
         logger.info(
             "job %s epoch %d: configuring %d workers for %d params (%d elements)",
             name,
@@ -485,6 +490,39 @@ def _host(endpoint: str) -> str:
     """The host of a worker's ``tcp://host:port`` data endpoint (workers on one host
     share its memory)."""
     return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+def _keepable(name: str, msgs: list[dict], generation: int, old: JobRec | None) -> int | None:
+    """The epoch of ``old`` whose state the workers may keep as the base of job ``name``'s
+    new epoch, instead of taking it from the ranks' STATE frames, or None. Offered when the
+    cluster's memory holds exactly the ranks' start iteration, in the same layout, world and
+    optimizer, of an epoch that never diverged, and every rank says it restored that
+    iteration from this memory and can prove it (``keep``): not for a resync (``owner``).
+    An offer is only that: each rank then proves, by a digest of every run it would have
+    sent, that its state is the kept one, and a worker that finds any other goes stale (a
+    resync then sends the state whole)."""
+    first = msgs[0]
+    base = first["iteration"]
+    if (
+        old is None
+        or old.name != name
+        or old.diverged is not None
+        or old.cut != base
+        or old.cut < old.base
+        or old.layout_hash != first["layout_hash"]
+        or old.world != first["world"]
+        or old.optim != first["optim"]
+    ):
+        return None
+    for m in msgs:
+        r = m.get("restored")
+        if m.get("keep") is not True or m.get("owner") is not None or not isinstance(r, dict):
+            return None
+        if r.get("tier") != "memory" or r.get("job") != name or r.get("iteration") != base:
+            return None
+        if r.get("generation") != generation:
+            return None
+    return old.epoch
 
 
 def _proves_owner(job: JobRec, rank: int, owner: object) -> bool:

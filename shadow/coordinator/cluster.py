@@ -167,10 +167,16 @@ class ClusterState:
 
 
 def configure_fields(
-    st: ClusterState, w: WorkerRec, persist: Any, iteration: int, peer: dict[str, Any] | None = None
+    st: ClusterState,
+    w: WorkerRec,
+    persist: Any,
+    iteration: int,
+    peer: dict[str, Any] | None = None,
+    keep: int | None = None,
 ) -> dict[str, Any]:
     """The ``configure`` message that assigns worker ``w`` its range of the current job's
-    epoch from ``iteration`` (``peer``: copy that iteration from this replica's serve endpoint).
+    epoch from ``iteration`` (``peer``: copy that iteration from this replica's serve endpoint;
+    ``keep``: the epoch whose state at ``iteration`` the worker may keep as the base).
     ``persist`` is the coordinator's :class:`~shadow.coordinator.persistence.Persistence`."""
     job = st.job
     assert job is not None, "configure needs an attached job"
@@ -190,5 +196,6 @@ def configure_fields(
         "shards": st.nshards,
         "peer": peer,
         **({"data_key": w.data_key} if w.data_key is not None else {}),
+        **({"keep": keep} if keep is not None else {}),
         "rank_secret": job.secret,
     }

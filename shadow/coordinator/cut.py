@@ -38,6 +38,7 @@ class Cut:
             return
         w.configured = msg["epoch"]
         w.prepared, w.stale = job.base - 1, ""
+        w.kept = job.keep is not None and msg.get("kept") is True
         if job.status == JobStatus.CONFIGURING and all(x.configured == job.epoch for x in st.workers):
             job.status = JobStatus.BOOTSTRAPPING
             workers = [
@@ -59,6 +60,8 @@ class Cut:
                 job_id=job.job_id,
                 workers=workers,
                 **({"took_over": job.took_over} if job.took_over else {}),
+                # every worker kept the base: the ranks prove their state equal instead of sending it
+                **({"keep": True} if job.keep is not None and all(x.kept for x in st.workers) else {}),
             )
             logger.info("job %s epoch %d attached: %d ranks, %d workers", job.name, job.epoch, job.world, len(workers))
 

@@ -88,6 +88,7 @@ class WorkerRec:
     undelivered: str = ""  # frames sent to it never arrived (set here, cleared by the next configure)
     joined_at: float = 0.0  # when its current data stream began (trainer counts before it do not apply)
     out_of_service: bool = False  # a replica taken out of service (the shard goes on on its peer)
+    kept: bool = False  # its configure kept the previous epoch's state as the base (``keep``)
     replay_s: float = 0.0  # seconds it spent applying iterations (its heartbeat)
     replayed: int = 0  # iterations it applied
     rate_in: float = 0.0  # bytes/s received, over the last few heartbeats
@@ -165,6 +166,7 @@ class JobRec:
     degraded_at: float = 0.0  # monotonic time of the last degrade
     launch: dict | None = None  # the launcher's run and restart round the ranks attached in ({"run", "restart"})
     took_over: str = ""  # what the ranks were told when this epoch took over a run that never detached
+    keep: int | None = None  # the epoch whose state the workers were offered to keep as this one's base
     # what each rank's token derives from (rank_token): drawn per job, kept by the workers in
     # their configure, so a rebuilt job still knows its ranks
     secret: bytes = field(default_factory=lambda: os.urandom(32))

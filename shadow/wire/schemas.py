@@ -208,15 +208,20 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     },
     # a keyed cluster's data key for this configuration (shadow.wire.tags): each rank's MAC key
     # for the worker derives from it
-    "configure": {"data_key": (bytes,), "rank_secret": (bytes,)},
+    "configure": {"data_key": (bytes,), "rank_secret": (bytes,), "keep": (int,)},
+    # keep (configure): the epoch whose state, at the new epoch's base, the worker may keep
+    # instead of taking it from the ranks' STATE frames (they prove theirs equal by digests);
+    # kept (configured): it did
+    "configured": {"kept": (bool,)},
     # a keyed cluster: this rank's MAC key for each worker, in worker order (each worker map
     # names its data socket's "mode"); took_over: this epoch took over a run that never
     # detached (its epoch and generation)
-    "attached": {"keys": (list,), "token": (bytes,), "took_over": (str,)},
+    "attached": {"keys": (list,), "token": (bytes,), "took_over": (str,), "keep": (bool,)},
     # "owner": a rank re-attaching its own live job (a resync): the epoch it leaves and its
     # token of that epoch; "launch": the launcher's run and restart round (an elastic
-    # launcher's next round takes over its own run's job at once)
-    "attach": {"owner": (dict,), "launch": (dict,)},
+    # launcher's next round takes over its own run's job at once); "keep": the rank can prove
+    # its state equal to what the workers hold by digests (a restore from the cluster's memory)
+    "attach": {"owner": (dict,), "launch": (dict,), "keep": (bool,)},
     # why an attach is held besides workers starting (a live run owns the job)
     "waiting": {"reason": (str,)},
     # the token of the rank's attached: a heartbeat from another connection must carry it

@@ -20,11 +20,16 @@ class Assignment:
     """The job, epoch, shard range and state a ``configure`` message assigns, the inbox of
     iterations in flight, and how far they got (prepared, applied, stale)."""
 
-    def __init__(self, msg: dict, tuning: Tuning | None = None, local_dir: str = "") -> None:
+    def __init__(
+        self, msg: dict, tuning: Tuning | None = None, local_dir: str = "", keep: ShardState | None = None
+    ) -> None:
         """``local_dir``: this worker's own directory for the local tier (node-local), which
-        takes the place of the cluster's ``persist.local.dir`` when the tier is on."""
+        takes the place of the cluster's ``persist.local.dir`` when the tier is on. ``keep``:
+        the previous epoch's state, already at this epoch's base (``configure``'s ``keep``),
+        whose arrays this one shares until a rank sends STATE frames after all
+        (:meth:`unkeep`); the ranks prove it equal to theirs by digests instead."""
         tuning = tuning if tuning is not None else Tuning.load()
-        self.config = msg  # sent back if the coordinator restarts (rejoin)
+        self.config = {k: v for k, v in msg.items() if k != "keep"}  # sent back if the coordinator restarts (rejoin)
         self.epoch = msg["epoch"]
         self.job = msg["job"]
         self.job_id = msg["job_id"]
@@ -32,7 +37,12 @@ class Assignment:
         self.layout_hash = self.layout.hash
         self.world = msg["world"]
         self.base = msg["iteration"]
-        self.state = ShardState(self.layout, msg["start"], msg["stop"], msg["optim"], tuning.kernel_chunk_elements)
+        self.kept = keep is not None
+        self.state = (
+            keep.sharing()
+            if keep is not None
+            else ShardState(self.layout, msg["start"], msg["stop"], msg["optim"], tuning.kernel_chunk_elements)
+        )
         self.context = Context(
             self.job_id,
             self.epoch,
@@ -65,6 +75,13 @@ class Assignment:
             if persist.local.enabled
             else None
         )
+
+    def unkeep(self) -> None:
+        """A rank sends its state after all (STATE frames): this epoch takes it into arrays of
+        its own, leaving the kept ones to the previous epoch (which may still serve them)."""
+        if self.kept:
+            self.state.fresh_arrays()
+            self.kept = False
 
     def close(self) -> None:
         """Stop persisting (the session is replaced, dropped or the worker stops): the

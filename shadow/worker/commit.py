@@ -94,6 +94,26 @@ def _check_audit(audit) -> None:
             raise F.FrameError("bad_commit", "malformed audit sample: one number per position per field")
 
 
+#: bytes per run of a kept-state proof: ``dst``, ``n`` and the xxh3-64 of the run, little-endian u64
+KEPT_RUN_BYTES = 24
+
+
+def _check_kept(kept, bootstrap: bool) -> dict[int, list[tuple[int, int, int]]]:
+    """A bootstrap commit's proof of a kept state (``trainer_hooks.session.bootstrap``): a
+    map from state field to packed runs, returned as ``{field: [(dst, n, digest)]}``."""
+    if not bootstrap:
+        raise F.FrameError("bad_commit", "a kept-state proof in a commit that is not a bootstrap")
+    if not isinstance(kept, dict) or not all(type(k) is int and k in _AUDIT_FIELDS for k in kept):
+        raise F.FrameError("bad_commit", "malformed kept-state proof: expected a map of state fields")
+    out = {}
+    for k, packed in kept.items():
+        if not isinstance(packed, bytes) or len(packed) % KEPT_RUN_BYTES:
+            raise F.FrameError("bad_commit", f"malformed kept-state proof: runs of {KEPT_RUN_BYTES} bytes")
+        runs = np.frombuffer(packed, dtype="<u8").reshape(-1, 3)
+        out[k] = [(int(d), int(n), int(h)) for d, n, h in runs]
+    return out
+
+
 def _check_group(g) -> None:
     """A param group's settings, as trainer_hooks._optim sends them: exactly the keys of an
     SGD or an Adam group (:mod:`shadow.optim_groups`), numbers as int or float, flags as bool."""
@@ -146,6 +166,8 @@ def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple
         if replay["bootstrap"]:
             if len(replay["steps"]) != nparams or len(replay["has_state"]) != nparams:
                 raise F.FrameError("bad_commit", "bootstrap commit lacks per-parameter steps")
+        if "kept" in replay:
+            replay["kept"] = _check_kept(replay["kept"], replay["bootstrap"])
         if blob is not None and not isinstance(blob, bytes):
             raise F.FrameError("bad_commit", "commit blob is not bytes")
     except F.FrameError:

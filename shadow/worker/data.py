@@ -5,6 +5,7 @@ PREPARED reported. Imports no torch."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import TYPE_CHECKING
 
@@ -152,6 +153,7 @@ class DataPath:
                 "extra_payload",
                 "overflow",
                 "disagree",
+                "kept_mismatch",
             ):
                 go_stale(self.state, self.outbox, str(exc))
         except zmq.ZMQError:
@@ -201,6 +203,12 @@ class DataPath:
         if slot.commits[h.rank] is not None:
             raise F.FrameError("after_commit", f"rank {h.rank} sent data for iteration {h.iteration} after its commit")
         if kind == F.Kind.STATE:  # into the state array
+            if s.kept:
+                if slot.kept:
+                    raise F.FrameError(
+                        "kept_mismatch", f"rank {h.rank} sends state other ranks proved kept (iteration {h.iteration})"
+                    )
+                s.unkeep()  # a rank sends its state after all: into arrays of this epoch's own
             target = s.state.array(h.field)
             for off, view in parts:
                 target[off : off + len(view)] = view
@@ -240,6 +248,8 @@ class DataPath:
                 raise F.FrameError(
                     "disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}"
                 )
+        if "kept" in replay:
+            _take_kept(s, slot, h.rank, replay["kept"])
         slot.commits[h.rank] = replay
         if blob is not None:
             slot.blobs[h.rank] = blob
@@ -256,3 +266,38 @@ class DataPath:
             c = s.inbox.slots[s.prepared].commits[0]
             ready = Prepared(s.epoch, s.prepared, c.get("tokens"))
             self.outbox.to_coord(ready.kind, **ready.fields())
+
+
+def _take_kept(s: Assignment, slot, rank: int, kept: dict) -> None:
+    """A rank's proof that the state it would have sent for the base is what this worker
+    kept (``configure``'s ``keep``): per field, runs ``(dst, n, xxh3-64)`` of the range,
+    each checked against the kept array and credited as if its STATE frame had come. A
+    digest that differs, or a run outside the range or over one already proved, refuses
+    the commit (``kept_mismatch``: the worker goes stale and a resync sends the state
+    whole); a proof to a worker that keeps nothing too."""
+    if not s.kept:
+        raise F.FrameError(
+            "kept_mismatch", f"rank {rank} proves a kept state, and this worker took the state from STATE frames"
+        )
+    for field, runs in kept.items():
+        arr = s.state.array(F.Field(field))
+        done = slot.kept.setdefault(field, [])
+        for dst, n, digest in runs:
+            lo = dst - s.state.start
+            if n <= 0 or lo < 0 or lo + n > len(arr):
+                raise F.FrameError(
+                    "kept_mismatch", f"rank {rank} proves run [{dst}, {dst + n}) outside the range of this worker"
+                )
+            at = bisect.bisect_left(done, (lo, lo + n))
+            if (at > 0 and done[at - 1][1] > lo) or (at < len(done) and done[at][0] < lo + n):
+                raise F.FrameError("kept_mismatch", f"rank {rank} proves run [{dst}, {dst + n}) twice")
+            if F.checksum(arr[lo : lo + n]) != digest:
+                raise F.FrameError(
+                    "kept_mismatch",
+                    f"rank {rank}'s {F.Field(field).name.lower()} in [{dst}, {dst + n}) differs from the state this "
+                    f"worker kept for iteration {s.base}: the trainer changed it after its restore; the state is sent "
+                    "whole instead (resync)",
+                )
+            done.insert(at, (lo, lo + n))
+            slot.field_elems[field] = slot.field_elems.get(field, 0) + n
+            slot.received[rank] += n

@@ -22,6 +22,7 @@ class Slot:
     blobs: dict = field(default_factory=dict)  # rank -> opaque commit blob
     extras: dict = field(default_factory=dict)  # key -> chunk of model state outside the optimizer
     extra_count: list = field(init=False)  # EXTRA chunks received per rank
+    kept: dict = field(default_factory=dict)  # STATE kept by proof: field -> [(lo, hi) local runs proved]
     #: GRAD: ``(local_dst, float32 array)`` per received run; the arrays are views of the
     #: zmq frames (no copy into a separate gradient buffer)
     parts: list = field(default_factory=list)

@@ -376,13 +376,14 @@ class Worker:
                 )
             if problem is not None:
                 raise ValueError(problem)
-            sess = Assignment(msg, st.tuning, self.files.override)
+            old = st.assignment
+            keep = old.state if old is not None and _keeps(old, msg) else None
+            sess = Assignment(msg, st.tuning, self.files.override, keep=keep)
         except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
             logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
             self.outbox.to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
             return
         # anything in flight for the old epoch is void
-        old = st.assignment
         st.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None else None
         st.assignment = sess
         if old is not None:  # its persister would otherwise live on, with its threads and images
@@ -397,7 +398,7 @@ class Worker:
             return
         st.awaiting_copy = False
         logger.info(
-            "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d",
+            "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d%s",
             sess.epoch,
             sess.job,
             sess.state.start,
@@ -405,8 +406,9 @@ class Worker:
             sess.layout.total,
             sess.world,
             sess.base,
+            f" (keeping epoch {old.epoch}'s state at it)" if sess.kept and old is not None else "",
         )
-        self.outbox.to_coord("configured", epoch=sess.epoch)
+        self.outbox.to_coord("configured", epoch=sess.epoch, **({"kept": True} if sess.kept else {}))
 
     @staticmethod
     def _configure_problem(msg: dict, tuning: Tuning | None = None) -> str | None:
@@ -435,6 +437,25 @@ class Worker:
                 f"{memory.human(free)} free; add workers, or free memory on this host"
             )
         return None
+
+
+def _keeps(old: Assignment | None, msg: dict) -> bool:
+    """Whether a ``configure`` offering to keep epoch ``msg["keep"]``'s state finds it here
+    as the new epoch needs it: that epoch, applied through exactly the new base, not stale,
+    and the same job, layout, range, world and optimizer."""
+    keep = msg.get("keep")
+    return (
+        type(keep) is int
+        and old is not None
+        and old.epoch == keep
+        and not old.stale
+        and old.applied == msg["iteration"]
+        and old.job == msg["job"]
+        and old.world == msg["world"]
+        and (old.state.start, old.state.stop) == (msg["start"], msg["stop"])
+        and old.config["layout"] == msg["layout"]
+        and old.config["optim"] == msg["optim"]
+    )
 
 
 #: The coordinator's control messages to a worker, by type, and their handlers (any other

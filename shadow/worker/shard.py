@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from types import ModuleType
@@ -72,6 +73,21 @@ class ShardState:
         for s in segs:
             self.param_elems[s.param] += s.hi - s.lo
         self._trainable = np.asarray([p.requires_grad for p in layout.params], dtype=bool)
+
+    def sharing(self) -> ShardState:
+        """A state for a new epoch that shares this one's arrays (the values at its base) and
+        plan; the per-parameter step counts and flags are its own (a bootstrap commit
+        replaces them in place)."""
+        other = copy.copy(self)
+        other.steps, other.has_state = self.steps.copy(), self.has_state.copy()
+        return other
+
+    def fresh_arrays(self) -> None:
+        """Zeroed arrays of its own in place of shared ones (see :meth:`sharing`)."""
+        for name in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            setattr(self, name, np.zeros(len(getattr(self, name)), dtype=np.float32))
+        self.steps = np.zeros_like(self.steps)
+        self.has_state = np.zeros_like(self.has_state)
 
     def expected_grad(self, skipped: list) -> int:
         """Elements of this range that the step of an iteration skipping ``skipped`` updates."""

@@ -234,6 +234,11 @@ def main() -> None:
     )
     ap.add_argument("--resize", action="store_true", help="resume: restore onto another world size (resize=True)")
     ap.add_argument(
+        "--tamper-after-restore",
+        action="store_true",
+        help="resume: change the first parameter on every rank between the restore and the attach",
+    )
+    ap.add_argument(
         "--kill-in-round",
         default="",
         help="under torchrun --max-restarts: ROUND:IT:RANKS,... SIGKILL these ranks ('all' or r+r) at "
@@ -324,6 +329,9 @@ def main() -> None:
         if info_out is not None:
             info_out.update(restored=start, completed=start, tier=info.tier, extra_state=info.extra_state)
         assert start == 0 or info.extra_state["it"] == start, info.extra_state
+        if args.tamper_after_restore:
+            with torch.no_grad():
+                next(iter(model.parameters())).add_(1e-3)
     fetched = {"seed": int(torch.randint(0, 2**31 - 1, (1,)))} if args.prefetch else {}  # nanoGPT's first get_batch
     if info is not None and args.prefetch:
         fetched["seed"] = info.extra_state["next"]  # the batch fetched before the checkpointed step

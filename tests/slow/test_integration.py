@@ -142,6 +142,33 @@ def test_sigkill_restore_resume_is_bit_identical(shared_cluster, job, reference,
         assert_same_state(resumed, reference[r])
         assert resumed["losses"] == reference[r]["losses"][committed:]
         assert torch.equal(resumed["rng"], reference[r]["rng"])
+        assert resumed["stats"]["base_kept"]  # the workers kept the restored iteration: nothing re-sent
+
+
+def test_a_state_changed_between_restore_and_attach_is_caught_and_sent_whole(shared_cluster, job, tmp_path):
+    """The attach after a restore from the cluster's memory lets the workers keep what they
+    hold instead of taking the state again; the ranks prove theirs equal by digests. A loop
+    that changes the model in between (here every rank, the same way) is caught: the workers
+    go stale, the resync sends the state whole, and the shadow holds the trainer's state,
+    not the restored one."""
+    assert run_ranks(
+        tmp_path,
+        *("--coordinator", shared_cluster.address, "--out", str(tmp_path / "dead"), "--steps", "5"),
+        *("--kill-at", "4", *CLIP, "--job", job),
+    ) == [-9, -9], rank_logs(tmp_path)
+    shared_cluster.wait_quiet()
+    common = ("--mode", "resume", "--coordinator", shared_cluster.address, "--steps", str(STEPS), *CLIP, "--job", job)
+    changed = tmp_path / "changed"
+    assert run_ranks(tmp_path, *common, "--out", str(changed), "--tamper-after-restore") == [0, 0], rank_logs(tmp_path)
+    workers = shared_cluster.status()["workers"]
+    assert sum(w["rejected"].get("kept_mismatch", 0) for w in workers) >= 1, workers
+    again = tmp_path / "again"
+    assert run_ranks(tmp_path, *common, "--out", str(again)) == [0, 0], rank_logs(tmp_path)
+    for r in range(2):
+        trained = torch.load(changed / f"rank{r}.pt", weights_only=True)
+        restored = torch.load(again / f"rank{r}.pt", weights_only=True)
+        assert restored["start"] == STEPS
+        assert_same_state(restored, trained)
 
 
 def test_trainer_dying_mid_send_leaves_previous_iteration(transport_cluster, job, reference, tmp_path):

@@ -90,6 +90,8 @@ def build(att, commit: Commit, state: HostCopy | None, extras: Any, probed: dict
     for w in range(len(att.handshake.shards)):
         owner = workers[w].get("shard", w) == target.rank % nshards  # every replica of that shard
         rec = dict(replay, sent=commit.sent[w])
+        if commit.kept is not None and commit.kept[w]:
+            rec["kept"] = commit.kept[w]  # the state the worker kept, proved instead of sent
         if counts is not None and counts[w]:
             rec["extras"] = counts[w]  # EXTRA chunks sent ahead of this commit
         if audits is not None and audits[w] is not None:

@@ -39,6 +39,7 @@ class Handshake:
     shards: tuple[tuple[int, int], ...]  # per worker: the flat range it holds
     data_tags: tuple[tags.Tags, ...]  # per worker: what this rank tags its frames to it with
     token: bytes | None  # proves this rank to a restarted coordinator
+    keep: bool = False  # every worker kept the base: prove the state by digests instead of sending it
 
     @classmethod
     def from_reply(cls, coordinator: str, base: int, reply: dict) -> Handshake:
@@ -55,6 +56,7 @@ class Handshake:
             shards=tuple((w["start"], w["stop"]) for w in workers),
             data_tags=tuple(data_tags(list(workers), reply.get("keys"))),
             token=token if isinstance(token, bytes) else None,
+            keep=reply.get("keep") is True,
         )
 
     @property
@@ -115,7 +117,7 @@ def attach(
     sock = dealer(zmq.Context.instance(), coordinator)
     rank0 = target.rank == 0
     launch = launch_round()
-    extra: dict = {}
+    extra: dict = {"keep": True}  # this rank proves a state the workers kept by digests (bootstrap)
     if owner is not None:
         extra["owner"] = {"epoch": owner[0], "token": owner[1]}
     if launch is not None:

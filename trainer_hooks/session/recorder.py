@@ -42,6 +42,7 @@ class Commit:
     late: HostCopy | None = None
     probes: tuple[list, HostCopy] | None = None
     refusal: str | None = None  # why this iteration cannot be replayed (the sender refuses it)
+    kept: list | None = None  # a bootstrap onto kept state: per worker, {field: packed (dst, n, xxh3) runs}
 
 
 @dataclass(frozen=True)

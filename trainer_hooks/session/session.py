@@ -424,6 +424,8 @@ class Session:
         water (the current ring), bytes and messages sent, ``applied``, ``iteration``,
         ``degraded`` (why this rank streams nothing now, or None), ``unprotected_steps``
         (steps in a row taken so: 0 while protected), ``unprotected_steps_total``,
+        ``base_kept`` (the workers kept the state this epoch began from, restored from their
+        memory, and this rank proved its own equal by digests instead of sending it),
         ``shadow_errors``."""
         att = self._att
         fig, live = att.figures(), not att.closed  # a closed attachment's figures are in _past
@@ -447,5 +449,6 @@ class Session:
             "messages_out": total("messages_out", fig["messages_out"]),
             "committed": self.committed,
             "iteration": self.iteration,
+            "base_kept": att.handshake.keep,
             "shadow_errors": self.latch.shadow_errors,
         }
