@@ -234,6 +234,14 @@ def main() -> None:
     )
     ap.add_argument("--resize", action="store_true", help="resume: restore onto another world size (resize=True)")
     ap.add_argument(
+        "--until-resynced",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after --steps, train on (at most N more iterations) until the session has resynced, is protected "
+        "and has committed the iteration before the last one taken",
+    )
+    ap.add_argument(
         "--tamper-after-restore",
         action="store_true",
         help="resume: change the first parameter on every rank between the restore and the attach",
@@ -378,7 +386,26 @@ def main() -> None:
                 info_out.update(phase="attached", attached_t=time.time())
             time.sleep(3600)
     losses, draws = [], []
-    for it in range(start + 1, args.steps + 1):
+
+    def more(it: int) -> bool:
+        """Whether to take iteration ``it``: up to --steps, then (--until-resynced N) while the
+        session has not yet resynced after its base was refused, N more at most."""
+        if it <= args.steps:
+            return True
+        if not args.until_resynced or session is None or it > args.steps + args.until_resynced:
+            return False
+        # the iteration just taken is it - 1; its commit leaves at the next forward: the one before it
+        waiting = session.epoch == first_epoch or session.degraded is not None or session.committed < it - 2
+        vote = torch.tensor([int(waiting)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)  # every rank takes the same iterations
+        if vote.item():
+            time.sleep(0.05)  # the resync comes at an iteration boundary, once the cluster asks for it
+        return bool(vote.item())
+
+    first_epoch = session.epoch if session is not None else None
+    it = start
+    while more(it + 1):
+        it += 1
         it_box["it"] = it
         # Python's and numpy's global RNGs are part of the loop too (e.g. augmentation)
         jitter = random.random() + float(np.random.rand())
