@@ -87,7 +87,14 @@ class ZmqDataSender:
         sock = self.socks[worker]
         if sock is None:
             raise ValueError(f"no channel to shadow worker {worker}: it was dropped and not opened again")
-        return sock.send_multipart(frames, copy=not track, track=track)
+        if not track:
+            return sock.send_multipart(frames, copy=True)
+        # one tracker per frame: pyzmq's send_multipart returns the last frame's only, and a
+        # frame under the socket's copy threshold (64 KiB) is copied, its tracker done at once,
+        # while the zero-copy frames before it still wait in the queue
+        last = len(frames) - 1
+        trackers = [sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True) for i, f in enumerate(frames)]
+        return zmq.MessageTracker(*trackers)
 
     def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
         self.drop(worker)
