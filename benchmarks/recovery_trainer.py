@@ -86,7 +86,7 @@ def main() -> int:
         start = info.iteration if info is not None else 0
         emit("restored", iteration=start, tier=info.tier if info is not None else None)
         session = trainer_hooks.attach(ddp, opt, args.coordinator, job=args.job)
-        emit("attached")
+        emit("attached", base_kept=session.stats()["base_kept"])
     elif args.mode in ("dcp", "torch"):
         start = _load(args, model, opt)
         emit("restored", iteration=start, tier="local disk" if start else None)
