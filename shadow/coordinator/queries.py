@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: the manifests one ``catalog_reply`` carries at most (its limit is 256 MiB): the newest first
 CATALOG_BYTES = 128 << 20
+#: a generation record the catalog carries is at most this big (one is a few hundred bytes)
+GENERATION_BYTES = 64 << 10
 
 
 class Queries:
@@ -31,7 +33,8 @@ class Queries:
 
     def __init__(self, state: ClusterState, out: Outbox, persist: Persistence, guard: Any = None) -> None:
         self.state, self.out, self.persist, self.guard = state, out, persist, guard
-        self._catalogs: dict[tuple, tuple[list, list]] = {}  # (tier, job) -> (what it was read from, entries)
+        # (tier, job) -> (what it was read from, entries, generation records)
+        self._catalogs: dict[tuple, tuple[list, list, list]] = {}
         self._replies: dict[tuple, tuple[Any, tuple, bytes]] = {}  # (tier, job) -> (version, (torn, left out), reply)
 
     def on_status(self, env: list[bytes], msg: Msg) -> None:
@@ -85,7 +88,7 @@ class Queries:
         """The encoded ``catalog_reply``, built once per version of the tier: every request
         for an unchanged tier gets the same bytes (held once by zmq, however many clients
         have yet to read them)."""
-        entries, torn, left_out = self._catalog(tier, job)
+        entries, torn, left_out, generations = self._catalog(tier, job)
         key = (tier.name, job)
         version = self._catalogs.get(key)  # the same object while the tier's manifests are unchanged
         cached = self._replies.get(key)
@@ -96,26 +99,30 @@ class Queries:
             root=tier.root,
             checkpoints=entries,
             torn=torn,
+            generations=generations,
             **({"left_out": left_out} if left_out else {}),
         )
         self._replies[key] = (version, (torn, left_out), raw)
         return raw
 
-    def _catalog(self, tier, job: str | None) -> tuple[list, list, int]:
-        """``(entries, torn, left out)`` of ``tier`` for ``job``, newest entries first, within
-        :data:`CATALOG_BYTES`. The manifests are read and checked again only when the tier's
-        manifests and generation records changed (their names, sizes and times): this runs on
-        the loop thread, and a tier that keeps every checkpoint holds many."""
+    def _catalog(self, tier, job: str | None) -> tuple[list, list, int, list]:
+        """``(entries, torn, left out, generation records)`` of ``tier`` for ``job``, newest
+        entries first, within :data:`CATALOG_BYTES`. Read with the cluster's manifest key
+        (``persist.sign``), as a reader of the tier with the key reads it; the generation
+        records go along as they are, ``[path under the root, bytes]``, for the client to
+        check with its own key. The manifests are read and checked again only when the
+        tier's manifests and generation records changed (their names, sizes and times): this
+        runs on the loop thread, and a tier that keeps every checkpoint holds many."""
         st = tier.storage
         paths = sorted(st.list(fsglob.pattern(st.base, job, "iteration-*", checkpoints.MANIFEST)))
-        paths += sorted(st.list(fsglob.pattern(st.base, job, "generation-*.json")))
-        stamp = [(p, _stamp(st.info(p))) for p in paths]
+        records = sorted(st.list(fsglob.pattern(st.base, job, "generation-*.json")))
+        stamp = [(p, _stamp(st.info(p))) for p in paths + records]
         key = (tier.name, job)
         cached = self._catalogs.get(key)
         if cached is not None and cached[0] == stamp:
-            entries = cached[1]
+            entries, generations = cached[1], cached[2]
         else:
-            found = checkpoints.list_checkpoints(st, tier.name, job)
+            found = checkpoints.list_checkpoints(st, tier.name, job, sign_key=self.persist.sign_key)
             entries = [
                 [
                     _relative(st.base, c.path),
@@ -124,7 +131,18 @@ class Queries:
                 ]
                 for c in found
             ]
-            self._catalogs[key] = (stamp, entries)
+            generations = []
+            for p in records:
+                try:
+                    raw = st.cat(p) if (st.info(p).get("size") or 0) <= GENERATION_BYTES else None
+                except OSError as exc:
+                    logger.warning("tier %s: cannot read %s for the catalog: %s", tier.name, p, exc)
+                    continue
+                if raw is None:
+                    logger.warning("tier %s: %s is over %d bytes, no generation record", tier.name, p, GENERATION_BYTES)
+                    continue
+                generations.append([posixpath.relpath(p, st.base.rstrip("/") or "/"), raw])
+            self._catalogs[key] = (stamp, entries, generations)
         sent, total = [], 0
         for e in reversed(entries):  # the newest first, as a restore picks
             if total + len(e[1]) > CATALOG_BYTES:
@@ -140,7 +158,7 @@ class Queries:
                 CATALOG_BYTES >> 20,
             )
         torn = [_relative(st.base, d) for d in checkpoints.list_torn(st, job)]
-        return sent[::-1], torn, len(entries) - len(sent)
+        return sent[::-1], torn, len(entries) - len(sent), generations
 
 
 def _stamp(info: dict) -> tuple:

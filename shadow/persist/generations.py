@@ -62,10 +62,24 @@ def read_generations(
     whose signature is missing or wrong, is skipped with a warning and appended to
     ``skipped`` (if given) as ``(path, reason)``."""
     st = storage_for(root)
+    paths = st.list(posixpath.join(glob.escape(st.base), glob.escape(job), "generation-*.json"))
+    return records_of(((path, lambda path=path: st.cat(path)) for path in paths), job, diverged, sign_key, skipped)
+
+
+def records_of(
+    records,
+    job: str,
+    diverged: dict[int, int] | None = None,
+    sign_key: bytes | None = None,
+    skipped: list[tuple[str, str]] | None = None,
+) -> dict[int, int]:
+    """:func:`read_generations` of ``records``, ``(path, read)`` pairs (``read()``: the
+    record's bytes): a tier's files, or the records a coordinator's catalog carries, which
+    a client checks with its own key exactly as it would read them from the tier."""
     out: dict[int, int] = {}
-    for path in st.list(posixpath.join(glob.escape(st.base), glob.escape(job), "generation-*.json")):
+    for path, read in records:
         try:
-            rec = json.loads(st.cat(path))
+            rec = json.loads(read())
             if not isinstance(rec, dict) or rec.get("format") != GENERATION_FORMAT or rec.get("job") != job:
                 raise ValueError(f"not a generation record of job {job!r}")
             if sign_key is not None:

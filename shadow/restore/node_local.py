@@ -39,7 +39,7 @@ import zmq
 from shadow.client import dealer, request
 from shadow.errors import CheckpointError, ShadowError
 from shadow.layout import Layout
-from shadow.persist import checkpoints, shardguard
+from shadow.persist import checkpoints, generations, shardguard
 from shadow.persist import disks as disks_mod
 from shadow.persist.manifests import _reading
 from shadow.persist.shardio import StorageFile
@@ -97,7 +97,8 @@ class ClusterTierSource(TierSource):
                 self.name,
                 reply["left_out"],
             )
-        out = [c for c in map(self._candidate, reply["checkpoints"]) if c is not None]
+        lineage = self._lineage(reply.get("generations"))
+        out = [c for c in (self._candidate(e, lineage) for e in reply["checkpoints"]) if c is not None]
         for rel in reply["torn"]:
             if isinstance(rel, str):
                 key = checkpoints.dir_key(rel)
@@ -117,10 +118,31 @@ class ClusterTierSource(TierSource):
         )
         return out
 
-    def _candidate(self, entry: object) -> Candidate | None:
+    def _lineage(self, records: object) -> dict[str, tuple[dict, dict]] | None:
+        """Per job, ``({generation: base}, the diverged ones)`` from the generation records a
+        catalog carries, read (and with a manifest key, checked) here as a reader of the tier
+        reads them: a record that is unsigned or forged is ignored, whatever the coordinator
+        made of it. None when the catalog carries none (an older coordinator): its
+        ``superseded`` flags are taken as they are."""
+        if not isinstance(records, list):
+            return None
+        by_job: dict[str, list] = {}
+        for rec in records:
+            if isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], str) and isinstance(rec[1], bytes):
+                by_job.setdefault(rec[0].split("/")[0], []).append(
+                    (posixpath.join(self.root, rec[0]), functools.partial(bytes, rec[1]))
+                )
+        out = {}
+        for job, recs in by_job.items():
+            diverged: dict[int, int] = {}
+            out[job] = (generations.records_of(recs, job, diverged, self.sign_key), diverged)
+        return out
+
+    def _candidate(self, entry: object, lineage: dict[str, tuple[dict, dict]] | None = None) -> Candidate | None:
         """One ``[directory, manifest bytes, superseded]`` entry of the coordinator's catalog
         as a candidate, its manifest read (and its signature checked) here; an entry of
-        another shape is no candidate."""
+        another shape is no candidate. ``lineage`` (:meth:`_lineage`): whether it is
+        superseded or diverged is decided here from the records, not by the flag."""
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
             return None
         rel, raw, superseded = entry
@@ -142,6 +164,11 @@ class ClusterTierSource(TierSource):
             self.root, self.name, d, manifest, self.storage, bool(superseded), self.sign_key is not None
         )
         info.diverged = superseded == DIVERGED
+        if lineage is not None:
+            marks, diverged = lineage.get(info.job, ({}, {}))
+            info.superseded = generations.superseded(info.generation, info.iteration, marks)
+            info.diverged = generations.superseded(info.generation, info.iteration, diverged)
+            superseded = DIVERGED if info.diverged else info.superseded
         info.locate = lambda shard, info=info: self._locate(info, shard)
         return Candidate(
             info.job,

@@ -230,7 +230,9 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     # the cluster's persist.local.dir, where a worker without its own local_dir keeps its shards
     "registered": {"local_dir": (str,), "slot_token": (bytes,)},
     # older checkpoints the catalog left out (its manifests would not fit)
-    "catalog_reply": {"left_out": (int,)},
+    # and the job's generation records, [[path under the root, bytes], ...], for the client to
+    # check with its own manifest key (shadow.persist.generations.records_of)
+    "catalog_reply": {"left_out": (int,), "generations": (list,)},
     # jobs known only from the tiers that the reply left out (it would not fit)
     "jobs_reply": {"left_out": (int,)},
 }

@@ -241,6 +241,56 @@ def test_a_forged_generation_record_cannot_roll_a_signed_tier_back(tmp_path, key
     assert pers.generations["j"] == 0
 
 
+def test_a_restore_through_the_cluster_checks_generation_records_with_its_own_key(tmp_path):
+    """Issue 53, item 6: a forged, unsigned generation record in a signed tier was ignored by
+    a direct reader with the key, but a restore through the coordinator (its catalog) took
+    the rolled-back iteration: the coordinator listed the tier without the key and flagged
+    the newer checkpoints superseded. It lists with the cluster's key now, and sends the
+    records themselves, which the client checks with its own key as a direct reader does."""
+    from shadow.coordinator import queries
+    from shadow.coordinator.cluster import ClusterState
+    from shadow.coordinator.outbox import RecordingOutbox
+    from shadow.restore.node_local import ClusterTierSource
+    from shadow.restore.resolve import pick
+
+    root = str(tmp_path / "ckpt")
+    _signed_checkpoints(root, (2, 4, 6))
+    _forge_generation(root, 99, 2)
+    config = PersistConfig.from_dict({"local": dict(TIER, every_n=1, dir=root), "sign": True})
+
+    def catalog(sign_key: bytes | None) -> dict:
+        out = RecordingOutbox()
+        q = queries.Queries(ClusterState(expected=1), out, Persistence(config, sign_key=sign_key))
+        q.on_catalog([b"c"], {"t": "catalog", "tier": "local", "job": "j"})
+        return out.last("catalog_reply", b"c")
+
+    reply = catalog(KEY)
+    assert [e[2] for e in reply["checkpoints"]] == [False, False, False]  # the coordinator ignores it too
+    assert [p for p, _ in reply["generations"]] == ["j/generation-000099.json"]
+
+    def newest(reply: dict, sign_key: bytes | None) -> int:
+        src = ClusterTierSource("local", root, "tcp://127.0.0.1:1", [], 1.0, sign_key=sign_key)
+        src._catalog = lambda job: reply  # type: ignore[method-assign]  # the coordinator's answer
+        return pick(src, "j")[1].iteration
+
+    assert newest(reply, KEY) == 6
+    # a coordinator whose catalog flags them superseded (an older one, or one run without the
+    # key): the client, with the key, still reads the records itself and ignores the forged one
+    flagged = {**reply, "checkpoints": [[e[0], e[1], True] if e[0].endswith("6") else e for e in reply["checkpoints"]]}
+    assert newest(flagged, KEY) == 6
+    assert newest(flagged, None) == 2  # without a key the record is taken as written, as a direct reader takes it
+    real = str(tmp_path / "real")  # a signed record, as the coordinator writes one: honoured through the cluster
+    _signed_checkpoints(real, (2, 4))
+    checkpoints.write_generation(real, "j", 1, 2, sign_key=KEY)
+    honest = {
+        **reply,
+        "generations": [
+            ["j/generation-000001.json", open(os.path.join(real, "j", "generation-000001.json"), "rb").read()]
+        ],
+    }
+    assert newest(honest, KEY) == 2
+
+
 def test_checksums_catch_corruption_not_tampering_signatures_catch_both(tmp_path, key_file, monkeypatch):
     """An attacker replaces a shard and writes its checksum into the manifest: without a
     key the restore takes the forged data (documented); with the key it is refused."""
