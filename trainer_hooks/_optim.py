@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import warnings
 
 import numpy as np
@@ -98,30 +97,6 @@ def wire_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [g.to_wire() for g in replay_groups(optimizer)]
 
 
-#: the background describe started by :func:`prewarm` (None: none started in this process)
-_warming: threading.Thread | None = None
-
-
-def prewarm(optimizer: torch.optim.Optimizer) -> None:
-    """Describe ``optimizer`` once in the background, for its side effects only: numba's
-    kernels load from their cache and the calibrations run (about 0.7 s in a fresh process)
-    while a restore fetches the checkpoint, instead of inside the attach that follows. The
-    attach describes the optimizer again, with the settings the restore gave it, at once
-    (:func:`describe` waits for this first). Once per process."""
-    global _warming
-    if _warming is not None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
-        return
-
-    def run() -> None:
-        try:
-            describe(optimizer, exact=True)
-        except Exception as exc:  # the attach describes it again and raises what it must
-            logger.debug("prewarming the replay kernels: %s: %s", type(exc).__name__, exc)
-
-    _warming = threading.Thread(target=run, name="shadow-prewarm", daemon=True)
-    _warming.start()
-
-
 def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     """The replay descriptor sent at attach: kind, implementation, kernel widths, and what
     the replay needs of this machine (CUDA's powers, the CPU's square root table).
@@ -130,9 +105,6 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     implementation, stepping probes on its device (:func:`trainer_hooks._calibrate.calibrate_device`).
     When it is not bit-identical, ``exact`` refuses the optimizer (``UnsupportedOptimizerError``
     naming the cause and the fixes); ``exact=False`` warns and goes on, ``bit_exact`` false."""
-    warming = _warming
-    if warming is not None and warming is not threading.current_thread():
-        warming.join()  # one thread loads the kernels and calibrates; this one then takes them as loaded
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         raise _unsupported(f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported")
     kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"

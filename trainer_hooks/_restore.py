@@ -18,7 +18,7 @@ from shadow.export.state import state_dicts
 from shadow.layout import Layout
 from shadow.snapshot import Snapshot
 from shadow.tuning import Tuning
-from trainer_hooks import _extras, _fsdp, _optim, _rng
+from trainer_hooks import _extras, _fsdp, _rng
 from trainer_hooks._model import LayoutError, build_layout, unwrap
 from trainer_hooks._restored import RESTORED, RestorePoint
 from trainer_hooks._sink import ModelParams
@@ -201,9 +201,6 @@ def restore(
     if optimizer is None and not weights_only:
         raise ValueError("restore() needs the optimizer (or weights_only=True to restore only the model)")
     from shadow.restore import resolve  # here: the storage tiers' codecs load only when a restore runs
-
-    if optimizer is not None and not weights_only:
-        _optim.prewarm(optimizer)  # the attach that follows finds the replay kernels loaded
 
     sink, built, ranges = None, None, None
     if optimizer is not None:

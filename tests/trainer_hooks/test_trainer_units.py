@@ -150,32 +150,6 @@ def test_calibration_keeps_torch_thread_count():
     assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
 
 
-def test_a_prewarm_loads_the_kernels_in_the_background_and_changes_no_description():
-    """A restore starts describing the optimizer in the background (numba's kernels load,
-    the calibrations run) so that the attach after it does not wait for that; the attach's
-    own describe, with the settings the restore gave, waits for it and comes out as it
-    would have without, and the thread count torch had stays."""
-    import subprocess
-    import sys
-
-    code = (
-        "import torch; torch.set_num_threads(1)\n"
-        "from trainer_hooks import _optim\n"
-        "ps = [torch.nn.Parameter(torch.randn(5))]\n"
-        "opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)\n"
-        "_optim.prewarm(opt)\n"
-        "assert _optim._warming is not None\n"
-        "_optim.prewarm(opt)  # once per process\n"
-        "opt.param_groups[0]['lr'] = 5e-4  # what a restore does meanwhile\n"
-        "warm = _optim.describe(opt)\n"
-        "assert not _optim._warming.is_alive()\n"
-        "assert warm == _optim.describe(opt) and warm['impl'] == 'fused'\n"
-        "print(torch.get_num_threads())\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "1", out.stdout + out.stderr
-
-
 def test_a_busy_metrics_port_does_not_fail_the_attach(monkeypatch, caplog):
     """The metrics port taken by another process: the rank logs it and trains on."""
     import socket
