@@ -21,10 +21,11 @@ Per failure: ``total_s`` from the kill until every rank has completed the iterat
 killed rank was on (what the failure really cost), split into ``detect_s`` (kill to the
 first restarted process: torchrun noticing, stopping the other rank, starting the round),
 ``init_s`` (process start to model built: interpreter, imports, rendezvous),
-``restore_s``, ``attach_s`` (the shadow's re-attach, which streams the state back to the
-workers) and ``redo_s`` (training again up to that iteration: the lost iterations
-redone); and ``lost``, the completed iterations that had to be redone. ``save_s``: what a
-checkpoint cost the training loop (DCP, torch.save: the mean blocking save).
+``restore_s``, ``attach_s`` (the shadow's re-attach: after a restore from memory the
+workers keep their state and the ranks prove theirs equal by digests) and ``redo_s``
+(training again up to that iteration: the lost iterations redone); and ``lost``, the
+completed iterations that had to be redone. ``save_s``: what a checkpoint cost the
+training loop (DCP, torch.save: the mean blocking save).
 """
 
 from __future__ import annotations
