@@ -14,7 +14,12 @@ import re
 
 from shadow.errors import ShadowError
 
-JOB_NAME_RULE = "letters, digits, '.', '_' and '-' only (A-Za-z0-9._-), not '.' or '..'"
+#: the longest job name: a directory name under every tier's root (255 bytes on most file
+#: systems), a label of every metric and a part of every log line
+JOB_NAME_MAX = 200
+JOB_NAME_RULE = (
+    f"letters, digits, '.', '_' and '-' only (A-Za-z0-9._-), at most {JOB_NAME_MAX} characters, not '.' or '..'"
+)
 _VALID = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -25,15 +30,16 @@ class InvalidJobNameError(ShadowError, ValueError):
 def suggest_job_name(name: object) -> str:
     """A valid name close to ``name`` (other characters become ``-``), for error messages."""
     text = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name) if name is not None else "").strip("-.")
-    return text or "my-job"
+    return text[:JOB_NAME_MAX].rstrip("-.") or "my-job"
 
 
 def job_name_problem(name: object) -> str | None:
     """Why ``name`` is not a valid job name (naming it, the rule and a fix), or None if it is."""
-    if isinstance(name, str) and _VALID.fullmatch(name) and name not in (".", ".."):
+    if isinstance(name, str) and len(name) <= JOB_NAME_MAX and _VALID.fullmatch(name) and name not in (".", ".."):
         return None
+    shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
     return (
-        f"job name {name!r} is not allowed: a job name is one directory name, {JOB_NAME_RULE}; "
+        f"job name {shown} is not allowed: a job name is one directory name, {JOB_NAME_RULE}; "
         f"use e.g. job={suggest_job_name(name)!r}"
     )
 

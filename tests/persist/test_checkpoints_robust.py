@@ -43,10 +43,24 @@ def test_invalid_job_names_are_refused_with_the_rule_and_a_fix(name):
 
 
 def test_valid_job_names_pass():
-    from shadow.jobs import check_job_name, job_name_problem
+    from shadow.jobs import JOB_NAME_MAX, check_job_name, job_name_problem
 
-    for name in ("gpt", "exp-1.2_b", "A", "..x", "x.."):
+    for name in ("gpt", "exp-1.2_b", "A", "..x", "x..", "j" * JOB_NAME_MAX):
         assert check_job_name(name) == name and job_name_problem(name) is None
+
+
+def test_a_job_name_over_the_length_limit_is_refused_with_a_name_that_fits():
+    """Issue 53, item 8: job names had no length limit (300 characters were accepted, as a
+    directory under every tier's root and a label of every metric)."""
+    from shadow.jobs import JOB_NAME_MAX, InvalidJobNameError, check_job_name, job_name_problem
+
+    name = "x" * 300
+    with pytest.raises(InvalidJobNameError) as err:
+        check_job_name(name)
+    text = str(err.value)
+    assert f"at most {JOB_NAME_MAX} characters" in text and "(300 characters)" in text and len(text) < 600
+    fix = text.split("use e.g. job=")[1].strip("'")
+    assert len(fix) == JOB_NAME_MAX and job_name_problem(fix) is None
 
 
 def test_catalog_functions_refuse_a_job_name_that_would_glob_or_escape(tmp_path):
