@@ -12,6 +12,7 @@ import threading
 import time
 
 from shadow.config import ClusterConfig, CoordinatorConfig, WorkerConfig
+from shadow.errors import ShadowError
 from shadow.logs import setup as setup_logs
 
 # the module `shadow cluster` runs its workers as (`python -m <it> worker ...`); shadow.testing.faulty
@@ -175,7 +176,15 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    thread = threading.Thread(target=coord.run, name="coordinator", daemon=True)
+    failed: list[BaseException] = []
+
+    def run_coordinator() -> None:
+        try:
+            coord.run()
+        except BaseException as exc:  # said by the command once the workers are stopped
+            failed.append(exc)
+
+    thread = threading.Thread(target=run_coordinator, name="coordinator", daemon=True)
     thread.start()
     workers = _Workers(cfg, address, coord.tuning)
     try:
@@ -188,6 +197,10 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
         thread.join(timeout=5)
         if metrics is not None:
             metrics.close()
+    if failed:  # the coordinator could not start (a port in use) or stopped on an error: not a clean exit
+        if isinstance(failed[0], ShadowError):
+            raise failed[0]
+        raise ShadowError(f"the coordinator stopped: {type(failed[0]).__name__}: {failed[0]}") from failed[0]
     return 0
 
 

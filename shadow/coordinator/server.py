@@ -37,6 +37,7 @@ from shadow.coordinator.rebuild import Rebuild
 from shadow.coordinator.replicas import Replicas
 from shadow.coordinator.routes import PERIODIC, ROUTES
 from shadow.coordinator.trainers import Trainers
+from shadow.errors import ShadowError
 from shadow.transport import SocketFactory
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
@@ -116,7 +117,18 @@ class Coordinator:
         sock = SocketFactory(zmq.Context.instance(), guard=self.guard).router(
             M.socket_limit("coordinator", self.tuning.max_commit_bytes)
         )
-        sock.bind(self.bind)
+        try:
+            sock.bind(self.bind)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ShadowError(
+                f"the coordinator cannot listen on {self.bind}: {exc}"
+                + (
+                    " (another cluster or program holds that port: choose another with port=, or stop it)"
+                    if exc.errno == zmq.EADDRINUSE
+                    else ""
+                )
+            ) from None
         if self.socket_out is not None:
             self.socket_out.sock = sock
         logger.info("coordinator listening on %s, expecting %d workers", self.bind, self.state.expected)
