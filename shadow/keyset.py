@@ -166,6 +166,31 @@ def ensure(path: str | os.PathLike | None = None) -> KeySet:
     return KeySet(where)
 
 
+def check_given(server_key: str | os.PathLike) -> None:
+    """A service given ``security.server_key`` explicitly that lies in this user's key set
+    (a cluster hands its workers the set's files by path) checks the set as :func:`ensure`
+    does, without making one: another account able to read it, or the set gone, is a
+    :class:`SecurityError` naming the fix, not a key used unchecked."""
+    try:
+        where = directory()
+        inside = Path(server_key).resolve().parent == where.resolve()
+    except (OSError, SecurityError):  # no key set of this user's here: the file is not in one
+        return
+    if not inside:
+        return
+    if not os.path.lexists(where):
+        raise SecurityError(
+            f"this user's shadow key set {where} is gone (deleted since the cluster started): the running "
+            "cluster's keys cannot be read again; restart the cluster (`shadow cluster`), which makes a new set"
+        )
+    problem = _problem(where)
+    if problem:
+        raise SecurityError(
+            f"this user's shadow key set {where} cannot be used: {problem}. Remove it (`rm -r {where}`) and "
+            "restart the cluster and its trainers (the next start makes a new one)"
+        )
+
+
 def loopback(host: str) -> bool:
     """Whether ``host`` (an interface name or address) is this machine's loopback."""
     return host in ("localhost", "::1") or host.startswith("127.")

@@ -31,6 +31,8 @@ def secure(security, host: str, who: str):
     from shadow.security import SecurityError
 
     if security.server_key:
+        keyset.check_given(security.server_key)  # a cluster's worker, given the set's files: checked as the set is
+        _check_cluster_key(security.server_key, who)
         return security
     if security.enabled:
         raise SecurityError(
@@ -57,6 +59,30 @@ def secure(security, host: str, who: str):
         "any local account" if keyset.loopback(host) else "anyone who can reach it",
     )
     return security
+
+
+#: the public key of the pair a cluster started with, handed to its workers: a worker
+#: (re)started later refuses a key file that no longer holds it
+CLUSTER_KEY_ENV = "SHADOW_CLUSTER_SERVER_PUBLIC"
+
+
+def _check_cluster_key(server_key: str, who: str) -> None:
+    """A worker its cluster started (``CLUSTER_KEY_ENV`` set) refuses a server key file whose
+    pair is not the one the cluster runs with: the key set was replaced since (deleted and
+    made again), and every handshake would fail without a word."""
+    want = os.environ.get(CLUSTER_KEY_ENV)
+    if not want:
+        return
+    from shadow import security
+    from shadow.security import SecurityError
+
+    have = security.load_secret(server_key)[0].decode()
+    if have != want:
+        raise SecurityError(
+            f"{who}: {server_key} no longer holds the pair the cluster started with (its public key was {want}, "
+            f"now {have}): the key set was replaced since, so this worker could never complete a handshake "
+            "with the cluster; restart the cluster (`shadow cluster`) and its trainers"
+        )
 
 
 def _coordinator(cfg: CoordinatorConfig):
@@ -214,6 +240,10 @@ class _Workers:
         self.cfg, self.address = cfg, address
         self.env = {**malloc.environ(), **tuning.environ()}  # the workers run with the cluster's tuning
         sec = cfg.security
+        if sec.server_key:  # a worker restarted later checks its key file still holds this pair
+            from shadow import security
+
+            self.env[CLUSTER_KEY_ENV] = security.load_secret(sec.server_key)[0].decode()
         # the workers bind with the cluster's pair and admit the same roles; they connect with their own key
         self.security = (
             [

@@ -324,3 +324,38 @@ def test_a_default_cluster_is_keyed_and_answers_no_client_without_keys(shared_cl
         sock.close(0)
         ctx.term()
     assert shared_cluster.status()["security"]["curve"] is True  # and it answers this user still
+
+
+def test_a_worker_given_the_sets_files_checks_them_as_the_set_is_checked(fresh, monkeypatch):
+    """Issue 53, item 8: a cluster hands its workers this user's key set by path, and a
+    worker restarted later used those files unchecked. It now refuses a set another
+    account could read, a set that is gone, and a set replaced since the cluster started
+    (whose new pair could never complete a handshake with the cluster: 555 silent
+    ``handshake_crypto`` refusals before), each naming the fix."""
+    import dataclasses
+    import shutil
+
+    from shadow.cli import _services
+    from shadow.config import SecurityConfig
+
+    made = keyset.ensure()
+    given = dataclasses.replace(SecurityConfig(), **made.server_fields())
+    assert _services.secure(given, "127.0.0.1", "worker 0") is given  # as the cluster hands it over
+    started = security.load_secret(given.server_key)[0].decode()
+    monkeypatch.setenv(_services.CLUSTER_KEY_ENV, started)
+    assert _services.secure(given, "127.0.0.1", "worker 0") is given
+
+    secret = made.secret("server")
+    os.chmod(secret, 0o644)
+    with pytest.raises(SecurityError, match="server.key_secret may be used by other accounts"):
+        _services.secure(given, "127.0.0.1", "worker 0")
+    os.chmod(secret, 0o600)
+
+    shutil.rmtree(fresh)
+    with pytest.raises(SecurityError, match="is gone .* restart the cluster"):
+        _services.secure(given, "127.0.0.1", "worker 0")
+
+    keyset.ensure()  # any client of this user's makes a new set at the same paths
+    with pytest.raises(SecurityError, match="no longer holds the pair the cluster started with") as err:
+        _services.secure(given, "127.0.0.1", "worker 0")
+    assert started in str(err.value) and "restart the cluster" in str(err.value)
