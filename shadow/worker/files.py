@@ -244,11 +244,14 @@ class FileServer:
             logger.info("deleted %s (retention)", path)
 
     def _error(self, sock: zmq.Socket, ident: bytes, code: str, text: str) -> None:
+        """Refuse a request with an error reply, never waiting for it: a peer that does not
+        read its replies (its queue full) gets none, and the thread serving every reader
+        goes on at once (it waited up to the socket's send timeout per reply before)."""
         self.refused += 1
         try:
-            sock.send_multipart([ident, M.encode("error", code=code, message=text)])
-        except zmq.ZMQError:
-            pass
+            sock.send_multipart([ident, M.encode("error", code=code, message=text)], zmq.NOBLOCK)
+        except zmq.ZMQError:  # queue full (a reader that does not read), or the peer has gone
+            self.rejected["files_reply_dropped"] += 1
 
     def _serve(self, sock: zmq.Socket, parts: list[bytes], sending: list[_Transfer]) -> _Transfer | None:
         """One request: refused at once, or the file opened, its head sent and its

@@ -265,3 +265,41 @@ def test_a_copy_altered_on_the_way_is_passed_over_and_the_restore_is_exact(tmp_p
     for f in direct.arrays:
         assert np.array_equal(snap.arrays[f].view(np.uint32), direct.arrays[f].view(np.uint32)), f
     assert np.array_equal(snap.steps, direct.steps) and snap.blobs == direct.blobs
+
+
+def test_a_reader_that_never_reads_its_refusals_delays_no_other_read(keyed, keyless):
+    """Issue 53, item 4: each error reply to a peer whose queue was full blocked the files
+    thread for the socket's send timeout (1 s), so 5 s of ticketless requests from a peer
+    that never reads delayed a legitimate 50 MB read from 0.2 s to 14 s, and still after
+    the attacker stopped. A refusal now never waits: a peer that does not read gets none
+    (counted ``files_reply_dropped``), and the read beside it is served at once."""
+    import time
+
+    from shadow.client import dealer
+
+    shard = _shard(keyed)
+    want = _file(keyed, shard)
+    t0 = time.monotonic()
+    assert read_file(keyed.endpoint, "j", DIR, shard, TUNING, _auth(keyed)) == want
+    alone = time.monotonic() - t0
+    flood = dealer(zmq.Context.instance(), keyed.endpoint, curve=False)
+    flood.setsockopt(zmq.RCVHWM, 1)
+    flood.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        request = M.encode("read_file", job="j", dir=DIR, file=shard["file"], bytes=shard["bytes"])
+        deadline = time.monotonic() + 60
+        # never read: the worker's queue to this peer fills (the kernel buffers first, then zmq's)
+        while keyed.rejected["files_reply_dropped"] < 50 and time.monotonic() < deadline:
+            for _ in range(500):
+                if not flood.poll(0, zmq.POLLOUT):
+                    break
+                flood.send(request, zmq.NOBLOCK)
+            time.sleep(0.01)
+        assert keyed.rejected["files_reply_dropped"] >= 50, keyed.rejected
+        t0 = time.monotonic()
+        assert read_file(keyed.endpoint, "j", DIR, shard, TUNING, _auth(keyed)) == want
+        beside = time.monotonic() - t0
+    finally:
+        flood.close(linger=0)
+    # the thread was never held: before, every reply dropped here had cost it 1 s
+    assert beside < max(10 * alone, 2.0), (beside, alone, keyed.rejected)
