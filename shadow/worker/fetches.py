@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,9 @@ from shadow.worker.address import Binding
 from shadow.worker.state import WorkerState
 
 logger = logging.getLogger(__name__)
+
+#: connections remembered as refused once (:meth:`FetchServer._tell_once`), the oldest forgotten first
+TOLD_CONNECTIONS = 4096
 
 
 @dataclass
@@ -84,6 +88,7 @@ class FetchServer:
         self.endpoint = ""
         self.pending: list[tuple[bytes, dict, float]] = []
         self.replies: dict[bytes, Reply] = {}
+        self._told: OrderedDict[bytes, None] = OrderedDict()  # connections refused once already (_tell_once)
 
     def open(self) -> str:
         """Bind the serve socket; returns the endpoint restore clients and peers connect to."""
@@ -114,23 +119,19 @@ class FetchServer:
                 raise M.MessageError("unexpected", f"serve socket got {msg['t']!r}")
         except M.MessageError as exc:
             self.state.rejected["serve_" + exc.reason] += 1
-            sock.send_multipart([ident, M.encode("error", code="malformed", message=str(exc))])
+            self._tell_once(sock, ident, "malformed", str(exc))
             return
         if self.tickets:
             key = self.ticket_key(msg)
             if key is None:
                 self.state.rejected["serve_bad_ticket"] += 1
-                sock.send_multipart(
-                    [
-                        ident,
-                        M.encode(
-                            "error",
-                            code="busy",
-                            message="busy: this fetch carries no valid ticket of this worker's configuration "
-                            "(none, forged, or from before the worker was configured again): ask the "
-                            "coordinator for the restore info again",
-                        ),
-                    ]
+                self._tell_once(
+                    sock,
+                    ident,
+                    "busy",
+                    "busy: this fetch carries no valid ticket of this worker's configuration "
+                    "(none, forged, or from before the worker was configured again): ask the "
+                    "coordinator for the restore info again",
                 )
                 return
             msg["key"] = key
@@ -222,6 +223,24 @@ class FetchServer:
                 keep.append((ident, msg, deadline))
         self.pending = keep
         self._forget_sent(now)
+
+    def _tell_once(self, sock: zmq.Socket, ident: bytes, code: str, text: str) -> None:
+        """Refuse a request that proved nothing (malformed, or without a valid ticket, on a
+        socket in clear): the first refusal of a connection is answered, the next ones are
+        dropped and counted (``serve_reply_dropped``). This socket queues without a limit
+        (a reply's parts must never be dropped), so a peer that sends and never reads would
+        otherwise grow the worker by every answer (about 160 MB per 10 s of such fetches);
+        now it holds one answer per connection at most."""
+        if not self.tickets:  # CURVE: every peer proved a key; each refusal is answered
+            sock.send_multipart([ident, M.encode("error", code=code, message=text)])
+            return
+        if ident in self._told:
+            self.state.rejected["serve_reply_dropped"] += 1
+            return
+        self._told[ident] = None
+        while len(self._told) > TOLD_CONNECTIONS:
+            self._told.popitem(last=False)
+        sock.send_multipart([ident, M.encode("error", code=code, message=text)])
 
     def _error(self, ident: bytes, code: str, text: str) -> None:
         self._sock().send_multipart([ident, M.encode("error", code=code, message=text)])

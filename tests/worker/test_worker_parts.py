@@ -425,3 +425,38 @@ def test_a_workers_slot_token_is_kept_privately_for_its_restart(tmp_path, monkey
     os.symlink(elsewhere, path)
     assert slot.load("tcp://127.0.0.1:5555", 0) is None
     assert slot.load("tcp://127.0.0.1:5555", -1) is None  # no slot named: nothing to keep
+
+
+def test_a_stranger_that_never_reads_gets_one_refusal_per_connection():
+    """Issue 53, item 5: on a socket in clear (mac mode) every ticketless fetch was answered,
+    and the serve socket queues without a limit (a reply's parts are never dropped): 60 s of
+    such fetches from a peer that never reads grew a worker 188 -> 1,301 MB. A refusal to a
+    request that proved nothing is answered once per connection; the rest are dropped and
+    counted, so what such a peer makes the worker hold is one answer."""
+    ctx = zmq.Context.instance()
+    state = WorkerState()
+    srv = FetchServer(state, SocketFactory(ctx), LOCAL, tickets=True)
+    srv.sock = ctx.socket(zmq.ROUTER)
+    ep = f"inproc://serve-{next(_ids)}"
+    srv.sock.bind(ep)
+    stranger, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    stranger.connect(ep)
+    other.connect(ep)
+    try:
+        for _ in range(2000):
+            stranger.send(M.encode("fetch", epoch=2, iteration=BASE))
+            assert srv.sock.poll(2000)
+            srv.on_message(srv.sock)
+        stranger.send(b"not msgpack")
+        assert srv.sock.poll(2000)
+        srv.on_message(srv.sock)
+        assert state.rejected["serve_bad_ticket"] == 2000 and state.rejected["serve_reply_dropped"] == 2000
+        assert stranger.poll(2000)
+        err = M.decode(stranger.recv())
+        assert err["t"] == "error" and "no valid ticket" in err["message"]
+        assert not stranger.poll(100)  # one answer, not 2001
+        assert exchange(srv, other, M.encode("fetch", epoch=2, iteration=BASE))  # another connection is told
+    finally:
+        stranger.close(linger=0)
+        other.close(linger=0)
+        srv.close()
