@@ -141,16 +141,16 @@ class DataPath:
                 logger.debug("dropped frame: %s", exc)
             else:
                 logger.warning("rejected frame: %s", exc)
-            # a duplicate (sequence already seen) is dropped and counted, and so is a frame whose
-            # header does not check out (it consumed no sequence number: if it was a real one,
-            # the next frame shows the gap); bytes lost or changed after the sequence check
-            # leave this replica unusable until a resync
+            # a duplicate (sequence already seen) is dropped and counted, and so is a message
+            # whose header or frames do not check out, a payload frame too many or too few
+            # included (a copy raced in by someone who sees the stream in clear: nothing of it
+            # was taken and it consumed no sequence number; if it was a real one, the next
+            # message shows the gap); a gap, a checksum that fails where nothing is keyed, or
+            # what the replica cannot take leaves it unusable until a resync
             if exc.reason in (
                 "gap",
                 "double_commit",
                 "bad_checksum",
-                "truncated_payload",
-                "extra_payload",
                 "overflow",
                 "disagree",
                 "kept_mismatch",

@@ -460,3 +460,36 @@ def test_a_stranger_that_never_reads_gets_one_refusal_per_connection():
         stranger.close(linger=0)
         other.close(linger=0)
         srv.close()
+
+
+def test_a_raced_copy_with_a_frame_more_or_less_costs_nothing():
+    """Issue 53, item 7: a copy of a genuine message with a payload frame removed or added,
+    raced in by someone who sees the stream in clear, passed the header's MAC, failed as
+    truncated_payload / extra_payload and made the worker stale (a resync per copy). It is
+    dropped and counted like an altered copy: nothing of it was taken, it consumed no
+    sequence number, and the genuine message that follows is taken."""
+    key = tags.new_key()
+    state, out, data, push = data_path()
+    state.assignment = s = Assignment(configure(data_key=key))
+    tagger = tags.DataKey(tags.rank_key(key, 0))
+    values = np.arange(LAYOUT.total, dtype=np.float32) + 1
+    nonce = tagger.nonce()
+    runs = ((0, LAYOUT.total, tagger.tag(nonce, 1, values)),)
+    head = F.Header(F.Kind.STATE, F.Field.PARAM, 7, 2, 0, 1, s.layout_hash, BASE, 0, runs, nonce).pack(tagger)
+
+    def deliver(msg: list[bytes]) -> None:
+        push.send_multipart(msg)
+        assert data.sock.poll(2000)
+        data.on_message(data.sock)
+
+    try:
+        deliver([head])  # its payload frame removed
+        deliver([head, values.tobytes(), b"more"])  # a frame added
+        assert state.rejected == {"truncated_payload": 1, "extra_payload": 1}
+        assert not s.stale and out.kinds() == [] and s.inbox.next_seq == [0]
+        assert not s.state.param.any()  # nothing landed
+        deliver([head, values.tobytes()])  # the genuine message
+        assert np.array_equal(s.state.param, values) and s.inbox.next_seq == [1] and not s.stale
+    finally:
+        push.close(linger=0)
+        data.close()
