@@ -123,9 +123,11 @@ def _problem(path: Path) -> str:
     return ""
 
 
-def _create(path: Path) -> None:
+def _create(path: Path, client: bool = False) -> None:
     """Make the whole set in a private scratch directory beside ``path``, then rename it into
-    place; when another process made it first, keep theirs."""
+    place; when another process made it first, keep theirs. ``client``: made by a process
+    about to connect (a trainer, a command), said louder: a cluster already running with
+    a set that was deleted since cannot be reached with this new one."""
     parent = str(path.parent)
     problem = private_problem(parent)
     if problem:
@@ -144,18 +146,26 @@ def _create(path: Path) -> None:
             if not path.exists():
                 raise
             return  # another process of this user made it first: use theirs
-        logger.info("made this user's shadow key set in %s (server pair and one pair per role)", path)
+        if client:
+            logger.warning(
+                "made a new shadow key set for this user in %s: there was none. A cluster started before with a "
+                "set that was deleted since refuses this process and every one after it; restart that cluster "
+                "(it takes this set)",
+                path,
+            )
+        else:
+            logger.info("made this user's shadow key set in %s (server pair and one pair per role)", path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def ensure(path: str | os.PathLike | None = None) -> KeySet:
+def ensure(path: str | os.PathLike | None = None, client: bool = False) -> KeySet:
     """This user's key set (at ``path``, default :func:`directory`), made when missing and
     checked: raises :class:`SecurityError` naming the problem and the fix when another account
-    could read or replace it."""
+    could read or replace it. ``client``: asked by a process about to connect (see :func:`_create`)."""
     where = Path(path) if path is not None else directory()
     if not os.path.lexists(where):
-        _create(where)
+        _create(where, client)
     problem = _problem(where)
     if problem:
         raise SecurityError(

@@ -417,4 +417,4 @@ def current_client() -> ClientKeys | None:
 
     if keyset.insecure_from_env():
         return None
-    return keyset.ensure().client(_default_role)
+    return keyset.ensure(client=True).client(_default_role)

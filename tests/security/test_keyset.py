@@ -359,3 +359,21 @@ def test_a_worker_given_the_sets_files_checks_them_as_the_set_is_checked(fresh, 
     with pytest.raises(SecurityError, match="no longer holds the pair the cluster started with") as err:
         _services.secure(given, "127.0.0.1", "worker 0")
     assert started in str(err.value) and "restart the cluster" in str(err.value)
+
+
+def test_a_client_that_makes_the_set_says_a_running_cluster_will_refuse_it(fresh, caplog):
+    """Issue 53, item 8: a deleted key set was silently made again by the next client, which
+    then could not reach a cluster still running with the old one. Made by a client, the new
+    set is announced as a warning that names that consequence and the fix."""
+    import logging
+
+    security.reset_client()
+    with caplog.at_level(logging.INFO, logger="shadow.keyset"):
+        keys = security.current_client()
+    assert keys is not None and fresh.exists()
+    (rec,) = [r for r in caplog.records if "key set" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and "restart that cluster" in rec.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shadow.keyset"):
+        security.current_client()  # found, not made: nothing said
+    assert not [r for r in caplog.records if "key set" in r.getMessage()]
