@@ -112,16 +112,19 @@ def dealer(
     tuning: Tuning = DEFAULT,
     rcvhwm: int | None = None,
     curve: bool = True,
+    door=None,
 ) -> zmq.Socket:
     """A DEALER connected to ``address``, receiving what a service answers within
     ``tuning``'s limits; a CURVE client when ``keys`` (default: this process's keys,
     :func:`shadow.security.current_client`) are set, unless ``curve`` is False (a worker's
-    serve socket in mac mode). ``rcvhwm``: see :meth:`shadow.transport.SocketFactory.dealer`."""
+    serve socket in mac mode), then through its door with ``door`` (a
+    :class:`~shadow.security.Door`, when given). ``rcvhwm``: see
+    :meth:`shadow.transport.SocketFactory.dealer`."""
     from shadow.transport import SocketFactory, fetch_limit
 
     check_address(address)
     if not curve:
-        factory = SocketFactory(ctx, keys=None)
+        factory = SocketFactory(ctx, keys=door)
     else:
         factory = SocketFactory(ctx) if keys is None else SocketFactory(ctx, keys=keys)
     return factory.dealer(address, fetch_limit(tuning), rcvhwm=rcvhwm)

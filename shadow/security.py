@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"shadow"  # a socket's ZAP domain: b"shadow:" and the roles it admits, comma-separated
+DOOR_DOMAIN = b"shadow-door"  # a door's ZAP domain: b"shadow-door:" and the door's number in its guard
 ENV_SERVER_KEY = "SHADOW_CURVE_SERVER_KEY"  #: path to the cluster's public key file
 ENV_CLIENT_KEY = "SHADOW_CURVE_CLIENT_KEY"  #: path to this client's .key_secret file
 _POLL_MS = 100
@@ -180,16 +181,28 @@ class Guard:
     non-CURVE ZAP request), ``handshake_mechanism`` (client without CURVE),
     ``handshake_crypto`` (client with a wrong server key) and ``handshake`` (any other
     failed handshake).
+
+    A socket in clear (``mac`` mode's data, serve and files sockets) can take a *door*
+    (:meth:`door`): ZeroMQ's PLAIN mechanism, whose credential (a user name and a password
+    derived from a key the peer was handed over CURVE, :class:`Door`) the guard checks with
+    the socket's own function before the connection carries a single message. The stream
+    stays in clear; a stranger's connection is closed at the handshake, before any of its
+    bytes reach a buffer. Its refusals count as ``door_<reason>`` (``door_mechanism``: a
+    peer without the PLAIN mechanism, e.g. one in clear).
     """
 
-    def __init__(self, server_key: str | os.PathLike, allow: Mapping[str, str | os.PathLike]) -> None:
-        self.public, self.secret = load_secret(server_key)
-        self.roles = load_roles(allow)  # the server's own pair is no one's key: every peer brings its own
+    def __init__(
+        self, server_key: str | os.PathLike | None, allow: Mapping[str, str | os.PathLike] | None = None
+    ) -> None:
+        """``server_key`` None: a guard of doors only (:func:`doorkeeper`), no CURVE socket."""
+        self.public, self.secret = load_secret(server_key) if server_key is not None else (b"", b"")
+        self.roles = load_roles(allow or {})  # the server's own pair is no one's key: every peer brings its own
         self.accepted = 0
         self.refused: dict[str, int] = {}
         self._ctx: zmq.Context | None = None
         self._zap: zmq.Socket | None = None
         self._monitors: list[zmq.Socket] = []
+        self._doors: dict[bytes, Callable[[bytes, bytes], str]] = {}  # by ZAP domain: the door's check
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -215,6 +228,8 @@ class Guard:
     def server(self, sock: zmq.Socket, roles: tuple[str, ...] = ROLES) -> None:
         """Make ``sock`` a CURVE server checked by this guard, admitting the keys of ``roles``;
         call before ``bind``."""
+        if not self.public:
+            raise ValueError("a guard of doors only has no server key: it makes no CURVE socket")
         unknown = sorted(set(roles) - set(ROLES))
         if unknown or not roles:
             raise ValueError(f"roles {list(roles)} must be some of {ROLES}")
@@ -234,6 +249,25 @@ class Guard:
         with self._lock:
             self._monitors.append(monitor)
 
+    def door(self, sock: zmq.Socket, check: Callable[[bytes, bytes], str]) -> None:
+        """Make ``sock`` (in clear, not bound yet) admit only peers whose PLAIN credential
+        ``check(user, password)`` accepts: it returns "" to admit, else a short reason
+        (counted as ``door_<reason>``). It runs on the guard's thread, once per handshake;
+        it must be quick and only read what the socket's owner writes."""
+        self.start(sock.context)
+        with self._lock:
+            domain = DOOR_DOMAIN + b":%d" % len(self._doors)
+            self._doors[domain] = check
+        sock.plain_server = True
+        sock.zap_domain = domain
+        try:
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        except zmq.ZMQError:
+            logger.warning("this libzmq lacks ZAP_ENFORCE_DOMAIN: a door admits anyone once the guard stops")
+        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        with self._lock:
+            self._monitors.append(monitor)
+
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
         if self._thread is not None:
@@ -242,8 +276,9 @@ class Guard:
                 logger.warning("CURVE guard thread did not stop within %.1f s", timeout)
 
     def _refuse(self, reason: str, peer: str, key: str) -> None:
-        self.refused[reason] = self.refused.get(reason, 0) + 1
-        logger.warning("refused connection from %s (key %s): %s", peer, key, reason)
+        n = self.refused[reason] = self.refused.get(reason, 0) + 1
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood of strangers does not flood the log
+            logger.warning("refused connection from %s (key %s): %s (%d so far)", peer, key, reason, n)
 
     def _run(self) -> None:
         zap = self._zap
@@ -291,6 +326,9 @@ class Guard:
             return
         request_id, domain, address = request[1], request[2], request[3].decode(errors="replace")
         mechanism, creds = request[5], request[6:]
+        if domain.startswith(DOOR_DOMAIN + b":"):
+            self._open_door(envelope, request_id, domain, address, mechanism, creds)
+            return
         key = _z85(creds[0]) if mechanism == b"CURVE" and creds else "-"
         takes = domain.partition(b":")[2].decode(errors="replace").split(",")
         role = self.roles.get(key.encode())
@@ -312,6 +350,30 @@ class Guard:
         assert self._zap is not None  # requests come in on it (the guard thread's)
         self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
 
+    def _open_door(
+        self, envelope: list[bytes], request_id: bytes, domain: bytes, address: str, mechanism: bytes, creds
+    ) -> None:
+        check = self._doors.get(domain)
+        if mechanism != b"PLAIN" or len(creds) != 2:
+            reason = "mechanism"
+        elif check is None:
+            reason = "closed"
+        else:
+            try:
+                reason = check(bytes(creds[0]), bytes(creds[1]))
+            except Exception:  # a check that fails admits no one
+                logger.exception("a door's check failed; the connection is refused")
+                reason = "failed"
+        user = bytes(creds[0][:64]).decode(errors="replace") if creds else "-"
+        if reason:
+            self._refuse("door_" + reason, address, user)
+            reply = [b"400", reason.encode(), b""]
+        else:
+            self.accepted += 1
+            reply = [b"200", b"OK", b"door"]
+        assert self._zap is not None
+        self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
+
     def _handshake(self, monitor: zmq.Socket) -> bool:
         """Count one monitor event; False once the monitored socket has closed."""
         event = parse_monitor_message(monitor.recv_multipart())
@@ -323,6 +385,24 @@ class Guard:
         # libzmq's v1 monitor names the bound endpoint, not the peer
         self._refuse(reason, f"a peer of {event['endpoint'].decode(errors='replace')}", "unknown")
         return True
+
+
+_doorkeepers: dict[int, tuple[zmq.Context, Guard]] = {}
+_doorkeepers_lock = threading.Lock()
+
+
+def doorkeeper(ctx: zmq.Context) -> Guard:
+    """The guard of doors only of ``ctx`` (made and started on first use): what checks the
+    doors of sockets in clear built without a CURVE guard (a service's parts built on their
+    own, as in tests). A context has one ZAP handler: one with a CURVE guard puts its doors
+    on that guard instead."""
+    with _doorkeepers_lock:
+        held = _doorkeepers.get(id(ctx))
+        if held is None or held[0] is not ctx:
+            guard = Guard(None)
+            guard.start(ctx)
+            held = _doorkeepers[id(ctx)] = (ctx, guard)
+        return held[1]
 
 
 def client(sock: zmq.Socket, server_public: bytes, keypair: tuple[bytes, bytes]) -> None:
@@ -341,6 +421,29 @@ class ClientKeys:
 
     def apply(self, sock: zmq.Socket) -> None:
         client(sock, self.server_public, (self.public, self.secret))
+
+
+@dataclass(frozen=True)
+class Door:
+    """What a peer proves at the door of a socket in clear (:meth:`Guard.door`): ZeroMQ
+    PLAIN's user name and password, at most 255 bytes each. The password derives from a key
+    handed out over CURVE (:func:`shadow.wire.tags.door`), never the key itself: PLAIN sends
+    it in clear."""
+
+    user: bytes
+    password: bytes
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.plain_username = self.user
+        sock.plain_password = self.password
+
+
+def ticket_door(ticket: bytes, key: bytes) -> Door:
+    """What the holder of ``ticket`` (and its ``key``, from the coordinator) proves at the door
+    of a worker's serve or files socket in clear."""
+    from shadow.wire import tags
+
+    return Door(tags.ticket_user(ticket), tags.door(key))
 
 
 def client_keys(server_public: str | os.PathLike, client_key: str | os.PathLike) -> ClientKeys:

@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 import zmq
 
+from shadow import security
 from shadow.client import dealer
 from shadow.errors import ShadowError
 from shadow.persist import shardfile
@@ -60,7 +61,8 @@ def _request_once(
         nonce = os.urandom(tags.SALT_SIZE)
         mac = tags.file_mac(key, job, directory, shard["file"], nbytes, nonce)
         fields = {"ticket": ticket, "nonce": nonce, "mac": mac}
-    sock = dealer(zmq.Context.instance(), endpoint, tuning=tuning, rcvhwm=8, curve=auth is None)
+    door = security.ticket_door(*auth) if auth is not None else None
+    sock = dealer(zmq.Context.instance(), endpoint, tuning=tuning, rcvhwm=8, curve=auth is None, door=door)
     reply = None
     try:
         sock.send(M.encode("read_file", job=job, dir=directory, file=shard["file"], bytes=nbytes, **fields))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import zmq
 
+from shadow import security
 from shadow.client import dealer, request
 from shadow.errors import ShadowConnectionError, ShadowError
 from shadow.layout import Layout
@@ -252,7 +253,8 @@ def _fetch_shard(
         ticket = key = None
     # at most FETCH_BUFFER_BYTES of chunks wait in zmq's buffers before it stops reading the connection
     rcvhwm = max(2, FETCH_BUFFER_BYTES // max(1, tuning.fetch_chunk_bytes))
-    sock = dealer(ctx, w["serve"], tuning=tuning, rcvhwm=rcvhwm, curve=key is None)
+    door = security.ticket_door(ticket, key) if ticket is not None and key is not None else None
+    sock = dealer(ctx, w["serve"], tuning=tuning, rcvhwm=rcvhwm, curve=key is None, door=door)
     try:
         epoch, iteration = info["epoch"], info["iteration"]
         auth = {"ticket": ticket, "mac": tags.fetch_mac(key, epoch, iteration)} if key is not None else {}

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from shadow.security import Door
 from shadow.transport.send import DataSender
 from shadow.wire import frames as F
 
@@ -253,7 +254,7 @@ class FaultyDataSender:
         iteration = F.header_iteration(bytes(frames[0]))
         return self.net.send(self.inner, worker, frames, track, iteration)
 
-    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | Door | None = None) -> None:
         if self.net is not None:
             self.net.held.pop(worker, None)
         self.inner.open(worker, endpoint, curve)

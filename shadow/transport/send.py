@@ -12,11 +12,14 @@ not thread-safe)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
 from shadow.transport.sockets import SocketFactory
+
+if TYPE_CHECKING:
+    from shadow.security import Door
 
 
 class Tracker(Protocol):
@@ -35,10 +38,11 @@ class DataSender(Protocol):
         frames are copied and None is returned."""
         ...
 
-    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | Door | None = None) -> None:
         """(Re)open the channel to ``worker`` at ``endpoint``; whatever was queued on the
-        old one is dropped. ``curve``: whether the worker's data socket takes CURVE (None:
-        as the channel had it)."""
+        old one is dropped. ``curve``: whether the worker's data socket takes CURVE (True),
+        the credential for its door (a :class:`~shadow.security.Door`) or neither (False);
+        None: as the channel had it."""
         ...
 
     def drop(self, worker: int) -> None:
@@ -70,17 +74,18 @@ def open_each(sender: DataSender, endpoints: Sequence[str]) -> None:
 
 class ZmqDataSender:
     """A PUSH socket per worker, each with the data path's send high-water mark. ``curve``:
-    per worker, whether its data socket takes CURVE (this process's client keys, as every
-    keyed socket before) or connections in clear (a keyed cluster's ``mac`` mode, or no
-    keys); default: CURVE wherever this process has keys. An empty endpoint: no channel to
+    per worker, whether its data socket takes CURVE (True: this process's client keys, as
+    every keyed socket before), connections in clear through a door (a
+    :class:`~shadow.security.Door`: a keyed cluster's ``mac`` mode, the rank's credential) or
+    plain ones (False: no keys); default: CURVE wherever this process has keys. An empty endpoint: no channel to
     that worker until :meth:`open`."""
 
     def __init__(
-        self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None
+        self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int, curve: Sequence[bool | Door] | None = None
     ) -> None:
         self.factory, self.hwm = SocketFactory(ctx), hwm
         self.socks: list[zmq.Socket | None] = [None] * len(endpoints)
-        self.curve = list(curve) if curve is not None else [True] * len(endpoints)
+        self.curve: list[bool | Door] = list(curve) if curve is not None else [True] * len(endpoints)
         open_each(self, endpoints)
 
     def send(self, worker: int, frames: Sequence, track: bool) -> Tracker | None:
@@ -96,14 +101,15 @@ class ZmqDataSender:
         trackers = [sock.send(f, zmq.SNDMORE if i < last else 0, copy=False, track=True) for i, f in enumerate(frames)]
         return zmq.MessageTracker(*trackers)
 
-    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | Door | None = None) -> None:
         self.drop(worker)
         if curve is not None:
             self.curve[worker] = curve
-        if self.curve[worker]:
+        how = self.curve[worker]
+        if how is True:
             self.socks[worker] = self.factory.push(endpoint, self.hwm)
-        else:
-            self.socks[worker] = self.factory.push(endpoint, self.hwm, keys=None)
+        else:  # in clear: through the worker's door with a credential, else plain
+            self.socks[worker] = self.factory.push(endpoint, self.hwm, keys=how or None)
 
     def drop(self, worker: int) -> None:
         sock, self.socks[worker] = self.socks[worker], None
@@ -124,7 +130,7 @@ class Channels:
     (``shadow.transport.ucx``, opened the first time a worker asks for it)."""
 
     def __init__(
-        self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None
+        self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int, curve: Sequence[bool | Door] | None = None
     ) -> None:
         from shadow.transport import ucx
 
@@ -155,7 +161,7 @@ class Channels:
             return self._ucx_sender().send(worker, frames, track)
         return self.zmq.send(worker, frames, track)
 
-    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
+    def open(self, worker: int, endpoint: str, curve: bool | Door | None = None) -> None:
         from shadow.transport import ucx
 
         self.drop(worker)

@@ -4,7 +4,11 @@ Every socket: ``LINGER`` 0 (a closing service never waits on a peer that is gone
 where it receives, ``MAXMSGSIZE``: a peer announcing a larger message is disconnected
 before anything is buffered. Server sockets (ROUTER, PULL) get CURVE from the process's
 :class:`shadow.security.Guard` before they bind; client sockets (DEALER, PUSH) get the
-process's :class:`shadow.security.ClientKeys` before they connect. High-water marks are
+process's :class:`shadow.security.ClientKeys` before they connect. A server socket in clear
+with a ``door`` (``mac`` mode's data, serve and files sockets) takes ZeroMQ PLAIN, checked by
+the guard (:meth:`shadow.security.Guard.door`); its clients bring a
+:class:`shadow.security.Door` as their ``keys``. Every server socket drops a connection that
+has not finished its handshake within :data:`HANDSHAKE_S`. High-water marks are
 per use: the worker's data socket holds a few iterations' messages, the trainer's data
 sockets ``Tuning.sndhwm_messages``.
 
@@ -20,7 +24,11 @@ from shadow.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 
-_CURRENT = object()  # keys: this process's client keys (security.current_client), read when a socket is made
+_CURRENT = object()
+#: seconds a connection may take to finish its handshake before the server drops it (ZeroMQ's
+#: default is 30 s): what bounds the descriptors a stranger holds with connections that never
+#: finish one (its rate of new connections times this)
+HANDSHAKE_S = 10.0  # keys: this process's client keys (security.current_client), read when a socket is made
 
 
 def fetch_limit(tuning: Tuning = DEFAULT) -> int:
@@ -75,9 +83,17 @@ class SocketFactory:
             s.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
         return s
 
-    def _server(self, s: zmq.Socket, roles: tuple[str, ...]) -> zmq.Socket:
-        if self.guard is not None:
+    def _server(self, s: zmq.Socket, roles: tuple[str, ...], curve: bool = True, door=None) -> zmq.Socket:
+        s.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        if curve and self.guard is not None:
             self.guard.server(s, roles)
+        elif not curve and door is not None:
+            if self.guard is not None:
+                self.guard.door(s, door)
+            else:  # parts of a keyed service built without its guard (tests): a guard of doors only
+                from shadow import security
+
+                security.doorkeeper(s.context).door(s, door)
         return s
 
     def _client(self, s: zmq.Socket, address: str | None, keys) -> zmq.Socket:
@@ -95,6 +111,7 @@ class SocketFactory:
         sndhwm: int | None = None,
         send_timeout_s: float | None = None,
         curve: bool = True,
+        door=None,
     ) -> zmq.Socket:
         """A server ROUTER (not bound yet) admitting peers of ``roles`` (with a guard): the
         coordinator's, a worker's serve and files sockets. A reply to a peer that has gone is
@@ -103,24 +120,31 @@ class SocketFactory:
         ``sndhwm`` queued waits for it that long, then raises ``zmq.Again``, and one to a peer
         that has gone raises ``EHOSTUNREACH`` (``ROUTER_MANDATORY`` on): the files socket, whose
         thread may block. ``curve=False``: in clear even with a guard (a serve socket in mac
-        mode, whose requests carry tickets instead)."""
+        mode, whose requests carry tickets instead); then with a guard, ``door``: the
+        check of the PLAIN credential a peer proves at the handshake (:meth:`shadow.security.Guard.door`)."""
         s = self._socket(zmq.ROUTER, max_bytes)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1 if send_timeout_s is not None else 0)
         if send_timeout_s is not None:
             s.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         if sndhwm is not None:
             s.setsockopt(zmq.SNDHWM, int(sndhwm))
-        return self._server(s, roles) if curve else s
+        return self._server(s, roles, curve, door)
 
     def pull(
-        self, max_bytes: int, rcvhwm: int, roles: tuple[str, ...] = ("trainer",), curve: bool = True
+        self,
+        max_bytes: int,
+        rcvhwm: int,
+        roles: tuple[str, ...] = ("trainer",),
+        curve: bool = True,
+        door=None,
     ) -> zmq.Socket:
         """A server PULL (not bound yet) holding at most ``rcvhwm`` messages, admitting peers of
         ``roles`` (with a guard and ``curve``): a worker's data socket, which takes trainers
-        only. ``curve=False``: in clear even with a guard (frames carry MACs instead)."""
+        only. ``curve=False``: in clear even with a guard (frames carry MACs instead), with
+        ``door`` as :meth:`router`'s."""
         s = self._socket(zmq.PULL, max_bytes)
         s.setsockopt(zmq.RCVHWM, int(rcvhwm))
-        return self._server(s, roles) if curve else s
+        return self._server(s, roles, curve, door)
 
     def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT, rcvhwm: int | None = None) -> zmq.Socket:
         """A client DEALER, connected to ``address`` when given; ``rcvhwm``: the messages it

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from shadow.security import Door
 from shadow.transport.send import open_each
 from shadow.transport.ucx_base import (
     ACK,
@@ -70,6 +71,7 @@ from shadow.transport.ucx_base import (
     MAX_CONNECTIONS,
     PREAMBLE,
     PROBE,
+    PROBE_SIZES,
     READY,
     READY_TIMEOUT_S,
     RECONNECTS,
@@ -86,6 +88,7 @@ from shadow.transport.ucx_base import (
     endpoint,
     is_ucx,
     lib,
+    pack_door,
     parse,
 )
 from shadow.transport.ucx_socket import UcxDataSocket
@@ -126,8 +129,9 @@ _LEAKED: list = []
 
 
 class _Channel:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, door: Door | None = None) -> None:
         self.endpoint = endpoint
+        self.door = door  # what each connection's probe proves at the worker's door
         self.token = os.urandom(TOKEN_BYTES)  # names this channel to the worker across its connections
         self.ep: Any = None
         #: unacknowledged messages in order: those handed to the current connection first
@@ -178,8 +182,8 @@ class UcxDataSender:
     with no message acknowledged between, the channel is broken: its messages are given up
     and later ones dropped until :meth:`open`."""
 
-    def __init__(self, endpoints: Sequence[str], hwm: int, curve: Sequence[bool] | None = None) -> None:
-        if curve is not None and any(c for c, ep in zip(curve, endpoints, strict=False) if ep):
+    def __init__(self, endpoints: Sequence[str], hwm: int, curve: Sequence[bool | Door] | None = None) -> None:
+        if curve is not None and any(c is True for c, ep in zip(curve, endpoints, strict=False) if ep):
             raise ValueError(
                 "a worker's data socket takes CURVE, which UCX does not carry: stream over UCX with "
                 "security.data=mac (frames under MACs) or keep transport.data=zmq"
@@ -197,6 +201,10 @@ class UcxDataSender:
         self.worker = self.L.UCXWorker(self.ctx, enable_delayed_submission=True)
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
         self.chans: list[_Channel | None] = [None] * len(endpoints)
+        # per worker: what its probe proves at the worker's door (None: nothing, no keys)
+        self.doors: list[Door | None] = [c if isinstance(c, Door) else None for c in (curve or [])] or [None] * len(
+            endpoints
+        )
         self._connecting: dict[int, _Channel] = {}  # channels awaiting their worker's READY or ACK
         self._held = Held()  # sends of closed connections UCX has not let go of yet
         open_each(self, endpoints)
@@ -229,12 +237,14 @@ class UcxDataSender:
             self._submit(ch, sent)
         return sent if track else None
 
-    def open(self, worker: int, endpoint: str, curve: bool | None = None) -> None:
-        if curve:
+    def open(self, worker: int, endpoint: str, curve: bool | Door | None = None) -> None:
+        if curve is True:
             raise ValueError(f"shadow worker {worker} takes CURVE on its data socket, which UCX does not carry")
         parse(endpoint)
         self.drop(worker)
-        ch = _Channel(endpoint)
+        if curve is not None:
+            self.doors[worker] = curve if isinstance(curve, Door) else None
+        ch = _Channel(endpoint, self.doors[worker])
         self.chans[worker] = ch
         self._connect(worker, ch)
 
@@ -365,8 +375,10 @@ class UcxDataSender:
 
     def _send_probe(self, ch: _Channel) -> None:
         """READY came: send the probe, as a data message is sent, and await its ACK."""
-        frames = [np.zeros(64, np.uint8), np.zeros(4096, np.uint8)]
+        frames = [np.zeros(PROBE_SIZES[0], np.uint8), np.zeros(PROBE_SIZES[1], np.uint8)]
         frames[0][:TOKEN_BYTES] = np.frombuffer(ch.token, np.uint8)
+        door = pack_door(ch.door.user, ch.door.password) if ch.door is not None else pack_door(b"", b"")
+        frames[1][: len(door)] = np.frombuffer(door, np.uint8)
         head = PREAMBLE.pack(PROBE, len(frames), sum(f.nbytes for f in frames))
         head += b"".join(SIZE.pack(f.nbytes) for f in frames)
         probe = _Sent([], [np.frombuffer(head, np.uint8), *frames], None)

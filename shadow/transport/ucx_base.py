@@ -34,6 +34,11 @@ READY_TIMEOUT_S = 5.0
 #: which the worker answers with ACK instead of handing it on
 PROBE = b"SHUP"
 ACK = b"SHUA"
+#: the probe's two frame sizes: the token's frame, then the door's (:func:`pack_door`). A
+#: worker takes nothing else as a connection's first message, and nothing more before the
+#: probe proved the door: a stranger costs it this much
+PROBE_SIZES = (64, 4096)
+_DOOR = struct.Struct("<HH")
 #: seconds a trainer waits for its probe's ACK before it connects again
 ACK_TIMEOUT_S = 2.0
 #: after the probe's ACK, what a worker sends on a connection: how many data messages have
@@ -51,6 +56,25 @@ CONNECT_ATTEMPTS = 3
 RECONNECTS = 4
 
 INSTALL = "pip install 'shadow-checkpoint[ucx]' (UCX for Python, ucxx)"
+
+
+def pack_door(user: bytes, password: bytes) -> bytes:
+    """The probe's second frame: the user name and password a trainer proves at a worker's
+    door (:class:`shadow.security.Door`; both empty without keys), as lengths then bytes."""
+    if len(user) > 255 or len(password) > 255:
+        raise ValueError("a door's user name and password are at most 255 bytes each")
+    return _DOOR.pack(len(user), len(password)) + user + password
+
+
+def unpack_door(frame) -> tuple[bytes, bytes] | None:
+    """What :func:`pack_door` packed into ``frame`` (None: malformed)."""
+    raw = bytes(frame[: _DOOR.size + 510])
+    if len(raw) < _DOOR.size:
+        return None
+    nu, np_ = _DOOR.unpack_from(raw)
+    if nu > 255 or np_ > 255 or _DOOR.size + nu + np_ > len(raw):
+        return None
+    return raw[_DOOR.size : _DOOR.size + nu], raw[_DOOR.size + nu : _DOOR.size + nu + np_]
 
 
 def lib() -> Any:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import collections
 import logging
 import select
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from shadow.transport.ucx_base import (
     MAX_CONNECTIONS,
     PREAMBLE,
     PROBE,
+    PROBE_SIZES,
     READY,
     SIZE,
     TOKEN_BYTES,
@@ -31,7 +34,14 @@ from shadow.transport.ucx_base import (
     _context,
     _retire,
     lib,
+    unpack_door,
 )
+
+#: connections a worker holds that have not proved its door yet (their probe is the first
+#: thing a trainer sends, once READY comes); the oldest go first beyond it
+MAX_UNOPENED = 256
+#: seconds a connection has, from its accept, to prove the door in its probe
+DOOR_TIMEOUT_S = 10.0
 
 logger = logging.getLogger("shadow.transport.ucx")
 
@@ -56,6 +66,8 @@ class _Conn:
         self.proven = False  # a message from it has passed the receiver's checks (vouch)
         self.token: bytes | None = None  # its trainer's channel token, from the probe
         self.before: _Conn | None = None  # the same channel's lost connection, read first
+        self.opened = False  # its probe came and proved the door: it may send data messages
+        self.since = time.monotonic()  # accepted at
         self.whole = 0  # data messages read whole from it
         self.told = 0  # ... as its peer was last told
 
@@ -67,7 +79,7 @@ class _Conn:
 
 class UcxDataSocket:
     """A worker's data channel over UCX: a listener on ``port`` (0: any free port) of every
-    interface, each accepted connection read message by message into fresh buffers, whole
+    interface (see ``door``), each accepted connection read message by message into fresh buffers, whole
     messages queued per connection and handed out in turn, frame by frame, to a
     :class:`~shadow.transport.receive.FrameReceiver` (:meth:`recv_first`, :meth:`more`,
     :meth:`recv_next`; "nothing queued" is ``zmq.Again``, as on a ZeroMQ socket).
@@ -82,6 +94,17 @@ class UcxDataSocket:
     connection that has not yet been *proven* is closed to make room (``ucx_evicted``),
     and what it queued is dropped. A connection is proven once a message of its own has
     passed the receiver's checks (:meth:`vouch`): with keys, only a key holder proves one.
+
+    ``door``: with keys, the check of what a connection's first message proves (the
+    trainer's probe, whose second frame carries its rank's credential,
+    :func:`~shadow.transport.ucx_base.pack_door`), as :meth:`shadow.security.Guard.door`
+    takes it: ``door(user, password)`` returns "" to admit. A connection's first message must
+    be a probe of :data:`~shadow.transport.ucx_base.PROBE_SIZES` (else ``ucx_door``), and
+    nothing else is read from it before the probe proves the door (``ucx_door_<reason>``):
+    a stranger never makes this worker allocate more than a probe. Connections that have not
+    proved it are at most :data:`MAX_UNOPENED` (the oldest go, ``ucx_door_crowded``) and
+    each has :data:`DOOR_TIMEOUT_S` (``ucx_door_timeout``). UCX for Python takes no address
+    for a listener: it listens on every interface, and the door is what keeps strangers out.
     Connections that open and never send what a key holder sends can therefore not crowd
     out a trainer. Only when every connection is proven is the new one refused
     (``ucx_too_many_connections``)."""
@@ -94,10 +117,12 @@ class UcxDataSocket:
         rejected: collections.Counter | None = None,
         port: int = 0,
         max_connections: int = MAX_CONNECTIONS,
+        door: Callable[[bytes, bytes], str] | None = None,
     ) -> None:
         self.L = lib()
         self.limit, self.max_frames, self.rcvhwm = limit, max_frames, max(1, rcvhwm)
         self.max_connections = max(1, max_connections)
+        self.door = door
         self.rejected = rejected if rejected is not None else collections.Counter()
         self.ctx = _context(self.L)
         self.worker = self.L.UCXWorker(self.ctx)
@@ -163,6 +188,7 @@ class UcxDataSocket:
         return self.more() or any(c.queue for c in self.conns)
 
     def _advance(self) -> None:
+        self._close_unopened()
         while self._accepted:
             ep = self._accepted.pop(0)
             if not self._room():
@@ -230,6 +256,8 @@ class UcxDataSocket:
         if conn.state == _Conn.PRE:
             magic, n, total = PREAMBLE.unpack(conn.buf.tobytes())
             conn.probe = magic == PROBE
+            if not conn.opened and (magic != PROBE or n != len(PROBE_SIZES) or total != sum(PROBE_SIZES)):
+                return self._drop(conn, "ucx_door", "its first message is not a probe", keep=False)
             if magic != MAGIC and not conn.probe:
                 return self._drop(conn, "ucx_bad_preamble", "a message that does not start with shadow's preamble")
             if not 1 <= n <= self.max_frames or not 0 < total <= n * self.limit:
@@ -251,6 +279,13 @@ class UcxDataSocket:
                 frames.append(body[off : off + s])
                 off += s
             if conn.probe:  # a trainer trying its new connection: answer, hand nothing on
+                if not conn.opened:
+                    why = self._check_door(frames)
+                    if why:
+                        return self._drop(
+                            conn, "ucx_door_" + why, f"its probe did not prove the door ({why})", keep=False
+                        )
+                    conn.opened = True
                 self._adopt(conn, bytes(frames[0][:TOKEN_BYTES]))
                 conn.acks = [a for a in conn.acks if not a.finished]
                 ack = np.frombuffer(ACK, np.uint8).copy()
@@ -268,6 +303,30 @@ class UcxDataSocket:
             conn.state = _Conn.PRE
             conn.buf = np.empty(PREAMBLE.size, np.uint8)
         self._post(conn)
+
+    def _check_door(self, frames: list[memoryview]) -> str:
+        """Why a probe's door frame does not admit its connection ("": it does)."""
+        if [len(f) for f in frames] != list(PROBE_SIZES):
+            return "malformed"
+        if self.door is None:  # no keys: the probe's shape is all it proves
+            return ""
+        creds = unpack_door(frames[1])
+        if creds is None:
+            return "malformed"
+        return self.door(*creds)
+
+    def _close_unopened(self) -> None:
+        """Close the connections that have not proved the door within :data:`DOOR_TIMEOUT_S`,
+        and the oldest beyond :data:`MAX_UNOPENED`: what a stranger holds."""
+        now = time.monotonic()
+        waiting = [c for c in self.conns if not c.dead and not c.opened]
+        over = len(waiting) + len(self._accepted) - MAX_UNOPENED
+        for c in waiting:
+            if over > 0:
+                over -= 1
+                self._drop(c, "ucx_door_crowded", f"more than {MAX_UNOPENED} connections await their probe", keep=False)
+            elif now - c.since > DOOR_TIMEOUT_S:
+                self._drop(c, "ucx_door_timeout", f"no probe within {DOOR_TIMEOUT_S:g} s", keep=False)
 
     def _adopt(self, conn: _Conn, token: bytes) -> None:
         """``conn``'s probe carries its trainer's channel token. A connection of the same

@@ -89,6 +89,7 @@ class DataKey:
         if not isinstance(key, bytes) or len(key) != KEY_SIZE:
             raise ValueError(f"a data key is {KEY_SIZE} bytes, got {len(key) if isinstance(key, bytes) else key!r}")
         self._aes = AESGCM(key)
+        self.door = door(key)  # what proves this key at the data socket's handshake
 
     def nonce(self) -> bytes:
         return os.urandom(NONCE_SIZE)
@@ -114,6 +115,34 @@ def _flat(buf):
     """``buf`` as a byte buffer OpenSSL reads in place (a float32 view is cast, not copied)."""
     mv = memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def door(key: bytes) -> bytes:
+    """The password that proves ``key`` (a rank's data key, a ticket's key) at the handshake of
+    a socket in clear (ZeroMQ PLAIN, which sends it in clear): 64 hex digits of an HMAC under
+    the key, so that what a listener learns from it forges no frame, fetch or read."""
+    return hmac.digest(key, b"shadow door v1", hashlib.sha256).hex().encode()
+
+
+def rank_user(rank: int) -> bytes:
+    """The user name a rank gives at a worker's data socket (its password: its key's :func:`door`)."""
+    return b"rank %d" % rank
+
+
+def ticket_user(ticket: bytes) -> bytes:
+    """The user name a ticket's holder gives at a serve or files socket (its password: the
+    ticket key's :func:`door`)."""
+    return ticket.hex().encode()
+
+
+def user_ticket(user: bytes) -> bytes | None:
+    """The ticket in a user name from :func:`ticket_user` (None: not one)."""
+    if len(user) != 2 * TICKET_SIZE:
+        return None
+    try:
+        return bytes.fromhex(user.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 def new_key() -> bytes:

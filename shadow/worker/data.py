@@ -6,6 +6,7 @@ PREPARED reported. Imports no torch."""
 from __future__ import annotations
 
 import bisect
+import hmac
 import logging
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ import zmq
 from shadow.transport import SocketFactory, data_limit
 from shadow.transport.receive import FrameReceiver, FrameSource, ZmqFrames
 from shadow.wire import frames as F
+from shadow.wire import tags
 from shadow.wire.commit import Prepared
 from shadow.worker.address import Binding
 from shadow.worker.commit import decode_commit, same
@@ -70,13 +72,19 @@ class DataPath:
             from shadow.transport import ucx
 
             channel = ucx.UcxDataSocket(
-                data_limit(tuning), tuning.max_runs + 1, tuning.data_rcvhwm_messages, self.state.rejected
+                data_limit(tuning),
+                tuning.max_runs + 1,
+                tuning.data_rcvhwm_messages,
+                self.state.rejected,
+                door=self.door if self.sockets.guard is not None else None,
             )
             self.ucx, source = channel, channel
             self.endpoint = ucx.endpoint(self.binding.host, channel.port)
         else:
             # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
-            self.sock = self.sockets.pull(data_limit(tuning), tuning.data_rcvhwm_messages, curve=self.curve)
+            # with keys (a guard), in clear only through the door; without, in clear (a loopback cluster)
+            door = self.door if self.sockets.guard is not None else None
+            self.sock = self.sockets.pull(data_limit(tuning), tuning.data_rcvhwm_messages, curve=self.curve, door=door)
             self.endpoint = self.binding.bind(self.sock)
             source = ZmqFrames(self.sock)
         self.source = source
@@ -85,6 +93,23 @@ class DataPath:
         else:
             self.rx.src = source
         return self.endpoint
+
+    def door(self, user: bytes, password: bytes) -> str:
+        """Admit a connection to the data socket in clear (on the guard's thread): a rank of
+        the current configuration proving its data key (:func:`shadow.wire.tags.door`); else
+        the reason it is refused."""
+        a = self.state.assignment
+        if a is None or not a.context.keys:
+            return "unconfigured"
+        try:
+            text = user.decode("ascii")
+            rank = int(text.removeprefix("rank "))
+        except (UnicodeDecodeError, ValueError):
+            return "user"
+        tags_ = a.context.tags_of(rank)
+        if user != tags.rank_user(rank) or tags_ is None:
+            return "user"
+        return "" if hmac.compare_digest(getattr(tags_, "door", b""), password) else "key"
 
     @property
     def pollable(self):

@@ -19,6 +19,7 @@ carry GMAC tags instead of checksums. A fetch without a valid ticket is answered
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import time
@@ -93,7 +94,7 @@ class FetchServer:
     def open(self) -> str:
         """Bind the serve socket; returns the endpoint restore clients and peers connect to."""
         # a reply's parts are separate messages, references to the live arrays: never drop one
-        self.sock = self.sockets.router(M.socket_limit("serve"), sndhwm=0, curve=not self.tickets)
+        self.sock = self.sockets.router(M.socket_limit("serve"), sndhwm=0, curve=not self.tickets, door=self.door)
         self.endpoint = self.binding.bind(self.sock)
         return self.endpoint
 
@@ -144,6 +145,19 @@ class FetchServer:
         msg["client"] = _client(ident, raw)
         self.pending.append((ident, msg, time.monotonic() + self.state.tuning.fetch_timeout_s))
         self.answer()
+
+    def door(self, user: bytes, password: bytes) -> str:
+        """Admit a connection to the serve socket in clear (on the guard's thread): the holder
+        of a ticket of the current or the retired configuration proving its key
+        (:func:`shadow.wire.tags.door`); else the reason it is refused."""
+        ticket = tags.user_ticket(user)
+        if ticket is None:
+            return "user"
+        for s in (self.state.assignment, self.state.retired):
+            if s is not None and s.serve_key is not None:
+                if hmac.compare_digest(tags.door(tags.ticket_key(s.serve_key, ticket)), password):
+                    return ""
+        return "key"
 
     def ticket_key(self, msg: dict) -> bytes | None:
         """The key of the fetch's ticket if the ticket is one of the current or the retired

@@ -35,6 +35,7 @@ place)."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
@@ -145,7 +146,7 @@ class FileServer:
     def open(self) -> str:
         """Bind the files socket and start the thread; returns the endpoint to advertise."""
         sock = self.sockets.router(
-            M.socket_limit("files"), READERS, sndhwm=2, send_timeout_s=1.0, curve=self.key is None
+            M.socket_limit("files"), READERS, sndhwm=2, send_timeout_s=1.0, curve=self.key is None, door=self.door
         )
         self.endpoint = self.binding.bind(sock)
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="shadow-files", daemon=True)
@@ -321,6 +322,15 @@ class FileServer:
                 self._error(sock, ident, "refused", str(exc))
             return None
         return _Transfer(ident, fd, info.st_size, path, time.monotonic(), reply=reply[0] if reply else None)
+
+    def door(self, user: bytes, password: bytes) -> str:
+        """Admit a connection to the files socket in clear (on the guard's thread): the holder
+        of a ticket of this worker proving its key (:func:`shadow.wire.tags.door`); else the
+        reason it is refused."""
+        ticket = tags.user_ticket(user)
+        if ticket is None or self.key is None:
+            return "user"
+        return "" if hmac.compare_digest(tags.door(tags.ticket_key(self.key, ticket)), password) else "key"
 
     def _ticket(self, msg: dict) -> tuple[tags.ReplyKey, bytes] | None:
         """Mac mode: what tags the reply to ``msg`` and the salt that goes in its head, if

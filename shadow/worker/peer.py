@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from shadow import security
 from shadow.transport import SocketFactory, fetch, fetch_limit
 from shadow.tuning import Tuning
 from shadow.wire import messages as M
@@ -47,8 +48,9 @@ class PeerFetch:
         ticket, key = peer.get("ticket"), peer.get("key")
         if not (isinstance(ticket, bytes) and isinstance(key, bytes)):
             ticket = key = None
-        if key is not None:  # mac mode: the peer's serve socket is in clear
-            sock = sockets.dealer(peer["serve"], fetch_limit(tuning), keys=None, rcvhwm=rcvhwm)
+        if ticket is not None and key is not None:  # mac mode: the peer's serve socket is in clear
+            door = security.ticket_door(ticket, key)
+            sock = sockets.dealer(peer["serve"], fetch_limit(tuning), keys=door, rcvhwm=rcvhwm)
             mac = tags.fetch_mac(key, session.epoch, session.base)
             sock.send(M.encode("fetch", epoch=session.epoch, iteration=session.base, ticket=ticket, mac=mac))
         else:

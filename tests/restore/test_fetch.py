@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
+from shadow import security
 from shadow.errors import ShadowError
 from shadow.layout import Layout
 from shadow.restore.memory import fetch_memory
@@ -292,6 +293,7 @@ def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=
     checking the fetch's ticket; ``damage(parts)`` alters the parts on the way; ``sign_with``:
     tag the reply under another key than the ticket's."""
     sock = ctx.socket(zmq.ROUTER)
+    security.doorkeeper(ctx).door(sock, lambda user, password: "")  # a reader with a ticket comes through a door
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     server = _server({"current": serve_key})
     seen: dict = {}

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import zmq
 
+from shadow import security
 from shadow.errors import ShadowError
 from shadow.persist import checkpoints
+from shadow.restore import files_client
 from shadow.restore.files_client import read_file
 from shadow.restore.node_local import ClusterTierSource
 from shadow.transport import SocketFactory
@@ -77,10 +79,11 @@ class _Middle:
     reply comes back changed as ``how`` says (``None``: unchanged). ``replay``: the first
     reply is passed on and kept, and every later request is answered with it."""
 
-    def __init__(self, upstream: str, how: str | None) -> None:
-        self.upstream, self.how = upstream, how
+    def __init__(self, upstream: str, how: str | None, door: security.Door) -> None:
+        self.upstream, self.how, self.door = upstream, how, door
         ctx = zmq.Context.instance()
         self.front = ctx.socket(zmq.ROUTER)
+        security.doorkeeper(ctx).door(self.front, lambda user, password: "")  # readers come through a door
         self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
         self.kept: list[list[bytes]] | None = None
         self._stop = threading.Event()
@@ -110,6 +113,7 @@ class _Middle:
     def _relay(self, request: bytes) -> list[list[bytes]]:
         """The whole reply to ``request``: the head, then each chunk's frames."""
         back = zmq.Context.instance().socket(zmq.DEALER)
+        self.door.apply(back)
         back.connect(self.upstream)
         try:
             back.send(request)
@@ -152,7 +156,8 @@ def middle(keyed):
     made: list[_Middle] = []
 
     def make(how: str | None) -> _Middle:
-        made.append(_Middle(keyed.endpoint, how))
+        # one who sees the clear stream sees a door's credential too: the middle passes the door
+        made.append(_Middle(keyed.endpoint, how, security.ticket_door(*_auth(keyed))))
         return made[-1]
 
     yield make
@@ -195,11 +200,12 @@ def test_an_earlier_reply_replayed_answers_no_later_read(keyed, middle):
 
 
 def _raw_read(srv: FileServer, **fields) -> dict:
-    """A ``read_file`` sent as is; the head of the answer."""
+    """A ``read_file`` sent as is, through the door with a valid ticket's credential (past
+    it, each request's ticket is checked again); the head of the answer."""
     from shadow.client import dealer
 
     shard = _shard(srv)
-    sock = dealer(zmq.Context.instance(), srv.endpoint, curve=False)
+    sock = dealer(zmq.Context.instance(), srv.endpoint, curve=False, door=security.ticket_door(*_auth(srv)))
     try:
         sock.send(M.encode("read_file", job="j", dir=DIR, file=shard["file"], bytes=shard["bytes"], **fields))
         assert sock.poll(10_000)
@@ -208,7 +214,7 @@ def _raw_read(srv: FileServer, **fields) -> dict:
         sock.close(linger=0)
 
 
-def test_a_read_without_a_valid_ticket_is_refused_and_counted(keyed, tmp_path, keyless):
+def test_a_read_without_a_valid_ticket_is_refused_and_counted(keyed, tmp_path, keyless, monkeypatch):
     shard = _shard(keyed)
     ticket, key = _auth(keyed)
     nonce = tags.new_ticket()
@@ -245,9 +251,11 @@ def test_a_read_without_a_valid_ticket_is_refused_and_counted(keyed, tmp_path, k
     # and the request as the coordinator's ticket makes it is served
     head = _raw_read(keyed, ticket=ticket, nonce=nonce, mac=ok_mac)
     assert head["t"] == "file_reply" and len(head["salt"]) == tags.SALT_SIZE
-    # a read without a ticket from the client side says why
-    with pytest.raises(ShadowError, match="no valid ticket"):
+    # a read without a ticket gets no further than the door: nothing is answered
+    monkeypatch.setattr(files_client, "HEAD_TIMEOUT_S", 1.0)
+    with pytest.raises(ShadowError, match="no answer"):
         read_file(keyed.endpoint, "j", DIR, shard, TUNING)
+    assert keyed.rejected["files_bad_ticket"] == len(cases)  # it never reached the files thread
 
 
 def test_a_copy_altered_on_the_way_is_passed_over_and_the_restore_is_exact(tmp_path, keyed, middle):
@@ -282,7 +290,8 @@ def test_a_reader_that_never_reads_its_refusals_delays_no_other_read(keyed, keyl
     t0 = time.monotonic()
     assert read_file(keyed.endpoint, "j", DIR, shard, TUNING, _auth(keyed)) == want
     alone = time.monotonic() - t0
-    flood = dealer(zmq.Context.instance(), keyed.endpoint, curve=False)
+    # a ticket's holder (a stranger no longer gets past the door) sending ticketless requests
+    flood = dealer(zmq.Context.instance(), keyed.endpoint, curve=False, door=security.ticket_door(*_auth(keyed)))
     flood.setsockopt(zmq.RCVHWM, 1)
     flood.setsockopt(zmq.RCVBUF, 4096)
     try:

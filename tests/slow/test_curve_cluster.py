@@ -115,30 +115,34 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
             keys["client"].apply(push)
             push.connect(worker["data"])
             push.send(b"not even a header", zmq.NOBLOCK)
-            refusal = "auth_role_client"
-        else:  # anyone reaches the socket, but a frame the ranks' keys did not tag is dropped, unread
-            push.connect(worker["data"])
+            refusals = {"auth_role_client": 1}
+        else:  # in clear, but a peer proves a rank's key at the handshake (issue 53): a stranger's frames,
+            # in clear or through the door with a wrong key, never reach a buffer
+            wrong = zmq.Context.instance().socket(zmq.PUSH)
+            wrong.setsockopt(zmq.LINGER, 0)
+            security.Door(b"rank 0", b"0" * 64).apply(wrong)
             job_id, epoch, layout = ident
             runs = ((0, 4, F.checksum(b"\0" * 16)),)
-            push.send_multipart(
-                [F.Header(F.Kind.GRAD, F.Field.GRAD, job_id, epoch, 0, 1, layout, 5, 0, runs).pack(), b"\0" * 16]
-            )
-            refusal = "bad_mac"
-        deadline = time.monotonic() + 10
+            frame = F.Header(F.Kind.GRAD, F.Field.GRAD, job_id, epoch, 0, 1, layout, 5, 0, runs).pack()
+            for s in (push, wrong):
+                s.connect(worker["data"])
+                s.send_multipart([frame, b"\0" * 16], zmq.NOBLOCK)
+            refusals = {"auth_handshake": 1, "auth_door_key": 1}
+        deadline = time.monotonic() + 30
         while True:
             st = cluster.status()
             refused, w0 = st["security"]["refused"], st["workers"][0]["rejected"]
-            if refused.get("unknown_key") and w0.get(refusal):
+            if refused.get("unknown_key") and all(w0.get(r) for r in refusals):
                 break
             assert time.monotonic() < deadline, (refused, w0)
             time.sleep(0.2)
         push.close(linger=0)
+        if mode == "mac":
+            wrong.close(linger=0)
         assert st["security"]["curve"] and st["security"]["accepted"] >= 3
         assert st["security"]["refused_by_role"] == {"client/role": 1}
-        if mode == "curve":
-            assert st["workers"][0]["frames_in"] == worker["frames_in"]  # nothing reached the worker's loop
-        else:
-            assert w0 == {**worker["rejected"], "bad_mac": 1}  # read, dropped, counted
+        assert st["workers"][0]["frames_in"] == worker["frames_in"]  # nothing reached the worker's loop
+        assert w0 == {**worker["rejected"], **refusals}
         assert st["job"]["committed"] == 4 and not st["workers"][0]["stale"]
         if mode == "mac":  # the serve sockets are in clear too: a fetch needs a ticket from the coordinator
             mem = restore_info(cluster.address, None, 10.0)["memory"]  # as the read-only client
@@ -147,7 +151,20 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
                 restore_info(cluster.address, None, 10.0)["memory"]["workers"][0]["ticket"]
                 != mem["workers"][0]["ticket"]
             )
-            stranger = dealer(zmq.Context.instance(), worker["serve"], curve=False)
+            w = mem["workers"][0]
+            for door in (None, security.Door(w["ticket"].hex().encode(), b"0" * 64)):  # no door, a wrong key
+                intruder_sock = dealer(zmq.Context.instance(), worker["serve"], curve=False, door=door)
+                try:
+                    intruder_sock.send(M.encode("fetch", epoch=mem["epoch"], iteration=4))
+                    assert not intruder_sock.poll(1000), "a peer that proved no ticket was answered"
+                finally:
+                    intruder_sock.close(linger=0)
+            cluster.wait_status(
+                lambda st: st["workers"][0]["rejected"].get("auth_door_key") == 2, what="the wrong key refused"
+            )
+            # a ticket's holder, past the door, still needs a valid ticket on each fetch
+            door = security.ticket_door(w["ticket"], w["key"])
+            stranger = dealer(zmq.Context.instance(), worker["serve"], curve=False, door=door)
             try:
                 stranger.send(M.encode("fetch", epoch=mem["epoch"], iteration=4))
                 assert stranger.poll(30_000), "the worker did not answer a fetch without a ticket"
@@ -161,7 +178,7 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
                     what="the second refusal on one connection dropped",
                 )
                 assert not stranger.poll(0)
-                other = dealer(zmq.Context.instance(), worker["serve"], curve=False)
+                other = dealer(zmq.Context.instance(), worker["serve"], curve=False, door=door)
                 try:
                     other.send(M.encode("fetch", epoch=mem["epoch"], iteration=4, **forged))
                     assert other.poll(30_000) and "no valid ticket" in M.decode(other.recv())["message"]

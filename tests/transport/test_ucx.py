@@ -117,7 +117,9 @@ def test_messages_arrive_whole_in_order_and_zero_copy_from_the_sender(sock):
     ],
 )
 def test_a_stream_that_is_not_ours_is_closed_and_counted_and_others_go_on(sock, junk, what):
+    """On a connection whose probe opened the door (without keys, its shape does)."""
     stranger, honest = sender(sock), sender(sock)
+    pump_until(sock, lambda: stranger.poll() or stranger.chans[0].ready, "the stranger's probe answered")
     keep = raw(stranger, junk)
     pump_until(sock, lambda: sock.rejected["ucx_bad_preamble"] == 1, f"a refused stream ({what})")
     honest.send(0, [b"header", b"part"], False)

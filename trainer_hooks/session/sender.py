@@ -34,12 +34,13 @@ import numpy as np
 import zmq
 
 from shadow.errors import ShadowError
+from shadow.security import Door
 from shadow.transport.send import Channels as TransportChannels
 from shadow.transport.send import DataSender
 from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
-from shadow.wire.tags import PLAIN, Tags
+from shadow.wire.tags import PLAIN, DataKey, Tags, rank_user
 from trainer_hooks.session.items import (
     CommitItem,
     ExtraItem,
@@ -55,10 +56,10 @@ from trainer_hooks.session.items import (
 logger = logging.getLogger(__name__)
 
 #: opens the channels to the workers: ``(context, endpoints, send high-water mark, curve per worker)``
-Channels = Callable[[zmq.Context, list[str], int, list[bool] | None], DataSender]
+Channels = Callable[[zmq.Context, list[str], int, list[bool | Door] | None], DataSender]
 
 
-def data_channels(ctx: zmq.Context, endpoints: list[str], hwm: int, curve: list[bool] | None) -> DataSender:
+def data_channels(ctx: zmq.Context, endpoints: list[str], hwm: int, curve: list[bool | Door] | None) -> DataSender:
     """A channel per worker over the transport its endpoint names: a ZeroMQ PUSH socket
     (CURVE where ``curve`` says so) for ``tcp://``, UCX for ``ucx://``."""
     return TransportChannels(ctx, endpoints, hwm, curve)
@@ -171,7 +172,16 @@ class Sender(threading.Thread):
 
     def open_data(self, endpoints: list[str]) -> DataSender:
         """The channels to the workers, opened on this thread by :attr:`channels`."""
-        return self.channels(self.ctx, endpoints, self.tuning.sndhwm_messages, self.curve)
+        how = None if self.curve is None else [self._secure(w, c) for w, c in enumerate(self.curve)]
+        return self.channels(self.ctx, endpoints, self.tuning.sndhwm_messages, how)
+
+    def _secure(self, worker: int, curve: bool) -> bool | Door:
+        """How the channel to ``worker`` is opened: CURVE (True), through the door of its data
+        socket in clear with this rank's credential (a keyed cluster's ``mac`` mode) or plain."""
+        if curve:
+            return True
+        t = self.tags[worker]
+        return Door(rank_user(self.rank), t.door) if isinstance(t, DataKey) else False
 
     def _drain_on_exit(self) -> None:
         # wake anyone waiting on a flush; free the ring so a blocked hook can fail fast
@@ -214,9 +224,15 @@ class Sender(threading.Thread):
         elif isinstance(item, ExtraItem):
             self._send_extra(item)
         elif isinstance(item, JoinItem):
-            self.data.open(item.worker, item.endpoint, None if item.mode is None else item.mode == "curve")
-            self.endpoints[item.worker] = item.endpoint
             self.tags[item.worker] = item.tags
+            if item.mode is not None:
+                curve = item.mode == "curve"
+                if self.curve is not None:
+                    self.curve[item.worker] = curve
+            else:  # as the old one's
+                curve = self.curve[item.worker] if self.curve is not None else True
+            self.data.open(item.worker, item.endpoint, self._secure(item.worker, curve))
+            self.endpoints[item.worker] = item.endpoint
             self.seq[item.worker] = 0
             self.out.discard(item.worker)
         elif isinstance(item, NoticeItem):
