@@ -213,6 +213,7 @@ def _worker_view(st: ClusterState, w, now: float) -> dict[str, Any]:
         "data": w.data,
         "mode": w.data_mode,
         "serve": w.serve,
+        "files": w.files,
         "start": job.ranges[w.id][0] if job else None,
         "stop": job.ranges[w.id][1] if job else None,
         "applied": w.applied,

@@ -43,6 +43,10 @@ from shadow.tuning import Tuning
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
+#: frames of a control message on the coordinator's ROUTER: the sender's identity, then the body;
+#: a message of more is dropped without being copied (ZeroMQ holds one whole until its last
+#: frame, what a keyed peer can make it hold: see docs/operations.md)
+CONTROL_FRAMES = 2
 
 
 class Coordinator:
@@ -142,6 +146,10 @@ class Coordinator:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        if len(frames) > CONTROL_FRAMES:  # never copied: a peer's bulk costs no stall
+                            self.state.rejected.add("multipart")
+                            logger.warning("dropped a control message of %d frames, unread", len(frames))
+                            continue
                         role = security.role_of(frames[-1]) if self.guard is not None else None
                         self.on_message([f.bytes for f in frames], role)
                 self.tick()

@@ -285,3 +285,30 @@ def test_held_attaches_keep_one_layout_and_are_bounded_by_count():
     ident, kind, reply = out.sent[-1]
     assert ident == b"a3" and kind == "error" and "SHADOW_ATTACH_PENDING_RANKS" in reply["message"]
     assert coord.state.rejected["attach_full"] == 2 and "c" not in coord.state.pending
+
+
+def test_a_control_message_of_more_frames_than_one_is_dropped_unread(keyless):
+    """Issue 53, item 1: a keyed peer's message of 48 frames of 32 MiB was copied whole
+    into the coordinator's loop (peak 120 -> 4,729 MB, status stalled 16.9 s). A control
+    message is one frame after the sender's identity: one of more is dropped without being
+    copied or decoded, counted ``multipart``, and the loop answers on."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    coord = Coordinator(address, workers=1)
+    seen: list[int] = []
+    on_message = coord.on_message
+    coord.on_message = lambda parts, role=None: seen.append(len(parts)) or on_message(parts, role)
+    thread = threading.Thread(target=coord.run, daemon=True)
+    thread.start()
+    try:
+        s = _dealer(address)
+        chunk = bytes(4 << 20)
+        s.send_multipart([M.encode("status"), *([chunk] * 8)])  # a status with 32 MiB behind it
+        s.send(M.encode("status"))
+        assert _recv(s)["t"] == "status_reply"
+        assert seen == [2]  # the identity and the one body: the bulk never reached the handler
+        assert status(address)["rejected"]["multipart"] == 1
+        assert not s.poll(200)  # and it was not answered
+        s.close(linger=0)
+    finally:
+        coord.stop()
+        thread.join(timeout=5)

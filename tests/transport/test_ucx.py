@@ -5,6 +5,7 @@ peer on either end, the per-worker choice of transport, and the settings around 
 from __future__ import annotations
 
 import collections
+import os
 import struct
 import time
 
@@ -547,4 +548,73 @@ def test_a_trainer_killed_mid_stream_leaves_the_channel_serving_others():
         out.close()
     finally:
         proc.kill()
+        sock.close()
+
+
+def _door(user: bytes, password: bytes) -> str:
+    """A worker's check of a connection's door (as DataPath.door): rank 0 with its password."""
+    if user != b"rank 0":
+        return "user"
+    return "" if password == b"p" * 64 else "key"
+
+
+def test_a_stranger_announcing_a_large_message_is_dropped_before_the_worker_allocates():
+    """Issue 53, item 2: a stranger announced a 2 GiB message and sent 1.5 GiB of it, and
+    the worker received it into a buffer of that size (334 -> 1,823 MB). A connection's
+    first message must be a probe of a probe's size, and nothing else is read before it
+    proves the door: this one is dropped at its preamble and the worker's memory stays
+    where it was."""
+    from shadow.testing import rss_bytes
+
+    sock = ucx.UcxDataSocket(limit=1 << 30, max_frames=8, rcvhwm=4, rejected=collections.Counter(), door=_door)
+    try:
+        # the stranger's bytes and connection, in this process before the level is taken
+        head = ucx.PREAMBLE.pack(ucx.MAGIC, 2, 2 << 30) + struct.pack("<QQ", 1 << 30, 1 << 30)
+        bufs = [np.frombuffer(head, np.uint8).copy(), np.ones(64 << 20, np.uint8)]
+        out = stranger(sock)
+        ch = out.chans[0]
+        assert ch is not None and ch.ep is not None
+        rss0 = rss_bytes(os.getpid())
+        keep = [ch.ep.stream_send(ucx._array(b)) for b in bufs]
+        pump_until(sock, lambda: sock.rejected["ucx_door"] == 1, "the stranger dropped at its first message")
+        for _ in range(50):  # whatever else it sent has had time to arrive
+            sock.pump()
+            sock.wait(0.02)
+        grown = rss_bytes(os.getpid()) - rss0
+        assert grown < 16 << 20, f"the worker grew {grown >> 20} MiB for a stranger"
+        assert live(sock) == 0
+        out.close()
+        del keep
+    finally:
+        sock.close()
+
+
+def test_a_connection_proves_its_rank_s_key_in_its_probe_before_anything_is_read():
+    """With keys, the probe carries the rank's door credential: the right one passes and
+    the messages after it arrive; a wrong key, or none, closes the connection unread."""
+    from shadow.security import Door
+
+    sock = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=4, rejected=collections.Counter(), door=_door)
+    try:
+        ep = ucx.endpoint("127.0.0.1", sock.port)
+        wrong = ucx.UcxDataSender([ep], 100, [Door(b"rank 0", b"q" * 64)])
+        none = ucx.UcxDataSender([ep], 100)
+        for out in (wrong, none):
+            out.reconnect = False
+            _SENDERS.append(out)
+            out.send(0, [b"not let in"], False)
+        pump_until(
+            sock,
+            lambda: sock.rejected["ucx_door_key"] >= 1 and sock.rejected["ucx_door_user"] >= 1,
+            "the wrong key and the missing one refused",
+        )
+        right = ucx.UcxDataSender([ep], 100, [Door(b"rank 0", b"p" * 64)])
+        _SENDERS.append(right)
+        right.send(0, [b"header", b"part"], False)
+        got: list = []
+        pump_until(sock, lambda: got.extend(read_all(sock)) or got, "the rank's message")
+        assert got == [[b"header", b"part"]]
+        for out in (wrong, none, right):
+            out.close()
+    finally:
         sock.close()
