@@ -12,7 +12,8 @@ trainer overhead (bench_overhead), replay vs torch fused and the bandwidth basel
 (bench_transport), restore vs DCP load (bench_restore), scaling and sizing
 (bench_scaling), compression of persisted shards (bench_compress), shard writes vs raw
 O_DIRECT and torch.save (bench_persist), replicas' cost and heal (bench_replicas), what a
-failure costs from the kill to training again against DCP and torch.save (bench_recovery), and the
+failure costs from the kill to training again against DCP and torch.save (bench_recovery), what
+strangers with no key cost a keyed worker (bench_attack), and the
 GPU set (bench_gpu, skipped where torch sees no CUDA device). After each it prints every
 figure of the benchmark's ``GOALS`` with its goal and PASS / MISS; at the end
 ``<out>/REPORT.md`` (all of them, the printed tables, the commands) and, when matplotlib
@@ -58,6 +59,7 @@ REGISTRY = [
     "bench_persist",
     "bench_replicas",
     "bench_recovery",
+    "bench_attack",
     "bench_fsdp",
     "bench_gpu",
 ]

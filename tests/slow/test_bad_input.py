@@ -108,17 +108,24 @@ def test_weights_only_restore(world1, shared_cluster, job):
 
 
 def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, shared_cluster, job):
-    """Frames from a peer without the rank's key at a default cluster's data socket (in clear,
-    each frame under its rank's MAC): refused by what is wrong first (too short, not a shadow
-    frame, or, for a well-formed header of any epoch, layout or world, its MAC), nothing taken."""
+    """Frames at a default cluster's data socket (in clear, each frame under its rank's MAC):
+    a peer without the rank's key is refused at the door, before a frame of it is read; one
+    past it (who saw the rank's door credential go by in clear) is refused frame by frame by
+    what is wrong first (too short, not a shadow frame, or, for a well-formed header of any
+    epoch, layout or world, its MAC), nothing taken."""
     import zmq
 
+    from shadow import security
     from shadow.wire import frames as F
+    from shadow.wire import tags
 
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     train(ddp, opt, sched, 3)
+    rank0 = session.sender.tags[0]
+    assert isinstance(rank0, tags.DataKey)
+    door = security.Door(tags.rank_user(0), rank0.door)
     session.close()
     st = shared_cluster.wait_caught_up(3)
     worker = st["workers"][0]
@@ -142,8 +149,22 @@ def test_worker_rejects_malformed_frames_and_keeps_its_state(world1, shared_clus
         [F.Header(**{**good.__dict__, "layout": 12345}).pack(), b"\0" * 16],
         [F.Header(**{**good.__dict__, "world": 3}).pack(), b"\0" * 16],
     ]
+    stranger = zmq.Context.instance().socket(zmq.PUSH)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(worker["data"])
+    stranger.send_multipart(bad[0], zmq.NOBLOCK)  # queued here: no connection ever takes it
+
+    def refused(rejected: dict) -> int:
+        return sum(n for k, n in rejected.items() if k.startswith("auth_handshake"))
+
+    shared_cluster.wait_status(
+        lambda st: refused(st["workers"][0]["rejected"]) > refused(worker["rejected"]),
+        what="the stranger refused at the door",
+    )
+    stranger.close()
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 1000)
+    door.apply(sock)
     sock.connect(worker["data"])
     for frames in bad:
         sock.send_multipart(frames)
