@@ -43,6 +43,8 @@ ENV_CLIENT_KEY = "SHADOW_CURVE_CLIENT_KEY"  #: path to this client's .key_secret
 _POLL_MS = 100
 # handshake failures never reach ZAP; the server socket's monitor reports them
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# a door's monitor also follows its connections (ACCEPTED and DISCONNECTED carry the descriptor)
+_DOOR_EVENTS = _HANDSHAKE_EVENTS | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _PROTOCOL_REASONS: dict[int, str] = {  # by the monitor event's value
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "handshake_mechanism",  # client without CURVE
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "handshake_crypto",  # client with a wrong server key
@@ -203,6 +205,9 @@ class Guard:
         self._zap: zmq.Socket | None = None
         self._monitors: list[zmq.Socket] = []
         self._doors: dict[bytes, Callable[[bytes, bytes], str]] = {}  # by ZAP domain: the door's check
+        self._caps: dict[bytes, Callable[[], int]] = {}  # by ZAP domain: the most connections it holds
+        self._open: dict[bytes, set[int]] = {}  # by ZAP domain: the descriptors of its open connections
+        self._domain_of: dict[zmq.Socket, bytes] = {}  # a door's monitor -> its domain
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -249,24 +254,37 @@ class Guard:
         with self._lock:
             self._monitors.append(monitor)
 
-    def door(self, sock: zmq.Socket, check: Callable[[bytes, bytes], str]) -> None:
+    def door(
+        self, sock: zmq.Socket, check: Callable[[bytes, bytes], str], cap: Callable[[], int] | None = None
+    ) -> None:
         """Make ``sock`` (in clear, not bound yet) admit only peers whose PLAIN credential
         ``check(user, password)`` accepts: it returns "" to admit, else a short reason
         (counted as ``door_<reason>``). It runs on the guard's thread, once per handshake;
-        it must be quick and only read what the socket's owner writes."""
+        it must be quick and only read what the socket's owner writes. ``cap()``: the most
+        connections the socket holds, those still in their handshake included; a peer that
+        would pass it is refused (``door_crowded``) whatever its credential."""
         self.start(sock.context)
         with self._lock:
             domain = DOOR_DOMAIN + b":%d" % len(self._doors)
             self._doors[domain] = check
+            self._open[domain] = set()
+            if cap is not None:
+                self._caps[domain] = cap
         sock.plain_server = True
         sock.zap_domain = domain
         try:
             sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         except zmq.ZMQError:
             logger.warning("this libzmq lacks ZAP_ENFORCE_DOMAIN: a door admits anyone once the guard stops")
-        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        monitor = sock.get_monitor_socket(_DOOR_EVENTS)
         with self._lock:
+            self._domain_of[monitor] = domain
             self._monitors.append(monitor)
+
+    def connections(self, sock_domain: bytes) -> int:
+        """Open connections of the door whose ZAP domain is ``sock_domain``, as its monitor
+        has told them (those in their handshake included)."""
+        return len(self._open.get(sock_domain, ()))
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
@@ -353,11 +371,13 @@ class Guard:
     def _open_door(
         self, envelope: list[bytes], request_id: bytes, domain: bytes, address: str, mechanism: bytes, creds
     ) -> None:
-        check = self._doors.get(domain)
+        check, cap = self._doors.get(domain), self._caps.get(domain)
         if mechanism != b"PLAIN" or len(creds) != 2:
             reason = "mechanism"
         elif check is None:
             reason = "closed"
+        elif cap is not None and len(self._open.get(domain, ())) > cap():  # this one is among them
+            reason = "crowded"
         else:
             try:
                 reason = check(bytes(creds[0]), bytes(creds[1]))
@@ -379,6 +399,11 @@ class Guard:
         event = parse_monitor_message(monitor.recv_multipart())
         if event["event"] == zmq.EVENT_MONITOR_STOPPED:
             return False
+        if event["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED):  # a door's connections
+            open_ = self._open.get(self._domain_of.get(monitor, b""))
+            if open_ is not None:
+                (open_.add if event["event"] == zmq.EVENT_ACCEPTED else open_.discard)(int(event["value"]))
+            return True
         reason = "handshake"
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             reason = _PROTOCOL_REASONS.get(event["value"], "handshake")

@@ -28,7 +28,10 @@ _CURRENT = object()
 #: seconds a connection may take to finish its handshake before the server drops it (ZeroMQ's
 #: default is 30 s): what bounds the descriptors a stranger holds with connections that never
 #: finish one (its rate of new connections times this)
-HANDSHAKE_S = 10.0  # keys: this process's client keys (security.current_client), read when a socket is made
+HANDSHAKE_S = 10.0
+#: connections a worker's serve or files socket in clear holds at once beyond twice the
+#: job's world (a restore of every rank at once connects each rank once; reconnects overlap)
+DOOR_CONNECTIONS = 1024  # keys: this process's client keys (security.current_client), read when a socket is made
 
 
 def fetch_limit(tuning: Tuning = DEFAULT) -> int:
@@ -83,17 +86,19 @@ class SocketFactory:
             s.setsockopt(zmq.MAXMSGSIZE, int(max_bytes))
         return s
 
-    def _server(self, s: zmq.Socket, roles: tuple[str, ...], curve: bool = True, door=None) -> zmq.Socket:
+    def _server(
+        self, s: zmq.Socket, roles: tuple[str, ...], curve: bool = True, door=None, door_cap=None
+    ) -> zmq.Socket:
         s.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         if curve and self.guard is not None:
             self.guard.server(s, roles)
         elif not curve and door is not None:
             if self.guard is not None:
-                self.guard.door(s, door)
+                self.guard.door(s, door, door_cap)
             else:  # parts of a keyed service built without its guard (tests): a guard of doors only
                 from shadow import security
 
-                security.doorkeeper(s.context).door(s, door)
+                security.doorkeeper(s.context).door(s, door, door_cap)
         return s
 
     def _client(self, s: zmq.Socket, address: str | None, keys) -> zmq.Socket:
@@ -112,6 +117,7 @@ class SocketFactory:
         send_timeout_s: float | None = None,
         curve: bool = True,
         door=None,
+        door_cap=None,
     ) -> zmq.Socket:
         """A server ROUTER (not bound yet) admitting peers of ``roles`` (with a guard): the
         coordinator's, a worker's serve and files sockets. A reply to a peer that has gone is
@@ -121,14 +127,15 @@ class SocketFactory:
         that has gone raises ``EHOSTUNREACH`` (``ROUTER_MANDATORY`` on): the files socket, whose
         thread may block. ``curve=False``: in clear even with a guard (a serve socket in mac
         mode, whose requests carry tickets instead); then with a guard, ``door``: the
-        check of the PLAIN credential a peer proves at the handshake (:meth:`shadow.security.Guard.door`)."""
+        check of the PLAIN credential a peer proves at the handshake, and ``door_cap`` the most
+        connections it holds (:meth:`shadow.security.Guard.door`)."""
         s = self._socket(zmq.ROUTER, max_bytes)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1 if send_timeout_s is not None else 0)
         if send_timeout_s is not None:
             s.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         if sndhwm is not None:
             s.setsockopt(zmq.SNDHWM, int(sndhwm))
-        return self._server(s, roles, curve, door)
+        return self._server(s, roles, curve, door, door_cap)
 
     def pull(
         self,
@@ -137,14 +144,15 @@ class SocketFactory:
         roles: tuple[str, ...] = ("trainer",),
         curve: bool = True,
         door=None,
+        door_cap=None,
     ) -> zmq.Socket:
         """A server PULL (not bound yet) holding at most ``rcvhwm`` messages, admitting peers of
         ``roles`` (with a guard and ``curve``): a worker's data socket, which takes trainers
         only. ``curve=False``: in clear even with a guard (frames carry MACs instead), with
-        ``door`` as :meth:`router`'s."""
+        ``door`` and ``door_cap`` as :meth:`router`'s."""
         s = self._socket(zmq.PULL, max_bytes)
         s.setsockopt(zmq.RCVHWM, int(rcvhwm))
-        return self._server(s, roles, curve, door)
+        return self._server(s, roles, curve, door, door_cap)
 
     def dealer(self, address: str | None, max_bytes: int, keys=_CURRENT, rcvhwm: int | None = None) -> zmq.Socket:
         """A client DEALER, connected to ``address`` when given; ``rcvhwm``: the messages it

@@ -84,7 +84,9 @@ class DataPath:
             # bounded: a sender stops after MAX_LAG iterations past the cut, so a few iterations' messages
             # with keys (a guard), in clear only through the door; without, in clear (a loopback cluster)
             door = self.door if self.sockets.guard is not None else None
-            self.sock = self.sockets.pull(data_limit(tuning), tuning.data_rcvhwm_messages, curve=self.curve, door=door)
+            self.sock = self.sockets.pull(
+                data_limit(tuning), tuning.data_rcvhwm_messages, curve=self.curve, door=door, door_cap=self.door_cap
+            )
             self.endpoint = self.binding.bind(self.sock)
             source = ZmqFrames(self.sock)
         self.source = source
@@ -110,6 +112,12 @@ class DataPath:
         if user != tags.rank_user(rank) or tags_ is None:
             return "user"
         return "" if hmac.compare_digest(getattr(tags_, "door", b""), password) else "key"
+
+    def door_cap(self) -> int:
+        """The most connections the data socket in clear holds: two per rank of the job (a
+        reconnect overlaps the connection it replaces) and 64 more."""
+        a = self.state.assignment
+        return 2 * (a.world if a is not None else 0) + 64
 
     @property
     def pollable(self):

@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 
 from shadow.transport import SocketFactory, fetch
+from shadow.transport.sockets import DOOR_CONNECTIONS
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.wire import tags
@@ -94,7 +95,9 @@ class FetchServer:
     def open(self) -> str:
         """Bind the serve socket; returns the endpoint restore clients and peers connect to."""
         # a reply's parts are separate messages, references to the live arrays: never drop one
-        self.sock = self.sockets.router(M.socket_limit("serve"), sndhwm=0, curve=not self.tickets, door=self.door)
+        self.sock = self.sockets.router(
+            M.socket_limit("serve"), sndhwm=0, curve=not self.tickets, door=self.door, door_cap=self.door_cap
+        )
         self.endpoint = self.binding.bind(self.sock)
         return self.endpoint
 
@@ -158,6 +161,12 @@ class FetchServer:
                 if hmac.compare_digest(tags.door(tags.ticket_key(s.serve_key, ticket)), password):
                     return ""
         return "key"
+
+    def door_cap(self) -> int:
+        """The most connections the serve socket in clear holds: two per rank of the job and
+        :data:`~shadow.transport.sockets.DOOR_CONNECTIONS` more (readers, a peer copy)."""
+        a = self.state.assignment
+        return 2 * (a.world if a is not None else 0) + DOOR_CONNECTIONS
 
     def ticket_key(self, msg: dict) -> bytes | None:
         """The key of the fetch's ticket if the ticket is one of the current or the retired

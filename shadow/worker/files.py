@@ -54,6 +54,7 @@ from shadow.persist import disks
 from shadow.persist.checkpoints import dir_key
 from shadow.storage.local import open_under
 from shadow.transport import SocketFactory
+from shadow.transport.sockets import DOOR_CONNECTIONS
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.worker.address import Binding
@@ -146,7 +147,13 @@ class FileServer:
     def open(self) -> str:
         """Bind the files socket and start the thread; returns the endpoint to advertise."""
         sock = self.sockets.router(
-            M.socket_limit("files"), READERS, sndhwm=2, send_timeout_s=1.0, curve=self.key is None, door=self.door
+            M.socket_limit("files"),
+            READERS,
+            sndhwm=2,
+            send_timeout_s=1.0,
+            curve=self.key is None,
+            door=self.door,
+            door_cap=lambda: DOOR_CONNECTIONS,
         )
         self.endpoint = self.binding.bind(sock)
         self._thread = threading.Thread(target=self._loop, args=(sock,), name="shadow-files", daemon=True)

@@ -155,3 +155,49 @@ def test_a_door_password_reveals_nothing_a_frame_or_fetch_is_checked_with():
     key = tags.new_key()
     pw = tags.door(key)
     assert len(pw) == 64 and key.hex().encode() != pw and key not in bytes.fromhex(pw.decode())
+
+
+def test_a_door_holds_at_most_its_cap_of_connections_whatever_the_credential():
+    """``cap``: a peer with the right credential is refused once the socket holds that many
+    connections (``door_crowded``), and admitted again once one has gone."""
+    import time
+
+    ctx = zmq.Context()
+    guard = security.Guard(None)
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    guard.door(pull, lambda user, password: "", cap=lambda: 3)
+    endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    right = security.Door(b"rank 0", b"p" * 64)
+    pushes: list[zmq.Socket] = []
+    try:
+        admitted = 0
+        for _ in range(6):
+            s = _push(ctx, endpoint, right)
+            pushes.append(s)
+            deadline = time.monotonic() + 30
+            while guard.accepted == admitted and not guard.refused.get("door_crowded"):
+                assert time.monotonic() < deadline, "the door neither admitted nor refused a peer"
+                time.sleep(0.01)
+            if guard.refused.get("door_crowded"):
+                break
+            admitted = guard.accepted
+        assert guard.refused.get("door_crowded"), "six connections, none refused"
+        assert 3 <= admitted <= 4, admitted  # the one refused may count itself or not yet
+        crowded = pushes.pop()
+        crowded.close(linger=0)
+        pushes.pop(0).close(linger=0)  # one goes: room for a newcomer
+        deadline = time.monotonic() + 30
+        while guard.connections(pull.zap_domain) > admitted - 1:
+            assert time.monotonic() < deadline, "the closed connections were never counted out"
+            time.sleep(0.01)
+        s = _push(ctx, endpoint, right)
+        pushes.append(s)
+        s.send(b"room again")
+        assert pull.poll(10_000) and pull.recv() == b"room again"
+    finally:
+        for s in pushes:
+            s.close(linger=0)
+        pull.close(linger=0)
+        guard.stop()
+        ctx.destroy(linger=0)

@@ -18,6 +18,8 @@ from shadow import security
 from shadow.testing import LocalCluster, rss_bytes
 from shadow.wire import frames as F
 from tests.conftest import capture_commits
+from tests.helpers import doors
+from tests.helpers.doors import rank_door
 from tests.helpers.keys import role_keys
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
@@ -83,6 +85,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, shared_cluster, job):
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
     for it in range(1, 4):
         train_step(ddp, opt, sched, it)
+    door = rank_door(session, 0)  # frames past the door: what one who saw the rank's credential sends
     session.close()
     before = shared_cluster.wait_caught_up(3)
     worker = before["workers"][0]
@@ -90,9 +93,7 @@ def test_fuzzed_frames_and_messages_change_nothing(world1, shared_cluster, job):
     template = F.Header(F.Kind.GRAD, F.Field.GRAD, session.job_id, session.epoch, 0, 1, session.layout.hash, 4, 0, ())
     rnd = random.Random(1234)
     ctx = zmq.Context.instance()
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 5000)
-    push.connect(worker["data"])
+    push = doors.push(worker["data"], door)
     for frames in _mutated_frames(rnd, template):
         push.send_multipart(frames)
     dealer = ctx.socket(zmq.DEALER)
@@ -301,11 +302,8 @@ def _fuzz_live_values(cluster, job: str, monkeypatch, keys=None) -> None:
     rnd = random.Random(4321)
     ctx = zmq.Context.instance()
     pushes = []
-    for w in workers:
-        p = ctx.socket(zmq.PUSH)
-        p.setsockopt(zmq.LINGER, 5000)
-        p.connect(w["data"])
-        pushes.append(p)
+    for i, w in enumerate(workers):
+        pushes.append(doors.push(w["data"], rank_door(session, i)))
     sent = [0] * len(workers)
     for w, frames in _live_frames(rnd, session, workers, seq, 3, Tuning.load().seq_window_messages):
         pushes[w].send_multipart(frames)
@@ -369,6 +367,9 @@ def _fuzz_live_values(cluster, job: str, monkeypatch, keys=None) -> None:
     dealer.setsockopt(zmq.LINGER, 5000)
     serve = ctx.socket(zmq.DEALER)
     serve.setsockopt(zmq.LINGER, 5000)
+    door = doors.reader_door(cluster.address, 0)
+    if door is not None:  # past the door with a ticket's credential: each fetch is still checked
+        door.apply(serve)
     if keys is not None:  # the rank's own key: the control plane stays CURVE
         keys.apply(dealer)
     # the serve socket of a keyed cluster's workers (security.data=mac) takes connections in

@@ -17,16 +17,17 @@ import trainer_hooks
 from shadow.testing import pid_alive
 from shadow.wire import frames as F
 from tests.conftest import capture_commits
+from tests.helpers import doors
+from tests.helpers.doors import rank_door
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
 
 pytestmark = pytest.mark.slow
 
 
-def _push(endpoint: str, frames: list) -> None:
-    s = zmq.Context.instance().socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 5000)
-    s.connect(endpoint)
+def _push(endpoint: str, frames: list, door) -> None:
+    """``frames`` at a worker's data socket, through its door with ``door`` (a rank's)."""
+    s = doors.push(endpoint, door)
     s.send_multipart(frames)
     s.close()
 
@@ -87,7 +88,7 @@ def test_malformed_audit_at_the_next_sequence_number_is_rejected(world1, shared_
             audit={"positions": [before["workers"][w]["start"]], "values": []},
         )
         forged = msgpack.packb({"replay": replay, "blob": rec.get("blob")}, use_bin_type=True)
-        _push(before["workers"][w]["data"], _commit_frame(session, w, 4, seq[w], forged))
+        _push(before["workers"][w]["data"], _commit_frame(session, w, 4, seq[w], forged), rank_door(session, w))
     for w in range(len(bodies)):
         _worker_rejected(
             shared_cluster, w, "bad_commit", at_least=before["workers"][w]["rejected"].get("bad_commit", 0) + 1
@@ -133,7 +134,7 @@ def test_frames_far_ahead_do_not_make_a_healthy_replica_stale(world1, shared_clu
             ((w["start"], 4, tagger.tag(nonce, 1, payload.tobytes())),),
             nonce,
         )
-        _push(w["data"], [h.pack(tagger), payload.tobytes()])
+        _push(w["data"], [h.pack(tagger), payload.tobytes()], rank_door(session, 0))
     far = w["rejected"].get("out_of_window", 0)  # the counters are the worker's, since it started
     w1 = _worker_rejected(shared_cluster, 0, "out_of_window", at_least=far + 4)
     assert w1["rejected"].get("out_of_window", 0) - far >= 4, w1
