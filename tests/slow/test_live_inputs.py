@@ -10,7 +10,6 @@ import time
 import msgpack
 import pytest
 import torch
-import zmq
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks

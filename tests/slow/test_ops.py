@@ -14,7 +14,6 @@ import urllib.request
 
 import pytest
 import torch
-import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,6 +22,7 @@ import trainer_hooks
 from shadow.metrics import COORDINATOR, TRAINER, WORKER
 from shadow.testing import LocalCluster, free_port, free_port_run
 from tests.conftest import ROOT
+from tests.helpers import doors
 from tests.helpers.cli import shadow_cli as shadow
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
@@ -95,13 +95,9 @@ def test_cli_and_metrics_against_a_running_cluster(world1, tmp_path):
             assert time.monotonic() < deadline, st["persist"]
             time.sleep(0.2)
 
-        push = zmq.Context.instance().socket(zmq.PUSH)  # a stranger's frame at worker 0: refused at its door
-        push.setsockopt(zmq.LINGER, 0)
-        push.connect(st["workers"][0]["data"])
-        try:
-            push.send(b"not even a header", zmq.NOBLOCK)
-        except zmq.Again:  # no connection takes it: the worker refused the handshake, which it counts
-            pass
+        # a malformed frame at worker 0, past its door (the rank's credential, as one who saw it in clear)
+        push = doors.push(st["workers"][0]["data"], doors.rank_door(session, 0), linger_ms=0)
+        push.send(b"not even a header")
         deadline = time.monotonic() + 10
         while not sum(cluster.status()["workers"][0]["rejected"].values()):
             assert time.monotonic() < deadline
