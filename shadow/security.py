@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,13 @@ logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"shadow"  # a socket's ZAP domain: b"shadow:" and the roles it admits, comma-separated
+#: a door's refusals that may pass by themselves (a worker not configured yet, a socket full).
+#: Such a handshake is held (its ZAP answer deferred, checked again every poll) for up to
+#: DOOR_WAIT_S; then answered as temporary (300), which closes the connection without an
+#: ERROR, so that the peer's ZeroMQ socket connects again instead of giving up for good as
+#: it does after a 400
+TEMPORARY = frozenset({"unconfigured", "crowded"})
+DOOR_WAIT_S = 5.0
 DOOR_DOMAIN = b"shadow-door"  # a door's ZAP domain: b"shadow-door:" and the door's number in its guard
 ENV_SERVER_KEY = "SHADOW_CURVE_SERVER_KEY"  #: path to the cluster's public key file
 ENV_CLIENT_KEY = "SHADOW_CURVE_CLIENT_KEY"  #: path to this client's .key_secret file
@@ -208,6 +216,7 @@ class Guard:
         self._caps: dict[bytes, Callable[[], int]] = {}  # by ZAP domain: the most connections it holds
         self._open: dict[bytes, set[int]] = {}  # by ZAP domain: the descriptors of its open connections
         self._domain_of: dict[zmq.Socket, bytes] = {}  # a door's monitor -> its domain
+        self._held: list[tuple[float, tuple]] = []  # door handshakes held for a temporary reason: (until, request)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -312,6 +321,8 @@ class Guard:
                 for m in monitors - polled:
                     poller.register(m, zmq.POLLIN)
                     polled.add(m)
+                if self._held:
+                    self._recheck()
                 for sock, _ in poller.poll(_POLL_MS):
                     if sock is zap:
                         self._answer_safely(zap.recv_multipart())
@@ -368,8 +379,24 @@ class Guard:
         assert self._zap is not None  # requests come in on it (the guard thread's)
         self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
 
+    def _recheck(self) -> None:
+        """Check each held door handshake again: answered once it passes or its time is up."""
+        held, self._held = self._held, []
+        now = time.monotonic()
+        for until, request in held:
+            envelope, request_id, domain, address, mechanism, creds = request
+            self._open_door(envelope, request_id, domain, address, mechanism, creds, final=now >= until, until=until)
+
     def _open_door(
-        self, envelope: list[bytes], request_id: bytes, domain: bytes, address: str, mechanism: bytes, creds
+        self,
+        envelope: list[bytes],
+        request_id: bytes,
+        domain: bytes,
+        address: str,
+        mechanism: bytes,
+        creds,
+        final: bool = False,
+        until: float | None = None,
     ) -> None:
         check, cap = self._doors.get(domain), self._caps.get(domain)
         if mechanism != b"PLAIN" or len(creds) != 2:
@@ -385,9 +412,15 @@ class Guard:
                 logger.exception("a door's check failed; the connection is refused")
                 reason = "failed"
         user = bytes(creds[0][:64]).decode(errors="replace") if creds else "-"
+        if reason in TEMPORARY and not final:  # held: the worker may be configured, a connection go
+            request = (envelope, request_id, domain, address, mechanism, creds)
+            self._held.append((until if until is not None else time.monotonic() + DOOR_WAIT_S, request))
+            return
         if reason:
             self._refuse("door_" + reason, address, user)
-            reply = [b"400", reason.encode(), b""]
+            # 300 (temporary) closes the connection without an ERROR, and the peer's ZeroMQ
+            # connects again; 400 makes it give up for good (libzmq never reconnects after it)
+            reply = [b"300" if reason in TEMPORARY else b"400", reason.encode(), b""]
         else:
             self.accepted += 1
             reply = [b"200", b"OK", b"door"]
