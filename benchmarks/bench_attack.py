@@ -35,6 +35,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import LocalCluster, rss_bytes
+from shadow.testing.keys import role_keys
+from shadow.testing.strangers import attack
 from shadow.transport import data_limit
 from shadow.wire import messages as M
 
@@ -51,45 +53,6 @@ ARGS_QUICK = ["--steps", "20"]
 ARGS_FULL: list[str] = []
 ARGS_SMOKE = ["--steps", "3", "--n-embd", "64", "--attack-mib", "16", "--connections", "200"]
 
-# a stranger speaking ZMTP 3.0 by hand (NULL mechanism): ``conns`` greeted connections
-# held, then ``total`` bytes of one unfinished message on the first; ``churn``: new
-# connections greeted and dropped without pause, until killed
-STRANGER = r"""
-import socket, struct, sys, time
-host, kind, mode = sys.argv[1], sys.argv[3], sys.argv[7]
-port, frame, total, conns = (int(a) for a in sys.argv[2:3] + sys.argv[4:7])
-hello = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" + bytes(31)
-body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind.encode()
-hello += bytes([0x04, len(body)]) + body
-held, sent = [], 0
-for _ in range(conns):
-    s = socket.create_connection((host, port))
-    try:
-        s.sendall(hello)
-    except OSError:
-        pass
-    held.append(s)
-if total:
-    s = held[0]
-    s.settimeout(5.0)
-    chunk, head = b"\0" * frame, bytes([0x03]) + struct.pack(">Q", frame)
-    try:
-        while sent < total:
-            s.sendall(head + chunk)
-            sent += frame
-    except OSError:
-        pass
-print(f"sent {sent}", flush=True)
-while mode == "churn":
-    try:
-        s = socket.create_connection((host, port))
-        s.sendall(hello)
-        s.close()
-    except OSError:
-        time.sleep(0.01)
-time.sleep(3600)
-"""
-
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -99,30 +62,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--connections", type=int, default=2000, help="greeted connections held at the data socket")
     ap.add_argument("--json", default="")
     return ap
-
-
-def _keys(root: Path) -> tuple[tuple[str, ...], dict]:
-    """A keyed cluster's arguments and each role's client keys (as ``shadow keygen`` lays them out)."""
-    security.generate(root, "server")
-    for role in ("worker", "trainer", "client", "admin"):
-        security.generate(root / f"{role}s", role)
-    args = (
-        f"security.server_key={root / 'server.key_secret'}",
-        f"security.client_key={root / 'workers' / 'worker.key_secret'}",
-        *(f"security.allow_{r}s={root / f'{r}s'}" for r in ("worker", "trainer", "client", "admin")),
-        "security.data=mac",
-    )
-    keys = {
-        r: security.client_keys(root / "server.key", root / f"{r}s" / f"{r}.key_secret")
-        for r in ("trainer", "client", "admin")
-    }
-    return args, keys
-
-
-def _stranger(endpoint: str, kind: str, frame: int, total: int, conns: int, mode: str = "hold") -> subprocess.Popen:
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    argv = [sys.executable, "-c", STRANGER, host, port, kind, str(frame), str(total), str(conns), mode]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
 
 
 def _steps(data, ddp, opt, first: int, n: int, sample) -> float:
@@ -151,8 +90,8 @@ def run(args) -> dict:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench_attack-"))
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp / "store"), 1), rank=0, world_size=1)
-    cargs, keys = _keys(tmp / "keys")
-    cluster = LocalCluster(tmp, workers=1, args=cargs, keys=keys["admin"])
+    keys = role_keys(tmp / "keys")
+    cluster = LocalCluster(tmp, workers=1, args=(*keys["args"], "security.data=mac"), keys=keys["admin"])
     security.set_client(keys["trainer"])
     strangers: list[subprocess.Popen] = []
     try:
@@ -179,11 +118,11 @@ def run(args) -> dict:
 
         mib = args.attack_mib << 20
         strangers = [
-            _stranger(worker["data"], "PUSH", data_limit(), mib, 1),
-            _stranger(worker["serve"], "DEALER", M.socket_limit("serve"), mib, 1),
-            _stranger(worker["files"], "DEALER", M.socket_limit("files"), mib, 1),
-            _stranger(worker["data"], "PUSH", 0, 0, args.connections),
-            _stranger(worker["data"], "PUSH", 0, 0, 1, mode="churn"),
+            attack(worker["data"], "PUSH", data_limit(), mib, 1),
+            attack(worker["serve"], "DEALER", M.socket_limit("serve"), mib, 1),
+            attack(worker["files"], "DEALER", M.socket_limit("files"), mib, 1),
+            attack(worker["data"], "PUSH", 0, 0, args.connections),
+            attack(worker["data"], "PUSH", 0, 0, 1, mode="churn"),
         ]
         for s in strangers:  # each has sent what it could before the attacked steps are timed
             assert s.stdout is not None and s.stdout.readline().startswith("sent")

@@ -8,8 +8,6 @@ reach a buffer, and its connection is closed at once."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -17,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import LocalCluster, rss_bytes
+from shadow.testing.strangers import attack
 from shadow.transport import data_limit
 from shadow.wire import messages as M
 from tests.helpers.keys import role_keys
@@ -27,53 +26,6 @@ pytestmark = pytest.mark.slow
 
 #: what one attacker sends at each socket: an unfinished message of this many bytes
 SENT_BYTES = 192 << 20
-
-# a stranger speaking ZMTP 3.0 by hand: the NULL mechanism's greeting and READY, then frames
-# (what any ZeroMQ peer without keys sends; a raw socket lets the test hold thousands)
-ATTACKER = r"""
-import socket, struct, sys, time
-host, kind = sys.argv[1], sys.argv[3]
-port, frame, total, conns = (int(a) for a in sys.argv[2:3] + sys.argv[4:7])
-
-def greeting():
-    return b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" + bytes(31)
-
-def ready(kind):
-    prop = b"\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind
-    body = b"\x05READY" + prop
-    return bytes([0x04, len(body)]) + body
-
-held, sent = [], 0
-for _ in range(conns):
-    s = socket.create_connection((host, port))
-    try:
-        s.sendall(greeting() + ready(kind.encode()))
-    except OSError:
-        pass
-    held.append(s)
-if total:
-    s = held[0]
-    s.settimeout(5.0)
-    chunk = b"\0" * frame
-    head = bytes([0x03]) + struct.pack(">Q", frame)  # MORE | LONG: never the last frame
-    try:
-        while sent < total:
-            s.sendall(head + chunk)
-            sent += frame
-    except OSError:
-        pass
-print(f"sent {sent}", flush=True)
-time.sleep(600)
-"""
-
-
-def _attack(endpoint: str, kind: str, frame: int, total: int, conns: int = 1) -> subprocess.Popen:
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    return subprocess.Popen(
-        [sys.executable, "-c", ATTACKER, host, port, kind, str(frame), str(total), str(conns)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
 
 
 def _refused(st: dict) -> int:
@@ -115,9 +67,9 @@ def test_an_unfinished_message_from_a_stranger_reaches_no_buffer(world1, keyed):
     _train(keyed, "before", 2)  # the worker's arrays and buffers in place: the level to hold
     rss0 = rss_bytes(pid)
     attackers = [
-        _attack(worker["data"], "PUSH", data_limit(), SENT_BYTES),
-        _attack(worker["serve"], "DEALER", M.socket_limit("serve"), SENT_BYTES),
-        _attack(worker["files"], "DEALER", M.socket_limit("files"), SENT_BYTES),
+        attack(worker["data"], "PUSH", data_limit(), SENT_BYTES),
+        attack(worker["serve"], "DEALER", M.socket_limit("serve"), SENT_BYTES),
+        attack(worker["files"], "DEALER", M.socket_limit("files"), SENT_BYTES),
     ]
     try:
         for a in attackers:  # each has sent what it could (a refused connection takes nothing more)
@@ -140,7 +92,7 @@ def test_greeted_connections_from_a_stranger_hold_no_descriptor(world1, keyed):
     (worker,) = keyed.status()["workers"]
     pid = worker["pid"]
     fd0 = _descriptors(pid)
-    attacker = _attack(worker["data"], "PUSH", 0, 0, conns=2000)
+    attacker = attack(worker["data"], "PUSH", 0, 0, conns=2000)
     try:
         assert attacker.stdout is not None and attacker.stdout.readline().startswith("sent")
         # every one greeted and refused: the worker answered each handshake and closed it
