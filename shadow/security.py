@@ -238,6 +238,8 @@ class Guard:
         self._ctx, self._zap = ctx, zap
         self._thread = threading.Thread(target=self._run, name="shadow-zap", daemon=True)
         self._thread.start()
+        with _doorkeepers_lock:  # the context's one ZAP handler checks the doors of its sockets too
+            _doorkeepers[id(ctx)] = (ctx, self)
 
     def server(self, sock: zmq.Socket, roles: tuple[str, ...] = ROLES) -> None:
         """Make ``sock`` a CURVE server checked by this guard, admitting the keys of ``roles``;
@@ -297,6 +299,9 @@ class Guard:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
+        with _doorkeepers_lock:
+            if self._ctx is not None and _doorkeepers.get(id(self._ctx), (None, None))[1] is self:
+                del _doorkeepers[id(self._ctx)]
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -450,17 +455,18 @@ _doorkeepers_lock = threading.Lock()
 
 
 def doorkeeper(ctx: zmq.Context) -> Guard:
-    """The guard of doors only of ``ctx`` (made and started on first use): what checks the
-    doors of sockets in clear built without a CURVE guard (a service's parts built on their
-    own, as in tests). A context has one ZAP handler: one with a CURVE guard puts its doors
-    on that guard instead."""
+    """The guard that checks the doors of ``ctx``'s sockets in clear built without a guard of
+    their own (a service's parts built on their own, as in tests and benchmarks): the guard
+    already started on ``ctx`` (a context has one ZAP handler), else a guard of doors only,
+    made and started on first use."""
     with _doorkeepers_lock:
         held = _doorkeepers.get(id(ctx))
-        if held is None or held[0] is not ctx:
-            guard = Guard(None)
-            guard.start(ctx)
-            held = _doorkeepers[id(ctx)] = (ctx, guard)
-        return held[1]
+        if held is not None and held[0] is ctx and not held[1]._stopping.is_set():
+            return held[1]
+    guard = Guard(None)
+    guard.start(ctx)  # registers itself (a guard started on ctx meanwhile: start raises)
+    with _doorkeepers_lock:
+        return _doorkeepers[id(ctx)][1]
 
 
 def client(sock: zmq.Socket, server_public: bytes, keypair: tuple[bytes, bytes]) -> None:

@@ -90,15 +90,19 @@ class SocketFactory:
         self, s: zmq.Socket, roles: tuple[str, ...], curve: bool = True, door=None, door_cap=None
     ) -> zmq.Socket:
         s.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
-        if curve and self.guard is not None:
-            self.guard.server(s, roles)
-        elif not curve and door is not None:
-            if self.guard is not None:
-                self.guard.door(s, door, door_cap)
-            else:  # parts of a keyed service built without its guard (tests): a guard of doors only
-                from shadow import security
+        try:
+            if curve and self.guard is not None:
+                self.guard.server(s, roles)
+            elif not curve and door is not None:
+                if self.guard is not None:
+                    self.guard.door(s, door, door_cap)
+                else:  # parts of a keyed service built without its guard (tests): the context's
+                    from shadow import security
 
-                security.doorkeeper(s.context).door(s, door, door_cap)
+                    security.doorkeeper(s.context).door(s, door, door_cap)
+        except BaseException:
+            s.close(linger=0)  # a socket left open would hold the context's term() forever
+            raise
         return s
 
     def _client(self, s: zmq.Socket, address: str | None, keys) -> zmq.Socket:

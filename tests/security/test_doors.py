@@ -230,3 +230,41 @@ def test_a_peer_arriving_before_the_worker_is_configured_waits_at_the_door_and_g
         pull.close(linger=0)
         guard.stop()
         ctx.destroy(linger=0)
+
+
+def test_a_door_built_without_a_guard_is_checked_by_the_guard_already_on_its_context(tmp_path):
+    """A context has one ZAP handler: a part built without a guard on a context whose CURVE
+    guard is running (a benchmark holding a keyed and a mac server side by side) puts its
+    door on that guard, and a socket whose setup fails is closed (the context still ends)."""
+    from shadow.transport import SocketFactory
+
+    security.generate(tmp_path, "server")
+    ctx = zmq.Context()
+    guard = security.Guard(tmp_path / "server.key_secret", {})
+    guard.start(ctx)
+    assert security.doorkeeper(ctx) is guard
+
+    def check(user: bytes, password: bytes) -> str:
+        return "" if (user, password) == (b"rank 0", b"p" * 64) else "key"
+
+    pull = SocketFactory(ctx).pull(1 << 20, 10, curve=False, door=check)
+    pull.setsockopt(zmq.LINGER, 0)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    s = _push(ctx, f"tcp://127.0.0.1:{port}", security.Door(b"rank 0", b"p" * 64))
+    try:
+        s.send(b"through")
+        assert pull.poll(10_000) and pull.recv() == b"through"
+        assert guard.accepted == 1
+    finally:
+        s.close(linger=0)
+        pull.close(linger=0)
+    guard.stop()
+    ctx.destroy(linger=0)
+
+    ctx = zmq.Context()  # a ZAP handler that is not a guard: the door cannot be checked
+    zap = ctx.socket(zmq.ROUTER)
+    zap.bind(security.ZAP_ENDPOINT)
+    with pytest.raises(RuntimeError, match="one Guard per zmq.Context"):
+        SocketFactory(ctx).pull(1 << 20, 10, curve=False, door=check)
+    zap.close(linger=0)
+    ctx.term()  # returns: the failed socket was closed
