@@ -160,12 +160,12 @@ def run(args) -> dict:
     from benchlib import machine_info
 
     from shadow.config import LocalTierConfig, PersistConfig
+    from shadow.config.tuning import Tuning
+    from shadow.core.layout import Layout
+    from shadow.core.optim_groups import AdamGroup
     from shadow.kernels.replay import warm_up
-    from shadow.layout import Layout
-    from shadow.optim_groups import AdamGroup
     from shadow.persist.writer import ShardPersister
     from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
-    from shadow.tuning import Tuning
     from shadow.wire import frames as F
     from shadow.wire import tags
     from shadow.worker.shard import ShardState

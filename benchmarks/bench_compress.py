@@ -27,8 +27,8 @@ import numpy as np
 import zstandard
 from benchlib import Goal, bars, example_gpt, machine_info
 
+from shadow.config.tuning import Tuning
 from shadow.persist import planes, shardfile, zshard
-from shadow.tuning import Tuning
 
 TUNING = Tuning.load()  # the knobs, as the services would read them here
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from benchlib import Goal, bars
 
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, shardfile
 
 GOALS = [
@@ -112,7 +112,7 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             img.write(path)
             run["shadow_write_s"] = time.perf_counter() - t0
-            from trainer_hooks import _codec
+            from shadow.export import blob as _codec
 
             blob = _codec.pack(
                 {"rank": 0, "world": 1, "rng": None, "extra_state": None, "param_groups": [{}], "scheduler": None}

@@ -15,7 +15,7 @@ to). Also checked: the two updates are bit-identical (torch.equal).
 
 torch's default AdamW on CPU (single-tensor, ``foreach=False``) runs too, with the shadow's
 rule for it (IEEE sqrt corrected by the square root table measured from this torch,
-``shadow.sqrttab``): its figure is against that torch path in the same round, and it is
+``shadow.core.sqrttab``): its figure is against that torch path in the same round, and it is
 checked bit-identical as well.
 
 The replay rules of CUDA's fused and foreach AdamW (``cuda_fused``, ``cuda_foreach``) run
@@ -85,10 +85,10 @@ def run(args) -> dict:
     import torch
     from benchlib import machine_info
 
+    from shadow.config.tuning import Tuning
+    from shadow.core.optim_groups import AdamGroup
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
-    from shadow.optim_groups import AdamGroup
-    from shadow.tuning import Tuning
-    from trainer_hooks._optim import cpu_sqrt_table
+    from trainer_hooks.optim.describe import cpu_sqrt_table
 
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)

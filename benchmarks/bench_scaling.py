@@ -52,9 +52,9 @@ def _setup(nparams: int):
     import numpy as np
     from bench_replay import shapes
 
+    from shadow.config.tuning import Tuning
+    from shadow.core.optim_groups import AdamGroup
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
-    from shadow.optim_groups import AdamGroup
-    from shadow.tuning import Tuning
 
     sizes = shapes(nparams)
     total = sum(sizes)

@@ -78,8 +78,8 @@ from transport_receiver import (
 )
 
 from shadow import security
+from shadow.config.tuning import Tuning
 from shadow.transport import ZmqDataSender
-from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import tags
 

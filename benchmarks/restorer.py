@@ -139,8 +139,8 @@ def restore_main(args) -> None:
     import trainer_hooks
     from shadow.persist import checkpoints
     from shadow.restore.memory import fetch_memory, restore_info
-    from trainer_hooks._model import build_layout
-    from trainer_hooks._sink import ModelParams
+    from trainer_hooks.capture.model import build_layout
+    from trainer_hooks.restorer.sink import ModelParams
 
     local, dcp_dir, torch_file = work / "local", work / "dcp", work / "torch_ckpt.pt"
     ref = torch.load(work / "reference.pt", weights_only=True)

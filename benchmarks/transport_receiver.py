@@ -16,8 +16,8 @@ import numpy as np
 import zmq
 
 from shadow import security
+from shadow.config.tuning import Tuning
 from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit
-from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import tags
 

@@ -22,8 +22,8 @@ import time
 import numpy as np
 import zmq
 
+from shadow.config.tuning import Tuning
 from shadow.transport import Context, FrameReceiver, SocketFactory, ZmqDataSender, data_limit, ucx
-from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import tags
 

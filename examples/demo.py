@@ -77,8 +77,8 @@ def wait_for_cluster(address: str, workers: int, proc: subprocess.Popen, work: P
     replay kernels, which takes a while), saying so every few seconds."""
     import zmq
 
-    from shadow.client import dealer, request
-    from shadow.errors import ShadowConnectionError
+    from shadow.core.errors import ShadowConnectionError
+    from shadow.transport.client import dealer, request
     from shadow.wire import messages as M
 
     t0 = time.monotonic()

@@ -20,9 +20,9 @@ import pytest
 import torch.distributed as dist
 import zmq
 
-from shadow.client import dealer, request
-from shadow.jobs import job_name_problem
+from shadow.core.jobs import job_name_problem
 from shadow.testing import LocalCluster
+from shadow.transport.client import dealer, request
 from shadow.wire import messages as M
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ CLUSTER_FIXTURES = ("cluster", "shared_cluster", "transport_cluster")
 
 def pytest_configure(config):
     """The services the tests start keep their per-user state (slot tokens) and their key set
-    (shadow.keyset) in directories of this run's own, not in the user's ``~/.local/state`` and
+    (shadow.security.keyset) in directories of this run's own, not in the user's ``~/.local/state`` and
     ``~/.config``."""
     import tempfile
 
@@ -247,7 +247,7 @@ _JOB_NUMBERS = itertools.count(1)
 @pytest.fixture
 def job(request) -> str:
     """A job name of this test's own, unique in the session: ``<module>.<test>.<n>``, made
-    valid (shadow.jobs.job_name_problem) and at most about 100 characters."""
+    valid (shadow.core.jobs.job_name_problem) and at most about 100 characters."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{request.node.path.stem}.{request.node.name}").strip("-.")
     name = f"{name[:96].rstrip('-.')}.{next(_JOB_NUMBERS)}"
     assert job_name_problem(name) is None, name

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from shadow.kernels import ReplayPlan, segments_for_range
-from trainer_hooks._optim import calibrate, cpu_sqrt_table, replay_groups
+from trainer_hooks.optim.describe import calibrate, cpu_sqrt_table, replay_groups
 
 
 def make_optimizer(cls, params, impl: str, **kw):

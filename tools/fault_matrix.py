@@ -49,8 +49,8 @@ from faultlib import (  # tools/ is on sys.path when run as a script
     table,
 )
 
+from shadow.config.tuning import Tuning
 from shadow.testing import LocalCluster, status
-from shadow.tuning import Tuning
 
 TUNING = Tuning.load()  # the knobs, as the services would read them here
 #: what every trial's cluster is started with beyond its scenario's own (``--transport``)

@@ -82,7 +82,7 @@ def _section_functions(module, names: list[str]) -> list[str]:
 def _knobs() -> list[str]:
     from dataclasses import fields
 
-    from shadow.tuning import DEFAULT, Tuning
+    from shadow.config.tuning import DEFAULT, Tuning
 
     out = ["| field | environment variable | default | meaning |", "|---|---|---|---|"]
     out += [
@@ -95,9 +95,9 @@ def _knobs() -> list[str]:
 def render() -> str:
     import shadow.restore
     import trainer_hooks
-    from shadow import errors
     from shadow.cli._help import SUMMARY, keys
     from shadow.config import CONFIGS
+    from shadow.core import errors
     from shadow.metrics import catalog
 
     lines = [
@@ -136,7 +136,7 @@ def render() -> str:
         ],
     )
     lines += [
-        "## Errors: `shadow.errors`",
+        "## Errors: `shadow.core.errors`",
         "",
         "Every error the service and the hooks raise to callers derives "
         "from `ShadowError` (re-exported by `trainer_hooks`).",
@@ -185,7 +185,8 @@ def render() -> str:
     lines += [
         "## Tuning knobs",
         "",
-        "The fields of `shadow.tuning.Tuning`: `attach(tuning=)`, `restore(tuning=)`, a service's `tuning.<field>=`,",
+        "The fields of `shadow.config.tuning.Tuning`: `attach(tuning=)`, `restore(tuning=)`,",
+        "a service's `tuning.<field>=`,",
         "else the environment variable, else the default.",
         "",
     ]

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from shadow.choices import Policy
-from shadow.errors import (
+from shadow.config.choices import Policy
+from shadow.config.tuning import Tuning
+from shadow.core.errors import (
     LayoutMismatchError,
     ShadowConnectionError,
     ShadowError,
@@ -17,11 +18,10 @@ from shadow.errors import (
 )
 from shadow.export import export, export_weights
 from shadow.export.state import state_dicts
-from shadow.tuning import Tuning
-from trainer_hooks._metrics import serve_metrics
-from trainer_hooks._optim import UnsupportedOptimizerError
-from trainer_hooks._restore import RestoreInfo, apply_snapshot, restore
-from trainer_hooks._restore import resume as _resume
+from trainer_hooks.optim.describe import UnsupportedOptimizerError
+from trainer_hooks.restorer.restore import RestoreInfo, apply_snapshot, restore
+from trainer_hooks.restorer.restore import resume as _resume
+from trainer_hooks.session.metrics import serve_metrics
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.session import Session
 
@@ -87,7 +87,7 @@ def attach(
             must reproduce every bit). ``exact=False`` attaches anyway: the shadow's state
             may then differ by a few ulp per step, the audit reports rather than fails, and
             ``shadow status`` and every checkpoint's manifest say ``bit_exact: false``.
-        tuning: the knobs of this rank's session (a :class:`shadow.tuning.Tuning`: ring size,
+        tuning: the knobs of this rank's session (a :class:`shadow.config.tuning.Tuning`: ring size,
             lag, timeouts, ...). Default: :meth:`Tuning.load`, each field from its
             ``SHADOW_<NAME>`` environment variable, else its default.
         resume: restore first, from the cluster at ``coordinator``, then attach at the
@@ -148,7 +148,7 @@ def _check_resumed_world(
     number of ranks than this DDP run has, unless ``resize`` (here or at the restore)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainer_hooks._restored import RESTORED
+    from trainer_hooks.restorer.points import RESTORED
 
     point = RESTORED.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
     if point is None or point.resized or resize or not isinstance(model, DistributedDataParallel):

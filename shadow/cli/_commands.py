@@ -21,7 +21,7 @@ from shadow.config import (
     StatusConfig,
     VerifyConfig,
 )
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 
 
 def _print_json(obj) -> None:
@@ -31,7 +31,7 @@ def _print_json(obj) -> None:
 def cmd_status(cfg: StatusConfig) -> int:
     import zmq
 
-    from shadow.client import dealer, request
+    from shadow.transport.client import dealer, request
     from shadow.wire import messages as M
 
     def fetch() -> dict:
@@ -90,7 +90,7 @@ def _ask(address: str, kind: str, timeout: float, expect: str, **fields: Any) ->
     reply, or no answer within ``timeout`` s, raises ``ShadowConnectionError``)."""
     import zmq
 
-    from shadow.client import dealer, request
+    from shadow.transport.client import dealer, request
     from shadow.wire import messages as M
 
     sock = dealer(zmq.Context.instance(), address)

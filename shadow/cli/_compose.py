@@ -14,8 +14,8 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from shadow.choices import Choice
 from shadow.config import CONFIGS, register
+from shadow.config.choices import Choice
 
 
 class UsageError(ValueError):
@@ -202,7 +202,7 @@ def _map_override(cls: type, override: str) -> str:
 
 
 def _choice_override(cls: type, override: str) -> str:
-    """``key=value`` for a key that takes a :class:`~shadow.choices.Choice`, with the value
+    """``key=value`` for a key that takes a :class:`~shadow.config.choices.Choice`, with the value
     spelled as the member's name (``log_level=info`` -> ``log_level=INFO``); a value that
     is none of the choices is an error naming them. Other overrides pass unchanged."""
     key, eq, value = override.partition("=")

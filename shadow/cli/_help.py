@@ -9,8 +9,8 @@ import inspect
 import re
 import typing
 
-from shadow.choices import Choice, Format
 from shadow.config import CONFIGS
+from shadow.config.choices import Choice, Format
 
 EXAMPLES = {
     "cluster": [

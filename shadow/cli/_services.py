@@ -12,8 +12,8 @@ import threading
 import time
 
 from shadow.config import ClusterConfig, CoordinatorConfig, WorkerConfig
-from shadow.errors import ShadowError
-from shadow.logs import setup as setup_logs
+from shadow.config.logs import setup as setup_logs
+from shadow.core.errors import ShadowError
 
 # the module `shadow cluster` runs its workers as (`python -m <it> worker ...`); shadow.testing.faulty
 # sets its own, so that its workers carry its fault wrappers
@@ -24,11 +24,10 @@ logger = logging.getLogger("shadow.cli")
 
 def secure(security, host: str, who: str):
     """The ``security`` a service bound to ``host`` runs with. Keys given: those. None given,
-    on loopback: this user's key set (:mod:`shadow.keyset`, made on first start), so that no
+    on loopback: this user's key set (:mod:`shadow.security.keyset`, made on first start), so that no
     other local account and no process squatting a port can take part. Beyond loopback
     without keys: refused. Keyless only with ``security.insecure=true``, warned at every start."""
-    from shadow import keyset
-    from shadow.security import SecurityError
+    from shadow.security import SecurityError, keyset
 
     if security.server_key:
         keyset.check_given(security.server_key)  # a cluster's worker, given the set's files: checked as the set is

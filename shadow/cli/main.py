@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.show:
         print(to_yaml(cfg).rstrip("\n"))
         return 0
-    from shadow.errors import ShadowError
+    from shadow.core.errors import ShadowError
 
     try:
         sec = getattr(cfg, "security", None)

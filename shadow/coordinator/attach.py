@@ -14,8 +14,8 @@ from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.queries import memory_info
 from shadow.coordinator.records import JobRec, JobStatus, job_id_for
-from shadow.jobs import job_name_problem
-from shadow.layout import Layout, shard_bounds
+from shadow.core.jobs import job_name_problem
+from shadow.core.layout import Layout, shard_bounds
 from shadow.persist import checkpoints
 from shadow.storage.url import local_path
 from shadow.wire import messages as M

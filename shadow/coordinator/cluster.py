@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shadow.config import check_shape
+from shadow.config.tuning import Tuning
 from shadow.coordinator.records import Health, JobRec, JobStatus, WorkerRec
-from shadow.tuning import Tuning
 from shadow.wire import tags
 
 logger = logging.getLogger(__name__)

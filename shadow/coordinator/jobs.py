@@ -26,7 +26,7 @@ from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.queries import memory_info
 from shadow.coordinator.records import JobRec, JobStatus
 from shadow.coordinator.trainers import heard_window_s
-from shadow.jobs import job_name_problem
+from shadow.core.jobs import job_name_problem
 
 logger = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ import posixpath
 import time
 from typing import Any
 
-from shadow import sqrttab
 from shadow.config import PersistConfig
+from shadow.config.tuning import Tuning
 from shadow.coordinator.catalog import TierState, scan
+from shadow.core import sqrttab
 from shadow.persist import checkpoints, disks, failed, retention, signing
 from shadow.storage.tier import tiers_for
-from shadow.tuning import Tuning
 from shadow.wire.commit import FollowUp, ForgetDirs, Persisted, UploadCopies
 
 logger = logging.getLogger(__name__)

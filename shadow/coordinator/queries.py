@@ -10,12 +10,12 @@ import posixpath
 import time
 from typing import Any
 
-from shadow import sqrttab
 from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import Health, JobStatus
-from shadow.layout import Layout
+from shadow.core import sqrttab
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, fsglob
 from shadow.wire import messages as M
 

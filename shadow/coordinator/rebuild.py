@@ -25,7 +25,7 @@ from shadow.coordinator.membership import Membership
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobRec, JobStatus, WorkerRec
-from shadow.layout import Layout, shard_bounds
+from shadow.core.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ coordinator starts, as the worker's ``ROUTES`` holds ``Worker`` methods.
 
 A message type missing here is refused (``unexpected``); ``shutdown`` is among them: the
 coordinator stops on a signal to its own process, never on a message. ``roles``: the roles
-(:data:`shadow.choices.ROLES`) whose keys may send it; on a cluster with CURVE keys anything
+(:data:`shadow.config.choices.ROLES`) whose keys may send it; on a cluster with CURVE keys anything
 else is refused and counted by role and reason (status ``refused_by_role``, metric
 ``shadow_refused_messages``); a cluster started without keys of its own has this user's key
 set, so this holds by default. Only without any keys (``security.insecure=true``, warned at

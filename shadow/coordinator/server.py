@@ -25,6 +25,7 @@ import zmq
 
 from shadow import security
 from shadow.config import PersistConfig
+from shadow.config.tuning import Tuning
 from shadow.coordinator.attach import Attach
 from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
@@ -37,9 +38,8 @@ from shadow.coordinator.rebuild import Rebuild
 from shadow.coordinator.replicas import Replicas
 from shadow.coordinator.routes import PERIODIC, ROUTES
 from shadow.coordinator.trainers import Trainers
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 from shadow.transport import SocketFactory
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)

@@ -9,12 +9,12 @@ import time
 from collections import deque
 from typing import Any
 
+from shadow.config.tuning import Tuning
 from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.records import JobStatus
 from shadow.coordinator.replicas import Replicas
-from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Writing a checkpoint (a :class:`~shadow.snapshot.Snapshot`) out in standard formats: a
+"""Writing a checkpoint (a :class:`~shadow.core.snapshot.Snapshot`) out in standard formats: a
 torch state-dict file, a ``torch.distributed.checkpoint`` directory, or safetensors.
 
 Importing this package imports no torch: the writers import it when they run, after their

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 
 INSTALL_TRAINER = "pip install 'shadow-checkpoint[trainer]'"
 

@@ -15,9 +15,9 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-from shadow.choices import Dtype, Format, WeightFormat
+from shadow.config.choices import Dtype, Format, WeightFormat
+from shadow.core.snapshot import Snapshot
 from shadow.export._torch import require_torch
-from shadow.snapshot import Snapshot
 
 FORMATS = Format.values()
 WEIGHT_FORMATS = WeightFormat.values()
@@ -94,7 +94,7 @@ def _into_dir(out: str, what: str, write: Callable[[str], object]) -> str:
 
 
 def export(snap: Snapshot, out: str, fmt: str | Format) -> str:
-    """Write ``snap`` to ``out`` in ``fmt`` (a :class:`~shadow.choices.Format` or its name);
+    """Write ``snap`` to ``out`` in ``fmt`` (a :class:`~shadow.config.choices.Format` or its name);
     returns what was written."""
     fmt = Format.parse(fmt, "format")
     check_out(out)

@@ -1,6 +1,6 @@
 """The read side of the model state outside the optimizer ("extras"): the chunks a
 snapshot holds turned back into tensors, and the key scheme and index format the trainer
-writes them in (``trainer_hooks._extras`` captures and sends them). Imports torch: load
+writes them in (``trainer_hooks.capture.extras`` captures and sends them). Imports torch: load
 it only where torch is needed (see :mod:`shadow.export`).
 
 Chunk ``c`` of tensor ``j`` is stored under :func:`key` ``(j, c)``. Tensor :data:`INDEX`
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shadow.errors import LayoutMismatchError
+from shadow.core.errors import LayoutMismatchError
 from shadow.export import blob
 
 INDEX = 0  # tensor number of the index

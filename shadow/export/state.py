@@ -1,4 +1,4 @@
-"""A :class:`~shadow.snapshot.Snapshot` as plain torch state dicts: what ``restore`` loads
+"""A :class:`~shadow.core.snapshot.Snapshot` as plain torch state dicts: what ``restore`` loads
 into a live model and what every exporter writes. Imports torch: load it only where torch
 is needed (see :mod:`shadow.export`)."""
 
@@ -8,8 +8,8 @@ from collections import OrderedDict
 
 import torch
 
+from shadow.core.snapshot import Snapshot
 from shadow.export import blob, extras
-from shadow.snapshot import Snapshot
 from shadow.wire.frames import Field
 
 

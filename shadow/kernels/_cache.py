@@ -36,7 +36,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 
-from shadow.private import private_problem
+from shadow.security.private import private_problem
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ the kernel itself is branch-light and shared by every variant.
 
 torch's single-tensor and foreach CPU paths compute ``sqrt(v)`` with MKL's vector math
 library, which is not correctly rounded: ``RULE_CPU_TABLE`` is the CPU rule with the
-trainer's square root, measured at attach (:mod:`shadow.sqrttab`).
+trainer's square root, measured at attach (:mod:`shadow.core.sqrttab`).
 
 CUDA's kernels round differently (measured on an H200 with torch 2.11,
 ``tests/data/cuda_optim.npz``); each rule has a kernel of its own (:data:`KERNELS`, the
@@ -70,7 +70,7 @@ N_FSCALARS = 12
 ) = range(13)
 N_ISCALARS = 13
 # I_RULE values: whose rounding the segment reproduces (RULE_CPU_TABLE: torch's CPU
-# single-tensor and foreach paths, whose square root is MKL's: ``shadow.sqrttab``)
+# single-tensor and foreach paths, whose square root is MKL's: ``shadow.core.sqrttab``)
 RULE_CPU, RULE_CUDA_FUSED, RULE_CUDA_FOREACH, RULE_CPU_TABLE = 0, 1, 2, 3
 
 # The element functions below are plain ``@njit``, not inlined by numba: LLVM inlines them
@@ -131,7 +131,7 @@ TABLE_BLOCK = 1024  # elements per block of the table rule's three passes
 
 @njit(nogil=True, error_model="numpy")
 def _table_word(x, tab, emap):
-    """The uint32 word of the square root table (:class:`shadow.sqrttab.SqrtTable`: ``tab`` its
+    """The uint32 word of the square root table (:class:`shadow.core.sqrttab.SqrtTable`: ``tab`` its
     slots as words, ``emap`` the slot of each sign and exponent, -1 for none) that holds
     ``x``'s bit (``m & 31`` of it), 0 where ``x`` takes IEEE's root."""
     b = f32_bits(x)

@@ -14,11 +14,11 @@ from typing import Any
 import numba
 import numpy as np
 
+from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.sqrttab import SqrtTable
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
-from shadow.optim_groups import AdamGroup, SgdGroup
-from shadow.sqrttab import SqrtTable
 
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
@@ -366,7 +366,7 @@ class ReplayPlan:
     ) -> None:
         """Fill the tables for one iteration.
 
-        ``groups``: per param group, its settings (:class:`shadow.optim_groups.AdamGroup`);
+        ``groups``: per param group, its settings (:class:`shadow.core.optim_groups.AdamGroup`);
         ``steps``: per-parameter step count *after* this iteration's
         increment; ``skipped``: parameters the optimizer did not step.
         """

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
+from shadow.core.optim_groups import SgdGroup
 from shadow.kernels import _cache  # first: it chooses the kernel cache directory before any @njit
 from shadow.kernels._fma import f32_at, fma32
-from shadow.optim_groups import SgdGroup
 
 # float32 scalar columns
 S_NEG_LR, S_MOMENTUM, S_DAMP1, S_WD, S_CLIP, S_INV_SCALE, S_GRAD_SCALE = range(7)

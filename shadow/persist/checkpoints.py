@@ -1,5 +1,5 @@
 """Checkpoints on storage: naming, manifests (the commit marker), listing, verification,
-and reading one back as a :class:`~shadow.snapshot.Snapshot` (which one to restore is
+and reading one back as a :class:`~shadow.core.snapshot.Snapshot` (which one to restore is
 :mod:`shadow.restore`'s choice).
 
 A checkpoint lives in ``<root>/<job>/iteration-<k>/``: one shard file per worker and a
@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shadow.errors import CheckpointError  # CheckpointError: raised here, and named here too
-from shadow.layout import Layout
+from shadow.core.errors import CheckpointError  # CheckpointError: raised here, and named here too
+from shadow.core.layout import Layout
+from shadow.core.snapshot import Assembly, Snapshot
 from shadow.persist import fsglob, shardfile, shardguard, shardio, signing, zshard
 from shadow.persist.generations import GENERATION, read_generations, superseded, write_generation  # noqa: F401
 from shadow.persist.manifests import (  # noqa: F401 (named here too)
@@ -36,7 +37,6 @@ from shadow.persist.manifests import (  # noqa: F401 (named here too)
     read_manifest,
 )
 from shadow.persist.shardio import ShardSource, StorageFile
-from shadow.snapshot import Assembly, Snapshot
 from shadow.storage import Storage, storage_for
 from shadow.wire.frames import Field
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import posixpath
 
-from shadow.jobs import check_job_name
+from shadow.core.jobs import check_job_name
 
 
 def pattern(base: str, job: str | None, *rest: str) -> str:

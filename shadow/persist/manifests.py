@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import TypeGuard
 
-from shadow.errors import CheckpointError
-from shadow.jobs import job_name_problem
+from shadow.core.errors import CheckpointError
+from shadow.core.jobs import job_name_problem
 from shadow.persist import signing
 
 logger = logging.getLogger(__name__)

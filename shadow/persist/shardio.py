@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shadow.errors import CheckpointError
+from shadow.core.errors import CheckpointError
 from shadow.persist import shardfile, zshard
 from shadow.storage import Storage
 from shadow.wire.frames import checksum

@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 
-from shadow.errors import CheckpointError
+from shadow.core.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

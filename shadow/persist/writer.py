@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shadow.config.tuning import Tuning
 from shadow.persist import checkpoints, disks, failed, shardfile, zshard
 from shadow.persist.upload import Uploader
 from shadow.storage import Codec, LocalStorage
-from shadow.tuning import Tuning
 from shadow.wire.commit import Persisted
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class ShardPersister:
             shardfile.Entry("has_state", "U8", nparams),
         ]
         entries += [shardfile.Entry(f"commit.rank{r}", "U8", len(b)) for r, b in sorted(blobs.items())]
-        # this worker's chunks of the model state outside the optimizer (trainer_hooks._extras): every
+        # this worker's chunks of the model state outside the optimizer (trainer_hooks.capture.extras): every
         # checkpoint holds the whole set, however long ago a chunk last changed
         entries += [shardfile.Entry(f"extra.{k}", "U8", len(b)) for k, b in sorted((extras or {}).items())]
         meta = {

@@ -39,11 +39,11 @@ from typing import BinaryIO
 import numpy as np
 import xxhash
 
+from shadow.config.tuning import Tuning
 from shadow.persist import planes, shardfile
 from shadow.persist.planes import CorruptBlobError
 from shadow.storage import modes
 from shadow.storage.local import replacing
-from shadow.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shadow.core.snapshot import Snapshot
 from shadow.restore.memory import MemorySource, MovedOn, ParamSink, fetch_memory, restore_info
 from shadow.restore.resolve import find_checkpoint, holds_job, is_endpoint, open_source, pick, resolve
 from shadow.restore.sources import Candidate, RestoreSource
-from shadow.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from shadow.restore.storage_source import TierSource

@@ -14,10 +14,10 @@ import xxhash
 import zmq
 
 from shadow import security
-from shadow.client import dealer
-from shadow.errors import ShadowError
+from shadow.config.tuning import DEFAULT, Tuning
+from shadow.core.errors import ShadowError
 from shadow.persist import shardfile
-from shadow.tuning import DEFAULT, Tuning
+from shadow.transport.client import dealer
 from shadow.wire import messages as M
 from shadow.wire import tags
 

@@ -16,13 +16,13 @@ import numpy as np
 import zmq
 
 from shadow import security
-from shadow.client import dealer, request
-from shadow.errors import ShadowConnectionError, ShadowError
-from shadow.layout import Layout
+from shadow.config.tuning import DEFAULT, Tuning
+from shadow.core.errors import ShadowConnectionError, ShadowError
+from shadow.core.layout import Layout
+from shadow.core.snapshot import Assembly, Snapshot
 from shadow.restore.sources import Candidate
-from shadow.snapshot import Assembly, Snapshot
 from shadow.transport import fetch
-from shadow.tuning import DEFAULT, Tuning
+from shadow.transport.client import dealer, request
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.wire.frames import Field, state_fields
@@ -303,7 +303,7 @@ FETCH_BUFFER_BYTES = 64 << 20  # per worker: what zmq may hold of a reply before
 
 def _merge(reader, w: dict, layout: Layout, parts: Assembly) -> None:
     """A complete reply's range, steps, state flags, commit records and extras, checked,
-    into the snapshot's :class:`~shadow.snapshot.Assembly`."""
+    into the snapshot's :class:`~shadow.core.snapshot.Assembly`."""
     head, who = reader.head, f"worker {w.get('id')}"
     nparams = len(layout.params)
     try:

@@ -36,9 +36,9 @@ from typing import TypeVar
 import xxhash
 import zmq
 
-from shadow.client import dealer, request
-from shadow.errors import CheckpointError, ShadowError
-from shadow.layout import Layout
+from shadow.config.tuning import DEFAULT, Tuning
+from shadow.core.errors import CheckpointError, ShadowError
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, generations, shardguard
 from shadow.persist import disks as disks_mod
 from shadow.persist.manifests import _reading
@@ -47,7 +47,7 @@ from shadow.restore.files_client import read_file, stream_into
 from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.restore.storage_source import TierSource
 from shadow.storage import storage_for
-from shadow.tuning import DEFAULT, Tuning
+from shadow.transport.client import dealer, request
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from shadow.errors import CheckpointError, ShadowError
+from shadow.config.tuning import Tuning
+from shadow.core.errors import CheckpointError, ShadowError
+from shadow.core.snapshot import Snapshot
 from shadow.restore.memory import MemorySource, MovedOn, ParamSink
 from shadow.restore.sources import COMPLETE, INCOMPLETE, UNREADABLE, Candidate, RestoreSource
-from shadow.snapshot import Snapshot
-from shadow.tuning import Tuning
 
 if TYPE_CHECKING:  # a tier's readers and codecs load only when a tier is read
     from shadow.persist.checkpoints import CheckpointInfo
@@ -153,7 +153,7 @@ def holds_job(
     if is_endpoint(source):
         import zmq
 
-        from shadow.client import dealer, request
+        from shadow.transport.client import dealer, request
         from shadow.wire import messages as M
 
         tuning = Tuning.load() if tuning is None else tuning

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shadow.snapshot import Snapshot
+from shadow.core.snapshot import Snapshot
 
 COMPLETE, SUPERSEDED, INCOMPLETE, UNREADABLE = "complete", "superseded", "incomplete", "unreadable"
 DIVERGED = "diverged"  # superseded after the shadow diverged from the trainer: listed, never restorable
@@ -43,7 +43,7 @@ class RestoreSource(Protocol):
     Call order: 0. :meth:`candidates` lists what it holds for ``job`` (every job if None),
     restorable ones oldest first (the newest last); 1. :meth:`load` reads one of them
     (``progress(done_bytes, total_bytes)`` as it arrives). A damaged checkpoint raises
-    :class:`~shadow.errors.CheckpointError` (try the next older one); a live
+    :class:`~shadow.core.errors.CheckpointError` (try the next older one); a live
     cluster that moved on raises :class:`~shadow.restore.memory.MovedOn` (ask again).
     Timeouts are the source's own (see each)."""
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import posixpath
 
+from shadow.core.snapshot import Snapshot
 from shadow.persist import checkpoints
 from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
-from shadow.snapshot import Snapshot
 from shadow.storage import Storage, storage_for
 
 

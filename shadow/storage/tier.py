@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shadow.choices import Compression
+from shadow.config.choices import Compression
 from shadow.storage.base import Storage
 from shadow.storage.url import storage_for
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import zmq
 
-from shadow.tuning import DEFAULT
+from shadow.config.tuning import DEFAULT
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.wire.frames import Field, checksum

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import zmq
 
-from shadow.tuning import DEFAULT, Tuning
+from shadow.config.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
 from shadow.wire.tags import PLAIN, Tags
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import zmq
 
-from shadow.choices import ROLES
-from shadow.tuning import DEFAULT, Tuning
+from shadow.config.choices import ROLES
+from shadow.config.tuning import DEFAULT, Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 
 logger = logging.getLogger("shadow.transport.ucx")
 

@@ -14,7 +14,7 @@ through the table every part.
 Run entries:
 ``nelem`` fp32 elements landing at flat element ``dst`` (GRAD and STATE frames) or, for
 a COMMIT, ``nelem`` bytes of msgpack body; for an EXTRA, ``nelem`` bytes of the chunk
-keyed ``dst`` (``trainer_hooks._extras``). Payloads are raw little-endian bytes, sent
+keyed ``dst`` (``trainer_hooks.capture.extras``). Payloads are raw little-endian bytes, sent
 zero-copy and received straight into the worker's preallocated buffers.
 """
 
@@ -58,7 +58,7 @@ class Field(IntEnum):
 
 
 def state_fields(optim: dict) -> tuple[Field, ...]:
-    """The state arrays an optimizer description (``trainer_hooks._optim.describe``)
+    """The state arrays an optimizer description (``trainer_hooks.optim.describe.describe``)
     keeps per element, in wire order."""
     if optim["kind"] == "sgd":
         return (Field.PARAM, Field.EXP_AVG) if optim.get("momentum_any") else (Field.PARAM,)

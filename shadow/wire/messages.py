@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from shadow.tuning import DEFAULT
+from shadow.config.tuning import DEFAULT
 from shadow.wire.schemas import ERROR_CODES, OPTIONAL, RECEIVES, SCHEMAS, VERSION
 
 __all__ = [
@@ -70,7 +70,7 @@ PER_RANK = Limits(1 * _MiB, 16 * _KiB, 4 * _KiB, 1 << 16, 4096)
 #: (30 to 100 bytes each: some 600 Ki parameters in 64 MiB, at most 2 Mi entries). A string
 #: costs about one byte of memory per byte received, so its limit only has to stay well
 #: below the total: long parameter names pass. The one byte string is the replay's square
-#: root table (``optim["sqrt"]["bits"]``, :data:`shadow.sqrttab.MAX_WIRE_BYTES`).
+#: root table (``optim["sqrt"]["bits"]``, :data:`shadow.core.sqrttab.MAX_WIRE_BYTES`).
 LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _MiB, 1 << 21, 1 << 16)
 
 #: Per-type limits; a type not named here gets :data:`SMALL`. ``persisted`` and

@@ -7,10 +7,10 @@ Imports no torch."""
 from __future__ import annotations
 
 from shadow.config import PersistConfig
-from shadow.layout import Layout
+from shadow.config.tuning import Tuning
+from shadow.core.layout import Layout
 from shadow.persist.writer import ShardPersister
 from shadow.transport.receive import Context
-from shadow.tuning import Tuning
 from shadow.wire import tags
 from shadow.worker.inbox import Inbox
 from shadow.worker.shard import ShardState

@@ -251,7 +251,7 @@ class DataPath:
         slot.received[h.rank] += total
 
     def _take_extra(self, s: Assignment, rx: FrameReceiver, h: F.Header) -> None:
-        """Chunks of model state outside the optimizer (``trainer_hooks._extras``), kept
+        """Chunks of model state outside the optimizer (``trainer_hooks.capture.extras``), kept
         zero-copy by key; the worker's set takes them when their iteration is applied."""
         chunks = rx.chunks(h)
         s.inbox.advance(h.rank)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from shadow.jobs import job_name_problem
+from shadow.core.jobs import job_name_problem
 from shadow.persist import disks
 from shadow.persist.checkpoints import dir_key
 from shadow.storage.local import open_under

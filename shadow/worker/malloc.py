@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from shadow.tuning import Tuning
+from shadow.config.tuning import Tuning
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from shadow.tuning import Tuning
+from shadow.config.tuning import Tuning
 from shadow.wire.frames import state_fields
 
 logger = logging.getLogger(__name__)

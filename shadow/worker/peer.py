@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import zmq
 
 from shadow import security
+from shadow.config.tuning import Tuning
 from shadow.transport import SocketFactory, fetch, fetch_limit
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.worker.outbox import Outbox

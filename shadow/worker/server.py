@@ -25,11 +25,11 @@ from typing import Any
 
 import zmq
 
-from shadow import sqrttab
+from shadow.config.tuning import Tuning
+from shadow.core import sqrttab
+from shadow.core.layout import Layout
 from shadow.kernels import powtab
-from shadow.layout import Layout
 from shadow.transport import SocketFactory
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.wire.commit import ApplyCut
 from shadow.worker import memory, slot

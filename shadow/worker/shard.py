@@ -9,15 +9,15 @@ from types import ModuleType
 
 import numpy as np
 
+from shadow.config.tuning import Tuning
+from shadow.core.layout import Layout, replay_tensors
+from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.sqrttab import SqrtTable
 from shadow.kernels import ReplayPlan, segments_for_range
 from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
-from shadow.layout import Layout, replay_tensors
-from shadow.optim_groups import AdamGroup, SgdGroup
-from shadow.sqrttab import SqrtTable
-from shadow.tuning import Tuning
 from shadow.wire.frames import Field, state_fields
 
 logger = logging.getLogger(__name__)

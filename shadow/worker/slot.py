@@ -5,7 +5,7 @@ When a worker process dies, its slot stays reserved for a grace period
 it out in the first ``registered`` of that slot) takes it back before then, so another
 process cannot take the slot, and the state a peer copy or a resync would send it, while
 the real one restarts. The token is kept in a file of this user's own
-(:func:`shadow.private.state_dir`), one per coordinator address and slot, so a process
+(:func:`shadow.security.private.state_dir`), one per coordinator address and slot, so a process
 started again on the same host finds it; a host without a private state directory keeps
 none (its restarted worker waits out the grace period)."""
 
@@ -16,7 +16,7 @@ import logging
 import os
 import time
 
-from shadow.private import state_dir
+from shadow.security.private import state_dir
 
 logger = logging.getLogger(__name__)
 

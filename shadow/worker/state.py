@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shadow.tuning import Tuning
+from shadow.config.tuning import Tuning
 
 if TYPE_CHECKING:
     from shadow.worker.assignment import Assignment

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from shadow.choices import Choice, Format
 from shadow.cli._compose import parse
 from shadow.cli._help import keys
 from shadow.config import RestoreConfig
+from shadow.config.choices import Choice, Format
 from tests.conftest import ROOT
 
 

@@ -18,11 +18,11 @@ import time
 import pytest
 import zmq
 
-from shadow.client import LogWaiting, dealer, request
 from shadow.coordinator.server import Coordinator
-from shadow.errors import ShadowConnectionError
-from shadow.layout import Layout
+from shadow.core.errors import ShadowConnectionError
+from shadow.core.layout import Layout
 from shadow.testing import free_port, status
+from shadow.transport.client import LogWaiting, dealer, request
 from shadow.wire import messages as M
 from tests.conftest import ROOT
 
@@ -108,7 +108,7 @@ def test_attach_wait_is_bounded_and_logged(coordinator, caplog):
     ctx = zmq.Context.instance()
     worker = dealer(ctx, address)
     trainer = dealer(ctx, address)
-    caplog.set_level("INFO", logger="shadow.client")
+    caplog.set_level("INFO", logger="shadow.transport.client")
     try:
         worker.send(M.encode("starting", pid=4343, worker_id=0, seconds=0.0))
         waiting = LogWaiting("rank 0", address)

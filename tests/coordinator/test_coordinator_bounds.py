@@ -14,13 +14,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.config import PersistConfig
+from shadow.config.tuning import Tuning
 from shadow.coordinator.outbox import RecordingOutbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.server import Coordinator
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.testing import LocalCluster, free_port, pid_alive, rss_bytes, status
 from shadow.transport import SocketFactory, fetch_limit
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build

@@ -10,14 +10,14 @@ import time
 import pytest
 
 from shadow.config import LocalTierConfig, PersistConfig
+from shadow.config.tuning import Tuning
 from shadow.coordinator.outbox import RecordingOutbox
 from shadow.coordinator.queries import status_view
 from shadow.coordinator.rebuild import rebuild_job
 from shadow.coordinator.records import JobStatus, JoinStage, WorkerRec
 from shadow.coordinator.routes import ROUTES
 from shadow.coordinator.server import Coordinator
-from shadow.layout import Layout, shard_bounds
-from shadow.tuning import Tuning
+from shadow.core.layout import Layout, shard_bounds
 from shadow.wire import messages as M
 
 OPTIM = {"kind": "adam", "impl": "fused", "vec_width": 8, "tail_width": 1}

@@ -212,7 +212,7 @@ def test_a_trainer_of_a_dropped_job_that_comes_back_corrupts_nothing():
 def _jobs_of(address: str, keys=None, timeout: float = 5.0) -> dict:
     """The coordinator's ``jobs_reply`` at ``address``: one bounded request, as a client
     (``keys``, default this user's client pair, as ``shadow jobs`` asks a default cluster)."""
-    from shadow import keyset
+    from shadow.security import keyset
     from shadow.transport import SocketFactory, fetch_limit
     from shadow.wire import messages as M
 

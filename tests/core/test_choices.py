@@ -8,9 +8,9 @@ import json
 import msgpack
 import pytest
 
-from shadow.choices import Choice, Compression, Dtype, Format, LogFormat, LogLevel, Policy, WeightFormat
 from shadow.cli._compose import UsageError, parse
 from shadow.config import ClusterConfig, ExportConfig, LocalTierConfig, PersistConfig, RestoreConfig
+from shadow.config.choices import Choice, Compression, Dtype, Format, LogFormat, LogLevel, Policy, WeightFormat
 
 
 def test_a_member_is_its_spelling():

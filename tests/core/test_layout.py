@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shadow.layout import ALIGN_ELEMS, Layout, bucket_runs, shard_bounds, stripe_bounds
+from shadow.core.layout import ALIGN_ELEMS, Layout, bucket_runs, shard_bounds, stripe_bounds
 
 
 @given(st.integers(0, 10**7), st.integers(1, 64))
@@ -93,7 +93,7 @@ def test_a_received_layout_is_bounded():
     """A layout from the network or a file cannot name more than MAX_ELEMENTS elements,
     more than MAX_DIMS dimensions or MAX_GROUPS groups (a dimension of 10**100 used to be
     taken, and overflowed every offset computed from it)."""
-    from shadow.layout import MAX_DIMS, MAX_ELEMENTS, MAX_GROUPS, Layout
+    from shadow.core.layout import MAX_DIMS, MAX_ELEMENTS, MAX_GROUPS, Layout
 
     def one(shape, groups=1):
         numel = 1
@@ -113,7 +113,7 @@ def test_a_received_layout_is_bounded():
 
 
 def test_dim0_pieces_split_like_fsdp2():
-    from shadow.layout import dim0_pieces
+    from shadow.core.layout import dim0_pieces
 
     layout = Layout.build([("w", (13, 5), 0, True), ("b", (1,), 0, True), ("s", (), 0, True)], 1)
     # 13 rows on 2 ranks: 7 + 6; one row on 2 ranks: all on the first, none on the second
@@ -128,7 +128,7 @@ def test_dim0_pieces_split_like_fsdp2():
 
 
 def test_replay_tensors_are_the_optimizers_per_tensor_view():
-    from shadow.layout import replay_tensors
+    from shadow.core.layout import replay_tensors
 
     layout = Layout.build([("w", (13, 5), 0, True), ("b", (1,), 0, True)], 1)
     assert replay_tensors(layout, {"impl": "fused"}) == [(0, 65, 0), (65, 1, 1)]

@@ -1,4 +1,4 @@
-"""A param group's replay settings (shadow/optim_groups.py): the trainer reads them from the
+"""A param group's replay settings (shadow/core/optim_groups.py): the trainer reads them from the
 optimizer, the commit record carries their wire map unchanged, the worker refuses a
 malformed one naming the key."""
 
@@ -10,10 +10,10 @@ import msgpack
 import pytest
 import torch
 
-from shadow.optim_groups import AdamGroup, SgdGroup, group_from_wire
+from shadow.core.optim_groups import AdamGroup, SgdGroup, group_from_wire
 from shadow.wire import frames as F
 from shadow.worker.commit import decode_commit
-from trainer_hooks._optim import replay_groups, wire_groups
+from trainer_hooks.optim.describe import replay_groups, wire_groups
 
 ADAM = AdamGroup(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=True, maximize=False, decoupled=True)
 SGD = SgdGroup(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-4, nesterov=False, maximize=True)

@@ -1,4 +1,4 @@
-"""The trainer's square root as a table (shadow/sqrttab.py): measured from a function, shipped,
+"""The trainer's square root as a table (shadow/core/sqrttab.py): measured from a function, shipped,
 checked when it comes from the network, and applied by the numpy and numba paths alike."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from shadow import sqrttab
+from shadow.core import sqrttab
 from shadow.kernels import adam
 
 
@@ -185,7 +185,7 @@ def test_the_table_reaches_the_workers_not_status_or_manifests(world1, tmp_path)
     from shadow.testing import LocalCluster, assert_same_state
     from tests.helpers.loop import train_step
     from tests.helpers.tiny_trainer import build
-    from trainer_hooks._optim import cpu_sqrt_table
+    from trainer_hooks.optim.describe import cpu_sqrt_table
 
     local = tmp_path / "local"
     cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=1"))

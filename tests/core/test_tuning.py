@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shadow.tuning import ENV, NAMES, Tuning
+from shadow.config.tuning import ENV, NAMES, Tuning
 
 
 def test_precedence_is_argument_then_environment_then_default():

@@ -480,7 +480,7 @@ def main() -> None:
         if it == args.kill_worker_at and rank == 0:
             import zmq
 
-            from shadow.client import dealer, request
+            from shadow.transport.client import dealer, request
             from shadow.wire import messages as M
 
             sock = dealer(zmq.Context.instance(), args.coordinator)

@@ -138,7 +138,7 @@ def test_a_ranks_calibration_at_attach_is_not_held_up_by_another_jobs_lock(holde
     waiting once: so it reaches the coordinator, where the job's other ranks wait for it."""
     import torch
 
-    from trainer_hooks import _optim
+    from trainer_hooks.optim import describe as _optim
 
     holder(600)
     monkeypatch.setattr(_cache, "COMPILE_LOCK_WAIT_S", 1.0, raising=False)
@@ -177,7 +177,7 @@ def test_a_starting_worker_is_not_held_up_without_bound(holder, monkeypatch, cap
 def test_the_bound_leaves_room_within_the_attach_timeout():
     """The job's other ranks wait ``connect_timeout_s`` at the coordinator for a rank that is
     still calibrating: the lock's wait leaves most of it for the compilation itself."""
-    from shadow.tuning import Tuning
+    from shadow.config.tuning import Tuning
 
     assert 0 < _cache.COMPILE_LOCK_WAIT_S <= Tuning().connect_timeout_s / 2
     assert _cache.WORKER_COMPILE_LOCK_WAIT_S >= _cache.COMPILE_LOCK_WAIT_S  # a cold compile of every kernel

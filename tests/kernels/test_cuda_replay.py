@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from shadow.core.optim_groups import AdamGroup, SgdGroup
 from shadow.kernels import ReplayPlan, segments_for_range
-from shadow.optim_groups import AdamGroup, SgdGroup
 
 DATA = np.load(Path(__file__).resolve().parents[1] / "data" / "cuda_optim.npz")
 N = DATA["p0"].shape[0]
@@ -92,8 +92,8 @@ def test_device_calibration_picks_the_rule_that_reproduces_the_optimizer(make, i
     probes (several tensors, sizes not multiples of 4, a view at an odd offset, a large
     lr * wd, a step count of 5000); the rule that reproduces every element is chosen and
     one that does not is measured in ulp."""
-    from trainer_hooks._calibrate import calibrate_device
-    from trainer_hooks._optim import calibrate
+    from trainer_hooks.optim.calibrate import calibrate_device
+    from trainer_hooks.optim.describe import calibrate
 
     opt = make([torch.nn.Parameter(torch.zeros(3))])
     kind = "sgd" if isinstance(opt, torch.optim.SGD) else "adam"
@@ -145,8 +145,8 @@ def test_powers_come_from_the_device_table_not_the_workers_powf():
     ],
 )
 def test_a_malformed_power_table_is_refused_at_configure(bad):
+    from shadow.core.layout import Layout
     from shadow.kernels import powtab
-    from shadow.layout import Layout
     from shadow.worker.server import Worker
 
     assert powtab.check_entries(bad) is not None

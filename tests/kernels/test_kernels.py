@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.kernel_harness import run_pair, run_pair_sgd, update_ulps
-from trainer_hooks._optim import calibrate, cpu_sqrt_table
+from trainer_hooks.optim.describe import calibrate, cpu_sqrt_table
 
 SIZES = [1, 15, 17, 31, 33, 1000, 1000003]
 CASES = list(itertools.product((torch.optim.Adam, torch.optim.AdamW), (0.0, 0.1), (False, True), (False, True)))
@@ -82,7 +82,7 @@ UNFUSED_SIZES = [1, 15, 17, 33, 1000, 100003]
 )
 def test_unfused_bit_identical(impl, cls, wd, amsgrad, maximize):
     """torch's single-tensor (its default on CPU) and foreach paths, with this CPU's square
-    roots measured at attach (``shadow.sqrttab``)."""
+    roots measured at attach (``shadow.core.sqrttab``)."""
     theirs, ours = run_pair(
         cls, impl, UNFUSED_SIZES, steps=4, clip=0.5, lr=1e-3, weight_decay=wd, amsgrad=amsgrad, maximize=maximize
     )

@@ -33,7 +33,7 @@ def shadow(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", ["exp*", "gpt[small]", "../escape", ".", "..", "", "a/b", "a b", None, 3])
 def test_invalid_job_names_are_refused_with_the_rule_and_a_fix(name):
-    from shadow.jobs import InvalidJobNameError, check_job_name
+    from shadow.core.jobs import InvalidJobNameError, check_job_name
 
     with pytest.raises(InvalidJobNameError) as err:
         check_job_name(name)
@@ -43,7 +43,7 @@ def test_invalid_job_names_are_refused_with_the_rule_and_a_fix(name):
 
 
 def test_valid_job_names_pass():
-    from shadow.jobs import JOB_NAME_MAX, check_job_name, job_name_problem
+    from shadow.core.jobs import JOB_NAME_MAX, check_job_name, job_name_problem
 
     for name in ("gpt", "exp-1.2_b", "A", "..x", "x..", "j" * JOB_NAME_MAX):
         assert check_job_name(name) == name and job_name_problem(name) is None
@@ -52,7 +52,7 @@ def test_valid_job_names_pass():
 def test_a_job_name_over_the_length_limit_is_refused_with_a_name_that_fits():
     """Issue 53, item 8: job names had no length limit (300 characters were accepted, as a
     directory under every tier's root and a label of every metric)."""
-    from shadow.jobs import JOB_NAME_MAX, InvalidJobNameError, check_job_name, job_name_problem
+    from shadow.core.jobs import JOB_NAME_MAX, InvalidJobNameError, check_job_name, job_name_problem
 
     name = "x" * 300
     with pytest.raises(InvalidJobNameError) as err:
@@ -64,7 +64,7 @@ def test_a_job_name_over_the_length_limit_is_refused_with_a_name_that_fits():
 
 
 def test_catalog_functions_refuse_a_job_name_that_would_glob_or_escape(tmp_path):
-    from shadow.jobs import InvalidJobNameError
+    from shadow.core.jobs import InvalidJobNameError
 
     root = str(tmp_path)
     for it in (1, 2):
@@ -103,7 +103,7 @@ def test_attach_and_coordinator_refuse_a_bad_job_name():
     import trainer_hooks
     from shadow.coordinator.outbox import RecordingOutbox
     from shadow.coordinator.server import Coordinator
-    from shadow.jobs import InvalidJobNameError
+    from shadow.core.jobs import InvalidJobNameError
 
     with pytest.raises(InvalidJobNameError, match=r"'\.\./escape'"):
         trainer_hooks.attach(object(), None, "tcp://127.0.0.1:1", job="../escape")

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from shadow.config import PersistConfig
-from shadow.layout import Layout
+from shadow.config.tuning import Tuning
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, planes, retention, shardfile, zshard
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
-from shadow.tuning import Tuning
 from shadow.wire.frames import Field
 
 pytest.importorskip("zstandard")

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from shadow.config import PersistConfig
+from shadow.config.tuning import Tuning
 from shadow.coordinator.persistence import Persistence
 from shadow.persist import checkpoints, shardfile, zshard
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
 from shadow.storage import LocalStorage, storage_for, tiers_for
 from shadow.storage.local import replacing
-from shadow.tuning import Tuning
 from shadow.wire.commit import UploadCopies
 from tests.persist.test_persist_schedule import JOB, RANGES, TIER, _state
 

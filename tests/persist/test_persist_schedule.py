@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 
 from shadow.config import PersistConfig
+from shadow.config.tuning import Tuning
 from shadow.coordinator import catalog as tiers_mod
 from shadow.coordinator import persistence as persistence_mod
 from shadow.coordinator.persistence import Persistence
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, shardfile
 from shadow.persist.upload import Uploader
 from shadow.persist.writer import ShardPersister
 from shadow.restore import find_checkpoint
-from shadow.tuning import Tuning
 from shadow.wire.commit import ForgetDirs, Persisted, UploadCopies
 from shadow.worker.shard import ShardState
 

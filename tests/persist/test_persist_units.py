@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shadow.config import PersistConfig
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, retention, shardfile
 from shadow.restore import find_checkpoint
 from shadow.storage import Schedule

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from shadow.config import PersistConfig
-from shadow.errors import CheckpointError, ShadowError
-from shadow.layout import Layout
+from shadow.config.tuning import Tuning
+from shadow.core.errors import CheckpointError, ShadowError
+from shadow.core.layout import Layout
+from shadow.core.snapshot import Assembly
 from shadow.persist import checkpoints, retention, shardio
 from shadow.persist.writer import ShardPersister
-from shadow.snapshot import Assembly
 from shadow.storage import Storage, storage_for
 from shadow.testing.wait import wait_until
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.wire.commit import ApplyCut, Forget, Persisted, Prepared, Upload
 from shadow.worker.shard import ShardState

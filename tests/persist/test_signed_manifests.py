@@ -14,7 +14,7 @@ import pytest
 
 from shadow.config import ListConfig, PersistConfig, RestoreConfig, SecurityConfig, VerifyConfig
 from shadow.coordinator.persistence import Persistence
-from shadow.errors import CheckpointError
+from shadow.core.errors import CheckpointError
 from shadow.persist import checkpoints, shardfile, signing
 from shadow.restore import find_checkpoint, resolve
 from shadow.wire.frames import Field, checksum

@@ -141,7 +141,7 @@ def test_writing_a_file_without_torch_names_the_extra(no_torch, tmp_path, cmd):
 def test_the_exporters_without_torch_raise_a_shadow_error(no_torch, tmp_path):
     out = tmp_path / "w.st"
     res = _run(
-        "from shadow.errors import ShadowError\n"
+        "from shadow.core.errors import ShadowError\n"
         "from shadow.export import TorchMissingError, export_weights\n"
         f"try:\n    export_weights(None, {str(out)!r})\n"
         "except TorchMissingError as exc:\n"
@@ -198,3 +198,21 @@ def test_an_integration_imports_no_other_integration(name):
         if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("trainer_hooks.integrations.")
     }
     assert imported - {"_resume"} <= _FRAMEWORKS[name], imported
+
+
+# ---- old import paths ------------------------------------------------------------------------
+
+
+def test_a_module_that_moved_into_a_package_imports_by_its_old_path_as_the_same_module():
+    import importlib
+
+    import shadow
+
+    for old, new in shadow.MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from shadow.errors import CheckpointError  # as users and docs write them
+    from shadow.tuning import Tuning
+
+    assert Tuning.__module__ == "shadow.config.tuning" and CheckpointError.__module__ == "shadow.core.errors"
+    for old in shadow.MOVED:  # nothing is left at an old path beside its alias
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), old

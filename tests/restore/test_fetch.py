@@ -11,10 +11,10 @@ import pytest
 import zmq
 
 from shadow import security
-from shadow.errors import ShadowError
-from shadow.layout import Layout
+from shadow.config.tuning import Tuning
+from shadow.core.errors import ShadowError
+from shadow.core.layout import Layout
 from shadow.restore.memory import fetch_memory
-from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.wire import tags
@@ -124,7 +124,7 @@ def test_chunked_parallel_fetch_lands_every_byte(multipart):
 def model_params(layout=LAYOUT):
     import torch
 
-    from trainer_hooks._sink import ModelParams
+    from trainer_hooks.restorer.sink import ModelParams
 
     params = [torch.full(spec.shape, -1.0) for spec in layout.params]
     return params, ModelParams.of(layout, params)

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import zmq
 
-from shadow.errors import CheckpointError, ShadowError
+from shadow.config.tuning import Tuning
+from shadow.core.errors import CheckpointError, ShadowError
 from shadow.persist import checkpoints, disks
 from shadow.restore.files_client import read_file
 from shadow.restore.node_local import ClusterTierSource
 from shadow.transport import SocketFactory
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.worker.address import Binding
 from shadow.worker.files import FileServer
@@ -268,7 +268,7 @@ def test_a_directory_has_one_disk_id(tmp_path, caplog):
 def test_a_client_that_stops_reading_holds_up_no_other(tmp_path, server):
     """Files go out a chunk each in turn, each as its client's queue has room: a client
     that asked and reads nothing does not stop another from getting the whole file."""
-    from shadow.client import dealer
+    from shadow.transport.client import dealer
 
     _write_checkpoint(server.root, "j", 5, LAYOUT)
     (info,) = checkpoints.list_checkpoints(server.root, job="j")
@@ -295,7 +295,7 @@ def test_readers_that_never_read_cost_a_bounded_number_of_transfers(tmp_path, se
     worker by 2 GB and kept a real restore waiting. At most ``MAX_TRANSFERS`` files go out at
     once, one per connection; the rest are told "busy" and counted, and a real read asks
     again until a silent reader is dropped."""
-    from shadow.client import dealer
+    from shadow.transport.client import dealer
     from shadow.worker import files as files_mod
 
     monkeypatch.setattr(files_mod, "SEND_TIMEOUT_S", 1.0)

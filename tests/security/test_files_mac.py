@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from shadow import security
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 from shadow.persist import checkpoints
 from shadow.restore import files_client
 from shadow.restore.files_client import read_file
@@ -202,7 +202,7 @@ def test_an_earlier_reply_replayed_answers_no_later_read(keyed, middle):
 def _raw_read(srv: FileServer, **fields) -> dict:
     """A ``read_file`` sent as is, through the door with a valid ticket's credential (past
     it, each request's ticket is checked again); the head of the answer."""
-    from shadow.client import dealer
+    from shadow.transport.client import dealer
 
     shard = _shard(srv)
     sock = dealer(zmq.Context.instance(), srv.endpoint, curve=False, door=security.ticket_door(*_auth(srv)))
@@ -283,7 +283,7 @@ def test_a_reader_that_never_reads_its_refusals_delays_no_other_read(keyed, keyl
     (counted ``files_reply_dropped``), and the read beside it is served at once."""
     import time
 
-    from shadow.client import dealer
+    from shadow.transport.client import dealer
 
     shard = _shard(keyed)
     want = _file(keyed, shard)

@@ -1,4 +1,4 @@
-"""This user's key set (shadow.keyset): made once, whole and private; refused whenever another
+"""This user's key set (shadow.security.keyset): made once, whole and private; refused whenever another
 account could read or replace it; what every client of this user connects with by default;
 and what a process squatting a port, or another local account, cannot get past."""
 
@@ -14,10 +14,10 @@ import pytest
 import zmq
 import zmq.auth
 
-from shadow import keyset, security
-from shadow.client import dealer, request
-from shadow.errors import ShadowConnectionError
-from shadow.security import SecurityError
+from shadow import security
+from shadow.core.errors import ShadowConnectionError
+from shadow.security import SecurityError, keyset
+from shadow.transport.client import dealer, request
 from shadow.wire import messages as M
 
 
@@ -190,8 +190,8 @@ os.setgroups([]); os.setgid(65534); os.setuid(65534)
 os.environ["XDG_CONFIG_HOME"] = sys.argv[2]
 import zmq
 from shadow import keyset, security
-from shadow.client import dealer, request
-from shadow.errors import ShadowError
+from shadow.transport.client import dealer, request
+from shadow.core.errors import ShadowError
 from shadow.wire import messages as M
 seen = {}
 try:
@@ -368,12 +368,12 @@ def test_a_client_that_makes_the_set_says_a_running_cluster_will_refuse_it(fresh
     import logging
 
     security.reset_client()
-    with caplog.at_level(logging.INFO, logger="shadow.keyset"):
+    with caplog.at_level(logging.INFO, logger="shadow.security.keyset"):
         keys = security.current_client()
     assert keys is not None and fresh.exists()
     (rec,) = [r for r in caplog.records if "key set" in r.getMessage()]
     assert rec.levelno == logging.WARNING and "restart that cluster" in rec.getMessage()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="shadow.keyset"):
+    with caplog.at_level(logging.INFO, logger="shadow.security.keyset"):
         security.current_client()  # found, not made: nothing said
     assert not [r for r in caplog.records if "key set" in r.getMessage()]

@@ -12,7 +12,7 @@ import logging
 import msgpack
 import pytest
 
-from shadow.choices import ROLES
+from shadow.config.choices import ROLES
 from shadow.coordinator.queries import status_view
 from shadow.coordinator.records import JobStatus
 from shadow.coordinator.routes import ROUTES
@@ -399,10 +399,9 @@ def test_catalog_requests_share_one_reply_while_the_tier_is_unchanged(tmp_path, 
 
 
 def test_a_service_without_keys_takes_this_users_key_set_on_loopback_only(caplog):
-    from shadow import keyset
     from shadow.cli._services import secure
     from shadow.config import SecurityConfig
-    from shadow.security import SecurityError
+    from shadow.security import SecurityError, keyset
 
     caplog.set_level(logging.INFO, logger="shadow.cli")
     on_loopback = secure(SecurityConfig(), "127.0.0.1", "cluster")

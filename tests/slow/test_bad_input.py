@@ -9,9 +9,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.config.tuning import Tuning
 from shadow.testing import free_port
 from shadow.testing.wait import wait_until
-from shadow.tuning import Tuning
 from tests.helpers.loop import train
 from tests.helpers.tiny_trainer import Tiny, build
 

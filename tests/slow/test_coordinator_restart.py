@@ -100,8 +100,8 @@ def test_losing_the_whole_cluster_never_stops_training(world1, tmp_path):
     once the coordinator has been silent for tuning.coordinator_lost_s and trains on; a new
     cluster on the same address is found by the trainer's heartbeats, the ranks re-attach
     by themselves, and what the new cluster holds equals the trainer bit for bit."""
+    from shadow.config.tuning import Tuning
     from shadow.testing import LocalCluster
-    from shadow.tuning import Tuning
 
     cluster = LocalCluster(tmp_path)
     # the trainer gives the coordinator up after 2 s of silence

@@ -12,11 +12,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow import security
-from shadow.client import dealer
 from shadow.persist import checkpoints
 from shadow.restore.memory import MemorySource, restore_info
 from shadow.restore.resolve import pick
 from shadow.testing import LocalCluster, status
+from shadow.transport.client import dealer
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from tests.helpers.keys import role_keys

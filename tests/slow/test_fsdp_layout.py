@@ -1,6 +1,6 @@
 """The reduce-hook design FSDP2 support was mapped out with (docs/fsdp.md, "Why at the
 step"): where each parameter's shard lies in an FSDP2 group's reduce output, computed from
-public API (trainer_hooks._fsdp.fsdp_spans), equals what FSDP hands the all-reduce hook and
+public API (trainer_hooks.capture.fsdp.fsdp_spans), equals what FSDP hands the all-reduce hook and
 then puts in ``p.grad`` (FSDP on 2 ranks and HSDP on 4 (2x2), uneven shards: 13 rows on 2
 ranks are 7 + 6 and a row of padding); and the replay of those buffers in FSDP's order and
 dtypes equals FSDP's AdamW. The shipped path, gradients taken at the step, is
@@ -25,7 +25,7 @@ def _run(rank: int, world: int, port: int, hsdp: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainer_hooks._fsdp import fsdp_groups, fsdp_spans
+    from trainer_hooks.capture.fsdp import fsdp_groups, fsdp_spans
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -83,8 +83,8 @@ def _replay(rank: int, world: int, port: int, impl: str, mode: str = "") -> None
     from torch.distributed.fsdp import fully_shard
 
     from shadow.kernels import ReplayPlan, segments_for_range
-    from trainer_hooks._fsdp import fsdp_groups, fsdp_spans
-    from trainer_hooks._optim import calibrate, cpu_sqrt_table, replay_groups
+    from trainer_hooks.capture.fsdp import fsdp_groups, fsdp_spans
+    from trainer_hooks.optim.describe import calibrate, cpu_sqrt_table, replay_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

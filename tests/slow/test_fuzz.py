@@ -286,7 +286,7 @@ def test_fuzz_with_live_values_on_a_keyed_cluster_changes_nothing(world1, tmp_pa
 
 
 def _fuzz_live_values(cluster, job: str, monkeypatch, keys=None) -> None:
-    from shadow.tuning import Tuning
+    from shadow.config.tuning import Tuning
 
     commits = capture_commits(monkeypatch)
     model, opt, sched = build()

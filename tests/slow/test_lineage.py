@@ -147,7 +147,7 @@ def test_ls_shows_superseded_checkpoints(tmp_path):
     import subprocess
     import sys
 
-    from shadow.layout import Layout
+    from shadow.core.layout import Layout
     from tests.conftest import ROOT
 
     layout = Layout.build([("w", (4,), 0, True)], 1)

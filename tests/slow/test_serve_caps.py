@@ -16,9 +16,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
+from shadow.config.tuning import Tuning
 from shadow.restore.memory import MovedOn, _fetch_shard, _Progress, fetch_memory, restore_info
 from shadow.testing import LocalCluster
-from shadow.tuning import Tuning
 from shadow.wire import messages as M
 from shadow.wire.frames import Field, checksum
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from shadow.config import LocalTierConfig, PersistConfig, RemoteTierConfig
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.persist import checkpoints, shardfile
 from shadow.persist.checkpoints import CheckpointError
 from shadow.restore import TierSource, find_checkpoint, open_source, pick

@@ -15,7 +15,7 @@ pytest.importorskip("accelerate")
 
 from accelerate.utils import DistributedType  # noqa: E402
 
-from shadow.errors import ShadowUsageError  # noqa: E402
+from shadow.core.errors import ShadowUsageError  # noqa: E402
 from tests.conftest import rank_logs, run_ranks  # noqa: E402
 from trainer_hooks.integrations.accelerate import ShadowedRun  # noqa: E402
 
@@ -67,7 +67,7 @@ RANK = textwrap.dedent("""
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # as torchrun sets it
     import torch
     from accelerate import Accelerator
-    from shadow.errors import ShadowUsageError
+    from shadow.core.errors import ShadowUsageError
     from trainer_hooks.integrations.accelerate import ShadowedRun
 
     accelerator = Accelerator()  # no cpu=True, on a host without a GPU

@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from shadow.errors import LayoutMismatchError
+from shadow.config.tuning import Tuning
+from shadow.core.errors import LayoutMismatchError
 from shadow.export import extras as read_extras
 from shadow.testing import LocalCluster
-from shadow.tuning import Tuning
 from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
-from trainer_hooks import _extras
+from trainer_hooks.capture import extras as _extras
 
 STEPS = 6
 POKE = 4  # the frozen layer and the big buffer change in place before this iteration's forward

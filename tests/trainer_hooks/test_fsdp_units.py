@@ -1,5 +1,5 @@
 """The FSDP2 pieces of the trainer side without a cluster: where a rank's rows lie and what
-it streams (:class:`trainer_hooks._fsdp.LocalShards`), what attach refuses, and a restore's
+it streams (:class:`trainer_hooks.capture.fsdp.LocalShards`), what attach refuses, and a restore's
 rows placed as the live DTensors are, on a one-rank FSDP2 model (the multi-rank runs are
 tests/slow/test_fsdp.py)."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shadow.errors import ShadowUsageError
-from shadow.layout import Layout
-from trainer_hooks._fsdp import LocalShards, Rows, check_outside_optimizer, local_shards, rows_ranges
+from shadow.core.errors import ShadowUsageError
+from shadow.core.layout import Layout
+from trainer_hooks.capture.fsdp import LocalShards, Rows, check_outside_optimizer, local_shards, rows_ranges
 
 
 def test_replicas_split_their_shard_and_runs_skip_what_has_no_gradient():
@@ -67,7 +67,7 @@ def test_attach_refuses_what_fsdp2_cannot_stream(world1):
 def test_a_restore_places_full_tensors_as_the_live_dtensors(world1):
     from torch.distributed.tensor import DTensor
 
-    from trainer_hooks._model import build_layout
+    from trainer_hooks.capture.model import build_layout
 
     m = _one_rank_model()
     opt = torch.optim.AdamW(m.parameters())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_hooks._restore import RestoreInfo, process_rank
+from trainer_hooks.restorer.restore import RestoreInfo, process_rank
 from trainer_hooks.session import clipping
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
@@ -129,7 +129,7 @@ def test_restore_rank_from_environment(monkeypatch):
 
 
 def test_deferred_rng_applies_once():
-    from trainer_hooks import _rng
+    from trainer_hooks.capture import rng as _rng
 
     torch.manual_seed(3)
     random.seed(3)

@@ -20,11 +20,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
-from shadow.errors import ShadowUsageError
+from shadow.core.errors import ShadowUsageError
 from tests.conftest import ROOT
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
-from trainer_hooks._model import build_layout
+from trainer_hooks.capture.model import build_layout
 from trainer_hooks.session import bootstrap
 from trainer_hooks.session import commit as commit_parts
 from trainer_hooks.session.attachment import Attachment
@@ -205,7 +205,7 @@ def test_fault_injection_is_a_sender_factory_and_patches_nothing():
     """``testing.faults`` hands sessions a factory of faulty senders (through a context
     variable a session reads when built); no class attribute changes, and the faulty
     sender's data channels are the ones it was given, wrapped."""
-    from shadow.tuning import Tuning
+    from shadow.config.tuning import Tuning
     from trainer_hooks import testing
     from trainer_hooks.session.items import NoEvents
     from trainer_hooks.session.sender import SENDER_FACTORY, Sender
@@ -284,7 +284,7 @@ def test_a_session_takes_options_or_their_keywords_not_both(world1):
 
 
 def test_options_take_a_tuning_built_once_from_argument_environment_default(monkeypatch):
-    from shadow.tuning import Tuning
+    from shadow.config.tuning import Tuning
 
     monkeypatch.setenv("SHADOW_BLOCK_TIMEOUT_S", "7.5")
     assert AttachOptions().tuning == Tuning(block_timeout_s=7.5)  # read when the options are built
@@ -293,7 +293,7 @@ def test_options_take_a_tuning_built_once_from_argument_environment_default(monk
     assert opts.tuning.block_timeout_s == 7.5  # and never again
     given = Tuning(ring_iterations=2)
     assert AttachOptions(tuning=given).tuning is given  # an argument wins over the environment
-    with pytest.raises(TypeError, match="tuning must be a shadow.tuning.Tuning"):
+    with pytest.raises(TypeError, match="tuning must be a shadow.config.tuning.Tuning"):
         AttachOptions(tuning={"ring_iterations": 2})
 
 

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_hooks import UnsupportedOptimizerError, _codec, _rng
-from trainer_hooks._model import LayoutError, build_layout
-from trainer_hooks._optim import cpu_sqrt_table, describe
+from shadow.export import blob as _codec
+from trainer_hooks import UnsupportedOptimizerError
+from trainer_hooks.capture import rng as _rng
+from trainer_hooks.capture.model import LayoutError, build_layout
+from trainer_hooks.optim.describe import cpu_sqrt_table, describe
 from trainer_hooks.session.staging import RingFullError, StagingRing
 
 
@@ -119,8 +121,8 @@ def test_unfused_optimizer_is_replayed_exactly_with_this_cpu_s_square_roots(flag
 
 
 def test_an_optimizer_the_replay_cannot_match_is_refused_unless_exact_false(monkeypatch):
-    from shadow.sqrttab import SLOT_BYTES, SqrtTable
-    from trainer_hooks import _optim
+    from shadow.core.sqrttab import SLOT_BYTES, SqrtTable
+    from trainer_hooks.optim import describe as _optim
 
     # a table that steps every square root: the replay can no longer match torch here
     wrong = SqrtTable.build(np.full(2 * SLOT_BYTES, 0xFF, np.uint8), [-1] + [(e - 127) & 1 for e in range(1, 255)])
@@ -142,7 +144,7 @@ def test_calibration_keeps_torch_thread_count():
 
     code = (
         "import torch; torch.set_num_threads(1)\n"
-        "from trainer_hooks import _optim\n"
+        "from trainer_hooks.optim import describe as _optim\n"
         "_optim.calibrate()\n"
         "print(torch.get_num_threads())\n"
     )
@@ -154,7 +156,7 @@ def test_a_busy_metrics_port_does_not_fail_the_attach(monkeypatch, caplog):
     """The metrics port taken by another process: the rank logs it and trains on."""
     import socket
 
-    from trainer_hooks import _metrics
+    from trainer_hooks.session import metrics as _metrics
 
     monkeypatch.setattr(_metrics, "_server", None)
     monkeypatch.setattr(_metrics, "_session", None)

@@ -13,9 +13,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from shadow.config.tuning import Tuning
 from shadow.testing import LocalCluster, rss_bytes
 from shadow.transport import SocketFactory, fetch_limit
-from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from trainer_hooks.session.items import NoEvents

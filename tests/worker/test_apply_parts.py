@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from shadow.core.layout import Layout
+from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.sqrttab import SLOT_BYTES, SqrtTable
 from shadow.kernels.replay import part_work, segments_for_range, untouched
-from shadow.layout import Layout
-from shadow.optim_groups import AdamGroup, SgdGroup
-from shadow.sqrttab import SLOT_BYTES, SqrtTable
 from shadow.wire.frames import Field
 from shadow.worker.shard import ShardState
 

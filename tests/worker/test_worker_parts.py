@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.transport import FrameReceiver, SocketFactory
 from shadow.wire import frames as F
 from shadow.wire import messages as M

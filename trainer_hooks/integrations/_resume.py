@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer_hooks._restore import check_world
-from trainer_hooks._restored import RestorePoint
+from trainer_hooks.restorer.points import RestorePoint
+from trainer_hooks.restorer.restore import check_world
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Resumed:
         """The restore point of rank ``rank``: its own RNG and extra state as checkpointed (a
         rank the checkpoint did not have, with ``resize``: no RNG and the job-wide extra
         state). Checks the world size first where it was not known when the checkpoint was
-        written (:func:`trainer_hooks._restore.check_world`)."""
+        written (:func:`trainer_hooks.restorer.restore.check_world`)."""
         if not self.world_checked:
             self.world_checked = check_world(self.world, self.job, self.iteration, self.resize) is not None
         rng = self.rngs[rank] if rank < len(self.rngs) else None

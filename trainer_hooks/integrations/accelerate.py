@@ -57,8 +57,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from torch.nn.parallel import DistributedDataParallel
 
 import trainer_hooks
-from shadow.errors import ShadowUsageError
-from trainer_hooks._restore import RestoreInfo
+from shadow.core.errors import ShadowUsageError
+from trainer_hooks.restorer.restore import RestoreInfo
 
 logger = logging.getLogger(__name__)
 

@@ -45,11 +45,11 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
 import trainer_hooks
-from shadow.errors import ShadowError, ShadowUsageError
+from shadow.core.errors import ShadowError, ShadowUsageError
 from shadow.export._writers import HF_KEY
-from trainer_hooks._restored import RESTORED
 from trainer_hooks.integrations._resume import Resumed, write_resume
 from trainer_hooks.integrations.accelerate import inner_optimizer
+from trainer_hooks.restorer.points import RESTORED
 
 logger = logging.getLogger(__name__)
 

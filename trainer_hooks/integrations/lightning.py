@@ -45,11 +45,11 @@ import lightning.pytorch as pl
 from torch.nn.parallel import DistributedDataParallel
 
 import trainer_hooks
-from shadow.errors import ShadowError, ShadowUsageError
+from shadow.core.errors import ShadowError, ShadowUsageError
 from shadow.export._writers import LIGHTNING_KEY
-from trainer_hooks._restore import RestoreInfo
-from trainer_hooks._restored import RESTORED, RestorePoint
 from trainer_hooks.integrations._resume import Resumed, known_rank, write_resume
+from trainer_hooks.restorer.points import RESTORED, RestorePoint
+from trainer_hooks.restorer.restore import RestoreInfo
 
 logger = logging.getLogger(__name__)
 

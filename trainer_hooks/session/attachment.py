@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from shadow.choices import Policy
-from shadow.errors import ShadowUsageError
-from trainer_hooks import _fsdp
-from trainer_hooks._extras import ExtrasTracker
-from trainer_hooks._restored import RestorePoint
+from shadow.config.choices import Policy
+from shadow.core.errors import ShadowUsageError
+from trainer_hooks.capture import fsdp as _fsdp
+from trainer_hooks.capture.extras import ExtrasTracker
+from trainer_hooks.restorer.points import RestorePoint
 from trainer_hooks.session import audit, bootstrap, buckets, checks, device, handshake
 from trainer_hooks.session import commit as commit_parts
 from trainer_hooks.session.handshake import Handshake

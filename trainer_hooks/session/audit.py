@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from shadow.wire import frames as F
-from trainer_hooks import _optim
+from trainer_hooks.optim import describe as _optim
 from trainer_hooks.session import transfer
 
 

@@ -9,9 +9,11 @@ import numpy as np
 import torch
 import xxhash
 
-from shadow.layout import intersect, stripe_bounds
+from shadow.core.layout import intersect, stripe_bounds
 from shadow.wire import frames as F
-from trainer_hooks import _fsdp, _optim, _rng
+from trainer_hooks.capture import fsdp as _fsdp
+from trainer_hooks.capture import rng as _rng
+from trainer_hooks.optim import describe as _optim
 from trainer_hooks.session.items import StateItem
 from trainer_hooks.session.recorder import Commit
 from trainer_hooks.session.transfer import HostCopy

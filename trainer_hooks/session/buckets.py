@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shadow.layout import bucket_runs, stripe_bounds
+from shadow.core.layout import bucket_runs, stripe_bounds
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 
 
 def check_layout(optimizer, layout, laid_out: list) -> None:

@@ -14,7 +14,7 @@ A session takes the coefficient when the call scaled every laid-out parameter th
 gradient (``model.parameters()``, the optimizer's parameters, in any order). A call that
 scaled only some of them, or a second clip in one iteration, cannot be replayed with one
 factor: that iteration is refused (the next ``optimizer.step()`` raises
-:class:`~shadow.errors.ShadowUsageError` saying so) rather than checkpointed wrong.
+:class:`~shadow.core.errors.ShadowUsageError` saying so) rather than checkpointed wrong.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgpack
 
-from shadow.errors import ShadowError, ShadowUsageError
-from trainer_hooks import _codec
+from shadow.core.errors import ShadowError, ShadowUsageError
+from shadow.export import blob as _codec
 from trainer_hooks.session import audit, checks, transfer
 from trainer_hooks.session.items import Refused
 from trainer_hooks.session.recorder import Commit

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from shadow.errors import ShadowUsageError
+from shadow.core.errors import ShadowUsageError
 
 _NAMES_SHOWN = 4
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from shadow import sqrttab
-from shadow.client import LogWaiting, dealer, request
-from shadow.errors import ShadowError
+from shadow.core import sqrttab
+from shadow.core.errors import ShadowError
+from shadow.transport.client import LogWaiting, dealer, request
 from shadow.wire import messages as M
 from shadow.wire import tags
-from trainer_hooks._restored import RestorePoint
+from trainer_hooks.restorer.points import RestorePoint
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.target import Target
 

@@ -48,7 +48,7 @@ class CommitItem:
 
 @dataclass
 class ExtraItem:
-    """Chunks of model state outside the optimizer for one worker (trainer_hooks._extras)."""
+    """Chunks of model state outside the optimizer for one worker (trainer_hooks.capture.extras)."""
 
     iteration: int
     worker: int

@@ -8,8 +8,8 @@ import functools
 import weakref
 from typing import Any, Protocol
 
-from shadow.errors import ShadowError
-from trainer_hooks import _codec
+from shadow.core.errors import ShadowError
+from shadow.export import blob as _codec
 
 
 class Owner(Protocol):

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shadow.choices import Policy
-from shadow.jobs import check_job_name
-from shadow.tuning import Tuning
+from shadow.config.choices import Policy
+from shadow.config.tuning import Tuning
+from shadow.core.jobs import check_job_name
 from trainer_hooks.session import observe
 
 POLICIES = Policy.values()
@@ -36,7 +36,7 @@ class AttachOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.tuning, Tuning):
             raise TypeError(
-                f"tuning must be a shadow.tuning.Tuning (e.g. Tuning.load(block_timeout_s=30)), "
+                f"tuning must be a shadow.config.tuning.Tuning (e.g. Tuning.load(block_timeout_s=30)), "
                 f"got {type(self.tuning).__name__}"
             )
         check_job_name(self.job)  # it names a directory under every tier's root

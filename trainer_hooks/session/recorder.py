@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from shadow.errors import ShadowUsageError
-from trainer_hooks import _optim, _rng
+from shadow.core.errors import ShadowUsageError
+from trainer_hooks.capture import rng as _rng
+from trainer_hooks.optim import describe as _optim
 from trainer_hooks.session import transfer
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.transfer import AsScalar, HostCopy

@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 from shadow.wire import tags
 from trainer_hooks.session.items import JoinItem, NoticeItem
 from trainer_hooks.session.sender import Sender

@@ -33,11 +33,11 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-from shadow.errors import ShadowError
+from shadow.config.tuning import Tuning
+from shadow.core.errors import ShadowError
 from shadow.security import Door
 from shadow.transport.send import Channels as TransportChannels
 from shadow.transport.send import DataSender
-from shadow.tuning import Tuning
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.wire.tags import PLAIN, DataKey, Tags, rank_user

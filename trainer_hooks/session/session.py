@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from shadow.errors import ShadowUsageError
-from trainer_hooks import _fsdp, _metrics
-from trainer_hooks._restored import RESTORED, RestorePoint
+from shadow.core.errors import ShadowUsageError
+from trainer_hooks.capture import fsdp as _fsdp
+from trainer_hooks.restorer.points import RESTORED, RestorePoint
 from trainer_hooks.session import clipping, device, observe
+from trainer_hooks.session import metrics as _metrics
 from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.hook import HookSlot
 from trainer_hooks.session.options import AttachOptions
@@ -52,7 +53,7 @@ from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
 from trainer_hooks.session.transfer import HostCopy
 
 if TYPE_CHECKING:
-    from trainer_hooks._restore import RestoreInfo
+    from trainer_hooks.restorer.restore import RestoreInfo
 
 logger = logging.getLogger(__name__)
 

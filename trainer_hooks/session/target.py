@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from shadow.layout import Layout
-from trainer_hooks import _fsdp, _optim
-from trainer_hooks._model import build_layout, state_dict_aliases
+from shadow.core.layout import Layout
+from trainer_hooks.capture import fsdp as _fsdp
+from trainer_hooks.capture.model import build_layout, state_dict_aliases
+from trainer_hooks.optim import describe as _optim
 from trainer_hooks.session import device
 
 

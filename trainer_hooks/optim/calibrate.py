@@ -9,7 +9,7 @@ an odd offset, the trainer's hyperparameters and a large lr * weight decay, and 
 count in the thousands. The shadow's kernels replay the same steps on this CPU with each
 candidate rule; the first that reproduces every element of every state array is used.
 When none does, the closest is used and ``bit_exact`` is False: attach refuses it unless
-``exact=False`` (:func:`trainer_hooks._optim.describe`). A new torch version, GPU or CPU
+``exact=False`` (:func:`trainer_hooks.optim.describe.describe`). A new torch version, GPU or CPU
 thus selects or rejects a rule itself instead of drifting silently. A fused optimizer
 also takes one step under a GradScaler ``grad_scale``. One synchronisation, at attach.
 """
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.sqrttab import SqrtTable
 from shadow.kernels import ReplayPlan, powtab, segments_for_range
 from shadow.kernels.replay import TABLE_IMPLS
-from shadow.optim_groups import AdamGroup, SgdGroup
-from shadow.sqrttab import SqrtTable
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ exporter consumes.
 
 A :class:`Snapshot` holds the flat parameter and moment arrays, per-parameter step counts,
 the layout, and the opaque per-rank commit blobs (RNG, scheduler, extra state) and the
-chunks of the model state outside the optimizer (``trainer_hooks._extras``), all for one
+chunks of the model state outside the optimizer (``trainer_hooks.capture.extras``), all for one
 iteration. It depends on no transport and no storage: memory (:mod:`shadow.restore`) and
 the persisted tiers (:mod:`shadow.persist`) both build it.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.wire.frames import Field
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shadow.choices import ROLES
+from shadow.config.choices import ROLES
 
 DATA_MODES = ("mac", "curve")
 
@@ -13,7 +13,7 @@ DATA_MODES = ("mac", "curve")
 @dataclass
 class SecurityConfig:
     """ZeroMQ CURVE authentication and encryption, and who may do what. All empty: on
-    loopback, this user's key set (:mod:`shadow.keyset`, made on first start), so no other
+    loopback, this user's key set (:mod:`shadow.security.keyset`, made on first start), so no other
     local account can connect; beyond loopback, refused. Keyless only with ``insecure``.
 
     Make keys with ``shadow keygen role=...``. The coordinator and the workers bind with the

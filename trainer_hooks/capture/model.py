@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 
 
 class LayoutError(ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from shadow.errors import ShadowError
+from shadow.core.errors import ShadowError
 
 #: the longest job name: a directory name under every tier's root (255 bytes on most file
 #: systems), a label of every metric and a part of every log line

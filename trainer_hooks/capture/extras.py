@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import xxhash
 
-from shadow.errors import LayoutMismatchError
+from shadow.config.tuning import Tuning
+from shadow.core.errors import LayoutMismatchError
+from shadow.export import blob as _codec
 from shadow.export.extras import FORMAT, INDEX, key
-from shadow.tuning import Tuning
-from trainer_hooks import _codec
-from trainer_hooks._model import unwrap
+from trainer_hooks.capture.model import unwrap
 from trainer_hooks.session.items import ExtraItem
 from trainer_hooks.session.transfer import HostCopy
 

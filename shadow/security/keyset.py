@@ -27,9 +27,9 @@ from pathlib import Path
 
 import zmq.auth
 
-from shadow.choices import ROLES
-from shadow.private import dir_problem, private_problem
-from shadow.security import ClientKeys, SecurityError, load_public, load_secret
+from shadow.config.choices import ROLES
+from shadow.security.keys import ClientKeys, SecurityError, load_public, load_secret
+from shadow.security.private import dir_problem, private_problem
 
 logger = logging.getLogger(__name__)
 

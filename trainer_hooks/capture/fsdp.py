@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shadow.errors import ShadowUsageError
-from shadow.layout import Layout, bucket_runs, stripe_bounds
+from shadow.core.errors import ShadowUsageError
+from shadow.core.layout import Layout, bucket_runs, stripe_bounds
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:

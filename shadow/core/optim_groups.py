@@ -1,5 +1,5 @@
 """A param group's replay settings: the hyperparameters one optimizer step used, as the
-trainer reads them (``trainer_hooks._optim.replay_groups``), as a commit record carries
+trainer reads them (``trainer_hooks.optim.describe.replay_groups``), as a commit record carries
 them (:meth:`AdamGroup.to_wire`: a plain map, packed with msgpack) and as a worker checks
 and decodes them (:meth:`AdamGroup.from_wire`) for :class:`shadow.kernels.ReplayPlan`.
 

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import torch
 
-from shadow.layout import Layout
+from shadow.core.layout import Layout
 from shadow.transport.fetch import Scatter
 
 

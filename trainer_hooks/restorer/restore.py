@@ -12,16 +12,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shadow.errors import LayoutMismatchError, ShadowError, ShadowUsageError
+from shadow.config.tuning import Tuning
+from shadow.core.errors import LayoutMismatchError, ShadowError, ShadowUsageError
+from shadow.core.layout import Layout
+from shadow.core.snapshot import Snapshot
 from shadow.export.extras import recorded
 from shadow.export.state import state_dicts
-from shadow.layout import Layout
-from shadow.snapshot import Snapshot
-from shadow.tuning import Tuning
-from trainer_hooks import _extras, _fsdp, _rng
-from trainer_hooks._model import LayoutError, build_layout, unwrap
-from trainer_hooks._restored import RESTORED, RestorePoint
-from trainer_hooks._sink import ModelParams
+from trainer_hooks.capture import extras as _extras
+from trainer_hooks.capture import fsdp as _fsdp
+from trainer_hooks.capture import rng as _rng
+from trainer_hooks.capture.model import LayoutError, build_layout, unwrap
+from trainer_hooks.restorer.points import RESTORED, RestorePoint
+from trainer_hooks.restorer.sink import ModelParams
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,7 @@ def restore(
     memory, the parameters are received straight into it once its layout is known to match;
     if every source then fails, it holds part of them and this raises). ``timeout`` bounds the wait for a
     coordinator (default ``tuning.connect_timeout_s``); ``tuning``: a
-    :class:`shadow.tuning.Tuning` (default: :meth:`Tuning.load`, from the environment).
+    :class:`shadow.config.tuning.Tuning` (default: :meth:`Tuning.load`, from the environment).
     ``sign_key``: the manifest key (``shadow.persist.signing.load_key(path)``) a persisted
     checkpoint's signature is checked with: one unsigned or failing it is never restored
     (default: the key file ``$SHADOW_MANIFEST_KEY`` names; none: signatures unchecked).

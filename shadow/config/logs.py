@@ -12,7 +12,7 @@ import datetime
 import json
 import logging
 
-from shadow.choices import LogFormat, LogLevel
+from shadow.config.choices import LogFormat, LogLevel
 
 TEXT = "%(asctime)s %(levelname)s %(name)s pid=%(process)d %(message)s"
 

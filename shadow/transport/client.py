@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import zmq
 
-from shadow.errors import ShadowConnectionError
-from shadow.tuning import DEFAULT, Tuning
+from shadow.config.tuning import DEFAULT, Tuning
+from shadow.core.errors import ShadowConnectionError
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)

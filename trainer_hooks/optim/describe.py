@@ -17,9 +17,9 @@ import warnings
 import numpy as np
 import torch
 
-from shadow import sqrttab
-from shadow.optim_groups import AdamGroup, SgdGroup
-from shadow.sqrttab import SqrtTable
+from shadow.core import sqrttab
+from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.sqrttab import SqrtTable
 from shadow.wire import frames as F
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     the replay needs of this machine (CUDA's powers, the CPU's square root table).
 
     The replay is checked here against the trainer's own optimizer class, settings and
-    implementation, stepping probes on its device (:func:`trainer_hooks._calibrate.calibrate_device`).
+    implementation, stepping probes on its device (:func:`trainer_hooks.optim.calibrate.calibrate_device`).
     When it is not bit-identical, ``exact`` refuses the optimizer (``UnsupportedOptimizerError``
     naming the cause and the fixes); ``exact=False`` warns and goes on, ``bit_exact`` false."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
@@ -119,7 +119,7 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     impl = impls.pop()
     name = f"{type(optimizer).__name__} ({impl})"
     cuda = next((p.device for g in optimizer.param_groups for p in g["params"] if p.is_cuda), None)
-    from trainer_hooks._calibrate import calibrate_device  # numba: loaded at attach, not at import
+    from trainer_hooks.optim.calibrate import calibrate_device  # numba: loaded at attach, not at import
 
     powers, table, note = None, None, ""
     if cuda is not None:
@@ -159,13 +159,13 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     if powers is not None:
         out["pow"] = powers  # beta ** k as the trainer's device computes it (shadow/kernels/powtab.py)
     if table is not None:
-        out["sqrt"] = table.to_wire()  # sqrt as this CPU's torch computes it (shadow/sqrttab.py)
+        out["sqrt"] = table.to_wire()  # sqrt as this CPU's torch computes it (shadow/core/sqrttab.py)
     return out
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_sqrt_table() -> tuple[SqrtTable | None, str]:
-    """How torch's CPU ``Tensor.sqrt`` rounds on this machine (:func:`shadow.sqrttab.measure`):
+    """How torch's CPU ``Tensor.sqrt`` rounds on this machine (:func:`shadow.core.sqrttab.measure`):
     the table the replay of single-tensor and foreach Adam needs, None when it is IEEE's."""
     with torch.no_grad():
         table, note = sqrttab.measure(lambda a: torch.sqrt(torch.from_numpy(a)).numpy())

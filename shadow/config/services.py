@@ -1,0 +1,124 @@
+"""The services' configs: the coordinator, a cluster of workers, a worker, the data transport."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shadow.config.checks import check_endpoint, check_log, check_metrics_port, check_port, check_shape
+from shadow.config.choices import LogFormat, LogLevel
+from shadow.config.tiers import PersistConfig
+from shadow.config.tuning import TuningConfig, check_section
+from shadow.security.config import SecurityConfig
+
+DATA_TRANSPORTS = ("zmq", "ucx")
+
+
+@dataclass
+class TransportConfig:
+    """How gradients travel from the trainers to the workers (the control plane is ZeroMQ)."""
+
+    #: zmq (the default) or ucx (RDMA fabrics through UCX; needs the extra shadow-checkpoint[ucx])
+    data: str = "zmq"
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA_TRANSPORTS:
+            raise ValueError(
+                f"transport.data={self.data!r} is not one of {DATA_TRANSPORTS}: zmq (ZeroMQ over TCP, the "
+                "default) or ucx (UCX: InfiniBand, RoCE, EFA or TCP; pip install 'shadow-checkpoint[ucx]')"
+            )
+
+    def check(self, security: SecurityConfig) -> None:
+        """UCX carries no CURVE: a keyed cluster streams over UCX with per-rank MACs."""
+        if self.data == "ucx" and security.server_key and security.data == "curve":
+            raise ValueError(
+                "transport.data=ucx cannot go with security.data=curve: UCX carries no CURVE encryption. "
+                "Use security.data=mac (every frame under its rank's MAC) or transport.data=zmq"
+            )
+
+
+@dataclass
+class CoordinatorConfig:
+    """The coordinator alone (workers join by its address)."""
+
+    workers: int = 2  #: worker slots (workers / replicas shards)
+    replicas: int = 1  #: workers holding each shard (2: losing one loses nothing; it recopies from its peer)
+    host: str = "127.0.0.1"  #: interface to bind (127.0.0.1 keeps the cluster local; 0.0.0.0 = every interface)
+    port: int = 5555  #: coordinator port
+    metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
+    log_level: LogLevel = LogLevel.INFO  #: DEBUG, INFO, WARNING or ERROR
+    log_format: LogFormat = LogFormat.text  #: text (one line per event) or json (one JSON object per line)
+    persist: PersistConfig = field(default_factory=PersistConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.config.tuning.Tuning); the workers get them too
+
+    def __post_init__(self) -> None:
+        check_shape(self.workers, self.replicas)
+        check_section(self.tuning)
+        check_port(self.port)
+        check_metrics_port(self.metrics_port)
+        check_log(self)
+        if self.persist.sign and not self.security.manifest_key:
+            raise ValueError(
+                "persist.sign=true needs security.manifest_key: a file holding the signing key "
+                "(make one with `head -c 32 /dev/urandom > manifest.key && chmod 600 manifest.key`)"
+            )
+
+
+@dataclass
+class ClusterConfig(CoordinatorConfig):
+    """A coordinator plus ``workers`` worker processes on this host (foreground). With
+    ``metrics_port`` set, worker ``i`` serves its metrics on ``metrics_port + 1 + i``."""
+
+    threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
+    max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.transport.check(self.security)
+        if self.threads_per_worker < 0:
+            raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
+        self.security.check_workers_key("shadow cluster")
+        if self.metrics_port and self.metrics_port + self.workers >= 65536:
+            raise ValueError(
+                f"metrics_port={self.metrics_port} leaves no port for worker {self.workers - 1} "
+                f"(metrics_port + 1 + i); use a port below {65535 - self.workers}"
+            )
+
+    def threads(self) -> int:
+        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
+
+
+@dataclass
+class WorkerConfig:
+    """One worker joining a coordinator: the coordinator address is all it needs."""
+
+    coordinator: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
+    host: str = (
+        "auto"  #: interface for this worker's data and serve sockets; auto = the one that routes to the coordinator
+    )
+    threads: int = 0  #: numba threads; 0 = all cores
+    metrics_port: int = 0  #: Prometheus /metrics port (0 = off)
+    log_level: LogLevel = LogLevel.INFO  #: DEBUG, INFO, WARNING or ERROR
+    log_format: LogFormat = LogFormat.text  #: text or json
+    worker_id: int = -1  #: the shard slot this worker (re)takes; -1 = the next free one
+    #: this worker's own directory for the local tier, on its host's disk (node-local); empty = the
+    #: cluster's persist.local.dir. Manifests record which disk holds each shard
+    local_dir: str = ""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    tuning: Any = field(default_factory=TuningConfig)  #: knobs (shadow.config.tuning.Tuning)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        check_endpoint("coordinator", self.coordinator)
+        self.transport.check(self.security)
+        check_section(self.tuning)
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 (0 = all cores)")
+        if not self.host:
+            raise ValueError("host= is empty; give an interface address or host=auto")
+        check_metrics_port(self.metrics_port)
+        check_log(self)
+        self.security.check_workers_key("shadow worker")
