@@ -20,7 +20,7 @@ import sys
 MOVED = {
     "shadow.choices": "shadow.config.choices",
     "shadow.client": "shadow.transport.client",
-    "shadow.config_security": "shadow.security.config",
+    "shadow.config_security": "shadow.config.security",
     "shadow.errors": "shadow.core.errors",
     "shadow.jobs": "shadow.core.jobs",
     "shadow.keyset": "shadow.security.keyset",

@@ -16,12 +16,12 @@ from shadow.config import (
     JobsConfig,
     KeygenConfig,
     ListConfig,
-    PlanConfig,
     RestoreConfig,
     StatusConfig,
     VerifyConfig,
 )
 from shadow.core.errors import ShadowError
+from shadow.planner.config import PlanConfig
 
 
 def _print_json(obj) -> None:

@@ -14,8 +14,47 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from shadow.config import CONFIGS, register
+from shadow.config import (
+    ClusterConfig,
+    CoordinatorConfig,
+    DropConfig,
+    ExportConfig,
+    JobsConfig,
+    KeygenConfig,
+    ListConfig,
+    RestoreConfig,
+    StatusConfig,
+    VerifyConfig,
+    WorkerConfig,
+)
 from shadow.config.choices import Choice
+from shadow.planner.config import PlanConfig
+
+#: every command's config schema, by the command's name
+CONFIGS: dict[str, type] = {
+    "cluster": ClusterConfig,
+    "coordinator": CoordinatorConfig,
+    "worker": WorkerConfig,
+    "status": StatusConfig,
+    "restore": RestoreConfig,
+    "export": ExportConfig,
+    "ls": ListConfig,
+    "verify": VerifyConfig,
+    "jobs": JobsConfig,
+    "drop": DropConfig,
+    "keygen": KeygenConfig,
+    "plan": PlanConfig,
+}
+
+
+def register() -> None:
+    """Register every command's schema in Hydra's ConfigStore as ``shadow_<command>``, the
+    name a YAML config in ``configs/`` extends (``defaults: [shadow_cluster, _self_]``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for name, cls in CONFIGS.items():
+        cs.store(name=f"shadow_{name}", node=cls)
 
 
 class UsageError(ValueError):

@@ -9,7 +9,7 @@ import inspect
 import re
 import typing
 
-from shadow.config import CONFIGS
+from shadow.cli._compose import CONFIGS
 from shadow.config.choices import Choice, Format
 
 EXAMPLES = {

@@ -16,6 +16,7 @@ from shadow.config.commands import (
     StatusConfig,
     VerifyConfig,
 )
+from shadow.config.security import KeygenConfig, SecurityConfig
 from shadow.config.services import ClusterConfig, CoordinatorConfig, TransportConfig, WorkerConfig
 from shadow.config.tiers import (
     DEFAULT_TIER_EVERY_S,
@@ -25,11 +26,8 @@ from shadow.config.tiers import (
     TierConfig,
     default_tier_dir,
 )
-from shadow.planner.config import PlanConfig
-from shadow.security.config import KeygenConfig, SecurityConfig
 
 __all__ = [
-    "CONFIGS",
     "DEFAULT_TIER_EVERY_S",
     "ClusterConfig",
     "CoordinatorConfig",
@@ -40,7 +38,6 @@ __all__ = [
     "ListConfig",
     "LocalTierConfig",
     "PersistConfig",
-    "PlanConfig",
     "RemoteTierConfig",
     "RestoreConfig",
     "SecurityConfig",
@@ -51,31 +48,4 @@ __all__ = [
     "WorkerConfig",
     "check_shape",
     "default_tier_dir",
-    "register",
 ]
-
-
-CONFIGS: dict[str, type] = {
-    "cluster": ClusterConfig,
-    "coordinator": CoordinatorConfig,
-    "worker": WorkerConfig,
-    "status": StatusConfig,
-    "restore": RestoreConfig,
-    "export": ExportConfig,
-    "ls": ListConfig,
-    "verify": VerifyConfig,
-    "jobs": JobsConfig,
-    "drop": DropConfig,
-    "keygen": KeygenConfig,
-    "plan": PlanConfig,
-}
-
-
-def register() -> None:
-    """Register every command's schema in Hydra's ConfigStore as ``shadow_<command>``, the
-    name a YAML config in ``configs/`` extends (``defaults: [shadow_cluster, _self_]``)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    for name, cls in CONFIGS.items():
-        cs.store(name=f"shadow_{name}", node=cls)

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from shadow.config.checks import check_endpoint, check_source, check_timeout
 from shadow.config.choices import Dtype, Format, WeightFormat
+from shadow.config.security import SecurityConfig
 from shadow.core.jobs import job_name_problem
-from shadow.security.config import SecurityConfig
 
 
 @dataclass

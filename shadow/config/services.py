@@ -8,9 +8,9 @@ from typing import Any
 
 from shadow.config.checks import check_endpoint, check_log, check_metrics_port, check_port, check_shape
 from shadow.config.choices import LogFormat, LogLevel
+from shadow.config.security import SecurityConfig
 from shadow.config.tiers import PersistConfig
 from shadow.config.tuning import TuningConfig, check_section
-from shadow.security.config import SecurityConfig
 
 DATA_TRANSPORTS = ("zmq", "ucx")
 

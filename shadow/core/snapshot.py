@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shadow.core.fields import Field
 from shadow.core.layout import Layout
-from shadow.wire.frames import Field
 
 
 @dataclass

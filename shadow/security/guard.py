@@ -18,7 +18,7 @@ from shadow.security.doors import DOOR_DOMAIN, DOOR_WAIT_S, TEMPORARY
 from shadow.security.keys import _z85, load_roles, load_secret
 
 if TYPE_CHECKING:
-    from shadow.security.config import SecurityConfig
+    from shadow.config.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from shadow.config.choices import ROLES
 from shadow.core.errors import ShadowError
 
 if TYPE_CHECKING:
-    from shadow.security.config import SecurityConfig
+    from shadow.config.security import SecurityConfig
 
 logger = logging.getLogger(__name__)
 

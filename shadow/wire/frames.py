@@ -24,6 +24,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from shadow.core.fields import Field
 from shadow.wire.tags import PLAIN, TAG_SIZE, ZERO_NONCE, Tags
 
 MAGIC = b"SHDW"
@@ -45,16 +46,6 @@ class Kind(IntEnum):
     STATE = 2  # full state (bootstrap / resync) as of iteration k
     COMMIT = 3  # commit record of iteration k (msgpack body)
     EXTRA = 4  # chunks of model state outside the optimizer that changed in iteration k
-
-
-class Field(IntEnum):
-    """Which state array a STATE frame carries (GRAD and COMMIT frames use ``GRAD``)."""
-
-    GRAD = 0
-    PARAM = 1
-    EXP_AVG = 2
-    EXP_AVG_SQ = 3
-    MAX_EXP_AVG_SQ = 4
 
 
 def state_fields(optim: dict) -> tuple[Field, ...]:

@@ -98,8 +98,7 @@ def test_yaml_configs_compose_and_validate():
     """Every YAML in configs/ composes with its command's schema into a valid config."""
     import yaml
 
-    from shadow.cli._compose import compose, split
-    from shadow.config import CONFIGS
+    from shadow.cli._compose import CONFIGS, compose, split
 
     found = 0
     for path in sorted((ROOT / "configs").glob("*.yaml")):

@@ -724,7 +724,7 @@ def test_command_line_extraction():
 
 
 def test_every_shadow_command_line_is_known():
-    from shadow.config import CONFIGS
+    from shadow.cli._compose import CONFIGS
 
     lines = _all_command_lines()
     subs = {sub for _, sub, _ in lines}

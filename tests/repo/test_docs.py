@@ -23,7 +23,7 @@ def test_api_reference_is_current():
 
 def test_reference_covers_commands_metrics_and_public_names():
     import trainer_hooks
-    from shadow.config import CONFIGS
+    from shadow.cli._compose import CONFIGS
     from shadow.metrics import ALL
 
     text = (ROOT / "docs" / "api.md").read_text()

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from shadow.config import ClusterConfig, TransportConfig, WorkerConfig
-from shadow.security.config import SecurityConfig
+from shadow.config.security import SecurityConfig
 from shadow.testing.faults import sever
 from shadow.transport import ucx
 from shadow.transport.send import Channels, DataSender
