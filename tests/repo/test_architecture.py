@@ -99,3 +99,29 @@ def test_packages_import_each_other_only_in_the_documented_direction():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert "Contracts:" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]  # the contracts ran
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+
+
+def _modules():
+    for top in PACKAGES:
+        yield from sorted((ROOT / top).rglob("*.py"))
+
+
+def test_no_module_is_over_450_lines():
+    """Past that a module holds more than one thing; split it where its parts meet."""
+    long = {}
+    for path in _modules():
+        n = len(path.read_text().splitlines())
+        if n > 450:
+            long[path.relative_to(ROOT).as_posix()] = n
+    assert not long, long
+
+
+def test_each_package_says_what_it_is_for():
+    import ast
+
+    silent = [
+        p.relative_to(ROOT).as_posix()
+        for p in _modules()
+        if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert not silent, silent
