@@ -96,7 +96,7 @@ def render() -> str:
     import shadow.restore
     import trainer_hooks
     from shadow.cli._help import SUMMARY, keys
-    from shadow.config import CONFIGS
+    from shadow.cli._compose import CONFIGS
     from shadow.core import errors
     from shadow.metrics import catalog
 
