@@ -47,7 +47,7 @@ def slot_of(model: torch.nn.Module) -> HookSlot | None:
 
 @dataclass
 class Wiring:
-    """What one attachment is hooked into; :meth:`remove` takes all of it out (again: nothing)."""
+    """What one attachment is hooked into; :meth:`remove` takes all of it out (a second call does nothing)."""
 
     handles: list[Any]  # torch's hook handles (optimizer, model)
     watched: list[tuple[Any, type]] = field(default_factory=list)  # (observed object, its own class)
