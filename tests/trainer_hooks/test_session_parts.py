@@ -201,6 +201,33 @@ def test_an_attachment_runs_the_pipeline_with_the_sender_it_is_given(world1):
     assert dealer.closed and M.decode(dealer.sent[-1])["t"] == "detach" and att.ring is None
 
 
+def test_the_tally_adds_closed_attachments_and_counts_unprotected_steps(caplog):
+    """A session's totals without a session: a closed attachment's figures are added once,
+    steps taken while streaming nothing are counted (and warned about every ``warn_every``),
+    and a live attachment's figures count on top of the totals, a closed one's do not."""
+    from trainer_hooks.session.tally import Tally
+
+    def figures(hook_s: float, buckets: int) -> dict:
+        return {"hook_s": hook_s, "buckets": buckets, "blocked_s": 0.5, "bytes_out": 10, "messages_out": 2}
+
+    tally = Tally(5, rank=0, warn_every=2)
+    tally.add(dict(figures(1.0, 3), occupancy=0.1, high_water=0.2))
+    with caplog.at_level("WARNING", logger="trainer_hooks.session.tally"):
+        for k in range(6, 9):
+            tally.step("the cluster is gone", k, 4)
+    assert (tally.unprotected, tally.unprotected_total, tally.unprotected_since) == (3, 3, 6)
+    assert sum("WITHOUT new checkpoints" in r.getMessage() for r in caplog.records) == 1
+    tally.step(None, 9, 9)
+    assert (tally.unprotected, tally.unprotected_total) == (0, 3)
+    now = dict(figures(2.0, 1), occupancy=0.3, high_water=0.4)
+    state = {"iteration": 9, "degraded": None, "committed": 9, "base_kept": False, "shadow_errors": 0}
+    live = tally.stats(now, True, **state)
+    assert (live["hook_s"], live["buckets"], live["bytes_out"], live["steps"]) == (3.0, 4, 20, 4)
+    assert live["hook_s_per_bucket"] == 0.75 and live["ring_occupancy"] == 0.3 and live["unprotected_steps_total"] == 3
+    closed = tally.stats(now, False, **state)
+    assert (closed["hook_s"], closed["buckets"], closed["blocked_s"]) == (1.0, 3, 0.5)
+
+
 def test_fault_injection_is_a_sender_factory_and_patches_nothing():
     """``testing.faults`` hands sessions a factory of faulty senders (through a context
     variable a session reads when built); no class attribute changes, and the faulty

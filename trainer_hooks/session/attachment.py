@@ -3,21 +3,21 @@
 An :class:`Attachment` is made for one :class:`~trainer_hooks.session.target.Target` (the
 model and optimizer as laid out) and one :class:`~trainer_hooks.session.handshake.Handshake`
 (the coordinator's answer), both frozen; it owns what runs: the recovery state, the
-staging ring, the copy stream, the bucket plans, the sender thread (made by the sender
-factory it is given) and the session's :class:`StepRecorder`, which it drives and whose
+staging ring and the sender thread (:mod:`trainer_hooks.session.parts`, the sender made by
+the sender factory it is given), the :class:`~trainer_hooks.session.stager.GradStager` that
+stages the gradients, and the session's :class:`StepRecorder`, which it drives and whose
 commits it queues. ``open`` makes all of them and closes whatever it made if a later part
 fails; ``close`` releases them (the ring too: a closed session holds no staging memory).
 
 Per step, everything flows one way: the hook slot, the session's step and forward hooks
 and the scheduler/scaler observers call the attachment, the attachment asks the recorder
-and acts on what it returns; the recorder calls nothing."""
+and acts on what it returns (the waits for the cluster's cut are in
+:mod:`trainer_hooks.session.throttle`); the recorder calls nothing."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,22 +25,19 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from shadow.config.choices import Policy
-from shadow.core.errors import ShadowUsageError
-from trainer_hooks.capture import fsdp as _fsdp
 from trainer_hooks.capture.extras import ExtrasTracker
 from trainer_hooks.restorer.points import RestorePoint
-from trainer_hooks.session import audit, bootstrap, buckets, checks, device, handshake
+from trainer_hooks.session import audit, bootstrap, checks, handshake, parts, throttle
 from trainer_hooks.session import commit as commit_parts
 from trainer_hooks.session.handshake import Handshake
-from trainer_hooks.session.items import CommitItem, FlushItem, GradItem
+from trainer_hooks.session.items import CommitItem
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import Commit, Stale, StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch, RecoveryController
 from trainer_hooks.session.sender import Sender, SenderFactory
-from trainer_hooks.session.staging import RingFullError, RingInterrupted, StagingRing
+from trainer_hooks.session.stager import GradStager
+from trainer_hooks.session.staging import StagingRing
 from trainer_hooks.session.target import Target
-from trainer_hooks.session.transfer import CopyStream
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +48,8 @@ def _ring_figures(ring: StagingRing) -> dict[str, float]:
 
 @dataclass
 class Figures:
-    """What an attachment counts (kept after ``close``)."""
+    """What an attachment counts beside its stager's hook figures (kept after ``close``)."""
 
-    hook_s: float = 0.0  # time the hook spent staging, on the thread that runs DDP's callbacks
-    buckets: int = 0  # buckets the hook staged (or tried to)
     blocked_s: float = 0.0  # waits for the cluster's cut (policy block)
     ring: dict[str, float] = field(default_factory=lambda: {"blocked_s": 0.0, "occupancy": 0.0, "high_water": 0.0})
 
@@ -74,39 +69,22 @@ class Attachment:
         sender_factory: SenderFactory = Sender,
     ) -> None:
         """The pipeline for ``answer`` over the connection ``dealer`` (given to the sender):
-        recovery state, staging ring and a sender made by ``sender_factory`` (called as
-        :class:`Sender` is), not started yet (:meth:`open` starts it)."""
+        recovery state, staging ring, a sender made by ``sender_factory`` (called as
+        :class:`Sender` is), not started yet (:meth:`open` starts it), and the stager."""
         self.target, self.handshake, self.options, self.latch = target, answer, options, latch
         self.recorder = recorder  # the session's: handed from one attachment to the next
         self.dealer = dealer  # to the coordinator: the sender's while it runs
         self.recovery = RecoveryController(
             latch, target.rank, answer.epoch, options.audit_strict, options.tuning.connect_timeout_s
         )
-        nbuckets_slack = 16 * 256
-        shards = target.fsdp
-        per_step = target.layout.total // target.world if shards is None else -(-shards.total // shards.replicas)
-        cap = options.tuning.ring_iterations * (per_step + nbuckets_slack)
-        self.ring: StagingRing | None = StagingRing(cap, pin=target.device.type == "cuda")  # None once released
-        self.sender: Sender = sender_factory(
-            zmq.Context.instance(),
-            dealer,
-            answer.endpoints,
-            self.ring,
-            job_id=answer.job_id,
-            epoch=answer.epoch,
-            rank=target.rank,
-            world=target.world,
-            layout_hash=target.layout.hash,
-            events=self.recovery,
-            tuning=options.tuning,
-            tags=list(answer.data_tags),
-            curve=answer.curve,
-            token=answer.token,
+        self.ring: StagingRing | None = parts.new_ring(target, options.tuning)  # None once released
+        self.sender: Sender = parts.new_sender(
+            sender_factory, dealer, self.ring, target, answer, self.recovery, options.tuning
         )
         self.recovery.bind(self.sender, self.ring)
-        self.copier = CopyStream(target.device)  # bucket copies to the ring, off the autograd thread's way
-        self.planner = buckets.Planner(target.layout, target.index, target.rank, target.world, answer.shards)
-        self._shard_runs: dict[tuple, list] = {}  # FSDP2: runs per set of parameters with a gradient
+        self.stager = GradStager(
+            target, answer.shards, options, latch, recorder, self.recovery, self.ring, self.sender.q
+        )
         self.vote_group: Any = None  # FSDP2: the group the votes are all-reduced in (the session's)
         self.extras: ExtrasTracker | None = None
         self.last_emitted = answer.base
@@ -157,126 +135,14 @@ class Attachment:
 
     # -- step 1: the comm hook (the hook slot routes every bucket here) ----------------------------
     def on_bucket(self, fut: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
-        """``fut`` reduces ``bucket``: vote beside the last bucket, stage once reduced."""
-        if self.closed:
-            return fut
-        if device.capturing():  # never raise inside DDP: the next step raises it
-            self.latch.set(ShadowUsageError(device.CAPTURE_ERROR))
-            return fut
-        if bucket.is_last():
-            fut = self.recovery.vote(fut, bucket.buffer().device, self.recorder.next, self.target.pg)
-        return fut.then(functools.partial(self._after_reduce, bucket))
-
-    def _after_reduce(self, bucket: dist.GradBucket, fut: torch.futures.Future) -> torch.Tensor:
-        reduced = fut.value()
-        if self.latch.error is None and self.recovery.degraded is None:
-            t0 = time.perf_counter()
-            try:
-                self.stage(bucket, reduced)
-                if self.target.views:  # the gradients are the bucket: DDP's finish waits (on the device) for the copy
-                    self.fence()
-            except ShadowUsageError as exc:  # never raise into DDP: the next step raises it
-                self.latch.set(exc)
-            except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
-                self.recovery.on_error(exc)
-            self.counts.hook_s += time.perf_counter() - t0
-            self.counts.buckets += 1
-        return reduced
-
-    def stage(self, bucket: dist.GradBucket, reduced: torch.Tensor) -> None:
-        """Copy this rank's stripe of a reduced bucket into the ring and queue it. The
-        copy is queued on the copy stream (after the all-reduce) and never waited for
-        here: the sender waits for its event. The recorder's lock is taken once, for the
-        bookkeeping (which iteration, the bucket's plan, what it stages); the wait for ring
-        space (policy block) and the copy run outside it."""
-        rec = self.recorder
-        with rec.lock:
-            k = rec.bucket(bucket.index())
-            plan = self.planner.plan(bucket, reduced)
-            lo, hi = plan.stripe
-            if hi <= lo or not any(plan.counts):
-                return
-            probes = plan.pick(k)
-            rec.staged(plan.counts, [(pidx, elem) for _, pidx, elem in probes])
-        off = self._ring_slot(k, hi - lo)
-        if off is None:
-            return
-        ring = self.ring
-        assert ring is not None  # _ring_slot had one
-        ready = self.copier.copy(ring.tensor[off : off + hi - lo], reduced[lo:hi])
-        self.sender.q.put(GradItem(k, off, hi - lo, plan.runs, ready, probes))
+        """``fut`` reduces ``bucket``: the stager votes beside the last bucket and stages it
+        once reduced (:meth:`GradStager.on_bucket`); nothing once closed."""
+        return fut if self.closed else self.stager.on_bucket(fut, bucket)
 
     def fence(self) -> None:
         """The current stream waits (on the device) for every bucket copy queued so far:
         before anything may write to DDP's bucket buffers again."""
-        self.copier.fence()
-
-    def stage_shards(self) -> None:
-        """FSDP2/HSDP: the gradients are final (the step is about to read them: clipped,
-        unscaled and summed over micro-batches as the loop and FSDP left them). Vote
-        (:meth:`RecoveryController.vote_now`), then copy this rank's stripe of its rows into
-        the ring and queue it, as :meth:`stage` does a bucket's."""
-        t, rec = self.target, self.recorder
-        shards = t.fsdp
-        assert shards is not None
-        if self.closed:
-            return
-        # every rank votes at every step, degraded or not: how a degraded session learns to resync
-        self.recovery.vote_now(t.device, rec.next, self.vote_group)
-        if self.latch.error is not None or self.recovery.degraded is not None:
-            return
-        t0 = time.perf_counter()
-        try:
-            grads = [p.grad for p in t.params]
-            present = tuple(g is not None for g in grads)
-            runs = self._shard_runs.get(present)
-            if runs is None:
-                runs = self._shard_runs[present] = shards.runs(present, self.handshake.shards)
-            with rec.lock:
-                k = rec.bucket(0)
-                counts = [sum(n for _, _, n in rs) for rs in runs]
-                rec.staged(counts, [])
-            lo, hi = shards.stripe()
-            if hi <= lo or not any(counts):
-                return
-            off = self._ring_slot(k, hi - lo)
-            if off is None:
-                return
-            ring = self.ring
-            assert ring is not None  # _ring_slot had one
-            pairs = []
-            for i, src, dst, n in shards.pieces(lo, hi):
-                g = grads[i]
-                if g is not None:
-                    flat = _fsdp.local(g).detach().reshape(-1)
-                    pairs.append((ring.tensor[off + dst : off + dst + n], flat[src : src + n]))
-            ready = self.copier.copy_all(pairs)
-            self.sender.q.put(GradItem(k, off, hi - lo, runs, ready, []))
-        except ShadowUsageError as exc:
-            self.latch.set(exc)
-        except Exception as exc:  # noqa: BLE001 - the shadow's own failure must not stop training
-            self.recovery.on_error(exc)
-        finally:
-            self.counts.hook_s += time.perf_counter() - t0
-            self.counts.buckets += 1
-
-    def _ring_slot(self, k: int, n: int) -> int | None:
-        """Ring space for ``n`` elements of iteration ``k`` (policy block: waits for it,
-        bounded); None when there is none and the session stopped streaming or fell behind."""
-        ring = self.ring
-        if ring is None:
-            raise RuntimeError("gradients reached an attachment that is not running (its ring is released)")
-        block = self.options.policy is Policy.block
-        try:
-            return ring.alloc(n, self.options.tuning.block_timeout_s if block else 0.0)
-        except RingInterrupted:
-            return None  # degraded while waiting: nothing more is streamed until a resync
-        except RingFullError as exc:
-            if block:
-                self.recovery.on_error(f"{exc} (SHADOW_BLOCK_TIMEOUT_S)")
-            else:
-                self.recovery.fall_behind(k, "the staging ring is full (the sender cannot keep up)")
-            return None
+        self.stager.fence()
 
     # -- step 2: what the loop does to the gradients, and the step ---------------------------------------
     def clipped(self, scaled: set[int], coef: torch.Tensor) -> None:
@@ -294,9 +160,10 @@ class Attachment:
 
     def read_probes(self) -> None:
         """The gradients as the step will use them, probed (compared by the sender with
-        what was staged); FSDP2: staged (:meth:`stage_shards`)."""
+        what was staged); FSDP2: staged (:meth:`GradStager.stage_shards`)."""
         if self.target.fsdp is not None:
-            self.stage_shards()
+            if not self.closed:
+                self.stager.stage_shards(self.vote_group)
         else:
             self.recorder.read_probes(self.target.params)
 
@@ -314,7 +181,7 @@ class Attachment:
         sampled = self.audit(k) if audits and k % every == 0 and not skip and rank == 0 else None
         rec.record(k, sent, skip, grad_scale, found_inf, self.target.params, rank, sampled)
         self._emit(rec.take_ready())
-        self.throttle(k)
+        self.counts.blocked_s += throttle.throttle(k, self.recovery, self.latch, self.handshake, self.options)
         self.latch.raise_if_set(rank)
 
     # -- the scheduler and scaler (trainer_hooks.session.observe reports here) ----------------------------
@@ -410,56 +277,15 @@ class Attachment:
         t = self.target
         return audit.sample(t.layout, t.params, t.optimizer, t.optim_desc, list(self.handshake.shards), k)
 
-    def throttle(self, k: int) -> None:
-        """Policy block: wait while this rank is more than ``SHADOW_MAX_LAG`` iterations
-        ahead of the cluster (bounded); policy skip: fall behind instead of waiting."""
-        lag = self.options.tuning.max_lag_iterations
-        floor = self.handshake.base - 1  # the bootstrap (iteration base) is in flight like any iteration
-        rec, latch = self.recovery, self.latch
-        if k - max(rec.committed, floor) <= lag or rec.degraded is not None:
-            return
-        if self.options.policy is Policy.skip:
-            rec.fall_behind(
-                k,
-                f"iteration {k} is {k - max(rec.committed, floor)} ahead of the cluster's cut "
-                f"{rec.committed} (SHADOW_MAX_LAG={lag})",
-            )
-            return
-        t0 = time.monotonic()
-        limit = self.options.tuning.block_timeout_s
-        with latch.cond:
-            ok = latch.cond.wait_for(
-                lambda: k - max(rec.committed, floor) <= lag or latch.error is not None or rec.degraded is not None,
-                limit,
-            )
-        self.counts.blocked_s += time.monotonic() - t0
-        if not ok:
-            rec.on_error(
-                f"the shadow cluster has not committed iteration {k - lag} within {limit:.0f} s "
-                f"(SHADOW_BLOCK_TIMEOUT_S; last committed: {rec.committed}); check "
-                f"`shadow status address={self.handshake.coordinator}`"
-            )
-
     # -- the end -------------------------------------------------------------------------------------
     def close(self, wait: bool = True) -> None:
         """With ``wait``: flush, then wait (``SHADOW_CLOSE_TIMEOUT_S``) for the cluster to
         commit the last iteration queued. Then stop the sender, detach, release the ring."""
         if self.closed:
             return
-        rec, sender, latch = self.recovery, self.sender, self.latch
+        sender, latch = self.sender, self.latch
         if wait and sender.ident is not None and latch.error is None:
-            done = threading.Event()
-            sender.q.put(FlushItem(done))
-            done.wait(self.options.tuning.close_timeout_s)
-            with latch.cond:
-                latch.cond.wait_for(
-                    lambda: rec.committed >= self.last_emitted or rec.degraded is not None or latch.error is not None,
-                    self.options.tuning.close_timeout_s,
-                )
-            if rec.committed < self.last_emitted:
-                logger.warning(
-                    "closing with iteration %d not yet committed (cluster at %d)", self.last_emitted, rec.committed
-                )
+            throttle.drain(sender, self.recovery, latch, self.last_emitted, self.options.tuning.close_timeout_s)
         self.closed = True
         if sender.ident is not None:
             sender.stop()
@@ -472,7 +298,7 @@ class Attachment:
         if ring is None or self.sender.is_alive():
             return  # a sender that did not stop may still read it
         self.counts.ring = _ring_figures(ring)
-        self.ring = self.recovery.ring = self.sender.ring = None
+        self.ring = self.recovery.ring = self.sender.ring = self.stager.ring = None
 
     def figures(self) -> dict[str, Any]:
         """What this attachment counted: hook time and buckets, waits, ring figures (kept
@@ -480,8 +306,8 @@ class Attachment:
         out = dict(self.counts.ring if self.ring is None else _ring_figures(self.ring))
         out["blocked_s"] += self.counts.blocked_s
         out.update(
-            hook_s=self.counts.hook_s,
-            buckets=self.counts.buckets,
+            hook_s=self.stager.hook_s,
+            buckets=self.stager.buckets,
             bytes_out=self.sender.bytes_out,
             messages_out=self.sender.messages_out,
         )

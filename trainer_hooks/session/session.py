@@ -20,11 +20,13 @@ Call order (what runs where):
    (policy block).
 3. ``close``: flush, wait for the last commit (``SHADOW_CLOSE_TIMEOUT_S``), detach.
 
-The session holds the options, the error latch, the hooks, the step recorder and the
-current attachment; every hook hands its event to the attachment, which runs the
-pipeline and drives the recorder (which calls nothing back). A resync or
-:meth:`Session.add_param_group` closes the current attachment and opens a new one at the
-same iteration boundary, handing it the same recorder; the session and its hooks stay.
+The session holds the options, the error latch, the hooks (installed and removed per
+attachment: :mod:`trainer_hooks.session.wiring`), the step recorder, its totals across
+attachments (:mod:`trainer_hooks.session.tally`) and the current attachment; every hook
+hands its event to the attachment, which runs the pipeline and drives the recorder (which
+calls nothing back). A resync or :meth:`Session.add_param_group` closes the current
+attachment and opens a new one at the same iteration boundary, handing it the same
+recorder; the session and its hooks stay.
 """
 
 from __future__ import annotations
@@ -40,16 +42,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from shadow.core.errors import ShadowUsageError
-from trainer_hooks.capture import fsdp as _fsdp
 from trainer_hooks.restorer.points import RESTORED, RestorePoint
-from trainer_hooks.session import clipping, device, observe
+from trainer_hooks.session import device, wiring
 from trainer_hooks.session import metrics as _metrics
 from trainer_hooks.session.attachment import Attachment
-from trainer_hooks.session.hook import HookSlot
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
 from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
+from trainer_hooks.session.tally import Tally
 from trainer_hooks.session.transfer import HostCopy
 
 if TYPE_CHECKING:
@@ -66,19 +67,7 @@ def _checked(ddp_model: Any, options: AttachOptions | None, option_values: dict[
             f"(got options= and {sorted(option_values)})"
         )
     options = AttachOptions(**option_values) if options is None else options
-    if not isinstance(ddp_model, DistributedDataParallel) and not _fsdp.is_fsdp(ddp_model):
-        raise TypeError(
-            "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
-            "reduced gradient buckets) or an FSDP2 model (fully_shard applied to its root); got "
-            f"{type(ddp_model).__name__}"
-        )
-    if not isinstance(options, AttachOptions):
-        raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
-    if options.comm_hook is not None and not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(
-            "comm_hook= is a DDP communication hook; an FSDP2 model reduces with its own collectives "
-            "(set its mixed precision with fully_shard(mp_policy=...)): leave comm_hook unset"
-        )
+    wiring.check(ddp_model, options)
     return options
 
 
@@ -123,18 +112,8 @@ class Session:
         self.restored: RestoreInfo | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
-        self._past = {
-            "hook_s": 0.0,
-            "buckets": 0,
-            "blocked_s": 0.0,
-            "bytes_out": 0,
-            "messages_out": 0,
-        }  # figures of closed attachments
-        self._first_base = start
-        self._unprotected = 0  # steps in a row taken while not streaming (0 while protected)
-        self._unprotected_total = 0  # all such steps since attach
-        self._unprotected_since = -1  # the iteration the current unprotected stretch began after
-        self._slot = HookSlot.of(ddp_model) if isinstance(ddp_model, DistributedDataParallel) else None
+        self._tally = Tally(start, self.rank, options.tuning.unprotected_warn_iterations)  # across attachments
+        self._slot = wiring.slot_of(ddp_model)  # FSDP2: None
         self._attach(start, overwrite, carry=None)
         _metrics.publish(self, options.tuning.metrics_port)
         att = self._att
@@ -179,19 +158,17 @@ class Session:
         )
         self.latch.error = None
         self.closed = False
-        self._handles = [
-            self.optimizer.register_step_pre_hook(self._pre_step),
-            self.optimizer.register_step_post_hook(self._post_step),
-            # the commit of iteration k leaves once the scheduler has stepped; if it steps at
-            # another cadence, at the latest when the next forward (or step, or close) begins.
-            # The forward also fences the bucket copies: the next backward rewrites the buckets
-            # first among the forward's hooks: FSDP2's own unshards the parameters
-            self.model.register_forward_pre_hook(lambda *_: self._before_forward(), prepend=True),
-        ]
-        self._watched = [(obj, observe.watch(obj, att)) for obj in self.options.observed.values()]
-        if self._slot is not None:
-            self._slot.bind(att.on_bucket, self.options.comm_hook, self.options.comm_state)
-        clipping.register(self)
+        self._wiring = wiring.install(
+            self.model,
+            self.optimizer,
+            self.options,
+            self._slot,
+            att,
+            pre_step=self._pre_step,
+            post_step=self._post_step,
+            before_forward=self._before_forward,
+            clip_owner=self,
+        )
 
     @property
     def _att(self) -> Attachment:
@@ -206,17 +183,9 @@ class Session:
         att = self._att
         att.flush()
         att.close(wait=wait)
-        for key, value in att.figures().items():
-            if key in self._past:
-                self._past[key] += value
+        self._tally.add(att.figures())
         self.closed = True
-        for h in self._handles:
-            h.remove()
-        for obj, cls in self._watched:
-            observe.unwatch(obj, cls)
-        if self._slot is not None:
-            self._slot.unbind(att.on_bucket)
-        clipping.unregister(self)
+        self._wiring.remove()
 
     def _resync(self) -> None:
         """Re-attach at this iteration boundary: a new epoch bootstrapped from this rank's
@@ -229,7 +198,7 @@ class Session:
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
             # no attachment, no hooks: the steps from here on are still counted and warned about
-            self._handles = [self.optimizer.register_step_post_hook(lambda *_: self._count_unprotected())]
+            self._wiring = wiring.Wiring([self.optimizer.register_step_post_hook(lambda *_: self._count_unprotected())])
             logger.error(
                 "rank %d: %s; training continues without the shadow (attach again to resume checkpointing)",
                 self.rank,
@@ -296,27 +265,8 @@ class Session:
     def _count_unprotected(self) -> None:
         """A step taken while this rank streams nothing (degraded, or a failed resync): counted
         (``stats()["unprotected_steps"]``, the metric ``shadow_trainer_unprotected_steps``)
-        and warned about again every ``tuning.unprotected_warn_iterations`` steps, never just
-        once: a run that lost its protection keeps saying so until it has it back."""
-        why = self.degraded
-        if why is None:
-            self._unprotected = 0
-            return
-        if self._unprotected == 0:
-            self._unprotected_since = self.iteration
-        self._unprotected += 1
-        self._unprotected_total += 1
-        every = self.options.tuning.unprotected_warn_iterations
-        if every and self._unprotected % every == 0:
-            logger.warning(
-                "rank %d: still training WITHOUT new checkpoints: %d steps since iteration %d (the newest "
-                "checkpoint is iteration %d); %s",
-                self.rank,
-                self._unprotected,
-                self._unprotected_since,
-                self.committed,
-                why,
-            )
+        and warned about (:meth:`Tally.step`)."""
+        self._tally.step(self.degraded, self.iteration, self.committed)
 
     def _before_forward(self) -> None:
         if self._att.before_forward():  # every rank resyncs at this boundary
@@ -356,9 +306,7 @@ class Session:
         if not self.closed:
             self._detach(wait)
         elif self._failed is not None:  # the failed resync's step counter
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+            self._wiring.remove()
         return self.committed
 
     @property
@@ -429,27 +377,12 @@ class Session:
         memory, and this rank proved its own equal by digests instead of sending it),
         ``shadow_errors``."""
         att = self._att
-        fig, live = att.figures(), not att.closed  # a closed attachment's figures are in _past
-
-        def total(key: str, current: float) -> float:
-            return self._past[key] + (current if live else 0)
-
-        hook_s, buckets = total("hook_s", fig["hook_s"]), total("buckets", fig["buckets"])
-        return {
-            "hook_s": hook_s,
-            "buckets": buckets,
-            "hook_s_per_bucket": hook_s / buckets if buckets else 0.0,
-            "steps": self.iteration - self._first_base,
-            "blocked_s": total("blocked_s", fig["blocked_s"]),
-            "ring_occupancy": fig["occupancy"],
-            "ring_high_water": fig["high_water"],
-            "degraded": self.degraded,
-            "unprotected_steps": self._unprotected,
-            "unprotected_steps_total": self._unprotected_total,
-            "bytes_out": total("bytes_out", fig["bytes_out"]),
-            "messages_out": total("messages_out", fig["messages_out"]),
-            "committed": self.committed,
-            "iteration": self.iteration,
-            "base_kept": att.handshake.keep,
-            "shadow_errors": self.latch.shadow_errors,
-        }
+        return self._tally.stats(
+            att.figures(),
+            not att.closed,  # a closed attachment's figures are in the tally's totals
+            iteration=self.iteration,
+            degraded=self.degraded,
+            committed=self.committed,
+            base_kept=att.handshake.keep,
+            shadow_errors=self.latch.shadow_errors,
+        )
