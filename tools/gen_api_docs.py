@@ -95,8 +95,8 @@ def _knobs() -> list[str]:
 def render() -> str:
     import shadow.restore
     import trainer_hooks
-    from shadow.cli._help import SUMMARY, keys
     from shadow.cli._compose import CONFIGS
+    from shadow.cli._help import SUMMARY, keys
     from shadow.core import errors
     from shadow.metrics import catalog
 

@@ -18,6 +18,7 @@ from shadow.testing import LocalCluster
 from tests.conftest import ROOT, rank_logs, run_ranks
 from tests.helpers.tiny_trainer import build
 from trainer_hooks.capture import extras as _extras
+from trainer_hooks.session import extras as _tracking
 
 STEPS = 6
 POKE = 4  # the frozen layer and the big buffer change in place before this iteration's forward
@@ -147,7 +148,7 @@ def _emit(tracker, k: int, chunks: dict, everything: bool = False) -> tuple[list
 
 def test_tracker_sends_what_changed_only():
     model, opt, _ = build(extras=True)
-    tracker = _extras.ExtrasTracker(model, [p for g in opt.param_groups for p in g["params"]], WORKERS, Tuning())
+    tracker = _tracking.ExtrasTracker(model, [p for g in opt.param_groups for p in g["params"]], WORKERS, Tuning())
     names = {n: j + 1 for j, n in enumerate(tracker.names)}
     assert set(names) == {
         "base.weight",
@@ -196,7 +197,7 @@ def test_any_dtype_roundtrips_in_small_chunks():
     torch.manual_seed(0)
     model = Odd()
     tuning = Tuning(extra_chunk_bytes=64)  # every tensor and the index span several chunks
-    tracker = _extras.ExtrasTracker(model, list(model.lin.parameters()), WORKERS, tuning)
+    tracker = _tracking.ExtrasTracker(model, list(model.lin.parameters()), WORKERS, tuning)
     chunks: dict = {}
     _emit(tracker, 0, chunks, everything=True)
     assert len(chunks) > 20

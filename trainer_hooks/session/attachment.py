@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from trainer_hooks.capture.extras import ExtrasTracker
 from trainer_hooks.restorer.points import RestorePoint
 from trainer_hooks.session import audit, bootstrap, checks, handshake, parts, throttle
 from trainer_hooks.session import commit as commit_parts
+from trainer_hooks.session.extras import ExtrasTracker
 from trainer_hooks.session.handshake import Handshake
 from trainer_hooks.session.items import CommitItem
 from trainer_hooks.session.options import AttachOptions
