@@ -33,13 +33,16 @@ _CHILD = r"""
 import json, sys
 from numba import types
 from shadow.kernels import adam, sgd
+from shadow.kernels.adam_columns import RULE_CPU, RULE_CPU_TABLE, RULE_CUDA_FOREACH, RULE_CUDA_FUSED
 f32a, i64a = types.Array(types.float32, 1, "C"), types.Array(types.int64, 1, "C")
 i64m, f32m = types.Array(types.int64, 2, "C"), types.Array(types.float32, 2, "C")
-asig = (f32a,) * 4 + (i64a, i64a, i64m, f32m, i64m) + (f32a,) * 4
+u32a, i32a = types.Array(types.uint32, 1, "C"), types.Array(types.int32, 1, "C")
+asig = (f32a,) * 4 + (i64a, i64a, i64m, f32m, i64m) + (f32a,) * 4 + (u32a, i32a)
 sigs = {
-    "adam": (adam.KERNELS[adam.RULE_CPU][0], asig),
-    "adam_cuda_fused": (adam.KERNELS[adam.RULE_CUDA_FUSED][0], asig),
-    "adam_cuda_foreach": (adam.KERNELS[adam.RULE_CUDA_FOREACH][0], asig),
+    "adam": (adam.KERNELS[RULE_CPU][0], asig),
+    "adam_cuda_fused": (adam.KERNELS[RULE_CUDA_FUSED][0], asig),
+    "adam_cuda_foreach": (adam.KERNELS[RULE_CUDA_FOREACH][0], asig),
+    "adam_cpu_table": (adam.KERNELS[RULE_CPU_TABLE][0], asig),
     "sgd": (sgd.sgd_apply, (f32a, f32a, i64a, i64a, i64m, f32m, i64m, f32a, f32a)),
 }
 from numba import njit

@@ -14,6 +14,12 @@ directory instead:
   when even that one is not private (another account made it first), to a fresh private
   directory of this process's own (the kernels then compile again in every process).
 
+numba checks a cached kernel against its own source file only, not against the modules of
+the functions it compiles in (the Adam kernels' element rules and loops are modules of their
+own): :func:`kernel` keys each kernel's cache entry by every source of its package too
+(:func:`sources_digest`), so a kernel compiled before a change to any of them is not loaded
+after it.
+
 The directory is chosen when the kernel modules are first imported (numba binds a
 kernel's cache when it is decorated), so :func:`configure` runs at that import.
 :func:`compile_lock` serialises the first compilation between the processes of one host
@@ -27,6 +33,8 @@ writing nothing to it (see :func:`compile_lock`).
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import logging
 import os
 import sys
@@ -131,13 +139,50 @@ def kernel(fn: Callable, parallel: bool) -> Callable:
     and one not, share one cache entry, and whichever compiled first is what the other
     loads from then on (a worker ran the single-threaded replay, 30-50% slower, after a
     trainer on its host had compiled that first). So the single-threaded kernel is
-    compiled from a copy of ``fn`` named ``<name>_serial``: a cache entry of its own."""
+    compiled from a copy of ``fn`` named ``<name>_serial``: a cache entry of its own.
+
+    numba also checks a cache entry against ``fn``'s own source file only; the entry's key
+    here holds :func:`sources_digest` of ``fn``'s package as well (see the module docstring)."""
     from numba import njit
 
     if not parallel:
         fn = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
         fn.__qualname__ = fn.__name__
-    return njit(parallel=parallel, cache=True, nogil=True, error_model="numpy")(fn)
+    dispatcher = njit(parallel=parallel, cache=True, nogil=True, error_model="numpy")(fn)
+    dispatcher._cache = _sources_cache_class()(dispatcher.py_func)  # type: ignore[attr-defined]  # what enable_caching sets
+    return dispatcher
+
+
+@functools.cache
+def sources_digest(directory: str) -> str:
+    """A digest of the Python sources in ``directory`` (names and contents): what the kernels
+    compiled from that package depend on. Read once per process."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".py"):
+            continue
+        try:
+            with open(os.path.join(directory, name), "rb") as f:
+                data = f.read()
+        except OSError as exc:  # unreadable: named as such (numba reads the kernel's own file)
+            data = f"unreadable: {exc.strerror}".encode()
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+@functools.cache
+def _sources_cache_class() -> type:
+    """numba's function cache, its index key extended by :func:`sources_digest` of the
+    function's package (built on first use: numba is imported then)."""
+    from numba.core.caching import FunctionCache
+
+    class SourcesCache(FunctionCache):
+        def _index_key(self, sig, codegen):
+            key = super()._index_key(sig, codegen)
+            return (*key, sources_digest(os.path.dirname(os.path.abspath(self._py_func.__code__.co_filename))))
+
+    return SourcesCache
 
 
 def cache_dir() -> str:

@@ -17,19 +17,21 @@ import numpy as np
 from shadow.core.optim_groups import AdamGroup, SgdGroup
 from shadow.core.sqrttab import SqrtTable
 from shadow.kernels import adam as _adam
+from shadow.kernels import adam_columns as _cols
+from shadow.kernels import adam_cpu_table as _table
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
-#: the rounding rule of each implementation (``adam.I_RULE``)
+#: the rounding rule of each implementation (``adam_columns.I_RULE``)
 RULES = {
-    "fused": _adam.RULE_CPU,
-    "foreach": _adam.RULE_CPU,
-    "single": _adam.RULE_CPU,
-    "cuda_fused": _adam.RULE_CUDA_FUSED,
-    "cuda_foreach": _adam.RULE_CUDA_FOREACH,
-    "cuda_single": _adam.RULE_CUDA_FOREACH,
+    "fused": _cols.RULE_CPU,
+    "foreach": _cols.RULE_CPU,
+    "single": _cols.RULE_CPU,
+    "cuda_fused": _cols.RULE_CUDA_FUSED,
+    "cuda_foreach": _cols.RULE_CUDA_FOREACH,
+    "cuda_single": _cols.RULE_CUDA_FOREACH,
 }
 KINDS = ("adam", "sgd")
 #: the implementations whose square root is the trainer's library's (a :class:`SqrtTable`)
@@ -58,7 +60,7 @@ def adam_scalars(
 ) -> tuple[float, ...]:
     """The float32 scalars torch derives (in double) for one Adam step at ``step``.
 
-    Returned in the column order of ``adam.F_*`` except the clip column. CUDA's fused
+    Returned in the column order of ``adam_columns.F_*`` except the clip column. CUDA's fused
     kernel computes them in float32 instead (:func:`cuda_fused_scalars`); its
     single-tensor path multiplies by ``1/bc2_sqrt`` (``F_BC2S`` holds the reciprocal).
     """
@@ -260,21 +262,21 @@ class ReplayPlan:
         self.impl, self.kind = impl, kind
         self.powers = powers or PowTable()
         self.sqrt = sqrt
-        self.rule = _adam.RULE_CPU_TABLE if sqrt is not None else RULES[impl]
+        self.rule = _cols.RULE_CPU_TABLE if sqrt is not None else RULES[impl]
         self.work = work_items(self.segments, chunk)
         self.chunk = chunk
         self.seg_len = np.asarray([g.hi - g.lo for g in self.segments], dtype=np.int64)
         self._parts_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        mod = _adam if kind == "adam" else _sgd
+        mod = _cols if kind == "adam" else _sgd
         self.seg_f = np.zeros((len(self.segments), mod.N_FSCALARS), dtype=np.float32)
         self.seg_i = np.zeros((len(self.segments), mod.N_ISCALARS), dtype=np.int64)
-        tail_col = _adam.I_TAIL_START if kind == "adam" else _sgd.J_TAIL_START
+        tail_col = _cols.I_TAIL_START if kind == "adam" else _sgd.J_TAIL_START
         for s, seg in enumerate(self.segments):
             self.seg_i[s, tail_col] = seg.tail
             if kind == "adam":
-                self.seg_i[s, _adam.I_RULE] = self.rule
-                self.seg_i[s, _adam.I_PARAM_START] = seg.start
-                self.seg_i[s, _adam.I_RECIP] = int(impl == "cuda_single")
+                self.seg_i[s, _cols.I_RULE] = self.rule
+                self.seg_i[s, _cols.I_PARAM_START] = seg.start
+                self.seg_i[s, _cols.I_RECIP] = int(impl == "cuda_single")
 
     def prepare_sgd(
         self,
@@ -347,7 +349,7 @@ class ReplayPlan:
         snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
         if mod is _adam:
             fn = _adam.KERNELS[self.rule][0 if threads else 1]
-            sq = (self.sqrt.words, self.sqrt.emap32) if self.sqrt is not None else (_adam.NO_TABLE, _adam.NO_MAP)
+            sq = (self.sqrt.words, self.sqrt.emap32) if self.sqrt is not None else (_table.NO_TABLE, _table.NO_MAP)
             fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps, *sq)
         else:
             fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
@@ -375,7 +377,7 @@ class ReplayPlan:
         for s, seg in enumerate(self.segments):
             row_i = self.seg_i[s]
             if seg.param in skipped:
-                row_i[_adam.I_ACTIVE] = 0
+                row_i[_cols.I_ACTIVE] = 0
                 continue
             grp = groups[seg.group]
             step = float(steps[seg.param])
@@ -395,20 +397,20 @@ class ReplayPlan:
                 )
             sc = cache[key]
             self.seg_f[s, : len(sc)] = sc
-            self.seg_f[s, _adam.F_CLIP] = clip if clip is not None else np.float32(1.0)
-            self.seg_f[s, _adam.F_INV_SCALE] = inv_scale if inv_scale is not None else np.float32(1.0)
-            self.seg_f[s, _adam.F_GRAD_SCALE] = grad_scale if grad_scale is not None else np.float32(1.0)
-            self.seg_f[s, _adam.F_RGRAD_SCALE] = rgs if rgs is not None else np.float32(1.0)
-            row_i[_adam.I_INV_SCALE] = int(inv_scale is not None)
-            row_i[_adam.I_GRAD_SCALE] = int(grad_scale is not None and rgs is None)  # divide
-            row_i[_adam.I_ACTIVE] = 1
-            row_i[_adam.I_AMSGRAD] = int(bool(grp.amsgrad))
-            row_i[_adam.I_MAXIMIZE] = int(bool(grp.maximize))
-            row_i[_adam.I_LERP_SMALL] = int(abs(sc[_adam.F_W1]) < 0.5)
+            self.seg_f[s, _cols.F_CLIP] = clip if clip is not None else np.float32(1.0)
+            self.seg_f[s, _cols.F_INV_SCALE] = inv_scale if inv_scale is not None else np.float32(1.0)
+            self.seg_f[s, _cols.F_GRAD_SCALE] = grad_scale if grad_scale is not None else np.float32(1.0)
+            self.seg_f[s, _cols.F_RGRAD_SCALE] = rgs if rgs is not None else np.float32(1.0)
+            row_i[_cols.I_INV_SCALE] = int(inv_scale is not None)
+            row_i[_cols.I_GRAD_SCALE] = int(grad_scale is not None and rgs is None)  # divide
+            row_i[_cols.I_ACTIVE] = 1
+            row_i[_cols.I_AMSGRAD] = int(bool(grp.amsgrad))
+            row_i[_cols.I_MAXIMIZE] = int(bool(grp.maximize))
+            row_i[_cols.I_LERP_SMALL] = int(abs(sc[_cols.F_W1]) < 0.5)
             wd = grp.weight_decay
-            row_i[_adam.I_L2] = int(wd != 0 and not grp.decoupled)
-            row_i[_adam.I_DECOUPLED] = int(wd != 0 and grp.decoupled)
-            row_i[_adam.I_CLIP] = int(clip is not None)
+            row_i[_cols.I_L2] = int(wd != 0 and not grp.decoupled)
+            row_i[_cols.I_DECOUPLED] = int(wd != 0 and grp.decoupled)
+            row_i[_cols.I_CLIP] = int(clip is not None)
 
     def apply(self, param, exp_avg, exp_avg_sq, max_sq, grad, threads: bool = True) -> None:
         """Run the kernel over a contiguous gradient of the whole range (in place);

@@ -1,7 +1,7 @@
 """SGD (momentum, dampening, Nesterov, weight decay, maximize) replay kernel,
 bit-identical to torch's CPU implementations (fused, foreach and single-tensor).
 
-Per element, in torch's order: the gradient transforms of :mod:`shadow.kernels.adam`,
+Per element, in torch's order: the gradient transforms of :mod:`shadow.kernels.adam_rules`,
 ``g = -g`` (maximize), ``g = fma(p, wd, g)``, then with momentum
 ``buf = g`` on a parameter's first step, else ``buf = fma(g, 1 - dampening, buf * m)``
 ("body" rule) or, in the fused kernel's scalar tail, ``buf = fma(buf, m, g * (1 - dampening))``;
@@ -46,7 +46,7 @@ def _sgd_step(p, g, bo, inv, cl, gs, sign, wd, has_wd, m, d1, first, nesterov, n
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _sgd_range(param, buf, grad, goff, lo, hi, f, fl, tail_rule, snap_p, snap_b):
-    # straight-line loop bodies (see adam.py): neutral factors and selects for the
+    # straight-line loop bodies (see adam_loops.py): neutral factors and selects for the
     # loop-invariant flags, slices from 0, numpy's error model -- LLVM vectorises them
     one = np.float32(1.0)
     neg_lr, m, d1, wd = f[S_NEG_LR], f[S_MOMENTUM], f[S_DAMP1], f[S_WD]

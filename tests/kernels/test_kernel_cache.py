@@ -1,4 +1,5 @@
-"""The multi-threaded and single-threaded replay kernels never share a numba cache entry.
+"""The multi-threaded and single-threaded replay kernels never share a numba cache entry, and
+a kernel cached before a change to a module of its package is not loaded after it.
 
 numba keys its cache by the Python function, not by the compile flags; a parallel and a
 serial dispatcher of one function used to share an entry, so a worker loaded the
@@ -76,6 +77,66 @@ def test_parallel_kernel_is_not_loaded_from_the_serial_ones_cache(tmp_path):
     assert second["threads"] == [0, 1], f"the parallel kernel ran on threads {second['threads']}"
     again = _run(tmp_path, "parallel")  # and it is cached under its own entry
     assert again == {"threads": [0, 1], "compiled": 0}
+
+
+HELPER = textwrap.dedent("""
+    from numba import njit
+
+
+    @njit
+    def value():
+        return {value}
+""")
+
+USES_HELPER = textwrap.dedent("""
+    from numba import prange
+
+    from shadow.kernels import _cache
+    from probe_helper import value
+
+
+    def fill(out):
+        for i in prange(out.shape[0]):
+            out[i] = value()
+
+
+    parallel, serial = _cache.kernel(fill, True), _cache.kernel(fill, False)
+""")
+
+RUN_FILL = textwrap.dedent("""
+    import json
+    import numpy as np
+    import probe_uses as m
+    out = np.zeros(4, dtype=np.int64)
+    m.serial(out)
+    print(json.dumps({"values": sorted(set(out.tolist())), "compiled": len(m.serial.stats.cache_misses)}))
+""")
+
+
+def test_a_change_to_a_module_a_kernel_compiles_in_is_not_served_from_the_cache(tmp_path):
+    """numba checks a cache entry against the kernel's own file only: the Adam kernels'
+    element rules and loops live in modules of their own, whose changes must reach them."""
+    (tmp_path / "probe_uses.py").write_text(USES_HELPER)
+    env = dict(
+        os.environ,
+        NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+
+    def run() -> dict:
+        res = subprocess.run(
+            [sys.executable, "-c", RUN_FILL], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    (tmp_path / "probe_helper.py").write_text(HELPER.format(value=1))
+    assert run() == {"values": [1], "compiled": 1}
+    assert run() == {"values": [1], "compiled": 0}  # cached
+    (tmp_path / "probe_helper.py").write_text(HELPER.format(value=2))
+    assert run() == {"values": [2], "compiled": 1}, "the kernel came from a cache entry older than its helper"
+    assert run() == {"values": [2], "compiled": 0}
 
 
 def _configure_in(tmp_path: Path, plant) -> tuple[str, str]:
