@@ -1,7 +1,8 @@
 """The coordinator's side of persistence: when each tier is due, collecting the workers'
-shard reports, committing a checkpoint by writing its manifest, retention, and the
-catalog of complete checkpoints per tier (kept in :mod:`~shadow.coordinator.catalog`'s
-``TierState``, filled from storage by its ``scan``).
+shard reports, retention, and the catalog of complete checkpoints per tier (kept in
+:mod:`~shadow.coordinator.catalog`'s ``TierState``, filled from storage by its ``scan``).
+Once a checkpoint's reports are all in, :mod:`~shadow.coordinator.settle` commits it by
+writing its manifest, or counts its failure.
 
 The local tier is due by its own schedule at each new cut. The remote tier is due once
 its schedule has elapsed since the last remote copy; the next local checkpoint that
@@ -20,17 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import posixpath
 import time
 from typing import Any
 
 from shadow.config import PersistConfig
 from shadow.config.tuning import Tuning
+from shadow.coordinator import settle
 from shadow.coordinator.catalog import TierState, scan
-from shadow.core import sqrttab
-from shadow.persist import checkpoints, disks, failed, retention, signing
+from shadow.persist import checkpoints, retention, signing
 from shadow.storage.tier import tiers_for
-from shadow.wire.commit import FollowUp, ForgetDirs, Persisted, UploadCopies
+from shadow.wire.commit import FollowUp, Persisted, UploadCopies
 
 logger = logging.getLogger(__name__)
 
@@ -226,8 +226,8 @@ class Persistence:
 
     def _settle(self, tier: TierState, job, iteration: int, nshards: int) -> list[FollowUp]:
         """Once every report asked for is in: commit the checkpoint of ``iteration``, or
-        count its failure (or skip) and drop what was written of it. A finished remote copy
-        lets local retention drop what it held for it."""
+        count its failure (or skip) and drop what was written of it (:mod:`settle`). A
+        finished remote copy lets local retention drop what it held for it."""
         got: dict[int, Persisted] = tier.in_flight[iteration]
         asked = tier.asked.get(iteration)
         if len(got) < (nshards if asked is None else len(asked)):
@@ -235,56 +235,17 @@ class Persistence:
         del tier.in_flight[iteration]
         tier.asked.pop(iteration, None)
         tier.requested.pop(iteration, None)
-        problem = _copies_differ(got.values())
+        problem = settle.copies_differ(got.values())
         if problem or not all(r.ok for r in got.values()):
-            follow = self._not_taken(tier, job, iteration, got, problem)
+            follow = settle.not_taken(tier, job, iteration, got, problem, self.tuning.persist_skip_log_s)
         else:
             follow = self._commit(tier, job, iteration, got)
         if tier.name == "remote" and "local" in self.tiers:  # a copy ended: what local retention held may go
             try:
-                follow += _forget(iteration, self._retain(self.tiers["local"], job.name))
+                follow += settle.forget(iteration, self._retain(self.tiers["local"], job.name))
             except Exception as exc:  # storage errors are reported, never fatal
                 logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
         return follow
-
-    def _not_taken(self, tier: TierState, job, iteration: int, got: dict[int, Persisted], problem: str):
-        """A checkpoint some copy of which failed (or was skipped, or the replicas' copies
-        differ): counted, due again, and what was written of it deleted."""
-        bad = [r for r in got.values() if not r.ok]
-        errors = [f"iteration {r.iteration} shard {r.shard}: {r.error}" for r in bad if not r.skipped]
-        if not bad:  # every copy was written, but the replicas' copies differ
-            errors = [f"iteration {iteration} shard -1: {problem}"]
-        if errors:
-            tier.failing += 1
-        if not errors or tier.failing < 2:
-            tier.last = tier.last_ok  # due again at the next cut
-        # else failing again (a full disk): the next try follows the tier's schedule, not every cut
-        if errors:
-            tier.last_error = "; ".join(errors)
-            logger.error("tier %s: checkpoint of iteration %d not taken: %s", tier.name, iteration, tier.last_error)
-            tier.failures += 1
-        else:
-            tier.skip(iteration, bad[0].error, self.tuning.persist_skip_log_s)
-        self._discard(tier, job, iteration)
-        if tier.name == "local" and any(r.ok for r in got.values()):  # the copies made, on their disks
-            return [ForgetDirs(iteration, [checkpoints.dir_name(iteration, job.generation)])]
-        return []
-
-    def _discard(self, tier: TierState, job, iteration: int) -> None:
-        """A checkpoint that failed never gets a manifest: delete the shards the other
-        workers wrote for it, so that on a full disk they do not hold the space the next
-        attempt needs (earlier complete checkpoints are never touched)."""
-        try:
-            if failed.discard_torn(tier.storage, job.name, iteration, job.generation):
-                logger.info("tier %s: removed the incomplete checkpoint of iteration %d", tier.name, iteration)
-        except Exception as exc:  # storage errors are reported, never fatal; retention retries later
-            logger.warning(
-                "tier %s: could not remove the incomplete checkpoint of iteration %d: %s: %s",
-                tier.name,
-                iteration,
-                type(exc).__name__,
-                exc,
-            )
 
     def _retain(self, tier: TierState, job_name: str) -> list[str]:
         """Retention of ``tier``; on the local tier, checkpoints from the oldest one whose
@@ -303,99 +264,16 @@ class Persistence:
     def _commit(self, tier: TierState, job, iteration: int, got: dict[int, Persisted]) -> list[FollowUp]:
         """Every copy of ``iteration`` is in and sound: write its manifest (the commit), run
         retention, record it in the catalog and say what follows (the remote copy, deletes)."""
-        copies: dict[int, list[Persisted]] = {}  # shard -> its copies' reports, by worker id
-        for wid in sorted(got):
-            copies.setdefault(got[wid].shard, []).append(got[wid])
-        commit = next((r.commit for r in got.values() if r.commit is not None), None)
-        tokens = commit.get("tokens") if commit else None
-        manifest = checkpoints.new_manifest(
-            job.name,
-            iteration,
-            job.epoch,
-            tier.name,
-            job.layout,
-            job.layout_hash,
-            sqrttab.public(job.optim),  # the replay's table is the workers', not the checkpoint's
-            job.world,
-            tokens,
-            commit,
-            _manifest_shards(copies, holders=tier.name == "local"),
-            job.generation,
-        )
         try:
-            # the coordinator keeps the local tier's manifests on its own disk: the workers' shards
-            # may be on theirs (node-local), so the directory may be new here
-            checkpoints.write_manifest(
-                tier.storage, job.name, iteration, manifest, self.sign_key, parents=tier.name == "local"
-            )
+            manifest = settle.write_manifest(tier, job, iteration, got, self.sign_key)
             deleted = self._retain(tier, job.name)
         except Exception as exc:  # storage errors are reported, never fatal
-            where = checkpoints.checkpoint_dir(tier.root, job.name, iteration, job.generation)
-            tier.last_error = (
-                f"writing the manifest of iteration {iteration}: {failed.write_error(exc, tier.name, where)}"
-            )
-            logger.error("tier %s: %s", tier.name, tier.last_error)
-            tier.failing += 1
-            if tier.failing < 2:
-                tier.last = tier.last_ok
-            tier.failures += 1
-            self._discard(tier, job, iteration)  # never one whose manifest did get written
-            if tier.name == "local":
-                return [ForgetDirs(iteration, [checkpoints.dir_name(iteration, job.generation)])]
-            return []
-        follow = _forget(iteration, deleted) if tier.name == "local" else []
-        if self._completed(tier, job, iteration, manifest, got, copies, deleted) and tier.name == "local":
+            return settle.manifest_failed(tier, job, iteration, exc)
+        follow = settle.forget(iteration, deleted) if tier.name == "local" else []
+        skip_log_s = self.tuning.persist_skip_log_s
+        if settle.completed(tier, job, iteration, manifest, got, deleted, skip_log_s) and tier.name == "local":
             follow += self._remote_due(job)
         return follow
-
-    def _completed(self, tier: TierState, job, iteration, manifest, got, copies, deleted) -> bool:
-        """Record a written manifest in the tier's figures and catalog; False when it came
-        after the shadow diverged (written, listed superseded, never the newest)."""
-        tokens = manifest["tokens"]
-        if iteration >= tier.last_ok[0]:  # an older checkpoint can complete after a newer one
-            tier.last_ok = (iteration, time.time(), tokens)
-        tier.failing = 0
-        nbytes = sum(s["bytes"] for s in manifest["shards"])
-        tier.count += 1
-        tier.bytes += nbytes
-        tier.last_error = ""
-        diverged = getattr(job, "diverged", None)  # a JobRec's (the last right iteration), once diverged
-        if diverged is not None and iteration > diverged:
-            # asked for before the divergence was found: its manifest is written, and listed as
-            # superseded (the generation record), but it is never the tier's newest nor uploaded
-            logger.warning(
-                "tier %s: iteration %d of job %s completed after the shadow diverged (after iteration %d); "
-                "it is superseded, never restorable",
-                tier.name,
-                iteration,
-                job.name,
-                diverged,
-            )
-            return False
-        tier.complete[job.name] = max(tier.complete.get(job.name, -1), iteration)
-        last = tier.last_complete
-        if last is None or last["iteration"] <= iteration or last["job"] != job.name:
-            tier.last_complete = {
-                "job": job.name,
-                "iteration": iteration,
-                "time": manifest["created"],
-                "bytes": nbytes,
-                "seconds": max(r.seconds for r in got.values()),
-            }
-        logger.info(
-            "tier %s: checkpoint of %s iteration %d complete (%d bytes, %d shards)%s",
-            tier.name,
-            job.name,
-            iteration,
-            nbytes,
-            len(manifest["shards"]),
-            f"; retention removed {len(deleted)}" if deleted else "",
-        )
-        tier.log_skips(self.tuning.persist_skip_log_s)
-        if tier.newest is None or tier.newest[0] < iteration:
-            # one copy per shard goes up
-            tier.newest = (iteration, tokens, {index: c[0] for index, c in copies.items()})
-        return True
 
     def _remote_due(self, job) -> list[FollowUp]:
         """When the remote schedule has elapsed since the last remote copy: copy the newest
@@ -415,44 +293,3 @@ class Persistence:
         remote.asked[iteration] = {r.worker: shard for shard, r in got.items()}
         remote.requested[iteration] = time.monotonic()
         return [UploadCopies(iteration, dict(got))]
-
-
-def _manifest_shards(copies: dict[int, list[Persisted]], holders: bool) -> list[dict[str, Any]]:
-    """The manifest's shard entries, from the first copy of each shard; ``holders``: where
-    its copies are (a local tier's are on the writers' disks; the remote tier is one store)."""
-    return [
-        {
-            "index": r.shard,
-            "start": r.start,
-            "stop": r.stop,
-            "file": r.file,
-            "bytes": r.bytes,
-            "checksum": r.checksum,
-            "blob_ranks": r.blob_ranks,
-            "raw_bytes": r.raw_bytes,
-            "compress": r.compress,
-            **({"holders": [disks.holder(c.worker, c.disk) for c in copies[index]]} if holders else {}),
-        }
-        for index in sorted(copies)
-        for r in copies[index][:1]
-    ]
-
-
-def _forget(iteration: int, deleted: list[str]) -> list[FollowUp]:
-    """Retention deleted checkpoint directories ``deleted`` (paths): the workers delete them too."""
-    if not deleted:
-        return []
-    return [ForgetDirs(iteration, [posixpath.basename(d.rstrip("/")) for d in deleted])]
-
-
-def _copies_differ(reports) -> str:
-    """Why the copies of a shard that replicas wrote cannot be one checkpoint's ("" when they
-    can): replicas apply the same iterations bit for bit, so their files must be equal."""
-    by_shard: dict[int, set] = {}
-    for r in reports:
-        if r.ok:
-            by_shard.setdefault(r.shard, set()).add((r.bytes, r.checksum))
-    for shard, kinds in sorted(by_shard.items()):
-        if len(kinds) > 1:
-            return f"the replicas of shard {shard} wrote different files ({sorted(kinds)}): their states differ"
-    return ""

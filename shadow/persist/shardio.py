@@ -3,7 +3,7 @@
 A **source** (:class:`ShardSource`) is where a shard file's bytes come from: a tier's
 :class:`~shadow.storage.Storage` (:class:`StorageFile`), or the copies of a node-local
 tier on the holders' disks, read here or through their workers
-(:class:`shadow.restore.node_local.ShardCopies`). Each can stream the plain encoding into
+(:class:`shadow.restore.copies.ShardCopies`). Each can stream the plain encoding into
 place (``read_into``) and hand over the whole file (``read_all``).
 
 An **encoding** is how the file lays the tensors out: plain (``*.safetensors``,

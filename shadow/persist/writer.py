@@ -34,7 +34,7 @@ import numpy as np
 
 from shadow.config.tuning import Tuning
 from shadow.persist import checkpoints, disks, failed, shardfile, zshard
-from shadow.persist.upload import Uploader
+from shadow.persist.upload import RemoteCopy, Uploader
 from shadow.storage import Codec, LocalStorage
 from shadow.wire.commit import Persisted
 
@@ -96,9 +96,25 @@ class ShardPersister:
         self._threads: set[threading.Thread] = set()  # writes (and the warm-up) in flight
         self._closed = False
         self._warming = False  # the warm-up holds an image for a moment
-        self._uploader = Uploader(self, self._results) if self.remote else None
+        self._uploader = Uploader(self._remote_copy(), self, self._results) if self.remote else None
         if count:
             self._start(self._warm_up, (), "shadow-persist-warm-up")
+
+    def _remote_copy(self) -> RemoteCopy:
+        """What the uploader needs to know of this writer's copies to the remote tier."""
+        return RemoteCopy(
+            url=self.remote,
+            options=self.remote_options,
+            file_mode=self.file_mode,
+            dir_mode=self.dir_mode,
+            local_codec=self.local_codec,
+            remote_codec=self.remote_codec,
+            tuning=self.tuning,
+            job=self.job,
+            generation=self.generation,
+            shard=self.shard,
+            file=self.file_name("remote"),
+        )
 
     def file_name(self, tier: str = "local") -> str:
         codec = self.local_codec if tier == "local" else self.remote_codec

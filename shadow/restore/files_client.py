@@ -1,6 +1,6 @@
 """A worker's files socket, from the client's side: one shard file of its disk, read whole
 (:func:`read_file`) or put into place as it arrives (:func:`stream_into`), every chunk
-checked on the way (mac mode: its GMAC tag). :mod:`shadow.restore.node_local` reads a
+checked on the way (mac mode: its GMAC tag). :mod:`shadow.restore.copies` reads a
 node-local tier's copies through it; the server is :mod:`shadow.worker.files`."""
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from shadow.config import PersistConfig
 from shadow.config.tuning import Tuning
 from shadow.coordinator import catalog as tiers_mod
 from shadow.coordinator import persistence as persistence_mod
+from shadow.coordinator import settle as settle_mod
 from shadow.coordinator.persistence import Persistence
 from shadow.core.layout import Layout
 from shadow.persist import checkpoints, shardfile
@@ -38,7 +39,8 @@ JOB = SimpleNamespace(
 
 
 class Clock:
-    """Stands in for the ``time`` module of :mod:`shadow.coordinator.persistence`."""
+    """Stands in for the ``time`` module of :mod:`shadow.coordinator.persistence` and
+    :mod:`shadow.coordinator.settle`."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -54,6 +56,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(persistence_mod, "time", c)
+    monkeypatch.setattr(settle_mod, "time", c)  # a commit's time
     monkeypatch.setattr(tiers_mod, "time", c)  # the skip log's
     return c
 
