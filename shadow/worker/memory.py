@@ -1,9 +1,10 @@
-"""How much memory a worker has free, and how much a configured session takes.
+"""How much memory a worker has free.
 
 Workers report :func:`available_bytes` with every register, rejoin and heartbeat; the
-coordinator refuses an attach whose ranges need more (:func:`session_bytes`) before any
-worker allocates anything, and a worker checks the same estimate before it configures.
-This module imports no torch and allocates nothing.
+coordinator refuses an attach whose ranges need more than that
+(:func:`shadow.core.sizing.session_bytes`) before any worker allocates anything, and a
+worker checks the same estimate against it before it configures. This module imports no
+torch and allocates nothing.
 """
 
 from __future__ import annotations
@@ -11,17 +12,7 @@ from __future__ import annotations
 import logging
 import os
 
-from shadow.config.tuning import Tuning
-from shadow.wire.frames import state_fields
-
 logger = logging.getLogger(__name__)
-
-#: per-parameter bytes of a session: step counts (8), "has state", "in range" and
-#: "trainable" flags (1 each), elements in range (8)
-PARAM_BYTES = 19
-#: per-parameter bytes of a persistence image's metadata, and its fixed slack
-#: (:class:`shadow.persist.writer.ShardPersister`)
-IMAGE_PARAM_BYTES, IMAGE_SLACK = 17, 1 << 20
 
 _CGROUP2 = "/sys/fs/cgroup"
 _CGROUP1 = "/sys/fs/cgroup/memory"
@@ -108,38 +99,3 @@ def available_bytes() -> int:
 def report() -> int:
     """The ``memory`` field of register, rejoin and heartbeat messages (-1: unknown)."""
     return available_bytes()
-
-
-def nfields(optim: dict) -> int:
-    """State arrays per element of an optimizer description (at least the parameter)."""
-    try:
-        return len(state_fields(optim))
-    except (KeyError, TypeError, AttributeError):
-        return 4  # unknown: the largest (Adam with AMSGrad)
-
-
-def session_bytes(
-    size: int, fields: int | dict, nparams: int = 0, persist: bool = False, tuning: Tuning | None = None
-) -> int:
-    """What a worker configured for a range of ``size`` elements allocates: the state
-    (``fields`` float32 arrays -- a count, or an optimizer description -- and
-    per-parameter tables for ``nparams`` parameters), the gradient frames held for
-    ``tuning.worker_slots`` iterations in flight, and, with a local tier (``persist``),
-    ``tuning.persist_buffers`` shard images (``tuning``: the workers'; None: the environment's)."""
-    tuning = tuning if tuning is not None else Tuning.load()
-    fields = nfields(fields) if isinstance(fields, dict) else max(1, int(fields))
-    size, nparams = max(0, int(size)), max(0, int(nparams))
-    state = fields * size * 4 + nparams * PARAM_BYTES
-    grads = tuning.worker_slots * size * 4
-    images = tuning.persist_buffers * (fields * size * 4 + nparams * IMAGE_PARAM_BYTES + IMAGE_SLACK) if persist else 0
-    return state + grads + images
-
-
-def human(n: int) -> str:
-    """``n`` bytes in a short human form (GiB, MiB, ...)."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(x) < 1024 or unit == "PiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{n} B"

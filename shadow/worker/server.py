@@ -28,6 +28,7 @@ import zmq
 from shadow.config.tuning import Tuning
 from shadow.core import sqrttab
 from shadow.core.layout import Layout
+from shadow.core.sizing import human, nfields, session_bytes
 from shadow.kernels import powtab
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
@@ -429,12 +430,12 @@ class Worker:
         local = (
             isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
         )
-        need = memory.session_bytes(stop - start, memory.nfields(msg["optim"]), len(layout.params), local, tuning)
+        need = session_bytes(stop - start, nfields(msg["optim"]), len(layout.params), local, tuning or Tuning.load())
         free = memory.available_bytes()
         if 0 <= free < need:
             return (
-                f"the range [{start}, {stop}) needs {memory.human(need)} and this worker has "
-                f"{memory.human(free)} free; add workers, or free memory on this host"
+                f"the range [{start}, {stop}) needs {human(need)} and this worker has "
+                f"{human(free)} free; add workers, or free memory on this host"
             )
         return None
 
