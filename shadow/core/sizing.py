@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from shadow.wire.frames import state_fields
+from shadow.core.fields import state_fields
 
 #: per-parameter bytes of a session: step counts (8), "has state", "in range" and
 #: "trainable" flags (1 each), elements in range (8)

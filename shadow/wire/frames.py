@@ -48,15 +48,6 @@ class Kind(IntEnum):
     EXTRA = 4  # chunks of model state outside the optimizer that changed in iteration k
 
 
-def state_fields(optim: dict) -> tuple[Field, ...]:
-    """The state arrays an optimizer description (``trainer_hooks.optim.describe.describe``)
-    keeps per element, in wire order."""
-    if optim["kind"] == "sgd":
-        return (Field.PARAM, Field.EXP_AVG) if optim.get("momentum_any") else (Field.PARAM,)
-    base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
-    return base + ((Field.MAX_EXP_AVG_SQ,) if optim.get("amsgrad_any") else ())
-
-
 class FrameError(ValueError):
     """A frame failed validation; ``reason`` is a short metric label."""
 

@@ -10,6 +10,7 @@ from types import ModuleType
 import numpy as np
 
 from shadow.config.tuning import Tuning
+from shadow.core.fields import Field, state_fields
 from shadow.core.layout import Layout, replay_tensors
 from shadow.core.optim_groups import AdamGroup, SgdGroup
 from shadow.core.sqrttab import SqrtTable
@@ -18,7 +19,6 @@ from shadow.kernels import adam as _adam
 from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
-from shadow.wire.frames import Field, state_fields
 
 logger = logging.getLogger(__name__)
 

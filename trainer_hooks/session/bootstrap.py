@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
+from shadow.core.fields import state_fields
 from shadow.core.layout import intersect, stripe_bounds
 from shadow.wire import frames as F
 from trainer_hooks.capture import fsdp as _fsdp
@@ -26,7 +27,7 @@ def bootstrap(att, carry: tuple | None) -> None:
     t, base, shards = att.target, att.handshake.base, list(att.handshake.shards)
     opt_state = t.optimizer.state
     sgd = t.optim_desc["kind"] == "sgd"
-    fields = F.state_fields(t.optim_desc)
+    fields = state_fields(t.optim_desc)
     key = _optim.STATE_KEYS[t.optim_desc["kind"]]
     sent = [0] * len(shards)
     kept: list | None = [{} for _ in shards] if att.handshake.keep else None
