@@ -273,20 +273,22 @@ class FaultyDataSender:
 
 def sever(out: Any, worker: int, timeout: float = 10.0) -> bool:
     """Close the ready UCX connection that ``out`` (a :class:`FaultyDataSender`, a
-    :class:`~shadow.transport.send.Channels` or a :class:`~shadow.transport.ucx.UcxDataSender`)
-    holds to ``worker``, as UCX closes one on its own while the worker lives, and wait until
-    UCX has carried the close out (up to ``timeout`` seconds); False where there is no such
-    connection. Call it on the thread that sends through ``out``."""
-    from shadow.transport import ucx
+    :class:`~shadow.transport.channels.Channels` or a
+    :class:`~shadow.transport.ucx_send.UcxDataSender`) holds to ``worker``, as UCX closes one
+    on its own while the worker lives, and wait until UCX has carried the close out (up to
+    ``timeout`` seconds); False where there is no such connection. Call it on the thread that
+    sends through ``out``."""
+    from shadow.transport.ucx_base import _close_endpoint
+    from shadow.transport.ucx_send import UcxDataSender
 
     out = getattr(out, "inner", out)
-    if not isinstance(out, ucx.UcxDataSender):
+    if not isinstance(out, UcxDataSender):
         out = getattr(out, "ucx", None)
-    ch = out.chans[worker] if isinstance(out, ucx.UcxDataSender) and 0 <= worker < len(out.chans) else None
+    ch = out.chans[worker] if isinstance(out, UcxDataSender) and 0 <= worker < len(out.chans) else None
     if ch is None or not ch.ready or ch.ep is None or not ch.ep.alive:
         return False
     ep = ch.ep
-    ucx._close_endpoint(ep)
+    _close_endpoint(ep)
     deadline = time.monotonic() + timeout
     while ep.alive and time.monotonic() < deadline:  # UCX's progress thread carries it out
         time.sleep(0.001)

@@ -2,9 +2,9 @@
 
 A trainer's sender thread frames each message (``shadow.wire.frames``) and hands it to a
 :class:`DataSender`. :class:`ZmqDataSender` is the default one (a PUSH socket per worker);
-``shadow.transport.ucx.UcxDataSender`` streams over UCX; :class:`Channels` picks one of
-them per worker by the scheme of the endpoint the worker advertised (``tcp://`` or
-``ucx://``), so a trainer follows whatever transport its cluster runs. Fault injection
+``shadow.transport.ucx_send.UcxDataSender`` streams over UCX;
+``shadow.transport.channels.Channels`` picks one of them per worker by the scheme of the
+endpoint the worker advertised (``tcp://`` or ``ucx://``). Fault injection
 wraps a DataSender from the outside (``trainer_hooks.testing.FaultyDataSender``), so
 nothing here checks for faults. Owned by the thread that creates it (ZeroMQ sockets are
 not thread-safe)."""
@@ -122,65 +122,3 @@ class ZmqDataSender:
     def close(self) -> None:
         for w in range(len(self.socks)):
             self.drop(w)
-
-
-class Channels:
-    """A :class:`DataSender` that takes each worker's channel over the transport its
-    endpoint names: ZeroMQ for ``tcp://`` (and ``ipc://``), UCX for ``ucx://``
-    (``shadow.transport.ucx``, opened the first time a worker asks for it)."""
-
-    def __init__(
-        self, ctx: zmq.Context, endpoints: Sequence[str], hwm: int, curve: Sequence[bool | Door] | None = None
-    ) -> None:
-        from shadow.transport import ucx
-
-        self.hwm = hwm
-        self.curve = list(curve) if curve is not None else None
-        self.via_ucx = [ucx.is_ucx(ep) for ep in endpoints]
-        self.zmq = ZmqDataSender(
-            ctx, [ep if not u else "" for ep, u in zip(endpoints, self.via_ucx, strict=True)], hwm, curve
-        )
-        self.ucx: DataSender | None = None
-        try:
-            for w, ep in enumerate(endpoints):
-                if self.via_ucx[w]:
-                    self._ucx_sender().open(w, ep, self.curve[w] if self.curve is not None else None)
-        except BaseException:
-            self.close()
-            raise
-
-    def _ucx_sender(self) -> DataSender:
-        if self.ucx is None:
-            from shadow.transport.ucx import UcxDataSender
-
-            self.ucx = UcxDataSender([""] * len(self.via_ucx), self.hwm)
-        return self.ucx
-
-    def send(self, worker: int, frames: Sequence, track: bool) -> Tracker | None:
-        if self.via_ucx[worker]:
-            return self._ucx_sender().send(worker, frames, track)
-        return self.zmq.send(worker, frames, track)
-
-    def open(self, worker: int, endpoint: str, curve: bool | Door | None = None) -> None:
-        from shadow.transport import ucx
-
-        self.drop(worker)
-        self.via_ucx[worker] = ucx.is_ucx(endpoint)
-        if self.via_ucx[worker]:
-            self._ucx_sender().open(worker, endpoint, curve)
-        else:
-            self.zmq.open(worker, endpoint, curve)
-
-    def drop(self, worker: int) -> None:
-        self.zmq.drop(worker)
-        if self.ucx is not None:
-            self.ucx.drop(worker)
-
-    def poll(self) -> None:
-        if self.ucx is not None:
-            self.ucx.poll()
-
-    def close(self) -> None:
-        self.zmq.close()
-        if self.ucx is not None:
-            self.ucx.close()

@@ -26,17 +26,13 @@ from typing import Any
 import zmq
 
 from shadow.config.tuning import Tuning
-from shadow.core import sqrttab
-from shadow.core.layout import Layout
-from shadow.core.sizing import human, nfields, session_bytes
-from shadow.kernels import powtab
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 from shadow.wire.commit import ApplyCut
 from shadow.worker import memory, slot
 from shadow.worker.address import Binding, bind_and_advertise
 from shadow.worker.apply import Apply
-from shadow.worker.assignment import Assignment
+from shadow.worker.configure import Configure
 from shadow.worker.data import DataPath
 from shadow.worker.fetches import FetchServer
 from shadow.worker.files import FileServer
@@ -55,7 +51,8 @@ class Worker:
     A small handle over its parts, each built here around the one :class:`WorkerState`
     (``state``) and the :class:`~shadow.worker.outbox.ZmqOutbox` to the coordinator
     (``outbox``): ``data`` (:class:`DataPath`), ``apply`` (:class:`Apply`), ``fetches``
-    (:class:`FetchServer`) and ``peer`` (:class:`PeerCopy`). The coordinator's control
+    (:class:`FetchServer`), ``peer`` (:class:`PeerCopy`) and ``configure``
+    (:class:`~shadow.worker.configure.Configure`). The coordinator's control
     messages go through :data:`ROUTES` to the handlers below.
 
     Threads: :meth:`run`, on the process's main thread, owns the sockets, the state and
@@ -111,6 +108,7 @@ class Worker:
         )
         self.apply = Apply(self.state, self.outbox, self.fetches)
         self.peer = PeerCopy(self.state, self.outbox, self.sockets)
+        self.configure = Configure(self.state, self.outbox, self.files, self.fetches, self.peer, self.data_mode)
 
     def _close(self) -> None:
         for sess in (self.state.assignment, self.state.retired):
@@ -354,6 +352,9 @@ class Worker:
         if s is not None and s.persister is not None and msg["epoch"] == s.epoch:
             s.persister.upload(msg["iteration"], msg["epoch"], msg["bytes"], msg["checksum"])
 
+    def _on_configure(self, msg: dict) -> None:
+        self.configure.carry_out(msg)
+
     def _on_forget(self, msg: dict) -> None:
         """Checkpoints the coordinator's retention dropped (or that failed): gone from this
         worker's disk too (deleted on the files thread)."""
@@ -365,99 +366,6 @@ class Worker:
         self.state.rejected["coordinator_" + msg["code"]] += 1
         logger.warning("the coordinator refused a message of this worker (%s): %s", msg["code"], msg["message"])
 
-    def _configure(self, msg: dict) -> None:
-        st = self.state
-        try:
-            problem = self._configure_problem(msg, st.tuning)
-            if problem is None and (msg.get("data_key") is None) != (self.data_mode == "plain"):
-                problem = (
-                    f"configure {'without' if self.data_mode != 'plain' else 'with'} a data key, and this "
-                    f"worker's data socket is {self.data_mode}: the coordinator and the workers must both "
-                    "have keys (security.server_key) or neither"
-                )
-            if problem is not None:
-                raise ValueError(problem)
-            old = st.assignment
-            keep = old.state if old is not None and _keeps(old, msg) else None
-            sess = Assignment(msg, st.tuning, self.files.override, keep=keep)
-        except (ValueError, KeyError, TypeError, OverflowError, MemoryError) as exc:
-            logger.error("cannot configure epoch %s: %s", msg.get("epoch"), exc)
-            self.outbox.to_coord("stale", epoch=msg["epoch"], reason=f"configure failed: {exc}")
-            return
-        # anything in flight for the old epoch is void
-        st.retired = old if old is not None and old.applied >= 0 and not old.stale and msg["peer"] is None else None
-        st.assignment = sess
-        if old is not None:  # its persister would otherwise live on, with its threads and images
-            old.close()
-        st.configures += 1
-        if sess.persister is not None:  # where this worker's local tier is, for the files socket
-            self.files.learn(sess.persister.local, sess.persister.file_mode, sess.persister.dir_mode)
-        self.fetches.answer()  # waiting fetches of the old epoch get an answer from the retired copy
-        self.peer.cancel()  # a peer copy of the old epoch is void too
-        if msg["peer"] is not None:
-            self.peer.start(msg["peer"])
-            return
-        st.awaiting_copy = False
-        logger.info(
-            "configured epoch %d job %s: range [%d, %d) of %d, world %d, from iteration %d%s",
-            sess.epoch,
-            sess.job,
-            sess.state.start,
-            sess.state.stop,
-            sess.layout.total,
-            sess.world,
-            sess.base,
-            f" (keeping epoch {old.epoch}'s state at it)" if sess.kept and old is not None else "",
-        )
-        self.outbox.to_coord("configured", epoch=sess.epoch, **({"kept": True} if sess.kept else {}))
-
-    @staticmethod
-    def _configure_problem(msg: dict, tuning: Tuning | None = None) -> str | None:
-        """What makes a ``configure`` impossible to carry out here, checked before
-        anything is allocated: a range outside the layout, or more memory than is free."""
-        layout = Layout.from_dict(msg["layout"])
-        start, stop = msg["start"], msg["stop"]
-        if not 0 <= start <= stop <= layout.total:
-            return f"range [{start}, {stop}) is outside the layout's {layout.total} elements"
-        if not 1 <= msg["world"] <= 1 << 20:
-            return f"world size {msg['world']} is out of bounds"
-        pow_problem = powtab.check_entries(msg["optim"].get("pow"))
-        if pow_problem is None and "sqrt" in msg["optim"]:
-            pow_problem = sqrttab.check(msg["optim"]["sqrt"])
-        if pow_problem is not None:
-            return f"the replay descriptor is malformed: {pow_problem}"
-        persist = msg["persist"]
-        local = (
-            isinstance(persist, dict) and isinstance(persist.get("local"), dict) and bool(persist["local"].get("dir"))
-        )
-        need = session_bytes(stop - start, nfields(msg["optim"]), len(layout.params), local, tuning or Tuning.load())
-        free = memory.available_bytes()
-        if 0 <= free < need:
-            return (
-                f"the range [{start}, {stop}) needs {human(need)} and this worker has "
-                f"{human(free)} free; add workers, or free memory on this host"
-            )
-        return None
-
-
-def _keeps(old: Assignment | None, msg: dict) -> bool:
-    """Whether a ``configure`` offering to keep epoch ``msg["keep"]``'s state finds it here
-    as the new epoch needs it: that epoch, applied through exactly the new base, not stale,
-    and the same job, layout, range, world and optimizer."""
-    keep = msg.get("keep")
-    return (
-        type(keep) is int
-        and old is not None
-        and old.epoch == keep
-        and not old.stale
-        and old.applied == msg["iteration"]
-        and old.job == msg["job"]
-        and old.world == msg["world"]
-        and (old.state.start, old.state.stop) == (msg["start"], msg["stop"])
-        and old.config["layout"] == msg["layout"]
-        and old.config["optim"] == msg["optim"]
-    )
-
 
 #: The coordinator's control messages to a worker, by type, and their handlers (any other
 #: type is counted as ``ctrl_unexpected``). Each runs on the worker's main thread.
@@ -465,7 +373,7 @@ ROUTES: dict[str, Callable[[Worker, dict], None]] = {
     "registered": Worker._on_registered,
     "reset": Worker._on_reset,
     "reregister": Worker._on_reregister,
-    "configure": Worker._configure,
+    "configure": Worker._on_configure,
     "forget": Worker._on_forget,
     "apply": Worker._on_apply,
     "upload": Worker._on_upload,

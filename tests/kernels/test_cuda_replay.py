@@ -147,7 +147,7 @@ def test_powers_come_from_the_device_table_not_the_workers_powf():
 def test_a_malformed_power_table_is_refused_at_configure(bad):
     from shadow.core.layout import Layout
     from shadow.kernels import powtab
-    from shadow.worker.server import Worker
+    from shadow.worker.configure import configure_problem
 
     assert powtab.check_entries(bad) is not None
     msg = {
@@ -158,5 +158,5 @@ def test_a_malformed_power_table_is_refused_at_configure(bad):
         "persist": {},
         "optim": {"kind": "adam", "impl": "cuda_fused", "pow": bad},
     }
-    problem = Worker._configure_problem(msg)
+    problem = configure_problem(msg)
     assert problem is not None and "replay descriptor is malformed" in problem

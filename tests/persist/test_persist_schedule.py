@@ -353,7 +353,7 @@ def test_replaced_sessions_release_their_persisters(tmp_path):
     w.outbox.to_coord = lambda kind, **fields: sent.append(kind)
     rss = []
     for epoch in range(1, 11):
-        w._configure(
+        w._on_configure(
             {
                 "epoch": epoch,
                 "job": "j",

@@ -15,8 +15,10 @@ import zmq
 from shadow.config import ClusterConfig, TransportConfig, WorkerConfig
 from shadow.config.security import SecurityConfig
 from shadow.testing.faults import sever
-from shadow.transport import ucx
-from shadow.transport.send import Channels, DataSender
+from shadow.transport import ucx, ucx_send
+from shadow.transport.channels import Channels
+from shadow.transport.send import DataSender
+from shadow.transport.ucx_base import _array
 
 pytestmark = pytest.mark.skipif(not ucx.available(), reason=f"UCX for Python is not installed: {ucx.INSTALL}")
 
@@ -86,7 +88,7 @@ def raw(out: ucx.UcxDataSender, data: bytes):
     ch = out.chans[0]
     assert ch is not None and ch.ep is not None
     buf = np.frombuffer(data, dtype=np.uint8).copy()
-    return buf, ch.ep.stream_send(ucx._array(buf))
+    return buf, ch.ep.stream_send(_array(buf))
 
 
 def test_messages_arrive_whole_in_order_and_zero_copy_from_the_sender(sock):
@@ -246,7 +248,7 @@ def test_a_connection_lost_again_and_again_with_nothing_acknowledged_breaks_the_
 def test_a_probe_that_never_gets_its_ack_makes_the_connection_again(sock, monkeypatch):
     from shadow.transport import ucx_socket
 
-    monkeypatch.setattr(ucx, "ACK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ucx_send, "ACK_TIMEOUT_S", 0.3)
     monkeypatch.setattr(ucx_socket, "ACK", b"NOPE")  # a worker whose answers to the probe go wrong
     out = sender(sock)
     out.send(0, [b"data"], False)
@@ -259,8 +261,8 @@ def test_a_probe_that_never_gets_its_ack_makes_the_connection_again(sock, monkey
 
 
 def test_a_reset_drops_what_was_queued_and_listens_on_a_new_port(sock, monkeypatch):
-    monkeypatch.setattr(ucx, "READY_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(ucx, "ACK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ucx_send, "READY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ucx_send, "ACK_TIMEOUT_S", 0.5)
     before = sender(sock)
     before.send(0, [b"old", b"part"], False)
     pump_until(sock, sock.pending, "a message queued before the reset")
@@ -344,7 +346,7 @@ def test_connections_that_prove_nothing_cannot_crowd_out_a_trainer():
 
 
 def test_a_listener_that_never_says_ready_is_given_up_without_blocking_the_sender(monkeypatch):
-    monkeypatch.setattr(ucx, "READY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ucx_send, "READY_TIMEOUT_S", 0.3)
     silent = ucx.UcxDataSocket(limit=1 << 20, max_frames=8, rcvhwm=100)  # never progressed: it says nothing
     out = sender(silent, hwm=4)
     payload = np.ones(1024, np.float32)
@@ -576,7 +578,7 @@ def test_a_stranger_announcing_a_large_message_is_dropped_before_the_worker_allo
         assert ch is not None and ch.ep is not None
         tracemalloc.start()
         try:
-            keep = [ch.ep.stream_send(ucx._array(b)) for b in bufs]
+            keep = [ch.ep.stream_send(_array(b)) for b in bufs]
             pump_until(sock, lambda: sock.rejected["ucx_door"] == 1, "the stranger dropped at its first message")
             for _ in range(50):  # whatever else it sent has had time to arrive
                 sock.pump()

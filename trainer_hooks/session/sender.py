@@ -36,7 +36,7 @@ import zmq
 from shadow.config.tuning import Tuning
 from shadow.core.errors import ShadowError
 from shadow.security import Door
-from shadow.transport.send import Channels as TransportChannels
+from shadow.transport.channels import Channels as TransportChannels
 from shadow.transport.send import DataSender
 from shadow.wire import frames as F
 from shadow.wire import messages as M
