@@ -2,8 +2,11 @@
 
 * ``session``    -- :class:`Session`: the public handle (options, error latch, hooks);
 * ``options``    -- :class:`AttachOptions`: every option of ``attach``, validated;
+* ``wiring``, ``tally`` -- how a session hooks into the loop; its totals across attachments;
 * ``attachment`` -- :class:`Attachment`: one epoch's running pipeline (ring, sender,
-  bucket handler, the step's commits); it drives the recorder;
+  bucket handler, the step's commits); it drives the recorder; ``parts`` builds its ring
+  and sender, ``stager`` stages each step's buckets, ``throttle`` waits for the cut,
+  ``extras`` sends the model state outside the optimizer;
 * ``handshake``, ``target`` -- :class:`Handshake` (the coordinator's attach answer) and
   :class:`Target` (the model and optimizer as laid out): frozen, one per epoch;
 * ``hook``       -- the one DDP comm hook per model, and the slot it reads;
