@@ -59,11 +59,10 @@ class Field(IntEnum):
 
 def state_fields(optim: dict) -> tuple[Field, ...]:
     """The state arrays an optimizer description (``trainer_hooks.optim.describe.describe``)
-    keeps per element, in wire order."""
-    if optim["kind"] == "sgd":
-        return (Field.PARAM, Field.EXP_AVG) if optim.get("momentum_any") else (Field.PARAM,)
-    base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
-    return base + ((Field.MAX_EXP_AVG_SQ,) if optim.get("amsgrad_any") else ())
+    keeps per element, in wire order (:func:`shadow.core.optimizers.state_fields`)."""
+    from shadow.core import optimizers  # it names Field: imported when first asked
+
+    return optimizers.state_fields(optim)
 
 
 class FrameError(ValueError):

@@ -12,7 +12,8 @@ import logging
 import os
 
 from shadow.config.tuning import Tuning
-from shadow.wire.frames import state_fields
+from shadow.core import optimizers
+from shadow.core.optimizers import state_fields
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ def nfields(optim: dict) -> int:
     """State arrays per element of an optimizer description (at least the parameter)."""
     try:
         return len(state_fields(optim))
-    except (KeyError, TypeError, AttributeError):
-        return 4  # unknown: the largest (Adam with AMSGrad)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return optimizers.max_fields()  # unknown: the largest
 
 
 def session_bytes(

@@ -140,3 +140,19 @@ def test_exported_optimizer_state_keys_and_values(make, desc, keys):
             field = {"exp_avg": M, "exp_avg_sq": V, "max_exp_avg_sq": X, "momentum_buffer": M}[k]
             want = snap.arrays[field][spec.offset : spec.offset + spec.numel]
             assert np.array_equal(st[i][k].reshape(-1).numpy(), want)
+
+
+def test_each_group_map_decodes_as_its_own_optimizer():
+    from shadow.core import optimizers
+
+    for spec in optimizers.SPECS.values():
+        fields = {"number": 0.5, "flag": False, "pair": [0.9, 0.99]}
+        d = {k: fields[kind] for k, kind in spec.group.WIRE.items()}
+        g = optimizers.group_from_wire(d)
+        assert type(g) is spec.group and g.to_wire() == d
+    with pytest.raises(ValueError, match="Adam param group lacks key 'amsgrad'"):
+        optimizers.ADAM.group.from_wire(
+            {"lr": 1.0, "betas": [0.9, 0.99], "eps": 1.0, "weight_decay": 0.0, "maximize": False}
+        )
+    with pytest.raises(ValueError, match="not supported by this build"):
+        optimizers.spec("rmsprop")
