@@ -15,12 +15,3 @@ class Field(IntEnum):
     EXP_AVG = 2
     EXP_AVG_SQ = 3
     MAX_EXP_AVG_SQ = 4
-
-
-def state_fields(optim: dict) -> tuple[Field, ...]:
-    """The state arrays an optimizer description (``trainer_hooks.optim.describe.describe``)
-    keeps per element, in wire order."""
-    if optim["kind"] == "sgd":
-        return (Field.PARAM, Field.EXP_AVG) if optim.get("momentum_any") else (Field.PARAM,)
-    base = (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ)
-    return base + ((Field.MAX_EXP_AVG_SQ,) if optim.get("amsgrad_any") else ())

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from shadow.core.fields import state_fields
+from shadow.core import optimizers
+from shadow.core.optimizers import state_fields
 
 #: per-parameter bytes of a session: step counts (8), "has state", "in range" and
 #: "trainable" flags (1 each), elements in range (8)
@@ -31,8 +32,8 @@ def nfields(optim: dict) -> int:
     """State arrays per element of an optimizer description (at least the parameter)."""
     try:
         return len(state_fields(optim))
-    except (KeyError, TypeError, AttributeError):
-        return 4  # unknown: the largest (Adam with AMSGrad)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return optimizers.max_fields()  # unknown: the largest any optimizer keeps
 
 
 def session_bytes(size: int, fields: int | dict, nparams: int, persist: bool, tuning: SessionKnobs) -> int:

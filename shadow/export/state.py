@@ -8,6 +8,7 @@ from collections import OrderedDict
 
 import torch
 
+from shadow.core import optimizers
 from shadow.core.snapshot import Snapshot
 from shadow.export import blob, extras
 from shadow.wire.frames import Field
@@ -31,20 +32,14 @@ def state_dicts(snap: Snapshot) -> dict:
     model = extras.model_state(params, snap.extras, b0)  # with frozen params, buffers, aliases
     groups = b0["param_groups"]
     state: dict[int, dict] = {}
-    sgd = snap.optim.get("kind") == "sgd"
+    optim = optimizers.spec_of(snap.optim)
+    fields = optim.fields(snap.optim)
     for i, spec in enumerate(snap.layout.params):
         if not snap.has_state[i]:
             continue
-        if sgd:
-            state[i] = {"momentum_buffer": _flat(snap, Field.EXP_AVG, i)}
-            continue
-        st = {
-            "step": torch.tensor(float(snap.steps[i]), dtype=torch.float32),
-            "exp_avg": _flat(snap, Field.EXP_AVG, i),
-            "exp_avg_sq": _flat(snap, Field.EXP_AVG_SQ, i),
-        }
-        if groups[spec.group].get("amsgrad"):
-            st["max_exp_avg_sq"] = _flat(snap, Field.MAX_EXP_AVG_SQ, i)
+        st = {"step": torch.tensor(float(snap.steps[i]), dtype=torch.float32)} if optim.has_step else {}
+        for key, field in optim.export_keys(groups[spec.group], fields):
+            st[key] = _flat(snap, field, i)
         state[i] = st
     param_groups = []
     for gi, g in enumerate(groups):

@@ -14,28 +14,12 @@ from typing import Any
 import numba
 import numpy as np
 
-from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core import optimizers
 from shadow.core.sqrttab import SqrtTable
-from shadow.kernels import adam as _adam
-from shadow.kernels import adam_columns as _cols
-from shadow.kernels import adam_cpu_table as _table
-from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 
 #: torch's CPU implementations, then the same on CUDA (whose kernels round differently)
 IMPLS = ("fused", "foreach", "single", "cuda_fused", "cuda_foreach", "cuda_single")
-#: the rounding rule of each implementation (``adam_columns.I_RULE``)
-RULES = {
-    "fused": _cols.RULE_CPU,
-    "foreach": _cols.RULE_CPU,
-    "single": _cols.RULE_CPU,
-    "cuda_fused": _cols.RULE_CUDA_FUSED,
-    "cuda_foreach": _cols.RULE_CUDA_FOREACH,
-    "cuda_single": _cols.RULE_CUDA_FOREACH,
-}
-KINDS = ("adam", "sgd")
-#: the implementations whose square root is the trainer's library's (a :class:`SqrtTable`)
-TABLE_IMPLS = ("single", "foreach")
 
 
 def tail_start(numel: int, impl: str, vec_width: int, tail_width: int) -> int:
@@ -60,7 +44,7 @@ def adam_scalars(
 ) -> tuple[float, ...]:
     """The float32 scalars torch derives (in double) for one Adam step at ``step``.
 
-    Returned in the column order of ``adam_columns.F_*`` except the clip column. CUDA's fused
+    Returned in the column order of ``adam.F_*`` except the clip column. CUDA's fused
     kernel computes them in float32 instead (:func:`cuda_fused_scalars`); its
     single-tensor path multiplies by ``1/bc2_sqrt`` (``F_BC2S`` holds the reciprocal).
     """
@@ -239,79 +223,75 @@ def interleave(work: np.ndarray, threads: int) -> np.ndarray:
 
 
 class ReplayPlan:
-    """Scalar tables for one worker range, refreshed per iteration from the commit."""
+    """Scalar tables for one worker range, refreshed per iteration from the commit; the
+    optimizer's :class:`~shadow.kernels.base.KernelSet` (from its spec in
+    :mod:`shadow.core.optimizers`) sizes and fills them and runs its kernel."""
 
     def __init__(
         self,
         segments: Sequence[Segment],
         impl: str,
         chunk: int,
-        kind: str = "adam",
+        kind: str = optimizers.ADAM.kind,
         powers: PowTable | None = None,
         sqrt: SqrtTable | None = None,
     ) -> None:
-        """``sqrt``: the trainer's square root (torch's single-tensor and foreach CPU Adam);
-        None: IEEE ``sqrt``."""
+        """``kind``: the descriptor's optimizer kind; ``sqrt``: the trainer's square root
+        (the implementations its spec lists in ``sqrt_impls``); None: IEEE ``sqrt``."""
         if impl not in IMPLS:
             raise ValueError(f"unknown optimizer implementation {impl!r}; expected one of {IMPLS}")
-        if kind not in KINDS:
-            raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
-        if sqrt is not None and (kind != "adam" or impl not in TABLE_IMPLS):
-            raise ValueError(f"a square root table replays Adam's {TABLE_IMPLS} paths only, not {kind} {impl!r}")
+        if kind not in optimizers.SPECS:
+            raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {optimizers.kinds()}")
+        spec = optimizers.spec(kind)
+        if sqrt is not None and impl not in spec.sqrt_impls:
+            raise ValueError(
+                f"a square root table replays {spec.label}'s {spec.sqrt_impls} paths only, not {kind} {impl!r}"
+            )
         self.segments = list(segments)
-        self.impl, self.kind = impl, kind
+        self.impl, self.kind, self.spec = impl, kind, spec
         self.powers = powers or PowTable()
         self.sqrt = sqrt
-        self.rule = _cols.RULE_CPU_TABLE if sqrt is not None else RULES[impl]
+        self.kernels = spec.kernels()
+        self.rule = self.kernels.rule(impl, sqrt)
         self.work = work_items(self.segments, chunk)
         self.chunk = chunk
         self.seg_len = np.asarray([g.hi - g.lo for g in self.segments], dtype=np.int64)
         self._parts_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        mod = _cols if kind == "adam" else _sgd
-        self.seg_f = np.zeros((len(self.segments), mod.N_FSCALARS), dtype=np.float32)
-        self.seg_i = np.zeros((len(self.segments), mod.N_ISCALARS), dtype=np.int64)
-        tail_col = _cols.I_TAIL_START if kind == "adam" else _sgd.J_TAIL_START
-        for s, seg in enumerate(self.segments):
-            self.seg_i[s, tail_col] = seg.tail
-            if kind == "adam":
-                self.seg_i[s, _cols.I_RULE] = self.rule
-                self.seg_i[s, _cols.I_PARAM_START] = seg.start
-                self.seg_i[s, _cols.I_RECIP] = int(impl == "cuda_single")
+        self.seg_f = np.zeros((len(self.segments), self.kernels.n_f), dtype=np.float32)
+        self.seg_i = np.zeros((len(self.segments), self.kernels.n_i), dtype=np.int64)
+        self.kernels.setup(self)
+
+    def fill(
+        self,
+        groups: Sequence[Any],
+        steps: np.ndarray,
+        has_state: np.ndarray,
+        skipped: set[int],
+        clip: np.float32 | None = None,
+        inv_scale: np.float32 | None = None,
+        grad_scale: np.float32 | None = None,
+    ) -> None:
+        """Fill the tables for one iteration. ``groups``: per param group, its settings
+        (the spec's group type); ``steps``: per-parameter step count *after* this
+        iteration's increment; ``has_state``: per parameter, whether it had state before
+        it; ``skipped``: parameters the optimizer did not step."""
+        self.kernels.fill(self, groups, steps, has_state, skipped, clip, inv_scale, grad_scale)
 
     def prepare_sgd(
         self,
-        groups: Sequence[SgdGroup],
+        groups: Sequence[Any],
         has_state: np.ndarray,
         skipped: set[int],
         clip=None,
         inv_scale=None,
         grad_scale=None,
     ) -> None:
-        """Fill the SGD tables for one iteration (``has_state``: momentum buffer exists)."""
-        one = np.float32(1.0)
-        for s, seg in enumerate(self.segments):
-            row_i, row_f = self.seg_i[s], self.seg_f[s]
-            if seg.param in skipped:
-                row_i[_sgd.J_ACTIVE] = 0
-                continue
-            grp = groups[seg.group]
-            row_f[:4] = _sgd.sgd_scalars(grp)
-            row_f[_sgd.S_CLIP] = clip if clip is not None else one
-            row_f[_sgd.S_INV_SCALE] = inv_scale if inv_scale is not None else one
-            row_f[_sgd.S_GRAD_SCALE] = grad_scale if grad_scale is not None else one
-            row_i[_sgd.J_ACTIVE] = 1
-            row_i[_sgd.J_FIRST] = int(not has_state[seg.param])
-            row_i[_sgd.J_NESTEROV] = int(bool(grp.nesterov))
-            row_i[_sgd.J_MAXIMIZE] = int(bool(grp.maximize))
-            row_i[_sgd.J_MOMENTUM] = int(grp.momentum != 0)
-            row_i[_sgd.J_WD] = int(grp.weight_decay != 0)
-            row_i[_sgd.J_CLIP] = int(clip is not None)
-            row_i[_sgd.J_INV_SCALE] = int(inv_scale is not None)
-            row_i[_sgd.J_GRAD_SCALE] = int(grad_scale is not None)
+        """:meth:`fill` without step counts (``has_state``: momentum buffer exists)."""
+        self.fill(groups, np.zeros(len(has_state)), has_state, skipped, clip, inv_scale, grad_scale)
 
     def apply_sgd(self, param, buf, grad, threads: bool = True) -> None:
-        """SGD over a contiguous gradient of the whole range."""
-        self.run(_sgd, (param, buf), [(0, grad)], threads=threads)
+        """:meth:`apply` of ``(param, momentum_buf)``."""
+        self.apply(param, buf, grad, threads=threads)
 
     def work_for(self, parts: Sequence[tuple[int, np.ndarray]]) -> np.ndarray:
         """Work rows over ``parts`` (sorted ``(local_dst, array)``), cached by their
@@ -337,111 +317,47 @@ class ReplayPlan:
         return work
 
     def run(
-        self, mod, arrays: tuple, parts: Sequence[tuple[int, np.ndarray]], snap: tuple = (), threads: bool = True
+        self, arrays: tuple, parts: Sequence[tuple[int, np.ndarray]], snap: tuple = (), threads: bool = True
     ) -> np.ndarray:
-        """Run ``mod``'s kernel (:mod:`adam` with ``(param, exp_avg, exp_avg_sq, max_sq)``,
-        :mod:`sgd` with ``(param, momentum_buf)``) with gradients taken from ``parts``
-        where they lie; ``snap``: arrays of the same shapes that receive the new values
-        too. Returns the work rows used."""
+        """Run the kernel on ``arrays`` (the spec's fields in order: PARAM, then its slots;
+        one not kept is empty) with gradients taken from ``parts`` where they lie;
+        ``snap``: arrays of the same shapes that receive the new values too. Returns the
+        work rows used."""
         work = self.work_for(parts)
         arrs = [a for _, a in parts]
         addr, length = grad_parts(arrs)
         snaps = tuple(snap) if snap else (_EMPTY,) * len(arrays)
-        if mod is _adam:
-            fn = _adam.KERNELS[self.rule][0 if threads else 1]
-            sq = (self.sqrt.words, self.sqrt.emap32) if self.sqrt is not None else (_table.NO_TABLE, _table.NO_MAP)
-            fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps, *sq)
-        else:
-            fn = _sgd.sgd_apply if threads else _sgd.sgd_apply_serial
-            fn(*arrays, addr, length, work, self.seg_f, self.seg_i, *snaps)
+        self.kernels.run(self, tuple(arrays), addr, length, work, snaps, threads)
         del arrs  # alive until the kernel returned
         return work
 
     def prepare(
         self,
-        groups: Sequence[AdamGroup],
+        groups: Sequence[Any],
         steps: np.ndarray,
         skipped: set[int],
         clip: np.float32 | None,
         inv_scale: np.float32 | None = None,
         grad_scale: np.float32 | None = None,
     ) -> None:
-        """Fill the tables for one iteration.
+        """:meth:`fill` of an optimizer whose state follows the step counts alone."""
+        self.fill(groups, steps, np.ones(len(steps), dtype=bool), skipped, clip, inv_scale, grad_scale)
 
-        ``groups``: per param group, its settings (:class:`shadow.core.optim_groups.AdamGroup`);
-        ``steps``: per-parameter step count *after* this iteration's
-        increment; ``skipped``: parameters the optimizer did not step.
-        """
-        cache: dict[tuple[int, float], tuple[float, ...]] = {}
-        rgs = exact_reciprocal(grad_scale) if grad_scale is not None else None
-        for s, seg in enumerate(self.segments):
-            row_i = self.seg_i[s]
-            if seg.param in skipped:
-                row_i[_cols.I_ACTIVE] = 0
-                continue
-            grp = groups[seg.group]
-            step = float(steps[seg.param])
-            key = (seg.group, step)
-            if key not in cache:
-                beta1, beta2 = grp.betas
-                cache[key] = adam_scalars(
-                    self.impl,
-                    grp.lr,
-                    beta1,
-                    beta2,
-                    grp.eps,
-                    grp.weight_decay,
-                    grp.decoupled,
-                    step,
-                    self.powers,
-                )
-            sc = cache[key]
-            self.seg_f[s, : len(sc)] = sc
-            self.seg_f[s, _cols.F_CLIP] = clip if clip is not None else np.float32(1.0)
-            self.seg_f[s, _cols.F_INV_SCALE] = inv_scale if inv_scale is not None else np.float32(1.0)
-            self.seg_f[s, _cols.F_GRAD_SCALE] = grad_scale if grad_scale is not None else np.float32(1.0)
-            self.seg_f[s, _cols.F_RGRAD_SCALE] = rgs if rgs is not None else np.float32(1.0)
-            row_i[_cols.I_INV_SCALE] = int(inv_scale is not None)
-            row_i[_cols.I_GRAD_SCALE] = int(grad_scale is not None and rgs is None)  # divide
-            row_i[_cols.I_ACTIVE] = 1
-            row_i[_cols.I_AMSGRAD] = int(bool(grp.amsgrad))
-            row_i[_cols.I_MAXIMIZE] = int(bool(grp.maximize))
-            row_i[_cols.I_LERP_SMALL] = int(abs(sc[_cols.F_W1]) < 0.5)
-            wd = grp.weight_decay
-            row_i[_cols.I_L2] = int(wd != 0 and not grp.decoupled)
-            row_i[_cols.I_DECOUPLED] = int(wd != 0 and grp.decoupled)
-            row_i[_cols.I_CLIP] = int(clip is not None)
-
-    def apply(self, param, exp_avg, exp_avg_sq, max_sq, grad, threads: bool = True) -> None:
-        """Run the kernel over a contiguous gradient of the whole range (in place);
-        ``threads=False`` keeps it on the calling thread."""
-        self.run(_adam, (param, exp_avg, exp_avg_sq, max_sq), [(0, grad)], threads=threads)
+    def apply(self, *arrays_grad: np.ndarray, threads: bool = True) -> None:
+        """Run the kernel over a contiguous gradient of the whole range (in place): the
+        arrays as for :meth:`run`, then the gradient; ``threads=False`` keeps it on the
+        calling thread."""
+        *arrays, grad = arrays_grad
+        self.run(tuple(arrays), [(0, grad)], threads=threads)
 
 
 def warm_up(threads: tuple[bool, ...] = (True,)) -> int:
-    """Compile (or load from numba's cache) the replay kernels now, so no JIT happens
-    while a worker serves its first iteration: the multi-threaded ones by default (a
-    worker's; trainers run the single-threaded ones, ``threads=(False,)``, compiled on
-    first use). Returns how many kernels had to be compiled (0: all came from the cache)."""
-    one = np.ones(16, dtype=np.float32)
-    segs = segments_for_range([0], [16], [0], 0, 16, "fused", 16, 8)
-    adam_group = AdamGroup(
-        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False, decoupled=True
-    )
-    table = SqrtTable.build(np.zeros(2 * (1 << 20), dtype=np.uint8), [-1] + [(e - 127) & 1 for e in range(1, 255)])
-    for impl, sqrt in (("fused", None), ("cuda_fused", None), ("cuda_foreach", None), ("single", table)):
-        plan = ReplayPlan(segs, impl, 16, "adam", sqrt=sqrt)  # one kernel per rounding rule
-        plan.prepare([adam_group], np.ones(1), set(), None)
-        for t in threads:
-            plan.apply(one.copy(), one.copy(), one.copy(), np.zeros(0, np.float32), one, threads=t)
-    plan = ReplayPlan(segs, "fused", 16, "sgd")
-    plan.prepare_sgd(
-        [SgdGroup(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)],
-        np.zeros(1, dtype=bool),
-        set(),
-    )
-    for t in threads:
-        plan.apply_sgd(one.copy(), one.copy(), one, threads=t)
-    pairs = (*_adam.KERNELS.values(), (_sgd.sgd_apply, _sgd.sgd_apply_serial))
-    kernels: list[Any] = [pair[0 if t else 1] for pair in pairs for t in threads]  # numba dispatchers
+    """Compile (or load from numba's cache) every optimizer's replay kernels now, so no
+    JIT happens while a worker serves its first iteration: the multi-threaded ones by
+    default (a worker's; trainers run the single-threaded ones, ``threads=(False,)``,
+    compiled on first use). Returns how many kernels had to be compiled (0: all came from
+    the cache)."""
+    kernels: list[Any] = []  # numba dispatchers
+    for spec in optimizers.SPECS.values():
+        kernels += spec.kernels().warm_up(threads)
     return sum(len(k.stats.cache_misses) for k in kernels)

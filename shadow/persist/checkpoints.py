@@ -43,12 +43,7 @@ from shadow.wire.frames import Field
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-_FIELDS = {
-    "param": Field.PARAM,
-    "exp_avg": Field.EXP_AVG,
-    "exp_avg_sq": Field.EXP_AVG_SQ,
-    "max_exp_avg_sq": Field.MAX_EXP_AVG_SQ,
-}
+_FIELDS = {f.name.lower(): f for f in Field if f is not Field.GRAD}  # shard entry name -> state array
 
 
 def dir_name(iteration: int, generation: int = 0) -> str:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-OPTIMIZERS = {"adamw": 12.0, "adam": 12.0, "sgd": 8.0}  # fp32 bytes per parameter the shadow and a checkpoint hold
+
+def optimizer_bytes() -> dict[str, float]:
+    """fp32 bytes per parameter the shadow and a checkpoint hold, per optimizer name
+    (:func:`shadow.core.optimizers.planner_bytes`; imported when asked: the registry
+    imports the wire package, which imports this one)."""
+    from shadow.core import optimizers
+
+    return optimizers.planner_bytes()
+
+
 # Llama 3 405B pre-training: 16,384 GPUs, 419 unexpected interruptions in a 54-day snapshot
 LLAMA3_GPU_MTBF_H = 16384 * 54 * 24 / 419
 
@@ -151,8 +160,8 @@ class PlanConfig:
                 f"gpu_mtbf_h={self.gpu_mtbf_h} must be > 0 (or set job_mtbf_h > 0, hours), e.g. "
                 f"gpu_mtbf_h={LLAMA3_GPU_MTBF_H:.0f} (Llama 3's 16k-GPU run) or job_mtbf_h=1"
             )
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r} is not one of {tuple(OPTIMIZERS)}")
+        if self.optimizer not in optimizer_bytes():
+            raise ValueError(f"optimizer={self.optimizer!r} is not one of {tuple(optimizer_bytes())}")
         if self.bytes_per_param < 0:
             raise ValueError(f"bytes_per_param={self.bytes_per_param} must be >= 0 (0 = from the optimizer)")
         for key in ("params", "iteration_s", "days"):
@@ -169,4 +178,4 @@ class PlanConfig:
 
     @property
     def state_bytes(self) -> float:
-        return self.params * (self.bytes_per_param or OPTIMIZERS[self.optimizer])
+        return self.params * (self.bytes_per_param or optimizer_bytes()[self.optimizer])

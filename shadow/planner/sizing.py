@@ -13,7 +13,7 @@ import json
 import math
 import os
 
-from shadow.planner.config import OPTIMIZERS, PlanConfig
+from shadow.planner.config import PlanConfig, optimizer_bytes
 
 GB = 1e9
 
@@ -86,7 +86,7 @@ def worker_bytes_per_param(cfg: PlanConfig) -> float:
     """Memory a worker needs per parameter of its shard: the optimizer state, gradients
     received and not yet applied (the lag plus the iteration arriving), and the
     persistence images."""
-    state = cfg.bytes_per_param or OPTIMIZERS[cfg.optimizer]
+    state = cfg.bytes_per_param or optimizer_bytes()[cfg.optimizer]
     inflight = 4.0 * (cfg.shadow.lag_iterations + 1)
     return state + inflight + state * cfg.shadow.persist_images
 

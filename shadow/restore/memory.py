@@ -18,14 +18,15 @@ import zmq
 from shadow import security
 from shadow.config.tuning import DEFAULT, Tuning
 from shadow.core.errors import ShadowConnectionError, ShadowError
-from shadow.core.fields import Field, state_fields
 from shadow.core.layout import Layout
+from shadow.core.optimizers import state_fields
 from shadow.core.snapshot import Assembly, Snapshot
 from shadow.restore.sources import Candidate
 from shadow.transport import fetch
 from shadow.transport.client import dealer, request
 from shadow.wire import messages as M
 from shadow.wire import tags
+from shadow.wire.frames import Field
 
 if TYPE_CHECKING:
     from shadow.restore.storage_source import TierSource

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shadow.core.optim_groups import group_from_wire
+from shadow.core.optimizers import group_from_wire
 from shadow.wire import frames as F
 from shadow.wire import messages as M
 from shadow.worker.shard import ShardState
@@ -115,8 +115,8 @@ def _check_kept(kept, bootstrap: bool) -> dict[int, list[tuple[int, int, int]]]:
 
 
 def _check_group(g) -> None:
-    """A param group's settings, as trainer_hooks.optim.describe sends them: exactly the keys of an
-    SGD or an Adam group (:mod:`shadow.core.optim_groups`), numbers as int or float, flags as bool."""
+    """A param group's settings, as trainer_hooks.optim.describe sends them: exactly the keys of one
+    optimizer's group (:func:`shadow.core.optimizers.group_from_wire`), numbers as int or float, flags as bool."""
     try:
         group_from_wire(g)
     except ValueError as exc:

@@ -5,28 +5,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from types import ModuleType
 
 import numpy as np
 
 from shadow.config.tuning import Tuning
-from shadow.core.fields import Field, state_fields
+from shadow.core import optimizers
 from shadow.core.layout import Layout, replay_tensors
-from shadow.core.optim_groups import AdamGroup, SgdGroup
 from shadow.core.sqrttab import SqrtTable
 from shadow.kernels import ReplayPlan, segments_for_range
-from shadow.kernels import adam as _adam
-from shadow.kernels import sgd as _sgd
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
+from shadow.wire.frames import Field
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_KINDS = ("adam", "sgd")
-
 
 class ShardState:
-    """Parameters and Adam moments for flat elements ``[start, stop)``.
+    """Parameters and optimizer state for flat elements ``[start, stop)``: one array per
+    field of the optimizer's spec (:mod:`shadow.core.optimizers`), empty when not kept.
 
     Per-parameter step counts and "has state" flags are kept for the whole layout
     (only the parameters intersecting the range are meaningful).
@@ -36,17 +32,17 @@ class ShardState:
         """``chunk``: elements per parallel work item of the replay (``Tuning.kernel_chunk_elements``;
         None: the environment's, else the default)."""
         kind = optim.get("kind")
-        if kind not in SUPPORTED_KINDS:
-            raise ValueError(f"optimizer kind {kind!r} is not supported by this worker; supported: {SUPPORTED_KINDS}")
+        if kind not in optimizers.SPECS:
+            raise ValueError(
+                f"optimizer kind {kind!r} is not supported by this worker; supported: {optimizers.kinds()}"
+            )
         n = stop - start
         self.kind = kind
+        self.spec = optimizers.spec(kind)
         self.layout, self.start, self.stop = layout, start, stop
-        self.amsgrad = bool(optim.get("amsgrad_any", False))
-        self.momentum = kind == "sgd" and bool(optim.get("momentum_any", False))
-        self.param = np.zeros(n, dtype=np.float32)
-        self.exp_avg = np.zeros(n if kind == "adam" or self.momentum else 0, dtype=np.float32)  # SGD: momentum
-        self.exp_avg_sq = np.zeros(n if kind == "adam" else 0, dtype=np.float32)
-        self.max_exp_avg_sq = np.zeros(n if self.amsgrad else 0, dtype=np.float32)
+        self._fields = self.spec.fields(optim)
+        #: per field of the spec, the range's values (length 0: not kept)
+        self.arrays = {f: np.zeros(n if f in self._fields else 0, dtype=np.float32) for f in self.spec.all_fields}
         self.steps = np.zeros(len(layout.params), dtype=np.float64)
         self.has_state = np.zeros(len(layout.params), dtype=bool)
         tensors = replay_tensors(layout, optim)  # per parameter, or per FSDP2 rank's piece of one
@@ -84,8 +80,7 @@ class ShardState:
 
     def fresh_arrays(self) -> None:
         """Zeroed arrays of its own in place of shared ones (see :meth:`sharing`)."""
-        for name in ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            setattr(self, name, np.zeros(len(getattr(self, name)), dtype=np.float32))
+        self.arrays = {f: np.zeros(len(a), dtype=np.float32) for f, a in self.arrays.items()}
         self.steps = np.zeros_like(self.steps)
         self.has_state = np.zeros_like(self.has_state)
 
@@ -101,15 +96,19 @@ class ShardState:
         return self.stop - self.start
 
     def fields(self) -> tuple[Field, ...]:
-        return state_fields({"kind": self.kind, "momentum_any": self.momentum, "amsgrad_any": self.amsgrad})
+        return self._fields
 
     def array(self, field: Field) -> np.ndarray:
-        return {
-            Field.PARAM: self.param,
-            Field.EXP_AVG: self.exp_avg,
-            Field.EXP_AVG_SQ: self.exp_avg_sq,
-            Field.MAX_EXP_AVG_SQ: self.max_exp_avg_sq,
-        }[field]
+        return self.arrays[field]
+
+    @property
+    def param(self) -> np.ndarray:
+        return self.arrays[Field.PARAM]
+
+    @property
+    def exp_avg(self) -> np.ndarray:
+        """The array in wire slot ``EXP_AVG`` (whatever the optimizer keeps there)."""
+        return self.arrays[Field.EXP_AVG]
 
     def install_meta(self, steps: list, has_state: list) -> None:
         """Per-parameter step counts and state flags from a bootstrap commit."""
@@ -140,38 +139,19 @@ class ShardState:
 
         transforms = (f32("clip"), f32("inv_scale"), f32("grad_scale"))
         fields = self.fields()
-        arrays: tuple[np.ndarray, ...]
-        mod: ModuleType  # the kernels' module
-        sgd: list[SgdGroup] = []
-        if self.kind == "sgd":
-            sgd = [SgdGroup.from_wire(g) for g in commit["groups"]]
-            self.plan.prepare_sgd(sgd, self.has_state, skipped, *transforms)
-            arrays = (self.param, self.exp_avg)
-            mod = _sgd
-        else:
-            adam = [AdamGroup.from_wire(g) for g in commit["groups"]]
-            self.plan.prepare(adam, steps_next, skipped, *transforms)
-            arrays = (self.param, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq)
-            mod = _adam
+        groups = self.spec.groups_from_wire(commit["groups"])
+        self.plan.fill(groups, steps_next, self.has_state, skipped, *transforms)
+        order = self.spec.all_fields
         empty = np.zeros(0, dtype=np.float32)
-        snaps = (
-            tuple(
-                snap.get(f, empty)
-                for f in (Field.PARAM, Field.EXP_AVG, Field.EXP_AVG_SQ, Field.MAX_EXP_AVG_SQ)[: len(arrays)]
-            )
-            if snap
-            else ()
-        )
-        work = self.plan.run(mod, arrays, parts, snaps)
+        snaps = tuple(snap.get(f, empty) for f in order) if snap else ()
+        work = self.plan.run(tuple(self.arrays[f] for f in order), parts, snaps)
         if snap:  # what the kernel did not write (skipped or frozen parameters) is copied
             active_seg = self.plan.seg_i[:, 0] != 0
             for lo, hi in untouched(work, active_seg, self.size):
                 for f in fields:
                     snap[f][lo:hi] = self.array(f)[lo:hi]
-        if self.kind == "sgd":
-            with_momentum = np.asarray([sgd[p.group].momentum != 0 for p in self.layout.params])
-            self.has_state |= active & with_momentum  # torch keeps a momentum buffer only then
-        else:
+        keeps = np.asarray([self.spec.keeps_state(groups[p.group]) for p in self.layout.params], dtype=bool)
+        self.has_state |= active & keeps
+        if self.spec.has_step:
             self.steps = steps_next
-            self.has_state |= active
         return bool(snap)

@@ -117,6 +117,9 @@ def build(
         groups[1]["nesterov"] = True
         groups[1]["dampening"] = 0.0
         opt = torch.optim.SGD(groups, lr=5e-2, momentum=0.9, dampening=0.1, **kw)
+    elif optim == "adamax":  # torch has no fused Adamax: --impl foreach, single or default
+        groups[1]["betas"] = (0.8, 0.99)
+        opt = torch.optim.Adamax(groups, lr=1e-2, maximize=False, **kw)
     else:
         raise ValueError(optim)
     if sched == "lambda":

@@ -14,6 +14,7 @@ from shadow import security
 from shadow.config.tuning import Tuning
 from shadow.core.errors import ShadowError
 from shadow.core.layout import Layout
+from shadow.core.optimizers import state_fields
 from shadow.restore.memory import fetch_memory
 from shadow.wire import frames as F
 from shadow.wire import messages as M
@@ -35,7 +36,7 @@ def fake_worker(ctx, lo, hi, values, chunk, damage=None, multipart=False):
         ident, raw = sock.recv_multipart()
         msg = M.decode(raw)
         chunks = []
-        for f in F.state_fields(OPTIM):
+        for f in state_fields(OPTIM):
             b = values[f][lo:hi].view(np.uint8)
             chunks += [b[i : i + chunk].tobytes() for i in range(0, len(b), chunk)]
         sums = [F.checksum(c) for c in chunks]
@@ -47,7 +48,7 @@ def fake_worker(ctx, lo, hi, values, chunk, damage=None, multipart=False):
             iteration=msg["iteration"],
             start=lo,
             stop=hi,
-            arrays=[int(f) for f in F.state_fields(OPTIM)],
+            arrays=[int(f) for f in state_fields(OPTIM)],
             steps=[[0, 5.0]] if lo == 0 else [],
             has_state=[0] if lo == 0 else [],
             commits=[[0 if lo == 0 else 1, b"blob"]],
@@ -91,7 +92,7 @@ SHARDS = [(0, 20_480), (20_480, LAYOUT.total)]
 
 def state_values(seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    return {f: rng.standard_normal(LAYOUT.total).astype(np.float32) for f in F.state_fields(OPTIM)}
+    return {f: rng.standard_normal(LAYOUT.total).astype(np.float32) for f in state_fields(OPTIM)}
 
 
 def run_fetch(damage=None, multipart=False, sink=None, layout=LAYOUT):
@@ -275,7 +276,7 @@ def _held(values, lo, hi, msg: dict, extras: dict) -> SimpleNamespace:
     """What a worker's FetchServer sends from: the session holding shard ``[lo, hi)`` of
     ``values`` at the fetch's epoch and iteration, with ``extras`` chunks."""
     shard = SimpleNamespace(
-        fields=lambda: F.state_fields(OPTIM),
+        fields=lambda: state_fields(OPTIM),
         array=lambda f: values[f][lo:hi],
         in_range=np.array([lo == 0] + [False] * (len(SHAPES) - 1)),
         steps=np.array([5.0] + [0.0] * (len(SHAPES) - 1)),

@@ -27,6 +27,8 @@ FEATURES = {
     "grad-scaler-skipped-steps": ("--amp", "step"),
     "sgd-momentum-nesterov": ("--optim", "sgd"),
     "sgd-foreach-clip": ("--optim", "sgd", "--impl", "foreach", "--clip", "0.05"),
+    # Adamax, added through the optimizer registry alone (shadow/core/optimizers/adamax.py)
+    "adamax-foreach-clip": ("--optim", "adamax", "--impl", "foreach", "--clip", "0.05"),
     "grad-scaler-unscale-clip": ("--amp", "unscale", "--clip", "0.05"),
     # torch's own clip_grad_norm_ in the loop (as frameworks call it), recorded
     "torch-clip-in-loop": ("--clip", "0.05", "--clip-via", "torch"),

@@ -22,21 +22,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core import optimizers
+from shadow.core.optimizers.spec import OptimSpec
 from shadow.core.sqrttab import SqrtTable
 from shadow.kernels import ReplayPlan, powtab, segments_for_range
-from shadow.kernels.replay import TABLE_IMPLS
+from shadow.wire.frames import Field
 
 logger = logging.getLogger(__name__)
 
 SIZES = (4096, 4099, 1000, 5)
 LONG_STEP = 5000  # a step count in the thousands (bias corrections near 1)
 SCALED_STEP, GRAD_SCALE = 2, 3000.0  # a fused step under GradScaler: the kernel divides by grad_scale
-CANDIDATES = {
-    "fused": ("cuda_fused",),
-    "foreach": ("cuda_foreach", "cuda_single"),
-    "single": ("cuda_single", "cuda_foreach"),
-}
 
 
 @dataclass
@@ -87,23 +83,21 @@ def _probe_tensors(gen: torch.Generator, scale: float) -> list[torch.Tensor]:
     return out
 
 
-def _settings(optimizer: torch.optim.Optimizer, kind: str) -> dict:
+def _settings(optimizer: torch.optim.Optimizer, spec: OptimSpec) -> dict:
+    """The first param group's settings, as the optimizer's constructor takes them."""
     g = optimizer.param_groups[0]
-    keys = (
-        ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
-        if kind == "sgd"
-        else ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-    )
+    keys = list(spec.group.WIRE)
     out = {k: g[k] for k in keys if k in g}
-    if kind == "adam" and g.get("decoupled_weight_decay") and type(optimizer) is torch.optim.Adam:
-        out["decoupled_weight_decay"] = True
+    for flag in spec.probe_flags.get(type(optimizer).__name__, ()):
+        if g.get(flag):
+            out[flag] = True
     for flag in ("fused", "foreach"):
         if g.get(flag) is not None:
             out[flag] = g[flag]
     return out
 
 
-def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list, kind: str) -> list[list]:
+def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list, spec: OptimSpec) -> list[list]:
     """Step the probes on ``device``: each step's state arrays (on the host)."""
     base = torch.zeros(sum(SIZES) + 1, device=device)  # the last probe is a view at an odd offset
     params = []
@@ -119,7 +113,7 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
     opt = cls(params, **settings)
     out = []
     for k, gs in enumerate(grads, start=1):
-        if k == len(grads) and kind == "adam":  # jump to a step count in the thousands
+        if k == len(grads) and spec.has_step:  # jump to a step count in the thousands
             for p in params:
                 opt.state[p]["step"].fill_(LONG_STEP - 1)
         scaled = k == SCALED_STEP and settings.get("fused")
@@ -131,11 +125,10 @@ def _run_device(cls, settings: dict, device: torch.device, p0: list, grads: list
         opt.step()
         if scaled:
             del opt.grad_scale, opt.found_inf
-        keys = ("momentum_buffer",) if kind == "sgd" else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         arrays = [np.concatenate([p.detach().cpu().numpy() for p in params])]
-        for key in keys:
-            if all(opt.state[p].get(key) is not None for p in params):
-                arrays.append(np.concatenate([opt.state[p][key].detach().cpu().numpy() for p in params]))
+        for slot in spec.slots:
+            if all(opt.state[p].get(slot.torch_key) is not None for p in params):
+                arrays.append(np.concatenate([opt.state[p][slot.torch_key].detach().cpu().numpy() for p in params]))
         out.append(arrays)
     return out
 
@@ -145,8 +138,8 @@ def _replay(
     settings: dict,
     p0: list,
     grads: list,
-    kind: str,
-    decoupled: bool,
+    spec: OptimSpec,
+    cls_name: str,
     widths: tuple[int, int],
     powers: powtab.PowTable,
     sqrt: SqrtTable | None = None,
@@ -155,68 +148,50 @@ def _replay(
     offsets = list(np.cumsum([0] + sizes)[:-1])
     total = sum(sizes)
     segs = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, impl, widths[0], widths[1])
-    plan = ReplayPlan(segs, impl, 4096, kind, powers, sqrt if impl in TABLE_IMPLS and kind == "adam" else None)
-    p = np.concatenate([x.numpy() for x in p0]).astype(np.float32)
-    m, v, mx = (np.zeros(total, np.float32) for _ in range(3))
-    amsgrad = bool(settings.get("amsgrad", False))
+    plan = ReplayPlan(segs, impl, 4096, spec.kind, powers, sqrt if impl in spec.sqrt_impls else None)
+    group = spec.group_from_torch(settings, cls_name)
+    # the fields torch keeps for this group: PARAM, then the slots it allocates
+    kept: tuple[Field, ...] = (Field.PARAM,)
+    if spec.keeps_state(group):
+        kept += tuple(s.field for s in spec.slots if s.group_flag is None or settings.get(s.group_flag))
+    arrays = {f: np.zeros(total if f in kept else 0, np.float32) for f in spec.all_fields}
+    arrays[Field.PARAM] = np.concatenate([x.numpy() for x in p0]).astype(np.float32)
     out = []
     for k, gs in enumerate(grads, start=1):
         scaled = k == SCALED_STEP and settings.get("fused")
         g = np.concatenate([(x * GRAD_SCALE if scaled else x).numpy() for x in gs]).astype(np.float32)
-        if kind == "sgd":
-            sgd = SgdGroup(
-                lr=settings["lr"],
-                momentum=settings.get("momentum", 0.0),
-                dampening=settings.get("dampening", 0.0),
-                weight_decay=settings.get("weight_decay", 0.0),
-                nesterov=bool(settings.get("nesterov", False)),
-                maximize=bool(settings.get("maximize")),
-            )
-            plan.prepare_sgd(
-                [sgd], np.full(len(sizes), k > 1), set(), grad_scale=np.float32(GRAD_SCALE) if scaled else None
-            )
-            plan.apply_sgd(p, m, g, threads=False)
-            out.append([p.copy()] + ([m.copy()] if sgd.momentum != 0 else []))
-            continue
-        step = float(LONG_STEP if k == len(grads) else k)
-        b1, b2 = settings["betas"]
-        group = AdamGroup(
-            lr=settings["lr"],
-            betas=(b1, b2),
-            eps=settings["eps"],
-            weight_decay=settings["weight_decay"],
-            amsgrad=amsgrad,
-            maximize=bool(settings.get("maximize")),
-            decoupled=decoupled,
+        step = float(LONG_STEP if k == len(grads) and spec.has_step else k)
+        plan.fill(
+            [group],
+            np.full(len(sizes), step),
+            np.full(len(sizes), k > 1),
+            set(),
+            grad_scale=np.float32(GRAD_SCALE) if scaled else None,
         )
-        plan.prepare(
-            [group], np.full(len(sizes), step), set(), None, grad_scale=np.float32(GRAD_SCALE) if scaled else None
-        )
-        plan.apply(p, m, v, mx if amsgrad else np.zeros(0, np.float32), g, threads=False)
-        out.append([p.copy(), m.copy(), v.copy()] + ([mx.copy()] if amsgrad else []))
+        plan.apply(*(arrays[f] for f in spec.all_fields), g, threads=False)
+        out.append([arrays[f].copy() for f in kept])
     return out
 
 
 def calibrate_device(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    kind: str,
+    spec: OptimSpec | str,
     impl: str,
     candidates: tuple[str, ...] | None = None,
     widths: tuple[int, int] = (16, 8),
     sqrt: SqrtTable | None = None,
 ) -> Calibration:
-    """The replay rule for ``optimizer`` (torch implementation ``impl``) on ``device``:
+    """The replay rule for ``optimizer`` (its spec, or descriptor kind; torch implementation ``impl``) on ``device``:
     the first of ``candidates`` (default: the CUDA rules for ``impl``) that reproduces it;
     ``widths``: the CPU fused kernel's vector and tail widths, for CPU candidates;
     ``sqrt``: the square root table of the CPU single-tensor and foreach candidates."""
+    if isinstance(spec, str):
+        spec = optimizers.spec(spec)
     cls = type(optimizer)
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
-        optimizer.param_groups[0].get("decoupled_weight_decay")
-    )
-    mine = _settings(optimizer, kind)
+    mine = _settings(optimizer, spec)
     probes = [mine]
-    if mine.get("weight_decay", 0.0) != 0 or kind == "adam":
+    if mine.get("weight_decay", 0.0) != 0 or spec.probe_big_decay:
         probes.append(dict(mine, lr=0.1, weight_decay=0.5))  # a large lr * weight decay
     gen = torch.Generator().manual_seed(20261201)
     p0 = _probe_tensors(gen, 0.05)
@@ -226,16 +201,15 @@ def calibrate_device(
     threads = torch.get_num_threads()
     try:
         with _cache.compile_lock():  # ranks and workers on one host compile the kernels once
-            powers = device_powers(optimizer, device) if kind == "adam" else []
+            powers = device_powers(optimizer, device) if spec.uses_powtab else []
             cal = _measure(
                 cls,
                 probes,
                 device,
                 p0,
                 grads,
-                kind,
-                decoupled,
-                candidates or CANDIDATES[impl],
+                spec,
+                candidates or spec.cuda_candidates.get(impl, ()),
                 widths,
                 powtab.PowTable(powers),
                 sqrt,
@@ -247,13 +221,13 @@ def calibrate_device(
             torch.set_num_threads(threads)
 
 
-def _measure(cls, probes, device, p0, grads, kind, decoupled, candidates, widths, powers, sqrt) -> Calibration:
+def _measure(cls, probes, device, p0, grads, spec, candidates, widths, powers, sqrt) -> Calibration:
     tried: dict[str, int] = {}
     for cand in candidates:
         worst = 0
         for settings in probes:
-            want = _run_device(cls, settings, device, p0, grads, kind)
-            got = _replay(cand, settings, p0, grads, kind, decoupled, widths, powers, sqrt)
+            want = _run_device(cls, settings, device, p0, grads, spec)
+            got = _replay(cand, settings, p0, grads, spec, cls.__name__, widths, powers, sqrt)
             for w_step, g_step in zip(want, got, strict=True):
                 for w, g in zip(w_step, g_step, strict=True):
                     worst = max(worst, _ulp(w, g))

@@ -18,29 +18,14 @@ import numpy as np
 import torch
 
 from shadow.core import sqrttab
-from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.optimizers.adam import ADAM
 from shadow.core.sqrttab import SqrtTable
-from shadow.wire import frames as F
+from trainer_hooks.optim.registry import UnsupportedOptimizerError, replay_groups, spec_for
+from trainer_hooks.optim.registry import unsupported as _unsupported
+
+__all__ = ["UnsupportedOptimizerError", "calibrate", "cpu_sqrt_table", "describe", "replay_groups", "wire_groups"]
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD")
-#: optimizer.state keys of each wire field (PARAM is the parameter itself)
-STATE_KEYS = {
-    "adam": {F.Field.EXP_AVG: "exp_avg", F.Field.EXP_AVG_SQ: "exp_avg_sq", F.Field.MAX_EXP_AVG_SQ: "max_exp_avg_sq"},
-    "sgd": {F.Field.EXP_AVG: "momentum_buffer"},
-}
-
-
-class UnsupportedOptimizerError(TypeError):
-    """The shadow cannot replay this optimizer (or this configuration of it)."""
-
-
-def _unsupported(what: str) -> UnsupportedOptimizerError:
-    return UnsupportedOptimizerError(
-        f"{what}; the shadow replays: {', '.join(SUPPORTED)} "
-        "(fp32, lr/betas as Python floats, capturable=False, differentiable=False)"
-    )
 
 
 def _impl(group: dict, params: list[torch.Tensor]) -> str:
@@ -51,45 +36,6 @@ def _impl(group: dict, params: list[torch.Tensor]) -> str:
     if group.get("foreach") is None and params and all(p.is_cuda for p in params):
         return "foreach"  # torch's default on CUDA
     return "single"
-
-
-def replay_groups(optimizer: torch.optim.Optimizer) -> list[AdamGroup] | list[SgdGroup]:
-    """Per-group hyperparameters exactly as the next/last step uses them (``to_wire()``
-    gives each group's map in a commit record)."""
-    if isinstance(optimizer, torch.optim.SGD):
-        sgd: list[SgdGroup] = []
-        for g in optimizer.param_groups:
-            if isinstance(g["lr"], torch.Tensor) or isinstance(g["weight_decay"], torch.Tensor):
-                raise _unsupported("lr and weight_decay given as tensors are not replayed")
-            sgd.append(
-                SgdGroup(
-                    lr=float(g["lr"]),
-                    momentum=float(g["momentum"]),
-                    dampening=float(g["dampening"]),
-                    weight_decay=float(g["weight_decay"]),
-                    nesterov=bool(g["nesterov"]),
-                    maximize=bool(g["maximize"]),
-                )
-            )
-        return sgd
-    decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-    adam: list[AdamGroup] = []
-    for g in optimizer.param_groups:
-        lr, (b1, b2) = g["lr"], g["betas"]
-        if isinstance(lr, torch.Tensor) or isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
-            raise _unsupported("lr and betas given as tensors are not replayed")
-        adam.append(
-            AdamGroup(
-                lr=float(lr),
-                betas=(float(b1), float(b2)),
-                eps=float(g["eps"]),
-                weight_decay=float(g["weight_decay"]),
-                amsgrad=bool(g["amsgrad"]),
-                maximize=bool(g["maximize"]),
-                decoupled=bool(g.get("decoupled_weight_decay", decoupled_default)),
-            )
-        )
-    return adam
 
 
 def wire_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -105,9 +51,7 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     implementation, stepping probes on its device (:func:`trainer_hooks.optim.calibrate.calibrate_device`).
     When it is not bit-identical, ``exact`` refuses the optimizer (``UnsupportedOptimizerError``
     naming the cause and the fixes); ``exact=False`` warns and goes on, ``bit_exact`` false."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
-        raise _unsupported(f"{type(optimizer).__module__}.{type(optimizer).__qualname__} is not supported")
-    kind = "sgd" if isinstance(optimizer, torch.optim.SGD) else "adam"
+    spec = spec_for(optimizer)
     impls = set()
     for g in optimizer.param_groups:
         if g.get("capturable") or g.get("differentiable"):
@@ -117,6 +61,8 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
         raise _unsupported(f"param groups use different implementations {sorted(impls)}")
     replay_groups(optimizer)  # validates hyperparameter types
     impl = impls.pop()
+    if impl not in spec.impls:
+        raise _unsupported(f"{type(optimizer).__name__} with {impl}=True is not replayed (replayed: {spec.impls})")
     name = f"{type(optimizer).__name__} ({impl})"
     cuda = next((p.device for g in optimizer.param_groups for p in g["params"] if p.is_cuda), None)
     from trainer_hooks.optim.calibrate import calibrate_device  # numba: loaded at attach, not at import
@@ -124,14 +70,14 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
     powers, table, note = None, None, ""
     if cuda is not None:
         vec, tail = 16, 8
-        cal = calibrate_device(optimizer, cuda, kind, impl)
+        cal = calibrate_device(optimizer, cuda, spec, impl)
         where = f"CUDA {name} on {torch.cuda.get_device_name(cuda)} with torch {torch.__version__}"
         impl, powers = cal.impl, cal.powers
     else:
-        vec, tail, _ = calibrate() if impl == "fused" else (16, 8, True)
-        if kind == "adam" and impl != "fused":
+        vec, tail, _ = calibrate() if impl == "fused" and spec.has_tail else (16, 8, True)
+        if impl in spec.sqrt_impls:
             table, note = cpu_sqrt_table()  # torch's sqrt here is MKL's, not IEEE's
-        cal = calibrate_device(optimizer, torch.device("cpu"), kind, impl, (impl,), (vec, tail), table)
+        cal = calibrate_device(optimizer, torch.device("cpu"), spec, impl, (impl,), (vec, tail), table)
         where = f"CPU {name} with torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})"
         if note:
             where += f"; square roots: {note}"
@@ -148,13 +94,12 @@ def describe(optimizer: torch.optim.Optimizer, exact: bool = True) -> dict:
             )
         warnings.warn(f"{cause}; attached with exact=False: the audit reports deviations, not fails", stacklevel=3)
     out = {
-        "kind": kind,
+        "kind": spec.kind,
         "impl": impl,
         "vec_width": vec,
         "tail_width": tail,
         "bit_exact": cal.bit_exact,
-        "amsgrad_any": any(bool(g.get("amsgrad", False)) for g in optimizer.param_groups),
-        "momentum_any": any(g.get("momentum", 0) != 0 for g in optimizer.param_groups),
+        **spec.describe_flags(optimizer.param_groups),
     }
     if powers is not None:
         out["pow"] = powers  # beta ** k as the trainer's device computes it (shadow/kernels/powtab.py)
@@ -209,13 +154,14 @@ def _calibrate() -> tuple[int, int, bool]:
         opt.step()
     want = np.concatenate([p.detach().numpy() for p in params])
     offsets = list(np.cumsum([0] + sizes)[:-1])
-    group = AdamGroup(
-        lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, decoupled=True
-    )
+    group = ADAM.group_from_torch(opt.param_groups[0], "AdamW")
     for vec, tail in _CANDIDATES:
         flat, m, v = init.copy(), np.zeros_like(init), np.zeros_like(init)
         plan = ReplayPlan(
-            segments_for_range(offsets, sizes, [0] * len(sizes), 0, len(init), "fused", vec, tail), "fused", 4096
+            segments_for_range(offsets, sizes, [0] * len(sizes), 0, len(init), "fused", vec, tail),
+            "fused",
+            4096,
+            ADAM.kind,
         )
         for k, gs in enumerate(grads, start=1):
             plan.prepare([group], np.full(len(sizes), float(k)), set(), None)

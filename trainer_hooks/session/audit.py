@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shadow.core.fields import state_fields
-from trainer_hooks.optim import describe as _optim
+from shadow.core import optimizers
 from trainer_hooks.session import transfer
 
 
@@ -19,8 +18,8 @@ def sample(layout, params: list, optimizer, optim_desc: dict, shards: list, k: i
     ``(positions, {field: [index into the gathered values, or -1 for no state]})``."""
     rng = np.random.default_rng(k)
     offsets = np.asarray([p.offset for p in layout.params], dtype=np.int64)
-    names = _optim.STATE_KEYS[optim_desc["kind"]]
-    keys = {f: names.get(f) for f in state_fields(optim_desc)}
+    spec = optimizers.spec_of(optim_desc)
+    keys = {f: spec.torch_key(f) for f in spec.fields(optim_desc)}
     views: list[torch.Tensor] = []
     plan: list[tuple[list[int], dict[int, list]] | None] = []
     for lo, hi in shards:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
-from shadow.core.fields import state_fields
+from shadow.core import optimizers
 from shadow.core.layout import intersect, stripe_bounds
 from shadow.wire import frames as F
 from trainer_hooks.capture import fsdp as _fsdp
@@ -26,9 +26,9 @@ def bootstrap(att, carry: tuple | None) -> None:
     mid-run (resync, ``add_param_group``); without it, what the training loop holds now."""
     t, base, shards = att.target, att.handshake.base, list(att.handshake.shards)
     opt_state = t.optimizer.state
-    sgd = t.optim_desc["kind"] == "sgd"
-    fields = state_fields(t.optim_desc)
-    key = _optim.STATE_KEYS[t.optim_desc["kind"]]
+    spec = optimizers.spec_of(t.optim_desc)
+    fields = spec.fields(t.optim_desc)
+    key = spec.state_keys()
     sent = [0] * len(shards)
     kept: list | None = [{} for _ in shards] if att.handshake.keep else None
     if t.fsdp is not None:
@@ -39,7 +39,7 @@ def bootstrap(att, carry: tuple | None) -> None:
     for p in t.params:
         st = opt_state.get(p, {})
         steps.append(float(st["step"]) if "step" in st else 0.0)
-        has_state.append(st.get("momentum_buffer") is not None if sgd else "step" in st)
+        has_state.append(st.get(spec.has_state_key) is not None)
     replay = {
         "iteration": base,
         "rank": t.rank,
