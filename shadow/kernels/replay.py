@@ -251,7 +251,7 @@ class ReplayPlan:
         self.impl, self.kind, self.spec = impl, kind, spec
         self.powers = powers or PowTable()
         self.sqrt = sqrt
-        self.kernels = spec.kernels()
+        self.kernels = spec.kernels()  # a shadow.kernels.base.KernelSet
         self.rule = self.kernels.rule(impl, sqrt)
         self.work = work_items(self.segments, chunk)
         self.chunk = chunk

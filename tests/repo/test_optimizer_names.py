@@ -16,7 +16,7 @@ NAMES = re.compile(
 ALLOWED = (
     "shadow/core/optimizers/",
     "shadow/core/optim_groups.py",  # the groups' former import path
-    "shadow/kernels/adam.py",
+    "shadow/kernels/adam",  # adam.py and the modules of its kernels (adam_rules.py, adam_loops.py, ...)
     "shadow/kernels/sgd.py",
     "shadow/kernels/adamax.py",
     "shadow/kernels/sets.py",

@@ -10,12 +10,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from shadow.core.fields import Field
-
-if TYPE_CHECKING:
-    from shadow.kernels.base import KernelSet
 
 
 def _is_number(v: Any) -> bool:
@@ -153,7 +150,8 @@ class OptimSpec:
             if s.field in fields and (s.group_flag is None or group_map.get(s.group_flag))
         ]
 
-    def kernels(self) -> KernelSet:
-        """Its kernel set (numba loads here, not before)."""
+    def kernels(self) -> Any:
+        """Its :class:`shadow.kernels.base.KernelSet` (numba loads here, not before; the
+        registry sits below the kernels, so it names the type without importing it)."""
         mod, _, name = self.kernels_at.partition(":")
         return getattr(importlib.import_module(mod), name)
