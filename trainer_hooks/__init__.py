@@ -58,7 +58,8 @@ def attach(
             an FSDP2 model (``fully_shard`` applied to its root, with or without an HSDP
             mesh: each rank streams its own rows of the gradients as the step reads them;
             docs/fsdp.md).
-        optimizer: the model's optimizer (``torch.optim.Adam``/``AdamW``/``SGD``).
+        optimizer: the model's optimizer (``torch.optim.Adam``, ``AdamW``, ``Adamax`` or ``SGD``: those of
+            :mod:`shadow.core.optimizers`).
         coordinator: the cluster's address, ``tcp://host:port``.
         scheduler: an LR scheduler (any ``torch.optim.lr_scheduler``); its state is
             checkpointed with every iteration and restored with the model.

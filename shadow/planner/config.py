@@ -134,7 +134,7 @@ class PlanConfig:
     )
     job_mtbf_h: float = 0.0  #: the job's MTBF, hours; when > 0 it replaces gpus / gpu_mtbf_h
     params: float = 405e9  #: model parameters
-    optimizer: str = "adamw"  #: adamw, adam or sgd (sets the state's bytes per parameter)
+    optimizer: str = "adamw"  #: adamw, adam, adamax or sgd (sets the state's bytes per parameter)
     bytes_per_param: float = 0.0  #: checkpoint bytes per parameter; 0 = from the optimizer (12 for Adam)
     iteration_s: float = 6.0  #: seconds per training iteration
     restart_s: float = (
