@@ -162,7 +162,7 @@ def run(args) -> dict:
     from shadow.config import LocalTierConfig, PersistConfig
     from shadow.config.tuning import Tuning
     from shadow.core.layout import Layout
-    from shadow.core.optim_groups import AdamGroup
+    from shadow.core.optimizers import AdamGroup
     from shadow.kernels.replay import warm_up
     from shadow.persist.writer import ShardPersister
     from shadow.transport import Context, FrameReceiver, SocketFactory, data_limit

@@ -47,6 +47,8 @@ GOALS = [
     Goal("replay bit-identical to torch", "bit_identical", True, "=="),
     Goal("replay, single-tensor rule vs torch AdamW (single-tensor)", "single_vs_torch_single", 0.95, ">=", "x"),
     Goal("single-tensor replay bit-identical to torch", "single_bit_identical", True, "=="),
+    Goal("Adamax replay vs torch Adamax (foreach)", "adamax_vs_torch_adamax", 0.95, ">=", "x"),
+    Goal("Adamax replay bit-identical to torch", "adamax_bit_identical", True, "=="),
 ]
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
 # (--smoke: seconds, the figures meaningless)
@@ -86,7 +88,7 @@ def run(args) -> dict:
     from benchlib import machine_info
 
     from shadow.config.tuning import Tuning
-    from shadow.core.optim_groups import AdamGroup
+    from shadow.core.optimizers import AdamaxGroup, AdamGroup
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
     from trainer_hooks.optim.describe import cpu_sqrt_table
 
@@ -123,6 +125,14 @@ def run(args) -> dict:
             np.zeros(total, np.float32),
         )
     steps_1 = np.zeros(len(sizes))
+    # Adamax (an optimizer added through the registry): torch's foreach path and its replay
+    params_x = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt_x = torch.optim.Adamax(params_x, lr=2e-3, weight_decay=0.01, foreach=True)
+    group_x = AdamaxGroup(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, maximize=False)
+    segs_x = segments_for_range(offsets, sizes, [0] * len(sizes), 0, total, "foreach", 16, 8)
+    plan_x = ReplayPlan(segs_x, "foreach", Tuning.load().kernel_chunk_elements, "adamax")
+    flat_x, m_x, u_x = flat_p.copy(), np.zeros(total, np.float32), np.zeros(total, np.float32)
+    steps_x = np.zeros(len(sizes))
 
     def torch_step():
         for p, gr in zip(params, grads, strict=True):
@@ -153,6 +163,16 @@ def run(args) -> dict:
         steps[:] += 1  # the fused replay keeps pace with torch's own step count
         replays["fused"][0].prepare([group], steps, set(), None)
         replays["fused"][0].apply(flat_p, replays["fused"][2], replays["fused"][3], np.zeros(0, np.float32), flat_g)
+
+    def torch_adamax_step():
+        for p, gr in zip(params_x, grads, strict=True):
+            p.grad = gr
+        opt_x.step()
+
+    def adamax_step():
+        steps_x[:] += 1
+        plan_x.prepare([group_x], steps_x, set(), None)
+        plan_x.apply(flat_x, m_x, u_x, flat_g)
 
     @numba.njit(parallel=True, cache=True)
     def par_copy(dst, src):
@@ -194,6 +214,8 @@ def run(args) -> dict:
         "cuda_foreach": replay_step("cuda_foreach"),
         "torch_single": torch_single_step,
         "single": single_step,
+        "torch_adamax": torch_adamax_step,
+        "adamax": adamax_step,
         "copy": copy_step,
         "stream": stream_step,
     }
@@ -216,6 +238,11 @@ def run(args) -> dict:
         torch.equal(p.detach(), torch.from_numpy(flat_p1[o : o + n]))
         for p, o, n in zip(params_1, offsets, sizes, strict=True)
     )
+    same_x = all(
+        torch.equal(p.detach(), torch.from_numpy(flat_x[o : o + n]))
+        for p, o, n in zip(params_x, offsets, sizes, strict=True)
+    )
+    adamax_ratio = statistics.median(t / r for t, r in zip(times["torch_adamax"], times["adamax"], strict=True))
     single_ratio = statistics.median(t / r for t, r in zip(times["torch_single"], times["single"], strict=True))
     gbps = {k: (8 if k == "copy" else 28) * total / med[k] / 1e9 for k in fns}
     cpu = machine_info()
@@ -244,6 +271,10 @@ def run(args) -> dict:
         "single_vs_torch": ratio["single"],
         "single_bit_identical": bool(same_1),
         "sqrt": sqrt_note,
+        "torch_adamax_s": med["torch_adamax"],
+        "adamax_s": med["adamax"],
+        "adamax_vs_torch_adamax": adamax_ratio,
+        "adamax_bit_identical": bool(same_x),
     }
     rows["shadow_vs_stream_bw"] = gbps["shadow"] / gbps["stream"]
     print(
@@ -280,7 +311,19 @@ def run(args) -> dict:
         f"{ratio['single']:.2f}x ({single_ratio:.2f}x torch single-tensor) | {gbps['single'] / gbps['stream']:.2f} | "
         ">= 0.95x torch single-tensor |"
     )
-    print(f"bit-identical to torch: fused {same}, single-tensor {same_1} (torch's sqrt here: {sqrt_note})")
+    print(
+        f"| torch Adamax (foreach) | {med['torch_adamax']:.4f} | {gbps['torch_adamax']:.2f} | "
+        f"{ratio['torch_adamax']:.2f}x | {gbps['torch_adamax'] / gbps['stream']:.2f} | |"
+    )
+    print(
+        f"| shadow replay, Adamax (CPU rule) | {med['adamax']:.4f} | {gbps['adamax']:.2f} | "
+        f"{ratio['adamax']:.2f}x ({adamax_ratio:.2f}x torch Adamax) | {gbps['adamax'] / gbps['stream']:.2f} | "
+        ">= 0.95x torch Adamax |"
+    )
+    print(
+        f"bit-identical to torch: fused {same}, single-tensor {same_1}, Adamax {same_x} "
+        f"(torch's sqrt here: {sqrt_note})"
+    )
     return rows
 
 

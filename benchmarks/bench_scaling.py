@@ -53,7 +53,7 @@ def _setup(nparams: int):
     from bench_replay import shapes
 
     from shadow.config.tuning import Tuning
-    from shadow.core.optim_groups import AdamGroup
+    from shadow.core.optimizers import AdamGroup
     from shadow.kernels.replay import ReplayPlan, segments_for_range, warm_up
 
     sizes = shapes(nparams)

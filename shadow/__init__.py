@@ -26,7 +26,7 @@ MOVED = {
     "shadow.keyset": "shadow.security.keyset",
     "shadow.layout": "shadow.core.layout",
     "shadow.logs": "shadow.config.logs",
-    "shadow.optim_groups": "shadow.core.optim_groups",
+    "shadow.optim_groups": "shadow.core.optimizers",
     "shadow.private": "shadow.security.private",
     "shadow.snapshot": "shadow.core.snapshot",
     "shadow.sqrttab": "shadow.core.sqrttab",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit, prange
 
-from shadow.core.optim_groups import SgdGroup
+from shadow.core.optimizers import SgdGroup
 from shadow.kernels import _cache  # first: it chooses the kernel cache directory before any @njit
 from shadow.kernels._fma import f32_at, fma32
 

@@ -1,4 +1,4 @@
-"""A param group's replay settings (shadow/core/optim_groups.py): the trainer reads them from the
+"""A param group's replay settings (shadow/core/optimizers): the trainer reads them from the
 optimizer, the commit record carries their wire map unchanged, the worker refuses a
 malformed one naming the key."""
 
@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from shadow.core.optim_groups import AdamGroup, SgdGroup, group_from_wire
+from shadow.core.optimizers import AdamGroup, SgdGroup, group_from_wire
 from shadow.wire import frames as F
 from shadow.worker.commit import decode_commit
 from trainer_hooks.optim.describe import replay_groups, wire_groups

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.optimizers import AdamGroup, SgdGroup
 from shadow.kernels import ReplayPlan, segments_for_range
 
 DATA = np.load(Path(__file__).resolve().parents[1] / "data" / "cuda_optim.npz")

@@ -15,7 +15,6 @@ NAMES = re.compile(
 )
 ALLOWED = (
     "shadow/core/optimizers/",
-    "shadow/core/optim_groups.py",  # the groups' former import path
     "shadow/kernels/adam",  # adam.py and the modules of its kernels (adam_rules.py, adam_loops.py, ...)
     "shadow/kernels/sgd.py",
     "shadow/kernels/adamax.py",

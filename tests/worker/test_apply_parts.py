@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shadow.core.layout import Layout
-from shadow.core.optim_groups import AdamGroup, SgdGroup
+from shadow.core.optimizers import AdamGroup, SgdGroup
 from shadow.core.sqrttab import SLOT_BYTES, SqrtTable
 from shadow.kernels.replay import part_work, segments_for_range, untouched
 from shadow.wire.frames import Field

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import xxhash
 
-from shadow.core.optim_groups import AdamGroup
+from shadow.core.optimizers import AdamGroup
 from shadow.wire import frames as F
 from shadow.worker.assignment import Assignment
 from tests.worker.test_worker_parts import BASE, LAYOUT, bootstrapped, configure, ctrl, data_path, worker
