@@ -118,8 +118,8 @@ def run_pair_sgd(impl: str, sizes, steps: int = 4, seed: int = 0, **kw):
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         opt.step()
-        plan.prepare_sgd(replay_groups(opt), has_state, set())
-        plan.apply_sgd(flat, buf, np.concatenate([g.numpy() for g in grads]).astype(np.float32))
+        plan.fill(replay_groups(opt), np.zeros(len(has_state)), has_state, set())
+        plan.apply(flat, buf, np.concatenate([g.numpy() for g in grads]).astype(np.float32))
         has_state[:] = kw.get("momentum", 0) != 0
     theirs = {"param": [p.detach() for p in params]}
     ours = {"param": [torch.from_numpy(flat[o : o + n].copy()) for o, n in zip(offsets, sizes, strict=True)]}

@@ -277,22 +277,6 @@ class ReplayPlan:
         it; ``skipped``: parameters the optimizer did not step."""
         self.kernels.fill(self, groups, steps, has_state, skipped, clip, inv_scale, grad_scale)
 
-    def prepare_sgd(
-        self,
-        groups: Sequence[Any],
-        has_state: np.ndarray,
-        skipped: set[int],
-        clip=None,
-        inv_scale=None,
-        grad_scale=None,
-    ) -> None:
-        """:meth:`fill` without step counts (``has_state``: momentum buffer exists)."""
-        self.fill(groups, np.zeros(len(has_state)), has_state, skipped, clip, inv_scale, grad_scale)
-
-    def apply_sgd(self, param, buf, grad, threads: bool = True) -> None:
-        """:meth:`apply` of ``(param, momentum_buf)``."""
-        self.apply(param, buf, grad, threads=threads)
-
     def work_for(self, parts: Sequence[tuple[int, np.ndarray]]) -> np.ndarray:
         """Work rows over ``parts`` (sorted ``(local_dst, array)``), cached by their
         geometry (the same every iteration of a run); checks that every active segment

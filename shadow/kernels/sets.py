@@ -161,9 +161,9 @@ class SgdKernels:
         one = np.ones(16, dtype=np.float32)
         plan = ReplayPlan(_tiny("fused"), "fused", 16, "sgd")
         group = SgdGroup(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
-        plan.prepare_sgd([group], np.zeros(1, dtype=bool), set())
+        plan.fill([group], np.zeros(1), np.zeros(1, dtype=bool), set())
         for t in threads:
-            plan.apply_sgd(one.copy(), one.copy(), one, threads=t)
+            plan.apply(one.copy(), one.copy(), one, threads=t)
         return [(_sgd.sgd_apply, _sgd.sgd_apply_serial)[0 if t else 1] for t in threads]
 
 

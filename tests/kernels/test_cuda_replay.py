@@ -53,8 +53,8 @@ def test_sgd_replay_matches_cuda_bit_for_bit(config):
     group = SgdGroup(lr=0.01, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True, maximize=False)
     p, buf = DATA["p0"].copy(), np.zeros(N, np.float32)
     for k in (1, 2, 3):
-        plan.prepare_sgd([group], np.array([k > 1]), set())
-        plan.apply_sgd(p, buf, DATA[f"g{k}"].copy(), threads=False)
+        plan.fill([group], np.zeros(1), np.array([k > 1]), set())
+        plan.apply(p, buf, DATA[f"g{k}"].copy(), threads=False)
         _same(p, f"{config}.s{k}.param")
         _same(buf, f"{config}.s{k}.momentum_buffer")
 
