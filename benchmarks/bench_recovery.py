@@ -166,9 +166,11 @@ def run_row(row: str, kill_at: int, args, tmp: Path, rng: random.Random) -> dict
             time.sleep(rng.uniform(0.1, 0.9) * step_s)  # part-way through the iteration
             ev = _events(events)
             victim = next(e["pid"] for e in ev if e["rank"] == 1 and e["round"] == 0 and e["event"] == "start")
-            done = max(e["it"] for e in ev if e["rank"] == 1 and e["round"] == 0 and e["event"] == "step")
             t_kill = time.time()
             os.kill(victim, signal.SIGKILL)
+            # the last step it finished: read after the kill, as it may have finished one more meanwhile
+            ev = _events(events)
+            done = max(e["it"] for e in ev if e["rank"] == 1 and e["round"] == 0 and e["event"] == "step")
             if row == "shadow, cluster restarted":
                 assert cluster is not None
                 port = cluster.port
@@ -199,7 +201,13 @@ def _figures(row: str, ev: list[dict], t_kill: float, done: int, step_s: float) 
 
     in_flight = done + 1
     restored = min(e["iteration"] for e in after if e["event"] == "restored")
-    redone = max(e["t"] for e in after if e["event"] == "step" and e["it"] == in_flight)
+    # back where it was: the first iteration at or past the one in flight, done by every rank (the
+    # restore may start past it: its commit can leave before the rank logs the step)
+    later = [e for e in after if e["event"] == "step" and e["it"] >= in_flight]
+    if not later:
+        raise RuntimeError(f"{row}: the restarted ranks never reached iteration {in_flight} (killed in it)")
+    back = min(e["it"] for e in later)
+    redone = max(e["t"] for e in later if e["it"] == back)
     attached = last("attached") if any(e["event"] == "attached" for e in after) else last("restored")
     saves = [e["seconds"] for e in ev if e["event"] == "saved" and e["round"] == 0]
     fig = {
