@@ -21,7 +21,7 @@ ALIGN_ELEMS = 1024
 MAX_ELEMENTS = 1 << 48
 MAX_DIMS = 64
 MAX_GROUPS = 1 << 16
-#: Bound on the ranks an FSDP2 parameter is split over (``replay_tensors``).
+#: Bound on the ranks an FSDP2 parameter is split over (``shadow.core.split.replay_runs``).
 MAX_DIM0_SHARDS = 1 << 16
 
 
@@ -142,41 +142,6 @@ def shard_bounds(total: int, nshards: int) -> list[tuple[int, int]]:
 def stripe_bounds(length: int, nranks: int) -> list[tuple[int, int]]:
     """The stripe of a bucket of ``length`` elements that each of ``nranks`` sends."""
     return shard_bounds(length, nranks)
-
-
-def dim0_pieces(layout: Layout, shards: int) -> list[tuple[int, int, int]]:
-    """The tensors an optimizer steps when every parameter of ``layout`` is split on dim 0
-    over ``shards`` ranks as FSDP2 splits it (``ceil(rows / shards)`` rows each; the last
-    ranks' pieces shorter or empty): ``(flat offset, elements, parameter index)`` of each
-    non-empty piece, by parameter then rank. A replay over these pieces takes each rank's
-    per-tensor view (the fused kernel's tails follow each piece's size). A scalar is one
-    piece on the first rank."""
-    if shards < 1:
-        raise ValueError(f"need at least one shard, got {shards}")
-    out = []
-    for i, spec in enumerate(layout.params):
-        rows = spec.shape[0] if spec.shape else 1
-        row = spec.numel // rows if rows else 0
-        per = -(-rows // shards)
-        for r in range(-(-rows // per) if per else 0):  # the ranks that hold rows
-            lo, hi = r * per, min(rows, (r + 1) * per)
-            if hi > lo and row:
-                out.append((spec.offset + lo * row, (hi - lo) * row, i))
-    return out
-
-
-def replay_tensors(layout: Layout, optim: dict) -> list[tuple[int, int, int]]:
-    """The tensors the optimizer described by ``optim`` steps, as ``(flat offset,
-    elements, parameter index)``: each parameter whole, or under FSDP2
-    (``optim["dim0_shards"]`` > 1) every rank's dim-0 piece of it (:func:`dim0_pieces`:
-    each rank's optimizer sees its local shard as the tensor, and the fused kernel's tail
-    follows that size)."""
-    shards = optim.get("dim0_shards", 1)
-    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_DIM0_SHARDS:
-        raise ValueError(f"dim0_shards must be an integer in [1, {MAX_DIM0_SHARDS}], got {shards!r}")
-    if shards > 1:
-        return dim0_pieces(layout, shards)
-    return [(p.offset, p.numel, i) for i, p in enumerate(layout.params)]
 
 
 def intersect(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:

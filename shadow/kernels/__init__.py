@@ -6,8 +6,11 @@ from shadow.kernels.replay import (
     Segment,
     adam_scalars,
     segments_for_range,
+    segments_for_runs,
     tail_start,
     work_items,
 )
 
-__all__ = ["IMPLS", "ReplayPlan", "Segment", "adam_scalars", "segments_for_range", "tail_start", "work_items"]
+__all__ = ["IMPLS", "ReplayPlan", "Segment", "adam_scalars", "segments_for_range",
+    "segments_for_runs",
+    "tail_start", "work_items"]

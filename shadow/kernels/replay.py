@@ -137,6 +137,47 @@ def segments_for_range(
     return out
 
 
+def segments_for_runs(
+    runs: np.ndarray,
+    groups: Sequence[int],
+    start: int,
+    stop: int,
+    impl: str,
+    vec_width: int,
+    tail_width: int,
+) -> list[Segment]:
+    """The segments of ``[start, stop)`` over replay runs (``shadow.core.split.replay_runs``:
+    rows ``(flat, n, param, origin, tensor elements)`` in flat order; ``groups[param]`` is
+    each parameter's group). Neighbouring runs of one parameter become one segment when
+    the kernels cannot tell them apart: none takes the fused tail rule, and (CUDA's fused
+    kernel, whose L2 rule reads them) their tensors' element indices agree modulo 4, so
+    a parameter split by rows (``Shard(1)``) replays in one pass, not one per row."""
+    if not len(runs):
+        return []
+    flat, n, param, origin, numel = (runs[:, k] for k in range(5))
+    lo, hi = np.maximum(flat, start), np.minimum(flat + n, stop)
+    keep = lo < hi
+    lo, hi, param, origin, numel = lo[keep], hi[keep], param[keep], origin[keep], numel[keep]
+    if not len(lo):
+        return []
+    if impl == "fused":
+        rem = numel % vec_width
+        tail = origin + numel - rem + (rem // tail_width) * tail_width
+    else:
+        tail = origin + numel
+    plain = tail >= hi
+    joins = np.zeros(len(lo), dtype=bool)
+    joins[1:] = (hi[:-1] == lo[1:]) & (param[:-1] == param[1:]) & plain[:-1] & plain[1:]
+    if impl == "cuda_fused":
+        joins[1:] &= (origin[1:] - origin[:-1]) % 4 == 0
+    first = np.flatnonzero(~joins)
+    last = np.append(first[1:] - 1, len(lo) - 1)
+    return [
+        Segment(int(param[a]), int(groups[param[a]]), int(lo[a] - start), int(hi[b] - start), int(tail[b] - start), int(origin[a] - start))
+        for a, b in zip(first.tolist(), last.tolist(), strict=True)
+    ]
+
+
 def work_items(segments: Sequence[Segment], chunk: int) -> np.ndarray:
     """Split segments into ``(lo, hi, segment)`` items of at most ``chunk`` elements."""
     rows = []

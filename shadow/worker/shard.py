@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 
 import numpy as np
 
 from shadow.config.tuning import Tuning
 from shadow.core import optimizers
-from shadow.core.layout import Layout, replay_tensors
+from shadow.core.layout import Layout
+from shadow.core.split import replay_runs
 from shadow.core.sqrttab import SqrtTable
-from shadow.kernels import ReplayPlan, segments_for_range
+from shadow.kernels import ReplayPlan, segments_for_runs
 from shadow.kernels.powtab import PowTable
 from shadow.kernels.replay import untouched
 from shadow.wire.frames import Field
@@ -45,20 +45,16 @@ class ShardState:
         self.arrays = {f: np.zeros(n if f in self._fields else 0, dtype=np.float32) for f in self.spec.all_fields}
         self.steps = np.zeros(len(layout.params), dtype=np.float64)
         self.has_state = np.zeros(len(layout.params), dtype=bool)
-        tensors = replay_tensors(layout, optim)  # per parameter, or per FSDP2 rank's piece of one
-        segs = [
-            dataclasses.replace(s, param=tensors[s.param][2])
-            for s in segments_for_range(
-                [off for off, _, _ in tensors],
-                [n for _, n, _ in tensors],
-                [layout.params[i].group for _, _, i in tensors],
-                start,
-                stop,
-                optim["impl"],
-                int(optim["vec_width"]),
-                int(optim["tail_width"]),
-            )
-        ]
+        # per parameter, or per rank's box of one (FSDP2, tensor parallel): the optimizer's tensors
+        segs = segments_for_runs(
+            replay_runs(layout, optim),
+            [p.group for p in layout.params],
+            start,
+            stop,
+            optim["impl"],
+            int(optim["vec_width"]),
+            int(optim["tail_width"]),
+        )
         chunk = Tuning.load().kernel_chunk_elements if chunk is None else chunk
         sqrt = SqrtTable.from_wire(optim["sqrt"]) if "sqrt" in optim else None  # ValueError: malformed
         self.plan = ReplayPlan(segs, optim["impl"], chunk, kind, PowTable(optim.get("pow")), sqrt)

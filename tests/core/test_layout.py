@@ -110,29 +110,3 @@ def test_a_received_layout_is_bounded():
         with pytest.raises(ValueError, match=what):
             Layout.from_dict(bad)
     assert Layout.from_dict(one([2**24, 2**23])).total == 2**47 < MAX_ELEMENTS  # a large real one still fits
-
-
-def test_dim0_pieces_split_like_fsdp2():
-    from shadow.core.layout import dim0_pieces
-
-    layout = Layout.build([("w", (13, 5), 0, True), ("b", (1,), 0, True), ("s", (), 0, True)], 1)
-    # 13 rows on 2 ranks: 7 + 6; one row on 2 ranks: all on the first, none on the second
-    assert dim0_pieces(layout, 2) == [(0, 35, 0), (35, 30, 0), (65, 1, 1), (66, 1, 2)]
-    assert dim0_pieces(layout, 1) == [(0, 65, 0), (65, 1, 1), (66, 1, 2)]
-    # 13 rows on 4 ranks: 4 + 4 + 4 + 1
-    assert [n for _, n, i in dim0_pieces(layout, 4) if i == 0] == [20, 20, 20, 5]
-    with pytest.raises(ValueError, match="at least one shard"):
-        dim0_pieces(layout, 0)
-    # 3 rows on 4 ranks: one row each on the first three, none on the last
-    assert dim0_pieces(Layout.build([("v", (3, 2), 0, True)], 1), 4) == [(0, 2, 0), (2, 2, 0), (4, 2, 0)]
-
-
-def test_replay_tensors_are_the_optimizers_per_tensor_view():
-    from shadow.core.layout import replay_tensors
-
-    layout = Layout.build([("w", (13, 5), 0, True), ("b", (1,), 0, True)], 1)
-    assert replay_tensors(layout, {"impl": "fused"}) == [(0, 65, 0), (65, 1, 1)]
-    assert replay_tensors(layout, {"dim0_shards": 2}) == [(0, 35, 0), (35, 30, 0), (65, 1, 1)]
-    for bad in (0, -1, 1 << 40, "2", True, 2.0):
-        with pytest.raises(ValueError, match="dim0_shards"):
-            replay_tensors(layout, {"dim0_shards": bad})

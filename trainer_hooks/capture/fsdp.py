@@ -1,7 +1,13 @@
-"""FSDP2 and HSDP models: where this rank's shard of each laid-out parameter lies in the
-flat space (:class:`LocalShards`, what ``attach`` streams and bootstraps from and what a
-restore copies into), and where each parameter's shard lies in an FSDP group's reduce
-output (:func:`fsdp_spans`). docs/fsdp.md has the design.
+"""Sharded models (FSDP2, HSDP, tensor parallel, and FSDP2 over tensor parallel): where
+this rank's part of each laid-out parameter lies in the flat space (:class:`LocalShards`,
+what ``attach`` streams and bootstraps from; :class:`Rows`, what a restore copies into),
+and where each parameter's shard lies in an FSDP group's reduce output
+(:func:`fsdp_spans`). docs/fsdp.md has the design.
+
+Every parameter is a DTensor whose local tensor is a *box* of the full tensor
+(:mod:`trainer_hooks.capture.placement`). The ranks that hold the same box (replicas: a
+``Replicate()`` mesh dimension, HSDP's, or tensor parallel's for a norm) each stream their
+own stripe of it, so every element leaves one rank.
 
 ``FSDPModule.set_all_reduce_hook`` hands a rank one flat buffer per FSDP group and
 backward: the group's parameters in order, each a dim-0 padded chunk of
@@ -13,14 +19,22 @@ out rather than read from FSDP's private state."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from shadow.core.errors import ShadowUsageError
-from shadow.core.layout import Layout, bucket_runs, stripe_bounds
+from shadow.core.layout import Layout, stripe_bounds
+from shadow.core.split import Box, box_numel, box_runs
+from trainer_hooks.capture import placement as _placement
+
+#: the most flat ranges a restore asks of the cluster's memory (``shadow.transport.fetch``'s bound)
+MAX_RANGES = 1 << 16
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
@@ -30,8 +44,14 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """``model`` holds DTensor parameters: FSDP2 (``fully_shard``), tensor parallel
+    (``parallelize_module``), or both."""
+    return is_fsdp(model) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def is_sharded(params: Sequence[torch.Tensor]) -> bool:
-    """``params`` are FSDP2's (DTensors): each rank holds its rows, on any mesh."""
+    """``params`` are DTensors: each rank holds a box of each, on any mesh."""
     return any(isinstance(p, DTensor) for p in params)
 
 
@@ -40,42 +60,164 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def boxes(layout: Layout, params: Sequence[torch.Tensor]) -> list[Box]:
+    """This rank's box of each parameter of ``layout`` (``params``: the optimizer's DTensor
+    parameters in layout order), checked against its local tensor; anything the shadow
+    cannot place is a :class:`ShadowUsageError` naming the parameter and the fix."""
+    out = []
+    for spec, p in zip(layout.params, params, strict=True):
+        if not isinstance(p, DTensor):
+            raise ShadowUsageError(
+                f"parameter {spec.name!r} is a plain tensor in a model of DTensors: fully_shard the module that "
+                "holds it (or the root module), or place it with parallelize_module or distribute_tensor "
+                "(Replicate() where it is not split), so every parameter is a DTensor"
+            )
+        _placement.check(spec.name, p)
+        b = _placement.box_of(p)
+        mine = local(p)
+        if tuple(mine.shape) != tuple(hi - lo for lo, hi in b):
+            raise ShadowUsageError(
+                f"parameter {spec.name!r}: this rank holds a local tensor of shape {list(mine.shape)}, its "
+                f"placements {tuple(p.placements)} on a mesh of {tuple(p.device_mesh.shape)} give "
+                f"{[hi - lo for lo, hi in b]}"
+            )
+        out.append(b)
+    return out
+
+
+def _gather_device() -> torch.device:
+    """Where the default group's collectives take their tensors."""
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def replicas(layout: Layout, mine: Sequence[Box]) -> list[tuple[int, int]]:
+    """Per parameter, ``(ranks holding this rank's box, this rank's index among them)``
+    over the default group: one all-gather of every rank's boxes. Every rank must lay out
+    the same model (the same layout hash), else a :class:`ShadowUsageError` on all."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    dev = _gather_device()
+    h = layout.hash
+    head = torch.tensor([h & 0xFFFFFFFF, h >> 32, len(layout.params)], dtype=torch.int64, device=dev)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head)
+    if any(not torch.equal(x, heads[0]) for x in heads):
+        raise ShadowUsageError(
+            "the ranks lay out different models (another set of parameters, shapes or param groups): under "
+            "FSDP2 and tensor parallelism every rank's optimizer holds every parameter, as a DTensor"
+        )
+    width = 2 * max((len(b) for b in mine), default=0) or 1
+    flat = torch.full((len(mine), width), -1, dtype=torch.int64)
+    for i, b in enumerate(mine):
+        for d, (lo, hi) in enumerate(b):
+            flat[i, 2 * d], flat[i, 2 * d + 1] = lo, hi
+    flat = flat.to(dev)
+    every = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(every, flat)
+    stacked = torch.stack([x.cpu() for x in every])  # [rank, param, bounds]
+    out = []
+    for i in range(len(mine)):
+        same = (stacked[:, i, :] == stacked[me, i, :]).all(dim=1).nonzero().flatten().tolist()
+        out.append((len(same), same.index(me)))
+    return out
+
+
 @dataclass(frozen=True)
 class LocalShards:
-    """This rank's rows of every laid-out parameter under FSDP2 (``shards`` ranks split
-    each parameter on dim 0, ``ceil(rows / shards)`` rows each) or HSDP (``replicas``
-    copies of that split; this rank is copy ``replica``).
+    """What this rank streams of a sharded model: per parameter, a stripe of its local
+    tensor (all of it unless other ranks hold the same box: then the ``replicas`` split
+    it, 1024-element aligned), laid end to end in a *stream*.
 
-    ``slots[i]`` is parameter ``i``'s local part as ``(offset in the concatenation of the
-    local parts, flat offset of its first element, elements)``: the rows are contiguous in
-    the flat space. Under HSDP every replica holds the same shard: each streams its own
-    :meth:`stripe` of the concatenation, so every element leaves one rank."""
+    ``slots[i]`` is parameter ``i``'s stripe as ``(offset in the stream, start in the
+    local tensor, elements)``; ``flat`` lists the stream's runs in the flat space as rows
+    ``(parameter, offset in the stream, flat offset, elements)`` (one per row of a box
+    that cuts its last dimension). ``split`` is every rank's boxes, for the optimizer's
+    descriptor (:func:`shadow.core.split.replay_runs`)."""
 
-    shards: int
-    replicas: int
-    replica: int
+    boxes: tuple[Box, ...]
     slots: tuple[tuple[int, int, int], ...]
+    flat: np.ndarray
     total: int
+    split: list
+    replicas: tuple[int, ...]
 
     def stripe(self) -> tuple[int, int]:
-        """The part ``[lo, hi)`` of the concatenation this rank streams."""
-        return stripe_bounds(self.total, self.replicas)[self.replica]
+        """The part ``[lo, hi)`` of the stream this rank sends: all of it."""
+        return 0, self.total
 
     def runs(self, present: Sequence[bool], workers: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
-        """Per worker, the runs ``(src relative to the stripe, flat dst, n)`` of the stripe,
-        over the parameters ``present`` marks (those with a gradient)."""
-        stripe = self.stripe()
-        slots = [s for s, keep in zip(self.slots, present, strict=True) if keep and s[2]]
-        per_worker = bucket_runs(slots, stripe, workers)
-        return [[(r.src - stripe[0], r.dst, r.nelem) for r in rs] for rs in per_worker]
+        """Per worker, the runs ``(src in the stream, flat dst, n)`` of the stream over the
+        parameters ``present`` marks (those with a gradient)."""
+        keep = np.asarray(present, dtype=bool)[self.flat[:, 0]] if len(self.flat) else np.zeros(0, dtype=bool)
+        rows = self.flat[keep]
+        return [_cut(rows, a, b) for a, b in workers]
 
     def pieces(self, lo: int, hi: int):
-        """``(param index, start in the local part, start in [lo, hi), n)`` of every local
-        part that meets ``[lo, hi)`` of the concatenation."""
-        for i, (off, _, n) in enumerate(self.slots):
+        """``(param index, start in the local tensor, start in [lo, hi), n)`` of every
+        stripe that meets ``[lo, hi)`` of the stream."""
+        for i, (off, start, n) in enumerate(self.slots):
             a, b = max(off, lo), min(off + n, hi)
             if a < b:
-                yield i, a - off, a - lo, b - a
+                yield i, start + a - off, a - lo, b - a
+
+
+def _cut(rows: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
+    """The runs ``(src, dst, n)`` of ``rows`` (``(param, src, dst, n)``, in order) inside
+    flat ``[a, b)``, neighbours in both merged."""
+    if not len(rows):
+        return []
+    src, dst, n = rows[:, 1], rows[:, 2], rows[:, 3]
+    lo, hi = np.maximum(dst, a), np.minimum(dst + n, b)
+    keep = lo < hi
+    src, lo, hi = (src + lo - dst)[keep], lo[keep], hi[keep]
+    if not len(lo):
+        return []
+    joins = np.zeros(len(lo), dtype=bool)
+    joins[1:] = (src[:-1] + hi[:-1] - lo[:-1] == src[1:]) & (hi[:-1] == lo[1:])
+    first = np.flatnonzero(~joins)
+    last = np.append(first[1:] - 1, len(lo) - 1)
+    return list(zip(src[first].tolist(), lo[first].tolist(), (hi[last] - lo[first]).tolist(), strict=True))
+
+
+def local_shards(layout: Layout, params: Sequence[torch.Tensor]) -> LocalShards:
+    """What this rank streams of DTensor ``params`` (the optimizer's, in layout order):
+    a collective over the default group (:func:`replicas`)."""
+    mine = boxes(layout, params)
+    reps = replicas(layout, mine)
+    slots, rows, at = [], [], 0
+    for i, (spec, b, (k, r)) in enumerate(zip(layout.params, mine, reps, strict=True)):
+        n = box_numel(b)
+        lo, hi = stripe_bounds(n, k)[r] if n else (0, 0)
+        slots.append((at, lo, hi - lo))
+        if hi > lo:
+            starts, lens = box_runs(spec.shape, spec.offset, b)
+            local_at = np.concatenate(([0], np.cumsum(lens)[:-1]))
+            a, z = np.maximum(local_at, lo), np.minimum(local_at + lens, hi)
+            keep = a < z
+            part = np.empty((int(keep.sum()), 4), dtype=np.int64)
+            part[:, 0], part[:, 1] = i, at + a[keep] - lo
+            part[:, 2], part[:, 3] = starts[keep] + a[keep] - local_at[keep], z[keep] - a[keep]
+            rows.append(part)
+        at += hi - lo
+    every = [_placement.cuts(p) for p in params]
+    split = [[i, cuts] for i, cuts in enumerate(every) if any(len(c) > 2 for c in cuts)]
+    flat = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
+    return LocalShards(tuple(mine), tuple(slots), flat, at, split, tuple(k for k, _ in reps))
+
+
+def align_grads(params: Sequence[torch.Tensor]) -> None:
+    """Place each DTensor gradient as its parameter is, in place of ``p.grad``: a norm's
+    gradient under ``SequenceParallel`` is ``Partial()``, a row-wise embedding's is
+    ``Replicate()``, and the optimizer's DTensor ops would redistribute them to the
+    parameter's placements themselves (an all-reduce for ``Partial``). Done here once, the
+    optimizer reads the same values without redistributing again, and the local tensors
+    the shadow streams are the ones it steps with. A collective: every rank calls it, at
+    every step, in the same order."""
+    for p in params:
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def check_outside_optimizer(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> None:
@@ -87,141 +229,92 @@ def check_outside_optimizer(model: torch.nn.Module, params: Sequence[torch.Tenso
     if names:
         shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ShadowUsageError(
-            f"the FSDP2 model has sharded tensors the optimizer does not hold ({shown}); the shadow keeps sharded "
+            f"the model has sharded tensors the optimizer does not hold ({shown}); the shadow keeps sharded "
             "state through the optimizer only: add them to the optimizer in a param group of their own (a "
             "parameter without a gradient is never stepped)"
         )
 
 
 class Rows:
-    """This rank's rows of full tensors laid out as ``layout`` (a restore into an FSDP2
-    model of any mesh: every rank takes its rows of the checkpoint's full tensors)."""
+    """This rank's boxes of full tensors laid out as ``layout`` (a restore into a sharded
+    model of any mesh: every rank takes its boxes of the checkpoint's full tensors)."""
 
-    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], shards: LocalShards) -> None:
-        self.layout, self.params, self.shards = layout, list(params), shards
+    def __init__(self, layout: Layout, params: Sequence[torch.Tensor], mine: Sequence[Box]) -> None:
+        self.layout, self.params, self.boxes = layout, list(params), list(mine)
 
     @classmethod
     def of(cls, layout: Layout, params: Sequence[torch.Tensor]) -> Rows | None:
-        """None unless ``params`` are DTensors (FSDP2); :class:`ShadowUsageError` when they
-        are not placed as FSDP2 places them."""
-        if not any(isinstance(p, DTensor) for p in params):
+        """None unless ``params`` are DTensors; :class:`ShadowUsageError` when one is
+        placed as the shadow cannot place it."""
+        if not is_sharded(params):
             return None
-        return cls(layout, params, local_shards(layout, params))
+        return cls(layout, params, boxes(layout, params))
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The flat ranges of this rank's boxes, in order, neighbours merged."""
+        out: list[tuple[int, int]] = []
+        for spec, b in zip(self.layout.params, self.boxes, strict=True):
+            starts, lens = box_runs(spec.shape, spec.offset, b)
+            for a, n in zip(starts.tolist(), lens.tolist(), strict=True):
+                if out and out[-1][1] == a:
+                    out[-1] = (out[-1][0], a + n)
+                else:
+                    out.append((a, a + n))
+        return out
 
     def within(self, ranges: Sequence[tuple[int, int]]) -> bool:
-        """Every one of this rank's rows lies inside ``ranges`` (what a fetch read)."""
-        import bisect
-
+        """Every one of this rank's elements lies inside ``ranges`` (what a fetch read)."""
         starts = [a for a, _ in ranges]
-        for _, flat, n in self.shards.slots:
-            if n:
-                j = bisect.bisect_right(starts, flat) - 1
-                if j < 0 or not ranges[j][0] <= flat < flat + n <= ranges[j][1]:
-                    return False
+        for a, b in self.ranges():
+            j = bisect.bisect_right(starts, a) - 1
+            if j < 0 or not ranges[j][0] <= a < b <= ranges[j][1]:
+                return False
         return True
 
     def take(self, i: int, full: torch.Tensor) -> torch.Tensor:
-        """Parameter ``i``'s rows of ``full`` (a tensor of its global shape), shaped as its
+        """Parameter ``i``'s box of ``full`` (a tensor of its global shape), shaped as its
         local tensor."""
-        spec, (_, flat, n) = self.layout.params[i], self.shards.slots[i]
-        start = flat - spec.offset
-        return full.reshape(-1)[start : start + n].view(local(self.params[i]).shape)
+        return _placement.take(full.reshape(self.layout.params[i].shape), self.boxes[i])
 
     def place(self, i: int, full: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-        """``full`` as a DTensor placed as parameter ``i`` is, holding this rank's rows:
+        """``full`` as a DTensor placed as parameter ``i`` is, holding this rank's box:
         ``live`` (a DTensor of that placement) filled in place when it is one, else a new one."""
         p, part = self.params[i], self.take(i, full)
-        assert isinstance(p, DTensor)  # Rows.of: FSDP2 parameters (local_shards checked each)
+        assert isinstance(p, DTensor)  # Rows.of: DTensor parameters (boxes checked each)
         if isinstance(live, DTensor) and live.placements == p.placements and live.shape == p.shape:
             mine = local(live)
             if mine.shape == part.shape:
                 mine.copy_(part)
                 return live
-        mine = part.to(device=local(p).device, dtype=local(p).dtype, copy=True)
+        mine = part.to(device=local(p).device, dtype=local(p).dtype, copy=True).contiguous()
         return DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def rows_ranges(layout: Layout, params: Sequence[torch.Tensor]) -> tuple[int, list[tuple[int, int]]] | None:
-    """``(layout hash, the flat ranges of this rank's rows)`` of FSDP2 ``params`` (what a
-    restore fetches: a fetch from memory reads those only when the checkpoint has this
-    layout); None for plain tensors, or parameters not placed as FSDP2 places them (the
-    restore then reads everything and says what does not match)."""
-    if not any(isinstance(p, DTensor) for p in params):
+    """``(layout hash, the flat ranges of this rank's boxes)`` of DTensor ``params`` (what
+    a restore fetches: a fetch from memory reads those only when the checkpoint has this
+    layout; beyond :data:`MAX_RANGES` ranges, each parameter's span instead); None for
+    plain tensors, or parameters the shadow cannot place (the restore then reads
+    everything and says what does not match)."""
+    if not is_sharded(params):
         return None
     try:
-        shards = local_shards(layout, params)
+        rows = Rows.of(layout, params)
     except ShadowUsageError:
         return None
-    out: list[tuple[int, int]] = []
-    for _, flat, n in shards.slots:
-        if not n:
-            continue
-        if out and out[-1][1] == flat:
-            out[-1] = (out[-1][0], flat + n)
-        else:
-            out.append((flat, flat + n))
+    assert rows is not None
+    out = rows.ranges()
+    if len(out) > MAX_RANGES:
+        spans: list[tuple[int, int]] = []
+        for spec, b in zip(layout.params, rows.boxes, strict=True):
+            starts, lens = box_runs(spec.shape, spec.offset, b)
+            if len(starts):
+                a, z = int(starts[0]), int(starts[-1] + lens[-1])
+                spans[-1:] = [(spans[-1][0], z)] if spans and spans[-1][1] == a else spans[-1:] + [(a, z)]
+        out = spans
+    if len(out) > MAX_RANGES:
+        return None
     return layout.hash, out
-
-
-def _mesh_split(name: str, p: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(shards, this rank's shard, replicas, this rank's replica)`` of a DTensor
-    parameter placed as FSDP2 places it: ``(Shard(0),)``, or HSDP's ``(Replicate(),
-    Shard(0))``."""
-    if not isinstance(p, DTensor):
-        raise ShadowUsageError(
-            f"parameter {name!r} is not sharded (a plain tensor in an FSDP2 model): fully_shard the module "
-            "that holds it, or the root module, so every parameter is a DTensor"
-        )
-    mesh, places = p.device_mesh, p.placements
-    shard_dims = [d for d, pl in enumerate(places) if isinstance(pl, Shard)]
-    others = [d for d, pl in enumerate(places) if not isinstance(pl, Shard)]
-    if (
-        len(shard_dims) != 1
-        or places[shard_dims[0]] != Shard(0)
-        or any(not isinstance(places[d], Replicate) for d in others)
-        or len(others) > 1
-    ):
-        raise ShadowUsageError(
-            f"parameter {name!r} is placed {places}; the shadow follows FSDP2's dim-0 sharding, "
-            "(Shard(0),), and HSDP's (Replicate(), Shard(0))"
-        )
-    sd = shard_dims[0]
-    if not others:
-        return mesh.size(sd), mesh.get_local_rank(sd), 1, 0
-    rd = others[0]
-    return mesh.size(sd), mesh.get_local_rank(sd), mesh.size(rd), mesh.get_local_rank(rd)
-
-
-def local_shards(layout: Layout, params: Sequence[torch.Tensor]) -> LocalShards:
-    """Where this rank's rows of each parameter of ``layout`` lie (``params``: the
-    optimizer's DTensor parameters in layout order). Every parameter must be split the
-    same way (one mesh shape); anything else is a :class:`ShadowUsageError` naming it."""
-    split = None
-    slots, at = [], 0
-    for spec, p in zip(layout.params, params, strict=True):
-        mine = _mesh_split(spec.name, p)
-        if split is None:
-            split = mine
-        elif (mine[0], mine[2]) != (split[0], split[2]):
-            raise ShadowUsageError(
-                f"parameter {spec.name!r} is split over {mine[0]} ranks with {mine[2]} replicas, the first "
-                f"over {split[0]} with {split[2]}; the shadow needs one mesh for the whole model"
-            )
-        shards, rank = mine[0], mine[1]
-        rows = spec.shape[0] if spec.shape else 1
-        row = spec.numel // rows if rows else 0
-        per = -(-rows // shards)
-        lo, hi = min(rows, rank * per), min(rows, (rank + 1) * per)
-        n = (hi - lo) * row
-        if local(p).numel() != n:
-            raise ShadowUsageError(
-                f"parameter {spec.name!r}: this rank holds {local(p).numel()} elements, FSDP2's dim-0 split "
-                f"over {shards} ranks gives it {n}"
-            )
-        slots.append((at, spec.offset + lo * row, n))
-        at += n
-    assert split is not None  # a layout has parameters
-    return LocalShards(split[0], split[2], split[3], tuple(slots), at)
 
 
 @dataclass(frozen=True)

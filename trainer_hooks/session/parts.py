@@ -18,9 +18,9 @@ RING_SLACK = 16 * 256  # elements per step beyond the stripes: room for the buck
 
 def ring_capacity(target: Target, tuning: Tuning) -> int:
     """Elements of the staging ring: ``tuning.ring_iterations`` steps of this rank's stripe
-    (DDP: its share of the layout; FSDP2: its share of its replica's rows), plus slack."""
+    (DDP: its share of the layout; sharded: its share of its boxes), plus slack."""
     shards = target.fsdp
-    per_step = target.layout.total // target.world if shards is None else -(-shards.total // shards.replicas)
+    per_step = target.layout.total // target.world if shards is None else shards.total
     return tuning.ring_iterations * (per_step + RING_SLACK)
 
 

@@ -125,6 +125,7 @@ class GradStager:
         assert shards is not None
         # every rank votes at every step, degraded or not: how a degraded session learns to resync
         self.recovery.vote_now(t.device, rec.next, vote_group)
+        _fsdp.align_grads(t.params)  # a collective as well: before anything may return
         if self.latch.error is not None or self.recovery.degraded is not None:
             return
         t0 = time.perf_counter()

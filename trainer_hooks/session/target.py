@@ -1,9 +1,10 @@
-"""What one attachment streams: the DDP (or FSDP2) model and its optimizer as laid out in
-the flat space when it attached (a new one with every attach: ``add_param_group`` changes
-it)."""
+"""What one attachment streams: the DDP (or sharded: FSDP2, tensor parallel) model and its
+optimizer as laid out in the flat space when it attached (a new one with every attach:
+``add_param_group`` changes it)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +23,9 @@ from trainer_hooks.session import device
 class Target:
     """The model, the optimizer and what was derived from them at attach (never changed)."""
 
-    model: torch.nn.Module  # DistributedDataParallel, or an FSDP2 root module
+    model: torch.nn.Module  # DistributedDataParallel, or a model of DTensors (FSDP2, tensor parallel)
     optimizer: torch.optim.Optimizer
-    pg: Any  # the model's process group (FSDP2: the default group)
+    pg: Any  # the model's process group (sharded: the default group)
     rank: int
     world: int
     layout: Layout
@@ -34,7 +35,7 @@ class Target:
     device: torch.device  # the one device of ``params``
     optim_desc: dict  # the replay descriptor (``_optim.describe``)
     views: bool  # DDP's ``gradient_as_bucket_view``: the gradients are the buckets
-    fsdp: _fsdp.LocalShards | None = None  # FSDP2/HSDP: this rank's rows of each parameter
+    fsdp: _fsdp.LocalShards | None = None  # sharded: what this rank streams of each parameter
 
     @classmethod
     def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, exact: bool) -> Target:
@@ -46,11 +47,12 @@ class Target:
         shards = None
         if isinstance(model, DistributedDataParallel):
             pg = model.process_group
-        else:  # an FSDP2 root (Session checked it): each rank streams its own rows
+        else:  # a model of DTensors (Session checked it): each rank streams its own boxes
             pg = None
-            shards = _fsdp.local_shards(layout, params)
+            shards = _shards(layout, params, optimizer)
             _fsdp.check_outside_optimizer(model, params)
-            desc = dict(desc, dim0_shards=shards.shards)  # the optimizer steps each rank's rows as a tensor
+            if shards.split:  # the optimizer steps each rank's box as a tensor
+                desc = dict(desc, split=shards.split)
         return cls(
             model=model,
             optimizer=optimizer,
@@ -66,3 +68,20 @@ class Target:
             views=bool(getattr(model, "gradient_as_bucket_view", False)),
             fsdp=shards,
         )
+
+
+#: per optimizer, the last layout's :class:`~trainer_hooks.capture.fsdp.LocalShards` (a
+#: resync re-attaches with the same one, without a collective)
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shards(layout: Layout, params: list, optimizer: torch.optim.Optimizer) -> _fsdp.LocalShards:
+    """What this rank streams of ``params``: computed once per layout (a collective over
+    the default group, which every rank runs at attach), then kept."""
+    key = (layout.hash, tuple(id(p) for p in params))
+    known = _SHARDS.get(optimizer)
+    if known is not None and known[0] == key:
+        return known[1]
+    shards = _fsdp.local_shards(layout, params)
+    _SHARDS[optimizer] = (key, shards)
+    return shards

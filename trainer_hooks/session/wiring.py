@@ -24,11 +24,17 @@ from trainer_hooks.session.options import AttachOptions
 def check(model: Any, options: Any) -> None:
     """``model`` is one a session can hook into (DDP-wrapped, or FSDP2) and ``options`` are
     an :class:`AttachOptions` that fit it (a DDP comm hook only for a DDP model)."""
-    if not isinstance(model, DistributedDataParallel) and not _fsdp.is_fsdp(model):
+    if not isinstance(model, DistributedDataParallel) and not _fsdp.is_sharded_model(model):
         raise TypeError(
             "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
-            "reduced gradient buckets) or an FSDP2 model (fully_shard applied to its root); got "
-            f"{type(model).__name__}"
+            "reduced gradient buckets) or a model of DTensors (FSDP2's fully_shard applied to its root, "
+            f"tensor parallel's parallelize_module, or both); got {type(model).__name__}"
+        )
+    if isinstance(model, DistributedDataParallel) and _fsdp.is_sharded(list(model.parameters())):
+        raise TypeError(
+            "attach() got DistributedDataParallel over DTensor parameters; shard the data-parallel "
+            "dimension with FSDP2 instead (fully_shard(model, mesh=mesh['dp']) over the tensor-parallel model), "
+            "as torchtitan does"
         )
     if not isinstance(options, AttachOptions):
         raise TypeError(f"options must be an AttachOptions, got {type(options).__name__}")
