@@ -1,19 +1,25 @@
-"""FSDP2 and HSDP against DDP, attached to the shadow: bytes streamed per iteration per rank,
-and the step time with the shadow against without it, in the same run.
+"""FSDP2, HSDP, tensor parallel and FSDP2 over tensor parallel against DDP, attached to the
+shadow: bytes streamed per iteration per rank, and the step time with the shadow against
+without it, in the same run.
 
-    python benchmarks/bench_fsdp.py [--world 2] [--hsdp] [--width 512] [--layers 6]
+    python benchmarks/bench_fsdp.py [--world 2] [--hsdp] [--tp] [--width 512] [--layers 6]
                                    [--steps 12] [--warmup 4] [--json PATH]
 
 Each mode trains the same MLP (``--layers`` square layers of ``--width`` plus a 13-row
 head: uneven shards) with AdamW (foreach) on CPU with gloo, ``--world`` ranks, two
 micro-batches and a clip per step, in fresh processes: ``ddp`` (DDP, ``no_sync`` on the
 first micro-batch), ``fsdp`` (``fully_shard`` on each layer and the root), and with
-``--hsdp`` also ``hsdp`` (a 2 x world/2 mesh). Each runs unattached (``none``) and attached
+``--hsdp`` also ``hsdp`` (a 2 x world/2 mesh); with ``--tp`` also ``tp`` (tensor parallel
+over every rank: the layers column- then row-wise in pairs, the head column-wise) and,
+on 4 ranks or more, ``fsdp_tp`` (FSDP2 over a 2-way data-parallel dimension of the
+tensor-parallel model, torchtitan's 2D). Each runs unattached (``none``) and attached
 to a 2-worker cluster (``shadow``). Reported per mode: the median step time of rank 0 after
 ``--warmup`` steps, the bytes each rank sent per iteration once the bootstrap was through
 (the mean over the ranks, and the largest), and their ratios to DDP's.
 
-Goal (issue 40): bytes per iteration per rank under FSDP2/HSDP <= DDP's.
+Goals: bytes per iteration per rank under FSDP2/HSDP <= DDP's (issue 40); under every
+mode, the mean bytes per rank equal the rank's unique share of the model, 4 bytes per
+parameter / ranks (issue 55).
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from shadow.testing import LocalCluster, free_port
 
 GOALS = [
     Goal("{key}: bytes per iteration per rank / DDP's", "modes.*.bytes_vs_ddp", 1.0, "<=", unit="x"),
+    Goal("{key}: bytes per iteration per rank / its unique share", "modes.*.bytes_vs_share", 1.01, "<=", unit="x"),
     Goal("{key}: step time with the shadow / without (CPU, shared cores)", "modes.*.shadow_over_none", None, unit="x"),
 ]
 
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
-ARGS_QUICK = ["--steps", "8"]
-ARGS_FULL = ["--world", "4", "--hsdp"]
-ARGS_SMOKE = ["--steps", "2", "--warmup", "1", "--width", "32", "--layers", "2"]
+ARGS_QUICK = ["--steps", "8", "--tp"]
+ARGS_FULL = ["--world", "4", "--hsdp", "--tp"]
+ARGS_SMOKE = ["--steps", "2", "--warmup", "1", "--width", "32", "--layers", "2", "--tp"]
 
 
 def _model(width: int, layers: int) -> torch.nn.Module:
@@ -52,6 +59,32 @@ def _model(width: int, layers: int) -> torch.nn.Module:
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     mods.append(torch.nn.Linear(width, 13))
     return torch.nn.Sequential(*mods)
+
+
+def _tensor_parallel(m: torch.nn.Sequential, world: int, fsdp: bool) -> torch.nn.Module:
+    """``m``'s linear layers column- then row-wise in pairs over a tensor-parallel mesh
+    dimension (every rank, or world/2 under ``fsdp``, FSDP2 then sharding a 2-way data
+    dimension), the head column-wise (row-wise after an odd count)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    shape = (2, world // 2) if fsdp else (1, world)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    linears = [i for i, layer in enumerate(m) if isinstance(layer, torch.nn.Linear)]
+    plan: dict = {}
+    for k, i in enumerate(linears[:-1]):
+        plan[str(i)] = ColwiseParallel() if k % 2 == 0 else RowwiseParallel()
+    odd = (len(linears) - 1) % 2 == 1
+    plan[str(linears[-1])] = RowwiseParallel() if odd else ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(m, mesh["tp"], plan)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for i in linears:
+            fully_shard(m[i], mesh=mesh["dp"])
+        fully_shard(m, mesh=mesh["dp"])
+    return m
 
 
 def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out: str) -> None:
@@ -64,6 +97,8 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model: torch.nn.Module = DDP(m)
+    elif mode in ("tp", "fsdp_tp"):
+        model = _tensor_parallel(m, world, mode == "fsdp_tp")
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -95,7 +130,7 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
                 with model.no_sync():  # type: ignore[operator]
                     model(x).square().mean().backward()
             else:
-                if mode != "ddp":
+                if mode not in ("ddp", "tp"):
                     model.set_requires_gradient_sync(j == 1)  # type: ignore[operator]
                 model(x).square().mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -138,6 +173,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--hsdp", action="store_true", help="also HSDP on a 2 x world/2 mesh (world >= 4, even)")
+    ap.add_argument("--tp", action="store_true", help="also tensor parallel, and (world >= 4, even) FSDP2 over it")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--steps", type=int, default=12)
@@ -149,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args) -> dict:
     """Every mode without and with the shadow, the table printed; the JSON document."""
     modes = ["ddp", "fsdp"] + (["hsdp"] if args.hsdp else [])
+    modes += (["tp"] + (["fsdp_tp"] if args.world >= 4 and args.world % 2 == 0 else [])) if args.tp else []
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     results: dict = {"params": params, "world": args.world, "cpu": _cpu(), "modes": {}}
     with tempfile.TemporaryDirectory() as d, LocalCluster(Path(d), workers=2) as cl:
@@ -164,12 +201,17 @@ def run(args) -> dict:
             }
     ddp = results["modes"]["ddp"]["bytes_per_iter_per_rank"]
     print(f"{params} parameters ({4 * params / args.world:.0f} fp32 bytes per rank), {args.world} ranks, {_cpu()}")
-    print(f"{'mode':6} {'none s':>9} {'shadow s':>9} {'ratio':>6} {'B/iter/rank':>12} {'max rank':>10} {'vs DDP':>7}")
+    print(
+        f"{'mode':7} {'none s':>9} {'shadow s':>9} {'ratio':>6} {'B/iter/rank':>12} {'max rank':>10} "
+        f"{'vs DDP':>7} {'vs share':>8}"
+    )
     for mode, r in results["modes"].items():
         r["bytes_vs_ddp"] = r["bytes_per_iter_per_rank"] / ddp if ddp else float("nan")
+        r["bytes_vs_share"] = r["bytes_per_iter_per_rank"] / (4 * params / args.world)
         print(
-            f"{mode:6} {r['step_s_none']:9.4f} {r['step_s_shadow']:9.4f} {r['shadow_over_none']:6.3f} "
-            f"{r['bytes_per_iter_per_rank']:12.0f} {r['bytes_per_iter_max_rank']:10.0f} {r['bytes_vs_ddp']:7.3f}"
+            f"{mode:7} {r['step_s_none']:9.4f} {r['step_s_shadow']:9.4f} {r['shadow_over_none']:6.3f} "
+            f"{r['bytes_per_iter_per_rank']:12.0f} {r['bytes_per_iter_max_rank']:10.0f} {r['bytes_vs_ddp']:7.3f} "
+            f"{r['bytes_vs_share']:8.3f}"
         )
     return results
 

@@ -11,6 +11,13 @@ from shadow.kernels.replay import (
     work_items,
 )
 
-__all__ = ["IMPLS", "ReplayPlan", "Segment", "adam_scalars", "segments_for_range",
+__all__ = [
+    "IMPLS",
+    "ReplayPlan",
+    "Segment",
+    "adam_scalars",
+    "segments_for_range",
     "segments_for_runs",
-    "tail_start", "work_items"]
+    "tail_start",
+    "work_items",
+]

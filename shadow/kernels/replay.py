@@ -173,7 +173,14 @@ def segments_for_runs(
     first = np.flatnonzero(~joins)
     last = np.append(first[1:] - 1, len(lo) - 1)
     return [
-        Segment(int(param[a]), int(groups[param[a]]), int(lo[a] - start), int(hi[b] - start), int(tail[b] - start), int(origin[a] - start))
+        Segment(
+            int(param[a]),
+            int(groups[param[a]]),
+            int(lo[a] - start),
+            int(hi[b] - start),
+            int(tail[b] - start),
+            int(origin[a] - start),
+        )
         for a, b in zip(first.tolist(), last.tolist(), strict=True)
     ]
 

@@ -11,7 +11,8 @@ What is checked, with ``torch.equal`` on every parameter and moment: each rank's
 tensors are the boxes of the full tensors the shadow computes; the shadow's newest
 iteration equals the full state of the run; ranks killed with SIGKILL restore it, resume,
 and end where an uninterrupted run ends, losses bit for bit; a 2x2 checkpoint restores onto
-4x1 and onto one plain process, and the 4x1 run trains on attached."""
+4x1 and onto one plain process, its DCP export loads into a 4x1 model through torch's
+own state-dict API, and the 4x1 run trains on attached."""
 
 from __future__ import annotations
 
@@ -163,9 +164,13 @@ def _two_by_two(rank: int, world: int, port: int, address: str, out: str) -> Non
     _done()
 
 
-def _onto(rank: int, world: int, port: int, address: str, out: str, shape) -> None:
+def _onto(rank: int, world: int, port: int, address: str, out: str, shape, dcp_dir: str = "") -> None:
     """Restore the 2x2 job onto a ``shape`` mesh (or, on one rank with ``shape`` None, a
-    plain model), then (sharded) train on attached for two steps."""
+    plain model); (sharded) load its DCP export into another model of that mesh through
+    torch's own state-dict API, then train on attached for two steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     import trainer_hooks
 
     if shape is None:
@@ -181,13 +186,22 @@ def _onto(rank: int, world: int, port: int, address: str, out: str, shape) -> No
     opt = P.optimizer(m, "foreach")
     info = trainer_hooks.restore(m, opt, address, job="tp")
     restored = P.full(m, opt)
+    m2 = P.sharded(mesh, dp=True)
+    opt2 = P.optimizer(m2, "foreach")
+    model_sd, optim_sd = get_state_dict(m2, opt2)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    loaded = P.full(m2, opt2)
     session = trainer_hooks.attach(m, opt, address, job="tp")
     for it in range(info.iteration + 1, info.iteration + 3):
         P.step(m, opt, it, _dp_rank(mesh))
     committed = session.close()
     on = P.full(m, opt)
     if rank == 0:
-        torch.save({"iteration": info.iteration, "restored": restored, "committed": committed, "on": on}, out)
+        torch.save(
+            {"iteration": info.iteration, "restored": restored, "dcp": loaded, "committed": committed, "on": on}, out
+        )
     _done()
 
 
@@ -206,10 +220,16 @@ def test_fsdp_over_tensor_parallel_restores_onto_other_meshes(tmp_path):
         assert plain["iteration"] == 3
         _equal(plain["restored"], want, "restored onto one plain process")
 
-        _spawn(_onto, 4, free_port(), cl.address, f"{out}.4x1", (4, 1))
+        from shadow.export import export
+        from shadow.restore import resolve
+
+        dcp_dir = str(tmp_path / "dcp")
+        export(resolve(cl.address, job="tp"), dcp_dir, "dcp")
+        _spawn(_onto, 4, free_port(), cl.address, f"{out}.4x1", (4, 1), dcp_dir)
         onto = torch.load(f"{out}.4x1")
         assert onto["iteration"] == 3
         _equal(onto["restored"], want, "restored onto 4x1")
+        _equal(onto["dcp"], want, "the DCP export loaded into a 4x1 model")
         assert onto["committed"] == 5
         last, shadow = _snapshot_state(cl.address, "tp")
         assert last == 5

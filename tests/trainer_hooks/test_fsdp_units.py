@@ -1,7 +1,8 @@
 """The sharded-model pieces of the trainer side without a cluster: where a rank's boxes lie
-(FSDP2, tensor parallel, both) and what it streams (:class:`trainer_hooks.capture.fsdp.LocalShards`), what attach refuses, and a restore's
-rows placed as the live DTensors are, on a one-rank FSDP2 model (the multi-rank runs are
-tests/slow/test_fsdp.py)."""
+(FSDP2, tensor parallel, both: ``trainer_hooks.capture.placement``) and what it streams
+(:class:`trainer_hooks.capture.fsdp.LocalShards`), what attach refuses, and a restore's
+boxes placed as the live DTensors are, on a one-rank FSDP2 model (the multi-rank runs are
+tests/slow/test_fsdp.py and tests/slow/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 

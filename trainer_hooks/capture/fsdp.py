@@ -200,8 +200,12 @@ def local_shards(layout: Layout, params: Sequence[torch.Tensor]) -> LocalShards:
             part[:, 2], part[:, 3] = starts[keep] + a[keep] - local_at[keep], z[keep] - a[keep]
             rows.append(part)
         at += hi - lo
-    every = [_placement.cuts(p) for p in params]
-    split = [[i, cuts] for i, cuts in enumerate(every) if any(len(c) > 2 for c in cuts)]
+    split = []
+    for i, p in enumerate(params):
+        assert isinstance(p, DTensor)  # boxes() refused anything else
+        cuts = _placement.cuts(p)
+        if any(len(c) > 2 for c in cuts):
+            split.append([i, cuts])
     flat = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
     return LocalShards(tuple(mine), tuple(slots), flat, at, split, tuple(k for k, _ in reps))
 

@@ -36,6 +36,11 @@ def _strided(pl) -> bool:
     return bool(_StridedShard) and isinstance(pl, _StridedShard)
 
 
+def _dim(pl) -> int:
+    """The tensor dimension a ``Shard`` or ``_StridedShard`` chunks."""
+    return int(pl.dim)
+
+
 def check(name: str, p: DTensor) -> None:
     """Every placement of ``p`` is one the shadow places: ``Shard``, ``_StridedShard`` or
     ``Replicate`` (a ``Partial`` parameter has no values of its own to checkpoint)."""
@@ -55,38 +60,42 @@ def _order(name: str, placements: Sequence, mesh_shape: Sequence[int]) -> dict[i
     for m, pl in enumerate(placements):
         if isinstance(pl, Shard) or _strided(pl):
             per_dim.setdefault(pl.dim, []).append(m)
-    out: dict[int, list[int]] = {}
-    for d, mesh_dims in per_dim.items():
-        order: list[int] = []
-        deferred: list[list[int]] = []  # [mesh dim, factor still to see]
+    return {d: _applied(name, placements, mesh_shape, mesh_dims) for d, mesh_dims in per_dim.items()}
 
-        def applied(m: int) -> None:
-            order.append(m)
+
+def _applied(name: str, placements: Sequence, mesh_shape: Sequence[int], mesh_dims: list[int]) -> list[int]:
+    """The order in which ``mesh_dims`` (those chunking one tensor dimension, in mesh
+    order) apply: a ``_StridedShard`` waits for the shards after it that make up its split
+    factor."""
+    order: list[int] = []
+    deferred: list[list[int]] = []  # [mesh dim, factor still to see]
+    ready: list[int] = []
+    for m in mesh_dims:
+        pl = placements[m]
+        if _strided(pl) and int(pl.split_factor) > 1:
+            deferred.append([m, int(pl.split_factor)])
+            continue
+        ready.append(m)
+        while ready:
+            done = ready.pop()
+            order.append(done)
             for entry in deferred:
-                if entry[0] < m:
-                    if entry[1] % mesh_shape[m]:
+                if entry[0] < done:
+                    if entry[1] % mesh_shape[done]:
                         raise ShadowUsageError(
                             f"parameter {name!r} is placed {tuple(placements)}: a _StridedShard's split factor "
                             f"{placements[entry[0]].split_factor} is not a product of the shards after it"
                         )
-                    entry[1] //= mesh_shape[m]
-            while deferred and deferred[-1][1] == 1:
-                applied(deferred.pop()[0])
-
-        for m in mesh_dims:
-            pl = placements[m]
-            if _strided(pl) and int(pl.split_factor) > 1:
-                deferred.append([m, int(pl.split_factor)])
-            else:
-                applied(m)
-        if deferred:
-            raise ShadowUsageError(
-                f"parameter {name!r} is placed {tuple(placements)}: a _StridedShard's split factor is not the "
-                "product of the shards after it on the same dimension (FSDP2 over tensor parallel places "
-                "(_StridedShard(0, sf=tp), Shard(0))); the shadow cannot tell where its rows lie"
-            )
-        out[d] = order
-    return out
+                    entry[1] //= mesh_shape[done]
+            if deferred and deferred[-1][1] == 1:
+                ready.append(deferred.pop()[0])
+    if deferred:
+        raise ShadowUsageError(
+            f"parameter {name!r} is placed {tuple(placements)}: a _StridedShard's split factor is not the "
+            "product of the shards after it on the same dimension (FSDP2 over tensor parallel places "
+            "(_StridedShard(0, sf=tp), Shard(0))); the shadow cannot tell where its rows lie"
+        )
+    return order
 
 
 def box(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int], coord: Sequence[int]) -> Box:
@@ -117,7 +126,9 @@ def cuts(p: DTensor) -> list[list[int]]:
     shape, mesh_shape = tuple(p.shape), tuple(p.device_mesh.shape)
     out = []
     for d, size in enumerate(shape):
-        mesh_dims = [m for m, pl in enumerate(p.placements) if (isinstance(pl, Shard) or _strided(pl)) and pl.dim == d]
+        mesh_dims = [
+            m for m, pl in enumerate(p.placements) if (isinstance(pl, Shard) or _strided(pl)) and _dim(pl) == d
+        ]
         points = {0, int(size)}
         for combo in itertools.product(*(range(mesh_shape[m]) for m in mesh_dims)):
             coord = [0] * len(mesh_shape)
