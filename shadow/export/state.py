@@ -20,6 +20,26 @@ def _flat(snap: Snapshot, field: Field, i: int) -> torch.Tensor:
     return torch.from_numpy(arr).view(spec.shape)
 
 
+def param_groups(blobs: dict, count: int) -> list[dict]:
+    """The optimizer's param groups (without their parameters) from the commit records:
+    rank 0's, or, for pipeline stages, each stage's at its place (``groups_at``)."""
+    staged = {r: b for r, b in blobs.items() if "groups_at" in b and "param_groups" in b}
+    if not staged:
+        return blobs[0]["param_groups"]
+    out: list = [None] * count
+    for _, b in sorted(staged.items()):
+        at = b["groups_at"]
+        for k, g in enumerate(b["param_groups"]):
+            if isinstance(at, int) and 0 <= at + k < count and out[at + k] is None:
+                out[at + k] = g
+    missing = [i for i, g in enumerate(out) if g is None]
+    if missing:
+        raise ValueError(
+            f"the checkpoint holds no settings for param groups {missing} (a pipeline stage's record is missing)"
+        )
+    return out
+
+
 def state_dicts(snap: Snapshot) -> dict:
     """``{"model", "optimizer", "scheduler", "iteration", "rng", "extra_state", ...}``
     with ordinary torch state dicts, loadable with ``load_state_dict``."""
@@ -30,7 +50,7 @@ def state_dicts(snap: Snapshot) -> dict:
     else:
         params = OrderedDict((spec.name, _flat(snap, Field.PARAM, i)) for i, spec in enumerate(snap.layout.params))
     model = extras.model_state(params, snap.extras, b0)  # with frozen params, buffers, aliases
-    groups = b0["param_groups"]
+    groups = param_groups(blobs, snap.layout.num_groups)
     state: dict[int, dict] = {}
     optim = optimizers.spec_of(snap.optim)
     fields = optim.fields(snap.optim)
@@ -41,15 +61,15 @@ def state_dicts(snap: Snapshot) -> dict:
         for key, field in optim.export_keys(groups[spec.group], fields):
             st[key] = _flat(snap, field, i)
         state[i] = st
-    param_groups = []
+    out_groups = []
     for gi, g in enumerate(groups):
         g = dict(g)
         g["params"] = [i for i, spec in enumerate(snap.layout.params) if spec.group == gi]
-        param_groups.append(g)
+        out_groups.append(g)
     ranks = [blobs[r] for r in sorted(blobs)]
     return {
         "model": model,
-        "optimizer": {"state": state, "param_groups": param_groups},
+        "optimizer": {"state": state, "param_groups": out_groups},
         "scheduler": b0.get("scheduler"),
         "scaler": b0.get("scaler"),
         "iteration": snap.iteration,

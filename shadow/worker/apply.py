@@ -53,8 +53,12 @@ class Apply:
                 return
             extras = {**s.extras, **slot.extras} if slot.extras else s.extras  # chunks are kept until replaced
             if slot.kind == F.Kind.STATE:
-                c = slot.commits[0]
-                s.state.install_meta(c["steps"], c["has_state"])
+                try:
+                    c = s.inbox.replay(slot)
+                    s.state.install_meta(c["steps"], c["has_state"])
+                except ValueError as exc:
+                    self._stale(f"iteration {k} cannot be installed: {exc}")
+                    return
             else:
                 persister = s.persister if persist and k == iteration else None  # snapshots the cut in this pass
                 img = persister.begin(k, s.epoch, s.world, slot.blobs, extras) if persister is not None else None
@@ -63,7 +67,7 @@ class Apply:
                 try:
                     filled = s.state.apply(
                         s.inbox.grad_parts(slot),
-                        slot.commits[0],
+                        s.inbox.replay(slot),
                         persister.field_views(img) if persister is not None and img is not None else None,
                     )
                     w.replay_s += time.perf_counter() - t0
@@ -81,7 +85,7 @@ class Apply:
                 w.retired = None
             s.blobs = slot.blobs
             s.extras = extras
-            s.commit = slot.commits[0]
+            s.commit = s.inbox.replay(slot)
             audit = next((c.get("audit") for c in slot.commits if c.get("audit")), None)
             if audit:
                 result = audit_shard(s.state, audit)

@@ -123,6 +123,79 @@ def _check_group(g) -> None:
         raise F.FrameError("bad_commit", str(exc)) from None
 
 
+def _check_owns(replay: dict, nparams: int, ngroups: int) -> list[int] | None:
+    """A pipeline stage's commit names what it speaks for: ``owns`` = ``[first parameter,
+    end, first group, end]`` (``trainer_hooks.capture.stages``); its skipped parameters lie
+    inside. None: the rank speaks for the whole model."""
+    owns = replay.get("owns")
+    if owns is None:
+        return None
+    if not (isinstance(owns, list) and len(owns) == 4 and all(type(x) is int for x in owns)):
+        raise F.FrameError("bad_commit", "commit 'owns' is not [first parameter, end, first group, end]")
+    p0, p1, g0, g1 = owns
+    if not (0 <= p0 < p1 <= nparams and 0 <= g0 < g1 <= ngroups):
+        raise F.FrameError(
+            "bad_commit",
+            f"commit owns parameters [{p0}, {p1}) and groups [{g0}, {g1}) of a layout of {nparams} and {ngroups}",
+        )
+    if not all(p0 <= i < p1 for i in replay["skipped"]):
+        raise F.FrameError("bad_commit", "commit skips a parameter its rank does not own")
+    return owns
+
+
+def _owned(c: dict, nparams: int) -> tuple[int, int]:
+    owns = c.get("owns")
+    return (0, nparams) if owns is None else (owns[0], owns[1])
+
+
+#: what every rank's commit of an iteration must say alike (where they speak for the same parameters)
+AGREED = ("clip", "inv_scale", "grad_scale", "skip_step")
+
+
+def agree(a: dict, b: dict, nparams: int) -> bool:
+    """Two ranks' commits of one iteration agree: the same settings for every param group
+    both set, the same skipped parameters among those both own, the same factors."""
+    if any(not same(a.get(k), b.get(k)) for k in AGREED):
+        return False
+    if any(x is not None and y is not None and x != y for x, y in zip(a["groups"], b["groups"], strict=True)):
+        return False
+    lo, hi = max(_owned(a, nparams)[0], _owned(b, nparams)[0]), min(_owned(a, nparams)[1], _owned(b, nparams)[1])
+    return sorted(i for i in a["skipped"] if lo <= i < hi) == sorted(i for i in b["skipped"] if lo <= i < hi)
+
+
+def merge(commits: list, nparams: int | None = None) -> dict:
+    """One iteration's replay record from every rank's commit: the first rank's, unless
+    pipeline stages each speak for their part (``owns``): then each group's settings, each
+    skipped parameter and (bootstrap) each parameter's step count come from a rank that
+    owns it. ``ValueError`` when some group or parameter has no rank speaking for it."""
+    first = commits[0]
+    if all(c.get("owns") is None for c in commits):
+        return first
+    if nparams is None:  # the stages' parameters end where the last one's do
+        nparams = max(c["owns"][1] for c in commits if c.get("owns") is not None)
+    out = {k: v for k, v in first.items() if k != "owns"}
+    groups = list(first["groups"])
+    skipped: set[int] = set()
+    steps = list(first.get("steps", ())) if first["bootstrap"] else None
+    has_state = list(first.get("has_state", ())) if first["bootstrap"] else None
+    covered = np.zeros(nparams, dtype=bool)
+    for c in commits:
+        for i, g in enumerate(c["groups"]):
+            if groups[i] is None:
+                groups[i] = g
+        skipped.update(c["skipped"])
+        lo, hi = _owned(c, nparams)
+        if steps is not None and has_state is not None and not covered[lo:hi].all():
+            steps[lo:hi], has_state[lo:hi] = c["steps"][lo:hi], c["has_state"][lo:hi]
+        covered[lo:hi] = True
+    if any(g is None for g in groups) or not covered.all():
+        raise ValueError("no rank's commit speaks for some param groups or parameters (a pipeline stage missing)")
+    out.update(groups=groups, skipped=sorted(skipped))
+    if steps is not None:
+        out.update(steps=steps, has_state=has_state)
+    return out
+
+
 def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple[dict, bytes | None]:
     """Decode and check the replay part of a commit; the blob stays opaque."""
     # bounded by what a commit of this layout holds: per-parameter lists, one map per group
@@ -153,7 +226,12 @@ def decode_commit(body: bytes, h: F.Header, nparams: int, ngroups: int) -> tuple
         groups = replay["groups"]
         if len(groups) != ngroups:
             raise F.FrameError("bad_commit", f"commit has {len(groups)} param groups, layout has {ngroups}")
-        for g in groups:
+        owns = _check_owns(replay, nparams, ngroups)
+        for i, g in enumerate(groups):
+            if owns is not None and not owns[2] <= i < owns[3]:
+                if g is not None:
+                    raise F.FrameError("bad_commit", f"commit sets param group {i}, which its rank does not own")
+                continue
             _check_group(g)
         for key in ("clip", "inv_scale", "grad_scale"):
             if replay.get(key) is not None and not isinstance(replay[key], float):

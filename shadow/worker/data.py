@@ -18,7 +18,7 @@ from shadow.wire import frames as F
 from shadow.wire import tags
 from shadow.wire.commit import Prepared
 from shadow.worker.address import Binding
-from shadow.worker.commit import decode_commit, same
+from shadow.worker.commit import agree, decode_commit
 from shadow.worker.outbox import Outbox
 from shadow.worker.state import WorkerState, go_stale
 
@@ -274,10 +274,7 @@ class DataPath:
         if slot.commits[h.rank] is not None:
             raise F.FrameError("double_commit", f"second commit from rank {h.rank} for iteration {h.iteration}")
         for other in slot.commits:
-            if other is not None and any(
-                not same(other.get(k), replay.get(k))
-                for k in ("groups", "skipped", "clip", "inv_scale", "grad_scale", "skip_step")
-            ):
+            if other is not None and not agree(other, replay, len(s.layout.params)):
                 raise F.FrameError(
                     "disagree", f"rank {h.rank} commits different hyperparameters for iteration {h.iteration}"
                 )

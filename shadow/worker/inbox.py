@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shadow.wire.frames import Field, FrameError, Kind
+from shadow.worker.commit import merge
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Slot:
     #: GRAD: ``(local_dst, float32 array)`` per received run; the arrays are views of the
     #: zmq frames (no copy into a separate gradient buffer)
     parts: list = field(default_factory=list)
+    merged: dict | None = None  # every rank's commit joined (:meth:`Inbox.replay`)
 
     def __post_init__(self) -> None:
         self.received = np.zeros(self.world, dtype=np.int64)
@@ -103,7 +105,15 @@ class Inbox:
             return False
         if slot.kind == Kind.STATE:
             return all(slot.field_elems.get(int(f), 0) == self.size for f in self.state_fields)
-        return int(slot.received.sum()) >= self.expected_grad(slot.commits[0]["skipped"])
+        return int(slot.received.sum()) >= self.expected_grad(self.replay(slot)["skipped"])
+
+    @staticmethod
+    def replay(slot: Slot) -> dict:
+        """The iteration's replay record, every rank's commit joined (``shadow.worker.commit.merge``:
+        pipeline stages each speak for their part); ``ValueError`` when they leave a part out."""
+        if slot.merged is None:
+            slot.merged = merge(slot.commits)
+        return slot.merged
 
     def release(self, iteration: int) -> Slot:
         return self.slots.pop(iteration)

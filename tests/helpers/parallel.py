@@ -101,3 +101,82 @@ def full(m, opt) -> dict:
         for k, v in opt.state.get(p, {}).items():
             out[f"{n}/{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu().clone()
     return out
+
+
+# -- pipeline stages ---------------------------------------------------------------------------
+
+LAYERS = 4
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.w1 = torch.nn.Linear(DIM, HIDDEN)
+        self.w2 = torch.nn.Linear(HIDDEN, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.w2(torch.relu(self.w1(self.norm(h))))
+
+
+class Stack(torch.nn.Module):
+    """A Llama-shaped stack whose stages are the whole model with the other stages'
+    modules deleted (torchtitan's way: the FQNs stay the whole model's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb: torch.nn.Module | None = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
+        self.norm: torch.nn.Module | None = torch.nn.LayerNorm(DIM)
+        self.out: torch.nn.Module | None = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) if self.emb is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.out(h) if self.out is not None else h
+
+
+def whole() -> Stack:
+    torch.manual_seed(0)
+    return Stack()
+
+
+def stage_module(stage: int, stages: int) -> Stack:
+    """Stage ``stage`` of ``stages``: its share of the layers, the embedding on the first,
+    the norm and output on the last."""
+    m = whole()
+    per = LAYERS // stages
+    for i in range(LAYERS):
+        if not stage * per <= i < (stage + 1) * per:
+            del m.layers[str(i)]
+    if stage != 0:
+        m.emb = None
+    if stage != stages - 1:
+        m.norm = m.out = None
+    return m
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def clip_across_stages(params: list, max_norm: float, pp_group) -> None:
+    """torchtitan's clip under pipeline parallelism: each stage's norm, reduced over the
+    stages, then every stage's gradients scaled by the whole model's."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    norm = norm**2
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=pp_group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm**0.5, True)
+
+
+def batch(it: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * it + dp_rank)
+    x = torch.randint(0, VOCAB, (4, 8), generator=g)
+    return x, torch.randint(0, VOCAB, (4, 8), generator=g)

@@ -32,6 +32,7 @@ from shadow.core.errors import ShadowUsageError
 from shadow.core.layout import Layout, stripe_bounds
 from shadow.core.split import Box, box_numel, box_runs
 from trainer_hooks.capture import placement as _placement
+from trainer_hooks.capture.stages import Stages, gather_device
 
 #: the most flat ranges a restore asks of the cluster's memory (``shadow.transport.fetch``'s bound)
 MAX_RANGES = 1 << 16
@@ -60,12 +61,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def boxes(layout: Layout, params: Sequence[torch.Tensor]) -> list[Box]:
+def boxes(layout: Layout, params: Sequence[torch.Tensor], plain: bool = False) -> list[Box]:
     """This rank's box of each parameter of ``layout`` (``params``: the optimizer's DTensor
     parameters in layout order), checked against its local tensor; anything the shadow
-    cannot place is a :class:`ShadowUsageError` naming the parameter and the fix."""
+    cannot place is a :class:`ShadowUsageError` naming the parameter and the fix.
+    ``plain``: a plain tensor is whole (a pipeline stage's, without data parallelism)."""
     out = []
     for spec, p in zip(layout.params, params, strict=True):
+        if plain and not isinstance(p, DTensor):
+            out.append(tuple((0, int(n)) for n in spec.shape))
+            continue
         if not isinstance(p, DTensor):
             raise ShadowUsageError(
                 f"parameter {spec.name!r} is a plain tensor in a model of DTensors: fully_shard the module that "
@@ -85,21 +90,16 @@ def boxes(layout: Layout, params: Sequence[torch.Tensor]) -> list[Box]:
     return out
 
 
-def _gather_device() -> torch.device:
-    """Where the default group's collectives take their tensors."""
-    if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def replicas(layout: Layout, mine: Sequence[Box]) -> list[tuple[int, int]]:
+def replicas(layout: Layout, mine: Sequence[Box], stages: Stages | None = None) -> list[tuple[int, int]]:
     """Per parameter, ``(ranks holding this rank's box, this rank's index among them)``
-    over the default group: one all-gather of every rank's boxes. Every rank must lay out
-    the same model (the same layout hash), else a :class:`ShadowUsageError` on all."""
+    over the default group: one all-gather of every rank's boxes, each at its parameter's
+    index in the whole model (``stages``: this rank holds a pipeline stage's part). Without
+    stages every rank must lay out the same model, else a :class:`ShadowUsageError` on all."""
     world, me = dist.get_world_size(), dist.get_rank()
-    dev = _gather_device()
-    h = layout.hash
-    head = torch.tensor([h & 0xFFFFFFFF, h >> 32, len(layout.params)], dtype=torch.int64, device=dev)
+    dev = gather_device()
+    whole, first = (layout, 0) if stages is None else (stages.layout, stages.param0)
+    h = whole.hash
+    head = torch.tensor([h & 0xFFFFFFFF, h >> 32, len(whole.params)], dtype=torch.int64, device=dev)
     heads = [torch.empty_like(head) for _ in range(world)]
     dist.all_gather(heads, head)
     if any(not torch.equal(x, heads[0]) for x in heads):
@@ -107,17 +107,18 @@ def replicas(layout: Layout, mine: Sequence[Box]) -> list[tuple[int, int]]:
             "the ranks lay out different models (another set of parameters, shapes or param groups): under "
             "FSDP2 and tensor parallelism every rank's optimizer holds every parameter, as a DTensor"
         )
-    width = 2 * max((len(b) for b in mine), default=0) or 1
-    flat = torch.full((len(mine), width), -1, dtype=torch.int64)
+    width = 2 * max((len(p.shape) for p in whole.params), default=0) or 1
+    flat = torch.full((len(whole.params), width), -2, dtype=torch.int64)  # -2: a parameter this rank does not hold
     for i, b in enumerate(mine):
+        flat[first + i, : 2 * len(b)] = -1
         for d, (lo, hi) in enumerate(b):
-            flat[i, 2 * d], flat[i, 2 * d + 1] = lo, hi
+            flat[first + i, 2 * d], flat[first + i, 2 * d + 1] = lo, hi
     flat = flat.to(dev)
     every = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(every, flat)
     stacked = torch.stack([x.cpu() for x in every])  # [rank, param, bounds]
     out = []
-    for i in range(len(mine)):
+    for i in range(first, first + len(mine)):
         same = (stacked[:, i, :] == stacked[me, i, :]).all(dim=1).nonzero().flatten().tolist()
         out.append((len(same), same.index(me)))
     return out
@@ -180,11 +181,25 @@ def _cut(rows: np.ndarray, a: int, b: int) -> list[tuple[int, int, int]]:
     return list(zip(src[first].tolist(), lo[first].tolist(), (hi[last] - lo[first]).tolist(), strict=True))
 
 
-def local_shards(layout: Layout, params: Sequence[torch.Tensor]) -> LocalShards:
-    """What this rank streams of DTensor ``params`` (the optimizer's, in layout order):
-    a collective over the default group (:func:`replicas`)."""
-    mine = boxes(layout, params)
-    reps = replicas(layout, mine)
+def split_of(params: Sequence[torch.Tensor]) -> list:
+    """Every rank's boxes of ``params`` as a split (``shadow.core.split``): per DTensor
+    parameter chunked somewhere, its index and the cut points of each dimension."""
+    split = []
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            cuts = _placement.cuts(p)
+            if any(len(c) > 2 for c in cuts):
+                split.append([i, cuts])
+    return split
+
+
+def local_shards(layout: Layout, params: Sequence[torch.Tensor], stages: Stages | None = None) -> LocalShards:
+    """What this rank streams of DTensor ``params`` (the optimizer's, in layout order; with
+    ``stages``, a pipeline stage's, plain tensors whole): a collective over the default
+    group (:func:`replicas`). Flat offsets and the split are the whole model's."""
+    mine = boxes(layout, params, plain=stages is not None)
+    reps = replicas(layout, mine, stages)
+    shift = 0 if stages is None else stages.offset
     slots, rows, at = [], [], 0
     for i, (spec, b, (k, r)) in enumerate(zip(layout.params, mine, reps, strict=True)):
         n = box_numel(b)
@@ -197,15 +212,10 @@ def local_shards(layout: Layout, params: Sequence[torch.Tensor]) -> LocalShards:
             keep = a < z
             part = np.empty((int(keep.sum()), 4), dtype=np.int64)
             part[:, 0], part[:, 1] = i, at + a[keep] - lo
-            part[:, 2], part[:, 3] = starts[keep] + a[keep] - local_at[keep], z[keep] - a[keep]
+            part[:, 2], part[:, 3] = starts[keep] + a[keep] - local_at[keep] + shift, z[keep] - a[keep]
             rows.append(part)
         at += hi - lo
-    split = []
-    for i, p in enumerate(params):
-        assert isinstance(p, DTensor)  # boxes() refused anything else
-        cuts = _placement.cuts(p)
-        if any(len(c) > 2 for c in cuts):
-            split.append([i, cuts])
+    split = split_of(params) if stages is None else stages.split
     flat = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
     return LocalShards(tuple(mine), tuple(slots), flat, at, split, tuple(k for k, _ in reps))
 

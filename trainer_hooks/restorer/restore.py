@@ -22,6 +22,7 @@ from trainer_hooks.capture import extras as _extras
 from trainer_hooks.capture import fsdp as _fsdp
 from trainer_hooks.capture import rng as _rng
 from trainer_hooks.capture.model import LayoutError, build_layout, unwrap
+from trainer_hooks.restorer import names as _names
 from trainer_hooks.restorer.points import RESTORED, RestorePoint
 from trainer_hooks.restorer.sink import ModelParams
 
@@ -296,12 +297,14 @@ def apply_snapshot(
     optimizer's ``(layout, params)`` when the caller has built them already (they are
     then not built again). ``resize``: as :func:`restore`'s."""
     rank = process_rank(rank, snap.world)
-    params = _live_params(snap, model, optimizer, built)
+    params, lay, index = _live_params(snap, model, optimizer, built)
     if resize is not None and not weights_only and optimizer is not None:  # weights alone go onto any world
         check_world(snap.world, snap.job, snap.iteration, resize, resharded=_fsdp.is_sharded(params))
     sd = state_dicts(snap)
-    try:
-        extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras))  # checked before any change
+    if index is not None:  # by name: part of the checkpoint's parameters (a pipeline stage), or grouped otherwise
+        sd = _names.subset(sd, snap.layout, lay, index)
+    try:  # checked before any change (by name: the model's own extras, whatever the checkpoint's other stages hold)
+        extras = _extras.load_plan(model, params, sd["model"], recorded(snap.extras) if index is None else None)
     except LayoutMismatchError as exc:
         if not snap.placed:
             raise
@@ -312,14 +315,14 @@ def apply_snapshot(
     blob_rank = rank if rank in range(len(sd["rng"])) else None
     if blob_rank is None:
         logger.warning("checkpoint was taken with %d ranks; rank %d gets no RNG state", len(sd["rng"]), rank)
-    rows = _fsdp.Rows.of(snap.layout, params)  # FSDP2: this rank's rows of each tensor; else None
+    rows = _fsdp.Rows.of(lay, params)  # DTensors: this rank's boxes of each tensor; else None
     if snap.ranges is not None and (rows is None or not rows.within(snap.ranges)):
         raise ShadowError(
             "the checkpoint was fetched for another rank's rows than this model holds; nothing was changed "
             "(restore again with this model and optimizer)"
         )
     with torch.no_grad():
-        for i, (spec, p) in enumerate(zip(snap.layout.params, params, strict=True)):
+        for i, (spec, p) in enumerate(zip(lay.params, params, strict=True)):
             saved = sd["model"][spec.name]
             if rows is not None:
                 _fsdp.local(p).copy_(rows.take(i, saved))
@@ -346,7 +349,7 @@ def apply_snapshot(
             rng,
             extra,
             world=snap.world,
-            resized=bool(resize) or _fsdp.is_sharded(params),
+            resized=bool(resize) or _fsdp.is_sharded(params) or index is not None,
         )
     info = RestoreInfo(snap.iteration, extra, snap.job, snap.source, snap.tier, snap.world, rng)
     if rng is not None and not defer_rng:
@@ -360,21 +363,21 @@ def _live_params(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     built: tuple[Layout, list[torch.Tensor]] | None,
-) -> list[torch.Tensor]:
-    """The live parameters the snapshot's go into, in its layout's order, once the model
-    (and optimizer) match it; :class:`LayoutMismatchError` (nothing changed) otherwise."""
+) -> tuple[list[torch.Tensor], Layout, list[int] | None]:
+    """The live parameters the snapshot's go into, once the model (and optimizer) match
+    it: ``(params, their layout, None)`` in the snapshot's layout order; or, when the
+    optimizer lays out part of the snapshot's parameters or groups them otherwise (a
+    pipeline stage), ``(params, the optimizer's layout, the snapshot's index of each)``,
+    matched by name (``trainer_hooks.restorer.names``). :class:`LayoutMismatchError`
+    (nothing changed) otherwise."""
     if optimizer is not None:
         try:
             layout, params = built if built is not None else build_layout(model, optimizer)
         except LayoutError as exc:
             raise LayoutMismatchError(f"cannot restore: {exc}; nothing was changed") from None
         if layout.hash != snap.layout.hash:
-            raise LayoutMismatchError(
-                f"the checkpoint of job {snap.job!r} at iteration {snap.iteration} "
-                "does not match this model/optimizer: "
-                f"{layout.describe_mismatch(snap.layout)}; nothing was changed"
-            )
-        return params
+            return params, layout, _names.match(snap.layout, layout, snap.job, snap.iteration)
+        return params, snap.layout, None
     named = dict(unwrap(model).named_parameters())
     params = []
     for spec in snap.layout.params:
@@ -385,7 +388,7 @@ def _live_params(
                 "nothing was changed"
             )
         params.append(p)
-    return params
+    return params, snap.layout, None
 
 
 def _into_live(

@@ -26,8 +26,10 @@ from trainer_hooks.session.transfer import HostCopy
 
 
 def capture(att, commit: Commit) -> tuple[HostCopy | None, Any]:
-    """Training thread: ``(rank 0's state, pending extras)`` of ``commit``, copying."""
-    if att.target.rank != 0:
+    """Training thread: ``(rank 0's state, pending extras)`` of ``commit``, copying. Under
+    pipeline stages every rank's param groups and scheduler travel (its stage's), the
+    model state outside the optimizer rank 0's only."""
+    if att.target.rank != 0 and att.target.stages is None:
         return None, None
     sched, scaler = att.options.scheduler, att.options.scaler
     state = HostCopy(
@@ -37,7 +39,7 @@ def capture(att, commit: Commit) -> tuple[HostCopy | None, Any]:
             "scaler": transfer.scaler_state(scaler),
         }
     )
-    return state, att.capture_extras(bool(commit.replay["bootstrap"]))
+    return state, att.capture_extras(bool(commit.replay["bootstrap"])) if att.target.rank == 0 else None
 
 
 def _resolve(commit: Commit, probed: dict, layout) -> dict:
@@ -73,12 +75,16 @@ def build(att, commit: Commit, state: HostCopy | None, extras: Any, probed: dict
     """Sender thread: ``(EXTRA items to send first, commit body per worker)``."""
     k, target, workers = commit.iteration, att.target, att.handshake.workers
     replay = _resolve(commit, probed, target.layout)
+    if target.stages is not None:  # a pipeline stage's record, in the whole model's terms
+        replay = target.stages.globalize(replay)
     audits = replay.pop("audit_values", None)
     extra = commit.extra.get() if isinstance(commit.extra, HostCopy) else commit.extra
     blob_obj: dict = {"rank": target.rank, "world": target.world, "rng": commit.rng, "extra_state": extra}
     if state is not None:
         blob_obj.update(state.get())
         blob_obj["aliases"] = target.aliases
+        if target.stages is not None:  # its param groups are the whole model's from this index on
+            blob_obj["groups_at"] = target.stages.group0
     try:
         blob = _codec.pack(blob_obj)
     except _codec.EncodeError as exc:

@@ -127,8 +127,8 @@ def attach(
         job=options.job,
         rank=target.rank,
         world=target.world,
-        layout_hash=target.layout.hash,
-        layout=target.layout.to_dict() if rank0 else None,
+        layout_hash=target.wire_layout.hash,
+        layout=target.wire_layout.to_dict() if rank0 else None,
         optim=target.optim_desc if rank0 else sqrttab.public(target.optim_desc),  # one table is enough
         iteration=base,
         overwrite=bool(overwrite),

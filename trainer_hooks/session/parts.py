@@ -50,7 +50,7 @@ def new_sender(
         epoch=answer.epoch,
         rank=target.rank,
         world=target.world,
-        layout_hash=target.layout.hash,
+        layout_hash=target.wire_layout.hash,
         events=events,
         tuning=tuning,
         tags=list(answer.data_tags),

@@ -125,7 +125,7 @@ class Session:
             att.handshake.epoch,
             start,
             att.target.optim_desc["impl"],
-            att.target.layout.total,
+            att.target.wire_layout.total,
             len(att.handshake.shards),
         )
 
@@ -349,7 +349,7 @@ class Session:
     @property
     def layout(self):
         """The flat layout of the optimizer's parameters the cluster holds."""
-        return self._att.target.layout
+        return self._att.target.wire_layout
 
     @property
     def base(self) -> int:

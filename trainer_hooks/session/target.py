@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shadow.core.layout import Layout
 from trainer_hooks.capture import fsdp as _fsdp
+from trainer_hooks.capture import stages as _stages
 from trainer_hooks.capture.model import build_layout, state_dict_aliases
 from trainer_hooks.optim import describe as _optim
 from trainer_hooks.session import device
@@ -36,6 +37,12 @@ class Target:
     optim_desc: dict  # the replay descriptor (``_optim.describe``)
     views: bool  # DDP's ``gradient_as_bucket_view``: the gradients are the buckets
     fsdp: _fsdp.LocalShards | None = None  # sharded: what this rank streams of each parameter
+    stages: _stages.Stages | None = None  # pipeline stages: the whole model, and this rank's part of it
+
+    @property
+    def wire_layout(self) -> Layout:
+        """The layout the cluster holds: the whole model's (every pipeline stage's)."""
+        return self.layout if self.stages is None else self.stages.layout
 
     @classmethod
     def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, exact: bool) -> Target:
@@ -44,12 +51,12 @@ class Target:
         layout, params = build_layout(model, optimizer)
         dev = device.device_of(layout, params)
         desc = _optim.describe(optimizer, exact=exact)
-        shards = None
+        shards, stages = None, None
         if isinstance(model, DistributedDataParallel):
             pg = model.process_group
-        else:  # a model of DTensors (Session checked it): each rank streams its own boxes
+        else:  # a model of DTensors, or a pipeline stage: each rank streams its own boxes
             pg = None
-            shards = _shards(layout, params, optimizer)
+            stages, shards = _shards(model, layout, params, optimizer, desc)
             _fsdp.check_outside_optimizer(model, params)
             if shards.split:  # the optimizer steps each rank's box as a tensor
                 desc = dict(desc, split=shards.split)
@@ -67,21 +74,32 @@ class Target:
             optim_desc=desc,
             views=bool(getattr(model, "gradient_as_bucket_view", False)),
             fsdp=shards,
+            stages=stages,
         )
 
 
-#: per optimizer, the last layout's :class:`~trainer_hooks.capture.fsdp.LocalShards` (a
-#: resync re-attaches with the same one, without a collective)
+#: per optimizer, the last layout's stages and :class:`~trainer_hooks.capture.fsdp.LocalShards`
+#: (a resync re-attaches with the same ones, without a collective)
 _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _shards(layout: Layout, params: list, optimizer: torch.optim.Optimizer) -> _fsdp.LocalShards:
-    """What this rank streams of ``params``: computed once per layout (a collective over
-    the default group, which every rank runs at attach), then kept."""
+def _shards(
+    model: torch.nn.Module, layout: Layout, params: list, optimizer: torch.optim.Optimizer, desc: dict
+) -> tuple[_stages.Stages | None, _fsdp.LocalShards]:
+    """The pipeline stages (None: every rank holds the whole model) and what this rank
+    streams of ``params``: computed once per layout (collectives over the default group,
+    which every rank runs at attach), then kept."""
     key = (layout.hash, tuple(id(p) for p in params))
     known = _SHARDS.get(optimizer)
     if known is not None and known[0] == key:
         return known[1]
-    shards = _fsdp.local_shards(layout, params)
-    _SHARDS[optimizer] = (key, shards)
-    return shards
+    stages = _stages.gather(layout, _fsdp.split_of(params), desc)
+    if stages is None and not _fsdp.is_sharded(params):
+        raise TypeError(
+            "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's reduced gradient "
+            "buckets), a model of DTensors (FSDP2's fully_shard, tensor parallel's parallelize_module, or both) or "
+            f"a pipeline stage's module; got a {type(model).__name__} that every rank holds whole: wrap it in DDP"
+        )
+    shards = _fsdp.local_shards(layout, params, stages)
+    _SHARDS[optimizer] = (key, (stages, shards))
+    return stages, shards

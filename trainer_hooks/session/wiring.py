@@ -25,11 +25,15 @@ def check(model: Any, options: Any) -> None:
     """``model`` is one a session can hook into (DDP-wrapped, or FSDP2) and ``options`` are
     an :class:`AttachOptions` that fit it (a DDP comm hook only for a DDP model)."""
     if not isinstance(model, DistributedDataParallel) and not _fsdp.is_sharded_model(model):
-        raise TypeError(
-            "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
-            "reduced gradient buckets) or a model of DTensors (FSDP2's fully_shard applied to its root, "
-            f"tensor parallel's parallelize_module, or both); got {type(model).__name__}"
-        )
+        import torch.distributed as dist
+
+        if not isinstance(model, torch.nn.Module) or not dist.is_initialized() or dist.get_world_size() < 2:
+            raise TypeError(
+                "attach() takes the DistributedDataParallel-wrapped model (the shadow streams DDP's "
+                "reduced gradient buckets), a model of DTensors (FSDP2's fully_shard applied to its root, "
+                "tensor parallel's parallelize_module, or both) or a pipeline stage's module; got "
+                f"{type(model).__name__}"
+            )
     if isinstance(model, DistributedDataParallel) and _fsdp.is_sharded(list(model.parameters())):
         raise TypeError(
             "attach() got DistributedDataParallel over DTensor parameters; shard the data-parallel "
