@@ -372,6 +372,12 @@ def render_plan(r: dict) -> None:
         f"{z['cpu_s_per_iter_per_Bparams']:.2f} CPU-s/it/B ({z['measured_in']})",
     )
     console.print(t)
+    par = z["parallelism"]
+    per, boot = par["bytes_per_rank_per_iter"] / 1e6, par["bootstrap_bytes_per_rank"] / 1e6
+    console.print(
+        f"dp {par['dp']} x tp {par['tp']} x pp {par['pp']}: each rank streams {per:.1f} MB per iteration "
+        f"(its unique share, {par['stream_starts']}), {boot:.1f} MB at attach"
+    )
     console.print(f"shadow step overhead {sc['shadow_overhead'] * 100:.2f}% ({sc['shadow_overhead_source']})")
     _render_storage(console, r["storage"])
 

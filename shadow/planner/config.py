@@ -129,6 +129,8 @@ class PlanConfig:
     and the shadow cluster it needs."""
 
     gpus: int = 16384  #: GPUs in the job
+    tp: int = 1  #: tensor-parallel degree (ranks splitting each layer)
+    pp: int = 1  #: pipeline stages (data parallelism is gpus / (tp * pp))
     gpu_mtbf_h: float = (
         LLAMA3_GPU_MTBF_H  #: mean time between failures of one GPU (with its share of host and network), hours
     )
@@ -153,6 +155,18 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.gpus < 1:
             raise ValueError(f"gpus={self.gpus} must be >= 1")
+        for key in ("tp", "pp"):
+            if (
+                isinstance(getattr(self, key), bool)
+                or not isinstance(getattr(self, key), int)
+                or getattr(self, key) < 1
+            ):
+                raise ValueError(f"{key}={getattr(self, key)!r} must be an integer >= 1")
+        if self.gpus % (self.tp * self.pp):
+            raise ValueError(
+                f"gpus={self.gpus} is not a multiple of tp x pp = {self.tp * self.pp}: the data-parallel degree "
+                "is gpus / (tp * pp); set gpus, tp and pp so it divides"
+            )
         if self.job_mtbf_h < 0:
             raise ValueError(f"job_mtbf_h={self.job_mtbf_h} must be >= 0 (0 = from gpus / gpu_mtbf_h)")
         if self.job_mtbf_h == 0 and not self.gpu_mtbf_h > 0:
@@ -170,6 +184,11 @@ class PlanConfig:
             raise ValueError(f"restart_s={self.restart_s} must be >= 0")
         if self.trials < 1:
             raise ValueError(f"trials={self.trials} must be >= 1")
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree: ``gpus / (tp * pp)``."""
+        return self.gpus // (self.tp * self.pp)
 
     @property
     def mtbf_s(self) -> float:

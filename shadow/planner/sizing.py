@@ -119,4 +119,25 @@ def size(cfg: PlanConfig, cpu_s_per_iter_per_b: float | None = None) -> dict:
         "restore_GBps": hosts * sh.nic_GBps_per_host,
         "trainer_egress_MBps_per_gpu": 4.0 * cfg.params / cfg.gpus / cfg.iteration_s * sh.replicas / 1e6,
         "worker_bytes_per_param": worker_bytes_per_param(cfg),
+        "parallelism": parallelism(cfg),
+    }
+
+
+def parallelism(cfg: PlanConfig) -> dict:
+    """What a rank streams under ``dp x tp x pp``: its unique share of the model, 4 bytes
+    per parameter / ranks (replicated elements striped among their holders), to every
+    cluster replica; a pipeline stage's ranks hold ``params / pp`` between them. A DDP
+    job's stream starts during the backward, a sharded one's (FSDP2, tensor or pipeline
+    parallel) at the step: either way the cluster has one iteration to take it."""
+    per_rank = 4.0 * cfg.params / cfg.gpus * cfg.shadow.replicas
+    sharded = cfg.tp > 1 or cfg.pp > 1
+    return {
+        "dp": cfg.dp,
+        "tp": cfg.tp,
+        "pp": cfg.pp,
+        "stage_params": cfg.params / cfg.pp,
+        "ranks_per_stage": cfg.gpus // cfg.pp,
+        "bytes_per_rank_per_iter": per_rank,
+        "bootstrap_bytes_per_rank": (cfg.bytes_per_param or optimizer_bytes()[cfg.optimizer]) * cfg.params / cfg.gpus,
+        "stream_starts": "at the step" if sharded else "during the backward (DDP) or at the step (FSDP2)",
     }

@@ -120,6 +120,21 @@ def test_sizing_reads_the_measured_figures(tmp_path):
         size(PlanConfig(shadow=ShadowPlanConfig(bench_dir=str(tmp_path))))
 
 
+def test_sizing_of_3d_jobs_streams_each_rank_its_unique_share():
+    """Under dp x tp x pp every rank streams 4 bytes per parameter / ranks (replicated
+    elements striped among their holders), whatever the split; the cluster is sized alike."""
+    flat = size(PlanConfig(gpus=16384, params=405e9))
+    three = size(PlanConfig(gpus=16384, params=405e9, tp=8, pp=16))
+    par = three["parallelism"]
+    assert (par["dp"], par["tp"], par["pp"]) == (128, 8, 16)
+    assert par["bytes_per_rank_per_iter"] == pytest.approx(4 * 405e9 / 16384)
+    assert par["stage_params"] == pytest.approx(405e9 / 16) and par["ranks_per_stage"] == 1024
+    assert par["bootstrap_bytes_per_rank"] == pytest.approx(12 * 405e9 / 16384)
+    assert par["stream_starts"] == "at the step"
+    assert three["cores"] == flat["cores"] and three["hosts"] == flat["hosts"]
+    assert flat["parallelism"]["dp"] == 16384
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -135,6 +150,8 @@ def test_sizing_reads_the_measured_figures(tmp_path):
         (["tiered.write_GBps=0"], "tiered.write_GBps=0.0 must be > 0"),
         (["sync.interval_s=-5"], "sync.interval_s=-5.0 must be >= 0"),
         (["params=lots"], "params='lots' is not allowed: params takes a number"),
+        (["gpus=12", "tp=8"], "not a multiple of tp x pp = 8"),
+        (["pp=0"], "pp=0 must be an integer >= 1"),
     ],
 )
 def test_inputs_are_validated(args, needle):
