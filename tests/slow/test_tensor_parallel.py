@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shadow.config.tuning import Tuning
 from shadow.testing import LocalCluster, free_port
 from tests.helpers import parallel as P
 from tests.slow.test_fsdp import _done, _equal, _spawn
@@ -79,7 +80,8 @@ def _trained(rank: int, world: int, port: int, address: str, out: str, shape, im
     m = P.sharded(mesh, dp=shape[0] > 1)
     _check_boxes(m)
     opt = P.optimizer(m, impl)
-    trainer_hooks.attach(m, opt, address, job="tp")
+    # at most 8 runs per message: the row-wise matrix's rows (a run each) go out in several
+    trainer_hooks.attach(m, opt, address, job="tp", tuning=Tuning(max_runs=8))
     for it in range(1, STEPS_BEFORE_KILL + 1):
         P.step(m, opt, it, _dp_rank(mesh))
         state = P.full(m, opt)

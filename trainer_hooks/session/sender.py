@@ -279,20 +279,23 @@ class Sender(threading.Thread):
 
     def _send_payload(self, iteration: int, kind, field, data: np.ndarray, runs_per_worker, ring_slot) -> None:
         trackers = []
+        most = max(1, self.tuning.max_runs)  # runs a worker takes in one message (a row-wise split has many)
         for w, runs in enumerate(runs_per_worker):
             if not runs or w in self.out:
                 continue
             runs = self.split_runs(runs, F.MAX_PART_BYTES // data.itemsize)
-            views = [data[src : src + n] for src, _, n in runs]
-            nonce, tags = self._tagged(w, views)
-            table = [(dst, n, t) for (_, dst, n), t in zip(runs, tags, strict=True)]
-            frames: list[bytes | memoryview] = [self._header(kind, field, iteration, w, table, nonce)]
-            frames += [v.data for v in views]
-            tracker = self._send(w, frames, True, iteration)
-            if tracker is not None:
-                trackers.append(tracker)
-            self.bytes_out += sum(n for _, _, n in runs) * 4
-            self.messages_out += 1
+            for at in range(0, len(runs), most):
+                part = runs[at : at + most]
+                views = [data[src : src + n] for src, _, n in part]
+                nonce, tags = self._tagged(w, views)
+                table = [(dst, n, t) for (_, dst, n), t in zip(part, tags, strict=True)]
+                frames: list[bytes | memoryview] = [self._header(kind, field, iteration, w, table, nonce)]
+                frames += [v.data for v in views]
+                tracker = self._send(w, frames, True, iteration)
+                if tracker is not None:
+                    trackers.append(tracker)
+                self.bytes_out += sum(n for _, _, n in part) * 4
+                self.messages_out += 1
         if ring_slot is not None:
             self.pending.append((ring_slot[0], ring_slot[1], trackers))
 
