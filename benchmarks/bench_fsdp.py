@@ -2,7 +2,7 @@
 shadow: bytes streamed per iteration per rank, and the step time with the shadow against
 without it, in the same run.
 
-    python benchmarks/bench_fsdp.py [--world 2] [--hsdp] [--tp] [--width 512] [--layers 6]
+    python benchmarks/bench_fsdp.py [--world 2] [--hsdp] [--tp] [--pp] [--width 512] [--layers 6]
                                    [--steps 12] [--warmup 4] [--json PATH]
 
 Each mode trains the same MLP (``--layers`` square layers of ``--width`` plus a 13-row
@@ -12,7 +12,8 @@ first micro-batch), ``fsdp`` (``fully_shard`` on each layer and the root), and w
 ``--hsdp`` also ``hsdp`` (a 2 x world/2 mesh); with ``--tp`` also ``tp`` (tensor parallel
 over every rank: the layers column- then row-wise in pairs, the head column-wise) and,
 on 4 ranks or more, ``fsdp_tp`` (FSDP2 over a 2-way data-parallel dimension of the
-tensor-parallel model, torchtitan's 2D). Each runs unattached (``none``) and attached
+tensor-parallel model, torchtitan's 2D); with ``--pp`` also ``pp`` (two pipeline stages,
+1F1B over four micro-batches, FSDP2 over the world/2 ranks of each). Each runs unattached (``none``) and attached
 to a 2-worker cluster (``shadow``). Reported per mode: the median step time of rank 0 after
 ``--warmup`` steps, the bytes each rank sent per iteration once the bootstrap was through
 (the mean over the ranks, and the largest), and their ratios to DDP's.
@@ -47,9 +48,9 @@ GOALS = [
 ]
 
 # bench_all.py runs it with: ARGS_QUICK (its default set), ARGS_FULL (--full), ARGS_SMOKE
-ARGS_QUICK = ["--steps", "8", "--tp"]
-ARGS_FULL = ["--world", "4", "--hsdp", "--tp"]
-ARGS_SMOKE = ["--steps", "2", "--warmup", "1", "--width", "32", "--layers", "2", "--tp"]
+ARGS_QUICK = ["--steps", "8", "--tp", "--pp"]
+ARGS_FULL = ["--world", "4", "--hsdp", "--tp", "--pp"]
+ARGS_SMOKE = ["--steps", "2", "--warmup", "1", "--width", "32", "--layers", "2", "--tp", "--pp"]
 
 
 def _model(width: int, layers: int) -> torch.nn.Module:
@@ -87,18 +88,56 @@ def _tensor_parallel(m: torch.nn.Sequential, world: int, fsdp: bool) -> torch.nn
     return m
 
 
+def _pipeline(m: torch.nn.Sequential, world: int) -> tuple[torch.nn.Module, tuple]:
+    """Two pipeline stages of ``m`` (its first half of layers and the rest: slices keep the
+    whole model's names), FSDP2 over the ``world / 2`` ranks of each; a 1F1B schedule."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    cut = len(m) // 2
+    part = m[:cut] if stage == 0 else m[cut:]
+    if world // 2 > 1:
+        for layer in part:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(part, mesh=mesh["dp"])
+    pipe = PipelineStage(part, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(pipe, n_microbatches=4, loss_fn=lambda out, _: out.square().mean())
+    return part, (schedule, stage, mesh, mesh["dp"].get_local_rank())
+
+
+def _pipeline_step(part: torch.nn.Module, pipe: tuple, it: int, rank: int, width: int) -> None:
+    schedule, stage, mesh, dp = pipe
+    g = torch.Generator().manual_seed(1000 * it + dp)
+    x = torch.randn(32, width, generator=g)
+    if stage == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=torch.zeros(32, 13), losses=[])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in part.parameters() if p.grad is not None])
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    dist.all_reduce(norm, group=mesh["pp"].get_group())
+    torch.nn.utils.clip_grads_with_norm_(list(part.parameters()), 1.0, norm**0.5)
+
+
 def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mode = args["mode"]
     m = _model(args["width"], args["layers"])
+    pipe: tuple = ()
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model: torch.nn.Module = DDP(m)
     elif mode in ("tp", "fsdp_tp"):
         model = _tensor_parallel(m, world, mode == "fsdp_tp")
+    elif mode == "pp":
+        model, pipe = _pipeline(m, world)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -123,7 +162,7 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
             bytes0 = session.stats()["bytes_out"]
         dist.barrier()
         t0 = time.perf_counter()
-        for j in range(2):
+        for j in range(2 if mode != "pp" else 0):
             g = torch.Generator().manual_seed(1000 * it + 10 * rank + j)
             x = torch.randn(32, args["width"], generator=g)
             if mode == "ddp" and j == 0:
@@ -133,7 +172,10 @@ def _rank(rank: int, world: int, port: int, args: dict, address: str | None, out
                 if mode not in ("ddp", "tp"):
                     model.set_requires_gradient_sync(j == 1)  # type: ignore[operator]
                 model(x).square().mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if mode == "pp":  # four micro-batches through the two stages, the clip across them
+            _pipeline_step(model, pipe, it, rank, args["width"])
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         if it >= args["warmup"]:
@@ -174,6 +216,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--hsdp", action="store_true", help="also HSDP on a 2 x world/2 mesh (world >= 4, even)")
     ap.add_argument("--tp", action="store_true", help="also tensor parallel, and (world >= 4, even) FSDP2 over it")
+    ap.add_argument("--pp", action="store_true", help="also 2 pipeline stages (1F1B), FSDP2 over world/2 ranks each")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--steps", type=int, default=12)
@@ -186,6 +229,7 @@ def run(args) -> dict:
     """Every mode without and with the shadow, the table printed; the JSON document."""
     modes = ["ddp", "fsdp"] + (["hsdp"] if args.hsdp else [])
     modes += (["tp"] + (["fsdp_tp"] if args.world >= 4 and args.world % 2 == 0 else [])) if args.tp else []
+    modes += ["pp"] if args.pp and args.world % 2 == 0 else []
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     results: dict = {"params": params, "world": args.world, "cpu": _cpu(), "modes": {}}
     with tempfile.TemporaryDirectory() as d, LocalCluster(Path(d), workers=2) as cl:
