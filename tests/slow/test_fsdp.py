@@ -209,12 +209,12 @@ def _equal(got: dict, want: dict, what: str) -> None:
     assert not bad, f"{what}: {bad} differ"
 
 
-def _snapshot_state(address: str) -> tuple[int, dict]:
-    """The cluster's newest iteration of job ``fsdp`` in ``_full``'s form."""
+def _snapshot_state(address: str, job: str = "fsdp") -> tuple[int, dict]:
+    """The cluster's newest iteration of ``job`` in ``_full``'s form."""
     from shadow.export.state import state_dicts
     from shadow.restore import resolve
 
-    snap = resolve(address, job="fsdp")
+    snap = resolve(address, job=job)
     sd = state_dicts(snap)
     out = {}
     for i, spec in enumerate(snap.layout.params):

@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from shadow.testing import LocalCluster, free_port
 from tests.helpers import parallel as P
-from tests.slow.test_fsdp import _done, _equal, _spawn
-from tests.slow.test_tensor_parallel import _snapshot_state
+from tests.slow.test_fsdp import _done, _equal, _snapshot_state, _spawn
 
 pytestmark = pytest.mark.slow
 

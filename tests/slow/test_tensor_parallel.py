@@ -26,7 +26,7 @@ import torch.distributed as dist
 from shadow.config.tuning import Tuning
 from shadow.testing import LocalCluster, free_port
 from tests.helpers import parallel as P
-from tests.slow.test_fsdp import _done, _equal, _spawn
+from tests.slow.test_fsdp import _done, _equal, _snapshot_state, _spawn
 
 pytestmark = pytest.mark.slow
 
@@ -46,20 +46,6 @@ def _check_boxes(m) -> None:
     ref = dict(P.plain().named_parameters())
     for n, p in m.named_parameters():
         assert torch.equal(p.to_local(), placement.take(ref[n].detach(), placement.box_of(p))), n
-
-
-def _snapshot_state(address: str, job: str) -> tuple[int, dict]:
-    from shadow.export.state import state_dicts
-    from shadow.restore import resolve
-
-    snap = resolve(address, job=job)
-    sd = state_dicts(snap)
-    out = {}
-    for i, spec in enumerate(snap.layout.params):
-        out[spec.name] = sd["model"][spec.name].reshape(spec.shape)
-        for k, v in sd["optimizer"]["state"].get(i, {}).items():
-            out[f"{spec.name}/{k}"] = v.reshape(spec.shape) if k != "step" else v
-    return snap.iteration, out
 
 
 def _uninterrupted(rank: int, world: int, port: int, out: str, shape, impl: str) -> None:
