@@ -1,6 +1,9 @@
 """Finding the checkpoint to restore: from a live cluster, its memory first, then its
-tiers nearest first; or straight from a directory / fsspec URL. Every source is a
-:class:`~shadow.restore.sources.RestoreSource`, and one rule picks from each (:func:`pick`).
+tiers; or straight from a directory / fsspec URL. Every source is a
+:class:`~shadow.restore.sources.RestoreSource`, and one rule picks from each (:func:`pick`);
+a cluster's tiers are picked from together (:func:`pick_newest`): the newest intact
+checkpoint in any of them, the nearest tier's copy first, so a damaged checkpoint in the
+local tier falls back to the remote tier's copy of it before an older local one.
 
 Signed manifests (:mod:`shadow.persist.signing`): a tier read with a manifest key lists a
 checkpoint whose manifest is unsigned or fails its signature as unreadable, so
@@ -13,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from shadow.config.tuning import Tuning
@@ -92,12 +96,7 @@ def pick(
             raise CheckpointError(f"no complete checkpoint of iteration {iteration} under {root}")
         return found[-1], source.load(found[-1], progress)
     if not found:
-        torn = [c.path for c in listed if c.state == INCOMPLETE]
-        extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
-        bad = [c for c in listed if c.state == UNREADABLE and job in (None, c.job)]
-        if bad:
-            extra += f" ({len(bad)} unreadable, e.g. {bad[-1].path}: {bad[-1].error})"
-        raise CheckpointError(f"no complete checkpoint under {root}{extra}")
+        raise CheckpointError(_none_complete(root, listed, job))
     errors = []
     for c in reversed([c for c in found if c.state == COMPLETE]):  # never an abandoned iteration
         try:
@@ -112,13 +111,112 @@ def pick(
             )
             errors.append(str(exc))
     if not errors:  # every one found was superseded or diverged: a generation record says so
-        states = sorted({c.state for c in found})
-        raise CheckpointError(
-            f"no restorable checkpoint under {root}: every one found ({len(found)}) is {' or '.join(states)} "
-            "by a generation record of its job (a later run went on from an older iteration); `shadow ls` "
-            "lists them, and `shadow restore iteration=N` takes a superseded one explicitly"
-        )
+        raise CheckpointError(_none_restorable(root, found))
     raise CheckpointError("every checkpoint under " + root + " is damaged: " + "; ".join(errors))
+
+
+def _none_complete(root: str, listed: list[Candidate], job: str | None) -> str:
+    """Why a source that lists no loadable checkpoint has none (its torn and unreadable ones)."""
+    torn = [c.path for c in listed if c.state == INCOMPLETE]
+    extra = f" ({len(torn)} incomplete, e.g. {torn[-1]})" if torn else ""
+    bad = [c for c in listed if c.state == UNREADABLE and job in (None, c.job)]
+    if bad:
+        extra += f" ({len(bad)} unreadable, e.g. {bad[-1].path}: {bad[-1].error})"
+    return f"no complete checkpoint under {root}{extra}"
+
+
+def _none_restorable(root: str, found: list[Candidate]) -> str:
+    """Why a source whose loadable checkpoints are all superseded or diverged has none to restore."""
+    states = sorted({c.state for c in found})
+    return (
+        f"no restorable checkpoint under {root}: every one found ({len(found)}) is {' or '.join(states)} "
+        "by a generation record of its job (a later run went on from an older iteration); `shadow ls` "
+        "lists them, and `shadow restore iteration=N` takes a superseded one explicitly"
+    )
+
+
+def pick_newest(
+    tiers: Sequence[RestoreSource], job: str | None = None, progress=None
+) -> tuple[RestoreSource, Candidate, Snapshot]:
+    """The newest complete checkpoint that reads back intact in any of ``tiers`` (nearest
+    first), with its tier and candidate: :func:`pick` over several tiers at once.
+
+    The nearest tier's newest complete checkpoint is tried first, before any other tier is
+    listed (the remote tiers are copied from it: they hold nothing newer, and a restore from
+    an intact local tier touches no other). Once that fails, every tier is listed and their
+    complete checkpoints are tried newest first, by generation and iteration, the nearest
+    tier's copy first where several hold the same one. So a damaged checkpoint falls back to
+    a farther tier's copy of it, or of a newer one than the nearer tier's next, before an
+    older one nearby: a local tier whose requests were skipped while the writers were behind
+    may hold nothing between its damaged newest and one many iterations older (retention
+    keeps the newest ``keep`` complete ones, however far apart), while the remote tier holds
+    an intact copy of that newest. A checkpoint some tier lists superseded or diverged is
+    never taken from another. A tier that cannot be listed, or whose read fails with anything
+    but a damaged checkpoint (an unreachable store), is passed over. Raises
+    :class:`CheckpointError` saying, per tier, why none was taken."""
+    listed: list[tuple[int, Candidate]] = []  # (the tier's index, a candidate of it)
+    why: dict[int, list[str]] = {i: [] for i in range(len(tiers))}
+
+    def list_tier(i: int) -> None:
+        try:
+            listed.extend((i, c) for c in tiers[i].candidates(job))
+        except Exception as exc:  # an unreachable remote tier: the others may still serve
+            why[i].append(f"cannot list it: {type(exc).__name__}: {exc}")
+
+    def newest_first() -> list[tuple[int, Candidate]]:
+        found = [(i, c) for i, c in listed if c.loadable]
+        if job is None and len({c.job for _, c in found}) > 1:
+            raise CheckpointError(f"the tiers hold several jobs {sorted({c.job for _, c in found})}; pass job=")
+        abandoned = {(c.job, c.generation, c.iteration) for _, c in found if c.state != COMPLETE}
+        return sorted(
+            ((i, c) for i, c in found if c.state == COMPLETE and (c.job, c.generation, c.iteration) not in abandoned),
+            key=lambda ic: (ic[1].generation or 0, ic[1].iteration, -ic[0]),
+            reverse=True,
+        )
+
+    if tiers:
+        list_tier(0)
+    all_listed = len(tiers) <= 1
+    tried: set[tuple[int, str]] = set()
+    unreachable: set[int] = set()
+    while True:
+        nxt = next(((i, c) for i, c in newest_first() if (i, c.path) not in tried and i not in unreachable), None)
+        if not all_listed and (nxt is None or tried):  # the nearest tier's newest failed, or it has none
+            for i in range(1, len(tiers)):
+                list_tier(i)
+            all_listed = True
+            continue
+        if nxt is None:
+            break
+        i, c = nxt
+        tried.add((i, c.path))
+        try:
+            return tiers[i], c, tiers[i].load(c, progress)
+        except CheckpointError as exc:
+            why[i].append(str(exc))
+            logger.warning(
+                "skipping checkpoint %s iteration %d at %s (%s tier), trying the next newest in any tier: %s",
+                c.job,
+                c.iteration,
+                c.path,
+                tiers[i].name,
+                exc,
+            )
+        except Exception as exc:  # the tier's store failed, not the checkpoint: its other ones would too
+            unreachable.add(i)
+            why[i].append(f"reading iteration {c.iteration}: {type(exc).__name__}: {exc}")
+            logger.warning("tier %s failed reading %s: %s: %s", tiers[i].name, c.path, type(exc).__name__, exc)
+    parts = []
+    for i, tier in enumerate(tiers):
+        mine = [c for j, c in listed if j == i]
+        loadable = [c for c in mine if c.loadable]
+        if why[i]:
+            parts.append(f"{tier.name}: " + "; ".join(why[i]))
+        elif not loadable:
+            parts.append(f"{tier.name}: {_none_complete(tier.root, mine, job)}")
+        else:
+            parts.append(f"{tier.name}: {_none_restorable(tier.root, loadable)}")
+    raise CheckpointError("no restorable checkpoint in any tier: " + "; ".join(parts))
 
 
 def find_checkpoint(
@@ -197,7 +295,9 @@ def resolve(
     sink: ParamSink | None = None,
     ranges=None,
 ) -> Snapshot:
-    """The checkpoint to restore from ``source`` (newest complete, or ``iteration``).
+    """The checkpoint to restore from ``source`` (newest complete, or ``iteration``). From
+    a cluster: its memory, else the newest checkpoint intact in any of its tiers
+    (:func:`pick_newest`; an explicit ``iteration``: the nearest tier's intact copy).
 
     ``progress(done_bytes, total_bytes)`` is called as shards arrive, if given; ``tuning``
     bounds the waits on a live cluster (default: :meth:`Tuning.load`). ``sign_key``: the
@@ -238,13 +338,22 @@ def resolve(
     else:
         errors.append(f"memory: the cluster kept moving on during {attempts} attempts")
     job = job or src.job
-    for tier in cluster_tiers(src, key):
+    tiers = cluster_tiers(src, key)
+    if iteration is None:  # the newest intact one in any tier (a damaged one nearby is no reason to go older)
         try:
-            snap = pick(tier, job, iteration, progress)[1]
+            tier, _, snap = pick_newest(tiers, job, progress)
             logger.info("restoring from the %s tier (%s): %s", tier.name, tier.root, "; ".join(errors))
             return snap
         except CheckpointError as exc:
-            errors.append(f"{tier.name}: {exc}")
-        except Exception as exc:  # an unreachable remote tier
-            errors.append(f"{tier.name}: {type(exc).__name__}: {exc}")
+            errors.append(str(exc))
+    else:  # that iteration: the nearest tier's intact copy of it
+        for tier in tiers:
+            try:
+                snap = pick(tier, job, iteration, progress)[1]
+                logger.info("restoring from the %s tier (%s): %s", tier.name, tier.root, "; ".join(errors))
+                return snap
+            except CheckpointError as exc:
+                errors.append(f"{tier.name}: {exc}")
+            except Exception as exc:  # an unreachable remote tier
+                errors.append(f"{tier.name}: {type(exc).__name__}: {exc}")
     raise ShadowError(f"no restorable checkpoint behind {source}: " + "; ".join(errors))
