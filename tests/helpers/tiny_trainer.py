@@ -407,7 +407,9 @@ def main() -> None:
 
     first_epoch = session.epoch if session is not None else None
     it = start
+    step_s = []  # each iteration's wall time, waits for the shadow included
     while more(it + 1):
+        t_step = time.monotonic()
         it += 1
         it_box["it"] = it
         # Python's and numpy's global RNGs are part of the loop too (e.g. augmentation)
@@ -478,6 +480,7 @@ def main() -> None:
                 },
                 os.path.join(args.dump_dir, f"it{it}-rank{rank}.pt"),
             )
+        step_s.append(time.monotonic() - t_step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if it == args.kill_worker_at and rank == 0:
@@ -514,6 +517,7 @@ def main() -> None:
             "epochs": session.epoch if session is not None else None,
             "committed": session.committed if session is not None else None,
             "stats": session.stats() if session is not None else None,
+            "step_s": step_s,
             "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         },
         os.path.join(args.out, f"rank{rank}.pt"),
