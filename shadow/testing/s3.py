@@ -299,14 +299,28 @@ class S3Server:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        self._tidy()
+
+    def _tidy(self) -> None:
+        """Remove the Unix sockets of this server's ports that a killed weed left in /tmp
+        (none that a live process listens on)."""
+        for port in self.ports.values():
+            for pattern in _SOCKETS:
+                path = pattern.format(port)
+                if os.path.exists(path) and not _socket_live(path):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
 
     def stop(self) -> None:
+        """SIGTERM weed's process group, SIGKILL after 5 s (its filer's graceful stop alone
+        can take 15 s)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(5)
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 self._kill()
+        self._tidy()
 
     def __enter__(self) -> S3Server:
         return self
