@@ -20,7 +20,8 @@ from pathlib import Path
 
 from shadow.testing.faults import ServiceFaults
 from shadow.testing.ports import free_port
-from shadow.testing.wait import wait_until
+from shadow.testing.procs import cpu_seconds
+from shadow.testing.wait import wait_progressing, wait_until
 from shadow.transport import SocketFactory, fetch_limit
 from shadow.wire import messages as M
 
@@ -61,6 +62,18 @@ def pid_alive(pid: int) -> bool:
 #: a test cluster keeps what its test configures: no default tier unless asked (durable=True)
 _MEMORY_ONLY = ("persist.durable=false",)
 
+#: status fields that change with no work done: clocks, host memory, connections counted
+_RESTLESS = frozenset({"uptime_s", "last_seen_s", "memory", "security", "bytes_per_s"})
+
+
+def _still(value: object) -> object:
+    """``value`` (a status or part of one) without its :data:`_RESTLESS` fields, hashable."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _still(v)) for k, v in value.items() if k not in _RESTLESS))
+    if isinstance(value, list):
+        return tuple(_still(v) for v in value)
+    return value
+
 
 class LocalCluster:
     """``shadow cluster`` with ``workers`` workers of one numba thread each, on a free port
@@ -72,8 +85,10 @@ class LocalCluster:
     ``durable``: keep the default local tier a ``shadow cluster`` without persistence
     settings keeps (``persist.durable``; under ``<tmp>/data``); off by default here, so
     that a test's cluster holds what the test configures.
-    Raises RuntimeError, with the log's last error line, when it does not start within
-    ``start_timeout`` s. Use it as a context manager, or call :meth:`stop`."""
+    Its start is waited for as long as it moves (workers registering and getting ready, its
+    processes using CPU time: importing, compiling kernels); RuntimeError, with the log's last
+    error line, when it has not moved for ``start_timeout`` s, or is not up after
+    ``start_limit`` s (against a hang). Use it as a context manager, or call :meth:`stop`."""
 
     def __init__(
         self,
@@ -87,6 +102,7 @@ class LocalCluster:
         start_timeout: float = 60.0,
         faults: ServiceFaults | None = None,
         durable: bool = False,
+        start_limit: float = 600.0,
     ) -> None:
         insecure = "security.insecure=true" in args
         self.keys = None if insecure and keys is CURRENT else keys  # a keyless cluster answers keyless clients
@@ -95,6 +111,7 @@ class LocalCluster:
         self.workers = workers
         self.log = Path(tmp) / f"cluster-{self.port}.log"
         self._pids: set[int] = set()
+        self._last: dict | None = None  # the last status heard
         self.asked_at = 0.0  # wall time just before the last status request (heard_after_cut)
         entry = "shadow.testing.faulty" if faults else "shadow"
         with open(self.log, "a") as log:
@@ -121,7 +138,14 @@ class LocalCluster:
                 ),
             )
         try:
-            wait_until(self._started, start_timeout, f"{workers} ready workers at {self.address}", period=0.2)
+            wait_progressing(
+                self._started,
+                self._moves,
+                start_timeout,
+                start_limit,
+                f"{workers} ready workers at {self.address}",
+                detail=lambda: self._last,
+            )
         except BaseException as exc:
             self.stop()  # no caller holds it yet: nothing else would stop it (and its workers)
             text = self.log.read_text(errors="replace")
@@ -139,6 +163,11 @@ class LocalCluster:
             return False
         self._note(st)
         return sum(1 for w in st["workers"] if w["ready"]) == self.workers
+
+    def _moves(self) -> tuple:
+        """What changes while the cluster works: its last status (less what changes by itself)
+        and the CPU time of its processes, in whole seconds."""
+        return _still(self._last), int(cpu_seconds(self.proc.pid))
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -162,6 +191,25 @@ class LocalCluster:
             return last[0] if pred(last[0]) else None
 
         return wait_until(check, timeout, what, detail=lambda: last[0] if last else None)
+
+    def wait_progress(
+        self, pred: Callable[[dict], object], what: str = "the status", stall: float = 120.0, limit: float = 600.0
+    ) -> dict:
+        """The first status for which ``pred(status)`` is truthy, waited for as long as the
+        cluster moves: its status changes (other than clocks and counters of requests) or its
+        processes use CPU time. WaitTimeout, with the last status, after ``stall`` s without
+        either, or after ``limit`` s."""
+
+        def check():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"shadow cluster exited with status {self.proc.returncode}; log {self.log}")
+            try:
+                st = self.status()
+            except TimeoutError:  # busy: its CPU time says whether it works
+                return None
+            return st if pred(st) else None
+
+        return wait_progressing(check, self._moves, stall, limit, what, detail=lambda: self._last)
 
     def heard_after_cut(self, st: dict) -> bool:
         """Whether every worker's last heartbeat in ``st``, the status :meth:`status` returned
@@ -213,6 +261,7 @@ class LocalCluster:
         raise TimeoutError(f"the cluster at {self.address} did not go quiet within {limit:.0f} s")
 
     def _note(self, st: dict) -> None:
+        self._last = st
         self._pids.update(w["pid"] for w in st.get("workers", []) if w.get("pid"))
 
     def _signal_workers(self, sig: int) -> None:

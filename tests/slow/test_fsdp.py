@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shadow.testing import LocalCluster, free_port
+from shadow.testing.procs import cpu_meter, cpu_seconds
+from shadow.testing.wait import wait_progressing
 
 pytestmark = pytest.mark.slow
 
@@ -189,16 +191,40 @@ def _resharded(rank: int, world: int, port: int, address: str, out: str, dcp_dir
 
 
 def _spawn(fn, world: int, *args, killed: bool = False) -> None:
+    """Run ``fn`` on ``world`` ranks and wait for them to end, for as long as they (or the
+    cluster they talk to: whatever this test started) use CPU time: importing torch, compiling,
+    training on a loaded machine takes what it takes; ranks that stop moving for 2 minutes, or
+    still run after 10, fail the test with how each one stands."""
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=fn, args=(r, world, *args)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(240)
+
+    def ended() -> bool:
+        return all(p.exitcode is not None for p in procs)
+
+    def stand() -> str:
+        def one(p) -> str:
+            return f"exit {p.exitcode}" if p.exitcode is not None else f"running ({cpu_seconds(p.pid):.1f} s CPU)"
+
+        return ", ".join(f"rank {r} {one(p)}" for r, p in enumerate(procs))
+
+    meter = cpu_meter()
+    try:
+        wait_progressing(
+            ended,
+            lambda: (tuple(p.exitcode for p in procs), meter()),
+            stall=120,
+            limit=600,
+            what=f"{world} ranks of {fn.__name__} to end",
+            detail=stand,
+        )
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
     want = -signal.SIGKILL if killed else 0
     assert codes == [want] * world, f"rank exit codes {codes}, expected {want} each"
 
@@ -296,6 +322,7 @@ def _hsdp(rank: int, world: int, port: int, address: str, out: str) -> None:
     _done()
 
 
+@pytest.mark.timeout(1200)  # against a hang: each wait inside follows what it waits for
 def test_hsdp_with_bf16_reduction_equals_the_full_state(tmp_path):
     out = str(tmp_path / "state")
     with LocalCluster(tmp_path, workers=2) as cl:

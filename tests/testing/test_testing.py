@@ -16,12 +16,13 @@ from shadow.testing import (
     LocalCluster,
     ServiceFaults,
     assert_same_state,
+    procs,
     state_differences,
     ulp_report,
     wait_until,
 )
 from shadow.testing import faults as F
-from shadow.testing.wait import WaitTimeout
+from shadow.testing.wait import WaitTimeout, wait_progressing
 from shadow.worker import shard
 
 
@@ -34,6 +35,57 @@ def test_wait_until_returns_the_value_and_names_what_timed_out():
     assert 0.2 <= time.monotonic() - t0 < 2
     with pytest.raises(ZeroDivisionError):  # a broken condition is not a timeout
         wait_until(lambda: 1 / 0, 1)
+
+
+def test_wait_progressing_waits_while_it_moves_and_names_a_stall_or_the_cap():
+    moves = iter(range(1000))
+    calls = []
+    # 0.3 s of waiting, more than the stall, goes on because the progress keeps changing
+    got = wait_progressing(
+        lambda: calls.append(1) or (len(calls) >= 30 and "done"), lambda: next(moves), stall=0.1, period=0.01
+    )
+    assert got == "done"
+    with pytest.raises(WaitTimeout, match=r"the flag, the last 0\.[0-9] s without progress \(still 7\): seen=3"):
+        wait_progressing(lambda: False, lambda: 7, stall=0.2, what="the flag", period=0.02, detail=lambda: "seen=3")
+    with pytest.raises(WaitTimeout, match=r"waited 0\.3 s for the flag, the cap against a hang, though it kept moving"):
+        wait_progressing(lambda: False, lambda: next(moves), stall=0.1, limit=0.3, what="the flag", period=0.01)
+
+
+def test_cpu_seconds_count_a_child_that_works_and_not_one_that_sleeps():
+    import subprocess
+    import sys
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 60: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        meter = procs.cpu_meter(busy.pid, own=True, step=0.2)
+        first = meter()
+        wait_progressing(lambda: meter() > first + 1, meter, stall=30, what="the busy child's CPU time")
+        time.sleep(0.5)  # the idle one's start is behind it
+        before = procs.cpu_seconds(idle.pid)
+        time.sleep(0.5)
+        assert procs.cpu_seconds(idle.pid) - before < 0.1
+        assert procs.cpu_seconds(os.getpid(), own=False) >= procs.cpu_seconds(busy.pid)
+        assert procs.sleeping(idle.pid) in (True, None) and not procs.sleeping(busy.pid)
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+    assert procs.cpu_seconds(busy.pid) == 0.0  # gone
+
+
+def test_communicate_returns_the_output_or_kills_a_process_that_stalls():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "print('hello')"], stdout=subprocess.PIPE, text=True)
+    assert procs.communicate(p, "a greeting")[0] == "hello\n"
+    code = "import sys, time; print('started', flush=True); time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    with pytest.raises(WaitTimeout, match=r"(?s)without progress.*killed.*started"):
+        procs.communicate(p, "a sleeper", stall=1.0, progress=procs.cpu_meter(p.pid, own=True, step=0.5))
+    assert p.returncode is not None
 
 
 def test_service_faults_travel_by_environment_and_refuse_a_bad_value():
