@@ -378,6 +378,63 @@ def replica_kill(t: Trial) -> dict:
         return res
 
 
+@scenario
+def tier_damage_fallback(t: Trial) -> dict:
+    """Every iteration persisted to the local tier (keep 3), every 4 to a remote one; the
+    ranks and then the whole cluster SIGKILLed at a seeded iteration; one byte flipped in
+    the newest local checkpoint's largest shard. A new cluster on the same tiers must
+    restore the newest checkpoint intact in any tier (never an older one while a newer
+    copy reads back), and the run must finish equal to the uninterrupted one."""
+    from shadow.persist import checkpoints
+
+    k = t.rng.randint(6, t.steps - 2)
+    local, remote = t.tmp / "local", t.tmp / "remote"
+    args = (
+        f"persist.local.dir={local}",
+        "persist.local.every_n=1",
+        "persist.local.keep=3",
+        f"persist.remote.url=file://{remote}",
+        "persist.remote.every_n=4",
+        "persist.remote.keep=3",
+    )
+    with cluster(t.tmp, args) as c:
+        codes = t.run("train", "--kill-at", str(k), "--kill-at-once", coordinator=c)
+        c.kill_all()
+    done = min(t.info("train", r).get("completed", 0) for r in range(RANKS))
+    if codes != [-9] * RANKS:
+        return result(False, True, None, None, f"kill at {k}: training exited {codes}: {t.error('train')}")
+    held = {tier: checkpoints.list_checkpoints(str(root)) for tier, root in (("local", local), ("remote", remote))}
+    if not held["local"]:
+        return result(False, True, None, None, f"killed after {done}: the local tier holds no checkpoint")
+    newest = held["local"][-1]
+    shard = max(newest.manifest["shards"], key=lambda s: s["bytes"])
+    path = Path(newest.path) / shard["file"]
+    with open(path, "r+b") as f:
+        f.seek(shard["bytes"] // 2)
+        byte = f.read(1)
+        f.seek(shard["bytes"] // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    intact = [c.iteration for c in held["local"][:-1]] + [c.iteration for c in held["remote"]]
+    expected = max(intact, default=0)
+    listing = {tier: [c.iteration for c in cs] for tier, cs in held.items()}
+    (t.tmp / "again").mkdir()
+    with cluster(t.tmp / "again", args) as c:
+        res = resume_and_judge(
+            t,
+            c,
+            "resume",
+            done,
+            done - expected,
+            f"killed after {done}; tiers held {listing}; flipped a byte of local {newest.iteration}; "
+            f"newest intact {expected}",
+        )
+    restored = t.info("resume").get("restored")
+    if restored is not None and restored != expected:
+        res["exact"] = False
+        res["detail"] += f"; RESTORED {restored}, not the newest intact checkpoint {expected}"
+    return res
+
+
 # -- network faults with hosts apart (tools/netfaults.py: the rig, the trial, the checks) -------
 NET_SCENARIOS: list[str] = []
 
@@ -445,6 +502,7 @@ def net_store_unreachable(t: Trial) -> dict:
         netfaults.isolate("store", t.rng.uniform(3.0, 8.0)),
         steps=120,
         rig_kw={"store": True},
+        protected=True,
     )
 
 
@@ -459,7 +517,12 @@ def net_flapping_link(t: Trial) -> dict:
 def _capped(t: Trial, policy: str) -> dict:
     w = t.rng.choice(["w1", "w2"])
     return netfaults.net_trial(
-        f"net_capped_{policy}", t, netfaults.cap(w, "1gbit", t.rng.uniform(4.0, 8.0)), policy=policy, steps=100
+        f"net_capped_{policy}",
+        t,
+        netfaults.cap(w, "1gbit", t.rng.uniform(4.0, 8.0)),
+        policy=policy,
+        steps=100,
+        protected=True,
     )
 
 

@@ -193,6 +193,15 @@ class Watch(threading.Thread):
         return out[:5]
 
 
+def _degraded(t: Trial) -> str:
+    """Why rank 0 went unprotected, as its log says."""
+    with contextlib.suppress(OSError):
+        for line in (t.tmp / "train-rank0.log").read_text(errors="replace").splitlines():
+            if "degraded" in line:
+                return line.strip()[:300]
+    return "its log does not say"
+
+
 def _dumped(t: Trial, it: int) -> dict | None:
     path = t.tmp / "dump" / f"it{it}-rank0.pt"
     return torch.load(path, weights_only=True) if path.exists() else None
@@ -312,10 +321,13 @@ def net_trial(
     at: tuple[int, int] = (4, 8),
     rig_kw: dict | None = None,
     during: Callable[[Rig, Trial, str], str] | None = None,
+    protected: bool = False,
 ) -> dict:
     """Train job ``<name>-<trial>`` with ``steps`` iterations; once the cluster committed a
     seeded iteration in ``at``, apply ``fault`` (returns what it did, its heal, and how long
-    to hold it), call ``during`` while it holds (a restore, say), heal, and judge."""
+    to hold it), call ``during`` while it holds (a restore, say), heal, and judge.
+    ``protected``: the fault must not cost the trainers a single unprotected step (a fault
+    away from the data path: the object store, a slower link)."""
     rig = _rig(name, t, **(rig_kw or {}))
     job = f"{name.replace('_', '-')}-{t.tmp.name.rsplit('-', 1)[-1]}"
     k = t.rng.randint(*at)
@@ -383,6 +395,8 @@ def net_trial(
     leaks = check_leaks(rig)
     problems += leaks
     stats = trained[0]["stats"] if trained else {}
+    if protected and stats.get("unprotected_steps_total", 0):
+        problems.append(f"{stats['unprotected_steps_total']} steps trained unprotected: {_degraded(t)}")
     notes.append(
         f"back to streaming {heal_s if heal_s is None else round(heal_s, 2)} s after the heal; "
         f"held {seen}; rank 0 blocked {stats.get('blocked_s', 0):.1f} s, "
