@@ -86,7 +86,7 @@ def test_cut_isolate_and_cap():
             for p in servers:
                 p.kill()
                 p.wait()
-        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert net.tag not in namespaces
     assert net.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
 
