@@ -29,17 +29,11 @@ def _print_json(obj) -> None:
 
 
 def cmd_status(cfg: StatusConfig) -> int:
-    import zmq
-
-    from shadow.transport.client import dealer, request
+    from shadow.transport.client import ask
     from shadow.wire import messages as M
 
     def fetch() -> dict:
-        sock = dealer(zmq.Context.instance(), cfg.address)
-        try:
-            return request(sock, cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
-        finally:
-            sock.close(linger=0)
+        return ask(cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
 
     st = fetch()
     if cfg.json:

@@ -66,6 +66,9 @@ class Tuning:
     data_rcvhwm_messages: int = _knob(1000, "DATA_RCVHWM", "messages queued per sender on a worker's data socket")
     heartbeat_s: float = _knob(0.5, "HEARTBEAT_S", "worker -> coordinator heartbeat period")
     worker_lost_s: float = _knob(5.0, "WORKER_LOST_S", "the coordinator marks a silent worker lost after this long")
+    loop_slow_s: float = _knob(
+        1.0, "LOOP_SLOW_S", "a coordinator loop step this long is logged (its stack too while it runs 5 times as long)"
+    )
     slot_grace_s: float = _knob(
         120.0, "SLOT_GRACE_S", "a dead worker's slot is kept this long for a register with its slot token"
     )

@@ -92,6 +92,7 @@ class Lineage:
         t = self.persist.tiers.get(tier)
         if t is None or not source.startswith(local_path(t.root).rstrip("/") + "/"):
             return False
+        self.persist.lane.flush()  # the manifests submitted before are written
         try:
             found = checkpoints.list_checkpoints(t.storage, t.name, name, sign_key=self.persist.sign_key)
         except Exception as exc:  # an unreadable tier vouches for nothing

@@ -69,6 +69,7 @@ class ClusterState:
     resyncs: dict[str, int] = field(default_factory=dict)  # job -> resyncs asked of its trainers
     starting: dict[int, dict[str, Any]] = field(default_factory=dict)  # pid -> a worker still compiling
     keyed: bool = False  # CURVE is on: every worker configuration gets a fresh data key
+    loop: Any = None  # the loop's LoopWatch (status ``loop``), set by the Coordinator
 
     def new_data_key(self, w: WorkerRec) -> None:
         """Draw worker ``w`` a fresh data key (keyed clusters) for its next configuration: what

@@ -30,6 +30,7 @@ class Cut:
 
     def __init__(self, state: ClusterState, out: Outbox, persist: Persistence) -> None:
         self.state, self.out, self.persist = state, out, persist
+        persist.emit = self.send  # what a commit finished on the storage lane asks for next
 
     def on_configured(self, env: list[bytes], msg: Msg) -> None:
         st, job = self.state, self.state.job

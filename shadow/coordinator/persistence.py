@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shadow.config import PersistConfig
 from shadow.config.tuning import Tuning
 from shadow.coordinator import settle
 from shadow.coordinator.catalog import TierState, scan
+from shadow.coordinator.lane import StorageLane
 from shadow.persist import checkpoints, retention, signing
 from shadow.storage.tier import tiers_for
 from shadow.wire.commit import FollowUp, Persisted, UploadCopies
@@ -40,7 +42,12 @@ class Persistence:
     catalog of complete checkpoints.
 
     Threads: only the coordinator's loop thread calls it (from the ``persisted`` handler and
-    the cut), so nothing is locked; the metrics thread reads ``tiers`` without writing.
+    the cut), so nothing is locked; the metrics thread reads ``tiers`` without writing. The
+    storage I/O of a commit (the manifest, retention, deleting what a failed one wrote) runs
+    on :attr:`lane` (:mod:`~shadow.coordinator.lane`), off the loop thread; what follows it
+    runs back on the loop thread, and the follow-ups it asks for (uploads, deletes) go to
+    :attr:`emit` (the cut's ``send``). Before the lane starts (a coordinator driven message
+    by message) all of it runs at once and the follow-ups are returned, as they always were.
 
     ``sign_key``: the manifest key (:func:`shadow.persist.signing.load_key` of
     ``security.manifest_key``), needed when ``persist.sign`` is on and otherwise unused."""
@@ -57,6 +64,9 @@ class Persistence:
             )
         self.sign_key = sign_key if self.config.sign else None
         self.tiers: dict[str, TierState] = {t.name: TierState(t) for t in tiers_for(self.config)}  # nearest first
+        self.lane = StorageLane()  # the tiers' I/O off the loop thread, once the coordinator runs
+        # where follow-ups that come after the lane's work go (the cut sets its ``send``)
+        self.emit: Callable[[Any, list[FollowUp]], None] = _unsent
         self.generations: dict[str, int] = {}  # job -> newest generation seen in any tier
         for t in self.tiers.values():
             scan(t, self.generations, sign_key=self.sign_key)
@@ -71,6 +81,8 @@ class Persistence:
         fails too), or None. Such a tier is held (:meth:`hold_unscanned`): never taken for an
         empty one, so the overwrite protection and the job's generation stay sound."""
         problems = []
+        if any(t.scan_error for t in self.tiers.values()):
+            self.lane.flush()  # the scan sees every write submitted before it
         for t in self.tiers.values():
             if t.scan_error:
                 scan(t, self.generations, sign_key=self.sign_key)
@@ -113,6 +125,7 @@ class Persistence:
         no restore picks an abandoned checkpoint after ``base`` as the newest, even if the
         new generation never persists anything."""
         self.generations[job] = max(self.generations.get(job, 0), generation)
+        self.lane.flush()  # every manifest submitted before is written (and recorded) before the record and the scan
         for t in self.tiers.values():
             try:
                 checkpoints.write_generation(t.storage, job, generation, base, diverged, self.sign_key)
@@ -123,6 +136,7 @@ class Persistence:
             scan(t, self.generations, job, self.sign_key)
 
     def reset(self, base: int) -> None:
+        self.lane.flush()  # what the previous epoch's commits lead to is recorded before the reset
         for t in self.tiers.values():
             t.last = t.last_ok = (base, time.time(), None)
             t.in_flight.clear()
@@ -238,42 +252,103 @@ class Persistence:
         problem = settle.copies_differ(got.values())
         if problem or not all(r.ok for r in got.values()):
             follow = settle.not_taken(tier, job, iteration, got, problem, self.tuning.persist_skip_log_s)
+            follow += self._discard(tier, job, iteration)
         else:
             follow = self._commit(tier, job, iteration, got)
         if tier.name == "remote" and "local" in self.tiers:  # a copy ended: what local retention held may go
-            try:
-                follow += settle.forget(iteration, self._retain(self.tiers["local"], job.name))
-            except Exception as exc:  # storage errors are reported, never fatal
-                logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
+            local, retain = self.tiers["local"], self._retention(self.tiers["local"], job.name)
+
+            def then(deleted: list[str] | None, exc: BaseException | None) -> list[FollowUp]:
+                if exc is not None:  # storage errors are reported, never fatal
+                    logger.error("tier local: retention after a remote copy: %s: %s", type(exc).__name__, exc)
+                    return []
+                return settle.forget(iteration, deleted or [])
+
+            follow += self._later(job, f"retention of tier {local.name}", retain, then)
         return follow
 
-    def _retain(self, tier: TierState, job_name: str) -> list[str]:
-        """Retention of ``tier``; on the local tier, checkpoints from the oldest one whose
-        remote copy is in flight on are kept (for SHADOW_PERSIST_UPLOAD_HOLD_S at most)."""
+    def _later(
+        self,
+        job,
+        what: str,
+        work: Callable[[], Any],
+        then: Callable[[Any, BaseException | None], list[FollowUp]],
+    ) -> list[FollowUp]:
+        """``work()`` on the lane, then ``then(result, error)`` on the loop thread, which says
+        what follows: returned here when it ran at once (no lane thread), else sent through
+        :attr:`emit` when it runs."""
+        out: list[FollowUp] = []
+        now = True
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            follow = then(result, exc)
+            if now:
+                out.extend(follow)
+            elif follow:
+                self.emit(job, follow)
+
+        self.lane.submit(what, work, done)
+        now = False
+        return out
+
+    def _discard(self, tier: TierState, job, iteration: int) -> list[FollowUp]:
+        """Delete what was written of a checkpoint that failed (on the lane)."""
+        name, generation = job.name, job.generation
+        self.lane.submit(
+            f"discarding iteration {iteration} on tier {tier.name}",
+            lambda: settle.discard(tier, name, iteration, generation),
+            lambda _, __: None,
+        )
+        return []
+
+    def _retention(self, tier: TierState, job_name: str) -> Callable[[], list[str]]:
+        """Retention of ``tier``, to run on the lane (what it reads of the state is read now);
+        on the local tier, checkpoints from the oldest one whose remote copy is in flight on
+        are kept (for SHADOW_PERSIST_UPLOAD_HOLD_S at most)."""
         keep = tier.tier.schedule.keep
         remote = self.tiers.get("remote")
         now, hold = time.monotonic(), self.tuning.persist_upload_hold_s
         copying = [
             it for it, t in (remote.requested.items() if remote and tier.name == "local" else ()) if now - t < hold
         ]
-        if keep and copying:
-            done = checkpoints.list_checkpoints(tier.storage, tier.name, job_name)
-            keep = max(keep, sum(1 for c in done if c.iteration >= min(copying)))
-        return retention.retain(tier.storage, job_name, keep, busy=tier.in_flight)
+        busy = set(tier.in_flight)  # (a copy: the loop changes the dict while the lane deletes)
+        storage, name = tier.storage, tier.name
+
+        def retain() -> list[str]:
+            kept = keep
+            if kept and copying:
+                done = checkpoints.list_checkpoints(storage, name, job_name)
+                kept = max(kept, sum(1 for c in done if c.iteration >= min(copying)))
+            return retention.retain(storage, job_name, kept, busy=busy)
+
+        return retain
 
     def _commit(self, tier: TierState, job, iteration: int, got: dict[int, Persisted]) -> list[FollowUp]:
-        """Every copy of ``iteration`` is in and sound: write its manifest (the commit), run
-        retention, record it in the catalog and say what follows (the remote copy, deletes)."""
+        """Every copy of ``iteration`` is in and sound: write its manifest (the commit) and run
+        retention on the lane, then record it in the catalog and say what follows (the remote
+        copy, deletes)."""
         try:
-            manifest = settle.write_manifest(tier, job, iteration, got, self.sign_key)
-            deleted = self._retain(tier, job.name)
-        except Exception as exc:  # storage errors are reported, never fatal
-            return settle.manifest_failed(tier, job, iteration, exc)
-        follow = settle.forget(iteration, deleted) if tier.name == "local" else []
-        skip_log_s = self.tuning.persist_skip_log_s
-        if settle.completed(tier, job, iteration, manifest, got, deleted, skip_log_s) and tier.name == "local":
-            follow += self._remote_due(job)
-        return follow
+            manifest = settle.new_manifest(tier, job, iteration, got)
+        except Exception as exc:  # (a report that cannot make a manifest) counted as a failed write
+            return settle.manifest_failed(tier, job, iteration, exc) + self._discard(tier, job, iteration)
+        name, storage, sign_key, local = job.name, tier.storage, self.sign_key, tier.name == "local"
+        retain = self._retention(tier, job.name)
+
+        def work() -> list[str]:
+            checkpoints.write_manifest(storage, name, iteration, manifest, sign_key, parents=local)
+            return retain()
+
+        def then(deleted: list[str] | None, exc: BaseException | None) -> list[FollowUp]:
+            if exc is not None:  # storage errors are reported, never fatal
+                return settle.manifest_failed(tier, job, iteration, exc) + self._discard(tier, job, iteration)
+            deleted = deleted or []
+            follow = settle.forget(iteration, deleted) if local else []
+            skip_log_s = self.tuning.persist_skip_log_s
+            if settle.completed(tier, job, iteration, manifest, got, deleted, skip_log_s) and local:
+                follow += self._remote_due(job)
+            return follow
+
+        return self._later(job, f"the manifest of iteration {iteration} on tier {tier.name}", work, then)
 
     def _remote_due(self, job) -> list[FollowUp]:
         """When the remote schedule has elapsed since the last remote copy: copy the newest
@@ -293,3 +368,9 @@ class Persistence:
         remote.asked[iteration] = {r.worker: shard for shard, r in got.items()}
         remote.requested[iteration] = time.monotonic()
         return [UploadCopies(iteration, dict(got))]
+
+
+def _unsent(job, follows: list[FollowUp]) -> None:
+    """:attr:`Persistence.emit` before a cut sets it: nothing to send them to."""
+    if follows:
+        logger.warning("follow-ups of a commit with no cut to send them: %s", follows)

@@ -77,12 +77,16 @@ class Queries:
         if tier is None:
             self.out.reply(env, "error", code="refused", message=f"this cluster has no {msg['tier']!r} tier")
             return
-        try:
-            raw = self._catalog_reply(tier, msg["job"])
-        except Exception as exc:  # an unreadable tier is an answer, not a crash
-            self.out.reply(env, "error", code="internal", message=f"cannot list tier {tier.name}: {exc}")
-            return
-        self.out.reply_encoded(env, raw)
+        job = msg["job"]
+
+        def then(raw: bytes | None, exc: BaseException | None) -> None:
+            if exc is not None or raw is None:  # an unreadable tier is an answer, not a crash
+                self.out.reply(env, "error", code="internal", message=f"cannot list tier {tier.name}: {exc}")
+                return
+            self.out.reply_encoded(env, raw)
+
+        # listed on the storage lane (a tier may be slow to list); the reply goes from the loop
+        self.persist.lane.submit(f"the catalog of tier {tier.name}", lambda: self._catalog_reply(tier, job), then)
 
     def _catalog_reply(self, tier, job: str | None) -> bytes:
         """The encoded ``catalog_reply``, built once per version of the tier: every request
@@ -111,8 +115,9 @@ class Queries:
         (``persist.sign``), as a reader of the tier with the key reads it; the generation
         records go along as they are, ``[path under the root, bytes]``, for the client to
         check with its own key. The manifests are read and checked again only when the
-        tier's manifests and generation records changed (their names, sizes and times): this
-        runs on the loop thread, and a tier that keeps every checkpoint holds many."""
+        tier's manifests and generation records changed (their names, sizes and times): a tier
+        that keeps every checkpoint holds many. Runs on the storage lane (the caches are the
+        lane's alone), never on the loop thread once the coordinator runs."""
         st = tier.storage
         paths = sorted(st.list(fsglob.pattern(st.base, job, "iteration-*", checkpoints.MANIFEST)))
         records = sorted(st.list(fsglob.pattern(st.base, job, "generation-*.json")))
@@ -194,6 +199,7 @@ def status_view(st: ClusterState, persist: Persistence, guard: Any = None) -> di
             name: {**t.status(), "scan_error": t.scan_error}  # scan_error: attaches are refused
             for name, t in persist.tiers.items()
         },
+        "loop": st.loop.view() if st.loop is not None else None,  # the loop's slow steps
     }
     if job is not None:
         out["job"] = _job_view(st, job)

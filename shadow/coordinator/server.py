@@ -38,6 +38,7 @@ from shadow.coordinator.rebuild import Rebuild
 from shadow.coordinator.replicas import Replicas
 from shadow.coordinator.routes import PERIODIC, ROUTES
 from shadow.coordinator.trainers import Trainers
+from shadow.coordinator.watch import LoopWatch
 from shadow.core.errors import ShadowError
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
@@ -84,6 +85,8 @@ class Coordinator:
         if outbox is None:
             outbox = self.socket_out = ZmqOutbox()
         self.out: Outbox = outbox
+        # each message and periodic step timed; a slow one logged by name, a stalled one with its stack
+        self.watch = self.state.loop = LoopWatch(self.tuning.loop_slow_s)
         self._stop = False
         self._build()
 
@@ -138,9 +141,15 @@ class Coordinator:
         logger.info("coordinator listening on %s, expecting %d workers", self.bind, self.state.expected)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        lane = self.persist.lane
+        lane.failed = lambda what: self.state.rejected.failed("lane", f"what follows {what}")
+        lane.start()  # tier I/O off this thread from now on
+        poller.register(lane.fileno(), zmq.POLLIN)
+        self.watch.start()
         try:
             while not self._stop:
                 if poller.poll(timeout=200):
+                    self._drain_lane()
                     for _ in range(256):
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -154,12 +163,22 @@ class Coordinator:
                         self.on_message([f.bytes for f in frames], role)
                 self.tick()
         finally:
+            self.watch.stop()
+            lane.stop()
             sock.close(linger=0)
             if self.guard is not None:
                 self.guard.stop()
 
     def stop(self) -> None:
         self._stop = True
+
+    def _drain_lane(self) -> None:
+        """Run what follows the storage work the lane finished (replies, records, follow-ups)."""
+        self.watch.begin("what follows the storage lane's work")
+        try:
+            self.persist.lane.drain()  # (also empties the pipe that woke the poll)
+        finally:
+            self.watch.end()
 
     def status(self) -> dict[str, Any]:
         """What ``shadow status`` shows (:func:`~shadow.coordinator.queries.status_view`)."""
@@ -168,11 +187,15 @@ class Coordinator:
     def tick(self) -> None:
         """Run every periodic step; one that raises (state built from some message) is
         counted and logged, and the others still run."""
+        watch = self.watch
         for name, step in self.periodic.items():
+            watch.begin(name)
             try:
                 step()
             except Exception:
                 self.state.rejected.failed("periodic_" + name, f"periodic step {name}")
+            finally:
+                watch.end()
 
     def refuse(self, envelope: list[bytes], role: str | None, reason: str, message: str) -> None:
         """Refuse one message: counted by role and reason, answered with a ``refused`` error."""
@@ -221,6 +244,15 @@ class Coordinator:
         if route.worker_only and st.worker(envelope[0]) is None:
             st.rejected.add("not_a_worker")  # (or a worker of a previous coordinator, not rejoined yet)
             return
+        self.watch.begin(f"a {kind} message")  # timed from its decoding on: a slow one is logged by name
+        try:
+            self._handle(envelope, raw, kind, route, handler, role)
+        finally:
+            self.watch.end()
+
+    def _handle(self, envelope: list[bytes], raw: bytes, kind: str, route, handler, role: str | None) -> None:
+        """Decode one message that passed :meth:`on_message`'s checks and run its handler."""
+        st = self.state
         try:
             msg = M.decode(raw, self.tuning.max_commit_bytes)
         except M.MessageError as exc:

@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 
 def not_taken(tier: TierState, job, iteration: int, got: dict[int, Persisted], problem: str, skip_log_s: float):
     """A checkpoint some copy of which failed (or was skipped, or the replicas' copies
-    differ: ``problem``): counted, due again, and what was written of it deleted.
-    ``skip_log_s``: how often skips are logged (``SHADOW_PERSIST_SKIP_LOG_S``)."""
+    differ: ``problem``): counted and due again (what was written of it is the caller's to
+    delete: :func:`discard`, on the storage lane). ``skip_log_s``: how often skips are
+    logged (``SHADOW_PERSIST_SKIP_LOG_S``)."""
     bad = [r for r in got.values() if not r.ok]
     errors = [f"iteration {r.iteration} shard {r.shard}: {r.error}" for r in bad if not r.skipped]
     if not bad:  # every copy was written, but the replicas' copies differ
@@ -39,18 +40,18 @@ def not_taken(tier: TierState, job, iteration: int, got: dict[int, Persisted], p
         tier.failures += 1
     else:
         tier.skip(iteration, bad[0].error, skip_log_s)
-    discard(tier, job, iteration)
     if tier.name == "local" and any(r.ok for r in got.values()):  # the copies made, on their disks
         return [ForgetDirs(iteration, [checkpoints.dir_name(iteration, job.generation)])]
     return []
 
 
-def discard(tier: TierState, job, iteration: int) -> None:
+def discard(tier: TierState, job_name: str, iteration: int, generation: int) -> None:
     """A checkpoint that failed never gets a manifest: delete the shards the other
     workers wrote for it, so that on a full disk they do not hold the space the next
-    attempt needs (earlier complete checkpoints are never touched)."""
+    attempt needs (earlier complete checkpoints are never touched). Storage I/O: the
+    coordinator runs it on its storage lane."""
     try:
-        if failed.discard_torn(tier.storage, job.name, iteration, job.generation):
+        if failed.discard_torn(tier.storage, job_name, iteration, generation):
             logger.info("tier %s: removed the incomplete checkpoint of iteration %d", tier.name, iteration)
     except Exception as exc:  # storage errors are reported, never fatal; retention retries later
         logger.warning(
@@ -68,8 +69,18 @@ def write_manifest(
     """Write the manifest of ``iteration`` from its copies' reports ``got`` (the commit),
     signed with ``sign_key`` when given; returns it. Storage errors propagate
     (:func:`manifest_failed` records them)."""
+    manifest = new_manifest(tier, job, iteration, got)
+    # the coordinator keeps the local tier's manifests on its own disk: the workers' shards
+    # may be on theirs (node-local), so the directory may be new here
+    checkpoints.write_manifest(tier.storage, job.name, iteration, manifest, sign_key, parents=tier.name == "local")
+    return manifest
+
+
+def new_manifest(tier: TierState, job, iteration: int, got: dict[int, Persisted]) -> dict[str, Any]:
+    """The manifest of ``iteration`` from its copies' reports ``got`` (no I/O: the
+    coordinator builds it on its loop thread and writes it on its storage lane)."""
     commit = next((r.commit for r in got.values() if r.commit is not None), None)
-    manifest = checkpoints.new_manifest(
+    return checkpoints.new_manifest(
         job.name,
         iteration,
         job.epoch,
@@ -83,15 +94,12 @@ def write_manifest(
         _manifest_shards(_by_shard(got), holders=tier.name == "local"),
         job.generation,
     )
-    # the coordinator keeps the local tier's manifests on its own disk: the workers' shards
-    # may be on theirs (node-local), so the directory may be new here
-    checkpoints.write_manifest(tier.storage, job.name, iteration, manifest, sign_key, parents=tier.name == "local")
-    return manifest
 
 
-def manifest_failed(tier: TierState, job, iteration: int, exc: Exception) -> list[FollowUp]:
+def manifest_failed(tier: TierState, job, iteration: int, exc: BaseException) -> list[FollowUp]:
     """Writing the manifest of ``iteration`` (or the retention after it) raised ``exc``:
-    counted, due again, and the shards written for it deleted."""
+    counted and due again (the shards written for it are the caller's to delete:
+    :func:`discard`; never one whose manifest did get written)."""
     where = checkpoints.checkpoint_dir(tier.root, job.name, iteration, job.generation)
     tier.last_error = f"writing the manifest of iteration {iteration}: {failed.write_error(exc, tier.name, where)}"
     logger.error("tier %s: %s", tier.name, tier.last_error)
@@ -99,7 +107,6 @@ def manifest_failed(tier: TierState, job, iteration: int, exc: Exception) -> lis
     if tier.failing < 2:
         tier.last = tier.last_ok
     tier.failures += 1
-    discard(tier, job, iteration)  # never one whose manifest did get written
     if tier.name == "local":
         return [ForgetDirs(iteration, [checkpoints.dir_name(iteration, job.generation)])]
     return []

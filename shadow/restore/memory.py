@@ -23,7 +23,7 @@ from shadow.core.optimizers import state_fields
 from shadow.core.snapshot import Assembly, Snapshot
 from shadow.restore.sources import Candidate
 from shadow.transport import fetch
-from shadow.transport.client import dealer, request
+from shadow.transport.client import ask, dealer
 from shadow.wire import messages as M
 from shadow.wire import tags
 from shadow.wire.frames import Field
@@ -42,11 +42,7 @@ class MovedOn(ShadowError):
 def restore_info(address: str, job: str | None, timeout: float, tuning: Tuning = DEFAULT) -> dict:
     """The coordinator's answer to ``restore_info``: the iteration its workers' memory holds
     (``memory``, or why none: ``memory_error``), its job and its tiers (``storage``)."""
-    sock = dealer(zmq.Context.instance(), address, tuning=tuning)
-    try:
-        return request(sock, address, M.encode("restore_info", job=job), timeout, ("restore_info_reply",))["info"]
-    finally:
-        sock.close(linger=0)
+    return ask(address, M.encode("restore_info", job=job), timeout, ("restore_info_reply",), tuning)["info"]
 
 
 class MemorySource:

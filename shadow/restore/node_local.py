@@ -32,8 +32,6 @@ import os
 import posixpath
 from dataclasses import dataclass, field
 
-import zmq
-
 from shadow.config.tuning import DEFAULT, Tuning
 from shadow.core.errors import CheckpointError, ShadowError
 from shadow.core.layout import Layout
@@ -42,7 +40,7 @@ from shadow.persist.manifests import _reading
 from shadow.restore.copies import CopiesFailed, ShardCopies, ShardCopy, disk_id_of
 from shadow.restore.sources import COMPLETE, DIVERGED, INCOMPLETE, SUPERSEDED, UNREADABLE, Candidate
 from shadow.restore.storage_source import TierSource
-from shadow.transport.client import dealer, request
+from shadow.transport.client import ask
 from shadow.wire import messages as M
 
 logger = logging.getLogger(__name__)
@@ -230,13 +228,8 @@ class ClusterTierSource(TierSource):
         return got.layout + got.problems
 
     def _catalog(self, job: str | None) -> dict:
-        sock = dealer(zmq.Context.instance(), self.address, tuning=self.tuning)
-        try:
-            return request(
-                sock, self.address, M.encode("catalog", tier=self.name, job=job), self.timeout, ("catalog_reply",)
-            )
-        finally:
-            sock.close(linger=0)
+        payload = M.encode("catalog", tier=self.name, job=job)
+        return ask(self.address, payload, self.timeout, ("catalog_reply",), self.tuning)
 
     def _locate(self, info: checkpoints.CheckpointInfo, shard: dict) -> ShardCopies:
         """Every copy of shard ``shard`` of ``info`` this host can get, in the order a read

@@ -249,18 +249,12 @@ def holds_job(
     checkpoint listed there, readable or not. A fresh start is decided only on False: a job
     held but not restorable must fail its restore, never start over silently."""
     if is_endpoint(source):
-        import zmq
-
-        from shadow.transport.client import dealer, request
+        from shadow.transport.client import ask
         from shadow.wire import messages as M
 
         tuning = Tuning.load() if tuning is None else tuning
         wait = tuning.connect_timeout_s if timeout is None else timeout
-        sock = dealer(zmq.Context.instance(), source)
-        try:
-            reply = request(sock, source, M.encode("jobs"), wait, ("jobs_reply",))
-        finally:
-            sock.close(linger=0)
+        reply = ask(source, M.encode("jobs"), wait, ("jobs_reply",))
         return jobs_hold(reply["jobs"], job, bool(reply.get("left_out")))
     src = open_source(source, timeout, tuning, sign_key)
     return any(c.state != INCOMPLETE for c in src.candidates(job))

@@ -75,7 +75,7 @@ def request(
             if last is not None and interim is not None:  # (last is set only when interim is)
                 interim(last)
             continue
-        if left <= 0:
+        if left <= 0 and not sock.poll(0):  # (a reply that came while this thread did not run is taken)
             if last is not None and last.get("reason"):
                 raise ShadowConnectionError(
                     f"shadow coordinator at {address} held this request for {timeout:.0f} s "
@@ -87,22 +87,82 @@ def request(
                     f"after {timeout:.0f} s ({last['starting']} still starting); check the worker logs, or allow "
                     "longer with SHADOW_CONNECT_TIMEOUT_S"
                 )
-            raise ShadowConnectionError(
-                f"no shadow coordinator answered at {address} within {timeout:.0f} s; "
-                "start one with `shadow cluster workers=N port=P` or fix the address (a cluster with CURVE "
-                "security answers only clients with an allowed key: SHADOW_CURVE_SERVER_KEY / SHADOW_CURVE_CLIENT_KEY "
-                "or security.server_public / security.client_key)"
-            )
+            raise _silent(address, timeout)
         msg = M.decode(sock.recv())
         if msg["t"] == "waiting" and interim is not None:
             last = msg
             interim(msg)
             continue
-        if msg["t"] == "error":
-            raise ShadowConnectionError(f"shadow coordinator at {address}: {msg['message']}")
-        if msg["t"] not in expect:
-            raise ShadowConnectionError(f"unexpected {msg['t']!r} reply from {address}")
-        return msg
+        return _answer(msg, address, expect)
+
+
+def _answer(msg: dict, address: str, expect: tuple[str, ...]) -> dict:
+    """``msg`` if it is one of ``expect``; an ``error`` (or any other reply) raises."""
+    if msg["t"] == "error":
+        raise ShadowConnectionError(f"shadow coordinator at {address}: {msg['message']}")
+    if msg["t"] not in expect:
+        raise ShadowConnectionError(f"unexpected {msg['t']!r} reply from {address}")
+    return msg
+
+
+def _silent(address: str, timeout: float) -> ShadowConnectionError:
+    return ShadowConnectionError(
+        f"no shadow coordinator answered at {address} within {timeout:.0f} s; "
+        "start one with `shadow cluster workers=N port=P` or fix the address (a cluster with CURVE "
+        "security answers only clients with an allowed key: SHADOW_CURVE_SERVER_KEY / SHADOW_CURVE_CLIENT_KEY "
+        "or security.server_public / security.client_key)"
+    )
+
+
+#: connections :func:`ask` tries in all: a new one after each ``timeout / ASK_TRIES`` seconds without a reply
+ASK_TRIES = 3
+
+
+def ask(
+    address: str, payload: bytes, timeout: float, expect: tuple[str, ...], tuning: Tuning = DEFAULT, keys=None
+) -> dict:
+    """A read-only query (``status``, ``restore_info``, ``catalog``, ``jobs``: asking twice
+    changes nothing) to the coordinator at ``address``, on a connection of its own, with
+    up to ``timeout`` seconds for the reply. After each ``timeout / ASK_TRIES`` seconds
+    without one, the query is sent again on a new connection (a new handshake); the
+    earlier connections stay open and the first reply on any of them is taken. A connection
+    whose handshake stalled or whose reply was lost then costs a part of the wait, not all
+    of it; a coordinator that answers no one still fails after ``timeout``. ``keys``: as
+    :func:`dealer`'s (default: this process's)."""
+    ctx: zmq.Context = zmq.Context.instance()
+    deadline = time.monotonic() + timeout
+    socks: list[zmq.Socket] = []
+    poller = zmq.Poller()
+    try:
+        for attempt in range(ASK_TRIES):
+            if attempt:
+                logger.info(
+                    "no answer from the shadow coordinator at %s in %.1f s; asking again on a new connection "
+                    "(%d of %d)",
+                    address,
+                    timeout - (deadline - time.monotonic()),
+                    attempt + 1,
+                    ASK_TRIES,
+                )
+            sock = dealer(ctx, address, keys, tuning)
+            socks.append(sock)
+            poller.register(sock, zmq.POLLIN)
+            sock.send(payload)
+            last = attempt == ASK_TRIES - 1
+            until = deadline if last else min(deadline, time.monotonic() + timeout / ASK_TRIES)
+            while True:
+                left = until - time.monotonic()
+                ready = poller.poll(int(max(0.0, min(left, 1.0)) * 1000))  # the last look after the time is up too
+                for s, _ in ready:
+                    msg = M.decode(s.recv())
+                    if msg["t"] != "waiting":
+                        return _answer(msg, address, expect)
+                if left <= 0:
+                    break
+        raise _silent(address, timeout)
+    finally:
+        for s in socks:
+            s.close(linger=0)
 
 
 def dealer(
