@@ -103,11 +103,13 @@ def test_hosts_do_not_reach_each_other_through_loopback():
             assert done.stdout.strip() == "bound", done.stderr
 
 
-@pytest.mark.parametrize("scenario", ["net_split_brain", "net_trainer_worker_cut"])
-def test_network_scenario(scenario, tmp_path):
-    """One seeded trial of a network scenario of the fault matrix, strict: training equal
-    to the uninterrupted run, every restore (memory and each tier) equal to the trainer's
-    state at its iteration, nothing lost, back to streaming within the bound."""
+def test_split_brain_scenario(tmp_path):
+    """One seeded trial of the fault matrix's split brain (a worker cut off from the
+    coordinator while the trainers reach it), strict: training equal to the uninterrupted
+    run, every restore (memory and each tier) equal to the trainer's state at its
+    iteration, the committed iteration never back, nothing lost, back to streaming within
+    the bound. The other network scenarios run in ``tools/fault_matrix.py --scenarios net``."""
+    scenario = "net_split_brain"
     out = tmp_path / "report.json"
     cmd = [sys.executable, "tools/fault_matrix.py", "--scenarios", scenario, "--trials", "1", "--strict"]
     done = subprocess.run(
