@@ -73,6 +73,7 @@ class Rig:
     cluster: HostCluster
     store: object | None = None  # an S3Server on the host "store"
     baseline: dict = field(default_factory=dict)  # host -> (pid, fds, rss) after the second trial
+    resources: dict = field(default_factory=dict)  # host -> [descriptors, resident MiB] after the last trial
     trials: int = 0
 
     def close(self) -> None:
@@ -277,6 +278,7 @@ def check_leaks(rig: Rig) -> list[str]:
     for host, pid in rig.cluster.pids().items():
         with contextlib.suppress(OSError, AssertionError):
             now[host] = (pid, _descriptors(pid), rss_bytes(pid))
+    rig.resources = {host: [fds, rss >> 20] for host, (_, fds, rss) in now.items()}
     if rig.trials <= 2:
         rig.baseline = now
         return []
@@ -410,7 +412,7 @@ def net_trial(
         heal_s,
         "; ".join(notes) + ("; PROBLEMS: " + " | ".join(problems) if problems else ""),
         heal_s=heal_s,
-        resources=rig.cluster.pids() and {h: v[1:] for h, v in rig.baseline.items()},
+        resources=rig.resources,
     )
 
 
