@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.testing import free_port, status
+from shadow.testing.netns import ClusterKeys
 from tests.conftest import ROOT
 from tests.helpers.cli import shadow_cli
 from tests.helpers.loop import train_step
@@ -36,39 +36,7 @@ from tests.helpers.tiny_trainer import build
 pytestmark = pytest.mark.slow
 
 
-ROLES = ("worker", "trainer", "client", "admin")
-
-
-@dataclass
-class Keys:
-    """Role key pairs in a private directory: ``server.key(_secret)`` at the top, each other
-    role's pairs in ``<role>s/`` (what ``shadow keygen role=...`` writes by default)."""
-
-    root: Path
-    workers: int
-
-    def __post_init__(self) -> None:
-        security.generate(self.root, "server")
-        for i in range(self.workers):  # one worker key per host
-            security.generate(self.root / "workers", f"worker{i}")
-        for role in ("trainer", "client", "admin"):
-            security.generate(self.root / f"{role}s", role)
-        for d in (self.root, *(self.root / f"{r}s" for r in ROLES)):
-            d.chmod(0o700)
-
-    def server(self) -> list[str]:
-        """The coordinator's arguments: the server pair and every role's allow directory."""
-        return [f"security.server_key={self.root / 'server.key_secret'}"] + [
-            f"security.allow_{role}s={self.root / f'{role}s'}" for role in ROLES
-        ]
-
-    def worker(self, i: int) -> list[str]:
-        """Worker ``i``'s: the coordinator's, and its own key to connect with."""
-        return [*self.server(), f"security.client_key={self.root / 'workers' / f'worker{i}.key_secret'}"]
-
-    def client(self, role: str) -> security.ClientKeys:
-        """What a ``role`` process connects with (SHADOW_CURVE_SERVER_KEY / _CLIENT_KEY for trainers)."""
-        return security.client_keys(self.root / "server.key", self.root / f"{role}s" / f"{role}.key_secret")
+Keys = ClusterKeys  # the role keys, laid out as the deployment recipes lay them out
 
 
 def _spawn(cmd: list[str], log) -> subprocess.Popen:
