@@ -8,6 +8,7 @@ uninterrupted run without the shadow."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -100,10 +101,13 @@ def test_torchrun_elastic_restarts_bring_a_twice_killed_job_back_by_itself(tmp_p
             assert torch.equal(finals[r]["rng"], reference[r]["rng"])
             assert finals[r]["losses"] == reference[r]["losses"][finals[r]["start"] :]
             assert finals[r]["committed"] == STEPS and finals[r]["stats"]["unprotected_steps_total"] == 0
-        # each later round took over the job at once (the same launch's next round), not after the timeout
+        # each later round took over the job at once, never held until the earlier round's ranks
+        # fell silent: as the same launch's next round while they were still heard, or, when its
+        # start took longer than SHADOW_WORKER_LOST_S (a loaded machine), from ranks already silent
         events = cluster.log.read_text()
-        assert "restart round 1 of launch TORCHELASTIC_RUN_ID=" in events, events[-5000:]
-        assert "restart round 2 of launch TORCHELASTIC_RUN_ID=" in events, events[-5000:]
+        assert re.search(r"attach of job \S+ held: ", events) is None, events[-5000:]
+        takeovers = events.count("takes over from round") + events.count("took over job")
+        assert takeovers >= 2, events[-5000:]
     finally:
         cluster.stop()
 
