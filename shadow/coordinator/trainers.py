@@ -39,7 +39,13 @@ class Trainers:
     def check_transit(self, now: float | None = None) -> None:
         """Frames lost in transit with nothing sent after them (so no sequence gap shows):
         a rank reported, at least SHADOW_WORKER_LOST_S ago, having sent more messages to a
-        worker than the worker has received, and the worker has received nothing since."""
+        worker than the worker has received, the worker has received nothing since, and it
+        said so in a heartbeat sent once that grace had passed.
+
+        A worker is judged on what it reported, never on its silence: one whose loop was busy
+        (a long replay, a starved CPU) reports nothing meanwhile, and its last heartbeat from
+        before the grace ran out says nothing about frames still queued for it. Its next one
+        either shows them taken or shows them missing."""
         now = time.monotonic() if now is None else now
         job = self.state.job
         if job is None or job.status not in (JobStatus.RUNNING, JobStatus.BOOTSTRAPPING):
@@ -60,6 +66,7 @@ class Trainers:
                     or w.undelivered
                     or w.out_of_service
                     or w.busy_at >= t
+                    or w.last_seen < t + grace  # no report since the frames had their grace
                     or w.joined_at >= t
                     or w.id >= len(sent)
                     or rank >= len(w.seq)
