@@ -25,6 +25,23 @@ RANKS = 2
 RUN_TIMEOUT_S = 120.0  # one launch of the trainer ranks
 LOST_S = "1.5"  # SHADOW_WORKER_LOST_S for the worker scenarios
 
+#: every scenario of the matrix by name (``tools/matrix_process.py``, ``tools/matrix_net.py``)
+SCENARIOS: dict[str, Callable[[Trial], dict]] = {}
+#: the network scenarios among them (root and ``ip netns`` needed; ``--scenarios net``)
+NET_SCENARIOS: list[str] = []
+
+
+def scenario(fn: Callable[[Trial], dict]) -> Callable[[Trial], dict]:
+    """Register a ``(Trial) -> dict`` scenario under its function's name."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def net_scenario(fn: Callable[[Trial], dict]) -> Callable[[Trial], dict]:
+    """Register a network scenario (run only where :func:`netfaults.unavailable` is None)."""
+    NET_SCENARIOS.append(fn.__name__)
+    return scenario(fn)
+
 
 # -- plumbing ------------------------------------------------------------------------------------
 def result(
@@ -70,40 +87,52 @@ def read_json(path: Path) -> dict:
         return {}
 
 
-class Watch(threading.Thread):
-    """Polls the coordinator every ``period`` s; ``first`` is (wall time, what) of the first
-    status that shows the job degraded or a worker lost/stale."""
+class Poller(threading.Thread):
+    """A daemon thread that calls :meth:`poll` every ``period`` s while it is entered (``with``)."""
 
-    def __init__(self, address: str, period: float = 0.05) -> None:
+    def __init__(self, period: float) -> None:
         super().__init__(daemon=True)
-        self.address, self.period = address, period
-        self.first: tuple[float, str] | None = None
-        self.last: dict | None = None
+        self.period = period
         self._stop_evt = threading.Event()
+
+    def poll(self) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self._stop_evt.is_set():
-            try:
-                st = status(self.address, timeout=1.0)
-            except Exception:
-                st = None
-            now = time.time()
-            if st is not None:
-                self.last = st
-                bad = [f"worker {w['id']} {w['health']}" for w in st["workers"] if w["health"] != "ok"]
-                if st["job"] and st["job"]["status"] == "degraded":
-                    bad.insert(0, "job degraded")
-                if bad and self.first is None:
-                    self.first = (now, ", ".join(bad))
+            self.poll()
             self._stop_evt.wait(self.period)
 
-    def __enter__(self) -> Watch:
+    def __enter__(self):
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop_evt.set()
         self.join(timeout=5)
+
+
+class Watch(Poller):
+    """Polls the coordinator every ``period`` s; ``first`` is (wall time, what) of the first
+    status that shows the job degraded or a worker lost/stale."""
+
+    def __init__(self, address: str, period: float = 0.05) -> None:
+        super().__init__(period)
+        self.address = address
+        self.first: tuple[float, str] | None = None
+        self.last: dict | None = None
+
+    def poll(self) -> None:
+        try:
+            st = status(self.address, timeout=1.0)
+        except Exception:
+            return
+        self.last = st
+        bad = [f"worker {w['id']} {w['health']}" for w in st["workers"] if w["health"] != "ok"]
+        if st["job"] and st["job"]["status"] == "degraded":
+            bad.insert(0, "job degraded")
+        if bad and self.first is None:
+            self.first = (time.time(), ", ".join(bad))
 
     def detection(self, t_fault: float | None) -> tuple[float | None, str]:
         if t_fault is None:
