@@ -394,7 +394,14 @@ def cmd_keygen(cfg: KeygenConfig) -> int:
         print("  security.allow_clients=keys/clients security.allow_admins=keys/admins")
         print(f"everything that connects: security.server_public={public} (trainers: SHADOW_CURVE_SERVER_KEY={public})")
         return 0
-    print(f"admit it as a {cfg.role}: its public key must be in the cluster's security.allow_{cfg.role}s directory")
+    if cfg.job:
+        print(
+            f"admit it as a {cfg.role} of job {cfg.job} only: its public key must be in the subdirectory {cfg.job}/ "
+            f"of the cluster's security.allow_{cfg.role}s directory (a copy in another job's subdirectory adds "
+            "that job)"
+        )
+    else:
+        print(f"admit it as a {cfg.role}: its public key must be in the cluster's security.allow_{cfg.role}s directory")
     if cfg.role == "worker":
         print(f"on the worker (or shadow cluster): security.client_key={secret}")
     elif cfg.role == "trainer":

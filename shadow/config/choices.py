@@ -123,6 +123,9 @@ class Role(Choice):
 
 #: the roles, in order
 ROLES: tuple[str, ...] = Role.values()
+#: the roles whose keys can be limited to named jobs (a job-scoped role): a worker serves
+#: every job, and an admin's word (``shadow drop``) is over every job
+SCOPED_ROLES: tuple[str, ...] = ("trainer", "client")
 
 
 class Policy(Choice):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shadow.config.choices import ROLES
+from shadow.config.choices import ROLES, SCOPED_ROLES
+from shadow.core.jobs import job_pattern_problem
 
 DATA_MODES = ("mac", "curve")
 
@@ -28,8 +29,12 @@ class SecurityConfig:
     server_public: str = ""  #: the cluster's public key file (server.key), for everything that connects
     client_key: str = ""  #: this process's own secret key file (a worker's, trainer's, client's or admin's)
     allow_workers: str = ""  #: directory of the workers' public .key files
-    allow_trainers: str = ""  #: directory of the trainers' public .key files
-    allow_clients: str = ""  #: directory of read-only clients' public .key files (status, ls, jobs, restore, export)
+    #: directory of the trainers' public .key files (in a subdirectory named after a job or a
+    #: pattern of jobs: limited to those jobs)
+    allow_trainers: str = ""
+    #: directory of read-only clients' public .key files (status, ls, jobs, restore, export; in
+    #: a subdirectory named after a job or a pattern of jobs: limited to those jobs)
+    allow_clients: str = ""
     allow_admins: str = ""  #: directory of the admins' public .key files (what clients may, and drop)
     insecure: bool = False  #: no keys at all: a service anyone reaching it controls, or a client of one
     manifest_key: str = ""  #: file holding the key that signs manifests (persist.sign) and checks them
@@ -98,11 +103,25 @@ class KeygenConfig:
     dir: str = ""  #: directory for NAME.key and NAME.key_secret (default: keys for the server, keys/ROLEs otherwise)
     name: str = ""  #: file stem (default: the role)
     overwrite: bool = False  #: replace an existing pair (holders of the old key stop working)
+    #: limit a trainer's or a client's key to one job, or a pattern of job names (``team-a-*``):
+    #: the pair goes in ``keys/<role>s/<job>/``, the directory that scopes it
+    job: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in KEY_ROLES:
             raise ValueError(f"role={self.role!r} is not one of {KEY_ROLES}")
-        self.dir = self.dir or ("keys" if self.role == "server" else f"keys/{self.role}s")
+        if self.job:
+            if self.role not in SCOPED_ROLES:
+                raise ValueError(
+                    f"job={self.job!r}: {'an' if self.role[0] in 'aeiou' else 'a'} {self.role} key cannot be limited "
+                    "to jobs; only "
+                    f"{' and '.join(SCOPED_ROLES)} keys can (leave job= out)"
+                )
+            problem = job_pattern_problem(self.job)
+            if problem is not None:
+                raise ValueError(f"job={self.job!r}: {problem}")
+        default = "keys" if self.role == "server" else f"keys/{self.role}s" + (f"/{self.job}" if self.job else "")
+        self.dir = self.dir or default
         self.name = self.name or self.role
         if "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name={self.name!r} is not a file stem; use e.g. name=worker0 or name=trainer")

@@ -17,6 +17,7 @@ from typing import Any
 from shadow.config import check_shape
 from shadow.config.tuning import Tuning
 from shadow.coordinator.records import Health, JobRec, JobStatus, WorkerRec
+from shadow.security import Peer
 from shadow.wire import tags
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ClusterState:
     # (role, reason) -> messages refused because of who sent them ("peer": no authentication)
     refused: dict[tuple[str, str], int] = field(default_factory=dict)
     sender_role: str | None = None  # the role of the message being handled (None: unauthenticated)
+    sender: Peer | None = None  # its role and job scope (None: unauthenticated)
     epoch: int = 0
     started: float = field(default_factory=time.time)
     tokens: dict[int, int] = field(default_factory=dict)  # iteration -> tokens seen, for token schedules

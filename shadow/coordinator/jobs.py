@@ -46,6 +46,9 @@ class Jobs:
 
     def on_jobs(self, env: list[bytes], msg: Msg) -> None:
         rows, left_out = jobs_view(self.state, self.persist)
+        peer = self.state.sender
+        if peer is not None and peer.jobs is not None:  # a job-scoped key: its jobs only
+            rows = [r for r in rows if peer.may(r["name"])]
         self.out.reply(
             env,
             "jobs_reply",

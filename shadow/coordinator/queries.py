@@ -10,6 +10,7 @@ import posixpath
 import time
 from typing import Any
 
+from shadow.coordinator import scope
 from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
@@ -17,6 +18,7 @@ from shadow.coordinator.records import Health, JobStatus
 from shadow.core import sqrttab
 from shadow.core.layout import Layout
 from shadow.persist import checkpoints, fsglob
+from shadow.security import Peer
 from shadow.wire import messages as M
 
 Msg = dict[str, Any]
@@ -38,7 +40,8 @@ class Queries:
         self._replies: dict[tuple, tuple[Any, tuple, bytes]] = {}  # (tier, job) -> (version, (torn, left out), reply)
 
     def on_status(self, env: list[bytes], msg: Msg) -> None:
-        self.out.reply(env, "status_reply", status=status_view(self.state, self.persist, self.guard))
+        view = status_view(self.state, self.persist, self.guard)
+        self.out.reply(env, "status_reply", status=scope.status(view, self.state.sender))
 
     def on_restore_info(self, env: list[bytes], msg: Msg) -> None:
         """Where the newest checkpoint is: shadow memory (if complete) and the storage tiers."""
@@ -52,10 +55,12 @@ class Queries:
             ]
         storage = self.persist.storage()
         now = time.monotonic()
+        peer = st.sender  # a job-scoped reader's tickets read the job it asked for, no other
+        reads = scope.named_job(st, "restore_info", msg) if peer is not None and peer.jobs is not None else None
         for tier in storage:
             if tier["tier"] == "local":  # the workers that serve their disks' shard files
                 tier["workers"] = [  # mac mode: with a ticket of this reader's own for each
-                    {"id": w.id, "files": w.files, "disk": w.disk, **w.files_ticket()}
+                    {"id": w.id, "files": w.files, "disk": w.disk, **w.files_ticket(reads)}
                     for w in st.workers
                     if w.files and st.alive(w, now)
                 ]
@@ -66,7 +71,7 @@ class Queries:
                 "memory": memory,
                 "memory_error": "" if memory else memory_error(st, msg["job"]),
                 "storage": storage,
-                "job": st.job.name if st.job else None,
+                "job": st.job.name if st.job and (st.sender is None or st.sender.may(st.job.name)) else None,
             },
         )
 
@@ -77,7 +82,8 @@ class Queries:
         if tier is None:
             self.out.reply(env, "error", code="refused", message=f"this cluster has no {msg['tier']!r} tier")
             return
-        job = msg["job"]
+        job, peer = msg["job"], self.state.sender
+        scoped = job is None and peer is not None and peer.jobs is not None  # every job: the peer's only
 
         def then(raw: bytes | None, exc: BaseException | None) -> None:
             if exc is not None or raw is None:  # an unreadable tier is an answer, not a crash
@@ -86,13 +92,25 @@ class Queries:
             self.out.reply_encoded(env, raw)
 
         # listed on the storage lane (a tier may be slow to list); the reply goes from the loop
-        self.persist.lane.submit(f"the catalog of tier {tier.name}", lambda: self._catalog_reply(tier, job), then)
+        self.persist.lane.submit(
+            f"the catalog of tier {tier.name}", lambda: self._catalog_reply(tier, job, peer if scoped else None), then
+        )
 
-    def _catalog_reply(self, tier, job: str | None) -> bytes:
+    def _catalog_reply(self, tier, job: str | None, peer: Peer | None = None) -> bytes:
         """The encoded ``catalog_reply``, built once per version of the tier: every request
         for an unchanged tier gets the same bytes (held once by zmq, however many clients
-        have yet to read them)."""
+        have yet to read them). ``peer``: a job-scoped reader's catalog of every job, with
+        its jobs' entries only (built for it alone)."""
         entries, torn, left_out, generations = self._catalog(tier, job)
+        if peer is not None:
+            mine = lambda path: peer.may(path.split("/", 1)[0])  # noqa: E731  (<job>/...)
+            return M.encode(
+                "catalog_reply",
+                root=tier.root,
+                checkpoints=[e for e in entries if mine(e[0])],
+                torn=[t for t in torn if mine(t)],
+                generations=[g for g in generations if mine(g[0])],
+            )
         key = (tier.name, job)
         version = self._catalogs.get(key)  # the same object while the tier's manifests are unchanged
         cached = self._replies.get(key)

@@ -110,12 +110,13 @@ class WorkerRec:
         ticket = tags.new_ticket()
         return {"ticket": ticket, "key": tags.ticket_key(tags.serve_key(self.data_key), ticket)}
 
-    def files_ticket(self) -> dict:
+    def files_ticket(self, job: str | None = None) -> dict:
         """What a read from this worker's files socket needs in mac mode, for one reader: a
-        fresh ticket and its key (handed out over CURVE only); ``{}`` otherwise."""
+        fresh ticket and its key (handed out over CURVE only); ``{}`` otherwise. ``job``: the
+        ticket reads that job's files only (a job-scoped reader's); None: every job's."""
         if self.data_mode != "mac" or self.files_key is None:
             return {}
-        ticket = tags.new_ticket()
+        ticket = tags.files_ticket(self.files_key, job)
         return {"ticket": ticket, "key": tags.ticket_key(self.files_key, ticket)}
 
     def observe(self, now: float, bytes_in: int, replay_s: float, replayed: int) -> None:

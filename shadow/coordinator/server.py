@@ -26,6 +26,7 @@ import zmq
 from shadow import security
 from shadow.config import PersistConfig
 from shadow.config.tuning import Tuning
+from shadow.coordinator import scope
 from shadow.coordinator.attach import Attach
 from shadow.coordinator.cluster import ClusterState
 from shadow.coordinator.cut import Cut
@@ -40,6 +41,7 @@ from shadow.coordinator.routes import PERIODIC, ROUTES
 from shadow.coordinator.trainers import Trainers
 from shadow.coordinator.watch import LoopWatch
 from shadow.core.errors import ShadowError
+from shadow.security import Peer
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
 
@@ -159,8 +161,10 @@ class Coordinator:
                             self.state.rejected.add("multipart")
                             logger.warning("dropped a control message of %d frames, unread", len(frames))
                             continue
-                        role = security.role_of(frames[-1]) if self.guard is not None else None
-                        self.on_message([f.bytes for f in frames], role)
+                        peer = security.peer_of(frames[-1]) if self.guard is not None else None
+                        self.on_message(
+                            [f.bytes for f in frames], peer.role if peer else None, peer.jobs if peer else None
+                        )
                 self.tick()
         finally:
             self.watch.stop()
@@ -208,9 +212,10 @@ class Coordinator:
         logger.warning("rejected control message: %s", exc)
         self.out.reply(envelope, "error", code="malformed", message=f"rejected: {exc}")
 
-    def on_message(self, parts: list[bytes], role: str | None = None) -> None:
+    def on_message(self, parts: list[bytes], role: str | None = None, jobs: tuple[str, ...] | None = None) -> None:
         """Check and route one message from the ROUTER (envelope frames, then the body),
-        sent by a peer of ``role`` (None: no authentication, any role). The type is read
+        sent by a peer of ``role`` (None: no authentication, any role) limited to ``jobs``
+        (None: every job; :mod:`~shadow.coordinator.scope`). The type is read
         from the body's first bytes and checked against the sender's role (and a worker's
         identity) before the body is decoded: a refused peer costs the bytes it sent, not
         the objects its body would build."""
@@ -246,12 +251,22 @@ class Coordinator:
             return
         self.watch.begin(f"a {kind} message")  # timed from its decoding on: a slow one is logged by name
         try:
-            self._handle(envelope, raw, kind, route, handler, role)
+            self._handle(envelope, raw, kind, route, handler, role, jobs)
         finally:
             self.watch.end()
 
-    def _handle(self, envelope: list[bytes], raw: bytes, kind: str, route, handler, role: str | None) -> None:
-        """Decode one message that passed :meth:`on_message`'s checks and run its handler."""
+    def _handle(
+        self,
+        envelope: list[bytes],
+        raw: bytes,
+        kind: str,
+        route,
+        handler,
+        role: str | None,
+        jobs: tuple[str, ...] | None,
+    ) -> None:
+        """Decode one message that passed :meth:`on_message`'s checks, check a job-scoped
+        sender's job, and run its handler."""
         st = self.state
         try:
             msg = M.decode(raw, self.tuning.max_commit_bytes)
@@ -259,6 +274,12 @@ class Coordinator:
             self._malformed(envelope, exc)
             return
         st.sender_role = role
+        st.sender = Peer(role, jobs) if role is not None else None
+        if st.sender is not None and st.sender.jobs is not None:
+            why = scope.problem(st, kind, msg, st.sender)
+            if why is not None:
+                self.refuse(envelope, role, "scope", why)
+                return
         try:
             if route.sized:
                 handler(envelope, msg, size=len(raw))

@@ -50,3 +50,19 @@ def check_job_name(name: object) -> str:
     if problem is not None:
         raise InvalidJobNameError(problem)
     return name  # type: ignore[return-value]
+
+
+_PATTERN = re.compile(r"[A-Za-z0-9._*?-]+")
+
+
+def job_pattern_problem(pattern: object) -> str | None:
+    """Why ``pattern`` names neither a job nor a pattern of job names (``fnmatch``'s ``*`` and
+    ``?`` over the job name rule: ``team-a-*``), or None. A job-scoped key's directory is named
+    with one (:func:`shadow.security.load_peers`)."""
+    if isinstance(pattern, str) and len(pattern) <= JOB_NAME_MAX and _PATTERN.fullmatch(pattern):
+        if pattern not in (".", ".."):
+            return None
+    return (
+        f"{pattern!r} names neither a job nor a pattern of job names: {JOB_NAME_RULE}, "
+        "with '*' or '?' for any characters (e.g. team-a or team-a-*)"
+    )

@@ -8,7 +8,10 @@ that connects (a worker, a trainer rank, ``shadow status``/``restore``/``ls``, a
 carries its own pair and the cluster's public key. The :class:`Guard` admits a key with
 its role, and only on a socket that takes that role; the role travels with every message
 received on the connection (ZeroMQ's ``User-Id`` property, :func:`role_of`), so a server
-checks who sent each message. Keys travel as z85 text (40 bytes), as ``zmq.auth`` writes them.
+checks who sent each message. A trainer's or a client's key can be limited to named jobs
+(a job-scoped role, :class:`Peer`): its public half sits in a subdirectory of the role's
+allow directory named after the job (or a pattern of job names), and the scope travels with
+its role. Keys travel as z85 text (40 bytes), as ``zmq.auth`` writes them.
 """
 
 from shadow.config.choices import ROLES
@@ -18,7 +21,9 @@ from shadow.security.guard import DOMAIN, ZAP_ENDPOINT, Guard, doorkeeper, guard
 from shadow.security.keys import (
     ENV_CLIENT_KEY,
     ENV_SERVER_KEY,
+    SCOPED_ROLES,
     ClientKeys,
+    Peer,
     SecurityError,
     client,
     client_from_config,
@@ -26,9 +31,11 @@ from shadow.security.keys import (
     client_keys,
     generate,
     load_allow_list,
+    load_peers,
     load_public,
     load_roles,
     load_secret,
+    peer_of,
     role_of,
 )
 
@@ -39,11 +46,13 @@ __all__ = [
     "ENV_CLIENT_KEY",
     "ENV_SERVER_KEY",
     "ROLES",
+    "SCOPED_ROLES",
     "TEMPORARY",
     "ZAP_ENDPOINT",
     "ClientKeys",
     "Door",
     "Guard",
+    "Peer",
     "SecurityError",
     "client",
     "client_from_config",
@@ -55,8 +64,10 @@ __all__ = [
     "guard_from_config",
     "load_allow_list",
     "load_public",
+    "load_peers",
     "load_roles",
     "load_secret",
+    "peer_of",
     "reset_client",
     "role_of",
     "set_client",

@@ -15,7 +15,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shadow.config.choices import ROLES
 from shadow.security.doors import DOOR_DOMAIN, DOOR_WAIT_S, TEMPORARY
-from shadow.security.keys import _z85, load_roles, load_secret
+from shadow.security.keys import _z85, load_peers, load_secret
 
 if TYPE_CHECKING:
     from shadow.config.security import SecurityConfig
@@ -63,7 +63,7 @@ class Guard:
     ) -> None:
         """``server_key`` None: a guard of doors only (:func:`doorkeeper`), no CURVE socket."""
         self.public, self.secret = load_secret(server_key) if server_key is not None else (b"", b"")
-        self.roles = load_roles(allow or {})  # the server's own pair is no one's key: every peer brings its own
+        self.peers = load_peers(allow or {})  # the server's own pair is no one's key: every peer brings its own
         self.accepted = 0
         self.refused: dict[str, int] = {}
         self._ctx: zmq.Context | None = None
@@ -222,7 +222,8 @@ class Guard:
             return
         key = _z85(creds[0]) if mechanism == b"CURVE" and creds else "-"
         takes = domain.partition(b":")[2].decode(errors="replace").split(",")
-        role = self.roles.get(key.encode())
+        peer = self.peers.get(key.encode())
+        role = peer.role if peer is not None else None
         if mechanism != b"CURVE":
             reason = "mechanism"
         elif role is None:
@@ -236,8 +237,9 @@ class Guard:
             reply = [b"400", reason.encode(), b""]
         else:
             self.accepted += 1
-            logger.debug("admitted %s (key %s) as %s", address, key, role)
-            reply = [b"200", b"OK", str(role).encode()]
+            assert peer is not None
+            logger.debug("admitted %s (key %s) as %s", address, key, peer.user_id().decode())
+            reply = [b"200", b"OK", peer.user_id()]
         assert self._zap is not None  # requests come in on it (the guard thread's)
         self._zap.send_multipart([*envelope, b"1.0", request_id, *reply, b""])
 

@@ -4,6 +4,7 @@ message's ``User-Id``). Keys travel as z85 text (40 bytes), as ``zmq.auth`` writ
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import shutil
@@ -17,8 +18,9 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from shadow.config.choices import ROLES
+from shadow.config.choices import ROLES, SCOPED_ROLES
 from shadow.core.errors import ShadowError
+from shadow.core.jobs import job_pattern_problem
 
 if TYPE_CHECKING:
     from shadow.config.security import SecurityConfig
@@ -112,36 +114,106 @@ def load_allow_list(path: str | os.PathLike) -> set[bytes]:
     if not p.is_dir():
         raise SecurityError(f"allow list {p} does not exist; make a directory holding the clients' .key files")
     keys = {load_public(f) for f in sorted(p.glob("*.key"))}
-    if not keys:
+    if not keys and not _scope_dirs(p):
         raise SecurityError(f"allow list {p} holds no *.key files; copy each client's public .key file there")
     return keys
 
 
-def load_roles(allow: Mapping[str, str | os.PathLike]) -> dict[bytes, str]:
-    """Public key -> role, from each role's allow list (``{role: directory or key file}``). A
-    key allowed under two roles is an error: a key has one role."""
-    roles: dict[bytes, str] = {}
+@dataclass(frozen=True)
+class Peer:
+    """Who an admitted key is: its role, and the jobs it is limited to (``jobs`` None: every
+    job; else job names and ``fnmatch`` patterns of them, e.g. ``team-a-*``)."""
+
+    role: str
+    jobs: tuple[str, ...] | None = None
+
+    def may(self, job: str | None) -> bool:
+        """Whether this peer may read or act on job ``job`` (None: no job named: only an
+        unscoped peer)."""
+        if self.jobs is None:
+            return True
+        return job is not None and any(fnmatch.fnmatchcase(job, pattern) for pattern in self.jobs)
+
+    def user_id(self) -> bytes:
+        """What the guard attaches to each of the peer's messages (ZeroMQ's ``User-Id``):
+        ``role`` or ``role:pattern,pattern``."""
+        return (self.role if self.jobs is None else f"{self.role}:{','.join(self.jobs)}").encode()
+
+    @classmethod
+    def parse(cls, user_id: str) -> Peer | None:
+        role, _, jobs = user_id.partition(":")
+        if role not in ROLES or (jobs and role not in SCOPED_ROLES):
+            return None
+        return cls(role, tuple(jobs.split(",")) if jobs else None)
+
+
+def _scope_dirs(path: Path) -> list[Path]:
+    return sorted(d for d in path.iterdir() if d.is_dir() and not d.name.startswith(".")) if path.is_dir() else []
+
+
+def load_peers(allow: Mapping[str, str | os.PathLike]) -> dict[bytes, Peer]:
+    """Public key -> :class:`Peer`, from each role's allow list (``{role: directory or key
+    file}``). A key directly in a role's directory has that role over every job; a key in a
+    subdirectory of a trainer's or a client's directory is limited to the jobs the
+    subdirectory names (its name: a job name or a pattern, ``team-a-*``), and a key in
+    several such subdirectories to all of them. A key allowed under two roles is an error: a
+    key has one role."""
+    peers: dict[bytes, Peer] = {}
+    scopes: dict[bytes, set[str]] = {}
     for role, path in allow.items():
         if role not in ROLES:
             raise SecurityError(f"unknown role {role!r}; the roles are {ROLES}")
-        for key in load_allow_list(path):
-            if roles.get(key, role) != role:
+        found: list[tuple[bytes, str | None]] = [(k, None) for k in load_allow_list(path)]
+        for d in _scope_dirs(Path(path)):
+            keys = {load_public(f) for f in sorted(d.glob("*.key"))}
+            if not keys:
+                continue
+            if role not in SCOPED_ROLES:
                 raise SecurityError(
-                    f"public key {key.decode()} is allowed as both {roles[key]} and {role} (in {path}); "
+                    f"{d} holds {role} keys in a job's directory, but a {role} key cannot be limited to jobs "
+                    f"(only {' and '.join(SCOPED_ROLES)} keys can); move them up into {path}"
+                )
+            problem = job_pattern_problem(d.name)
+            if problem is not None:
+                raise SecurityError(f"{d}: {problem}; rename it")
+            found += [(k, d.name) for k in keys]
+        if not found:
+            raise SecurityError(f"allow list {path} holds no *.key files; copy each client's public .key file there")
+        for key, scope in found:
+            held = peers.get(key)
+            if held is not None and held.role != role:
+                raise SecurityError(
+                    f"public key {key.decode()} is allowed as both {held.role} and {role} (in {path}); "
                     "a key has one role: make a pair per role with `shadow keygen role=...`"
                 )
-            roles[key] = role
-    return roles
+            peers[key] = Peer(role)
+            if scope is None:
+                scopes[key] = set()  # every job: an unscoped entry of the key wins
+            elif scopes.get(key, {""}):
+                scopes.setdefault(key, set()).add(scope)
+    return {k: Peer(p.role, tuple(sorted(scopes[k])) if scopes.get(k) else None) for k, p in peers.items()}
+
+
+def load_roles(allow: Mapping[str, str | os.PathLike]) -> dict[bytes, str]:
+    """Public key -> role, from each role's allow list (see :func:`load_peers`)."""
+    return {k: p.role for k, p in load_peers(allow).items()}
+
+
+def peer_of(frame: zmq.Frame) -> Peer | None:
+    """Who sent ``frame`` (received with ``copy=False`` on a socket a :class:`Guard` checks):
+    its role and job scope; None on a socket without authentication."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:  # no ZAP handler: nothing was authenticated
+        return None
+    return Peer.parse(user_id) if isinstance(user_id, str) else None
 
 
 def role_of(frame: zmq.Frame) -> str | None:
-    """The role of the peer that sent ``frame`` (received with ``copy=False`` on a socket a
-    :class:`Guard` checks), or None on a socket without authentication."""
-    try:
-        role = frame.get("User-Id")
-    except zmq.ZMQError:  # no ZAP handler: nothing was authenticated
-        return None
-    return role if role in ROLES else None
+    """The role of the peer that sent ``frame`` (see :func:`peer_of`), or None on a socket
+    without authentication."""
+    peer = peer_of(frame)
+    return peer.role if peer is not None else None
 
 
 def _z85(key: bytes) -> str:

@@ -191,6 +191,29 @@ def new_ticket() -> bytes:
     return os.urandom(TICKET_SIZE)
 
 
+_SCOPE_TAG = 8  # bytes of a files ticket that say which jobs it reads
+
+
+def _scope_tag(key: bytes, job: str | None) -> bytes:
+    what = b"*" if job is None else b"job " + job.encode()
+    return hmac.digest(key, b"shadow ticket scope v1 " + what, hashlib.sha256)[:_SCOPE_TAG]
+
+
+def files_ticket(key: bytes, job: str | None = None) -> bytes:
+    """A ticket for a worker's files socket whose files key is ``key``: one that reads every
+    job's files, or (``job``) that job's only, for a job-scoped reader. Its first bytes are a
+    tag under ``key`` of what it reads, so that a holder cannot widen it: a ticket of its own
+    making has no key to go with it."""
+    return _scope_tag(key, job) + os.urandom(TICKET_SIZE - _SCOPE_TAG)
+
+
+def files_ticket_reads(key: bytes, ticket: bytes, job: str) -> bool:
+    """Whether a files ticket of ``key`` may read job ``job``'s files (its tag names every
+    job, or that job)."""
+    head = ticket[:_SCOPE_TAG]
+    return hmac.compare_digest(head, _scope_tag(key, None)) or hmac.compare_digest(head, _scope_tag(key, job))
+
+
 def ticket_key(serve: bytes, ticket: bytes) -> bytes:
     """The key that goes with ``ticket`` at the worker whose serve key is ``serve``."""
     return hmac.digest(serve, b"shadow ticket v1 " + ticket, hashlib.sha256)

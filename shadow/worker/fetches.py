@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from shadow import security
 from shadow.transport import SocketFactory, fetch
 from shadow.transport.sockets import DOOR_CONNECTIONS
 from shadow.wire import frames as F
@@ -139,6 +140,13 @@ class FetchServer:
                 )
                 return
             msg["key"] = key
+        else:  # curve mode: a job-scoped reader fetches its jobs' state only
+            peer = security.peer_of(raw)
+            problem = self._scope_problem(peer, msg["epoch"]) if peer is not None else None
+            if problem is not None:
+                self.state.rejected["serve_scope"] += 1
+                sock.send_multipart([ident, M.encode("error", code="refused", message=problem)])
+                return
         refused = self.refuse(ident)
         if refused is not None:
             reason, text = refused
@@ -148,6 +156,17 @@ class FetchServer:
         msg["client"] = _client(ident, raw)
         self.pending.append((ident, msg, time.monotonic() + self.state.tuning.fetch_timeout_s))
         self.answer()
+
+    def _scope_problem(self, peer: security.Peer, epoch: int) -> str | None:
+        """Why ``peer`` (a job-scoped key) may not fetch epoch ``epoch``, or None."""
+        if peer.jobs is None:
+            return None
+        for s in (self.state.assignment, self.state.retired):
+            if s is not None and s.epoch == epoch:
+                if peer.may(s.job):
+                    return None
+                return f"this {peer.role} key may not read job {s.job!r} (it is limited to jobs {', '.join(peer.jobs)})"
+        return None  # no such epoch here: answered as a wrong epoch
 
     def door(self, user: bytes, password: bytes) -> str:
         """Admit a connection to the serve socket in clear (on the guard's thread): the holder
@@ -170,12 +189,13 @@ class FetchServer:
 
     def ticket_key(self, msg: dict) -> bytes | None:
         """The key of the fetch's ticket if the ticket is one of the current or the retired
-        configuration's and the fetch's MAC checks under it; else None."""
+        configuration's, the fetch asks for that configuration's epoch (a ticket reads the
+        job it was handed out for, no other) and its MAC checks under it; else None."""
         ticket, mac = msg.get("ticket"), msg.get("mac")
         if not isinstance(ticket, bytes) or len(ticket) != tags.TICKET_SIZE or not isinstance(mac, bytes):
             return None
         for s in (self.state.assignment, self.state.retired):
-            if s is None or s.serve_key is None:
+            if s is None or s.serve_key is None or s.epoch != msg["epoch"]:
                 continue
             key = tags.ticket_key(s.serve_key, ticket)
             if tags.fetch_mac_ok(key, msg["epoch"], msg["iteration"], mac):

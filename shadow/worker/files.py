@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from shadow import security
 from shadow.core.jobs import job_name_problem
 from shadow.persist import disks
 from shadow.persist.checkpoints import dir_key
@@ -190,11 +191,14 @@ class FileServer:
                 self._chores()
                 if sock.poll(0 if sending else 200):
                     try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
-                        parts = []
+                        frames = []
+                    # curve mode: who sent it (a job-scoped reader reads its jobs' files only)
+                    peer = security.peer_of(frames[-1]) if frames and self.key is None else None
+                    parts = [f.bytes for f in frames]
                     try:
-                        t = self._serve(sock, parts, sending) if parts else None
+                        t = self._serve(sock, parts, sending, peer) if parts else None
                     except Exception:  # a bug meeting an input: logged, the thread goes on
                         logger.exception("serving a file failed; the files socket carries on")
                         t = None
@@ -261,9 +265,12 @@ class FileServer:
         except zmq.ZMQError:  # queue full (a reader that does not read), or the peer has gone
             self.rejected["files_reply_dropped"] += 1
 
-    def _serve(self, sock: zmq.Socket, parts: list[bytes], sending: list[_Transfer]) -> _Transfer | None:
+    def _serve(
+        self, sock: zmq.Socket, parts: list[bytes], sending: list[_Transfer], peer: security.Peer | None = None
+    ) -> _Transfer | None:
         """One request: refused at once, or the file opened, its head sent and its
-        transfer returned (sent a chunk at a time, in turn with the others in ``sending``)."""
+        transfer returned (sent a chunk at a time, in turn with the others in ``sending``).
+        ``peer``: who sent it, in curve mode (a job-scoped reader reads its jobs only)."""
         if len(parts) != 2:
             self.refused += 1
             self.rejected["files_malformed"] += 1
@@ -290,6 +297,20 @@ class FileServer:
                     "restarted): ask the coordinator for the restore info again",
                 )
                 return None
+            if not tags.files_ticket_reads(self.key, msg["ticket"], msg["job"]):
+                self.rejected["files_scope"] += 1
+                self._error(
+                    sock,
+                    ident,
+                    "refused",
+                    f"this read's ticket is of a job-scoped reader and does not read job {msg['job']!r}: "
+                    "ask the coordinator for the restore info of that job with a key of it",
+                )
+                return None
+        elif peer is not None and not peer.may(msg["job"]):
+            self.rejected["files_scope"] += 1
+            self._error(sock, ident, "refused", f"this {peer.role} key may not read job {msg['job']!r}'s files")
+            return None
         if len(sending) >= MAX_TRANSFERS or any(t.ident == ident for t in sending):
             self.rejected["files_busy"] += 1
             self._error(

@@ -296,7 +296,7 @@ def test_a_control_message_of_more_frames_than_one_is_dropped_unread(keyless):
     coord = Coordinator(address, workers=1)
     seen: list[int] = []
     on_message = coord.on_message
-    coord.on_message = lambda parts, role=None: seen.append(len(parts)) or on_message(parts, role)
+    coord.on_message = lambda parts, *who: seen.append(len(parts)) or on_message(parts, *who)
     thread = threading.Thread(target=coord.run, daemon=True)
     thread.start()
     try:

@@ -267,8 +267,8 @@ def _server(keys: dict):
     from shadow.worker.state import WorkerState
 
     state = WorkerState()
-    state.assignment = SimpleNamespace(serve_key=keys.get("current"))
-    state.retired = SimpleNamespace(serve_key=keys["retired"]) if "retired" in keys else None
+    state.assignment = SimpleNamespace(serve_key=keys.get("current"), epoch=1)
+    state.retired = SimpleNamespace(serve_key=keys["retired"], epoch=0) if "retired" in keys else None
     return FetchServer(state, SocketFactory(zmq.Context.instance(), keys=None), Binding("127.0.0.1", "127.0.0.1"), True)
 
 
@@ -423,14 +423,16 @@ def test_a_worker_takes_tickets_of_its_current_and_retired_configurations_only()
 
     msg, key = fetch(current)
     assert server.ticket_key(msg) == key
-    msg, key = fetch(retired)
+    msg, key = fetch(retired, epoch=0, mac_for=(0, 7))
     assert server.ticket_key(msg) == key
+    # a ticket reads the epoch of the configuration it is of: the current one's, not the retired job's
+    assert server.ticket_key(fetch(current, epoch=0, mac_for=(0, 7))[0]) is None
     assert server.ticket_key(fetch(tags.serve_key(tags.new_key()))[0]) is None  # another worker's, or forged
     assert server.ticket_key(fetch(current, iteration=8)[0]) is None  # the MAC covers what is asked for
     assert server.ticket_key(fetch(current, ticket=b"short")[0]) is None
     assert server.ticket_key({"epoch": 1, "iteration": 7}) is None  # no ticket at all
     server.state.retired = None
-    assert server.ticket_key(fetch(retired)[0]) is None
+    assert server.ticket_key(fetch(retired, epoch=0, mac_for=(0, 7))[0]) is None
 
 
 def ranged_worker(ctx, lo, hi, values, chunk):

@@ -51,10 +51,11 @@ def keyed(tmp_path, monkeypatch):
     srv.close()
 
 
-def _auth(srv: FileServer) -> tuple[bytes, bytes]:
-    """What the coordinator hands a reader for ``srv`` (records.WorkerRec.files_ticket)."""
+def _auth(srv: FileServer, job: str | None = None) -> tuple[bytes, bytes]:
+    """What the coordinator hands a reader for ``srv`` (records.WorkerRec.files_ticket);
+    ``job``: a job-scoped reader's, which reads that job only."""
     assert srv.key is not None
-    ticket = tags.new_ticket()
+    ticket = tags.files_ticket(srv.key, job)
     return ticket, tags.ticket_key(srv.key, ticket)
 
 
@@ -205,9 +206,12 @@ def _raw_read(srv: FileServer, **fields) -> dict:
     from shadow.transport.client import dealer
 
     shard = _shard(srv)
+    what = {"job": "j", "dir": DIR, "file": shard["file"], "bytes": shard["bytes"]}
+    what.update({k: fields.pop(k) for k in ("job", "file") if k in fields})
+    what.update({"bytes": fields.pop("nbytes")} if "nbytes" in fields else {})
     sock = dealer(zmq.Context.instance(), srv.endpoint, curve=False, door=security.ticket_door(*_auth(srv)))
     try:
-        sock.send(M.encode("read_file", job="j", dir=DIR, file=shard["file"], bytes=shard["bytes"], **fields))
+        sock.send(M.encode("read_file", **what, **fields))
         assert sock.poll(10_000)
         return M.decode(sock.recv())
     finally:
@@ -312,3 +316,28 @@ def test_a_reader_that_never_reads_its_refusals_delays_no_other_read(keyed, keyl
         flood.close(linger=0)
     # the thread was never held: before, every reply dropped here had cost it 1 s
     assert beside < max(10 * alone, 2.0), (beside, alone, keyed.rejected)
+
+
+def test_a_job_scoped_readers_ticket_reads_its_job_only(keyed):
+    """A ticket handed to a reader limited to job ``j`` reads ``j``'s files; the same ticket
+    is refused on job ``k``'s, and a ticket made by splicing the head of an every-job ticket
+    onto it has no key that checks out."""
+    _write_checkpoint(keyed.root, "k", 5, LAYOUT)
+    shard = _shard(keyed)
+    (other,) = checkpoints.list_checkpoints(keyed.root, job="k")
+    mine, key = _auth(keyed, job="j")
+    nonce = tags.new_ticket()
+
+    def read(job: str, ticket: bytes, key: bytes, s: dict) -> dict:
+        mac = tags.file_mac(key, job, DIR, s["file"], s["bytes"], nonce)
+        return _raw_read(keyed, job=job, ticket=ticket, nonce=nonce, mac=mac, file=s["file"], nbytes=s["bytes"])
+
+    assert read("j", mine, key, shard)["t"] == "file_reply"
+    head = read("k", mine, key, other.manifest["shards"][1])
+    assert head["t"] == "error" and "does not read job 'k'" in head["message"]
+    assert keyed.rejected["files_scope"] == 1
+    every, _ = _auth(keyed)
+    widened = every[:8] + mine[8:]  # the tag of an every-job ticket, the rest of the scoped one
+    head = read("k", widened, key, other.manifest["shards"][1])
+    assert head["t"] == "error" and "no valid ticket" in head["message"]
+    assert keyed.rejected["files_scope"] == 1 and keyed.rejected["files_bad_ticket"] == 1
