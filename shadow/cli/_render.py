@@ -380,6 +380,31 @@ def render_plan(r: dict) -> None:
     )
     console.print(f"shadow step overhead {sc['shadow_overhead'] * 100:.2f}% ({sc['shadow_overhead_source']})")
     _render_storage(console, r["storage"])
+    if "mix" in r:
+        _render_mix(console, r["mix"])
+
+
+def _render_mix(console, m: dict) -> None:
+    """``shadow plan mix=[...]``: each job's part of the shared cluster, and the cluster."""
+    t = Table(title=f"a shared shadow cluster: {len(m['jobs'])} jobs at once")
+    for col in ("job", "params", "cores (needed)", "share", "memory", "per host", "network in"):
+        t.add_column(col, justify="left" if col == "job" else "right")
+    for j in m["jobs"]:
+        t.add_row(
+            j["name"],
+            f"{j['params'] / 1e9:.1f}B",
+            f"{j['cores']:.1f} ({j['cores_needed']:.1f})",
+            f"{j['share'] * 100:.0f}%",
+            f"{j['memory_GB']:.1f} GB",
+            f"{j['cores_per_host']:.1f} cores, {j['memory_GB_per_host']:.1f} GB",
+            f"{j['network_GBps']:.2f} GB/s",
+        )
+    console.print(t)
+    console.print(
+        f"{m['hosts']} hosts (limited by {m['limited_by']}): {m['cores']:.0f} cores, {m['memory_GB']:.0f} GB "
+        f"(with {m['job_worker_fixed_GB']} GB per job worker), {m['network_GBps']:.1f} GB/s in; "
+        f"{m['cpu_s_per_iter_per_Bparams']:.2f} CPU-s/it/B ({m['measured_in']})"
+    )
 
 
 def _render_storage(console, s: dict) -> None:

@@ -123,6 +123,28 @@ class StoragePlanConfig:
 
 
 @dataclass
+class MixJobConfig:
+    """One job of a mix that shares a shadow cluster (``shadow plan mix=[...]``)."""
+
+    name: str = ""  #: a label (default: job<i>)
+    params: float = 1e9  #: model parameters
+    optimizer: str = "adamw"  #: adamw, adam, adamax or sgd (the state's bytes per parameter)
+    iteration_s: float = 1.0  #: seconds per training iteration
+    replicas: int = 1  #: workers holding each of its shards
+    #: cores it asks for (0 = what its replay needs with the cluster's headroom); a share above the
+    #: need keeps its replay from ever waiting on another job's
+    cores: float = 0.0
+
+    def check(self, where: str) -> None:
+        if self.optimizer not in optimizer_bytes():
+            raise ValueError(f"{where}.optimizer={self.optimizer!r} is not one of {tuple(optimizer_bytes())}")
+        for key in ("params", "iteration_s"):
+            _positive(f"{where}.{key}", getattr(self, key))
+        if self.replicas < 1 or self.cores < 0:
+            raise ValueError(f"{where}.replicas={self.replicas} must be >= 1 and {where}.cores={self.cores} >= 0")
+
+
+@dataclass
 class PlanConfig:
     """Expected lost GPU-hours per day of a data-parallel job under periodic synchronous,
     asynchronous tiered and shadow per-iteration checkpointing (analytic and simulated),
@@ -151,6 +173,9 @@ class PlanConfig:
     shadow: ShadowPlanConfig = field(default_factory=ShadowPlanConfig)
     storage: StoragePlanConfig = field(default_factory=StoragePlanConfig)
     name: str | None = None  #: a label for the scenario
+    #: jobs sharing one shadow cluster at once, each a job worker per host with its own memory
+    #: and cores (docs/shared-cluster.md): the plan sizes the cluster for all of them
+    mix: list[MixJobConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -184,6 +209,10 @@ class PlanConfig:
             raise ValueError(f"restart_s={self.restart_s} must be >= 0")
         if self.trials < 1:
             raise ValueError(f"trials={self.trials} must be >= 1")
+        for i, job in enumerate(self.mix):
+            if isinstance(job, dict):  # given as plain mappings (not through the CLI's schema)
+                self.mix[i] = job = MixJobConfig(**job)
+            job.check(f"mix[{i}]")
 
     @property
     def dp(self) -> int:

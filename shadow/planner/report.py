@@ -7,7 +7,7 @@ from typing import Any
 from shadow.planner.config import PlanConfig
 from shadow.planner.model import analyse, break_even_overhead, shadow_overhead, strategies
 from shadow.planner.simulate import simulate_many
-from shadow.planner.sizing import size
+from shadow.planner.sizing import size, size_mix
 from shadow.planner.storage import storage
 
 
@@ -34,6 +34,8 @@ def plan(cfg: PlanConfig, simulate: bool = True) -> dict:
         "sizing": sizing,
         "storage": storage(cfg, sizing),
     }
+    if cfg.mix:
+        out["mix"] = size_mix(cfg)
     if simulate:
         horizon = cfg.days * 86400.0
         out["simulated"] = {}

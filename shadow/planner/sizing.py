@@ -12,10 +12,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Any
 
 from shadow.planner.config import PlanConfig, optimizer_bytes
 
 GB = 1e9
+
+#: memory of one job worker beyond its shard (the interpreter, numba's kernels, sockets,
+#: buffers): 200 MB resident for a worker holding a tiny model, measured with ``ps`` on the
+#: workers of ``tools/fault_matrix.py --scenarios net`` (2-core Intel Xeon); rounded up
+JOB_WORKER_FIXED_GB = 0.25
 
 
 class BenchmarkMissing(ValueError):
@@ -120,6 +126,62 @@ def size(cfg: PlanConfig, cpu_s_per_iter_per_b: float | None = None) -> dict:
         "trainer_egress_MBps_per_gpu": 4.0 * cfg.params / cfg.gpus / cfg.iteration_s * sh.replicas / 1e6,
         "worker_bytes_per_param": worker_bytes_per_param(cfg),
         "parallelism": parallelism(cfg),
+    }
+
+
+def size_mix(cfg: PlanConfig, cpu_s_per_iter_per_b: float | None = None) -> dict:
+    """The shadow cluster for the jobs of ``cfg.mix`` at once: each job's cores (what it asks,
+    or what its replay needs with the headroom), memory (its shards on every host, its job
+    worker's fixed cost on each) and network in; the hosts the sum needs; and each job's share
+    of the cluster's cores. Every job is spread over every host (a job worker per host)."""
+    sh = cfg.shadow
+    source = "given"
+    if cpu_s_per_iter_per_b is None:
+        cpu_s_per_iter_per_b, source = measured_cpu(sh.bench_dir)
+    rows: list[dict[str, Any]] = []
+    for i, job in enumerate(cfg.mix):
+        alone = PlanConfig(params=job.params, optimizer=job.optimizer, iteration_s=job.iteration_s, shadow=sh)
+        needed = job.params / 1e9 * cpu_s_per_iter_per_b / job.iteration_s * job.replicas * sh.headroom
+        rows.append(
+            {
+                "name": job.name or f"job{i}",
+                "params": job.params,
+                "cores_needed": needed,
+                "cores": max(job.cores, needed),
+                "memory_GB": job.params * worker_bytes_per_param(alone) * job.replicas / GB,
+                "network_GBps": 4.0 * job.params / job.iteration_s * job.replicas / GB,
+            }
+        )
+    cores = sum(r["cores"] for r in rows)
+    memory = sum(r["memory_GB"] for r in rows)
+    net = sum(r["network_GBps"] for r in rows)
+
+    def hosts_for(n: int) -> dict[str, float]:
+        return {
+            "cores": cores / sh.cores_per_host,
+            "memory": (memory + n * len(rows) * JOB_WORKER_FIXED_GB) / sh.ram_GB_per_host,
+            "network": net / sh.nic_GBps_per_host,
+        }
+
+    hosts = 1
+    while max(hosts_for(hosts).values()) > hosts:  # each host adds a job worker per job
+        hosts += 1
+    for r in rows:
+        r["share"] = r["cores"] / cores if cores else 0.0
+        r["cores_per_host"] = r["cores"] / hosts
+        r["memory_GB_per_host"] = r["memory_GB"] / hosts + JOB_WORKER_FIXED_GB
+    need = hosts_for(hosts)
+    return {
+        "cpu_s_per_iter_per_Bparams": cpu_s_per_iter_per_b,
+        "measured_in": source,
+        "jobs": rows,
+        "cores": cores,
+        "memory_GB": memory + hosts * len(rows) * JOB_WORKER_FIXED_GB,
+        "network_GBps": net,
+        "hosts": hosts,
+        "limited_by": max(need, key=lambda k: need[k]),
+        "hosts_by": need,
+        "job_worker_fixed_GB": JOB_WORKER_FIXED_GB,
     }
 
 

@@ -152,6 +152,9 @@ def test_sizing_of_3d_jobs_streams_each_rank_its_unique_share():
         (["params=lots"], "params='lots' is not allowed: params takes a number"),
         (["gpus=12", "tp=8"], "not a multiple of tp x pp = 8"),
         (["pp=0"], "pp=0 must be an integer >= 1"),
+        (["mix=[{params: 1e9, optimizer: lion}]"], "mix[0].optimizer='lion' is not one of"),
+        (["mix=[{params: 1e9}, {params: 0}]"], "mix[1].params=0.0 must be > 0"),
+        (["mix=[{params: 1e9, cores: -1}]"], "mix[0].cores=-1.0 >= 0"),
     ],
 )
 def test_inputs_are_validated(args, needle):
@@ -271,3 +274,45 @@ def test_storage_side_of_the_plan():
     # no persisted tier at all: after a whole-cluster loss nothing holds the state
     bare = storage(dataclasses.replace(cfg, storage=dataclasses.replace(st, local_every_n=0, remote_every_n=0)), sizing)
     assert "local" not in bare and "remote" not in bare and bare["after"][3]["tier"] is None
+
+
+def test_a_mix_of_jobs_is_sized_as_one_shared_cluster():
+    """``shadow plan mix=[...]``: each job gets what its replay needs (or the cores it asks),
+    its shards' memory and its stream; the cluster is sized for their sum, with a job worker
+    per job on every host, and each job's share of the cores is its part of the sum."""
+    from shadow.planner import MixJobConfig, size_mix
+    from shadow.planner.sizing import JOB_WORKER_FIXED_GB
+
+    shadow = ShadowPlanConfig(cores_per_host=32, ram_GB_per_host=256.0, nic_GBps_per_host=25.0)
+    big = MixJobConfig(name="big", params=8e9, iteration_s=2.0)
+    small = MixJobConfig(name="small", params=1e9, iteration_s=1.0, cores=20.0, replicas=2)
+    m = size_mix(PlanConfig(shadow=shadow, mix=[big, small]), cpu_s_per_iter_per_b=2.0)
+    b, s = m["jobs"]
+    assert b["cores"] == b["cores_needed"] == pytest.approx(8 * 2.0 / 2.0 * 2.0)  # headroom 2
+    assert s["cores_needed"] == pytest.approx(1 * 2.0 / 1.0 * 2 * 2.0) and s["cores"] == 20.0
+    assert b["share"] + s["share"] == pytest.approx(1.0) and s["share"] == pytest.approx(20 / 36)
+    alone = size(PlanConfig(params=8e9, iteration_s=2.0, shadow=shadow), cpu_s_per_iter_per_b=2.0)
+    assert b["memory_GB"] == pytest.approx(alone["memory_GB"]) and b["network_GBps"] == pytest.approx(16.0)
+    assert s["network_GBps"] == pytest.approx(8.0)  # each gradient byte to both replicas
+    hosts = m["hosts"]
+    shards = b["memory_GB"] + s["memory_GB"]
+    assert m["memory_GB"] == pytest.approx(shards + hosts * 2 * JOB_WORKER_FIXED_GB)
+    assert hosts == math.ceil(max(36 / 32, m["memory_GB"] / 256.0, 24 / 25.0))  # memory binds: 16 B params of state
+    assert m["limited_by"] == "memory" and hosts >= 2
+    assert b["memory_GB_per_host"] == pytest.approx(b["memory_GB"] / hosts + JOB_WORKER_FIXED_GB)
+    one = size_mix(PlanConfig(shadow=shadow, mix=[big]), cpu_s_per_iter_per_b=2.0)  # a mix of one: the job alone
+    assert one["jobs"][0]["cores"] == pytest.approx(alone["cores"]) and one["hosts"] >= alone["hosts"]
+
+
+def test_plan_cli_takes_a_mix():
+    res = subprocess.run(
+        [sys.executable, "-m", "shadow", "plan", "mix=[{name: a, params: 8e9}, {params: 1e9, cores: 8}]", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    mix = json.loads(res.stdout)["mix"]
+    assert [j["name"] for j in mix["jobs"]] == ["a", "job1"] and mix["jobs"][1]["cores"] >= 8
+    assert mix["hosts"] >= 1 and sum(j["share"] for j in mix["jobs"]) == pytest.approx(1.0)
