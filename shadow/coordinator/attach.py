@@ -12,6 +12,7 @@ from typing import Any
 
 from shadow.coordinator.attach_epoch import EpochStart
 from shadow.coordinator.cluster import ClusterState
+from shadow.coordinator.cut import Cut
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.records import JobStatus
@@ -31,8 +32,8 @@ class Attach:
     """Handlers ``attach`` and ``detach`` (trainers); attaches held while their ranks
     arrive and workers start (periodic :meth:`start_attaches`, :meth:`expire_attaches`)."""
 
-    def __init__(self, state: ClusterState, out: Outbox, persist: Persistence) -> None:
-        self.state, self.out, self.persist = state, out, persist
+    def __init__(self, state: ClusterState, out: Outbox, persist: Persistence, cut: Cut | None = None) -> None:
+        self.state, self.out, self.persist, self.cut = state, out, persist, cut
         self.epochs = EpochStart(state, out, persist)
 
     def on_attach(self, env: list[bytes], msg: Msg, size: int = 0) -> None:
@@ -129,6 +130,8 @@ class Attach:
                                 reason=owned,
                             )
                     continue
+                if self._keeping_last(name, p):
+                    continue
                 del self.state.pending[name]
                 try:
                     self.epochs.start_job(name, p["ranks"])
@@ -147,6 +150,44 @@ class Attach:
                     self.out.reply(
                         [ident], "waiting", ready=ready, expected=self.state.expected, starting=len(self.state.starting)
                     )
+
+    def _keeping_last(self, name: str, p: dict) -> bool:
+        """Whether the attach of job ``name`` waits while the job whose memory it takes has
+        its last committed iteration written to the local tier (:meth:`Cut.keep_last`), so a
+        relaunch of that job loses nothing. It waits until the attach's own deadline is a
+        second away at most; then the attach goes on, and the log says what was not kept."""
+        old = self.state.job
+        first = p["ranks"][min(p["ranks"])][1]
+        if self.cut is None or old is None or old.name == name:
+            return False
+        if old.status != JobStatus.DETACHED and not first["overwrite"]:
+            return False  # refused by start_job: nothing of the held job changes
+        keeping = self.cut.keep_last()
+        if keeping is None:
+            return False
+        now = time.monotonic()
+        if now >= p["deadline"] - 1.0:
+            logger.warning(
+                "attach of job %s goes on before %s (its attach deadline, SHADOW_CONNECT_TIMEOUT_S, has come); "
+                "that iteration is not kept",
+                name,
+                keeping.removeprefix("the local tier is writing "),
+            )
+            return False
+        if now >= p.get("keep_told", 0.0):
+            p["keep_told"] = now + 5.0
+            logger.info("attach of job %s waits: %s", name, keeping)
+            ready = len(self.state.ready_workers())
+            for ident, _ in p["ranks"].values():
+                self.out.reply(
+                    [ident],
+                    "waiting",
+                    ready=ready,
+                    expected=self.state.expected,
+                    starting=len(self.state.starting),
+                    reason=keeping,
+                )
+        return True
 
     def expire_attaches(self) -> None:
         now = time.monotonic()

@@ -192,7 +192,7 @@ class EpochStart:
         for w in st.workers:
             w.configured, w.prepared, w.stale, w.kept = -1, base - 1, "", False
             w.undelivered, w.out_of_service = "", False
-            st.new_data_key(w)
+            st.new_data_key(w, retire=True)
             self.out.to_worker(w, "configure", **configure_fields(st, w, self.persist, base, keep=job.keep))
         logger.info(
             "job %s epoch %d: configuring %d workers for %d params (%d elements)",

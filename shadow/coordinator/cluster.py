@@ -73,9 +73,12 @@ class ClusterState:
     keyed: bool = False  # CURVE is on: every worker configuration gets a fresh data key
     loop: Any = None  # the loop's LoopWatch (status ``loop``), set by the Coordinator
 
-    def new_data_key(self, w: WorkerRec) -> None:
+    def new_data_key(self, w: WorkerRec, retire: bool = False) -> None:
         """Draw worker ``w`` a fresh data key (keyed clusters) for its next configuration: what
-        any rank sent it under the last one no longer checks out."""
+        any rank sent it under the last one no longer checks out. ``retire``: the last one's
+        state still answers restores while the new epoch bootstraps (its key is kept for
+        their tickets)."""
+        w.retired_key = w.data_key if retire else None
         w.data_key = tags.new_key() if self.keyed else None
 
     def data_keys(self, rank: int, workers: list[WorkerRec]) -> dict[str, Any]:

@@ -145,6 +145,34 @@ class Cut:
             if x.id in writers:
                 self._send(x, ApplyCut(job.epoch, job.cut, persist=True))
 
+    def keep_last(self) -> str | None:
+        """Before the cluster's memory goes to another job: the held job's last committed
+        iteration to the local tier, asked of its writers once (they still hold it, as in
+        :meth:`retry_persist`). Returns what the new job waits for while it is written, or
+        None once it is on the tier, or cannot be (no local tier, nothing committed, a
+        diverged or degraded job, a shard with no live writer, a request that failed)."""
+        job = self.state.job
+        t = self.persist.tiers.get("local")
+        if job is None or t is None or t.held or job.diverged is not None or job.cut < job.base:
+            return None
+        if job.status not in (JobStatus.RUNNING, JobStatus.DETACHED) or t.complete.get(job.name, -1) >= job.cut:
+            return None
+        waiting = f"the local tier is writing job {job.name!r}'s last iteration {job.cut}, before its memory is reused"
+        if job.cut in t.in_flight:
+            return waiting
+        live = self._live()
+        writers = self._writers(live)
+        if not self.persist.ask_last(job.cut, writers):
+            return None  # asked before and it did not complete, or no live writer for some shard
+        job.writers = {}
+        for wid, shard in writers.items():
+            job.writers.setdefault(shard, set()).add(wid)
+        logger.info("tier local: asking for job %s's last iteration %d before its memory is reused", job.name, job.cut)
+        for x in live:
+            if x.id in writers:
+                self._send(x, ApplyCut(job.epoch, job.cut, persist=True))
+        return waiting
+
     def on_persisted(self, env: list[bytes], msg: Msg) -> None:
         st, job = self.state, self.state.job
         if job is None or msg["epoch"] != job.epoch:

@@ -193,6 +193,19 @@ class Persistence:
         t.requested[cut] = time.monotonic()
         return True
 
+    def ask_last(self, cut: int, writers: dict[int, int]) -> bool:
+        """Whether to ask the local tier for the cut ``cut`` before the cluster's memory goes
+        to another job: it has not been asked for that cut yet, nothing is in flight, and
+        every shard has a live writer. Recorded as asked, as :meth:`local_due` does."""
+        t = self.tiers.get("local")
+        if t is None or t.held or not writers or t.in_flight or t.last[0] >= cut:
+            return False
+        t.last = (cut, time.time(), t.last[2])
+        t.in_flight[cut] = {}
+        t.asked[cut] = dict(writers)
+        t.requested[cut] = time.monotonic()
+        return True
+
     def file_for(self, tier: str, shard: int, nshards: int) -> str | None:
         """The file name tier ``tier`` gives shard ``shard`` of ``nshards`` (None: no such tier)."""
         t = self.tiers.get(tier)

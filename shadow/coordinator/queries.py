@@ -49,9 +49,10 @@ class Queries:
         memory = memory_info(st, msg["job"])
         if memory is not None:  # mac mode: a ticket of this reader's own for each worker
             by_id = {w.id: w for w in st.workers}
+            retired = st.job is not None and memory["epoch"] != st.job.epoch  # the previous epoch answers
             memory = dict(memory)
             memory["workers"] = [
-                {**e, **(by_id[e["id"]].fetch_ticket() if e["id"] in by_id else {})} for e in memory["workers"]
+                {**e, **(by_id[e["id"]].fetch_ticket(retired) if e["id"] in by_id else {})} for e in memory["workers"]
             ]
         storage = self.persist.storage()
         now = time.monotonic()

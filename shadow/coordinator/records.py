@@ -98,17 +98,21 @@ class WorkerRec:
     disk: dict | None = None  # {"id", "dir", "host"} of its local tier (its heartbeats; shadow.persist.disks)
     data_mode: str = "plain"  # how its data socket takes frames: plain, mac or curve (its register)
     data_key: bytes | None = None  # a keyed cluster: its current configuration's data key (shadow.wire.tags)
+    retired_key: bytes | None = None  # ... of the one before (its state answers while a new epoch bootstraps)
     files_key: bytes | None = None  # mac mode: what tickets for its files socket derive from (its register)
     slot_token: bytes | None = None  # what a restarted process of this slot proves itself with (shadow.worker.slot)
     _last_hb: float = 0.0
 
-    def fetch_ticket(self) -> dict:
+    def fetch_ticket(self, retired: bool = False) -> dict:
         """What a fetch from this worker's serve socket needs in mac mode, for one reader:
-        a fresh ticket and its key (handed out over CURVE only); ``{}`` otherwise."""
-        if self.data_mode != "mac" or self.data_key is None:
+        a fresh ticket and its key (handed out over CURVE only); ``{}`` otherwise. A ticket
+        reads the configuration whose key it derives from and no other: the current one, or
+        (``retired``) the one before, which answers while a new epoch bootstraps."""
+        key = self.retired_key if retired else self.data_key
+        if self.data_mode != "mac" or key is None:
             return {}
         ticket = tags.new_ticket()
-        return {"ticket": ticket, "key": tags.ticket_key(tags.serve_key(self.data_key), ticket)}
+        return {"ticket": ticket, "key": tags.ticket_key(tags.serve_key(key), ticket)}
 
     def files_ticket(self, job: str | None = None) -> dict:
         """What a read from this worker's files socket needs in mac mode, for one reader: a

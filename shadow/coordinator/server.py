@@ -98,7 +98,7 @@ class Coordinator:
         st, out, persist = self.state, self.out, self.persist
         self.cut = Cut(st, out, persist)
         self.replicas = Replicas(st, out, self.cut, persist)
-        self.attach = Attach(st, out, persist)
+        self.attach = Attach(st, out, persist, self.cut)
         self.membership = Membership(st, out, self.cut, self.replicas, self.attach)
         self.rebuild = Rebuild(st, out, self.cut, self.membership, persist)
         self.trainers = Trainers(st, out, self.cut, self.replicas)

@@ -285,3 +285,39 @@ def test_token_schedule(tmp_path):
     assert [c.iteration * 96 for c in done] == tokens  # the trainer's count, recorded per checkpoint
     assert len(done) >= 2 and tokens[0] == 192  # the first at the first threshold
     assert all(b - a >= 192 for a, b in pairwise(tokens))
+
+
+def test_a_new_job_keeps_the_ended_jobs_last_iteration_on_the_tier(world1, tmp_path):
+    """A job ends between two of its tier's checkpoints (every 100 iterations) and another
+    job attaches: before the memory is reused, the ended job's last iteration is written to
+    the local tier, and a relaunch of it restores that iteration bit for bit."""
+    import trainer_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from shadow.persist import checkpoints
+    from tests.helpers.loop import train_step
+
+    local = tmp_path / "local"
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=100"))
+    try:
+        model, opt, sched = build()
+        ddp = DDP(model)
+        first = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="first")
+        for it in range(1, 6):
+            train_step(ddp, opt, sched, it)
+        trained = [p.detach().clone() for p in model.parameters()]
+        assert first.close() == 5
+        assert 5 not in [c.iteration for c in checkpoints.list_checkpoints(str(local), job="first")]
+        other, oopt, osched = build(seed=2)
+        oddp = DDP(other)
+        second = trainer_hooks.attach(oddp, oopt, coordinator=cluster.address, scheduler=osched, job="second")
+        assert 5 in [c.iteration for c in checkpoints.list_checkpoints(str(local), job="first")]
+        train_step(oddp, oopt, osched, 1)
+        assert second.close() == 1
+        back, bopt, bsched = build(seed=3)
+        info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job="first")
+        assert info.iteration == 5 and info.tier == "local"
+        for a, b in zip(trained, back.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        cluster.stop()
