@@ -139,8 +139,9 @@ def render_jobs(reply: dict, address: str) -> None:
             notes.append(f"{escape(j['name'])}: {escape(j['reason'])}")
         if j["held"] and j["trainers_gone"] and j["status"] != "detached":
             notes.append(
-                f"{escape(j['name'])}: its trainers look gone and it blocks any other job name; "
-                f"`shadow drop job={escape(j['name'])} address={address}` detaches it, keeping its checkpoints"
+                f"{escape(j['name'])}: its trainers look gone; the next job to attach takes its memory over (its "
+                "last iteration written to the local tier first), or "
+                f"`shadow drop job={escape(j['name'])} address={address}` detaches it now, keeping its checkpoints"
             )
     console = stdout_console()
     if reply["jobs"]:

@@ -160,7 +160,7 @@ class Attach:
         first = p["ranks"][min(p["ranks"])][1]
         if self.cut is None or old is None or old.name == name:
             return False
-        if old.status != JobStatus.DETACHED and not first["overwrite"]:
+        if self.epochs.blocks(old) and not first["overwrite"]:
             return False  # refused by start_job: nothing of the held job changes
         keeping = self.cut.keep_last()
         if keeping is None:

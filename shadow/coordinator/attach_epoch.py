@@ -113,12 +113,13 @@ class EpochStart:
                 problem,
             )
         old = self.state.job
-        if old is not None and old.name != name and old.status != JobStatus.DETACHED and not first["overwrite"]:
+        if old is not None and old.name != name and self.blocks(old) and not first["overwrite"]:
             self.state.refuse("trainer", "replace_without_overwrite")  # (attaches start from the loop too)
             return fail(
-                f"the cluster holds job {old.name!r} (committed iteration {old.cut}), which has not detached; "
-                f"attach job {name!r} with overwrite=True to replace it (its in-memory checkpoint is dropped), "
-                "or close that job's session first"
+                f"the cluster holds job {old.name!r} (committed iteration {old.cut}), which has not detached and "
+                f"whose ranks are still heard from; attach job {name!r} with overwrite=True to replace it (its "
+                "in-memory checkpoint is dropped), or close that job's session first (a job whose ranks fall "
+                f"silent for {heard_window_s(self.state.tuning):g} s, SHADOW_WORKER_LOST_S, blocks no other job)"
             )
         generation = self.lineage.generation(name, msgs, old)
         if isinstance(generation, str):
@@ -126,6 +127,16 @@ class EpochStart:
         took_over = self._takeover(name, msgs, old)
         keep = keepable(name, msgs, generation, old)
         self._new_epoch(name, first, layout, idents, generation, old, took_over, keep)
+
+    def blocks(self, old: JobRec) -> bool:
+        """Whether job ``old``, which the cluster holds, keeps another job name out (without
+        ``overwrite``): it has not detached and some rank of it was heard within
+        :func:`~shadow.coordinator.trainers.heard_window_s`. A job whose ranks crashed blocks
+        no one: the next job takes its memory over (its last iteration written to the local
+        tier first, :meth:`~shadow.coordinator.cut.Cut.keep_last`)."""
+        if old.status == JobStatus.DETACHED:
+            return False
+        return bool(old.ranks_heard(time.monotonic(), heard_window_s(self.state.tuning)))
 
     def _memory_problem(self, name: str, layout: Layout, optim: dict) -> str | None:
         return memory_problem(self.state, name, layout, optim, self.persist.config.local.enabled)
@@ -140,10 +151,15 @@ class EpochStart:
         if old.name == name and all(proves_owner(old, r, m.get("owner")) for r, m in enumerate(msgs)):
             return ""
         silent = time.monotonic() - max((old.last_heard(r) for r in range(old.world)), default=old.created)
+        held = (
+            f"(epoch {old.epoch}, generation {old.generation}, committed iteration "
+            f"{old.cut if old.cut >= old.base else 'none'}), whose ranks were last heard {silent:.1f} s ago and "
+            "never detached"
+        )
         text = (
-            f"took over job {old.name!r} from its previous run (epoch {old.epoch}, generation {old.generation}, "
-            f"committed iteration {old.cut if old.cut >= old.base else 'none'}), whose ranks were last heard "
-            f"{silent:.1f} s ago and never detached"
+            f"took over job {old.name!r} from its previous run {held}"
+            if old.name == name
+            else f"took the cluster's memory over from job {old.name!r} {held}"
         )
         logger.warning("job %s: %s", name, text)
         return text

@@ -2,9 +2,10 @@
 (``shadow drop``).
 
 The coordinator holds one job at a time (:attr:`ClusterState.job`), and a job that has not
-detached refuses another job name unless that attach asks for ``overwrite=True``. A job
-whose trainers crashed never detaches, so it would block every other job until the cluster
-restarted. :meth:`Jobs.on_drop` detaches it as its ranks' ``close()`` would have: its epoch,
+detached and whose ranks are heard from refuses another job name unless that attach asks for
+``overwrite=True``. A job whose trainers crashed never detaches; once its ranks are silent it
+blocks no one (the next job takes the memory over, its last iteration written to the local
+tier first). :meth:`Jobs.on_drop` detaches it at once, as its ranks' ``close()`` would have: its epoch,
 its committed cut in shadow memory (restorable until another job replaces it) and its
 checkpoints in every tier are kept; only its hold on the cluster goes. A rank of a dropped
 job heard again is answered ``degraded`` (it stops streaming and trains on unprotected) and

@@ -270,10 +270,6 @@ def test_a_crashed_job_is_dropped_and_another_job_attaches_without_a_restart(wor
         committed = quiet["committed"]
         assert 4 <= committed <= 7
 
-        other, oopt, osched = build(seed=3)
-        with pytest.raises(trainer_hooks.ShadowConnectionError, match="'crashed'.*has not detached"):
-            trainer_hooks.attach(DDP(other), oopt, coordinator=cluster.address, scheduler=osched, job="next")
-
         def crashed_gone() -> dict | None:
             reply = _jobs_of(cluster.address)
             return reply if _row(reply, "crashed")["trainers_gone"] else None
@@ -302,7 +298,8 @@ def test_a_crashed_job_is_dropped_and_another_job_attaches_without_a_restart(wor
         assert session.close() == 2
         listed = json.loads(shadow_cli("ls", f"source={cluster.address}", "--json").stdout)
         kept = sorted(r["iteration"] for r in listed if r["job"] == "crashed" and r["tier"] == "local")
-        assert kept and kept[-1] == committed - committed % 2, listed  # its persisted checkpoints, untouched
+        # its checkpoints, untouched, and its last iteration, written before "next" took the memory
+        assert kept and kept[-1] == committed, listed
         assert all(r["state"] == "complete" for r in listed if r["job"] == "crashed")
         assert [(r["job"], r["iteration"]) for r in listed if r["tier"] == "memory"] == [("next", 2)]
         reply = _jobs_of(cluster.address)

@@ -95,3 +95,33 @@ def test_nothing_waits_when_the_tier_has_it_or_the_job_is_not_replaced(tmp_path)
     sim.send(b"t0", "detach", epoch=sim.state.epoch, rank=0)
     _attach_other(sim)
     assert sim.state.job is not None and sim.state.job.name == "other"
+
+
+def test_a_crashed_job_blocks_no_other_job(tmp_path):
+    """A job whose ranks crashed never detaches. While they are still heard from, another
+    job name is refused (without overwrite); once they are silent past the liveness window,
+    the next job takes the memory over: the crashed job's last iteration is written to the
+    local tier first, and the new job's ranks are told whose memory they took."""
+    from tests.coordinator.test_jobs_drop import _silent
+
+    sim = Sim(persist=PersistConfig(LocalTierConfig(dir=str(tmp_path), every_n=100)))
+    sim.running()
+    for it in (1, 2):
+        for i in range(2):
+            sim.prepared(b"w%d" % i, it)
+    sim.out.clear()
+    _attach_other(sim)
+    assert "whose ranks are still heard from" in sim.out.last("error", b"u0")["message"]
+    assert sim.state.job is not None and sim.state.job.name == "job"
+    _silent(sim)
+    sim.out.clear()
+    _attach_other(sim)
+    assert [sim.out.last("apply", b"w%d" % i) for i in range(2)] == [{"epoch": 1, "iteration": 2, "persist": True}] * 2
+    assert "last iteration 2" in sim.out.last("waiting", b"u0")["reason"]
+    tier = sim.coord.persist.tiers["local"]
+    tier.in_flight.clear()
+    tier.complete["job"] = 2
+    sim.coord.attach.start_attaches()
+    job = sim.state.job
+    assert job is not None and job.name == "other"
+    assert "took the cluster's memory over from job 'job'" in job.took_over

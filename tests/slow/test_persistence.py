@@ -291,9 +291,9 @@ def test_a_new_job_keeps_the_ended_jobs_last_iteration_on_the_tier(world1, tmp_p
     """A job ends between two of its tier's checkpoints (every 100 iterations) and another
     job attaches: before the memory is reused, the ended job's last iteration is written to
     the local tier, and a relaunch of it restores that iteration bit for bit."""
-    import trainer_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import trainer_hooks
     from shadow.persist import checkpoints
     from tests.helpers.loop import train_step
 
@@ -319,5 +319,33 @@ def test_a_new_job_keeps_the_ended_jobs_last_iteration_on_the_tier(world1, tmp_p
         assert info.iteration == 5 and info.tier == "local"
         for a, b in zip(trained, back.parameters(), strict=True):
             assert torch.equal(a, b)
+    finally:
+        cluster.stop()
+
+
+def test_a_crashed_job_blocks_no_other_job_and_keeps_its_last_iteration(tmp_path, reference):
+    """Both ranks SIGKILLed: the job never detaches. Once its ranks are silent past the
+    liveness window, another job name attaches without ``overwrite`` and without ``shadow
+    drop``; the crashed job's last committed iteration is written to the local tier first
+    (its schedule, every 100 iterations, took none), and restores bit for bit from there."""
+    local = tmp_path / "local"
+    cluster = LocalCluster(tmp_path, args=(f"persist.local.dir={local}", "persist.local.every_n=100"))
+    try:
+        codes = run_ranks(
+            tmp_path, "--coordinator", cluster.address, "--out", str(tmp_path / "dead"), "--steps", str(STEPS),
+            "--kill-at", "8", "--job", "crashed",
+        )  # fmt: skip
+        assert codes == [-9, -9], rank_logs(tmp_path)
+        k = cluster.wait_quiet()["job"]["committed"]
+        assert 4 <= k <= 8
+        out = tmp_path / "next"
+        assert run_ranks(
+            tmp_path, "--coordinator", cluster.address, "--out", str(out), "--steps", "3", "--job", "next"
+        ) == [0, 0], rank_logs(tmp_path)
+        logs = rank_logs(tmp_path)
+        assert "took the cluster's memory over from job 'crashed'" in logs, logs
+        state, info = restored_state(cluster.address, job="crashed")
+        assert (info.iteration, info.tier) == (k, "local")
+        assert_same_state(state, reference(k, 0))
     finally:
         cluster.stop()
