@@ -38,6 +38,29 @@ def net_split_brain(t: Trial) -> dict:
 
 
 @net_scenario
+def net_one_way_to_worker(t: Trial) -> dict:
+    """An asymmetric partition: the coordinator's packets to a worker are lost (its
+    commands, and the acknowledgements of what the worker sends), while the worker's still
+    reach the coordinator, held past the loss timeout. The coordinator hears the worker for
+    a while but cannot command it; nothing may commit that the worker did not apply, and a
+    restore must never wait on, or read, an iteration the worker was never told to apply."""
+    w = t.rng.choice(["w1", "w2"])
+    hold = t.rng.uniform(netfaults.WORKER_LOST_S + 1.0, netfaults.WORKER_LOST_S + 4.0)
+    return netfaults.net_trial("net_one_way_to_worker", t, netfaults.one_way("coord", w, hold), steps=120)
+
+
+@net_scenario
+def net_one_way_from_worker(t: Trial) -> dict:
+    """The other way: a worker's packets to the coordinator are lost (its heartbeats and
+    reports) while the coordinator's commands still arrive: the worker goes on applying what
+    it is told while the coordinator hears nothing from it, declares it lost, and must not
+    count it, or anything it persists meanwhile, as holding a newer state."""
+    w = t.rng.choice(["w1", "w2"])
+    hold = t.rng.uniform(netfaults.WORKER_LOST_S + 1.0, netfaults.WORKER_LOST_S + 4.0)
+    return netfaults.net_trial("net_one_way_from_worker", t, netfaults.one_way(w, "coord", hold), steps=120)
+
+
+@net_scenario
 def net_coordinator_isolated(t: Trial) -> dict:
     """The coordinator's host isolated from everyone for 1-7 s (shorter and longer than the
     trainers' SHADOW_COORDINATOR_LOST_S and the workers' loss timeout), then healed."""

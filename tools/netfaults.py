@@ -249,6 +249,16 @@ def cut(a: str, b: str, hold: float) -> Fault:
     return fault
 
 
+def one_way(a: str, b: str, hold: float) -> Fault:
+    """Packets from ``a`` to ``b`` dropped; ``b``'s still reach ``a`` (an asymmetric partition)."""
+
+    def fault(rig: Rig, t: Trial):
+        rig.net.drop(a, b)
+        return f"dropped {a} -> {b} (one way)", lambda: rig.net.undrop(a, b), hold
+
+    return fault
+
+
 def isolate(host: str, hold: float) -> Fault:
     def fault(rig: Rig, t: Trial):
         rig.net.isolate(host)

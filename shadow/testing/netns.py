@@ -8,6 +8,8 @@ address), where trainers run. Between hosts it can
   neighbour entry for the other is pointed at an address no host has, so packets between
   them are dropped silently both ways (as a partition drops them: a connect hangs, a
   stream stalls and retransmits; nothing is refused), while both keep every other link;
+  :meth:`~Network.drop` does it one way only (an asymmetric partition: ``a`` no longer
+  reaches ``b``, while ``b``'s packets still reach ``a``), :meth:`~Network.undrop` undoes it;
 * :meth:`~Network.isolate` a host and :meth:`~Network.rejoin` it: its link to the bridge
   goes down, so it hears no one and no one hears it;
 * :meth:`~Network.cap` a host's bandwidth both ways with a ``tbf`` qdisc on each end of its
@@ -92,6 +94,7 @@ class Network:
         self._addr = {h: f"{self.subnet}.{i + 1}" for i, h in enumerate(self.hosts)}
         self._addr[self.HERE] = f"{self.subnet}.254"
         self._cuts: set[frozenset[str]] = set()
+        self._drops: set[tuple[str, str]] = set()
         self._isolated: set[str] = set()
         self._capped: set[str] = set()
         self._made: list[Sequence[str]] = []  # undo commands, in reverse order
@@ -194,6 +197,24 @@ class Network:
         self._point(a, b, None)
         self._point(b, a, None)
         self._cuts.discard(frozenset((a, b)))
+        for x, y in self._drops & {(a, b), (b, a)}:  # a one-way drop of the pair still holds
+            self._point(x, y, _NOWHERE)
+
+    def drop(self, a: str, b: str) -> None:
+        """Drop every packet from host ``a`` to host ``b``, silently; ``b``'s packets still
+        reach ``a`` (an asymmetric partition: ``a``'s data and acknowledgements are lost, so
+        ``b`` hears nothing new from ``a`` while ``a`` keeps receiving what ``b`` sends, until
+        ``b``'s unacknowledged bytes fill its window)."""
+        if a == b:
+            raise ValueError(f"drop needs two hosts, not {a!r} twice")
+        self._point(a, b, _NOWHERE)
+        self._drops.add((a, b))
+
+    def undrop(self, a: str, b: str) -> None:
+        """Undo :meth:`drop` from ``a`` to ``b``."""
+        if frozenset((a, b)) not in self._cuts:  # a cut of the pair still holds it
+            self._point(a, b, None)
+        self._drops.discard((a, b))
 
     def isolate(self, host: str) -> None:
         """Take ``host``'s link to the bridge down: it hears no one and no one hears it."""
@@ -226,6 +247,8 @@ class Network:
         """Undo every cut, isolation and cap still in force."""
         for pair in list(self._cuts):
             self.heal(*sorted(pair))
+        for a, b in list(self._drops):
+            self.undrop(a, b)
         for h in list(self._isolated):
             self.rejoin(h)
         for h in list(self._capped):
@@ -233,9 +256,11 @@ class Network:
 
     @property
     def faults(self) -> dict:
-        """What is in force now: ``{"cuts": [[a, b], ...], "isolated": [...], "capped": [...]}``."""
+        """What is in force now: ``{"cuts": [[a, b], ...], "drops": [[from, to], ...],
+        "isolated": [...], "capped": [...]}``."""
         return {
             "cuts": sorted(sorted(p) for p in self._cuts),
+            "drops": sorted([a, b] for a, b in self._drops),
             "isolated": sorted(self._isolated),
             "capped": sorted(self._capped),
         }

@@ -76,7 +76,7 @@ def test_cut_isolate_and_cap():
             assert _send(net, "a", "b") is None and _send(net, Network.HERE, "b") is None
             assert _send(net, "a", "c") is not None
             net.heal_all()
-            assert net.faults == {"cuts": [], "isolated": [], "capped": []}
+            assert net.faults == {"cuts": [], "drops": [], "isolated": [], "capped": []}
             assert _send(net, "a", "b", timeout=10) is not None and _send(net, Network.HERE, "c") is not None
             net.cap("b", "8mbit", burst="16kb")
             took = _send(net, "a", "b", 1 << 20, timeout=30)  # 8 Mbit at 8 Mbit/s: about 1 s
@@ -89,6 +89,62 @@ def test_cut_isolate_and_cap():
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert net.tag not in namespaces
     assert net.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+
+
+UDP_RECV = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 7001))
+s.settimeout(float(sys.argv[1]))
+print("ready", flush=True)
+try:
+    s.recvfrom(64)
+    print("got")
+except socket.timeout:
+    print("none")
+"""
+
+UDP_SEND = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(30):
+    s.sendto(b"x", (sys.argv[1], 7001))
+    time.sleep(0.05)
+"""
+
+
+def _datagram(net: Network, src: str, dst: str) -> bool:
+    """Whether a datagram from host ``src`` reaches host ``dst`` (one way: nothing comes back)."""
+    recv = net.popen(dst, [sys.executable, "-c", UDP_RECV, "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert recv.stdout is not None and recv.stdout.readline().strip() == "ready"
+        subprocess.run([*net.command(src), sys.executable, "-c", UDP_SEND, net.address(dst)], timeout=60, check=True)
+        out, _ = recv.communicate(timeout=60)
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait()
+    return out.strip() == "got"
+
+
+def test_a_one_way_drop_is_asymmetric():
+    """``drop(a, b)``: a's packets to b are lost while b's still reach a; a cut of the same
+    pair healed leaves the drop in force; undrop and heal_all restore both ways."""
+    with Network(["a", "b"]) as net:
+        assert _datagram(net, "a", "b") and _datagram(net, "b", "a")
+        net.drop("a", "b")
+        assert net.faults["drops"] == [["a", "b"]]
+        assert not _datagram(net, "a", "b") and _datagram(net, "b", "a")
+        net.cut("a", "b")
+        assert not _datagram(net, "b", "a")
+        net.heal("a", "b")  # the cut goes; the one-way drop stays
+        assert not _datagram(net, "a", "b") and _datagram(net, "b", "a")
+        net.undrop("a", "b")
+        assert _datagram(net, "a", "b")
+        net.drop(Network.HERE, "b")
+        assert not _datagram(net, Network.HERE, "b") and _datagram(net, "b", Network.HERE)
+        net.heal_all()
+        assert net.faults["drops"] == [] and _datagram(net, Network.HERE, "b")
 
 
 def test_hosts_do_not_reach_each_other_through_loopback():
