@@ -65,3 +65,65 @@ def test_a_bucket_reduced_twice_is_still_raised(world1, shared_cluster, job):
         assert session.stats()["shadow_errors"] == 0
     finally:
         session.close(wait=False)
+
+
+def test_a_failed_resync_is_tried_again_and_the_run_is_protected_again(world1, shared_cluster, job, monkeypatch):
+    """A resync whose re-attach fails (here: it raises once, as one that outlasts
+    SHADOW_CONNECT_TIMEOUT_S does) leaves the rank training unprotected, but not for the rest
+    of the run: it tries again after RETRY_FIRST_STEPS steps, once the coordinator answers
+    with every worker ready, re-attaches at the iteration it reached, and the last iteration
+    restores bit for bit."""
+    from trainer_hooks.session import session as session_mod
+
+    monkeypatch.setattr(session_mod, "RETRY_FIRST_STEPS", 3)
+    model, opt, sched = build()
+    ddp = DDP(model)
+    session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)
+    for it in range(1, 4):
+        train_step(ddp, opt, sched, it)
+    real = session_mod.Session._attach
+    failed = []
+
+    def attach_once_failing(self, start, overwrite, carry):
+        if not failed:
+            failed.append(start)
+            raise ConnectionError("no shadow coordinator answered within 20 s (a test's failure)")
+        return real(self, start, overwrite, carry)
+
+    monkeypatch.setattr(session_mod.Session, "_attach", attach_once_failing)
+    session.sender.q.put(NoticeItem("progress", {"epoch": session.epoch, "applied": 0}))  # degrade, then resync
+    it = 3
+    deadline = time.monotonic() + 60
+    while not failed:
+        assert time.monotonic() < deadline, session.degraded
+        it += 1
+        train_step(ddp, opt, sched, it)
+        time.sleep(0.05)
+    assert "resync at iteration" in session.degraded and "failed" in session.degraded
+    while session.degraded is not None or session.committed < it - 1:
+        assert time.monotonic() < deadline, (session.degraded, session.committed)
+        it += 1
+        train_step(ddp, opt, sched, it)
+        time.sleep(0.05)
+    assert session.iteration == it and session.stats()["unprotected_steps_total"] >= 3
+    assert session.close() == it
+    fresh, fopt, fsched = build(seed=7)
+    info = trainer_hooks.restore(fresh, fopt, source=shared_cluster.address, scheduler=fsched, job=job)
+    assert info.iteration == it
+    assert_same_state(live_state(fresh, fopt), live_state(model, opt))
+
+
+def test_the_retry_probe_says_why_the_cluster_is_not_ready(shared_cluster):
+    """What a rank asks before trying a resync again: a coordinator that answers with every
+    worker ready (None), or why not, within a couple of seconds."""
+    from types import SimpleNamespace
+
+    from shadow.config.tuning import Tuning
+    from shadow.testing import free_port
+    from trainer_hooks.session.session import _cluster_not_ready
+
+    opts = SimpleNamespace(tuning=Tuning.load())
+    assert _cluster_not_ready(shared_cluster.address, opts) is None
+    t0 = time.monotonic()
+    why = _cluster_not_ready(f"tcp://127.0.0.1:{free_port()}", opts)
+    assert why is not None and "did not answer" in why and time.monotonic() - t0 < 10

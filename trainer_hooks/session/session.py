@@ -58,6 +58,27 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: after a failed resync, steps until the first try again; each failed try doubles it, up to
+#: RETRY_MAX_STEPS
+RETRY_FIRST_STEPS = 16
+RETRY_MAX_STEPS = 1024
+
+
+def _cluster_not_ready(coordinator: str, options: AttachOptions) -> str | None:
+    """Why re-attaching now would only wait (the coordinator does not answer within a
+    couple of seconds, or not every worker is ready), or None."""
+    from shadow.transport.client import ask
+    from shadow.wire import messages as M
+
+    try:
+        st = ask(coordinator, M.encode("status"), 2.0, ("status_reply",), options.tuning)["status"]
+    except Exception as exc:
+        return f"the coordinator did not answer ({exc})"
+    ready = sum(1 for w in st["workers"] if w.get("ready") and w.get("health") != "starting")
+    if ready < st["expected_workers"]:
+        return f"{ready} of {st['expected_workers']} workers ready"
+    return None
+
 
 def _checked(ddp_model: Any, options: AttachOptions | None, option_values: dict[str, Any]) -> AttachOptions:
     """The session's options (given, or built from keywords), and its model checked."""
@@ -112,6 +133,9 @@ class Session:
         self.restored: RestoreInfo | None = None
         self.closed = True
         self._failed: str | None = None  # a resync that could not re-attach
+        # after a failed resync: the iteration it failed at, the steps trained since, and the
+        # step count at which to try again (``_retry``)
+        self._lost: tuple[int, int, int, int] | None = None  # (at, steps since, next try, interval)
         self._tally = Tally(start, self.rank, options.tuning.unprotected_warn_iterations)  # across attachments
         self._slot = wiring.slot_of(ddp_model)  # FSDP2: None
         self._attach(start, overwrite, carry=None)
@@ -197,12 +221,13 @@ class Session:
             self._attach(k, overwrite=True, carry=self.recorder.last_record)
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
-            # no attachment, no hooks: the steps from here on are still counted and warned about
-            self._wiring = wiring.Wiring([self.optimizer.register_step_post_hook(lambda *_: self._count_unprotected())])
+            self._lost = (k, 0, RETRY_FIRST_STEPS, RETRY_FIRST_STEPS)
+            self._unhooked()
             logger.error(
-                "rank %d: %s; training continues without the shadow (attach again to resume checkpointing)",
+                "rank %d: %s; training continues without the shadow, and tries again in %d steps",
                 self.rank,
                 self._failed,
+                RETRY_FIRST_STEPS,
             )
             return
         logger.info(
@@ -212,6 +237,45 @@ class Session:
             time.monotonic() - t0,
             self.epoch,
         )
+
+    def _unhooked(self) -> None:
+        """No attachment (a failed resync): the steps are counted and warned about, and each
+        forward asks whether it is time to try again (:meth:`_retry`)."""
+        self._wiring = wiring.Wiring(
+            [
+                self.optimizer.register_step_post_hook(lambda *_: self._count_unprotected()),
+                self.model.register_forward_pre_hook(lambda *_: self._retry(), prepend=True),
+            ]
+        )
+
+    def _retry(self) -> None:
+        """Before a forward, after a failed resync: at the step count every rank reaches at
+        the same iteration (they failed at the same one), re-attach at this iteration, from
+        this rank's state as it stands (as a first attach does). Only once the coordinator
+        answers with every worker ready, so that a cluster still gone costs a short probe,
+        not an attach's wait; a failed try doubles the interval, up to
+        :data:`RETRY_MAX_STEPS`."""
+        if self._lost is None:
+            return
+        at, steps, due, every = self._lost
+        if steps < due:
+            return
+        k = at + steps  # the iteration this rank completed
+        self._lost = (at, steps, steps + min(2 * every, RETRY_MAX_STEPS), min(2 * every, RETRY_MAX_STEPS))
+        why = _cluster_not_ready(self.coordinator, self.options)
+        if why is not None:
+            logger.info("rank %d: no new resync at iteration %d: %s", self.rank, k, why)
+            return
+        self._wiring.remove()
+        try:
+            self._attach(k, overwrite=True, carry=None)
+        except Exception as exc:  # the shadow must never stop training
+            self._failed = f"resync at iteration {k} failed: {exc}"
+            self._unhooked()
+            logger.error("rank %d: %s; tries again in %d steps", self.rank, self._failed, self._lost[2] - steps)
+            return
+        self._failed, self._lost = None, None
+        logger.warning("rank %d resynced the shadow cluster at iteration %d, after a failed resync", self.rank, k)
 
     def add_param_group(self, group: dict) -> None:
         """``optimizer.add_param_group(group)``, then re-attach with the new layout: the
@@ -266,6 +330,9 @@ class Session:
         """A step taken while this rank streams nothing (degraded, or a failed resync): counted
         (``stats()["unprotected_steps"]``, the metric ``shadow_trainer_unprotected_steps``)
         and warned about (:meth:`Tally.step`)."""
+        if self._lost is not None:
+            at, steps, due, every = self._lost
+            self._lost = (at, steps + 1, due, every)
         self._tally.step(self.degraded, self.iteration, self.committed)
 
     def _before_forward(self) -> None:
