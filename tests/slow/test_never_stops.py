@@ -84,11 +84,11 @@ def test_a_failed_resync_is_tried_again_and_the_run_is_protected_again(world1, s
     real = session_mod.Session._attach
     failed = []
 
-    def attach_once_failing(self, start, overwrite, carry):
+    def attach_once_failing(self, start, overwrite, carry, wait_s=None):
         if not failed:
-            failed.append(start)
+            failed.append(wait_s)
             raise ConnectionError("no shadow coordinator answered within 20 s (a test's failure)")
-        return real(self, start, overwrite, carry)
+        return real(self, start, overwrite, carry, wait_s)
 
     monkeypatch.setattr(session_mod.Session, "_attach", attach_once_failing)
     session.sender.q.put(NoticeItem("progress", {"epoch": session.epoch, "applied": 0}))  # degrade, then resync
@@ -100,6 +100,8 @@ def test_a_failed_resync_is_tried_again_and_the_run_is_protected_again(world1, s
         train_step(ddp, opt, sched, it)
         time.sleep(0.05)
     assert "resync at iteration" in session.degraded and "failed" in session.degraded
+    tuning = session.options.tuning  # the resync held the step no longer than the block timeout
+    assert failed == [min(tuning.connect_timeout_s, tuning.block_timeout_s)]
     while session.degraded is not None or session.committed < it - 1:
         assert time.monotonic() < deadline, (session.degraded, session.committed)
         it += 1

@@ -108,6 +108,7 @@ class Attachment:
         sender_factory: SenderFactory = Sender,
         vote_group: Any = None,
         owner: tuple[int, bytes] | None = None,
+        wait_s: float | None = None,
     ) -> Attachment:
         """Handshake (bounded by ``SHADOW_CONNECT_TIMEOUT_S``), ring, sender, bootstrap of
         iteration ``iteration`` (``carry``: the ``(rng, extra)`` recorded with it when
@@ -115,9 +116,10 @@ class Attachment:
         fails, what was opened is closed. ``vote_group``: the process group an FSDP2
         model's votes are all-reduced in (DDP's ride along its last bucket, in its group).
         ``owner``: the epoch a re-attach leaves and this rank's token of it (see
-        :func:`~trainer_hooks.session.handshake.attach`)."""
+        :func:`~trainer_hooks.session.handshake.attach`; ``wait_s``: its bound on the
+        handshake, as there)."""
         target = Target.of(model, optimizer, options.exact)
-        dealer, answer = handshake.attach(target, coordinator, options, iteration, overwrite, restored, owner)
+        dealer, answer = handshake.attach(target, coordinator, options, iteration, overwrite, restored, owner, wait_s)
         try:
             att = cls(target, answer, options, latch, recorder, dealer, sender_factory=sender_factory)
             att.vote_group = vote_group

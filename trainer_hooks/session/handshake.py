@@ -108,12 +108,14 @@ def attach(
     overwrite: bool,
     restored: RestorePoint | None,
     owner: tuple[int, bytes] | None = None,
+    wait_s: float | None = None,
 ) -> tuple[zmq.Socket, Handshake]:
     """Ask ``coordinator`` to attach ``target`` at iteration ``base`` (bounded by
     ``SHADOW_CONNECT_TIMEOUT_S``): the connection (a DEALER, for the sender from now on)
     and the answer. ``owner``: the epoch this rank leaves and its token of it (a resync: a
     job's own ranks re-attach it at once, while any other launch waits for them to fall
-    silent). If the request or its answer fails, the connection is closed."""
+    silent). ``wait_s``: a shorter bound than ``SHADOW_CONNECT_TIMEOUT_S`` (a resync, which
+    holds the training step). If the request or its answer fails, the connection is closed."""
     sock = dealer(zmq.Context.instance(), coordinator)
     rank0 = target.rank == 0
     launch = launch_round()
@@ -137,7 +139,8 @@ def attach(
     )
     waiting = LogWaiting(f"rank {target.rank}", coordinator)
     try:
-        reply = request(sock, coordinator, payload, options.tuning.connect_timeout_s, ("attached",), interim=waiting)
+        limit = options.tuning.connect_timeout_s if wait_s is None else wait_s
+        reply = request(sock, coordinator, payload, limit, ("attached",), interim=waiting)
         if isinstance(reply.get("took_over"), str):
             logger.warning("rank %d: %s", target.rank, reply["took_over"])
         return sock, Handshake.from_reply(coordinator, base, reply)

@@ -154,9 +154,9 @@ class Session:
         )
 
     # -- attachments ----------------------------------------------------------------------------
-    def _attach(self, start: int, overwrite: bool, carry: tuple | None) -> None:
+    def _attach(self, start: int, overwrite: bool, carry: tuple | None, wait_s: float | None = None) -> None:
         """Open an attachment at iteration ``start`` (handing it the recorder) and route the
-        hooks to it."""
+        hooks to it; ``wait_s``: the bound on the handshake (default SHADOW_CONNECT_TIMEOUT_S)."""
         restored = RESTORED.get(self.optimizer)
         point: RestorePoint | None = restored if restored is not None and restored.iteration == start else None
         prev = self.attachment  # a re-attach proves it is the job's owner with the epoch it leaves
@@ -179,6 +179,7 @@ class Session:
             sender_factory=self._sender_factory,
             vote_group=self._vote_group,
             owner=owner,
+            wait_s=wait_s,
         )
         self.latch.error = None
         self.closed = False
@@ -217,8 +218,8 @@ class Session:
         k = self.recorder.next - 1
         t0 = time.monotonic()
         self._detach(wait=False)
-        try:
-            self._attach(k, overwrite=True, carry=self.recorder.last_record)
+        try:  # the step waits on it: no longer than the block timeout (a failed one is tried again)
+            self._attach(k, overwrite=True, carry=self.recorder.last_record, wait_s=self._resync_wait_s())
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
             self._lost = (k, 0, RETRY_FIRST_STEPS, RETRY_FIRST_STEPS)
@@ -237,6 +238,13 @@ class Session:
             time.monotonic() - t0,
             self.epoch,
         )
+
+    def _resync_wait_s(self) -> float:
+        """How long a resync's handshake may hold the training step: SHADOW_CONNECT_TIMEOUT_S,
+        or SHADOW_BLOCK_TIMEOUT_S if that is shorter (a step never waits on the shadow past it;
+        a resync that fails is tried again, :meth:`_retry`)."""
+        tuning = self.options.tuning
+        return min(tuning.connect_timeout_s, tuning.block_timeout_s)
 
     def _unhooked(self) -> None:
         """No attachment (a failed resync): the steps are counted and warned about, and each
@@ -268,7 +276,7 @@ class Session:
             return
         self._wiring.remove()
         try:
-            self._attach(k, overwrite=True, carry=None)
+            self._attach(k, overwrite=True, carry=None, wait_s=self._resync_wait_s())
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
             self._unhooked()
