@@ -418,7 +418,7 @@ def cmd_plan(cfg: PlanConfig) -> int:
     if cfg.json:
         _print_json(result)
         return 0
-    from shadow.cli._render import render_plan
+    from shadow.cli._render_plan import render_plan
 
     render_plan(result)
     return 0

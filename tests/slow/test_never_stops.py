@@ -118,14 +118,12 @@ def test_a_failed_resync_is_tried_again_and_the_run_is_protected_again(world1, s
 def test_the_retry_probe_says_why_the_cluster_is_not_ready(shared_cluster):
     """What a rank asks before trying a resync again: a coordinator that answers with every
     worker ready (None), or why not, within a couple of seconds."""
-    from types import SimpleNamespace
-
     from shadow.config.tuning import Tuning
     from shadow.testing import free_port
-    from trainer_hooks.session.session import _cluster_not_ready
+    from trainer_hooks.session.retry import cluster_not_ready
 
-    opts = SimpleNamespace(tuning=Tuning.load())
-    assert _cluster_not_ready(shared_cluster.address, opts) is None
+    tuning = Tuning.load()
+    assert cluster_not_ready(shared_cluster.address, tuning) is None
     t0 = time.monotonic()
-    why = _cluster_not_ready(f"tcp://127.0.0.1:{free_port()}", opts)
+    why = cluster_not_ready(f"tcp://127.0.0.1:{free_port()}", tuning)
     assert why is not None and "did not answer" in why and time.monotonic() - t0 < 10

@@ -49,6 +49,7 @@ from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
+from trainer_hooks.session.retry import RETRY_FIRST_STEPS, RETRY_MAX_STEPS, cluster_not_ready
 from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
 from trainer_hooks.session.tally import Tally
 from trainer_hooks.session.transfer import HostCopy
@@ -57,27 +58,6 @@ if TYPE_CHECKING:
     from trainer_hooks.restorer.restore import RestoreInfo
 
 logger = logging.getLogger(__name__)
-
-#: after a failed resync, steps until the first try again; each failed try doubles it, up to
-#: RETRY_MAX_STEPS
-RETRY_FIRST_STEPS = 16
-RETRY_MAX_STEPS = 1024
-
-
-def _cluster_not_ready(coordinator: str, options: AttachOptions) -> str | None:
-    """Why re-attaching now would only wait (the coordinator does not answer within a
-    couple of seconds, or not every worker is ready), or None."""
-    from shadow.transport.client import ask
-    from shadow.wire import messages as M
-
-    try:
-        st = ask(coordinator, M.encode("status"), 2.0, ("status_reply",), options.tuning)["status"]
-    except Exception as exc:
-        return f"the coordinator did not answer ({exc})"
-    ready = sum(1 for w in st["workers"] if w.get("ready") and w.get("health") != "starting")
-    if ready < st["expected_workers"]:
-        return f"{ready} of {st['expected_workers']} workers ready"
-    return None
 
 
 def _checked(ddp_model: Any, options: AttachOptions | None, option_values: dict[str, Any]) -> AttachOptions:
@@ -270,7 +250,7 @@ class Session:
             return
         k = at + steps  # the iteration this rank completed
         self._lost = (at, steps, steps + min(2 * every, RETRY_MAX_STEPS), min(2 * every, RETRY_MAX_STEPS))
-        why = _cluster_not_ready(self.coordinator, self.options)
+        why = cluster_not_ready(self.coordinator, self.options.tuning)
         if why is not None:
             logger.info("rank %d: no new resync at iteration %d: %s", self.rank, k, why)
             return
