@@ -336,7 +336,7 @@ def files_socket(keydir: Path, tmp: str, quick: bool, rounds: int) -> dict:
         def once(v: str) -> float:
             srv, auth = servers[v], None
             if srv.key is not None:  # what the coordinator hands a reader (WorkerRec.files_ticket)
-                ticket = tags.new_ticket()
+                ticket = tags.files_ticket(srv.key)
                 auth = (ticket, tags.ticket_key(srv.key, ticket))
             if v == "curve":
                 security.set_client(reader)
