@@ -116,19 +116,8 @@ class Attach:
                 owned = self.epochs.live_owner(name, p["ranks"])
                 p["owned"] = owned
                 if owned is not None:  # held until the live run's ranks fall silent, or the deadline
-                    now = time.monotonic()
-                    if now >= p.get("owner_told", 0.0):
-                        p["owner_told"] = now + 5.0
+                    if self._tell_held(p, "owner_told", owned, ready):
                         logger.warning("attach of job %s held: %s", name, owned)
-                        for ident, _ in p["ranks"].values():
-                            self.out.reply(
-                                [ident],
-                                "waiting",
-                                ready=ready,
-                                expected=self.state.expected,
-                                starting=len(self.state.starting),
-                                reason=owned,
-                            )
                     continue
                 if self._keeping_last(name, p):
                     continue
@@ -174,19 +163,26 @@ class Attach:
                 keeping.removeprefix("the local tier is writing "),
             )
             return False
-        if now >= p.get("keep_told", 0.0):
-            p["keep_told"] = now + 5.0
+        if self._tell_held(p, "keep_told", keeping, len(self.state.ready_workers())):
             logger.info("attach of job %s waits: %s", name, keeping)
-            ready = len(self.state.ready_workers())
-            for ident, _ in p["ranks"].values():
-                self.out.reply(
-                    [ident],
-                    "waiting",
-                    ready=ready,
-                    expected=self.state.expected,
-                    starting=len(self.state.starting),
-                    reason=keeping,
-                )
+        return True
+
+    def _tell_held(self, p: dict, when: str, reason: str, ready: int) -> bool:
+        """Tell every rank of held attach ``p`` why it waits (``waiting`` with ``reason``), at
+        most every 5 s (``p[when]``: when next); True if it was told now."""
+        now = time.monotonic()
+        if now < p.get(when, 0.0):
+            return False
+        p[when] = now + 5.0
+        for ident, _ in p["ranks"].values():
+            self.out.reply(
+                [ident],
+                "waiting",
+                ready=ready,
+                expected=self.state.expected,
+                starting=len(self.state.starting),
+                reason=reason,
+            )
         return True
 
     def expire_attaches(self) -> None:

@@ -169,11 +169,7 @@ class Persistence:
         if time.monotonic() - t.last_skip[1] < wait_s:
             return False
         t.last_skip = (-1, 0.0)
-        t.last = (cut, time.time(), t.last[2])
-        t.in_flight[cut] = {}
-        t.asked[cut] = dict(writers)
-        t.requested[cut] = time.monotonic()
-        return True
+        return self._asked(t, cut, writers)
 
     def time_due(self, cut: int, writers: dict[int, int]) -> bool:
         """Whether to ask the local tier for the cut ``cut`` because its time schedule
@@ -187,11 +183,7 @@ class Persistence:
         every = t.tier.schedule.every_s
         if not every or time.time() - t.last[1] < every:
             return False
-        t.last = (cut, time.time(), t.last[2])
-        t.in_flight[cut] = {}
-        t.asked[cut] = dict(writers)
-        t.requested[cut] = time.monotonic()
-        return True
+        return self._asked(t, cut, writers)
 
     def ask_last(self, cut: int, writers: dict[int, int]) -> bool:
         """Whether to ask the local tier for the cut ``cut`` before the cluster's memory goes
@@ -200,6 +192,12 @@ class Persistence:
         t = self.tiers.get("local")
         if t is None or t.held or not writers or t.in_flight or t.last[0] >= cut:
             return False
+        return self._asked(t, cut, writers)
+
+    @staticmethod
+    def _asked(t: TierState, cut: int, writers: dict[int, int]) -> bool:
+        """Record the local tier ``t`` as asked for the cut ``cut`` of ``writers`` (a request
+        outside its schedule, as :meth:`local_due` records one); True."""
         t.last = (cut, time.time(), t.last[2])
         t.in_flight[cut] = {}
         t.asked[cut] = dict(writers)
