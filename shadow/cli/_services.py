@@ -185,6 +185,10 @@ def cmd_worker(cfg: WorkerConfig) -> int:
 def cmd_cluster(cfg: ClusterConfig) -> int:
     setup_logs(cfg.log_level, cfg.log_format, "cluster")
     cfg.security = secure(cfg.security, cfg.host, "cluster")
+    if cfg.shared:
+        from shadow.front.server import run_front
+
+        return run_front(cfg)
     cfg.transport.check(cfg.security)
     if cfg.transport.data == "ucx":
         from shadow.transport import ucx
@@ -211,6 +215,10 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
 
     thread = threading.Thread(target=run_coordinator, name="coordinator", daemon=True)
     thread.start()
+    if cfg.report_file:
+        from shadow.front.report import Reporter
+
+        Reporter(cfg.report_file, coord, stop).start()
     workers = _Workers(cfg, address, coord.tuning)
     try:
         while not stop.is_set() and thread.is_alive():

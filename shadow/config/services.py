@@ -74,12 +74,27 @@ class ClusterConfig(CoordinatorConfig):
     threads_per_worker: int = 0  #: numba threads per worker; 0 = cores / workers
     max_restarts: int = 10  #: times a dead worker process is restarted (it then resyncs)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    #: several jobs at once: port= is a front that admits each job and runs a coordinator and
+    #: ``workers`` workers for it alone (docs/operations.md, "A cluster for several jobs")
+    shared: bool = False
+    memory_gb: float = 0.0  #: shared: memory the jobs may hold on this host (0 = 80% of what is free at start)
+    cores_per_job: int = 0  #: shared: cores each job's workers are pinned to, apart from other jobs' (0 = not pinned)
+    #: a file the coordinator rewrites each second with its status and jobs (JSON): set by a
+    #: shared cluster's front for the coordinators it starts
+    report_file: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.transport.check(self.security)
         if self.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
+        if self.memory_gb < 0:
+            raise ValueError(f"memory_gb={self.memory_gb} must be >= 0 (0 = 80% of the memory free at start)")
+        cores = len(os.sched_getaffinity(0))
+        if not 0 <= self.cores_per_job <= cores:
+            raise ValueError(
+                f"cores_per_job={self.cores_per_job} must be between 0 (not pinned) and {cores}, the cores here"
+            )
         self.security.check_workers_key("shadow cluster")
         if self.metrics_port and self.metrics_port + self.workers >= 65536:
             raise ValueError(

@@ -96,6 +96,22 @@ def request(
         return _answer(msg, address, expect)
 
 
+def moved_to(address: str, msg: dict) -> str:
+    """The coordinator a shared cluster's front at ``address`` sent this request on to (its
+    ``moved`` reply), checked: a ZeroMQ TCP endpoint on the front's own host (a shared
+    cluster runs its jobs' coordinators beside its front), else ``ShadowConnectionError``."""
+    to = msg["to"]
+    host = address.rsplit(":", 1)[0] if address.startswith("tcp://") else None
+    rest = to[len(host) + 1 :] if host is not None and to.startswith(host + ":") else ""
+    if not rest.isdigit() or not 0 < int(rest) < 65536:
+        raise ShadowConnectionError(
+            f"shadow cluster at {address} sent job {msg['job']!r} on to {to!r}, which is not a port of its own host; "
+            "refusing to follow it (is the address a shadow cluster of this version?)"
+        )
+    logger.debug("job %r is served at %s (the shared cluster at %s said so)", msg["job"], to, address)
+    return to
+
+
 def _answer(msg: dict, address: str, expect: tuple[str, ...]) -> dict:
     """``msg`` if it is one of ``expect``; an ``error`` (or any other reply) raises."""
     if msg["t"] == "error":
@@ -119,7 +135,13 @@ ASK_TRIES = 3
 
 
 def ask(
-    address: str, payload: bytes, timeout: float, expect: tuple[str, ...], tuning: Tuning = DEFAULT, keys=None
+    address: str,
+    payload: bytes,
+    timeout: float,
+    expect: tuple[str, ...],
+    tuning: Tuning = DEFAULT,
+    keys=None,
+    follow: bool = True,
 ) -> dict:
     """A read-only query (``status``, ``restore_info``, ``catalog``, ``jobs``: asking twice
     changes nothing) to the coordinator at ``address``, on a connection of its own, with
@@ -128,7 +150,9 @@ def ask(
     earlier connections stay open and the first reply on any of them is taken. A connection
     whose handshake stalled or whose reply was lost then costs a part of the wait, not all
     of it; a coordinator that answers no one still fails after ``timeout``. ``keys``: as
-    :func:`dealer`'s (default: this process's)."""
+    :func:`dealer`'s (default: this process's). A shared cluster's front that answers
+    ``moved`` (the job is served by its own coordinator) is followed once (``follow``), within
+    the same wait."""
     ctx: zmq.Context = zmq.Context.instance()
     deadline = time.monotonic() + timeout
     socks: list[zmq.Socket] = []
@@ -155,6 +179,9 @@ def ask(
                 ready = poller.poll(int(max(0.0, min(left, 1.0)) * 1000))  # the last look after the time is up too
                 for s, _ in ready:
                     msg = M.decode(s.recv())
+                    if msg["t"] == "moved" and follow:  # a shared cluster's front: once, in what is left of the wait
+                        to = moved_to(address, msg)
+                        return ask(to, payload, max(1.0, deadline - time.monotonic()), expect, tuning, keys, False)
                     if msg["t"] != "waiting":
                         return _answer(msg, address, expect)
                 if left <= 0:

@@ -135,6 +135,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "message": (str,),
     },
     "error": {"message": (str,), "code": (str,)},  # code: one of ERROR_CODES, for callers to act on
+    # a shared cluster's front -> anyone: job ``job`` is served by the coordinator at ``to``; ask it there
+    "moved": {"job": (str,), "to": (str,)},
     # client -> worker serve socket
     "fetch": {"epoch": (int,), "iteration": (int,)},
     # client -> worker files socket: a shard file of the worker's local tier, and its head (the
@@ -224,6 +226,8 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "attach": {"owner": (dict,), "launch": (dict,), "keep": (bool,)},
     # why an attach is held besides workers starting (a live run owns the job)
     "waiting": {"reason": (str,)},
+    # the job whose status is asked (a shared cluster's front answers with that job's coordinator)
+    "status": {"job": (str,)},
     # the token of the rank's attached: a heartbeat from another connection must carry it
     "trainer_hb": {"token": (bytes,)},
     "replica_in": {"key": (bytes,), "mode": (str,)},
@@ -287,6 +291,7 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "jobs_reply",
         "drop_reply",
         "error",
+        "moved",
         "fetch_reply",
         "fetch_reply_mac",
         "file_reply",

@@ -38,9 +38,10 @@ def _log(tmp: Path, rank: int) -> str:
     return "".join(p.read_text() for p in sorted(tmp.glob(f"rank{rank}-*.log")))
 
 
-def _torchrun(tmp: Path, *args: str, restarts: int = 0) -> tuple[int, str]:
+def _torchrun(tmp: Path, *args: str, restarts: int = 0, env: dict | None = None) -> tuple[int, str]:
     """The tiny trainer under ``torchrun --standalone`` on 2 ranks with ``restarts`` elastic
-    restarts: its exit code, and its log with each rank's of every round."""
+    restarts: its exit code, and its log with each rank's of every round. ``env``: more
+    environment for the ranks."""
     log = tmp / "torchrun.log"
     cmd = [
         sys.executable,
@@ -56,7 +57,9 @@ def _torchrun(tmp: Path, *args: str, restarts: int = 0) -> tuple[int, str]:
         *args,
     ]
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=600, env=_env(), check=False)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=600, env={**_env(), **(env or {})}, check=False
+        )
     ranks = "".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted((tmp / "ranks").rglob("*.log")))
     return proc.returncode, log.read_text()[-10000:] + ranks
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import zmq
 
 from shadow.core import sqrttab
 from shadow.core.errors import ShadowError
-from shadow.transport.client import LogWaiting, dealer, request
+from shadow.transport.client import LogWaiting, dealer, moved_to, request
 from shadow.wire import messages as M
 from shadow.wire import tags
 from trainer_hooks.restorer.points import RestorePoint
@@ -140,7 +141,15 @@ def attach(
     waiting = LogWaiting(f"rank {target.rank}", coordinator)
     try:
         limit = options.tuning.connect_timeout_s if wait_s is None else wait_s
-        reply = request(sock, coordinator, payload, limit, ("attached",), interim=waiting)
+        deadline = time.monotonic() + limit
+        reply = request(sock, coordinator, payload, limit, ("attached", "moved"), interim=waiting)
+        if reply["t"] == "moved":  # a shared cluster's front: the job's own coordinator takes it from here
+            to = moved_to(coordinator, reply)
+            sock.close(linger=0)
+            sock = dealer(zmq.Context.instance(), to)
+            waiting = LogWaiting(f"rank {target.rank}", to)
+            reply = request(sock, to, payload, max(1.0, deadline - time.monotonic()), ("attached",), interim=waiting)
+            coordinator = to
         if isinstance(reply.get("took_over"), str):
             logger.warning("rank %d: %s", target.rank, reply["took_over"])
         return sock, Handshake.from_reply(coordinator, base, reply)

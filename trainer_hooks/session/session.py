@@ -250,7 +250,7 @@ class Session:
             return
         k = at + steps  # the iteration this rank completed
         self._lost = (at, steps, steps + min(2 * every, RETRY_MAX_STEPS), min(2 * every, RETRY_MAX_STEPS))
-        why = cluster_not_ready(self.coordinator, self.options.tuning)
+        why = cluster_not_ready(self.coordinator, self.options.tuning, self.options.job)
         if why is not None:
             logger.info("rank %d: no new resync at iteration %d: %s", self.rank, k, why)
             return

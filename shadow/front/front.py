@@ -1,0 +1,342 @@
+"""A shared cluster's front: the cluster's address for every job at once.
+
+Each job gets a coordinator and workers of its own (:class:`~shadow.front.jobs.JobProcs`),
+started when its rank 0 attaches and the host has the memory and cores the job needs
+(:class:`~shadow.front.admission.Budget`); an attach that does not fit is refused then, with
+the figures. From then on the front answers the job's messages with ``moved`` (the job's
+coordinator's address): trainers and readers follow it once and talk to that coordinator,
+which runs the one-job code unchanged. What names no job (``status``, ``jobs``) the front
+answers itself, from what each job's coordinator reports (:mod:`~shadow.front.report`).
+
+Jobs are apart as processes are: a job's replay runs on its own cores (when
+``cores_per_job`` is set), a crash takes one job's coordinator or workers down, and a
+job-scoped key reaches its jobs only (checked here and again by the job's coordinator).
+A job whose trainers are gone keeps its memory (a relaunch restores from it) until an admin
+drops it (``shadow drop``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shadow.config import ClusterConfig
+from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.routes import ADMIN, READERS, TRAINER
+from shadow.core.jobs import job_name_problem
+from shadow.front.admission import Budget, gb, need_of
+from shadow.front.jobs import START_TRIES, JobProcs
+from shadow.security import Peer
+from shadow.wire import messages as M
+
+logger = logging.getLogger(__name__)
+
+#: the messages a front takes, and from whom
+ROLES: dict[str, frozenset[str]] = {
+    "attach": TRAINER,
+    "detach": TRAINER,  # a held rank withdrawing its attach
+    "status": READERS,
+    "restore_info": READERS,
+    "catalog": READERS,
+    "jobs": READERS,
+    "drop": ADMIN,
+}
+#: seconds a rank's attach waits at the front for its job's rank 0 (which carries the layout)
+HOLD_S = 120.0
+
+
+class Front:
+    """The jobs of one shared cluster. Runs on one thread (the front's loop): :meth:`on_message`
+    for each message, :meth:`tick` after each poll. ``spawn``: makes a job's processes
+    (tests give a stand-in)."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        out: Outbox,
+        budget: Budget,
+        workdir: str,
+        spawn: Callable[..., JobProcs] = JobProcs,
+    ) -> None:
+        self.cfg, self.out, self.budget, self.workdir, self.spawn = cfg, out, budget, workdir, spawn
+        self.jobs: dict[str, JobProcs] = {}
+        self.held: dict[str, list[tuple[list[bytes], int, float]]] = {}  # job -> [(envelope, rank, since)]
+        self.refused = 0
+        self.max_bytes = cfg.tuning.resolve().max_commit_bytes  # the most an attach may carry
+
+    # -- messages
+
+    def on_message(self, parts: list[bytes], role: str | None = None, jobs: tuple[str, ...] | None = None) -> None:
+        if len(parts) < 2:
+            return
+        env, raw = parts[:-1], parts[-1]
+        try:
+            kind = M.peek_type(raw)
+            roles = ROLES.get(kind)
+            if roles is None:
+                self._error(env, "refused", f"this is a shared cluster's front: it does not take {kind!r} messages")
+                return
+            if role is not None and role not in roles:
+                self._refuse(
+                    env, f"a {role} may not send {kind!r} messages (from {', '.join(sorted(roles))} keys only)"
+                )
+                return
+            msg = M.decode(raw, self.max_bytes)
+        except M.MessageError as exc:
+            self._error(env, "malformed", f"rejected: {exc}")
+            return
+        peer = Peer(role, jobs) if role is not None else None
+        try:
+            getattr(self, "_on_" + kind)(env, msg, peer)
+        except Exception as exc:  # a bug meeting an input: answered, logged, and the front goes on
+            logger.exception("the front failed on a %s message", kind)
+            self._error(env, "internal", f"the front could not handle this {kind} message ({type(exc).__name__})")
+
+    def _on_attach(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        job = msg["job"]
+        why = job_name_problem(job) or self._scope(peer, job, "attach to")
+        if why is not None:
+            self._refuse(env, why)
+            return
+        if job in self.jobs:
+            self._moved(env, job)
+            return
+        if msg["layout"] is None:  # not rank 0: held until rank 0's attach admits the job (or not)
+            self.held.setdefault(job, []).append((env, msg["rank"], time.monotonic()))
+            reason = f"job {job!r} is admitted when its rank 0 attaches (its attach carries what the job needs)"
+            self.out.reply(env, "waiting", ready=0, expected=0, starting=0, reason=reason)
+            return
+        self._admit(env, job, msg)
+
+    def _admit(self, env: list[bytes], job: str, msg: dict) -> None:
+        cfg = self.cfg
+        try:
+            need, optim = need_of(msg, cfg.workers, cfg.replicas, cfg.persist.local.enabled, cfg.cores_per_job)
+        except (ValueError, KeyError, TypeError) as exc:
+            self._refuse(env, f"attach of job {job!r}: {exc}")
+            return
+        given = self.budget.admit(job, need, optim, {j: p.ended_why for j, p in self.jobs.items() if p.ended_why})
+        if isinstance(given, str):
+            logger.warning("%s", given)
+            for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
+                self._refuse(e, given)
+            return
+        procs = self.spawn(job, cfg, need, given, self.workdir)
+        procs.start()
+        self.jobs[job] = procs
+        logger.info("job %r admitted: %s, %s of memory", job, need.describe(optim), gb(need.bytes))
+        for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
+            self._moved(e, job)
+
+    def _on_detach(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        for job, waiting in list(self.held.items()):  # a held rank that gave up
+            self.held[job] = [w for w in waiting if not (w[0] == env and w[1] == msg["rank"])]
+
+    def _on_status(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        job = msg.get("job")
+        if job:
+            self._to_job(env, job, peer, "read the status of")
+            return
+        self.out.reply(env, "status_reply", status=self.status(peer))
+
+    def _on_restore_info(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        self._to_job(env, msg["job"], peer, "restore")
+
+    def _on_catalog(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        self._to_job(env, msg["job"], peer, "list the checkpoints of")
+
+    def _on_jobs(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        rows: dict[str, dict] = {}
+        for job, procs in self.jobs.items():
+            rep = procs.report()
+            own = None
+            for row in rep["jobs"] if rep else []:
+                if row["name"] == job:
+                    own = row
+                elif row["name"] not in self.jobs:
+                    rows.setdefault(row["name"], row)  # a job known from the tiers (every coordinator lists it)
+            rows[job] = own or _starting_row(job, procs)
+        visible = [r for n, r in sorted(rows.items()) if peer is None or peer.may(n)]
+        held = [r for r in visible if r["name"] in self.jobs]
+        self.out.reply(env, "jobs_reply", jobs=held + [r for r in visible if r["name"] not in self.jobs], window_s=0.0)
+
+    def _on_drop(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        job = msg["job"]
+        procs = self.jobs.get(job)
+        if procs is None:
+            self._error(env, "refused", f"no job {job!r} runs on this shared cluster ({self._names()})")
+            return
+        rep = procs.report()
+        row = next((r for r in (rep["jobs"] if rep else []) if r["name"] == job), None)
+        if not procs.ended_why and not msg["force"] and row is not None and row.get("held"):
+            self._error(
+                env,
+                "refused",
+                f"job {job!r}'s trainers are still heard from; stop them first, or drop it anyway with force=true",
+            )
+            return
+        self._end(job, "dropped by an admin")
+        self.out.reply(
+            env,
+            "drop_reply",
+            job=job,
+            epoch=int((row or {}).get("epoch") or 0),
+            committed=(row or {}).get("committed"),
+            forced=bool(msg["force"]),
+            message=f"job {job!r}'s coordinator and workers stopped and its memory is free; its checkpoints in "
+            "the tiers stay",
+        )
+
+    # -- periodic
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for job, procs in list(self.jobs.items()):
+            code = procs.exited()
+            if code is not None:
+                if not procs.reported and procs.tries < START_TRIES:
+                    logger.warning("job %r: its cluster exited (%s) before it came up; starting it again", job, code)
+                    procs.start()
+                    continue
+                logger.error(
+                    "job %r: its cluster exited with status %s; its memory is lost (its next attach admits it again)",
+                    job,
+                    code,
+                )
+                self._end(job, "exited")
+                continue
+            procs.ended_why = _ended(procs)
+        for job, waiting in list(self.held.items()):
+            kept = [w for w in waiting if now - w[2] < HOLD_S]
+            for env, _, _ in (w for w in waiting if now - w[2] >= HOLD_S):
+                self._error(env, "timeout", f"job {job!r}'s rank 0 did not attach within {HOLD_S:.0f} s")
+            if kept:
+                self.held[job] = kept
+            else:
+                del self.held[job]
+
+    def stop_all(self) -> None:
+        for job in list(self.jobs):
+            self._end(job, "the shared cluster stopped")
+
+    # -- views
+
+    def status(self, peer: Peer | None = None) -> dict[str, Any]:
+        """What ``shadow status`` shows of a shared cluster: its budget and each job."""
+        b = self.budget
+        rows = []
+        for job, procs in sorted(self.jobs.items()):
+            if peer is not None and not peer.may(job):
+                continue
+            rep = procs.report()
+            rows.append(
+                {
+                    "name": job,
+                    "address": procs.address,
+                    "pid": procs.proc.pid if procs.proc is not None else None,
+                    "memory_bytes": procs.need.bytes,
+                    "cores": list(procs.cores),
+                    "up_s": round(time.monotonic() - procs.since, 1),
+                    "ended": procs.ended_why,
+                    "status": rep["status"] if rep else None,
+                }
+            )
+        return {
+            "front": {
+                "memory_bytes": b.memory,
+                "used_bytes": b.used(),
+                "cores": len(b.cores),
+                "free_cores": len(b.free_cores()),
+                "cores_per_job": self.cfg.cores_per_job,
+                "workers_per_job": self.cfg.workers,
+                "refused": self.refused,
+            },
+            "jobs": rows,
+        }
+
+    # -- helpers
+
+    def _end(self, job: str, why: str) -> None:
+        procs = self.jobs.pop(job)
+        procs.stop()
+        procs.kill()  # what is left of its process group (its workers, when its cluster died)
+        self.budget.release(job)
+        logger.info("job %r ended (%s): its memory is free", job, why)
+
+    def _to_job(self, env: list[bytes], job: str | None, peer: Peer | None, verb: str) -> None:
+        if job is None:
+            mine = [j for j in self.jobs if peer is None or peer.may(j)]
+            if len(mine) != 1:
+                self._error(env, "refused", f"this shared cluster runs {self._names(peer)}: name the job (job=NAME)")
+                return
+            job = mine[0]
+        why = self._scope(peer, job, verb)
+        if why is not None:
+            self._refuse(env, why)
+        elif job in self.jobs:
+            self._moved(env, job)
+        else:
+            self._error(
+                env,
+                "refused",
+                f"job {job!r} does not run on this shared cluster ({self._names(peer)}): its memory was freed, or it "
+                "never ran here; restore it from a tier (`shadow restore source=DIR_OR_URL job=...`)",
+            )
+
+    def _names(self, peer: Peer | None = None) -> str:
+        names = [j for j in sorted(self.jobs) if peer is None or peer.may(j)]
+        return f"jobs {', '.join(names)}" if names else "no job"
+
+    def _scope(self, peer: Peer | None, job: str, verb: str) -> str | None:
+        if peer is None or peer.may(job):
+            return None
+        return (
+            f"this {peer.role} key is limited to jobs {', '.join(peer.jobs or ())}: it may not {verb} job {job!r} "
+            f"(use a key of that job, or ask the cluster's admin to put this key's public half in "
+            f"security.allow_{peer.role}s/{job}/)"
+        )
+
+    def _moved(self, env: list[bytes], job: str) -> None:
+        self.out.reply(env, "moved", job=job, to=self.jobs[job].address)
+
+    def _refuse(self, env: list[bytes], message: str) -> None:
+        self.refused += 1
+        logger.warning("refused: %s", message)
+        self._error(env, "refused", message)
+
+    def _error(self, env: list[bytes], code: str, message: str) -> None:
+        self.out.reply(env, "error", code=code, message=message)
+
+
+def _ended(procs: JobProcs) -> str:
+    """Why job ``procs``' trainers count as gone ("" while they run), from its report."""
+    rep = procs.report()
+    row = next((r for r in (rep["jobs"] if rep else []) if r["name"] == procs.name and r.get("held")), None)
+    if row is None:
+        return procs.ended_why
+    if row["status"] == "detached":
+        return "detached"
+    if row.get("trainers_gone"):
+        return f"no rank heard for {row.get('last_heard_s') or 0:.0f} s"
+    return ""
+
+
+def _starting_row(job: str, procs: JobProcs) -> dict[str, Any]:
+    return {
+        "name": job,
+        "held": True,
+        "status": "starting",
+        "epoch": None,
+        "world": None,
+        "committed": None,
+        "base": None,
+        "generation": None,
+        "ranks_heard": None,
+        "last_heard_s": None,
+        "trainers_gone": None,
+        "dropped": "",
+        "reason": f"its coordinator at {procs.address} is starting",
+        "restorable": {"memory": None},
+    }

@@ -1,0 +1,121 @@
+"""The processes of one admitted job on a shared cluster: a ``shadow cluster`` of its own (a
+coordinator on a port of its own and ``workers`` worker processes), pinned to the job's
+cores, configured as the shared cluster is but for its port, its threads and its report."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from shadow.config import ClusterConfig
+from shadow.front import report
+from shadow.front.admission import Need
+
+logger = logging.getLogger(__name__)
+
+#: the module a job's cluster runs as (``python -m <it> cluster ...``)
+CLUSTER_ENTRY = "shadow"
+#: times a job's cluster that exits before its first report is started again on a new port
+#: (another program took the port between its choice and the bind)
+START_TRIES = 3
+_numbers = itertools.count()
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class JobProcs:
+    """Job ``name``'s cluster process, started at once (:meth:`start`)."""
+
+    def __init__(self, name: str, cfg: ClusterConfig, need: Need, cores: tuple[int, ...], workdir: str) -> None:
+        self.name, self.cfg, self.need, self.cores, self.workdir = name, cfg, need, cores, workdir
+        self.index = next(_numbers)  # its files' names (a job name may be any string)
+        self.report_path = os.path.join(workdir, f"job-{self.index}.report.json")
+        self.since = time.monotonic()
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.tries = 0
+        self.reported = False  # a report came: the coordinator is up (a later exit is a crash, not a bind)
+        self.ended_why = ""  # why its trainers count as gone ("" while they run)
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.cfg.host}:{self.port}"
+
+    def start(self) -> None:
+        self.tries += 1
+        self.port = free_port(self.cfg.host)
+        cfg = self.cfg
+        threads = max(1, len(self.cores) // cfg.workers) if self.cores else cfg.threads_per_worker
+        child = dataclasses.replace(
+            cfg,
+            shared=False,
+            port=self.port,
+            metrics_port=0,
+            report_file=self.report_path,
+            threads_per_worker=threads,
+        )
+        from shadow.cli._compose import to_yaml
+
+        name = f"job-{self.index}-{self.tries}"
+        path = os.path.join(self.workdir, name + ".yaml")
+        with open(path, "w") as f:
+            f.write("defaults:\n  - shadow_cluster\n  - _self_\n\n" + to_yaml(child))
+        cores = self.cores
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", CLUSTER_ENTRY, "cluster", "--config-dir", self.workdir, "--config-name", name],
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+            start_new_session=True,  # a Ctrl-C at the front's terminal reaches the front, which stops it
+        )
+        logger.info(
+            "job %r: its coordinator at %s and %d workers (pid %d)%s",
+            self.name,
+            self.address,
+            cfg.workers,
+            self.proc.pid,
+            f", pinned to cores {list(cores)}" if cores else "",
+        )
+
+    def report(self) -> dict[str, Any] | None:
+        rep = report.read(self.report_path)
+        if rep is not None and self.proc is not None and rep.get("pid") == self.proc.pid:
+            self.reported = True
+            return rep
+        return None
+
+    def exited(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Stop its coordinator and workers (SIGTERM, then SIGKILL after ``wait_s``)."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("job %r: its cluster (pid %d) did not stop in %.0f s; killed", self.name, p.pid, wait_s)
+            self.kill()
+
+    def kill(self) -> None:
+        """Kill its cluster process and its workers (the process group it leads)."""
+        p = self.proc
+        if p is None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()

@@ -1,0 +1,62 @@
+"""What a job's coordinator tells its shared cluster's front: a JSON file it rewrites each
+second (its status and its jobs, as ``shadow status`` and ``shadow jobs`` show them), in the
+front's own directory. A file, not a message: the front needs no key of a role to read it,
+and a coordinator that stalls shows as an old file, not as a hung request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: seconds between two reports
+EVERY_S = 1.0
+#: a report older than this many seconds is stale: its coordinator is stalled or gone
+STALE_S = 15.0
+
+
+class Reporter(threading.Thread):
+    """Rewrites ``path`` every :data:`EVERY_S` with ``coord``'s status and jobs until
+    ``stop`` is set. Reads the coordinator's state without a lock, as its metrics endpoint
+    does; a read that meets a change under way is tried at the next beat."""
+
+    def __init__(self, path: str, coord: Any, stop: threading.Event) -> None:
+        super().__init__(name="front-report", daemon=True)
+        self.path, self.coord, self.stop = path, coord, stop
+
+    def run(self) -> None:
+        from shadow.coordinator.jobs import jobs_view
+
+        while not self.stop.wait(EVERY_S):
+            try:
+                rows, _ = jobs_view(self.coord.state, self.coord.persist)
+                report = {"time": time.time(), "pid": os.getpid(), "status": self.coord.status(), "jobs": rows}
+                write(self.path, report)
+            except (RuntimeError, ValueError, TypeError):  # a dict changed while read: the next beat
+                logger.debug("report skipped", exc_info=True)
+            except OSError as exc:
+                logger.warning("cannot write the report for the shared cluster's front to %s: %s", self.path, exc)
+
+
+def write(path: str, report: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, default=repr)
+    os.replace(tmp, path)
+
+
+def read(path: str) -> dict[str, Any] | None:
+    """The newest report at ``path``, or None (none yet, unreadable, or stale)."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or time.time() - float(report.get("time", 0)) > STALE_S:
+        return None
+    return report

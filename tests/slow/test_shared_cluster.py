@@ -1,0 +1,135 @@
+"""A shared cluster (``shadow cluster shared=true``): several jobs at once behind one address,
+each with a coordinator and workers of its own.
+
+- Two jobs stream at once from one process, and each restores from memory bit for bit; a
+  third that does not fit is refused at its attach with the figures.
+- Three jobs under torchrun at once (one of them with trainer keys limited to it), each
+  SIGKILLed at another iteration and brought back by torchrun's restart with
+  resume='auto' while the others train on, end bit for bit where an uninterrupted run ends;
+  the scoped key reaches its own job only."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainer_hooks
+from shadow import security
+from shadow.core.errors import ShadowError
+from shadow.testing import LocalCluster, assert_same_state, status
+from tests.helpers.keys import role_keys
+from tests.helpers.loop import train_step
+from tests.helpers.tiny_trainer import build
+from tests.slow.test_recovery import CLIP, STEPS, _torchrun
+
+pytestmark = pytest.mark.slow
+
+
+def _same(model, params) -> None:
+    for a, b in zip(params, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_two_jobs_train_at_once_and_each_restores_exactly(world1, tmp_path):
+    args = ("shared=true", "memory_gb=1.2")  # room for two jobs of 2 workers (0.5 GB each with their processes)
+    with LocalCluster(tmp_path, args=args) as cluster:
+        jobs = {}
+        for name, seed in (("alpha", 1), ("beta", 2)):
+            model, opt, sched = build(seed=seed)
+            ddp = DDP(model)
+            session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job=name)
+            jobs[name] = (model, ddp, opt, sched, session, {})
+        for it in range(1, 5):  # interleaved: both jobs stream at once
+            for model, ddp, opt, sched, _, states in jobs.values():
+                train_step(ddp, opt, sched, it)
+                states[it] = [p.detach().clone() for p in model.parameters()]
+        st = status(cluster.address)
+        assert sorted(j["name"] for j in st["jobs"]) == ["alpha", "beta"], st
+        addresses = {j["address"] for j in st["jobs"]}
+        assert len(addresses) == 2 and cluster.address not in addresses
+        assert st["front"]["used_bytes"] == sum(j["memory_bytes"] for j in st["jobs"])
+
+        third, topt, _ = build(seed=3)  # no room for a third: refused at its attach, with the figures
+        with pytest.raises(trainer_hooks.ShadowConnectionError, match=r"attach of job 'gamma' refused: it needs \d"):
+            trainer_hooks.attach(DDP(third), topt, coordinator=cluster.address, job="gamma")
+
+        for name, (*_, session, states) in jobs.items():
+            assert session.close() == 4
+            back, bopt, bsched = build(seed=9)
+            info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job=name)
+            assert info.iteration == 4 and info.tier == "memory", info
+            _same(back, states[4])
+
+
+def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_reaches_its_job_only(world1, tmp_path):
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    code, text = _torchrun(ref, "--out", str(ref / "out"), "--steps", str(STEPS), *CLIP)
+    assert code == 0, text
+    reference = [torch.load(ref / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    keys = role_keys(tmp_path / "keys", scoped={"c_trainer": ("trainer", "team-c"), "c_client": ("client", "team-c")})
+    root = tmp_path / "keys"
+    args = (*keys["args"], "shared=true", "workers=1")
+    cluster = LocalCluster(tmp_path, workers=1, args=args, keys=keys["admin"], env={"SHADOW_WORKER_LOST_S": "3"})
+    trainer_key = {"SHADOW_CURVE_SERVER_KEY": str(root / "server.key")}
+    envs = {
+        "team-a": {**trainer_key, "SHADOW_CURVE_CLIENT_KEY": str(root / "trainers" / "trainer.key_secret")},
+        "team-b": {**trainer_key, "SHADOW_CURVE_CLIENT_KEY": str(root / "trainers" / "trainer.key_secret")},
+        "team-c": {
+            **trainer_key,
+            "SHADOW_CURVE_CLIENT_KEY": str(root / "trainers" / "team-c" / "c_trainer.key_secret"),
+        },
+    }
+    kills = {"team-a": "0:4:all", "team-b": "0:7:1", "team-c": "0:5:0"}  # at other iterations, other ranks
+    results: dict[str, tuple[int, str]] = {}
+
+    def launch(job: str) -> None:
+        run = tmp_path / job
+        run.mkdir()
+        for env in envs.values():
+            env["SHADOW_CONNECT_TIMEOUT_S"] = "300"  # three jobs' workers start at once on a small machine
+        results[job] = _torchrun(
+            run,
+            *("--mode", "auto", "--coordinator", cluster.address, "--out", str(run / "out")),
+            *("--steps", str(STEPS), *CLIP, "--job", job, "--kill-in-round", kills[job]),
+            restarts=4,
+            env=envs[job],
+        )
+
+    try:
+        threads = [threading.Thread(target=launch, args=(job,)) for job in envs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for job in envs:
+            code, text = results[job]
+            assert code == 0, f"{job}:\n{text}"
+            for r in range(2):
+                final = torch.load(tmp_path / job / "out" / f"rank{r}.pt", weights_only=True)
+                assert final["round"] >= 1, (job, final["round"])  # killed once at least, restarted by torchrun
+                assert_same_state(final, reference[r])
+                assert final["losses"] == reference[r]["losses"][final["start"] :]
+                assert final["committed"] == STEPS, (job, final["committed"])
+        st = status(cluster.address, keys=keys["admin"])
+        assert sorted(j["name"] for j in st["jobs"]) == ["team-a", "team-b", "team-c"], st
+
+        scoped = keys["c_client"]  # team-c's client key: its job only
+        assert [j["name"] for j in status(cluster.address, keys=scoped)["jobs"]] == ["team-c"]
+        security.set_client(scoped)
+        fresh, fopt, fsched = build(seed=3)
+        with pytest.raises(ShadowError, match="limited to jobs team-c: it may not restore job 'team-a'"):
+            trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="team-a", rank=0)
+        info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="team-c", rank=0)
+        assert info.iteration == STEPS and info.tier == "memory", info
+        security.set_client(keys["c_trainer"])
+        with pytest.raises(ShadowError, match="limited to jobs team-c: it may not attach to job 'team-b'"):
+            other, oopt, _ = build(seed=5)
+            trainer_hooks.attach(DDP(other), oopt, coordinator=cluster.address, job="team-b")
+    finally:
+        security.reset_client()
+        cluster.stop()
