@@ -215,9 +215,10 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
 
     thread = threading.Thread(target=run_coordinator, name="coordinator", daemon=True)
     thread.start()
-    if cfg.report_file:
+    if cfg.report_file:  # a shared cluster's front started it: it reports, and gives its memory back on SIGUSR1
         from shadow.front.report import Reporter
 
+        signal.signal(signal.SIGUSR1, lambda *_: setattr(coord, "keep_last_asked", True))
         Reporter(cfg.report_file, coord, stop).start()
     workers = _Workers(cfg, address, coord.tuning)
     try:

@@ -90,6 +90,10 @@ class Coordinator:
         # each message and periodic step timed; a slow one logged by name, a stalled one with its stack
         self.watch = self.state.loop = LoopWatch(self.tuning.loop_slow_s)
         self._stop = False
+        # a shared cluster's front wants the memory (SIGUSR1 to `shadow cluster`): the held job's
+        # last iteration to the local tier first (:meth:`Cut.keep_last`); ``last_kept``: done
+        self.keep_last_asked = False
+        self.last_kept = False
         self._build()
 
     def _build(self) -> None:
@@ -192,6 +196,8 @@ class Coordinator:
         """Run every periodic step; one that raises (state built from some message) is
         counted and logged, and the others still run."""
         watch = self.watch
+        if self.keep_last_asked and self.cut.keep_last() is None:  # on the tier, or it cannot be
+            self.keep_last_asked, self.last_kept = False, True
         for name, step in self.periodic.items():
             watch.begin(name)
             try:

@@ -22,8 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shadow.config import ClusterConfig
+from shadow.config import ClusterConfig, PersistConfig
+from shadow.coordinator.cluster import ClusterState
+from shadow.coordinator.jobs import jobs_view
 from shadow.coordinator.outbox import Outbox
+from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.routes import ADMIN, READERS, TRAINER
 from shadow.core.jobs import job_name_problem
 from shadow.front.admission import Budget, gb, need_of
@@ -45,6 +48,12 @@ ROLES: dict[str, frozenset[str]] = {
 }
 #: seconds a rank's attach waits at the front for its job's rank 0 (which carries the layout)
 HOLD_S = 120.0
+#: seconds an ended job is given to write its last iteration to the local tier before its
+#: memory goes to a new job anyway
+RECLAIM_S = 60.0
+#: the most seconds an attach that does not fit waits for every job's next report before
+#: it is refused (reports come every second)
+SETTLE_S = 5.0
 
 
 class Front:
@@ -59,11 +68,20 @@ class Front:
         budget: Budget,
         workdir: str,
         spawn: Callable[..., JobProcs] = JobProcs,
+        tiers: Callable[[], Persistence] | None = None,
     ) -> None:
         self.cfg, self.out, self.budget, self.workdir, self.spawn = cfg, out, budget, workdir, spawn
+        # the tiers as read now (what jobs that do not run hold there): read at the start and
+        # again each time a job ends (its last writes are done then)
+        self.read_tiers = tiers or (lambda: Persistence(PersistConfig(durable=False)))
+        self.tiers = self.read_tiers()
+        self.nobody = ClusterState(expected=cfg.workers, replicas=cfg.replicas, tuning=cfg.tuning.resolve())
         self.jobs: dict[str, JobProcs] = {}
         self.held: dict[str, list[tuple[list[bytes], int, float]]] = {}  # job -> [(envelope, rank, since)]
         self.refused = 0
+        self.reclaiming: dict[str, float] = {}  # ended job -> when its memory was asked back
+        # job -> its rank 0's attach, held for the jobs' next reports (since, wall time) or a reclaim (0.0)
+        self.admitting: dict[str, tuple[list[bytes], dict, float]] = {}
         self.max_bytes = cfg.tuning.resolve().max_commit_bytes  # the most an attach may carry
 
     # -- messages
@@ -110,7 +128,10 @@ class Front:
             return
         self._admit(env, job, msg)
 
-    def _admit(self, env: list[bytes], job: str, msg: dict) -> None:
+    def _admit(self, env: list[bytes], job: str, msg: dict, settled: bool = False) -> None:
+        """Admit ``job`` (rank 0's attach ``msg``), or make room for it from ended jobs, or
+        refuse it. Before a refusal the jobs' next reports are awaited (``settled``): a job
+        whose ranks detached a moment ago counts as ended."""
         cfg = self.cfg
         try:
             need, optim = need_of(msg, cfg.workers, cfg.replicas, cfg.persist.local.enabled, cfg.cores_per_job)
@@ -118,6 +139,17 @@ class Front:
             self._refuse(env, f"attach of job {job!r}: {exc}")
             return
         given = self.budget.admit(job, need, optim, {j: p.ended_why for j, p in self.jobs.items() if p.ended_why})
+        if isinstance(given, str) and not settled:
+            self.admitting[job] = (env, msg, time.time())
+            return
+        if isinstance(given, str) and self._reclaim_for(job, need):
+            self.admitting[job] = (env, msg, 0.0)
+            names = ", ".join(repr(j) for j in self.reclaiming)
+            reason = (
+                f"the memory of ended job {names} is being freed for job {job!r} (its last iteration to the tier first)"
+            )
+            self.out.reply(env, "waiting", ready=0, expected=0, starting=0, reason=reason)
+            return
         if isinstance(given, str):
             logger.warning("%s", given)
             for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
@@ -158,6 +190,9 @@ class Front:
                 elif row["name"] not in self.jobs:
                     rows.setdefault(row["name"], row)  # a job known from the tiers (every coordinator lists it)
             rows[job] = own or _starting_row(job, procs)
+        for row in jobs_view(self.nobody, self.tiers)[0]:  # what the tiers hold, as the front read them
+            if row["name"] not in self.jobs:
+                rows[row["name"]] = row
         visible = [r for n, r in sorted(rows.items()) if peer is None or peer.may(n)]
         held = [r for r in visible if r["name"] in self.jobs]
         self.out.reply(env, "jobs_reply", jobs=held + [r for r in visible if r["name"] not in self.jobs], window_s=0.0)
@@ -189,6 +224,54 @@ class Front:
             "the tiers stay",
         )
 
+    def _reclaim_for(self, job: str, need) -> bool:
+        """Ask ended jobs, oldest first, for their memory (and cores) until ``need`` fits:
+        each writes its last iteration to the local tier, then stops (:meth:`_reclaimed`).
+        False when even all of them would not make room."""
+        b = self.budget
+        free, cores = b.memory - b.used(), len(b.free_cores())
+        ended = sorted((p.since, j) for j, p in self.jobs.items() if p.ended_why and j not in self.reclaiming)
+        chosen = []
+        for _, j in ended:
+            if free >= need.bytes and cores >= need.cores:
+                break
+            held, given = b.held[j]
+            free, cores = free + held, cores + len(given)
+            chosen.append(j)
+        if free < need.bytes or cores < need.cores or not (chosen or self.reclaiming):
+            return False
+        now = time.monotonic()
+        for j in chosen:
+            logger.info("job %r: asking ended job %r for its memory (its last iteration to the tier first)", job, j)
+            self.jobs[j].ask_last()
+            self.reclaiming[j] = now
+        return True
+
+    def _reclaimed(self, now: float) -> None:
+        """End the jobs asked for their memory once their last iteration is on the local tier
+        (or after :data:`RECLAIM_S`); a job whose trainers came back keeps it. Then admit the
+        jobs that waited."""
+        for j, since in list(self.reclaiming.items()):
+            procs = self.jobs.get(j)
+            if procs is None or not procs.ended_why:
+                del self.reclaiming[j]  # ended otherwise, or its trainers are back: it keeps its memory
+                continue
+            rep = procs.report()
+            kept = bool(rep and rep.get("last_kept")) or not self.cfg.persist.local.enabled
+            if kept or now - since > RECLAIM_S:
+                if not kept:
+                    logger.warning("job %r: its last iteration was not on the local tier after %.0f s", j, RECLAIM_S)
+                del self.reclaiming[j]
+                self._end(j, "its memory went to a new job")
+        if self.reclaiming:
+            return
+        for job, (env, msg, since) in list(self.admitting.items()):
+            reports = [p.report() for p in self.jobs.values()]
+            if since and time.time() - since < SETTLE_S and any(r is None or r["time"] <= since for r in reports):
+                continue  # a job's next report may say it ended
+            del self.admitting[job]
+            self._admit(env, job, msg, settled=True)
+
     # -- periodic
 
     def tick(self) -> None:
@@ -208,6 +291,7 @@ class Front:
                 self._end(job, "exited")
                 continue
             procs.ended_why = _ended(procs)
+        self._reclaimed(now)
         for job, waiting in list(self.held.items()):
             kept = [w for w in waiting if now - w[2] < HOLD_S]
             for env, _, _ in (w for w in waiting if now - w[2] >= HOLD_S):
@@ -264,6 +348,7 @@ class Front:
         procs.kill()  # what is left of its process group (its workers, when its cluster died)
         self.budget.release(job)
         logger.info("job %r ended (%s): its memory is free", job, why)
+        self.tiers = self.read_tiers()
 
     def _to_job(self, env: list[bytes], job: str | None, peer: Peer | None, verb: str) -> None:
         if job is None:
@@ -277,6 +362,14 @@ class Front:
             self._refuse(env, why)
         elif job in self.jobs:
             self._moved(env, job)
+        elif verb == "restore":  # a job that does not run here now: its tiers, read directly
+            info = {
+                "memory": None,
+                "memory_error": f"job {job!r} does not run on this shared cluster now ({self._names(peer)})",
+                "storage": self.tiers.storage(),
+                "job": None,
+            }
+            self.out.reply(env, "restore_info_reply", info=info)
         else:
             self._error(
                 env,

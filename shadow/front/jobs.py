@@ -94,6 +94,12 @@ class JobProcs:
             return rep
         return None
 
+    def ask_last(self) -> None:
+        """Ask its coordinator to write its last iteration to the local tier (SIGUSR1): its
+        memory is wanted; the report's ``last_kept`` says when it is done."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
 

@@ -35,7 +35,13 @@ class Reporter(threading.Thread):
         while not self.stop.wait(EVERY_S):
             try:
                 rows, _ = jobs_view(self.coord.state, self.coord.persist)
-                report = {"time": time.time(), "pid": os.getpid(), "status": self.coord.status(), "jobs": rows}
+                report = {
+                    "time": time.time(),
+                    "pid": os.getpid(),
+                    "status": self.coord.status(),
+                    "jobs": rows,
+                    "last_kept": self.coord.last_kept,  # its last iteration is on the local tier, as asked
+                }
                 write(self.path, report)
             except (RuntimeError, ValueError, TypeError):  # a dict changed while read: the next beat
                 logger.debug("report skipped", exc_info=True)

@@ -38,7 +38,12 @@ def run_front(cfg: ClusterConfig) -> int:
     guard = security.guard_from_config(cfg.security)
     out = ZmqOutbox()
     workdir = tempfile.mkdtemp(prefix="shadow-front-")  # 0700: the jobs' configs and reports
-    front = Front(cfg, out, budget, workdir)
+    from shadow.coordinator.persistence import Persistence
+    from shadow.persist import signing
+
+    sign_key = signing.load_key(cfg.security.manifest_key) if cfg.persist.sign else None
+    tuning = cfg.tuning.resolve()
+    front = Front(cfg, out, budget, workdir, tiers=lambda: Persistence(cfg.persist, tuning, sign_key))
     address = f"tcp://{cfg.host}:{cfg.port}"
     sock = SocketFactory(zmq.Context.instance(), guard=guard).router(M.socket_limit("coordinator", front.max_bytes))
     try:

@@ -5,10 +5,12 @@ with its job processes stood in for: admission with the figures, held ranks, sco
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 
 from shadow.config import ClusterConfig, PersistConfig
+from shadow.config.tiers import LocalTierConfig
 from shadow.coordinator.outbox import RecordingOutbox
 from shadow.core.layout import Layout
 from shadow.front.admission import GB, WORKER_FIXED_BYTES, Budget
@@ -30,6 +32,8 @@ class FakeProcs:
         self.stopped = False
         self.since = 0.0
         self.proc = None
+        self.asked_last = False
+        self.last_kept = False
 
     @property
     def address(self) -> str:
@@ -43,7 +47,10 @@ class FakeProcs:
         return self.code
 
     def report(self):
-        return {"status": {"job": self.name}, "jobs": self.rows}
+        return {"time": time.time(), "status": {"job": self.name}, "jobs": self.rows, "last_kept": self.last_kept}
+
+    def ask_last(self) -> None:
+        self.asked_last = True
 
     def stop(self) -> None:
         self.stopped = True
@@ -52,8 +59,11 @@ class FakeProcs:
         pass
 
 
-def _front(memory_gb: float = 10.0, cores: int = 4, cores_per_job: int = 0, workers: int = 2) -> Front:
-    cfg = ClusterConfig(workers=workers, shared=True, persist=PersistConfig(durable=False), cores_per_job=0)
+def _front(
+    memory_gb: float = 10.0, cores: int = 4, cores_per_job: int = 0, workers: int = 2, tier: bool = False
+) -> Front:
+    persist = PersistConfig(local=LocalTierConfig(dir="/nonexistent")) if tier else PersistConfig(durable=False)
+    cfg = ClusterConfig(workers=workers, shared=True, persist=persist, cores_per_job=0)
     cfg.cores_per_job = cores_per_job  # (past the check against this machine's cores)
     return Front(cfg, RecordingOutbox(), Budget(int(memory_gb * GB), range(cores)), "/nonexistent", FakeProcs)
 
@@ -97,6 +107,8 @@ def test_a_job_that_does_not_fit_is_refused_with_the_figures_and_its_held_ranks_
     f.on_message([b"b0", _attach("b")], "trainer")
     f.on_message([b"c1", _attach("c", rank=1)], "trainer")
     f.on_message([b"c0", _attach("c")], "trainer")
+    assert "error" not in f.out.kinds(b"c0")  # refused once every job's next report is in: none ended
+    f.tick()
     for ident in (b"c0", b"c1"):
         err = f.out.last("error", ident)
         assert err["code"] == "refused", err
@@ -108,15 +120,53 @@ def test_a_job_that_does_not_fit_is_refused_with_the_figures_and_its_held_ranks_
     assert need.bytes == (1 << 20) * 4 * (3 + 2) + 2 * WORKER_FIXED_BYTES  # 3 arrays, 2 in flight, no tier
 
 
-def test_an_ended_job_is_named_in_a_refusal_and_a_drop_frees_its_memory():
+def test_an_ended_jobs_memory_goes_to_a_new_job_once_its_last_iteration_is_on_the_tier():
+    f = _front(memory_gb=1.2, tier=True)
+    for job in ("a", "b"):
+        f.on_message([job.encode(), _attach(job)], "trainer")
+    a = f.jobs["a"]
+    a.rows = [{"name": "a", "held": True, "status": "running", "trainers_gone": True, "last_heard_s": 40}]
+    f.tick()
+    assert a.ended_why == "no rank heard for 40 s"
+    f.on_message([b"d0", _attach("d", elements=1 << 30)], "trainer")  # more than every ended job frees
+    f.tick()
+    msg = f.out.last("error", b"d0")["message"]
+    assert "ended jobs among them: a (no rank heard for 40 s): `shadow drop job=NAME` frees one" in msg, msg
+    assert not a.asked_last
+    f.on_message([b"c0", _attach("c")], "trainer")  # fits once a's memory is back: held meanwhile
+    f.tick()
+    assert f.out.kinds(b"c0") == ["waiting"] and "memory of ended job 'a'" in f.out.last("waiting", b"c0")["reason"]
+    assert a.asked_last and "a" in f.jobs
+    f.tick()  # its last iteration not on the tier yet
+    assert "a" in f.jobs and "c" not in f.jobs
+    a.last_kept = True
+    f.tick()
+    assert "a" not in f.jobs and a.stopped and f.out.last("moved", b"c0")["job"] == "c"
+
+
+def test_an_ended_job_whose_trainers_come_back_keeps_its_memory():
     f = _front(memory_gb=1.2)
     for job in ("a", "b"):
         f.on_message([job.encode(), _attach(job)], "trainer")
-    f.jobs["a"].rows = [{"name": "a", "held": True, "status": "running", "trainers_gone": True, "last_heard_s": 40}]
+    a = f.jobs["a"]
+    a.rows = [{"name": "a", "held": True, "status": "detached"}]
     f.tick()
     f.on_message([b"c0", _attach("c")], "trainer")
-    msg = f.out.last("error", b"c0")["message"]
-    assert "ended jobs among them: a (no rank heard for 40 s): `shadow drop job=NAME` frees one" in msg, msg
+    f.tick()
+    assert a.asked_last and f.reclaiming == {"a": f.reclaiming["a"]}
+    a.rows = [{"name": "a", "held": True, "status": "running", "trainers_gone": False}]  # relaunched
+    f.tick()
+    assert "a" in f.jobs and not a.stopped and not f.reclaiming
+    err = f.out.last("error", b"c0")
+    assert "attach of job 'c' refused" in err["message"], err
+
+
+def test_a_drop_frees_a_jobs_memory_at_once():
+    f = _front(memory_gb=1.2)
+    for job in ("a", "b"):
+        f.on_message([job.encode(), _attach(job)], "trainer")
+    f.jobs["a"].rows = [{"name": "a", "held": True, "status": "running", "trainers_gone": True, "last_heard_s": 9}]
+    f.tick()
     f.on_message([b"x", M.encode("drop", job="a", force=False)], "admin")
     assert f.out.last("drop_reply", b"x")["job"] == "a" and "a" not in f.jobs
     f.on_message([b"c0", _attach("c")], "trainer")
@@ -142,6 +192,7 @@ def test_cores_per_job_are_given_apart_and_run_out():
     f.on_message([b"b0", _attach("b")], "trainer")
     assert f.jobs["a"].cores == (0, 1) and f.jobs["b"].cores == (2, 3)
     f.on_message([b"c0", _attach("c")], "trainer")
+    f.tick()
     assert "it needs 2 cores of its own and 0 of 4 are free" in f.out.last("error", b"c0")["message"]
     f.on_message([b"x", M.encode("drop", job="a", force=True)], "admin")
     f.on_message([b"c0", _attach("c")], "trainer")
@@ -181,7 +232,10 @@ def test_what_a_front_does_not_take_is_refused_and_a_malformed_message_answered(
     assert f.out.last("error", b"m")["code"] == "malformed"
     f.on_message([b"n", _attach("bad/name")], "trainer")
     assert f.out.last("error", b"n")["code"] == "refused"
-    f.on_message([b"r", M.encode("restore_info", job="nowhere")], "client")
+    f.on_message([b"r", M.encode("restore_info", job="nowhere")], "client")  # not running: its tiers, read directly
+    info = f.out.last("restore_info_reply", b"r")["info"]
+    assert info["memory"] is None and "does not run on this shared cluster now" in info["memory_error"], info
+    f.on_message([b"r", M.encode("catalog", tier="local", job="nowhere")], "client")
     assert "does not run on this shared cluster" in f.out.last("error", b"r")["message"]
 
 

@@ -70,12 +70,12 @@ def test_a_bucket_reduced_twice_is_still_raised(world1, shared_cluster, job):
 def test_a_failed_resync_is_tried_again_and_the_run_is_protected_again(world1, shared_cluster, job, monkeypatch):
     """A resync whose re-attach fails (here: it raises once, as one that outlasts
     SHADOW_CONNECT_TIMEOUT_S does) leaves the rank training unprotected, but not for the rest
-    of the run: it tries again after RETRY_FIRST_STEPS steps, once the coordinator answers
-    with every worker ready, re-attaches at the iteration it reached, and the last iteration
-    restores bit for bit."""
+    of the run: it tries again every RETRY_STEPS steps, once its probe (a thread of its own)
+    has found the coordinator answering with every worker ready, re-attaches at the iteration
+    it reached, and the last iteration restores bit for bit."""
     from trainer_hooks.session import session as session_mod
 
-    monkeypatch.setattr(session_mod, "RETRY_FIRST_STEPS", 3)
+    monkeypatch.setattr(session_mod, "RETRY_STEPS", 3)
     model, opt, sched = build()
     ddp = DDP(model)
     session = trainer_hooks.attach(ddp, opt, coordinator=shared_cluster.address, scheduler=sched, job=job)

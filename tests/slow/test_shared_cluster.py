@@ -133,3 +133,32 @@ def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_re
     finally:
         security.reset_client()
         cluster.stop()
+
+
+def test_an_ended_jobs_memory_goes_to_the_next_job_after_its_last_iteration_is_written(world1, tmp_path):
+    """Room for one job: job a detaches; job b's attach waits while a's last iteration (off the
+    tier's schedule) is written to the local tier, then takes a's memory; a restores from
+    the tier through the cluster's address, bit for bit at its last iteration."""
+    local = tmp_path / "local"
+    args = ("shared=true", "memory_gb=0.8", f"persist.local.dir={local}", "persist.local.every_n=100")
+    with LocalCluster(tmp_path, args=args) as cluster:
+        model, opt, sched = build(seed=1)
+        ddp = DDP(model)
+        session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="a")
+        for it in range(1, 4):
+            train_step(ddp, opt, sched, it)
+        last = [p.detach().clone() for p in model.parameters()]
+        assert session.close() == 3
+
+        other, oopt, osched = build(seed=2)
+        oddp = DDP(other)
+        session = trainer_hooks.attach(oddp, oopt, coordinator=cluster.address, scheduler=osched, job="b")
+        train_step(oddp, oopt, osched, 1)
+        assert [j["name"] for j in status(cluster.address)["jobs"]] == ["b"]
+        assert "asking ended job 'a' for its memory" in cluster.log.read_text()
+
+        back, bopt, bsched = build(seed=9)
+        info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job="a")
+        assert info.iteration == 3 and info.tier == "local", info
+        _same(back, last)
+        assert session.close() == 1

@@ -49,7 +49,7 @@ from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
-from trainer_hooks.session.retry import RETRY_FIRST_STEPS, RETRY_MAX_STEPS, cluster_not_ready
+from trainer_hooks.session.retry import RETRY_STEPS, Prober
 from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
 from trainer_hooks.session.tally import Tally
 from trainer_hooks.session.transfer import HostCopy
@@ -115,7 +115,8 @@ class Session:
         self._failed: str | None = None  # a resync that could not re-attach
         # after a failed resync: the iteration it failed at, the steps trained since, and the
         # step count at which to try again (``_retry``)
-        self._lost: tuple[int, int, int, int] | None = None  # (at, steps since, next try, interval)
+        self._lost: tuple[int, int, int] | None = None  # (at, steps since, next try)
+        self._prober: Prober | None = None  # while a failed resync waits: is the cluster ready again?
         self._tally = Tally(start, self.rank, options.tuning.unprotected_warn_iterations)  # across attachments
         self._slot = wiring.slot_of(ddp_model)  # FSDP2: None
         self._attach(start, overwrite, carry=None)
@@ -202,13 +203,13 @@ class Session:
             self._attach(k, overwrite=True, carry=self.recorder.last_record, wait_s=self._resync_wait_s())
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
-            self._lost = (k, 0, RETRY_FIRST_STEPS, RETRY_FIRST_STEPS)
+            self._lost = (k, 0, RETRY_STEPS)
+            self._prober = Prober(self.coordinator, self.options.tuning, self.options.job)
             self._unhooked()
             logger.error(
-                "rank %d: %s; training continues without the shadow, and tries again in %d steps",
+                "rank %d: %s; training continues without the shadow, and tries again once the cluster is ready",
                 self.rank,
                 self._failed,
-                RETRY_FIRST_STEPS,
             )
             return
         logger.info(
@@ -237,20 +238,19 @@ class Session:
         )
 
     def _retry(self) -> None:
-        """Before a forward, after a failed resync: at the step count every rank reaches at
-        the same iteration (they failed at the same one), re-attach at this iteration, from
-        this rank's state as it stands (as a first attach does). Only once the coordinator
-        answers with every worker ready, so that a cluster still gone costs a short probe,
-        not an attach's wait; a failed try doubles the interval, up to
-        :data:`RETRY_MAX_STEPS`."""
+        """Before a forward, after a failed resync: every :data:`RETRY_STEPS` steps (a step
+        count every rank reaches at the same iteration: they failed at the same one), if the
+        probe has found the cluster ready (:class:`~trainer_hooks.session.retry.Prober`, on a
+        thread of its own), re-attach at this iteration, from this rank's state as it stands
+        (as a first attach does)."""
         if self._lost is None:
             return
-        at, steps, due, every = self._lost
+        at, steps, due = self._lost
         if steps < due:
             return
         k = at + steps  # the iteration this rank completed
-        self._lost = (at, steps, steps + min(2 * every, RETRY_MAX_STEPS), min(2 * every, RETRY_MAX_STEPS))
-        why = cluster_not_ready(self.coordinator, self.options.tuning, self.options.job)
+        self._lost = (at, steps, steps + RETRY_STEPS)
+        why = self._prober.not_ready() if self._prober is not None else None
         if why is not None:
             logger.info("rank %d: no new resync at iteration %d: %s", self.rank, k, why)
             return
@@ -260,10 +260,16 @@ class Session:
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
             self._unhooked()
-            logger.error("rank %d: %s; tries again in %d steps", self.rank, self._failed, self._lost[2] - steps)
+            logger.error("rank %d: %s; tries again in %d steps", self.rank, self._failed, RETRY_STEPS)
             return
         self._failed, self._lost = None, None
+        self._stop_probe()
         logger.warning("rank %d resynced the shadow cluster at iteration %d, after a failed resync", self.rank, k)
+
+    def _stop_probe(self) -> None:
+        if self._prober is not None:
+            self._prober.stop()
+            self._prober = None
 
     def add_param_group(self, group: dict) -> None:
         """``optimizer.add_param_group(group)``, then re-attach with the new layout: the
@@ -319,8 +325,8 @@ class Session:
         (``stats()["unprotected_steps"]``, the metric ``shadow_trainer_unprotected_steps``)
         and warned about (:meth:`Tally.step`)."""
         if self._lost is not None:
-            at, steps, due, every = self._lost
-            self._lost = (at, steps + 1, due, every)
+            at, steps, due = self._lost
+            self._lost = (at, steps + 1, due)
         self._tally.step(self.degraded, self.iteration, self.committed)
 
     def _before_forward(self) -> None:
@@ -360,8 +366,9 @@ class Session:
         """
         if not self.closed:
             self._detach(wait)
-        elif self._failed is not None:  # the failed resync's step counter
+        elif self._failed is not None:  # the failed resync's step counter and probe
             self._wiring.remove()
+        self._stop_probe()
         return self.committed
 
     @property
