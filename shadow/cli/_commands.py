@@ -33,13 +33,16 @@ def cmd_status(cfg: StatusConfig) -> int:
     from shadow.wire import messages as M
 
     def fetch() -> dict:
-        return ask(cfg.address, M.encode("status"), cfg.timeout, ("status_reply",))["status"]
+        payload = M.encode("status", **({"job": cfg.job} if cfg.job else {}))
+        return ask(cfg.address, payload, cfg.timeout, ("status_reply",))["status"]
 
     st = fetch()
     if cfg.json:
         _print_json(st)
         return 0
-    from shadow.cli._render import render_status, status_panel, stdout_console
+    from shadow.cli._render import stdout_console
+    from shadow.cli._render_front import any_panel as status_panel
+    from shadow.cli._render_front import render_any as render_status
 
     if not cfg.watch:
         _unreadable_status(render_status, st, cfg.address)

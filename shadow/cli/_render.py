@@ -176,7 +176,8 @@ def render_status(st: dict, address: str) -> None:
 
 def status_panel(st: dict, address: str) -> Group:
     """What :func:`render_status` prints, as one renderable (``shadow status watch=``
-    redraws it in place): the workers' table, then the job, the tiers and security."""
+    redraws it in place): the workers' table, then the job, the tiers and security
+    (a shared cluster's: :func:`shadow.cli._render_front.any_panel`)."""
     return Group(_workers_table(st, address), *_job_lines(st.get("job")), *_cluster_lines(st))
 
 

@@ -15,6 +15,7 @@ class StatusConfig:
     """What the cluster is doing: workers, ranges, committed iteration, lag, tiers."""
 
     address: str = "tcp://127.0.0.1:5555"  #: the coordinator's address
+    job: str = ""  #: a shared cluster: this job's cluster only (empty: every job)
     json: bool = False  #: print the raw status as JSON (also: --json)
     watch: float = 0.0  #: redraw every this many seconds until Ctrl-C (0 = once)
     timeout: float = 5.0  #: seconds to wait for the coordinator

@@ -28,6 +28,7 @@ from shadow.coordinator.jobs import jobs_view
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.routes import ADMIN, READERS, TRAINER
+from shadow.coordinator.trainers import heard_window_s
 from shadow.core.jobs import job_name_problem
 from shadow.front.admission import Budget, gb, need_of
 from shadow.front.jobs import START_TRIES, JobProcs
@@ -195,7 +196,8 @@ class Front:
                 rows[row["name"]] = row
         visible = [r for n, r in sorted(rows.items()) if peer is None or peer.may(n)]
         held = [r for r in visible if r["name"] in self.jobs]
-        self.out.reply(env, "jobs_reply", jobs=held + [r for r in visible if r["name"] not in self.jobs], window_s=0.0)
+        rest = [r for r in visible if r["name"] not in self.jobs]
+        self.out.reply(env, "jobs_reply", jobs=held + rest, window_s=heard_window_s(self.nobody.tuning))
 
     def _on_drop(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
         job = msg["job"]

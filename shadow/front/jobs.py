@@ -66,12 +66,12 @@ class JobProcs:
             report_file=self.report_path,
             threads_per_worker=threads,
         )
-        from shadow.cli._compose import to_yaml
+        from omegaconf import OmegaConf
 
         name = f"job-{self.index}-{self.tries}"
         path = os.path.join(self.workdir, name + ".yaml")
         with open(path, "w") as f:
-            f.write("defaults:\n  - shadow_cluster\n  - _self_\n\n" + to_yaml(child))
+            f.write("defaults:\n  - shadow_cluster\n  - _self_\n\n" + OmegaConf.to_yaml(OmegaConf.structured(child)))
         cores = self.cores
         self.proc = subprocess.Popen(
             [sys.executable, "-m", CLUSTER_ENTRY, "cluster", "--config-dir", self.workdir, "--config-name", name],

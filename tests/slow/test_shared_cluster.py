@@ -20,6 +20,7 @@ import trainer_hooks
 from shadow import security
 from shadow.core.errors import ShadowError
 from shadow.testing import LocalCluster, assert_same_state, status
+from tests.helpers.cli import shadow_cli
 from tests.helpers.keys import role_keys
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
@@ -51,6 +52,14 @@ def test_two_jobs_train_at_once_and_each_restores_exactly(world1, tmp_path):
         addresses = {j["address"] for j in st["jobs"]}
         assert len(addresses) == 2 and cluster.address not in addresses
         assert st["front"]["used_bytes"] == sum(j["memory_bytes"] for j in st["jobs"])
+
+        out = shadow_cli("status", f"address={cluster.address}")
+        assert out.returncode == 0 and "shared shadow cluster" in out.stdout, out
+        assert "job alpha" in out.stdout and "job beta" in out.stdout and "2/2 workers ready" in out.stdout, out.stdout
+        out = shadow_cli("status", f"address={cluster.address}", "job=beta")  # that job's cluster alone
+        assert out.returncode == 0 and "shared" not in out.stdout and "2/2 workers ready" in out.stdout, out
+        out = shadow_cli("jobs", f"address={cluster.address}")
+        assert out.returncode == 0 and "alpha" in out.stdout and "beta" in out.stdout, out
 
         third, topt, _ = build(seed=3)  # no room for a third: refused at its attach, with the figures
         with pytest.raises(trainer_hooks.ShadowConnectionError, match=r"attach of job 'gamma' refused: it needs \d"):

@@ -1,0 +1,43 @@
+"""``shadow status`` of a shared cluster (``shadow cluster shared=true``): its budget and
+jobs, then each job's cluster as ``shadow status`` shows a cluster of one job."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from shadow.cli._render import _dur, status_panel, stdout_console
+
+
+def any_panel(st: dict, address: str) -> Group:
+    """A shared cluster's :func:`front_panel`, or a cluster's ``status_panel``."""
+    return front_panel(st, address) if "front" in st else status_panel(st, address)
+
+
+def render_any(st: dict, address: str) -> None:
+    stdout_console().print(any_panel(st, address))
+
+
+def front_panel(st: dict, address: str) -> Group:
+    f = st["front"]
+    t = Table(
+        title=f"shared shadow cluster {address}: {len(st['jobs'])} jobs, "
+        f"{f['used_bytes'] / 1e9:.2f} of {f['memory_bytes'] / 1e9:.2f} GB and "
+        f"{f['cores'] - f['free_cores']} of {f['cores']} cores held"
+    )
+    for col in ("job", "coordinator", "memory GB", "cores", "up", "trainers"):
+        t.add_column(col, justify="right" if col in ("memory GB", "up") else "left")
+    parts: list = [t]
+    for j in st["jobs"]:
+        cores = ",".join(map(str, j["cores"])) or "shared"
+        trainers = f"[yellow]ended[/yellow]: {escape(j['ended'])}" if j["ended"] else "running"
+        t.add_row(escape(j["name"]), j["address"], f"{j['memory_bytes'] / 1e9:.2f}", cores, _dur(j["up_s"]), trainers)
+        if j["status"] is not None:
+            parts += [Text(""), status_panel(j["status"], f"{j['address']} (job {j['name']})")]
+        else:
+            parts.append(Text(f"job {j['name']}: its coordinator at {j['address']} has not reported yet"))
+    if f["refused"]:
+        parts.append(Text(f"attaches refused by the front: {f['refused']}"))
+    return Group(*parts)
