@@ -11,7 +11,8 @@ trainer overhead (bench_overhead), replay vs torch fused and the bandwidth basel
 (bench_replay), the worker's apply path (bench_apply), transport vs bare pyzmq
 (bench_transport), restore vs DCP load (bench_restore), scaling and sizing
 (bench_scaling), compression of persisted shards (bench_compress), shard writes vs raw
-O_DIRECT and torch.save (bench_persist), replicas' cost and heal (bench_replicas), what a
+O_DIRECT and torch.save (bench_persist), replicas' cost and heal (bench_replicas), jobs on one
+shared cluster against each alone on its share (bench_shared), what a
 failure costs from the kill to training again against DCP and torch.save (bench_recovery), what
 strangers with no key cost a keyed worker (bench_attack), and the
 GPU set (bench_gpu, skipped where torch sees no CUDA device). After each it prints every
@@ -58,6 +59,7 @@ REGISTRY = [
     "bench_compress",
     "bench_persist",
     "bench_replicas",
+    "bench_shared",
     "bench_recovery",
     "bench_attack",
     "bench_fsdp",
