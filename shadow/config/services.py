@@ -79,6 +79,9 @@ class ClusterConfig(CoordinatorConfig):
     shared: bool = False
     memory_gb: float = 0.0  #: shared: memory the jobs may hold on this host (0 = 80% of what is free at start)
     cores_per_job: int = 0  #: shared: cores each job's workers are pinned to, apart from other jobs' (0 = not pinned)
+    #: shared: the ports the jobs' coordinators listen on, ``LO-HI`` (a firewall or a
+    #: Kubernetes Service opens that range); empty = any free port
+    job_ports: str = ""
     #: a file the coordinator rewrites each second with its status and jobs (JSON): set by a
     #: shared cluster's front for the coordinators it starts
     report_file: str = ""
@@ -90,6 +93,8 @@ class ClusterConfig(CoordinatorConfig):
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
         if self.memory_gb < 0:
             raise ValueError(f"memory_gb={self.memory_gb} must be >= 0 (0 = 80% of the memory free at start)")
+        if self.job_ports:
+            self.port_range()
         cores = len(os.sched_getaffinity(0))
         if not 0 <= self.cores_per_job <= cores:
             raise ValueError(
@@ -101,6 +106,15 @@ class ClusterConfig(CoordinatorConfig):
                 f"metrics_port={self.metrics_port} leaves no port for worker {self.workers - 1} "
                 f"(metrics_port + 1 + i); use a port below {65535 - self.workers}"
             )
+
+    def port_range(self) -> range:
+        """``job_ports`` as a range (ValueError naming the key when it is not ``LO-HI``)."""
+        lo, _, hi = self.job_ports.partition("-")
+        if not (lo.isdigit() and hi.isdigit() and 0 < int(lo) <= int(hi) < 65536):
+            raise ValueError(f"job_ports={self.job_ports!r} must be a range of ports LO-HI, such as 6000-6015")
+        if self.port in range(int(lo), int(hi) + 1):
+            raise ValueError(f"job_ports={self.job_ports} holds port={self.port}, the front's own; move one of them")
+        return range(int(lo), int(hi) + 1)
 
     def threads(self) -> int:
         return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)

@@ -29,7 +29,9 @@ from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
 from shadow.coordinator.routes import ADMIN, READERS, TRAINER
 from shadow.coordinator.trainers import heard_window_s
+from shadow.core.errors import ShadowError
 from shadow.core.jobs import job_name_problem
+from shadow.front import report
 from shadow.front.admission import Budget, gb, need_of
 from shadow.front.jobs import START_TRIES, JobProcs
 from shadow.security import Peer
@@ -157,7 +159,13 @@ class Front:
                 self._refuse(e, given)
             return
         procs = self.spawn(job, cfg, need, given, self.workdir)
-        procs.start()
+        try:
+            procs.start()
+        except (ShadowError, OSError) as exc:  # no port left in job_ports, no process could start
+            self.budget.release(job)
+            for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
+                self._refuse(e, f"attach of job {job!r}: its coordinator could not start: {exc}")
+            return
         self.jobs[job] = procs
         logger.info("job %r admitted: %s, %s of memory", job, need.describe(optim), gb(need.bytes))
         for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
@@ -190,7 +198,7 @@ class Front:
                     own = row
                 elif row["name"] not in self.jobs:
                     rows.setdefault(row["name"], row)  # a job known from the tiers (every coordinator lists it)
-            rows[job] = own or _starting_row(job, procs)
+            rows[job] = own or report.starting_row(job, procs.address)
         for row in jobs_view(self.nobody, self.tiers)[0]:  # what the tiers hold, as the front read them
             if row["name"] not in self.jobs:
                 rows[row["name"]] = row
@@ -292,7 +300,7 @@ class Front:
                 )
                 self._end(job, "exited")
                 continue
-            procs.ended_why = _ended(procs)
+            procs.ended_why = report.ended(procs)
         self._reclaimed(now)
         for job, waiting in list(self.held.items()):
             kept = [w for w in waiting if now - w[2] < HOLD_S]
@@ -403,35 +411,3 @@ class Front:
 
     def _error(self, env: list[bytes], code: str, message: str) -> None:
         self.out.reply(env, "error", code=code, message=message)
-
-
-def _ended(procs: JobProcs) -> str:
-    """Why job ``procs``' trainers count as gone ("" while they run), from its report."""
-    rep = procs.report()
-    row = next((r for r in (rep["jobs"] if rep else []) if r["name"] == procs.name and r.get("held")), None)
-    if row is None:
-        return procs.ended_why
-    if row["status"] == "detached":
-        return "detached"
-    if row.get("trainers_gone"):
-        return f"no rank heard for {row.get('last_heard_s') or 0:.0f} s"
-    return ""
-
-
-def _starting_row(job: str, procs: JobProcs) -> dict[str, Any]:
-    return {
-        "name": job,
-        "held": True,
-        "status": "starting",
-        "epoch": None,
-        "world": None,
-        "committed": None,
-        "base": None,
-        "generation": None,
-        "ranks_heard": None,
-        "last_heard_s": None,
-        "trainers_gone": None,
-        "dropped": "",
-        "reason": f"its coordinator at {procs.address} is starting",
-        "restorable": {"memory": None},
-    }

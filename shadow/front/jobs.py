@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from shadow.config import ClusterConfig
+from shadow.core.errors import ShadowError
 from shadow.front import report
 from shadow.front.admission import Need
 
@@ -29,10 +30,21 @@ START_TRIES = 3
 _numbers = itertools.count()
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str, ports: range | None = None) -> int:
+    """A port of ``host`` nothing holds now: any, or the first free one of ``ports``
+    (``ShadowError`` when every one is taken)."""
+    for port in ports if ports is not None else (0,):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    assert ports is not None  # (port 0 always binds)
+    raise ShadowError(
+        f"every port of job_ports={ports.start}-{ports.stop - 1} is taken (by this cluster's jobs or other "
+        "programs): widen the range, or drop an ended job"
+    )
 
 
 class JobProcs:
@@ -55,7 +67,7 @@ class JobProcs:
 
     def start(self) -> None:
         self.tries += 1
-        self.port = free_port(self.cfg.host)
+        self.port = free_port(self.cfg.host, self.cfg.port_range() if self.cfg.job_ports else None)
         cfg = self.cfg
         threads = max(1, len(self.cores) // cfg.workers) if self.cores else cfg.threads_per_worker
         child = dataclasses.replace(

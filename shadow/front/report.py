@@ -66,3 +66,37 @@ def read(path: str) -> dict[str, Any] | None:
     if not isinstance(report, dict) or time.time() - float(report.get("time", 0)) > STALE_S:
         return None
     return report
+
+
+def ended(procs: Any) -> str:
+    """Why the trainers of the job ``procs`` runs (:class:`~shadow.front.jobs.JobProcs`) count as gone
+    ("" while they run), from its report."""
+    rep = procs.report()
+    row = next((r for r in (rep["jobs"] if rep else []) if r["name"] == procs.name and r.get("held")), None)
+    if row is None:
+        return procs.ended_why
+    if row["status"] == "detached":
+        return "detached"
+    if row.get("trainers_gone"):
+        return f"no rank heard for {row.get('last_heard_s') or 0:.0f} s"
+    return ""
+
+
+def starting_row(job: str, address: str) -> dict[str, Any]:
+    """A ``jobs_reply`` row for a job whose coordinator has not reported yet."""
+    return {
+        "name": job,
+        "held": True,
+        "status": "starting",
+        "epoch": None,
+        "world": None,
+        "committed": None,
+        "base": None,
+        "generation": None,
+        "ranks_heard": None,
+        "last_heard_s": None,
+        "trainers_gone": None,
+        "dropped": "",
+        "reason": f"its coordinator at {address} is starting",
+        "restorable": {"memory": None},
+    }

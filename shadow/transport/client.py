@@ -97,19 +97,20 @@ def request(
 
 
 def moved_to(address: str, msg: dict) -> str:
-    """The coordinator a shared cluster's front at ``address`` sent this request on to (its
-    ``moved`` reply), checked: a ZeroMQ TCP endpoint on the front's own host (a shared
-    cluster runs its jobs' coordinators beside its front), else ``ShadowConnectionError``."""
-    to = msg["to"]
+    """Where a shared cluster's front at ``address`` sent this request on to (its ``moved``
+    reply): the port it names, on the host this client reached the front at (a shared
+    cluster runs its jobs' coordinators beside its front, so whatever name or address
+    reaches the front reaches them: a DNS name, a Kubernetes Service, a bind to every
+    interface). ``ShadowConnectionError`` for anything else."""
     host = address.rsplit(":", 1)[0] if address.startswith("tcp://") else None
-    rest = to[len(host) + 1 :] if host is not None and to.startswith(host + ":") else ""
-    if not rest.isdigit() or not 0 < int(rest) < 65536:
+    port = str(msg["to"]).rsplit(":", 1)[-1]
+    if host is None or not port.isdigit() or not 0 < int(port) < 65536:
         raise ShadowConnectionError(
-            f"shadow cluster at {address} sent job {msg['job']!r} on to {to!r}, which is not a port of its own host; "
-            "refusing to follow it (is the address a shadow cluster of this version?)"
+            f"shadow cluster at {address} sent job {msg['job']!r} on to {msg['to']!r}, which this client cannot "
+            "follow (a shared cluster is reached over tcp://, and names a port of its own host)"
         )
-    logger.debug("job %r is served at %s (the shared cluster at %s said so)", msg["job"], to, address)
-    return to
+    logger.debug("job %r is served on port %s of the shared cluster at %s", msg["job"], port, address)
+    return f"{host}:{port}"
 
 
 def _answer(msg: dict, address: str, expect: tuple[str, ...]) -> dict:

@@ -272,3 +272,34 @@ def test_a_malformed_layout_is_refused_not_admitted(bad):
     raw["layout"] = bad
     f.on_message([b"a0", M.encode("attach", **raw)], "trainer")
     assert f.out.last("error", b"a0")["code"] == "refused" and "a" not in f.jobs
+
+
+def test_a_moved_answer_is_followed_on_the_host_the_front_was_reached_at():
+    from shadow.core.errors import ShadowConnectionError
+    from shadow.transport.client import moved_to
+
+    msg = {"job": "a", "to": "tcp://0.0.0.0:6003"}  # a front bound to every interface names its own bind
+    assert moved_to("tcp://shadow-coordinator:5555", msg) == "tcp://shadow-coordinator:6003"
+    assert moved_to("tcp://10.0.0.5:5555", {"job": "a", "to": "tcp://10.0.0.5:7"}) == "tcp://10.0.0.5:7"
+    for address, to in (("ipc:///tmp/x", "tcp://h:1"), ("tcp://h:5555", "tcp://h:99999"), ("tcp://h:1", "nowhere")):
+        with pytest.raises(ShadowConnectionError, match="cannot follow"):
+            moved_to(address, {"job": "a", "to": to})
+
+
+def test_job_ports_is_a_range_apart_from_the_front_and_runs_out_with_a_clear_error():
+    import socket
+
+    from shadow.core.errors import ShadowError
+    from shadow.front.jobs import free_port
+
+    for bad in ("6000", "6000-", "7000-6000", "0-10", "x-y"):
+        with pytest.raises(ValueError, match="job_ports=.* must be a range of ports LO-HI"):
+            ClusterConfig(shared=True, job_ports=bad)
+    with pytest.raises(ValueError, match="holds port=5555"):
+        ClusterConfig(shared=True, job_ports="5550-5560")
+    assert ClusterConfig(shared=True, job_ports="6000-6015").port_range() == range(6000, 6016)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        with pytest.raises(ShadowError, match=f"every port of job_ports={port}-{port} is taken"):
+            free_port("127.0.0.1", range(port, port + 1))

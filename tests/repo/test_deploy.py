@@ -37,8 +37,9 @@ DASHBOARD = DEPLOY / "grafana" / "shadow-dashboard.json"
 K8S = DEPLOY / "k8s"
 SBATCH = DEPLOY / "slurm" / "shadow-job.sbatch"
 MAKE_KEYS = K8S / "make-keys.sh"
-SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", SBATCH, MAKE_KEYS]
-SUBCOMMANDS = {"cluster", "coordinator", "worker", "status", "restore", "export", "ls", "verify", "keygen"}
+SHARED_SBATCH = DEPLOY / "slurm" / "shadow-shared.sbatch"
+SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", SBATCH, SHARED_SBATCH, MAKE_KEYS]
+SUBCOMMANDS = {"cluster", "coordinator", "worker", "status", "restore", "export", "ls", "verify", "keygen", "plan", "jobs", "drop"}
 # labels Prometheus adds to every series (scrape job, target) or that deploy/prometheus.yml sets
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "slurm_job"}
 
@@ -1044,3 +1045,20 @@ def test_make_keys_sh_makes_private_pairs_and_secrets(stubs):
     assert r.returncode == 0, r.stderr
     calls = (tmp / "calls.log").read_text()
     assert "shadow keygen" not in calls and calls.count("kubectl create secret") == len(created)
+
+
+def test_shared_cluster_recipes_open_every_job_port():
+    """The shared variants run `shadow cluster shared=true` with keys, and what reaches the
+    front reaches each port of job_ports too (a client follows the front's answer on the
+    address it reached the front at)."""
+    for path in (SHARED_SBATCH, K8S / "shared" / "shared.yaml"):
+        text = path.read_text()
+        assert "shadow cluster shared=true" in text and "security.server_key=" in text, path
+        assert "security.allow_trainers=" in text and "security.client_key=" in text, path
+    docs = load_yaml_docs(K8S / "shared" / "shared.yaml")
+    service = next(d for d in docs if d["kind"] == "Service")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    script = " ".join(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    lo, hi = map(int, re.search(r"job_ports=(\d+)-(\d+)", script).groups())
+    forwarded = {p["port"] for p in service["spec"]["ports"]}
+    assert {5555, *range(lo, hi + 1)} <= forwarded, sorted(forwarded)
