@@ -31,6 +31,7 @@ class Reporter(threading.Thread):
 
     def run(self) -> None:
         from shadow.coordinator.jobs import jobs_view
+        from shadow.coordinator.metrics import samples
 
         while not self.stop.wait(EVERY_S):
             try:
@@ -41,6 +42,8 @@ class Reporter(threading.Thread):
                     "status": self.coord.status(),
                     "jobs": rows,
                     "last_kept": self.coord.last_kept,  # its last iteration is on the local tier, as asked
+                    # its metrics' samples, which the front serves with a shadow_job label
+                    "samples": samples(self.coord.state, self.coord.persist, self.coord.guard),
                 }
                 write(self.path, report)
             except (RuntimeError, ValueError, TypeError):  # a dict changed while read: the next beat
@@ -100,3 +103,29 @@ def starting_row(job: str, address: str) -> dict[str, Any]:
         "reason": f"its coordinator at {address} is starting",
         "restorable": {"memory": None},
     }
+
+
+#: the label the front's metrics add to each job's coordinator metrics ("job" is Prometheus's
+#: own, the scrape job's)
+JOB_LABEL = "shadow_job"
+
+
+def front_metrics() -> tuple:
+    """The coordinator's metrics, each with :data:`JOB_LABEL` first: what a shared
+    cluster's front serves for all of its jobs."""
+    from dataclasses import replace
+
+    from shadow.metrics import COORDINATOR
+
+    return tuple(replace(m, labels=(JOB_LABEL, *m.labels)) for m in COORDINATOR)
+
+
+def job_samples(reports: dict[str, dict[str, Any] | None]) -> dict[str, list]:
+    """Every job's reported samples (job name -> its report), each labelled with its job."""
+    out: dict[str, list] = {}
+    for job, rep in reports.items():
+        for name, rows in ((rep or {}).get("samples") or {}).items():
+            out.setdefault(name, []).extend(
+                ((job, *labels), tuple(v) if isinstance(v, list) else v) for labels, v in rows
+            )
+    return out

@@ -53,6 +53,15 @@ def run_front(cfg: ClusterConfig) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         raise ShadowError(f"the shared cluster's front cannot listen on {address}: {exc}") from None
     out.sock = sock
+    metrics = None
+    if cfg.metrics_port:  # every job's coordinator metrics, labelled shadow_job
+        from shadow.front.report import front_metrics, job_samples
+        from shadow.metrics import serve
+
+        def read() -> dict:
+            return job_samples({job: procs.report() for job, procs in list(front.jobs.items())})
+
+        metrics = serve(cfg.host, cfg.metrics_port, front_metrics(), read)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
@@ -80,6 +89,8 @@ def run_front(cfg: ClusterConfig) -> int:
             front.tick()
     finally:
         front.stop_all()
+        if metrics is not None:
+            metrics.close()
         sock.close(linger=0)
         if guard is not None:
             guard.stop()

@@ -11,6 +11,7 @@ each with a coordinator and workers of its own.
 from __future__ import annotations
 
 import threading
+import urllib.request
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import trainer_hooks
 from shadow import security
 from shadow.core.errors import ShadowError
-from shadow.testing import LocalCluster, assert_same_state, status
+from shadow.testing import LocalCluster, assert_same_state, free_port, status
 from tests.helpers.cli import shadow_cli
 from tests.helpers.keys import role_keys
 from tests.helpers.loop import train_step
@@ -35,7 +36,9 @@ def _same(model, params) -> None:
 
 
 def test_two_jobs_train_at_once_and_each_restores_exactly(world1, tmp_path):
-    args = ("shared=true", "memory_gb=1.2")  # room for two jobs of 2 workers (0.5 GB each with their processes)
+    metrics = free_port()
+    # room for two jobs of 2 workers (0.5 GB each with their processes)
+    args = ("shared=true", "memory_gb=1.2", f"metrics_port={metrics}")
     with LocalCluster(tmp_path, args=args) as cluster:
         jobs = {}
         for name, seed in (("alpha", 1), ("beta", 2)):
@@ -60,6 +63,9 @@ def test_two_jobs_train_at_once_and_each_restores_exactly(world1, tmp_path):
         assert out.returncode == 0 and "shared" not in out.stdout and "2/2 workers ready" in out.stdout, out
         out = shadow_cli("jobs", f"address={cluster.address}")
         assert out.returncode == 0 and "alpha" in out.stdout and "beta" in out.stdout, out
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30).read().decode()
+        for name in ("alpha", "beta"):  # each job's coordinator metrics, labelled with its job
+            assert f'shadow_workers_expected{{shadow_job="{name}"}} 2.0' in scrape, scrape[:2000]
 
         third, topt, _ = build(seed=3)  # no room for a third: refused at its attach, with the figures
         with pytest.raises(trainer_hooks.ShadowConnectionError, match=r"attach of job 'gamma' refused: it needs \d"):
