@@ -39,7 +39,20 @@ SBATCH = DEPLOY / "slurm" / "shadow-job.sbatch"
 MAKE_KEYS = K8S / "make-keys.sh"
 SHARED_SBATCH = DEPLOY / "slurm" / "shadow-shared.sbatch"
 SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", SBATCH, SHARED_SBATCH, MAKE_KEYS]
-SUBCOMMANDS = {"cluster", "coordinator", "worker", "status", "restore", "export", "ls", "verify", "keygen", "plan", "jobs", "drop"}
+SUBCOMMANDS = {
+    "cluster",
+    "coordinator",
+    "worker",
+    "status",
+    "restore",
+    "export",
+    "ls",
+    "verify",
+    "keygen",
+    "plan",
+    "jobs",
+    "drop",
+}
 # labels Prometheus adds to every series (scrape job, target) or that deploy/prometheus.yml sets
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "slurm_job"}
 

@@ -3,10 +3,9 @@ each with a coordinator and workers of its own.
 
 - Two jobs stream at once from one process, and each restores from memory bit for bit; a
   third that does not fit is refused at its attach with the figures.
-- Three jobs under torchrun at once (one of them with trainer keys limited to it), each
-  SIGKILLed at another iteration and brought back by torchrun's restart with
-  resume='auto' while the others train on, end bit for bit where an uninterrupted run ends;
-  the scoped key reaches its own job only."""
+- Three jobs at once (DDP, FSDP2, and DDP with trainer keys limited to it), each SIGKILLed
+  at another iteration and brought back while the others train on, end bit for bit where
+  an uninterrupted run ends; the scoped key reaches its own job only."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from tests.helpers.cli import shadow_cli
 from tests.helpers.keys import role_keys
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
+from tests.slow import test_fsdp as fsdp
 from tests.slow.test_recovery import CLIP, STEPS, _torchrun
 
 pytestmark = pytest.mark.slow
@@ -79,34 +79,44 @@ def test_two_jobs_train_at_once_and_each_restores_exactly(world1, tmp_path):
             _same(back, states[4])
 
 
-def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_reaches_its_job_only(world1, tmp_path):
+def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_reaches_its_job_only(
+    world1, tmp_path, monkeypatch
+):
+    """A DDP job, an FSDP2 job and a DDP job whose trainer key is limited to it, at once on
+    one shared cluster; each is SIGKILLed at another iteration and comes back (the DDP ones
+    by torchrun's restart with resume='auto', the FSDP2 one restored by fresh ranks) while
+    the others train on, and each ends where its uninterrupted run ends, bit for bit."""
     ref = tmp_path / "reference"
     ref.mkdir()
     code, text = _torchrun(ref, "--out", str(ref / "out"), "--steps", str(STEPS), *CLIP)
     assert code == 0, text
     reference = [torch.load(ref / "out" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    fsdp_out = str(tmp_path / "fsdp")
+    fsdp._spawn(fsdp._uninterrupted, 2, free_port(), f"{fsdp_out}.uninterrupted", "fused")
 
     keys = role_keys(tmp_path / "keys", scoped={"c_trainer": ("trainer", "team-c"), "c_client": ("client", "team-c")})
     root = tmp_path / "keys"
     args = (*keys["args"], "shared=true", "workers=1")
     cluster = LocalCluster(tmp_path, workers=1, args=args, keys=keys["admin"], env={"SHADOW_WORKER_LOST_S": "3"})
-    trainer_key = {"SHADOW_CURVE_SERVER_KEY": str(root / "server.key")}
+    trainer_key = {
+        "SHADOW_CURVE_SERVER_KEY": str(root / "server.key"),
+        "SHADOW_CONNECT_TIMEOUT_S": "300",  # three jobs' workers start at once on a small machine
+    }
     envs = {
         "team-a": {**trainer_key, "SHADOW_CURVE_CLIENT_KEY": str(root / "trainers" / "trainer.key_secret")},
-        "team-b": {**trainer_key, "SHADOW_CURVE_CLIENT_KEY": str(root / "trainers" / "trainer.key_secret")},
         "team-c": {
             **trainer_key,
             "SHADOW_CURVE_CLIENT_KEY": str(root / "trainers" / "team-c" / "c_trainer.key_secret"),
         },
     }
-    kills = {"team-a": "0:4:all", "team-b": "0:7:1", "team-c": "0:5:0"}  # at other iterations, other ranks
-    results: dict[str, tuple[int, str]] = {}
+    for k, v in envs["team-a"].items():  # the FSDP2 ranks (spawned from here): the unscoped trainer key
+        monkeypatch.setenv(k, v)
+    kills = {"team-a": "0:4:all", "team-c": "0:6:0"}  # at other iterations, other ranks
+    results: dict[str, object] = {}
 
     def launch(job: str) -> None:
         run = tmp_path / job
         run.mkdir()
-        for env in envs.values():
-            env["SHADOW_CONNECT_TIMEOUT_S"] = "300"  # three jobs' workers start at once on a small machine
         results[job] = _torchrun(
             run,
             *("--mode", "auto", "--coordinator", cluster.address, "--out", str(run / "out")),
@@ -115,8 +125,17 @@ def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_re
             env=envs[job],
         )
 
+    def fsdp_job() -> None:
+        try:
+            fsdp._spawn(fsdp._trained, 2, free_port(), cluster.address, fsdp_out, "fused", killed=True)
+            fsdp._spawn(fsdp._resumed, 2, free_port(), cluster.address, fsdp_out, "fused")
+            results["fsdp"] = "done"
+        except BaseException as exc:
+            results["fsdp"] = exc
+
     try:
         threads = [threading.Thread(target=launch, args=(job,)) for job in envs]
+        threads.append(threading.Thread(target=fsdp_job))
         for t in threads:
             t.start()
         for t in threads:
@@ -130,8 +149,15 @@ def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_re
                 assert_same_state(final, reference[r])
                 assert final["losses"] == reference[r]["losses"][final["start"] :]
                 assert final["committed"] == STEPS, (job, final["committed"])
+        assert results["fsdp"] == "done", results["fsdp"]
+        restored = torch.load(f"{fsdp_out}.restored")
+        assert 1 <= restored["iteration"] <= fsdp.STEPS_BEFORE_KILL
+        fsdp._equal(restored["state"], torch.load(f"{fsdp_out}.{restored['iteration']}"), "fsdp restored")
+        resumed = torch.load(f"{fsdp_out}.resumed")
+        assert resumed["committed"] == fsdp.STEPS
+        fsdp._equal(resumed["state"], torch.load(f"{fsdp_out}.uninterrupted"), "the fsdp job's end")
         st = status(cluster.address, keys=keys["admin"])
-        assert sorted(j["name"] for j in st["jobs"]) == ["team-a", "team-b", "team-c"], st
+        assert sorted(j["name"] for j in st["jobs"]) == ["fsdp", "team-a", "team-c"], st
 
         scoped = keys["c_client"]  # team-c's client key: its job only
         assert [j["name"] for j in status(cluster.address, keys=scoped)["jobs"]] == ["team-c"]
@@ -142,9 +168,9 @@ def test_three_jobs_killed_and_restarted_at_once_end_exactly_and_a_scoped_key_re
         info = trainer_hooks.restore(fresh, fopt, source=cluster.address, scheduler=fsched, job="team-c", rank=0)
         assert info.iteration == STEPS and info.tier == "memory", info
         security.set_client(keys["c_trainer"])
-        with pytest.raises(ShadowError, match="limited to jobs team-c: it may not attach to job 'team-b'"):
+        with pytest.raises(ShadowError, match="limited to jobs team-c: it may not attach to job 'fsdp'"):
             other, oopt, _ = build(seed=5)
-            trainer_hooks.attach(DDP(other), oopt, coordinator=cluster.address, job="team-b")
+            trainer_hooks.attach(DDP(other), oopt, coordinator=cluster.address, job="fsdp")
     finally:
         security.reset_client()
         cluster.stop()
