@@ -280,9 +280,10 @@ class Attachment:
         return audit.sample(t.layout, t.params, t.optimizer, t.optim_desc, list(self.handshake.shards), k)
 
     # -- the end -------------------------------------------------------------------------------------
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, join_s: float = 10.0) -> None:
         """With ``wait``: flush, then wait (``SHADOW_CLOSE_TIMEOUT_S``) for the cluster to
-        commit the last iteration queued. Then stop the sender, detach, release the ring."""
+        commit the last iteration queued. Then stop the sender (it has ``join_s`` to end; one
+        that has not keeps the ring), detach, release the ring."""
         if self.closed:
             return
         sender, latch = self.sender, self.latch
@@ -291,7 +292,7 @@ class Attachment:
         self.closed = True
         if sender.ident is not None:
             sender.stop()
-            sender.join(timeout=10)
+            sender.join(timeout=join_s)
         handshake.detach(self.dealer, self.handshake, self.target.rank)
         self._release_ring()
 

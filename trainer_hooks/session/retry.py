@@ -13,11 +13,20 @@ from shadow.wire import messages as M
 #: after a failed resync, steps between tries again (every rank counts the same steps, so all
 #: of them try at the same iteration); a try happens only once the probe finds the cluster ready
 RETRY_STEPS = 16
+#: the shortest handshake a resync gets, whatever its detach took of the block timeout
+RESYNC_MIN_S = 1.0
 #: seconds between the probe's asks, from a thread of its own (a step never waits on it)
 PROBE_EVERY_S = 1.0
 #: the probe must have found the cluster ready for this long before a try: every rank probes
 #: on its own, and all of them should see it ready at the same step
 READY_FOR_S = 2.0
+
+
+def resync_budget(tuning: Tuning) -> float:
+    """How long a resync (its detach and handshake) may hold the training step:
+    SHADOW_CONNECT_TIMEOUT_S, or SHADOW_BLOCK_TIMEOUT_S if that is shorter (a step never
+    waits on the shadow past it; a resync that fails is tried again, ``Session._retry``)."""
+    return min(tuning.connect_timeout_s, tuning.block_timeout_s)
 
 
 def cluster_not_ready(coordinator: str, tuning: Tuning, job: str | None = None) -> str | None:

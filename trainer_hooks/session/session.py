@@ -49,7 +49,7 @@ from trainer_hooks.session.attachment import Attachment
 from trainer_hooks.session.options import AttachOptions
 from trainer_hooks.session.recorder import StepRecorder
 from trainer_hooks.session.recovery import ErrorLatch
-from trainer_hooks.session.retry import RETRY_STEPS, Prober
+from trainer_hooks.session.retry import RESYNC_MIN_S, RETRY_STEPS, Prober, resync_budget
 from trainer_hooks.session.sender import SENDER_FACTORY, SenderFactory
 from trainer_hooks.session.tally import Tally
 from trainer_hooks.session.transfer import HostCopy
@@ -184,11 +184,12 @@ class Session:
             raise RuntimeError("the session has no attachment (its first attach did not complete)")
         return self.attachment
 
-    def _detach(self, wait: bool) -> None:
-        """Close the current attachment and unhook (the slot goes back to reducing only)."""
+    def _detach(self, wait: bool, join_s: float = 10.0) -> None:
+        """Close the current attachment (its sender given ``join_s`` to stop) and unhook
+        (the slot goes back to reducing only)."""
         att = self._att
         att.flush()
-        att.close(wait=wait)
+        att.close(wait=wait, join_s=join_s)
         self._tally.add(att.figures())
         self.closed = True
         self._wiring.remove()
@@ -198,9 +199,11 @@ class Session:
         current state (every rank does it at the same iteration: they voted on it)."""
         k = self.recorder.next - 1
         t0 = time.monotonic()
-        self._detach(wait=False)
-        try:  # the step waits on it: no longer than the block timeout (a failed one is tried again)
-            self._attach(k, overwrite=True, carry=self.recorder.last_record, wait_s=self._resync_wait_s())
+        budget = resync_budget(self.options.tuning)  # the step waits on all of it
+        self._detach(wait=False, join_s=budget / 2)
+        try:  # (a failed one is tried again, once the cluster is ready)
+            wait_s = max(RESYNC_MIN_S, budget - (time.monotonic() - t0))
+            self._attach(k, overwrite=True, carry=self.recorder.last_record, wait_s=wait_s)
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
             self._lost = (k, 0, RETRY_STEPS)
@@ -219,13 +222,6 @@ class Session:
             time.monotonic() - t0,
             self.epoch,
         )
-
-    def _resync_wait_s(self) -> float:
-        """How long a resync's handshake may hold the training step: SHADOW_CONNECT_TIMEOUT_S,
-        or SHADOW_BLOCK_TIMEOUT_S if that is shorter (a step never waits on the shadow past it;
-        a resync that fails is tried again, :meth:`_retry`)."""
-        tuning = self.options.tuning
-        return min(tuning.connect_timeout_s, tuning.block_timeout_s)
 
     def _unhooked(self) -> None:
         """No attachment (a failed resync): the steps are counted and warned about, and each
@@ -256,7 +252,7 @@ class Session:
             return
         self._wiring.remove()
         try:
-            self._attach(k, overwrite=True, carry=None, wait_s=self._resync_wait_s())
+            self._attach(k, overwrite=True, carry=None, wait_s=resync_budget(self.options.tuning))
         except Exception as exc:  # the shadow must never stop training
             self._failed = f"resync at iteration {k} failed: {exc}"
             self._unhooked()
