@@ -5,13 +5,13 @@ run on this machine.
 
 Two jobs (the example GPT, fused AdamW, one gloo rank each, in processes of their own) on
 one ``shadow cluster shared=true`` with ``cores_per_job=1``: each job's one worker is
-pinned to a core of its own. A step is the model's forward and backward on a small batch,
-then ``--gpu-ms`` of sleep standing for the GPU's work (this machine has none), then the
+pinned to a core of its own, and so is the job's trainer process (to its job's core: this
+machine has no GPU hosts apart, so a job's share is its core). A step is the model's
+forward and backward on a small batch, then ``--gpu-ms`` of sleep standing for the GPU's work (this machine has none), then the
 optimizer step. Job a and job b are measured alone (attached while the other job's
 trainer runs the same loop without a shadow: the trainers' own CPU load is the same in
 both runs, and only the other job's replay is missing), then together. Reported: each
-job's median seconds per step alone and shared, and their ratio (goal: within 5%). The
-trainers are not pinned: on a machine with few cores they share them with the workers.
+job's median seconds per step alone and shared, and their ratio (goal: within 5%).
 """
 
 from __future__ import annotations
@@ -90,15 +90,18 @@ def trainer(args) -> None:
     destroy_process_group()
 
 
-def _run(address: str, attached: set[str], args, tmp: Path, tag: str) -> dict[str, dict]:
-    """Both jobs' trainers at once, those in ``attached`` attached to ``address``."""
+def _run(address: str, attached: set[str], args, tmp: Path, tag: str, pinned: dict) -> dict[str, dict]:
+    """Both jobs' trainers at once, those in ``attached`` attached to ``address``; each
+    pinned to the core in ``pinned`` (its job's), if any."""
     procs = {}
     for job in JOBS:
         out = tmp / f"{tag}-{job}.json"
         cmd = [sys.executable, __file__, "--trainer", address if job in attached else "-", job, str(out)]
         cmd += ["--steps", str(args.steps), "--n-embd", str(args.n_embd), "--gpu-ms", str(args.gpu_ms)]
         env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
-        procs[job] = (subprocess.Popen(cmd, env=env, cwd=ROOT), out)
+        core = pinned.get(job)  # the job's trainer on its job's core, as its worker (this host has no GPU host apart)
+        pin = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
+        procs[job] = (subprocess.Popen(cmd, env=env, cwd=ROOT, preexec_fn=pin), out)
     results = {}
     for job, (p, out) in procs.items():
         if p.wait(timeout=1800) != 0:
@@ -111,13 +114,15 @@ def run(args) -> dict:
     from shadow.testing import LocalCluster
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_shared-"))
-    cores = 1 if len(os.sched_getaffinity(0)) >= len(JOBS) else 0
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = 1 if len(cpus) >= len(JOBS) else 0
+    pinned = {job: cpus[i] for i, job in enumerate(JOBS)} if cores else {}  # the front gives cores in this order
     cluster = LocalCluster(tmp, workers=1, args=("shared=true", f"cores_per_job={cores}"))
     try:
         alone = {}
         for job in JOBS:  # alone on its share: the other job's trainer runs, unattached
-            alone[job] = _run(cluster.address, {job}, args, tmp, f"alone-{job}")[job]
-        both = _run(cluster.address, set(JOBS), args, tmp, "shared")
+            alone[job] = _run(cluster.address, {job}, args, tmp, f"alone-{job}", pinned)[job]
+        both = _run(cluster.address, set(JOBS), args, tmp, "shared", pinned)
     finally:
         cluster.stop()
     rows = {}
@@ -133,7 +138,8 @@ def run(args) -> dict:
     params = both[JOBS[0]]["params"]
     print(
         f"GPT {params / 1e6:.2f}M params per job, 1 rank each, {args.steps} steps, {args.gpu_ms:g} ms 'GPU' per "
-        f"step; 1 worker per job{', pinned to a core of its own' if cores else ' (not pinned: too few cores)'}"
+        f"step; 1 worker per job, "
+        + ("each job (worker and trainer) pinned to a core of its own" if cores else "not pinned (too few cores)")
     )
     print("| job | alone on its share (ms/step) | shared (ms/step) | shared / alone |")
     print("|---|---|---|---|")
