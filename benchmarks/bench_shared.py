@@ -7,11 +7,12 @@ Two jobs (the example GPT, fused AdamW, one gloo rank each, in processes of thei
 one ``shadow cluster shared=true`` with ``cores_per_job=1``: each job's one worker is
 pinned to a core of its own, and so is the job's trainer process (to its job's core: this
 machine has no GPU hosts apart, so a job's share is its core). A step is the model's
-forward and backward on a small batch, then ``--gpu-ms`` of sleep standing for the GPU's work (this machine has none), then the
-optimizer step. Job a and job b are measured alone (attached while the other job's
-trainer runs the same loop without a shadow: the trainers' own CPU load is the same in
-both runs, and only the other job's replay is missing), then together. Reported: each
-job's median seconds per step alone and shared, and their ratio (goal: within 5%).
+forward and backward on a small batch, then ``--gpu-ms`` of sleep standing for the GPU's
+work (this machine has none), then the optimizer step. Job a and job b are measured alone
+(attached while the other job's trainer runs the same loop without a shadow: the trainers'
+own CPU load is the same in both runs, and only the other job's replay is missing), then
+together. Reported: each job's median seconds per step alone and shared, and their ratio
+(goal: within 5%).
 """
 
 from __future__ import annotations
