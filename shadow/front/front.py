@@ -51,6 +51,8 @@ ROLES: dict[str, frozenset[str]] = {
 }
 #: seconds a rank's attach waits at the front for its job's rank 0 (which carries the layout)
 HOLD_S = 120.0
+#: ranks held for their rank 0 at once, at most (what a trainer key can make the front hold)
+MAX_HELD = 4096
 #: seconds an ended job is given to write its last iteration to the local tier before its
 #: memory goes to a new job anyway
 RECLAIM_S = 60.0
@@ -125,6 +127,9 @@ class Front:
             self._moved(env, job)
             return
         if msg["layout"] is None:  # not rank 0: held until rank 0's attach admits the job (or not)
+            if sum(map(len, self.held.values())) >= MAX_HELD:
+                self._error(env, "busy", f"{MAX_HELD} ranks already wait for their rank 0 here; attach again later")
+                return
             self.held.setdefault(job, []).append((env, msg["rank"], time.monotonic()))
             reason = f"job {job!r} is admitted when its rank 0 attaches (its attach carries what the job needs)"
             self.out.reply(env, "waiting", ready=0, expected=0, starting=0, reason=reason)

@@ -303,3 +303,13 @@ def test_job_ports_is_a_range_apart_from_the_front_and_runs_out_with_a_clear_err
         port = held.getsockname()[1]
         with pytest.raises(ShadowError, match=f"every port of job_ports={port}-{port} is taken"):
             free_port("127.0.0.1", range(port, port + 1))
+
+
+def test_the_ranks_held_for_their_rank_0_are_bounded(monkeypatch):
+    import shadow.front.front as front_mod
+
+    monkeypatch.setattr(front_mod, "MAX_HELD", 3)
+    f = _front()
+    for i in range(4):
+        f.on_message([b"r%d" % i, _attach(f"job{i}", rank=1)], "trainer")
+    assert f.out.last("error", b"r3")["code"] == "busy" and sum(map(len, f.held.values())) == 3
