@@ -73,14 +73,40 @@ class EpochStart:
                 old.generation,
             )
             return None
+        return self._owned(old, alive, now, window) + (
+            ": this attach waits until they are silent for that long and then takes over; stop the other run, "
+            "or detach it on purpose with `shadow drop job=" + old.name + " force=true`"
+        )
+
+    def _owned(self, old: JobRec, alive: list[int], now: float, window: float) -> str:
         latest = now - max(old.last_heard(r) for r in alive)
         return (
             f"job {old.name!r} (epoch {old.epoch}, generation {old.generation}, committed iteration "
             f"{old.cut if old.cut >= old.base else 'none yet'}) is owned by a live run: "
             f"{len(alive)} of its {old.world} ranks sent a heartbeat within the last {window:g} s "
             f"(SHADOW_WORKER_LOST_S), the latest {latest:.1f} s ago. A launch never takes over a live job "
-            "(overwrite=True neither): this attach waits until they are silent for that long and then takes "
-            "over; stop the other run, or detach it on purpose with `shadow drop job=" + old.name + " force=true`"
+            "(overwrite=True neither)"
+        )
+
+    def _disagreement(self, name: str, text: str, ranks: dict) -> str:
+        """``text`` (why the ranks' attaches disagree), and, when a live run owns job
+        ``name``, that run: ranks that each restored from a live job's memory can restore
+        different iterations, as it moves on between their restores, and the live owner is
+        then the cause to fix, not the ranks."""
+        old = self.state.job
+        if old is None or old.name != name or old.status == JobStatus.DETACHED:
+            return text
+        msgs = {r: m for r, (_, m) in ranks.items()}
+        if all(proves_owner(old, r, m.get("owner")) for r, m in msgs.items()):
+            return text
+        now, window = time.monotonic(), heard_window_s(self.state.tuning)
+        alive = old.ranks_heard(now, window)
+        if not alive:
+            return text
+        return (
+            f"{text}; {self._owned(old, alive, now, window)}: ranks that restored from its memory while it "
+            "trained on can name different iterations. Stop the other run, or detach it on purpose with "
+            f"`shadow drop job={old.name} force=true`, then launch again"
         )
 
     def start_job(self, name: str, ranks: dict) -> None:
@@ -98,7 +124,7 @@ class EpochStart:
 
         layout = agreed_layout(msgs)
         if isinstance(layout, str):
-            return fail(layout)
+            return fail(self._disagreement(name, layout, ranks))
         problem = self._memory_problem(name, layout, first["optim"])
         if problem is not None:
             self.state.rejected.add("attach_memory")

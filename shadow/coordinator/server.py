@@ -130,6 +130,9 @@ class Coordinator:
         sock = SocketFactory(zmq.Context.instance(), guard=self.guard).router(
             M.socket_limit("coordinator", self.tuning.max_commit_bytes)
         )
+        # a worker that replaced a silent connection keeps its routing id (16 random bytes that
+        # only it knows; shadow.worker.outbox.silence_options): the new connection takes it over
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             sock.bind(self.bind)
         except zmq.ZMQError as exc:

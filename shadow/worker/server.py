@@ -98,7 +98,7 @@ class Worker:
         self.sockets = SocketFactory(self.ctx, guard=guard, keys=keys)
         binding = Binding(self.bind_host, self.host)
         self.state = WorkerState(tuning=tuning if tuning is not None else Tuning.load(), worker_id=worker_id)
-        self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected)
+        self.outbox = ZmqOutbox(self.sockets, coordinator, self.state.rejected, self.state.tuning.worker_lost_s)
         self.data = DataPath(
             self.state, self.outbox, self.sockets, binding, curve=self.data_mode == "curve", transport=transport
         )

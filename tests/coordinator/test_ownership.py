@@ -206,3 +206,41 @@ def test_resume_auto_starts_fresh_only_for_a_job_with_nothing_to_resume():
     assert jobs_hold(resync, "job")
     assert jobs_hold([{"name": "gone", "held": False, "restorable": {"local": 8}}], "gone")
     assert jobs_hold([], "job", left_out=True) and not jobs_hold([], "job")
+
+
+def _two_ranks_disagreeing(sim: Sim, prefix: bytes) -> None:
+    """A launch of 2 ranks whose attaches name iterations 3 and 4."""
+    for rank, iteration in ((0, 3), (1, 4)):
+        sim.send(
+            b"%s%d" % (prefix, rank),
+            "attach",
+            job="job",
+            rank=rank,
+            world=2,
+            layout_hash=LAYOUT.hash,
+            layout=LAYOUT.to_dict() if rank == 0 else None,
+            optim=OPTIM,
+            iteration=iteration,
+            overwrite=False,
+            restored=None,
+        )
+
+
+def test_ranks_disagreeing_while_a_live_run_owns_the_job_are_refused_naming_that_run():
+    """A second launch's ranks each restored from the live job's memory while it trained on,
+    so they name different iterations: refused at once, and the message names the live run
+    (the cause to fix), not only the disagreement."""
+    sim = Sim()
+    sim.running()
+    _hb(sim)
+    _two_ranks_disagreeing(sim, b"second")
+    for rank in range(2):
+        err = sim.out.last("error", b"second%d" % rank)["message"]
+        assert err.startswith("ranks disagree on world size, layout or start iteration; ")
+        assert "is owned by a live run" in err and "overwrite=True neither" in err
+        assert "shadow drop job=job force=true" in err
+    assert sim.state.epoch == 1 and sim.state.job is not None and sim.state.job.status == JobStatus.RUNNING
+
+    _silent(sim)  # no live owner: the disagreement alone
+    _two_ranks_disagreeing(sim, b"third")
+    assert sim.out.last("error", b"third0")["message"] == "ranks disagree on world size, layout or start iteration"

@@ -160,7 +160,9 @@ def test_a_second_launch_is_refused_while_the_first_trains_and_the_first_stays_p
             lambda st: ((st.get("job") or {}).get("committed") or 0) >= 3, 300, "the first run's iteration 3"
         )
         # the same command line again (a double submission, a requeue race): it restores the
-        # live job's iteration, and its attach is held, then refused, naming the live owner
+        # live job's iteration, and its attach is held, then refused, naming the live owner (at
+        # once when its ranks restored different iterations, as the live job moved on between
+        # their restores: the message names the live owner then too)
         codes = run_ranks(
             second_tmp,
             "--mode",
