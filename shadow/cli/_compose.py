@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from shadow.config import (
+    AgentConfig,
     ClusterConfig,
     CoordinatorConfig,
     DropConfig,
@@ -35,6 +36,7 @@ CONFIGS: dict[str, type] = {
     "cluster": ClusterConfig,
     "coordinator": CoordinatorConfig,
     "worker": WorkerConfig,
+    "agent": AgentConfig,
     "status": StatusConfig,
     "restore": RestoreConfig,
     "export": ExportConfig,

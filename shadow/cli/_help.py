@@ -27,6 +27,10 @@ EXAMPLES = {
         "shadow worker coordinator=tcp://10.0.0.5:5555            (binds the interface that routes there)",
         "shadow worker coordinator=tcp://10.0.0.5:5555 host=10.0.0.7 metrics_port=9401 worker_id=3",
     ],
+    "agent": [
+        "shadow agent front=tcp://10.0.0.5:5555 memory_gb=200 cores_per_job=8   (jobs bind the route to the front)",
+        "shadow agent front=tcp://10.0.0.5:5555 host=0.0.0.0 job_ports=6000-6015 persist.local.dir=/nvme/shadow",
+    ],
     "status": [
         "shadow status address=tcp://127.0.0.1:5555",
         "shadow status address=tcp://10.0.0.5:5555 --json | jq .job.committed",
@@ -64,6 +68,7 @@ SUMMARY = {
     "cluster": "coordinator + N workers on this host, foreground",
     "coordinator": "the coordinator alone (workers join by its address)",
     "worker": "one worker joining a coordinator",
+    "agent": "a host that runs jobs for a shared cluster's front on another host, foreground",
     "status": "workers, ranges, committed iteration, lag, rates, tiers (--json for scripts)",
     "restore": f"write a whole checkpoint out ({', '.join(Format.values())})",
     "export": "write a checkpoint's model weights (safetensors or torch, optional bf16/fp16)",

@@ -33,11 +33,28 @@ def front_panel(st: dict, address: str) -> Group:
     for j in st["jobs"]:
         cores = ",".join(map(str, j["cores"])) or "shared"
         trainers = f"[yellow]ended[/yellow]: {escape(j['ended'])}" if j["ended"] else "running"
-        t.add_row(escape(j["name"]), j["address"], f"{j['memory_bytes'] / 1e9:.2f}", cores, _dur(j["up_s"]), trainers)
+        where = f"{j['address']} ({escape(j['host'])})" if j.get("host") else j["address"]
+        t.add_row(escape(j["name"]), where, f"{j['memory_bytes'] / 1e9:.2f}", cores, _dur(j["up_s"]), trainers)
         if j["status"] is not None:
             parts += [Text(""), status_panel(j["status"], f"{j['address']} (job {j['name']})")]
         else:
             parts.append(Text(f"job {j['name']}: its coordinator at {j['address']} has not reported yet"))
+    agents = f.get("agents") or []
+    if agents:
+        a = Table(title=f"{len(agents)} other hosts (shadow agent)")
+        for col in ("host", "address", "memory GB", "cores", "jobs", "heard"):
+            a.add_column(col, justify="right" if col in ("memory GB", "heard") else "left")
+        for h in agents:
+            heard = _dur(h["heard_s"]) + (" ago" if h["alive"] else " ago: [red]lost[/red]")
+            a.add_row(
+                escape(h["name"]),
+                escape(h["host"]),
+                f"{h['used_bytes'] / 1e9:.2f} of {h['memory_bytes'] / 1e9:.2f}",
+                f"{h['cores'] - h['free_cores']} of {h['cores']}",
+                escape(", ".join(h["jobs"])) or "-",
+                heard,
+            )
+        parts.insert(1, a)
     if f["refused"]:
         parts.append(Text(f"attaches refused by the front: {f['refused']}"))
     return Group(*parts)

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from shadow.config import ClusterConfig, CoordinatorConfig, WorkerConfig
+from shadow.config import AgentConfig, ClusterConfig, CoordinatorConfig, WorkerConfig
 from shadow.config.logs import setup as setup_logs
 from shadow.core.errors import ShadowError
 
@@ -236,6 +236,16 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
             raise failed[0]
         raise ShadowError(f"the coordinator stopped: {type(failed[0]).__name__}: {failed[0]}") from failed[0]
     return 0
+
+
+def cmd_agent(cfg: AgentConfig) -> int:
+    from shadow.front.agent import run_agent
+    from shadow.worker.address import bind_and_advertise
+
+    setup_logs(cfg.log_level, cfg.log_format, "agent")
+    cfg.security = secure(cfg.security, bind_and_advertise(cfg.host, cfg.front)[0], "agent")
+    cfg.transport.check(cfg.security)
+    return run_agent(cfg)
 
 
 class _Workers:

@@ -21,12 +21,13 @@ from shadow.cli._commands import (
 )
 from shadow.cli._compose import UsageError, compose, split, to_yaml
 from shadow.cli._help import command_help, usage
-from shadow.cli._services import cmd_cluster, cmd_coordinator, cmd_worker
+from shadow.cli._services import cmd_agent, cmd_cluster, cmd_coordinator, cmd_worker
 
 COMMANDS: dict[str, Callable[[Any], int]] = {  # each takes its command's config
     "cluster": cmd_cluster,
     "coordinator": cmd_coordinator,
     "worker": cmd_worker,
+    "agent": cmd_agent,
     "status": cmd_status,
     "restore": cmd_restore,
     "export": cmd_export,

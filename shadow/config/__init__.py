@@ -17,7 +17,7 @@ from shadow.config.commands import (
     VerifyConfig,
 )
 from shadow.config.security import KeygenConfig, SecurityConfig
-from shadow.config.services import ClusterConfig, CoordinatorConfig, TransportConfig, WorkerConfig
+from shadow.config.services import AgentConfig, ClusterConfig, CoordinatorConfig, TransportConfig, WorkerConfig
 from shadow.config.tiers import (
     DEFAULT_TIER_EVERY_S,
     LocalTierConfig,
@@ -29,6 +29,7 @@ from shadow.config.tiers import (
 
 __all__ = [
     "DEFAULT_TIER_EVERY_S",
+    "AgentConfig",
     "ClusterConfig",
     "CoordinatorConfig",
     "DropConfig",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shadow.config.checks import check_endpoint, check_log, check_metrics_port, check_port, check_shape
@@ -118,6 +119,46 @@ class ClusterConfig(CoordinatorConfig):
 
     def threads(self) -> int:
         return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
+
+
+@dataclass
+class AgentConfig(ClusterConfig):
+    """A host that runs jobs for a shared cluster's front (``shadow cluster shared=true`` on
+    another host): the front places each job it admits on the host with the most memory free
+    (its own or an agent's), and the agent runs that job's coordinator and workers here, as
+    the front runs them on its own host. The cluster's keys apply to those jobs: ``host``
+    (the interface they bind; ``auto``, the default, binds the one that routes to the
+    front, and ``0.0.0.0`` binds every one and advertises that route), ``memory_gb``,
+    ``cores_per_job``, ``job_ports``, ``persist`` (this host's local tier), ``security``
+    (the cluster's pair and allow lists, and a worker key to reach the front); ``workers``
+    and ``replicas`` per job are the front's."""
+
+    #: the shared cluster's front this host serves (tcp://HOST:PORT)
+    front: str = ""
+    host: str = "auto"  #: interface the jobs here bind (auto = the one that routes to the front; 0.0.0.0 = every one)
+    #: this host's name in the front's status and refusals (empty = its hostname)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.front:
+            raise ValueError("front= is required: the shared cluster's front to serve (tcp://HOST:PORT)")
+        check_endpoint("front", self.front)
+        if self.shared:
+            raise ValueError("shared=true is the front's setting; an agent serves a front (front=tcp://HOST:PORT)")
+        if self.name and not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (or empty: this host's name)"
+            )
+
+    def cluster(self, workers: int, replicas: int) -> ClusterConfig:
+        """The config of one job's cluster on this host: these keys but for the front's job shape."""
+        own = {f.name: getattr(self, f.name) for f in fields(ClusterConfig)}
+        return ClusterConfig(**{**own, "workers": workers, "replicas": replicas, "shared": False})
+
+
+#: an agent's name
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass

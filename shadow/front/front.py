@@ -24,15 +24,16 @@ from typing import Any
 
 from shadow.config import ClusterConfig, PersistConfig
 from shadow.coordinator.cluster import ClusterState
-from shadow.coordinator.jobs import jobs_view
 from shadow.coordinator.outbox import Outbox
 from shadow.coordinator.persistence import Persistence
-from shadow.coordinator.routes import ADMIN, READERS, TRAINER
+from shadow.coordinator.routes import ADMIN, READERS, TRAINER, WORKER
 from shadow.coordinator.trainers import heard_window_s
 from shadow.core.errors import ShadowError
 from shadow.core.jobs import job_name_problem
-from shadow.front import report
+from shadow.front import agents as hosts
+from shadow.front import report, views
 from shadow.front.admission import Budget, gb, need_of
+from shadow.front.agents import AgentRec, RemoteProcs
 from shadow.front.jobs import START_TRIES, JobProcs
 from shadow.security import Peer
 from shadow.wire import messages as M
@@ -48,6 +49,7 @@ ROLES: dict[str, frozenset[str]] = {
     "catalog": READERS,
     "jobs": READERS,
     "drop": ADMIN,
+    "agent": WORKER,  # a host that runs jobs for this front (shadow agent), with a worker key
 }
 #: seconds a rank's attach waits at the front for its job's rank 0 (which carries the layout)
 HOLD_S = 120.0
@@ -81,13 +83,15 @@ class Front:
         self.read_tiers = tiers or (lambda: Persistence(PersistConfig(durable=False)))
         self.tiers = self.read_tiers()
         self.nobody = ClusterState(expected=cfg.workers, replicas=cfg.replicas, tuning=cfg.tuning.resolve())
-        self.jobs: dict[str, JobProcs] = {}
+        self.jobs: dict[str, JobProcs | RemoteProcs] = {}
         self.held: dict[str, list[tuple[list[bytes], int, float]]] = {}  # job -> [(envelope, rank, since)]
         self.refused = 0
         self.reclaiming: dict[str, float] = {}  # ended job -> when its memory was asked back
         # job -> its rank 0's attach, held for the jobs' next reports (since, wall time) or a reclaim (0.0)
         self.admitting: dict[str, tuple[list[bytes], dict, float]] = {}
         self.max_bytes = cfg.tuning.resolve().max_commit_bytes  # the most an attach may carry
+        self.agents: dict[str, AgentRec] = {}  # the other hosts that run jobs, by name
+        self.starting: dict[str, list[list[bytes]]] = {}  # job on an agent -> ranks told once its port is known
 
     # -- messages
 
@@ -146,7 +150,8 @@ class Front:
         except (ValueError, KeyError, TypeError) as exc:
             self._refuse(env, f"attach of job {job!r}: {exc}")
             return
-        given = self.budget.admit(job, need, optim, {j: p.ended_why for j, p in self.jobs.items() if p.ended_why})
+        ended = {j: p.ended_why for j, p in self.jobs.items() if p.ended_why}
+        given = hosts.place(job, need, optim, ended, self.budget, self.agents)
         if isinstance(given, str) and not settled:
             self.admitting[job] = (env, msg, time.time())
             return
@@ -163,16 +168,22 @@ class Front:
             for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
                 self._refuse(e, given)
             return
-        procs = self.spawn(job, cfg, need, given, self.workdir)
+        where, cores = given
+        procs: Any
+        if where:
+            procs = RemoteProcs(job, self.agents[where], need, cores)
+        else:
+            procs = self.spawn(job, cfg, need, cores, self.workdir)
         try:
             procs.start()
         except (ShadowError, OSError) as exc:  # no port left in job_ports, no process could start
-            self.budget.release(job)
+            self._budget_of(procs).release(job)
             for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
                 self._refuse(e, f"attach of job {job!r}: its coordinator could not start: {exc}")
             return
         self.jobs[job] = procs
-        logger.info("job %r admitted: %s, %s of memory", job, need.describe(optim), gb(need.bytes))
+        on = f" on host {where}" if where else ""
+        logger.info("job %r admitted%s: %s, %s of memory", job, on, need.describe(optim), gb(need.bytes))
         for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
             self._moved(e, job)
 
@@ -194,23 +205,8 @@ class Front:
         self._to_job(env, msg["job"], peer, "list the checkpoints of")
 
     def _on_jobs(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
-        rows: dict[str, dict] = {}
-        for job, procs in self.jobs.items():
-            rep = procs.report()
-            own = None
-            for row in rep["jobs"] if rep else []:
-                if row["name"] == job:
-                    own = row
-                elif row["name"] not in self.jobs:
-                    rows.setdefault(row["name"], row)  # a job known from the tiers (every coordinator lists it)
-            rows[job] = own or report.starting_row(job, procs.address)
-        for row in jobs_view(self.nobody, self.tiers)[0]:  # what the tiers hold, as the front read them
-            if row["name"] not in self.jobs:
-                rows[row["name"]] = row
-        visible = [r for n, r in sorted(rows.items()) if peer is None or peer.may(n)]
-        held = [r for r in visible if r["name"] in self.jobs]
-        rest = [r for r in visible if r["name"] not in self.jobs]
-        self.out.reply(env, "jobs_reply", jobs=held + rest, window_s=heard_window_s(self.nobody.tuning))
+        rows = views.jobs_rows(self, peer)
+        self.out.reply(env, "jobs_reply", jobs=rows, window_s=heard_window_s(self.nobody.tuning))
 
     def _on_drop(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
         job = msg["job"]
@@ -239,21 +235,56 @@ class Front:
             "the tiers stay",
         )
 
+    def _on_agent(self, env: list[bytes], msg: dict, peer: Peer | None) -> None:
+        """An agent's beat: what its host gives jobs and how its jobs do; answered with every
+        job it is to run."""
+        why = hosts.checked(msg)
+        if why is not None:
+            self._error(env, "malformed", f"rejected: {why}")
+            return
+        name, rec = msg["name"], self.agents.get(msg["name"])
+        if rec is not None and rec.env != env and rec.alive():
+            self._error(env, "busy", f"an agent named {name!r} already serves this front; give this one another name=")
+            return
+        if rec is None:
+            if len(self.agents) >= hosts.MAX_AGENTS:
+                self._error(env, "busy", f"this front already has {hosts.MAX_AGENTS} agents")
+                return
+            rec = self.agents[name] = AgentRec(name, env, msg)
+            logger.info("agent %s joined: host %s, %s for jobs", name, msg["host"], gb(msg["memory"]))
+        rec.update(env, msg)
+        wanted = [
+            p.wanted(self.cfg.workers, self.cfg.replicas)
+            for p in self.jobs.values()
+            if isinstance(p, RemoteProcs) and p.agent is rec
+        ]
+        self.out.reply(env, "agent_jobs", jobs=wanted)
+
+    def _budget_of(self, procs: Any) -> Budget:
+        return procs.agent.budget if isinstance(procs, RemoteProcs) else self.budget
+
     def _reclaim_for(self, job: str, need) -> bool:
         """Ask ended jobs, oldest first, for their memory (and cores) until ``need`` fits:
         each writes its last iteration to the local tier, then stops (:meth:`_reclaimed`).
         False when even all of them would not make room."""
-        b = self.budget
-        free, cores = b.memory - b.used(), len(b.free_cores())
-        ended = sorted((p.since, j) for j, p in self.jobs.items() if p.ended_why and j not in self.reclaiming)
-        chosen = []
-        for _, j in ended:
-            if free >= need.bytes and cores >= need.cores:
+        chosen: list[str] = []
+        for b in [self.budget] + [a.budget for a in self.agents.values() if a.alive()]:
+            free, cores = b.memory - b.used(), len(b.free_cores())
+            ended = sorted(
+                (p.since, j)
+                for j, p in self.jobs.items()
+                if p.ended_why and j not in self.reclaiming and self._budget_of(p) is b
+            )
+            chosen = []
+            for _, j in ended:
+                if free >= need.bytes and cores >= need.cores:
+                    break
+                held, given = b.held[j]
+                free, cores = free + held, cores + len(given)
+                chosen.append(j)
+            if free >= need.bytes and cores >= need.cores and (chosen or self.reclaiming):
                 break
-            held, given = b.held[j]
-            free, cores = free + held, cores + len(given)
-            chosen.append(j)
-        if free < need.bytes or cores < need.cores or not (chosen or self.reclaiming):
+        else:
             return False
         now = time.monotonic()
         for j in chosen:
@@ -307,6 +338,12 @@ class Front:
                 continue
             procs.ended_why = report.ended(procs)
         self._reclaimed(now)
+        for job, envs in list(self.starting.items()):
+            remote = self.jobs.get(job)
+            if remote is not None and (remote.report() is not None or remote.port):
+                del self.starting[job]
+                for env in envs:
+                    self._moved(env, job)
         for job, waiting in list(self.held.items()):
             kept = [w for w in waiting if now - w[2] < HOLD_S]
             for env, _, _ in (w for w in waiting if now - w[2] >= HOLD_S):
@@ -323,37 +360,8 @@ class Front:
     # -- views
 
     def status(self, peer: Peer | None = None) -> dict[str, Any]:
-        """What ``shadow status`` shows of a shared cluster: its budget and each job."""
-        b = self.budget
-        rows = []
-        for job, procs in sorted(self.jobs.items()):
-            if peer is not None and not peer.may(job):
-                continue
-            rep = procs.report()
-            rows.append(
-                {
-                    "name": job,
-                    "address": procs.address,
-                    "pid": procs.proc.pid if procs.proc is not None else None,
-                    "memory_bytes": procs.need.bytes,
-                    "cores": list(procs.cores),
-                    "up_s": round(time.monotonic() - procs.since, 1),
-                    "ended": procs.ended_why,
-                    "status": rep["status"] if rep else None,
-                }
-            )
-        return {
-            "front": {
-                "memory_bytes": b.memory,
-                "used_bytes": b.used(),
-                "cores": len(b.cores),
-                "free_cores": len(b.free_cores()),
-                "cores_per_job": self.cfg.cores_per_job,
-                "workers_per_job": self.cfg.workers,
-                "refused": self.refused,
-            },
-            "jobs": rows,
-        }
+        """What ``shadow status`` shows of a shared cluster: its hosts' budgets and each job."""
+        return views.status(self, peer)
 
     # -- helpers
 
@@ -361,7 +369,9 @@ class Front:
         procs = self.jobs.pop(job)
         procs.stop()
         procs.kill()  # what is left of its process group (its workers, when its cluster died)
-        self.budget.release(job)
+        self._budget_of(procs).release(job)
+        for env in self.starting.pop(job, []):
+            self._error(env, "refused", f"job {job!r} ended before its coordinator came up ({why})")
         logger.info("job %r ended (%s): its memory is free", job, why)
         self.tiers = self.read_tiers()
 
@@ -407,7 +417,15 @@ class Front:
         )
 
     def _moved(self, env: list[bytes], job: str) -> None:
-        self.out.reply(env, "moved", job=job, to=self.jobs[job].address)
+        procs = self.jobs[job]
+        if not isinstance(procs, RemoteProcs):
+            self.out.reply(env, "moved", job=job, to=procs.address)
+        elif procs.report() is None and not procs.port:  # told once the agent says where it listens
+            self.starting.setdefault(job, []).append(env)
+            reason = f"job {job!r}'s coordinator is starting on host {procs.where}"
+            self.out.reply(env, "waiting", ready=0, expected=0, starting=0, reason=reason)
+        else:
+            self.out.reply(env, "moved", job=job, to=procs.address, host=procs.agent.host)
 
     def _refuse(self, env: list[bytes], message: str) -> None:
         self.refused += 1

@@ -71,6 +71,58 @@ def read(path: str) -> dict[str, Any] | None:
     return report
 
 
+def checked(rep: Any) -> dict[str, Any] | None:
+    """A report of a job's coordinator as an agent forwards it, kept to what the front
+    reads of one and checked (None when it is not one): an agent holds a worker key, and no
+    message it sends may stop the front's loop."""
+    if not isinstance(rep, dict):
+        return None
+    if not (_num(rep.get("time")) and isinstance(rep.get("pid"), int) and isinstance(rep.get("status"), dict)):
+        return None
+    rows = rep.get("jobs")
+    if not isinstance(rows, list) or not all(_row(r) for r in rows):
+        return None
+    samples = rep.get("samples")
+    if not (
+        isinstance(samples, dict)
+        and all(
+            isinstance(k, str)
+            and isinstance(v, list)
+            and all(
+                isinstance(x, list)
+                and len(x) == 2
+                and isinstance(x[0], list)
+                and all(isinstance(label, str) for label in x[0])
+                and (_num(x[1]) or (isinstance(x[1], list) and all(_num(y) for y in x[1])))
+                for x in v
+            )
+            for k, v in samples.items()
+        )
+    ):
+        samples = {}
+    return {
+        "time": float(rep["time"]),
+        "pid": rep["pid"],
+        "status": rep["status"],
+        "jobs": rows,
+        "last_kept": bool(rep.get("last_kept")),
+        "samples": samples,
+    }
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _row(r: Any) -> bool:
+    return (
+        isinstance(r, dict)
+        and isinstance(r.get("name"), str)
+        and isinstance(r.get("status"), str)
+        and all(r.get(k) is None or _num(r[k]) for k in ("last_heard_s", "epoch", "committed"))
+    )
+
+
 def ended(procs: Any) -> str:
     """Why the trainers of the job ``procs`` runs (:class:`~shadow.front.jobs.JobProcs`) count as gone
     ("" while they run), from its report."""

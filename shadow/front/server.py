@@ -45,7 +45,7 @@ def run_front(cfg: ClusterConfig) -> int:
     tuning = cfg.tuning.resolve()
     front = Front(cfg, out, budget, workdir, tiers=lambda: Persistence(cfg.persist, tuning, sign_key))
     address = f"tcp://{cfg.host}:{cfg.port}"
-    sock = SocketFactory(zmq.Context.instance(), guard=guard).router(M.socket_limit("coordinator", front.max_bytes))
+    sock = SocketFactory(zmq.Context.instance(), guard=guard).router(M.socket_limit("front", front.max_bytes))
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -96,13 +97,26 @@ def request(
         return _answer(msg, address, expect)
 
 
+#: a host a ``moved`` reply may name: a DNS name, an IPv4 or an IPv6 address
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-_]{0,252}|\[?[0-9A-Fa-f:.]{2,45}\]?")
+
+
 def moved_to(address: str, msg: dict) -> str:
     """Where a shared cluster's front at ``address`` sent this request on to (its ``moved``
-    reply): the port it names, on the host this client reached the front at (a shared
-    cluster runs its jobs' coordinators beside its front, so whatever name or address
-    reaches the front reaches them: a DNS name, a Kubernetes Service, a bind to every
-    interface). ``ShadowConnectionError`` for anything else."""
+    reply): the port it names, on the host this client reached the front at (a job's
+    coordinator beside the front: whatever name or address reaches the front reaches it, a
+    DNS name, a Kubernetes Service, a bind to every interface), or on the host the reply
+    names (``host``: a job an agent runs on another host). ``ShadowConnectionError`` for
+    anything else."""
     host = address.rsplit(":", 1)[0] if address.startswith("tcp://") else None
+    other = msg.get("host")
+    if host is not None and other:
+        if not isinstance(other, str) or not _HOST.fullmatch(other):
+            raise ShadowConnectionError(
+                f"shadow cluster at {address} sent job {msg['job']!r} on to host {other!r}, which is not a host "
+                "name or address"
+            )
+        host = "tcp://" + (f"[{other}]" if ":" in other and not other.startswith("[") else other)
     port = str(msg["to"]).rsplit(":", 1)[-1]
     if host is None or not port.isdigit() or not 0 < int(port) < 65536:
         raise ShadowConnectionError(

@@ -87,6 +87,8 @@ LAYOUT = Limits(64 * _MiB, 2 * _MiB, 4 * _MiB, 1 << 21, 1 << 16)
 #: attach, configure, rejoin, restore_info_reply       64 MiB  2 MiB    4 MiB        2 Mi     64 Ki
 #: catalog_reply (a manifest file per checkpoint)      256 MiB 64 KiB   64 MiB       64 Ki    4 Ki
 #: status_reply (the cluster view)                     64 MiB  64 KiB   4 KiB        1 Mi     64 Ki
+#: agent (an agent's jobs and their reports)           64 MiB  64 KiB   4 KiB        1 Mi     64 Ki
+#: agent_jobs (the jobs an agent runs)                 1 MiB   16 KiB   4 KiB        64 Ki    4 Ki
 #: persisted (a commit record minus its step lists)    16 MiB  64 KiB   commit       2 Mi     4 Ki
 #:                                                     +64 KiB
 #: fetch_reply (steps per parameter, a commit blob     1 GiB   64 KiB   16 MiB or    4 Mi     64 Ki
@@ -106,6 +108,8 @@ _SIZED: dict[str, Limits] = {
     "jobs_reply": PER_RANK,  # the coordinator leaves out what would not fit (left_out)
     "catalog_reply": Limits(256 * _MiB, 64 * _KiB, 64 * _MiB, 1 << 16, 4096),
     "status_reply": Limits(64 * _MiB, 64 * _KiB, 4 * _KiB, 1 << 20, 1 << 16),
+    "agent": Limits(64 * _MiB, 64 * _KiB, 4 * _KiB, 1 << 20, 1 << 16),  # its jobs' reports
+    "agent_jobs": PER_RANK,
     "persisted": Limits(16 * _MiB + 64 * _KiB, 64 * _KiB, 16 * _MiB, 1 << 21, 4096),
     "fetch_reply": Limits(1 << 30, 64 * _KiB, 16 * _MiB, 1 << 22, 1 << 16),
 }

@@ -137,6 +137,21 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "error": {"message": (str,), "code": (str,)},  # code: one of ERROR_CODES, for callers to act on
     # a shared cluster's front -> anyone: job ``job`` is served by the coordinator at ``to``; ask it there
     "moved": {"job": (str,), "to": (str,)},
+    # a shared cluster's agent -> its front, every second: the host it runs jobs on (its name,
+    # the address its jobs' coordinators are reached at, the bytes and cores it gives jobs, the
+    # cores each job is pinned to) and each job it runs: {"job", "port", "pid", "exited" (its
+    # cluster's exit status or None), "report" (its coordinator's report or None)}
+    "agent": {
+        "name": (str,),
+        "host": (str,),
+        "memory": (int,),
+        "cores": (int,),
+        "cores_per_job": (int,),
+        "jobs": (list,),
+    },
+    # a front -> an agent, in answer: every job the agent is to run ({"job", "workers",
+    # "replicas", "last": its last iteration to the local tier, its memory is wanted})
+    "agent_jobs": {"jobs": (list,)},
     # client -> worker serve socket
     "fetch": {"epoch": (int,), "iteration": (int,)},
     # client -> worker files socket: a shard file of the worker's local tier, and its head (the
@@ -228,6 +243,8 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
     "waiting": {"reason": (str,)},
     # the job whose status is asked (a shared cluster's front answers with that job's coordinator)
     "status": {"job": (str,)},
+    # the host the job's coordinator runs on, when it is not the front's (an agent's)
+    "moved": {"host": (str,)},
     # the token of the rank's attached: a heartbeat from another connection must carry it
     "trainer_hb": {"token": (bytes,)},
     "replica_in": {"key": (bytes,), "mode": (str,)},
@@ -268,6 +285,10 @@ RECEIVES: dict[str, tuple[str, ...]] = {
         "jobs",
         "drop",
     ),
+    # a shared cluster's front (its ROUTER): what a coordinator receives, and its agents
+    "front": ("attach", "detach", "status", "restore_info", "catalog", "jobs", "drop", "agent"),
+    # an agent's DEALER to its front
+    "agent": ("agent_jobs", "error"),
     # a worker's DEALER to the coordinator
     "worker": ("registered", "reset", "reregister", "configure", "upload", "forget", "apply", "error"),
     # a worker's serve ROUTER

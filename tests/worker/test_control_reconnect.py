@@ -105,7 +105,7 @@ def test_a_silent_control_connection_is_replaced_under_the_same_routing_id():
             read()
             return bool(heard)
 
-        wait_until(got, 60.0, f"the coordinator's end to hear {what}", detail=lambda: f"relay accepted {relay.accepted}")
+        wait_until(got, 60.0, f"the coordinator's end to hear {what}", detail=lambda: f"accepted {relay.accepted}")
         return heard.pop()
 
     try:
