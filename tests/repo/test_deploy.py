@@ -41,6 +41,7 @@ SHARED_SBATCH = DEPLOY / "slurm" / "shadow-shared.sbatch"
 SHELL_SCRIPTS = [DEPLOY / "torchrun.sh", DEPLOY / "slurm" / "shadow-worker.sh", SBATCH, SHARED_SBATCH, MAKE_KEYS]
 SUBCOMMANDS = {
     "cluster",
+    "agent",
     "coordinator",
     "worker",
     "status",
