@@ -250,9 +250,19 @@ def cmd_ls(cfg: ListConfig) -> int:
     if not isinstance(src, MemorySource) and _missing_dir(cfg.source):
         print(f"shadow ls: {_missing_dir(cfg.source)}", file=sys.stderr)
         return 1
-    listed = src.candidates(cfg.job)
-    if isinstance(src, MemorySource):  # then the cluster's tiers
-        listed += [c for tier in cluster_tiers(src, key) for c in tier.candidates(cfg.job)]
+
+    def listed_of(job):
+        got = src.candidates(job)
+        if isinstance(src, MemorySource):  # then the cluster's tiers
+            got += [c for tier in cluster_tiers(src, key) for c in tier.candidates(job)]
+        return got
+
+    listed = listed_of(cfg.job)
+    if isinstance(src, MemorySource) and not cfg.job:  # a shared cluster's jobs, each from its own coordinator
+        for name in src.info.get("jobs") or []:
+            listed += listed_of(name)
+        unique = {(c.job, c.iteration, c.tier, c.path): c for c in listed}  # a tier lists every job's
+        listed = list(unique.values())
     rows = [_ls_row(c) for c in listed]
     _note_unchecked("ls", [c.handle for c in listed if c.tier != "memory" and c.handle is not None], key)
     if cfg.json:

@@ -378,6 +378,11 @@ class Front:
     def _to_job(self, env: list[bytes], job: str | None, peer: Peer | None, verb: str) -> None:
         if job is None:
             mine = [j for j in self.jobs if peer is None or peer.may(j)]
+            if len(mine) != 1 and verb == "restore":  # the jobs, for `shadow ls` to list each
+                problem = f"this shared cluster runs {self._names(peer)}: name the job (job=NAME)"
+                info = {"memory": None, "memory_error": problem, "storage": self.tiers.storage(), "job": None}
+                self.out.reply(env, "restore_info_reply", info={**info, "jobs": sorted(mine)})
+                return
             if len(mine) != 1:
                 self._error(env, "refused", f"this shared cluster runs {self._names(peer)}: name the job (job=NAME)")
                 return

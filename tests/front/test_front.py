@@ -313,3 +313,14 @@ def test_the_ranks_held_for_their_rank_0_are_bounded(monkeypatch):
     for i in range(4):
         f.on_message([b"r%d" % i, _attach(f"job{i}", rank=1)], "trainer")
     assert f.out.last("error", b"r3")["code"] == "busy" and sum(map(len, f.held.values())) == 3
+
+
+def test_restore_info_without_a_job_names_the_jobs_for_ls_and_other_asks_are_refused():
+    f = _front()
+    for job in ("a", "b"):
+        f.on_message([job.encode(), _attach(job)], "trainer")
+    f.on_message([b"c", M.encode("restore_info", job=None)], "client")
+    info = f.out.last("restore_info_reply", b"c")["info"]
+    assert info["memory"] is None and info["jobs"] == ["a", "b"] and "name the job (job=NAME)" in info["memory_error"]
+    f.on_message([b"c", M.encode("catalog", tier="local", job=None)], "client")
+    assert "name the job" in f.out.last("error", b"c")["message"]

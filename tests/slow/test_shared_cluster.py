@@ -9,6 +9,7 @@ each with a coordinator and workers of its own.
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.request
 
@@ -65,6 +66,10 @@ def test_two_jobs_train_at_once_and_each_restores_exactly(world1, tmp_path):
         assert out.returncode == 0 and "alpha" in out.stdout and "beta" in out.stdout, out
         out = shadow_cli("ls", f"source={cluster.address}", "job=alpha")  # through the front to alpha's coordinator
         assert out.returncode == 0 and "alpha" in out.stdout and "memory" in out.stdout, out
+        out = shadow_cli("ls", f"source={cluster.address}", "--json")  # every job, each from its own coordinator
+        assert out.returncode == 0, out
+        rows = json.loads(out.stdout)
+        assert sorted((r["job"], r["tier"]) for r in rows) == [("alpha", "memory"), ("beta", "memory")], rows
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30).read().decode()
         for name in ("alpha", "beta"):  # each job's coordinator metrics, labelled with its job
             assert f'shadow_workers_expected{{shadow_job="{name}"}} 2.0' in scrape, scrape[:2000]
