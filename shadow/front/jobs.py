@@ -4,6 +4,7 @@ cores, configured as the shared cluster is but for its port, its threads and its
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -47,6 +48,23 @@ def free_port(host: str, ports: range | None = None) -> int:
     )
 
 
+def _child_setup(cores: tuple[int, ...]) -> None:
+    """In a job's cluster process before it runs: pinned to ``cores`` (if any), and sent
+    SIGTERM when the process that started it (a front, an agent) dies, even by SIGKILL, so
+    that its jobs stop with it (they stop their workers) instead of holding memory that
+    nothing admits any more."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the job outlives a killed front
+        pass
+
+
+#: prctl(2): the signal a process gets when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
 class JobProcs:
     """Job ``name``'s cluster process, started at once (:meth:`start`)."""
 
@@ -87,7 +105,7 @@ class JobProcs:
         cores = self.cores
         self.proc = subprocess.Popen(
             [sys.executable, "-m", CLUSTER_ENTRY, "cluster", "--config-dir", self.workdir, "--config-name", name],
-            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+            preexec_fn=lambda: _child_setup(cores),
             start_new_session=True,  # a Ctrl-C at the front's terminal reaches the front, which stops it
         )
         logger.info(

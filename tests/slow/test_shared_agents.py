@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import LocalCluster
-from shadow.testing.wait import wait_progressing
+from shadow.testing.wait import wait_progressing, wait_until
 from tests.helpers.cli import shadow_cli
 from tests.helpers.loop import train_step
 from tests.helpers.tiny_trainer import build
@@ -77,14 +77,20 @@ def test_a_job_placed_on_an_agent_trains_there_and_restores_exactly_through_the_
             info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job="alpha")
             assert info.iteration == 4 and info.tier == "memory", info
             _same(back, states[4])
+            # an agent killed outright takes its jobs down with it (no process left holding memory)
+            agent.kill()
+            agent.wait()
+            wait_until(lambda: not _alive(job["pid"]), 120, f"job alpha's cluster (pid {job['pid']}) to stop")
         finally:
-            agent.send_signal(signal.SIGTERM)
-            try:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
                 agent.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
             log.close()
-        assert agent.returncode == 0, (tmp_path / "agent.log").read_text()
-        text = (tmp_path / "agent.log").read_text()
-        assert "job 'alpha' stopped (the agent stopped)" in text, text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
