@@ -89,9 +89,13 @@ def test_curve_cluster_admits_each_role_to_its_own_messages(world1, tmp_path, mo
         assert info.iteration == k and info.tier == "local"
         for a, b in zip(states[k], via.parameters(), strict=True):
             assert torch.equal(a, b)
-        remote = cluster.wait_status(  # the newest complete local checkpoint when a copy was due
-            lambda st: st["persist"]["remote"]["last_complete"] and not st["persist"]["remote"]["in_flight"],
-            what="a checkpoint in the bucket",
+        remote = cluster.wait_status(  # the last cut (4) was due for the bucket too (every_n=2): its copy follows
+            lambda st: (
+                (st["persist"]["remote"]["last_complete"] or {}).get("iteration") == 4
+                and not st["persist"]["remote"]["in_flight"]
+            ),
+            120,
+            what="iteration 4 in the bucket",
         )["persist"]["remote"]
         assert remote["failures"] == 0, remote
         r = remote["last_complete"]["iteration"]
