@@ -28,9 +28,11 @@ import zmq
 from shadow.config import AgentConfig
 from shadow.core.jobs import job_name_problem
 from shadow.front.admission import Budget, Need, memory_budget
+from shadow.front.agents import AGENT_LOST_S
 from shadow.front.jobs import START_TRIES, JobProcs
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
+from shadow.worker.outbox import routing_id, silence_options
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +163,13 @@ def run_agent(cfg: AgentConfig) -> int:
     workdir = tempfile.mkdtemp(prefix="shadow-agent-")  # 0700: the jobs' configs and reports
     agent = Agent(cfg, host, workdir)
     keys = security.client_from_config(cfg.security)
-    sock = SocketFactory(zmq.Context.instance(), keys=keys).dealer(cfg.front, M.socket_limit("agent"))
+    sock = SocketFactory(zmq.Context.instance(), keys=keys).dealer(None, M.socket_limit("agent"))
+    # as a worker's control socket: a connection silent past the front's loss timeout is
+    # replaced, under the same routing id (the front hands it over), so the front knows it
+    sock.setsockopt(zmq.ROUTING_ID, routing_id())
+    for option, value in silence_options(AGENT_LOST_S).items():
+        sock.setsockopt(option, value)
+    sock.connect(cfg.front)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))

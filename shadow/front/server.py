@@ -46,6 +46,7 @@ def run_front(cfg: ClusterConfig) -> int:
     front = Front(cfg, out, budget, workdir, tiers=lambda: Persistence(cfg.persist, tuning, sign_key))
     address = f"tcp://{cfg.host}:{cfg.port}"
     sock = SocketFactory(zmq.Context.instance(), guard=guard).router(M.socket_limit("front", front.max_bytes))
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent's replaced connection keeps its routing id
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:
