@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainer_hooks
 from shadow.testing import LocalCluster
+from shadow.testing.cluster import pid_alive
 from shadow.testing.wait import wait_progressing, wait_until
 from tests.helpers.cli import shadow_cli
 from tests.helpers.loop import train_step
@@ -80,17 +81,9 @@ def test_a_job_placed_on_an_agent_trains_there_and_restores_exactly_through_the_
             # an agent killed outright takes its jobs down with it (no process left holding memory)
             agent.kill()
             agent.wait()
-            wait_until(lambda: not _alive(job["pid"]), 120, f"job alpha's cluster (pid {job['pid']}) to stop")
+            wait_until(lambda: not pid_alive(job["pid"]), 120, f"job alpha's cluster (pid {job['pid']}) to stop")
         finally:
             if agent.poll() is None:
                 agent.send_signal(signal.SIGTERM)
                 agent.wait(timeout=60)
             log.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
