@@ -26,14 +26,36 @@ pytestmark = pytest.mark.usefixtures("keyless")  # in-process services built wit
 OPTIM = {"kind": "adam", "amsgrad_any": False}
 
 
+class AnswerOnce(threading.Thread):
+    """Runs ``answer(ident, raw)`` on the first message ``sock`` receives. It polls, so that
+    ``join`` (which tells it to stop first) ends it even if no message came: a socket is
+    closed only once its thread has let go of it (closing it under a blocked ``recv`` can
+    hang ``ctx.term()``)."""
+
+    def __init__(self, sock, answer) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.answer, self.stopping = sock, answer, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            if self.sock.poll(50, zmq.POLLIN):
+                self.answer(*self.sock.recv_multipart())
+                return
+
+    def join(self, timeout=None) -> None:
+        self.stopping.set()
+        super().join(timeout)
+        assert not self.is_alive(), "a fake worker's thread did not stop"
+
+
 def fake_worker(ctx, lo, hi, values, chunk, damage=None, multipart=False):
     """A serve socket answering one fetch, each part its own message (a worker's framing) or
     one multipart message (an older worker's); ``damage(chunks, sums)`` alters the reply."""
     sock = ctx.socket(zmq.ROUTER)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
 
-    def run():
-        ident, raw = sock.recv_multipart()
+    def run(ident, raw):
         msg = M.decode(raw)
         chunks = []
         for f in state_fields(OPTIM):
@@ -62,8 +84,7 @@ def fake_worker(ctx, lo, hi, values, chunk, damage=None, multipart=False):
             for part in [head] + chunks:
                 sock.send_multipart([ident, part])
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t = AnswerOnce(sock, run)
     return sock, t, f"tcp://127.0.0.1:{port}"
 
 
@@ -299,8 +320,7 @@ def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=
     server = _server({"current": serve_key})
     seen: dict = {}
 
-    def run():
-        ident, raw = sock.recv_multipart()
+    def run(ident, raw):
         msg = M.decode(raw)
         key = seen["key"] = server.ticket_key(msg)
         session = _held(values, lo, hi, msg, {7: b"extra bytes"})
@@ -316,8 +336,7 @@ def served_worker(ctx, lo, hi, values, chunk, serve_key, damage=None, sign_with=
         for part in parts:
             sock.send_multipart([ident, part])
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t = AnswerOnce(sock, run)
     return sock, t, f"tcp://127.0.0.1:{port}", seen
 
 
@@ -445,8 +464,7 @@ def ranged_worker(ctx, lo, hi, values, chunk):
     server = _server({"current": None})
     seen: dict = {}
 
-    def run():
-        ident, raw = sock.recv_multipart()
+    def run(ident, raw):
         msg = M.decode(raw)
         seen["ranges"] = ranges = msg.get("ranges")
         if ranges is not None:
@@ -458,8 +476,7 @@ def ranged_worker(ctx, lo, hi, values, chunk):
         for part in server.sock.parts:
             sock.send_multipart([ident, part])
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t = AnswerOnce(sock, run)
     return sock, t, f"tcp://127.0.0.1:{port}", seen
 
 
