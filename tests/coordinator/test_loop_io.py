@@ -149,13 +149,15 @@ def test_a_query_unanswered_on_one_connection_is_asked_again_on_another(keyless)
     server = ctx.socket(zmq.ROUTER)
     port = server.bind_to_random_port("tcp://127.0.0.1")
     seen: list[bytes] = []
+    stop = threading.Event()
 
-    def serve():  # ignores the first request, answers the next
-        while len(seen) < 2 and server.poll(int(4 * SLOW_S * 1000)):
-            ident, body = server.recv_multipart()
-            seen.append(ident)
-            if len(seen) == 2:
-                server.send_multipart([ident, M.encode("status_reply", status={"ok": True})])
+    def serve():  # ignores the first request, answers the next; polls, so that ``stop`` ends it
+        while len(seen) < 2 and not stop.is_set():
+            if server.poll(50):
+                ident, body = server.recv_multipart()
+                seen.append(ident)
+                if len(seen) == 2:
+                    server.send_multipart([ident, M.encode("status_reply", status={"ok": True})])
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -164,7 +166,11 @@ def test_a_query_unanswered_on_one_connection_is_asked_again_on_another(keyless)
         reply = client.ask(f"tcp://127.0.0.1:{port}", M.encode("status"), SLOW_S, ("status_reply",))
         took = time.monotonic() - t0
     finally:
+        # the socket is closed only once its thread has let go of it (closing it under a blocked
+        # poll or recv can hang the context's term)
+        stop.set()
         thread.join(timeout=10)
+        assert not thread.is_alive(), "the server's thread did not stop"
         server.close(linger=0)
     assert reply["status"] == {"ok": True} and len(set(seen)) == 2  # two connections
     assert SLOW_S / client.ASK_TRIES * 0.9 <= took < SLOW_S

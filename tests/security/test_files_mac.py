@@ -92,8 +92,11 @@ class _Middle:
         self._thread.start()
 
     def close(self) -> None:
+        """Stops the thread first: ``front`` is closed only once its thread has let go of it
+        (closing it under a blocked poll or recv can hang the context's term)."""
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(15)  # past one relay's longest wait for the files socket (10 s)
+        assert not self._thread.is_alive(), "the middle's thread did not stop"
         self.front.close(linger=0)
 
     def _run(self) -> None:

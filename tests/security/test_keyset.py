@@ -125,7 +125,8 @@ def test_a_client_connects_with_its_roles_pair_unless_told_otherwise(fresh, tmp_
 
 def _answer_status(sock: zmq.Socket):
     """Answer every request on ``sock`` with a made-up status, on a thread; returns (the
-    requests it read, stop), stop closing the socket."""
+    requests it read, stop), stop closing the socket: the thread closes it, and stop returns
+    only once that thread has ended (its context is terminated after, never under its poll)."""
     heard: list[bytes] = []
     stop = threading.Event()
 
@@ -139,7 +140,13 @@ def _answer_status(sock: zmq.Socket):
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    return heard, lambda: (stop.set(), t.join(5))
+
+    def halt() -> None:
+        stop.set()
+        t.join(5)
+        assert not t.is_alive(), "the answering thread did not stop"
+
+    return heard, halt
 
 
 def _squatter(curve: bool):

@@ -89,6 +89,7 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path, monk
     c = LocalCluster(tmp_path, workers=1, args=_insecure(monkeypatch))
     ctx = zmq.Context()
     stop, done = threading.Event(), threading.Event()
+    asker = None  # sends on ``socks``: stopped and joined before ctx.destroy closes them
     try:
         model, opt = big_build()
         ddp = DDP(model)
@@ -137,6 +138,7 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path, monk
         loaded = committed_rate(c, step, 46, 80)
         stop.set()
         asker.join(5)
+        assert not asker.is_alive(), "the asking thread did not stop"
         done.set()
         reader.join(60)
         print(
@@ -161,7 +163,10 @@ def test_clients_that_do_not_read_do_not_slow_the_applies(world1, tmp_path, monk
     finally:
         stop.set()
         done.set()
-        ctx.destroy(0)
+        if asker is not None:
+            asker.join(5)
+        if asker is None or not asker.is_alive():  # never close a socket another thread still uses
+            ctx.destroy(0)
         c.stop()
 
 
@@ -223,10 +228,14 @@ def fetch_from_one_that_answers(ctx, msg: dict) -> None:
     """A restore client's fetch of one shard from a serve socket answering ``msg`` to it."""
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
 
-    def answer():
-        ident, _ = router.recv_multipart()
-        router.send_multipart([ident, M.encode("error", code=msg["code"], message=msg["message"])])
+    def answer():  # polls, so that ``stop`` ends it even if no fetch came
+        while not stop.is_set():
+            if router.poll(50):
+                ident, _ = router.recv_multipart()
+                router.send_multipart([ident, M.encode("error", code=msg["code"], message=msg["message"])])
+                return
 
     t = threading.Thread(target=answer, daemon=True)
     t.start()
@@ -236,5 +245,9 @@ def fetch_from_one_that_answers(ctx, msg: dict) -> None:
         info = {"epoch": 1, "iteration": 2}
         _fetch_shard(ctx, w, info, 8, list(arrays), arrays, Tuning(), _Progress(None, 0), threading.Event())
     finally:
+        # the socket is closed only once its thread has let go of it (closing it under a blocked
+        # recv can hang the context's term)
+        stop.set()
         t.join(5)
+        assert not t.is_alive(), "the serve socket's thread did not stop"
         router.close(linger=0)
