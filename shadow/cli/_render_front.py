@@ -34,6 +34,10 @@ def front_panel(st: dict, address: str) -> Group:
         cores = ",".join(map(str, j["cores"])) or "shared"
         trainers = f"[yellow]ended[/yellow]: {escape(j['ended'])}" if j["ended"] else "running"
         where = f"{j['address']} ({escape(j['host'])})" if j.get("host") else j["address"]
+        if j.get("parts"):  # spread over hosts: which slots each runs
+            where += "; workers " + ", ".join(
+                f"{_slots(p['slots'])} on {escape(p['host']) or 'the front'}" for p in j["parts"]
+            )
         t.add_row(escape(j["name"]), where, f"{j['memory_bytes'] / 1e9:.2f}", cores, _dur(j["up_s"]), trainers)
         if j["status"] is not None:
             parts += [Text(""), status_panel(j["status"], f"{j['address']} (job {j['name']})")]
@@ -58,3 +62,9 @@ def front_panel(st: dict, address: str) -> Group:
     if f["refused"]:
         parts.append(Text(f"attaches refused by the front: {f['refused']}"))
     return Group(*parts)
+
+
+def _slots(slots: list) -> str:
+    if len(slots) > 1 and slots[-1] - slots[0] == len(slots) - 1:
+        return f"{slots[0]}-{slots[-1]}"
+    return ",".join(map(str, slots))

@@ -194,6 +194,8 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
         from shadow.transport import ucx
 
         ucx.lib()  # not installed: say so before any worker starts
+    if cfg.coordinator:
+        return _workers_part(cfg)
     address = f"tcp://{cfg.host}:{cfg.port}"
     coord = _coordinator(cfg)
     metrics = _coordinator_metrics(cfg, coord)
@@ -238,6 +240,26 @@ def cmd_cluster(cfg: ClusterConfig) -> int:
     return 0
 
 
+def _workers_part(cfg: ClusterConfig) -> int:
+    """A spread job's part: worker slots ``cfg.slots`` for the coordinator at
+    ``cfg.coordinator`` on another host, each restarted when it exits, until SIGTERM."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if cfg.report_file:  # its front or agent sees it is up from this
+        from shadow.front.report import Reporter
+
+        Reporter(cfg.report_file, None, stop).start()
+    workers = _Workers(cfg, cfg.coordinator, cfg.tuning.resolve())
+    try:
+        while not stop.is_set():
+            workers.restart_exited(stop)
+            stop.wait(0.2)
+    finally:
+        workers.stop()
+    return 0
+
+
 def cmd_agent(cfg: AgentConfig) -> int:
     from shadow.front.agent import run_agent
     from shadow.worker.address import bind_and_advertise
@@ -279,13 +301,15 @@ class _Workers:
             + (["security.insecure=true"] if sec.insecure else [])
             + [f"security.data={sec.data}"]
         )
-        self.procs = [self._spawn(i) for i in range(cfg.workers)]
-        self.restarts = [0] * cfg.workers
+        self.slots = cfg.slot_list()
+        self.procs = {slot: self._spawn(slot) for slot in self.slots}
+        self.restarts = dict.fromkeys(self.slots, 0)
         logger.info(
-            "shadow cluster at %s: %d workers (pids %s), %d numba threads each",
+            "shadow cluster at %s: %d workers (slots %s, pids %s), %d numba threads each",
             address,
-            cfg.workers,
-            [p.pid for p in self.procs],
+            len(self.slots),
+            cfg.slots or f"0-{cfg.workers - 1}",
+            [p.pid for p in self.procs.values()],
             cfg.threads(),
         )
 
@@ -311,7 +335,7 @@ class _Workers:
         )
 
     def restart_exited(self, stop: threading.Event) -> None:
-        for slot, p in enumerate(self.procs):
+        for slot, p in self.procs.items():
             if p.poll() is None or stop.is_set() or self.restarts[slot] >= self.cfg.max_restarts:
                 continue
             self.restarts[slot] += 1
@@ -326,9 +350,9 @@ class _Workers:
             self.procs[slot] = self._spawn(slot)
 
     def stop(self) -> None:
-        for p in self.procs:
+        for p in self.procs.values():
             p.terminate()
-        for p in self.procs:
+        for p in self.procs.values():
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -86,10 +86,21 @@ class ClusterConfig(CoordinatorConfig):
     #: a file the coordinator rewrites each second with its status and jobs (JSON): set by a
     #: shared cluster's front for the coordinators it starts
     report_file: str = ""
+    #: the worker slots this host runs (``0-3``, ``4,6``; empty = all ``workers``): a job spread
+    #: over several hosts runs some of its slots on each (a shared cluster's front sets it)
+    slots: str = ""
+    #: a coordinator on another host whose workers (``slots``) this runs, with no coordinator
+    #: here: a spread job's part (a shared cluster's front or agent sets it); empty = its own
+    coordinator: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.transport.check(self.security)
+        self.slot_list()
+        if self.coordinator:
+            check_endpoint("coordinator", self.coordinator)
+        if self.shared and (self.slots or self.coordinator):
+            raise ValueError("slots= and coordinator= are a spread job's part, which the front sets; not shared=true's")
         if self.threads_per_worker < 0:
             raise ValueError(f"threads_per_worker={self.threads_per_worker} must be >= 0 (0 = automatic)")
         if self.memory_gb < 0:
@@ -117,8 +128,24 @@ class ClusterConfig(CoordinatorConfig):
             raise ValueError(f"job_ports={self.job_ports} holds port={self.port}, the front's own; move one of them")
         return range(int(lo), int(hi) + 1)
 
+    def slot_list(self) -> list[int]:
+        """``slots`` as worker slots, every one of ``range(workers)`` when empty (ValueError
+        naming the key when it is not a list of slots below ``workers``)."""
+        if not self.slots:
+            return list(range(self.workers))
+        out: list[int] = []
+        for item in self.slots.split(","):
+            lo, dash, hi = item.strip().partition("-")
+            if not (lo.isdigit() and (hi.isdigit() or not dash)) or int(hi or lo) < int(lo):
+                raise ValueError(f"slots={self.slots!r} must be worker slots such as 0-3 or 4,6 (empty = all)")
+            out += range(int(lo), int(hi or lo) + 1)
+        if len(set(out)) != len(out) or not out or not all(0 <= s < self.workers for s in out):
+            raise ValueError(f"slots={self.slots!r} must name each worker slot once, each below workers={self.workers}")
+        return out
+
     def threads(self) -> int:
-        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // self.workers)
+        n = len(self.slot_list())
+        return self.threads_per_worker or max(1, (os.cpu_count() or 1) // n)
 
 
 @dataclass
@@ -146,6 +173,8 @@ class AgentConfig(ClusterConfig):
         check_endpoint("front", self.front)
         if self.shared:
             raise ValueError("shared=true is the front's setting; an agent serves a front (front=tcp://HOST:PORT)")
+        if self.slots or self.coordinator:
+            raise ValueError("slots= and coordinator= are set by the front for each job's part; not an agent's")
         if self.name and not _NAME.fullmatch(self.name):
             raise ValueError(
                 f"name={self.name!r} must be 1-64 letters, digits, '.', '_' or '-' (or empty: this host's name)"

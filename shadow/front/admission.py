@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shadow.core import optimizers
@@ -39,6 +39,10 @@ class Need:
     def bytes(self) -> int:
         per_element = 4 * (self.fields * (1 + self.images) + INFLIGHT_ITERATIONS)
         return self.elements * per_element * self.replicas + self.workers * WORKER_FIXED_BYTES
+
+    def part(self, k: int) -> Need:
+        """What ``k`` of its ``workers`` hold (a spread job's part on one host)."""
+        return replace(self, elements=-(-self.elements * k // self.workers), workers=k)
 
     def describe(self, optim: str) -> str:
         return (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,7 +29,7 @@ import zmq
 from shadow.config import AgentConfig
 from shadow.core.jobs import job_name_problem
 from shadow.front.admission import Budget, Need, memory_budget
-from shadow.front.agents import AGENT_LOST_S
+from shadow.front.agents import AGENT_LOST_S, HOST
 from shadow.front.jobs import START_TRIES, JobProcs
 from shadow.transport import SocketFactory
 from shadow.wire import messages as M
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 BEAT_S = 1.0
 #: the most worker processes one job may ask of an agent
 MAX_WORKERS = 1024
+#: the coordinator a spread job's workers here join: tcp://HOST:PORT
+JOIN = re.compile(r"tcp://(?:" + HOST.pattern + r"):[0-9]{1,5}")
 
 
 class Agent:
@@ -93,6 +96,8 @@ class Agent:
         for job in [j for j in self.jobs if j not in want]:
             self._stop(job, "the front no longer lists it")
         for job, entry in want.items():
+            if job in self.jobs and self.jobs[job].join != entry.get("join", ""):
+                self._stop(job, f"its coordinator is now at {entry['join']}")
             if job not in self.jobs:
                 self._start(job, entry)
             if entry["last"] and job not in self.asked_last and job in self.jobs:
@@ -113,13 +118,15 @@ class Agent:
 
     def _start(self, job: str, entry: dict) -> None:
         cfg = self.cfg.cluster(entry["workers"], entry["replicas"])
-        given = self.cores.admit(job, Need(0, 0, 1, entry["workers"], 0, self.cfg.cores_per_job), "", {})
+        slots = tuple(entry.get("slots", ()))  # a spread job's: the slots this host runs
+        here = len(slots) or entry["workers"]
+        given = self.cores.admit(job, Need(0, 0, 1, here, 0, self.cfg.cores_per_job), "", {})
         if isinstance(given, str):  # the front counts the same cores: only a front out of step comes here
             logger.error("job %r: no %d cores free here for it; started unpinned", job, self.cfg.cores_per_job)
             given = ()
             self.cores.held[job] = (0, ())
-        need = Need(0, 0, entry["replicas"], entry["workers"], 0, len(given))
-        procs = self.spawn(job, cfg, need, given, self.workdir)
+        need = Need(0, 0, entry["replicas"], here, 0, len(given))
+        procs = self.spawn(job, cfg, need, given, self.workdir, slots=slots, join=entry.get("join", ""))
         try:
             procs.start()
         except Exception as exc:  # no port left in job_ports, no process could start: said, tried at the next beat
@@ -149,6 +156,15 @@ def _entry_problem(entry: Any) -> str | None:
         return f"job {entry['job']!r} with workers={workers!r}, replicas={replicas!r}"
     if workers % replicas or not isinstance(entry.get("last"), bool):
         return f"job {entry['job']!r} with workers={workers}, replicas={replicas} or last={entry.get('last')!r}"
+    slots, join = entry.get("slots", ()), entry.get("join", "")
+    if not (
+        isinstance(slots, (list, tuple))
+        and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < workers for s in slots)
+        and len(set(slots)) == len(slots)
+    ):
+        return f"job {entry['job']!r} with slots {str(slots)[:80]} (each a slot below workers={workers}, once)"
+    if not isinstance(join, str) or (join and not JOIN.fullmatch(join)):
+        return f"job {entry['job']!r} to join {str(join)[:80]!r}, not a coordinator's tcp://HOST:PORT"
     return None
 
 

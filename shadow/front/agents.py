@@ -5,12 +5,11 @@ set each time, so a lost message or a restart on either side is repaired at the 
 
 A job placed on an agent is a :class:`RemoteProcs`: the same face as
 :class:`~shadow.front.jobs.JobProcs` (address, report, exit, ask for the last iteration,
-stop), built from what the agent reports. :func:`place` picks the host for a job: the one
-with the most memory free among those it fits on."""
+stop), built from what the agent reports. :func:`shadow.front.spread.place` picks the
+hosts for a job."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -91,8 +90,11 @@ class RemoteProcs:
     :class:`~shadow.front.jobs.JobProcs`. Its processes start when the agent next hears
     the front (its port is known once the agent reports it)."""
 
-    def __init__(self, name: str, agent: AgentRec, need: Need, cores: tuple[int, ...]) -> None:
-        self.name, self.agent, self.need, self.cores = name, agent, need, cores
+    def __init__(
+        self, name: str, agent: AgentRec, need: Need, cores: tuple[int, ...], slots: tuple[int, ...] = ()
+    ) -> None:
+        self.name, self.agent, self.need, self.cores, self.slots = name, agent, need, cores, slots
+        self.join = ""  # a spread job's part: its coordinator's address, once known
         self.since = time.monotonic()
         self.proc = None
         self.port = 0
@@ -143,33 +145,9 @@ class RemoteProcs:
         """As :meth:`stop`."""
 
     def wanted(self, workers: int, replicas: int) -> dict[str, Any]:
-        """This job's entry in the agent's ``agent_jobs``."""
-        return {"job": self.name, "workers": workers, "replicas": replicas, "last": self.last_asked}
-
-
-def place(
-    job: str, need: Need, optim: str, ended: dict[str, str], local: Budget, agents: dict[str, AgentRec]
-) -> tuple[str, tuple[int, ...]] | str:
-    """The host for ``job`` ("" for the front's own, or an agent's name) and the cores it
-    is given there, or why no host takes it (the figures of each). Among the hosts it fits
-    on, the one with the most memory free (jobs spread over the hosts)."""
-    now = time.monotonic()
-    hosts: list[tuple[str, Budget, Need]] = [("", local, need)]
-    hosts += [
-        (name, a.budget, dataclasses.replace(need, cores=a.cores_per_job))
-        for name, a in sorted(agents.items())
-        if a.alive(now)
-    ]
-    hosts.sort(key=lambda h: -(h[1].memory - h[1].used()))
-    refusals = []
-    for name, budget, n in hosts:
-        given = budget.admit(job, n, optim, {j: w for j, w in ended.items() if j in budget.held})
-        if not isinstance(given, str):
-            return name, given
-        refusals.append((name, given))
-    if len(refusals) == 1:
-        return refusals[0][1]
-    lines = "; ".join(
-        f"{'host ' + name if name else 'the front'}: {why.split(' refused: ', 1)[-1]}" for name, why in refusals
-    )
-    return f"attach of job {job!r} refused: no host of this shared cluster has room for it ({lines})"
+        """This job's entry in the agent's ``agent_jobs`` (a spread job's: with the slots it
+        runs there, and the coordinator they join when that is elsewhere)."""
+        entry = {"job": self.name, "workers": workers, "replicas": replicas, "last": self.last_asked}
+        if self.slots:
+            entry.update(slots=list(self.slots), join=self.join)
+        return entry

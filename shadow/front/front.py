@@ -31,7 +31,7 @@ from shadow.coordinator.trainers import heard_window_s
 from shadow.core.errors import ShadowError
 from shadow.core.jobs import job_name_problem
 from shadow.front import agents as hosts
-from shadow.front import report, views
+from shadow.front import reclaim, report, spread, views
 from shadow.front.admission import Budget, gb, need_of
 from shadow.front.agents import AgentRec, RemoteProcs
 from shadow.front.jobs import START_TRIES, JobProcs
@@ -55,12 +55,6 @@ ROLES: dict[str, frozenset[str]] = {
 HOLD_S = 120.0
 #: ranks held for their rank 0 at once, at most (what a trainer key can make the front hold)
 MAX_HELD = 4096
-#: seconds an ended job is given to write its last iteration to the local tier before its
-#: memory goes to a new job anyway
-RECLAIM_S = 60.0
-#: the most seconds an attach that does not fit waits for every job's next report before
-#: it is refused (reports come every second)
-SETTLE_S = 5.0
 
 
 class Front:
@@ -92,6 +86,7 @@ class Front:
         self.max_bytes = cfg.tuning.resolve().max_commit_bytes  # the most an attach may carry
         self.agents: dict[str, AgentRec] = {}  # the other hosts that run jobs, by name
         self.starting: dict[str, list[list[bytes]]] = {}  # job on an agent -> ranks told once its port is known
+        self.parts: dict[str, list[Any]] = {}  # a job spread over hosts -> its parts but the first (spread.py)
 
     # -- messages
 
@@ -138,9 +133,9 @@ class Front:
             reason = f"job {job!r} is admitted when its rank 0 attaches (its attach carries what the job needs)"
             self.out.reply(env, "waiting", ready=0, expected=0, starting=0, reason=reason)
             return
-        self._admit(env, job, msg)
+        self.admit(env, job, msg)
 
-    def _admit(self, env: list[bytes], job: str, msg: dict, settled: bool = False) -> None:
+    def admit(self, env: list[bytes], job: str, msg: dict, settled: bool = False) -> None:
         """Admit ``job`` (rank 0's attach ``msg``), or make room for it from ended jobs, or
         refuse it. Before a refusal the jobs' next reports are awaited (``settled``): a job
         whose ranks detached a moment ago counts as ended."""
@@ -151,11 +146,11 @@ class Front:
             self._refuse(env, f"attach of job {job!r}: {exc}")
             return
         ended = {j: p.ended_why for j, p in self.jobs.items() if p.ended_why}
-        given = hosts.place(job, need, optim, ended, self.budget, self.agents)
+        given = spread.place(job, need, optim, ended, self.budget, self.agents)
         if isinstance(given, str) and not settled:
             self.admitting[job] = (env, msg, time.time())
             return
-        if isinstance(given, str) and self._reclaim_for(job, need):
+        if isinstance(given, str) and reclaim.ask_for(self, job, need):
             self.admitting[job] = (env, msg, 0.0)
             names = ", ".join(repr(j) for j in self.reclaiming)
             reason = (
@@ -168,22 +163,19 @@ class Front:
             for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
                 self._refuse(e, given)
             return
-        where, cores = given
-        procs: Any
-        if where:
-            procs = RemoteProcs(job, self.agents[where], need, cores)
-        else:
-            procs = self.spawn(job, cfg, need, cores, self.workdir)
+        head, *rest = [self._procs(job, part) for part in given]
         try:
-            procs.start()
+            head.start()
         except (ShadowError, OSError) as exc:  # no port left in job_ports, no process could start
-            self._budget_of(procs).release(job)
+            self._release(job)
             for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
                 self._refuse(e, f"attach of job {job!r}: its coordinator could not start: {exc}")
             return
-        self.jobs[job] = procs
-        on = f" on host {where}" if where else ""
-        logger.info("job %r admitted%s: %s, %s of memory", job, on, need.describe(optim), gb(need.bytes))
+        self.jobs[job] = head
+        if rest:
+            self.parts[job] = rest  # started once its coordinator's address is known (spread.tend)
+        on = ", ".join(f"{len(p.slots) or cfg.workers} workers on {spread.where(p)}" for p in [head, *rest])
+        logger.info("job %r admitted (%s): %s, %s of memory", job, on, need.describe(optim), gb(need.bytes))
         for e in [env] + [e for e, _, _ in self.held.pop(job, [])]:
             self._moved(e, job)
 
@@ -223,7 +215,7 @@ class Front:
                 f"job {job!r}'s trainers are still heard from; stop them first, or drop it anyway with force=true",
             )
             return
-        self._end(job, "dropped by an admin")
+        self.end(job, "dropped by an admin")
         self.out.reply(
             env,
             "drop_reply",
@@ -253,70 +245,27 @@ class Front:
             rec = self.agents[name] = AgentRec(name, env, msg)
             logger.info("agent %s joined: host %s, %s for jobs", name, msg["host"], gb(msg["memory"]))
         rec.update(env, msg)
+        parts = [p for ps in self.parts.values() for p in ps if p.join]  # a spread job's, once they can join
         wanted = [
             p.wanted(self.cfg.workers, self.cfg.replicas)
-            for p in self.jobs.values()
+            for p in [*self.jobs.values(), *parts]
             if isinstance(p, RemoteProcs) and p.agent is rec
         ]
         self.out.reply(env, "agent_jobs", jobs=wanted)
 
-    def _budget_of(self, procs: Any) -> Budget:
+    def budget_of(self, procs: Any) -> Budget:
         return procs.agent.budget if isinstance(procs, RemoteProcs) else self.budget
 
-    def _reclaim_for(self, job: str, need) -> bool:
-        """Ask ended jobs, oldest first, for their memory (and cores) until ``need`` fits:
-        each writes its last iteration to the local tier, then stops (:meth:`_reclaimed`).
-        False when even all of them would not make room."""
-        chosen: list[str] = []
-        for b in [self.budget] + [a.budget for a in self.agents.values() if a.alive()]:
-            free, cores = b.memory - b.used(), len(b.free_cores())
-            ended = sorted(
-                (p.since, j)
-                for j, p in self.jobs.items()
-                if p.ended_why and j not in self.reclaiming and self._budget_of(p) is b
-            )
-            chosen = []
-            for _, j in ended:
-                if free >= need.bytes and cores >= need.cores:
-                    break
-                held, given = b.held[j]
-                free, cores = free + held, cores + len(given)
-                chosen.append(j)
-            if free >= need.bytes and cores >= need.cores and (chosen or self.reclaiming):
-                break
-        else:
-            return False
-        now = time.monotonic()
-        for j in chosen:
-            logger.info("job %r: asking ended job %r for its memory (its last iteration to the tier first)", job, j)
-            self.jobs[j].ask_last()
-            self.reclaiming[j] = now
-        return True
+    def _procs(self, job: str, part: spread.Part) -> Any:
+        """The processes of one part of ``job`` (not started)."""
+        if part.where:
+            return RemoteProcs(job, self.agents[part.where], part.need, part.cores, part.slots)
+        return self.spawn(job, self.cfg, part.need, part.cores, self.workdir, slots=part.slots)
 
-    def _reclaimed(self, now: float) -> None:
-        """End the jobs asked for their memory once their last iteration is on the local tier
-        (or after :data:`RECLAIM_S`); a job whose trainers came back keeps it. Then admit the
-        jobs that waited."""
-        for j, since in list(self.reclaiming.items()):
-            procs = self.jobs.get(j)
-            if procs is None or not procs.ended_why:
-                del self.reclaiming[j]  # ended otherwise, or its trainers are back: it keeps its memory
-                continue
-            rep = procs.report()
-            kept = bool(rep and rep.get("last_kept")) or not self.cfg.persist.local.enabled
-            if kept or now - since > RECLAIM_S:
-                if not kept:
-                    logger.warning("job %r: its last iteration was not on the local tier after %.0f s", j, RECLAIM_S)
-                del self.reclaiming[j]
-                self._end(j, "its memory went to a new job")
-        if self.reclaiming:
-            return
-        for job, (env, msg, since) in list(self.admitting.items()):
-            reports = [p.report() for p in self.jobs.values()]
-            if since and time.time() - since < SETTLE_S and any(r is None or r["time"] <= since for r in reports):
-                continue  # a job's next report may say it ended
-            del self.admitting[job]
-            self._admit(env, job, msg, settled=True)
+    def _release(self, job: str) -> None:
+        """Give back what ``job`` holds on every host."""
+        for b in [self.budget, *(a.budget for a in self.agents.values())]:
+            b.release(job)
 
     # -- periodic
 
@@ -334,10 +283,11 @@ class Front:
                     job,
                     code,
                 )
-                self._end(job, "exited")
+                self.end(job, "exited")
                 continue
             procs.ended_why = report.ended(procs)
-        self._reclaimed(now)
+        reclaim.settle(self, now)
+        spread.tend(self)
         for job, envs in list(self.starting.items()):
             remote = self.jobs.get(job)
             if remote is not None and (remote.report() is not None or remote.port):
@@ -355,7 +305,7 @@ class Front:
 
     def stop_all(self) -> None:
         for job in list(self.jobs):
-            self._end(job, "the shared cluster stopped")
+            self.end(job, "the shared cluster stopped")
 
     # -- views
 
@@ -365,11 +315,12 @@ class Front:
 
     # -- helpers
 
-    def _end(self, job: str, why: str) -> None:
+    def end(self, job: str, why: str) -> None:
         procs = self.jobs.pop(job)
-        procs.stop()
-        procs.kill()  # what is left of its process group (its workers, when its cluster died)
-        self._budget_of(procs).release(job)
+        for p in [*self.parts.pop(job, []), procs]:
+            p.stop()
+            p.kill()  # what is left of its process group (its workers, when its cluster died)
+        self._release(job)
         for env in self.starting.pop(job, []):
             self._error(env, "refused", f"job {job!r} ended before its coordinator came up ({why})")
         logger.info("job %r ended (%s): its memory is free", job, why)

@@ -66,10 +66,22 @@ PR_SET_PDEATHSIG = 1
 
 
 class JobProcs:
-    """Job ``name``'s cluster process, started at once (:meth:`start`)."""
+    """Job ``name``'s cluster process, started at once (:meth:`start`). ``slots``: the worker
+    slots it runs (empty: all); ``join``: the coordinator on another host they join (a spread
+    job's part, with no coordinator here; empty: its own)."""
 
-    def __init__(self, name: str, cfg: ClusterConfig, need: Need, cores: tuple[int, ...], workdir: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: ClusterConfig,
+        need: Need,
+        cores: tuple[int, ...],
+        workdir: str,
+        slots: tuple[int, ...] = (),
+        join: str = "",
+    ) -> None:
         self.name, self.cfg, self.need, self.cores, self.workdir = name, cfg, need, cores, workdir
+        self.slots, self.join = slots, join
         self.index = next(_numbers)  # its files' names (a job name may be any string)
         self.report_path = os.path.join(workdir, f"job-{self.index}.report.json")
         self.since = time.monotonic()
@@ -87,7 +99,8 @@ class JobProcs:
         self.tries += 1
         self.port = free_port(self.cfg.host, self.cfg.port_range() if self.cfg.job_ports else None)
         cfg = self.cfg
-        threads = max(1, len(self.cores) // cfg.workers) if self.cores else cfg.threads_per_worker
+        here = len(self.slots) or cfg.workers
+        threads = max(1, len(self.cores) // here) if self.cores else cfg.threads_per_worker
         child = dataclasses.replace(
             cfg,
             shared=False,
@@ -95,6 +108,8 @@ class JobProcs:
             metrics_port=0,
             report_file=self.report_path,
             threads_per_worker=threads,
+            slots=",".join(map(str, self.slots)),
+            coordinator=self.join,
         )
         from omegaconf import OmegaConf
 
@@ -109,10 +124,10 @@ class JobProcs:
             start_new_session=True,  # a Ctrl-C at the front's terminal reaches the front, which stops it
         )
         logger.info(
-            "job %r: its coordinator at %s and %d workers (pid %d)%s",
+            "job %r: %s and %d workers (pid %d)%s",
             self.name,
-            self.address,
-            cfg.workers,
+            f"workers for its coordinator at {self.join}," if self.join else f"its coordinator at {self.address}",
+            here,
             self.proc.pid,
             f", pinned to cores {list(cores)}" if cores else "",
         )

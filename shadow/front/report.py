@@ -21,9 +21,10 @@ STALE_S = 15.0
 
 
 class Reporter(threading.Thread):
-    """Rewrites ``path`` every :data:`EVERY_S` with ``coord``'s status and jobs until
-    ``stop`` is set. Reads the coordinator's state without a lock, as its metrics endpoint
-    does; a read that meets a change under way is tried at the next beat."""
+    """Rewrites ``path`` every :data:`EVERY_S` with ``coord``'s status and jobs (None: a
+    spread job's part, :func:`part_report`) until ``stop`` is set. Reads the coordinator's
+    state without a lock, as its metrics endpoint does; a read that meets a change under way
+    is tried at the next beat."""
 
     def __init__(self, path: str, coord: Any, stop: threading.Event) -> None:
         super().__init__(name="front-report", daemon=True)
@@ -35,6 +36,9 @@ class Reporter(threading.Thread):
 
         while not self.stop.wait(EVERY_S):
             try:
+                if self.coord is None:  # a spread job's workers on another host: that they are up
+                    write(self.path, part_report())
+                    continue
                 rows, _ = jobs_view(self.coord.state, self.coord.persist)
                 report = {
                     "time": time.time(),
@@ -50,6 +54,11 @@ class Reporter(threading.Thread):
                 logger.debug("report skipped", exc_info=True)
             except OSError as exc:
                 logger.warning("cannot write the report for the shared cluster's front to %s: %s", self.path, exc)
+
+
+def part_report() -> dict[str, Any]:
+    """The report of a spread job's part with no coordinator (its workers only)."""
+    return {"time": time.time(), "pid": os.getpid(), "status": {}, "jobs": [], "last_kept": False, "samples": {}}
 
 
 def write(path: str, report: dict[str, Any]) -> None:

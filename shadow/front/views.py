@@ -22,14 +22,20 @@ def status(front: Any, peer: Peer | None = None) -> dict[str, Any]:
             continue
         rep = procs.report()
         remote = isinstance(procs, RemoteProcs)
+        parts = front.parts.get(job, [])
         rows.append(
             {
                 "name": job,
                 "address": procs.address,
                 "host": procs.where if remote else "",
-                "pid": procs.pid if remote else (procs.proc.pid if procs.proc is not None else None),
-                "memory_bytes": procs.need.bytes,
+                "pid": _pid(procs),
+                "memory_bytes": sum(p.need.bytes for p in [procs, *parts]),
                 "cores": list(procs.cores),
+                # a job spread over hosts: each host's worker slots (the coordinator's host first)
+                "parts": [
+                    {"host": p.where if isinstance(p, RemoteProcs) else "", "slots": list(p.slots), "pid": _pid(p)}
+                    for p in ([procs, *parts] if parts else [])
+                ],
                 "up_s": round(time.monotonic() - procs.since, 1),
                 "ended": procs.ended_why,
                 "status": rep["status"] if rep else None,
@@ -64,6 +70,12 @@ def status(front: Any, peer: Peer | None = None) -> dict[str, Any]:
         },
         "jobs": rows,
     }
+
+
+def _pid(procs: Any) -> int | None:
+    if isinstance(procs, RemoteProcs):
+        return procs.pid
+    return procs.proc.pid if procs.proc is not None else None
 
 
 def jobs_rows(front: Any, peer: Peer | None) -> list[dict]:

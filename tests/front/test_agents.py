@@ -190,8 +190,8 @@ def test_a_forwarded_report_that_is_not_one_is_dropped_and_only_worker_keys_spea
 class _Started(FakeProcs):
     started: list = []
 
-    def __init__(self, name, cfg, need, cores, workdir) -> None:
-        super().__init__(name, cfg, need, cores, workdir)
+    def __init__(self, name, cfg, need, cores, workdir, slots=(), join="") -> None:
+        super().__init__(name, cfg, need, cores, workdir, slots, join)
         self.cfg = cfg
         _Started.started.append(self)
 
@@ -228,3 +228,96 @@ def test_a_moved_answer_naming_a_host_is_followed_there_and_only_to_a_host():
     for bad in ("b.example:7/x", "a b", "x;y"):
         with pytest.raises(ShadowConnectionError, match="is not a host name or address"):
             moved_to("tcp://front:5555", {**msg, "host": bad})
+
+
+# -- a job bigger than any one host: spread over several
+
+
+def _job_bytes(workers: int = 4, replicas: int = 1) -> int:
+    """What the test job (:func:`_attach`'s layout, adam) holds with ``workers``."""
+    f = _front(workers=workers)
+    f.cfg.replicas = replicas
+    f.on_message([b"r0", _attach("probe")], "trainer")
+    return f.jobs["probe"].need.bytes
+
+
+def test_a_job_no_host_holds_alone_is_spread_over_hosts_and_its_parts_join_its_coordinator():
+    whole = _job_bytes(4)
+    fits = (whole * 0.6) / GB  # each host holds a bit more than half of it
+    f = _front(memory_gb=fits, workers=4)
+    f.on_message([b"agent-b", _beat(memory_gb=fits * 1.01)], "worker")
+    f.on_message([b"r0", _attach("big")], "trainer")
+    head = f.jobs["big"]
+    (part,) = f.parts["big"]
+    assert isinstance(head, RemoteProcs) and head.where == "b"  # the coordinator on the host with most room
+    assert head.slots == (0, 1) and part.slots == (2, 3) and part.join == ""  # the front's own two slots
+    assert f.budget.held["big"][0] + f.agents["b"].budget.held["big"][0] == whole
+    # the front's part starts once the agent says where the coordinator listens
+    f.on_message([b"agent-b", _beat(memory_gb=fits * 1.01)], "worker")
+    assert _wanted(f) == [{"job": "big", "workers": 4, "replicas": 1, "last": False, "slots": [0, 1], "join": ""}]
+    f.tick()
+    assert part.tries == 0
+    row = {"job": "big", "port": 6001, "pid": 77, "exited": None, "report": _report("big")}
+    f.on_message([b"agent-b", _beat(memory_gb=fits * 1.01, jobs=[row])], "worker")
+    f.tick()
+    assert part.join == "tcp://b.example:6001" and part.tries == 1
+    assert f.out.kinds(b"r0")[-1] == "moved" and f.out.last("moved", b"r0")["host"] == "b.example"
+    # its part exiting ends the job everywhere: its memory is no longer whole
+    part.code = 1
+    f.tick()
+    assert "big" not in f.jobs and "big" not in f.parts and part.stopped
+    assert "big" not in f.budget.held and "big" not in f.agents["b"].budget.held
+
+
+def test_a_spread_job_keeps_each_shards_replicas_on_different_hosts():
+    whole = _job_bytes(4, replicas=2)
+    f = _front(memory_gb=whole * 0.8 / GB, workers=4)
+    f.cfg.replicas = 2
+    f.on_message([b"agent-b", _beat(memory_gb=whole * 0.8 / GB)], "worker")
+    f.on_message([b"r0", _attach("r")], "trainer")
+    parts = [f.jobs["r"], *f.parts["r"]]
+    assert sorted(p.slots for p in parts) == [(0, 1), (2, 3)]  # shard i % 2: one replica of each per host
+
+
+def test_a_job_all_hosts_together_cannot_hold_is_refused_with_each_hosts_figures():
+    whole = _job_bytes(4)
+    f = _front(memory_gb=whole * 0.3 / GB, workers=4)
+    f.on_message([b"agent-b", _beat(memory_gb=whole * 0.3 / GB)], "worker")
+    f.on_message([b"r0", _attach("huge")], "trainer")
+    f.tick()
+    f.admit([b"r0"], "huge", M.decode(_attach("huge")), settled=True)
+    why = f.out.last("error", b"r0")["message"]
+    assert "no host of this shared cluster has room for it" in why and "host b:" in why and "the front:" in why
+    assert "nor have all of them together: each of its 4 workers needs" in why
+    assert "huge" not in f.jobs and f.budget.held == {} and f.agents["b"].budget.held == {}
+
+
+def test_an_agent_runs_a_spread_jobs_slots_for_a_coordinator_elsewhere_and_follows_it():
+    _Started.started = []
+    cfg = AgentConfig(front="tcp://127.0.0.1:5555", name="b", host="127.0.0.1")
+    agent = Agent(cfg, "b.example", "/nonexistent", spawn=_Started, memory=int(4 * GB))
+    entry = {"job": "a", "workers": 4, "replicas": 1, "last": False, "slots": [2, 3], "join": "tcp://a.example:6000"}
+    agent.reconcile([entry])
+    (first,) = _Started.started
+    assert first.slots == (2, 3) and first.join == "tcp://a.example:6000" and first.need.workers == 2
+    agent.reconcile([entry])
+    assert len(_Started.started) == 1
+    agent.reconcile([{**entry, "join": "tcp://a.example:6009"}])  # its coordinator started again elsewhere
+    assert first.stopped and _Started.started[-1].join == "tcp://a.example:6009"
+    for bad in ({"slots": [4]}, {"slots": [1, 1]}, {"slots": "0-1"}, {"join": "tcp://a b:1"}, {"join": 7}):
+        agent.reconcile([{**entry, "job": "c", **bad}])
+        assert "c" not in agent.jobs
+
+
+def test_slots_and_coordinator_name_a_spread_jobs_part_or_say_what_is_wrong():
+    from shadow.config import ClusterConfig
+
+    assert ClusterConfig(workers=4).slot_list() == [0, 1, 2, 3]
+    assert ClusterConfig(workers=8, slots="0-2,5").slot_list() == [0, 1, 2, 5]
+    part = ClusterConfig(workers=4, slots="3", coordinator="tcp://a.example:6000")
+    assert part.slot_list() == [3] and part.threads() >= 1
+    for bad in ("x", "1-", "2-1", "0,3-2", "0,0", "4", "-1", ","):
+        with pytest.raises(ValueError, match="slots="):
+            ClusterConfig(workers=4, slots=bad)
+    with pytest.raises(ValueError, match="coordinator='a.example:6000' is not a ZeroMQ endpoint"):
+        ClusterConfig(workers=4, coordinator="a.example:6000")

@@ -24,8 +24,8 @@ _PORTS = itertools.count(40000)
 class FakeProcs:
     """A job's processes, not started: an address, an exit code a test sets, a report."""
 
-    def __init__(self, name, cfg, need, cores, workdir) -> None:
-        self.name, self.need, self.cores = name, need, cores
+    def __init__(self, name, cfg, need, cores, workdir, slots=(), join="") -> None:
+        self.name, self.need, self.cores, self.slots, self.join = name, need, cores, slots, join
         self.port, self.tries, self.reported, self.ended_why = 0, 0, True, ""
         self.code: int | None = None
         self.rows: list[dict] = []
