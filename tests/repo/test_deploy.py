@@ -1076,3 +1076,32 @@ def test_shared_cluster_recipes_open_every_job_port():
     lo, hi = map(int, re.search(r"job_ports=(\d+)-(\d+)", script).groups())
     forwarded = {p["port"] for p in service["spec"]["ports"]}
     assert {5555, *range(lo, hi + 1)} <= forwarded, sorted(forwarded)
+
+
+def test_k8s_agents_serve_the_shared_front_from_each_labelled_node_with_worker_keys():
+    """The shared variant's agents: a DaemonSet whose pods run `shadow agent` against the
+    front's Service, binding their pod IP (where trainers reach the jobs placed there),
+    named after their node, with the worker pair to reach the front and the cluster's
+    server pair and allow lists for the jobs they run."""
+    docs = load_yaml_docs(K8S / "shared" / "agents.yaml")
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    script = " ".join(c["args"])
+    service = next(d for d in load_yaml_docs(K8S / "shared" / "shared.yaml") if d["kind"] == "Service")
+    front = re.search(r"front=tcp://([\w.-]+):(\d+)", script)
+    assert front and front.group(1) == service["metadata"]["name"], script
+    assert int(front.group(2)) in {p["port"] for p in service["spec"]["ports"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert 'host="$POD_IP"' in script and env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert 'name="$NODE_NAME"' in script and env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert "security.client_key=/keys/worker/worker.key_secret" in script
+    assert "security.server_key=/keys/server/server.key_secret" in script and "security.allow_trainers=" in script
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/keys/server", "/keys/worker", "/keys/allow"} <= mounts
+    assert "agents.yaml" in (K8S / "shared" / "kustomization.yaml").read_text()
+    # its own config's keys: what the agent command accepts
+    from shadow.config import AgentConfig
+
+    for key in re.findall(r"\s([a-z_]+)=", " " + script.split("shadow agent", 1)[1]):
+        assert key in {f.name for f in dataclasses.fields(AgentConfig)}, key
