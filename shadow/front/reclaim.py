@@ -42,7 +42,10 @@ def ask_for(front: Any, job: str, need: Need) -> bool:
         if free >= need.bytes and cores >= need.cores and (chosen or front.reclaiming):
             break
     else:
-        return False
+        across = _across_hosts(front, need)  # a job to spread: the room of every host together
+        if across is None or not (across or front.reclaiming):
+            return False
+        chosen = across
     now = time.monotonic()
     for j in chosen:
         logger.info("job %r: asking ended job %r for its memory (its last iteration to the tier first)", job, j)
@@ -75,3 +78,18 @@ def settle(front: Any, now: float) -> None:
             continue  # a job's next report may say it ended
         del front.admitting[job]
         front.admit(env, job, msg, settled=True)
+
+
+def _across_hosts(front: Any, need: Need) -> list[str] | None:
+    """Ended jobs, oldest first, whose memory on every live host together makes room for
+    ``need`` beside what is free there (a job the front spreads over hosts); None when even
+    all of them do not."""
+    budgets = [front.budget] + [a.budget for a in front.agents.values() if a.alive()]
+    free = sum(b.memory - b.used() for b in budgets)
+    chosen = []
+    for _, j in sorted((p.since, j) for j, p in front.jobs.items() if p.ended_why and j not in front.reclaiming):
+        if free >= need.bytes:
+            break
+        free += sum(b.held[j][0] for b in budgets if j in b.held)
+        chosen.append(j)
+    return chosen if free >= need.bytes else None

@@ -321,3 +321,32 @@ def test_slots_and_coordinator_name_a_spread_jobs_part_or_say_what_is_wrong():
             ClusterConfig(workers=4, slots=bad)
     with pytest.raises(ValueError, match="coordinator='a.example:6000' is not a ZeroMQ endpoint"):
         ClusterConfig(workers=4, coordinator="a.example:6000")
+
+
+def test_ended_jobs_on_several_hosts_give_their_memory_to_a_job_spread_over_them():
+    from shadow.front.admission import WORKER_FIXED_BYTES
+
+    x = _job_bytes(2)  # one small job: 2 workers of 2^20 elements
+    f = _front(memory_gb=1.1 * x / GB, workers=2)
+    f.on_message([b"agent-b", _beat(memory_gb=1.2 * x / GB)], "worker")
+    f.on_message([b"a0", _attach("a")], "trainer")  # on b, which has the most room
+    f.on_message([b"c0", _attach("c")], "trainer")  # then beside the front
+    assert f.jobs["a"].where == "b" and not isinstance(f.jobs["c"], RemoteProcs)
+    gone = {"job": "a", "port": 6001, "pid": 4242, "exited": None, "report": _report("a", trainers_gone=True)}
+    f.on_message([b"agent-b", _beat(memory_gb=1.2 * x / GB, jobs=[gone])], "worker")
+    f.jobs["c"].rows = [{"name": "c", "held": True, "status": "detached"}]
+    f.tick()
+    assert f.jobs["a"].ended_why and f.jobs["c"].ended_why
+    # 1.8x: no host holds it, even with its ended job gone; both hosts together do, once both are
+    elements = int((1.8 * x - 2 * WORKER_FIXED_BYTES) / 20)  # 20 bytes an element: adam, no tier
+    f.on_message([b"n0", _attach("n", elements=elements)], "trainer")
+    env, msg, since = f.admitting["n"]
+    f.admitting["n"] = (env, msg, since - 60)  # every job's next report awaited long enough
+    f.tick()
+    reason = f.out.last("waiting", b"n0")["reason"]
+    assert "'a'" in reason and "'c'" in reason, reason
+    f.tick()  # no tier: their memory is free at once
+    assert "a" not in f.jobs and "c" not in f.jobs
+    head, (part,) = f.jobs["n"], f.parts["n"]
+    assert head.where == "b" and head.slots == (0,) and part.slots == (1,)
+    assert f.out.kinds(b"n0")[-1] in ("waiting", "moved")
