@@ -134,7 +134,10 @@ class Agent:
             self.cores.release(job)
             return
         self.jobs[job] = procs
-        logger.info("job %r: started for the front (coordinator %s)", job, procs.address)
+        if slots and entry.get("join"):
+            logger.info("job %r: its workers %s started for its coordinator at %s", job, list(slots), entry["join"])
+        else:
+            logger.info("job %r: started for the front (coordinator %s)", job, procs.address)
 
     def _stop(self, job: str, why: str) -> None:
         procs = self.jobs.pop(job)
