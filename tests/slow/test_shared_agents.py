@@ -61,6 +61,30 @@ def _agent(cluster: LocalCluster, tmp_path, *args: str, log_name: str = "agent.l
     return agent, log
 
 
+def _committed(n: int):
+    """A front's status shows a job whose coordinator reported iteration ``n`` committed."""
+
+    def check(st: dict) -> bool:
+        return any(((j["status"] or {}).get("job") or {}).get("committed") == n for j in st["jobs"])
+
+    return check
+
+
+def _train(ddp, opt, sched, states: dict, iterations) -> None:
+    """Train ``iterations``, keeping each one's parameters in ``states``."""
+    for it in iterations:
+        train_step(ddp, opt, sched, it)
+        states[it] = [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def _restores_exactly(cluster: LocalCluster, job: str, iteration: int, states: dict, seed: int) -> None:
+    """A fresh model restored through the front is the trainer's state at ``iteration``, from memory."""
+    back, bopt, bsched = build(seed=seed)
+    info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job=job)
+    assert info.iteration == iteration and info.tier == "memory", info
+    _same(back, states[iteration])
+
+
 def _stop(agent: subprocess.Popen, log) -> None:
     if agent.poll() is None:
         agent.send_signal(signal.SIGTERM)
@@ -76,15 +100,10 @@ def test_a_job_placed_on_an_agent_trains_there_and_restores_exactly_through_the_
             model, opt, sched = build(seed=1)
             ddp = DDP(model)
             session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="alpha")
-            states = {}
-            for it in range(1, 5):
-                train_step(ddp, opt, sched, it)
-                states[it] = [p.detach().clone() for p in model.parameters()]
-
-            def reported(st: dict) -> bool:  # the job's coordinator reports every second, through the agent
-                return any(((j["status"] or {}).get("job") or {}).get("committed") == 4 for j in st["jobs"])
-
-            st = cluster.wait_progress(reported, "job alpha's iteration 4 reported through the agent")
+            states: dict = {}
+            _train(ddp, opt, sched, states, range(1, 5))
+            # the job's coordinator reports every second, through the agent
+            st = cluster.wait_progress(_committed(4), "job alpha's iteration 4 reported through the agent")
             (job,) = st["jobs"]
             assert job["name"] == "alpha" and job["host"] == "cpu-b" and job["address"] != cluster.address, st
             (host,) = st["front"]["agents"]
@@ -93,10 +112,7 @@ def test_a_job_placed_on_an_agent_trains_there_and_restores_exactly_through_the_
             assert out.returncode == 0 and "cpu-b" in out.stdout and "job alpha" in out.stdout, out
 
             assert session.close() == 4
-            back, bopt, bsched = build(seed=9)
-            info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job="alpha")
-            assert info.iteration == 4 and info.tier == "memory", info
-            _same(back, states[4])
+            _restores_exactly(cluster, "alpha", 4, states, seed=9)
             # an agent killed outright takes its jobs down with it (no process left holding memory)
             agent.kill()
             agent.wait()
@@ -116,18 +132,9 @@ def test_a_job_no_host_holds_alone_is_spread_over_two_and_restores_exactly(world
             model, opt, sched = build(seed=2)
             ddp = DDP(model)
             session = trainer_hooks.attach(ddp, opt, coordinator=cluster.address, scheduler=sched, job="wide")
-            states = {}
-            for it in range(1, 5):
-                train_step(ddp, opt, sched, it)
-                states[it] = [p.detach().clone() for p in model.parameters()]
-
-            def committed(n: int):
-                def check(st: dict) -> bool:
-                    return any(((j["status"] or {}).get("job") or {}).get("committed") == n for j in st["jobs"])
-
-                return check
-
-            st = cluster.wait_progress(committed(4), "job wide's iteration 4 reported")
+            states: dict = {}
+            _train(ddp, opt, sched, states, range(1, 5))
+            st = cluster.wait_progress(_committed(4), "job wide's iteration 4 reported")
             (job,) = st["jobs"]
             assert job["host"] == "" and [(p["host"], p["slots"]) for p in job["parts"]] == [("", [0]), ("cpu-b", [1])]
             (host,) = st["front"]["agents"]
@@ -137,10 +144,7 @@ def test_a_job_no_host_holds_alone_is_spread_over_two_and_restores_exactly(world
             out = shadow_cli("status", f"address={cluster.address}")
             assert out.returncode == 0 and "workers 0 on the front, 1 on cpu-b" in out.stdout, out.stdout
 
-            back, bopt, bsched = build(seed=9)
-            info = trainer_hooks.restore(back, bopt, source=cluster.address, scheduler=bsched, job="wide")
-            assert info.iteration == 4 and info.tier == "memory", info
-            _same(back, states[4])
+            _restores_exactly(cluster, "wide", 4, states, seed=9)
 
             # the agent killed outright: its part of the job stops with it
             part_pid = job["parts"][1]["pid"]
@@ -167,18 +171,12 @@ def test_a_job_no_host_holds_alone_is_spread_over_two_and_restores_exactly(world
             while epoch() < 2:
                 it += 1
                 assert it < 1000, f"no resync after {it - 4} steps: {cluster.status()}"
-                train_step(ddp, opt, sched, it)
-                states[it] = [p.detach().clone() for p in model.parameters()]
+                _train(ddp, opt, sched, states, [it])
                 time.sleep(0.1)
-            resynced = it
-            for it in range(resynced + 1, resynced + 5):
-                train_step(ddp, opt, sched, it)
-                states[it] = [p.detach().clone() for p in model.parameters()]
-            cluster.wait_progress(committed(it), f"job wide's iteration {it} reported")
-            assert session.close() == it
-            again, aopt, asched = build(seed=11)
-            info = trainer_hooks.restore(again, aopt, source=cluster.address, scheduler=asched, job="wide")
-            assert info.iteration == it and info.tier == "memory", info
-            _same(again, states[it])
+            last = it + 4
+            _train(ddp, opt, sched, states, range(it + 1, last + 1))
+            cluster.wait_progress(_committed(last), f"job wide's iteration {last} reported")
+            assert session.close() == last
+            _restores_exactly(cluster, "wide", last, states, seed=11)
         finally:
             _stop(agent, log)
